@@ -1,0 +1,307 @@
+"""Typed configuration: one YAML file plus ``PRM_*`` environment overrides.
+
+The file accepts AReaL's ``rollout:`` / ``actor:`` blocks unchanged (extra AReaL keys
+in them are ignored) next to our own ``kafka:``, ``redis:``, ``topics:``, ``worker:``,
+``trainer:`` and ``local:`` sections, whose keys are checked strictly so a typo fails
+loudly. The seed's rules for process rewards are enforced at load time by
+:func:`validate`, with messages that name the offending key.
+
+Environment overrides: ``PRM_<SECTION>_<FIELD>=value`` for our own sections, e.g.
+``PRM_KAFKA_BOOTSTRAP=host:9092``, ``PRM_REDIS_URL=redis://host:6379/0``,
+``PRM_WORKER_SCORER_TIMEOUT_S=30``. Values are parsed as YAML scalars.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+log = logging.getLogger(__name__)
+
+SHAPING_MODES = ("additive", "gvpo", "process_weighted")
+
+
+class ConfigError(ValueError):
+    """The configuration breaks a rule; the message names the key and the fix."""
+
+
+# --------------------------------------------------------------------------- PRM (AReaL names)
+class PRMScorerConfig(msgspec.Struct, kw_only=False):
+    """One configured scorer: an import path ``module.Class`` built as ``cls(weight=, enabled=, **kwargs)``."""
+
+    path: str
+    weight: float = 1.0
+    enabled: bool = True
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class PRMAdvantageShapingConfig(msgspec.Struct, kw_only=True):
+    """How the trainer folds process rewards into advantages (seed: "Advantage Shaping")."""
+
+    mode: str = "additive"
+    negative_scale: float = 0.2
+    zero_penalty: float = 0.4
+    zero_eps: float = 1e-6
+
+
+class PRMConfig(msgspec.Struct, kw_only=True):
+    """``rollout.agent.prm``. ``scorers`` items may also be scorer instances (borrowed by
+    the runner) or plain mappings when built in Python."""
+
+    enabled: bool = True
+    scorers: list[PRMScorerConfig] = msgspec.field(default_factory=list)
+    advantage_shaping: PRMAdvantageShapingConfig = msgspec.field(
+        default_factory=PRMAdvantageShapingConfig
+    )
+
+    @property
+    def active(self) -> bool:
+        """Scoring runs only when enabled with at least one scorer (seed: empty list = off)."""
+        return bool(self.enabled and self.scorers)
+
+
+class AgentConfig(msgspec.Struct, kw_only=True):
+    chat_template_type: str = "concat"
+    export_style: str = "concat"
+    prm: PRMConfig = msgspec.field(default_factory=lambda: PRMConfig(enabled=False))
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True):
+    version: str = msgspec.field(default="v1", name="_version")
+    api_url: str | None = None
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
+
+
+class ActorConfig(msgspec.Struct, kw_only=True):
+    token_rewards_as_adv: bool = False
+    mask_no_eos_with_zero: bool = False
+
+
+# --------------------------------------------------------------------------- our sections
+class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    bootstrap: str = "127.0.0.1:9092"
+    client_id: str = "prm-pipeline"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    compression: Literal["zstd", "lz4", "gzip", "none"] = "zstd"
+    max_message_bytes: int = 1_048_576
+    linger_ms: int = 5
+    request_timeout_ms: int = 30_000
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    max_poll_interval_ms: int = 300_000
+
+
+class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "prm"
+    ttl_s: int = 86_400
+    ssl_ca_certs: str | None = None
+
+
+class TopicsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    trajectories: str = "prm.trajectories"
+    verdicts: str = "prm.verdicts"
+    dead_letters: str = "prm.dead-letters"
+    partitions: int = 8
+    replication_factor: int = 1
+    retention_ms: int = 7 * 86_400_000
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    group_id: str = "prm-scoring-workers"
+    concurrency: int = 32
+    scorer_timeout_s: float = 60.0
+    group_timeout_s: float = 600.0
+    poll_max_records: int = 256
+    drain_timeout_s: float = 30.0
+    metrics_port: int | None = None
+
+
+class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    group_id: str = "prm-trainer"
+    batch_groups: int = 8
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    filter: str | None = None
+
+
+class LocalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    data_dir: str = ".prm-local"
+    broker_binary: str | None = None
+    redis_binary: str | None = None
+
+
+class PipelineConfig(msgspec.Struct, kw_only=True):
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
+    kafka: KafkaConfig = msgspec.field(default_factory=KafkaConfig)
+    redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
+    topics: TopicsConfig = msgspec.field(default_factory=TopicsConfig)
+    worker: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    local: LocalConfig = msgspec.field(default_factory=LocalConfig)
+
+    @property
+    def prm(self) -> PRMConfig:
+        return self.rollout.agent.prm
+
+
+_ENV_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "kafka": KafkaConfig,
+    "redis": RedisConfig,
+    "topics": TopicsConfig,
+    "worker": WorkerConfig,
+    "trainer": TrainerConfig,
+    "local": LocalConfig,
+}
+
+
+# --------------------------------------------------------------------------- loading
+def _accepts_str(section: type[msgspec.Struct], field: str) -> bool:
+    """Whether ``section.field`` is a free-form string (``str`` or ``str | None``)."""
+    info = next(f for f in msgspec.structs.fields(section) if f.encode_name == field)
+    return info.type is str or info.type == (str | None)
+
+
+def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """Fold ``PRM_<SECTION>_<FIELD>`` variables into the raw YAML mapping."""
+    out = dict(raw)
+    for name, value in sorted(environ.items()):
+        if not name.startswith("PRM_"):
+            continue
+        rest = name[4:].lower()
+        section = next((s for s in _ENV_SECTIONS if rest.startswith(s + "_")), None)
+        if section is None:
+            continue  # PRM_CONFIG, PRM_TEST_* and friends are not config fields
+        field = rest[len(section) + 1 :]
+        fields = {f.encode_name for f in msgspec.structs.fields(_ENV_SECTIONS[section])}
+        if field not in fields:
+            raise ConfigError(f"{name}: section {section!r} has no field {field!r} (known: {sorted(fields)})")
+        sub = dict(out.get(section) or {})
+        parsed = yaml.safe_load(value) if value != "" else None
+        if parsed is not None and not isinstance(parsed, str) and _accepts_str(_ENV_SECTIONS[section], field):
+            parsed = value  # a password "12345" or a group id "on" stays a string
+        sub[field] = parsed
+        out[section] = sub
+    return out
+
+
+def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | None = None) -> PipelineConfig:
+    """Build and validate a config from an already-parsed mapping (plus env overrides)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config must be a mapping at the top level, got {type(raw).__name__}")
+    # ``worker:`` with every key commented out parses as null: treat it as "all defaults".
+    data = {k: v for k, v in raw.items() if v is not None}
+    data = apply_env_overrides(data, os.environ if environ is None else environ)
+    known = {f.encode_name for f in msgspec.structs.fields(PipelineConfig)}
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        log.warning("config: ignoring top-level keys %s (not used by prm-pipeline)", unknown)
+        data = {k: v for k, v in data.items() if k in known}
+    try:
+        cfg = msgspec.convert(data, PipelineConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config: {exc}") from None
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> PipelineConfig:
+    """Load ``path`` (or ``$PRM_CONFIG``, or built-in defaults) and apply ``PRM_*`` overrides."""
+    env = os.environ if environ is None else environ
+    path = path or env.get("PRM_CONFIG")
+    raw: Any = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return config_from_mapping(raw, environ=env)
+
+
+# --------------------------------------------------------------------------- rules
+def _check_coefficient(key: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")
+
+
+def validate_prm(prm: PRMConfig, key: str = "rollout.agent.prm") -> None:
+    """Rules that concern the PRM block alone (also used by the runner)."""
+    shaping = prm.advantage_shaping
+    if shaping.mode not in SHAPING_MODES:
+        raise ConfigError(
+            f"{key}.advantage_shaping.mode must be one of {list(SHAPING_MODES)}, got {shaping.mode!r}"
+        )
+    for name in ("negative_scale", "zero_penalty", "zero_eps"):
+        _check_coefficient(f"{key}.advantage_shaping.{name}", getattr(shaping, name))
+    for i, scorer in enumerate(prm.scorers):
+        if isinstance(scorer, PRMScorerConfig):
+            if not scorer.path:
+                raise ConfigError(f"{key}.scorers[{i}].path must be a non-empty import path")
+            if not math.isfinite(scorer.weight):
+                raise ConfigError(f"{key}.scorers[{i}].weight must be finite, got {scorer.weight!r}")
+
+
+def validate(cfg: PipelineConfig) -> None:
+    """Enforce the seed's configuration rules; raise :class:`ConfigError` naming the key."""
+    rollout, agent, prm, actor = cfg.rollout, cfg.rollout.agent, cfg.prm, cfg.actor
+    if rollout.version not in ("v1", "v2"):
+        raise ConfigError(f"rollout._version must be 'v1' or 'v2', got {rollout.version!r}")
+    validate_prm(prm)
+    mode = prm.advantage_shaping.mode
+    if prm.active:
+        if agent.export_style != "concat":
+            raise ConfigError(
+                f"rollout.agent.export_style must be 'concat' when PRM scorers are active "
+                f"(individual export is not supported), got {agent.export_style!r}"
+            )
+        if agent.chat_template_type != "concat":
+            raise ConfigError(
+                f"rollout.agent.chat_template_type must be 'concat' when PRM scorers are active, "
+                f"got {agent.chat_template_type!r}"
+            )
+        if rollout.api_url:
+            raise ConfigError(
+                "rollout.api_url (v2 external-model mode) cannot be combined with active PRM "
+                "scorers: that path stores string-only responses without token-backed "
+                "interactions; remove rollout.api_url or disable rollout.agent.prm"
+            )
+        if not actor.token_rewards_as_adv:
+            raise ConfigError(
+                "actor.token_rewards_as_adv must be true when PRM scorers are active "
+                "(folding dense rewards into GAE is not specified)"
+            )
+    if mode in ("gvpo", "process_weighted") and not actor.token_rewards_as_adv:
+        raise ConfigError(
+            f"actor.token_rewards_as_adv must be true with advantage_shaping.mode {mode!r} "
+            "(it shapes direct process advantages)"
+        )
+    if mode == "process_weighted" and actor.mask_no_eos_with_zero:
+        raise ConfigError(
+            "actor.mask_no_eos_with_zero: true cannot be combined with "
+            "rollout.agent.prm.advantage_shaping.mode 'process_weighted'"
+        )
+    for section, name in (("topics", "partitions"), ("worker", "concurrency"), ("trainer", "batch_groups")):
+        if getattr(getattr(cfg, section), name) < 1:
+            raise ConfigError(f"{section}.{name} must be >= 1")
+    for name in ("scorer_timeout_s", "group_timeout_s"):
+        value = getattr(cfg.worker, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"worker.{name} must be a positive number of seconds, got {value!r}")
+    if cfg.kafka.max_message_bytes < 1024:
+        raise ConfigError("kafka.max_message_bytes must be >= 1024")

