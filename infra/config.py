@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -172,7 +174,10 @@ _ENV_SECTIONS: dict[str, type[msgspec.Struct]] = {
 def _accepts_str(section: type[msgspec.Struct], field: str) -> bool:
     """Whether ``section.field`` is a free-form string (``str`` or ``str | None``)."""
     info = next(f for f in msgspec.structs.fields(section) if f.encode_name == field)
-    return info.type is str or info.type == (str | None)
+    return info.type is str or (
+        typing.get_origin(info.type) in (typing.Union, types.UnionType)
+        and set(typing.get_args(info.type)) == {str, type(None)}
+    )
 
 
 def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:

@@ -1,0 +1,300 @@
+"""JSONL interchange: the human-writable form of ``prm.trajectories`` messages.
+
+Kafka carries msgpack with token arrays packed as bytes (:mod:`infra.schema`); people,
+fixtures and the synthetic workload generator want something they can read and write
+by hand. This module is that bridge: one JSON object per line, token arrays as JSON
+lists, converted to and from the very same wire structs, so a file that loads here is
+exactly what a producer would have published (the wire structs' own validation runs).
+
+Parsing is strict on purpose: unknown keys, wrong types and broken trees fail with a
+:class:`JsonlError` that names the field path (``interactions[0].output_tokens: ...``)
+and, from :func:`load`, the line (``data.jsonl:3: ...``). A typo in a hand-written file
+should never be silently dropped. See ``docs/jsonl.md`` for the format.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+import msgspec
+import numpy as np
+
+from infra.schema import (
+    DiscardGroup,
+    Interaction,
+    ModelResponse,
+    ReadyTrajectory,
+    TrajectoryMessage,
+)
+
+__all__ = ["JsonlError", "parse", "load", "dump", "write", "KINDS"]
+
+KINDS = ("ready", "discard")
+
+
+class JsonlError(ValueError):
+    """A JSONL record is not a valid message; the text names the field path (and line)."""
+
+
+# --------------------------------------------------------------------------- JSON shape
+# Private mirrors of the JSON layout. They exist so msgspec (in C) does the type and
+# unknown-key checks, and so ``load`` can decode a line straight into typed structs
+# without an intermediate dict. They are converted to the wire structs right away.
+_Token = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+_Id = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class _JInteraction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    interaction_id: _Id
+    input_tokens: list[_Token]
+    output_tokens: list[_Token]
+    parent_id: str | None = None
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    output_message_list: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    output_logprobs: list[float] | None = None
+    stop_reason: str | None = None
+    reward: float | None = None
+
+
+class _JReady(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="ready", tag_field="kind"):
+    trajectory_id: _Id
+    session_id: _Id
+    group_id: _Id
+    group_size: Annotated[int, msgspec.Meta(ge=1)]
+    outcome_reward: float
+    interactions: list[_JInteraction]
+    is_eval: bool = False
+    policy_version: int | None = None
+    created_at: float = 0.0
+
+
+class _JDiscard(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="discard", tag_field="kind"):
+    group_id: _Id
+    reason: str = ""
+    requested_at: float = 0.0
+
+
+_JLine = Union[_JReady, _JDiscard]
+_BY_KIND: dict[str, type[msgspec.Struct]] = {"ready": _JReady, "discard": _JDiscard}
+_LINE_DECODER = msgspec.json.Decoder(_JLine)
+_ENCODER = msgspec.json.Encoder()
+
+
+def _keys(struct: type[msgspec.Struct]) -> list[str]:
+    return [f.encode_name for f in msgspec.structs.fields(struct)]
+
+
+# --------------------------------------------------------------------------- errors
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_ITEM = re.compile(r"^(?P<base>.*\.(?P<field>input_tokens|output_tokens|output_logprobs))\[(?P<i>\d+)\]$")
+_INTERACTION = re.compile(r"^interactions\[\d+\]$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>.*)`$", re.S)
+_MISSING = re.compile(r"^Object missing required field `(?P<key>.*)`$", re.S)
+_LIST_OF = {
+    "input_tokens": "a list of integers in int32 range",
+    "output_tokens": "a list of integers in int32 range",
+    "output_logprobs": "a list of numbers",
+}
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _explain(exc: msgspec.ValidationError, kind: str) -> str:
+    """Turn msgspec's ``"<msg> - at `$.a[0].b`"`` into ``"a[0].b: <msg>"`` in our words."""
+    m = _AT.match(str(exc))
+    assert m is not None  # the pattern matches any string
+    msg, path = m["msg"], (m["path"] or "").lstrip(".")
+    if unknown := _UNKNOWN.match(msg):
+        struct = _BY_KIND[kind] if not path else _JInteraction if _INTERACTION.match(path) else None
+        allowed = f" (allowed: {', '.join(['kind', *_keys(struct)] if not path else _keys(struct))})" if struct else ""
+        return f"{path or '<record>'}: unknown key {unknown['key']!r}{allowed}"
+    if missing := _MISSING.match(msg):
+        return f"{_join(path, missing['key'])}: missing required field"
+    if item := _ITEM.match(path):
+        return f"{item['base']}: expected {_LIST_OF[item['field']]} (item {item['i']}: {msg})"
+    field = path.rsplit(".", 1)[-1]
+    if field in _LIST_OF and msg.startswith("Expected `array"):
+        got = msg.split("got ", 1)[-1].strip("`") if "got " in msg else "something else"
+        return f"{path}: expected {_LIST_OF[field]}, got {got}"
+    return f"{path or '<record>'}: {msg[:1].lower()}{msg[1:]}"
+
+
+# --------------------------------------------------------------------------- JSON -> wire
+def _interaction(j: _JInteraction, where: str) -> Interaction:
+    n_out = len(j.output_tokens)
+    logprobs = None
+    if j.output_logprobs is not None:
+        if len(j.output_logprobs) != n_out:
+            raise JsonlError(
+                f"{where}.output_logprobs: {len(j.output_logprobs)} values for {n_out} "
+                "output tokens (need exactly one per output token)"
+            )
+        with np.errstate(over="ignore"):  # overflow becomes inf, refused just below
+            logprobs = np.array(j.output_logprobs, dtype=np.float32)
+        if not np.isfinite(logprobs).all():
+            raise JsonlError(f"{where}.output_logprobs: values must be finite float32 numbers")
+    try:
+        response = ModelResponse.from_arrays(
+            np.array(j.input_tokens, dtype=np.int32),  # bounds already checked by msgspec
+            np.array(j.output_tokens, dtype=np.int32),
+            logprobs,
+            stop_reason=j.stop_reason,
+        )
+        return Interaction(
+            interaction_id=j.interaction_id,
+            parent_id=j.parent_id,
+            messages=j.messages,
+            output_message_list=j.output_message_list,
+            reward=j.reward,
+            model_response=response,
+        )
+    except ValueError as exc:
+        raise JsonlError(f"{where}: {exc}") from None
+
+
+def _to_wire(j: _JReady | _JDiscard) -> TrajectoryMessage:
+    if isinstance(j, _JDiscard):
+        try:
+            return DiscardGroup(group_id=j.group_id, reason=j.reason, requested_at=j.requested_at)
+        except ValueError as exc:
+            raise JsonlError(str(exc)) from None
+    interactions = [_interaction(ji, f"interactions[{i}]") for i, ji in enumerate(j.interactions)]
+    try:
+        return ReadyTrajectory(
+            trajectory_id=j.trajectory_id,
+            session_id=j.session_id,
+            group_id=j.group_id,
+            group_size=j.group_size,
+            interactions=interactions,
+            outcome_reward=j.outcome_reward,
+            is_eval=j.is_eval,
+            policy_version=j.policy_version,
+            created_at=j.created_at,
+        )
+    except ValueError as exc:  # schema rules: finite reward, non-empty, tree shape
+        raise JsonlError(str(exc)) from None
+
+
+def parse(obj: Any) -> TrajectoryMessage:
+    """Validate one decoded JSON object and return the wire message it describes.
+
+    Raises :class:`JsonlError` naming the offending field path.
+    """
+    if not isinstance(obj, dict):
+        raise JsonlError(f"expected a JSON object, got {type(obj).__name__}")
+    if "kind" not in obj:
+        raise JsonlError(f"kind: missing required field (expected one of {list(KINDS)})")
+    kind = obj["kind"]
+    if kind not in KINDS:  # also catches non-string kinds
+        raise JsonlError(f"kind: unknown kind {kind!r} (expected one of {list(KINDS)})")
+    try:
+        j = msgspec.convert(obj, _BY_KIND[kind])
+    except msgspec.ValidationError as exc:
+        raise JsonlError(_explain(exc, kind)) from None
+    return _to_wire(j)
+
+
+def _parse_line(line: bytes) -> TrajectoryMessage:
+    try:
+        j = _LINE_DECODER.decode(line)  # fast path: JSON straight into typed structs
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    else:
+        return _to_wire(j)
+    # Slow path, errors only: decode untyped so the message matches ``parse`` exactly.
+    try:
+        obj = msgspec.json.decode(line)
+    except msgspec.DecodeError as exc:
+        raise JsonlError(f"invalid JSON: {exc}") from None
+    return parse(obj)
+
+
+def load(path: str | os.PathLike[str]) -> Iterator[TrajectoryMessage]:
+    """Yield the messages of a JSONL file in order, skipping blank lines.
+
+    Errors are :class:`JsonlError` prefixed with ``file:line:``. The file is read line
+    by line, so large workloads stream.
+    """
+    name = os.fspath(path)
+    with open(path, "rb") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield _parse_line(line)
+            except JsonlError as exc:
+                raise JsonlError(f"{name}:{lineno}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- wire -> JSON
+def dump(message: TrajectoryMessage) -> dict[str, Any]:
+    """The JSON object for ``message`` (inverse of :func:`parse`; tokens as lists).
+
+    Optional fields are written only when set, so dumped files stay close to what a
+    person would write. Interactions without a ``model_response`` cannot be dumped:
+    the format (like the scorers) requires token-backed turns.
+    """
+    if isinstance(message, DiscardGroup):
+        out: dict[str, Any] = {"kind": "discard", "group_id": message.group_id, "reason": message.reason}
+        if message.requested_at:
+            out["requested_at"] = message.requested_at
+        return out
+    if not isinstance(message, ReadyTrajectory):
+        raise TypeError(f"cannot dump {type(message).__name__} as a JSONL trajectory record")
+    out = {
+        "kind": "ready",
+        "trajectory_id": message.trajectory_id,
+        "session_id": message.session_id,
+        "group_id": message.group_id,
+        "group_size": message.group_size,
+        "outcome_reward": message.outcome_reward,
+        "is_eval": message.is_eval,
+    }
+    if message.policy_version is not None:
+        out["policy_version"] = message.policy_version
+    if message.created_at:
+        out["created_at"] = message.created_at
+    out["interactions"] = [_dump_interaction(i) for i in message.interactions]
+    return out
+
+
+def _dump_interaction(it: Interaction) -> dict[str, Any]:
+    mr = it.model_response
+    if mr is None:
+        raise JsonlError(f"interaction {it.interaction_id!r} has no model_response; JSONL needs tokens")
+    out: dict[str, Any] = {
+        "interaction_id": it.interaction_id,
+        "parent_id": it.parent_id,
+        "messages": it.messages,
+        "output_message_list": it.output_message_list,
+        "input_tokens": mr.input_tokens.tolist(),  # numpy's C loop, not a Python one
+        "output_tokens": mr.output_tokens.tolist(),
+    }
+    logprobs = mr.output_logprobs
+    if logprobs is not None:
+        out["output_logprobs"] = logprobs.tolist()
+    if mr.stop_reason is not None:
+        out["stop_reason"] = mr.stop_reason
+    if it.reward is not None:
+        out["reward"] = it.reward
+    return out
+
+
+def write(path: str | os.PathLike[str], messages: Iterable[TrajectoryMessage]) -> int:
+    """Write ``messages`` to ``path`` as JSONL (one object per line); return the count."""
+    count = 0
+    buf = bytearray()
+    with open(Path(path), "wb") as fh:
+        for message in messages:
+            buf.clear()
+            _ENCODER.encode_into(dump(message), buf)
+            buf += b"\n"
+            fh.write(buf)
+            count += 1
+    return count
