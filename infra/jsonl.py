@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 
 from infra.schema import (
+    GroupVerdict,
     DiscardGroup,
     Interaction,
     ModelResponse,
@@ -284,6 +285,52 @@ def _dump_interaction(it: Interaction) -> dict[str, Any]:
     if it.reward is not None:
         out["reward"] = it.reward
     return out
+
+
+def dump_verdict(verdict: GroupVerdict, *, include_tokens: bool = False) -> dict[str, Any]:
+    """The JSON line ``prm-pipeline verdicts`` prints for one verdict (docs/jsonl.md).
+
+    Token rewards are expanded to one float per output token; the token-backed
+    interactions (for the trainer) are left out unless ``include_tokens``.
+    """
+    sessions = []
+    for s in verdict.sessions:
+        entry: dict[str, Any] = {
+            "session_id": s.session_id,
+            "trajectory_id": s.trajectory_id,
+            "status": s.status,
+            "outcome_reward": s.outcome_reward,
+            "is_eval": s.is_eval,
+            "branches": [
+                {
+                    "leaf_id": b.leaf_id,
+                    "path": b.path,
+                    "token_rewards": {iid: tr.to_numpy().tolist() for iid, tr in b.token_rewards.items()},
+                    "scorer_totals": b.scorer_totals,
+                }
+                for b in s.branches
+            ],
+            "stats": s.stats,
+        }
+        if s.error:
+            entry["error"] = s.error
+        if s.turn_results:
+            entry["turn_results"] = msgspec.to_builtins(s.turn_results)
+        if include_tokens:
+            entry["interactions"] = [_dump_interaction(i) for i in s.interactions]
+        sessions.append(entry)
+    return {
+        "group_id": verdict.group_id,
+        "status": verdict.status,
+        "reason": verdict.reason,
+        "verdict_version": verdict.verdict_version,
+        "group_size": verdict.group_size,
+        "sessions": sessions,
+        "scorers": [{"name": sc.name, "version": sc.version} for sc in verdict.scorers],
+        "worker_id": verdict.worker_id,
+        "decided_at": verdict.decided_at,
+        "timings": verdict.timings,
+    }
 
 
 def write(path: str | os.PathLike[str], messages: Iterable[TrajectoryMessage]) -> int:

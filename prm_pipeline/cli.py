@@ -64,6 +64,55 @@ def cmd_topics(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- pipeline parts
+def cmd_worker(args: argparse.Namespace) -> int:
+    """One scoring worker; SIGTERM/SIGINT drain in-flight work, commit, and exit 0."""
+    from scoring_workers.worker import Worker
+
+    cfg = _load(args)
+    if args.metrics_port is not None:
+        import msgspec
+
+        cfg = msgspec.structs.replace(cfg, worker=msgspec.structs.replace(cfg.worker, metrics_port=args.metrics_port))
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await Worker(cfg, worker_id=args.worker_id, concurrency=args.concurrency).run(stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from infra.jsonl import JsonlError
+    from producers.publisher import TrajectoryPublisher
+
+    cfg = _load(args)
+
+    async def main() -> dict[str, int]:
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            return await pub.publish_jsonl(args.file)
+
+    try:
+        counts = asyncio.run(main())
+    except JsonlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"published {counts['ready']} ready trajectories and {counts['discard']} discards to {cfg.topics.trajectories}")
+    return 0
+
+
+def cmd_verdicts(args: argparse.Namespace) -> int:
+    from prm_pipeline.verdict_dump import dump_verdicts
+
+    return dump_verdicts(_load(args), from_beginning=args.from_beginning, max_count=args.max,
+                         timeout_s=args.timeout, out=args.out)
+
+
 # --------------------------------------------------------------------------- demo / bench
 def cmd_demo(args: argparse.Namespace) -> int:
     from prm_pipeline.demo import run_demo
@@ -104,6 +153,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("topics", help="manage the configured topics")
     p.add_argument("action", choices=["create"])
     p.set_defaults(func=cmd_topics)
+
+    p = sub.add_parser("worker", help="run one scoring worker (run several for scale)")
+    p.add_argument("--concurrency", type=int, default=None, help="records in flight (default worker.concurrency)")
+    p.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("publish", help="publish ready trajectories and discards from a JSONL file")
+    p.add_argument("file", help="JSONL file (docs/jsonl.md)")
+    p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("verdicts", help="print verdicts as JSON lines")
+    p.add_argument("--from-beginning", action="store_true", help="read the whole topic (default: only new verdicts)")
+    p.add_argument("--max", type=int, default=None, help="stop after N verdicts")
+    p.add_argument("--timeout", type=float, default=None, help="stop after S seconds without a new verdict")
+    p.add_argument("--out", default=None, help="write to FILE instead of stdout")
+    p.set_defaults(func=cmd_verdicts)
 
     p = sub.add_parser("demo", help="run the end-to-end demo on the embedded stack")
     p.add_argument("--groups", type=int, default=None, help="number of groups to publish")

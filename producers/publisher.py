@@ -1,0 +1,126 @@
+"""``TrajectoryPublisher``: how a rollout proxy hands trajectories to the pipeline.
+
+Records are keyed by ``group_id`` (all members of a group land in one partition, in
+order with the group's discard), sent with ``acks=all`` and compression, and checked
+against ``kafka.max_message_bytes`` before sending — the embedded broker enforces no
+limit, a real cluster would refuse the record after the fact.
+
+``publish_ready``/``discard_group`` return once the record is queued; ``flush()``
+waits until every queued record is acknowledged and raises the first delivery error,
+so a caller that awaits ``flush()`` (or leaves the ``async with`` block) knows nothing
+was lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from infra import jsonl
+from infra.config import KafkaConfig, TopicsConfig
+from infra.kafka import check_size, make_producer
+from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage, encode
+
+
+class PublishError(RuntimeError):
+    """One or more records were not acknowledged by the broker."""
+
+
+class TrajectoryPublisher:
+    """Async context manager publishing :class:`ReadyTrajectory` and :class:`DiscardGroup`."""
+
+    def __init__(self, kafka: KafkaConfig, topics: TopicsConfig, *, max_pending: int = 10_000) -> None:
+        self.kafka = kafka
+        self.topic = topics.trajectories
+        self._producer: AIOKafkaProducer | None = None
+        self._pending: set[asyncio.Future[Any]] = set()
+        self._errors: list[BaseException] = []
+        self._max_pending = max_pending
+        self.published = {"ready": 0, "discard": 0}
+
+    async def __aenter__(self) -> TrajectoryPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: object, *_: object) -> None:
+        try:
+            if exc_type is None:
+                await self.flush()
+        finally:
+            await self.stop()
+
+    async def start(self) -> None:
+        self._producer = make_producer(self.kafka)
+        await self._producer.start()
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def publish(self, message: TrajectoryMessage) -> None:
+        """Queue one message (validated: it is a wire struct, so it was checked on construction)."""
+        if self._producer is None:
+            raise RuntimeError("TrajectoryPublisher is not started; use 'async with TrajectoryPublisher(...)'")
+        if isinstance(message, ReadyTrajectory) and not message.created_at:
+            import msgspec
+
+            message = msgspec.structs.replace(message, created_at=time.time())
+        value, headers = encode(message)
+        check_size(value, self.kafka, f"{type(message).__name__} for group {message.group_id!r}")
+        if len(self._pending) >= self._max_pending:
+            await self._wait(self._pending)
+        fut = await self._producer.send(self.topic, value, key=message.group_id.encode(), headers=headers)
+        self._pending.add(fut)
+        fut.add_done_callback(self._on_delivered)
+        self.published["ready" if isinstance(message, ReadyTrajectory) else "discard"] += 1
+
+    async def publish_ready(self, trajectory: ReadyTrajectory) -> None:
+        if not isinstance(trajectory, ReadyTrajectory):
+            raise TypeError(f"publish_ready takes a ReadyTrajectory, got {type(trajectory).__name__}")
+        await self.publish(trajectory)
+
+    async def discard_group(self, group_id: str, reason: str = "") -> None:
+        await self.publish(DiscardGroup(group_id=group_id, reason=reason, requested_at=time.time()))
+
+    async def publish_dict(self, obj: Mapping[str, Any]) -> None:
+        """Publish one JSONL-shaped object (see docs/jsonl.md)."""
+        await self.publish(jsonl.parse(obj))
+
+    async def publish_many(self, messages: Iterable[TrajectoryMessage]) -> int:
+        n = 0
+        for message in messages:
+            await self.publish(message)
+            n += 1
+        return n
+
+    async def publish_jsonl(self, path: str | os.PathLike[str]) -> dict[str, int]:
+        """Publish every line of a JSONL file (all lines are validated before the first send)."""
+        messages = list(jsonl.load(path))
+        before = dict(self.published)
+        await self.publish_many(messages)
+        await self.flush()
+        return {k: self.published[k] - before[k] for k in before}
+
+    def _on_delivered(self, fut: asyncio.Future[Any]) -> None:
+        self._pending.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            self._errors.append(fut.exception())
+
+    async def _wait(self, futures: set[asyncio.Future[Any]]) -> None:
+        if futures:
+            await asyncio.wait(list(futures))
+        if self._errors:
+            errors, self._errors = self._errors, []
+            raise PublishError(f"{len(errors)} record(s) were not acknowledged: {errors[0]!r}") from errors[0]
+
+    async def flush(self) -> None:
+        """Wait until every queued record is acknowledged; raise :class:`PublishError` otherwise."""
+        if self._producer is not None:
+            await self._producer.flush()
+        await self._wait(set(self._pending))

@@ -1,0 +1,69 @@
+"""Turning a group's stored decision into its :class:`GroupVerdict` (seed 001 "v2 Export").
+
+:func:`assemble_verdict` is a pure function of what the ledger stored, so every worker
+that (re)publishes a group's verdict produces the same bytes — the trainer's dedupe on
+``(group_id, verdict_version)`` then sees one verdict however often it is redelivered.
+
+Rules:
+* ``discard`` decision -> ``discarded``; members are listed without results.
+* members reporting different ``group_size`` values -> ``rejected`` / ``group_size_mismatch``.
+* any failed member -> ``rejected`` with that member's error code (first by
+  trajectory id); successful members keep their stats, the failed one has none.
+* fewer members than ``group_size`` -> ``rejected`` / ``missing_sessions``.
+* otherwise ``accepted``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from infra.schema import GroupVerdict, ScorerInfo, SessionResult
+
+VERDICT_VERSION = 1
+_SCORERS = msgspec.msgpack.Decoder(list[ScorerInfo])
+
+
+def encode_scorers(scorers: list[ScorerInfo]) -> bytes:
+    return msgspec.msgpack.encode(scorers)
+
+
+def error_code(error: str | None) -> str:
+    """``"scorer_timeout: ..."`` -> ``"scorer_timeout"`` (member errors start with their code)."""
+    return (error or "scorer_error").split(":", 1)[0]
+
+
+def assemble_verdict(group_id: str, state: dict[str, str], members: list[SessionResult]) -> GroupVerdict:
+    members = sorted(members, key=lambda m: m.trajectory_id)
+    group_size = int(state.get("group_size", "0"))
+    decision = state.get("decision", "complete")
+    failed = [m for m in members if m.status == "failed"]
+    if decision == "discard":
+        status, reason = "discarded", state.get("discard_reason") or "discarded"
+        members = [
+            msgspec.structs.replace(m, status="discarded", branches=[], turn_results=[], stats={}, interactions=[])
+            for m in members
+        ]
+    elif state.get("size_mismatch"):
+        status = "rejected"
+        reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state['size_mismatch']})"
+    elif failed:
+        status, reason = "rejected", error_code(failed[0].error)
+    elif len(members) < group_size:
+        status, reason = "rejected", f"missing_sessions: {len(members)} of {group_size} arrived before the deadline"
+    else:
+        status, reason = "accepted", ""
+    first_seen = int(state.get("first_seen", "0"))
+    decided_at = int(state.get("decided_at", "0"))
+    scorers = _SCORERS.decode(state["scorers"].encode("latin-1")) if state.get("scorers") else []
+    return GroupVerdict(
+        group_id=group_id,
+        status=status,
+        reason=reason,
+        verdict_version=VERDICT_VERSION,
+        group_size=group_size,
+        sessions=members,
+        scorers=scorers,
+        worker_id=state.get("decided_by", ""),
+        decided_at=decided_at / 1000.0,
+        timings={"group_open_s": max(0, decided_at - first_seen) / 1000.0},
+    )

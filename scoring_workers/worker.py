@@ -1,0 +1,422 @@
+"""The scoring worker: ``prm.trajectories`` in, ``prm.verdicts`` (and dead letters) out.
+
+One asyncio loop per process, in the spirit of arq: poll, hand each record to a task,
+commit what is finished, sweep deadlines. Run several processes for scale; they
+share nothing but Kafka and Redis.
+
+Per record (see DESIGN.md §5–6):
+
+1. decode — undecodable, unknown-version or invalid records go to the dead-letter
+   topic with the reason in headers;
+2. pre-check the ledger for the whole poll in one round trip — duplicates and members
+   of decided groups are acknowledged without scoring;
+3. score with :class:`PRMRunner` under ``worker.scorer_timeout_s``; a failure parks a
+   failed member (the group will be rejected, other members keep their stats);
+4. park the result; whoever parks the last member decides the group and publishes
+   the verdict, then the ledger leaves a tombstone.
+
+Commit discipline: an offset is committed only when its outcome (parked result,
+verdict or dead letter) is durable, and per partition only up to the lowest unfinished
+offset. Scoring runs in tasks, so polling (and the consumer's liveness) never waits on
+a slow scorer; when ``concurrency`` records are in flight the partitions are paused.
+A background sweeper rejects groups whose deadline passed (``missing_sessions``) and
+re-publishes decisions whose publisher died before finishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+from typing import Any
+
+from aiokafka import ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.structs import ConsumerRecord, TopicPartition
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from infra.config import PipelineConfig
+from infra.kafka import make_consumer, make_producer
+from infra.schema import (
+    DeadLetter,
+    DiscardGroup,
+    GroupVerdict,
+    Interaction,
+    ReadyTrajectory,
+    SchemaError,
+    ScorerInfo,
+    SessionResult,
+    dead_letter_headers,
+    decode_message,
+    encode,
+    headers_to_dict,
+)
+from scoring_workers.ledger import Decision, GroupLedger
+from scoring_workers.offsets import OffsetTracker
+from scoring_workers.telemetry import WorkerTelemetry
+from scoring_workers.verdicts import assemble_verdict, encode_scorers
+
+log = logging.getLogger(__name__)
+
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError, RedisTimeoutError, KafkaError, ConnectionError, OSError,
+)
+MAX_ATTEMPTS = 3  # non-transient processing errors before a record is dead-lettered
+REPUBLISH_GRACE_S = 5.0
+SWEEP_INTERVAL_S = 0.5
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _strip_text(interaction: Interaction) -> Interaction:
+    """Verdicts carry tokens for the trainer, not chat text (the trajectories topic has it)."""
+    return Interaction(interaction_id=interaction.interaction_id, parent_id=interaction.parent_id,
+                       reward=interaction.reward, model_response=interaction.model_response)
+
+
+def failure_code(exc: BaseException) -> str:
+    """A short, stable reason code for a member's scoring failure."""
+    if isinstance(exc, TimeoutError):
+        return "scorer_timeout"
+    code = getattr(exc, "reason", None)
+    return code if isinstance(code, str) and code else "scorer_error"
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.worker._drain_partitions(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        log.info("worker %s assigned %s", self.worker.worker_id, sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+
+
+class Worker:
+    """One scoring worker process. ``await Worker(cfg).run(stop_event)``."""
+
+    def __init__(self, cfg: PipelineConfig, *, worker_id: str | None = None,
+                 concurrency: int | None = None, runner: Any | None = None) -> None:
+        self.cfg = cfg
+        self.worker_id = worker_id or default_worker_id()
+        self.concurrency = concurrency or cfg.worker.concurrency
+        self.telemetry = WorkerTelemetry()
+        self._runner = runner
+        self._owns_runner = runner is None
+        self._tracker = OffsetTracker()
+        self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
+        self._scorers_blob = encode_scorers([])
+        self._paused = False
+        self.ready = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        cfg = self.cfg
+        if self._runner is None and cfg.prm.active:
+            from scoring_workers.prm import PRMRunner
+
+            self._runner = await PRMRunner.create(cfg.prm)
+        if self._runner is not None:
+            self._scorers_blob = encode_scorers(
+                [ScorerInfo(s.name, s.version) for s in self._runner.scorer_infos()]
+            )
+        self.ledger = GroupLedger.from_config(cfg.redis)
+        self.producer = make_producer(cfg.kafka)
+        self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
+        if cfg.worker.metrics_port is not None:
+            self.telemetry.serve(cfg.worker.metrics_port)
+        await self.producer.start()
+        try:
+            self.consumer.subscribe([cfg.topics.trajectories], listener=_Rebalance(self))
+            await self.consumer.start()
+            try:
+                await self._loop(stop)
+            finally:
+                await self._drain_partitions(None)
+                await self.consumer.stop()
+        finally:
+            await self.producer.stop()
+            await self.ledger.aclose()
+            if self._owns_runner and self._runner is not None:
+                await self._runner.aclose()
+            log.info("worker %s stopped: %s", self.worker_id, self.telemetry.snapshot())
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        last_sweep = last_lag = 0.0
+        sweeper: asyncio.Task[None] | None = None
+        self.ready.set()
+        log.info("worker %s polling %s", self.worker_id, self.cfg.topics.trajectories)
+        while not stop.is_set():
+            self._apply_backpressure()
+            room = max(1, self.concurrency - len(self._tasks))
+            batch = await self.consumer.getmany(
+                timeout_ms=100, max_records=min(room, self.cfg.worker.poll_max_records)
+            )
+            records = [r for rs in batch.values() for r in rs]
+            if records:
+                await self._dispatch(records)
+            await self._commit()
+            now = time.monotonic()
+            if now - last_sweep >= SWEEP_INTERVAL_S * random.uniform(0.8, 1.2) and (sweeper is None or sweeper.done()):
+                sweeper = asyncio.create_task(self._sweep())
+                last_sweep = now
+            if now - last_lag >= 5.0:
+                await self._update_lag()
+                last_lag = now
+        log.info("worker %s stopping: draining %d in-flight records", self.worker_id, len(self._tasks))
+        if sweeper is not None:
+            with contextlib.suppress(Exception):
+                await sweeper
+
+    def _apply_backpressure(self) -> None:
+        full = len(self._tasks) >= self.concurrency
+        assignment = self.consumer.assignment()
+        if full and not self._paused and assignment:
+            self.consumer.pause(*assignment)
+            self._paused = True
+        elif not full and self._paused:
+            self.consumer.resume(*assignment)
+            self._paused = False
+
+    async def _drain_partitions(self, tps: set[TopicPartition] | None) -> None:
+        """Wait (bounded) for in-flight records of ``tps`` (all if None), commit, forget them."""
+        tasks = [t for t, tp in self._tasks.items() if tps is None or tp in tps]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.cfg.worker.drain_timeout_s)
+            if pending:
+                log.warning("worker %s: %d records still running after drain timeout; "
+                            "they will be redelivered", self.worker_id, len(pending))
+        await self._commit()
+        if tps is not None:
+            self._tracker.drop(tps)
+
+    async def _commit(self) -> None:
+        offsets = self._tracker.committable()
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+            self._tracker.mark_committed(offsets)
+        except (CommitFailedError, KafkaError) as exc:
+            log.warning("worker %s: commit of %s failed (%s); records will be redelivered", self.worker_id, offsets, exc)
+
+    async def _update_lag(self) -> None:
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            if high is None:
+                continue
+            committed = await self.consumer.committed(tp) or 0
+            self.telemetry.lag.labels(tp.topic, str(tp.partition)).set(max(0, high - committed))
+
+    # ------------------------------------------------------------------ dispatch
+    async def _dispatch(self, records: list[ConsumerRecord]) -> None:
+        decoded: list[tuple[ConsumerRecord, Any]] = []
+        for record in records:
+            try:
+                decoded.append((record, decode_message(record.value, record.headers)))
+            except SchemaError as exc:
+                decoded.append((record, exc))
+        ready = [(r, m) for r, m in decoded if isinstance(m, ReadyTrajectory)]
+        probes = dict(zip((id(r) for r, _ in ready), await self._with_retry(
+            lambda: self.ledger.probe_many([(m.group_id, m.trajectory_id) for _, m in ready]), "probe")))
+        for record, message in decoded:
+            tp = TopicPartition(record.topic, record.partition)
+            self._tracker.begin(tp, record.offset)
+            task = asyncio.create_task(self._process(record, message, probes.get(id(record))))
+            self._tasks[task] = tp
+            self.telemetry.in_flight.set(len(self._tasks))
+            task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
+
+    def _done(self, task: asyncio.Task[None], tp: TopicPartition, offset: int) -> None:
+        self._tasks.pop(task, None)
+        self.telemetry.in_flight.set(len(self._tasks))
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                log.error("worker %s: record %s:%d not finished: %r", self.worker_id, tp, offset, task.exception())
+            return  # not marked done: it will be redelivered
+        self._tracker.finish(tp, offset)
+
+    async def _process(self, record: ConsumerRecord, message: Any, probe: str | None) -> None:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if isinstance(message, SchemaError):
+                    self.telemetry.consumed.labels("invalid").inc()
+                    await self._dead_letter(record, message, attempt)
+                elif isinstance(message, DiscardGroup):
+                    self.telemetry.consumed.labels("discard").inc()
+                    await self._handle_discard(message)
+                else:
+                    self.telemetry.consumed.labels("ready").inc()
+                    await self._handle_ready(message, probe)
+                return
+            except TRANSIENT_ERRORS as exc:
+                self.telemetry.retries.labels(type(exc).__name__).inc()
+                delay = min(10.0, 0.1 * 2 ** min(attempt, 7)) * random.uniform(0.5, 1.0)
+                log.warning("worker %s: transient %s on %s:%d offset %d (attempt %d), retrying in %.2fs",
+                            self.worker_id, type(exc).__name__, record.topic, record.partition, record.offset,
+                            attempt, delay)
+                probe = None
+                await asyncio.sleep(delay)
+            except Exception as exc:  # a bug or poison record: retry a little, then dead-letter it
+                log.exception("worker %s: failed processing %s:%d offset %d (attempt %d)",
+                              self.worker_id, record.topic, record.partition, record.offset, attempt)
+                if attempt >= MAX_ATTEMPTS:
+                    message = exc if isinstance(exc, SchemaError) else _ProcessingError(exc)
+                    await self._dead_letter(record, message, attempt)
+                    return
+                probe = None
+
+    async def _with_retry(self, op: Any, what: str) -> Any:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await op()
+            except TRANSIENT_ERRORS as exc:
+                self.telemetry.retries.labels(type(exc).__name__).inc()
+                delay = min(10.0, 0.1 * 2 ** min(attempt, 7))
+                log.warning("worker %s: transient %s during %s, retrying in %.2fs", self.worker_id,
+                            type(exc).__name__, what, delay)
+                await asyncio.sleep(delay)
+
+    # ------------------------------------------------------------------ handlers
+    async def _handle_ready(self, traj: ReadyTrajectory, probe: str | None) -> None:
+        wc = self.cfg.worker
+        if probe is None:
+            (probe,) = await self.ledger.probe_many([(traj.group_id, traj.trajectory_id)])
+        if probe in ("done", "decided"):
+            self.telemetry.deduplicated.inc()
+            log.debug("group=%s traj=%s: group already decided, acknowledged", traj.group_id, traj.trajectory_id)
+            return
+        if probe == "duplicate":
+            # Already parked (a redelivery). If the crash came between parking the last
+            # member and deciding, finish that decision now.
+            self.telemetry.deduplicated.inc()
+            await self._decide_and_publish(traj.group_id, "complete")
+            return
+        result = await self._score(traj)
+        outcome, complete = await self.ledger.park(
+            result, group_id=traj.group_id, group_size=traj.group_size, group_timeout_s=wc.group_timeout_s
+        )
+        if outcome in ("done", "decided"):
+            self.telemetry.deduplicated.inc()  # the group was decided while we scored
+            return
+        if complete:
+            await self._decide_and_publish(traj.group_id, "complete")
+
+    async def _score(self, traj: ReadyTrajectory) -> SessionResult:
+        common = dict(
+            session_id=traj.session_id, trajectory_id=traj.trajectory_id, outcome_reward=traj.outcome_reward,
+            is_eval=traj.is_eval, policy_version=traj.policy_version, created_at=traj.created_at,
+            interactions=[_strip_text(i) for i in traj.interactions],
+        )
+        if self._runner is None:  # scoring off: verdicts carry no token rewards
+            return SessionResult(status="scored", scored_at=time.time(), **common)
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.cfg.worker.scorer_timeout_s):
+                scored = await self._runner.run(traj, is_eval=traj.is_eval)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the member fails; the group will be rejected
+            code = failure_code(exc)
+            self.telemetry.member_failures.labels(code).inc()
+            log.info("group=%s traj=%s: scoring failed: %s: %s", traj.group_id, traj.trajectory_id, code, exc)
+            detail = str(exc) or type(exc).__name__
+            common["interactions"] = []
+            return SessionResult(status="failed", error=f"{code}: {detail}"[:2000], scored_at=time.time(), **common)
+        self.telemetry.scoring_seconds.observe(time.perf_counter() - t0)
+        self.telemetry.scored.inc()
+        return SessionResult(
+            status="scored",
+            branches=scored.to_branch_results(),
+            turn_results=[tr for b in scored.branches for tr in b.turn_results],
+            stats=scored.stats("eval-rollout" if traj.is_eval else "rollout"),
+            scored_at=time.time(),
+            **common,
+        )
+
+    async def _handle_discard(self, msg: DiscardGroup) -> None:
+        await self._decide_and_publish(msg.group_id, "discard", discard_reason=msg.reason or "discarded")
+
+    async def _decide_and_publish(self, group_id: str, kind: str, *, discard_reason: str = "") -> None:
+        decision = await self.ledger.decide(
+            group_id, kind, worker_id=self.worker_id, scorers=self._scorers_blob,  # type: ignore[arg-type]
+            discard_reason=discard_reason, group_timeout_s=self.cfg.worker.group_timeout_s,
+            republish_grace_s=REPUBLISH_GRACE_S,
+        )
+        if decision.outcome == "decided_now":
+            await self._publish(decision)
+        elif decision.outcome in ("done", "gone"):
+            await self.ledger.forget(group_id)
+
+    async def _publish(self, decision: Decision) -> GroupVerdict:
+        verdict = assemble_verdict(decision.group_id, decision.state, decision.members)
+        value, headers = encode(verdict)
+        await self.producer.send_and_wait(
+            self.cfg.topics.verdicts, value, key=verdict.group_id.encode(), headers=headers
+        )
+        await self.ledger.finish(verdict.group_id, verdict.status)
+        self.telemetry.verdicts.labels(verdict.status, verdict.reason.split(":", 1)[0]).inc()
+        log.info("group=%s verdict=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
+                 verdict.reason, len(verdict.sessions), self.worker_id)
+        return verdict
+
+    async def _sweep(self) -> None:
+        """Reject overdue groups and re-publish decisions whose publisher died."""
+        try:
+            for group_id in await self.ledger.due_groups():
+                decision = await self.ledger.decide(
+                    group_id, "deadline", worker_id=self.worker_id, scorers=self._scorers_blob,
+                    group_timeout_s=self.cfg.worker.group_timeout_s, republish_grace_s=REPUBLISH_GRACE_S,
+                )
+                overdue = decision.outcome == "already_decided" and (
+                    time.time() * 1000 - decision.decided_at_ms >= REPUBLISH_GRACE_S * 1000
+                )
+                if decision.outcome == "decided_now" or overdue:
+                    await self._publish(decision)
+                elif decision.outcome in ("done", "gone"):
+                    await self.ledger.forget(group_id)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("worker %s: sweep skipped: %s", self.worker_id, exc)
+        except Exception:  # never let the sweeper die silently; the next sweep retries
+            log.exception("worker %s: sweep failed", self.worker_id)
+
+    async def _dead_letter(self, record: ConsumerRecord, error: BaseException, attempt: int) -> None:
+        cause = error.cause if isinstance(error, _ProcessingError) else error
+        letter = DeadLetter(
+            payload=record.value or b"",
+            error_class=type(cause).__name__,
+            error_message=str(cause),
+            source_topic=record.topic,
+            source_partition=record.partition,
+            source_offset=record.offset,
+            attempt=attempt,
+            worker_id=self.worker_id,
+            original_headers=headers_to_dict(record.headers),
+        )
+        await self.producer.send_and_wait(
+            self.cfg.topics.dead_letters, letter.payload, key=record.key, headers=dead_letter_headers(letter)
+        )
+        self.telemetry.dead_lettered.labels(letter.error_class).inc()
+        log.warning("dead-lettered %s:%d offset %d: %s: %s", record.topic, record.partition, record.offset,
+                    letter.error_class, letter.error_message[:300])
+
+
+class _ProcessingError(Exception):
+    """Wraps an unexpected processing failure so the dead letter names the original error."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause

@@ -1,0 +1,45 @@
+"""Scorers used by the integration tests (importable by worker subprocesses as ``tests.scorers.X``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from scoring_workers.prm import BaseScorer
+
+
+def _conversation_text(ctx: dict[str, Any]) -> str:
+    return " ".join(str(m.get("content", "")) for m in ctx.get("messages", ()))
+
+
+class FailOnMarkerScorer(BaseScorer):
+    """Raises for conversations mentioning ``marker``; scores 0.0 otherwise."""
+
+    name = "fail_on_marker"
+
+    def __init__(self, weight: float = 1.0, enabled: bool = True, marker: str = "FAIL") -> None:
+        super().__init__(weight=weight, enabled=enabled)
+        self.marker = marker
+
+    async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> float:
+        if self.marker in _conversation_text(ctx):
+            raise RuntimeError(f"scripted failure: conversation mentions {self.marker!r}")
+        return 0.0
+
+
+class SlowScorer(BaseScorer):
+    """Sleeps ``delay_s`` per turn (or forever for conversations mentioning ``hang_marker``)."""
+
+    name = "slow"
+
+    def __init__(self, weight: float = 1.0, enabled: bool = True, delay_s: float = 0.01,
+                 hang_marker: str = "HANG") -> None:
+        super().__init__(weight=weight, enabled=enabled)
+        self.delay_s = delay_s
+        self.hang_marker = hang_marker
+
+    async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> float:
+        if self.hang_marker in _conversation_text(ctx):
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.delay_s)
+        return 0.0
