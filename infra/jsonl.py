@@ -30,6 +30,7 @@ from infra.schema import (
     ModelResponse,
     ReadyTrajectory,
     TrajectoryMessage,
+    expand_turns,
 )
 
 __all__ = ["JsonlError", "parse", "load", "dump", "write", "KINDS"]
@@ -317,7 +318,7 @@ def dump_verdict(verdict: GroupVerdict, *, include_tokens: bool = False) -> dict
         if s.turn_results:
             entry["turn_results"] = msgspec.to_builtins(s.turn_results)
         if include_tokens:
-            entry["interactions"] = [_dump_interaction(i) for i in s.interactions]
+            entry["interactions"] = [_dump_interaction(i) for i in expand_turns(s.turns)]
         sessions.append(entry)
     return {
         "group_id": verdict.group_id,

@@ -326,14 +326,88 @@ class BranchResult(msgspec.Struct, frozen=True, kw_only=True):
     scorer_totals: dict[str, float]
 
 
+class TokenTurn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One turn of a concat-export session, stored without repeating its history.
+
+    In concat export a turn's input is its parent's input + output + ``prompt_delta``
+    (for a root, the delta is the whole prompt). Verdicts carry these instead of full
+    interactions: O(total tokens) instead of O(turns^2) bytes, and the trainer rebuilds
+    every sequence exactly with :func:`expand_turns`.
+    """
+
+    interaction_id: str
+    parent_id: str | None = None
+    prompt_delta_raw: bytes = msgspec.field(default=b"", name="prompt_delta")
+    output_tokens_raw: bytes = msgspec.field(default=b"", name="output_tokens")
+    output_logprobs_raw: bytes | None = msgspec.field(default=None, name="output_logprobs")
+    stop_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_delta_raw) % 4 or len(self.output_tokens_raw) % 4:
+            raise ValueError(f"turn {self.interaction_id!r}: token bytes are not a multiple of 4 (int32)")
+        if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(self.output_tokens_raw):
+            raise ValueError(f"turn {self.interaction_id!r}: output_logprobs length differs from output_tokens")
+
+
+class NotConcatExport(ValueError):
+    """A turn's input does not start with its parent's input + output."""
+
+
+def compact_turns(interactions: Sequence[Interaction]) -> list[TokenTurn]:
+    """Token-backed interactions -> :class:`TokenTurn`s, checking the concat-export prefix rule."""
+    by_id = {i.interaction_id: i for i in interactions}
+    turns: list[TokenTurn] = []
+    for it in topological_order(interactions):
+        mr = it.model_response
+        if mr is None:
+            raise NotConcatExport(f"interaction {it.interaction_id!r} has no model_response (not token-backed)")
+        start = 0
+        if it.parent_id is not None:
+            parent = by_id[it.parent_id].model_response
+            assert parent is not None  # checked when the parent was visited
+            start = parent.input_len + parent.output_len
+            if mr.input_len < start or mr.input_tokens_raw[: 4 * parent.input_len] != parent.input_tokens_raw or \
+                    mr.input_tokens_raw[4 * parent.input_len : 4 * start] != parent.output_tokens_raw:
+                raise NotConcatExport(
+                    f"interaction {it.interaction_id!r}: input does not start with parent "
+                    f"{it.parent_id!r}'s input + output (concat export required)"
+                )
+        turns.append(TokenTurn(
+            interaction_id=it.interaction_id, parent_id=it.parent_id,
+            prompt_delta_raw=mr.input_tokens_raw[4 * start :], output_tokens_raw=mr.output_tokens_raw,
+            output_logprobs_raw=mr.output_logprobs_raw, stop_reason=mr.stop_reason,
+        ))
+    return turns
+
+
+def expand_turns(turns: Sequence[TokenTurn]) -> list[Interaction]:
+    """Rebuild token-backed interactions (full input tokens) from :func:`compact_turns` output."""
+    inputs: dict[str, bytes] = {}
+    outputs: dict[str, bytes] = {}
+    out: list[Interaction] = []
+    for t in topological_order(turns):
+        prefix = b"" if t.parent_id is None else inputs[t.parent_id] + outputs[t.parent_id]
+        inputs[t.interaction_id] = prefix + t.prompt_delta_raw
+        outputs[t.interaction_id] = t.output_tokens_raw
+        out.append(Interaction(
+            interaction_id=t.interaction_id, parent_id=t.parent_id,
+            model_response=ModelResponse(
+                input_tokens_raw=inputs[t.interaction_id], output_tokens_raw=t.output_tokens_raw,
+                output_logprobs_raw=t.output_logprobs_raw, stop_reason=t.stop_reason,
+            ),
+        ))
+    return out
+
+
 SessionStatus = Literal["scored", "failed", "missing", "discarded", "pending"]
 
 
 class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One member's outcome inside a verdict, with everything the trainer needs.
 
-    ``interactions`` is the member's token-backed tree, so the verdicts topic alone
-    reproduces the trainer's batches. A failed member keeps its successful peers'
+    ``turns`` is the member's token-backed tree in compact form (:class:`TokenTurn`; use
+    :func:`expand_turns` for full interactions), so the verdicts topic alone reproduces
+    the trainer's batches. A failed member keeps its successful peers'
     ``turn_results``/``stats`` out: it carries none (no partial branch stats).
     """
 
@@ -347,7 +421,7 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     branches: list[BranchResult] = msgspec.field(default_factory=list)
     turn_results: list[PRMTurnResult] = msgspec.field(default_factory=list)
     stats: dict[str, float] = msgspec.field(default_factory=dict)
-    interactions: list[Interaction] = msgspec.field(default_factory=list)
+    turns: list[TokenTurn] = msgspec.field(default_factory=list)
     created_at: float = 0.0
     scored_at: float = 0.0
 
@@ -514,7 +588,7 @@ __all__ = [
     "SCHEMA_VERSION", "SCHEMA_HEADER", "KIND_HEADER", "SchemaError", "UnknownSchemaVersion",
     "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
     "DiscardGroup", "TrajectoryMessage", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
-    "BranchResult", "SessionResult", "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
+    "BranchResult", "TokenTurn", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult", "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
     "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",
     "headers_to_dict", "pack_array", "to_tensor", "to_builtins", "kind_of",
 ]

@@ -40,7 +40,7 @@ def assemble_verdict(group_id: str, state: dict[str, str], members: list[Session
     if decision == "discard":
         status, reason = "discarded", state.get("discard_reason") or "discarded"
         members = [
-            msgspec.structs.replace(m, status="discarded", branches=[], turn_results=[], stats={}, interactions=[])
+            msgspec.structs.replace(m, status="discarded", branches=[], turn_results=[], stats={}, turns=[])
             for m in members
         ]
     elif state.get("size_mismatch"):

@@ -46,11 +46,12 @@ from infra.schema import (
     DeadLetter,
     DiscardGroup,
     GroupVerdict,
-    Interaction,
+    NotConcatExport,
     ReadyTrajectory,
     SchemaError,
     ScorerInfo,
     SessionResult,
+    compact_turns,
     dead_letter_headers,
     decode_message,
     encode,
@@ -73,12 +74,6 @@ SWEEP_INTERVAL_S = 0.5
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def _strip_text(interaction: Interaction) -> Interaction:
-    """Verdicts carry tokens for the trainer, not chat text (the trajectories topic has it)."""
-    return Interaction(interaction_id=interaction.interaction_id, parent_id=interaction.parent_id,
-                       reward=interaction.reward, model_response=interaction.model_response)
 
 
 def failure_code(exc: BaseException) -> str:
@@ -319,8 +314,14 @@ class Worker:
         common = dict(
             session_id=traj.session_id, trajectory_id=traj.trajectory_id, outcome_reward=traj.outcome_reward,
             is_eval=traj.is_eval, policy_version=traj.policy_version, created_at=traj.created_at,
-            interactions=[_strip_text(i) for i in traj.interactions],
         )
+        try:
+            # Verdicts carry the token tree in compact concat form (no chat text, no
+            # repeated history); a tree that is not concat export cannot be trained on.
+            common["turns"] = compact_turns(traj.interactions)
+        except NotConcatExport as exc:
+            self.telemetry.member_failures.labels("not_concat_export").inc()
+            return SessionResult(status="failed", error=f"not_concat_export: {exc}", scored_at=time.time(), **common)
         if self._runner is None:  # scoring off: verdicts carry no token rewards
             return SessionResult(status="scored", scored_at=time.time(), **common)
         t0 = time.perf_counter()
@@ -334,7 +335,7 @@ class Worker:
             self.telemetry.member_failures.labels(code).inc()
             log.info("group=%s traj=%s: scoring failed: %s: %s", traj.group_id, traj.trajectory_id, code, exc)
             detail = str(exc) or type(exc).__name__
-            common["interactions"] = []
+            common["turns"] = []
             return SessionResult(status="failed", error=f"{code}: {detail}"[:2000], scored_at=time.time(), **common)
         self.telemetry.scoring_seconds.observe(time.perf_counter() - t0)
         self.telemetry.scored.inc()

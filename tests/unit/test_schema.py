@@ -32,6 +32,7 @@ from infra.schema import (
     ScorerInfo,
     SessionResult,
     TokenRewards,
+    TokenTurn,
     UnknownMessageKind,
     UnknownSchemaVersion,
     dead_letter_from_record,
@@ -146,7 +147,8 @@ class TestRoundTrip:
             )],
             turn_results=[PRMTurnResult(interaction_id="i1", scorer_name="length_budget", reward=-0.5, observations=obs)],
             stats={"prm/length_budget/over_budget/rate": 1.0},
-            interactions=[turn("i1"), turn("i2", "i1")],
+            turns=[TokenTurn(interaction_id="i1", prompt_delta_raw=b"\x01\x00\x00\x00", output_tokens_raw=b"\x02\x00\x00\x00"),
+                   TokenTurn(interaction_id="i2", parent_id="i1", output_tokens_raw=b"\x03\x00\x00\x00")],
             created_at=1.0, scored_at=2.0,
         )
         verdict = GroupVerdict(
@@ -440,3 +442,35 @@ class TestToTensor:
     def test_empty(self) -> None:
         t = to_tensor(np.zeros(0, np.float32))
         assert t.shape == (0,) and t.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- compact token turns
+def test_compact_turns_round_trip_a_branching_concat_tree() -> None:
+    from infra.schema import compact_turns, expand_turns
+    from producers.synthetic import make_session
+
+    traj = make_session(trajectory_id="t", session_id="s", group_id="g", group_size=1, turns=3, branch_at=0,
+                        output_tokens=5, prompt_tokens=4)
+    turns = compact_turns(traj.interactions)
+    root = next(t for t in turns if t.parent_id is None)
+    assert len(root.prompt_delta_raw) == 4 * 4  # a root's delta is its whole prompt
+    assert all(len(t.prompt_delta_raw) == 4 * 4 for t in turns if t.parent_id)  # 4 follow-up tokens each
+    rebuilt = {i.interaction_id: i.model_response for i in expand_turns(turns)}
+    for it in traj.interactions:
+        mr = it.model_response
+        assert rebuilt[it.interaction_id].input_tokens.tolist() == mr.input_tokens.tolist()
+        assert rebuilt[it.interaction_id].output_tokens.tolist() == mr.output_tokens.tolist()
+        assert rebuilt[it.interaction_id].output_logprobs.tolist() == mr.output_logprobs.tolist()
+    compact = sum(len(msgspec.msgpack.encode(t)) for t in turns)
+    full = sum(len(msgspec.msgpack.encode(i.model_response)) for i in traj.interactions)
+    assert compact < full  # history is not repeated
+
+
+def test_compact_turns_refuses_a_non_prefix_input() -> None:
+    from infra.schema import NotConcatExport, compact_turns
+
+    root = Interaction(interaction_id="a", model_response=ModelResponse.from_arrays([1, 2], [3]))
+    child = Interaction(interaction_id="b", parent_id="a",
+                        model_response=ModelResponse.from_arrays([1, 9, 3, 4], [5]))
+    with pytest.raises(NotConcatExport, match="'b': input does not start with parent 'a'"):
+        compact_turns([root, child])
