@@ -1,0 +1,350 @@
+"""JSONL interchange tests: the documented examples parse exactly, and every mistake a
+person can make in a hand-written file fails with the field path (and line) named."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from infra import jsonl
+from infra.jsonl import JsonlError, dump, load, parse, write
+from infra.schema import (
+    DiscardGroup,
+    Interaction,
+    ModelResponse,
+    ReadyTrajectory,
+    decode_message,
+    encode,
+)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "jsonl.md"
+
+READY: dict[str, Any] = {
+    "kind": "ready", "trajectory_id": "t1", "session_id": "s1", "group_id": "g1", "group_size": 2,
+    "outcome_reward": 1.0, "is_eval": False,
+    "interactions": [{
+        "interaction_id": "i1", "parent_id": None,
+        "messages": [{"role": "user", "content": "hi"}],
+        "output_message_list": [{"role": "assistant", "content": "hello"}],
+        "input_tokens": [1, 2], "output_tokens": [3, 4, 5], "output_logprobs": [-0.1, -0.2, -0.3],
+        "stop_reason": "stop",
+    }],
+}
+DISCARD: dict[str, Any] = {"kind": "discard", "group_id": "g1", "reason": "env crashed"}
+
+
+def ready(**overrides: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(READY)
+    obj.update(overrides)
+    return obj
+
+
+def with_turn(**overrides: Any) -> dict[str, Any]:
+    obj = ready()
+    obj["interactions"][0].update(overrides)
+    return obj
+
+
+def error(obj: Any) -> str:
+    with pytest.raises(JsonlError) as info:
+        parse(obj)
+    return str(info.value)
+
+
+def line(obj: Any) -> str:
+    return msgspec.json.encode(obj).decode()
+
+
+# --------------------------------------------------------------------------- happy paths
+def test_ready_from_the_doc_example() -> None:
+    msg = parse(READY)
+    assert isinstance(msg, ReadyTrajectory)
+    assert (msg.trajectory_id, msg.session_id, msg.group_id, msg.group_size) == ("t1", "s1", "g1", 2)
+    assert (msg.outcome_reward, msg.is_eval, msg.policy_version, msg.created_at) == (1.0, False, None, 0.0)
+    (it,) = msg.interactions
+    assert (it.interaction_id, it.parent_id, it.reward) == ("i1", None, None)
+    assert it.messages == [{"role": "user", "content": "hi"}]
+    assert it.output_message_list == [{"role": "assistant", "content": "hello"}]
+    mr = it.model_response
+    assert mr.input_tokens.dtype == np.dtype("<i4") and mr.input_tokens.tolist() == [1, 2]
+    assert mr.output_tokens.tolist() == [3, 4, 5]
+    np.testing.assert_array_equal(mr.output_logprobs, np.array([-0.1, -0.2, -0.3], dtype=np.float32))
+    assert mr.stop_reason == "stop"
+
+
+def test_discard_from_the_doc_example() -> None:
+    assert parse(DISCARD) == DiscardGroup(group_id="g1", reason="env crashed")
+    assert parse({"kind": "discard", "group_id": "g2"}) == DiscardGroup(group_id="g2")
+
+
+def test_doc_examples_are_the_ones_tested() -> None:
+    text = DOC.read_text()
+    assert '"output_tokens": [3, 4, 5]' in text and '{"kind": "discard", "group_id": "g1"' in text
+    assert "Verdict output (`prm-pipeline verdicts`)" in text
+
+
+def test_minimal_interaction_uses_defaults() -> None:
+    obj = ready(interactions=[{"interaction_id": "i1", "input_tokens": [], "output_tokens": [7]}])
+    del obj["is_eval"]
+    msg = parse(obj)
+    it = msg.interactions[0]
+    assert (it.parent_id, it.messages, it.output_message_list, it.reward) == (None, [], [], None)
+    assert it.model_response.output_logprobs is None and it.model_response.stop_reason is None
+    assert msg.is_eval is False
+
+
+def test_all_optional_fields() -> None:
+    obj = ready(policy_version=4, created_at=1700000000.5, is_eval=True)
+    obj["interactions"].append({
+        "interaction_id": "i2", "parent_id": "i1", "input_tokens": [1], "output_tokens": [],
+        "output_logprobs": [], "reward": -0.5, "stop_reason": "length",
+    })
+    msg = parse(obj)
+    assert (msg.policy_version, msg.created_at, msg.is_eval) == (4, 1700000000.5, True)
+    i2 = msg.interactions[1]
+    assert (i2.parent_id, i2.reward, i2.model_response.stop_reason) == ("i1", -0.5, "length")
+    assert i2.model_response.output_len == 0
+
+
+def test_int32_bounds_accepted() -> None:
+    mr = parse(with_turn(output_tokens=[2**31 - 1, -(2**31), 0], output_logprobs=None)).interactions[0].model_response
+    assert mr.output_tokens.tolist() == [2**31 - 1, -(2**31), 0]
+
+
+def test_integral_reward_accepted() -> None:
+    assert parse(ready(outcome_reward=1)).outcome_reward == 1.0
+
+
+# --------------------------------------------------------------------------- errors name the path
+def test_bad_token_type() -> None:
+    msg = error(with_turn(output_tokens=[3, "4", 5]))
+    assert msg.startswith("interactions[0].output_tokens: expected a list of integers")
+    assert "item 1" in msg
+
+
+@pytest.mark.parametrize("bad", [1.0, True, None])
+def test_non_integer_token(bad: Any) -> None:
+    assert error(with_turn(input_tokens=[1, bad])).startswith("interactions[0].input_tokens: expected a list of integers")
+
+
+def test_tokens_not_a_list() -> None:
+    assert error(with_turn(output_tokens="3 4 5")) == (
+        "interactions[0].output_tokens: expected a list of integers in int32 range, got str"
+    )
+
+
+def test_token_out_of_int32() -> None:
+    msg = error(with_turn(output_tokens=[3, 4, 2**31]))
+    assert msg.startswith("interactions[0].output_tokens:") and "int32" in msg and "item 2" in msg
+
+
+def test_bad_logprob_type() -> None:
+    assert error(with_turn(output_logprobs=[-0.1, "x", -0.3])).startswith(
+        "interactions[0].output_logprobs: expected a list of numbers"
+    )
+
+
+def test_logprobs_length_mismatch() -> None:
+    assert error(with_turn(output_logprobs=[-0.1])).startswith(
+        "interactions[0].output_logprobs: 1 values for 3 output tokens"
+    )
+
+
+def test_logprob_overflowing_float32() -> None:
+    assert "finite" in error(with_turn(output_logprobs=[-0.1, -1e39, -0.3]))
+
+
+def test_missing_trajectory_id() -> None:
+    obj = ready()
+    del obj["trajectory_id"]
+    assert error(obj) == "trajectory_id: missing required field"
+
+
+def test_missing_tokens() -> None:
+    obj = ready()
+    del obj["interactions"][0]["output_tokens"]
+    assert error(obj) == "interactions[0].output_tokens: missing required field"
+
+
+def test_empty_id() -> None:
+    assert error(ready(session_id="")).startswith("session_id:")
+    assert error(with_turn(interaction_id="")).startswith("interactions[0].interaction_id:")
+
+
+def test_unknown_top_level_key() -> None:
+    obj = ready()
+    obj["trajetory_id"] = obj.pop("trajectory_id")
+    msg = error(obj)
+    assert "unknown key 'trajetory_id'" in msg and "trajectory_id" in msg.split("allowed:")[1]
+
+
+def test_unknown_interaction_key() -> None:
+    msg = error(with_turn(stop_reasn="stop"))
+    assert msg.startswith("interactions[0]: unknown key 'stop_reasn'") and "stop_reason" in msg
+
+
+def test_unknown_discard_key() -> None:
+    assert "unknown key 'resaon'" in error({"kind": "discard", "group_id": "g", "resaon": "x"})
+
+
+def test_unknown_kind() -> None:
+    assert error(ready(kind="redy")) == "kind: unknown kind 'redy' (expected one of ['ready', 'discard'])"
+
+
+def test_missing_kind() -> None:
+    obj = ready()
+    del obj["kind"]
+    assert error(obj).startswith("kind: missing required field")
+
+
+def test_not_an_object() -> None:
+    assert error([READY]) == "expected a JSON object, got list"
+
+
+def test_wrong_scalar_type() -> None:
+    assert error(ready(is_eval="no")).startswith("is_eval: expected `bool`")
+    assert error(ready(group_size="2")).startswith("group_size: expected `int`")
+
+
+def test_group_size_zero() -> None:
+    assert error(ready(group_size=0)).startswith("group_size:")
+
+
+def test_nan_outcome_reward() -> None:
+    assert "outcome_reward must be finite" in error(ready(outcome_reward=math.nan))
+
+
+def test_nan_turn_reward() -> None:
+    assert error(with_turn(reward=math.inf)).startswith("interactions[0]:")
+
+
+def test_duplicate_interaction_ids() -> None:
+    obj = ready()
+    obj["interactions"].append(copy.deepcopy(obj["interactions"][0]))
+    assert "duplicate interaction_id 'i1'" in error(obj)
+
+
+def test_unknown_parent() -> None:
+    assert "unknown parent_id 'ghost'" in error(with_turn(parent_id="ghost"))
+
+
+def test_cyclic_parents() -> None:
+    obj = ready()
+    second = copy.deepcopy(obj["interactions"][0]) | {"interaction_id": "i2", "parent_id": "i1"}
+    obj["interactions"][0]["parent_id"] = "i2"
+    obj["interactions"].append(second)
+    assert "cycle" in error(obj)
+
+
+def test_empty_interactions() -> None:
+    assert "interactions must not be empty" in error(ready(interactions=[]))
+
+
+def test_errors_are_value_errors() -> None:
+    assert issubclass(JsonlError, ValueError)
+
+
+# --------------------------------------------------------------------------- files
+def test_load_reports_line_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl"
+    bad = with_turn(output_tokens=[3, "four", 5])
+    path.write_text("\n".join([line(READY), line(DISCARD), line(bad), line(READY)]) + "\n")
+    it = load(path)
+    assert isinstance(next(it), ReadyTrajectory)
+    assert isinstance(next(it), DiscardGroup)
+    with pytest.raises(JsonlError) as info:
+        next(it)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}:3: interactions[0].output_tokens: expected a list of integers")
+    assert ":3:" in msg
+
+
+def test_load_invalid_json(tmp_path: Path) -> None:
+    path = tmp_path / "broken.jsonl"
+    path.write_text(line(READY) + "\n{not json\n")
+    with pytest.raises(JsonlError, match=r"broken\.jsonl:2: invalid JSON"):
+        list(load(path))
+
+
+def test_load_same_messages_as_parse(tmp_path: Path) -> None:
+    for obj in (with_turn(stop_reasn="x"), ready(kind="nope"), ready(group_size=0)):
+        path = tmp_path / "one.jsonl"
+        path.write_text(line(obj) + "\n")
+        with pytest.raises(JsonlError) as info:
+            list(load(path))
+        assert str(info.value) == f"{path}:1: {error(obj)}"
+
+
+def test_load_skips_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "gaps.jsonl"
+    path.write_text("\n" + line(READY) + "\n   \n\t\n" + line(DISCARD) + "\n\n")
+    assert [type(m) for m in load(path)] == [ReadyTrajectory, DiscardGroup]
+
+
+def test_load_last_line_without_newline(tmp_path: Path) -> None:
+    path = tmp_path / "nolf.jsonl"
+    path.write_text(line(DISCARD))
+    assert list(load(path)) == [parse(DISCARD)]
+
+
+def test_load_is_lazy(tmp_path: Path) -> None:
+    path = tmp_path / "lazy.jsonl"
+    path.write_text(line(READY) + "\n" + "garbage\n")
+    assert isinstance(next(load(path)), ReadyTrajectory)  # line 2 is only read on demand
+
+
+# --------------------------------------------------------------------------- dump / write
+def test_dump_parse_round_trip() -> None:
+    obj = ready(policy_version=3, created_at=5.0)
+    obj["interactions"].append({"interaction_id": "i2", "parent_id": "i1", "input_tokens": [9],
+                                "output_tokens": [8, 7], "reward": 0.5})
+    msg = parse(obj)
+    dumped = dump(msg)
+    assert parse(dumped) == msg
+    assert dumped["interactions"][0]["output_tokens"] == [3, 4, 5]
+    assert type(dumped["interactions"][0]["output_tokens"][0]) is int
+    assert "output_logprobs" not in dumped["interactions"][1]
+    assert msgspec.json.decode(msgspec.json.encode(dumped)) == dumped  # plain JSON data
+    assert parse(DISCARD) == parse(dump(parse(DISCARD)))
+
+
+def test_dump_of_doc_example_matches_it() -> None:
+    dumped = dump(parse(READY))
+    expected = copy.deepcopy(READY)
+    del dumped["interactions"][0]["output_logprobs"], expected["interactions"][0]["output_logprobs"]
+    assert dumped == expected  # only float32 rounding of logprobs differs
+
+
+def test_dump_refuses_tokenless_interactions() -> None:
+    msg = ReadyTrajectory(trajectory_id="t", session_id="s", group_id="g", group_size=1,
+                          outcome_reward=0.0, interactions=[Interaction(interaction_id="x")])
+    with pytest.raises(JsonlError, match="'x' has no model_response"):
+        dump(msg)
+
+
+def test_write_then_load(tmp_path: Path) -> None:
+    big = ReadyTrajectory(
+        trajectory_id="t-big", session_id="s", group_id="g", group_size=1, outcome_reward=-1.0,
+        interactions=[Interaction(interaction_id="r", model_response=ModelResponse.from_arrays(
+            np.arange(100), np.arange(32_768) % 50_000, -np.ones(32_768, np.float32)))],
+    )
+    messages = [parse(READY), parse(DISCARD), big]
+    path = tmp_path / "out.jsonl"
+    assert write(path, messages) == 3
+    assert path.read_text().count("\n") == 3
+    assert list(load(path)) == messages
+
+
+def test_jsonl_and_wire_agree() -> None:
+    msg = parse(READY)
+    assert decode_message(*encode(msg)) == msg
+
+
+def test_public_api() -> None:
+    assert set(jsonl.__all__) >= {"JsonlError", "parse", "load", "dump", "write"}
