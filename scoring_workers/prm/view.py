@@ -1,0 +1,80 @@
+"""Branch-local, read-only views of interactions: what a scorer receives.
+
+:class:`infra.schema.Interaction` is a frozen wire struct without a ``parent`` link,
+and one interaction can sit on several root-to-leaf branches. The runner therefore
+builds one :class:`InteractionView` per (branch, turn): ``parent`` points at the
+previous view *of the same branch*, so a scorer walking up the chain never leaves its
+branch, and rewards it produces stay branch-local (seed 001, "Branches").
+
+The view keeps AReaL's attribute names (``interaction_id``, ``parent``, ``parent_id``,
+``messages``, ``output_message_list``, ``reward``, ``model_response``) so AReaL scorers
+port unchanged. ``model_response`` is the wire object itself: its token arrays are
+read-only numpy views over immutable bytes, so sharing it costs nothing and cannot be
+corrupted. ``messages`` / ``output_message_list`` are frozen lazily, on first access,
+and shared by every branch of one run: cheap scorers that only look at tokens never pay
+for freezing, and the frozen copies are immutable so sharing them is safe.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from scoring_workers.prm._frozen import freeze
+
+if TYPE_CHECKING:
+    from infra.schema import Interaction, ModelResponse
+
+__all__ = ["InteractionView", "MessageCache"]
+
+MessageCache = dict[str, tuple[Any, Any]]
+"""Per-run cache: interaction id -> (frozen messages, frozen output_message_list)."""
+
+
+class InteractionView:
+    """One turn as a scorer sees it (read-only; attribute assignment raises)."""
+
+    __slots__ = ("interaction_id", "parent", "parent_id", "reward", "model_response", "_source", "_cache")
+
+    interaction_id: str
+    parent: InteractionView | None
+    parent_id: str | None
+    reward: float | None
+    model_response: ModelResponse
+
+    def __init__(self, source: Interaction, parent: InteractionView | None, cache: MessageCache) -> None:
+        setattr_ = object.__setattr__
+        setattr_(self, "interaction_id", source.interaction_id)
+        setattr_(self, "parent", parent)
+        setattr_(self, "parent_id", source.parent_id)
+        setattr_(self, "reward", source.reward)
+        setattr_(self, "model_response", source.model_response)
+        setattr_(self, "_source", source)
+        setattr_(self, "_cache", cache)
+
+    def _frozen(self) -> tuple[Any, Any]:
+        entry = self._cache.get(self.interaction_id)
+        if entry is None:
+            entry = (freeze(self._source.messages), freeze(self._source.output_message_list))
+            self._cache[self.interaction_id] = entry
+        return entry
+
+    @property
+    def messages(self) -> tuple[dict[str, Any], ...]:
+        """The turn's input conversation, as a tuple of read-only dicts."""
+        return self._frozen()[0]
+
+    @property
+    def output_message_list(self) -> tuple[dict[str, Any], ...]:
+        """The turn's generated messages, as a tuple of read-only dicts."""
+        return self._frozen()[1]
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise AttributeError(f"interaction views are read-only (cannot set {name!r})")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"interaction views are read-only (cannot delete {name!r})")
+
+    def __repr__(self) -> str:
+        response = self.model_response
+        n = response.output_len if response is not None else None
+        return f"InteractionView(interaction_id={self.interaction_id!r}, parent_id={self.parent_id!r}, output_len={n})"
