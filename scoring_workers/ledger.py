@@ -24,12 +24,14 @@ the same ``(group_id, verdict_version)``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError
 
 from infra.config import RedisConfig
 from infra.redis import make_redis
@@ -43,8 +45,43 @@ if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 'duplicate' end
 return 'new'
 """
 
-# KEYS: state, members, done. ARGV: trajectory_id, blob, group_size, now_ms, deadline_ms, ttl_s
-_PARK = """
+# Shared by PARK (kind 'complete', when the last member lands) and DECIDE.
+# kind: complete (all members parked) | deadline (sweeper) | discard (DiscardGroup)
+_DECIDE_FN = """
+local function decide(kind, now, worker, scorers, reason, ttl)
+  if redis.call('EXISTS', KEYS[3]) == 1 then return {'done'} end
+  local st = redis.call('HGET', KEYS[1], 'status')
+  local outcome = 'decided_now'
+  if st == 'decided' then
+    outcome = 'already_decided'
+  else
+    if kind == 'deadline' then
+      if not st then return {'gone'} end
+      if tonumber(now) < tonumber(redis.call('HGET', KEYS[1], 'deadline')) then return {'not_due'} end
+    elseif kind == 'complete' then
+      if not st then return {'gone'} end
+      local size = tonumber(redis.call('HGET', KEYS[1], 'group_size'))
+      if not redis.call('HGET', KEYS[1], 'size_mismatch') and redis.call('HLEN', KEYS[2]) < size then
+        return {'incomplete'}
+      end
+    end
+    if not st then
+      redis.call('HSET', KEYS[1], 'group_size', '0', 'first_seen', now, 'deadline', now)
+    end
+    redis.call('HSET', KEYS[1], 'status', 'decided', 'decision', kind, 'decided_at', now,
+               'decided_by', worker, 'scorers', scorers, 'discard_reason', reason)
+    redis.call('EXPIRE', KEYS[1], ttl)
+    redis.call('EXPIRE', KEYS[2], ttl)
+  end
+  return {outcome, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+end
+"""
+
+# KEYS: state, members, done.
+# ARGV: trajectory_id, blob, group_size, now_ms, deadline_ms, ttl_s, worker_id, scorers_blob
+# Returns {outcome, complete, decision...}: the member that completes the group also
+# decides it in the same atomic step (one round trip for park + decide).
+_PARK = _DECIDE_FN + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'done', 0} end
 local st = redis.call('HGET', KEYS[1], 'status')
 if st == 'decided' then return {'decided', 0} end
@@ -54,7 +91,10 @@ local function complete()
   if mismatch or redis.call('HLEN', KEYS[2]) >= size then return 1 end
   return 0
 end
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return {'duplicate', complete()} end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
+  if complete() == 1 then return {'duplicate', 1, decide('complete', ARGV[4], ARGV[7], ARGV[8], '', ARGV[6])} end
+  return {'duplicate', 0}
+end
 if not st then
   redis.call('HSET', KEYS[1], 'status', 'open', 'group_size', ARGV[3], 'first_seen', ARGV[4], 'deadline', ARGV[5])
 elseif redis.call('HGET', KEYS[1], 'group_size') ~= ARGV[3] then
@@ -63,38 +103,13 @@ end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
-return {'parked', complete()}
+if complete() == 1 then return {'parked', 1, decide('complete', ARGV[4], ARGV[7], ARGV[8], '', ARGV[6])} end
+return {'parked', 0}
 """
 
 # KEYS: state, members, done. ARGV: kind, now_ms, worker_id, scorers_blob, discard_reason, ttl_s
-# kind: complete (last member parked) | deadline (sweeper) | discard (DiscardGroup)
-_DECIDE = """
-if redis.call('EXISTS', KEYS[3]) == 1 then return {'done'} end
-local st = redis.call('HGET', KEYS[1], 'status')
-local outcome = 'decided_now'
-if st == 'decided' then
-  outcome = 'already_decided'
-else
-  local kind = ARGV[1]
-  if kind == 'deadline' then
-    if not st then return {'gone'} end
-    if tonumber(ARGV[2]) < tonumber(redis.call('HGET', KEYS[1], 'deadline')) then return {'not_due'} end
-  elseif kind == 'complete' then
-    if not st then return {'gone'} end
-    local size = tonumber(redis.call('HGET', KEYS[1], 'group_size'))
-    if not redis.call('HGET', KEYS[1], 'size_mismatch') and redis.call('HLEN', KEYS[2]) < size then
-      return {'incomplete'}
-    end
-  end
-  if not st then
-    redis.call('HSET', KEYS[1], 'group_size', '0', 'first_seen', ARGV[2], 'deadline', ARGV[2])
-  end
-  redis.call('HSET', KEYS[1], 'status', 'decided', 'decision', kind, 'decided_at', ARGV[2],
-             'decided_by', ARGV[3], 'scorers', ARGV[4], 'discard_reason', ARGV[5])
-  redis.call('EXPIRE', KEYS[1], ARGV[6])
-  redis.call('EXPIRE', KEYS[2], ARGV[6])
-end
-return {outcome, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+_DECIDE = _DECIDE_FN + """
+return decide(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 """
 
 # KEYS: state, members, done. ARGV: verdict status, ttl_s
@@ -131,7 +146,14 @@ def _now_ms() -> int:
 
 
 class GroupLedger:
-    """Atomic, TTL'd group state in Redis. One instance per worker process."""
+    """Atomic, TTL'd group state in Redis. One instance per worker process.
+
+    Scripts are loaded once (``SCRIPT LOAD``) and called with ``EVALSHA`` inside
+    pipelines; after a Redis restart (``NOSCRIPT``) they are reloaded and the call is
+    repeated — every script is safe to repeat.
+    """
+
+    _SCRIPTS = {"probe": _PROBE, "park": _PARK, "decide": _DECIDE, "finish": _FINISH}
 
     def __init__(self, client: aioredis.Redis, cfg: RedisConfig) -> None:
         self.redis = client
@@ -139,11 +161,8 @@ class GroupLedger:
         self.prefix = cfg.key_prefix
         if "{" in self.prefix or "}" in self.prefix:
             raise ValueError("redis.key_prefix must not contain '{' or '}' (they select the cluster hash slot)")
-        self._probe = client.register_script(_PROBE)
-        self._park = client.register_script(_PARK)
-        self._decide = client.register_script(_DECIDE)
-        self._finish = client.register_script(_FINISH)
         self.deadlines_key = f"{self.prefix}:deadlines"
+        self._sha: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, cfg: RedisConfig) -> GroupLedger:
@@ -159,6 +178,31 @@ class GroupLedger:
     def _state_ttl(self, group_timeout_s: float) -> int:
         return int(group_timeout_s) + self.cfg.ttl_s
 
+    async def _load_scripts(self) -> None:
+        for name, body in self._SCRIPTS.items():
+            self._sha[name] = await self.redis.script_load(body)
+
+    async def _execute(self, build: Callable[[Pipeline], None]) -> list[Any]:
+        """Run one pipeline built by ``build``; reload scripts once on NOSCRIPT."""
+        if not self._sha:
+            await self._load_scripts()
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=False)
+            build(pipe)
+            try:
+                return await pipe.execute()
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self._load_scripts()  # Redis restarted without persistence of scripts
+            finally:
+                await pipe.reset()
+        raise AssertionError("unreachable")
+
+    def _call(self, pipe: Pipeline, script: str, group_id: str, *args: Any) -> None:
+        keys = self.keys(group_id)
+        pipe.evalsha(self._sha[script], len(keys), *keys, *args)
+
     # ---------------------------------------------------------------- reads
     async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Probe]:
         """Batched pre-check for one poll: ``(group_id, trajectory_id)`` -> what is known.
@@ -168,42 +212,49 @@ class GroupLedger:
         """
         if not items:
             return []
-        async with self.redis.pipeline(transaction=False) as pipe:
+
+        def build(pipe: Pipeline) -> None:
             for group_id, trajectory_id in items:
-                await self._probe(keys=self.keys(group_id), args=[trajectory_id], client=pipe)
-            results = await pipe.execute()
-        return [r.decode() if isinstance(r, bytes) else r for r in results]
+                self._call(pipe, "probe", group_id, trajectory_id)
+
+        return [r.decode() if isinstance(r, bytes) else r for r in await self._execute(build)]
 
     # ---------------------------------------------------------------- transitions
-    async def park(self, result: SessionResult, *, group_id: str, group_size: int,
-                   group_timeout_s: float) -> tuple[ParkOutcome, bool]:
-        """Store a member's result; returns ``(outcome, group_complete)``.
+    async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
+                   worker_id: str, scorers: bytes, republish_grace_s: float) -> tuple[ParkOutcome, Decision | None]:
+        """Store a member's result; if it completes the group, decide the group too.
 
-        The deadline index entry is added in the same round trip (``ZADD NX``).
+        Returns ``(outcome, decision)``; ``decision`` is set when the group is complete
+        (``decided_now`` for the caller that must publish). The deadline index entry is
+        added in the same round trip (``ZADD NX``).
         """
         now = _now_ms()
         deadline = now + int(group_timeout_s * 1000)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            await self._park(
-                keys=self.keys(group_id),
-                args=[result.trajectory_id, _ENCODER.encode(result), group_size, now, deadline,
-                      self._state_ttl(group_timeout_s)],
-                client=pipe,
-            )
+        ttl = self._state_ttl(group_timeout_s)
+
+        def build(pipe: Pipeline) -> None:
+            self._call(pipe, "park", group_id, result.trajectory_id, _ENCODER.encode(result), group_size, now,
+                       deadline, ttl, worker_id, scorers)
             pipe.zadd(self.deadlines_key, {group_id: deadline}, nx=True)
-            pipe.expire(self.deadlines_key, self._state_ttl(group_timeout_s))
-            (outcome, complete), *_ = await pipe.execute()
-        return outcome.decode(), bool(complete)
+            pipe.expire(self.deadlines_key, ttl)
+
+        raw, *_ = await self._execute(build)
+        outcome = raw[0].decode()
+        if len(raw) < 3:
+            return outcome, None
+        return outcome, await self._decision(group_id, raw[2], now, republish_grace_s)
 
     async def decide(self, group_id: str, kind: Literal["complete", "deadline", "discard"], *,
                      worker_id: str, scorers: bytes, discard_reason: str = "",
                      group_timeout_s: float, republish_grace_s: float) -> Decision:
         """Record the group's decision unless one exists; return the stored one either way."""
         now = _now_ms()
-        raw = await self._decide(
-            keys=self.keys(group_id),
-            args=[kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s)],
-        )
+        (raw,) = await self._execute(lambda pipe: self._call(
+            pipe, "decide", group_id, kind, now, worker_id, scorers, discard_reason,
+            self._state_ttl(group_timeout_s)))
+        return await self._decision(group_id, raw, now, republish_grace_s)
+
+    async def _decision(self, group_id: str, raw: list[Any], now: int, republish_grace_s: float) -> Decision:
         outcome = raw[0].decode()
         if outcome not in ("decided_now", "already_decided"):
             return Decision(outcome, group_id, {}, [])
@@ -219,10 +270,12 @@ class GroupLedger:
 
     async def finish(self, group_id: str, status: str, *, ttl_s: int | None = None) -> None:
         """After the verdict is acknowledged by Kafka: drop the group's state, leave a tombstone."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            await self._finish(keys=self.keys(group_id), args=[status, ttl_s or self.cfg.ttl_s], client=pipe)
+
+        def build(pipe: Pipeline) -> None:
+            self._call(pipe, "finish", group_id, status, ttl_s or self.cfg.ttl_s)
             pipe.zrem(self.deadlines_key, group_id)
-            await pipe.execute()
+
+        await self._execute(build)
 
     async def forget(self, group_id: str) -> None:
         """Drop a stale index entry (the group's keys expired or were finished)."""

@@ -301,14 +301,14 @@ class Worker:
             await self._decide_and_publish(traj.group_id, "complete")
             return
         result = await self._score(traj)
-        outcome, complete = await self.ledger.park(
-            result, group_id=traj.group_id, group_size=traj.group_size, group_timeout_s=wc.group_timeout_s
+        outcome, decision = await self.ledger.park(
+            result, group_id=traj.group_id, group_size=traj.group_size, group_timeout_s=wc.group_timeout_s,
+            worker_id=self.worker_id, scorers=self._scorers_blob, republish_grace_s=REPUBLISH_GRACE_S,
         )
         if outcome in ("done", "decided"):
             self.telemetry.deduplicated.inc()  # the group was decided while we scored
-            return
-        if complete:
-            await self._decide_and_publish(traj.group_id, "complete")
+        elif decision is not None and decision.outcome == "decided_now":
+            await self._publish(decision)  # this member completed the group
 
     async def _score(self, traj: ReadyTrajectory) -> SessionResult:
         common = dict(

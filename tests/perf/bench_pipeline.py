@@ -21,8 +21,6 @@ import time
 import uuid
 from pathlib import Path
 
-from aiokafka.structs import TopicPartition
-
 from infra.config import (
     ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
     RolloutConfig, TopicsConfig, WorkerConfig,
@@ -31,49 +29,9 @@ from infra.kafka import ensure_topics, make_consumer, make_producer
 from infra.local import LocalStack
 from infra.schema import ReadyTrajectory, encode
 from producers.publisher import TrajectoryPublisher
+from prm_pipeline.observe import VerdictTail
+from prm_pipeline.processes import WorkerProcesses, write_config
 from producers.synthetic import make_group
-
-
-class _VerdictTail:
-    """Records the arrival time of each group's first verdict."""
-
-    def __init__(self, cfg: PipelineConfig) -> None:
-        self.cfg = cfg
-        self.arrivals: dict[str, float] = {}
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self.consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=10)
-        await self.consumer.start()
-        parts = None
-        while not parts:
-            await self.consumer._client.force_metadata_update()  # noqa: SLF001
-            parts = self.consumer.partitions_for_topic(self.cfg.topics.verdicts)
-        self.consumer.assign([TopicPartition(self.cfg.topics.verdicts, p) for p in parts])
-        await self.consumer.seek_to_beginning()
-        self._task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        while not self._stop.is_set():
-            batch = await self.consumer.getmany(timeout_ms=50)
-            now = time.perf_counter()
-            for records in batch.values():
-                for r in records:
-                    self.arrivals.setdefault(r.key.decode(), now)
-
-    async def wait_for(self, groups: set[str], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not groups <= self.arrivals.keys():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(groups - self.arrivals.keys())} groups without verdict after {timeout_s}s")
-            await asyncio.sleep(0.01)
-
-    async def stop(self) -> None:
-        self._stop.set()
-        if self._task:
-            await self._task
-        await self.consumer.stop()
 
 
 def _config(stack: LocalStack, name: str, concurrency: int) -> PipelineConfig:
@@ -145,11 +103,8 @@ async def _runner_baseline(cfg: PipelineConfig, trajectories: list[ReadyTrajecto
 
 async def _pipeline(cfg: PipelineConfig, groups: list[list[ReadyTrajectory]], n_workers: int, workdir: Path,
                     latency_groups: int) -> tuple[float, list[float], float]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.integration.harness import WorkerProcesses, write_config
-
     procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=n_workers)
-    tail = _VerdictTail(cfg)
+    tail = VerdictTail(cfg)
     procs.start()
     try:
         await tail.start()

@@ -1,0 +1,67 @@
+"""Watching the verdicts topic from the outside: arrival times per group (demo, benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiokafka.structs import TopicPartition
+
+from infra.config import PipelineConfig
+from infra.kafka import make_consumer
+from infra.schema import GroupVerdict, SchemaError, decode_verdict
+
+
+class VerdictTail:
+    """Records each group's first verdict and its arrival time (``time.perf_counter``).
+
+    Reads with no consumer group from the beginning, so it never disturbs anyone's
+    offsets and sees verdicts published before it started.
+    """
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        self.cfg = cfg
+        self.arrivals: dict[str, float] = {}
+        self.verdicts: dict[str, GroupVerdict] = {}
+        self.records = 0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=10)
+        await self.consumer.start()
+        parts = None
+        while not parts:
+            await self.consumer._client.force_metadata_update()  # noqa: SLF001
+            parts = self.consumer.partitions_for_topic(self.cfg.topics.verdicts)
+        self.consumer.assign([TopicPartition(self.cfg.topics.verdicts, p) for p in parts])
+        await self.consumer.seek_to_beginning()
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            batch = await self.consumer.getmany(timeout_ms=50)
+            now = time.perf_counter()
+            for records in batch.values():
+                for r in records:
+                    self.records += 1
+                    try:
+                        verdict = decode_verdict(r.value, r.headers)
+                    except SchemaError:
+                        continue
+                    if verdict.group_id not in self.arrivals:
+                        self.arrivals[verdict.group_id] = now
+                        self.verdicts[verdict.group_id] = verdict
+
+    async def wait_for(self, groups: set[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not groups <= self.arrivals.keys():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(groups - self.arrivals.keys())} groups without verdict after {timeout_s}s")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task:
+            await self._task
+        await self.consumer.stop()
