@@ -130,6 +130,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     poll_max_records: int = 256
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None
+    # Scorer classes may be imported only from these module prefixes (configs are code
+    # execution otherwise; trajectory payloads never name code). Add your own package.
+    allowed_scorer_modules: list[str] = msgspec.field(default_factory=lambda: ["scoring_workers.scorers"])
+    # Dead letters keep at most this many bytes of the original record (a header says so).
+    dead_letter_max_bytes: int = 1_048_576
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -462,6 +462,7 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 1
     worker_id: str = ""
     original_headers: dict[str, str] = msgspec.field(default_factory=dict)
+    original_size: int = -1  # bytes of the original value when ``payload`` was truncated
 
 
 # --------------------------------------------------------------------------- codecs
@@ -554,6 +555,8 @@ def dead_letter_headers(letter: DeadLetter) -> list[tuple[str, bytes]]:
         "prm-dl-attempt": str(letter.attempt),
         "prm-dl-worker-id": letter.worker_id,
     }
+    if letter.original_size >= 0:
+        fields["prm-dl-original-size"] = str(letter.original_size)
     headers = [(k, v.encode()) for k, v in fields.items()]
     headers += [(f"prm-dl-orig-{k}", v.encode()) for k, v in letter.original_headers.items()]
     return headers
@@ -572,6 +575,7 @@ def dead_letter_from_record(value: bytes | None, headers: Headers) -> DeadLetter
         attempt=int(h.get("prm-dl-attempt", "1")),
         worker_id=h.get("prm-dl-worker-id", ""),
         original_headers={k[len("prm-dl-orig-"):]: v for k, v in h.items() if k.startswith("prm-dl-orig-")},
+        original_size=int(h.get("prm-dl-original-size", "-1")),
     )
 
 

@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write to FILE instead of stdout")
     p.set_defaults(func=cmd_verdicts)
 
+    from shaper.trainer import add_trainer_parser
+
+    add_trainer_parser(sub)
+
     p = sub.add_parser("demo", help="run the end-to-end demo on the embedded stack")
     p.add_argument("--groups", type=int, default=None, help="number of groups to publish")
     p.set_defaults(func=cmd_demo)

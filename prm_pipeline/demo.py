@@ -84,17 +84,28 @@ async def _run(cfg: PipelineConfig, workdir: Path, n_groups: int) -> int:
 
     procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=2)
     procs.start()
-    print(f"started 2 scoring workers (logs in {workdir})")
     tail = VerdictTail(cfg)
     await tail.start()
+    async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:  # a discarded probe: workers are up
+        await pub.discard_group("demo-warmup", "warm-up probe")
+    await tail.wait_for({"demo-warmup"}, timeout_s=60)
+    print(f"started 2 scoring workers (logs in {workdir})")
     plan, expect = synthetic_proxy(n_groups, 4)
     n_traj = sum(1 for wave in plan for m in wave if isinstance(m, ReadyTrajectory))
 
-    def on_step(report) -> None:  # noqa: ANN001
-        print("  " + format_step(report))
-
+    n_accepted = sum(1 for status, _ in expect.values() if status == "accepted")
     stop_trainer = asyncio.Event()
-    trainer = asyncio.create_task(run_trainer(cfg, on_step=on_step, stop=stop_trainer, idle_timeout_s=3.0,
+    trained = 0
+
+    def on_step(report) -> None:  # noqa: ANN001
+        nonlocal trained
+        trained += report.groups
+        print("  " + format_step(report))
+        if trained >= n_accepted:
+            stop_trainer.set()  # every accepted group reached the trainer
+    # The trainer runs beside the workers; after 5 s without verdicts it trains on the
+    # last partial batch and ends (or earlier, once every accepted group reached it).
+    trainer = asyncio.create_task(run_trainer(cfg, on_step=on_step, stop=stop_trainer, idle_timeout_s=5.0,
                                               batch_groups=cfg.trainer.batch_groups))
     sent_at: dict[str, float] = {}
     try:
@@ -103,20 +114,18 @@ async def _run(cfg: PipelineConfig, workdir: Path, n_groups: int) -> int:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             for wave in plan:
                 await pub.publish_many(wave)
+                sent_at[wave[0].group_id] = time.perf_counter()  # queued; acked later (conservative)
             await pub.flush()
-            for wave in plan:
-                sent_at[wave[0].group_id] = time.perf_counter()  # flushed: all acknowledged by now
         publish_s = time.perf_counter() - t0
         print(f"published in {publish_s:.2f}s; trainer steps:")
         await tail.wait_for(set(expect), timeout_s=DEMO_GROUP_TIMEOUT_S + 90)
-        stop_trainer.set()
-        summary = await trainer
+        summary = await asyncio.wait_for(trainer, timeout=60)
     finally:
         stop_trainer.set()
         await tail.stop()
         codes = procs.stop()
 
-    verdicts = tail.verdicts
+    verdicts = {g: v for g, v in tail.verdicts.items() if g in expect}
     by_status = collections.Counter(v.status for v in verdicts.values())
     by_reason = collections.Counter((v.status, v.reason.split(":", 1)[0]) for v in verdicts.values() if v.reason)
     wrong = {g: (expect[g], (v.status, v.reason)) for g, v in verdicts.items()
@@ -129,7 +138,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, n_groups: int) -> int:
     print(f"  verdicts: {dict(by_status)}  (distinct groups {len(verdicts)}, records read {tail.records})")
     for (status, reason), n in sorted(by_reason.items()):
         print(f"    {status:9} {reason:22} {n}")
-    print(f"  trainer: {summary.steps} steps, {summary.groups} groups, {summary.rows} rows, {summary.tokens} "
+    print(f"  trainer: {summary.steps} steps ({summary.stop_reason}), {summary.groups} groups, {summary.rows} rows, {summary.tokens} "
           f"loss tokens on {summary.device}, mode {summary.mode}")
     print(f"  throughput: {n_traj / (done - t0):.0f} trajectories/s publish-to-verdict "
           f"(groups waiting for a missing member excluded)")

@@ -4,13 +4,22 @@ Reads with a throw-away consumer (no consumer group, nothing committed), so dump
 never disturbs the trainer's offsets. "Only new verdicts" is implemented as "records
 timestamped after start-up", read from the beginning: the embedded broker reports
 wrong end offsets, and timestamps work the same on every broker.
+
+``--since TIME`` (:func:`parse_time`: ISO-8601 or a relative age such as ``15m``,
+``2h``, ``1d12h``) keeps records timestamped at or after TIME. Where the broker can
+look the time up (``offsets_for_times``) reading starts there; the timestamp filter
+still applies, so a broker that answers wrongly (the embedded one returns offset 0 for
+future times) only costs a longer read, never a wrong answer.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import re
 import sys
 import time
+from datetime import datetime
 from typing import IO
 
 import msgspec
@@ -19,6 +28,51 @@ from infra.config import PipelineConfig
 from infra.jsonl import dump_verdict
 from infra.kafka import make_consumer
 from infra.schema import SchemaError, decode_verdict
+
+_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0, "w": 604_800.0}
+_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
+
+
+def parse_time(text: str, *, now: float | None = None) -> int:
+    """A ``--since`` value -> Unix time in milliseconds (Kafka record timestamps).
+
+    Accepted forms:
+
+    * a relative age, one or more ``<number><unit>`` with units ``ms s m h d w``:
+      ``15m``, ``2h``, ``1d12h``, ``1.5h`` (meaning *that long before now*);
+    * ISO-8601: ``2026-11-30``, ``2026-11-30T14:05``, ``2026-11-30T14:05:00Z``,
+      ``2026-11-30 14:05:00+01:00``. A time without a zone is the machine's local time.
+
+    Raises :class:`ValueError` with the accepted forms for anything else, and for a
+    time in the future (it would select nothing).
+    """
+    raw = text.strip()
+    now_s = time.time() if now is None else now
+    if not raw:
+        raise ValueError("empty time; use ISO-8601 (2026-11-30T14:05:00Z) or an age like 15m, 2h, 1d")
+    compact = raw.replace(" ", "")
+    if "".join(m.group(0) for m in _RELATIVE.finditer(compact)) == compact:
+        seconds = sum(float(n) * _UNITS_S[u] for n, u in _RELATIVE.findall(compact))
+        return int(round((now_s - seconds) * 1000))
+    try:
+        when = datetime.fromisoformat(raw.replace("z", "Z"))
+    except ValueError:
+        raise ValueError(
+            f"cannot read time {text!r}; use ISO-8601 (2026-11-30T14:05:00Z, 2026-11-30 14:05, "
+            "2026-11-30) or an age before now like 90s, 15m, 2h, 1d12h"
+        ) from None
+    ms = int(round(when.timestamp() * 1000))  # naive -> local time (datetime's rule)
+    if ms > now_s * 1000 + 1000:
+        raise ValueError(f"time {text!r} is in the future; nothing would be selected")
+    return ms
+
+
+def since_arg(text: str) -> int:
+    """``argparse`` ``type=`` for ``--since``: :func:`parse_time` with an argparse error."""
+    try:
+        return parse_time(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_count: int | None,
@@ -34,8 +88,11 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
             partitions = consumer.partitions_for_topic(cfg.topics.verdicts)
         from aiokafka.structs import TopicPartition
 
-        consumer.assign([TopicPartition(cfg.topics.verdicts, p) for p in sorted(partitions)])
+        tps = [TopicPartition(cfg.topics.verdicts, p) for p in sorted(partitions)]
+        consumer.assign(tps)
         await consumer.seek_to_beginning()
+        if since_ms is not None:
+            await seek_to_time(consumer, tps, since_ms)
         last_new = time.monotonic()
         encoder = msgspec.json.Encoder()
         while max_count is None or count < max_count:
@@ -60,6 +117,20 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
     finally:
         await consumer.stop()
     return count
+
+
+async def seek_to_time(consumer, tps, since_ms: int) -> None:  # noqa: ANN001 - aiokafka types
+    """Start each partition at its first record timestamped >= ``since_ms`` where the
+    broker can say; otherwise leave it where it is (callers also filter by timestamp)."""
+    try:
+        found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
+    except Exception as exc:  # noqa: BLE001 - an optimisation only: an old/partial broker may refuse
+        print(f"offsets_for_times unavailable ({type(exc).__name__}: {exc}); reading from the beginning",
+              file=sys.stderr)
+        return
+    for tp, hit in found.items():
+        if hit is not None and hit.offset > 0:
+            consumer.seek(tp, hit.offset)
 
 
 def dump_verdicts(cfg: PipelineConfig, *, from_beginning: bool, max_count: int | None, timeout_s: float | None,

@@ -1,12 +1,20 @@
-"""Worker counters and histograms, exported in Prometheus format on ``/metrics``.
+"""Worker counters, histograms and health, served over HTTP for Prometheus and Kubernetes.
 
-Each :class:`WorkerTelemetry` owns its registry, so several workers in one process (tests,
-benchmarks) never share counters.
+``GET /metrics`` (Prometheus text format), ``GET /healthz`` (liveness: the worker's event
+loop ticked recently) and ``GET /readyz`` (readiness: the consumer joined its group and
+polls). Each :class:`WorkerTelemetry` owns its registry, so several workers in one
+process (tests, benchmarks) never share counters.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LIVENESS_STALE_S = 30.0
 
 
 class WorkerTelemetry:
@@ -27,9 +35,49 @@ class WorkerTelemetry:
         self.in_flight = Gauge("prm_worker_in_flight", "Records being processed", registry=r)
         self.lag = Gauge("prm_worker_consumer_lag", "highwater - committed offset", ["topic", "partition"], registry=r)
 
-    def serve(self, port: int) -> None:
-        """Expose ``/metrics`` on ``port`` (0 picks a free one) in a background thread."""
-        start_http_server(port, registry=self.registry)
+        self.last_tick = time.monotonic()
+        self.ready = False
+        self._server: ThreadingHTTPServer | None = None
+
+    def tick(self) -> None:
+        """Called by the worker loop on every poll: proof of life for ``/healthz``."""
+        self.last_tick = time.monotonic()
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``/metrics``, ``/healthz``, ``/readyz`` on ``port`` (0 = any) in a thread; returns the port."""
+        telemetry = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if self.path == "/metrics":
+                    self._reply(200, generate_latest(telemetry.registry), CONTENT_TYPE_LATEST)
+                elif self.path == "/healthz":
+                    alive = time.monotonic() - telemetry.last_tick < LIVENESS_STALE_S
+                    self._reply(200 if alive else 503, b"ok\n" if alive else b"event loop stalled\n")
+                elif self.path == "/readyz":
+                    self._reply(200 if telemetry.ready else 503, b"ready\n" if telemetry.ready else b"starting\n")
+                else:
+                    self._reply(404, b"not found\n")
+
+            def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:  # probes every few seconds: keep logs quiet
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=self._server.serve_forever, name="prm-telemetry", daemon=True).start()
+        return self._server.server_address[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
     def snapshot(self) -> dict[str, float]:
         """Flat ``name{labels}`` -> value, for logs and tests."""

@@ -42,6 +42,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.config import PipelineConfig
 from infra.kafka import make_consumer, make_producer
+from infra.offsets import OffsetTracker
 from infra.schema import (
     DeadLetter,
     DiscardGroup,
@@ -58,7 +59,6 @@ from infra.schema import (
     headers_to_dict,
 )
 from scoring_workers.ledger import Decision, GroupLedger
-from scoring_workers.offsets import OffsetTracker
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.verdicts import assemble_verdict, encode_scorers
 
@@ -119,7 +119,7 @@ class Worker:
         if self._runner is None and cfg.prm.active:
             from scoring_workers.prm import PRMRunner
 
-            self._runner = await PRMRunner.create(cfg.prm)
+            self._runner = await PRMRunner.create(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
         if self._runner is not None:
             self._scorers_blob = encode_scorers(
                 [ScorerInfo(s.name, s.version) for s in self._runner.scorer_infos()]
@@ -128,7 +128,7 @@ class Worker:
         self.producer = make_producer(cfg.kafka)
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
         if cfg.worker.metrics_port is not None:
-            self.telemetry.serve(cfg.worker.metrics_port)
+            self.metrics_port = self.telemetry.serve(cfg.worker.metrics_port)
         await self.producer.start()
         try:
             self.consumer.subscribe([cfg.topics.trajectories], listener=_Rebalance(self))
@@ -143,14 +143,18 @@ class Worker:
             await self.ledger.aclose()
             if self._owns_runner and self._runner is not None:
                 await self._runner.aclose()
+            self.telemetry.ready = False
+            self.telemetry.close()
             log.info("worker %s stopped: %s", self.worker_id, self.telemetry.snapshot())
 
     async def _loop(self, stop: asyncio.Event) -> None:
         last_sweep = last_lag = 0.0
         sweeper: asyncio.Task[None] | None = None
         self.ready.set()
+        self.telemetry.ready = True
         log.info("worker %s polling %s", self.worker_id, self.cfg.topics.trajectories)
         while not stop.is_set():
+            self.telemetry.tick()
             self._apply_backpressure()
             room = max(1, self.concurrency - len(self._tasks))
             batch = await self.consumer.getmany(
@@ -396,8 +400,13 @@ class Worker:
 
     async def _dead_letter(self, record: ConsumerRecord, error: BaseException, attempt: int) -> None:
         cause = error.cause if isinstance(error, _ProcessingError) else error
+        payload = record.value or b""
+        cap = self.cfg.worker.dead_letter_max_bytes
+        original_size = -1
+        if len(payload) > cap:  # keep the dead-letter topic within the broker's limits
+            original_size, payload = len(payload), payload[:cap]
         letter = DeadLetter(
-            payload=record.value or b"",
+            payload=payload,
             error_class=type(cause).__name__,
             error_message=str(cause),
             source_topic=record.topic,
@@ -406,6 +415,7 @@ class Worker:
             attempt=attempt,
             worker_id=self.worker_id,
             original_headers=headers_to_dict(record.headers),
+            original_size=original_size,
         )
         await self.producer.send_and_wait(
             self.cfg.topics.dead_letters, letter.payload, key=record.key, headers=dead_letter_headers(letter)

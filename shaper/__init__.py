@@ -2,27 +2,39 @@
 
 * :mod:`shaper.shaping` — pure, vectorised torch functions (shift, shape, GRPO).
 * :mod:`shaper.filters` — complete-group filters and their decision counters.
-* :mod:`shaper.metrics` — count-weighted merging of worker stats.
+* :mod:`shaper.metrics` — count-weighted merging of worker stats (:class:`VerdictMetrics`).
+* :mod:`shaper.batch` — concat export of accepted verdicts into padded :class:`TrainingBatch` es.
+* :mod:`shaper.consumer` — :class:`VerdictConsumer`: deduplicated batches from ``prm.verdicts``.
+* :mod:`shaper.trainer` — the reference trainer loop (:func:`run_trainer`) and its CLI.
 """
 
 from __future__ import annotations
 
 from . import filters
-from .metrics import merge_stats
+from .batch import ConcatExportError, ExportedGroup, TrainingBatch, build_training_batch, collate, export_group
+from .consumer import DedupeStore, SqliteDedupeStore, VerdictConsumer
+from .metrics import VerdictMetrics, merge_stats
 from .shaping import SHAPING_MODES, grpo_outcome_advantages, shape_advantages, shift_token_rewards
-
-# --- trainer-side consumer exports (VerdictConsumer, TrainingBatch) ------------
-# Reserved for shaper/consumer.py and shaper/batch.py, owned by the lead.  Add
-#   from .consumer import VerdictConsumer
-#   from .batch import TrainingBatch
-# here (and to __all__) once those modules exist.
-# -------------------------------------------------------------------------------
+from .trainer import TrainerSummary, add_trainer_parser, run_trainer
 
 __all__ = [
     "SHAPING_MODES",
+    "ConcatExportError",
+    "DedupeStore",
+    "ExportedGroup",
+    "SqliteDedupeStore",
+    "TrainerSummary",
+    "TrainingBatch",
+    "VerdictConsumer",
+    "VerdictMetrics",
+    "add_trainer_parser",
+    "build_training_batch",
+    "collate",
+    "export_group",
     "filters",
     "grpo_outcome_advantages",
     "merge_stats",
+    "run_trainer",
     "shape_advantages",
     "shift_token_rewards",
 ]

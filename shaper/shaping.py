@@ -58,7 +58,7 @@ def shift_token_rewards(token_rewards: Tensor) -> Tensor:
     """
     if token_rewards.dim() < 1:
         raise ValueError(
-            f"token_rewards must have at least one dimension (…, T); got a 0-d tensor"
+            "token_rewards must have at least one dimension (…, T); got a 0-d tensor"
         )
     out = torch.zeros_like(token_rewards)
     if token_rewards.shape[-1] > 1:

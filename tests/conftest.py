@@ -61,5 +61,6 @@ def pipeline_config(kafka_bootstrap: str, redis_url: str, unique_name: str) -> P
             dead_letters=f"dlq.{unique_name}",
             partitions=4,
         ),
-        worker=WorkerConfig(group_id=f"workers.{unique_name}", scorer_timeout_s=10, group_timeout_s=30),
+        worker=WorkerConfig(group_id=f"workers.{unique_name}", scorer_timeout_s=10, group_timeout_s=30,
+                            allowed_scorer_modules=["scoring_workers.scorers", "tests.scorers"]),
     )

@@ -41,7 +41,8 @@ def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
         redis=RedisConfig(url=redis_url, key_prefix=f"prm-test:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             partitions=4),
-        worker=WorkerConfig(group_id=f"workers.{name}", scorer_timeout_s=5, group_timeout_s=GROUP_TIMEOUT_S),
+        worker=WorkerConfig(group_id=f"workers.{name}", scorer_timeout_s=5, group_timeout_s=GROUP_TIMEOUT_S,
+                            allowed_scorer_modules=["scoring_workers.scorers", "tests.scorers"]),
     )
 
 

@@ -1,6 +1,6 @@
 from aiokafka.structs import TopicPartition
 
-from scoring_workers.offsets import OffsetTracker
+from infra.offsets import OffsetTracker
 
 TP = TopicPartition("t", 0)
 TP1 = TopicPartition("t", 1)

@@ -7,7 +7,6 @@ import asyncio
 import logging
 from typing import Any
 
-import numpy as np
 import pytest
 
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory

@@ -1,0 +1,150 @@
+"""PRM + OPD combined token signals (seed 002, section 5), pure and vectorised.
+
+OPD's token signal ``teacher_lp - rollout_lp`` says *how* each token should change,
+but it is conditioned on everything the policy wrote before: once a turn went wrong,
+the teacher's opinion of later tokens is "cascade-contaminated". A turn-level PRM
+(the judge's ``+1/0/-1`` per turn) says *where* things went wrong. Two ways to
+combine them:
+
+:func:`prm_gated_opd` (seed 5.2, "PRM as OPD's validity gate")
+    walking a branch's turns in order: a turn the judge scored ``> 0`` keeps its OPD
+    token signals; the **first** turn scored ``<= 0`` gets a uniform ``penalty``
+    (``-1``) on every token, and every later turn of the branch gets ``0`` — the
+    cascade is cut there.
+:func:`prm_weighted_opd` (seed 5.3, "hierarchical advantage")
+    token signal = turn score × OPD token signal: the PRM decides the weight and sign
+    of a turn, OPD the direction inside it.
+
+Inputs (one row per branch/sequence; every tensor on the same device):
+
+``opd_token_signals``  ``[B, T]`` float — OPD signal per token (0 where undefined).
+``turn_scores``        ``[B, K]`` float — judge score of turn ``k`` of row ``b``;
+                       turns are numbered in branch order (``k = 0`` is the first).
+``turn_index``         ``[B, T]`` integer — the turn each token belongs to, ``-1``
+                       for prompt / padding / non-output positions; ``< K``.
+``loss_mask``          ``[B, T]`` bool or numeric — non-zero = trained position.
+
+Positions with ``turn_index == -1`` or ``loss_mask == 0`` are always ``0`` in the
+output. Apply these functions to signals in the *generated-token* alignment and shift
+the result with :func:`shaper.shaping.shift_token_rewards` (or shift all inputs
+consistently): they are position-wise, so either order gives the same result.
+
+Like :mod:`shaper.shaping`, nothing here loops over rows or tokens in Python; the only
+host synchronisation is the range check of ``turn_index`` (a bad index must raise,
+not silently gather another turn's score).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["prm_gated_opd", "prm_weighted_opd"]
+
+
+def _check(opd: Tensor, turn_scores: Tensor, turn_index: Tensor, loss_mask: Tensor) -> None:
+    if opd.dim() != 2:
+        raise ValueError(f"opd_token_signals must be 2-D [B, T]; got shape {tuple(opd.shape)}")
+    if not opd.is_floating_point():
+        raise ValueError(f"opd_token_signals must be floating point, got dtype {opd.dtype}")
+    if tuple(turn_index.shape) != tuple(opd.shape) or tuple(loss_mask.shape) != tuple(opd.shape):
+        raise ValueError(
+            "opd_token_signals, turn_index and loss_mask must have the same [B, T] shape; got "
+            f"{tuple(opd.shape)}, {tuple(turn_index.shape)}, {tuple(loss_mask.shape)}"
+        )
+    if turn_scores.dim() != 2 or turn_scores.shape[0] != opd.shape[0]:
+        raise ValueError(
+            f"turn_scores must be [B, K] with B = {opd.shape[0]}; got shape {tuple(turn_scores.shape)}"
+        )
+    if turn_index.dtype.is_floating_point or turn_index.dtype == torch.bool or turn_index.is_complex():
+        raise ValueError(f"turn_index must be an integer tensor, got dtype {turn_index.dtype}")
+    devices = {opd.device, turn_scores.device, turn_index.device, loss_mask.device}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on the same device; got {sorted(map(str, devices))}")
+    if turn_index.numel():
+        lo, hi = (int(v) for v in turn_index.aminmax())
+        k = turn_scores.shape[1]
+        if lo < -1 or hi >= k:
+            raise ValueError(
+                f"turn_index must lie in [-1, K) with K = {k} turns; found values in [{lo}, {hi}]"
+            )
+
+
+def _token_turns(turn_scores: Tensor, turn_index: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(active, k)``: trained output positions and their turn index clamped to ``>= 0``."""
+    mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
+    active = mask & (turn_index >= 0)
+    return active, turn_index.clamp(min=0).to(torch.long)
+
+
+def prm_weighted_opd(
+    opd_token_signals: Tensor, turn_scores: Tensor, turn_index: Tensor, loss_mask: Tensor
+) -> Tensor:
+    """``turn_scores[b, turn_index[b, t]] * opd_token_signals[b, t]`` on active positions, else 0.
+
+    Returns a new ``[B, T]`` tensor with ``opd_token_signals``' dtype and device.
+    """
+    _check(opd_token_signals, turn_scores, turn_index, loss_mask)
+    active, k = _token_turns(turn_scores, turn_index, loss_mask)
+    if turn_scores.shape[1] == 0:  # no turns: every position is inactive
+        return torch.zeros_like(opd_token_signals)
+    per_token = torch.gather(turn_scores.to(opd_token_signals.dtype), 1, k)
+    return torch.where(active, per_token * opd_token_signals, torch.zeros_like(opd_token_signals))
+
+
+def prm_gated_opd(
+    opd_token_signals: Tensor,
+    turn_scores: Tensor,
+    turn_index: Tensor,
+    loss_mask: Tensor,
+    *,
+    penalty: float = -1.0,
+    turn_mask: Tensor | None = None,
+) -> Tensor:
+    """Gate OPD signals by the PRM, turn by turn, cutting the cascade at the first bad turn.
+
+    For row ``b``, let ``f`` be its first turn with ``turn_scores[b, f] <= 0`` (a
+    neutral ``0`` counts as not good, as in the seed). Then, on active positions:
+
+    * tokens of turns ``k < f`` (all judged good) get their OPD signal;
+    * tokens of turn ``f`` get ``penalty`` (default ``-1``) — a uniform penalty that
+      does not use the contaminated teacher log-probs;
+    * tokens of turns ``k > f`` get ``0``.
+
+    ``turn_mask`` (optional ``[B, K]`` bool) marks turns that were actually judged;
+    an unjudged turn (e.g. the branch's last turn, which has no next state and scores
+    ``0`` by convention) neither passes OPD (its tokens get ``0``) nor cuts the
+    cascade. Without it every turn counts as judged, exactly as in the seed.
+    A NaN score counts as not good.
+
+    Returns a new ``[B, T]`` tensor with ``opd_token_signals``' dtype and device.
+    """
+    _check(opd_token_signals, turn_scores, turn_index, loss_mask)
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+        raise ValueError(f"penalty must be a finite number, got {penalty!r}")
+    b, num_turns = turn_scores.shape
+    if turn_mask is None:
+        judged = torch.ones_like(turn_scores, dtype=torch.bool)
+    else:
+        if tuple(turn_mask.shape) != (b, num_turns) or turn_mask.device != turn_scores.device:
+            raise ValueError(
+                f"turn_mask must be a [B, K] = {(b, num_turns)} tensor on {turn_scores.device}; "
+                f"got {tuple(turn_mask.shape)} on {turn_mask.device}"
+            )
+        judged = turn_mask if turn_mask.dtype == torch.bool else turn_mask != 0
+    zeros = torch.zeros_like(opd_token_signals)
+    if num_turns == 0:
+        return zeros
+    active, k = _token_turns(turn_scores, turn_index, loss_mask)
+    good = (turn_scores > 0) & judged
+    bad = ~(turn_scores > 0) & judged  # NaN > 0 is False: NaN counts as bad
+    order = torch.arange(num_turns, device=turn_scores.device).expand(b, num_turns)
+    first_bad = torch.where(bad, order, torch.full_like(order, num_turns)).amin(dim=1, keepdim=True)  # [B, 1]
+    token_good = torch.gather(good, 1, k)
+    before = k < first_bad
+    at = k == first_bad
+    out = torch.where(before & token_good, opd_token_signals, zeros)
+    out = torch.where(at, torch.full_like(opd_token_signals, float(penalty)), out)
+    return torch.where(active, out, zeros)

@@ -1,0 +1,312 @@
+"""A reference trainer loop: what a real trainer does with verdicts, minus the model.
+
+Each step takes one :class:`~shaper.batch.TrainingBatch` from a
+:class:`~shaper.consumer.VerdictConsumer` and runs the trainer-side half of seed 001
+"Advantage Shaping" exactly where an AReaL/verl-style trainer would:
+
+1. move to next-token-prediction positions: the logits at position ``t`` predict
+   token ``t + 1``, so ``loss_mask`` and ``token_rewards`` are shifted left by one
+   (:func:`shaper.shift_token_rewards`; AReaL's actor rolls its ``loss_mask`` the same
+   way). With ``actor.mask_no_eos_with_zero`` truncated rows are masked out entirely;
+2. outcome advantages: GRPO group normalisation of the raw outcome rewards
+   (:func:`shaper.grpo_outcome_advantages`; one row per branch, so a session with two
+   branches counts twice in its group), broadcast over the row's trainable tokens.
+   This stands in for "GAE + advantage normalisation"; process rewards never enter it;
+3. :func:`shaper.shape_advantages` folds the shifted process rewards into those
+   advantages with the configured mode.
+
+It then reports one line per step. There is no optimizer: plug the shaped advantages
+into a policy loss (see ``docs/trainer.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+from infra.config import SHAPING_MODES, ConfigError, PipelineConfig, load_config, validate
+
+from .batch import TrainingBatch, resolve_device
+from .consumer import VerdictConsumer
+from .filters import get_filter
+from .shaping import grpo_outcome_advantages, shape_advantages, shift_token_rewards
+
+__all__ = [
+    "ShapedBatch",
+    "StepReport",
+    "TrainerSummary",
+    "add_trainer_parser",
+    "cmd_trainer",
+    "format_step",
+    "run_trainer",
+    "shape_batch",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ShapedBatch:
+    """Tensors of one step in next-token-prediction alignment, on the batch's device."""
+
+    loss_mask: Tensor  # bool [B, T], shifted
+    token_rewards: Tensor  # float32 [B, T], shifted
+    outcome_advantages: Tensor  # float32 [B, T], GRPO per row, masked
+    advantages: Tensor  # float32 [B, T], shaped
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What one trainer step saw and computed (passed to ``on_step``)."""
+
+    step: int
+    groups: int
+    rows: int
+    tokens: int
+    mean_outcome_advantage: float
+    mean_shaped_advantage: float
+    mean_token_reward: float
+    seconds: float
+    metrics: dict[str, float]
+
+
+@dataclass(slots=True)
+class TrainerSummary:
+    """The run as a whole: totals and why it stopped (``max_steps``, ``idle``, ``stopped``)."""
+
+    steps: int = 0
+    groups: int = 0
+    rows: int = 0
+    tokens: int = 0
+    stop_reason: str = ""
+    device: str = "cpu"
+    mode: str = "additive"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def shape_batch(
+    batch: TrainingBatch,
+    *,
+    mode: str,
+    negative_scale: float = 0.2,
+    zero_penalty: float = 0.4,
+    zero_eps: float = 1e-6,
+    mask_no_eos_with_zero: bool = False,
+) -> ShapedBatch:
+    """Shifted masks/rewards, GRPO outcome advantages and shaped advantages for ``batch``.
+
+    Pure and vectorised on the batch's device; the three calls a real trainer needs
+    after its own advantage computation are the last two lines.
+    """
+    loss_mask = batch.loss_mask
+    if mask_no_eos_with_zero:
+        loss_mask = loss_mask & ~batch.is_truncated.unsqueeze(-1)
+    mask = shift_token_rewards(loss_mask)
+    rewards = shift_token_rewards(batch.token_rewards)
+    per_row = grpo_outcome_advantages(batch.rewards, batch.group_ids)
+    outcome = per_row.unsqueeze(-1).expand_as(rewards) * mask
+    shaped = shape_advantages(outcome, rewards, mask, mode=mode, negative_scale=negative_scale,
+                              zero_penalty=zero_penalty, zero_eps=zero_eps)
+    return ShapedBatch(loss_mask=mask, token_rewards=rewards, outcome_advantages=outcome, advantages=shaped)
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> float:
+    n = mask.sum()
+    if int(n.item()) == 0:
+        return 0.0
+    return float((values * mask).sum().item() / n.item())
+
+
+_HEADLINE_PARTS = ("/prm_turn_reward/", "/prm_trajectory_reward/")
+
+
+def format_step(report: StepReport, *, max_metrics: int = 4) -> str:
+    """One line: step, sizes, mean advantages and the first few PRM reward metrics."""
+    parts = [
+        f"step {report.step}",
+        f"groups={report.groups}",
+        f"rows={report.rows}",
+        f"tokens={report.tokens}",
+        f"adv_outcome={report.mean_outcome_advantage:+.4f}",
+        f"adv_shaped={report.mean_shaped_advantage:+.4f}",
+        f"token_reward={report.mean_token_reward:+.4f}",
+    ]
+    shown = [
+        (k, v) for k, v in report.metrics.items()
+        if any(p in k for p in _HEADLINE_PARTS) and not k.endswith("__count")
+    ][:max_metrics]
+    parts += [f"{k}={v:.4f}" for k, v in shown]
+    for name in ("verdicts/rejected", "verdicts/duplicate", "groups/dropped/filtered"):
+        value = report.metrics.get(f"pipeline/{name}")
+        if value:
+            parts.append(f"{name}={int(value)}")
+    parts.append(f"{1e3 * report.seconds:.1f}ms")
+    return " ".join(parts)
+
+
+async def run_trainer(
+    cfg: PipelineConfig,
+    *,
+    max_steps: int | None = None,
+    idle_timeout_s: float | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+    mode: str | None = None,
+    device: str | torch.device | None = None,
+    batch_groups: int | None = None,
+    dedupe_store: str | None = None,
+    stop: asyncio.Event | None = None,
+    consumer_kwargs: Mapping[str, Any] | None = None,
+) -> TrainerSummary:
+    """Consume verdicts and shape advantages until ``max_steps``, idleness or ``stop``.
+
+    ``mode`` defaults to ``cfg.prm.advantage_shaping.mode`` (coefficients always come
+    from there), ``device`` to ``cfg.trainer.device``. With ``idle_timeout_s``, the
+    groups buffered when no verdict arrived for that long form a final smaller step,
+    then the loop ends. Batches are acknowledged as the loop asks for the next one and
+    at a normal exit; an exception (e.g. ``process_weighted`` meeting a reward outside
+    ``[0, 1]``) propagates and leaves the failing batch for redelivery.
+    """
+    shaping = cfg.prm.advantage_shaping
+    mode = mode or shaping.mode
+    if mode not in SHAPING_MODES:
+        raise ValueError(f"unknown shaping mode {mode!r}; expected one of {list(SHAPING_MODES)}")
+    dev = resolve_device(device if device is not None else cfg.trainer.device)
+    summary = TrainerSummary(device=str(dev), mode=mode)
+    stop = stop or asyncio.Event()
+    kwargs = dict(consumer_kwargs or {})
+    consumer = VerdictConsumer(cfg, batch_groups=batch_groups, device=dev, dedupe_store=dedupe_store, **kwargs)
+    async with consumer:
+        watcher = asyncio.create_task(_stop_when(stop, consumer))
+        try:
+            while max_steps is None or summary.steps < max_steps:
+                batch = await consumer.next_batch(idle_timeout_s=idle_timeout_s)
+                if batch is None:
+                    summary.stop_reason = "stopped" if stop.is_set() else "idle"
+                    break
+                t0 = time.perf_counter()
+                shaped = shape_batch(
+                    batch, mode=mode, negative_scale=shaping.negative_scale, zero_penalty=shaping.zero_penalty,
+                    zero_eps=shaping.zero_eps, mask_no_eos_with_zero=cfg.actor.mask_no_eos_with_zero,
+                )
+                mask = shaped.loss_mask
+                report = StepReport(
+                    step=summary.steps + 1,
+                    groups=batch.num_groups,
+                    rows=batch.batch_size,
+                    tokens=int(mask.sum().item()),
+                    mean_outcome_advantage=_masked_mean(shaped.outcome_advantages, mask),
+                    mean_shaped_advantage=_masked_mean(shaped.advantages, mask),
+                    mean_token_reward=_masked_mean(shaped.token_rewards, mask),
+                    seconds=time.perf_counter() - t0,
+                    metrics=batch.metrics,
+                )
+                summary.steps += 1
+                summary.groups += report.groups
+                summary.rows += report.rows
+                summary.tokens += report.tokens
+                if on_step is not None:
+                    on_step(report)
+            else:
+                summary.stop_reason = "max_steps"
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        summary.metrics = consumer.totals()
+    return summary
+
+
+async def _stop_when(stop: asyncio.Event, consumer: VerdictConsumer) -> None:
+    await stop.wait()
+    consumer.request_stop()
+
+
+# --------------------------------------------------------------------------- CLI
+def add_trainer_parser(subparsers: Any) -> None:
+    """Register ``prm-pipeline trainer`` on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser(
+        "trainer",
+        help="reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--batch-groups", type=int, default=None, metavar="N",
+                   help="accepted groups per batch (default: trainer.batch_groups)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                   help="where batches and shaping live (default: trainer.device; auto = cuda if available)")
+    p.add_argument("--mode", choices=list(SHAPING_MODES), default=None,
+                   help="advantage shaping mode (default: rollout.agent.prm.advantage_shaping.mode)")
+    p.add_argument("--max-steps", type=int, default=None, metavar="N", help="stop after N steps")
+    p.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                   help="flush what is buffered and stop after S seconds without a verdict")
+    p.add_argument("--filter", default=None, metavar="NAME",
+                   help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
+    p.add_argument("--dedupe-store", default=None, metavar="PATH",
+                   help="sqlite file remembering acknowledged verdicts across restarts")
+    p.set_defaults(func=cmd_trainer)
+
+
+def _configure(args: argparse.Namespace) -> PipelineConfig:
+    cfg = load_config(getattr(args, "config", None))
+    trainer = cfg.trainer
+    if args.batch_groups is not None:
+        trainer = msgspec.structs.replace(trainer, batch_groups=args.batch_groups)
+    if args.device is not None:
+        trainer = msgspec.structs.replace(trainer, device=args.device)
+    if args.filter is not None:
+        trainer = msgspec.structs.replace(trainer, filter=args.filter)
+    cfg = msgspec.structs.replace(cfg, trainer=trainer)
+    if args.mode is not None:
+        prm = cfg.prm
+        shaping = msgspec.structs.replace(prm.advantage_shaping, mode=args.mode)
+        agent = msgspec.structs.replace(cfg.rollout.agent, prm=msgspec.structs.replace(prm, advantage_shaping=shaping))
+        cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, agent=agent))
+    if cfg.trainer.filter is not None:
+        try:
+            get_filter(cfg.trainer.filter)
+        except ValueError as exc:
+            raise ConfigError(f"trainer.filter: {exc}") from None
+    validate(cfg)  # e.g. process_weighted with mask_no_eos_with_zero: ConfigError -> exit 2
+    return cfg
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    """Entry point of ``prm-pipeline trainer``; SIGINT/SIGTERM stop it gracefully."""
+    cfg = _configure(args)
+
+    async def main() -> TrainerSummary:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        return await run_trainer(
+            cfg, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout, stop=stop,
+            on_step=lambda report: print(format_step(report), flush=True), dedupe_store=args.dedupe_store,
+        )
+
+    try:
+        summary = asyncio.run(main())
+    except ValueError as exc:  # bad device, unknown filter, out-of-range process rewards
+        print(f"trainer: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"trainer stopped ({summary.stop_reason}): {summary.steps} steps, {summary.groups} groups, "
+        f"{summary.rows} rows, {summary.tokens} tokens on {summary.device}, mode {summary.mode}",
+        flush=True,
+    )
+    counters = {k: v for k, v in summary.metrics.items() if k.startswith("pipeline/")}
+    if counters:
+        print("  " + " ".join(f"{k[len('pipeline/'):]}={int(v)}" for k, v in counters.items()), flush=True)
+    return 0

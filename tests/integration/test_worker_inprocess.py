@@ -1,0 +1,89 @@
+"""Worker behaviour that needs no second process: health/metrics endpoints, timeouts, allow-list."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+import uuid
+
+import msgspec
+import pytest
+
+from infra.config import ActorConfig, AgentConfig, ConfigError, PipelineConfig, PRMConfig, PRMScorerConfig, RolloutConfig
+from infra.kafka import ensure_topics
+from producers.publisher import TrajectoryPublisher
+from producers.synthetic import make_group, make_session
+from scoring_workers.worker import Worker
+from tests.integration.harness import wait_for_verdicts
+
+pytestmark = pytest.mark.integration
+
+
+def _with_scorers(cfg: PipelineConfig, *scorers: PRMScorerConfig, **worker: object) -> PipelineConfig:
+    return msgspec.structs.replace(
+        cfg,
+        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=list(scorers)))),
+        actor=ActorConfig(token_rewards_as_adv=True),
+        worker=msgspec.structs.replace(cfg.worker, **worker),
+    )
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
+    cfg = _with_scorers(pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer"), metrics_port=0)
+    await ensure_topics(cfg.kafka, cfg.topics)
+    worker = Worker(cfg, worker_id="w-health")
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 30)
+        port = worker.metrics_port
+        assert await asyncio.to_thread(_get, port, "/readyz") == (200, "ready\n")
+        assert await asyncio.to_thread(_get, port, "/healthz") == (200, "ok\n")
+        gid = f"h-{uuid.uuid4().hex[:6]}"
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_many(make_group(gid, 1, turns=1, output_tokens=8))
+        await wait_for_verdicts(cfg, [gid])
+        status, body = await asyncio.to_thread(_get, port, "/metrics")
+        assert status == 200
+        assert 'prm_worker_verdicts_total{reason="",status="accepted"} 1.0' in body
+        assert "prm_worker_scoring_seconds_count 1.0" in body
+        assert (await asyncio.to_thread(_get, port, "/nope"))[0] == 404
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_hanging_scorer_times_out_and_rejects_the_group(pipeline_config) -> None:
+    cfg = _with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer"), scorer_timeout_s=0.5)
+    await ensure_topics(cfg.kafka, cfg.topics)
+    stop = asyncio.Event()
+    task = asyncio.create_task(Worker(cfg, worker_id="w-timeout").run(stop))
+    try:
+        gid = f"hang-{uuid.uuid4().hex[:6]}"
+        hang = make_session(trajectory_id=f"{gid}-1", session_id=f"{gid}-HANG", group_id=gid, group_size=2,
+                            turns=1, output_tokens=4)
+        ok = make_session(trajectory_id=f"{gid}-2", session_id=f"{gid}-fine", group_id=gid, group_size=2,
+                          turns=1, output_tokens=4)
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_many([hang, ok])
+        (verdict,) = await wait_for_verdicts(cfg, [gid], timeout_s=30)
+        assert verdict.status == "rejected" and verdict.reason == "scorer_timeout"
+        assert {s.trajectory_id: s.status for s in verdict.sessions} == {f"{gid}-1": "failed", f"{gid}-2": "scored"}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_scorer_outside_the_allow_list_is_refused_at_start(pipeline_config) -> None:
+    cfg = _with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer"),
+                        allowed_scorer_modules=["scoring_workers.scorers"])
+    with pytest.raises(ConfigError, match="'tests.scorers.SlowScorer' is refused"):
+        await Worker(cfg).run(asyncio.Event())
