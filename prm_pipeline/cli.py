@@ -1,4 +1,4 @@
-"""``prm-pipeline``: one command line for every part of the pipeline.
+"""prm-pipeline: one command line for every part of the pipeline.
 
 Each subcommand reads ``--config FILE`` (or ``$PRM_CONFIG``) plus ``PRM_*`` environment
 overrides through :func:`infra.config.load_config`.

@@ -1,0 +1,70 @@
+"""The CLI as a user runs it: publish a JSONL file, score, dump verdicts as JSON lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from infra import jsonl
+from infra.config import ActorConfig, AgentConfig, PRMConfig, PRMScorerConfig, RolloutConfig
+from infra.kafka import ensure_topics
+from prm_pipeline.processes import write_config
+from producers.synthetic import make_group
+from scoring_workers.worker import Worker
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(config, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+async def test_publish_jsonl_then_dump_verdicts(pipeline_config, tmp_path) -> None:
+    cfg = msgspec.structs.replace(
+        pipeline_config,
+        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
+            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4})]))),
+        actor=ActorConfig(token_rewards_as_adv=True),
+    )
+    config = write_config(cfg, tmp_path / "config.yaml")
+    await ensure_topics(cfg.kafka, cfg.topics)
+    group = make_group("cli-g1", 2, turns=1, output_tokens=3)
+    jsonl.write(tmp_path / "in.jsonl", [*group, *make_group("cli-g2", 1, turns=1, output_tokens=3)])
+    with (tmp_path / "in.jsonl").open("a") as f:
+        f.write('{"kind": "discard", "group_id": "cli-g2", "reason": "not needed"}\n')
+
+    published = await asyncio.to_thread(_cli, config, "publish", str(tmp_path / "in.jsonl"))
+    assert published.returncode == 0, published.stderr
+    assert "published 3 ready trajectories and 1 discards" in published.stdout
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kind": "discard", "group_id": "x"}\n{"kind": "ready", "trajectory_id": 5}\n')
+    refused = await asyncio.to_thread(_cli, config, "publish", str(bad))
+    assert refused.returncode == 1 and "bad.jsonl:2:" in refused.stderr  # nothing sent: all lines validated first
+
+    stop = asyncio.Event()
+    worker = asyncio.create_task(Worker(cfg, worker_id="w-cli").run(stop))
+    try:
+        dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2",
+                                         "--timeout", "30", timeout=90)
+    finally:
+        stop.set()
+        await worker
+    assert dumped.returncode == 0, dumped.stderr
+    lines = [json.loads(line) for line in dumped.stdout.splitlines()]
+    by_group = {v["group_id"]: v for v in lines}
+    assert set(by_group) == {"cli-g1", "cli-g2"}
+    assert by_group["cli-g2"]["status"] == "discarded" and by_group["cli-g2"]["reason"] == "not needed"
+    accepted = by_group["cli-g1"]
+    assert accepted["status"] == "accepted"
+    session = accepted["sessions"][0]
+    assert {"session_id", "trajectory_id", "status", "outcome_reward", "branches"} <= session.keys()
+    (branch,) = session["branches"]
+    assert list(branch["token_rewards"].values()) == [[1.0, 1.0, 1.0]]  # 3 tokens within a budget of 4
+    assert branch["scorer_totals"] == {"length_budget": 1.0}
