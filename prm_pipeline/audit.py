@@ -44,7 +44,6 @@ import numpy as np
 
 from infra.config import PipelineConfig, PRMConfig
 from infra.schema import (
-    BranchResult,
     DiscardGroup,
     GroupVerdict,
     NotConcatExport,
@@ -344,6 +343,34 @@ def _observation_mismatch(rec: PRMTurnResult, res: PRMTurnResult, tol: Tolerance
     return None
 
 
+def _attribute(
+    changed: set[str] | None,
+    rec_tr: Mapping[tuple[str, str, str], PRMTurnResult] | None,
+    leaf: str,
+    iid: str,
+    scorers: Iterable[str],
+) -> tuple[str | None, str]:
+    """Which scorer(s) a token-reward difference belongs to: ``(names, how)``.
+
+    Token rewards are a weighted sum over scorers, so a token can only be pinned to a
+    scorer through the per-scorer turn results: first the scorers whose turn result
+    differs too; else the scorers with a nonzero recorded share of the turn (or the only
+    scorer); else nobody.
+    """
+    if changed:
+        return ",".join(sorted(changed)), ""
+    names = list(scorers)
+    contributors = sorted(
+        s for s in names if rec_tr is not None and (tr := rec_tr.get((leaf, iid, s))) is not None and tr.reward != 0
+    )
+    if len(names) == 1:
+        return names[0], ""
+    if contributors:
+        return ",".join(contributors), ("every scorer's turn reward matches; attributed to the scorers with a "
+                                        "nonzero share of this turn")
+    return None, "every scorer's turn reward matches; the per-token values differ"
+
+
 def _compare_branches(
     recorded: SessionResult, rescored: SessionResult, scope: ScoringScope, tol: Tolerance
 ) -> list[Difference]:
@@ -418,7 +445,6 @@ def _compare_branches(
                                             max_abs_diff=abs(total - summed), recorded=total, rescored=summed,
                                             detail="recorded total != sum of its recorded turn results"))
         # ---- token rewards
-        only_scorer = next(iter(rec.scorer_totals)) if len(rec.scorer_totals) == 1 else None
         for iid in rec.path:
             a_tok, b_tok = rec.token_rewards.get(iid), res.token_rewards.get(iid)
             if a_tok is None or b_tok is None:
@@ -437,12 +463,11 @@ def _compare_branches(
                 if bool(ok.all()):
                     continue
                 index = int(np.argmin(ok))
-                suspects = changed.get(iid)
-                scorer = ",".join(sorted(suspects)) if suspects else only_scorer
+                scorer, detail = _attribute(changed.get(iid), rec_tr, leaf, iid, rec.scorer_totals)
                 diffs.append(Difference(
                     kind="token_rewards", leaf_id=leaf, turn=iid, scorer=scorer, index=index,
                     max_abs_diff=float(np.max(np.abs(a - b))), recorded=float(a[index]), rescored=float(b[index]),
-                    detail="" if scorer else "every scorer's turn reward matches; the per-token values differ",
+                    detail=detail,
                 ))
             elif rec_tr is not None and a.size:
                 # The non-re-scored scorers' share of this turn is recorded - re-scored; its
@@ -661,16 +686,18 @@ def summarize_group(
     by_version: dict[int, list[GroupVerdict]] = {}
     for verdict, _copies in variants:
         by_version.setdefault(verdict.verdict_version, []).append(verdict)
+    conflicts: list[Difference] = []
     for version, found in sorted(by_version.items()):
         if len(found) > 1:
-            first = found[0]
-            fields = sorted({f for other in found[1:] for f in first.__struct_fields__
-                             if getattr(first, f) != getattr(other, f)})
-            diffs.append(Difference(
+            head = found[0]
+            fields = sorted({f for other in found[1:] for f in head.__struct_fields__
+                             if getattr(head, f) != getattr(other, f)})
+            conflicts.append(Difference(
                 kind="conflicting_verdicts", verdict_version=version, recorded=len(found),
                 detail=f"{len(found)} different verdicts for ({group_id!r}, version {version}); "
                        f"fields that differ: {', '.join(fields)}",
             ))
+    diffs = conflicts + diffs  # group-level first: never cut by max_differences
     listed = {s.trajectory_id for verdict, _ in variants for s in verdict.sessions}
     unlisted = sorted(set(trajectories_seen) - listed)
     if unlisted:
@@ -750,10 +777,10 @@ async def rescore(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s:
     timeout fails the member with its reason code and no partial results. Timestamps
     (``scored_at``) are left at 0; they are not compared.
     """
-    common: dict[str, Any] = dict(
-        session_id=traj.session_id, trajectory_id=traj.trajectory_id, outcome_reward=traj.outcome_reward,
-        is_eval=traj.is_eval, policy_version=traj.policy_version, created_at=traj.created_at,
-    )
+    common: dict[str, Any] = {
+        "session_id": traj.session_id, "trajectory_id": traj.trajectory_id, "outcome_reward": traj.outcome_reward,
+        "is_eval": traj.is_eval, "policy_version": traj.policy_version, "created_at": traj.created_at,
+    }
     try:
         common["turns"] = compact_turns(traj.interactions)
     except NotConcatExport as exc:
@@ -778,10 +805,13 @@ async def rescore(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s:
     )
 
 
-async def build_runners(prm: PRMConfig) -> tuple[ScoringScope, PRMRunner | None, list[PRMRunner]]:
+async def build_runners(
+    prm: PRMConfig, *, allowed_prefixes: Sequence[str] | None = None
+) -> tuple[ScoringScope, PRMRunner | None, list[PRMRunner]]:
     """``(scope, runner to re-score with, runners to close)`` for the configured scorers.
 
-    All configured scorers are built (as the worker builds them) to learn which are
+    All configured scorers are built as the worker builds them (same
+    ``allowed_prefixes``: ``worker.allowed_scorer_modules``) to learn which are
     deterministic. When some are not, re-scoring uses a second runner that borrows only
     the deterministic instances, so a sampling judge is never called.
     """
@@ -789,7 +819,7 @@ async def build_runners(prm: PRMConfig) -> tuple[ScoringScope, PRMRunner | None,
         return ScoringScope(enabled=False), None, []
     from scoring_workers.prm import PRMRunner
 
-    full = await PRMRunner.create(prm)
+    full = await PRMRunner.create(prm, allowed_prefixes=allowed_prefixes)
     try:
         active = [s for s in full.scorers if s.enabled]
         det = [s for s in active if scorer_is_deterministic(s)]
@@ -1067,8 +1097,16 @@ async def read_snapshot(
         first = {tp: await consumer.position(tp) for tp in tps}
         ends: dict[Any, int] = {}
         done: set[Any] = set()
+        stall_s = max(30.0, cfg.kafka.request_timeout_ms / 1000 * 2)
+        last_progress = time.monotonic()
         while len(done) < len(tps):
             batch = await consumer.getmany(timeout_ms=200, max_records=1000)
+            if batch or len(ends) < len(tps) and any(consumer.highwater(tp) is not None for tp in tps if tp not in ends):
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > stall_s:
+                stuck = sorted(tp.partition for tp in tps if tp not in done)
+                raise AuditError(f"no progress reading {topic!r} partitions {stuck} for {stall_s:.0f}s "
+                                 "(broker unreachable, or it reports no high watermark)")
             for tp in tps:
                 if tp not in ends and (high := consumer.highwater(tp)) is not None:
                     ends[tp] = max(high, first[tp])
@@ -1110,10 +1148,15 @@ class AuditOptions:
     show: int = 10  # differing groups listed in the summary
 
 
-def _progress(stderr: IO[str], enabled: bool | None):  # noqa: ANN202 - rich types stay local
+def _progress(stderr: IO[str], enabled: bool | None) -> Any:  # rich types stay local to this function
     from rich.console import Console
     from rich.progress import (
-        BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
         TimeRemainingColumn,
     )
     from rich.text import Text
@@ -1168,7 +1211,8 @@ def render_summary(report: AuditReport, out: IO[str], *, show: int = 10) -> None
         for name in ("group", "kind", "session", "turn", "scorer", "max |diff|"):
             detail.add_column(name, overflow="fold")
         for finding in differing[:show]:
-            d = finding.differences[0] if finding.differences else Difference(kind="verdict")
+            located = [d for d in finding.differences if d.session_id or d.turn]
+            d = (located or finding.differences or [Difference(kind="verdict")])[0]
             detail.add_row(
                 finding.group_id, d.kind, d.session_id or "", d.turn or "", d.scorer or "",
                 "" if finding.max_abs_diff is None else f"{finding.max_abs_diff:.6g}",
@@ -1209,7 +1253,7 @@ async def audit(
         raise AuditError(f"--from-offsets names {stray}; only {topics.trajectories!r} and {topics.verdicts!r} "
                          "are audited")
     timeout_s = options.timeout_s if options.timeout_s is not None else cfg.worker.scorer_timeout_s
-    scope, runner, owned = await build_runners(cfg.prm)
+    scope, runner, owned = await build_runners(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
     try:
         progress = _progress(stderr, options.progress)
         with progress:
@@ -1301,14 +1345,14 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--groups", nargs="+", metavar="ID", default=None,
                    help="audit only these group ids (space- or comma-separated)")
     p.add_argument("--out", metavar="FILE", default=None, help="write one JSON line per group to FILE")
-    p.add_argument("--rtol", type=_tolerance, default=RTOL, help=f"relative tolerance (default {RTOL:g})")
-    p.add_argument("--atol", type=_tolerance, default=ATOL, help=f"absolute tolerance (default {ATOL:g})")
-    p.add_argument("--concurrency", type=_positive_int, default=16, help="trajectories re-scored at once (16)")
+    p.add_argument("--rtol", type=_tolerance, default=RTOL, metavar="R", help=f"relative tolerance (default {RTOL:g})")
+    p.add_argument("--atol", type=_tolerance, default=ATOL, metavar="A", help=f"absolute tolerance (default {ATOL:g})")
+    p.add_argument("--concurrency", type=_positive_int, default=16, metavar="N", help="trajectories re-scored at once (16)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="per-trajectory re-scoring timeout (default worker.scorer_timeout_s)")
-    p.add_argument("--max-differences", type=_positive_int, default=100,
+    p.add_argument("--max-differences", type=_positive_int, default=100, metavar="N",
                    help="differences kept per group in --out (100)")
-    p.add_argument("--show", type=int, default=10, help="differing groups listed in the summary (10)")
+    p.add_argument("--show", type=int, default=10, metavar="N", help="differing groups listed in the summary (10)")
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
                    help="no progress bar (default: shown when stderr is a terminal)")
     p.set_defaults(func=cmd_audit)

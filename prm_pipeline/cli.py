@@ -110,7 +110,7 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
     from prm_pipeline.verdict_dump import dump_verdicts
 
     return dump_verdicts(_load(args), from_beginning=args.from_beginning, max_count=args.max,
-                         timeout_s=args.timeout, out=args.out)
+                         timeout_s=args.timeout, out=args.out, since_ms=args.since)
 
 
 # --------------------------------------------------------------------------- demo / bench
@@ -141,6 +141,8 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from prm_pipeline.verdict_dump import since_arg
+
     parser = argparse.ArgumentParser(prog="prm-pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML config file (default: $PRM_CONFIG or built-in defaults)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -169,11 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max", type=int, default=None, help="stop after N verdicts")
     p.add_argument("--timeout", type=float, default=None, help="stop after S seconds without a new verdict")
     p.add_argument("--out", default=None, help="write to FILE instead of stdout")
+    p.add_argument("--since", type=since_arg, metavar="TIME", default=None,
+                   help="only verdicts timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
     p.set_defaults(func=cmd_verdicts)
 
     from shaper.trainer import add_trainer_parser
 
     add_trainer_parser(sub)
+
+    from prm_pipeline.audit import add_audit_parser
+
+    add_audit_parser(sub)
 
     p = sub.add_parser("demo", help="run the end-to-end demo on the embedded stack")
     p.add_argument("--groups", type=int, default=None, help="number of groups to publish")

@@ -20,7 +20,7 @@ import re
 import sys
 import time
 from datetime import datetime
-from typing import IO
+from typing import IO, Any
 
 import msgspec
 
@@ -53,7 +53,7 @@ def parse_time(text: str, *, now: float | None = None) -> int:
     compact = raw.replace(" ", "")
     if "".join(m.group(0) for m in _RELATIVE.finditer(compact)) == compact:
         seconds = sum(float(n) * _UNITS_S[u] for n, u in _RELATIVE.findall(compact))
-        return int(round((now_s - seconds) * 1000))
+        return round((now_s - seconds) * 1000)
     try:
         when = datetime.fromisoformat(raw.replace("z", "Z"))
     except ValueError:
@@ -61,7 +61,7 @@ def parse_time(text: str, *, now: float | None = None) -> int:
             f"cannot read time {text!r}; use ISO-8601 (2026-11-30T14:05:00Z, 2026-11-30 14:05, "
             "2026-11-30) or an age before now like 90s, 15m, 2h, 1d12h"
         ) from None
-    ms = int(round(when.timestamp() * 1000))  # naive -> local time (datetime's rule)
+    ms = round(when.timestamp() * 1000)  # naive -> local time (datetime's rule)
     if ms > now_s * 1000 + 1000:
         raise ValueError(f"time {text!r} is in the future; nothing would be selected")
     return ms
@@ -119,7 +119,7 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
     return count
 
 
-async def seek_to_time(consumer, tps, since_ms: int) -> None:  # noqa: ANN001 - aiokafka types
+async def seek_to_time(consumer: Any, tps: Any, since_ms: int) -> None:
     """Start each partition at its first record timestamped >= ``since_ms`` where the
     broker can say; otherwise leave it where it is (callers also filter by timestamp)."""
     try:

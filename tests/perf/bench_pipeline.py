@@ -34,14 +34,14 @@ from prm_pipeline.processes import WorkerProcesses, write_config
 from producers.synthetic import make_group
 
 
-def _config(stack: LocalStack, name: str, concurrency: int) -> PipelineConfig:
+def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "zstd") -> PipelineConfig:
     return PipelineConfig(
         rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
             PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 384}),
         ]))),
         actor=ActorConfig(token_rewards_as_adv=True),
         kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
-                          linger_ms=5, max_message_bytes=8 * 1024 * 1024),
+                          linger_ms=5, max_message_bytes=8 * 1024 * 1024, compression=compression),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"bench:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             partitions=8),
@@ -151,7 +151,7 @@ def _pct(values: list[float], q: float) -> float:
 async def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="prm-bench-") as tmp, LocalStack(Path(tmp) / "stack") as stack:
         name = uuid.uuid4().hex[:8]
-        cfg = _config(stack, name, args.concurrency)
+        cfg = _config(stack, name, args.concurrency, args.compression)
         await ensure_topics(cfg.kafka, cfg.topics)
         groups = _groups(args.groups + args.latency_groups, args.group_size, args.turns, args.tokens, f"b{name}-")
         trajectories = [t for g in groups for t in g]
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--latency-groups", type=int, default=60)
+    p.add_argument("--compression", choices=["zstd", "lz4", "gzip", "none"], default="zstd")
     return asyncio.run(_main(p.parse_args(argv)))
 
 
