@@ -14,6 +14,13 @@ Both are started with ``PR_SET_PDEATHSIG`` so they die with their parent even on
 SIGKILL, stopped with SIGTERM (then SIGKILL) on exit, and log to files under
 ``local.data_dir`` so a failed start can say why. Production never imports this.
 
+Fault-injection tests need services they may restart on the *same* port without
+disturbing the session-wide stack: :func:`broker_service` (optionally with durable
+``s3://`` storage, see :func:`s3_storage_env`) and :func:`redis_service` (optionally
+with an append-only file) build such dedicated services, and
+:meth:`LocalService.restart` stops (SIGTERM, or SIGKILL with ``kill=True``) and starts
+one again on its port.
+
 Known tansu gaps (see shared/notes/local-services.md) that callers must design around:
 no idempotent producer / transactions, wrong ``end_offsets``/``seek_to_end``, no
 CreatePartitions/AlterConfigs/DeleteRecords, no message size limit, auto-created topics
@@ -201,9 +208,79 @@ class LocalService:
             self.proc.kill()
             self.proc.wait()
 
+    def restart(self, ready_timeout_s: float = 20.0, *, kill: bool = False) -> None:
+        """Stop (SIGTERM, or SIGKILL with ``kill``) and start again on the same port."""
+        if kill:
+            self.kill()
+            self.proc = None
+        else:
+            self.stop()
+        self.start(ready_timeout_s)
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.running else None  # type: ignore[union-attr]
+
+
+MEMORY_STORAGE = "memory://tansu/"
+
+
+def s3_storage_env(endpoint: str, *, region: str = "us-east-1", access_key_id: str = "test",
+                   secret_access_key: str = "test") -> dict[str, str]:
+    """Environment for tansu's ``s3://BUCKET/`` storage engine against an S3-compatible
+    endpoint such as ``http://127.0.0.1:PORT`` (a loopback ``moto_server`` in tests)."""
+    return {
+        "AWS_ENDPOINT": endpoint,
+        "AWS_ALLOW_HTTP": "true" if endpoint.startswith("http://") else "false",
+        "AWS_ACCESS_KEY_ID": access_key_id,
+        "AWS_SECRET_ACCESS_KEY": secret_access_key,
+        "AWS_DEFAULT_REGION": region,
+    }
+
+
+def broker_service(data_dir: str | os.PathLike[str], *, port: int | None = None, binary: str | None = None,
+                   storage_engine: str = MEMORY_STORAGE, env: dict[str, str] | None = None,
+                   log_name: str = "broker.log") -> LocalService:
+    """A tansu broker (not started) on ``port`` (default: a free one) with ``storage_engine``:
+    ``memory://tansu/`` (lost on restart) or ``s3://BUCKET/`` (durable; pass
+    :func:`s3_storage_env` in ``env``)."""
+    port = port or free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    return LocalService(
+        "broker",
+        [str(find_broker_binary(binary)), "broker", "--listener-url", url, "--advertised-listener-url", url,
+         "--storage-engine", storage_engine],
+        port,
+        Path(data_dir).resolve() / "logs" / log_name,
+        env={"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})},
+    )
+
+
+def redis_service(data_dir: str | os.PathLike[str], *, port: int | None = None, binary: str | None = None,
+                  persistent: bool = False, args: list[str] | None = None,
+                  log_name: str = "redis.log") -> LocalService:
+    """A Redis-compatible server (not started) keeping its files in ``data_dir/redis``.
+
+    ``persistent=True`` turns on the append-only file (``--appendonly yes --appendfsync
+    everysec``), so a restart (even after SIGKILL) finds the data again; ``args`` are
+    appended last and win over the defaults.
+    """
+    port = port or free_port()
+    data = Path(data_dir).resolve()
+    redis_dir = data / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if persistent else ["--appendonly", "no"]
+    return LocalService(
+        "redis",
+        [str(find_redis_binary(binary)), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         *durability, "--dir", str(redis_dir), *(args or [])],
+        port,
+        data / "logs" / log_name,
+    )
 
 
 class LocalStack:
@@ -220,29 +297,13 @@ class LocalStack:
         broker_binary: str | None = None,
         redis_binary: str | None = None,
         redis_args: list[str] | None = None,
+        storage_engine: str = MEMORY_STORAGE,
+        broker_env: dict[str, str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
-        broker = find_broker_binary(broker_binary)
-        redis = find_redis_binary(redis_binary)
-        kport, rport = free_port(), free_port()
-        url = f"tcp://127.0.0.1:{kport}"
-        self.broker = LocalService(
-            "broker",
-            [str(broker), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            kport,
-            self.data_dir / "logs" / "broker.log",
-            env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")},
-        )
-        redis_dir = self.data_dir / "redis"
-        redis_dir.mkdir(parents=True, exist_ok=True)
-        self.redis = LocalService(
-            "redis",
-            [str(redis), "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(redis_dir), *(redis_args or [])],
-            rport,
-            self.data_dir / "logs" / "redis.log",
-        )
+        self.broker = broker_service(self.data_dir, binary=broker_binary, storage_engine=storage_engine,
+                                     env=broker_env)
+        self.redis = redis_service(self.data_dir, binary=redis_binary, args=redis_args)
         self._atexit_registered = False
 
     @property

@@ -81,10 +81,10 @@ class BaseScorer:
 
     name: ClassVar[str] = ""
     version: ClassVar[str] = "1"
-    #: Same inputs give the same rewards. ``prm-pipeline audit`` re-scores only
-    #: deterministic scorers; set False for sampling judges.
-    deterministic: ClassVar[bool] = True
     """Recorded next to :attr:`name` in verdicts; bump it when scores change meaning."""
+    deterministic: ClassVar[bool] = True
+    """Same inputs give the same rewards; ``prm-pipeline audit`` re-scores only these
+    (set False for sampling judges: the audit checks their recorded results instead)."""
 
     def __init__(self, weight: float = 1.0, enabled: bool = True) -> None:
         cls = type(self)
