@@ -15,8 +15,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from infra.config import ConfigError, PipelineConfig, load_config
+from infra.config import SHAPING_MODES, ConfigError, PipelineConfig, load_config
 
 log = logging.getLogger("prm_pipeline")
 
@@ -113,6 +114,36 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
                          timeout_s=args.timeout, out=args.out, since_ms=args.since)
 
 
+def cmd_trainer(args: argparse.Namespace) -> int:
+    from shaper.trainer import cmd_trainer as run  # torch is imported only when training
+
+    return run(args)
+
+
+def add_trainer_parser(subparsers: Any) -> None:
+    """``prm-pipeline trainer`` (its options live here so that other commands never import torch)."""
+    p = subparsers.add_parser(
+        "trainer",
+        help="reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
+        description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
+    )
+    p.add_argument("--batch-groups", type=int, default=None, metavar="N",
+                   help="accepted groups per batch (default: trainer.batch_groups)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                   help="where batches and shaping live (default: trainer.device; auto = cuda if available)")
+    p.add_argument("--mode", choices=list(SHAPING_MODES), default=None,
+                   help="advantage shaping mode (default: rollout.agent.prm.advantage_shaping.mode)")
+    p.add_argument("--max-steps", type=int, default=None, metavar="N", help="stop after N steps")
+    p.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                   help="flush what is buffered and stop after S seconds without a verdict")
+    p.add_argument("--filter", default=None, metavar="NAME",
+                   help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
+    p.add_argument("--dedupe-store", default=None, metavar="PATH",
+                   help="sqlite file remembering acknowledged verdicts across restarts")
+    p.set_defaults(func=cmd_trainer)
+
+
+
 # --------------------------------------------------------------------------- demo / bench
 def cmd_demo(args: argparse.Namespace) -> int:
     from prm_pipeline.demo import run_demo
@@ -174,8 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--since", type=since_arg, metavar="TIME", default=None,
                    help="only verdicts timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
     p.set_defaults(func=cmd_verdicts)
-
-    from shaper.trainer import add_trainer_parser
 
     add_trainer_parser(sub)
 

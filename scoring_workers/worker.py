@@ -37,6 +37,7 @@ from typing import Any
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -64,8 +65,12 @@ from scoring_workers.verdicts import assemble_verdict, encode_scorers
 
 log = logging.getLogger(__name__)
 
+# Retried with backoff for as long as they last (the record stays uncommitted): an
+# outage must delay work, never dead-letter valid records. A full Redis (noeviction)
+# or one loading its AOF after a restart is an outage too.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    RedisConnectionError, RedisTimeoutError, KafkaError, ConnectionError, OSError,
+    RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
+    KafkaError, ConnectionError, OSError,
 )
 MAX_ATTEMPTS = 3  # non-transient processing errors before a record is dead-lettered
 REPUBLISH_GRACE_S = 5.0
@@ -92,6 +97,7 @@ class _Rebalance(ConsumerRebalanceListener):
         await self.worker._drain_partitions(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.worker.telemetry.ready = True  # joined the group (even with nothing assigned)
         log.info("worker %s assigned %s", self.worker.worker_id, sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
 
 
@@ -116,6 +122,26 @@ class Worker:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
         cfg = self.cfg
+        if cfg.worker.metrics_port is not None:  # health first: scorer start-up may be slow
+            self.metrics_port = self.telemetry.serve(cfg.worker.metrics_port)
+        heartbeat = asyncio.create_task(self._heartbeat(stop))
+        try:
+            await self._run(stop)
+        finally:
+            heartbeat.cancel()
+            self.telemetry.ready = False
+            self.telemetry.close()
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        """Liveness = the event loop runs (not: Kafka and Redis answer); readiness ends at stop."""
+        while True:
+            self.telemetry.tick()
+            if stop.is_set():
+                self.telemetry.ready = False
+            await asyncio.sleep(1.0)
+
+    async def _run(self, stop: asyncio.Event) -> None:
+        cfg = self.cfg
         if self._runner is None and cfg.prm.active:
             from scoring_workers.prm import PRMRunner
 
@@ -127,8 +153,6 @@ class Worker:
         self.ledger = GroupLedger.from_config(cfg.redis)
         self.producer = make_producer(cfg.kafka)
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
-        if cfg.worker.metrics_port is not None:
-            self.metrics_port = self.telemetry.serve(cfg.worker.metrics_port)
         await self.producer.start()
         try:
             self.consumer.subscribe([cfg.topics.trajectories], listener=_Rebalance(self))
@@ -143,18 +167,14 @@ class Worker:
             await self.ledger.aclose()
             if self._owns_runner and self._runner is not None:
                 await self._runner.aclose()
-            self.telemetry.ready = False
-            self.telemetry.close()
             log.info("worker %s stopped: %s", self.worker_id, self.telemetry.snapshot())
 
     async def _loop(self, stop: asyncio.Event) -> None:
         last_sweep = last_lag = 0.0
         sweeper: asyncio.Task[None] | None = None
         self.ready.set()
-        self.telemetry.ready = True
         log.info("worker %s polling %s", self.worker_id, self.cfg.topics.trajectories)
         while not stop.is_set():
-            self.telemetry.tick()
             self._apply_backpressure()
             room = max(1, self.concurrency - len(self._tasks))
             batch = await self.consumer.getmany(

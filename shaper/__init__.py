@@ -15,7 +15,7 @@ from .batch import ConcatExportError, ExportedGroup, TrainingBatch, build_traini
 from .consumer import DedupeStore, SqliteDedupeStore, VerdictConsumer
 from .metrics import VerdictMetrics, merge_stats
 from .shaping import SHAPING_MODES, grpo_outcome_advantages, shape_advantages, shift_token_rewards
-from .trainer import TrainerSummary, add_trainer_parser, run_trainer
+from .trainer import TrainerSummary, run_trainer
 
 __all__ = [
     "SHAPING_MODES",
@@ -27,7 +27,6 @@ __all__ = [
     "TrainingBatch",
     "VerdictConsumer",
     "VerdictMetrics",
-    "add_trainer_parser",
     "build_training_batch",
     "collate",
     "export_group",

@@ -47,7 +47,6 @@ __all__ = [
     "ShapedBatch",
     "StepReport",
     "TrainerSummary",
-    "add_trainer_parser",
     "cmd_trainer",
     "format_step",
     "run_trainer",
@@ -234,29 +233,6 @@ async def _stop_when(stop: asyncio.Event, consumer: VerdictConsumer) -> None:
 
 
 # --------------------------------------------------------------------------- CLI
-def add_trainer_parser(subparsers: Any) -> None:
-    """Register ``prm-pipeline trainer`` on an ``argparse`` subparsers object."""
-    p = subparsers.add_parser(
-        "trainer",
-        help="reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
-        description=__doc__.splitlines()[0],
-    )
-    p.add_argument("--batch-groups", type=int, default=None, metavar="N",
-                   help="accepted groups per batch (default: trainer.batch_groups)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
-                   help="where batches and shaping live (default: trainer.device; auto = cuda if available)")
-    p.add_argument("--mode", choices=list(SHAPING_MODES), default=None,
-                   help="advantage shaping mode (default: rollout.agent.prm.advantage_shaping.mode)")
-    p.add_argument("--max-steps", type=int, default=None, metavar="N", help="stop after N steps")
-    p.add_argument("--idle-timeout", type=float, default=None, metavar="S",
-                   help="flush what is buffered and stop after S seconds without a verdict")
-    p.add_argument("--filter", default=None, metavar="NAME",
-                   help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
-    p.add_argument("--dedupe-store", default=None, metavar="PATH",
-                   help="sqlite file remembering acknowledged verdicts across restarts")
-    p.set_defaults(func=cmd_trainer)
-
-
 def _configure(args: argparse.Namespace) -> PipelineConfig:
     cfg = load_config(getattr(args, "config", None))
     trainer = cfg.trainer

@@ -220,7 +220,7 @@ def test_cli_trainer_subcommand(pipeline_config, unique_name, tmp_path, capsys) 
     import yaml
 
     from infra.config import ConfigError
-    from shaper import add_trainer_parser
+    from prm_pipeline.cli import add_trainer_parser
 
     cfg = pipeline_config
     asyncio.run(ensure_topics(cfg.kafka, cfg.topics, [cfg.topics.verdicts]))

@@ -34,6 +34,8 @@ def _get(port: int, path: str) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+    except urllib.error.URLError:  # server already closed: certainly not ready
+        return 0, ""
 
 
 async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
@@ -45,7 +47,11 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
     try:
         await asyncio.wait_for(worker.ready.wait(), 30)
         port = worker.metrics_port
-        assert await asyncio.to_thread(_get, port, "/readyz") == (200, "ready\n")
+        deadline = asyncio.get_running_loop().time() + 20
+        while (ready := await asyncio.to_thread(_get, port, "/readyz"))[0] != 200:  # until the group is joined
+            assert ready == (503, "starting\n")
+            assert asyncio.get_running_loop().time() < deadline, "never became ready"
+            await asyncio.sleep(0.05)
         assert await asyncio.to_thread(_get, port, "/healthz") == (200, "ok\n")
         gid = f"h-{uuid.uuid4().hex[:6]}"
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
@@ -56,6 +62,11 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
         assert 'prm_worker_verdicts_total{reason="",status="accepted"} 1.0' in body
         assert "prm_worker_scoring_seconds_count 1.0" in body
         assert (await asyncio.to_thread(_get, port, "/nope"))[0] == 404
+        stop.set()
+        deadline = asyncio.get_running_loop().time() + 20
+        while (await asyncio.to_thread(_get, port, "/readyz"))[0] == 200:  # not ready once stopping
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
