@@ -108,6 +108,7 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False  # Redis Cluster: the URL names any node; keys carry {group_id} hash tags
     key_prefix: str = "prm"
     ttl_s: int = 86_400
     ssl_ca_certs: str | None = None

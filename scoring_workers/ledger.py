@@ -24,13 +24,13 @@ the same ``(group_id, verdict_version)``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError
 
 from infra.config import RedisConfig
@@ -162,6 +162,7 @@ class GroupLedger:
         if "{" in self.prefix or "}" in self.prefix:
             raise ValueError("redis.key_prefix must not contain '{' or '}' (they select the cluster hash slot)")
         self.deadlines_key = f"{self.prefix}:deadlines"
+        self.cluster = cfg.cluster
         self._sha: dict[str, str] = {}
 
     @classmethod
@@ -182,26 +183,38 @@ class GroupLedger:
         for name, body in self._SCRIPTS.items():
             self._sha[name] = await self.redis.script_load(body)
 
-    async def _execute(self, build: Callable[[Pipeline], None]) -> list[Any]:
-        """Run one pipeline built by ``build``; reload scripts once on NOSCRIPT."""
+    async def _execute(self, ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """Run ``(command, args, kwargs)`` ops in one round trip; reload scripts once on NOSCRIPT.
+
+        Standalone Redis: one pipeline. Redis Cluster (whose client refuses scripts in
+        pipelines): the ops run concurrently, each routed to its key's slot.
+        """
         if not self._sha:
             await self._load_scripts()
         for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=False)
-            build(pipe)
             try:
-                return await pipe.execute()
+                resolved = [self._resolve(op) for op in ops]
+                if self.cluster:
+                    return list(await asyncio.gather(*(getattr(self.redis, n)(*a, **kw) for n, a, kw in resolved)))
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for name, args, kw in resolved:
+                        getattr(pipe, name)(*args, **kw)
+                    return await pipe.execute()
             except NoScriptError:
                 if attempt == 2:
                     raise
-                await self._load_scripts()  # Redis restarted without persistence of scripts
-            finally:
-                await pipe.reset()
+                await self._load_scripts()  # Redis restarted and lost its script cache
         raise AssertionError("unreachable")
 
-    def _call(self, pipe: Pipeline, script: str, group_id: str, *args: Any) -> None:
+    def _script(self, script: str, group_id: str, *args: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
         keys = self.keys(group_id)
-        pipe.evalsha(self._sha[script], len(keys), *keys, *args)
+        return ("script:" + script, (len(keys), *keys, *args), {})
+
+    def _resolve(self, op: tuple[str, tuple[Any, ...], dict[str, Any]]) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        name, args, kw = op
+        if name.startswith("script:"):
+            return "evalsha", (self._sha[name[len("script:"):]], *args), kw
+        return op
 
     # ---------------------------------------------------------------- reads
     async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Probe]:
@@ -213,11 +226,8 @@ class GroupLedger:
         if not items:
             return []
 
-        def build(pipe: Pipeline) -> None:
-            for group_id, trajectory_id in items:
-                self._call(pipe, "probe", group_id, trajectory_id)
-
-        return [r.decode() if isinstance(r, bytes) else r for r in await self._execute(build)]
+        ops = [self._script("probe", group_id, trajectory_id) for group_id, trajectory_id in items]
+        return [r.decode() if isinstance(r, bytes) else r for r in await self._execute(ops)]
 
     # ---------------------------------------------------------------- transitions
     async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
@@ -232,13 +242,12 @@ class GroupLedger:
         deadline = now + int(group_timeout_s * 1000)
         ttl = self._state_ttl(group_timeout_s)
 
-        def build(pipe: Pipeline) -> None:
-            self._call(pipe, "park", group_id, result.trajectory_id, _ENCODER.encode(result), group_size, now,
-                       deadline, ttl, worker_id, scorers)
-            pipe.zadd(self.deadlines_key, {group_id: deadline}, nx=True)
-            pipe.expire(self.deadlines_key, ttl)
-
-        raw, *_ = await self._execute(build)
+        raw, *_ = await self._execute([
+            self._script("park", group_id, result.trajectory_id, _ENCODER.encode(result), group_size, now,
+                         deadline, ttl, worker_id, scorers),
+            ("zadd", (self.deadlines_key, {group_id: deadline}), {"nx": True}),
+            ("expire", (self.deadlines_key, ttl), {}),
+        ])
         outcome = raw[0].decode()
         if len(raw) < 3:
             return outcome, None
@@ -249,9 +258,8 @@ class GroupLedger:
                      group_timeout_s: float, republish_grace_s: float) -> Decision:
         """Record the group's decision unless one exists; return the stored one either way."""
         now = _now_ms()
-        (raw,) = await self._execute(lambda pipe: self._call(
-            pipe, "decide", group_id, kind, now, worker_id, scorers, discard_reason,
-            self._state_ttl(group_timeout_s)))
+        (raw,) = await self._execute([self._script(
+            "decide", group_id, kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s))])
         return await self._decision(group_id, raw, now, republish_grace_s)
 
     async def _decision(self, group_id: str, raw: list[Any], now: int, republish_grace_s: float) -> Decision:
@@ -271,11 +279,10 @@ class GroupLedger:
     async def finish(self, group_id: str, status: str, *, ttl_s: int | None = None) -> None:
         """After the verdict is acknowledged by Kafka: drop the group's state, leave a tombstone."""
 
-        def build(pipe: Pipeline) -> None:
-            self._call(pipe, "finish", group_id, status, ttl_s or self.cfg.ttl_s)
-            pipe.zrem(self.deadlines_key, group_id)
-
-        await self._execute(build)
+        await self._execute([
+            self._script("finish", group_id, status, ttl_s or self.cfg.ttl_s),
+            ("zrem", (self.deadlines_key, group_id), {}),
+        ])
 
     async def forget(self, group_id: str) -> None:
         """Drop a stale index entry (the group's keys expired or were finished)."""

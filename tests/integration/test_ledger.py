@@ -1,0 +1,125 @@
+"""The group ledger's transitions against real Redis: standalone and Redis Cluster mode.
+
+Cluster mode runs a one-node valkey cluster owning all 16384 slots: enough to prove the
+cluster client routes every script by its ``{group_id}`` hash tag (a cross-slot script
+would be refused with CROSSSLOT) and that scripts work without pipelines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+
+import pytest
+
+from infra.config import RedisConfig
+from infra.local import LocalService, find_redis_binary, free_port
+from infra.schema import SessionResult
+from scoring_workers.ledger import GroupLedger
+from scoring_workers.verdicts import assemble_verdict, encode_scorers
+
+pytestmark = pytest.mark.integration
+
+
+def _cluster_cmd(port: int, *args: str) -> bytes:
+    payload = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        s.sendall(payload.encode())
+        return s.recv(4096)
+
+
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("redis-cluster")
+    port = free_port()
+    svc = LocalService("redis", [str(find_redis_binary()), "--port", str(port), "--bind", "127.0.0.1",
+                                 "--cluster-enabled", "yes", "--cluster-config-file", str(tmp / "nodes.conf"),
+                                 "--dir", str(tmp), "--save", "", "--appendonly", "no"],
+                       port, tmp / "redis.log")
+    svc.start()
+    try:
+        assert _cluster_cmd(port, "CLUSTER", "ADDSLOTSRANGE", "0", "16383").startswith(b"+OK")
+        for _ in range(200):  # poll until the node reports the cluster ready
+            if b"cluster_state:ok" in _cluster_cmd(port, "CLUSTER", "INFO"):
+                break
+            time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        svc.stop()
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+async def ledger(request, redis_url: str):
+    if request.param == "cluster":
+        cfg = RedisConfig(url=request.getfixturevalue("cluster_url"), cluster=True, key_prefix="t", ttl_s=60)
+    else:
+        cfg = RedisConfig(url=redis_url, key_prefix=f"ledger-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    led = GroupLedger.from_config(cfg)
+    yield led
+    await led.aclose()
+
+
+def _member(tid: str, status: str = "scored") -> SessionResult:
+    return SessionResult(session_id=f"s-{tid}", trajectory_id=tid, status=status, outcome_reward=1.0)
+
+
+ARGS = dict(group_timeout_s=30, worker_id="w1", scorers=encode_scorers([]), republish_grace_s=5)
+
+
+async def test_last_member_decides_once_and_finish_leaves_a_tombstone(ledger) -> None:
+    g = f"g-{uuid.uuid4().hex[:6]}"
+    assert await ledger.probe_many([(g, "a")]) == ["new"]
+    outcome, decision = await ledger.park(_member("a"), group_id=g, group_size=2, **ARGS)
+    assert (outcome, decision) == ("parked", None)
+    assert await ledger.probe_many([(g, "a"), (g, "b")]) == ["duplicate", "new"]
+    outcome, decision = await ledger.park(_member("b"), group_id=g, group_size=2, **ARGS)
+    assert outcome == "parked" and decision.outcome == "decided_now"
+    verdict = assemble_verdict(g, decision.state, decision.members)
+    assert verdict.status == "accepted" and [s.trajectory_id for s in verdict.sessions] == ["a", "b"]
+    # a redelivered member finds the decision already made: nobody publishes twice
+    outcome, decision = await ledger.park(_member("b"), group_id=g, group_size=2, **ARGS)
+    assert outcome == "decided" and decision is None
+    again = await ledger.decide(g, "complete", worker_id="w2", scorers=b"\x90", group_timeout_s=30,
+                                republish_grace_s=5)
+    assert again.outcome == "already_decided" and again.state["decided_by"] == "w1"
+    assert assemble_verdict(g, again.state, again.members) == verdict  # rebuilt byte-identical
+    await ledger.finish(g, verdict.status)
+    assert await ledger.probe_many([(g, "a"), (g, "c")]) == ["done", "done"]
+    assert g not in await ledger.due_groups()
+
+
+async def test_discard_before_any_member(ledger) -> None:
+    g = f"d-{uuid.uuid4().hex[:6]}"
+    decision = await ledger.decide(g, "discard", worker_id="w1", scorers=b"\x90", discard_reason="no",
+                                   group_timeout_s=30, republish_grace_s=5)
+    assert decision.outcome == "decided_now"
+    assert assemble_verdict(g, decision.state, decision.members).status == "discarded"
+    outcome, _ = await ledger.park(_member("late"), group_id=g, group_size=2, **ARGS)
+    assert outcome == "decided"  # not parked, not scored again
+
+
+async def test_deadline_is_decided_by_exactly_one_caller(ledger) -> None:
+    g = f"m-{uuid.uuid4().hex[:6]}"
+    await ledger.park(_member("a"), group_id=g, group_size=3, **{**ARGS, "group_timeout_s": 0})
+    results = await asyncio.gather(*(ledger.decide(g, "deadline", worker_id=f"w{i}", scorers=b"\x90",
+                                                    group_timeout_s=0, republish_grace_s=5) for i in range(8)))
+    assert sorted(r.outcome for r in results).count("decided_now") == 1
+    verdict = assemble_verdict(g, results[0].state, results[0].members)
+    assert verdict.status == "rejected" and verdict.reason.startswith("missing_sessions: 1 of 3")
+
+
+async def test_members_disagreeing_on_group_size_reject_the_group(ledger) -> None:
+    g = f"z-{uuid.uuid4().hex[:6]}"
+    await ledger.park(_member("a"), group_id=g, group_size=3, **ARGS)
+    outcome, decision = await ledger.park(_member("b"), group_id=g, group_size=2, **ARGS)
+    assert decision is not None and decision.outcome == "decided_now"
+    assert assemble_verdict(g, decision.state, decision.members).reason.startswith("group_size_mismatch")
+
+
+async def test_scripts_are_reloaded_after_a_script_flush(ledger) -> None:
+    g = f"f-{uuid.uuid4().hex[:6]}"
+    await ledger.probe_many([(g, "x")])
+    await ledger.redis.script_flush()  # what a Redis restart does to the script cache
+    assert await ledger.probe_many([(g, "x")]) == ["new"]
