@@ -140,21 +140,12 @@ DEFAULT_TOLERANCE = Tolerance()
 def scorer_is_deterministic(scorer: Any) -> bool:
     """Whether re-running ``scorer`` on the same trajectory must give the same result.
 
-    A scorer declares it with a ``deterministic`` attribute (a class attribute
-    ``deterministic = False``, or a property when it depends on configuration; a
-    callable is called). Scorers that declare nothing are deterministic, except that a
-    scorer exposing a sampling ``temperature > 0`` (on itself or on its ``endpoint``,
-    as the LLM judges do) is treated as non-deterministic: re-calling a sampling judge
-    would cost money and report noise as differences.
+    Scorers declare it with ``deterministic`` (``BaseScorer`` says True; the LLM judges
+    make it a property that is True only at temperature 0; a callable is called).
+    Re-calling a sampling judge would cost money and report noise as differences.
     """
-    declared = getattr(scorer, "deterministic", None)
-    if declared is not None:
-        return bool(declared() if callable(declared) else declared)
-    for owner in (scorer, getattr(scorer, "endpoint", None)):
-        temperature = getattr(owner, "temperature", None) if owner is not None else None
-        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0:
-            return False
-    return True
+    declared = getattr(scorer, "deterministic", True)
+    return bool(declared() if callable(declared) else declared)
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHMARKS = ("schema", "runner", "shaping", "pipeline")
+BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -209,8 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_parser(sub)
 
     from prm_pipeline.audit import add_audit_parser
+    from scoring_workers.scorers.fake_judge import add_fake_judge_parser
 
     add_audit_parser(sub)
+    add_fake_judge_parser(sub)
 
     p = sub.add_parser("demo", help="run the end-to-end demo on the embedded stack")
     p.add_argument("--groups", type=int, default=None, help="number of groups to publish")

@@ -31,6 +31,8 @@ scorer and metric names are URL-quoted keeping ``-_.:``):
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,6 +67,10 @@ REJECTION_REASONS = frozenset(
         "invalid_trajectory",  # the parent links do not form a forest
     }
 )
+#: A scorer may name its own failure: an exception with a ``reason`` attribute matching
+#: this pattern (e.g. the judges' ``judge_failed``) is recorded under that code instead
+#: of ``scorer_error``, so a failed judge is told apart from a buggy scorer.
+SCORER_REASON_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
 
 class PRMRejection(Exception):

@@ -47,6 +47,7 @@ from infra.tree import TreeError, branches
 from scoring_workers.prm.base import BaseScorer, BaseTrajectoryScorer, PRMScorerResult
 from scoring_workers.prm.resolve import build_scorer
 from scoring_workers.prm.results import (
+    SCORER_REASON_PATTERN,
     PRMRejection,
     RunnerClosedError,
     ScoredBranch,
@@ -663,9 +664,11 @@ class PRMRunner:
     @staticmethod
     def _scorer_error(exc: BaseException, view: InteractionView | None, where: dict[str, Any]) -> PRMRejection:
         at = f", interaction {view.interaction_id!r}" if view is not None else f", branch {where['leaf_id']!r}"
+        declared = getattr(exc, "reason", None)
+        reason = declared if isinstance(declared, str) and SCORER_REASON_PATTERN.fullmatch(declared) else "scorer_error"
         return PRMRejection(
             f"scorer {where['scorer_name']!r} raised {type(exc).__name__}{at}: {exc}",
-            reason="scorer_error",
+            reason=reason,
             interaction_id=None if view is None else view.interaction_id,
             **where,
         )

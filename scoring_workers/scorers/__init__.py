@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "LengthBudgetScorer": "scoring_workers.scorers.length_budget",
+    "OpenClawJudgeScorer": "scoring_workers.scorers.openclaw",
+    "JudgeScorerResult": "scoring_workers.scorers.openclaw",
+    "OPDTeacherScorer": "scoring_workers.scorers.opd",
+    "JudgeFailedError": "scoring_workers.scorers.judge",
+    "FakeJudgeServer": "scoring_workers.scorers.fake_judge",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -707,3 +707,26 @@ def test_contributions_are_shape_checked_when_added() -> None:
     assert _accumulate(acc, 1.0).tolist() == [2.5, 3.5]
     with pytest.raises(RuntimeError, match="shape"):
         _accumulate(acc, torch.zeros(3))
+
+
+# ----------------------------------------------------------------------------- scorer-declared reasons
+class _DeclaredFailure(RuntimeError):
+    def __init__(self, reason: object) -> None:
+        super().__init__("the judge could not decide")
+        self.reason = reason
+
+
+@pytest.mark.parametrize(("declared", "recorded"), [
+    ("judge_failed", "judge_failed"),      # a well-formed code is kept
+    ("Not A Code!", "scorer_error"),       # anything else falls back
+    (42, "scorer_error"),
+])
+async def test_a_scorer_may_name_its_rejection_reason(declared: object, recorded: str) -> None:
+    def fail(interaction: Any, ctx: Any) -> float:
+        raise _DeclaredFailure(declared)
+
+    runner = PRMRunner(PRMConfig(scorers=[scorer("judge", fail)()]))
+    with pytest.raises(PRMRejection) as info:
+        await runner.run(traj(turn("a")))
+    assert info.value.reason == recorded
+    assert isinstance(info.value.__cause__, _DeclaredFailure)

@@ -1,0 +1,404 @@
+"""``OpenClawJudgeScorer``: OpenClaw-RL's PRM judge as a prm-pipeline scorer.
+
+For every turn the scorer finds the **next state** — the ``user`` or ``tool`` message
+that answers the turn's output in the branch conversation ``ctx["messages"]`` (see
+:func:`scoring_workers.scorers.judge.locate_next_state`) — and asks an LLM judge
+whether the output fulfilled the user's intent, with the next state as evidence
+(OpenClaw-RL's role-aware prompt: a successful tool output is positive, a user change
+request is negative). ``m`` votes (default 3) are combined by OpenClaw-RL's majority
+rule into ``1.0``, ``0.0`` or ``-1.0``; with ``adaptive: true`` (the default) votes
+are requested only while they can still change the majority (two agreeing votes of
+three settle it) — the score is identical to asking all ``m`` (see
+:mod:`scoring_workers.scorers.judge`).
+
+* A turn with no next state (the branch's last turn, or an assistant message follows)
+  scores ``0.0`` and is observed as ``has_next_state = false``; no judge call is made.
+* When **every** vote of a turn fails (transport error, timeout, open breaker or an
+  answer without a valid ``\\boxed{}``), ``on_all_votes_failed: reject`` (default)
+  raises :class:`~scoring_workers.scorers.judge.JudgeFailedError` (``reason =
+  "judge_failed"``), which rejects the trajectory; ``neutral`` reproduces
+  OpenClaw-RL's ``0.0``. Either way ``judge_failed`` is observed, so a failed judge
+  never looks like a real zero.
+
+Config (``kwargs`` of the scorer entry)::
+
+    path: scoring_workers.scorers.openclaw.OpenClawJudgeScorer
+    weight: 1.0
+    kwargs:
+      base_url: http://judge:30000      # server root
+      api: openai                       # or sglang (/generate on a ChatML prompt)
+      model: qwen3-8b
+      temperature: 0.6
+      max_tokens: 4096
+      m: 3
+      adaptive: true
+      max_votes: 3                      # > m escalates split votes (off by default)
+      on_all_votes_failed: reject       # or neutral
+      timeout_s: 30                     # one HTTP attempt
+      total_timeout_s: 45               # one vote, retries included
+      turn_timeout_s: null              # all votes of one turn (unfinished votes fail)
+      max_retries: 2
+      max_concurrency: 32               # shared by every client of base_url in the process
+      rps: 0                            # 0 = no pacing
+      breaker_failure_threshold: 5
+      breaker_reset_s: 10
+      pool_size: 8                      # connections per internal httpx client
+      api_key_env: null                 # env var holding a bearer token
+      audit_sink: null                  # "module:callable" receiving audit records
+
+Judge texts for audit travel on the result: :class:`JudgeScorerResult` is a
+:class:`~scoring_workers.prm.PRMScorerResult` with an extra ``audit`` mapping
+(strings only); ``audit_sink`` additionally hands every record to a callable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
+from scoring_workers.scorers.judge import (
+    JudgeFailedError,
+    NextState,
+    Vote,
+    VoteResult,
+    build_prm_judge_messages,
+    locate_next_state,
+    message_text,
+    parse_boxed_score,
+    render_response_text,
+    run_votes,
+)
+from scoring_workers.scorers.judge_client import (
+    JudgeClient,
+    JudgeEndpoint,
+    JudgeRequestError,
+    resolve_callable,
+)
+
+__all__ = ["JudgeScorerBase", "JudgeScorerResult", "OpenClawJudgeScorer"]
+
+log = logging.getLogger(__name__)
+
+_BOOL = ("count", "rate")
+_FLOAT_SUM = ("sum", "mean")
+FAILURE_POLICIES = ("reject", "neutral")
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeScorerResult(PRMScorerResult):
+    """A :class:`PRMScorerResult` that also carries the judge's texts for audit.
+
+    ``audit`` maps short keys to strings: ``score``, ``votes`` (e.g. ``"1,1"`` or
+    ``"1,error,-1"``), ``next_state_role`` and ``vote_<i>`` — the full judge answer
+    of every *deciding* vote (those equal to the majority; every valid vote on a
+    tie). The runner ignores the field today; see ``docs/judge.md`` for wiring it.
+    """
+
+    audit: Mapping[str, str] = field(default_factory=dict)
+
+
+def _obs(interaction_id: str, metric: str, value: bool | float) -> PRMMetricObservation:
+    if isinstance(value, bool):
+        return PRMMetricObservation(
+            metric_id=metric, scope="turn", target_id=interaction_id, value=value,
+            value_type="boolean", aggregations=_BOOL,
+        )
+    return PRMMetricObservation(
+        metric_id=metric, scope="turn", target_id=interaction_id, value=float(value),
+        value_type="float", aggregations=_FLOAT_SUM,
+    )
+
+
+def _vote_label(vote: Vote) -> str:
+    if vote.error is not None:
+        return "error"
+    return "invalid" if vote.score is None else str(vote.score)
+
+
+class JudgeScorerBase(BaseScorer):
+    """Shared plumbing of the judge scorers: configuration, the owned
+    :class:`JudgeClient` / :class:`JudgeEndpoint`, next-state lookup, failure policy,
+    audit, ``aclose``.
+
+    ``merge_tool_results`` (default ``False``): the next state is the first
+    ``user``/``tool`` message after the output; ``True`` joins a run of consecutive
+    ``tool`` messages into one next state (parallel tool calls)."""
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        enabled: bool = True,
+        *,
+        base_url: str,
+        api: str = "openai",
+        model: str = "default",
+        temperature: float = 0.6,
+        max_tokens: int = 4096,
+        m: int = 3,
+        on_all_votes_failed: str = "reject",
+        timeout_s: float = 30.0,
+        total_timeout_s: float = 45.0,
+        turn_timeout_s: float | None = None,
+        max_retries: int = 2,
+        backoff_base_s: float = 0.2,
+        backoff_max_s: float = 5.0,
+        max_concurrency: int | None = None,
+        rps: float | None = None,
+        breaker_failure_threshold: int | None = None,
+        breaker_reset_s: float | None = None,
+        api_key_env: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        pool_size: int = 8,
+        chat_template: str | None = None,
+        audit_sink: Any = None,
+        merge_tool_results: bool = False,
+    ) -> None:
+        super().__init__(weight=weight, enabled=enabled)
+        name = self.name
+        if not isinstance(merge_tool_results, bool):
+            raise TypeError(f"scorer {name!r}: merge_tool_results must be a bool, got {merge_tool_results!r}")
+        self.merge_tool_results = merge_tool_results
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"scorer {name!r}: m must be an integer >= 1, got {m!r}")
+        if on_all_votes_failed not in FAILURE_POLICIES:
+            raise ValueError(
+                f"scorer {name!r}: on_all_votes_failed must be one of {FAILURE_POLICIES}, got {on_all_votes_failed!r}"
+            )
+        if turn_timeout_s is not None and (
+            isinstance(turn_timeout_s, bool)
+            or not isinstance(turn_timeout_s, (int, float))
+            or not math.isfinite(turn_timeout_s)
+            or turn_timeout_s <= 0
+        ):
+            raise ValueError(f"scorer {name!r}: turn_timeout_s must be a number > 0 or null, got {turn_timeout_s!r}")
+        self.m = m
+        self.on_all_votes_failed = on_all_votes_failed
+        self.turn_timeout_s = None if turn_timeout_s is None else float(turn_timeout_s)
+        self._audit_sink = None if audit_sink is None else resolve_callable(audit_sink, "audit_sink")
+        self.counters: Counter[str] = Counter()
+        """Process-lifetime counters (turns, judge_calls, judge_calls_saved, judge_failed,
+        no_next_state, rejected) — handy for a Prometheus exporter."""
+        self._client_options: dict[str, Any] = {
+            "timeout_s": timeout_s, "total_timeout_s": total_timeout_s, "max_retries": max_retries,
+            "backoff_base_s": backoff_base_s, "backoff_max_s": backoff_max_s, "max_concurrency": max_concurrency,
+            "rps": rps, "breaker_failure_threshold": breaker_failure_threshold, "breaker_reset_s": breaker_reset_s,
+            "api_key_env": api_key_env, "headers": headers, "pool_size": pool_size,
+        }
+        self._clients: list[JudgeClient] = []
+        client = self._new_client(base_url)
+        try:
+            self.endpoint = JudgeEndpoint(
+                client, api=api, model=model, temperature=temperature, max_tokens=max_tokens,
+                chat_template=chat_template,
+            )
+        except BaseException:
+            self._release_unopened()
+            raise
+
+    @property
+    def deterministic(self) -> bool:  # type: ignore[override]
+        """Only a greedy judge (``temperature: 0``) may be re-run by ``prm-pipeline
+        audit``; for a sampling judge the audit checks the recorded results instead."""
+        return self.endpoint.temperature == 0
+
+    # ------------------------------------------------------------------ clients
+    def _new_client(self, base_url: str) -> JudgeClient:
+        for client in self._clients:
+            if client.base_url == base_url.rstrip("/").removesuffix("/v1"):
+                return client
+        client = JudgeClient(base_url, **self._client_options)
+        self._clients.append(client)
+        return client
+
+    def _release_unopened(self) -> None:
+        """Undo client registrations when the constructor fails (nothing was opened yet)."""
+        for client in self._clients:
+            client.discard()
+        self._clients.clear()
+
+    @property
+    def client(self) -> JudgeClient:
+        return self.endpoint.client
+
+    async def aclose(self) -> None:
+        """Close the HTTP clients this scorer owns (idempotent)."""
+        errors: list[BaseException] = []
+        for client in reversed(self._clients):
+            try:
+                await client.aclose()
+            except Exception as exc:  # noqa: BLE001 - close the others first
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def next_state(self, interaction: Any, ctx: Mapping[str, Any]) -> tuple[bool, NextState | None]:
+        """``(output_located, next_state)`` of ``interaction`` in the branch conversation."""
+        conversation = self._conversation(ctx)
+        located, state = locate_next_state(interaction.messages, interaction.output_message_list, conversation)
+        if state is not None and self.merge_tool_results and state.role == "tool":
+            texts = [state.text]
+            j = state.index + 1
+            while j < len(conversation) and conversation[j].get("role") == "tool":
+                texts.append(message_text(conversation[j]))
+                j += 1
+            state = NextState(state.role, "\n\n".join(texts), state.index)
+        return located, state
+
+    # ------------------------------------------------------------------ helpers
+    def _deadline(self) -> float | None:
+        if self.turn_timeout_s is None:
+            return None
+        return asyncio.get_running_loop().time() + self.turn_timeout_s
+
+    @staticmethod
+    def _conversation(ctx: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
+        conversation = ctx.get("messages")
+        if conversation is None:
+            raise ValueError(
+                "ctx['messages'] is missing: judge scorers need the branch's full conversation "
+                "(PRMRunner provides it)"
+            )
+        return conversation
+
+    async def _ask(self, messages: Sequence[Mapping[str, Any]], deadline: float | None) -> tuple[str | None, str | None]:
+        """One judge call: ``(text, None)`` or ``(None, error description)``."""
+        try:
+            return await self.endpoint.complete(messages, deadline=deadline), None
+        except JudgeRequestError as exc:
+            return None, f"{exc.kind}: {exc}"
+
+    def _failed(self, interaction: Any, what: str, votes: Sequence[Vote]) -> JudgeFailedError:
+        errors = sum(1 for v in votes if v.error is not None)
+        invalid = len(votes) - errors
+        last = next((v.error for v in reversed(votes) if v.error is not None), None)
+        self.counters["rejected"] += 1
+        return JudgeFailedError(
+            f"scorer {self.name!r}: all {len(votes)} {what} for interaction {interaction.interaction_id!r} "
+            f"failed ({errors} request errors, {invalid} answers without a valid score)"
+            + (f"; last error: {last}" if last else ""),
+            interaction_id=interaction.interaction_id, calls=len(votes), errors=errors, invalid=invalid,
+            last_error=last,
+        )
+
+    async def _emit_audit(self, interaction: Any, ctx: Mapping[str, Any], audit: Mapping[str, str]) -> None:
+        if self._audit_sink is None:
+            return
+        record = {
+            "scorer": self.name,
+            "version": self.version,
+            "trajectory_id": ctx.get("trajectory_id"),
+            "leaf_id": ctx.get("leaf_id"),
+            "interaction_id": interaction.interaction_id,
+            **audit,
+        }
+        try:
+            outcome = self._audit_sink(record)
+            if inspect.isawaitable(outcome):
+                await outcome
+        except Exception:
+            log.exception("audit sink of scorer %r failed", self.name)
+
+class OpenClawJudgeScorer(JudgeScorerBase):
+    """OpenClaw-RL's PRM judge: ``m``-vote majority of ``\\boxed{1/0/-1}`` per turn.
+
+    Extra kwargs beyond :class:`JudgeScorerBase`: ``adaptive`` (default ``True``) and
+    ``max_votes`` (default ``m``; larger escalates split votes).
+
+    Turn observations (stable schema): ``has_next_state``, ``output_located``,
+    ``judge_failed`` (boolean: count, rate); ``judge_calls``, ``judge_calls_saved``,
+    ``judge_call_errors``, ``judge_votes_invalid`` (float: sum, mean).
+    """
+
+    name = "openclaw_judge"
+    version = "1"
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        enabled: bool = True,
+        *,
+        adaptive: bool = True,
+        max_votes: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(adaptive, bool):
+            raise TypeError(f"scorer {self.name!r}: adaptive must be a bool, got {adaptive!r}")
+        m = kwargs.get("m", 3)
+        if max_votes is not None and (
+            isinstance(max_votes, bool) or not isinstance(max_votes, int) or (isinstance(m, int) and max_votes < m)
+        ):
+            raise ValueError(f"scorer {self.name!r}: max_votes must be an integer >= m ({m}), got {max_votes!r}")
+        super().__init__(weight, enabled, **kwargs)
+        self.adaptive = adaptive
+        self.max_votes = max_votes
+
+    async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> float | None:
+        result = await self.evaluate_result(interaction, ctx)
+        return None if result is None else result.reward
+
+    async def evaluate_result(self, interaction: Any, ctx: dict[str, Any]) -> JudgeScorerResult:
+        iid = interaction.interaction_id
+        located, state = self.next_state(interaction, ctx)
+        self.counters["turns"] += 1
+        if state is None:
+            self.counters["no_next_state"] += 1
+            return JudgeScorerResult(
+                0.0,
+                (
+                    _obs(iid, "has_next_state", False), _obs(iid, "output_located", located),
+                    _obs(iid, "judge_failed", False), _obs(iid, "judge_calls", 0.0),
+                    _obs(iid, "judge_calls_saved", 0.0), _obs(iid, "judge_call_errors", 0.0),
+                    _obs(iid, "judge_votes_invalid", 0.0),
+                ),
+                audit={"score": "0.0", "votes": "", "next_state_role": ""},
+            )
+        messages = build_prm_judge_messages(
+            render_response_text(interaction.output_message_list), state.text, state.role
+        )
+        deadline = self._deadline()
+
+        async def request(_i: int) -> Vote:
+            text, error = await self._ask(messages, deadline)
+            return Vote(None if text is None else parse_boxed_score(text), text, error)
+
+        result = await run_votes(request, self.m, adaptive=self.adaptive, max_votes=self.max_votes)
+        self.counters["judge_calls"] += result.calls
+        self.counters["judge_calls_saved"] += result.saved
+        failed = result.all_failed
+        audit = self._audit(result, state)
+        await self._emit_audit(interaction, ctx, audit)
+        if failed:
+            self.counters["judge_failed"] += 1
+            if self.on_all_votes_failed == "reject":
+                raise self._failed(interaction, "judge votes", result.votes)
+        return JudgeScorerResult(
+            result.score,
+            (
+                _obs(iid, "has_next_state", True), _obs(iid, "output_located", True),
+                _obs(iid, "judge_failed", failed), _obs(iid, "judge_calls", result.calls),
+                _obs(iid, "judge_calls_saved", result.saved), _obs(iid, "judge_call_errors", result.errors),
+                _obs(iid, "judge_votes_invalid", result.invalid),
+            ),
+            audit=audit,
+        )
+
+    @staticmethod
+    def _audit(result: VoteResult, state: NextState) -> dict[str, str]:
+        audit = {
+            "score": repr(result.score),
+            "votes": ",".join(_vote_label(v) for v in result.votes),
+            "next_state_role": state.role,
+        }
+        for i in result.deciding():
+            audit[f"vote_{i}"] = result.votes[i].text or ""
+        errors = [f"{i}: {v.error}" for i, v in enumerate(result.votes) if v.error is not None]
+        if errors:
+            audit["errors"] = "\n".join(errors)
+        return audit
