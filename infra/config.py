@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -28,6 +29,9 @@ import yaml
 log = logging.getLogger(__name__)
 
 SHAPING_MODES = ("additive", "gvpo", "process_weighted")
+# Trainer-side PRM + OPD combinations (shaper.combined). Deliberately not values of
+# AReaL's advantage_shaping.mode: they choose the token signal, the mode still folds it in.
+COMBINED_MODES = ("prm_gated_opd", "prm_weighted_opd")
 
 
 class ConfigError(ValueError):
@@ -87,6 +91,22 @@ class ActorConfig(msgspec.Struct, kw_only=True):
 
 
 # --------------------------------------------------------------------------- our sections
+_URL_PASSWORD = re.compile(r"(//[^:/@]*:)[^@/]*@")
+
+
+def _masked_repr(struct: msgspec.Struct, secret_fields: tuple[str, ...] = (), url_fields: tuple[str, ...] = ()) -> str:
+    """``repr`` without secrets, so a config that ends up in a log line leaks nothing."""
+    parts = []
+    for name in struct.__struct_fields__:
+        value = getattr(struct, name)
+        if name in secret_fields and value:
+            value = "***"
+        elif name in url_fields and isinstance(value, str):
+            value = _URL_PASSWORD.sub(r"\1***@", value)
+        parts.append(f"{name}={value!r}")
+    return f"{type(struct).__name__}({', '.join(parts)})"
+
+
 class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bootstrap: str = "127.0.0.1:9092"
     client_id: str = "prm-pipeline"
@@ -105,6 +125,9 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000
 
+    def __repr__(self) -> str:
+        return _masked_repr(self, secret_fields=("sasl_password",))
+
 
 class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     url: str = "redis://127.0.0.1:6379/0"
@@ -112,6 +135,9 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     key_prefix: str = "prm"
     ttl_s: int = 86_400
     ssl_ca_certs: str | None = None
+
+    def __repr__(self) -> str:
+        return _masked_repr(self, url_fields=("url",))
 
 
 class TopicsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -136,6 +162,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_scorer_modules: list[str] = msgspec.field(default_factory=lambda: ["scoring_workers.scorers"])
     # Dead letters keep at most this many bytes of the original record (a header says so).
     dead_letter_max_bytes: int = 1_048_576
+    # Verdicts also carry each scorer's own weighted token rewards (BranchResult.channels),
+    # which trainer.combined_mode needs; off by default (verdicts grow by one reward array
+    # per scorer and turn, compact for uniform turns).
+    keep_scorer_channels: bool = False
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -143,6 +173,15 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch_groups: int = 8
     device: Literal["auto", "cpu", "cuda"] = "auto"
     filter: str | None = None
+    # OpenClaw-RL's exclusion policy: turns the judge scored 0 or that have no next
+    # state get loss mask 0; a session with no effective turn keeps its first judged
+    # turn that had a next state (at-least-one guarantee). See shaper/exclusion.py.
+    exclude_neutral_turns: bool = False
+    judge_scorer: str = "openclaw_judge"  # scorer whose turn results / channel are the judge's
+    # null, or a PRM + OPD combination (shaper.combined) used as the per-token process
+    # signal; needs worker.keep_scorer_channels for the judge and OPD scorers' channels.
+    combined_mode: Literal["prm_gated_opd", "prm_weighted_opd"] | None = None
+    opd_scorer: str = "opd_teacher"  # scorer whose channel is the OPD token signal
 
 
 class LocalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

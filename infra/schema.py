@@ -317,13 +317,23 @@ class TokenRewards(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
         return np.full(self.length, self.uniform, dtype=_F32)
 
 
-class BranchResult(msgspec.Struct, frozen=True, kw_only=True):
-    """Scores of one root-to-leaf branch: ``path`` lists its interaction ids root first."""
+class BranchResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Scores of one root-to-leaf branch: ``path`` lists its interaction ids root first.
+
+    ``token_rewards`` is the weighted sum over scorers. ``channels`` optionally keeps
+    each scorer's own weighted token rewards (scorer -> interaction id -> rewards),
+    written only when the worker runs with ``worker.keep_scorer_channels``: a trainer
+    that combines signals (e.g. a judge's turn scores gating an OPD teacher's token
+    signal, :mod:`shaper.combined`) cannot take the sum apart again. The field is
+    omitted when empty, so verdicts without channels encode byte for byte as before
+    and older readers ignore it.
+    """
 
     leaf_id: str
     path: list[str]
     token_rewards: dict[str, TokenRewards]
     scorer_totals: dict[str, float]
+    channels: dict[str, dict[str, TokenRewards]] = msgspec.field(default_factory=dict)
 
 
 class TokenTurn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

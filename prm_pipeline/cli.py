@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from infra.config import SHAPING_MODES, ConfigError, PipelineConfig, load_config
+from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
 
 log = logging.getLogger("prm_pipeline")
 
@@ -140,6 +140,12 @@ def add_trainer_parser(subparsers: Any) -> None:
                    help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
     p.add_argument("--dedupe-store", default=None, metavar="PATH",
                    help="sqlite file remembering acknowledged verdicts across restarts")
+    p.add_argument("--exclude-neutral-turns", action=argparse.BooleanOptionalAction, default=None,
+                   help="OpenClaw-RL exclusion: no loss on turns the judge scored 0 or without a next state, "
+                        "keeping one per session (default: trainer.exclude_neutral_turns)")
+    p.add_argument("--combined-mode", choices=[*COMBINED_MODES, "none"], default=None,
+                   help="PRM + OPD token signal from the judge and OPD scorer channels; none = summed token "
+                        "rewards (default: trainer.combined_mode)")
     p.set_defaults(func=cmd_trainer)
 
 

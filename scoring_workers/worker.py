@@ -351,7 +351,8 @@ class Worker:
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.cfg.worker.scorer_timeout_s):
-                scored = await self._runner.run(traj, is_eval=traj.is_eval)
+                channels = {"keep_channels": True} if self.cfg.worker.keep_scorer_channels else {}
+                scored = await self._runner.run(traj, is_eval=traj.is_eval, **channels)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the member fails; the group will be rejected

@@ -23,6 +23,14 @@ before batching (seed: "Apply these filters to complete sample groups"):
 tools, tests). Work is per turn (numpy concatenation and slice assignment), never per
 token in Python.
 
+Two optional per-row extras travel along for trainer-side options:
+
+* ``channels`` — each scorer's own weighted token rewards laid out like
+  ``token_rewards`` (present when the workers ran with ``worker.keep_scorer_channels``),
+  for :mod:`shaper.combined`;
+* ``turn_results`` — the branch's typed per-turn results by scorer (path order), e.g.
+  the judge's scores and ``has_next_state`` observations for :mod:`shaper.exclusion`.
+
 Anything that cannot be laid out unambiguously is refused with
 :class:`ConcatExportError` naming the group, session and turn — training on misaligned
 tokens would silently attach rewards and log-probs to the wrong positions. The compact
@@ -47,6 +55,7 @@ from infra.schema import (
     GroupVerdict,
     Interaction,
     NotConcatExport,
+    PRMTurnResult,
     SessionResult,
     TokenRewards,
     TokenTurn,
@@ -82,8 +91,8 @@ class ConcatExportError(ValueError):
     """An accepted verdict cannot be laid out as concat rows.
 
     ``reason`` is a short stable code (``not_prefix``, ``not_token_backed``,
-    ``bad_tree``, ``branch_mismatch``, ``reward_length``, ``missing_outcome``,
-    ``session_not_scored``, ``no_interactions``) used to count drops; the message says
+    ``bad_tree``, ``branch_mismatch``, ``reward_length``, ``channel_mismatch``,
+    ``missing_outcome``, ``session_not_scored``, ``no_interactions``) used to count drops; the message says
     which group, session and turn, and what was wrong.
     """
 
@@ -121,6 +130,8 @@ class ExportedRow:
     session_id: str
     trajectory_id: str
     leaf_id: str
+    channels: Mapping[str, np.ndarray] = field(default_factory=dict)  # scorer -> float32 [L]
+    turn_results: Mapping[str, tuple[PRMTurnResult, ...]] = field(default_factory=dict)  # scorer -> per turn
 
     @property
     def length(self) -> int:
@@ -222,12 +233,16 @@ def _export_branch(
     session: SessionResult,
     group_id: str,
     outcome: float,
+    channels: Mapping[str, Mapping[str, TokenRewards]] | None = None,
+    turn_results: Mapping[str, tuple[PRMTurnResult, ...]] | None = None,
 ) -> ExportedRow:
     """Lay one root-to-leaf path out as the leaf's sequence.
 
     In the compact form turn ``k`` contributes ``prompt_delta_k`` then ``output_k``;
     the concatenation over the path is exactly the leaf's input + output, and turn
     ``k``'s output starts at ``len(input_k)`` = everything before it on the path.
+    A scorer channel is laid out exactly like the summed rewards, and must cover every
+    turn of the path (a channel with holes would read as real zeros).
     """
     sid = session.session_id
     pieces: list[np.ndarray] = []
@@ -260,6 +275,21 @@ def _export_branch(
                     interaction_id=t.interaction_id,
                 )
             token_rewards[start:stop] = tr.to_numpy()
+    laid_out: dict[str, np.ndarray] = {}
+    for scorer, turns in (channels or {}).items():
+        values = np.zeros(length, dtype=np.float32)
+        for t, start, stop in spans:
+            tr = turns.get(t.interaction_id)
+            if tr is None or tr.length != stop - start:
+                raise ConcatExportError(
+                    f"channel of scorer {scorer!r} has "
+                    + ("no rewards" if tr is None else f"{tr.length} rewards")
+                    + f" for a turn that generated {stop - start} tokens",
+                    reason="channel_mismatch", group_id=group_id, session_id=sid,
+                    interaction_id=t.interaction_id,
+                )
+            values[start:stop] = tr.to_numpy()
+        laid_out[scorer] = values
     return ExportedRow(
         input_ids=ids,
         loss_mask=loss_mask,
@@ -271,6 +301,8 @@ def _export_branch(
         session_id=sid,
         trajectory_id=session.trajectory_id,
         leaf_id=path[-1].interaction_id,
+        channels=laid_out,
+        turn_results=dict(turn_results or {}),
     )
 
 
@@ -306,11 +338,13 @@ def export_session(
     if not session.branches:  # scoring disabled: every branch, no process rewards
         return [_export_branch(path, {}, session, group_id, outcome) for path in paths]
     by_leaf = {path[-1].interaction_id: path for path in paths}
+    blocks = _turn_result_blocks(session)
     rows: list[ExportedRow] = []
     seen: set[str] = set()
-    for result in session.branches:
+    for i, result in enumerate(session.branches):
         rows.append(_export_branch(_branch_path(result, by_leaf, seen, group_id, sid),
-                                   result.token_rewards, session, group_id, outcome))
+                                   result.token_rewards, session, group_id, outcome,
+                                   result.channels, blocks[i] if blocks else None))
     missing = sorted(set(by_leaf) - seen)
     if missing:
         raise ConcatExportError(
@@ -318,6 +352,40 @@ def export_session(
             reason="branch_mismatch", group_id=group_id, session_id=sid,
         )
     return rows
+
+
+def _turn_result_blocks(session: SessionResult) -> list[dict[str, tuple[PRMTurnResult, ...]]] | None:
+    """Each branch's turn results by scorer, in path order; None if they do not line up.
+
+    Workers flatten ``turn_results`` branch by branch, each branch holding, for every
+    active scorer in config order, one result per turn of its path (so a branch's block
+    has ``len(path) * len(scorer_totals)`` entries). The per-row view is what
+    per-turn trainer options (e.g. :mod:`shaper.exclusion`) need; a session whose
+    results do not fit that layout (hand-built, or scoring disabled) gets none rather
+    than a guess, and the option that needs them says so.
+    """
+    results = session.turn_results
+    if not results or not session.branches:
+        return None
+    out: list[dict[str, tuple[PRMTurnResult, ...]]] = []
+    pos = 0
+    for branch in session.branches:
+        n = len(branch.path)
+        block = results[pos : pos + n * len(branch.scorer_totals)]
+        if not n or len(block) != n * len(branch.scorer_totals):
+            return None
+        by_scorer: dict[str, tuple[PRMTurnResult, ...]] = {}
+        for j in range(0, len(block), n):
+            chunk = tuple(block[j : j + n])
+            name = chunk[0].scorer_name
+            if name in by_scorer or any(
+                tr.scorer_name != name or tr.interaction_id != iid for tr, iid in zip(chunk, branch.path)
+            ):
+                return None
+            by_scorer[name] = chunk
+        out.append(by_scorer)
+        pos += len(block)
+    return out if pos == len(results) else None
 
 
 def _branch_path(
@@ -387,6 +455,14 @@ class TrainingBatch:
     * ``group_ids`` / ``session_ids`` / ``trajectory_ids`` / ``leaf_ids``: per row.
     * ``metrics``: merged scoring metrics and pipeline counters since the previous
       batch (:class:`shaper.metrics.VerdictMetrics`); plain floats.
+    * ``channels``: scorer name -> float32 ``[B, T]``, that scorer's own weighted token
+      rewards (unshifted, laid out like ``token_rewards``). Only scorers whose channel
+      every row carries are present (workers with ``worker.keep_scorer_channels``): a
+      zero-filled hole would be indistinguishable from a real zero signal.
+    * ``turn_results``: per row, scorer name -> that scorer's
+      :class:`~infra.schema.PRMTurnResult` for each turn ``k`` of the branch (empty
+      when the verdict's results do not line up with its branches). Not tensors; see
+      :func:`shaper.exclusion.judge_turn_table`.
     """
 
     input_ids: Tensor
@@ -402,6 +478,8 @@ class TrainingBatch:
     trajectory_ids: list[str] = field(default_factory=list)
     leaf_ids: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    channels: dict[str, Tensor] = field(default_factory=dict)
+    turn_results: list[Mapping[str, tuple[PRMTurnResult, ...]]] = field(default_factory=list)
 
     _TENSORS: ClassVar[tuple[str, ...]] = (
         "input_ids", "attention_mask", "loss_mask", "logprobs", "token_rewards", "turn_index", "rewards",
@@ -431,7 +509,10 @@ class TrainingBatch:
 
     def to(self, device: str | torch.device, *, non_blocking: bool = False) -> TrainingBatch:
         """A copy with every tensor on ``device`` (lists and metrics are shared, not copied)."""
-        moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self._TENSORS}
+        moved: dict[str, object] = {
+            name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self._TENSORS
+        }
+        moved["channels"] = {k: v.to(device, non_blocking=non_blocking) for k, v in self.channels.items()}
         return dataclasses.replace(self, **moved)
 
 
@@ -463,6 +544,9 @@ def collate(
     logprobs = np.zeros((n, width), dtype=np.float32)
     token_rewards = np.zeros((n, width), dtype=np.float32)
     turn_index = np.full((n, width), -1, dtype=np.int64)
+    # A channel is batched only if every row has it (see TrainingBatch.channels).
+    names = [name for name in (rows[0].channels if rows else {}) if all(name in r.channels for r in rows)]
+    channels = {name: np.zeros((n, width), dtype=np.float32) for name in names}
     for i, row in enumerate(rows):
         length = row.length
         input_ids[i, :length] = row.input_ids
@@ -471,6 +555,8 @@ def collate(
         logprobs[i, :length] = row.logprobs
         token_rewards[i, :length] = row.token_rewards
         turn_index[i, :length] = row.turn_index
+        for name, values in channels.items():
+            values[i, :length] = row.channels[name]
     return TrainingBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention),
@@ -485,6 +571,8 @@ def collate(
         trajectory_ids=[row.trajectory_id for row in rows],
         leaf_ids=[row.leaf_id for row in rows],
         metrics=dict(metrics or {}),
+        channels={name: torch.from_numpy(values) for name, values in channels.items()},
+        turn_results=[row.turn_results for row in rows],
     )
 
 

@@ -41,7 +41,32 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["prm_gated_opd", "prm_weighted_opd"]
+__all__ = ["prm_gated_opd", "prm_weighted_opd", "turn_scores_from_tokens"]
+
+
+def turn_scores_from_tokens(token_values: Tensor, turn_index: Tensor, num_turns: int) -> Tensor:
+    """``[B, K]`` mean of ``token_values [B, T]`` over each turn's tokens (0 for a turn without tokens).
+
+    Turns a per-token channel back into per-turn scores: a judge's channel is uniform
+    over each turn (its weighted ``+1/0/-1``), so the mean *is* the turn's score, and for
+    a non-uniform scorer it is exactly how :class:`~infra.schema.PRMTurnResult` defines a
+    turn reward. Positions with ``turn_index == -1`` do not count. One ``scatter_add``
+    each for sums and counts, no loop.
+    """
+    if token_values.dim() != 2 or tuple(turn_index.shape) != tuple(token_values.shape):
+        raise ValueError(
+            f"token_values and turn_index must be [B, T] of the same shape; got {tuple(token_values.shape)} "
+            f"and {tuple(turn_index.shape)}"
+        )
+    b = token_values.shape[0]
+    values = token_values.float()
+    inside = turn_index >= 0
+    k = torch.where(inside, turn_index, torch.full_like(turn_index, num_turns)).to(torch.long)
+    sums = torch.zeros(b, num_turns + 1, dtype=values.dtype, device=values.device)  # slot K collects the rest
+    counts = torch.zeros_like(sums)
+    sums.scatter_add_(1, k, torch.where(inside, values, torch.zeros_like(values)))
+    counts.scatter_add_(1, k, inside.to(values.dtype))
+    return (sums / counts.clamp(min=1))[:, :num_turns].to(token_values.dtype)
 
 
 def _check(opd: Tensor, turn_scores: Tensor, turn_index: Tensor, loss_mask: Tensor) -> None:

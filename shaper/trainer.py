@@ -15,6 +15,14 @@ Each step takes one :class:`~shaper.batch.TrainingBatch` from a
 3. :func:`shaper.shape_advantages` folds the shifted process rewards into those
    advantages with the configured mode.
 
+Two trainer-side options change what goes into steps 1 and 3 (``trainer:`` config):
+
+* ``exclude_neutral_turns`` — OpenClaw-RL's exclusion policy on the loss mask
+  (:mod:`shaper.exclusion`), from the judge scorer's per-turn results;
+* ``combined_mode`` — the per-token process signal is a PRM + OPD combination
+  (:mod:`shaper.combined`) of two scorers' channels instead of the summed token
+  rewards; ``advantage_shaping.mode`` still decides how that signal is folded in.
+
 It then reports one line per step. There is no optimizer: plug the shaped advantages
 into a policy loss (see ``docs/trainer.md``).
 """
@@ -36,10 +44,13 @@ import msgspec
 import torch
 from torch import Tensor
 
-from infra.config import SHAPING_MODES, ConfigError, PipelineConfig, load_config, validate
+from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config, validate
 
 from .batch import TrainingBatch, resolve_device
+from .combined import prm_gated_opd, prm_weighted_opd, turn_scores_from_tokens
 from .consumer import VerdictConsumer
+from .exclusion import JudgeTurnTable, judge_turn_table, session_index
+from .exclusion import exclude_neutral_turns as _exclude_neutral_turns
 from .filters import get_filter
 from .shaping import grpo_outcome_advantages, shape_advantages, shift_token_rewards
 
@@ -47,7 +58,9 @@ __all__ = [
     "ShapedBatch",
     "StepReport",
     "TrainerSummary",
+    "check_combined_mode",
     "cmd_trainer",
+    "combined_token_signal",
     "format_step",
     "run_trainer",
     "shape_batch",
@@ -92,6 +105,8 @@ class TrainerSummary:
     stop_reason: str = ""
     device: str = "cpu"
     mode: str = "additive"
+    combined_mode: str | None = None
+    exclude_neutral_turns: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -103,22 +118,105 @@ def shape_batch(
     zero_penalty: float = 0.4,
     zero_eps: float = 1e-6,
     mask_no_eos_with_zero: bool = False,
+    exclude_neutral_turns: bool = False,
+    judge_scorer: str = "openclaw_judge",
+    combined_mode: str | None = None,
+    opd_scorer: str = "opd_teacher",
+    gate_penalty: float = -1.0,
 ) -> ShapedBatch:
     """Shifted masks/rewards, GRPO outcome advantages and shaped advantages for ``batch``.
 
     Pure and vectorised on the batch's device; the three calls a real trainer needs
     after its own advantage computation are the last two lines.
+
+    ``exclude_neutral_turns`` removes the turns OpenClaw-RL would not train on (judge
+    score 0 or no next state, with the at-least-one guarantee per session) from the
+    loss mask, using ``judge_scorer``'s per-turn results (:mod:`shaper.exclusion`).
+    ``combined_mode`` (``prm_gated_opd`` | ``prm_weighted_opd``) replaces the summed
+    token rewards by :func:`combined_token_signal` of the ``judge_scorer`` and
+    ``opd_scorer`` channels. Both work in generated-token alignment, before the shift.
     """
     loss_mask = batch.loss_mask
     if mask_no_eos_with_zero:
         loss_mask = loss_mask & ~batch.is_truncated.unsqueeze(-1)
+    table: JudgeTurnTable | None = None
+    if exclude_neutral_turns or combined_mode == "prm_gated_opd":
+        table = judge_turn_table(batch, judge_scorer)
+    if exclude_neutral_turns:
+        assert table is not None
+        sessions = session_index(batch.group_ids, batch.session_ids, device=batch.turn_index.device)
+        loss_mask = _exclude_neutral_turns(loss_mask, batch.turn_index, table.scores, table.has_next_state,
+                                           sessions, table.judged)
+    if combined_mode is None:
+        signal = batch.token_rewards
+    else:
+        signal = combined_token_signal(batch, combined_mode, loss_mask=loss_mask, judge_scorer=judge_scorer,
+                                       opd_scorer=opd_scorer, penalty=gate_penalty, table=table)
     mask = shift_token_rewards(loss_mask)
-    rewards = shift_token_rewards(batch.token_rewards)
+    rewards = shift_token_rewards(signal)
     per_row = grpo_outcome_advantages(batch.rewards, batch.group_ids)
     outcome = per_row.unsqueeze(-1).expand_as(rewards) * mask
     shaped = shape_advantages(outcome, rewards, mask, mode=mode, negative_scale=negative_scale,
                               zero_penalty=zero_penalty, zero_eps=zero_eps)
     return ShapedBatch(loss_mask=mask, token_rewards=rewards, outcome_advantages=outcome, advantages=shaped)
+
+
+def combined_token_signal(
+    batch: TrainingBatch,
+    combined_mode: str,
+    *,
+    loss_mask: Tensor | None = None,
+    judge_scorer: str = "openclaw_judge",
+    opd_scorer: str = "opd_teacher",
+    penalty: float = -1.0,
+    table: JudgeTurnTable | None = None,
+) -> Tensor:
+    """The ``[B, T]`` PRM + OPD token signal of ``batch`` (unshifted, 0 off the loss mask).
+
+    Per-turn scores are the ``judge_scorer`` channel's mean over each turn's tokens
+    (its weighted ``+1/0/-1``); token signals are the ``opd_scorer`` channel
+    (``teacher_lp - rollout_lp``, weighted). ``prm_gated_opd`` additionally treats
+    turns without a next state as unjudged (``turn_mask``), from the judge's
+    ``has_next_state`` observations: such a turn (normally the last) has nothing to be
+    judged on, so its ``0`` must not cut the cascade or earn the penalty.
+    """
+    check_combined_mode(combined_mode)
+    missing = [name for name in (judge_scorer, opd_scorer) if name not in batch.channels]
+    if missing:
+        raise ValueError(
+            f"combined_mode {combined_mode!r} needs the per-scorer channels of {judge_scorer!r} (judge) and "
+            f"{opd_scorer!r} (OPD); the batch has {sorted(batch.channels) or 'none'}, missing {missing}. Run the "
+            "workers with worker.keep_scorer_channels: true and both scorers configured, or set "
+            "trainer.judge_scorer / trainer.opd_scorer to their names"
+        )
+    mask = batch.loss_mask if loss_mask is None else loss_mask
+    turn_index = batch.turn_index
+    num_turns = int(turn_index.max().item()) + 1 if turn_index.numel() else 0
+    scores = turn_scores_from_tokens(batch.channels[judge_scorer], turn_index, num_turns)
+    opd = batch.channels[opd_scorer]
+    if combined_mode == "prm_weighted_opd":
+        return prm_weighted_opd(opd, scores, turn_index, mask)
+    table = table if table is not None else judge_turn_table(batch, judge_scorer)
+    return prm_gated_opd(opd, scores, turn_index, mask, penalty=penalty,
+                         turn_mask=table.judged & table.has_next_state)
+
+
+def check_combined_mode(combined_mode: str | None, shaping_mode: str | None = None) -> None:
+    """Refuse an unknown combined mode, and one that ``shaping_mode`` cannot fold in.
+
+    The combined signals are signed (a ``-1`` penalty, ``score x (teacher_lp -
+    rollout_lp)``), while ``process_weighted`` multiplies advantages by a weight in
+    ``[0, 1]``: better to say so at start-up than on the first batch.
+    """
+    if combined_mode is None:
+        return
+    if combined_mode not in COMBINED_MODES:
+        raise ValueError(f"unknown combined mode {combined_mode!r}; expected one of {list(COMBINED_MODES)} or null")
+    if shaping_mode == "process_weighted":
+        raise ValueError(
+            f"trainer.combined_mode {combined_mode!r} produces signed token signals, but "
+            "advantage_shaping.mode 'process_weighted' needs process rewards in [0, 1]; use additive or gvpo"
+        )
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> float:
@@ -181,8 +279,11 @@ async def run_trainer(
     mode = mode or shaping.mode
     if mode not in SHAPING_MODES:
         raise ValueError(f"unknown shaping mode {mode!r}; expected one of {list(SHAPING_MODES)}")
-    dev = resolve_device(device if device is not None else cfg.trainer.device)
-    summary = TrainerSummary(device=str(dev), mode=mode)
+    tc = cfg.trainer
+    check_combined_mode(tc.combined_mode, mode)
+    dev = resolve_device(device if device is not None else tc.device)
+    summary = TrainerSummary(device=str(dev), mode=mode, combined_mode=tc.combined_mode,
+                             exclude_neutral_turns=tc.exclude_neutral_turns)
     stop = stop or asyncio.Event()
     kwargs = dict(consumer_kwargs or {})
     consumer = VerdictConsumer(cfg, batch_groups=batch_groups, device=dev, dedupe_store=dedupe_store, **kwargs)
@@ -198,6 +299,8 @@ async def run_trainer(
                 shaped = shape_batch(
                     batch, mode=mode, negative_scale=shaping.negative_scale, zero_penalty=shaping.zero_penalty,
                     zero_eps=shaping.zero_eps, mask_no_eos_with_zero=cfg.actor.mask_no_eos_with_zero,
+                    exclude_neutral_turns=tc.exclude_neutral_turns, judge_scorer=tc.judge_scorer,
+                    combined_mode=tc.combined_mode, opd_scorer=tc.opd_scorer,
                 )
                 mask = shaped.loss_mask
                 report = StepReport(
@@ -242,6 +345,11 @@ def _configure(args: argparse.Namespace) -> PipelineConfig:
         trainer = msgspec.structs.replace(trainer, device=args.device)
     if args.filter is not None:
         trainer = msgspec.structs.replace(trainer, filter=args.filter)
+    if getattr(args, "exclude_neutral_turns", None) is not None:
+        trainer = msgspec.structs.replace(trainer, exclude_neutral_turns=args.exclude_neutral_turns)
+    combined = getattr(args, "combined_mode", None)
+    if combined is not None:  # "none" on the command line turns a configured mode off
+        trainer = msgspec.structs.replace(trainer, combined_mode=None if combined == "none" else combined)
     cfg = msgspec.structs.replace(cfg, trainer=trainer)
     if args.mode is not None:
         prm = cfg.prm
@@ -254,6 +362,10 @@ def _configure(args: argparse.Namespace) -> PipelineConfig:
         except ValueError as exc:
             raise ConfigError(f"trainer.filter: {exc}") from None
     validate(cfg)  # e.g. process_weighted with mask_no_eos_with_zero: ConfigError -> exit 2
+    try:
+        check_combined_mode(cfg.trainer.combined_mode, cfg.prm.advantage_shaping.mode)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return cfg
 
 
@@ -277,9 +389,13 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     except ValueError as exc:  # bad device, unknown filter, out-of-range process rewards
         print(f"trainer: {exc}", file=sys.stderr)
         return 1
+    extras = "".join((
+        f" + {summary.combined_mode}" if summary.combined_mode else "",
+        ", neutral turns excluded" if summary.exclude_neutral_turns else "",
+    ))
     print(
         f"trainer stopped ({summary.stop_reason}): {summary.steps} steps, {summary.groups} groups, "
-        f"{summary.rows} rows, {summary.tokens} tokens on {summary.device}, mode {summary.mode}",
+        f"{summary.rows} rows, {summary.tokens} tokens on {summary.device}, mode {summary.mode}{extras}",
         flush=True,
     )
     counters = {k: v for k, v in summary.metrics.items() if k.startswith("pipeline/")}

@@ -141,9 +141,14 @@ class ScoredBranch:
     :meth:`to_branch_result`, which encodes uniform turns directly, so the common
     scalar-scorer path never allocates per-token tensors. Treat the tensors as
     read-only results (uniform turns may share one buffer).
+
+    ``channels`` (only when the run was asked to keep them) maps each scorer to its own
+    weighted token rewards per interaction, in the same compact-or-tensor form: what a
+    trainer needs to combine scorers other than by summing them (see
+    :class:`infra.schema.BranchResult`).
     """
 
-    __slots__ = ("leaf_id", "path", "scorer_totals", "turn_results", "_rewards", "_tensors")
+    __slots__ = ("leaf_id", "path", "scorer_totals", "turn_results", "channels", "_rewards", "_tensors")
 
     def __init__(
         self,
@@ -152,11 +157,13 @@ class ScoredBranch:
         token_rewards: Mapping[str, torch.Tensor | TokenRewards],
         scorer_totals: dict[str, float],
         turn_results: list[PRMTurnResult],
+        channels: Mapping[str, Mapping[str, torch.Tensor | TokenRewards]] | None = None,
     ) -> None:
         self.leaf_id = leaf_id
         self.path = path
         self.scorer_totals = scorer_totals
         self.turn_results = turn_results
+        self.channels = {name: dict(turns) for name, turns in (channels or {}).items()}
         self._rewards = dict(token_rewards)
         self._tensors: dict[str, torch.Tensor] | None = None
 
@@ -181,15 +188,17 @@ class ScoredBranch:
         return self._tensors
 
     def to_branch_result(self) -> BranchResult:
-        """Wire form: uniform turns as ``TokenRewards(uniform=...)``, dense ones as packed float32."""
+        """Wire form: uniform turns as ``TokenRewards(uniform=...)``, dense ones as packed float32.
+
+        Channels are included when the run kept them (and omitted from the encoding
+        otherwise, see :class:`~infra.schema.BranchResult`).
+        """
         return BranchResult(
             leaf_id=self.leaf_id,
             path=list(self.path),
-            token_rewards={
-                iid: r if isinstance(r, TokenRewards) else TokenRewards.from_array(r)
-                for iid, r in self._rewards.items()
-            },
+            token_rewards=_wire(self._rewards),
             scorer_totals=dict(self.scorer_totals),
+            channels={name: _wire(turns) for name, turns in self.channels.items()},
         )
 
     def __repr__(self) -> str:
@@ -197,6 +206,10 @@ class ScoredBranch:
             f"ScoredBranch(leaf_id={self.leaf_id!r}, path={self.path!r}, "
             f"scorer_totals={self.scorer_totals!r}, turns={len(self._rewards)})"
         )
+
+
+def _wire(rewards: Mapping[str, torch.Tensor | TokenRewards]) -> dict[str, TokenRewards]:
+    return {iid: r if isinstance(r, TokenRewards) else TokenRewards.from_array(r) for iid, r in rewards.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +231,8 @@ class ScoredTrajectory:
         return [result for branch in self.branches for result in branch.turn_results]
 
     def to_branch_results(self) -> list[BranchResult]:
-        """Wire form for :class:`infra.schema.SessionResult` (uniform turns stored compactly)."""
+        """Wire form for :class:`infra.schema.SessionResult` (uniform turns stored compactly;
+        per-scorer channels when the run was asked to keep them)."""
         return [branch.to_branch_result() for branch in self.branches]
 
     def stats(self, namespace: str | None = None) -> dict[str, float]:

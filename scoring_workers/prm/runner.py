@@ -392,6 +392,7 @@ class PRMRunner:
         *,
         is_eval: bool | None = None,
         ctx: Mapping[str, Any] | None = None,
+        keep_channels: bool = False,
     ) -> ScoredTrajectory:
         """Score every branch of ``trajectory`` (a :class:`~infra.schema.ReadyTrajectory`).
 
@@ -399,6 +400,12 @@ class PRMRunner:
         copy of ``ctx`` with ``is_eval``, ``messages`` (the branch's full conversation:
         the leaf's input messages followed by its output messages, read-only),
         ``trajectory_id``, ``session_id`` and ``leaf_id`` set.
+
+        ``keep_channels`` also keeps every scorer's own weighted token rewards per turn
+        (:attr:`ScoredBranch.channels`, the worker's ``worker.keep_scorer_channels``):
+        the summed rewards cannot be taken apart again by a trainer that combines
+        scorers differently. Off by default, because it costs a copy of every tensor
+        contribution.
 
         Raises:
             PRMRejection: the trajectory is rejected (see its ``reason``).
@@ -408,11 +415,13 @@ class PRMRunner:
             raise RunnerClosedError("PRMRunner is closing or closed; run() is no longer accepted")
         self._inflight += 1
         try:
-            return await self._run(trajectory, is_eval, ctx)
+            return await self._run(trajectory, is_eval, ctx, keep_channels)
         finally:
             self._inflight -= 1
 
-    async def _run(self, trajectory: Any, is_eval: bool | None, ctx: Mapping[str, Any] | None) -> ScoredTrajectory:
+    async def _run(
+        self, trajectory: Any, is_eval: bool | None, ctx: Mapping[str, Any] | None, keep_channels: bool = False
+    ) -> ScoredTrajectory:
         trajectory_id = trajectory.trajectory_id
         if is_eval is None:
             is_eval = bool(getattr(trajectory, "is_eval", False))
@@ -439,7 +448,7 @@ class PRMRunner:
         cache: MessageCache = {}
         pending: dict[str, _SchemaTable] = {}
         scored = [
-            await self._score_branch(path, base_ctx, cache, pending, trajectory_id) for path in paths
+            await self._score_branch(path, base_ctx, cache, pending, trajectory_id, keep_channels) for path in paths
         ]
         self._bind_schemas(pending, trajectory_id)
         return ScoredTrajectory(
@@ -453,6 +462,7 @@ class PRMRunner:
         cache: MessageCache,
         pending: dict[str, _SchemaTable],
         trajectory_id: str,
+        keep_channels: bool = False,
     ) -> ScoredBranch:
         views: list[InteractionView] = []
         parent = None
@@ -468,6 +478,7 @@ class PRMRunner:
         acc: list[float | torch.Tensor] = [0.0] * len(views)
         turn_results: list[PRMTurnResult] = []
         totals: dict[str, float] = {}
+        channels: dict[str, dict[str, TokenRewards | torch.Tensor]] = {}
         for scorer in self._active:
             where = {"scorer_name": scorer.name, "leaf_id": leaf_id, "trajectory_id": trajectory_id}
             if isinstance(scorer, BaseTrajectoryScorer):
@@ -492,7 +503,16 @@ class PRMRunner:
                 pending.setdefault(scorer.name, {}).update(schema)
             total = 0.0
             name = scorer.name
+            channel: dict[str, TokenRewards | torch.Tensor] | None = {} if keep_channels else None
             for i, (value, reward, observations) in enumerate(staged):
+                if channel is not None:
+                    # _accumulate adds in place into its tensors: the channel keeps the
+                    # original, the running sum gets a copy.
+                    if isinstance(value, float):
+                        channel[views[i].interaction_id] = TokenRewards(length=lengths[i], uniform=value)
+                    else:
+                        channel[views[i].interaction_id] = value
+                        value = value.clone()
                 acc[i] = _accumulate(acc[i], value)
                 turn_results.append(
                     PRMTurnResult(
@@ -502,6 +522,8 @@ class PRMRunner:
                 )
                 total += reward
             totals[name] = total
+            if channel is not None:
+                channels[name] = channel
         token_rewards: dict[str, TokenRewards | torch.Tensor] = {}
         for view, output_len, a in zip(views, lengths, acc):
             try:
@@ -517,6 +539,7 @@ class PRMRunner:
             token_rewards=token_rewards,
             scorer_totals=totals,
             turn_results=turn_results,
+            channels=channels,
         )
 
     async def _evaluate_turns(

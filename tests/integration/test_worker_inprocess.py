@@ -98,3 +98,34 @@ async def test_scorer_outside_the_allow_list_is_refused_at_start(pipeline_config
                         allowed_scorer_modules=["scoring_workers.scorers"])
     with pytest.raises(ConfigError, match="'tests.scorers.SlowScorer' is refused"):
         await Worker(cfg).run(asyncio.Event())
+
+
+async def test_dead_letter_payloads_are_size_capped(pipeline_config) -> None:
+    from infra.kafka import make_producer
+    from infra.schema import dead_letter_from_record
+    from tests.integration.harness import read_topic
+
+    cfg = _with_scorers(pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer"),
+                        dead_letter_max_bytes=1024)
+    await ensure_topics(cfg.kafka, cfg.topics)
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        await producer.send_and_wait(cfg.topics.trajectories, b"\xc1" * 5000, key=b"big-junk",
+                                     headers=[("prm-schema-version", b"1"), ("prm-kind", b"ready")])
+    finally:
+        await producer.stop()
+    stop = asyncio.Event()
+    task = asyncio.create_task(Worker(cfg, worker_id="w-dlq").run(stop))
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        records = []
+        while not records:
+            assert asyncio.get_running_loop().time() < deadline, "no dead letter within 30s"
+            records = await read_topic(cfg, cfg.topics.dead_letters)
+        (letter,) = [dead_letter_from_record(r.value, r.headers) for r in records]
+        assert len(letter.payload) == 1024 and letter.payload == b"\xc1" * 1024
+        assert letter.original_size == 5000 and letter.error_class == "InvalidMessage"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

@@ -368,3 +368,16 @@ def test_empty_file_means_defaults(tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing\n")
     assert load_config(path, environ={}) == PipelineConfig()
+
+
+def test_secrets_never_appear_in_a_config_repr() -> None:
+    from infra.config import KafkaConfig, PipelineConfig, RedisConfig
+
+    cfg = PipelineConfig(
+        kafka=KafkaConfig(security_protocol="SASL_SSL", sasl_username="svc", sasl_password="hunter2"),
+        redis=RedisConfig(url="rediss://prm:s3cret@redis.internal:6380/0"),
+    )
+    text = repr(cfg)
+    assert "hunter2" not in text and "s3cret" not in text
+    assert "sasl_username='svc'" in text and "rediss://prm:***@redis.internal:6380/0" in text
+    assert cfg.kafka.sasl_password == "hunter2"  # only the representation is masked
