@@ -191,31 +191,35 @@ class LocalService:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code (None if not running)."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
-            return
+            return None
         proc.terminate()
         try:
-            proc.wait(timeout_s)
+            return proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            return proc.wait()
 
-    def kill(self) -> None:
-        """SIGKILL, for fault-injection tests."""
+    def kill(self) -> int | None:
+        """SIGKILL, for fault-injection tests; returns the exit code (None if not running)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+            return self.proc.wait()
+        return None
 
-    def restart(self, ready_timeout_s: float = 20.0, *, kill: bool = False) -> None:
-        """Stop (SIGTERM, or SIGKILL with ``kill``) and start again on the same port."""
+    def restart(self, ready_timeout_s: float = 20.0, *, kill: bool = False, stop_timeout_s: float = 5.0) -> int | None:
+        """Stop (SIGTERM, or SIGKILL with ``kill``) and start again on the same port;
+        returns the old process's exit code."""
         if kill:
-            self.kill()
+            code = self.kill()
             self.proc = None
         else:
-            self.stop()
+            code = self.stop(stop_timeout_s)
         self.start(ready_timeout_s)
+        return code
 
     @property
     def running(self) -> bool:

@@ -68,6 +68,9 @@ def cmd_topics(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- pipeline parts
 def cmd_worker(args: argparse.Namespace) -> int:
     """One scoring worker; SIGTERM/SIGINT drain in-flight work, commit, and exit 0."""
+    # Until the event loop takes over, a stop request simply exits: nothing is held yet.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: sys.exit(0))
     from scoring_workers.worker import Worker
 
     cfg = _load(args)

@@ -284,6 +284,16 @@ class GroupLedger:
             ("zrem", (self.deadlines_key, group_id), {}),
         ])
 
+    async def nudge(self, group_id: str, republish_grace_s: float) -> None:
+        """Bring a decided group's sweep forward to ``now + grace`` (never later, never re-adding).
+
+        Called whenever a worker finds a group decided but not finished: if its decider
+        died between deciding and moving the index entry, the sweeper would otherwise
+        wait for the group deadline before re-publishing.
+        """
+        await self.redis.zadd(self.deadlines_key, {group_id: _now_ms() + int(republish_grace_s * 1000)},
+                              xx=True, lt=True)
+
     async def forget(self, group_id: str) -> None:
         """Drop a stale index entry (the group's keys expired or were finished)."""
         await self.redis.zrem(self.deadlines_key, group_id)

@@ -114,6 +114,7 @@ class Worker:
         self._owns_runner = runner is None
         self._tracker = OffsetTracker()
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
+        self._discards: dict[str, asyncio.Task[None]] = {}  # group_id -> in-flight DiscardGroup
         self._scorers_blob = encode_scorers([])
         self._paused = False
         self.ready = asyncio.Event()
@@ -156,7 +157,9 @@ class Worker:
         await self.producer.start()
         try:
             self.consumer.subscribe([cfg.topics.trajectories], listener=_Rebalance(self))
-            await self.consumer.start()
+            if not await _unless_stopped(self.consumer.start(), stop):
+                await self.consumer.stop()
+                return  # stopped while joining: nothing consumed, nothing to commit
             try:
                 await self._loop(stop)
             finally:
@@ -250,7 +253,19 @@ class Worker:
         for record, message in decoded:
             tp = TopicPartition(record.topic, record.partition)
             self._tracker.begin(tp, record.offset)
-            task = asyncio.create_task(self._process(record, message, probes.get(id(record))))
+            probe = probes.get(id(record))
+            barrier = None
+            if isinstance(message, ReadyTrajectory):
+                barrier = self._discards.get(message.group_id)
+                if barrier is not None:
+                    probe = None  # stale: the discard ahead of it may decide the group
+            task = asyncio.create_task(self._process(record, message, probe, after=barrier))
+            if isinstance(message, DiscardGroup):
+                # Records of a group behind its discard (same partition, later offset)
+                # must see the discard's decision: they wait for it, not for each other.
+                self._discards[message.group_id] = task
+                task.add_done_callback(lambda t, g=message.group_id: self._discards.get(g) is t
+                                       and self._discards.pop(g))
             self._tasks[task] = tp
             self.telemetry.in_flight.set(len(self._tasks))
             task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
@@ -264,7 +279,10 @@ class Worker:
             return  # not marked done: it will be redelivered
         self._tracker.finish(tp, offset)
 
-    async def _process(self, record: ConsumerRecord, message: Any, probe: str | None) -> None:
+    async def _process(self, record: ConsumerRecord, message: Any, probe: str | None,
+                       after: asyncio.Task[None] | None = None) -> None:
+        if after is not None:
+            await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
         attempt = 0
         while True:
             attempt += 1
@@ -317,6 +335,8 @@ class Worker:
         if probe in ("done", "decided"):
             self.telemetry.deduplicated.inc()
             log.debug("group=%s traj=%s: group already decided, acknowledged", traj.group_id, traj.trajectory_id)
+            if probe == "decided":  # decided, not finished: make sure a sweeper publishes soon
+                await self.ledger.nudge(traj.group_id, REPUBLISH_GRACE_S)
             return
         if probe == "duplicate":
             # Already parked (a redelivery). If the crash came between parking the last
@@ -331,6 +351,8 @@ class Worker:
         )
         if outcome in ("done", "decided"):
             self.telemetry.deduplicated.inc()  # the group was decided while we scored
+            if outcome == "decided":
+                await self.ledger.nudge(traj.group_id, REPUBLISH_GRACE_S)
         elif decision is not None and decision.outcome == "decided_now":
             await self._publish(decision)  # this member completed the group
 
@@ -384,6 +406,8 @@ class Worker:
         )
         if decision.outcome == "decided_now":
             await self._publish(decision)
+        elif decision.outcome == "already_decided":
+            await self.ledger.nudge(group_id, REPUBLISH_GRACE_S)
         elif decision.outcome in ("done", "gone"):
             await self.ledger.forget(group_id)
 
@@ -444,6 +468,21 @@ class Worker:
         self.telemetry.dead_lettered.labels(letter.error_class).inc()
         log.warning("dead-lettered %s:%d offset %d: %s: %s", record.topic, record.partition, record.offset,
                     letter.error_class, letter.error_message[:300])
+
+
+async def _unless_stopped(coro: Any, stop: asyncio.Event) -> bool:
+    """Run ``coro`` unless ``stop`` is set first (then cancel it); True when it finished."""
+    task = asyncio.ensure_future(coro)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return False
 
 
 class _ProcessingError(Exception):

@@ -1,0 +1,1 @@
+"""Fault-injection tests: crashes, restarts, hangs and malformed input under load (docs/faults.md)."""
