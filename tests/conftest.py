@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from infra.config import KafkaConfig, PipelineConfig, RedisConfig, TopicsConfig, WorkerConfig
+from infra.config import PipelineConfig
+from tests.integration.harness import isolated_config
 from tests.services import ServiceEndpoints, start_test_services
 
 
@@ -42,25 +43,5 @@ def unique_name(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def pipeline_config(kafka_bootstrap: str, redis_url: str, unique_name: str) -> PipelineConfig:
-    """A config pointing at the test services with per-test topics, groups and key prefix.
-
-    Session/heartbeat timeouts are short because the embedded broker makes group joins
-    wait half the session timeout.
-    """
-    return PipelineConfig(
-        kafka=KafkaConfig(
-            bootstrap=kafka_bootstrap,
-            session_timeout_ms=2000,
-            heartbeat_interval_ms=500,
-            linger_ms=1,
-        ),
-        redis=RedisConfig(url=redis_url, key_prefix=f"prm-test:{unique_name}", ttl_s=600),
-        topics=TopicsConfig(
-            trajectories=f"traj.{unique_name}",
-            verdicts=f"verd.{unique_name}",
-            dead_letters=f"dlq.{unique_name}",
-            partitions=4,
-        ),
-        worker=WorkerConfig(group_id=f"workers.{unique_name}", scorer_timeout_s=10, group_timeout_s=30,
-                            allowed_scorer_modules=["scoring_workers.scorers", "tests.scorers"]),
-    )
+    """A config pointing at the test services with per-test topics, groups and key prefix (no scorers)."""
+    return isolated_config(unique_name, kafka_bootstrap, redis_url, scorer_timeout_s=10, group_timeout_s=30)

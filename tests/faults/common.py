@@ -36,16 +36,8 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
 from infra.config import (
-    ActorConfig,
-    AgentConfig,
-    KafkaConfig,
     PipelineConfig,
-    PRMConfig,
     PRMScorerConfig,
-    RedisConfig,
-    RolloutConfig,
-    TopicsConfig,
-    WorkerConfig,
 )
 from infra.kafka import make_consumer
 from infra.schema import (
@@ -55,29 +47,20 @@ from infra.schema import (
     decode_verdict,
 )
 from producers.publisher import PublishError, TrajectoryPublisher
-from tests.integration.harness import WorkerProcesses
+from tests.integration.harness import WorkerProcesses, isolated_config
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # interval of progress checks (a poll with a deadline, never a sync point)
-ALLOWED_SCORER_MODULES = ["scoring_workers.scorers", "tests.scorers"]
 
 
 def fault_config(name: str, kafka_bootstrap: str, redis_url: str, *, scorers: Sequence[PRMScorerConfig],
                  partitions: int = 4, kafka: dict[str, Any] | None = None, **worker: Any) -> PipelineConfig:
-    """A config of its own for one fault test: topics, group and key prefix carry ``name``."""
+    """:func:`isolated_config` with the fault suite's defaults (long deadline, short drain)."""
     worker.setdefault("group_timeout_s", 120)
     worker.setdefault("drain_timeout_s", 5)
-    return PipelineConfig(
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=list(scorers)))),
-        actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
-                          linger_ms=2, **(kafka or {})),
-        redis=RedisConfig(url=redis_url, key_prefix=f"prm-fault:{name}", ttl_s=600),
-        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
-                            partitions=partitions),
-        worker=WorkerConfig(group_id=f"workers.{name}", allowed_scorer_modules=ALLOWED_SCORER_MODULES, **worker),
-    )
+    return isolated_config(f"fault-{name}", kafka_bootstrap, redis_url, scorers=scorers, partitions=partitions,
+                           kafka={"linger_ms": 2, **(kafka or {})}, **worker)
 
 
 def report(scenario: str, **figures: Any) -> None:

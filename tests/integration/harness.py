@@ -7,10 +7,39 @@ from collections.abc import Iterable
 
 from aiokafka.structs import TopicPartition
 
-from infra.config import PipelineConfig
+from collections.abc import Sequence
+from typing import Any
+
+from infra.config import (
+    ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
+    RolloutConfig, TopicsConfig, WorkerConfig,
+)
 from infra.kafka import make_consumer
 from infra.schema import GroupVerdict, decode_verdict
 from prm_pipeline.processes import WorkerProcesses, write_config  # noqa: F401 - re-exported for tests
+
+
+TEST_SCORER_MODULES = ["scoring_workers.scorers", "tests.scorers"]
+
+
+def isolated_config(name: str, kafka_bootstrap: str, redis_url: str, *, scorers: Sequence[PRMScorerConfig] = (),
+                    partitions: int = 4, kafka: dict[str, Any] | None = None, **worker: Any) -> PipelineConfig:
+    """A config of one test's own: topics, consumer group and Redis key prefix carry ``name``.
+
+    Short session/heartbeat timeouts because the embedded broker makes group joins wait
+    half the session timeout; ``worker`` keys override :class:`WorkerConfig` fields.
+    """
+    worker.setdefault("allowed_scorer_modules", TEST_SCORER_MODULES)
+    return PipelineConfig(
+        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=list(scorers)))),
+        actor=ActorConfig(token_rewards_as_adv=True),
+        kafka=KafkaConfig(bootstrap=kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
+                          **{"linger_ms": 1, **(kafka or {})}),
+        redis=RedisConfig(url=redis_url, key_prefix=f"prm-test:{name}", ttl_s=600),
+        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
+                            partitions=partitions),
+        worker=WorkerConfig(group_id=f"workers.{name}", **worker),
+    )
 
 
 async def read_topic(cfg: PipelineConfig, topic: str, *, until: float | None = None,

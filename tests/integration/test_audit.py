@@ -20,16 +20,8 @@ import msgspec
 import pytest
 
 from infra.config import (
-    ActorConfig,
-    AgentConfig,
-    KafkaConfig,
     PipelineConfig,
-    PRMConfig,
     PRMScorerConfig,
-    RedisConfig,
-    RolloutConfig,
-    TopicsConfig,
-    WorkerConfig,
 )
 from infra.kafka import ensure_topics, make_producer
 from infra.schema import TokenRewards, encode
@@ -39,6 +31,7 @@ from producers.publisher import TrajectoryPublisher
 from producers.synthetic import make_group, make_session
 from tests.integration.harness import (
     WorkerProcesses,
+    isolated_config,
     read_topic,
     wait_for_verdicts,
     write_config,
@@ -50,19 +43,10 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
     name = f"audit-{uuid.uuid4().hex[:8]}"
-    return PipelineConfig(
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
-            PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 32}),
-            PRMScorerConfig("tests.scorers.FailOnMarkerScorer"),
-        ]))),
-        actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500, linger_ms=1),
-        redis=RedisConfig(url=redis_url, key_prefix=f"prm-test:{name}", ttl_s=600),
-        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
-                            partitions=4),
-        worker=WorkerConfig(group_id=f"workers.{name}", scorer_timeout_s=5, group_timeout_s=30,
-                            allowed_scorer_modules=["scoring_workers.scorers", "tests.scorers"]),
-    )
+    return isolated_config(name, kafka_bootstrap, redis_url, scorer_timeout_s=5, group_timeout_s=30,
+                           scorers=[PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer",
+                                                    kwargs={"max_output_tokens": 32}),
+                                    PRMScorerConfig("tests.scorers.FailOnMarkerScorer")])
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,13 @@ import pytest
 from aiokafka.structs import TopicPartition
 
 from infra.config import (
-    ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
-    RolloutConfig, TopicsConfig, WorkerConfig,
+    PipelineConfig, PRMScorerConfig,
 )
 from infra.kafka import ensure_topics, make_consumer
 from infra.schema import decode_verdict
 from producers.publisher import TrajectoryPublisher
 from producers.synthetic import workload
-from tests.integration.harness import WorkerProcesses, read_topic, write_config
+from tests.integration.harness import WorkerProcesses, isolated_config, read_topic, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -49,17 +48,9 @@ async def _tail_groups(cfg: PipelineConfig, seen: set[str], stop: asyncio.Event)
 
 async def test_sigkill_during_load_loses_and_duplicates_nothing(kafka_bootstrap, redis_url, tmp_path) -> None:
     name = f"crash-{uuid.uuid4().hex[:8]}"
-    cfg = PipelineConfig(
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
-            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
-        ]))),
-        actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500, linger_ms=2),
-        redis=RedisConfig(url=redis_url, key_prefix=f"prm-test:{name}", ttl_s=600),
-        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
-                            partitions=4),
-        worker=WorkerConfig(group_id=f"workers.{name}", concurrency=32, group_timeout_s=120),
-    )
+    cfg = isolated_config(name, kafka_bootstrap, redis_url, kafka={"linger_ms": 2}, concurrency=32,
+                          group_timeout_s=120, scorers=[
+        PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24})])
     await ensure_topics(cfg.kafka, cfg.topics)
     procs = WorkerProcesses(write_config(cfg, tmp_path / "config.yaml"), tmp_path, n=2)
     procs.start()

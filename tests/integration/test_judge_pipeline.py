@@ -33,15 +33,14 @@ import numpy as np
 import pytest
 
 from infra.config import (
-    ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
-    RolloutConfig, TopicsConfig, WorkerConfig,
+    PipelineConfig, PRMScorerConfig,
 )
 from infra.kafka import ensure_topics
 from infra.schema import GroupVerdict, Interaction, ModelResponse, ReadyTrajectory, decode_verdict
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.scorers.fake_judge import FakeJudgeServer
 from shaper import apply_exclusion, build_training_batch
-from tests.integration.harness import WorkerProcesses, read_topic, wait_for_verdicts, write_config
+from tests.integration.harness import WorkerProcesses, isolated_config, read_topic, wait_for_verdicts, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -126,16 +125,9 @@ def cfg(kafka_bootstrap: str, redis_url: str, judge: LoggingJudge) -> PipelineCo
         "timeout_s": TIMEOUT_S, "total_timeout_s": 1.5, "max_retries": 1, "backoff_base_s": 0.05,
         "backoff_max_s": 0.1, "breaker_failure_threshold": 3, "breaker_reset_s": BREAKER_RESET_S,
     })
-    return PipelineConfig(
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[scorer]))),
-        actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500, linger_ms=1),
-        redis=RedisConfig(url=redis_url, key_prefix=f"prm-test:{name}", ttl_s=600),
-        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
-                            partitions=4),
-        worker=WorkerConfig(group_id=f"workers.{name}", scorer_timeout_s=15, group_timeout_s=60,
-                            allowed_scorer_modules=["scoring_workers.scorers"], keep_scorer_channels=True),
-    )
+    return isolated_config(name, kafka_bootstrap, redis_url, scorers=[scorer], scorer_timeout_s=15,
+                           group_timeout_s=60, allowed_scorer_modules=["scoring_workers.scorers"],
+                           keep_scorer_channels=True)
 
 
 @pytest.fixture(scope="module")

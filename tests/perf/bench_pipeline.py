@@ -104,7 +104,7 @@ async def _runner_baseline(cfg: PipelineConfig, trajectories: list[ReadyTrajecto
 async def _pipeline(cfg: PipelineConfig, groups: list[list[ReadyTrajectory]], n_workers: int, workdir: Path,
                     latency_groups: int) -> tuple[float, list[float], float]:
     procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=n_workers)
-    tail = VerdictTail(cfg)
+    tail = VerdictTail(cfg, decode=False)  # the load generator must not compete for CPU
     procs.start()
     try:
         await tail.start()
