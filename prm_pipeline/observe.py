@@ -19,8 +19,9 @@ class VerdictTail:
     offsets and sees verdicts published before it started.
     """
 
-    def __init__(self, cfg: PipelineConfig) -> None:
+    def __init__(self, cfg: PipelineConfig, *, decode: bool = True) -> None:
         self.cfg = cfg
+        self.decode = decode  # False: arrival times only (keys), no CPU spent decoding verdicts
         self.arrivals: dict[str, float] = {}
         self.verdicts: dict[str, GroupVerdict] = {}
         self.records = 0
@@ -45,6 +46,9 @@ class VerdictTail:
             for records in batch.values():
                 for r in records:
                     self.records += 1
+                    if not self.decode:
+                        self.arrivals.setdefault(r.key.decode(), now)
+                        continue
                     try:
                         verdict = decode_verdict(r.value, r.headers)
                     except SchemaError:
