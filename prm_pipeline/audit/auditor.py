@@ -1,0 +1,235 @@
+"""The bookkeeping of one audit, independent of Kafka: :class:`Auditor`, :class:`AuditReport`.
+
+The :class:`Auditor` decodes records, matches verdict sessions to trajectories by
+``trajectory_id``, re-scores each referenced trajectory once with bounded
+concurrency (:func:`~prm_pipeline.audit.rescoring.rescore`) and keeps only the
+comparisons; :meth:`Auditor.finish` turns them into an :class:`AuditReport`. It is
+fed records by :func:`~prm_pipeline.audit.run.audit`, but takes plain bytes and
+headers, so it runs without a broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from infra.schema import (
+    DiscardGroup,
+    GroupVerdict,
+    ReadyTrajectory,
+    SchemaError,
+    decode_message,
+    decode_verdict,
+)
+from prm_pipeline.audit.compare import (
+    DEFAULT_TOLERANCE,
+    GROUP_OUTCOMES,
+    GroupFinding,
+    ScoringScope,
+    SessionComparison,
+    Tolerance,
+    compare_session,
+    summarize_group,
+)
+from prm_pipeline.audit.rescoring import rescore
+
+if TYPE_CHECKING:
+    from scoring_workers.prm import PRMRunner
+
+
+@dataclass
+class AuditReport:
+    """What an audit found: one :class:`GroupFinding` per group plus counts."""
+
+    findings: list[GroupFinding]
+    scope: ScoringScope
+    records: dict[str, int] = field(default_factory=dict)
+    resume_offsets: str = ""
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts = Counter(f.outcome for f in self.findings)
+        return {outcome: counts.get(outcome, 0) for outcome in GROUP_OUTCOMES}
+
+    @property
+    def sessions(self) -> dict[str, int]:
+        total: Counter[str] = Counter()
+        for f in self.findings:
+            total.update(f.sessions)
+        return dict(sorted(total.items()))
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.counts["differs"] else 0
+
+    def by_group(self) -> dict[str, GroupFinding]:
+        return {f.group_id: f for f in self.findings}
+
+
+class Auditor:
+    """Bookkeeping of one audit, independent of Kafka.
+
+    Feed every verdict record first (:meth:`feed_verdict`), then stream trajectory
+    records (:meth:`feed_trajectory`); each trajectory a verdict member references is
+    re-scored once (the first record of a ``trajectory_id`` wins, as in the worker) and
+    compared at once against every distinct verdict listing it, so trajectories are not
+    kept in memory. :meth:`finish` waits for re-scoring and returns the report.
+    """
+
+    def __init__(
+        self,
+        *,
+        scope: ScoringScope,
+        runner: PRMRunner | None,
+        tol: Tolerance = DEFAULT_TOLERANCE,
+        groups: Iterable[str] | None = None,
+        timeout_s: float | None = 60.0,
+        concurrency: int = 16,
+        max_differences: int = 100,
+        on_rescored: Callable[[int], None] | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        self.scope, self.runner, self.tol = scope, runner, tol
+        self.groups = frozenset(groups) if groups else None
+        self.timeout_s, self.concurrency, self.max_differences = timeout_s, concurrency, max_differences
+        self.on_rescored = on_rescored
+        self.counts: Counter[str] = Counter()
+        self._variants: dict[str, list[list[Any]]] = {}  # group -> [[verdict, copies]]
+        self._refs: dict[str, list[tuple[str, int, int]]] = {}  # trajectory id -> (group, variant, session idx)
+        self._results: dict[tuple[str, int, int], SessionComparison] = {}
+        self._rescored: dict[str, bytes] = {}  # trajectory id -> digest of the record re-scored
+        self._seen: dict[str, set[str]] = {}  # group -> trajectory ids on the topic
+        self._discards: set[str] = set()
+        self._notes: dict[str, list[str]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._frozen = False
+
+    # ------------------------------------------------------------------ verdicts
+    def wanted(self, group_id: str) -> bool:
+        return self.groups is None or group_id in self.groups
+
+    def feed_verdict(self, value: bytes | None, headers: Any) -> GroupVerdict | None:
+        """Decode and register one verdict record (skipped when filtered or undecodable)."""
+        if self._frozen:
+            raise RuntimeError("feed every verdict before the first trajectory")
+        self.counts["verdict_records"] += 1
+        try:
+            verdict = decode_verdict(value, headers)
+        except SchemaError:
+            self.counts["undecodable_verdicts"] += 1
+            return None
+        if not self.wanted(verdict.group_id):
+            return None
+        self.add_verdict(verdict)
+        return verdict
+
+    def add_verdict(self, verdict: GroupVerdict) -> None:
+        variants = self._variants.setdefault(verdict.group_id, [])
+        for entry in variants:
+            if entry[0] == verdict:
+                entry[1] += 1
+                return
+        variants.append([verdict, 1])
+        v = len(variants) - 1
+        for j, session in enumerate(verdict.sessions):
+            if session.status in ("scored", "failed"):
+                self._refs.setdefault(session.trajectory_id, []).append((verdict.group_id, v, j))
+
+    @property
+    def sessions_to_rescore(self) -> int:
+        """Distinct trajectories the registered verdicts need re-scored."""
+        return len(self._refs)
+
+    # ------------------------------------------------------------------ trajectories
+    async def feed_trajectory(self, value: bytes | None, headers: Any) -> None:
+        """Decode one trajectories-topic record; re-score it if a verdict needs it.
+
+        Waits while ``concurrency`` re-scorings are in flight (backpressure on reading).
+        """
+        self._frozen = True
+        self.counts["trajectory_records"] += 1
+        try:
+            message = decode_message(value, headers)
+        except SchemaError:
+            self.counts["undecodable_trajectories"] += 1  # the worker dead-lettered these
+            return
+        if not self.wanted(message.group_id):
+            return
+        if isinstance(message, DiscardGroup):
+            self._discards.add(message.group_id)
+            return
+        self.add_trajectory_seen(message)
+        tid = message.trajectory_id
+        if tid not in self._refs:
+            return
+        digest = hashlib.blake2b(value or b"", digest_size=16).digest()
+        first = self._rescored.get(tid)
+        if first is not None:
+            if first != digest:
+                self._notes.setdefault(message.group_id, []).append(
+                    f"trajectory {tid!r} was published again with a different payload; the first record "
+                    "(the one the worker scored) was audited"
+                )
+            return
+        self._rescored[tid] = digest
+        while len(self._tasks) >= self.concurrency:
+            await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+            self._reap()
+        task = asyncio.create_task(self._rescore_and_compare(message))
+        self._tasks.add(task)
+
+    def add_trajectory_seen(self, traj: ReadyTrajectory) -> None:
+        self._seen.setdefault(traj.group_id, set()).add(traj.trajectory_id)
+
+    def _reap(self) -> None:
+        for task in [t for t in self._tasks if t.done()]:
+            self._tasks.discard(task)
+            task.result()  # a bug in the audit itself must not pass silently
+
+    async def _rescore_and_compare(self, traj: ReadyTrajectory) -> None:
+        result = await rescore(self.runner, traj, timeout_s=self.timeout_s)
+        for group_id, v, j in self._refs[traj.trajectory_id]:
+            recorded = self._variants[group_id][v][0].sessions[j]
+            self._results[(group_id, v, j)] = compare_session(recorded, result, scope=self.scope, tol=self.tol)
+        if self.on_rescored is not None:
+            self.on_rescored(1)
+
+    # ------------------------------------------------------------------ report
+    async def finish(self, *, resume_offsets: str = "") -> AuditReport:
+        try:
+            if self._tasks:
+                await asyncio.wait(self._tasks)
+            self._reap()
+        except BaseException:
+            for task in self._tasks:
+                task.cancel()
+            raise
+        findings: list[GroupFinding] = []
+        for group_id, variants in self._variants.items():
+            comparisons = [
+                [
+                    self._results.get((group_id, v, j))
+                    or compare_session(s, None, scope=self.scope, tol=self.tol)
+                    for j, s in enumerate(verdict.sessions)
+                ]
+                for v, (verdict, _copies) in enumerate(variants)
+            ]
+            findings.append(summarize_group(
+                group_id, [(verdict, copies) for verdict, copies in variants], comparisons, scope=self.scope,
+                trajectories_seen=self._seen.get(group_id, ()), discard_seen=group_id in self._discards,
+                max_differences=self.max_differences, notes=self._notes.get(group_id, ()),
+            ))
+        for group_id in sorted((set(self._seen) | self._discards) - set(self._variants)):
+            findings.append(GroupFinding(
+                group_id=group_id, outcome="trajectory_without_verdict",
+                trajectories=sorted(self._seen.get(group_id, ())),
+                notes=["a DiscardGroup record but no verdict"] if group_id in self._discards else [],
+            ))
+        findings.sort(key=lambda f: f.group_id)
+        return AuditReport(findings=findings, scope=self.scope, records=dict(self.counts),
+                           resume_offsets=resume_offsets)

@@ -1,0 +1,106 @@
+"""``prm-pipeline audit`` on the command line: the parser, its flags and the command.
+
+:func:`add_audit_parser` registers the subcommand (called by
+:func:`prm_pipeline.cli.build_parser`, so ``prm-pipeline --help`` imports this
+package: keep heavy imports such as torch and rich out of module level);
+:func:`options_from_args` turns the flags into
+:class:`~prm_pipeline.audit.run.AuditOptions`; :func:`cmd_audit` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any
+
+from infra.config import PipelineConfig
+from prm_pipeline.audit.compare import ATOL, RTOL, Tolerance
+from prm_pipeline.audit.replay import parse_offsets
+from prm_pipeline.audit.run import AuditOptions, run_audit
+
+
+# =========================================================================== command line
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``audit`` on the CLI's subparsers; ``func`` takes the Namespace, returns the exit code."""
+    from prm_pipeline.verdict_dump import since_arg
+
+    p = subparsers.add_parser(
+        "audit",
+        help="re-score recorded trajectories and compare with the recorded verdicts",
+        description="Re-score every trajectory a recorded verdict names with the configured scorers and "
+                    "compare. Reads prm.trajectories and prm.verdicts with group-less consumers (no offsets "
+                    "committed, no Redis). Exit code 1 when anything differs. See docs/audit.md.",
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--since", type=since_arg, metavar="TIME", default=None,
+                       help="only records timestamped at/after TIME: ISO-8601 (2026-11-30T14:05Z) or an age "
+                            "(15m, 2h, 1d)")
+    where.add_argument("--from-offsets", action="append", metavar="TOPIC:PARTITION:OFFSET,...", default=None,
+                       help="start partitions at these offsets (others from the beginning); TOPIC may be "
+                            "'trajectories' or 'verdicts'; repeatable")
+    p.add_argument("--groups", nargs="+", metavar="ID", default=None,
+                   help="audit only these group ids (space- or comma-separated)")
+    p.add_argument("--out", metavar="FILE", default=None, help="write one JSON line per group to FILE")
+    p.add_argument("--rtol", type=_tolerance, default=RTOL, metavar="R", help=f"relative tolerance (default {RTOL:g})")
+    p.add_argument("--atol", type=_tolerance, default=ATOL, metavar="A", help=f"absolute tolerance (default {ATOL:g})")
+    p.add_argument("--concurrency", type=_positive_int, default=16, metavar="N", help="trajectories re-scored at once (16)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="per-trajectory re-scoring timeout (default worker.scorer_timeout_s)")
+    p.add_argument("--max-differences", type=_positive_int, default=100, metavar="N",
+                   help="differences kept per group in --out (100)")
+    p.add_argument("--show", type=int, default=10, metavar="N", help="differing groups listed in the summary (10)")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
+                   help="no progress bar (default: shown when stderr is a terminal)")
+    p.set_defaults(func=cmd_audit)
+    return p
+
+
+def options_from_args(args: argparse.Namespace, cfg: PipelineConfig) -> AuditOptions:
+    aliases = {"trajectories": cfg.topics.trajectories, "verdicts": cfg.topics.verdicts}
+    groups = None
+    if args.groups:
+        groups = [g for item in args.groups for g in item.split(",") if g]
+    return AuditOptions(
+        since_ms=args.since,
+        from_offsets=parse_offsets(args.from_offsets, aliases=aliases) if args.from_offsets else None,
+        groups=groups,
+        out=args.out,
+        tolerance=Tolerance(rtol=args.rtol, atol=args.atol),
+        concurrency=args.concurrency,
+        timeout_s=args.timeout,
+        max_differences=args.max_differences,
+        progress=args.progress,
+        show=args.show,
+    )
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """``prm-pipeline audit``: exit 0 when nothing differs, 1 when something does, 2 on errors."""
+    from infra.config import load_config
+
+    cfg = load_config(getattr(args, "config", None))
+    try:
+        options = options_from_args(args, cfg)
+    except ValueError as exc:
+        print(f"audit: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    code = run_audit(cfg, options)
+    print(f"audit finished in {time.monotonic() - started:.1f}s (exit {code})", file=sys.stderr)
+    return code

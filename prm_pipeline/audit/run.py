@@ -1,0 +1,118 @@
+"""Running one audit end to end: :class:`AuditOptions`, :func:`audit`, :func:`run_audit`.
+
+:func:`audit` wires the parts together: builds the runners
+(:mod:`~prm_pipeline.audit.rescoring`), reads the verdicts then the trajectories
+topic (:mod:`~prm_pipeline.audit.replay`) into an
+:class:`~prm_pipeline.audit.auditor.Auditor`, and writes ``--out`` and the summary
+(:mod:`~prm_pipeline.audit.report`). :func:`run_audit` is its synchronous entry
+point with the command's exit codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from infra.config import PipelineConfig
+from prm_pipeline.audit.auditor import Auditor, AuditReport
+from prm_pipeline.audit.compare import DEFAULT_TOLERANCE, Tolerance
+from prm_pipeline.audit.replay import AuditError, read_snapshot
+from prm_pipeline.audit.report import _progress, render_summary, write_findings
+from prm_pipeline.audit.rescoring import build_runners
+
+
+# =========================================================================== running it
+@dataclass
+class AuditOptions:
+    """Options of one audit (the CLI flags; see :func:`add_audit_parser`)."""
+
+    since_ms: int | None = None
+    from_offsets: Mapping[str, Mapping[int, int]] | None = None
+    groups: Sequence[str] | None = None
+    out: str | None = None
+    tolerance: Tolerance = DEFAULT_TOLERANCE
+    concurrency: int = 16
+    timeout_s: float | None = None  # default: worker.scorer_timeout_s
+    max_differences: int = 100
+    progress: bool | None = None  # None: when stderr is a terminal
+    show: int = 10  # differing groups listed in the summary
+
+
+async def audit(
+    cfg: PipelineConfig,
+    options: AuditOptions | None = None,
+    *,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> AuditReport:
+    """Run one audit: read both topics, re-score, compare, write ``--out`` and the summary.
+
+    Returns the :class:`AuditReport`; its ``exit_code`` is 1 when anything differs.
+    """
+    options = options or AuditOptions()
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    topics = cfg.topics
+    offsets = {k: dict(v) for k, v in (options.from_offsets or {}).items()}
+    stray = sorted(set(offsets) - {topics.trajectories, topics.verdicts})
+    if stray:
+        raise AuditError(f"--from-offsets names {stray}; only {topics.trajectories!r} and {topics.verdicts!r} "
+                         "are audited")
+    timeout_s = options.timeout_s if options.timeout_s is not None else cfg.worker.scorer_timeout_s
+    scope, runner, owned = await build_runners(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+    try:
+        progress = _progress(stderr, options.progress)
+        with progress:
+            verdict_task = progress.add_task("reading verdicts", total=0)
+            rescore_task = progress.add_task("re-scoring", total=None, start=False)
+            traj_task = progress.add_task("reading trajectories", total=0)
+            auditor = Auditor(
+                scope=scope, runner=runner, tol=options.tolerance, groups=options.groups, timeout_s=timeout_s,
+                concurrency=options.concurrency, max_differences=options.max_differences,
+                on_rescored=lambda n: progress.advance(rescore_task, n),
+            )
+
+            def grow(task: Any) -> Callable[[int], None]:
+                return lambda n: progress.update(task, total=(progress.tasks[task].total or 0) + n)
+
+            ends: dict[str, dict[int, int]] = {topics.verdicts: {}, topics.trajectories: {}}
+            async for record in read_snapshot(cfg, topics.verdicts, start=offsets.get(topics.verdicts),
+                                              since_ms=options.since_ms, on_total=grow(verdict_task),
+                                              ends_out=ends[topics.verdicts]):
+                progress.advance(verdict_task)
+                if record is not None:
+                    auditor.feed_verdict(record.value, record.headers)
+            progress.update(rescore_task, total=auditor.sessions_to_rescore)
+            progress.start_task(rescore_task)
+            async for record in read_snapshot(cfg, topics.trajectories, start=offsets.get(topics.trajectories),
+                                              since_ms=options.since_ms, on_total=grow(traj_task),
+                                              ends_out=ends[topics.trajectories]):
+                progress.advance(traj_task)
+                if record is not None:
+                    await auditor.feed_trajectory(record.value, record.headers)
+            resume = ",".join(f"{t}:{p}:{o}" for t in (topics.trajectories, topics.verdicts)
+                              for p, o in sorted(ends[t].items()))
+            report = await auditor.finish(resume_offsets=resume)
+            progress.update(rescore_task, total=progress.tasks[rescore_task].completed)
+    finally:
+        for r in owned:
+            await r.aclose()
+    if options.out:
+        write_findings(options.out, report.findings)
+    render_summary(report, stdout, show=options.show)
+    return report
+
+
+def run_audit(cfg: PipelineConfig, options: AuditOptions | None = None) -> int:
+    """Synchronous entry point: run :func:`audit`, return the exit code (0, 1; 2 on error)."""
+    try:
+        report = asyncio.run(audit(cfg, options))
+    except AuditError as exc:
+        print(f"audit: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return report.exit_code
