@@ -242,16 +242,18 @@ async def test_aclose_closes_owned_once_in_reverse_order_including_disabled() ->
 
 
 async def test_concurrent_aclose_shares_one_cleanup() -> None:
-    gate = asyncio.Event()
+    gate, entered = asyncio.Event(), asyncio.Event()
 
     async def blocked() -> None:
+        entered.set()
         await gate.wait()
 
     HOOKS[("close", "a")] = blocked
     runner = await PRMRunner.create(PRMConfig(scorers=[entry(TrackedA, "a"), entry(TrackedB, "b")]))
     first = asyncio.create_task(runner.aclose())
     second = asyncio.create_task(runner.aclose())
-    await asyncio.sleep(0.01)
+    await entered.wait()  # the first close is inside scorer a's hook
+    await asyncio.sleep(0)  # one loop turn: the second close reaches its wait
     assert not first.done() and not second.done()  # the second waits for the first's cleanup
     gate.set()
     await asyncio.gather(first, second)
@@ -279,9 +281,10 @@ async def test_aclose_failures_are_collected_after_all_attempts(caplog: pytest.L
 
 
 async def test_concurrent_callers_see_the_same_failure() -> None:
-    gate = asyncio.Event()
+    gate, entered = asyncio.Event(), asyncio.Event()
 
     async def fail_later() -> None:
+        entered.set()
         await gate.wait()
         raise OSError("late failure")
 
@@ -289,7 +292,8 @@ async def test_concurrent_callers_see_the_same_failure() -> None:
     runner = await PRMRunner.create(PRMConfig(scorers=[entry(TrackedA, "a")]))
     first = asyncio.create_task(runner.aclose())
     second = asyncio.create_task(runner.aclose())
-    await asyncio.sleep(0.01)
+    await entered.wait()
+    await asyncio.sleep(0)  # one loop turn: the second caller joins the running cleanup
     gate.set()
     outcomes = await asyncio.gather(first, second, return_exceptions=True)
     assert all(isinstance(o, ExceptionGroup) for o in outcomes) and outcomes[0] is outcomes[1]
@@ -326,17 +330,18 @@ async def test_cancellation_during_close_propagates_and_is_not_retried() -> None
 
 
 async def test_cancelling_a_waiter_does_not_cancel_the_cleanup() -> None:
-    gate = asyncio.Event()
+    gate, entered = asyncio.Event(), asyncio.Event()
 
     async def blocked() -> None:
+        entered.set()
         await gate.wait()
 
     HOOKS[("close", "a")] = blocked
     runner = await PRMRunner.create(PRMConfig(scorers=[entry(TrackedA, "a"), entry(TrackedB, "b")]))
     closer = asyncio.create_task(runner.aclose())
-    await asyncio.sleep(0.01)
+    await entered.wait()  # the cleanup is running, blocked in scorer a's hook
     waiter = asyncio.create_task(runner.aclose())
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # one loop turn: the waiter reaches its wait
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter

@@ -248,12 +248,15 @@ async def test_timeout_inside_scorer_is_a_scorer_error() -> None:
 
 async def test_cancelling_run_cancels_every_turn() -> None:
     cancelled: list[str] = []
-    started = asyncio.Event()
+    entered: list[str] = []
+    started = asyncio.Event()  # every turn is inside the scorer
 
     async def fn(i: Any, c: Any) -> float:
         try:
-            started.set()
-            await asyncio.sleep(10)
+            entered.append(i.interaction_id)
+            if len(entered) == 3:
+                started.set()
+            await asyncio.Event().wait()  # hangs until cancelled
         except asyncio.CancelledError:
             cancelled.append(i.interaction_id)
             raise
@@ -262,7 +265,6 @@ async def test_cancelling_run_cancels_every_turn() -> None:
     runner = runner_of(scorer("hang", fn)())
     task = asyncio.create_task(runner.run(traj(turn("a"), turn("b", "a"), turn("c", "b"))))
     await started.wait()
-    await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
