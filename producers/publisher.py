@@ -5,7 +5,9 @@ order with the group's discard), sent with ``acks=all`` and compression, and che
 against ``kafka.max_message_bytes`` before sending — the embedded broker enforces no
 limit, a real cluster would refuse the record after the fact.
 
-``publish_ready``/``discard_group`` return once the record is queued; ``flush()``
+Retries are bounded: the client retries retriable send errors (leader changes,
+disconnects) with backoff until ``kafka.request_timeout_ms`` runs out, then the delivery
+fails. ``publish_ready``/``discard_group`` return once the record is queued; ``flush()``
 waits until every queued record is acknowledged and raises the first delivery error,
 so a caller that awaits ``flush()`` (or leaves the ``async with`` block) knows nothing
 was lost.
