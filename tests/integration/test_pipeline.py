@@ -128,12 +128,17 @@ async def test_missing_member_rejects_after_deadline_exactly_once(cfg, workers) 
 
 
 async def test_discard_before_members_arrive(cfg, workers) -> None:
-    gid = _gid("disc0")
+    # One-member groups right behind their discards: each member alone would complete its
+    # group, so it must see the discard's decision first (the worker orders records of a
+    # group behind its discard).
+    gids = [_gid("disc0") for _ in range(5)]
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
-        await pub.discard_group(gid, "prompt filtered")
-        await pub.publish_many(make_group(gid, 2, turns=1, output_tokens=16))
-    verdicts = await _verdicts_for(cfg, gid, settle_s=1.5)
-    assert [(v.status, v.reason) for v in verdicts] == [("discarded", "prompt filtered")]
+        for gid in gids:
+            await pub.discard_group(gid, "prompt filtered")
+            await pub.publish_many(make_group(gid, 1, turns=1, output_tokens=16))
+    verdicts = await _verdicts_for(cfg, *gids, settle_s=1.5)
+    assert sorted((v.group_id, v.status, v.reason) for v in verdicts) == \
+        sorted((gid, "discarded", "prompt filtered") for gid in gids)
 
 
 async def test_discard_after_members_arrive(cfg, workers) -> None:
