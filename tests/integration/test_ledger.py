@@ -30,10 +30,25 @@ def _cluster_cmd(port: int, *args: str) -> bytes:
         return s.recv(4096)
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster-bus twin (port + 10000) is free too: so at most 55535."""
+    for _ in range(200):
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster-mode Redis")
+
+
 @pytest.fixture(scope="module")
 def cluster_url(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("redis-cluster")
-    port = free_port()
+    port = _cluster_port()
     svc = LocalService("redis", [str(find_redis_binary()), "--port", str(port), "--bind", "127.0.0.1",
                                  "--cluster-enabled", "yes", "--cluster-config-file", str(tmp / "nodes.conf"),
                                  "--dir", str(tmp), "--save", "", "--appendonly", "no"],
