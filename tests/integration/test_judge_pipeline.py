@@ -287,6 +287,22 @@ async def test_judge_outage_rejects_groups_then_recovers(cfg, workers, judge) ->
     await assert_one_verdict_per_group(cfg)
 
 
+async def close_every_breaker(cfg: PipelineConfig) -> None:
+    """Healthy groups until both workers have scored one: an earlier outage may have left a
+    worker's circuit breaker open (it closes on its next successful call), and a worker
+    failing fast would send nothing to the slow judge below."""
+    deciders: set[str] = set()
+    for _ in range(30):
+        gid, members = plain_group("warm")
+        await publish(cfg, members)
+        verdict = await verdict_of(cfg, gid)
+        if verdict.status == "accepted":
+            deciders.add(verdict.worker_id)
+            if len(deciders) == 2:
+                return
+    raise AssertionError(f"only {sorted(deciders)} accepted a group; a breaker stayed open")
+
+
 async def test_no_judge_request_waits_past_its_timeout(cfg, workers, judge) -> None:
     """A judge slower than the per-call timeout: every request is abandoned within timeout + margin.
 
@@ -295,6 +311,7 @@ async def test_no_judge_request_waits_past_its_timeout(cfg, workers, judge) -> N
     the latency). A client that kept waiting would show up as a request that ran the
     full 8 s latency and was answered.
     """
+    await close_every_breaker(cfg)
     assert judge.wait_settled(10)
     start = len(judge.log)
     judge.latency_ms = SLOW_LATENCY_MS

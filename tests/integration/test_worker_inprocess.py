@@ -57,9 +57,15 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_many(make_group(gid, 1, turns=1, output_tokens=8))
         await wait_for_verdicts(cfg, [gid])
-        status, body = await asyncio.to_thread(_get, port, "/metrics")
-        assert status == 200
-        assert 'prm_worker_verdicts_total{reason="",status="accepted"} 1.0' in body
+        # the verdict is on the topic a moment before the worker counts it: poll the counter
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            status, body = await asyncio.to_thread(_get, port, "/metrics")
+            assert status == 200
+            if 'prm_worker_verdicts_total{reason="",status="accepted"} 1.0' in body:
+                break
+            assert asyncio.get_running_loop().time() < deadline, body
+            await asyncio.sleep(0.05)
         assert "prm_worker_scoring_seconds_count 1.0" in body
         assert (await asyncio.to_thread(_get, port, "/nope"))[0] == 404
         stop.set()
