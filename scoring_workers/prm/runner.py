@@ -248,10 +248,7 @@ class PRMRunner:
     """
 
     def __init__(self, config: PRMConfig | Mapping[str, Any], *, allowed_prefixes: Sequence[str] | None = None) -> None:
-        self._setup(config, allowed_prefixes)
-        for index, item in enumerate(self._config.scorers):
-            self._add(index, item)
-        self._check_names()
+        self._build(config, allowed_prefixes)
         for scorer in self._scorers:
             outcome = self._call_validator(scorer)
             if inspect.isawaitable(outcome):
@@ -279,10 +276,7 @@ class PRMRunner:
         self = cls.__new__(cls)
         self._owned = []
         try:
-            self._setup(config, allowed_prefixes)
-            for index, item in enumerate(self._config.scorers):
-                self._add(index, item)
-            self._check_names()
+            self._build(config, allowed_prefixes)
             for scorer in self._scorers:
                 outcome = self._call_validator(scorer)
                 if inspect.isawaitable(outcome):
@@ -294,6 +288,13 @@ class PRMRunner:
         return self
 
     # ------------------------------------------------------------------ construction
+    def _build(self, config: PRMConfig | Mapping[str, Any], allowed_prefixes: Sequence[str] | None) -> None:
+        """Resolve and construct every configured scorer (shared by both constructors)."""
+        self._setup(config, allowed_prefixes)
+        for index, item in enumerate(self._config.scorers):
+            self._add(index, item)
+        self._check_names()
+
     def _setup(self, config: PRMConfig | Mapping[str, Any], allowed_prefixes: Sequence[str] | None) -> None:
         if isinstance(config, Mapping):
             try:

@@ -300,6 +300,16 @@ class PacedLoad:
     def _enough(self) -> bool:
         return self.enough is not None and self.enough.is_set()
 
+    async def finish(self, publisher: asyncio.Task[None], tail: VerdictTail) -> set[str]:
+        """End the load (``enough``), wait for the publisher and for every published group's
+        verdict; return the expected groups. Shared end of every paced-load scenario."""
+        if self.enough is not None:
+            self.enough.set()
+        await publisher
+        expected = self.expected
+        await tail.wait_for(lambda: tail.done(expected) == len(expected), 120, "every group's verdict")
+        return expected
+
     async def run(self) -> None:
         pub: TrajectoryPublisher | None = None
         next_wave = time.monotonic()

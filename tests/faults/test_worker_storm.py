@@ -92,10 +92,7 @@ async def test_sigkill_and_rebalance_storm_with_three_workers(kafka_bootstrap, r
                     events.append({"step": step, "actions": " ".join(f"{a}{i}" for a, i in actions),
                                    "groups_done": len(tail.groups), "all_polling_before": ready,
                                    "in_flight_msgs": in_flight, "t": time.time()})
-                storm_over.set()
-                await publisher
-                expected = load.expected
-                await tail.wait_for(lambda: tail.done(expected) == len(expected), 120, "every group's verdict")
+                expected = await load.finish(publisher, tail)
             finally:
                 if not publisher.done():
                     publisher.cancel()
