@@ -11,13 +11,18 @@ are idempotent instead and commit offsets manually after outcomes are durable.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterable
+import random
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import errors as kerr
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.helpers import create_ssl_context
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from aiokafka.structs import TopicPartition
 
 from infra.config import KafkaConfig, TopicsConfig
 
@@ -30,6 +35,54 @@ class MessageTooLarge(ValueError):
     Checked client-side because the embedded broker enforces no limit while a real
     Kafka cluster (1 MiB default) would reject the record at produce time.
     """
+
+
+# Errors no retry can fix: the record, the topic or the credentials must change first.
+# aiokafka flags all of them non-retriable; they are listed so that the intent is explicit
+# (and survives a change of flags upstream).
+PERMANENT_KAFKA_ERRORS: tuple[type[kerr.KafkaError], ...] = (
+    kerr.MessageSizeTooLargeError, kerr.RecordTooLargeError, kerr.RecordListTooLargeError,
+    kerr.InvalidTopicError, kerr.TopicAuthorizationFailedError, kerr.GroupAuthorizationFailedError,
+    kerr.ClusterAuthorizationFailedError, kerr.TransactionalIdAuthorizationFailed,
+    kerr.AuthenticationFailedError, kerr.SaslAuthenticationFailed, kerr.UnsupportedSaslMechanismError,
+    kerr.UnsupportedVersionError, kerr.UnsupportedForMessageFormatError, kerr.IncompatibleBrokerVersion,
+    kerr.UnsupportedCodecError, kerr.PolicyViolationError, kerr.CorruptRecordException,
+)
+# Outages that aiokafka flags non-retriable although waiting fixes them: a request the
+# broker did not answer within ``request_timeout_ms`` (a restarting broker), or no
+# broker reachable at all.
+OUTAGE_KAFKA_ERRORS: tuple[type[kerr.KafkaError], ...] = (kerr.KafkaTimeoutError, kerr.KafkaUnavailableError)
+
+
+def is_retriable(exc: BaseException) -> bool:
+    """A Kafka error worth retrying with backoff: aiokafka's ``retriable`` flag, or an outage.
+
+    Network errors below the client (``ConnectionError``/``OSError``) count too. Anything
+    else Kafka raises is permanent (:func:`is_permanent`).
+    """
+    if isinstance(exc, PERMANENT_KAFKA_ERRORS):
+        return False
+    if isinstance(exc, kerr.KafkaError):
+        return bool(exc.retriable) or isinstance(exc, OUTAGE_KAFKA_ERRORS)
+    return isinstance(exc, (ConnectionError, OSError))
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """A Kafka error that retrying cannot fix (the explicit list, or not flagged retriable)."""
+    return isinstance(exc, kerr.KafkaError) and not is_retriable(exc)
+
+
+def backoff_delay(attempt: int, *, base_s: float = 0.1, cap_s: float = 10.0, jitter: bool = True) -> float:
+    """Bounded exponential backoff before retry ``attempt`` (1-based): ``min(cap, base * 2**attempt)``,
+    drawn from ``[d/2, d]`` with ``jitter`` so that workers hit by one outage do not retry in step."""
+    delay = min(cap_s, base_s * 2 ** min(attempt, 30))
+    return delay * random.uniform(0.5, 1.0) if jitter else delay
+
+
+def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] | None) -> int:
+    """The size the producer checks against ``max_request_size`` (= ``kafka.max_message_bytes``)
+    for one record: value, key, headers and the record's own framing."""
+    return DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, list(headers or ()))
 
 
 def common_kwargs(cfg: KafkaConfig) -> dict[str, Any]:
@@ -80,6 +133,22 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
     )
     kwargs.update(overrides)
     return AIOKafkaConsumer(*topics, **kwargs)
+
+
+async def assign_from_start(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
+    """Assign every partition of ``topic`` to a started, group-less consumer and seek each to
+    its beginning; returns the partitions. Waits for the topic's metadata (a topic created
+    a moment ago may not be known to the client yet)."""
+    partitions = consumer.partitions_for_topic(topic)
+    while not partitions:
+        await consumer._client.force_metadata_update()  # noqa: SLF001 - aiokafka has no public call
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            await asyncio.sleep(0.05)
+    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    consumer.assign(tps)
+    await consumer.seek_to_beginning(*tps)
+    return tps
 
 
 def make_admin(cfg: KafkaConfig) -> AIOKafkaAdminClient:

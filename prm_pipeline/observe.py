@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from aiokafka.structs import TopicPartition
-
 from infra.config import PipelineConfig
-from infra.kafka import make_consumer
+from infra.kafka import assign_from_start, make_consumer
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
 
 
@@ -31,12 +29,7 @@ class VerdictTail:
     async def start(self) -> None:
         self.consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=10)
         await self.consumer.start()
-        parts = None
-        while not parts:
-            await self.consumer._client.force_metadata_update()  # noqa: SLF001
-            parts = self.consumer.partitions_for_topic(self.cfg.topics.verdicts)
-        self.consumer.assign([TopicPartition(self.cfg.topics.verdicts, p) for p in parts])
-        await self.consumer.seek_to_beginning()
+        await assign_from_start(self.consumer, self.cfg.topics.verdicts)
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:

@@ -26,7 +26,7 @@ import msgspec
 
 from infra.config import PipelineConfig
 from infra.jsonl import dump_verdict
-from infra.kafka import make_consumer
+from infra.kafka import assign_from_start, make_consumer
 from infra.schema import SchemaError, decode_verdict
 
 _UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0, "w": 604_800.0}
@@ -82,15 +82,7 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
     await consumer.start()
     count = 0
     try:
-        partitions = consumer.partitions_for_topic(cfg.topics.verdicts)
-        while partitions is None:  # metadata not loaded yet
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - aiokafka has no public call
-            partitions = consumer.partitions_for_topic(cfg.topics.verdicts)
-        from aiokafka.structs import TopicPartition
-
-        tps = [TopicPartition(cfg.topics.verdicts, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning()
+        tps = await assign_from_start(consumer, cfg.topics.verdicts)
         if since_ms is not None:
             await seek_to_time(consumer, tps, since_ms)
         last_new = time.monotonic()

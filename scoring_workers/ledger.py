@@ -5,7 +5,8 @@ slot and every transition is one atomic Lua call):
 
 * ``<prefix>:{G}:state``   hash — ``status`` (``open`` | ``decided``), ``group_size``,
   ``first_seen``/``deadline`` (ms), ``size_mismatch``; once decided also ``decision``
-  (``complete`` | ``deadline`` | ``discard``), ``discard_reason``, ``decided_at``,
+  (``complete`` | ``deadline`` | ``discard`` | ``invalid``), ``discard_reason`` (the
+  reason of a discard or of an ``invalid`` decision), ``decided_at``,
   ``decided_by``, ``scorers``.
 * ``<prefix>:{G}:members`` hash — ``trajectory_id`` -> msgpack ``SessionResult`` (the
   parked result of a scored member; a failed member is parked too, without stats).
@@ -47,6 +48,7 @@ return 'new'
 
 # Shared by PARK (kind 'complete', when the last member lands) and DECIDE.
 # kind: complete (all members parked) | deadline (sweeper) | discard (DiscardGroup)
+#       | invalid (a member was dead-lettered; ``reason`` names it)
 _DECIDE_FN = """
 local function decide(kind, now, worker, scorers, reason, ttl)
   if redis.call('EXISTS', KEYS[3]) == 1 then return {'done'} end
@@ -253,7 +255,7 @@ class GroupLedger:
             return outcome, None
         return outcome, await self._decision(group_id, raw[2], now, republish_grace_s)
 
-    async def decide(self, group_id: str, kind: Literal["complete", "deadline", "discard"], *,
+    async def decide(self, group_id: str, kind: Literal["complete", "deadline", "discard", "invalid"], *,
                      worker_id: str, scorers: bytes, discard_reason: str = "",
                      group_timeout_s: float, republish_grace_s: float) -> Decision:
         """Record the group's decision unless one exists; return the stored one either way."""
@@ -293,6 +295,10 @@ class GroupLedger:
         """
         await self.redis.zadd(self.deadlines_key, {group_id: _now_ms() + int(republish_grace_s * 1000)},
                               xx=True, lt=True)
+
+    async def postpone(self, group_id: str, delay_s: float) -> None:
+        """Move a group's sweep to ``now + delay_s`` (only if it is still indexed)."""
+        await self.redis.zadd(self.deadlines_key, {group_id: _now_ms() + int(delay_s * 1000)}, xx=True)
 
     async def forget(self, group_id: str) -> None:
         """Drop a stale index entry (the group's keys expired or were finished)."""

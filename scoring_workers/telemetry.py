@@ -28,6 +28,12 @@ class WorkerTelemetry:
         self.dead_lettered = Counter("prm_worker_dead_lettered", "Records sent to the dead-letter topic", ["error"], registry=r)
         self.verdicts = Counter("prm_worker_verdicts", "Verdicts published", ["status", "reason"], registry=r)
         self.retries = Counter("prm_worker_retries", "Transient infrastructure errors retried", ["error"], registry=r)
+        self.poison = Counter("prm_worker_poison", "Records committed without a dead letter: Kafka refused the "
+                              "dead letter for good (the source topic keeps the record)", registry=r)
+        self.sweep_failures = Counter("prm_worker_sweep_failures", "Groups (or whole sweeps) the sweeper could "
+                                      "not handle this time; it goes on with the others", ["error"], registry=r)
+        self.publish_failures = Counter("prm_worker_publish_failures", "Verdicts Kafka refused for good (they "
+                                        "stay decided; the sweeper re-publishes them)", ["error"], registry=r)
         self.scoring_seconds = Histogram(
             "prm_worker_scoring_seconds", "PRMRunner.run latency per trajectory", registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),

@@ -1,4 +1,4 @@
-"""Turning a group's stored decision into its :class:`GroupVerdict` (seed 001 "v2 Export").
+"""Turning a group's stored decision into its :class:`GroupVerdict` (AReaL's Process Rewards "v2 Export").
 
 :func:`assemble_verdict` is a pure function of what the ledger stored, so every worker
 that (re)publishes a group's verdict produces the same bytes — the trainer's dedupe on
@@ -6,11 +6,17 @@ that (re)publishes a group's verdict produces the same bytes — the trainer's d
 
 Rules:
 * ``discard`` decision -> ``discarded``; members are listed without results.
+* ``invalid`` decision (a member's record was dead-lettered) -> ``rejected`` with the
+  stored ``invalid_member: ...`` reason (it names the dead letter's coordinates).
 * members reporting different ``group_size`` values -> ``rejected`` / ``group_size_mismatch``.
 * any failed member -> ``rejected`` with that member's error code (first by
   trajectory id); successful members keep their stats, the failed one has none.
 * fewer members than ``group_size`` -> ``rejected`` / ``missing_sessions``.
 * otherwise ``accepted``.
+
+:func:`too_large_verdict` is the fallback for a verdict whose record would exceed
+``kafka.max_message_bytes``: ``rejected`` / ``verdict_too_large`` with the sizes in the
+reason, members' stats kept and their token turns dropped — also a pure function.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ def assemble_verdict(group_id: str, state: dict[str, str], members: list[Session
             msgspec.structs.replace(m, status="discarded", branches=[], turn_results=[], stats={}, turns=[])
             for m in members
         ]
+    elif decision == "invalid":
+        status, reason = "rejected", state.get("discard_reason") or "invalid_member"
     elif state.get("size_mismatch"):
         status = "rejected"
         reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state['size_mismatch']})"
@@ -67,3 +75,27 @@ def assemble_verdict(group_id: str, state: dict[str, str], members: list[Session
         decided_at=decided_at / 1000.0,
         timings={"group_open_s": max(0, decided_at - first_seen) / 1000.0},
     )
+
+
+def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: int = 1) -> GroupVerdict:
+    """``verdict`` as ``rejected`` / ``verdict_too_large``, shrunk so that it can be published.
+
+    ``level`` 1 drops the members' token turns (the bulk) and channels; 2 also drops
+    branches and turn results; 3 also truncates error texts. Stats, statuses and ids
+    always stay, so the trainer sees which group failed and why.
+    """
+    was = f"; it was {verdict.status}" + (f" ({verdict.reason.split(':', 1)[0]})" if verdict.reason else "")
+    what = {1: "token turns", 2: "token turns, branches and turn results",
+            3: "token turns, branches, turn results and error details"}[level]
+    reason = (f"verdict_too_large: the verdict is {size} bytes, over kafka.max_message_bytes={limit} "
+              f"({len(verdict.sessions)} sessions){was}; {what} dropped, stats kept")
+
+    def shrink(m: SessionResult) -> SessionResult:
+        if level == 1:
+            branches = [msgspec.structs.replace(b, channels={}) for b in m.branches]
+            return msgspec.structs.replace(m, turns=[], branches=branches)
+        error = m.error[:200] if level >= 3 and m.error else m.error
+        return msgspec.structs.replace(m, turns=[], branches=[], turn_results=[], error=error)
+
+    return msgspec.structs.replace(verdict, status="rejected", reason=reason,
+                                   sessions=[shrink(m) for m in verdict.sessions])

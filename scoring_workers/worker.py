@@ -4,16 +4,27 @@ One asyncio loop per process, in the spirit of arq: poll, hand each record to a 
 commit what is finished, sweep deadlines. Run several processes for scale; they
 share nothing but Kafka and Redis.
 
-Per record (see DESIGN.md §5–6):
+Per record (see docs/architecture.md):
 
 1. decode — undecodable, unknown-version or invalid records go to the dead-letter
-   topic with the reason in headers;
+   topic with the reason in headers (capped so the whole dead letter fits the size
+   limit); when the record's key names its group, the group is rejected at once
+   (``invalid_member``) instead of waiting for its deadline;
 2. pre-check the ledger for the whole poll in one round trip — duplicates and members
    of decided groups are acknowledged without scoring;
 3. score with :class:`PRMRunner` under ``worker.scorer_timeout_s``; a failure parks a
    failed member (the group will be rejected, other members keep their stats);
 4. park the result; whoever parks the last member decides the group and publishes
-   the verdict, then the ledger leaves a tombstone.
+   the verdict, then the ledger leaves a tombstone. A verdict over
+   ``kafka.max_message_bytes`` is published as ``rejected`` / ``verdict_too_large``
+   (stats kept, token turns dropped) — it never blocks.
+
+Errors: transient ones (Redis outages, Kafka errors aiokafka flags retriable, broker
+timeouts — :func:`infra.kafka.is_retriable`) are retried with bounded backoff and
+counted; permanent Kafka errors (:func:`infra.kafka.is_permanent`) are never retried in
+a loop: a dead letter that cannot be written is logged with the record's coordinates
+and counted (``prm_worker_poison_total``), a verdict that cannot be written stays decided
+in Redis for the sweeper.
 
 Commit discipline: an offset is committed only when its outcome (parked result,
 verdict or dead letter) is durable, and per partition only up to the lowest unfinished
@@ -36,57 +47,55 @@ from typing import Any
 
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, KafkaError
+import msgspec
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from redis.exceptions import BusyLoadingError, OutOfMemoryError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.config import PipelineConfig
-from infra.kafka import make_consumer, make_producer
+from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer, record_size
 from infra.offsets import OffsetTracker
 from infra.schema import (
     DeadLetter,
     DiscardGroup,
     GroupVerdict,
-    NotConcatExport,
     ReadyTrajectory,
     SchemaError,
     ScorerInfo,
     SessionResult,
-    compact_turns,
     dead_letter_headers,
     decode_message,
     encode,
     headers_to_dict,
 )
 from scoring_workers.ledger import Decision, GroupLedger
+from scoring_workers.scoring import failure_code as failure_code  # re-exported: the worker's reason codes
+from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
-from scoring_workers.verdicts import assemble_verdict, encode_scorers
+from scoring_workers.verdicts import assemble_verdict, encode_scorers, error_code, too_large_verdict
 
 log = logging.getLogger(__name__)
 
 # Retried with backoff for as long as they last (the record stays uncommitted): an
 # outage must delay work, never dead-letter valid records. A full Redis (noeviction)
 # or one loading its AOF after a restart is an outage too.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+REDIS_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
-    KafkaError, ConnectionError, OSError,
 )
 MAX_ATTEMPTS = 3  # non-transient processing errors before a record is dead-lettered
 REPUBLISH_GRACE_S = 5.0
 SWEEP_INTERVAL_S = 0.5
+SWEEP_BACKOFF_S = 30.0  # a group the sweeper failed on (not an outage) is looked at again after this
 
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def failure_code(exc: BaseException) -> str:
-    """A short, stable reason code for a member's scoring failure."""
-    if isinstance(exc, TimeoutError):
-        return "scorer_timeout"
-    code = getattr(exc, "reason", None)
-    return code if isinstance(code, str) and code else "scorer_error"
+def is_transient(exc: BaseException) -> bool:
+    """An outage worth waiting for: Redis unavailable/loading/full, or a retriable Kafka or network error."""
+    return isinstance(exc, REDIS_TRANSIENT_ERRORS) or is_retriable(exc)
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -297,20 +306,23 @@ class Worker:
                     self.telemetry.consumed.labels("ready").inc()
                     await self._handle_ready(message, probe)
                 return
-            except TRANSIENT_ERRORS as exc:
-                self.telemetry.retries.labels(type(exc).__name__).inc()
-                delay = min(10.0, 0.1 * 2 ** min(attempt, 7)) * random.uniform(0.5, 1.0)
-                log.warning("worker %s: transient %s on %s:%d offset %d (attempt %d), retrying in %.2fs",
-                            self.worker_id, type(exc).__name__, record.topic, record.partition, record.offset,
-                            attempt, delay)
-                probe = None
-                await asyncio.sleep(delay)
-            except Exception as exc:  # a bug or poison record: retry a little, then dead-letter it
+            except Exception as exc:
+                if is_transient(exc):
+                    self.telemetry.retries.labels(type(exc).__name__).inc()
+                    delay = backoff_delay(attempt)
+                    log.warning("worker %s: transient %s on %s:%d offset %d (attempt %d), retrying in %.2fs",
+                                self.worker_id, type(exc).__name__, record.topic, record.partition, record.offset,
+                                attempt, delay)
+                    probe = None
+                    await asyncio.sleep(delay)
+                    continue
+                # a bug or poison record: retry a little, then dead-letter it
                 log.exception("worker %s: failed processing %s:%d offset %d (attempt %d)",
                               self.worker_id, record.topic, record.partition, record.offset, attempt)
                 if attempt >= MAX_ATTEMPTS:
+                    group_id = message.group_id if isinstance(message, (ReadyTrajectory, DiscardGroup)) else None
                     message = exc if isinstance(exc, SchemaError) else _ProcessingError(exc)
-                    await self._dead_letter(record, message, attempt)
+                    await self._dead_letter(record, message, attempt, group_id=group_id)
                     return
                 probe = None
 
@@ -320,9 +332,11 @@ class Worker:
             attempt += 1
             try:
                 return await op()
-            except TRANSIENT_ERRORS as exc:
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
                 self.telemetry.retries.labels(type(exc).__name__).inc()
-                delay = min(10.0, 0.1 * 2 ** min(attempt, 7))
+                delay = backoff_delay(attempt, jitter=False)
                 log.warning("worker %s: transient %s during %s, retrying in %.2fs", self.worker_id,
                             type(exc).__name__, what, delay)
                 await asyncio.sleep(delay)
@@ -357,43 +371,17 @@ class Worker:
             await self._publish(decision)  # this member completed the group
 
     async def _score(self, traj: ReadyTrajectory) -> SessionResult:
-        common = dict(
-            session_id=traj.session_id, trajectory_id=traj.trajectory_id, outcome_reward=traj.outcome_reward,
-            is_eval=traj.is_eval, policy_version=traj.policy_version, created_at=traj.created_at,
-        )
-        try:
-            # Verdicts carry the token tree in compact concat form (no chat text, no
-            # repeated history); a tree that is not concat export cannot be trained on.
-            common["turns"] = compact_turns(traj.interactions)
-        except NotConcatExport as exc:
-            self.telemetry.member_failures.labels("not_concat_export").inc()
-            return SessionResult(status="failed", error=f"not_concat_export: {exc}", scored_at=time.time(), **common)
-        if self._runner is None:  # scoring off: verdicts carry no token rewards
-            return SessionResult(status="scored", scored_at=time.time(), **common)
         t0 = time.perf_counter()
-        try:
-            async with asyncio.timeout(self.cfg.worker.scorer_timeout_s):
-                channels = {"keep_channels": True} if self.cfg.worker.keep_scorer_channels else {}
-                scored = await self._runner.run(traj, is_eval=traj.is_eval, **channels)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the member fails; the group will be rejected
-            code = failure_code(exc)
+        result = await score_member(self._runner, traj, timeout_s=self.cfg.worker.scorer_timeout_s,
+                                    keep_channels=self.cfg.worker.keep_scorer_channels)
+        if result.status == "failed":  # the member fails; the group will be rejected
+            code = error_code(result.error)
             self.telemetry.member_failures.labels(code).inc()
-            log.info("group=%s traj=%s: scoring failed: %s: %s", traj.group_id, traj.trajectory_id, code, exc)
-            detail = str(exc) or type(exc).__name__
-            common["turns"] = []
-            return SessionResult(status="failed", error=f"{code}: {detail}"[:2000], scored_at=time.time(), **common)
-        self.telemetry.scoring_seconds.observe(time.perf_counter() - t0)
-        self.telemetry.scored.inc()
-        return SessionResult(
-            status="scored",
-            branches=scored.to_branch_results(),
-            turn_results=[tr for b in scored.branches for tr in b.turn_results],
-            stats=scored.stats("eval-rollout" if traj.is_eval else "rollout"),
-            scored_at=time.time(),
-            **common,
-        )
+            log.info("group=%s traj=%s: scoring failed: %s", traj.group_id, traj.trajectory_id, result.error)
+        elif self._runner is not None:
+            self.telemetry.scoring_seconds.observe(time.perf_counter() - t0)
+            self.telemetry.scored.inc()
+        return result
 
     async def _handle_discard(self, msg: DiscardGroup) -> None:
         await self._decide_and_publish(msg.group_id, "discard", discard_reason=msg.reason or "discarded")
@@ -411,63 +399,155 @@ class Worker:
         elif decision.outcome in ("done", "gone"):
             await self.ledger.forget(group_id)
 
-    async def _publish(self, decision: Decision) -> GroupVerdict:
-        verdict = assemble_verdict(decision.group_id, decision.state, decision.members)
-        value, headers = encode(verdict)
-        await self.producer.send_and_wait(
-            self.cfg.topics.verdicts, value, key=verdict.group_id.encode(), headers=headers
-        )
+    async def _publish(self, decision: Decision) -> GroupVerdict | None:
+        """Publish the decision's verdict and finish the group; None when Kafka refused it for good.
+
+        A refused verdict (an authorization or topic error: the operator must act) stays
+        decided in Redis, so the sweeper tries again after the re-publish grace — never
+        in a tight loop, and never holding up other records or groups.
+        """
+        verdict, value, headers = self._fit(assemble_verdict(decision.group_id, decision.state, decision.members))
+        try:
+            await self.producer.send_and_wait(
+                self.cfg.topics.verdicts, value, key=verdict.group_id.encode(), headers=headers
+            )
+        except Exception as exc:
+            if not is_permanent(exc):
+                raise
+            self.telemetry.publish_failures.labels(type(exc).__name__).inc()
+            log.error("worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
+                      "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc,
+                      REPUBLISH_GRACE_S)
+            return None
         await self.ledger.finish(verdict.group_id, verdict.status)
         self.telemetry.verdicts.labels(verdict.status, verdict.reason.split(":", 1)[0]).inc()
         log.info("group=%s verdict=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
                  verdict.reason, len(verdict.sessions), self.worker_id)
         return verdict
 
-    async def _sweep(self) -> None:
-        """Reject overdue groups and re-publish decisions whose publisher died."""
-        try:
-            for group_id in await self.ledger.due_groups():
-                decision = await self.ledger.decide(
-                    group_id, "deadline", worker_id=self.worker_id, scorers=self._scorers_blob,
-                    group_timeout_s=self.cfg.worker.group_timeout_s, republish_grace_s=REPUBLISH_GRACE_S,
-                )
-                overdue = decision.outcome == "already_decided" and (
-                    time.time() * 1000 - decision.decided_at_ms >= REPUBLISH_GRACE_S * 1000
-                )
-                if decision.outcome == "decided_now" or overdue:
-                    await self._publish(decision)
-                elif decision.outcome in ("done", "gone"):
-                    await self.ledger.forget(group_id)
-        except TRANSIENT_ERRORS as exc:
-            log.warning("worker %s: sweep skipped: %s", self.worker_id, exc)
-        except Exception:  # never let the sweeper die silently; the next sweep retries
-            log.exception("worker %s: sweep failed", self.worker_id)
+    def _fit(self, verdict: GroupVerdict) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
+        """``verdict`` encoded, or, when its record exceeds ``kafka.max_message_bytes``, the
+        ``verdict_too_large`` rejection built from it (a pure function of the verdict, so
+        every worker that publishes the group sends the same bytes)."""
+        limit = self.cfg.kafka.max_message_bytes
+        key = verdict.group_id.encode()
+        value, headers = encode(verdict)
+        size = record_size(key, value, headers)
+        if size <= limit:
+            return verdict, value, headers
+        for level in (1, 2, 3):
+            small = too_large_verdict(verdict, size=size, limit=limit, level=level)
+            value, headers = encode(small)
+            if record_size(key, value, headers) <= limit:
+                break
+        log.warning("group=%s: verdict is %d bytes, over kafka.max_message_bytes=%d: published as %s/%s",
+                    verdict.group_id, size, limit, small.status, small.reason.split(":", 1)[0])
+        return small, value, headers
 
-    async def _dead_letter(self, record: ConsumerRecord, error: BaseException, attempt: int) -> None:
+    async def _sweep(self) -> None:
+        """Reject overdue groups and re-publish decisions whose publisher died.
+
+        Each group is handled in isolation: a failure is logged and counted
+        (``prm_worker_sweep_failures_total``) and the sweep goes on with the next group.
+        """
+        try:
+            due = await self.ledger.due_groups()
+        except Exception as exc:  # Redis down: the next sweep tries again
+            self.telemetry.sweep_failures.labels(type(exc).__name__).inc()
+            log.warning("worker %s: sweep skipped: %s: %s", self.worker_id, type(exc).__name__, exc)
+            return
+        for group_id in due:
+            try:
+                await self._sweep_group(group_id)
+            except Exception as exc:  # never let one group stop the others, or the sweeper die
+                self.telemetry.sweep_failures.labels(type(exc).__name__).inc()
+                if is_transient(exc):
+                    log.warning("worker %s: sweep skipped for group %s: transient %s: %s", self.worker_id,
+                                group_id, type(exc).__name__, exc)
+                    continue
+                log.exception("worker %s: sweep failed for group %s; next look in %.0fs", self.worker_id,
+                              group_id, SWEEP_BACKOFF_S)
+                with contextlib.suppress(Exception):  # not every sweep: a broken group must not flood the log
+                    await self.ledger.postpone(group_id, SWEEP_BACKOFF_S)
+
+    async def _sweep_group(self, group_id: str) -> None:
+        decision = await self.ledger.decide(
+            group_id, "deadline", worker_id=self.worker_id, scorers=self._scorers_blob,
+            group_timeout_s=self.cfg.worker.group_timeout_s, republish_grace_s=REPUBLISH_GRACE_S,
+        )
+        overdue = decision.outcome == "already_decided" and (
+            time.time() * 1000 - decision.decided_at_ms >= REPUBLISH_GRACE_S * 1000
+        )
+        if decision.outcome == "decided_now" or overdue:
+            if await self._publish(decision) is None and overdue:
+                await self.ledger.nudge(group_id, REPUBLISH_GRACE_S)  # refused: look again after the grace
+        elif decision.outcome in ("done", "gone"):
+            await self.ledger.forget(group_id)
+
+    async def _dead_letter(self, record: ConsumerRecord, error: BaseException, attempt: int, *,
+                           group_id: str | None = None) -> None:
+        """Dead-letter ``record`` (then reject the group its key names, ``invalid_member``).
+
+        The payload is capped so that the whole dead letter — payload, key and headers —
+        fits ``kafka.max_message_bytes``. If Kafka still refuses it for good, the record's
+        coordinates are logged and counted (``prm_worker_poison_total``) and the record is
+        committed: the source topic still holds it for audit.
+        """
         cause = error.cause if isinstance(error, _ProcessingError) else error
+        letter, key = self._capped_letter(record, cause, attempt)
+        try:
+            await self.producer.send_and_wait(
+                self.cfg.topics.dead_letters, letter.payload, key=key, headers=dead_letter_headers(letter)
+            )
+        except Exception as exc:
+            if not is_permanent(exc):
+                raise
+            self.telemetry.poison.inc()
+            log.error("worker %s: POISON record %s:%d offset %d could not be dead-lettered (%s: %s); "
+                      "committed without a dead letter (the source topic keeps it): %s: %s", self.worker_id,
+                      record.topic, record.partition, record.offset, type(exc).__name__, exc,
+                      letter.error_class, letter.error_message[:300])
+        else:
+            self.telemetry.dead_lettered.labels(letter.error_class).inc()
+            log.warning("dead-lettered %s:%d offset %d: %s: %s", record.topic, record.partition, record.offset,
+                        letter.error_class, letter.error_message[:300])
+        group_id = group_id or _group_of(record.key)
+        if group_id is not None:
+            reason = (f"invalid_member: record {record.topic}:{record.partition}@{record.offset} was dead-lettered "
+                      f"({letter.error_class}: {letter.error_message[:200]})")
+            await self._decide_and_publish(group_id, "invalid", discard_reason=reason)
+
+    def _capped_letter(self, record: ConsumerRecord, cause: BaseException, attempt: int) -> tuple[DeadLetter, bytes | None]:
+        limit = self.cfg.kafka.max_message_bytes
         payload = record.value or b""
-        cap = self.cfg.worker.dead_letter_max_bytes
-        original_size = -1
-        if len(payload) > cap:  # keep the dead-letter topic within the broker's limits
-            original_size, payload = len(payload), payload[:cap]
+        key = record.key
         letter = DeadLetter(
-            payload=payload,
-            error_class=type(cause).__name__,
-            error_message=str(cause),
-            source_topic=record.topic,
-            source_partition=record.partition,
-            source_offset=record.offset,
-            attempt=attempt,
-            worker_id=self.worker_id,
-            original_headers=headers_to_dict(record.headers),
-            original_size=original_size,
+            payload=b"", error_class=type(cause).__name__, error_message=str(cause), source_topic=record.topic,
+            source_partition=record.partition, source_offset=record.offset, attempt=attempt,
+            worker_id=self.worker_id, original_headers=headers_to_dict(record.headers), original_size=len(payload),
         )
-        await self.producer.send_and_wait(
-            self.cfg.topics.dead_letters, letter.payload, key=record.key, headers=dead_letter_headers(letter)
-        )
-        self.telemetry.dead_lettered.labels(letter.error_class).inc()
-        log.warning("dead-lettered %s:%d offset %d: %s: %s", record.topic, record.partition, record.offset,
-                    letter.error_class, letter.error_message[:300])
+        overhead = record_size(key, b"", dead_letter_headers(letter))
+        if overhead > limit // 2:  # absurd headers or key: keep room for the payload, drop the copies
+            letter = msgspec.structs.replace(letter, original_headers={
+                "dropped": f"{len(letter.original_headers)} original headers ({overhead} bytes with the key)"})
+            if key is not None and len(key) > limit // 4:
+                key = key[: limit // 4]
+            overhead = record_size(key, b"", dead_letter_headers(letter))
+        # 16 bytes: the varints of the record and value lengths grow with the payload
+        cap = max(0, min(self.cfg.worker.dead_letter_max_bytes, limit - overhead - 16))
+        if len(payload) > cap:
+            return msgspec.structs.replace(letter, payload=payload[:cap]), key
+        return msgspec.structs.replace(letter, payload=payload, original_size=-1), key
+
+
+def _group_of(key: bytes | None) -> str | None:
+    """The group a record's key names (keys are group ids), when it can name one."""
+    if not key:
+        return None
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 async def _unless_stopped(coro: Any, stop: asyncio.Event) -> bool:

@@ -91,6 +91,7 @@ class Auditor:
         concurrency: int = 16,
         max_differences: int = 100,
         on_rescored: Callable[[int], None] | None = None,
+        keep_channels: bool = False,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -98,6 +99,7 @@ class Auditor:
         self.groups = frozenset(groups) if groups else None
         self.timeout_s, self.concurrency, self.max_differences = timeout_s, concurrency, max_differences
         self.on_rescored = on_rescored
+        self.keep_channels = keep_channels  # as the workers ran (worker.keep_scorer_channels)
         self.counts: Counter[str] = Counter()
         self._variants: dict[str, list[list[Any]]] = {}  # group -> [[verdict, copies]]
         self._refs: dict[str, list[tuple[str, int, int]]] = {}  # trajectory id -> (group, variant, session idx)
@@ -192,7 +194,7 @@ class Auditor:
             task.result()  # a bug in the audit itself must not pass silently
 
     async def _rescore_and_compare(self, traj: ReadyTrajectory) -> None:
-        result = await rescore(self.runner, traj, timeout_s=self.timeout_s)
+        result = await rescore(self.runner, traj, timeout_s=self.timeout_s, keep_channels=self.keep_channels)
         for group_id, v, j in self._refs[traj.trajectory_id]:
             recorded = self._variants[group_id][v][0].sessions[j]
             self._results[(group_id, v, j)] = compare_session(recorded, result, scope=self.scope, tol=self.tol)

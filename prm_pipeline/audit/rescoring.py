@@ -2,25 +2,22 @@
 
 :func:`build_runners` builds the configured scorers as the worker builds them and
 decides, with :func:`scorer_is_deterministic`, which of them the audit may re-run
-(a sampling judge is never re-called); :func:`rescore` mirrors ``Worker._score`` and
-returns the member result the worker would park. Kept apart from the comparison so
+(a sampling judge is never re-called); :func:`rescore` calls the worker's own
+:func:`~scoring_workers.scoring.score_member` and returns the member result the worker
+would park. Kept apart from the comparison so
 that :mod:`prm_pipeline.audit.compare` stays free of runners.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from infra.config import PRMConfig
-from infra.schema import (
-    NotConcatExport,
-    ReadyTrajectory,
-    SessionResult,
-    compact_turns,
-)
+from infra.schema import ReadyTrajectory, SessionResult
 from prm_pipeline.audit.compare import ScoringScope
+from scoring_workers.scoring import failure_code as failure_code  # re-exported (prm_pipeline.audit)
+from scoring_workers.scoring import score_member
 
 if TYPE_CHECKING:
     from scoring_workers.prm import PRMRunner
@@ -39,48 +36,11 @@ def scorer_is_deterministic(scorer: Any) -> bool:
 
 
 # =========================================================================== re-scoring
-def failure_code(exc: BaseException) -> str:
-    """The member error code the worker records for a scoring failure (see worker.failure_code)."""
-    if isinstance(exc, TimeoutError):
-        return "scorer_timeout"
-    code = getattr(exc, "reason", None)
-    return code if isinstance(code, str) and code else "scorer_error"
-
-
-async def rescore(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None) -> SessionResult:
-    """Score ``traj`` the way the worker does and return the member result it would park.
-
-    Mirrors ``Worker._score``: a tree that is not concat export fails with
-    ``not_concat_export``; no runner means scoring is off (no rewards); a rejection or
-    timeout fails the member with its reason code and no partial results. Timestamps
-    (``scored_at``) are left at 0; they are not compared.
-    """
-    common: dict[str, Any] = {
-        "session_id": traj.session_id, "trajectory_id": traj.trajectory_id, "outcome_reward": traj.outcome_reward,
-        "is_eval": traj.is_eval, "policy_version": traj.policy_version, "created_at": traj.created_at,
-    }
-    try:
-        common["turns"] = compact_turns(traj.interactions)
-    except NotConcatExport as exc:
-        return SessionResult(status="failed", error=f"not_concat_export: {exc}", **common)
-    if runner is None:
-        return SessionResult(status="scored", **common)
-    try:
-        async with asyncio.timeout(timeout_s):
-            scored = await runner.run(traj, is_eval=traj.is_eval)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the member fails, like in the worker
-        common["turns"] = []
-        detail = str(exc) or type(exc).__name__
-        return SessionResult(status="failed", error=f"{failure_code(exc)}: {detail}"[:2000], **common)
-    return SessionResult(
-        status="scored",
-        branches=scored.to_branch_results(),
-        turn_results=[tr for b in scored.branches for tr in b.turn_results],
-        stats=scored.stats("eval-rollout" if traj.is_eval else "rollout"),
-        **common,
-    )
+async def rescore(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None,
+                  keep_channels: bool = False) -> SessionResult:
+    """Score ``traj`` exactly as the worker does (:func:`score_member`) and return the member
+    result it would park; ``scored_at`` is left at 0 (it is not compared)."""
+    return await score_member(runner, traj, timeout_s=timeout_s, keep_channels=keep_channels, scored_at=0.0)
 
 
 async def build_runners(

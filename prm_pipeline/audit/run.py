@@ -73,6 +73,7 @@ async def audit(
                 scope=scope, runner=runner, tol=options.tolerance, groups=options.groups, timeout_s=timeout_s,
                 concurrency=options.concurrency, max_differences=options.max_differences,
                 on_rescored=lambda n: progress.advance(rescore_task, n),
+                keep_channels=cfg.worker.keep_scorer_channels,
             )
 
             def grow(task: Any) -> Callable[[int], None]:

@@ -33,13 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka.errors import KafkaError
-from aiokafka.structs import TopicPartition
 
 from infra.config import (
     PipelineConfig,
     PRMScorerConfig,
 )
-from infra.kafka import make_consumer
+from infra.kafka import assign_from_start, make_consumer
 from infra.schema import (
     GroupVerdict,
     ReadyTrajectory,
@@ -192,12 +191,7 @@ class VerdictTail:
         consumer = make_consumer(self.cfg.kafka, group_id=None)
         await consumer.start()
         try:
-            parts = None
-            while not parts:
-                await consumer._client.force_metadata_update()  # noqa: SLF001
-                parts = consumer.partitions_for_topic(topic)
-            consumer.assign([TopicPartition(topic, p) for p in sorted(parts)])
-            await consumer.seek_to_beginning()
+            await assign_from_start(consumer, topic)
             self._ready.set()
             while not self._stop.is_set():
                 try:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from aiokafka.structs import TopicPartition
-
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +12,7 @@ from infra.config import (
     ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
     RolloutConfig, TopicsConfig, WorkerConfig,
 )
-from infra.kafka import make_consumer
+from infra.kafka import assign_from_start, make_consumer
 from infra.schema import GroupVerdict, decode_verdict
 from prm_pipeline.processes import WorkerProcesses, write_config  # noqa: F401 - re-exported for tests
 
@@ -54,13 +52,7 @@ async def read_topic(cfg: PipelineConfig, topic: str, *, until: float | None = N
     await consumer.start()
     records = []
     try:
-        partitions = None
-        while not partitions:
-            await consumer._client.force_metadata_update()  # noqa: SLF001
-            partitions = consumer.partitions_for_topic(topic)
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning()
+        tps = await assign_from_start(consumer, topic)
         deadline = until if until is not None else time.monotonic() + 30
         while time.monotonic() < deadline:
             batch = await consumer.getmany(timeout_ms=100)

@@ -1,0 +1,76 @@
+"""Scoring one group member: the single definition the worker and the audit both call.
+
+:func:`score_member` turns a :class:`ReadyTrajectory` into the :class:`SessionResult`
+the ledger parks. The audit (``prm-pipeline audit``) re-scores recorded trajectories
+with this same function, so a verdict and its audit can only differ when the scorers'
+outputs differ — never because two copies of the rules drifted apart.
+
+Rules:
+* a tree that is not concat export fails with ``not_concat_export`` (it cannot be
+  trained on; verdicts carry the compact token turns);
+* no runner means scoring is off: the member is ``scored`` without rewards;
+* a scorer failure or a timeout fails the member with its reason code
+  (:func:`failure_code`) and keeps no partial results or turns;
+* ``keep_channels`` (``worker.keep_scorer_channels``) keeps each scorer's own token
+  rewards in the branches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from infra.schema import NotConcatExport, ReadyTrajectory, SessionResult, compact_turns
+
+if TYPE_CHECKING:
+    from scoring_workers.prm import PRMRunner
+
+
+def failure_code(exc: BaseException) -> str:
+    """A short, stable reason code for a member's scoring failure."""
+    if isinstance(exc, TimeoutError):
+        return "scorer_timeout"
+    code = getattr(exc, "reason", None)
+    return code if isinstance(code, str) and code else "scorer_error"
+
+
+async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None,
+                       keep_channels: bool = False, scored_at: float | None = None) -> SessionResult:
+    """Score ``traj`` and return the member result to park (see the module rules).
+
+    ``scored_at`` defaults to now (the worker); the audit passes 0 (it is not compared).
+    """
+    common: dict[str, Any] = {
+        "session_id": traj.session_id, "trajectory_id": traj.trajectory_id, "outcome_reward": traj.outcome_reward,
+        "is_eval": traj.is_eval, "policy_version": traj.policy_version, "created_at": traj.created_at,
+    }
+
+    def stamp() -> float:
+        return time.time() if scored_at is None else scored_at
+
+    try:
+        common["turns"] = compact_turns(traj.interactions)
+    except NotConcatExport as exc:
+        return SessionResult(status="failed", error=f"not_concat_export: {exc}", scored_at=stamp(), **common)
+    if runner is None:
+        return SessionResult(status="scored", scored_at=stamp(), **common)
+    try:
+        async with asyncio.timeout(timeout_s):
+            channels = {"keep_channels": True} if keep_channels else {}
+            scored = await runner.run(traj, is_eval=traj.is_eval, **channels)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the member fails; the group will be rejected
+        common["turns"] = []
+        detail = str(exc) or type(exc).__name__
+        return SessionResult(status="failed", error=f"{failure_code(exc)}: {detail}"[:2000], scored_at=stamp(),
+                             **common)
+    return SessionResult(
+        status="scored",
+        branches=scored.to_branch_results(),
+        turn_results=[tr for b in scored.branches for tr in b.turn_results],
+        stats=scored.stats("eval-rollout" if traj.is_eval else "rollout"),
+        scored_at=stamp(),
+        **common,
+    )
