@@ -135,17 +135,19 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
     return AIOKafkaConsumer(*topics, **kwargs)
 
 
-async def assign_from_start(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
-    """Assign every partition of ``topic`` to a started, group-less consumer and seek each to
-    its beginning; returns the partitions. Waits for the topic's metadata (a topic created
-    a moment ago may not be known to the client yet)."""
-    partitions = consumer.partitions_for_topic(topic)
-    while not partitions:
-        await consumer._client.force_metadata_update()  # noqa: SLF001 - aiokafka has no public call
+async def assign_from_start(consumer: AIOKafkaConsumer, *topics: str) -> list[TopicPartition]:
+    """Assign every partition of ``topics`` to a started, group-less consumer and seek each
+    to its beginning; returns the partitions. Waits for each topic's metadata (a topic
+    created a moment ago may not be known to the client yet)."""
+    tps: list[TopicPartition] = []
+    for topic in topics:
         partitions = consumer.partitions_for_topic(topic)
-        if not partitions:
-            await asyncio.sleep(0.05)
-    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        while not partitions:
+            await consumer._client.force_metadata_update()  # noqa: SLF001 - aiokafka has no public call
+            partitions = consumer.partitions_for_topic(topic)
+            if not partitions:
+                await asyncio.sleep(0.05)
+        tps += [TopicPartition(topic, p) for p in sorted(partitions)]
     consumer.assign(tps)
     await consumer.seek_to_beginning(*tps)
     return tps

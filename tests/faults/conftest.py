@@ -5,7 +5,7 @@ the session-wide broker/Redis that other tests share.
   (``--appendonly yes --appendfsync everysec``) in the test's own data dir.
 * ``durable_broker`` — a tansu broker on ``s3://tansu/`` storage, backed by a loopback
   ``moto_server`` (``moto[server]``, a dev dependency), so topics, records and committed
-  offsets survive a broker restart (measured in shared/notes/local-services.md).
+  offsets survive a broker restart (see docs/faults.md, scenario 3).
 """
 
 from __future__ import annotations

@@ -386,6 +386,83 @@ def broken_rules(draw: st.DrawFn) -> Template:
     return Template("broken rules", expect, _ready(mutate), rule)
 
 
+@st.composite
+def dangling(draw: st.DrawFn) -> Template:
+    seed, turns, out = draw(small_sessions)
+    i = draw(st.integers(0, turns - 1))
+    target = draw(st.sampled_from(["nowhere", "", "t999"]))
+
+    def mutate(key: str) -> dict[str, Any]:
+        raw = _with_ids(_session(seed, turns, out), key)
+        raw["interactions"][i]["parent_id"] = target
+        return raw
+
+    return Template("dangling parents", Expect.dead("InvalidMessage", "parent_id"), _ready(mutate),
+                    f"turn {i} of {turns} -> {target!r}", variant=f"{'root' if i == 0 else 'inner'} -> {target!r}")
+
+
+@st.composite
+def mismatched_lengths(draw: st.DrawFn) -> Template:
+    """Small log-prob arrays one value off (the huge variant is under "huge arrays")."""
+    seed, turns, out = draw(small_sessions)
+    i = draw(st.integers(0, turns - 1))
+    delta = draw(st.sampled_from([-1, 1, -4]))
+
+    def mutate(key: str) -> dict[str, Any]:
+        raw = _with_ids(_session(seed, turns, out), key)
+        mr = raw["interactions"][i]["model_response"]
+        n = max(0, len(mr["output_tokens"]) // 4 + delta)
+        mr["output_logprobs"] = np.zeros(n, dtype="<f4").tobytes() + (b"\x00\x00" if delta == -4 else b"")
+        return raw
+
+    return Template("mismatched lengths", Expect.dead("InvalidMessage", "output_logprobs"), _ready(mutate),
+                    f"turn {i}: {delta:+d} log-probs", variant=f"{delta:+d}")
+
+
+@st.composite
+def absurd_group_size(draw: st.DrawFn) -> Template:
+    """A group size no group can reach: the member parks and the group is rejected at its deadline."""
+    seed = draw(seeds)
+    size = draw(st.sampled_from([10**6, 10**9, 2**31, 2**63 - 1]))
+
+    def build(key: str) -> list[tuple[bytes | None, Headers]]:
+        raw = _with_ids(_session(seed, 1, 4), key)
+        raw["group_size"] = size
+        return [(_pack(raw), READY_HEADERS)]
+
+    return Template("absurd group sizes", Expect.rejected("missing_sessions"), build, f"group_size {size}",
+                    variant=str(size))
+
+
+_PLACEHOLDER = "\u2603NOT-UTF8\u2603"  # replaced by invalid UTF-8 bytes of the same length
+
+
+@st.composite
+def non_utf8(draw: st.DrawFn) -> Template:
+    seed, turns, out = draw(small_sessions)
+    where = draw(st.sampled_from(["session_id", "message content", "stop_reason", "interaction_id"]))
+    garbage = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80"]))
+
+    def build(key: str) -> list[tuple[bytes | None, Headers]]:
+        raw = _with_ids(_session(seed, turns, out), key)
+        it = raw["interactions"][-1]
+        if where == "session_id":
+            raw["session_id"] = _PLACEHOLDER
+        elif where == "message content":
+            it["messages"] = [{"role": "user", "content": _PLACEHOLDER}]
+        elif where == "stop_reason":
+            it["model_response"]["stop_reason"] = _PLACEHOLDER
+        else:
+            it["interaction_id"] = _PLACEHOLDER
+        value = _pack(raw)
+        marker = _PLACEHOLDER.encode()
+        bad = (garbage * len(marker))[: len(marker)]
+        return [(value.replace(marker, bad), READY_HEADERS)]
+
+    return Template("non-UTF-8 text", Expect.dead("InvalidMessage", "utf-8"), build, f"{where}: {garbage!r}",
+                    variant=where)
+
+
 CATEGORIES: dict[str, tuple[Any, int]] = {  # strategy, examples to draw
     "truncated msgpack": (truncated(), 6),
     "wrong types": (wrong_types(), 12),
@@ -397,6 +474,14 @@ CATEGORIES: dict[str, tuple[Any, int]] = {  # strategy, examples to draw
     "mismatched group sizes": (size_mismatch(), 4),
     "bad headers": (bad_headers(), 8),
     "broken rules": (broken_rules(), 8),
+    "dangling parents": (dangling(), 3),
+    "mismatched lengths": (mismatched_lengths(), 3),
+    "non-UTF-8 text": (non_utf8(), 4),
+}
+# Cases that end only at their group deadline: left out of the default batch (the fuzz
+# test runs with a long deadline); ``bench faults`` adds them with a short one.
+SLOW_CATEGORIES: dict[str, tuple[Any, int]] = {
+    "absurd group sizes": (absurd_group_size(), 4),
 }
 
 
@@ -419,7 +504,19 @@ def draw_examples(strategy: Any, n: int) -> list[Template]:
     return (list(firsts.values()) + rest)[:n]
 
 
-def draw_cases(prefix: str) -> list[Case]:
-    """The whole malformed batch; case keys are ``{prefix}-{index}`` (also their group ids)."""
-    templates = [t for strategy, n in CATEGORIES.values() for t in draw_examples(strategy, n)]
-    return [t.case(f"{prefix}-{i:03d}") for i, t in enumerate(templates)]
+def draw_cases(prefix: str, counts: dict[str, int] | None = None, *, distinct: int = 100) -> list[Case]:
+    """The malformed batch; case keys are ``{prefix}-{index}`` (also their group ids).
+
+    ``counts`` (category -> cases, from :data:`CATEGORIES` and :data:`SLOW_CATEGORIES`)
+    defaults to :data:`CATEGORIES`' own numbers. At most ``distinct`` examples are drawn
+    per category; larger counts cycle through them (each case is still built afresh with
+    its own key and ids).
+    """
+    strategies = {**CATEGORIES, **SLOW_CATEGORIES}
+    counts = counts if counts is not None else {name: n for name, (_, n) in CATEGORIES.items()}
+    templates: list[Template] = []
+    for name, n in counts.items():
+        drawn = draw_examples(strategies[name][0], min(n, distinct))
+        templates += [drawn[i % len(drawn)] for i in range(n)]
+    width = len(str(max(1, len(templates) - 1)))
+    return [t.case(f"{prefix}-{i:0{max(3, width)}d}") for i, t in enumerate(templates)]

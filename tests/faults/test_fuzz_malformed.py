@@ -9,8 +9,9 @@ published raw, in one batch, to two worker processes.
 
 Every case must end exactly once, as expected: a dead letter whose headers name the
 error class and reason (and carry the original bytes, or the first
-``dead_letter_max_bytes`` of them with the original size), or one ``rejected`` verdict
-with the expected reason. Afterwards the same workers must accept a valid group and
+``dead_letter_max_bytes`` of them with the original size) — plus one ``rejected`` /
+``invalid_member`` verdict for the group its key names, citing the dead letter's
+coordinates —, or one ``rejected`` verdict with the expected reason. Afterwards the same workers must accept a valid group and
 exit cleanly: no malformed record may take a worker down.
 """
 
@@ -70,7 +71,7 @@ async def test_malformed_records_end_in_dead_letters_or_rejections(kafka_bootstr
         deadline = time.monotonic() + 90
         letters = await read_topic(cfg, cfg.topics.dead_letters, until=deadline,
                                    stop_when=lambda rs: dead.keys() <= {r.key.decode() for r in rs})
-        await wait_for_verdicts(cfg, rejected, timeout_s=max(5.0, deadline - time.monotonic()))
+        await wait_for_verdicts(cfg, set(rejected) | set(dead), timeout_s=max(5.0, deadline - time.monotonic()))
         outcomes_s = time.monotonic() - t0
         alive_after_batch = procs.alive()
         # the workers that digested the batch still score a valid group
@@ -86,7 +87,7 @@ async def test_malformed_records_end_in_dead_letters_or_rejections(kafka_bootstr
     finally:
         procs.stop()
 
-    check = check_verdicts(verdict_records, set(rejected) | {sentinel})
+    check = check_verdicts(verdict_records, set(rejected) | set(dead) | {sentinel})
     by_key: dict[str, list] = {}
     for r in letters:
         by_key.setdefault(r.key.decode(), []).append(dead_letter_from_record(r.value, r.headers))
@@ -110,8 +111,12 @@ async def test_malformed_records_end_in_dead_letters_or_rejections(kafka_bootstr
                                 f"({len(dl.payload)} bytes, original_size {dl.original_size})")
         elif dl.payload != original or dl.original_size != -1:
             problems.append(f"{case.category} / {case.note}: dead letter does not carry the original bytes")
-        if key in check.verdicts:
-            problems.append(f"{case.category} / {case.note}: dead-lettered but also got a verdict")
+        verdict = check.verdicts.get(key)
+        where = f"{dl.source_topic}:{dl.source_partition}@{dl.source_offset}"
+        if verdict is not None and (verdict.status != "rejected" or reason_code(verdict) != "invalid_member"
+                                    or where not in verdict.reason):
+            problems.append(f"{case.category} / {case.note}: its group's verdict is {verdict.status} "
+                            f"{verdict.reason[:120]!r}, expected rejected invalid_member citing {where}")
     for key, case in rejected.items():
         verdict = check.verdicts.get(key)
         if verdict is None:
