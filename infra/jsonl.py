@@ -18,14 +18,14 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
 from infra.schema import (
-    GroupVerdict,
     DiscardGroup,
+    GroupVerdict,
     Interaction,
     ModelResponse,
     ReadyTrajectory,
@@ -80,7 +80,7 @@ class _JDiscard(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="d
     requested_at: float = 0.0
 
 
-_JLine = Union[_JReady, _JDiscard]
+_JLine = _JReady | _JDiscard
 _BY_KIND: dict[str, type[msgspec.Struct]] = {"ready": _JReady, "discard": _JDiscard}
 _LINE_DECODER = msgspec.json.Decoder(_JLine)
 _ENCODER = msgspec.json.Encoder()

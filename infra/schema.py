@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import numpy as np
@@ -221,7 +221,7 @@ class DiscardGroup(msgspec.Struct, frozen=True, kw_only=True, tag="discard", tag
             raise ValueError("group_id must be a non-empty string")
 
 
-TrajectoryMessage = Union[ReadyTrajectory, DiscardGroup]
+TrajectoryMessage = ReadyTrajectory | DiscardGroup
 
 
 # --------------------------------------------------------------------------- scoring results
@@ -478,7 +478,6 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- codecs
 Headers = Sequence[tuple[str, bytes]]
 
-_KINDS: dict[str, type] = {"ready": ReadyTrajectory, "discard": DiscardGroup, "verdict": GroupVerdict}
 _ENCODER = msgspec.msgpack.Encoder()
 _MESSAGE_DECODER = msgspec.msgpack.Decoder(TrajectoryMessage)
 _VERDICT_DECODER = msgspec.msgpack.Decoder(GroupVerdict)
@@ -593,16 +592,12 @@ def headers_to_dict(headers: Headers | None) -> dict[str, str]:
     return {k: (v.decode(errors="replace") if isinstance(v, (bytes, bytearray)) else str(v)) for k, v in headers or ()}
 
 
-def to_builtins(message: Any) -> Any:
-    """Plain JSON-able data (bytes as base64) — for logs and debugging only."""
-    return msgspec.to_builtins(message)
-
-
 __all__ = [
     "SCHEMA_VERSION", "SCHEMA_HEADER", "KIND_HEADER", "SchemaError", "UnknownSchemaVersion",
     "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
     "DiscardGroup", "TrajectoryMessage", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
-    "BranchResult", "TokenTurn", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult", "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
+    "BranchResult", "TokenTurn", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
+    "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
     "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",
-    "headers_to_dict", "pack_array", "to_tensor", "to_builtins", "kind_of",
+    "headers_to_dict", "pack_array", "to_tensor", "kind_of",
 ]

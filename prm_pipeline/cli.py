@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
@@ -177,9 +177,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
-Command = Callable[[argparse.Namespace], int]
-
-
 def build_parser() -> argparse.ArgumentParser:
     from prm_pipeline.verdict_dump import since_arg
 

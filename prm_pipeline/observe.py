@@ -33,7 +33,7 @@ class VerdictTail:
         await self.consumer.start()
         parts = None
         while not parts:
-            await self.consumer._client.force_metadata_update()  # noqa: SLF001
+            await self.consumer._client.force_metadata_update()
             parts = self.consumer.partitions_for_topic(self.cfg.topics.verdicts)
         self.consumer.assign([TopicPartition(self.cfg.topics.verdicts, p) for p in parts])
         await self.consumer.seek_to_beginning()

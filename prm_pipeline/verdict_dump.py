@@ -84,7 +84,7 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
     try:
         partitions = consumer.partitions_for_topic(cfg.topics.verdicts)
         while partitions is None:  # metadata not loaded yet
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - aiokafka has no public call
+            await consumer._client.force_metadata_update()  # aiokafka has no public call
             partitions = consumer.partitions_for_topic(cfg.topics.verdicts)
         from aiokafka.structs import TopicPartition
 

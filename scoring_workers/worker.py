@@ -377,7 +377,7 @@ class Worker:
                 scored = await self._runner.run(traj, is_eval=traj.is_eval, **channels)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the member fails; the group will be rejected
+        except Exception as exc:  # noqa: BLE001 - any scorer failure fails the member; the group is rejected
             code = failure_code(exc)
             self.telemetry.member_failures.labels(code).inc()
             log.info("group=%s traj=%s: scoring failed: %s: %s", traj.group_id, traj.trajectory_id, code, exc)

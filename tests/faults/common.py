@@ -194,7 +194,7 @@ class VerdictTail:
         try:
             parts = None
             while not parts:
-                await consumer._client.force_metadata_update()  # noqa: SLF001
+                await consumer._client.force_metadata_update()
                 parts = consumer.partitions_for_topic(topic)
             consumer.assign([TopicPartition(topic, p) for p in sorted(parts)])
             await consumer.seek_to_beginning()

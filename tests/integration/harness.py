@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from aiokafka.structs import TopicPartition
 
-from collections.abc import Sequence
-from typing import Any
-
 from infra.config import (
-    ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
-    RolloutConfig, TopicsConfig, WorkerConfig,
+    ActorConfig,
+    AgentConfig,
+    KafkaConfig,
+    PipelineConfig,
+    PRMConfig,
+    PRMScorerConfig,
+    RedisConfig,
+    RolloutConfig,
+    TopicsConfig,
+    WorkerConfig,
 )
 from infra.kafka import make_consumer
 from infra.schema import GroupVerdict, decode_verdict
 from prm_pipeline.processes import WorkerProcesses, write_config  # noqa: F401 - re-exported for tests
-
 
 TEST_SCORER_MODULES = ["scoring_workers.scorers", "tests.scorers"]
 
@@ -56,7 +61,7 @@ async def read_topic(cfg: PipelineConfig, topic: str, *, until: float | None = N
     try:
         partitions = None
         while not partitions:
-            await consumer._client.force_metadata_update()  # noqa: SLF001
+            await consumer._client.force_metadata_update()
             partitions = consumer.partitions_for_topic(topic)
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)

@@ -13,7 +13,8 @@ import msgspec
 import pytest
 
 from infra.config import (
-    PipelineConfig, PRMScorerConfig,
+    PipelineConfig,
+    PRMScorerConfig,
 )
 from infra.kafka import ensure_topics, make_producer
 from infra.schema import dead_letter_from_record, encode

@@ -128,7 +128,8 @@ async def test_identical_when_rescoring_reproduces_the_verdict(group) -> None:
 
 async def test_dense_scorers_are_identical_too() -> None:
     trajs = [_traj("g-dense", 0, branch_at=0), _traj("g-dense", 1)]
-    scorers = lambda: [LengthBudgetScorer(max_output_tokens=32), RampScorer(weight=0.5)]
+    def scorers() -> list:
+        return [LengthBudgetScorer(max_output_tokens=32), RampScorer(weight=0.5)]
     recorded, again = await _scored(scorers(), trajs), await _scored(scorers(), trajs)
     assert recorded[0].branches[0].token_rewards["g-dense-s0-t0"].values_raw is not None  # really dense
     finding = compare_group([_verdict("g-dense", recorded, ["length_budget", "ramp"])],
@@ -160,7 +161,8 @@ async def test_changed_token_reward_names_group_session_turn_scorer_and_max_diff
 
 async def test_changed_turn_result_total_and_stats_are_attributed_to_their_scorer() -> None:
     trajs = [_traj("g-two", 0), _traj("g-two", 1)]
-    scorers = lambda: [LengthBudgetScorer(max_output_tokens=32), RampScorer()]
+    def scorers() -> list:
+        return [LengthBudgetScorer(max_output_tokens=32), RampScorer()]
     recorded = await _scored(scorers(), trajs)
     rescored = {s.trajectory_id: s for s in await _scored(scorers(), trajs)}
     s = recorded[1]
