@@ -124,6 +124,9 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000
+    # Commands wait this long for the broker at startup (a log line per attempt), then
+    # exit with one line naming the address (infra.startup).
+    startup_timeout_s: float = 30.0
 
     def __repr__(self) -> str:
         return _masked_repr(self, secret_fields=("sasl_password",))
@@ -135,6 +138,7 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     key_prefix: str = "prm"
     ttl_s: int = 86_400
     ssl_ca_certs: str | None = None
+    startup_timeout_s: float = 30.0  # as kafka.startup_timeout_s, for Redis
 
     def __repr__(self) -> str:
         return _masked_repr(self, url_fields=("url",))

@@ -228,7 +228,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)
+    _accept_global_options_after(sub)
     return parser
+
+
+def _accept_global_options_after(sub: argparse._SubParsersAction) -> None:
+    """``prm-pipeline worker --config x.yaml`` works like ``prm-pipeline --config x.yaml worker``.
+
+    Each subcommand repeats the global options with ``default=SUPPRESS``: given after the
+    subcommand they override the global value, absent they leave it alone.
+    """
+    for p in sub.choices.values():
+        known = {s for action in p._actions for s in action.option_strings}
+        if "--config" not in known:
+            p.add_argument("--config", default=argparse.SUPPRESS,
+                           help="YAML config file (also accepted before the subcommand; default: $PRM_CONFIG)")
+        if "--verbose" not in known and "-v" not in known:
+            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+
+
+# The services each command needs before it starts (infra.startup waits for them).
+NEEDS: dict[str, tuple[str, ...]] = {
+    "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
+    "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -238,6 +261,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if args.command in NEEDS:
+            from infra.startup import ServiceUnavailable, wait_for_services
+
+            try:
+                asyncio.run(wait_for_services(_load(args), NEEDS[args.command]))
+            except ServiceUnavailable as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -70,3 +72,19 @@ async def test_publish_jsonl_then_dump_verdicts(pipeline_config, tmp_path) -> No
     (branch,) = session["branches"]
     assert list(branch["token_rewards"].values()) == [[1.0, 1.0, 1.0]]  # 3 tokens within a budget of 4
     assert branch["scorer_totals"] == {"length_budget": 1.0}
+
+
+def test_worker_with_kafka_but_no_redis_names_redis_and_its_setting(kafka_bootstrap) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")}
+    env.update(PRM_KAFKA_BOOTSTRAP=kafka_bootstrap, PRM_REDIS_URL=f"redis://user:s3cret@127.0.0.1:{port}/0",
+               PRM_REDIS_STARTUP_TIMEOUT_S="1")
+    proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "worker"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "Unclosed" not in proc.stderr and "s3cret" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in line and "PRM_REDIS_URL" in line
+    assert "Kafka" not in line and "not reachable (attempt 2" in proc.stderr
