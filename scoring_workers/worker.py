@@ -367,7 +367,7 @@ class Worker:
             common["turns"] = compact_turns(traj.interactions)
         except NotConcatExport as exc:
             self.telemetry.member_failures.labels("not_concat_export").inc()
-            return SessionResult(status="failed", error=f"not_concat_export: {exc}", scored_at=time.time(), **common)
+            return SessionResult.failure(code="not_concat_export", detail=str(exc), scored_at=time.time(), **common)
         if self._runner is None:  # scoring off: verdicts carry no token rewards
             return SessionResult(status="scored", scored_at=time.time(), **common)
         t0 = time.perf_counter()
@@ -383,7 +383,8 @@ class Worker:
             log.info("group=%s traj=%s: scoring failed: %s: %s", traj.group_id, traj.trajectory_id, code, exc)
             detail = str(exc) or type(exc).__name__
             common["turns"] = []
-            return SessionResult(status="failed", error=f"{code}: {detail}"[:2000], scored_at=time.time(), **common)
+            return SessionResult.failure(code=code, detail=detail, scorer=getattr(exc, "scorer_name", None),
+                                         scored_at=time.time(), **common)
         self.telemetry.scoring_seconds.observe(time.perf_counter() - t0)
         self.telemetry.scored.inc()
         return SessionResult(

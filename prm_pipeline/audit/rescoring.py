@@ -62,7 +62,7 @@ async def rescore(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s:
     try:
         common["turns"] = compact_turns(traj.interactions)
     except NotConcatExport as exc:
-        return SessionResult(status="failed", error=f"not_concat_export: {exc}", **common)
+        return SessionResult.failure(code="not_concat_export", detail=str(exc), **common)
     if runner is None:
         return SessionResult(status="scored", **common)
     try:
@@ -73,7 +73,8 @@ async def rescore(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s:
     except Exception as exc:  # noqa: BLE001 - the member fails, like in the worker
         common["turns"] = []
         detail = str(exc) or type(exc).__name__
-        return SessionResult(status="failed", error=f"{failure_code(exc)}: {detail}"[:2000], **common)
+        return SessionResult.failure(code=failure_code(exc), detail=detail, scorer=getattr(exc, "scorer_name", None),
+                                     **common)
     return SessionResult(
         status="scored",
         branches=scored.to_branch_results(),
