@@ -26,6 +26,17 @@ def _load(args: argparse.Namespace) -> PipelineConfig:
     return load_config(args.config)
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts that override a config key constrained to >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 # --------------------------------------------------------------------------- up / topics
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the embedded broker + Redis in the foreground until SIGINT/SIGTERM."""
@@ -130,7 +141,7 @@ def add_trainer_parser(subparsers: Any) -> None:
         help="reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
         description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
     )
-    p.add_argument("--batch-groups", type=int, default=None, metavar="N",
+    p.add_argument("--batch-groups", type=positive_int, default=None, metavar="N",
                    help="accepted groups per batch (default: trainer.batch_groups)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
                    help="where batches and shaping live (default: trainer.device; auto = cuda if available)")
@@ -194,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_topics)
 
     p = sub.add_parser("worker", help="run one scoring worker (run several for scale)")
-    p.add_argument("--concurrency", type=int, default=None, help="records in flight (default worker.concurrency)")
+    p.add_argument("--concurrency", type=positive_int, default=None, help="records in flight (default worker.concurrency)")
     p.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.set_defaults(func=cmd_worker)
