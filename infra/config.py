@@ -3,7 +3,7 @@
 The file accepts AReaL's ``rollout:`` / ``actor:`` blocks unchanged (extra AReaL keys
 in them are ignored) next to our own ``kafka:``, ``redis:``, ``topics:``, ``worker:``,
 ``trainer:`` and ``local:`` sections, whose keys are checked strictly so a typo fails
-loudly. The seed's rules for process rewards are enforced at load time by
+loudly. AReaL's Process Rewards rules are enforced at load time by
 :func:`validate`, with messages that name the offending key.
 
 Environment overrides: ``PRM_<SECTION>_<FIELD>=value`` for our own sections, e.g.
@@ -321,7 +321,7 @@ def validate_prm(prm: PRMConfig, key: str = "rollout.agent.prm") -> None:
 
 
 def validate(cfg: PipelineConfig) -> None:
-    """Enforce the seed's configuration rules; raise :class:`ConfigError` naming the key."""
+    """Enforce AReaL's Process Rewards configuration rules; raise :class:`ConfigError` naming the key."""
     rollout, agent, prm, actor = cfg.rollout, cfg.rollout.agent, cfg.prm, cfg.actor
     validate_prm(prm)
     mode = prm.advantage_shaping.mode

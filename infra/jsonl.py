@@ -315,6 +315,9 @@ def dump_verdict(verdict: GroupVerdict, *, include_tokens: bool = False) -> dict
         }
         if s.error:
             entry["error"] = s.error
+        for name in ("error_code", "error_scorer", "error_detail"):
+            if getattr(s, name) is not None:
+                entry[name] = getattr(s, name)
         if s.turn_results:
             entry["turn_results"] = msgspec.to_builtins(s.turn_results)
         if include_tokens:

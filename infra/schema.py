@@ -273,7 +273,7 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PRMTurnResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One scorer's result for one turn of one branch (the seed's typed ``prm_stats``).
+    """One scorer's result for one turn of one branch (AReaL's typed ``prm_stats``).
 
     ``reward`` is the mean of the scorer's *weighted* token rewards for the turn.
     """
