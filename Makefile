@@ -1,4 +1,4 @@
-# Two entry points (see README): `make demo` and `make test`. Everything else is set-up.
+# Two entry points (see README): `make demo` and `make test` (`make test-unit` for the inner loop).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench faults clean
+.PHONY: install demo test test-unit lint bench faults clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,15 @@ demo: $(STAMP)
 	$(BIN)/prm-pipeline --config config/demo.yaml demo
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# The inner loop: pure-logic tests only, no broker or Redis (seconds).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 bench: $(STAMP)
 	$(BIN)/prm-pipeline bench schema

@@ -3,7 +3,7 @@
 The file accepts AReaL's ``rollout:`` / ``actor:`` blocks unchanged (extra AReaL keys
 in them are ignored) next to our own ``kafka:``, ``redis:``, ``topics:``, ``worker:``,
 ``trainer:`` and ``local:`` sections, whose keys are checked strictly so a typo fails
-loudly. The seed's rules for process rewards are enforced at load time by
+loudly. AReaL's Process Rewards rules are enforced at load time by
 :func:`validate`, with messages that name the offending key.
 
 Environment overrides: ``PRM_<SECTION>_<FIELD>=value`` for our own sections, e.g.
@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -32,6 +32,15 @@ SHAPING_MODES = ("additive", "gvpo", "process_weighted")
 # Trainer-side PRM + OPD combinations (shaper.combined). Deliberately not values of
 # AReaL's advantage_shaping.mode: they choose the token signal, the mode still folds it in.
 COMBINED_MODES = ("prm_gated_opd", "prm_weighted_opd")
+
+
+# Declarative constraints, checked by msgspec when a file or the environment is loaded
+# (the message names the key: "Expected `int` >= 1 - at `$.worker.concurrency`").
+# Values set from Python skip them; validate_prm keeps hand checks for the PRM block,
+# which the runner also receives built in code.
+_MAX_SECONDS = 1e9  # ~31 years: an upper bound so that .inf is refused
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_SECONDS)]
 
 
 class ConfigError(ValueError):
@@ -80,7 +89,7 @@ class AgentConfig(msgspec.Struct, kw_only=True):
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True):
-    version: str = msgspec.field(default="v1", name="_version")
+    version: Literal["v1", "v2"] = msgspec.field(default="v1", name="_version")
     api_url: str | None = None
     agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
 
@@ -118,12 +127,15 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     compression: Literal["zstd", "lz4", "gzip", "none"] = "zstd"
-    max_message_bytes: int = 1_048_576
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1_048_576
     linger_ms: int = 5
     request_timeout_ms: int = 30_000
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000
+    # Commands wait this long for the broker at startup (a log line per attempt), then
+    # exit with one line naming the address (infra.startup).
+    startup_timeout_s: Seconds = 30.0
 
     def __repr__(self) -> str:
         return _masked_repr(self, secret_fields=("sasl_password",))
@@ -133,8 +145,9 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False  # Redis Cluster: the URL names any node; keys carry {group_id} hash tags
     key_prefix: str = "prm"
-    ttl_s: int = 86_400
+    ttl_s: Positive = 86_400
     ssl_ca_certs: str | None = None
+    startup_timeout_s: Seconds = 30.0  # as kafka.startup_timeout_s, for Redis
 
     def __repr__(self) -> str:
         return _masked_repr(self, url_fields=("url",))
@@ -144,17 +157,17 @@ class TopicsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     trajectories: str = "prm.trajectories"
     verdicts: str = "prm.verdicts"
     dead_letters: str = "prm.dead-letters"
-    partitions: int = 8
-    replication_factor: int = 1
+    partitions: Positive = 8
+    replication_factor: Positive = 1
     retention_ms: int = 7 * 86_400_000
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     group_id: str = "prm-scoring-workers"
-    concurrency: int = 32
-    scorer_timeout_s: float = 60.0
-    group_timeout_s: float = 600.0
-    poll_max_records: int = 256
+    concurrency: Positive = 32
+    scorer_timeout_s: Seconds = 60.0
+    group_timeout_s: Seconds = 600.0
+    poll_max_records: Positive = 256
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None
     # Scorer classes may be imported only from these module prefixes (configs are code
@@ -170,7 +183,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     group_id: str = "prm-trainer"
-    batch_groups: int = 8
+    batch_groups: Positive = 8
     device: Literal["auto", "cpu", "cuda"] = "auto"
     filter: str | None = None
     # OpenClaw-RL's exclusion policy: turns the judge scored 0 or that have no next
@@ -308,10 +321,8 @@ def validate_prm(prm: PRMConfig, key: str = "rollout.agent.prm") -> None:
 
 
 def validate(cfg: PipelineConfig) -> None:
-    """Enforce the seed's configuration rules; raise :class:`ConfigError` naming the key."""
+    """Enforce AReaL's Process Rewards configuration rules; raise :class:`ConfigError` naming the key."""
     rollout, agent, prm, actor = cfg.rollout, cfg.rollout.agent, cfg.prm, cfg.actor
-    if rollout.version not in ("v1", "v2"):
-        raise ConfigError(f"rollout._version must be 'v1' or 'v2', got {rollout.version!r}")
     validate_prm(prm)
     mode = prm.advantage_shaping.mode
     if prm.active:
@@ -346,12 +357,3 @@ def validate(cfg: PipelineConfig) -> None:
             "actor.mask_no_eos_with_zero: true cannot be combined with "
             "rollout.agent.prm.advantage_shaping.mode 'process_weighted'"
         )
-    for section, name in (("topics", "partitions"), ("worker", "concurrency"), ("trainer", "batch_groups")):
-        if getattr(getattr(cfg, section), name) < 1:
-            raise ConfigError(f"{section}.{name} must be >= 1")
-    for name in ("scorer_timeout_s", "group_timeout_s"):
-        value = getattr(cfg.worker, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"worker.{name} must be a positive number of seconds, got {value!r}")
-    if cfg.kafka.max_message_bytes < 1024:
-        raise ConfigError("kafka.max_message_bytes must be >= 1024")

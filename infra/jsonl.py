@@ -18,14 +18,14 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
 from infra.schema import (
-    GroupVerdict,
     DiscardGroup,
+    GroupVerdict,
     Interaction,
     ModelResponse,
     ReadyTrajectory,
@@ -80,7 +80,7 @@ class _JDiscard(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="d
     requested_at: float = 0.0
 
 
-_JLine = Union[_JReady, _JDiscard]
+_JLine = _JReady | _JDiscard
 _BY_KIND: dict[str, type[msgspec.Struct]] = {"ready": _JReady, "discard": _JDiscard}
 _LINE_DECODER = msgspec.json.Decoder(_JLine)
 _ENCODER = msgspec.json.Encoder()
@@ -315,6 +315,9 @@ def dump_verdict(verdict: GroupVerdict, *, include_tokens: bool = False) -> dict
         }
         if s.error:
             entry["error"] = s.error
+        for name in ("error_code", "error_scorer", "error_detail"):
+            if getattr(s, name) is not None:
+                entry[name] = getattr(s, name)
         if s.turn_results:
             entry["turn_results"] = msgspec.to_builtins(s.turn_results)
         if include_tokens:

@@ -143,7 +143,7 @@ async def assign_from_start(consumer: AIOKafkaConsumer, *topics: str) -> list[To
     for topic in topics:
         partitions = consumer.partitions_for_topic(topic)
         while not partitions:
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - aiokafka has no public call
+            await consumer._client.force_metadata_update()
             partitions = consumer.partitions_for_topic(topic)
             if not partitions:
                 await asyncio.sleep(0.05)

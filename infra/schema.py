@@ -1,5 +1,7 @@
 """Wire schemas: the one definition of every message that crosses Kafka.
 
+(Over 500 lines on purpose: every wire message and its codec live in this one module.)
+
 Design rules (after msgspec's own): few precise types, validation at the boundary
 (``__post_init__`` runs on construction *and* on decode, so an invalid message can
 never enter the pipeline), plain data inside. Token arrays travel as packed
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import numpy as np
@@ -221,7 +223,7 @@ class DiscardGroup(msgspec.Struct, frozen=True, kw_only=True, tag="discard", tag
             raise ValueError("group_id must be a non-empty string")
 
 
-TrajectoryMessage = Union[ReadyTrajectory, DiscardGroup]
+TrajectoryMessage = ReadyTrajectory | DiscardGroup
 
 
 # --------------------------------------------------------------------------- scoring results
@@ -271,7 +273,7 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PRMTurnResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One scorer's result for one turn of one branch (the seed's typed ``prm_stats``).
+    """One scorer's result for one turn of one branch (AReaL's typed ``prm_stats``).
 
     ``reward`` is the mean of the scorer's *weighted* token rewards for the turn.
     """
@@ -419,6 +421,13 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     :func:`expand_turns` for full interactions), so the verdicts topic alone reproduces
     the trainer's batches. A failed member keeps its successful peers'
     ``turn_results``/``stats`` out: it carries none (no partial branch stats).
+
+    A failed member says why in typed fields, so no reader parses ``error``:
+    ``error_code`` (a stable reason code such as ``scorer_timeout``), ``error_scorer``
+    (the scorer that failed, when one did) and ``error_detail`` (the message).
+    ``error`` keeps the human-readable ``"code: detail"`` line. Build failures with
+    :meth:`failure`. The typed fields are omitted when unset, so other results encode
+    byte for byte as before they existed, and older readers ignore them.
     """
 
     session_id: str
@@ -434,6 +443,56 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     turns: list[TokenTurn] = msgspec.field(default_factory=list)
     created_at: float = 0.0
     scored_at: float = 0.0
+    error_code: str | None = None
+    error_scorer: str | None = None
+    error_detail: str | None = None
+
+    @classmethod
+    def failure(cls, *, code: str, detail: str, scorer: str | None = None, **fields: Any) -> SessionResult:
+        """A ``failed`` member: the typed reason fields plus the ``"code: detail"`` line."""
+        detail = detail[:2000]
+        return cls(status="failed", error=f"{code}: {detail}"[:2000], error_code=code, error_scorer=scorer,
+                   error_detail=detail, **fields)
+
+    @property
+    def failure_code(self) -> str:
+        """The failure's reason code. Members parked by workers older than ``error_code``
+        carry only ``error``, whose text has always started with the code."""
+        if self.error_code:
+            return self.error_code
+        return (self.error or "scorer_error").split(":", 1)[0]
+
+    def turn_result_blocks(self) -> list[dict[str, tuple[PRMTurnResult, ...]]] | None:
+        """``turn_results`` split per branch: ``[{scorer: results in path order}]``, one per branch.
+
+        The layout, read only here: workers flatten turn results branch by branch in
+        ``branches`` order; a branch's block holds, for each scorer of its
+        ``scorer_totals`` in config order, one result per turn of its ``path`` in path
+        order (``len(path) * len(scorer_totals)`` entries). Scoring off means empty
+        blocks. Returns None when the list does not fit (hand-built or corrupt) rather
+        than a guess.
+        """
+        results = self.turn_results
+        out: list[dict[str, tuple[PRMTurnResult, ...]]] = []
+        pos = 0
+        for branch in self.branches:
+            n = len(branch.path)
+            size = n * len(branch.scorer_totals)
+            block = results[pos : pos + size]
+            if not n or len(block) != size:
+                return None
+            by_scorer: dict[str, tuple[PRMTurnResult, ...]] = {}
+            for j in range(0, size, n):
+                chunk = tuple(block[j : j + n])
+                name = chunk[0].scorer_name
+                if name in by_scorer or any(
+                    tr.scorer_name != name or tr.interaction_id != iid for tr, iid in zip(chunk, branch.path)
+                ):
+                    return None
+                by_scorer[name] = chunk
+            out.append(by_scorer)
+            pos += size
+        return out if pos == len(results) else None
 
 
 class ScorerInfo(msgspec.Struct, frozen=True):
@@ -478,7 +537,6 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- codecs
 Headers = Sequence[tuple[str, bytes]]
 
-_KINDS: dict[str, type] = {"ready": ReadyTrajectory, "discard": DiscardGroup, "verdict": GroupVerdict}
 _ENCODER = msgspec.msgpack.Encoder()
 _MESSAGE_DECODER = msgspec.msgpack.Decoder(TrajectoryMessage)
 _VERDICT_DECODER = msgspec.msgpack.Decoder(GroupVerdict)
@@ -593,16 +651,12 @@ def headers_to_dict(headers: Headers | None) -> dict[str, str]:
     return {k: (v.decode(errors="replace") if isinstance(v, (bytes, bytearray)) else str(v)) for k, v in headers or ()}
 
 
-def to_builtins(message: Any) -> Any:
-    """Plain JSON-able data (bytes as base64) — for logs and debugging only."""
-    return msgspec.to_builtins(message)
-
-
 __all__ = [
     "SCHEMA_VERSION", "SCHEMA_HEADER", "KIND_HEADER", "SchemaError", "UnknownSchemaVersion",
     "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
     "DiscardGroup", "TrajectoryMessage", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
-    "BranchResult", "TokenTurn", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult", "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
+    "BranchResult", "TokenTurn", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
+    "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
     "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",
-    "headers_to_dict", "pack_array", "to_tensor", "to_builtins", "kind_of",
+    "headers_to_dict", "pack_array", "to_tensor", "kind_of",
 ]

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
@@ -24,6 +24,17 @@ log = logging.getLogger("prm_pipeline")
 
 def _load(args: argparse.Namespace) -> PipelineConfig:
     return load_config(args.config)
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts that override a config key constrained to >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 # --------------------------------------------------------------------------- up / topics
@@ -130,7 +141,7 @@ def add_trainer_parser(subparsers: Any) -> None:
         help="reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
         description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
     )
-    p.add_argument("--batch-groups", type=int, default=None, metavar="N",
+    p.add_argument("--batch-groups", type=positive_int, default=None, metavar="N",
                    help="accepted groups per batch (default: trainer.batch_groups)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
                    help="where batches and shaping live (default: trainer.device; auto = cuda if available)")
@@ -177,9 +188,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
-Command = Callable[[argparse.Namespace], int]
-
-
 def build_parser() -> argparse.ArgumentParser:
     from prm_pipeline.verdict_dump import since_arg
 
@@ -197,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_topics)
 
     p = sub.add_parser("worker", help="run one scoring worker (run several for scale)")
-    p.add_argument("--concurrency", type=int, default=None, help="records in flight (default worker.concurrency)")
+    p.add_argument("--concurrency", type=positive_int, default=None, help="records in flight (default worker.concurrency)")
     p.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.set_defaults(func=cmd_worker)
@@ -231,7 +239,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)
+    _accept_global_options_after(sub)
     return parser
+
+
+def _accept_global_options_after(sub: argparse._SubParsersAction) -> None:
+    """``prm-pipeline worker --config x.yaml`` works like ``prm-pipeline --config x.yaml worker``.
+
+    Each subcommand repeats the global options with ``default=SUPPRESS``: given after the
+    subcommand they override the global value, absent they leave it alone.
+    """
+    for p in sub.choices.values():
+        known = {s for action in p._actions for s in action.option_strings}
+        if "--config" not in known:
+            p.add_argument("--config", default=argparse.SUPPRESS,
+                           help="YAML config file (also accepted before the subcommand; default: $PRM_CONFIG)")
+        if "--verbose" not in known and "-v" not in known:
+            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+
+
+# The services each command needs before it starts (infra.startup waits for them).
+NEEDS: dict[str, tuple[str, ...]] = {
+    "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
+    "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,6 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if args.command in NEEDS:
+            from infra.startup import ServiceUnavailable, wait_for_services
+
+            try:
+                asyncio.run(wait_for_services(_load(args), NEEDS[args.command]))
+            except ServiceUnavailable as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -97,7 +97,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, n_groups: int) -> int:
     stop_trainer = asyncio.Event()
     trained = 0
 
-    def on_step(report) -> None:  # noqa: ANN001
+    def on_step(report) -> None:
         nonlocal trained
         trained += report.groups
         print("  " + format_step(report))

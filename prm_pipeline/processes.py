@@ -17,6 +17,7 @@ import yaml
 
 from infra.config import PipelineConfig
 
+
 def write_config(cfg: PipelineConfig, path: Path) -> Path:
     path.write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
     return path

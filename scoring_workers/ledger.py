@@ -24,8 +24,8 @@ the same ``(group_id, verdict_version)``.
 
 from __future__ import annotations
 
-import time
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal

@@ -52,7 +52,7 @@ async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeo
     try:
         common["turns"] = compact_turns(traj.interactions)
     except NotConcatExport as exc:
-        return SessionResult(status="failed", error=f"not_concat_export: {exc}", scored_at=stamp(), **common)
+        return SessionResult.failure(code="not_concat_export", detail=str(exc), scored_at=stamp(), **common)
     if runner is None:
         return SessionResult(status="scored", scored_at=stamp(), **common)
     try:
@@ -64,8 +64,8 @@ async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeo
     except Exception as exc:  # noqa: BLE001 - the member fails; the group will be rejected
         common["turns"] = []
         detail = str(exc) or type(exc).__name__
-        return SessionResult(status="failed", error=f"{failure_code(exc)}: {detail}"[:2000], scored_at=stamp(),
-                             **common)
+        return SessionResult.failure(code=failure_code(exc), detail=detail, scorer=getattr(exc, "scorer_name", None),
+                                     scored_at=stamp(), **common)
     return SessionResult(
         status="scored",
         branches=scored.to_branch_results(),

@@ -24,7 +24,8 @@ class WorkerTelemetry:
         self.consumed = Counter("prm_worker_consumed", "Records consumed", ["kind"], registry=r)
         self.scored = Counter("prm_worker_scored", "Trajectories scored successfully", registry=r)
         self.member_failures = Counter("prm_worker_member_failures", "Members that failed scoring", ["reason"], registry=r)
-        self.deduplicated = Counter("prm_worker_deduplicated", "Records acknowledged without work (duplicate or group already decided)", registry=r)
+        self.deduplicated = Counter("prm_worker_deduplicated",
+                                    "Records acknowledged without work (duplicate or group already decided)", registry=r)
         self.dead_lettered = Counter("prm_worker_dead_lettered", "Records sent to the dead-letter topic", ["error"], registry=r)
         self.verdicts = Counter("prm_worker_verdicts", "Verdicts published", ["status", "reason"], registry=r)
         self.retries = Counter("prm_worker_retries", "Transient infrastructure errors retried", ["error"], registry=r)
@@ -54,7 +55,7 @@ class WorkerTelemetry:
         telemetry = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:  # http.server's naming
                 if self.path == "/metrics":
                     self._reply(200, generate_latest(telemetry.registry), CONTENT_TYPE_LATEST)
                 elif self.path == "/healthz":

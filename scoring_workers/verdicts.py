@@ -33,11 +33,6 @@ def encode_scorers(scorers: list[ScorerInfo]) -> bytes:
     return msgspec.msgpack.encode(scorers)
 
 
-def error_code(error: str | None) -> str:
-    """``"scorer_timeout: ..."`` -> ``"scorer_timeout"`` (member errors start with their code)."""
-    return (error or "scorer_error").split(":", 1)[0]
-
-
 def assemble_verdict(group_id: str, state: dict[str, str], members: list[SessionResult]) -> GroupVerdict:
     members = sorted(members, key=lambda m: m.trajectory_id)
     group_size = int(state.get("group_size", "0"))
@@ -55,7 +50,7 @@ def assemble_verdict(group_id: str, state: dict[str, str], members: list[Session
         status = "rejected"
         reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state['size_mismatch']})"
     elif failed:
-        status, reason = "rejected", error_code(failed[0].error)
+        status, reason = "rejected", failed[0].failure_code
     elif len(members) < group_size:
         status, reason = "rejected", f"missing_sessions: {len(members)} of {group_size} arrived before the deadline"
     else:

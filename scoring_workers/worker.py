@@ -45,9 +45,9 @@ import socket
 import time
 from typing import Any
 
+import msgspec
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, KafkaError
-import msgspec
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from redis.exceptions import BusyLoadingError, OutOfMemoryError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -73,7 +73,7 @@ from scoring_workers.ledger import Decision, GroupLedger
 from scoring_workers.scoring import failure_code as failure_code  # re-exported: the worker's reason codes
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
-from scoring_workers.verdicts import assemble_verdict, encode_scorers, error_code, too_large_verdict
+from scoring_workers.verdicts import assemble_verdict, encode_scorers, too_large_verdict
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +375,7 @@ class Worker:
         result = await score_member(self._runner, traj, timeout_s=self.cfg.worker.scorer_timeout_s,
                                     keep_channels=self.cfg.worker.keep_scorer_channels)
         if result.status == "failed":  # the member fails; the group will be rejected
-            code = error_code(result.error)
+            code = result.failure_code
             self.telemetry.member_failures.labels(code).inc()
             log.info("group=%s traj=%s: scoring failed: %s", traj.group_id, traj.trajectory_id, result.error)
         elif self._runner is not None:
@@ -452,7 +452,7 @@ class Worker:
         """
         try:
             due = await self.ledger.due_groups()
-        except Exception as exc:  # Redis down: the next sweep tries again
+        except Exception as exc:  # noqa: BLE001 - Redis down: the next sweep tries again
             self.telemetry.sweep_failures.labels(type(exc).__name__).inc()
             log.warning("worker %s: sweep skipped: %s: %s", self.worker_id, type(exc).__name__, exc)
             return

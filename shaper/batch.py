@@ -338,7 +338,10 @@ def export_session(
     if not session.branches:  # scoring disabled: every branch, no process rewards
         return [_export_branch(path, {}, session, group_id, outcome) for path in paths]
     by_leaf = {path[-1].interaction_id: path for path in paths}
-    blocks = _turn_result_blocks(session)
+    # Per-turn trainer options (shaper.exclusion) need each row's results by scorer; a
+    # session whose results do not fit the layout gets none rather than a guess, and the
+    # option that needs them says so.
+    blocks = session.turn_result_blocks()
     rows: list[ExportedRow] = []
     seen: set[str] = set()
     for i, result in enumerate(session.branches):
@@ -352,40 +355,6 @@ def export_session(
             reason="branch_mismatch", group_id=group_id, session_id=sid,
         )
     return rows
-
-
-def _turn_result_blocks(session: SessionResult) -> list[dict[str, tuple[PRMTurnResult, ...]]] | None:
-    """Each branch's turn results by scorer, in path order; None if they do not line up.
-
-    Workers flatten ``turn_results`` branch by branch, each branch holding, for every
-    active scorer in config order, one result per turn of its path (so a branch's block
-    has ``len(path) * len(scorer_totals)`` entries). The per-row view is what
-    per-turn trainer options (e.g. :mod:`shaper.exclusion`) need; a session whose
-    results do not fit that layout (hand-built, or scoring disabled) gets none rather
-    than a guess, and the option that needs them says so.
-    """
-    results = session.turn_results
-    if not results or not session.branches:
-        return None
-    out: list[dict[str, tuple[PRMTurnResult, ...]]] = []
-    pos = 0
-    for branch in session.branches:
-        n = len(branch.path)
-        block = results[pos : pos + n * len(branch.scorer_totals)]
-        if not n or len(block) != n * len(branch.scorer_totals):
-            return None
-        by_scorer: dict[str, tuple[PRMTurnResult, ...]] = {}
-        for j in range(0, len(block), n):
-            chunk = tuple(block[j : j + n])
-            name = chunk[0].scorer_name
-            if name in by_scorer or any(
-                tr.scorer_name != name or tr.interaction_id != iid for tr, iid in zip(chunk, branch.path)
-            ):
-                return None
-            by_scorer[name] = chunk
-        out.append(by_scorer)
-        pos += len(block)
-    return out if pos == len(results) else None
 
 
 def _branch_path(

@@ -25,8 +25,8 @@ dropped groups, filter decisions) under :data:`PIPELINE_PREFIX`.
 
 from __future__ import annotations
 
-import math
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Final
 from urllib.parse import quote

@@ -1,6 +1,6 @@
 """Where the tests' Kafka and Redis come from.
 
-Order (DESIGN.md "Running the parts"): an existing service named by ``PRM_TEST_KAFKA`` /
+Order (docs/architecture.md describes the parts): an existing service named by ``PRM_TEST_KAFKA`` /
 ``PRM_TEST_REDIS`` > testcontainers when a Docker daemon answers > the embedded
 binaries of :mod:`infra.local`. Each of Kafka and Redis is chosen on its own, so
 ``PRM_TEST_REDIS`` alone pairs a real Redis with the embedded broker.

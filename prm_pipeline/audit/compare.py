@@ -13,7 +13,6 @@ hand-built verdicts (tests/unit/test_audit_compare.py). It holds the tolerance
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from infra.schema import (
     ScorerInfo,
     SessionResult,
 )
-from scoring_workers.verdicts import error_code
 
 # =========================================================================== tolerance
 RTOL = 1e-5
@@ -187,15 +185,6 @@ class GroupFinding(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 # =========================================================================== pure comparison
-_SCORER_IN_ERROR = re.compile(r"scorer '([^']+)'")
-
-
-def _failed_scorer(error: str | None) -> str | None:
-    """The scorer a recorded failure names (``"scorer_error: scorer 'x' raised ..."``)."""
-    match = _SCORER_IN_ERROR.search(error or "")
-    return match.group(1) if match else None
-
-
 def _stats_scorer(key: str) -> str | None:
     """The scorer a stats key belongs to (see scoring_workers.prm.results), or None."""
     parts = key.split("/")
@@ -207,27 +196,14 @@ def _stats_scorer(key: str) -> str | None:
 
 
 def _turn_results_by_key(session: SessionResult) -> dict[tuple[str, str, str], PRMTurnResult] | None:
-    """``(leaf_id, interaction_id, scorer) -> PRMTurnResult``.
-
-    A session's ``turn_results`` are flattened branch by branch, each branch holding
-    ``len(path) * len(scorer_totals)`` entries (every active scorer, every turn).
-    Returns None when the list does not line up with the branches.
-    """
-    out: dict[tuple[str, str, str], PRMTurnResult] = {}
-    results = session.turn_results
-    pos = 0
-    for branch in session.branches:
-        n = len(branch.path) * len(branch.scorer_totals)
-        chunk = results[pos : pos + n]
-        if len(chunk) != n:
-            return None
-        for tr in chunk:
-            key = (branch.leaf_id, tr.interaction_id, tr.scorer_name)
-            if key in out or tr.interaction_id not in branch.path:
-                return None
-            out[key] = tr
-        pos += n
-    return out if pos == len(results) else None
+    """``(leaf_id, interaction_id, scorer) -> PRMTurnResult``; None when the results do not
+    fit the verdict layout (:meth:`SessionResult.turn_result_blocks`) or repeat a key."""
+    blocks = session.turn_result_blocks()
+    if blocks is None:
+        return None
+    out = {(branch.leaf_id, tr.interaction_id, scorer): tr
+           for branch, block in zip(session.branches, blocks) for scorer, chunk in block.items() for tr in chunk}
+    return out if len(out) == len(session.turn_results) else None
 
 
 def _first_turn_difference(recorded: SessionResult, rescored: SessionResult) -> Difference:
@@ -477,8 +453,8 @@ def compare_session(
         if a != b:
             diffs.append(Difference(kind="field", key=name, recorded=a, rescored=b))
     inconclusive = False
-    rec_code = error_code(recorded.error) if recorded.status == "failed" else None
-    res_code = error_code(rescored.error) if rescored.status == "failed" else None
+    rec_code = recorded.failure_code if recorded.status == "failed" else None
+    res_code = rescored.failure_code if rescored.status == "failed" else None
     if recorded.status == "scored" and rescored.status == "scored":
         if recorded.turns != rescored.turns:
             diffs.append(_first_turn_difference(recorded, rescored))
@@ -502,10 +478,10 @@ def compare_session(
             notes.append("re-scoring timed out (raise --timeout); the verdict recorded a scored member")
         else:
             diffs.append(Difference(kind="status", recorded="scored", rescored=rescored.error,
-                                    scorer=_failed_scorer(rescored.error),
+                                    scorer=rescored.error_scorer,
                                     detail="scored in the verdict, rejected when re-scored"))
     else:  # recorded failed, re-scoring succeeded
-        culprit = _failed_scorer(recorded.error)
+        culprit = recorded.error_scorer
         if rec_code == "scorer_timeout":
             inconclusive = True
             notes.append("the verdict recorded a timeout; re-scoring succeeded (timeouts depend on load)")

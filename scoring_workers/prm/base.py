@@ -17,7 +17,7 @@ import math
 import numbers
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from infra.schema import PRMMetricObservation
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from infra.config import PRMConfig
     from scoring_workers.prm.view import InteractionView
 
-    RawReward = Union[float, int, "torch.Tensor", "np.ndarray"]
+    RawReward = float | int | torch.Tensor | np.ndarray
 else:
     RawReward = Any
 

@@ -32,7 +32,6 @@ scorer and metric names are URL-quoted keeping ``-_.:``):
 from __future__ import annotations
 
 import re
-
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -102,7 +101,7 @@ class PRMRejection(Exception):
         return (_rebuild_rejection, (str(self), self.reason, self.scorer_name, self.interaction_id, self.leaf_id, self.trajectory_id))
 
 
-def _rebuild_rejection(message, reason, scorer_name, interaction_id, leaf_id, trajectory_id):  # noqa: ANN001, ANN202
+def _rebuild_rejection(message, reason, scorer_name, interaction_id, leaf_id, trajectory_id):
     return PRMRejection(
         message, reason=reason, scorer_name=scorer_name, interaction_id=interaction_id,
         leaf_id=leaf_id, trajectory_id=trajectory_id,

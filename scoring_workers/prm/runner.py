@@ -102,7 +102,7 @@ class _Resume:
         self._coro = coro
         self._first = first
 
-    def __await__(self):  # noqa: ANN204
+    def __await__(self):
         coro, value = self._coro, self._first
         self._first = None
         while True:
@@ -355,7 +355,7 @@ class PRMRunner:
         for scorer in reversed(self._owned):
             try:
                 await scorer.aclose()
-            except Exception as cleanup:  # noqa: BLE001 - collected onto the original error
+            except Exception as cleanup:  # collected onto the original error
                 log.error("PRM start-up rollback: closing scorer %r failed", scorer.name, exc_info=cleanup)
                 error.add_note(
                     f"while rolling back PRMRunner.create(): {scorer.name}.aclose() failed: {cleanup!r}"
@@ -564,7 +564,7 @@ class PRMRunner:
                 outcomes[i] = stop.value
                 i += 1
                 continue
-            except Exception as exc:  # noqa: BLE001 - every earlier turn succeeded: first in order
+            except Exception as exc:  # every earlier turn succeeded: first in order
                 raise self._scorer_error(exc, views[i], where) from exc
             except asyncio.CancelledError as exc:
                 if _runner_cancelled():
@@ -612,7 +612,7 @@ class PRMRunner:
         """Call ``evaluate_trajectory`` once; map its answer onto the branch's turns."""
         try:
             answer = await scorer.evaluate_trajectory(list(views), dict(ctx))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise self._scorer_error(exc, None, where) from exc
         except asyncio.CancelledError as exc:
             if _runner_cancelled():
@@ -675,7 +675,7 @@ class PRMRunner:
                 continue
             try:
                 prepared = scorer.prepare_result(view, value, dict(ctx))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise self._scorer_error(exc, view, where) from exc
             if prepared is None:
                 raise PRMRejection(
@@ -801,7 +801,7 @@ class PRMRunner:
                 scorer = remaining.pop(0)  # popped first: closed at most once, even if interrupted
                 try:
                     await scorer.aclose()
-                except Exception as exc:  # noqa: BLE001 - collected and raised together below
+                except Exception as exc:  # collected and raised together below
                     log.error("PRM scorer %r failed to close", scorer.name, exc_info=exc)
                     errors.append(exc)
         except BaseException:

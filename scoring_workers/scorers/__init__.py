@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from scoring_workers.scorers.length_budget import LengthBudgetScorer
+    from scoring_workers.scorers.length_budget import LengthBudgetScorer  # noqa: F401 - for type checkers; __getattr__ loads it
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from infra.config import (
-    ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
-    RolloutConfig, TopicsConfig, WorkerConfig,
+    ActorConfig,
+    AgentConfig,
+    KafkaConfig,
+    PipelineConfig,
+    PRMConfig,
+    PRMScorerConfig,
+    RedisConfig,
+    RolloutConfig,
+    TopicsConfig,
+    WorkerConfig,
 )
 from infra.kafka import assign_from_start, make_consumer
 from infra.schema import GroupVerdict, decode_verdict
 from prm_pipeline.processes import WorkerProcesses, write_config  # noqa: F401 - re-exported for tests
-
 
 TEST_SCORER_MODULES = ["scoring_workers.scorers", "tests.scorers"]
 

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from infra import jsonl
-from infra.config import ActorConfig, AgentConfig, PRMConfig, PRMScorerConfig, RolloutConfig
+from infra.config import ActorConfig, AgentConfig, PRMConfig, PRMScorerConfig, RolloutConfig, load_config
 from infra.kafka import ensure_topics
 from prm_pipeline.processes import write_config
 from producers.synthetic import make_group
 from scoring_workers.worker import Worker
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(config, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -70,3 +75,64 @@ async def test_publish_jsonl_then_dump_verdicts(pipeline_config, tmp_path) -> No
     (branch,) = session["branches"]
     assert list(branch["token_rewards"].values()) == [[1.0, 1.0, 1.0]]  # 3 tokens within a budget of 4
     assert branch["scorer_totals"] == {"length_budget": 1.0}
+
+
+def test_worker_with_kafka_but_no_redis_names_redis_and_its_setting(kafka_bootstrap) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")}
+    env.update(PRM_KAFKA_BOOTSTRAP=kafka_bootstrap, PRM_REDIS_URL=f"redis://user:s3cret@127.0.0.1:{port}/0",
+               PRM_REDIS_STARTUP_TIMEOUT_S="1")
+    proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "worker"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "Unclosed" not in proc.stderr and "s3cret" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in line and "PRM_REDIS_URL" in line
+    assert "Kafka" not in line and "not reachable (attempt 2" in proc.stderr
+
+
+async def test_readme_manual_session_with_the_example_file(pipeline_config, tmp_path) -> None:
+    """README's manual session: demo.yaml's scorers, examples/trajectories.jsonl, a CLI worker."""
+    demo = load_config(REPO / "config" / "demo.yaml", environ={})
+    cfg = msgspec.structs.replace(demo, kafka=pipeline_config.kafka, redis=pipeline_config.redis,
+                                  topics=pipeline_config.topics, worker=pipeline_config.worker)
+    config = write_config(cfg, tmp_path / "config.yaml")
+    await ensure_topics(cfg.kafka, cfg.topics)
+
+    published = await asyncio.to_thread(_cli, config, "publish", str(REPO / "examples" / "trajectories.jsonl"))
+    assert published.returncode == 0, published.stderr
+    assert "published 3 ready trajectories and 1 discards" in published.stdout
+
+    log = (tmp_path / "worker.log").open("wb")
+    worker = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "worker", "--config", str(config),
+                               "--worker-id", "w-example"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2",
+                                         "--timeout", "60", timeout=120)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(worker.wait, 60)
+        log.close()
+    assert dumped.returncode == 0, dumped.stderr
+    assert worker.returncode == 0, (tmp_path / "worker.log").read_text()
+    by_group = {v["group_id"]: v for v in map(json.loads, dumped.stdout.splitlines())}
+    assert set(by_group) == {"example-math", "example-dropped"}
+
+    dropped = by_group["example-dropped"]
+    assert dropped["status"] == "discarded"
+    assert dropped["reason"] == "environment crashed before the second session finished"
+
+    math_group = by_group["example-math"]
+    assert math_group["status"] == "accepted" and math_group["reason"] == ""
+    sessions = {s["trajectory_id"]: s for s in math_group["sessions"]}
+    branching, linear = sessions["example-math-t1"], sessions["example-math-t2"]
+    assert [(b["leaf_id"], b["path"]) for b in branching["branches"]] == [
+        ("s1-i2", ["s1-i1", "s1-i2"]), ("s1-i3", ["s1-i1", "s1-i3"])]
+    assert [b["path"] for b in linear["branches"]] == [["s2-i1", "s2-i2"]]
+    # every turn is within demo.yaml's 128-token budget: 1.0 per output token, per branch
+    assert branching["branches"][0]["token_rewards"] == {"s1-i1": [1.0, 1.0], "s1-i2": [1.0, 1.0, 1.0]}
+    assert branching["branches"][1]["token_rewards"] == {"s1-i1": [1.0, 1.0], "s1-i3": [1.0, 1.0]}
+    assert (branching["outcome_reward"], linear["outcome_reward"]) == (1.0, 0.0)
+    assert branching["stats"]["rollout/prm_turn_reward/length_budget"] == pytest.approx(1.0)

@@ -15,7 +15,8 @@ import pytest
 from aiokafka.structs import TopicPartition
 
 from infra.config import (
-    PipelineConfig, PRMScorerConfig,
+    PipelineConfig,
+    PRMScorerConfig,
 )
 from infra.kafka import ensure_topics, make_consumer
 from infra.schema import decode_verdict
@@ -35,7 +36,7 @@ async def _tail_groups(cfg: PipelineConfig, seen: set[str], stop: asyncio.Event)
     try:
         parts = None
         while not parts:
-            await consumer._client.force_metadata_update()  # noqa: SLF001
+            await consumer._client.force_metadata_update()
             parts = consumer.partitions_for_topic(cfg.topics.verdicts)
         consumer.assign([TopicPartition(cfg.topics.verdicts, p) for p in parts])
         await consumer.seek_to_beginning()

@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 
 from infra.config import (
-    PipelineConfig, PRMScorerConfig,
+    PipelineConfig,
+    PRMScorerConfig,
 )
 from infra.kafka import ensure_topics
 from infra.schema import GroupVerdict, Interaction, ModelResponse, ReadyTrajectory, decode_verdict

@@ -13,7 +13,8 @@ import msgspec
 import pytest
 
 from infra.config import (
-    PipelineConfig, PRMScorerConfig,
+    PipelineConfig,
+    PRMScorerConfig,
 )
 from infra.kafka import ensure_topics, make_producer
 from infra.schema import dead_letter_from_record, encode
@@ -106,6 +107,9 @@ async def test_raising_scorer_rejects_the_group_but_keeps_peer_stats(cfg, worker
     by_traj = {s.trajectory_id: s for s in verdict.sessions}
     assert by_traj[f"{gid}-bad"].status == "failed"
     assert "scripted failure" in by_traj[f"{gid}-bad"].error
+    bad_result = by_traj[f"{gid}-bad"]  # why, typed: no reader parses the message
+    assert (bad_result.error_code, bad_result.error_scorer) == ("scorer_error", "fail_on_marker")
+    assert "scripted failure" in bad_result.error_detail
     assert by_traj[f"{gid}-bad"].branches == [] and by_traj[f"{gid}-bad"].stats == {}  # no partial stats
     assert by_traj[f"{gid}-ok"].status == "scored"
     assert by_traj[f"{gid}-ok"].stats["rollout/prm_turn_reward/length_budget"] == pytest.approx(1.0)

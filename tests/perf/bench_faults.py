@@ -29,8 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from infra.config import (
-    ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
-    RolloutConfig, TopicsConfig, WorkerConfig,
+    ActorConfig,
+    AgentConfig,
+    KafkaConfig,
+    PipelineConfig,
+    PRMConfig,
+    PRMScorerConfig,
+    RedisConfig,
+    RolloutConfig,
+    TopicsConfig,
+    WorkerConfig,
 )
 from infra.kafka import assign_from_start, ensure_topics, make_consumer, make_producer, record_size
 from infra.local import LocalStack

@@ -22,15 +22,23 @@ import uuid
 from pathlib import Path
 
 from infra.config import (
-    ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
-    RolloutConfig, TopicsConfig, WorkerConfig,
+    ActorConfig,
+    AgentConfig,
+    KafkaConfig,
+    PipelineConfig,
+    PRMConfig,
+    PRMScorerConfig,
+    RedisConfig,
+    RolloutConfig,
+    TopicsConfig,
+    WorkerConfig,
 )
 from infra.kafka import ensure_topics, make_consumer, make_producer
 from infra.local import LocalStack
 from infra.schema import ReadyTrajectory, encode
-from producers.publisher import TrajectoryPublisher
 from prm_pipeline.observe import VerdictTail
 from prm_pipeline.processes import WorkerProcesses, write_config
+from producers.publisher import TrajectoryPublisher
 from producers.synthetic import make_group
 
 
@@ -169,7 +177,7 @@ async def _main(args: argparse.Namespace) -> int:
         e2e, latencies, interval = await _pipeline(cfg, groups, args.workers, work, args.latency_groups)
     print()
     print(f"{'path':52} {'traj/s':>10} {'ratio':>8}")
-    print(f"{'(a) pipeline: publish -> %d workers -> verdict' % args.workers:52} {e2e:10.0f} {'1.00':>8}")
+    print(f"{f'(a) pipeline: publish -> {args.workers} workers -> verdict':52} {e2e:10.0f} {'1.00':>8}")
     print(f"{'(b) raw aiokafka produce+consume, same bytes':52} {raw:10.0f} {e2e / raw:8.2f}  (a)/(b)")
     print(f"{'(c) in-process PRMRunner, same trajectories':52} {inproc:10.0f} {e2e / inproc:8.2f}  (a)/(c)")
     print()

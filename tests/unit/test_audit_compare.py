@@ -92,7 +92,7 @@ async def _scored(scorers: list[BaseScorer], trajs) -> list[SessionResult]:
 def _verdict(gid: str, sessions: list[SessionResult], names: list[str], **kw: Any) -> GroupVerdict:
     failed = [s for s in sessions if s.status == "failed"]
     status = kw.pop("status", "rejected" if failed else "accepted")
-    reason = kw.pop("reason", failed[0].error.split(":", 1)[0] if failed else "")
+    reason = kw.pop("reason", failed[0].failure_code if failed else "")
     return GroupVerdict(group_id=gid, status=status, reason=reason, group_size=len(sessions), sessions=sessions,
                         scorers=[ScorerInfo(n, "1") for n in names], worker_id="w0", **kw)
 
@@ -128,7 +128,8 @@ async def test_identical_when_rescoring_reproduces_the_verdict(group) -> None:
 
 async def test_dense_scorers_are_identical_too() -> None:
     trajs = [_traj("g-dense", 0, branch_at=0), _traj("g-dense", 1)]
-    scorers = lambda: [LengthBudgetScorer(max_output_tokens=32), RampScorer(weight=0.5)]
+    def scorers() -> list:
+        return [LengthBudgetScorer(max_output_tokens=32), RampScorer(weight=0.5)]
     recorded, again = await _scored(scorers(), trajs), await _scored(scorers(), trajs)
     assert recorded[0].branches[0].token_rewards["g-dense-s0-t0"].values_raw is not None  # really dense
     finding = compare_group([_verdict("g-dense", recorded, ["length_budget", "ramp"])],
@@ -160,7 +161,8 @@ async def test_changed_token_reward_names_group_session_turn_scorer_and_max_diff
 
 async def test_changed_turn_result_total_and_stats_are_attributed_to_their_scorer() -> None:
     trajs = [_traj("g-two", 0), _traj("g-two", 1)]
-    scorers = lambda: [LengthBudgetScorer(max_output_tokens=32), RampScorer()]
+    def scorers() -> list:
+        return [LengthBudgetScorer(max_output_tokens=32), RampScorer()]
     recorded = await _scored(scorers(), trajs)
     rescored = {s.trajectory_id: s for s in await _scored(scorers(), trajs)}
     s = recorded[1]
@@ -252,6 +254,7 @@ async def test_failed_members_must_fail_again_with_the_same_code() -> None:
     trajs = [_traj("g-fail", 0), _traj("g-fail", 1)]
     recorded = await _scored([LengthBudgetScorer(max_output_tokens=32), Boom()], trajs)
     assert [s.status for s in recorded] == ["failed", "failed"] and recorded[0].error.startswith("scorer_error:")
+    assert (recorded[0].error_code, recorded[0].error_scorer) == ("scorer_error", "boom")  # typed, not parsed
     assert recorded[0].branches == [] and recorded[0].turns == []  # no partial results, like the worker
     scope = ScoringScope.of(["length_budget", "boom"])
     verdict = _verdict("g-fail", recorded, ["length_budget", "boom"])
@@ -262,8 +265,14 @@ async def test_failed_members_must_fail_again_with_the_same_code() -> None:
     finding = compare_group([verdict], {s.trajectory_id: s for s in fixed}, scope=scope)
     assert finding.outcome == "differs"
     assert {(d.kind, d.scorer) for d in finding.differences} == {("status", "boom")}
+    # the culprit comes from the typed field: a message that names another scorer changes nothing
+    misleading = [msgspec.structs.replace(s, error="scorer_error: scorer 'length_budget' said so") for s in recorded]
+    finding = compare_group([_verdict("g-fail", misleading, ["length_budget", "boom"])],
+                            {s.trajectory_id: s for s in fixed}, scope=scope)
+    assert {(d.kind, d.scorer) for d in finding.differences} == {("status", "boom")}
     # a recorded timeout that does not reproduce is load, not a finding
-    timed_out = [msgspec.structs.replace(s, error="scorer_timeout: TimeoutError") for s in recorded]
+    timed_out = [msgspec.structs.replace(s, error="scorer_timeout: TimeoutError", error_code="scorer_timeout",
+                                         error_scorer=None, error_detail="TimeoutError") for s in recorded]
     finding = compare_group([_verdict("g-fail", timed_out, ["length_budget", "boom"])],
                             {s.trajectory_id: s for s in fixed}, scope=scope)
     assert finding.outcome == "not_rescorable"

@@ -381,3 +381,26 @@ def test_secrets_never_appear_in_a_config_repr() -> None:
     assert "hunter2" not in text and "s3cret" not in text
     assert "sasl_username='svc'" in text and "rediss://prm:***@redis.internal:6380/0" in text
     assert cfg.kafka.sasl_password == "hunter2"  # only the representation is masked
+
+
+@pytest.mark.parametrize(("raw", "key"), [
+    ({"topics": {"replication_factor": 0}}, "topics.replication_factor"),
+    ({"worker": {"poll_max_records": 0}}, "worker.poll_max_records"),
+    ({"redis": {"ttl_s": 0}}, "redis.ttl_s"),
+    ({"kafka": {"startup_timeout_s": -1}}, "kafka.startup_timeout_s"),
+    ({"redis": {"startup_timeout_s": math.inf}}, "redis.startup_timeout_s"),
+    ({"trainer": {"batch_groups": 0}}, "trainer.batch_groups"),
+    ({"topics": {"partitions": 0}}, "topics.partitions"),
+])
+def test_declared_constraints_name_the_key(raw: dict[str, Any], key: str) -> None:
+    refused(seed() | raw, key)
+
+
+def test_command_line_counts_keep_the_config_constraint() -> None:
+    from prm_pipeline.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["trainer", "--batch-groups", "3"]).batch_groups == 3
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["trainer", "--batch-groups", bad])

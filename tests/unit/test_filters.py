@@ -1,4 +1,4 @@
-"""Decision-path tests for shaper.filters (seed 001, "Branches, Filtering And Metrics")."""
+"""Decision-path tests for shaper.filters (AReaL's Process Rewards, "Branches, Filtering And Metrics")."""
 
 from __future__ import annotations
 

@@ -348,3 +348,17 @@ def test_jsonl_and_wire_agree() -> None:
 
 def test_public_api() -> None:
     assert set(jsonl.__all__) >= {"JsonlError", "parse", "load", "dump", "write"}
+
+
+def test_verdict_lines_carry_the_typed_failure_fields() -> None:
+    from infra.schema import GroupVerdict, SessionResult
+
+    failed = SessionResult.failure(code="scorer_timeout", detail="TimeoutError", session_id="s", trajectory_id="t")
+    scored = SessionResult(session_id="s2", trajectory_id="t2", status="scored")
+    line = jsonl.dump_verdict(GroupVerdict(group_id="g", status="rejected", reason="scorer_timeout",
+                                           sessions=[failed, scored]))
+    first, second = line["sessions"]
+    assert (first["error"], first["error_code"], first["error_detail"]) == (
+        "scorer_timeout: TimeoutError", "scorer_timeout", "TimeoutError")
+    assert "error_scorer" not in first  # no single scorer failed
+    assert not {"error", "error_code", "error_scorer", "error_detail"} & second.keys()

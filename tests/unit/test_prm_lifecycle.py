@@ -1,4 +1,4 @@
-"""Scorer lifecycle (seed 001 "Scorer Lifecycle"): create() with rollback, validation
+"""Scorer lifecycle (AReaL's Process Rewards, "Scorer Lifecycle"): create() with rollback, validation
 hooks, aclose() ordering, concurrency, failures, cancellation and the sync constructor."""
 
 from __future__ import annotations

@@ -474,3 +474,57 @@ def test_compact_turns_refuses_a_non_prefix_input() -> None:
                         model_response=ModelResponse.from_arrays([1, 9, 3, 4], [5]))
     with pytest.raises(NotConcatExport, match="'b': input does not start with parent 'a'"):
         compact_turns([root, child])
+
+
+# --------------------------------------------------------------------------- typed member failures
+def test_failed_member_carries_typed_reason_fields_and_the_readable_line() -> None:
+    failed = SessionResult.failure(code="judge_failed", detail="3 of 3 votes failed", scorer="openclaw_judge",
+                                   session_id="s", trajectory_id="t", outcome_reward=1.0)
+    assert failed.status == "failed" and failed.error == "judge_failed: 3 of 3 votes failed"
+    assert (failed.error_code, failed.error_scorer, failed.error_detail) == (
+        "judge_failed", "openclaw_judge", "3 of 3 votes failed")
+    verdict = GroupVerdict(group_id="g", status="rejected", reason="judge_failed", sessions=[failed])
+    again = decode_verdict(*encode(verdict)).sessions[0]
+    assert again == failed and again.failure_code == "judge_failed"
+    assert len(SessionResult.failure(code="x", detail="y" * 5000, session_id="s", trajectory_id="t").error) == 2000
+
+
+def test_results_without_failure_encode_as_before_the_typed_fields() -> None:
+    scored = SessionResult(session_id="s", trajectory_id="t", status="scored", outcome_reward=0.5)
+    assert set(msgspec.msgpack.decode(msgspec.msgpack.encode(scored))) == {
+        "session_id", "trajectory_id", "status", "outcome_reward"}
+
+
+def test_failure_code_of_a_member_parked_before_the_typed_fields() -> None:
+    old = SessionResult(session_id="s", trajectory_id="t", status="failed", error="scorer_timeout: TimeoutError")
+    assert old.failure_code == "scorer_timeout" and old.error_scorer is None
+
+
+def _layout_session(blocks: list[tuple[list[str], list[str]]], results: list[tuple[str, str]]) -> SessionResult:
+    branches = [BranchResult(leaf_id=path[-1], path=path, token_rewards={}, scorer_totals=dict.fromkeys(scorers, 0.0))
+                for path, scorers in blocks]
+    return SessionResult(session_id="s", trajectory_id="t", status="scored", branches=branches,
+                         turn_results=[PRMTurnResult(interaction_id=i, scorer_name=n, reward=0.0) for i, n in results])
+
+
+def test_turn_result_blocks_follow_the_verdict_layout() -> None:
+    # two branches sharing root a; scorers x then y; per scorer one result per turn in path order
+    session = _layout_session(
+        [(["a", "b"], ["x", "y"]), (["a", "c"], ["x", "y"])],
+        [("a", "x"), ("b", "x"), ("a", "y"), ("b", "y"), ("a", "x"), ("c", "x"), ("a", "y"), ("c", "y")],
+    )
+    blocks = session.turn_result_blocks()
+    assert blocks is not None and [sorted(b) for b in blocks] == [["x", "y"], ["x", "y"]]
+    assert [tr.interaction_id for tr in blocks[1]["y"]] == ["a", "c"]
+    # scoring off: branches without scorers, no results
+    assert _layout_session([(["a"], [])], []).turn_result_blocks() == [{}]
+
+
+@pytest.mark.parametrize("results", [
+    [("a", "x"), ("b", "x")],  # one scorer short
+    [("b", "x"), ("a", "x"), ("a", "y"), ("b", "y")],  # turns out of path order
+    [("a", "x"), ("a", "y"), ("b", "x"), ("b", "y")],  # turn-major instead of scorer-major
+    [("a", "x"), ("b", "x"), ("a", "y"), ("b", "y"), ("a", "z")],  # a result left over
+])
+def test_turn_result_blocks_refuse_to_guess(results: list[tuple[str, str]]) -> None:
+    assert _layout_session([(["a", "b"], ["x", "y"])], results).turn_result_blocks() is None

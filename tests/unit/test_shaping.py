@@ -1,4 +1,4 @@
-"""Exact-value tests for shaper.shaping (seed 001, "Advantage Shaping")."""
+"""Exact-value tests for shaper.shaping (AReaL's Process Rewards, "Advantage Shaping")."""
 
 from __future__ import annotations
 

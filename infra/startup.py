@@ -1,0 +1,157 @@
+"""Waiting for Kafka and Redis at startup, and saying in one line when they never came.
+
+Every command that needs a service calls :func:`wait_for_services` before it builds its
+real clients. Services that start alongside the command (compose, Kubernetes) get
+``startup_timeout_s`` to answer, with a log line per attempt; after that the command
+stops with :class:`ServiceUnavailable`, whose message names the service, its address and
+the setting that points at it. The CLI prints that line and exits non-zero: a newcomer
+who forgot ``prm-pipeline up`` reads one sentence, not a traceback of half-started
+clients.
+
+The probes use the same client factories as everything else (``infra.kafka``'s
+connection settings, ``infra.redis.make_redis``), so TLS and SASL settings are
+exercised exactly as the real clients will use them, and every probe client is closed
+whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Literal
+from urllib.parse import urlsplit
+
+from infra.config import KafkaConfig, PipelineConfig, RedisConfig
+
+log = logging.getLogger(__name__)
+
+Service = Literal["kafka", "redis"]
+_FIRST_DELAY_S = 0.5
+_MAX_DELAY_S = 5.0
+
+
+class ServiceUnavailable(RuntimeError):
+    """A service did not answer within its ``startup_timeout_s``; ``str()`` is the one-line report."""
+
+    def __init__(self, what: str, address: str, setting: str, cause: str, waited_s: float) -> None:
+        self.what, self.address, self.setting, self.cause = what, address, setting, cause
+        super().__init__(
+            f"cannot reach {what} at {address} after {waited_s:.0f} s ({cause}); set {setting} to its "
+            f"address, or start a local stack with `prm-pipeline up`"
+        )
+
+
+def redis_address(url: str) -> str:
+    """``redis://user:secret@host:6379/0`` -> ``redis://host:6379/0`` (no credentials in messages)."""
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, TimeoutError):
+        return "no answer"
+    return text if isinstance(exc, ConnectionError) and text else (f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
+class _KafkaConnectLog(logging.Filter):
+    """Holds back aiokafka's own "Unable connect to ..." error lines during a probe and keeps
+    the last one: it names the OS error, which aiokafka's exception does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.getMessage().startswith("Unable connect to"):
+            self.last = record.getMessage()
+            return False
+        return True
+
+
+class KafkaUnreachable(ConnectionError):
+    """No bootstrap broker answered a metadata request."""
+
+
+async def probe_kafka(cfg: KafkaConfig, timeout_s: float) -> None:
+    """Fetch cluster metadata once from ``cfg.bootstrap``; raise if no broker answers."""
+    from aiokafka.client import AIOKafkaClient
+    from aiokafka.errors import KafkaConnectionError
+
+    from infra.kafka import common_kwargs
+
+    kwargs = common_kwargs(cfg)
+    kwargs["request_timeout_ms"] = max(1, int(min(cfg.request_timeout_ms, timeout_s * 1000)))
+    client = AIOKafkaClient(**kwargs)
+    aiokafka_log, held = logging.getLogger("aiokafka"), _KafkaConnectLog()
+    aiokafka_log.addFilter(held)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.bootstrap()
+    except KafkaConnectionError:
+        raise KafkaUnreachable(held.last or "no bootstrap broker answered") from None
+    finally:
+        aiokafka_log.removeFilter(held)
+        await client.close()
+
+
+async def probe_redis(cfg: RedisConfig, timeout_s: float) -> None:
+    """PING the configured Redis (standalone or cluster); raise if it does not answer."""
+    from infra.redis import make_redis
+
+    client = make_redis(cfg, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.ping()
+    finally:
+        await client.aclose()
+
+
+async def wait_until_reachable(
+    probe: Callable[[float], Awaitable[None]], *, what: str, address: str, setting: str, timeout_s: float,
+) -> None:
+    """Run ``probe`` until it succeeds, with growing pauses, for at most ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    delay, attempt = _FIRST_DELAY_S, 0
+    while True:
+        attempt += 1
+        remaining = deadline - time.monotonic()
+        try:
+            await probe(max(0.2, min(remaining, 10.0)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure to answer is "not reachable yet"
+            cause = _describe(exc)
+        else:
+            if attempt > 1:
+                log.warning("%s at %s is reachable (attempt %d)", what, address, attempt)
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ServiceUnavailable(what, address, setting, cause, timeout_s)
+        pause = min(delay, remaining)
+        log.warning("%s at %s not reachable (attempt %d: %s); retrying in %.1f s, giving up in %.1f s",
+                    what, address, attempt, cause, pause, remaining)
+        await asyncio.sleep(pause)
+        delay = min(delay * 2, _MAX_DELAY_S)
+
+
+async def wait_for_services(cfg: PipelineConfig, services: Iterable[Service]) -> None:
+    """Wait for each named service in turn (Kafka first: nothing works without it)."""
+    for service in sorted(set(services)):  # "kafka" < "redis"
+        if service == "kafka":
+            await wait_until_reachable(
+                lambda t: probe_kafka(cfg.kafka, t), what="Kafka", address=cfg.kafka.bootstrap,
+                setting="PRM_KAFKA_BOOTSTRAP (kafka.bootstrap)", timeout_s=cfg.kafka.startup_timeout_s,
+            )
+        elif service == "redis":
+            await wait_until_reachable(
+                lambda t: probe_redis(cfg.redis, t), what="Redis", address=redis_address(cfg.redis.url),
+                setting="PRM_REDIS_URL (redis.url)", timeout_s=cfg.redis.startup_timeout_s,
+            )
+        else:
+            raise ValueError(f"unknown service {service!r}")

@@ -1,0 +1,122 @@
+"""Starting a command without its services, or with a missing config: one line, no traceback.
+
+The CLI runs as a subprocess against closed loopback ports with a short
+``startup_timeout_s`` (under a second), as a newcomer who forgot ``prm-pipeline up`` would run it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.startup import ServiceUnavailable, redis_address, wait_until_reachable
+from prm_pipeline.cli import build_parser
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")}
+    base.update({"PRM_KAFKA_STARTUP_TIMEOUT_S": "0.8", "PRM_REDIS_STARTUP_TIMEOUT_S": "0.8"})
+    base.update(env or {})
+    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=60, env=base, cwd=cwd)
+
+
+def _assert_one_line_report(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "Unclosed" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "config error:"))]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+@pytest.mark.parametrize("command", [["topics", "create"], ["worker"]])  # one of each set of needs (cli.NEEDS)
+def test_command_without_kafka_waits_then_names_address_and_setting(command: list[str]) -> None:
+    port = _closed_port()
+    proc = _run(*command, env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}",
+                               "PRM_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0"})
+    line = _assert_one_line_report(proc, "Kafka", f"127.0.0.1:{port}", "PRM_KAFKA_BOOTSTRAP", "`prm-pipeline up`")
+    assert proc.returncode == 1, line
+    # retried with a log line per attempt before giving up
+    assert "not reachable (attempt 1" in proc.stderr and "not reachable (attempt 2" in proc.stderr, proc.stderr
+
+
+def test_missing_config_file_is_one_line_before_or_after_the_subcommand(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    for args, env in (
+        (["--config", str(missing), "worker"], None),
+        (["worker", "--config", str(missing)], None),
+        (["worker"], {"PRM_CONFIG": str(missing)}),
+    ):
+        proc = _run(*args, env=env)
+        _assert_one_line_report(proc, str(missing), "does not exist")
+        assert proc.returncode == 2
+
+
+def test_config_is_read_before_or_after_the_subcommand_and_from_prm_config(tmp_path: Path) -> None:
+    """The file's own broker address shows up in the report, so the file was really read."""
+    port = _closed_port()
+    config = tmp_path / "c.yaml"
+    config.write_text(f"kafka:\n  bootstrap: 127.0.0.1:{port}\n  startup_timeout_s: 0.5\n")
+    for args, env in (
+        (["--config", str(config), "topics", "create"], None),
+        (["topics", "create", "--config", str(config)], None),
+        (["topics", "create"], {"PRM_CONFIG": str(config)}),
+    ):
+        proc = _run(*args, env={**(env or {}), "PRM_KAFKA_STARTUP_TIMEOUT_S": "0.5"})
+        _assert_one_line_report(proc, f"127.0.0.1:{port}")
+
+
+def test_config_after_the_subcommand_overrides_the_one_before() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["worker", "--config", "a.yaml"]).config == "a.yaml"
+    assert parser.parse_args(["--config", "a.yaml", "worker"]).config == "a.yaml"
+    assert parser.parse_args(["--config", "a.yaml", "trainer", "--config", "b.yaml"]).config == "b.yaml"
+    assert parser.parse_args(["audit", "-v"]).verbose is True
+    assert parser.parse_args(["verdicts"]).config is None
+
+
+def test_redis_address_hides_credentials() -> None:
+    assert redis_address("redis://user:s3cret@cache:6380/2") == "redis://cache:6380/2"
+    assert "s3cret" not in str(ServiceUnavailable("Redis", redis_address("rediss://:s3cret@h/0"), "PRM_REDIS_URL", "x", 1))
+
+
+async def test_wait_retries_with_a_log_line_per_attempt_until_the_service_answers(caplog) -> None:
+    calls = []
+
+    async def probe(timeout_s: float) -> None:
+        calls.append(timeout_s)
+        if len(calls) < 3:
+            raise ConnectionRefusedError("connection refused")
+
+    with caplog.at_level(logging.WARNING, logger="infra.startup"):
+        await wait_until_reachable(probe, what="Redis", address="redis://h:1/0", setting="PRM_REDIS_URL", timeout_s=10)
+    assert len(calls) == 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert [("attempt 1" in m, "attempt 2" in m) for m in lines[:2]] == [(True, False), (False, True)]
+    assert "reachable (attempt 3)" in lines[-1]
+
+
+async def test_wait_gives_up_after_the_timeout() -> None:
+    async def probe(timeout_s: float) -> None:
+        raise ConnectionRefusedError("connection refused")
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(ServiceUnavailable, match=r"cannot reach Kafka at h:9 after 1 s \(connection refused\)"):
+        await wait_until_reachable(probe, what="Kafka", address="h:9", setting="PRM_KAFKA_BOOTSTRAP", timeout_s=1.0)
+    assert 0.9 <= loop.time() - t0 < 5
