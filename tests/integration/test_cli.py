@@ -83,7 +83,7 @@ def test_worker_with_kafka_but_no_redis_names_redis_and_its_setting(kafka_bootst
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")}
     env.update(PRM_KAFKA_BOOTSTRAP=kafka_bootstrap, PRM_REDIS_URL=f"redis://user:s3cret@127.0.0.1:{port}/0",
-               PRM_REDIS_STARTUP_TIMEOUT_S="1")
+               PRM_REDIS_STARTUP_TIMEOUT_S="4")
     proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "worker"], capture_output=True, text=True,
                           timeout=60, env=env)
     assert proc.returncode == 1, proc.stderr
