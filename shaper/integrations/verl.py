@@ -143,7 +143,12 @@ class VerdictWaiter:
         await self._consumer.start()
         topic = self.cfg.topics.verdicts
         parts = None
+        deadline = time.monotonic() + 30
         while not parts:  # the metadata of a just-created topic may lag
+            if time.monotonic() > deadline:
+                await self._consumer.stop()
+                raise RuntimeError(f"topic {topic!r} does not exist on {self.cfg.kafka.bootstrap} "
+                                   "(create it with `prm-pipeline topics create`)")
             await self._consumer._client.force_metadata_update()  # noqa: SLF001
             parts = self._consumer.partitions_for_topic(topic)
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
@@ -164,6 +169,8 @@ class VerdictWaiter:
 
     def expect(self, group_id: str) -> asyncio.Future[GroupVerdict]:
         """Register interest in ``group_id`` (call before publishing its member)."""
+        if self._task is not None and self._task.done() and not self._task.cancelled():
+            raise RuntimeError("the verdict waiter stopped") from self._task.exception()
         fut = self._waiting.get(group_id)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
