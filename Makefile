@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint bench faults clean
+.PHONY: install demo test test-unit test-ecosystem lint bench faults clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,22 @@ test-unit: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+# The ecosystem suite (tests/ecosystem): the verl integration against real verl in its own
+# environment, and the Node.js producer example. Needs the package registries (PyPI, npm).
+ECO_VENV  := .venv-ecosystem
+ECO_BIN   := $(ECO_VENV)/bin
+ECO_STAMP := $(ECO_VENV)/.installed
+
+$(ECO_STAMP): pyproject.toml Makefile
+	test -x $(ECO_BIN)/python || $(PYTHON) -m venv $(ECO_VENV)
+	echo "$(TORCH_SPEC)" > $(ECO_VENV)/constraints.txt  # nothing may replace our torch with another build
+	$(ECO_BIN)/python -c "import torch" 2>/dev/null || $(ECO_BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy
+	$(ECO_BIN)/python -m pip install -q -c $(ECO_VENV)/constraints.txt -e ".[local,ecosystem]"
+	touch $(ECO_STAMP)
+
+test-ecosystem: $(ECO_STAMP)
+	cd examples/node-producer && npm ci --no-audit --no-fund
+	$(ECO_BIN)/python -m pytest tests/ecosystem -W ignore::UserWarning -W ignore::DeprecationWarning
 
 bench: $(STAMP)
 	$(BIN)/prm-pipeline bench schema
@@ -41,4 +57,4 @@ faults: $(STAMP)
 	$(BIN)/prm-pipeline bench faults
 
 clean:
-	rm -rf $(VENV) .pytest_cache .prm-local
+	rm -rf $(VENV) $(ECO_VENV) .pytest_cache .prm-local examples/node-producer/node_modules
