@@ -149,7 +149,7 @@ class VerdictWaiter:
                 await self._consumer.stop()
                 raise RuntimeError(f"topic {topic!r} does not exist on {self.cfg.kafka.bootstrap} "
                                    "(create it with `prm-pipeline topics create`)")
-            await self._consumer._client.force_metadata_update()  # noqa: SLF001
+            await self._consumer._client.force_metadata_update()
             parts = self._consumer.partitions_for_topic(topic)
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         self._consumer.assign(tps)

@@ -21,7 +21,12 @@ from infra.config import PipelineConfig, PRMScorerConfig
 from infra.kafka import ensure_topics
 from infra.schema import dead_letter_from_record, decode_message
 from tests.integration.harness import (
-    TEST_SCORER_MODULES, WorkerProcesses, isolated_config, read_topic, wait_for_verdicts, write_config,
+    TEST_SCORER_MODULES,
+    WorkerProcesses,
+    isolated_config,
+    read_topic,
+    wait_for_verdicts,
+    write_config,
 )
 
 pytestmark = pytest.mark.integration

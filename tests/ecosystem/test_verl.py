@@ -38,7 +38,7 @@ GROUP_TIMEOUT_S = 4.0  # the workers reject a group still missing members after 
 class DigitsTokenizer:
     """What the naive manager needs from a tokenizer (``decode``), with no files to download."""
 
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # noqa: ARG002 - verl's signature
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return " ".join(str(int(i)) for i in ids)
 
 
