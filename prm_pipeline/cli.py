@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
+from infra.startup import Service, ServiceUnavailable, wait_for_services
 
 log = logging.getLogger("prm_pipeline")
 
@@ -259,7 +260,7 @@ def _accept_global_options_after(sub: argparse._SubParsersAction) -> None:
 
 
 # The services each command needs before it starts (infra.startup waits for them).
-NEEDS: dict[str, tuple[str, ...]] = {
+NEEDS: dict[str, tuple[Service, ...]] = {
     "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
     "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",),
 }
@@ -273,8 +274,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command in NEEDS:
-            from infra.startup import ServiceUnavailable, wait_for_services
-
             try:
                 asyncio.run(wait_for_services(_load(args), NEEDS[args.command]))
             except ServiceUnavailable as exc:
