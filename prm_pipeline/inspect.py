@@ -102,10 +102,11 @@ class BranchView:
     outcome_reward: float | None
     policy_version: int | None
     turns: list[TurnView] = field(default_factory=list)
+    session_branches: int = 1  # branches of its session: > 1 means the session forked
 
     @property
     def branching(self) -> bool:
-        return any(t.interaction_id.endswith("b") for t in self.turns)
+        return self.session_branches > 1
 
 
 def branch_views(verdict: Mapping[str, Any], audit: AuditIndex | None = None) -> list[BranchView]:
@@ -123,7 +124,8 @@ def branch_views(verdict: Mapping[str, Any], audit: AuditIndex | None = None) ->
         pos = 0  # turn_results are flattened branch by branch, scorer by scorer (path order)
         for branch in s.get("branches", []):
             view = BranchView(verdict["group_id"], s["session_id"], s["trajectory_id"], branch["leaf_id"],
-                              s.get("outcome_reward"), s.get("policy_version"))
+                              s.get("outcome_reward"), s.get("policy_version"),
+                              session_branches=len(s.get("branches", [])))
             block = results[pos : pos + len(branch["path"]) * len(branch.get("scorer_totals") or {})]
             pos += len(block)
             prev_len = 0

@@ -23,6 +23,7 @@ shaper never import this module.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import random
@@ -169,11 +170,16 @@ class TinyPolicy:
         model = LlamaForCausalLM(llama).to(torch.float32).eval()
         return cls(model, tokenizer)
 
+    def _cache_kwarg(self) -> str:
+        """``cache`` (transformers 5) or ``past_key_values`` (4.x): the KV-cache argument's name."""
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
     @torch.no_grad()
     def sample(self, prompt: Sequence[int], max_new_tokens: int, generator: torch.Generator) -> Sample:
         """Sample at temperature 1 with the KV cache, as an inference server would."""
         ids = torch.tensor([list(prompt)], dtype=torch.long)
         out = self.model(input_ids=ids, use_cache=True)
+        key = self._cache_kwarg()
         tokens: list[int] = []
         logprobs: list[float] = []
         for _ in range(max_new_tokens):
@@ -183,7 +189,8 @@ class TinyPolicy:
             logprobs.append(float(logp[token]))
             if token == EOS_ID:
                 return Sample(tokens, logprobs, "stop")
-            out = self.model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+            past = out.cache if key == "cache" else out.past_key_values
+            out = self.model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: past})
         return Sample(tokens, logprobs, "length")
 
     @torch.no_grad()
