@@ -229,6 +229,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
             proxy.reload()
             print(f"  proxy reloaded policy v{proxy.policy.version} (published after step {len(loop.records)})")
         await tail.wait_for(set(expect), timeout_s=DEMO_GROUP_TIMEOUT_S + 60)
+        teacher_requests = _teacher_requests(teacher_url)
     finally:
         await tail.stop()
         trainer.cancel()
@@ -260,7 +261,8 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     record.summary = [
         f"{len(loop.records)} policy updates in {loop_s:.1f}s (start-up {stage_setup['start-up']:.1f}s); "
         f"policy version {proxy.policy.version} at the end",
-        f"verdicts: {dict(statuses)}; judge requests {judge.requests}, teacher (model-server) requests via OPD",
+        f"verdicts: {dict(statuses)}; scripted-judge requests {judge.requests}, teacher (model-server) "
+        f"requests {teacher_requests}",
         f"alignment: max |recomputed - behaviour| log-prob on the first minibatch of each step = {worst:.2e}",
         f"workers exited with {codes}",
     ]
@@ -277,6 +279,12 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     print("demo OK" if ok else "demo FAILED")
     print(f"report: {path.resolve()}")
     return 0 if ok else 1
+
+
+def _teacher_requests(url: str) -> int:
+    import httpx
+
+    return int(httpx.get(f"{url}/health", timeout=5).json().get("requests", 0))
 
 
 def _sample_views(records: list[dict[str, Any]], audit: Any, branch_views: Any) -> list[Any]:

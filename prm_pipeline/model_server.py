@@ -55,7 +55,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path.rstrip("/") in ("/health", "/health_generate"):
-            self._send(200, {"status": "ok", "policy_version": self.server.owner.policy.version})
+            owner = self.server.owner
+            self._send(200, {"status": "ok", "policy_version": owner.policy.version, "requests": owner.requests})
         else:
             self._send(404, {"error": f"no route {self.path}"})
 

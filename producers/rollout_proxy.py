@@ -3,7 +3,7 @@
 Each prompt is a small arithmetic task. A session alternates policy turns with
 environment answers — a **calculator tool** (it evaluates the first ``a op b`` it finds
 in the assistant's text, or answers ``error: ...``) and a **user simulator** (``thanks,
-ok`` when the answer shows a number, ``wrong, ...`` otherwise). The text is nonsense
+ok`` when the answer shows six digits or more, ``wrong, ...`` otherwise). The text is nonsense
 (the policy is a random tiny LM); the structure is what real agents export:
 
 * **concat export** — turn ``k+1``'s input ids are turn ``k``'s input ids + its output
@@ -14,8 +14,8 @@ ok`` when the answer shows a number, ``wrong, ...`` otherwise). The text is nons
 * ``policy_version`` is the version of the weights that produced every token;
   :meth:`RolloutProxy.reload` picks up weights the trainer published.
 
-The outcome reward is 1 when the session's last answer contains at least two digits
-(something a policy can learn), else 0.
+The outcome reward is 1 when the session's last answer contains at least six digits
+(something a policy can learn; about half of the random model's answers do), else 0.
 """
 
 from __future__ import annotations
@@ -50,13 +50,15 @@ class Environment:
             a, op, b = int(found.group(1)), found.group(2), int(found.group(3))
             value = a + b if op == "+" else a - b if op == "-" else a * b
             return {"role": "tool", "content": f"result: {value} (success)"}
-        if _DIGIT.search(output_text):
+        if len(_DIGIT.findall(output_text)) >= self.DIGITS:
             return {"role": "user", "content": "thanks, ok - go on"}
-        return {"role": "user", "content": "wrong, show me a number"}
+        return {"role": "user", "content": "wrong, show me more numbers"}
 
-    @staticmethod
-    def outcome(final_text: str) -> float:
-        return 1.0 if len(_DIGIT.findall(final_text)) >= 2 else 0.0
+    DIGITS = 6  # about half of the random tiny LM's answers reach it: mixed GRPO groups
+
+    @classmethod
+    def outcome(cls, final_text: str) -> float:
+        return 1.0 if len(_DIGIT.findall(final_text)) >= cls.DIGITS else 0.0
 
 
 @dataclass(frozen=True, slots=True)

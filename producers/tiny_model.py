@@ -76,14 +76,18 @@ def corpus(seed: int = 0, lines: int = 600) -> list[str]:
 
 @functools.lru_cache(maxsize=4)
 def build_tokenizer(vocab_size: int = 384, seed: int = 0) -> Any:
-    """A byte-level BPE trained on :func:`corpus` (deterministic; any text encodes)."""
+    """A byte-level BPE trained on :func:`corpus` (deterministic; bytes outside ASCII are dropped)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # The alphabet is printable ASCII + newline (as byte-level symbols), so a random model
+    # samples readable nonsense rather than broken UTF-8; the demo's texts are ASCII.
+    ascii_bytes = [*range(0x20, 0x7F), 0x0A]
+    alphabet = [pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(chr(b))[0][0] for b in ascii_bytes]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False)
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, IM_START_ID, EOS_ID]
     return tok

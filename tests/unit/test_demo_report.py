@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("matplotlib", reason="the report needs the demo extra: pip install -e '.[demo]'")
-pytest.importorskip("transformers", reason="the token views need the demo extra")
-
-from prm_pipeline.inspect import branch_views, cmd_inspect, load_audit, render_html, render_terminal, verdict_record  # noqa: E402,I001
-from prm_pipeline.report import SECTIONS, DemoRecord, write_report  # noqa: E402
-from scoring_workers.scorers.fake_judge import FakeJudgeServer  # noqa: E402
-from scoring_workers.scorers.openclaw import OpenClawJudgeScorer  # noqa: E402
-from tests import real_model  # noqa: E402
+from prm_pipeline.inspect import branch_views, cmd_inspect, load_audit, render_html, render_terminal, verdict_record
+from prm_pipeline.report import SECTIONS, DemoRecord, write_report
+from scoring_workers.scorers.fake_judge import FakeJudgeServer
+from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
+from tests import real_model
 
 
 class _Page(HTMLParser):

@@ -15,15 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the real-model invariants need the demo extra: pip install -e '.[demo]'")
-
-from infra.schema import ReadyTrajectory  # noqa: E402
-from scoring_workers.scorers.fake_judge import FakeJudgeServer  # noqa: E402
-from scoring_workers.scorers.judge import append_hint_to_messages  # noqa: E402
-from scoring_workers.scorers.opd import OPDTeacherScorer  # noqa: E402
-from shaper import shift_token_rewards  # noqa: E402
-from shaper.policy_update import PolicyUpdate  # noqa: E402
-from tests import real_model  # noqa: E402
+from infra.schema import ReadyTrajectory
+from scoring_workers.scorers.fake_judge import FakeJudgeServer
+from scoring_workers.scorers.judge import append_hint_to_messages
+from scoring_workers.scorers.opd import OPDTeacherScorer
+from shaper import shift_token_rewards
+from shaper.policy_update import PolicyUpdate
+from tests import real_model
 
 TOL = 1e-5
 
@@ -89,12 +87,13 @@ async def test_opd_signal_is_teacher_minus_rollout_logprob_on_the_hinted_prompt(
     from prm_pipeline.model_server import ModelServer
 
     policy = real_model.policy()
-    proxy = real_model.proxy(seed=4)
-    session = proxy.session("g-opd", 0, "compute 2 + 3", turns=2, branch=False)
-    first, second = session.interactions
-    assert first.interaction_id.endswith("t0")
-    assert "error" in second.messages[-1]["content"] or "wrong" in second.messages[-1]["content"], \
-        "the environment's answer must be negative for the hint judge to give a hint"
+    for seed in range(4, 64):  # a first turn the environment answers negatively: the hint judge gives a hint
+        session = real_model.proxy(seed=seed).session("g-opd", 0, "compute 2 + 3", turns=2, branch=False)
+        first, second = session.interactions
+        if any(w in second.messages[-1]["content"] for w in ("error", "wrong")):
+            break
+    else:
+        pytest.fail("no session with a negative environment answer in 60 seeds")
     with FakeJudgeServer() as judge, ModelServer(policy) as teacher:
         scorer = OPDTeacherScorer(base_url=judge.base_url, teacher_base_url=teacher.base_url, m=1, temperature=0.0)
         try:
