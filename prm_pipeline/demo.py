@@ -44,7 +44,7 @@ import msgspec
 
 from infra.config import PipelineConfig, PRMScorerConfig, load_config
 from infra.kafka import ensure_topics
-from infra.local import LocalStack
+from infra.local import LocalStack, free_port
 from infra.schema import ReadyTrajectory
 from prm_pipeline.observe import VerdictTail
 from prm_pipeline.processes import WorkerProcesses, write_config
@@ -81,18 +81,20 @@ def demo_config(cfg: PipelineConfig, *, judge_url: str, teacher_url: str, prompt
 
 
 class ModelServerProcess:
-    """``prm-pipeline model-server --port 0`` as a child process; ``url`` once it listens."""
+    """``prm-pipeline model-server`` as a child process; :meth:`wait_url` once it listens."""
 
     def __init__(self, log_path: Path) -> None:
         self.log_path = log_path
-        self.proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "model-server", "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True)
+        self.port = free_port()  # known up front, so the workers can start while the model loads
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prm_pipeline.cli", "model-server", "--port", str(self.port)],
+            stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True)
 
-    def wait_url(self, timeout_s: float = 60.0) -> str:
+    def wait_url(self) -> str:
+        """Block until the server prints its URL (EOF, i.e. a crash, raises)."""
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        line = self.proc.stdout.readline()  # blocks until the first line (or EOF on a crash)
-        if "listening on " not in line or time.monotonic() > deadline:
+        line = self.proc.stdout.readline()
+        if "listening on " not in line:
             raise RuntimeError(f"model-server did not start: {line!r}; see {self.log_path}")
         return line.rsplit(" ", 1)[-1].strip()
 
@@ -162,19 +164,21 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     judge.start()
     created = await ensure_topics(cfg.kafka, cfg.topics)
     print(f"topics: {', '.join(f'{n} ({s})' for n, s in created.items())}")
+    teacher_url = f"http://127.0.0.1:{server.port}"
+    cfg = demo_config(cfg, judge_url=judge.base_url, teacher_url=teacher_url, prompts=prompts)
+    procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=2)
+    procs.start()
     store = WeightStore(workdir / "weights")
     policy = TinyPolicy.create(TinyLMConfig(seed=seed))
     store.publish(policy.model, 0)
     loop = _Loop(store, seed)
-    teacher_url = await asyncio.to_thread(server.wait_url)
-    cfg = demo_config(cfg, judge_url=judge.base_url, teacher_url=teacher_url, prompts=prompts)
+    if await asyncio.wait_for(asyncio.to_thread(server.wait_url), timeout=120) != teacher_url:
+        raise RuntimeError(f"model-server is not listening on {teacher_url}; see {server.log_path}")
     n_params = sum(p.numel() for p in policy.model.parameters())
     print(f"tiny LM: Llama 2 layers, hidden 64, {n_params:,} parameters, vocab {policy.tokenizer.get_vocab_size()}; "
           f"teacher {teacher_url}; scripted judge {judge.base_url}")
     print("scorers: " + ", ".join(f"{s.path.rsplit('.', 1)[-1]}(weight={s.weight})" for s in cfg.prm.scorers)
           + f"; shaping {cfg.prm.advantage_shaping.mode}")
-    procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=2)
-    procs.start()
     tail = VerdictTail(cfg)
     await tail.start()
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:

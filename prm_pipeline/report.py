@@ -61,7 +61,9 @@ def _statuses(rec: DemoRecord) -> bytes:
     for status, colour in (("accepted", "tab:green"), ("rejected", "tab:red"), ("discarded", "tab:gray")):
         times = [t for t, _, s in events if s == status]
         if times:
-            ax.step(times, range(1, len(times) + 1), where="post", label=status, color=colour)
+            end = max(t for t, _, _ in events)
+            ax.step([0.0, *times, end], [0, *range(1, len(times) + 1), len(times)], where="post", label=status,
+                    color=colour, marker="o", markevery=list(range(1, len(times) + 1)), markersize=3)
     ax.set_xlabel("seconds since the first publish")
     ax.set_ylabel("verdicts (cumulative)")
     ax.legend()
@@ -132,7 +134,9 @@ def _training(rec: DemoRecord) -> bytes:
     axes[2].set_title("policy version after the step", fontsize=10)
     for ax in axes:
         ax.set_xlabel("step")
+        ax.set_xticks(steps)
         ax.grid(alpha=0.3)
+    axes[2].set_yticks(sorted({int(s["policy_version"]) for s in rec.steps}))
     fig.tight_layout()
     return _png(fig)
 
@@ -151,7 +155,7 @@ def _table(rows: list[Mapping[str, Any]]) -> str:
                          for v in (r.get(c, "") for c in cols)) + "</tr>"
         for r in rows
     )
-    return f"<table class='data'><tr>{head}</tr>{body}</table>"
+    return f"<div style='overflow-x:auto'><table class='data'><tr>{head}</tr>{body}</table></div>"
 
 
 def write_report(rec: DemoRecord, out_dir: str | Path) -> Path:
