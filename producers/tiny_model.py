@@ -174,6 +174,10 @@ class TinyPolicy:
         model = LlamaForCausalLM(llama).to(torch.float32).eval()
         return cls(model, tokenizer)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def _cache_kwarg(self) -> str:
         """``cache`` (transformers 5) or ``past_key_values`` (4.x): the KV-cache argument's name."""
         return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -181,26 +185,27 @@ class TinyPolicy:
     @torch.no_grad()
     def sample(self, prompt: Sequence[int], max_new_tokens: int, generator: torch.Generator) -> Sample:
         """Sample at temperature 1 with the KV cache, as an inference server would."""
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        device = self.device
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
         out = self.model(input_ids=ids, use_cache=True)
         key = self._cache_kwarg()
         tokens: list[int] = []
         logprobs: list[float] = []
         for _ in range(max_new_tokens):
-            logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()  # the generator lives on the CPU
             token = int(torch.multinomial(logp.exp(), 1, generator=generator).item())
             tokens.append(token)
             logprobs.append(float(logp[token]))
             if token == EOS_ID:
                 return Sample(tokens, logprobs, "stop")
             past = out.cache if key == "cache" else out.past_key_values
-            out = self.model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: past})
+            out = self.model(input_ids=torch.tensor([[token]], device=device), use_cache=True, **{key: past})
         return Sample(tokens, logprobs, "length")
 
     @torch.no_grad()
     def prompt_logprobs(self, input_ids: Sequence[int]) -> list[float | None]:
         """SGLang's ``input_token_logprobs``: entry ``i`` is ``log p(ids[i] | ids[:i])``; ``None`` at 0."""
-        ids = torch.tensor([list(input_ids)], dtype=torch.long)
+        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
         if ids.shape[1] == 0:
             return []
         lp = next_token_logprobs(self.model, ids)[0, :-1].tolist()

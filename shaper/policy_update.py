@@ -87,16 +87,26 @@ class PolicyUpdate:
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     @torch.no_grad()
     def recompute(self, batch: TrainingBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """``(recomputed, behaviour, mask)``, all shifted: the alignment check's three inputs."""
+        """``(recomputed, behaviour, mask)``, all shifted, on the model's device: the alignment check's inputs."""
+        batch = batch.to(self.device)
         new = next_token_logprobs(self.model, batch.input_ids, batch.attention_mask)
         return new, shift_token_rewards(batch.logprobs), shift_token_rewards(batch.loss_mask)
 
     def step(self, batch: TrainingBatch, advantages: Tensor, loss_mask: Tensor) -> UpdateStats:
-        """One pass over ``batch`` in ``minibatches`` row slices; ``advantages``/``loss_mask`` are shifted."""
+        """One pass over ``batch`` in ``minibatches`` row slices; ``advantages``/``loss_mask`` are shifted.
+
+        Everything moves to the model's device first (the batch may come from a CPU consumer).
+        """
+        batch = batch.to(self.device)
+        advantages = advantages.to(self.device)
         old = shift_token_rewards(batch.logprobs)
-        mask = loss_mask.bool()
+        mask = loss_mask.to(self.device).bool()
         rows = batch.batch_size
         bounds = [round(i * rows / self.minibatches) for i in range(self.minibatches + 1)]
         alignment = 0.0
@@ -123,7 +133,7 @@ class PolicyUpdate:
                 clipped += int(was_clipped.sum().item())
         finally:
             self.model.eval()
-        r = torch.cat(ratios) if ratios else torch.ones(0)
+        r = torch.cat(ratios).float().cpu() if ratios else torch.ones(0)
         n = int(mask.sum().item())
         return UpdateStats(
             loss=sum(losses) / max(1, len(losses)), alignment_max_abs_diff=alignment,

@@ -24,6 +24,7 @@ from shaper.policy_update import PolicyUpdate
 from tests import real_model
 
 TOL = 1e-5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _sessions(kind: str) -> list[ReadyTrajectory]:
@@ -112,3 +113,24 @@ async def test_opd_signal_is_teacher_minus_rollout_logprob_on_the_hinted_prompt(
     assert np.abs(got - expected).max() <= TOL, np.abs(got - expected).max()
     assert abs(got[0] - expected[0]) <= TOL  # the first output token is included
     assert np.abs(expected).max() > 1e-3  # the hint changes the teacher: the signal is not trivially 0
+
+
+async def test_alignment_and_a_step_on_the_machines_accelerator() -> None:
+    """Sampling (KV cache) and the trainer's recompute on the same device agree to 1e-5; a step runs there."""
+    from producers.rollout_proxy import RolloutConfig, RolloutProxy
+    from producers.tiny_model import TinyPolicy
+
+    policy = TinyPolicy.create()
+    policy.model.to(DEVICE)
+    proxy = RolloutProxy(policy, RolloutConfig(group_size=2, seed=6))
+    sessions = [proxy.session("g-dev", i, "compute 4 + 4", turns=3, branch=(i == 1)) for i in range(2)]
+    batch = await real_model.batch("g-dev", sessions)
+    update = PolicyUpdate(policy.model)
+    new, old, mask = update.recompute(batch)
+    assert new.device.type == DEVICE
+    assert float((new - old).abs()[mask].max()) <= TOL
+    advantages = torch.where(mask, torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)).to(DEVICE), 0.0)
+    stats = update.step(batch, advantages, mask)
+    assert stats.alignment_max_abs_diff <= TOL
+    assert stats.tokens == int(mask.sum()) and np.isfinite(stats.loss)
+    assert stats.ratio_min < 1.0 < stats.ratio_max  # the second minibatch saw moved weights
