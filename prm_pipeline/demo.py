@@ -174,6 +174,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     loop = _Loop(store, seed)
     if await asyncio.wait_for(asyncio.to_thread(server.wait_url), timeout=120) != teacher_url:
         raise RuntimeError(f"model-server is not listening on {teacher_url}; see {server.log_path}")
+    stage_setup["model-server ready"] = time.perf_counter() - t_start
     n_params = sum(p.numel() for p in policy.model.parameters())
     print(f"tiny LM: Llama 2 layers, hidden 64, {n_params:,} parameters, vocab {policy.tokenizer.get_vocab_size()}; "
           f"teacher {teacher_url}; scripted judge {judge.base_url}")
@@ -185,10 +186,12 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
         await pub.discard_group("demo-warmup", "warm-up probe")
     await tail.wait_for({"demo-warmup"}, timeout_s=60)
     stage_setup["start-up"] = time.perf_counter() - t_start
-    print(f"started 2 scoring workers and the model server in {stage_setup['start-up']:.1f}s (logs in {workdir})")
+    print(f"started 2 scoring workers and the model server in {stage_setup['start-up']:.1f}s (model server "
+          f"ready after {stage_setup['model-server ready']:.1f}s; logs in {workdir})")
 
     proxy = RolloutProxy(policy, RolloutConfig(group_size=group_size, seed=seed), store=store)
-    trainer = asyncio.create_task(run_trainer(cfg, update=loop, batch_groups=prompts))
+    stop_trainer = asyncio.Event()
+    trainer = asyncio.create_task(run_trainer(cfg, update=loop, batch_groups=prompts, stop=stop_trainer))
     expect: dict[str, str] = {}
     record = DemoRecord()
     t0 = time.perf_counter()
@@ -218,7 +221,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                 await tail.wait_for({g[0].group_id for g in groups}, timeout_s=120)
                 stage["scoring (publish -> verdicts)"] = time.perf_counter() - ts
                 ts = time.perf_counter()
-                await asyncio.wait_for(loop.done.wait(), timeout=120)
+                await _wait_step(loop.done, trainer)
                 stage["trainer consume"] = time.perf_counter() - ts - sum(loop.timings[-1].values())
                 stage.update(loop.timings[-1])
                 record.stages.append(stage)
@@ -236,8 +239,14 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
         teacher_requests = _teacher_requests(teacher_url)
     finally:
         await tail.stop()
-        trainer.cancel()
-        await asyncio.gather(trainer, return_exceptions=True)
+        stop_trainer.set()  # graceful: the consumer commits and leaves its group
+        done, _ = await asyncio.wait([trainer], timeout=30)
+        if not done:
+            trainer.cancel()
+        summary = await asyncio.gather(trainer, return_exceptions=True)
+        if isinstance(summary[0], BaseException) and not isinstance(summary[0], asyncio.CancelledError):
+            print(f"  trainer failed: {summary[0]!r}")
+            ok = False
         codes = procs.stop()
         server.stop()
         judge.stop()
@@ -263,7 +272,8 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
         (out_dir / "judge-audit.jsonl").write_bytes(audit_path.read_bytes())
     record.token_views_html = render_html(_sample_views(records, load_audit(audit_path), branch_views))
     record.summary = [
-        f"{len(loop.records)} policy updates in {loop_s:.1f}s (start-up {stage_setup['start-up']:.1f}s); "
+        f"{len(loop.records)} policy updates in {loop_s:.1f}s (start-up {stage_setup['start-up']:.1f}s, the model "
+        f"server ready after {stage_setup['model-server ready']:.1f}s); "
         f"policy version {proxy.policy.version} at the end",
         f"verdicts: {dict(statuses)}; scripted-judge requests {judge.requests}, teacher (model-server) "
         f"requests {teacher_requests}",
@@ -279,10 +289,22 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
         print(f"  UNEXPECTED verdicts: {dict(list(wrong.items())[:10])}")
     if worst > ALIGNMENT_TOLERANCE:
         print(f"  ALIGNMENT: recomputed log-probs differ from the behaviour log-probs by {worst:.2e}")
-    ok = not wrong and codes == [0, 0] and len(loop.records) == updates and worst <= ALIGNMENT_TOLERANCE
+    ok = ok and not wrong and codes == [0, 0] and len(loop.records) == updates and worst <= ALIGNMENT_TOLERANCE
     print("demo OK" if ok else "demo FAILED")
     print(f"report: {path.resolve()}")
     return 0 if ok else 1
+
+
+async def _wait_step(done: asyncio.Event, trainer: asyncio.Task[Any], timeout_s: float = 120.0) -> None:
+    """Wait for the trainer's next update; a trainer that died raises here instead of a time-out."""
+    waiter = asyncio.ensure_future(done.wait())
+    finished, _ = await asyncio.wait([waiter, trainer], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if waiter not in finished:
+        waiter.cancel()
+        if trainer in finished:
+            trainer.result()  # re-raises the trainer's error
+            raise RuntimeError(f"the trainer stopped before its next update ({trainer.result().stop_reason})")
+        raise TimeoutError(f"no policy update within {timeout_s:.0f}s")
 
 
 def _teacher_requests(url: str) -> int:
