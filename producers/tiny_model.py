@@ -46,7 +46,6 @@ __all__ = [
     "TinyPolicy",
     "WeightStore",
     "build_tokenizer",
-    "chat_tokenize",
 ]
 
 SPECIAL_TOKENS = ("<|pad|>", "<|im_start|>", "<|im_end|>")
@@ -121,11 +120,6 @@ class ChatTemplate:
         """Ids that follow an assistant output (concat export): close it, add ``messages``, prompt again."""
         close = self._newline if output_ended else [EOS_ID, *self._newline]
         return [*close, *self.render(messages)]
-
-
-def chat_tokenize(messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """``messages -> prompt ids`` with the demo template (the OPD scorer's ``tokenizer`` callable)."""
-    return ChatTemplate(build_tokenizer()).render(messages)
 
 
 @dataclass(frozen=True, slots=True)
