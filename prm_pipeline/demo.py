@@ -45,7 +45,6 @@ import msgspec
 from infra.config import PipelineConfig, PRMScorerConfig, load_config
 from infra.kafka import ensure_topics
 from infra.local import LocalStack, free_port
-from infra.schema import ReadyTrajectory
 from prm_pipeline.observe import VerdictTail
 from prm_pipeline.processes import WorkerProcesses, write_config
 from producers.publisher import TrajectoryPublisher

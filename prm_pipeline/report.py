@@ -175,7 +175,8 @@ def write_report(rec: DemoRecord, out_dir: str | Path) -> Path:
     for key, draw in _FIGURES.items():
         png = draw(rec)
         (out / f"{key}.png").write_bytes(png)
-        parts[key] = f"<img alt='{html.escape(SECTIONS[key])}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+        data = base64.b64encode(png).decode()
+        parts[key] = f"<img alt='{html.escape(SECTIONS[key])}' src='data:image/png;base64,{data}'>"
     parts["latency"] += _table(rec.stages)
     parts["training"] += _table(rec.steps)
     body = "".join(f"<section id='{key}'><h2>{html.escape(title)}</h2>{parts[key]}</section>"

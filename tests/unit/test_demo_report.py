@@ -90,8 +90,10 @@ async def test_inspect_command_writes_html_from_a_verdict_file(branching_verdict
 async def test_report_parses_and_holds_every_section(branching_verdict, tmp_path: Path) -> None:
     record, audit_path = branching_verdict
     rec = DemoRecord(
-        verdict_events=[(0.1, "a", "accepted"), (0.2, "b", "discarded"), (0.5, "c", "rejected"), (0.6, "d", "accepted")],
-        stages=[{"rollout": 0.5, "scoring": 0.3, "train step": 0.1}, {"rollout": 0.4, "scoring": 0.2, "train step": 0.1}],
+        verdict_events=[(0.1, "a", "accepted"), (0.2, "b", "discarded"), (0.5, "c", "rejected"),
+                        (0.6, "d", "accepted")],
+        stages=[{"rollout": 0.5, "scoring": 0.3, "train step": 0.1},
+                {"rollout": 0.4, "scoring": 0.2, "train step": 0.1}],
         scorer_turn_rewards={"openclaw_judge": [0.5, -0.5, 0.0], "opd_teacher": [0.01, -0.02]},
         advantages=[(1.0, 1.2), (-1.0, -1.3), (0.0, 0.1)],
         steps=[{"step": float(i), "policy_version": float(i), "update/loss": 0.1, "update/ratio_mean": 1.0,
