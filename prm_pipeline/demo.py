@@ -204,6 +204,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                 stage["reload weights"] = time.perf_counter() - ts
                 ts = time.perf_counter()
                 groups = [proxy.group(f"it{it}-p{k}") for k in range(prompts)]
+                lost = proxy.group("it0-lost")[:-1] if it == 0 else []  # its last rollout never finishes
                 stage["rollout"] = time.perf_counter() - ts
                 ts = time.perf_counter()
                 loop.done.clear()
@@ -211,8 +212,8 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                 expect.update({g[0].group_id: "accepted" for g in groups})
                 await pub.discard_group(f"it{it}-filtered", "prompt filtered by the proxy")
                 expect[f"it{it}-filtered"] = "discarded"
-                if it == 0:  # one rollout never finishes: rejected at the group deadline
-                    await pub.publish_many(proxy.group("it0-lost")[:-1])
+                if lost:  # rejected at the group deadline
+                    await pub.publish_many(lost)
                     expect["it0-lost"] = "rejected"
                 await pub.flush()
                 stage["publish"] = time.perf_counter() - ts
