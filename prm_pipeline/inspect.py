@@ -284,6 +284,9 @@ async def _verdict_from_topic(args: argparse.Namespace) -> dict[str, Any] | None
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if not args.verdicts and not args.group:
+        print("inspect: give --group ID (read from the verdicts topic) and/or --verdicts FILE", file=sys.stderr)
+        return 2
     if args.verdicts:
         verdicts = _verdicts_from_file(args.verdicts)
         if args.group:
@@ -315,9 +318,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("inspect", help="token view of a verdict: output tokens coloured by process reward")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--group", help="read this group's verdict from the verdicts topic")
-    src.add_argument("--verdicts", help="a JSON-lines verdict file written with token-backed interactions")
+    p.add_argument("--group", help="this group's verdict: from the verdicts topic, or picked from --verdicts")
+    p.add_argument("--verdicts", help="a JSON-lines verdict file written with token-backed interactions")
     p.add_argument("--audit", default=None, help="judge audit JSON lines (record_judge_audit) to show votes and texts")
     p.add_argument("--session", default=None, help="only this session")
     p.add_argument("--max-groups", type=int, default=3, help="groups shown from a --verdicts file (default 3)")
