@@ -22,7 +22,7 @@ the tests — the tiny LM of :mod:`producers.tiny_model` on loopback:
 With ``--weights DIR`` it serves the newest weights published in that
 :class:`~producers.tiny_model.WeightStore` (checked before each request); otherwise the
 seeded initial weights. Requests are served one at a time (the model is small; a lock
-keeps torch single-threaded and answers deterministic).
+keeps answers deterministic), on one torch thread.
 """
 
 from __future__ import annotations
@@ -86,7 +86,6 @@ class ModelServer:
 
         from producers.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
 
-        torch.set_num_threads(1)
         self.policy = policy if policy is not None else TinyPolicy.create(TinyLMConfig(seed=seed))
         self.store = WeightStore(weights) if weights else None
         self.max_new_tokens = max_new_tokens
@@ -192,6 +191,9 @@ class ModelServer:
 # --------------------------------------------------------------------------- CLI
 def cmd_model_server(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; prints the base URL (port 0 picks a free one)."""
+    import torch
+
+    torch.set_num_threads(1)  # requests are served one at a time; leave the other cores to the workers
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

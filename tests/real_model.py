@@ -4,9 +4,10 @@ in-process the way a worker scores them, laid out as the trainer's batch."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import pytest
 import torch
 
 from infra.config import PRMConfig
@@ -15,7 +16,15 @@ from prm_pipeline.audit.rescoring import rescore
 from scoring_workers.prm import BaseScorer, PRMRunner
 from shaper.batch import TrainingBatch, build_training_batch
 
-torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Sample and score with one torch thread (two shared cores), restoring the setting after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @functools.lru_cache(maxsize=1)

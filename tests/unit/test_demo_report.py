@@ -14,6 +14,7 @@ from prm_pipeline.report import SECTIONS, DemoRecord, write_report
 from scoring_workers.scorers.fake_judge import FakeJudgeServer
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 from tests import real_model
+from tests.real_model import one_torch_thread  # noqa: F401 - autouse fixture
 
 
 class _Page(HTMLParser):

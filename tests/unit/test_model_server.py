@@ -11,6 +11,7 @@ import torch
 from prm_pipeline.model_server import ModelServer
 from producers.tiny_model import TinyPolicy, WeightStore
 from tests import real_model
+from tests.real_model import one_torch_thread  # noqa: F401 - autouse fixture
 
 
 @pytest.fixture(scope="module")

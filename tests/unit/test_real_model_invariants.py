@@ -22,6 +22,7 @@ from scoring_workers.scorers.opd import OPDTeacherScorer
 from shaper import shift_token_rewards
 from shaper.policy_update import PolicyUpdate
 from tests import real_model
+from tests.real_model import one_torch_thread  # noqa: F401 - autouse fixture
 
 TOL = 1e-5
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
