@@ -12,7 +12,8 @@
    published weights, samples ``prompts`` GRPO groups of multi-turn sessions (some
    branching) against a calculator tool and a user simulator, and publishes them with
    their ``policy_version`` (plus one discarded group; the first iteration also sends a
-   group whose last member never arrives, rejected at the group deadline);
+   group whose last member never arrives, rejected at the group deadline, and one with a
+   member that is not concat export, rejected by the workers);
 4. the reference trainer consumes the verdicts, shapes advantages and runs a PPO-clip
    step (:class:`shaper.policy_update.PolicyUpdate`) on its own copy of the model, then
    publishes the new weights (``policy_version + 1``) for the proxy — the loop closes;
@@ -191,7 +192,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     proxy = RolloutProxy(policy, RolloutConfig(group_size=group_size, seed=seed), store=store)
     stop_trainer = asyncio.Event()
     trainer = asyncio.create_task(run_trainer(cfg, update=loop, batch_groups=prompts, stop=stop_trainer))
-    expect: dict[str, str] = {}
+    expect: dict[str, tuple[str, str]] = {}  # group -> (status, reason code)
     record = DemoRecord()
     t0 = time.perf_counter()
     ok = True
@@ -205,16 +206,21 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                 ts = time.perf_counter()
                 groups = [proxy.group(f"it{it}-p{k}") for k in range(prompts)]
                 lost = proxy.group("it0-lost")[:-1] if it == 0 else []  # its last rollout never finishes
+                broken = _not_concat([proxy.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False)
+                                      for i in range(group_size)]) if it == 0 else []
                 stage["rollout"] = time.perf_counter() - ts
                 ts = time.perf_counter()
                 loop.done.clear()
                 await proxy.publish(pub, groups)
-                expect.update({g[0].group_id: "accepted" for g in groups})
+                expect.update({g[0].group_id: ("accepted", "") for g in groups})
                 await pub.discard_group(f"it{it}-filtered", "prompt filtered by the proxy")
-                expect[f"it{it}-filtered"] = "discarded"
+                expect[f"it{it}-filtered"] = ("discarded", "prompt filtered by the proxy")
                 if lost:  # rejected at the group deadline
                     await pub.publish_many(lost)
-                    expect["it0-lost"] = "rejected"
+                    expect["it0-lost"] = ("rejected", "missing_sessions")
+                if broken:  # a member whose last turn was re-templated: refused by the workers
+                    await pub.publish_many(broken)
+                    expect["it0-broken"] = ("rejected", "not_concat_export")
                 await pub.flush()
                 stage["publish"] = time.perf_counter() - ts
                 ts = time.perf_counter()
@@ -256,7 +262,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     verdicts = {g: v for g, v in tail.verdicts.items() if g in expect}
     statuses = collections.Counter(v.status for v in verdicts.values())
     wrong = {g: (want, verdicts[g].status, verdicts[g].reason) for g, want in expect.items()
-             if verdicts[g].status != want}
+             if (verdicts[g].status, verdicts[g].reason.split(":", 1)[0]) != want}
     worst = max(s["update/alignment_max_abs_diff"] for s in loop.records)
     record.verdict_events = [(tail.arrivals[g] - t0, g, v.status) for g, v in verdicts.items()]
     record.steps = loop.records
@@ -293,6 +299,22 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     print("demo OK" if ok else "demo FAILED")
     print(f"report: {path.resolve()}")
     return 0 if ok else 1
+
+
+def _not_concat(members: list[Any]) -> list[Any]:
+    """The group with its last member's last turn (not a root) changed inside its history: not concat export."""
+    from infra.schema import Interaction, ModelResponse
+
+    last = members[-1]
+    turn = last.interactions[-1]
+    mr = turn.model_response
+    tokens = mr.input_tokens.copy()
+    tokens[0] += 1  # the parent produced this prefix; a re-applied template would change it like this
+    bad = Interaction(interaction_id=turn.interaction_id, parent_id=turn.parent_id, messages=turn.messages,
+                      output_message_list=turn.output_message_list,
+                      model_response=ModelResponse.from_arrays(tokens, mr.output_tokens, mr.output_logprobs,
+                                                               mr.stop_reason))
+    return [*members[:-1], msgspec.structs.replace(last, interactions=[*last.interactions[:-1], bad])]
 
 
 async def _wait_step(done: asyncio.Event, trainer: asyncio.Task[Any], timeout_s: float = 120.0) -> None:
