@@ -232,9 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_audit_parser(sub)
     add_fake_judge_parser(sub)
 
-    p = sub.add_parser("demo", help="run the end-to-end demo on the embedded stack")
-    p.add_argument("--groups", type=int, default=None, help="number of groups to publish")
+    p = sub.add_parser("demo", help="train a tiny LM through the pipeline (closed loop) and write a report")
+    from prm_pipeline.demo import add_demo_arguments
+
+    add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
+
+    from prm_pipeline.inspect import add_inspect_parser
+    from prm_pipeline.model_server import add_model_server_parser
+
+    add_inspect_parser(sub)
+    add_model_server_parser(sub)
 
     p = sub.add_parser("bench", help=f"run a benchmark from tests/perf ({', '.join(BENCHMARKS)})")
     p.add_argument("name", choices=BENCHMARKS)

@@ -23,8 +23,9 @@ Two trainer-side options change what goes into steps 1 and 3 (``trainer:`` confi
   (:mod:`shaper.combined`) of two scorers' channels instead of the summed token
   rewards; ``advantage_shaping.mode`` still decides how that signal is folded in.
 
-It then reports one line per step. There is no optimizer: plug the shaped advantages
-into a policy loss (see ``docs/trainer.md``).
+It then reports one line per step. The optimiser step is the caller's ``update``
+callback (the demo passes :class:`shaper.policy_update.PolicyUpdate`, PPO-clip on a
+real model); without one the loop only shapes (see ``docs/trainer.md``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class StepReport:
     mean_token_reward: float
     seconds: float
     metrics: dict[str, float]
+    update: dict[str, float] = field(default_factory=dict)  # what the ``update`` callback returned
 
 
 @dataclass(slots=True)
@@ -265,6 +267,7 @@ async def run_trainer(
     dedupe_store: str | None = None,
     stop: asyncio.Event | None = None,
     consumer_kwargs: Mapping[str, Any] | None = None,
+    update: Callable[[TrainingBatch, ShapedBatch], Mapping[str, float]] | None = None,
 ) -> TrainerSummary:
     """Consume verdicts and shape advantages until ``max_steps``, idleness or ``stop``.
 
@@ -274,6 +277,10 @@ async def run_trainer(
     then the loop ends. Batches are acknowledged as the loop asks for the next one and
     at a normal exit; an exception (e.g. ``process_weighted`` meeting a reward outside
     ``[0, 1]``) propagates and leaves the failing batch for redelivery.
+
+    ``update`` is the optimiser step (e.g. :class:`shaper.policy_update.PolicyUpdate`
+    wrapped by the caller): it gets each batch with its shaped advantages and returns
+    numbers for the step report; without it the loop shapes and reports only.
     """
     shaping = cfg.prm.advantage_shaping
     mode = mode or shaping.mode
@@ -303,6 +310,7 @@ async def run_trainer(
                     combined_mode=tc.combined_mode, opd_scorer=tc.opd_scorer,
                 )
                 mask = shaped.loss_mask
+                stepped = dict(update(batch, shaped)) if update is not None else {}
                 report = StepReport(
                     step=summary.steps + 1,
                     groups=batch.num_groups,
@@ -313,6 +321,7 @@ async def run_trainer(
                     mean_token_reward=_masked_mean(shaped.token_rewards, mask),
                     seconds=time.perf_counter() - t0,
                     metrics=batch.metrics,
+                    update=stepped,
                 )
                 summary.steps += 1
                 summary.groups += report.groups

@@ -1,0 +1,330 @@
+"""``prm-pipeline inspect``: one verdict as the trainer will see it, token by token.
+
+For each session of a group, each root-to-leaf branch is shown as its conversation:
+prompt and environment tokens in grey, every **output token coloured by its process
+reward** (the weighted sum the trainer folds into its advantages: green positive, red
+negative, white zero), and under each turn the per-turn result of every scorer
+(weighted reward and observations) plus, where a judge audit log is given, the judge's
+votes with their texts (and the OPD hint).
+
+Input is a verdict in the JSON-lines form of ``prm-pipeline verdicts`` *with the
+token-backed interactions* (``infra.jsonl.dump_verdict(v, include_tokens=True)``; the
+demo writes ``demo-report/verdicts.jsonl``), or ``--group ID`` read from the verdicts
+topic. Token ids are decoded with the demo's tokenizer when the ``demo`` extra is
+installed; otherwise they are shown as ids.
+
+Judge texts do not travel on verdicts (they can be long and are audit data): the judge
+scorers hand them to an ``audit_sink``. :func:`record_judge_audit` is such a sink: it
+appends one JSON line per record to ``$PRM_JUDGE_AUDIT_FILE`` (the demo sets it), and
+``--audit FILE`` joins them back by trajectory, leaf and turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import html
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BranchView",
+    "TurnView",
+    "add_inspect_parser",
+    "branch_views",
+    "cmd_inspect",
+    "default_decoder",
+    "load_audit",
+    "record_judge_audit",
+    "render_html",
+    "render_terminal",
+    "verdict_record",
+]
+
+AUDIT_ENV = "PRM_JUDGE_AUDIT_FILE"
+
+
+def record_judge_audit(record: Mapping[str, Any]) -> None:
+    """``audit_sink`` for the judge scorers: append ``record`` to ``$PRM_JUDGE_AUDIT_FILE``.
+
+    One ``write`` of one line on an ``O_APPEND`` file, so several worker processes can
+    share the file without interleaving records.
+    """
+    path = os.environ.get(AUDIT_ENV)
+    if not path:
+        return
+    line = (json.dumps(dict(record), ensure_ascii=False) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+AuditIndex = dict[tuple[str, str, str], list[dict[str, Any]]]
+
+
+def load_audit(path: str | os.PathLike[str] | None) -> AuditIndex:
+    """Audit records by ``(trajectory_id, leaf_id, interaction_id)``."""
+    index: AuditIndex = {}
+    if path is None or not Path(path).exists():
+        return index
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            key = (str(rec.get("trajectory_id")), str(rec.get("leaf_id")), str(rec.get("interaction_id")))
+            index.setdefault(key, []).append(rec)
+    return index
+
+
+@dataclass(slots=True)
+class TurnView:
+    interaction_id: str
+    prompt_ids: list[int]  # tokens this turn adds before its output (the whole prompt at the root)
+    output_ids: list[int]
+    rewards: list[float]  # per output token, weighted sum over scorers
+    results: list[dict[str, Any]]  # this branch's per-turn scorer results
+    audit: list[dict[str, Any]]
+    stop_reason: str | None = None
+
+
+@dataclass(slots=True)
+class BranchView:
+    group_id: str
+    session_id: str
+    trajectory_id: str
+    leaf_id: str
+    outcome_reward: float | None
+    policy_version: int | None
+    turns: list[TurnView] = field(default_factory=list)
+    session_branches: int = 1  # branches of its session: > 1 means the session forked
+
+    @property
+    def branching(self) -> bool:
+        return self.session_branches > 1
+
+
+def branch_views(verdict: Mapping[str, Any], audit: AuditIndex | None = None) -> list[BranchView]:
+    """Every branch of every session of a verdict dict (with ``interactions``), in order."""
+    audit = audit or {}
+    views: list[BranchView] = []
+    for s in verdict.get("sessions", []):
+        inters = {i["interaction_id"]: i for i in s.get("interactions") or []}
+        if not inters:
+            raise ValueError(
+                f"group {verdict.get('group_id')!r}: session {s.get('session_id')!r} carries no interactions; "
+                "inspect needs verdict lines written with the token-backed interactions (include_tokens)"
+            )
+        results = s.get("turn_results") or []
+        pos = 0  # turn_results are flattened branch by branch, scorer by scorer (path order)
+        for branch in s.get("branches", []):
+            view = BranchView(verdict["group_id"], s["session_id"], s["trajectory_id"], branch["leaf_id"],
+                              s.get("outcome_reward"), s.get("policy_version"),
+                              session_branches=len(s.get("branches", [])))
+            block = results[pos : pos + len(branch["path"]) * len(branch.get("scorer_totals") or {})]
+            pos += len(block)
+            prev_len = 0
+            for iid in branch["path"]:
+                inter = inters[iid]
+                inputs = inter["input_tokens"]
+                outputs = inter["output_tokens"]
+                rewards = branch["token_rewards"].get(iid) or [0.0] * len(outputs)
+                view.turns.append(TurnView(
+                    iid, inputs[prev_len:], outputs, [float(r) for r in rewards],
+                    [r for r in block if r.get("interaction_id") == iid],
+                    audit.get((s["trajectory_id"], branch["leaf_id"], iid), []),
+                    inter.get("stop_reason"),
+                ))
+                prev_len = len(inputs) + len(outputs)
+            views.append(view)
+    return views
+
+
+def verdict_record(verdict: Any) -> dict[str, Any]:
+    """A :class:`~infra.schema.GroupVerdict` as inspect's input: the verdict JSON line with
+    token-backed interactions, plus each session's ``policy_version``."""
+    from infra.jsonl import dump_verdict
+
+    record = dump_verdict(verdict, include_tokens=True)
+    for entry, session in zip(record["sessions"], verdict.sessions):
+        entry["policy_version"] = session.policy_version
+    return record
+
+
+def default_decoder() -> Callable[[Sequence[int]], list[str]]:
+    """Token ids -> per-token strings with the demo tokenizer, or ``[id]`` without it."""
+    try:
+        from producers.tiny_model import build_tokenizer
+
+        tok = build_tokenizer()
+    except ImportError:
+        return lambda ids: [f"[{i}]" for i in ids]
+
+    def decode(ids: Sequence[int]) -> list[str]:
+        return [tok.decode([int(i)], skip_special_tokens=False) for i in ids]
+
+    return decode
+
+
+def _colour(r: float, scale: float) -> str:
+    a = min(1.0, abs(r) / scale) if scale > 0 else 0.0
+    rgb = (46, 160, 67) if r > 0 else (218, 54, 51)
+    return f"rgba({rgb[0]},{rgb[1]},{rgb[2]},{0.15 + 0.75 * a:.2f})" if r != 0 else "transparent"
+
+
+def _obs_text(result: Mapping[str, Any]) -> str:
+    parts = []
+    for o in result.get("observations") or []:
+        v = o.get("value")
+        parts.append(f"{o.get('metric_id')}={v:.3g}" if isinstance(v, float) else f"{o.get('metric_id')}={v}")
+    return ", ".join(parts)
+
+
+def _esc(text: str) -> str:
+    return html.escape(text).replace("\n", "\u21b5<br>")
+
+
+def render_html(views: Iterable[BranchView], decode: Callable[[Sequence[int]], list[str]] | None = None) -> str:
+    """An HTML fragment (inline styles only) with one block per branch."""
+    decode = decode or default_decoder()
+    out = ['<div class="token-views">']
+    for v in views:
+        scale = max((abs(r) for t in v.turns for r in t.rewards), default=0.0) or 1.0
+        out.append(
+            f'<div class="branch" style="border:1px solid #ccc;border-radius:6px;padding:8px;margin:10px 0">'
+            f'<div style="font-weight:bold">group {html.escape(v.group_id)} · session {html.escape(v.session_id)}'
+            f' · leaf {html.escape(v.leaf_id)}{" · branching session" if v.branching else ""}'
+            f' · outcome reward {v.outcome_reward} · policy v{v.policy_version}</div>'
+        )
+        for t in v.turns:
+            prompt = "".join(_esc(s) for s in decode(t.prompt_ids))
+            toks = []
+            for tok, r in zip(decode(t.output_ids), t.rewards):
+                toks.append(f'<span title="reward {r:+.4f}" style="background:{_colour(r, scale)}">{_esc(tok)}</span>')
+            out.append(
+                f'<div class="turn" style="margin:6px 0"><div style="color:#888;font-family:monospace;'
+                f'font-size:12px">{prompt}</div><div style="font-family:monospace;font-size:13px">'
+                f'<b>{html.escape(t.interaction_id)}</b> ({len(t.output_ids)} tokens, {t.stop_reason}): '
+                f'{"".join(toks)}</div>'
+            )
+            rows = [f"<tr><td>{html.escape(str(r.get('scorer_name')))}</td><td>{float(r.get('reward', 0)):+.4f}</td>"
+                    f"<td>{html.escape(_obs_text(r))}</td></tr>" for r in t.results]
+            for a in t.audit:
+                texts = " | ".join(f"{k}: {a[k]}" for k in sorted(a) if k.startswith("vote_"))
+                extra = f" hint: {a['hint']}" if a.get("hint") else ""
+                rows.append(f"<tr><td>{html.escape(str(a.get('scorer')))} votes</td>"
+                            f"<td>{html.escape(str(a.get('votes', '')))}</td>"
+                            f"<td style='font-size:11px'>{html.escape(texts + extra)}</td></tr>")
+            if rows:
+                out.append('<table class="turn-results" style="font-size:12px;border-collapse:collapse;'
+                           'margin-left:12px"><tr><th>scorer</th><th>turn reward</th><th>details</th></tr>'
+                           + "".join(rows) + "</table>")
+            out.append("</div>")
+        out.append("</div>")
+    out.append("</div>")
+    return "\n".join(out)
+
+
+def render_terminal(views: Iterable[BranchView], decode: Callable[[Sequence[int]], list[str]] | None = None,
+                    *, console: Any = None) -> None:
+    """The same view with ``rich``: output tokens on a green/red background by reward."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    decode = decode or default_decoder()
+    console = console or Console()
+    for v in views:
+        scale = max((abs(r) for t in v.turns for r in t.rewards), default=0.0) or 1.0
+        console.rule(f"{v.group_id} · {v.session_id} · leaf {v.leaf_id} · outcome {v.outcome_reward} · "
+                     f"policy v{v.policy_version}{' · branching' if v.branching else ''}")
+        for t in v.turns:
+            text = Text("".join(decode(t.prompt_ids)), style="dim")
+            text.append(f"\n[{t.interaction_id}] ", style="bold")
+            for tok, r in zip(decode(t.output_ids), t.rewards):
+                a = min(1.0, abs(r) / scale)
+                level = int(40 + 140 * a)
+                style = "" if r == 0 else (f"on rgb(0,{level},0)" if r > 0 else f"on rgb({level},0,0)")
+                text.append(tok, style=style)
+            console.print(text)
+            table = Table("scorer", "turn reward", "details", show_edge=False, pad_edge=False)
+            for r in t.results:
+                table.add_row(str(r.get("scorer_name")), f"{float(r.get('reward', 0)):+.4f}", _obs_text(r))
+            for a in t.audit:
+                texts = " | ".join(f"{k}: {a[k]}" for k in sorted(a) if k.startswith("vote_"))
+                table.add_row(f"{a.get('scorer')} votes", str(a.get("votes", "")),
+                              texts + (f" hint: {a['hint']}" if a.get("hint") else ""))
+            if table.row_count:
+                console.print(table)
+
+
+# --------------------------------------------------------------------------- CLI
+def _verdicts_from_file(path: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+async def _verdict_from_topic(args: argparse.Namespace) -> dict[str, Any] | None:
+    from infra.config import load_config
+    from prm_pipeline.observe import VerdictTail
+
+    tail = VerdictTail(load_config(args.config))
+    await tail.start()
+    try:
+        await tail.wait_for({args.group}, timeout_s=args.timeout)
+    except TimeoutError:
+        return None
+    finally:
+        await tail.stop()
+    return verdict_record(tail.verdicts[args.group])
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    if not args.verdicts and not args.group:
+        print("inspect: give --group ID (read from the verdicts topic) and/or --verdicts FILE", file=sys.stderr)
+        return 2
+    if args.verdicts:
+        verdicts = _verdicts_from_file(args.verdicts)
+        if args.group:
+            verdicts = [v for v in verdicts if v.get("group_id") == args.group]
+    else:
+        found = asyncio.run(_verdict_from_topic(args))
+        verdicts = [found] if found else []
+    if not verdicts:
+        print(f"inspect: no verdict for group {args.group!r}", file=sys.stderr)
+        return 1
+    audit = load_audit(args.audit)
+    try:
+        views = [view for v in verdicts[: args.max_groups] for view in branch_views(v, audit)]
+    except ValueError as exc:
+        print(f"inspect: {exc}", file=sys.stderr)
+        return 1
+    if args.session:
+        views = [v for v in views if v.session_id == args.session]
+    decode = default_decoder()
+    if not args.no_terminal:
+        render_terminal(views, decode)
+    if args.html:
+        body = render_html(views, decode)
+        Path(args.html).write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>prm-pipeline inspect"
+                                   f"</title></head><body>{body}</body></html>")
+        print(f"token view written to {Path(args.html).resolve()}")
+    return 0
+
+
+def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("inspect", help="token view of a verdict: output tokens coloured by process reward")
+    p.add_argument("--group", help="this group's verdict: from the verdicts topic, or picked from --verdicts")
+    p.add_argument("--verdicts", help="a JSON-lines verdict file written with token-backed interactions")
+    p.add_argument("--audit", default=None, help="judge audit JSON lines (record_judge_audit) to show votes and texts")
+    p.add_argument("--session", default=None, help="only this session")
+    p.add_argument("--max-groups", type=int, default=3, help="groups shown from a --verdicts file (default 3)")
+    p.add_argument("--html", default=None, help="also write the token view as a self-contained HTML file")
+    p.add_argument("--no-terminal", action="store_true", help="no terminal view")
+    p.add_argument("--timeout", type=float, default=30.0, help="--group: seconds to wait for the verdict")
+    p.set_defaults(func=cmd_inspect)
+    return p

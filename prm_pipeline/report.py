@@ -1,0 +1,193 @@
+"""The demo's report: one self-contained ``index.html`` (pictures inline, no network).
+
+:class:`DemoRecord` is what the demo measures while the loop runs; :func:`write_report`
+turns it into matplotlib (Agg) figures, embeds them as base64 PNGs next to the token
+views of :mod:`prm_pipeline.inspect`, and also leaves each PNG beside the page. The
+sections (their ``id`` s are what the tests check) are :data:`SECTIONS`.
+
+Needs the ``demo`` extra (matplotlib), imported only when a report is written.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SECTIONS", "DemoRecord", "write_report"]
+
+SECTIONS: dict[str, str] = {
+    "summary": "Summary",
+    "statuses": "Verdict statuses over time",
+    "latency": "Per-stage latency",
+    "rewards": "Reward distributions per scorer",
+    "advantages": "Outcome vs shaped advantages",
+    "training": "Loss, importance ratio and policy version per step",
+    "token-views": "Token views",
+}
+
+
+@dataclass(slots=True)
+class DemoRecord:
+    """Everything the report shows, filled in by the demo as it runs."""
+
+    verdict_events: list[tuple[float, str, str]] = field(default_factory=list)  # (seconds, group, status)
+    stages: list[dict[str, float]] = field(default_factory=list)  # per iteration: stage -> seconds
+    scorer_turn_rewards: dict[str, list[float]] = field(default_factory=dict)  # scorer -> per-turn rewards
+    advantages: list[tuple[float, float]] = field(default_factory=list)  # per token: (outcome, shaped)
+    steps: list[dict[str, float]] = field(default_factory=list)  # update stats + policy_version per step
+    token_views_html: str = ""
+    summary: list[str] = field(default_factory=list)
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _statuses(rec: DemoRecord) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    events = sorted(rec.verdict_events)
+    for status, colour in (("accepted", "tab:green"), ("rejected", "tab:red"), ("discarded", "tab:gray")):
+        times = [t for t, _, s in events if s == status]
+        if times:
+            end = max(t for t, _, _ in events)
+            ax.step([0.0, *times, end], [0, *range(1, len(times) + 1), len(times)], where="post", label=status,
+                    color=colour, marker="o", markevery=list(range(1, len(times) + 1)), markersize=3)
+    ax.set_xlabel("seconds since the first publish")
+    ax.set_ylabel("verdicts (cumulative)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _latency(rec: DemoRecord) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = list(dict.fromkeys(k for s in rec.stages for k in s))
+    bottom = [0.0] * len(rec.stages)
+    xs = list(range(len(rec.stages)))
+    for name in names:
+        vals = [s.get(name, 0.0) for s in rec.stages]
+        ax.bar(xs, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(xs, [f"iter {i}" for i in xs])
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3, axis="y")
+    return _png(fig)
+
+
+def _rewards(rec: DemoRecord) -> bytes:
+    import matplotlib.pyplot as plt
+
+    names = sorted(rec.scorer_turn_rewards)
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(3.2 * max(1, len(names)), 3), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        ax.hist(rec.scorer_turn_rewards[name], bins=20, color="tab:blue")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("per-turn reward (weighted)")
+    axes[0][0].set_ylabel("turns")
+    return _png(fig)
+
+
+def _advantages(rec: DemoRecord) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    if rec.advantages:
+        xs, ys = zip(*rec.advantages)
+        ax.scatter(xs, ys, s=4, alpha=0.35)
+        lo, hi = min(min(xs), min(ys)), max(max(xs), max(ys))
+        ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8, ls="--", label="shaped = outcome")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("outcome advantage (GRPO)")
+    ax.set_ylabel("shaped advantage")
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _training(rec: DemoRecord) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+    steps = [int(s["step"]) for s in rec.steps]
+    axes[0].plot(steps, [s["update/loss"] for s in rec.steps], marker="o")
+    axes[0].set_title("PPO-clip loss", fontsize=10)
+    axes[1].plot(steps, [s["update/ratio_mean"] for s in rec.steps], marker="o", label="mean")
+    axes[1].fill_between(steps, [s["update/ratio_min"] for s in rec.steps], [s["update/ratio_max"] for s in rec.steps],
+                         alpha=0.25, label="min..max")
+    axes[1].set_title("importance ratio", fontsize=10)
+    axes[1].legend(fontsize=8)
+    axes[2].step(steps, [s["policy_version"] for s in rec.steps], where="post", marker="o")
+    axes[2].set_title("policy version after the step", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.set_xticks(steps)
+        ax.grid(alpha=0.3)
+    axes[2].set_yticks(sorted({int(s["policy_version"]) for s in rec.steps}))
+    fig.tight_layout()
+    return _png(fig)
+
+
+_FIGURES = {"statuses": _statuses, "latency": _latency, "rewards": _rewards, "advantages": _advantages,
+            "training": _training}
+
+
+def _table(rows: list[Mapping[str, Any]]) -> str:
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{v:.4g}</td>" if isinstance(v, float) else f"<td>{html.escape(str(v))}</td>"
+                         for v in (r.get(c, "") for c in cols)) + "</tr>"
+        for r in rows
+    )
+    return f"<div style='overflow-x:auto'><table class='data'><tr>{head}</tr>{body}</table></div>"
+
+
+def write_report(rec: DemoRecord, out_dir: str | Path) -> Path:
+    """Write ``out_dir/index.html`` (and one PNG per figure beside it); return the page's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts: dict[str, str] = {
+        "summary": "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in rec.summary) + "</ul>",
+        "token-views": "<p>Output tokens coloured by their process reward (the weighted sum over scorers: green "
+                       "positive, red negative; hover for the value); grey text is prompt and environment. Under "
+                       "each turn: every scorer's turn result and the judge's votes with their texts.</p>"
+                       + rec.token_views_html,
+    }
+    for key, draw in _FIGURES.items():
+        png = draw(rec)
+        (out / f"{key}.png").write_bytes(png)
+        data = base64.b64encode(png).decode()
+        parts[key] = f"<img alt='{html.escape(SECTIONS[key])}' src='data:image/png;base64,{data}'>"
+    parts["latency"] += _table(rec.stages)
+    parts["training"] += _table(rec.steps)
+    body = "".join(f"<section id='{key}'><h2>{html.escape(title)}</h2>{parts[key]}</section>"
+                   for key, title in SECTIONS.items())
+    page = (
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'><title>prm-pipeline demo report</title>"
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto;padding:12px}"
+        "table.data{border-collapse:collapse;font-size:12px}table.data td,table.data th{border:1px solid #ddd;"
+        "padding:2px 6px}img{max-width:100%}</style></head><body><h1>prm-pipeline demo report</h1>"
+        f"{body}</body></html>"
+    )
+    path = out / "index.html"
+    path.write_text(page, encoding="utf-8")
+    return path
