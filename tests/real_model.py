@@ -17,7 +17,6 @@ from scoring_workers.prm import BaseScorer, PRMRunner
 from shaper.batch import TrainingBatch, build_training_batch
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread() -> Iterator[None]:
     """Sample and score with one torch thread (two shared cores), restoring the setting after."""
