@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import statistics
 import subprocess
@@ -40,6 +41,7 @@ from collections.abc import Iterator
 
 from infra.schema import Interaction, ModelResponse
 from scoring_workers.scorers.fake_judge import FakeJudgeServer
+from scoring_workers.scorers.judge_client import JudgeClient
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 
 LABELS = (1, 0, -1)
@@ -55,9 +57,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; the median is reported (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pool-size", type=int, default=8, help="connections per httpx client (default 8)")
+    parser.add_argument("--calls", type=int, default=4000,
+                        help="judge calls per run of the client calls/s section (default 4000)")
+    parser.add_argument("--call-concurrency", type=int, default=128,
+                        help="judge calls in flight in the client calls/s section (default 128)")
+    parser.add_argument("--only", choices=("turns", "calls"), default=None, help="run one section only")
     parser.add_argument("--in-process", action="store_true", help="run the fake judge in a thread of this process")
     args = parser.parse_args(argv)
-    if min(args.turns, args.concurrency, args.repeats, args.pool_size) <= 0 or args.latency_ms <= 0 \
+    if min(args.turns, args.concurrency, args.repeats, args.pool_size, args.calls, args.call_concurrency) <= 0 or args.latency_ms <= 0 \
             or not 0 <= args.agreement <= 1:
         parser.error("--turns, --concurrency, --repeats, --pool-size and --latency-ms must be positive, "
                      "--agreement in [0, 1]")
@@ -146,8 +153,94 @@ async def _bench(args: argparse.Namespace) -> list[tuple[str, float, float, floa
     return rows
 
 
+# --------------------------------------------------------------------------- client calls/s
+_CALL_PAYLOAD = {
+    "model": "fake",
+    "messages": [{"role": "system", "content": "You judge."},
+                 {"role": "user", "content": "## Next state [role: user]\nthanks, that worked"}],
+    "temperature": 0.6, "max_tokens": 64, "stream": False,
+}
+
+
+async def _raw_calls(url: str, concurrency: int, calls: int) -> float:
+    """The baseline: ``concurrency`` keep-alive connections driven by bare asyncio streams
+    (no HTTP library, no JSON decoding of the answer) — what the server allows at most."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(_CALL_PAYLOAD).encode()
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    left = [calls]
+
+    async def conn() -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            while left[0] > 0:
+                left[0] -= 1
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                await reader.readexactly(length)
+        finally:
+            writer.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(conn() for _ in range(concurrency)))
+    return calls / (time.perf_counter() - start)
+
+
+async def _client_calls(url: str, concurrency: int, calls: int, pool_size: int) -> float:
+    """``concurrency`` loops of :meth:`JudgeClient.post_json` (the worker's code path)."""
+    async with JudgeClient(url, max_concurrency=concurrency, pool_size=pool_size, timeout_s=30,
+                           total_timeout_s=60) as client:
+        left = [concurrency]
+
+        async def loop(n: int) -> None:
+            for _ in range(n):
+                data = await client.post_json("/v1/chat/completions", _CALL_PAYLOAD)
+                assert data["choices"][0]["message"]["content"]
+
+        await asyncio.gather(*(loop(1) for _ in range(left[0])))  # open the connections first
+        per = [calls // concurrency + (1 if i < calls % concurrency else 0) for i in range(concurrency)]
+        start = time.perf_counter()
+        await asyncio.gather(*(loop(n) for n in per))
+        return calls / (time.perf_counter() - start)
+
+
+async def _bench_calls(args: argparse.Namespace) -> list[tuple[float, float]]:
+    """``(raw, client)`` calls/s per run, measured back to back against one judge."""
+    raw, client = [], []
+    with _judge(args.latency_ms, args.in_process) as url:
+        await _raw_calls(url, args.call_concurrency, args.call_concurrency)  # warm the server's threads
+        for _ in range(args.repeats):
+            raw.append(await _raw_calls(url, args.call_concurrency, args.calls))
+            client.append(await _client_calls(url, args.call_concurrency, args.calls, args.pool_size))
+    return list(zip(raw, client, strict=True))
+
+
+def _report_calls(args: argparse.Namespace, runs: list[tuple[float, float]]) -> None:
+    ideal = args.call_concurrency / (args.latency_ms / 1000.0)
+    print(f"\njudge client: {args.calls} calls x {args.repeats} runs, C = {args.call_concurrency} calls in flight, "
+          f"judge latency {args.latency_ms:g} ms; ideal C/latency = {ideal:.0f} calls/s")
+    print(f"{'path':<24} {'calls/s (min..max)':>22} {'/ideal':>13} {'/raw':>13}")
+
+    def span(values: list[float], fmt: str) -> str:
+        return f"{format(min(values), fmt)}..{format(max(values), fmt)}"
+
+    raw = [r for r, _ in runs]
+    client = [c for _, c in runs]
+    print(f"{'raw asyncio streams':<24} {span(raw, '.0f'):>22} {span([r / ideal for r in raw], '.2f'):>13} "
+          f"{'1':>13}")
+    print(f"{'JudgeClient.post_json':<24} {span(client, '.0f'):>22} {span([c / ideal for c in client], '.2f'):>13} "
+          f"{span([c / r for r, c in runs], '.2f'):>13}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.only != "turns":
+        _report_calls(args, asyncio.run(_bench_calls(args)))
+    if args.only == "calls":
+        return 0
     rows = asyncio.run(_bench(args))
     ideal = args.concurrency / (args.latency_ms / 1000.0)
     print(f"judge latency {args.latency_ms:g} ms, C = {args.concurrency} turns in flight, "
