@@ -67,12 +67,10 @@ from scoring_workers.scorers.judge import (
     render_response_text,
     select_best_hint,
 )
-from scoring_workers.scorers.judge_client import (
-    JudgeClient,
-    JudgeRequestError,
-    resolve_callable,
-    sglang_input_logprobs,
-)
+from scoring_workers.prm.resolve import resolve_callable
+from scoring_workers.scorers.judge_apis import sglang_input_logprobs
+from scoring_workers.scorers.judge_errors import JudgeRequestError
+from scoring_workers.scorers.judge_http import JudgeClient
 from scoring_workers.scorers.openclaw import JudgeScorerBase, JudgeScorerResult, _obs
 
 __all__ = ["MissingLogprobsError", "OPDTeacherScorer", "hf_chat_tokenizer"]

@@ -42,7 +42,6 @@ Config (``kwargs`` of the scorer entry)::
       rps: 0                            # 0 = no pacing
       breaker_failure_threshold: 5
       breaker_reset_s: 10
-      pool_size: 8                      # connections per internal httpx client
       api_key_env: null                 # env var holding a bearer token
       audit_sink: null                  # "module:callable" receiving audit records
 
@@ -75,12 +74,10 @@ from scoring_workers.scorers.judge import (
     render_response_text,
     run_votes,
 )
-from scoring_workers.scorers.judge_client import (
-    JudgeClient,
-    JudgeEndpoint,
-    JudgeRequestError,
-    resolve_callable,
-)
+from scoring_workers.prm.resolve import resolve_callable
+from scoring_workers.scorers.judge_apis import JudgeEndpoint
+from scoring_workers.scorers.judge_errors import JudgeRequestError
+from scoring_workers.scorers.judge_http import JudgeClient
 
 __all__ = ["JudgeScorerBase", "JudgeScorerResult", "OpenClawJudgeScorer"]
 
@@ -155,8 +152,7 @@ class JudgeScorerBase(BaseScorer):
         breaker_reset_s: float | None = None,
         api_key_env: str | None = None,
         headers: Mapping[str, str] | None = None,
-        pool_size: int = 8,
-        chat_template: str | None = None,
+        chat_template: Any = None,
         audit_sink: Any = None,
         merge_tool_results: bool = False,
     ) -> None:
@@ -189,14 +185,14 @@ class JudgeScorerBase(BaseScorer):
             "timeout_s": timeout_s, "total_timeout_s": total_timeout_s, "max_retries": max_retries,
             "backoff_base_s": backoff_base_s, "backoff_max_s": backoff_max_s, "max_concurrency": max_concurrency,
             "rps": rps, "breaker_failure_threshold": breaker_failure_threshold, "breaker_reset_s": breaker_reset_s,
-            "api_key_env": api_key_env, "headers": headers, "pool_size": pool_size,
+            "api_key_env": api_key_env, "headers": headers,
         }
         self._clients: list[JudgeClient] = []
         client = self._new_client(base_url)
         try:
             self.endpoint = JudgeEndpoint(
                 client, api=api, model=model, temperature=temperature, max_tokens=max_tokens,
-                chat_template=chat_template,
+                chat_template=None if chat_template is None else resolve_callable(chat_template, "chat_template"),
             )
         except BaseException:
             self._release_unopened()

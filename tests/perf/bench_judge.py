@@ -1,6 +1,6 @@
 """Benchmark the OpenClaw judge scorer against the fake judge: throughput and calls/turn.
 
-A :class:`~scoring_workers.scorers.fake_judge.FakeJudgeServer` answers every request
+A :class:`~prm_pipeline.fake_judge.FakeJudgeServer` answers every request
 after ``--latency-ms`` (default 50 ms). ``--turns`` turns are scored with at most
 ``--concurrency`` C turns in flight, once with OpenClaw-RL's fixed ``m = 3`` votes and
 once with adaptive voting. Each turn's three votes are scripted: each vote equals the
@@ -40,8 +40,8 @@ import time
 from collections.abc import Iterator
 
 from infra.schema import Interaction, ModelResponse
-from scoring_workers.scorers.fake_judge import FakeJudgeServer
-from scoring_workers.scorers.judge_client import JudgeClient
+from prm_pipeline.fake_judge import FakeJudgeServer
+from scoring_workers.scorers.judge_http import JudgeClient
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 
 LABELS = (1, 0, -1)
@@ -56,7 +56,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="probability that a vote equals the turn's label (default 0.8)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; the median is reported (default 3)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pool-size", type=int, default=8, help="connections per httpx client (default 8)")
     parser.add_argument("--calls", type=int, default=4000,
                         help="judge calls per run of the client calls/s section (default 4000)")
     parser.add_argument("--call-concurrency", type=int, default=128,
@@ -64,9 +63,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", choices=("turns", "calls"), default=None, help="run one section only")
     parser.add_argument("--in-process", action="store_true", help="run the fake judge in a thread of this process")
     args = parser.parse_args(argv)
-    if min(args.turns, args.concurrency, args.repeats, args.pool_size, args.calls, args.call_concurrency) <= 0 or args.latency_ms <= 0 \
+    if min(args.turns, args.concurrency, args.repeats, args.calls, args.call_concurrency) <= 0 or args.latency_ms <= 0 \
             or not 0 <= args.agreement <= 1:
-        parser.error("--turns, --concurrency, --repeats, --pool-size and --latency-ms must be positive, "
+        parser.error("--turns, --concurrency, --repeats, --calls, --call-concurrency and --latency-ms must be positive, "
                      "--agreement in [0, 1]")
     return args
 
@@ -88,10 +87,9 @@ def _workload(n: int, agreement: float, seed: int, prefix: str = "t") -> list[tu
     return items
 
 
-async def _run_mode(url: str, items, warm, concurrency: int, *, adaptive: bool, judge_cap: int,
-                    pool_size: int) -> tuple[float, float]:
+async def _run_mode(url: str, items, warm, concurrency: int, *, adaptive: bool, judge_cap: int) -> tuple[float, float]:
     scorer = OpenClawJudgeScorer(base_url=url, model="fake", adaptive=adaptive, max_concurrency=judge_cap,
-                                 timeout_s=30, total_timeout_s=60, pool_size=pool_size)
+                                 timeout_s=30, total_timeout_s=60)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(turn, ctx) -> None:
@@ -117,7 +115,7 @@ def _judge(latency_ms: float, in_process: bool) -> Iterator[str]:
             yield server.base_url
         return
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scoring_workers.scorers.fake_judge", "--port", "0", "--latency-ms", str(latency_ms)],
+        [sys.executable, "-m", "prm_pipeline.fake_judge", "--port", "0", "--latency-ms", str(latency_ms)],
         stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -146,7 +144,7 @@ async def _bench(args: argparse.Namespace) -> list[tuple[str, float, float, floa
                     items = _workload(args.turns, args.agreement, args.seed, prefix=tag)
                     warm = _workload(args.concurrency, args.agreement, args.seed + 1, prefix="warm" + tag)
                     runs.append(await _run_mode(url, items, warm, args.concurrency, adaptive=adaptive,
-                                                judge_cap=cap, pool_size=args.pool_size))
+                                                judge_cap=cap))
                 tps = statistics.median(r[0] for r in runs)
                 calls = statistics.median(r[1] for r in runs)
                 rows.append((name, tps, tps / ideal, calls))
@@ -189,9 +187,9 @@ async def _raw_calls(url: str, concurrency: int, calls: int) -> float:
     return calls / (time.perf_counter() - start)
 
 
-async def _client_calls(url: str, concurrency: int, calls: int, pool_size: int) -> float:
+async def _client_calls(url: str, concurrency: int, calls: int) -> float:
     """``concurrency`` loops of :meth:`JudgeClient.post_json` (the worker's code path)."""
-    async with JudgeClient(url, max_concurrency=concurrency, pool_size=pool_size, timeout_s=30,
+    async with JudgeClient(url, max_concurrency=concurrency, timeout_s=30,
                            total_timeout_s=60) as client:
         left = [concurrency]
 
@@ -214,7 +212,7 @@ async def _bench_calls(args: argparse.Namespace) -> list[tuple[float, float]]:
         await _raw_calls(url, args.call_concurrency, args.call_concurrency)  # warm the server's threads
         for _ in range(args.repeats):
             raw.append(await _raw_calls(url, args.call_concurrency, args.calls))
-            client.append(await _client_calls(url, args.call_concurrency, args.calls, args.pool_size))
+            client.append(await _client_calls(url, args.call_concurrency, args.calls))
     return list(zip(raw, client, strict=True))
 
 
@@ -245,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ideal = args.concurrency / (args.latency_ms / 1000.0)
     print(f"judge latency {args.latency_ms:g} ms, C = {args.concurrency} turns in flight, "
           f"{args.turns} turns x {args.repeats} runs (median), vote agreement {args.agreement:g}, "
-          f"pool size {args.pool_size}; ideal C/latency = {ideal:.1f} turns/s")
+          f"ideal C/latency = {ideal:.1f} turns/s")
     print(f"{'mode':<28} {'turns/s':>9} {'/ideal':>7} {'calls/turn':>11}")
     for name, tps, ratio, calls in rows:
         print(f"{name:<28} {tps:9.1f} {ratio:7.2f} {calls:11.2f}")

@@ -11,13 +11,13 @@ import torch
 
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory
 from scoring_workers.prm import PRMRejection, PRMRunner
-from scoring_workers.scorers.fake_judge import (
+from prm_pipeline.fake_judge import (
     FakeJudgeServer,
     fake_teacher_logprob,
     fake_tokenize,
 )
 from scoring_workers.scorers.judge import JudgeFailedError, render_chatml
-from scoring_workers.scorers.judge_client import registered_limits
+from scoring_workers.scorers.judge_limits import registered_limits
 from scoring_workers.scorers.opd import MissingLogprobsError, OPDTeacherScorer
 from scoring_workers.scorers.openclaw import JudgeScorerResult, OpenClawJudgeScorer
 
@@ -312,7 +312,7 @@ def test_config_validation(server):
         OpenClawJudgeScorer(base_url=url, temprature=0.5)  # a typo fails at start-up
     with pytest.raises(TypeError):
         OpenClawJudgeScorer()  # base_url is required
-    with pytest.raises(ValueError, match="chat_template"):
+    with pytest.raises(ImportError, match="chat_template"):
         OpenClawJudgeScorer(base_url=url, chat_template="no.such.module:fn")
     assert registered_limits(url) is None  # nothing leaked by the failed constructors
 
