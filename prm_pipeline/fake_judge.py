@@ -29,6 +29,10 @@ Verdicts are **scripted from the prompt**:
   on whether the prompt (decoded from the fake tokenizer's ids, one id per character)
   carries the OPD hint header, so tests can tell a hinted teacher from a plain one.
 
+``reasoning=True`` answers chat requests as a server with a reasoning parser does: the
+whole judgement (box included) in ``message.reasoning_content``, ``content`` without a
+box. :attr:`FakeJudgeServer.last_chat_payload` is the latest chat request's body.
+
 Failure injection: ``latency_ms`` per request; ``error_rate`` (HTTP 500 with that
 probability, seeded); ``outages`` (``(start_s, end_s)`` windows relative to
 :meth:`FakeJudgeServer.start`) and :meth:`FakeJudgeServer.set_outage` — during an
@@ -185,6 +189,7 @@ class FakeJudgeServer:
         hang_s: float = 30.0,
         seed: int | None = 0,
         model: str = "fake-judge",
+        reasoning: bool = False,
     ) -> None:
         if latency_ms < 0 or not 0.0 <= error_rate <= 1.0:
             raise ValueError("latency_ms must be >= 0 and error_rate in [0, 1]")
@@ -201,6 +206,7 @@ class FakeJudgeServer:
         self.outage_mode = outage_mode
         self.hang_s = float(hang_s)
         self.model = model
+        self.reasoning = bool(reasoning)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -218,6 +224,8 @@ class FakeJudgeServer:
         self.max_in_flight = 0
         self.votes_served: Counter[str] = Counter()
         """Answers by kind: ``prm``, ``hint``, ``teacher``, ``tokenize``, ``error``."""
+        self.last_chat_payload: dict[str, Any] | None = None
+        """The body of the latest ``/v1/chat/completions`` request (sampling parameters)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -341,15 +349,20 @@ class FakeJudgeServer:
             messages = payload.get("messages")
             if not isinstance(messages, list) or not messages:
                 return 400, {"error": "messages must be a non-empty list"}, None
+            with self._lock:
+                self.last_chat_payload = payload
             prompt = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
             status, text = self._judge(prompt)
             if status != 200:
                 return status, {"error": f"scripted HTTP {status}"}, None
+            message = {"role": "assistant", "content": text}
+            if self.reasoning:  # a server-side reasoning parser: the verdict is in the thinking only
+                message = {"role": "assistant", "reasoning_content": text, "content": "My verdict is above."}
             return 200, {
                 "id": "fake-judge",
                 "object": "chat.completion",
                 "model": payload.get("model", self.model),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
             }, None
         if route == "/generate":
             if "input_ids" in payload:

@@ -18,9 +18,10 @@ reused by any scorer:
   outcome and stop as soon as the majority is decided. It is *exact*: for every
   possible sequence of votes over ``{1, 0, -1, None}`` the result equals
   ``majority_vote`` of all ``m`` votes (proved below and tested exhaustively).
-* :func:`locate_next_state`, :func:`render_response_text`, :func:`message_text` —
-  finding a turn's output and the environment's reply to it in the branch
-  conversation.
+* :func:`locate_next_state`, :func:`render_response_text`, :func:`message_text`,
+  :func:`normalize_template_messages` — finding a turn's output and the environment's
+  reply to it in the branch conversation (OpenClaw-RL's rule by default), and preparing
+  messages for a chat template as OpenClaw-RL does.
 
 Adaptive voting, why it is exact
 --------------------------------
@@ -62,6 +63,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "HINT_SUFFIX_HEADER",
     "JudgeFailedError",
+    "NEXT_STATE_RULES",
     "NextState",
     "Vote",
     "VoteResult",
@@ -73,6 +75,7 @@ __all__ = [
     "locate_next_state",
     "majority_vote",
     "message_text",
+    "normalize_template_messages",
     "parse_boxed_score",
     "parse_hint_judgement",
     "render_chatml",
@@ -230,7 +233,7 @@ HINT_JUDGE_SYSTEM = (
     "- If decision is \\boxed{-1}, do not provide a hint block.\n"
     "- Hint must be concrete and actionable for improving the previous response."
 )
-"""System prompt of the OPD hint judge (the seed's ``_build_hint_judge_messages``)."""
+"""System prompt of the OPD hint judge (OpenClaw-RL's ``_build_hint_judge_messages``)."""
 
 
 def build_prm_judge_messages(
@@ -364,10 +367,14 @@ def _output_matches(out: Sequence[Mapping[str, Any]], conv: Sequence[Mapping[str
     return all(conv[at + i].get("role") == m.get("role") for i, m in enumerate(out))
 
 
+NEXT_STATE_RULES = ("last", "first")
+
+
 def locate_next_state(
     turn_messages: Sequence[Mapping[str, Any]],
     output_messages: Sequence[Mapping[str, Any]],
     conversation: Sequence[Mapping[str, Any]],
+    rule: str = "last",
 ) -> tuple[bool, NextState | None]:
     """Find a turn's output in the branch ``conversation`` and the message that answers it.
 
@@ -384,11 +391,18 @@ def locate_next_state(
        match, the one closest to ``n``.
     3. Otherwise the output is not in the conversation: ``(False, None)``.
 
-    After the output, ``system``/``developer`` messages are skipped; the next message
-    is the next state if its role is ``user`` or ``tool``. Anything else (another
-    assistant message, or the end of the conversation — the branch's last turn) means
-    there is no next state: ``(True, None)``.
+    Then the next state, by ``rule``:
+
+    * ``"last"`` (OpenClaw-RL): the **last** message before the next assistant message —
+      the final message of the next request, whatever its role (``user``, ``tool``,
+      ``system``..., role ``"user"`` when missing; an assistant message when nothing
+      came between). No later assistant message (the branch's last turn: there is no
+      next request) means no next state.
+    * ``"first"`` (ours): skip ``system``/``developer`` messages after the output; the
+      next message is the next state if its role is ``user`` or ``tool``, else none.
     """
+    if rule not in NEXT_STATE_RULES:
+        raise ValueError(f"next-state rule must be one of {NEXT_STATE_RULES}, got {rule!r}")
     conv = list(conversation)
     out = list(output_messages)
     n = len(turn_messages)
@@ -414,11 +428,32 @@ def locate_next_state(
     if not out:  # no output messages recorded: skip the assistant run at ``start``
         while i < len(conv) and conv[i].get("role") == "assistant":
             i += 1
+    if rule == "last":
+        j = next((k for k in range(i, len(conv)) if conv[k].get("role") == "assistant"), None)
+        if j is None or j == 0:
+            return True, None
+        last = conv[j - 1]
+        return True, NextState(str(last.get("role") or "user"), message_text(last), j - 1)
     while i < len(conv) and conv[i].get("role") in _SKIPPABLE_ROLES:
         i += 1
     if i < len(conv) and conv[i].get("role") in _STATE_ROLES:
         return True, NextState(str(conv[i]["role"]), message_text(conv[i]), i)
     return True, None
+
+
+def normalize_template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as OpenClaw-RL hands them to a chat template: ``developer`` becomes
+    ``system`` and list contents are flattened to their text (:func:`message_text`).
+    Returns copies; other keys (``tool_calls``, ``name``...) are kept."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        copy_ = copy.deepcopy(dict(message))
+        if copy_.get("role") == "developer":
+            copy_["role"] = "system"
+        if isinstance(copy_.get("content"), (list, tuple)):
+            copy_["content"] = message_text(copy_)
+        out.append(copy_)
+    return out
 
 
 # --------------------------------------------------------------------------- voting

@@ -263,13 +263,18 @@ async def test_merge_tool_results(server):
     tool_ok = {"role": "tool", "content": "first call: success", "tool_call_id": "a"}
     tool_err = {"role": "tool", "content": "second call: Error", "tool_call_id": "b"}
     turn = Interaction(interaction_id="t0", messages=[U1], output_message_list=[A0], model_response=_response(2))
-    ctx = {"messages": (U1, A0, tool_ok, tool_err)}
-    plain = OpenClawJudgeScorer(**judge_kwargs(server.base_url))
-    merged = OpenClawJudgeScorer(**judge_kwargs(server.base_url, merge_tool_results=True))
+    ctx = {"messages": (U1, A0, tool_ok, tool_err, A2)}
+    upstream = OpenClawJudgeScorer(**judge_kwargs(server.base_url))
+    plain = OpenClawJudgeScorer(**judge_kwargs(server.base_url, next_state="first"))
+    merged = OpenClawJudgeScorer(**judge_kwargs(server.base_url, next_state="first", merge_tool_results=True))
     try:
+        assert await upstream.evaluate(turn, ctx) == -1.0  # OpenClaw-RL: the last tool message, "Error"
         assert await plain.evaluate(turn, ctx) == 1.0  # only the first tool message: "success"
         assert await merged.evaluate(turn, ctx) == -1.0  # both: the error counts
+        with pytest.raises(ValueError, match="merge_tool_results applies to next_state 'first'"):
+            OpenClawJudgeScorer(**judge_kwargs(server.base_url, merge_tool_results=True))
     finally:
+        await upstream.aclose()
         await plain.aclose()
         await merged.aclose()
 
