@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -83,7 +84,8 @@ def _workload(n: int, agreement: float, seed: int, prefix: str = "t") -> list[tu
         feedback = {"role": "user", "content": f"feedback {prefix}{i} [[votes: {', '.join(map(str, votes))}]]"}
         turn = Interaction(interaction_id=f"{prefix}{i}", messages=[user], output_message_list=[output],
                            model_response=response)
-        items.append((turn, {"messages": (user, output, feedback)}))
+        after = {"role": "assistant", "content": f"next answer {prefix}{i}"}  # the next turn: feedback is its state
+        items.append((turn, {"messages": (user, output, feedback, after)}))
     return items
 
 
@@ -110,9 +112,16 @@ async def _run_mode(url: str, items, warm, concurrency: int, *, adaptive: bool, 
 
 @contextlib.contextmanager
 def _judge(latency_ms: float, in_process: bool) -> Iterator[str]:
+    with _judge_process(latency_ms, in_process) as (url, _pid):
+        yield url
+
+
+@contextlib.contextmanager
+def _judge_process(latency_ms: float, in_process: bool) -> Iterator[tuple[str, int | None]]:
+    """The fake judge's URL and the pid of its process (``None`` in-process)."""
     if in_process:
         with FakeJudgeServer(latency_ms=latency_ms) as server:
-            yield server.base_url
+            yield server.base_url, None
         return
     proc = subprocess.Popen(
         [sys.executable, "-m", "prm_pipeline.fake_judge", "--port", "0", "--latency-ms", str(latency_ms)],
@@ -122,7 +131,7 @@ def _judge(latency_ms: float, in_process: bool) -> Iterator[str]:
         line = proc.stdout.readline() if proc.stdout else ""
         if not line.startswith("PRM_JUDGE_URL="):
             raise RuntimeError(f"fake judge did not start: {line!r}")
-        yield line.strip().split("=", 1)[1]
+        yield line.strip().split("=", 1)[1], proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -160,9 +169,10 @@ _CALL_PAYLOAD = {
 }
 
 
-async def _raw_calls(url: str, concurrency: int, calls: int) -> float:
+async def _raw_calls(url: str, concurrency: int, calls: int) -> tuple[float, float]:
     """The baseline: ``concurrency`` keep-alive connections driven by bare asyncio streams
-    (no HTTP library, no JSON decoding of the answer) — what the server allows at most."""
+    (no HTTP library, no JSON decoding of the answer) — what the server allows at most.
+    Returns ``(calls/s, client CPU seconds per call)``, as :func:`_client_calls`."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps(_CALL_PAYLOAD).encode()
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
@@ -182,12 +192,12 @@ async def _raw_calls(url: str, concurrency: int, calls: int) -> float:
         finally:
             writer.close()
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(conn() for _ in range(concurrency)))
-    return calls / (time.perf_counter() - start)
+    return calls / (time.perf_counter() - start), (time.process_time() - cpu) / calls
 
 
-async def _client_calls(url: str, concurrency: int, calls: int) -> float:
+async def _client_calls(url: str, concurrency: int, calls: int) -> tuple[float, float]:
     """``concurrency`` loops of :meth:`JudgeClient.post_json` (the worker's code path)."""
     async with JudgeClient(url, max_concurrency=concurrency, timeout_s=30,
                            total_timeout_s=60) as client:
@@ -200,37 +210,61 @@ async def _client_calls(url: str, concurrency: int, calls: int) -> float:
 
         await asyncio.gather(*(loop(1) for _ in range(left[0])))  # open the connections first
         per = [calls // concurrency + (1 if i < calls % concurrency else 0) for i in range(concurrency)]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(loop(n) for n in per))
-        return calls / (time.perf_counter() - start)
+        return calls / (time.perf_counter() - start), (time.process_time() - cpu) / calls
 
 
-async def _bench_calls(args: argparse.Namespace) -> list[tuple[float, float]]:
-    """``(raw, client)`` calls/s per run, measured back to back against one judge."""
-    raw, client = [], []
-    with _judge(args.latency_ms, args.in_process) as url:
+def _cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``); 0 when unknown."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _bench_calls(args: argparse.Namespace) -> list[dict[str, float]]:
+    """Per run: calls/s and CPU per call of the raw baseline and of the client, measured
+    back to back against one judge, plus the judge server's own CPU per call."""
+    runs = []
+    with _judge_process(args.latency_ms, args.in_process) as (url, pid):
         await _raw_calls(url, args.call_concurrency, args.call_concurrency)  # warm the server's threads
         for _ in range(args.repeats):
-            raw.append(await _raw_calls(url, args.call_concurrency, args.calls))
-            client.append(await _client_calls(url, args.call_concurrency, args.calls))
-    return list(zip(raw, client, strict=True))
+            server_cpu = _cpu_seconds(pid)
+            raw, raw_cpu = await _raw_calls(url, args.call_concurrency, args.calls)
+            between = _cpu_seconds(pid)
+            client, client_cpu = await _client_calls(url, args.call_concurrency, args.calls)
+            runs.append({"raw": raw, "raw_cpu": raw_cpu, "client": client, "client_cpu": client_cpu,
+                         "server_cpu": (between - server_cpu) / args.calls,
+                         "server_cpu_client": (_cpu_seconds(pid) - between) / args.calls})
+    return runs
 
 
-def _report_calls(args: argparse.Namespace, runs: list[tuple[float, float]]) -> None:
+def _report_calls(args: argparse.Namespace, runs: list[dict[str, float]]) -> None:
     ideal = args.call_concurrency / (args.latency_ms / 1000.0)
     print(f"\njudge client: {args.calls} calls x {args.repeats} runs, C = {args.call_concurrency} calls in flight, "
-          f"judge latency {args.latency_ms:g} ms; ideal C/latency = {ideal:.0f} calls/s")
-    print(f"{'path':<24} {'calls/s (min..max)':>22} {'/ideal':>13} {'/raw':>13}")
+          f"judge latency {args.latency_ms:g} ms; ideal C/latency = {ideal:.0f} calls/s; ranges over runs")
+    print(f"{'path':<22} {'calls/s':>11} {'/ideal':>11} {'/raw':>11} {'client CPU/call':>16} "
+          f"{'1 core allows':>15} {'judge CPU/call':>15}")
 
-    def span(values: list[float], fmt: str) -> str:
+    def span(key: str, fmt: str, scale: float = 1.0, invert: bool = False) -> str:
+        values = [(scale / r[key] if r[key] else float("inf")) if invert else r[key] * scale for r in runs]
         return f"{format(min(values), fmt)}..{format(max(values), fmt)}"
 
-    raw = [r for r, _ in runs]
-    client = [c for _, c in runs]
-    print(f"{'raw asyncio streams':<24} {span(raw, '.0f'):>22} {span([r / ideal for r in raw], '.2f'):>13} "
-          f"{'1':>13}")
-    print(f"{'JudgeClient.post_json':<24} {span(client, '.0f'):>22} {span([c / ideal for c in client], '.2f'):>13} "
-          f"{span([c / r for r, c in runs], '.2f'):>13}")
+    for name, key, server_key in (("raw asyncio streams", "raw", "server_cpu"),
+                                  ("JudgeClient.post_json", "client", "server_cpu_client")):
+        ratio = "1" if key == "raw" else span("ratio", ".2f")
+        for r in runs:
+            r["ratio"] = r["client"] / r["raw"]
+        print(f"{name:<22} {span(key, '.0f'):>11} {span(key, '.2f', 1 / ideal):>11} {ratio:>11} "
+              f"{span(key + '_cpu', '.0f', 1e6) + ' us':>16} {span(key + '_cpu', '.0f', 1.0, invert=True):>15} "
+              f"{span(server_key, '.0f', 1e6) + ' us':>15}")
+    print("(1 core allows = calls/s the client process could make if it had a whole core; the judge server runs "
+          "in its own process, whose CPU per call bounds the raw baseline on a shared machine)")
 
 
 def main(argv: list[str] | None = None) -> int:
