@@ -38,6 +38,7 @@ from typing import Any, Self
 
 import aiohttp
 import msgspec
+import yarl
 
 from scoring_workers.scorers.judge_errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
 from scoring_workers.scorers.judge_limits import CircuitBreaker, SharedLimits, acquire_limits, release_limits
@@ -177,6 +178,7 @@ class JudgeClient:
         self._rng = rng or random.Random()
         self.stats = JudgeClientStats()
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, yarl.URL] = {}  # path -> parsed base_url + path (a base path prefix is kept)
         self._closed = False
         self.limits: SharedLimits = acquire_limits(self.base_url, requested, clock)  # last: nothing to undo
 
@@ -197,8 +199,8 @@ class JudgeClient:
             https = self.base_url.startswith("https://")
             connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, ssl=None if https else False)
             session = self._session = aiohttp.ClientSession(
-                self.base_url, connector=connector, headers=self._headers, trust_env=self._trust_env,
-                timeout=aiohttp.ClientTimeout(total=None), auto_decompress=True,
+                connector=connector, headers=self._headers, trust_env=self._trust_env,
+                timeout=aiohttp.ClientTimeout(total=None),
             )
         return session
 
@@ -316,9 +318,12 @@ class JudgeClient:
                 attempt_deadline = min(loop.time() + self.timeout_s, total_deadline)
                 budget = attempt_deadline - loop.time()
                 http = self._http()
+                target = self._urls.get(path)
+                if target is None:
+                    target = self._urls[path] = yarl.URL(url)
                 try:
                     async with asyncio.timeout_at(attempt_deadline):
-                        async with http.post(path, data=body, headers=_JSON_HEADERS) as response:
+                        async with http.post(target, data=body, headers=_JSON_HEADERS) as response:
                             status = response.status
                             raw = await response.read()
                             retry_after = response.headers.get("Retry-After")

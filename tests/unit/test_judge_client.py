@@ -386,3 +386,11 @@ async def test_fake_judge_cli_serves_and_exits_cleanly_on_sigterm():
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_base_url_path_prefix_is_kept(server):
+    # A judge behind a path prefix (e.g. a gateway route): paths are appended, not substituted.
+    async with _client(server.base_url + "/gateway") as client:
+        with pytest.raises(JudgeRequestError) as info:
+            await _chat(client)
+    assert info.value.status == 404 and "/gateway/v1/chat/completions" in str(info.value)
