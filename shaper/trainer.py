@@ -249,10 +249,10 @@ def check_recipe(recipe: str, combined_mode: str | None = None, exclude_neutral_
     (each defines the whole advantage) or with our exclusion (it has OpenClaw-RL's own)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown trainer recipe {recipe!r}; expected one of {list(RECIPES)}")
-    if recipe == "openclaw_turns" and exclude_neutral_turns:
+    if exclude_neutral_turns and (recipe == "openclaw_turns" or combined_mode == "openclaw_combine"):
+        which = "trainer.recipe 'openclaw_turns'" if recipe == "openclaw_turns" else "combined_mode 'openclaw_combine'"
         raise ValueError(
-            "trainer.recipe 'openclaw_turns' applies OpenClaw-RL's own streaming exclusion; turn "
-            "trainer.exclude_neutral_turns off"
+            f"{which} applies OpenClaw-RL's own turn selection; turn trainer.exclude_neutral_turns off"
         )
     if recipe != "grpo" and combined_mode is not None:
         raise ValueError(

@@ -94,6 +94,8 @@ def test_recipe_checks():
         check_recipe("openclaw_turns", "prm_gated_opd")
     with pytest.raises(ValueError, match="exclude_neutral_turns off"):
         shape_batch(_cases_batch(), mode="additive", recipe="openclaw_turns", exclude_neutral_turns=True)
+    with pytest.raises(ValueError, match="combined_mode 'openclaw_combine' applies"):
+        check_recipe("grpo", "openclaw_combine", exclude_neutral_turns=True)
 
 
 # --------------------------------------------------------------------------- openclaw_combine
