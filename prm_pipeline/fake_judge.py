@@ -62,7 +62,8 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
-from scoring_workers.scorers.judge import HINT_SUFFIX_HEADER, render_chatml
+from scoring_workers.scorers.conversation import render_chatml
+from scoring_workers.scorers.judge import HINT_SUFFIX_HEADER
 
 __all__ = ["FakeJudgeServer", "add_fake_judge_parser", "cmd_fake_judge", "fake_teacher_logprob", "fake_tokenize"]
 

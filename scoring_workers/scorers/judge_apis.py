@@ -211,7 +211,7 @@ class JudgeEndpoint:
         self.top_k = top_k
         self.include_reasoning = include_reasoning
         if chat_template is None:
-            from scoring_workers.scorers.judge import render_chatml
+            from scoring_workers.scorers.conversation import render_chatml
 
             chat_template = render_chatml
         self.chat_template = chat_template

@@ -10,7 +10,7 @@ Per turn (OpenClaw-RL's OPD mode):
 2. **Teacher.** Append the hint to the turn's last user message
    (``"\\n\\n[user's hint / instruction]\\n<hint>"``), normalize the messages as
    OpenClaw-RL does for its template (``developer`` -> ``system``, list contents
-   flattened: :func:`~scoring_workers.scorers.judge.normalize_template_messages`),
+   flattened: :func:`~scoring_workers.scorers.conversation.normalize_template_messages`),
    tokenize that prompt, append the
    rollout's *own* output tokens (``model_response.output_tokens`` — never
    re-tokenized text, so positions line up with ``output_logprobs``) and
@@ -70,11 +70,11 @@ from scoring_workers.scorers.judge import (
     append_hint_to_messages,
     build_hint_judge_messages,
     gather_or_cancel,
-    normalize_template_messages,
     parse_hint_judgement,
     select_best_hint,
 )
 from scoring_workers.prm.resolve import resolve_callable
+from scoring_workers.scorers.conversation import normalize_template_messages
 from scoring_workers.scorers.judge_apis import sglang_input_logprobs
 from scoring_workers.scorers.judge_errors import JudgeRequestError
 from scoring_workers.scorers.judge_http import JudgeClient

@@ -3,7 +3,7 @@
 For every turn the scorer finds the **next state** in the branch conversation
 ``ctx["messages"]`` — by default OpenClaw-RL's rule, the last message before the next
 assistant turn (``next_state: first`` takes the first ``user``/``tool`` message instead;
-see :func:`scoring_workers.scorers.judge.locate_next_state`) — and asks an LLM judge
+see :func:`scoring_workers.scorers.conversation.locate_next_state`) — and asks an LLM judge
 whether the output fulfilled the user's intent, with the next state as evidence
 (OpenClaw-RL's role-aware prompt: a successful tool output is positive, a user change
 request is negative). ``m`` votes (default 3) are combined by OpenClaw-RL's majority
@@ -24,7 +24,7 @@ three settle it) — the score is identical to asking all ``m`` (see
 What the judge sees as the turn: with ``policy_tokenizer`` (the policy's
 ``tokenizer.json``) the turn's output tokens decoded with special tokens — OpenClaw-RL's
 chat-template view, thinking and tool-call markup included; without it, the output
-messages' text plus ``<tool_call>`` JSON (:func:`~scoring_workers.scorers.judge.
+messages' text plus ``<tool_call>`` JSON (:func:`~scoring_workers.scorers.conversation.
 render_response_text`).
 
 Config (``kwargs`` of the scorer entry)::
@@ -75,17 +75,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
-from scoring_workers.scorers.judge import (
+from scoring_workers.scorers.conversation import (
     NEXT_STATE_RULES,
-    JudgeFailedError,
     NextState,
+    locate_next_state,
+    message_text,
+    render_response_text,
+)
+from scoring_workers.scorers.judge import (
+    JudgeFailedError,
     Vote,
     VoteResult,
     build_prm_judge_messages,
-    locate_next_state,
-    message_text,
     parse_boxed_score,
-    render_response_text,
     run_votes,
 )
 from scoring_workers.prm.resolve import resolve_callable

@@ -7,20 +7,23 @@ import pickle
 import pytest
 
 from scoring_workers.prm._frozen import freeze
+from scoring_workers.scorers.conversation import (
+    NextState,
+    locate_next_state,
+    message_text,
+    normalize_template_messages,
+    render_chatml,
+    render_response_text,
+)
 from scoring_workers.scorers.judge import (
     HINT_SUFFIX_HEADER,
     JudgeFailedError,
-    NextState,
     append_hint_to_messages,
     build_hint_judge_messages,
     build_prm_judge_messages,
-    locate_next_state,
     majority_vote,
-    message_text,
     parse_boxed_score,
     parse_hint_judgement,
-    render_chatml,
-    render_response_text,
     select_best_hint,
 )
 
@@ -252,3 +255,11 @@ def test_judge_failed_error_reason_and_pickling():
     again = pickle.loads(pickle.dumps(exc))
     assert (again.reason, again.interaction_id, again.calls, again.errors, again.invalid) == (
         "judge_failed", "t1", 3, 2, 1)
+
+
+def test_normalize_template_messages_as_upstream():
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
+                {"role": "user", "content": "hi", "name": "u"}]
+    out = normalize_template_messages(messages)
+    assert out == [{"role": "system", "content": "a"}, {"role": "user", "content": "hi", "name": "u"}]
+    assert messages[0]["role"] == "developer"  # copies: the input is untouched

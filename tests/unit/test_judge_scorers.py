@@ -16,7 +16,8 @@ from prm_pipeline.fake_judge import (
     fake_teacher_logprob,
     fake_tokenize,
 )
-from scoring_workers.scorers.judge import JudgeFailedError, render_chatml
+from scoring_workers.scorers.conversation import render_chatml
+from scoring_workers.scorers.judge import JudgeFailedError
 from scoring_workers.scorers.judge_limits import registered_limits
 from scoring_workers.scorers.opd import MissingLogprobsError, OPDTeacherScorer
 from scoring_workers.scorers.openclaw import JudgeScorerResult, OpenClawJudgeScorer

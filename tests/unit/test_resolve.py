@@ -45,7 +45,7 @@ def test_one_message_for_every_kind_of_path():
 
 def test_allowed_paths_resolve_inside_and_outside_the_context():
     with allowed_modules(["scoring_workers.scorers"]):
-        fn = resolve_callable("scoring_workers.scorers.judge:render_chatml", "chat_template")
+        fn = resolve_callable("scoring_workers.scorers.conversation:render_chatml", "chat_template")
         assert fn([{"role": "user", "content": "x"}]).startswith("<|im_start|>user")
         with pytest.raises(ConfigError):
             resolve_callable("json.dumps", "audit_sink")
@@ -64,7 +64,7 @@ def test_resolution_errors():
 
 def test_allowed_judge_scorer_with_allowed_callables_builds():
     scorer, owned = build_scorer(
-        _judge_entry(chat_template="scoring_workers.scorers.judge:render_chatml", api="sglang"),
+        _judge_entry(chat_template="scoring_workers.scorers.conversation:render_chatml", api="sglang"),
         allowed_prefixes=ALLOWED,
     )
     try:
