@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 SHAPING_MODES = ("additive", "gvpo", "process_weighted")
 # Trainer-side PRM + OPD combinations (shaper.combined). Deliberately not values of
 # AReaL's advantage_shaping.mode: they choose the token signal, the mode still folds it in.
-COMBINED_MODES = ("prm_gated_opd", "prm_weighted_opd")
+COMBINED_MODES = ("prm_gated_opd", "prm_weighted_opd", "openclaw_combine")
 
 
 # Declarative constraints, checked by msgspec when a file or the environment is loaded
@@ -193,8 +193,13 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     judge_scorer: str = "openclaw_judge"  # scorer whose turn results / channel are the judge's
     # null, or a PRM + OPD combination (shaper.combined) used as the per-token process
     # signal; needs worker.keep_scorer_channels for the judge and OPD scorers' channels.
-    combined_mode: Literal["prm_gated_opd", "prm_weighted_opd"] | None = None
+    combined_mode: Literal["prm_gated_opd", "prm_weighted_opd", "openclaw_combine"] | None = None
     opd_scorer: str = "opd_teacher"  # scorer whose channel is the OPD token signal
+    # grpo (ours: outcome advantage + shaped process rewards) or openclaw_turns (OpenClaw-RL:
+    # each judged turn a sample, advantage = judge score, upstream exclusion). shaper/openclaw_recipe.py
+    recipe: Literal["grpo", "openclaw_turns"] = "grpo"
+    # OpenClaw-RL's OPD trains no turn without an accepted hint: mask them (opd_scorer's results)
+    drop_unhinted_turns: bool = False
 
 
 class LocalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_parser(sub)
 
     from prm_pipeline.audit import add_audit_parser
-    from scoring_workers.scorers.fake_judge import add_fake_judge_parser
+    from prm_pipeline.fake_judge import add_fake_judge_parser
 
     add_audit_parser(sub)
     add_fake_judge_parser(sub)

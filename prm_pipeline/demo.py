@@ -1,7 +1,7 @@
 """``make demo``: a tiny real LM trained through the pipeline, in a closed loop, with a report.
 
 1. start the embedded Kafka-protocol broker and Redis, create the topics; start the
-   scripted judge (:class:`~scoring_workers.scorers.fake_judge.FakeJudgeServer`, for the
+   scripted judge (:class:`~prm_pipeline.fake_judge.FakeJudgeServer`, for the
    ``\\boxed{}`` votes: a random LM cannot judge) and ``prm-pipeline model-server`` (the
    tiny LM as the OPD teacher: real log-probs over SGLang ``/generate``);
 2. start two ``prm-pipeline worker`` processes. Scorers: the config file's (the length
@@ -151,7 +151,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     from prm_pipeline.report import DemoRecord, write_report
     from producers.rollout_proxy import RolloutConfig, RolloutProxy
     from producers.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
-    from scoring_workers.scorers.fake_judge import FakeJudgeServer
+    from prm_pipeline.fake_judge import FakeJudgeServer
     from shaper.trainer import run_trainer
 
     torch.set_num_threads(1)  # two shared cores: one thread each for the proxy and the trainer

@@ -1,4 +1,4 @@
-"""PRM + OPD combined token signals (seed 002, section 5), pure and vectorised.
+"""PRM + OPD combined token signals, pure and vectorised.
 
 OPD's token signal ``teacher_lp - rollout_lp`` says *how* each token should change,
 but it is conditioned on everything the policy wrote before: once a turn went wrong,
@@ -6,14 +6,18 @@ the teacher's opinion of later tokens is "cascade-contaminated". A turn-level PR
 (the judge's ``+1/0/-1`` per turn) says *where* things went wrong. Two ways to
 combine them:
 
-:func:`prm_gated_opd` (seed 5.2, "PRM as OPD's validity gate")
+:func:`prm_gated_opd` (ours: "PRM as OPD's validity gate")
     walking a branch's turns in order: a turn the judge scored ``> 0`` keeps its OPD
     token signals; the **first** turn scored ``<= 0`` gets a uniform ``penalty``
     (``-1``) on every token, and every later turn of the branch gets ``0`` — the
     cascade is cut there.
-:func:`prm_weighted_opd` (seed 5.3, "hierarchical advantage")
+:func:`prm_weighted_opd` (ours: "hierarchical advantage")
     token signal = turn score × OPD token signal: the PRM decides the weight and sign
     of a turn, OPD the direction inside it.
+:func:`openclaw_combine` (OpenClaw-RL's ``openclaw-combine``)
+    per turn, a dispatch between the OPD signal and the judge signal:
+    ``w_opd · (teacher − old) + w_rl · score``, turns with neither signal dropped.
+    Unlike the two above it yields the advantage itself and a loss mask.
 
 Inputs (one row per branch/sequence; every tensor on the same device):
 
@@ -41,7 +45,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["prm_gated_opd", "prm_weighted_opd", "turn_scores_from_tokens"]
+__all__ = ["openclaw_combine", "prm_gated_opd", "prm_weighted_opd", "turn_scores_from_tokens"]
 
 
 def turn_scores_from_tokens(token_values: Tensor, turn_index: Tensor, num_turns: int) -> Tensor:
@@ -131,7 +135,7 @@ def prm_gated_opd(
     """Gate OPD signals by the PRM, turn by turn, cutting the cascade at the first bad turn.
 
     For row ``b``, let ``f`` be its first turn with ``turn_scores[b, f] <= 0`` (a
-    neutral ``0`` counts as not good, as in the seed). Then, on active positions:
+    neutral ``0`` counts as not good). Then, on active positions:
 
     * tokens of turns ``k < f`` (all judged good) get their OPD signal;
     * tokens of turn ``f`` get ``penalty`` (default ``-1``) — a uniform penalty that
@@ -141,7 +145,7 @@ def prm_gated_opd(
     ``turn_mask`` (optional ``[B, K]`` bool) marks turns that were actually judged;
     an unjudged turn (e.g. the branch's last turn, which has no next state and scores
     ``0`` by convention) neither passes OPD (its tokens get ``0``) nor cuts the
-    cascade. Without it every turn counts as judged, exactly as in the seed.
+    cascade. Without it every turn counts as judged.
     A NaN score counts as not good.
 
     Returns a new ``[B, T]`` tensor with ``opd_token_signals``' dtype and device.
@@ -173,3 +177,54 @@ def prm_gated_opd(
     out = torch.where(before & token_good, opd_token_signals, zeros)
     out = torch.where(at, torch.full_like(opd_token_signals, float(penalty)), out)
     return torch.where(active, out, zeros)
+
+
+def openclaw_combine(
+    opd_token_signals: Tensor,
+    turn_scores: Tensor,
+    hint_accepted: Tensor,
+    turn_index: Tensor,
+    loss_mask: Tensor,
+    *,
+    w_opd: float = 1.0,
+    w_rl: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """OpenClaw-RL's combine advantage: ``(advantages, loss_mask)``, both ``[B, T]``.
+
+    Per turn (``hint_accepted`` ``[B, K]`` bool: the OPD hint judge accepted a hint;
+    ``turn_scores`` ``[B, K]``: the PRM judge's majority, ``±1`` is a signal, ``0`` none):
+
+    ============  ===========  =========================================
+    hint          score ±1     advantage per token ``i`` of the turn
+    ============  ===========  =========================================
+    yes           yes          ``w_opd · opd_i + w_rl · score``
+    yes           no           ``w_opd · opd_i``
+    no            yes          ``w_rl · score`` (teacher = rollout: no OPD term)
+    no            no           turn dropped (loss mask 0)
+    ============  ===========  =========================================
+
+    ``opd_token_signals`` is ``teacher_lp − old_lp`` per token. No normalisation (each
+    turn is a group of one upstream), no outcome advantage. The returned mask is
+    ``loss_mask`` restricted to turns with a signal.
+    """
+    _check(opd_token_signals, turn_scores, turn_index, loss_mask)
+    for name, value in (("w_opd", w_opd), ("w_rl", w_rl)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if tuple(hint_accepted.shape) != tuple(turn_scores.shape) or hint_accepted.device != turn_scores.device:
+        raise ValueError(
+            f"hint_accepted must be [B, K] = {tuple(turn_scores.shape)} on {turn_scores.device}; got "
+            f"{tuple(hint_accepted.shape)} on {hint_accepted.device}"
+        )
+    zeros = torch.zeros_like(opd_token_signals)
+    if turn_scores.shape[1] == 0:
+        return zeros, torch.zeros_like(zeros, dtype=torch.bool)
+    active, k = _token_turns(turn_scores, turn_index, loss_mask)
+    hint = hint_accepted if hint_accepted.dtype == torch.bool else hint_accepted != 0
+    rl = (turn_scores != 0) & ~torch.isnan(turn_scores)
+    tok_hint = torch.gather(hint, 1, k)
+    tok_rl = torch.gather(rl, 1, k)
+    score = torch.gather(torch.where(rl, turn_scores, torch.zeros_like(turn_scores)).to(zeros.dtype), 1, k)
+    mask = active & (tok_hint | tok_rl)
+    advantage = torch.where(tok_hint, float(w_opd) * opd_token_signals, zeros) + float(w_rl) * score
+    return torch.where(mask, advantage, zeros), mask

@@ -6,7 +6,7 @@ session's last turn, so there was nothing to judge) gets ``loss_mask = 0``. On i
 that can silence a whole session — five neutral turns contribute nothing, and a
 session that never produces a sample starves ``rollout_batch_size`` — so it keeps an
 **at-least-one guarantee**: if a session has no effective turn, its first judged turn
-that had a next state is trained on anyway (seed 002, "At-Least-One Guarantee").
+that had a next state is trained on anyway (OpenClaw-RL's at-least-one guarantee).
 
 Here the rule is applied where the trainer sees whole sessions, to the concat rows of a
 :class:`~shaper.batch.TrainingBatch`:
@@ -29,6 +29,12 @@ OpenClaw-RL's server decides each turn as it arrives, so there the guarantee rea
 turns out effective. The trainer knows the whole session, so it applies the rule as
 stated ("when every turn of a session is neutral") and never keeps a neutral turn of a
 session that has a real signal.
+
+:func:`streaming_turn_keep` is OpenClaw-RL's own, streaming form of the rule (used by
+the ``openclaw_turns`` recipe, :mod:`shaper.openclaw_recipe`): a session's first turn
+with a next state is always kept, effective or not, and its last turn never is.
+:func:`unhinted_turns` marks the turns OpenClaw-RL's OPD does not train (no accepted
+hint, or the teacher failed) for the trainer's ``drop_unhinted_turns``.
 
 Inputs come from the verdicts: the judge scorer's per-turn results
 (:attr:`~infra.schema.SessionResult.turn_results`; reward ``0`` means neutral, the
@@ -57,6 +63,9 @@ __all__ = [
     "exclude_neutral_turns",
     "judge_turn_table",
     "session_index",
+    "streaming_turn_keep",
+    "turn_flag_table",
+    "unhinted_turns",
 ]
 
 HAS_NEXT_STATE = "has_next_state"
@@ -219,3 +228,77 @@ def apply_exclusion(batch: TrainingBatch, scorer: str = "openclaw_judge", loss_m
         batch.loss_mask if loss_mask is None else loss_mask, batch.turn_index, table.scores,
         table.has_next_state, sessions, table.judged,
     )
+
+
+def turn_flag_table(batch: TrainingBatch, scorer: str, metric: str, *, default: bool) -> tuple[Tensor, Tensor]:
+    """``(flags, present)``: ``[B, K]`` bool of ``scorer``'s boolean turn observation
+    ``metric`` (``default`` where the scorer does not report it), and where the scorer
+    has a result for turn ``k``. Raises :class:`ValueError` naming the row when a row
+    has no results of ``scorer`` at all (a wrong scorer name must not pass silently)."""
+    n = batch.batch_size
+    num_turns = int(batch.turn_index.max().item()) + 1 if batch.turn_index.numel() else 0
+    flags = np.zeros((n, num_turns), dtype=bool)
+    present = np.zeros((n, num_turns), dtype=bool)
+    for b, by_scorer in enumerate(batch.turn_results):
+        results = by_scorer.get(scorer)
+        if results is None:
+            raise ValueError(
+                f"row {b} (session {batch.session_ids[b]!r}) has no per-turn results of scorer {scorer!r} "
+                f"(it has {sorted(by_scorer) or 'none'})"
+            )
+        for k, tr in enumerate(results[:num_turns]):
+            value = next((o.value for o in tr.observations if o.metric_id == metric), default)
+            flags[b, k] = bool(value)
+            present[b, k] = True
+    device = batch.turn_index.device
+    return torch.from_numpy(flags).to(device), torch.from_numpy(present).to(device)
+
+
+def unhinted_turns(batch: TrainingBatch, opd_scorer: str = "opd_teacher") -> Tensor:
+    """``[B, K]`` bool: turns OpenClaw-RL's OPD would not train — the OPD scorer reports no
+    accepted hint (``hint_accepted`` false: no hint, or no next state) or a failed judge /
+    teacher (``judge_failed`` true, under ``on_all_votes_failed: neutral``)."""
+    accepted, present = turn_flag_table(batch, opd_scorer, "hint_accepted", default=True)
+    failed, _ = turn_flag_table(batch, opd_scorer, "judge_failed", default=False)
+    return present & (~accepted | failed)
+
+
+def streaming_turn_keep(
+    turn_scores: Tensor, has_next_state: Tensor, judged: Tensor, sessions: Tensor
+) -> Tensor:
+    """``[B, K]`` bool: the turns OpenClaw-RL's RL recipe trains on, per row.
+
+    OpenClaw-RL decides each turn as its judge finishes, in turn order: a turn is
+    excluded when it has no next state or scored ``0``, unless it has a next state and
+    the session has *no included sample so far*. Walking turns in order, nothing is
+    included before the first turn with a next state, so that turn is always kept
+    (effective or rescued) and every later one only if effective — even when a later
+    turn is effective, a leading neutral turn stays in (unlike :func:`exclude_neutral_turns`).
+    Rows of one session (branches) share their first candidate turn number. The row's
+    last judged turn is dropped (at the end of a session OpenClaw-RL submits it with an
+    all-zero loss mask, or not at all).
+    """
+    if turn_scores.dim() != 2 or tuple(has_next_state.shape) != tuple(turn_scores.shape) \
+            or tuple(judged.shape) != tuple(turn_scores.shape):
+        raise ValueError(
+            f"turn_scores, has_next_state and judged must be [B, K] of one shape; got {tuple(turn_scores.shape)}, "
+            f"{tuple(has_next_state.shape)}, {tuple(judged.shape)}"
+        )
+    b, num_turns = turn_scores.shape
+    if tuple(sessions.shape) != (b,):
+        raise ValueError(f"sessions must be [B] = [{b}], got {tuple(sessions.shape)}")
+    if b == 0 or num_turns == 0:
+        return torch.zeros_like(judged, dtype=torch.bool)
+    device = turn_scores.device
+    judged = judged.to(torch.bool)
+    candidate = judged & has_next_state.to(torch.bool)
+    order = torch.arange(num_turns, device=device).expand(b, num_turns)
+    row_first = torch.where(candidate, order, torch.full_like(order, num_turns)).amin(dim=1)  # [B]
+    sessions = sessions.to(device=device, dtype=torch.long)
+    n_sessions = int(sessions.max().item()) + 1
+    first = torch.full((n_sessions,), num_turns, dtype=torch.long, device=device).scatter_reduce(
+        0, sessions, row_first, reduce="amin", include_self=True
+    )
+    rescued = order == first[sessions].unsqueeze(1)
+    last = torch.where(judged, order, torch.full_like(order, -1)).amax(dim=1, keepdim=True)  # [B, 1]
+    return candidate & ((turn_scores != 0) | rescued) & (order != last)

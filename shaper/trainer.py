@@ -48,11 +48,12 @@ from torch import Tensor
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config, validate
 
 from .batch import TrainingBatch, resolve_device
-from .combined import prm_gated_opd, prm_weighted_opd, turn_scores_from_tokens
+from .combined import openclaw_combine, prm_gated_opd, prm_weighted_opd, turn_scores_from_tokens
 from .consumer import VerdictConsumer
-from .exclusion import JudgeTurnTable, judge_turn_table, session_index
+from .exclusion import JudgeTurnTable, judge_turn_table, session_index, unhinted_turns
 from .exclusion import exclude_neutral_turns as _exclude_neutral_turns
 from .filters import get_filter
+from .openclaw_recipe import RECIPES, openclaw_turn_advantages, turn_values_to_tokens
 from .shaping import grpo_outcome_advantages, shape_advantages, shift_token_rewards
 
 __all__ = [
@@ -125,6 +126,8 @@ def shape_batch(
     combined_mode: str | None = None,
     opd_scorer: str = "opd_teacher",
     gate_penalty: float = -1.0,
+    recipe: str = "grpo",
+    drop_unhinted_turns: bool = False,
 ) -> ShapedBatch:
     """Shifted masks/rewards, GRPO outcome advantages and shaped advantages for ``batch``.
 
@@ -137,10 +140,31 @@ def shape_batch(
     ``combined_mode`` (``prm_gated_opd`` | ``prm_weighted_opd``) replaces the summed
     token rewards by :func:`combined_token_signal` of the ``judge_scorer`` and
     ``opd_scorer`` channels. Both work in generated-token alignment, before the shift.
+
+    OpenClaw-RL's recipes replace the outcome advantage altogether (their
+    ``outcome_advantages`` are zeros): ``recipe="openclaw_turns"`` trains judged turns
+    with the judge score as advantage (:mod:`shaper.openclaw_recipe`), and
+    ``combined_mode="openclaw_combine"`` uses :func:`shaper.combined.openclaw_combine`'s
+    advantage and mask. ``drop_unhinted_turns`` masks the turns ``opd_scorer`` accepted
+    no hint for (:func:`shaper.exclusion.unhinted_turns`).
     """
+    check_recipe(recipe, combined_mode, exclude_neutral_turns)
     loss_mask = batch.loss_mask
     if mask_no_eos_with_zero:
         loss_mask = loss_mask & ~batch.is_truncated.unsqueeze(-1)
+    if drop_unhinted_turns:
+        loss_mask = loss_mask & ~turn_values_to_tokens(unhinted_turns(batch, opd_scorer), batch.turn_index)
+    direct: tuple[Tensor, Tensor] | None = None
+    if recipe == "openclaw_turns":
+        direct = openclaw_turn_advantages(batch, judge_scorer, loss_mask)
+    elif combined_mode == "openclaw_combine":
+        direct = _openclaw_combine(batch, loss_mask, judge_scorer, opd_scorer)
+    if direct is not None:  # OpenClaw-RL: the advantage itself, no outcome term, no shaping
+        advantages, kept = direct
+        mask = shift_token_rewards(kept)
+        shifted = shift_token_rewards(advantages)
+        return ShapedBatch(loss_mask=mask, token_rewards=shifted, outcome_advantages=torch.zeros_like(shifted),
+                           advantages=shifted)
     table: JudgeTurnTable | None = None
     if exclude_neutral_turns or combined_mode == "prm_gated_opd":
         table = judge_turn_table(batch, judge_scorer)
@@ -183,14 +207,9 @@ def combined_token_signal(
     judged on, so its ``0`` must not cut the cascade or earn the penalty.
     """
     check_combined_mode(combined_mode)
-    missing = [name for name in (judge_scorer, opd_scorer) if name not in batch.channels]
-    if missing:
-        raise ValueError(
-            f"combined_mode {combined_mode!r} needs the per-scorer channels of {judge_scorer!r} (judge) and "
-            f"{opd_scorer!r} (OPD); the batch has {sorted(batch.channels) or 'none'}, missing {missing}. Run the "
-            "workers with worker.keep_scorer_channels: true and both scorers configured, or set "
-            "trainer.judge_scorer / trainer.opd_scorer to their names"
-        )
+    if combined_mode == "openclaw_combine":
+        raise ValueError("openclaw_combine yields an advantage and a mask, not a token signal: use shape_batch")
+    _require_channels(batch, combined_mode, judge_scorer, opd_scorer)
     mask = batch.loss_mask if loss_mask is None else loss_mask
     turn_index = batch.turn_index
     num_turns = int(turn_index.max().item()) + 1 if turn_index.numel() else 0
@@ -201,6 +220,47 @@ def combined_token_signal(
     table = table if table is not None else judge_turn_table(batch, judge_scorer)
     return prm_gated_opd(opd, scores, turn_index, mask, penalty=penalty,
                          turn_mask=table.judged & table.has_next_state)
+
+
+def _openclaw_combine(
+    batch: TrainingBatch, loss_mask: Tensor, judge_scorer: str, opd_scorer: str
+) -> tuple[Tensor, Tensor]:
+    """:func:`shaper.combined.openclaw_combine` on the batch's channels; the scorers'
+    weights already scale them, so they play ``w_rl`` (judge) and ``w_opd`` (OPD)."""
+    _require_channels(batch, "openclaw_combine", judge_scorer, opd_scorer)
+    turn_index = batch.turn_index
+    num_turns = int(turn_index.max().item()) + 1 if turn_index.numel() else 0
+    scores = turn_scores_from_tokens(batch.channels[judge_scorer], turn_index, num_turns)
+    hinted = ~unhinted_turns(batch, opd_scorer)
+    return openclaw_combine(batch.channels[opd_scorer], scores, hinted, turn_index, loss_mask)
+
+
+def _require_channels(batch: TrainingBatch, combined_mode: str, judge_scorer: str, opd_scorer: str) -> None:
+    missing = [name for name in (judge_scorer, opd_scorer) if name not in batch.channels]
+    if missing:
+        raise ValueError(
+            f"combined_mode {combined_mode!r} needs the per-scorer channels of {judge_scorer!r} (judge) and "
+            f"{opd_scorer!r} (OPD); the batch has {sorted(batch.channels) or 'none'}, missing {missing}. Run the "
+            "workers with worker.keep_scorer_channels: true and both scorers configured, or set "
+            "trainer.judge_scorer / trainer.opd_scorer to their names"
+        )
+
+
+def check_recipe(recipe: str, combined_mode: str | None = None, exclude_neutral_turns: bool = False) -> None:
+    """Refuse an unknown recipe, and OpenClaw-RL's turn recipe combined with a PRM + OPD mode
+    (each defines the whole advantage) or with our exclusion (it has OpenClaw-RL's own)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown trainer recipe {recipe!r}; expected one of {list(RECIPES)}")
+    if exclude_neutral_turns and (recipe == "openclaw_turns" or combined_mode == "openclaw_combine"):
+        which = "trainer.recipe 'openclaw_turns'" if recipe == "openclaw_turns" else "combined_mode 'openclaw_combine'"
+        raise ValueError(
+            f"{which} applies OpenClaw-RL's own turn selection; turn trainer.exclude_neutral_turns off"
+        )
+    if recipe != "grpo" and combined_mode is not None:
+        raise ValueError(
+            f"trainer.recipe {recipe!r} defines the whole advantage; it cannot be combined with "
+            f"trainer.combined_mode {combined_mode!r} (use one of them)"
+        )
 
 
 def check_combined_mode(combined_mode: str | None, shaping_mode: str | None = None) -> None:
@@ -214,7 +274,7 @@ def check_combined_mode(combined_mode: str | None, shaping_mode: str | None = No
         return
     if combined_mode not in COMBINED_MODES:
         raise ValueError(f"unknown combined mode {combined_mode!r}; expected one of {list(COMBINED_MODES)} or null")
-    if shaping_mode == "process_weighted":
+    if shaping_mode == "process_weighted" and combined_mode != "openclaw_combine":  # that one is not shaped
         raise ValueError(
             f"trainer.combined_mode {combined_mode!r} produces signed token signals, but "
             "advantage_shaping.mode 'process_weighted' needs process rewards in [0, 1]; use additive or gvpo"
@@ -288,6 +348,7 @@ async def run_trainer(
         raise ValueError(f"unknown shaping mode {mode!r}; expected one of {list(SHAPING_MODES)}")
     tc = cfg.trainer
     check_combined_mode(tc.combined_mode, mode)
+    check_recipe(tc.recipe, tc.combined_mode, tc.exclude_neutral_turns)
     dev = resolve_device(device if device is not None else tc.device)
     summary = TrainerSummary(device=str(dev), mode=mode, combined_mode=tc.combined_mode,
                              exclude_neutral_turns=tc.exclude_neutral_turns)
@@ -308,6 +369,7 @@ async def run_trainer(
                     zero_eps=shaping.zero_eps, mask_no_eos_with_zero=cfg.actor.mask_no_eos_with_zero,
                     exclude_neutral_turns=tc.exclude_neutral_turns, judge_scorer=tc.judge_scorer,
                     combined_mode=tc.combined_mode, opd_scorer=tc.opd_scorer,
+                    recipe=tc.recipe, drop_unhinted_turns=tc.drop_unhinted_turns,
                 )
                 mask = shaped.loss_mask
                 stepped = dict(update(batch, shaped)) if update is not None else {}
@@ -373,6 +435,7 @@ def _configure(args: argparse.Namespace) -> PipelineConfig:
     validate(cfg)  # e.g. process_weighted with mask_no_eos_with_zero: ConfigError -> exit 2
     try:
         check_combined_mode(cfg.trainer.combined_mode, cfg.prm.advantage_shaping.mode)
+        check_recipe(cfg.trainer.recipe, cfg.trainer.combined_mode, cfg.trainer.exclude_neutral_turns)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return cfg

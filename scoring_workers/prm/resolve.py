@@ -11,15 +11,26 @@ unchanged without installing a top-level ``examples`` package (which would colli
 every other project's ``examples`` folder) and without the repository's own
 ``examples/`` directory being importable or required.
 
-``allowed_prefixes`` lets a deployment restrict which modules a config may import
-(config files are code execution otherwise). It is checked against the module that
-would actually be imported, i.e. after alias lookup.
+``allowed_prefixes`` (``worker.allowed_scorer_modules``) lets a deployment restrict
+which modules a config may import (config files are code execution otherwise). It is
+checked against the module that would actually be imported, i.e. after alias lookup.
+
+:func:`resolve_import` is the **one** resolver for everything a config names by import
+path — scorer classes, and the callables a scorer's ``kwargs`` name (a judge's
+``chat_template`` and ``audit_sink``, an OPD ``tokenizer``) — and the one place the
+allow-list is enforced, with one error message. A scorer's constructor cannot take the
+allow-list as an argument (its signature is AReaL's ``cls(weight=, enabled=,
+**kwargs)``), so :func:`build_scorer` makes it the *context* of the construction
+(:func:`allowed_modules`, a :class:`contextvars.ContextVar`): a path resolved while the
+scorer is being built is held to the same prefixes as the scorer's own path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any
 
@@ -28,7 +39,14 @@ import msgspec
 from infra.config import ConfigError, PRMScorerConfig
 from scoring_workers.prm.base import BaseScorer
 
-__all__ = ["SCORER_ALIASES", "resolve_scorer_class", "build_scorer"]
+__all__ = [
+    "SCORER_ALIASES",
+    "allowed_modules",
+    "build_scorer",
+    "resolve_callable",
+    "resolve_import",
+    "resolve_scorer_class",
+]
 
 SCORER_ALIASES: Mapping[str, str] = MappingProxyType(
     {
@@ -41,12 +59,88 @@ SCORER_ALIASES: Mapping[str, str] = MappingProxyType(
 _ENTRY_KEYS = frozenset(f.encode_name for f in msgspec.structs.fields(PRMScorerConfig))
 
 
+_ALLOWED: ContextVar[tuple[str, ...] | None] = ContextVar("prm_allowed_modules", default=None)
+
+
+def _prefixes(allowed: Sequence[str] | str | None) -> tuple[str, ...] | None:
+    if allowed is None:
+        return None
+    return (allowed,) if isinstance(allowed, str) else tuple(allowed)
+
+
+@contextlib.contextmanager
+def allowed_modules(prefixes: Sequence[str] | str | None) -> Iterator[None]:
+    """Within this block, :func:`resolve_import` (without an explicit ``allowed_prefixes``)
+    only imports modules under ``prefixes`` (``None``: any module)."""
+    token = _ALLOWED.set(_prefixes(prefixes))
+    try:
+        yield
+    finally:
+        _ALLOWED.reset(token)
+
+
 def _module_allowed(module: str, prefixes: Sequence[str]) -> bool:
     for prefix in prefixes:
         base = prefix.rstrip(".")
         if base and (module == base or module.startswith(base + ".")):
             return True
     return False
+
+
+_CONTEXT = object()  # sentinel: take the allow-list from allowed_modules()
+
+
+def resolve_import(
+    spec: str, what: str, *, allowed_prefixes: Sequence[str] | str | None | object = _CONTEXT
+) -> Any:
+    """The object a config names by ``"module:attr"`` or ``"module.attr"`` (after alias lookup).
+
+    ``allowed_prefixes`` defaults to the enclosing :func:`allowed_modules` block (none:
+    any module). ``what`` names the setting in messages (``"scorer path"``,
+    ``"chat_template"``...).
+
+    Raises:
+        ValueError: (:class:`~infra.config.ConfigError`) empty or malformed path, or a
+            module outside the allowed prefixes — checked *before* anything is imported.
+        ImportError: the module cannot be imported or has no such attribute.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{what} must be a non-empty import path 'module.attr' or 'module:attr', got {spec!r}")
+    path = spec.strip()
+    target = SCORER_ALIASES.get(path, path)
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        module_name, _, attr = target.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{what} {spec!r} must have the form 'module.attr' or 'module:attr'")
+    prefixes = _ALLOWED.get() if allowed_prefixes is _CONTEXT else _prefixes(allowed_prefixes)  # type: ignore[arg-type]
+    if prefixes is not None and not _module_allowed(module_name, prefixes):
+        via = "" if target == path else f" (alias of {target!r})"
+        raise ConfigError(
+            f"{what} {spec!r}{via} is refused: module {module_name!r} is not under the allowed prefixes "
+            f"{list(prefixes)}; add its package to worker.allowed_scorer_modules"
+        )
+    try:
+        value: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        exc.add_note(f"while resolving {what} {spec!r}; built-in aliases: {dict(SCORER_ALIASES)}")
+        raise
+    for part in attr.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            raise ImportError(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}") from None
+    return value
+
+
+def resolve_callable(spec: Any, what: str) -> Callable[..., Any]:
+    """A callable given directly, or by import path through :func:`resolve_import`."""
+    if callable(spec):
+        return spec
+    target = resolve_import(spec, what)
+    if not callable(target):
+        raise TypeError(f"{what} {spec!r} is not callable")
+    return target
 
 
 def resolve_scorer_class(path: str, *, allowed_prefixes: Sequence[str] | None = None) -> type[BaseScorer]:
@@ -58,31 +152,7 @@ def resolve_scorer_class(path: str, *, allowed_prefixes: Sequence[str] | None = 
         ImportError: the module cannot be imported or has no such attribute.
         TypeError: the attribute is not a :class:`BaseScorer` subclass.
     """
-    if not isinstance(path, str) or not path.strip():
-        raise ConfigError(f"scorer path must be a non-empty 'module.Class' string, got {path!r}")
-    target = SCORER_ALIASES.get(path.strip(), path.strip())
-    module_name, _, attr = target.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"scorer path {path!r} must have the form 'module.Class'")
-    if allowed_prefixes is not None:
-        prefixes = [allowed_prefixes] if isinstance(allowed_prefixes, str) else list(allowed_prefixes)
-        if not _module_allowed(module_name, prefixes):
-            via = "" if target == path else f" (alias of {target!r})"
-            raise ConfigError(
-                f"scorer path {path!r}{via} is refused: module {module_name!r} is not under the "
-                f"allowed prefixes {prefixes}; add its package to the worker's allowed scorer modules"
-            )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        exc.add_note(
-            f"while resolving PRM scorer path {path!r}; built-in aliases: {dict(SCORER_ALIASES)}"
-        )
-        raise
-    try:
-        cls = getattr(module, attr)
-    except AttributeError:
-        raise ImportError(f"scorer path {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+    cls = resolve_import(path, "scorer path", allowed_prefixes=allowed_prefixes)
     if not (isinstance(cls, type) and issubclass(cls, BaseScorer)):
         raise TypeError(
             f"scorer path {path!r} names {cls!r}, which is not a subclass of "
@@ -129,4 +199,5 @@ def build_scorer(
     clash = sorted({"weight", "enabled"} & set(kwargs))
     if clash:
         raise ConfigError(f"scorer {item.path!r}: set {clash} at the entry level, not inside kwargs")
-    return cls(weight=item.weight, enabled=item.enabled, **kwargs), True
+    with allowed_modules(allowed_prefixes):  # paths in kwargs obey the same allow-list
+        return cls(weight=item.weight, enabled=item.enabled, **kwargs), True

@@ -20,7 +20,6 @@ _EXPORTS: dict[str, str] = {
     "JudgeScorerResult": "scoring_workers.scorers.openclaw",
     "OPDTeacherScorer": "scoring_workers.scorers.opd",
     "JudgeFailedError": "scoring_workers.scorers.judge",
-    "FakeJudgeServer": "scoring_workers.scorers.fake_judge",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,9 +18,8 @@ reused by any scorer:
   outcome and stop as soon as the majority is decided. It is *exact*: for every
   possible sequence of votes over ``{1, 0, -1, None}`` the result equals
   ``majority_vote`` of all ``m`` votes (proved below and tested exhaustively).
-* :func:`locate_next_state`, :func:`render_response_text`, :func:`message_text` —
-  finding a turn's output and the environment's reply to it in the branch
-  conversation.
+Reading the branch conversation (next state, response text, template messages) lives in
+:mod:`scoring_workers.scorers.conversation`.
 
 Adaptive voting, why it is exact
 --------------------------------
@@ -51,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -59,10 +57,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from scoring_workers.scorers.conversation import message_text
+
 __all__ = [
     "HINT_SUFFIX_HEADER",
     "JudgeFailedError",
-    "NextState",
     "Vote",
     "VoteResult",
     "append_hint_to_messages",
@@ -70,13 +69,9 @@ __all__ = [
     "build_prm_judge_messages",
     "decided_outcome",
     "gather_or_cancel",
-    "locate_next_state",
     "majority_vote",
-    "message_text",
     "parse_boxed_score",
     "parse_hint_judgement",
-    "render_chatml",
-    "render_response_text",
     "run_votes",
     "select_best_hint",
     "votes_to_request",
@@ -230,7 +225,7 @@ HINT_JUDGE_SYSTEM = (
     "- If decision is \\boxed{-1}, do not provide a hint block.\n"
     "- Hint must be concrete and actionable for improving the previous response."
 )
-"""System prompt of the OPD hint judge (the seed's ``_build_hint_judge_messages``)."""
+"""System prompt of the OPD hint judge (OpenClaw-RL's ``_build_hint_judge_messages``)."""
 
 
 def build_prm_judge_messages(
@@ -259,18 +254,6 @@ def build_hint_judge_messages(
     return [{"role": "system", "content": HINT_JUDGE_SYSTEM}, {"role": "user", "content": user}]
 
 
-def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Render chat messages in ChatML (Qwen's template, which OpenClaw-RL's judge uses).
-
-    Used to build the ``text`` of an SGLang ``/generate`` judge request when no
-    ``chat_template`` callable is configured.
-    """
-    parts = [f"<|im_start|>{m.get('role', 'user')}\n{message_text(m)}<|im_end|>\n" for m in messages]
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
-
-
 HINT_SUFFIX_HEADER = "[user's hint / instruction]"
 
 
@@ -289,136 +272,6 @@ def append_hint_to_messages(messages: Sequence[Mapping[str, Any]], hint: str) ->
     content = message_text(cloned[target])
     cloned[target]["content"] = (content + f"\n\n{HINT_SUFFIX_HEADER}\n{hint.strip()}").strip()
     return cloned
-
-
-# --------------------------------------------------------------------------- messages
-def message_text(message: Mapping[str, Any] | None) -> str:
-    """A message's text: string content as is, multimodal lists joined (text parts only)."""
-    if not message:
-        return ""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, (list, tuple)):
-        parts = [
-            str(item.get("text", ""))
-            for item in content
-            if isinstance(item, Mapping) and item.get("type") == "text"
-        ]
-        return " ".join(parts)
-    return "" if content is None else str(content)
-
-
-def _tool_call_text(call: Any) -> str:
-    if not isinstance(call, Mapping):
-        return str(call)
-    fn = call.get("function") if isinstance(call.get("function"), Mapping) else call
-    name = fn.get("name", "")
-    args = fn.get("arguments", "")
-    if not isinstance(args, str):
-        try:
-            args = json.dumps(args, ensure_ascii=False, sort_keys=True, default=str)
-        except (TypeError, ValueError):
-            args = str(args)
-    return f'<tool_call>{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args or "{}"}}}</tool_call>'
-
-
-def render_response_text(output_messages: Sequence[Mapping[str, Any]]) -> str:
-    """What the judge sees as "the assistant output": every output message's text plus
-    its tool calls rendered as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``."""
-    chunks: list[str] = []
-    for message in output_messages:
-        text = message_text(message)
-        if text:
-            chunks.append(text)
-        for call in message.get("tool_calls") or ():
-            chunks.append(_tool_call_text(call))
-    return "\n".join(chunks)
-
-
-class NextState(NamedTuple):
-    """The environment's reply to a turn: ``conversation[index]`` with its role and text."""
-
-    role: str
-    text: str
-    index: int
-
-
-_SKIPPABLE_ROLES = frozenset({"system", "developer"})
-_STATE_ROLES = frozenset({"user", "tool"})
-
-
-def _same_message(a: Mapping[str, Any], b: Mapping[str, Any], *, strict_assistant: bool) -> bool:
-    if a.get("role") != b.get("role"):
-        return False
-    if a.get("role") == "assistant" and not strict_assistant:
-        # Agents often rewrite assistant history (reasoning stripped, tool calls
-        # re-serialised); the role sequence plus every non-assistant message pins it.
-        return True
-    return message_text(a) == message_text(b)
-
-
-def _output_matches(out: Sequence[Mapping[str, Any]], conv: Sequence[Mapping[str, Any]], at: int) -> bool:
-    if at + len(out) > len(conv):
-        return False
-    return all(conv[at + i].get("role") == m.get("role") for i, m in enumerate(out))
-
-
-def locate_next_state(
-    turn_messages: Sequence[Mapping[str, Any]],
-    output_messages: Sequence[Mapping[str, Any]],
-    conversation: Sequence[Mapping[str, Any]],
-) -> tuple[bool, NextState | None]:
-    """Find a turn's output in the branch ``conversation`` and the message that answers it.
-
-    Returns ``(located, next_state)``. The turn's input ``turn_messages`` is the
-    conversation *before* its output, so in a well-formed branch the output starts at
-    ``len(turn_messages)`` (each later turn's messages extend the earlier ones).
-
-    1. **Prefix rule** (the normal case): the first ``n = len(turn_messages)``
-       conversation messages have the same roles as ``turn_messages`` and the same
-       text for every non-assistant message (assistant history may be rewritten by
-       the agent), and the output's roles follow at ``n``.
-    2. **Search fallback** (history was truncated or summarised): the position of an
-       assistant message whose text equals the output's first message; when several
-       match, the one closest to ``n``.
-    3. Otherwise the output is not in the conversation: ``(False, None)``.
-
-    After the output, ``system``/``developer`` messages are skipped; the next message
-    is the next state if its role is ``user`` or ``tool``. Anything else (another
-    assistant message, or the end of the conversation — the branch's last turn) means
-    there is no next state: ``(True, None)``.
-    """
-    conv = list(conversation)
-    out = list(output_messages)
-    n = len(turn_messages)
-    start: int | None = None
-    if n <= len(conv) and all(
-        _same_message(conv[i], turn_messages[i], strict_assistant=False) for i in range(n)
-    ) and _output_matches(out, conv, n):
-        start = n
-    elif out:
-        first_text = message_text(out[0])
-        candidates = [
-            j
-            for j, message in enumerate(conv)
-            if message.get("role") == out[0].get("role")
-            and message_text(message) == first_text
-            and _output_matches(out, conv, j)
-        ]
-        if candidates:
-            start = min(candidates, key=lambda j: (abs(j - n), j))
-    if start is None:
-        return False, None
-    i = start + len(out)
-    if not out:  # no output messages recorded: skip the assistant run at ``start``
-        while i < len(conv) and conv[i].get("role") == "assistant":
-            i += 1
-    while i < len(conv) and conv[i].get("role") in _SKIPPABLE_ROLES:
-        i += 1
-    if i < len(conv) and conv[i].get("role") in _STATE_ROLES:
-        return True, NextState(str(conv[i]["role"]), message_text(conv[i]), i)
-    return True, None
 
 
 # --------------------------------------------------------------------------- voting

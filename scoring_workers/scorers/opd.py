@@ -1,6 +1,6 @@
 """``OPDTeacherScorer``: OpenClaw-RL's hindsight-hint on-policy distillation signal.
 
-Per turn (seed 002, "OPD 分支中的 PRM"):
+Per turn (OpenClaw-RL's OPD mode):
 
 1. **Hint judge.** Find the next state (as :class:`~scoring_workers.scorers.openclaw.
    OpenClawJudgeScorer` does) and ask the judge ``m`` times (in parallel) with the
@@ -8,18 +8,25 @@ Per turn (seed 002, "OPD 分支中的 PRM"):
    ``\\boxed{1}`` vote that is longer than 10 characters
    (:func:`~scoring_workers.scorers.judge.select_best_hint`).
 2. **Teacher.** Append the hint to the turn's last user message
-   (``"\\n\\n[user's hint / instruction]\\n<hint>"``), tokenize that prompt, append the
+   (``"\\n\\n[user's hint / instruction]\\n<hint>"``), normalize the messages as
+   OpenClaw-RL does for its template (``developer`` -> ``system``, list contents
+   flattened: :func:`~scoring_workers.scorers.conversation.normalize_template_messages`),
+   tokenize that prompt, append the
    rollout's *own* output tokens (``model_response.output_tokens`` — never
    re-tokenized text, so positions line up with ``output_logprobs``) and
    teacher-force it through SGLang ``/generate`` with ``max_new_tokens=0``,
    ``return_logprob=true``, ``logprob_start_len = len(prompt) - 1``; the last
    ``output_len`` entries of ``meta_info.input_token_logprobs`` are the teacher's
-   log-probs of the output tokens.
+   log-probs of the output tokens. This deliberately differs from OpenClaw-RL, which
+   starts at ``L - R`` and drops the first entry, so its teacher log-prob of the first
+   output token is always ``0.0`` (an off-by-one); ours is the real one, the others
+   are identical (docs/compatibility.md).
 3. **Reward.** ``teacher_lp - rollout_lp`` per output token: a dense float32 tensor of
    shape ``[output_len]`` (OpenClaw-RL's per-token OPD advantage).
 
 No next state or no accepted hint -> zeros, observed as ``has_next_state`` /
-``hint_accepted`` false. ``model_response.output_logprobs`` is required (checked
+``hint_accepted`` false. OpenClaw-RL does not train such turns at all: set the
+trainer's ``drop_unhinted_turns`` to leave them out of the loss (shaper/exclusion.py). ``model_response.output_logprobs`` is required (checked
 before any call: :class:`MissingLogprobsError`). When every hint vote fails, or the
 teacher/tokenizer call fails after an accepted hint, ``on_all_votes_failed: reject``
 (default) raises :class:`~scoring_workers.scorers.judge.JudgeFailedError` (reason
@@ -64,15 +71,13 @@ from scoring_workers.scorers.judge import (
     build_hint_judge_messages,
     gather_or_cancel,
     parse_hint_judgement,
-    render_response_text,
     select_best_hint,
 )
-from scoring_workers.scorers.judge_client import (
-    JudgeClient,
-    JudgeRequestError,
-    resolve_callable,
-    sglang_input_logprobs,
-)
+from scoring_workers.prm.resolve import resolve_callable
+from scoring_workers.scorers.conversation import normalize_template_messages
+from scoring_workers.scorers.judge_apis import sglang_input_logprobs
+from scoring_workers.scorers.judge_errors import JudgeRequestError
+from scoring_workers.scorers.judge_http import JudgeClient
 from scoring_workers.scorers.openclaw import JudgeScorerBase, JudgeScorerResult, _obs
 
 __all__ = ["MissingLogprobsError", "OPDTeacherScorer", "hf_chat_tokenizer"]
@@ -220,9 +225,7 @@ class OPDTeacherScorer(JudgeScorerBase):
             self.counters["no_next_state"] += 1
             return outcome(zeros, has_next=False, accepted=False, failed=False, judge_calls=0, teacher_calls=0,
                            audit={"hint": "", "votes": ""})
-        messages = build_hint_judge_messages(
-            render_response_text(interaction.output_message_list), state.text, state.role
-        )
+        messages = build_hint_judge_messages(self.response_text(interaction), state.text, state.role)
         deadline = self._deadline()
 
         async def vote(_i: int) -> tuple[Vote, str]:
@@ -255,7 +258,8 @@ class OPDTeacherScorer(JudgeScorerBase):
         audit[f"vote_{chosen}"] = votes[chosen].text or ""
         try:
             teacher_lp = await self._teacher_logprobs(
-                append_hint_to_messages(interaction.messages, hint), response.output_tokens, deadline
+                normalize_template_messages(append_hint_to_messages(interaction.messages, hint)),
+                response.output_tokens, deadline
             )
         except JudgeRequestError as exc:
             self.counters["judge_failed"] += 1

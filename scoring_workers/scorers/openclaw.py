@@ -1,8 +1,9 @@
 """``OpenClawJudgeScorer``: OpenClaw-RL's PRM judge as a prm-pipeline scorer.
 
-For every turn the scorer finds the **next state** — the ``user`` or ``tool`` message
-that answers the turn's output in the branch conversation ``ctx["messages"]`` (see
-:func:`scoring_workers.scorers.judge.locate_next_state`) — and asks an LLM judge
+For every turn the scorer finds the **next state** in the branch conversation
+``ctx["messages"]`` — by default OpenClaw-RL's rule, the last message before the next
+assistant turn (``next_state: first`` takes the first ``user``/``tool`` message instead;
+see :func:`scoring_workers.scorers.conversation.locate_next_state`) — and asks an LLM judge
 whether the output fulfilled the user's intent, with the next state as evidence
 (OpenClaw-RL's role-aware prompt: a successful tool output is positive, a user change
 request is negative). ``m`` votes (default 3) are combined by OpenClaw-RL's majority
@@ -20,6 +21,12 @@ three settle it) — the score is identical to asking all ``m`` (see
   OpenClaw-RL's ``0.0``. Either way ``judge_failed`` is observed, so a failed judge
   never looks like a real zero.
 
+What the judge sees as the turn: with ``policy_tokenizer`` (the policy's
+``tokenizer.json``) the turn's output tokens decoded with special tokens — OpenClaw-RL's
+chat-template view, thinking and tool-call markup included; without it, the output
+messages' text plus ``<tool_call>`` JSON (:func:`~scoring_workers.scorers.conversation.
+render_response_text`).
+
 Config (``kwargs`` of the scorer entry)::
 
     path: scoring_workers.scorers.openclaw.OpenClawJudgeScorer
@@ -30,6 +37,12 @@ Config (``kwargs`` of the scorer entry)::
       model: qwen3-8b
       temperature: 0.6
       max_tokens: 4096
+      top_p: 1.0                        # openai api: OpenClaw-RL's sampling; null = not sent
+      top_k: -1                         # openai api; null for servers that refuse top_k
+      include_reasoning: true           # openai api: parse reasoning_content + content
+      next_state: last                  # OpenClaw-RL; or first (ours)
+      merge_tool_results: false         # next_state first only: join consecutive tool results
+      policy_tokenizer: null            # path of the policy's tokenizer.json: template view
       m: 3
       adaptive: true
       max_votes: 3                      # > m escalates split votes (off by default)
@@ -42,7 +55,6 @@ Config (``kwargs`` of the scorer entry)::
       rps: 0                            # 0 = no pacing
       breaker_failure_threshold: 5
       breaker_reset_s: 10
-      pool_size: 8                      # connections per internal httpx client
       api_key_env: null                 # env var holding a bearer token
       audit_sink: null                  # "module:callable" receiving audit records
 
@@ -63,24 +75,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
+from scoring_workers.scorers.conversation import (
+    NEXT_STATE_RULES,
+    NextState,
+    locate_next_state,
+    message_text,
+    render_response_text,
+)
 from scoring_workers.scorers.judge import (
     JudgeFailedError,
-    NextState,
     Vote,
     VoteResult,
     build_prm_judge_messages,
-    locate_next_state,
-    message_text,
     parse_boxed_score,
-    render_response_text,
     run_votes,
 )
-from scoring_workers.scorers.judge_client import (
-    JudgeClient,
-    JudgeEndpoint,
-    JudgeRequestError,
-    resolve_callable,
-)
+from scoring_workers.prm.resolve import resolve_callable
+from scoring_workers.scorers.judge_apis import JudgeEndpoint
+from scoring_workers.scorers.judge_errors import JudgeRequestError
+from scoring_workers.scorers.judge_http import JudgeClient
+from scoring_workers.scorers.policy_tokenizer import load_policy_decoder
 
 __all__ = ["JudgeScorerBase", "JudgeScorerResult", "OpenClawJudgeScorer"]
 
@@ -124,12 +138,13 @@ def _vote_label(vote: Vote) -> str:
 
 class JudgeScorerBase(BaseScorer):
     """Shared plumbing of the judge scorers: configuration, the owned
-    :class:`JudgeClient` / :class:`JudgeEndpoint`, next-state lookup, failure policy,
-    audit, ``aclose``.
+    :class:`JudgeClient` / :class:`JudgeEndpoint`, next-state lookup, the judged
+    response text, failure policy, audit, ``aclose``.
 
-    ``merge_tool_results`` (default ``False``): the next state is the first
-    ``user``/``tool`` message after the output; ``True`` joins a run of consecutive
-    ``tool`` messages into one next state (parallel tool calls)."""
+    ``next_state`` (default ``"last"``, OpenClaw-RL's rule) or ``"first"``: the first
+    ``user``/``tool`` message after the output (system/developer skipped). With
+    ``"first"``, ``merge_tool_results: true`` joins a run of consecutive ``tool``
+    messages into one next state (parallel tool calls)."""
 
     def __init__(
         self,
@@ -141,6 +156,11 @@ class JudgeScorerBase(BaseScorer):
         model: str = "default",
         temperature: float = 0.6,
         max_tokens: int = 4096,
+        top_p: float | None = 1.0,
+        top_k: int | None = -1,
+        include_reasoning: bool = True,
+        next_state: str = "last",
+        policy_tokenizer: str | None = None,
         m: int = 3,
         on_all_votes_failed: str = "reject",
         timeout_s: float = 30.0,
@@ -155,8 +175,7 @@ class JudgeScorerBase(BaseScorer):
         breaker_reset_s: float | None = None,
         api_key_env: str | None = None,
         headers: Mapping[str, str] | None = None,
-        pool_size: int = 8,
-        chat_template: str | None = None,
+        chat_template: Any = None,
         audit_sink: Any = None,
         merge_tool_results: bool = False,
     ) -> None:
@@ -165,6 +184,17 @@ class JudgeScorerBase(BaseScorer):
         if not isinstance(merge_tool_results, bool):
             raise TypeError(f"scorer {name!r}: merge_tool_results must be a bool, got {merge_tool_results!r}")
         self.merge_tool_results = merge_tool_results
+        if next_state not in NEXT_STATE_RULES:
+            raise ValueError(f"scorer {name!r}: next_state must be one of {NEXT_STATE_RULES}, got {next_state!r}")
+        if merge_tool_results and next_state != "first":
+            raise ValueError(
+                f"scorer {name!r}: merge_tool_results applies to next_state 'first' only (the 'last' rule "
+                "takes the final message before the next assistant turn)"
+            )
+        self.next_state_rule = next_state
+        if policy_tokenizer is not None and not isinstance(policy_tokenizer, str):
+            raise TypeError(f"scorer {name!r}: policy_tokenizer must be a path or null, got {policy_tokenizer!r}")
+        self._decode = None if policy_tokenizer is None else load_policy_decoder(policy_tokenizer)
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"scorer {name!r}: m must be an integer >= 1, got {m!r}")
         if on_all_votes_failed not in FAILURE_POLICIES:
@@ -189,14 +219,15 @@ class JudgeScorerBase(BaseScorer):
             "timeout_s": timeout_s, "total_timeout_s": total_timeout_s, "max_retries": max_retries,
             "backoff_base_s": backoff_base_s, "backoff_max_s": backoff_max_s, "max_concurrency": max_concurrency,
             "rps": rps, "breaker_failure_threshold": breaker_failure_threshold, "breaker_reset_s": breaker_reset_s,
-            "api_key_env": api_key_env, "headers": headers, "pool_size": pool_size,
+            "api_key_env": api_key_env, "headers": headers,
         }
         self._clients: list[JudgeClient] = []
         client = self._new_client(base_url)
         try:
             self.endpoint = JudgeEndpoint(
                 client, api=api, model=model, temperature=temperature, max_tokens=max_tokens,
-                chat_template=chat_template,
+                top_p=top_p, top_k=top_k, include_reasoning=include_reasoning,
+                chat_template=None if chat_template is None else resolve_callable(chat_template, "chat_template"),
             )
         except BaseException:
             self._release_unopened()
@@ -241,7 +272,9 @@ class JudgeScorerBase(BaseScorer):
     def next_state(self, interaction: Any, ctx: Mapping[str, Any]) -> tuple[bool, NextState | None]:
         """``(output_located, next_state)`` of ``interaction`` in the branch conversation."""
         conversation = self._conversation(ctx)
-        located, state = locate_next_state(interaction.messages, interaction.output_message_list, conversation)
+        located, state = locate_next_state(
+            interaction.messages, interaction.output_message_list, conversation, self.next_state_rule
+        )
         if state is not None and self.merge_tool_results and state.role == "tool":
             texts = [state.text]
             j = state.index + 1
@@ -250,6 +283,15 @@ class JudgeScorerBase(BaseScorer):
                 j += 1
             state = NextState(state.role, "\n\n".join(texts), state.index)
         return located, state
+
+    def response_text(self, interaction: Any) -> str:
+        """The turn as the judge sees it: the decoded output tokens with ``policy_tokenizer``
+        (OpenClaw-RL's template view), else the output messages' text and tool calls. A
+        turn without recorded output tokens falls back to the messages' view."""
+        response = interaction.model_response
+        if self._decode is not None and response is not None and response.output_len:
+            return self._decode(response.output_tokens.tolist())
+        return render_response_text(interaction.output_message_list)
 
     # ------------------------------------------------------------------ helpers
     def _deadline(self) -> float | None:
@@ -359,9 +401,7 @@ class OpenClawJudgeScorer(JudgeScorerBase):
                 ),
                 audit={"score": "0.0", "votes": "", "next_state_role": ""},
             )
-        messages = build_prm_judge_messages(
-            render_response_text(interaction.output_message_list), state.text, state.role
-        )
+        messages = build_prm_judge_messages(self.response_text(interaction), state.text, state.role)
         deadline = self._deadline()
 
         async def request(_i: int) -> Vote:

@@ -1,4 +1,4 @@
-"""Judge HTTP hygiene against the real fake judge server (no mocking of httpx).
+"""Judge HTTP hygiene against the real fake judge server (no mocking of the HTTP client).
 
 Timing assertions are limited to "no request waits longer than its timeout" (upper
 bounds with a generous margin); everything else is asserted on counters.
@@ -13,19 +13,11 @@ import time
 
 import pytest
 
-from scoring_workers.scorers.fake_judge import FakeJudgeServer
-from scoring_workers.scorers.judge_client import (
-    CircuitBreaker,
-    CircuitOpenError,
-    JudgeClient,
-    JudgeRequestError,
-    JudgeTimeoutError,
-    _Pacer,
-    openai_chat,
-    registered_limits,
-    sglang_generate_text,
-    sglang_input_logprobs,
-)
+from prm_pipeline.fake_judge import FakeJudgeServer
+from scoring_workers.scorers.judge_apis import openai_chat, sglang_generate_text, sglang_input_logprobs
+from scoring_workers.scorers.judge_errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
+from scoring_workers.scorers.judge_http import JudgeClient
+from scoring_workers.scorers.judge_limits import CircuitBreaker, _Pacer, registered_limits
 
 MARGIN_S = 0.5  # scheduling slack on a loaded CI machine; still far below the server latency
 PRM_PROMPT = [{"role": "user", "content": "## Next state [role: user]\nthanks, ok!"}]
@@ -363,7 +355,7 @@ def test_client_validates_arguments():
 def test_fake_judge_parser():
     import argparse
 
-    from scoring_workers.scorers.fake_judge import add_fake_judge_parser, cmd_fake_judge
+    from prm_pipeline.fake_judge import add_fake_judge_parser, cmd_fake_judge
 
     parser = argparse.ArgumentParser()
     add_fake_judge_parser(parser.add_subparsers(dest="command", required=True))
@@ -381,7 +373,7 @@ async def test_fake_judge_cli_serves_and_exits_cleanly_on_sigterm():
     import sys
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "scoring_workers.scorers.fake_judge", "--port", "0", stdout=asyncio.subprocess.PIPE
+        sys.executable, "-m", "prm_pipeline.fake_judge", "--port", "0", stdout=asyncio.subprocess.PIPE
     )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
@@ -394,3 +386,11 @@ async def test_fake_judge_cli_serves_and_exits_cleanly_on_sigterm():
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_base_url_path_prefix_is_kept(server):
+    # A judge behind a path prefix (e.g. a gateway route): paths are appended, not substituted.
+    async with _client(server.base_url + "/gateway") as client:
+        with pytest.raises(JudgeRequestError) as info:
+            await _chat(client)
+    assert info.value.status == 404 and "/gateway/v1/chat/completions" in str(info.value)

@@ -7,20 +7,23 @@ import pickle
 import pytest
 
 from scoring_workers.prm._frozen import freeze
+from scoring_workers.scorers.conversation import (
+    NextState,
+    locate_next_state,
+    message_text,
+    normalize_template_messages,
+    render_chatml,
+    render_response_text,
+)
 from scoring_workers.scorers.judge import (
     HINT_SUFFIX_HEADER,
     JudgeFailedError,
-    NextState,
     append_hint_to_messages,
     build_hint_judge_messages,
     build_prm_judge_messages,
-    locate_next_state,
     majority_vote,
-    message_text,
     parse_boxed_score,
     parse_hint_judgement,
-    render_chatml,
-    render_response_text,
     select_best_hint,
 )
 
@@ -197,17 +200,52 @@ def test_locate_next_state_fallback_search_and_not_found():
     assert locate_next_state([U1], [{"role": "assistant", "content": "never said"}], CONV) == (False, None)
     # Several matches: the one closest to len(turn_messages).
     a = {"role": "assistant", "content": "ok"}
-    conv = [U1, a, {"role": "user", "content": "again"}, a, {"role": "user", "content": "thanks"}]
+    conv = [U1, a, {"role": "user", "content": "again"}, a, {"role": "user", "content": "thanks"}, A3]
     assert locate_next_state([U1, a, {"role": "user", "content": "AGAIN?"}], [a], conv)[1].text == "thanks"
 
 
-def test_locate_next_state_skips_system_and_stops_at_assistant():
+def test_locate_next_state_first_rule_skips_system_and_stops_at_assistant():
     conv = [U1, A2, {"role": "system", "content": "reminder"}, U2]
-    assert locate_next_state([U1], [A2], conv)[1] == NextState("user", U2["content"], 3)
+    assert locate_next_state([U1], [A2], conv, "first")[1] == NextState("user", U2["content"], 3)
     conv = [U1, A2, A3, U2]  # another assistant message follows: no environment feedback
-    assert locate_next_state([U1], [A2], conv) == (True, None)
+    assert locate_next_state([U1], [A2], conv, "first") == (True, None)
     # No recorded output messages: the assistant run at the output position is skipped.
-    assert locate_next_state([U1], [], conv)[1] == NextState("user", U2["content"], 3)
+    assert locate_next_state([U1], [], conv, "first")[1] == NextState("user", U2["content"], 3)
+    with pytest.raises(ValueError, match="next-state rule"):
+        locate_next_state([U1], [A2], conv, "middle")
+
+
+TA = {"role": "tool", "content": "A"}
+TB = {"role": "tool", "content": "B"}
+UX = {"role": "user", "content": "next"}
+SX = {"role": "system", "content": "note"}
+
+
+@pytest.mark.parametrize(("between", "upstream", "ours"), [
+    # OpenClaw-RL's table: the last message of the next request (before the next assistant turn).
+    ([UX], ("user", "next"), ("user", "next")),
+    ([TA, TB], ("tool", "B"), ("tool", "A")),
+    ([TA, UX], ("user", "next"), ("tool", "A")),
+    ([UX, SX], ("system", "note"), ("user", "next")),
+    ([SX, UX], ("user", "next"), ("user", "next")),
+    ([{"content": "no role"}], ("user", "no role"), None),
+    ([{"role": "developer", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}],
+     ("developer", "x y"), None),
+])
+def test_next_state_upstream_last_rule_and_our_first_rule(between, upstream, ours):
+    conv = [U1, A1, *between, A3]
+    located, state = locate_next_state([U1], [A1], conv)  # default: OpenClaw-RL's rule
+    assert located and (state.role, state.text) == upstream and state.index == 1 + len(between)
+    _, mine = locate_next_state([U1], [A1], conv, "first")
+    assert (None if mine is None else (mine.role, mine.text)) == ours
+
+
+def test_next_state_upstream_edges():
+    # The next request adds nothing after the output: its last message is the output itself (role assistant).
+    assert locate_next_state([U1], [A1], [U1, A1, A3]) == (True, NextState("assistant", "", 1))
+    # No later assistant turn (the session's last turn): no next request, no next state.
+    assert locate_next_state([U1], [A1], [U1, A1, TA, UX]) == (True, None)
+    assert locate_next_state([U1], [A1], [U1, A1]) == (True, None)
 
 
 def test_judge_failed_error_reason_and_pickling():
@@ -217,3 +255,11 @@ def test_judge_failed_error_reason_and_pickling():
     again = pickle.loads(pickle.dumps(exc))
     assert (again.reason, again.interaction_id, again.calls, again.errors, again.invalid) == (
         "judge_failed", "t1", 3, 2, 1)
+
+
+def test_normalize_template_messages_as_upstream():
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
+                {"role": "user", "content": "hi", "name": "u"}]
+    out = normalize_template_messages(messages)
+    assert out == [{"role": "system", "content": "a"}, {"role": "user", "content": "hi", "name": "u"}]
+    assert messages[0]["role"] == "developer"  # copies: the input is untouched

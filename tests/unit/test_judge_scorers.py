@@ -11,13 +11,14 @@ import torch
 
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory
 from scoring_workers.prm import PRMRejection, PRMRunner
-from scoring_workers.scorers.fake_judge import (
+from prm_pipeline.fake_judge import (
     FakeJudgeServer,
     fake_teacher_logprob,
     fake_tokenize,
 )
-from scoring_workers.scorers.judge import JudgeFailedError, render_chatml
-from scoring_workers.scorers.judge_client import registered_limits
+from scoring_workers.scorers.conversation import render_chatml
+from scoring_workers.scorers.judge import JudgeFailedError
+from scoring_workers.scorers.judge_limits import registered_limits
 from scoring_workers.scorers.opd import MissingLogprobsError, OPDTeacherScorer
 from scoring_workers.scorers.openclaw import JudgeScorerResult, OpenClawJudgeScorer
 
@@ -263,13 +264,18 @@ async def test_merge_tool_results(server):
     tool_ok = {"role": "tool", "content": "first call: success", "tool_call_id": "a"}
     tool_err = {"role": "tool", "content": "second call: Error", "tool_call_id": "b"}
     turn = Interaction(interaction_id="t0", messages=[U1], output_message_list=[A0], model_response=_response(2))
-    ctx = {"messages": (U1, A0, tool_ok, tool_err)}
-    plain = OpenClawJudgeScorer(**judge_kwargs(server.base_url))
-    merged = OpenClawJudgeScorer(**judge_kwargs(server.base_url, merge_tool_results=True))
+    ctx = {"messages": (U1, A0, tool_ok, tool_err, A2)}
+    upstream = OpenClawJudgeScorer(**judge_kwargs(server.base_url))
+    plain = OpenClawJudgeScorer(**judge_kwargs(server.base_url, next_state="first"))
+    merged = OpenClawJudgeScorer(**judge_kwargs(server.base_url, next_state="first", merge_tool_results=True))
     try:
+        assert await upstream.evaluate(turn, ctx) == -1.0  # OpenClaw-RL: the last tool message, "Error"
         assert await plain.evaluate(turn, ctx) == 1.0  # only the first tool message: "success"
         assert await merged.evaluate(turn, ctx) == -1.0  # both: the error counts
+        with pytest.raises(ValueError, match="merge_tool_results applies to next_state 'first'"):
+            OpenClawJudgeScorer(**judge_kwargs(server.base_url, merge_tool_results=True))
     finally:
+        await upstream.aclose()
         await plain.aclose()
         await merged.aclose()
 
@@ -312,7 +318,7 @@ def test_config_validation(server):
         OpenClawJudgeScorer(base_url=url, temprature=0.5)  # a typo fails at start-up
     with pytest.raises(TypeError):
         OpenClawJudgeScorer()  # base_url is required
-    with pytest.raises(ValueError, match="chat_template"):
+    with pytest.raises(ImportError, match="chat_template"):
         OpenClawJudgeScorer(base_url=url, chat_template="no.such.module:fn")
     assert registered_limits(url) is None  # nothing leaked by the failed constructors
 

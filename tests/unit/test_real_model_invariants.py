@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from infra.schema import ReadyTrajectory
-from scoring_workers.scorers.fake_judge import FakeJudgeServer
+from prm_pipeline.fake_judge import FakeJudgeServer
 from scoring_workers.scorers.judge import append_hint_to_messages
 from scoring_workers.scorers.opd import OPDTeacherScorer
 from shaper import shift_token_rewards

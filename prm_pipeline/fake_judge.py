@@ -29,6 +29,10 @@ Verdicts are **scripted from the prompt**:
   on whether the prompt (decoded from the fake tokenizer's ids, one id per character)
   carries the OPD hint header, so tests can tell a hinted teacher from a plain one.
 
+``reasoning=True`` answers chat requests as a server with a reasoning parser does: the
+whole judgement (box included) in ``message.reasoning_content``, ``content`` without a
+box. :attr:`FakeJudgeServer.last_chat_payload` is the latest chat request's body.
+
 Failure injection: ``latency_ms`` per request; ``error_rate`` (HTTP 500 with that
 probability, seeded); ``outages`` (``(start_s, end_s)`` windows relative to
 :meth:`FakeJudgeServer.start`) and :meth:`FakeJudgeServer.set_outage` — during an
@@ -38,8 +42,9 @@ the next *n* requests with a given status. Counters: :attr:`FakeJudgeServer.requ
 :attr:`~FakeJudgeServer.by_path`, :attr:`~FakeJudgeServer.statuses`,
 :attr:`~FakeJudgeServer.max_in_flight`, :attr:`~FakeJudgeServer.votes_served`.
 
-CLI (wired by the lead into ``prm-pipeline``): ``fake-judge --port P [--latency-ms MS]
-[--error-rate P] [--outage START:END ...]`` — see :func:`add_fake_judge_parser`.
+It is a test and demo tool, not part of scoring. CLI: ``prm-pipeline fake-judge --port P
+[--latency-ms MS] [--error-rate P] [--outage START:END ...]`` (or ``python -m
+prm_pipeline.fake_judge``) — see :func:`add_fake_judge_parser`.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
-from scoring_workers.scorers.judge import HINT_SUFFIX_HEADER, render_chatml
+from scoring_workers.scorers.conversation import render_chatml
+from scoring_workers.scorers.judge import HINT_SUFFIX_HEADER
 
 __all__ = ["FakeJudgeServer", "add_fake_judge_parser", "cmd_fake_judge", "fake_teacher_logprob", "fake_tokenize"]
 
@@ -184,6 +190,7 @@ class FakeJudgeServer:
         hang_s: float = 30.0,
         seed: int | None = 0,
         model: str = "fake-judge",
+        reasoning: bool = False,
     ) -> None:
         if latency_ms < 0 or not 0.0 <= error_rate <= 1.0:
             raise ValueError("latency_ms must be >= 0 and error_rate in [0, 1]")
@@ -200,6 +207,7 @@ class FakeJudgeServer:
         self.outage_mode = outage_mode
         self.hang_s = float(hang_s)
         self.model = model
+        self.reasoning = bool(reasoning)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -217,6 +225,8 @@ class FakeJudgeServer:
         self.max_in_flight = 0
         self.votes_served: Counter[str] = Counter()
         """Answers by kind: ``prm``, ``hint``, ``teacher``, ``tokenize``, ``error``."""
+        self.last_chat_payload: dict[str, Any] | None = None
+        """The body of the latest ``/v1/chat/completions`` request (sampling parameters)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -340,15 +350,20 @@ class FakeJudgeServer:
             messages = payload.get("messages")
             if not isinstance(messages, list) or not messages:
                 return 400, {"error": "messages must be a non-empty list"}, None
+            with self._lock:
+                self.last_chat_payload = payload
             prompt = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
             status, text = self._judge(prompt)
             if status != 200:
                 return status, {"error": f"scripted HTTP {status}"}, None
+            message = {"role": "assistant", "content": text}
+            if self.reasoning:  # a server-side reasoning parser: the verdict is in the thinking only
+                message = {"role": "assistant", "reasoning_content": text, "content": "My verdict is above."}
             return 200, {
                 "id": "fake-judge",
                 "object": "chat.completion",
                 "model": payload.get("model", self.model),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
             }, None
         if route == "/generate":
             if "input_ids" in payload:
@@ -492,7 +507,7 @@ def add_fake_judge_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-if __name__ == "__main__":  # python -m scoring_workers.scorers.fake_judge --port 0
+if __name__ == "__main__":  # python -m prm_pipeline.fake_judge --port 0
     import sys
 
     _parser = argparse.ArgumentParser(prog="fake-judge")

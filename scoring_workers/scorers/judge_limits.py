@@ -1,0 +1,256 @@
+"""Process-wide limits of one judge server: concurrency cap, request pacing, circuit breaker.
+
+Every :class:`~scoring_workers.scorers.judge_http.JudgeClient` with the same
+``base_url`` shares one :class:`SharedLimits` (a module-level registry, reference-counted
+by live clients), so all scorer instances of a worker together respect what the judge
+server can take.
+
+* **Concurrency cap** — an ``asyncio.Semaphore`` per event loop (asyncio primitives
+  are bound to one loop).
+* **Pacing** (:class:`_Pacer`) — optional requests per second, slots ``1/rps`` apart.
+* **Circuit breaker** (:class:`CircuitBreaker`, closed / open / half-open):
+  ``failure_threshold`` consecutive failed attempts open it; while open, requests fail
+  immediately instead of piling onto a dead judge; after ``reset_timeout_s`` one probe
+  is let through (half-open) — its success closes the breaker, its failure re-opens it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CircuitBreaker", "SharedLimits", "acquire_limits", "registered_limits", "release_limits"]
+
+
+class CircuitBreaker:
+    """Closed / open / half-open circuit breaker with an injectable clock.
+
+    Use :meth:`acquire` before an attempt (``None`` = rejected, fail fast) and
+    :meth:`record` after it with ``True`` (the server answered), ``False`` (it did
+    not, or answered 5xx) or ``None`` (no verdict, e.g. cancelled). Thread-safe.
+    """
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+    def __init__(
+        self,
+        failure_threshold: int = 5,
+        reset_timeout_s: float = 10.0,
+        *,
+        half_open_max_calls: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(failure_threshold, bool) or not isinstance(failure_threshold, int) or failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be an integer >= 1, got {failure_threshold!r}")
+        if not _positive(reset_timeout_s):
+            raise ValueError(f"reset_timeout_s must be a finite number > 0, got {reset_timeout_s!r}")
+        if isinstance(half_open_max_calls, bool) or not isinstance(half_open_max_calls, int) or half_open_max_calls < 1:
+            raise ValueError(f"half_open_max_calls must be an integer >= 1, got {half_open_max_calls!r}")
+        self.failure_threshold = failure_threshold
+        self.reset_timeout_s = float(reset_timeout_s)
+        self.half_open_max_calls = half_open_max_calls
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state = self.CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._probes = 0
+        self.opened_count = 0
+        """How many times the breaker opened (a monotonically increasing counter)."""
+        self.rejected_count = 0
+        """How many attempts were refused while open / half-open with no probe slot."""
+
+    @property
+    def state(self) -> str:
+        """``closed``, ``open`` or ``half_open`` (an open breaker whose reset timeout
+        has elapsed reports ``half_open``: the next :meth:`acquire` will probe)."""
+        with self._lock:
+            if self._state == self.OPEN and self._clock() - self._opened_at >= self.reset_timeout_s:
+                return self.HALF_OPEN
+            return self._state
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self._failures
+
+    def acquire(self) -> _Ticket | None:
+        """Permission for one attempt, or ``None`` to fail fast."""
+        with self._lock:
+            if self._state == self.OPEN:
+                if self._clock() - self._opened_at < self.reset_timeout_s:
+                    self.rejected_count += 1
+                    return None
+                self._state = self.HALF_OPEN
+                self._probes = 0
+            if self._state == self.HALF_OPEN:
+                if self._probes >= self.half_open_max_calls:
+                    self.rejected_count += 1
+                    return None
+                self._probes += 1
+                return _Ticket(probe=True)
+            return _Ticket(probe=False)
+
+    def record(self, ticket: _Ticket, success: bool | None) -> None:
+        """Report how the attempt admitted by ``ticket`` ended."""
+        with self._lock:
+            if ticket.done:
+                return
+            ticket.done = True
+            if ticket.probe:
+                if self._state != self.HALF_OPEN:
+                    return  # stale probe: another probe already decided
+                self._probes = max(0, self._probes - 1)
+                if success is True:
+                    self._state = self.CLOSED
+                    self._failures = 0
+                elif success is False:
+                    self._open()
+                return
+            if self._state != self.CLOSED:
+                return  # admitted before the breaker opened: its verdict is stale
+            if success is True:
+                self._failures = 0
+            elif success is False:
+                self._failures += 1
+                if self._failures >= self.failure_threshold:
+                    self._open()
+
+    def _open(self) -> None:
+        self._state = self.OPEN
+        self._opened_at = self._clock()
+        self._failures = 0
+        self._probes = 0
+        self.opened_count += 1
+
+    def __repr__(self) -> str:
+        return f"CircuitBreaker(state={self.state!r}, failures={self._failures}, opened={self.opened_count})"
+
+
+class _Ticket:
+    __slots__ = ("done", "probe")
+
+    def __init__(self, probe: bool) -> None:
+        self.probe = probe
+        self.done = False
+
+
+# --------------------------------------------------------------------------- shared limits
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+class _Pacer:
+    """Requests-per-second pacing: slots ``1/rps`` apart, reserved in arrival order."""
+
+    def __init__(self, rps: float) -> None:
+        self.interval = 1.0 / rps
+        self.next_at = 0.0
+
+    async def wait(self, loop: asyncio.AbstractEventLoop, deadline: float) -> bool:
+        now = loop.time()
+        at = max(now, self.next_at)
+        if at > deadline:
+            return False  # the slot would come too late: do not reserve it
+        self.next_at = at + self.interval
+        if at > now:
+            await asyncio.sleep(at - now)
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class _LimitSettings:
+    max_concurrency: int
+    rps: float
+    breaker_failure_threshold: int
+    breaker_reset_s: float
+
+
+_DEFAULT_LIMITS = _LimitSettings(max_concurrency=32, rps=0.0, breaker_failure_threshold=5, breaker_reset_s=10.0)
+
+
+class SharedLimits:
+    """Process-wide limits of one judge ``base_url`` (see :func:`registered_limits`).
+
+    Holds the circuit breaker and, per event loop, the concurrency semaphore and the
+    rate pacer (asyncio primitives are bound to one loop). ``in_flight`` /
+    ``max_in_flight`` count attempts currently on the wire (client side).
+    """
+
+    def __init__(self, key: str, settings: _LimitSettings, clock: Callable[[], float]) -> None:
+        self.key = key
+        self.settings = settings
+        self.breaker = CircuitBreaker(
+            settings.breaker_failure_threshold, settings.breaker_reset_s, clock=clock
+        )
+        self.refs = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[asyncio.Semaphore, _Pacer | None]]
+        self._per_loop = weakref.WeakKeyDictionary()
+
+    def for_loop(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Semaphore, _Pacer | None]:
+        entry = self._per_loop.get(loop)
+        if entry is None:
+            pacer = _Pacer(self.settings.rps) if self.settings.rps > 0 else None
+            entry = (asyncio.Semaphore(self.settings.max_concurrency), pacer)
+            self._per_loop[loop] = entry
+        return entry
+
+
+_REGISTRY: dict[str, SharedLimits] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _registry_key(base_url: str) -> str:
+    return base_url.rstrip("/")
+
+
+def registered_limits(base_url: str) -> SharedLimits | None:
+    """The live :class:`SharedLimits` of ``base_url`` (``None`` if no client uses it)."""
+    with _REGISTRY_LOCK:
+        return _REGISTRY.get(_registry_key(base_url))
+
+
+def acquire_limits(base_url: str, requested: dict[str, Any], clock: Callable[[], float]) -> SharedLimits:
+    """Take a reference to ``base_url``'s limits, registering them with ``requested``
+    (``None`` values inherit the defaults) or checking ``requested`` against what is
+    registered (a clash is a :class:`ValueError`: limits must agree process-wide)."""
+    key = _registry_key(base_url)
+    with _REGISTRY_LOCK:
+        shared = _REGISTRY.get(key)
+        if shared is None:
+            values = {name: getattr(_DEFAULT_LIMITS, name) for name in _LimitSettings.__slots__}
+            values.update({k: v for k, v in requested.items() if v is not None})
+            shared = SharedLimits(key, _LimitSettings(**values), clock)
+            _REGISTRY[key] = shared
+        else:
+            clash = {
+                name: (value, getattr(shared.settings, name))
+                for name, value in requested.items()
+                if value is not None and value != getattr(shared.settings, name)
+            }
+            if clash:
+                detail = ", ".join(f"{n}={mine!r} (registered: {theirs!r})" for n, (mine, theirs) in clash.items())
+                raise ValueError(
+                    f"judge limits for {key} are shared by every client in the process and are already "
+                    f"registered with different values: {detail}. Configure every scorer that calls "
+                    "this server with the same limits, or leave them unset to inherit."
+                )
+        shared.refs += 1
+        return shared
+
+
+def release_limits(shared: SharedLimits) -> None:
+    """Drop one reference; the last one unregisters the limits."""
+    with _REGISTRY_LOCK:
+        shared.refs -= 1
+        if shared.refs <= 0 and _REGISTRY.get(shared.key) is shared:
+            del _REGISTRY[shared.key]
