@@ -147,11 +147,11 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                group_size: int, seed: int) -> int:
     import torch
 
+    from prm_pipeline.fake_judge import FakeJudgeServer
     from prm_pipeline.inspect import AUDIT_ENV, branch_views, load_audit, render_html, verdict_record
     from prm_pipeline.report import DemoRecord, write_report
     from producers.rollout_proxy import RolloutConfig, RolloutProxy
     from producers.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
-    from prm_pipeline.fake_judge import FakeJudgeServer
     from shaper.trainer import run_trainer
 
     torch.set_num_threads(1)  # two shared cores: one thread each for the proxy and the trainer

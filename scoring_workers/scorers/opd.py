@@ -26,7 +26,8 @@ Per turn (OpenClaw-RL's OPD mode):
 
 No next state or no accepted hint -> zeros, observed as ``has_next_state`` /
 ``hint_accepted`` false. OpenClaw-RL does not train such turns at all: set the
-trainer's ``drop_unhinted_turns`` to leave them out of the loss (shaper/exclusion.py). ``model_response.output_logprobs`` is required (checked
+trainer's ``drop_unhinted_turns`` to leave them out of the loss (shaper/exclusion.py).
+``model_response.output_logprobs`` is required (checked
 before any call: :class:`MissingLogprobsError`). When every hint vote fails, or the
 teacher/tokenizer call fails after an accepted hint, ``on_all_votes_failed: reject``
 (default) raises :class:`~scoring_workers.scorers.judge.JudgeFailedError` (reason
@@ -64,6 +65,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from scoring_workers.prm.resolve import resolve_callable
+from scoring_workers.scorers.conversation import normalize_template_messages
 from scoring_workers.scorers.judge import (
     JudgeFailedError,
     Vote,
@@ -73,8 +76,6 @@ from scoring_workers.scorers.judge import (
     parse_hint_judgement,
     select_best_hint,
 )
-from scoring_workers.prm.resolve import resolve_callable
-from scoring_workers.scorers.conversation import normalize_template_messages
 from scoring_workers.scorers.judge_apis import sglang_input_logprobs
 from scoring_workers.scorers.judge_errors import JudgeRequestError
 from scoring_workers.scorers.judge_http import JudgeClient

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
+from scoring_workers.prm.resolve import resolve_callable
 from scoring_workers.scorers.conversation import (
     NEXT_STATE_RULES,
     NextState,
@@ -90,7 +91,6 @@ from scoring_workers.scorers.judge import (
     parse_boxed_score,
     run_votes,
 )
-from scoring_workers.prm.resolve import resolve_callable
 from scoring_workers.scorers.judge_apis import JudgeEndpoint
 from scoring_workers.scorers.judge_errors import JudgeRequestError
 from scoring_workers.scorers.judge_http import JudgeClient

@@ -38,8 +38,8 @@ from infra.config import (
 )
 from infra.kafka import ensure_topics
 from infra.schema import GroupVerdict, Interaction, ModelResponse, ReadyTrajectory, decode_verdict
-from producers.publisher import TrajectoryPublisher
 from prm_pipeline.fake_judge import FakeJudgeServer
+from producers.publisher import TrajectoryPublisher
 from shaper import apply_exclusion, build_training_batch
 from tests.integration.harness import WorkerProcesses, isolated_config, read_topic, wait_for_verdicts, write_config
 

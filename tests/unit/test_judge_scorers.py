@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory
-from scoring_workers.prm import PRMRejection, PRMRunner
 from prm_pipeline.fake_judge import (
     FakeJudgeServer,
     fake_teacher_logprob,
     fake_tokenize,
 )
+from scoring_workers.prm import PRMRejection, PRMRunner
 from scoring_workers.scorers.conversation import render_chatml
 from scoring_workers.scorers.judge import JudgeFailedError
 from scoring_workers.scorers.judge_limits import registered_limits
