@@ -57,6 +57,19 @@ OPD = "scoring_workers.scorers.opd.OPDTeacherScorer"
 AUDIT_SINK = "prm_pipeline.inspect:record_judge_audit"
 
 
+async def _await_verdicts(tail: VerdictTail, procs: WorkerProcesses, groups: set[str], timeout_s: float) -> None:
+    """Wait for ``groups``' verdicts, failing at once with a worker's last log line if every worker exited."""
+    waiter = asyncio.create_task(tail.wait_for(groups, timeout_s))
+    while not waiter.done():
+        if not any(procs.alive()):
+            waiter.cancel()
+            logs = sorted(procs.log_dir.glob("worker*.log"))
+            lines = logs[-1].read_text(errors="replace").strip().splitlines() if logs else []
+            raise RuntimeError(f"every scoring worker exited; last log line: {lines[-1] if lines else '(empty log)'}")
+        await asyncio.wait({waiter}, timeout=0.2)
+    await waiter
+
+
 def demo_config(cfg: PipelineConfig, *, judge_url: str, teacher_url: str, prompts: int) -> PipelineConfig:
     """The configured pipeline plus the judge and OPD scorers, additive shaping, kept channels."""
     scorers = []
@@ -75,7 +88,10 @@ def demo_config(cfg: PipelineConfig, *, judge_url: str, teacher_url: str, prompt
     return msgspec.structs.replace(
         cfg,
         rollout=msgspec.structs.replace(cfg.rollout, agent=agent),
-        worker=msgspec.structs.replace(cfg.worker, group_timeout_s=DEMO_GROUP_TIMEOUT_S, keep_scorer_channels=True),
+        # the judge's audit sink (record_judge_audit) is named in config, so it passes the allow-list
+        worker=msgspec.structs.replace(cfg.worker, group_timeout_s=DEMO_GROUP_TIMEOUT_S, keep_scorer_channels=True,
+                                       allowed_scorer_modules=[*cfg.worker.allowed_scorer_modules,
+                                                               AUDIT_SINK.split(":")[0]]),
         trainer=msgspec.structs.replace(cfg.trainer, batch_groups=prompts, device="cpu"),
     )
 
@@ -184,7 +200,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     await tail.start()
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         await pub.discard_group("demo-warmup", "warm-up probe")
-    await tail.wait_for({"demo-warmup"}, timeout_s=60)
+    await _await_verdicts(tail, procs, {"demo-warmup"}, timeout_s=60)
     stage_setup["start-up"] = time.perf_counter() - t_start
     print(f"started 2 scoring workers and the model server in {stage_setup['start-up']:.1f}s (model server "
           f"ready after {stage_setup['model-server ready']:.1f}s; logs in {workdir})")
