@@ -26,16 +26,17 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
-log = logging.getLogger(__name__)
+# Shaping modes come from the one registry (advantage and PRM + OPD combined modes).
+from infra.modes import COMBINED_MODES, SHAPING_MODES, mode_info
 
-SHAPING_MODES = ("additive", "gvpo", "process_weighted")
-# Trainer-side PRM + OPD combinations (shaper.combined). Deliberately not values of
-# AReaL's advantage_shaping.mode: they choose the token signal, the mode still folds it in.
-COMBINED_MODES = ("prm_gated_opd", "prm_weighted_opd")
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
     """The configuration breaks a rule; the message names the key and the fix."""
+
+
+PRM_ERROR_POLICIES = ("reject", "keep_original")
 
 
 # --------------------------------------------------------------------------- PRM (AReaL names)
@@ -66,6 +67,18 @@ class PRMConfig(msgspec.Struct, kw_only=True):
     advantage_shaping: PRMAdvantageShapingConfig = msgspec.field(
         default_factory=PRMAdvantageShapingConfig
     )
+    error_policy: str = "reject"
+    """What a scorer failure does to the session (AReaL's ``PRMConfig.error_policy``):
+    ``reject`` fails it (its group is rejected); ``keep_original`` keeps the session
+    unscored (its original token rewards, no scorer contributions, no PRM stats) and
+    says so in the verdict."""
+
+    def __post_init__(self) -> None:
+        if self.error_policy not in PRM_ERROR_POLICIES:
+            raise ConfigError(
+                f"rollout.agent.prm.error_policy must be one of {list(PRM_ERROR_POLICIES)}, "
+                f"got {self.error_policy!r}"
+            )
 
     @property
     def active(self) -> bool:
@@ -336,15 +349,16 @@ def validate(cfg: PipelineConfig) -> None:
                 "actor.token_rewards_as_adv must be true when PRM scorers are active "
                 "(folding dense rewards into GAE is not specified)"
             )
-    if mode in ("gvpo", "process_weighted") and not actor.token_rewards_as_adv:
+    info = mode_info(mode)
+    if info is not None and info.direct_advantages and not actor.token_rewards_as_adv:
         raise ConfigError(
             f"actor.token_rewards_as_adv must be true with advantage_shaping.mode {mode!r} "
             "(it shapes direct process advantages)"
         )
-    if mode == "process_weighted" and actor.mask_no_eos_with_zero:
+    if info is not None and info.unit_interval and actor.mask_no_eos_with_zero:
         raise ConfigError(
             "actor.mask_no_eos_with_zero: true cannot be combined with "
-            "rollout.agent.prm.advantage_shaping.mode 'process_weighted'"
+            f"rollout.agent.prm.advantage_shaping.mode {mode!r}"
         )
     for section, name in (("topics", "partitions"), ("worker", "concurrency"), ("trainer", "batch_groups")):
         if getattr(getattr(cfg, section), name) < 1:
