@@ -59,6 +59,7 @@ from infra.schema import (
     encode,
     headers_to_dict,
 )
+from scoring_workers.prm.errors import failure_code, failure_detail
 from scoring_workers.ledger import Decision, GroupLedger
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.verdicts import assemble_verdict, encode_scorers
@@ -81,12 +82,6 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def failure_code(exc: BaseException) -> str:
-    """A short, stable reason code for a member's scoring failure."""
-    if isinstance(exc, TimeoutError):
-        return "scorer_timeout"
-    code = getattr(exc, "reason", None)
-    return code if isinstance(code, str) and code else "scorer_error"
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -381,7 +376,7 @@ class Worker:
             code = failure_code(exc)
             self.telemetry.member_failures.labels(code).inc()
             log.info("group=%s traj=%s: scoring failed: %s: %s", traj.group_id, traj.trajectory_id, code, exc)
-            detail = str(exc) or type(exc).__name__
+            detail = failure_detail(exc)
             common["turns"] = []
             return SessionResult(status="failed", error=f"{code}: {detail}"[:2000], scored_at=time.time(), **common)
         self.telemetry.scoring_seconds.observe(time.perf_counter() - t0)
@@ -391,6 +386,7 @@ class Worker:
             branches=scored.to_branch_results(),
             turn_results=[tr for b in scored.branches for tr in b.turn_results],
             stats=scored.stats("eval-rollout" if traj.is_eval else "rollout"),
+            error=scored.fallback,  # error_policy keep_original: what failed (None otherwise)
             scored_at=time.time(),
             **common,
         )

@@ -21,6 +21,7 @@ from infra.schema import (
     compact_turns,
 )
 from prm_pipeline.audit.compare import ScoringScope
+from scoring_workers.prm.errors import failure_code, failure_detail
 
 if TYPE_CHECKING:
     from scoring_workers.prm import PRMRunner
@@ -39,12 +40,6 @@ def scorer_is_deterministic(scorer: Any) -> bool:
 
 
 # =========================================================================== re-scoring
-def failure_code(exc: BaseException) -> str:
-    """The member error code the worker records for a scoring failure (see worker.failure_code)."""
-    if isinstance(exc, TimeoutError):
-        return "scorer_timeout"
-    code = getattr(exc, "reason", None)
-    return code if isinstance(code, str) and code else "scorer_error"
 
 
 async def rescore(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None) -> SessionResult:
@@ -72,13 +67,14 @@ async def rescore(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s:
         raise
     except Exception as exc:  # noqa: BLE001 - the member fails, like in the worker
         common["turns"] = []
-        detail = str(exc) or type(exc).__name__
+        detail = failure_detail(exc)
         return SessionResult(status="failed", error=f"{failure_code(exc)}: {detail}"[:2000], **common)
     return SessionResult(
         status="scored",
         branches=scored.to_branch_results(),
         turn_results=[tr for b in scored.branches for tr in b.turn_results],
         stats=scored.stats("eval-rollout" if traj.is_eval else "rollout"),
+        error=scored.fallback,
         **common,
     )
 
@@ -107,7 +103,8 @@ async def build_runners(
         if not skipped:
             return scope, full, [full]
         partial = await PRMRunner.create(
-            PRMConfig(enabled=True, scorers=det, advantage_shaping=prm.advantage_shaping)  # type: ignore[arg-type]
+            PRMConfig(enabled=True, scorers=det, advantage_shaping=prm.advantage_shaping,
+                      error_policy=prm.error_policy)  # type: ignore[arg-type]
         )
     except BaseException:
         await full.aclose()
