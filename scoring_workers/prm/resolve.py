@@ -1,15 +1,14 @@
 """Turning ``rollout.agent.prm.scorers`` entries into scorer instances.
 
-Entries are resolved as in the seed: a :class:`BaseScorer` *instance* is borrowed (its
+Entries are resolved as in AReaL: a :class:`BaseScorer` *instance* is borrowed (its
 caller closes it); a :class:`PRMScorerConfig` or plain mapping is *owned* and built as
 ``cls(weight=, enabled=, **kwargs)`` from its import path ``"module.Class"``.
 
-:data:`SCORER_ALIASES` is consulted before anything is imported. It maps the seed's
-``examples.prm.scorers.LengthBudgetScorer`` onto the built-in
+:data:`SCORER_ALIASES` is the fallback for paths whose module is not importable. It maps
+AReaL's example path ``examples.prm.scorers.LengthBudgetScorer`` onto the built-in
 :class:`scoring_workers.scorers.LengthBudgetScorer`, so configs written for AReaL work
-unchanged without installing a top-level ``examples`` package (which would collide with
-every other project's ``examples`` folder) and without the repository's own
-``examples/`` directory being importable or required.
+without an ``examples`` package installed. A user whose own ``examples.prm.scorers``
+module *is* importable gets that module, as AReaL would import it.
 
 ``allowed_prefixes`` lets a deployment restrict which modules a config may import
 (config files are code execution otherwise). It is checked against the module that
@@ -60,18 +59,33 @@ def resolve_scorer_class(path: str, *, allowed_prefixes: Sequence[str] | None = 
     """
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(f"scorer path must be a non-empty 'module.Class' string, got {path!r}")
-    target = SCORER_ALIASES.get(path.strip(), path.strip())
+    path = path.strip()
+    alias = SCORER_ALIASES.get(path)
+    prefixes = None
+    if allowed_prefixes is not None:
+        prefixes = [allowed_prefixes] if isinstance(allowed_prefixes, str) else list(allowed_prefixes)
+    if alias is not None:
+        own_module = path.rpartition(".")[0]
+        if prefixes is None or _module_allowed(own_module, prefixes):
+            try:  # the user's own module first, as AReaL imports the path
+                return _resolve(path, path, None)
+            except ModuleNotFoundError as exc:
+                if not (exc.name and (own_module == exc.name or own_module.startswith(exc.name + "."))):
+                    raise  # the module exists but one of *its* imports is missing: say so
+        return _resolve(path, alias, prefixes)
+    return _resolve(path, path, prefixes)
+
+
+def _resolve(path: str, target: str, prefixes: Sequence[str] | None) -> type[BaseScorer]:
     module_name, _, attr = target.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"scorer path {path!r} must have the form 'module.Class'")
-    if allowed_prefixes is not None:
-        prefixes = [allowed_prefixes] if isinstance(allowed_prefixes, str) else list(allowed_prefixes)
-        if not _module_allowed(module_name, prefixes):
-            via = "" if target == path else f" (alias of {target!r})"
-            raise ConfigError(
-                f"scorer path {path!r}{via} is refused: module {module_name!r} is not under the "
-                f"allowed prefixes {prefixes}; add its package to the worker's allowed scorer modules"
-            )
+    if prefixes is not None and not _module_allowed(module_name, prefixes):
+        via = "" if target == path else f" (alias of {target!r})"
+        raise ConfigError(
+            f"scorer path {path!r}{via} is refused: module {module_name!r} is not under the "
+            f"allowed prefixes {prefixes}; add its package to the worker's allowed scorer modules"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
