@@ -203,3 +203,93 @@ async def test_parentless_turns_are_separate_branches_as_in_areal_export() -> No
     assert result.stats()["rollout/prm_metric/trajectory/t/len/observed_count"] == 2.0
     with pytest.raises(ValueError, match="duplicate structured metric"):
         await runner_of(scorer("t", observe)()).run(traj(turn("a"), turn("b", "a")))
+
+
+# ----------------------------------------------------------------------------- group filters
+def _sample(rewards: list[float], tokens: list[list[float]] | None = None, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"rewards": torch.tensor(rewards)}
+    if tokens is not None:
+        out["token_rewards"] = torch.tensor(tokens)
+        out["loss_mask"] = torch.ones(len(tokens), len(tokens[0]))
+    out.update(extra)
+    return out
+
+
+def test_areal_named_filters_return_bool_and_record_areal_scalars() -> None:
+    from shaper.filters import ScalarTracker, filter_function, filter_mixed_or_penalized_all_wrong
+
+    tracker = ScalarTracker("rollout")
+    results = [
+        filter_mixed_or_penalized_all_wrong(_sample([1.0, 0.0]), tracker),  # mixed
+        filter_mixed_or_penalized_all_wrong(_sample([1.0, 1.0]), tracker),  # all correct
+        filter_mixed_or_penalized_all_wrong(_sample([0.0, 0.0], [[-1.0], [0.0]]), tracker),  # penalized
+        filter_mixed_or_penalized_all_wrong(_sample([0.0, 0.0]), tracker),  # all wrong
+    ]
+    assert results == [True, False, True, False] and all(type(r) is bool for r in results)
+    out = tracker.export()
+    assert out["rollout/rejected_by_failed_or_perfect"] == 0.5
+    assert out["rollout/rejected_by_all_correct"] == 0.25
+    assert out["rollout/rejected_by_all_wrong"] == 0.25
+    assert out["rollout/accepted_penalized_all_wrong"] == 0.25
+    assert out["rollout/rejected_by_all_wrong__count"] == 4.0
+    plain = ScalarTracker()
+    assert filter_function(_sample([0.9995, 0.9995]), plain) is False
+    assert plain.export()["rollout/rejected_by_all_correct"] == 1.0  # "all correct" = all >= 0.999
+
+
+def test_filter_edge_inputs_as_areal() -> None:
+    from shaper.filters import filter_mixed_or_penalized_all_wrong as f
+    from shaper.filters import filter_mixed_or_penalized_all_wrong_mask_no_eos as g
+
+    t = ScalarTrackerFactory()
+    # token rewards without a loss mask: no penalty
+    assert f({"rewards": torch.zeros(2), "token_rewards": torch.full((2, 2), -1.0)}, t) is False
+    # non-finite token rewards: ValueError, but only looked at for uniform all-wrong groups
+    nan = [[math.nan, 0.0], [0.0, 0.0]]
+    with pytest.raises(ValueError, match="non-finite"):
+        f(_sample([0.0, 0.0], nan), t)
+    assert f(_sample([1.0, 0.0], nan), t) is True
+    # the no-eos variant needs attention_mask even with is_truncated; non-tensor is_truncated: TypeError
+    with pytest.raises(ValueError, match="requires attention_mask"):
+        g(_sample([0.0, 0.0], [[-1.0, 0.0], [0.0, 0.0]], is_truncated=torch.tensor([True, False])), t)
+    with pytest.raises(TypeError):
+        g(_sample([0.0, 0.0], [[-1.0, 0.0], [0.0, 0.0]], is_truncated=[True, False],
+                  attention_mask=torch.ones(2, 2)), t)
+    kept = g(_sample([0.0, 0.0], [[-1.0, 0.0], [0.0, 0.0]], is_truncated=torch.tensor([True, False]),
+                     attention_mask=torch.ones(2, 2)), t)
+    assert kept is False  # the only penalty sits in a truncated row
+
+
+def ScalarTrackerFactory() -> Any:  # noqa: N802 - a throwaway tracker so the module one stays clean
+    from shaper.filters import ScalarTracker
+
+    return ScalarTracker()
+
+
+# ----------------------------------------------------------------------------- merge_stats
+def test_merge_worker_stats_as_areal() -> None:
+    from shaper.metrics import merge_worker_stats
+
+    merged = merge_worker_stats([
+        {"rollout/prm_turn_reward/s": 1.0, "rollout/prm_turn_reward/s__count": 1.0,
+         "rollout/prm_metric/turn/s/m/count": 2.0, "rollout/other": 5.0, "rollout/prm_metric/turn/s/m/rate": 0.5},
+        {"rollout/prm_turn_reward/s": 0.0, "rollout/prm_turn_reward/s__count": 3.0,
+         "eval-rollout/prm_metric/turn/s/m/count": 1.0, "rollout/prm_turn_reward/z": math.nan,
+         "rollout/prm_turn_reward/z__count": 1.0, "rollout/prm_turn_reward/e": 1.0, "rollout/prm_turn_reward/e__count": 0.0},
+    ])
+    assert merged["rollout/prm_turn_reward/s"] == 0.25
+    assert merged["prm_metric/turn/s/m/count"] == 3.0  # namespace stripped, summed
+    assert math.isnan(merged["rollout/prm_turn_reward/z"])  # no validation: NaN passes
+    assert "rollout/prm_turn_reward/e" not in merged  # sum of counts 0: omitted
+    assert not any(k.endswith("__count") for k in merged)
+    assert "rollout/other" not in merged and "prm_metric/turn/s/m/rate" not in merged  # mean without count: dropped
+
+
+def test_merge_stats_edge_cases_as_areal() -> None:
+    from shaper.metrics import merge_stats
+
+    merged = merge_stats([{"m": 1.0, "m__count": 1.0}, {"m": 7.0}, {"m": math.nan, "m__count": 0.0}, {"c": 2.0}, {"c": 3.0}])
+    # a mean weighted only by the count in its own dict; one without a count carries no weight
+    assert math.isnan(merged["m"])  # NaN * 0 = NaN, as AReaL's unvalidated merge
+    merged = merge_stats([{"m": 1.0, "m__count": 1.0}, {"m": 7.0}, {"c": 2.0}, {"c": 3.0}])
+    assert merged == {"m": 1.0, "m__count": 1.0, "c": 5.0}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,16 @@ class LastTurnBonus(BaseTrajectoryScorer):
 '''
 
 
+@pytest.fixture(autouse=True)
+def _forget_examples_modules() -> Iterator[None]:
+    """Each test imports ``examples.*`` afresh and leaves no user module behind."""
+    saved = {m: sys.modules.pop(m) for m in list(sys.modules) if m == "examples" or m.startswith("examples.")}
+    yield
+    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
 @pytest.fixture
 def user_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     package = tmp_path / "examples" / "prm"
@@ -68,8 +79,6 @@ def user_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (package / "__init__.py").write_text("")
     (package / "scorers.py").write_text(textwrap.dedent(AREAL_MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
-        monkeypatch.delitem(sys.modules, name)
     return tmp_path
 
 
@@ -105,9 +114,7 @@ async def test_areal_example_path_prefers_the_users_module(user_examples: Path) 
         await runner.aclose()
 
 
-async def test_areal_example_path_falls_back_to_the_builtin(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
-        monkeypatch.delitem(sys.modules, name)
+async def test_areal_example_path_falls_back_to_the_builtin() -> None:
     runner = await PRMRunner.create({"scorers": [{"path": "examples.prm.scorers.LengthBudgetScorer"}]})
     try:
         assert type(runner.scorers[0]) is BuiltIn
