@@ -293,3 +293,34 @@ def test_merge_stats_edge_cases_as_areal() -> None:
     assert math.isnan(merged["m"])  # NaN * 0 = NaN, as AReaL's unvalidated merge
     merged = merge_stats([{"m": 1.0, "m__count": 1.0}, {"m": 7.0}, {"c": 2.0}, {"c": 3.0}])
     assert merged == {"m": 1.0, "m__count": 1.0, "c": 5.0}
+
+
+# ----------------------------------------------------------------------------- mask_no_eos_with_zero
+def test_mask_no_eos_keeps_truncated_rows_in_the_loss_and_zeroes_their_rewards() -> None:
+    import dataclasses
+
+    from shaper.trainer import shape_batch
+    from tests.unit.test_exclusion import cases_batch
+
+    batch = cases_batch()
+    n = batch.rewards.shape[0]
+    batch = dataclasses.replace(
+        batch,
+        rewards=torch.arange(n, dtype=torch.float32),
+        group_ids=["g"] * n,
+        token_rewards=torch.where(batch.loss_mask, 0.5, 0.0),
+        is_truncated=torch.tensor([True] + [False] * (n - 1)),
+    )
+    plain = shape_batch(batch, mode="additive")
+    masked = shape_batch(batch, mode="additive", mask_no_eos_with_zero=True)
+    assert torch.equal(masked.loss_mask, plain.loss_mask)  # truncated row 0 stays in the loss
+    assert masked.token_rewards[0].abs().sum() == 0 and masked.token_rewards[1].abs().sum() > 0
+    # row 0's outcome reward (0.0 here, already) is not placed; others keep theirs:
+    # zeroing another row instead changes the group baseline
+    moved = dataclasses.replace(batch, is_truncated=torch.tensor([False] * (n - 1) + [True]))
+    shaped = shape_batch(moved, mode="additive", mask_no_eos_with_zero=True)
+    expected = shape_batch(dataclasses.replace(moved, rewards=torch.tensor([*range(n - 1), 0.0]),
+                                               token_rewards=torch.where(torch.arange(n)[:, None] == n - 1, 0.0,
+                                                                         moved.token_rewards)), mode="additive")
+    assert torch.equal(shaped.advantages, expected.advantages)
+    assert shaped.loss_mask[n - 1].sum() > 0
