@@ -348,3 +348,17 @@ def test_jsonl_and_wire_agree() -> None:
 
 def test_public_api() -> None:
     assert set(jsonl.__all__) >= {"JsonlError", "parse", "load", "dump", "write"}
+
+
+def test_token_rewards_round_trip_and_length_checked() -> None:
+    from infra.jsonl import JsonlError, dump, parse
+
+    line = {"kind": "ready", "trajectory_id": "t", "session_id": "s", "group_id": "g", "group_size": 1,
+            "outcome_reward": 1.0, "interactions": [{"interaction_id": "a", "input_tokens": [1],
+                                                     "output_tokens": [2, 3], "token_rewards": [0.5, -0.25]}]}
+    message = parse(line)
+    assert message.interactions[0].token_rewards.tolist() == [0.5, -0.25]
+    assert dump(message)["interactions"][0]["token_rewards"] == [0.5, -0.25]
+    line["interactions"][0]["token_rewards"] = [0.5]
+    with pytest.raises(JsonlError, match=r"interactions\[0\].token_rewards: 1 values for 2"):
+        parse(line)
