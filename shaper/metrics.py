@@ -3,7 +3,7 @@
 Scoring workers report small flat dicts of numbers.  Averaging their *means*
 naively would give a worker that saw 1 observation the same say as one that
 saw 10 000, so every mean or rate travels with its observation count under the
-companion key ``"<key>__count"`` (seed 001: "Worker means and rates are
+companion key ``"<key>__count"`` (AReaL's Process Rewards: "Worker means and rates are
 weighted by observation counts, while counts and sums are added").
 
 Conventions, by key:
@@ -147,7 +147,7 @@ def reason_code(reason: str) -> str:
 class VerdictMetrics:
     """Count-weighted scoring metrics plus pipeline counters, per window and in total.
 
-    What counts (seed 001, "v2 Export And Metric Transport"):
+    What counts (AReaL's Process Rewards, "v2 Export And Metric Transport"):
 
     * the ``stats`` of every member with status ``scored``, whatever the verdict's
       status — "each successfully scored session contributes observations even if

@@ -309,7 +309,7 @@ def grpo_outcome_advantages(
     rewards are all equal gets ``0`` as well (numerator 0, ``eps > 0``).
 
     Only *outcome* rewards are normalised here.  Process token rewards are
-    never group-normalised (seed 001, "v2 Export"): they enter later through
+    never group-normalised (AReaL's Process Rewards, "v2 Export"): they enter later through
     :func:`shape_advantages`.
 
     Args:

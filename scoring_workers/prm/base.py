@@ -1,4 +1,4 @@
-"""The scorer contract (seed 001, "Scorer Contract"), under AReaL's names.
+"""The scorer contract (AReaL's Process Rewards, "Scorer Contract"), under AReaL's names.
 
 A scorer turns one turn (or one branch) into an **unweighted** reward: a scalar that
 the runner broadcasts over the turn's output tokens, or a dense tensor of shape

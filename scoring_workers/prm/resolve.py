@@ -31,7 +31,7 @@ __all__ = ["SCORER_ALIASES", "resolve_scorer_class", "build_scorer"]
 
 SCORER_ALIASES: Mapping[str, str] = MappingProxyType(
     {
-        # The seed's example path -> our built-in (same behaviour, same name "length_budget").
+        # AReaL's example path -> our built-in (same behaviour, same name "length_budget").
         "examples.prm.scorers.LengthBudgetScorer": "scoring_workers.scorers.LengthBudgetScorer",
     }
 )

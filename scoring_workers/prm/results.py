@@ -1,7 +1,7 @@
 """What a scoring run produces: scored branches, their wire form and their metrics.
 
 Metrics are returned as data (a flat ``dict[str, float]``) rather than pushed into a
-recorder, because the seed's rule is that a session's statistics are published only
+recorder, because AReaL's rule is that a session's statistics are published only
 when *every* branch succeeded — the caller decides, after the run, whether to record
 them — and because the trainer merges many workers' dicts with
 :func:`shaper.metrics.merge_stats`. The key conventions shared with that function:
@@ -61,7 +61,7 @@ class RunnerClosedError(RuntimeError):
 
 
 def stats_namespace(is_eval: bool) -> str:
-    """``"eval-rollout"`` for evaluation trajectories, ``"rollout"`` otherwise (seed 001)."""
+    """``"eval-rollout"`` for evaluation trajectories, ``"rollout"`` otherwise (AReaL's Process Rewards)."""
     return "eval-rollout" if is_eval else "rollout"
 
 
@@ -178,7 +178,7 @@ class ScoredTrajectory:
 
     @property
     def turn_results(self) -> list[PRMTurnResult]:
-        """Every branch's turn results, branch by branch (the seed's typed ``prm_stats``)."""
+        """Every branch's turn results, branch by branch (AReaL's typed ``prm_stats``)."""
         return [result for branch in self.branches for result in branch.turn_results]
 
     def to_branch_results(self) -> list[BranchResult]:

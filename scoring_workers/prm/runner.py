@@ -1,6 +1,6 @@
 """``PRMRunner``: scores one ready trajectory with the configured scorers.
 
-What a run does, and why it is shaped this way (seed 001, "Scorer Contract",
+What a run does, and why it is shaped this way (AReaL's Process Rewards, "Scorer Contract",
 "Branches, Filtering And Metrics"):
 
 1. Every interaction must be token-backed (have a ``model_response``); this is checked

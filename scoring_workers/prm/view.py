@@ -4,7 +4,7 @@
 and one interaction can sit on several root-to-leaf branches. The runner therefore
 builds one :class:`InteractionView` per (branch, turn): ``parent`` points at the
 previous view *of the same branch*, so a scorer walking up the chain never leaves its
-branch, and rewards it produces stay branch-local (seed 001, "Branches").
+branch, and rewards it produces stay branch-local (AReaL's Process Rewards, "Branches").
 
 The view keeps AReaL's attribute names (``interaction_id``, ``parent``, ``parent_id``,
 ``messages``, ``output_message_list``, ``reward``, ``model_response``, ``token_rewards``) so AReaL scorers

@@ -187,7 +187,7 @@ async def test_rollback_cleanup_failures_become_notes(caplog: pytest.LogCaptureF
         await PRMRunner.create(PRMConfig(scorers=[entry(TrackedA, "a"), entry(TrackedB, "b")]))
     assert info.value is original
     assert closes() == ["b", "a"]
-    assert any("disk gone" in note and "a.aclose()" in note for note in info.value.__notes__)
+    assert any("disk gone" in note and "a.aclose()" in note and "cleanup" in note for note in info.value.__notes__)
     assert "closing scorer 'a' failed" in caplog.text
 
 
