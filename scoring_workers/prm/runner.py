@@ -793,6 +793,11 @@ class PRMRunner:
                         TypeError, f"scorer {scorer_name!r}: observations must contain PRMMetricObservation, "
                         f"got {type(obs).__name__}", "invalid_observation", **context,
                     )
+                if not isinstance(obs.target_id, str) or not obs.target_id.strip():
+                    raise runner_error(
+                        ValueError, f"scorer {scorer_name!r}: observation {obs.metric_id!r} needs a non-empty "
+                        "target_id", "invalid_observation", **context,
+                    )
                 if obs.scope == "turn" and obs.target_id != view.interaction_id:
                     raise runner_error(
                         ValueError, f"scorer {scorer_name!r}: turn observation {obs.metric_id!r} targets "
