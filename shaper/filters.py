@@ -258,13 +258,19 @@ class FilterCounters:
     as counts: added across workers and steps.
     """
 
+    rejected_by_failed_or_perfect: int = 0
     rejected_by_all_correct: int = 0
     rejected_by_all_wrong: int = 0
     accepted_penalized_all_wrong: int = 0
     accepted_mixed: int = 0
 
     def record(self, decision: FilterDecision) -> None:
-        """Count one decision; an unknown reason is a programming error and raises."""
+        """Count one decision; an unknown reason is a programming error and raises.
+
+        The first four counters are AReaL's (as counts, not per-call fractions);
+        ``accepted_mixed`` is ours."""
+        if decision.reason in ("all_correct", "all_wrong"):
+            self.rejected_by_failed_or_perfect += 1
         if decision.reason == "mixed":
             self.accepted_mixed += 1
         elif decision.reason == "penalized_all_wrong":

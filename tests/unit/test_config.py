@@ -381,3 +381,19 @@ def test_secrets_never_appear_in_a_config_repr() -> None:
     assert "hunter2" not in text and "s3cret" not in text
     assert "sasl_username='svc'" in text and "rediss://prm:***@redis.internal:6380/0" in text
     assert cfg.kafka.sasl_password == "hunter2"  # only the representation is masked
+
+
+def test_shaping_modes_come_from_one_registry() -> None:
+    import infra.config
+    import shaper.shaping
+    from infra.modes import COMBINED_MODES, MODES, SHAPING_MODES, mode_info
+
+    assert SHAPING_MODES == ("additive", "gvpo", "process_weighted")
+    assert COMBINED_MODES == ("prm_gated_opd", "prm_weighted_opd")
+    assert infra.config.SHAPING_MODES is SHAPING_MODES and infra.config.COMBINED_MODES is COMBINED_MODES
+    assert shaper.shaping.SHAPING_MODES is SHAPING_MODES
+    assert {m.name for m in MODES} == {*SHAPING_MODES, *COMBINED_MODES}
+    # the rules config validation applies are attributes of the registry entries
+    assert [m for m in SHAPING_MODES if mode_info(m).direct_advantages] == ["gvpo", "process_weighted"]
+    assert [m for m in SHAPING_MODES if mode_info(m).unit_interval] == ["process_weighted"]
+    assert mode_info("nope") is None

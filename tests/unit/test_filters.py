@@ -172,6 +172,7 @@ class TestDecisionAndRegistry:
         ]:
             counters.record(FilterDecision(keep, reason))
         assert counters.as_dict() == {
+            "rejected_by_failed_or_perfect": 4,
             "rejected_by_all_correct": 1,
             "rejected_by_all_wrong": 3,
             "accepted_penalized_all_wrong": 1,
@@ -185,6 +186,7 @@ class TestDecisionAndRegistry:
         for g in (group([1.0, 0.0]), group([1.0, 1.0]), group([0.0, 0.0], [[-1.0], [0.0]])):
             counters.record(filters.decide_mixed_or_penalized_all_wrong(g))
         assert counters.as_dict() == {
+            "rejected_by_failed_or_perfect": 1,
             "rejected_by_all_correct": 1,
             "rejected_by_all_wrong": 0,
             "accepted_penalized_all_wrong": 1,
