@@ -27,7 +27,7 @@ import msgspec
 import yaml
 
 # Shaping modes come from the one registry (advantage and PRM + OPD combined modes).
-from infra.modes import COMBINED_MODES, SHAPING_MODES, mode_info
+from infra.modes import COMBINED_MODES, SHAPING_MODES, mode_info  # noqa: F401 - COMBINED_MODES re-exported
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ import logging
 import math
 import numbers
 import struct
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from types import CoroutineType
 from typing import Any
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infra.config import PRMConfig
-from infra.schema import Interaction, ModelResponse, ReadyTrajectory, SessionResult, decode_message, encode
+from infra.schema import Interaction, ModelResponse, SessionResult, decode_message, encode
 from scoring_workers.prm import BaseScorer, PRMRunner, PRMScorerResult, failure_code, failure_detail
 from scoring_workers.prm.errors import error_context
 from tests.unit.test_prm_runner import obs, runner_of, scorer, traj, turn
