@@ -82,8 +82,6 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-
-
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
