@@ -26,13 +26,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+# Shaping modes come from the one registry (advantage and PRM + OPD combined modes).
+from infra.modes import COMBINED_MODES, SHAPING_MODES, mode_info
+
 log = logging.getLogger(__name__)
-
-SHAPING_MODES = ("additive", "gvpo", "process_weighted")
-# Trainer-side PRM + OPD combinations (shaper.combined). Deliberately not values of
-# AReaL's advantage_shaping.mode: they choose the token signal, the mode still folds it in.
-COMBINED_MODES = ("prm_gated_opd", "prm_weighted_opd", "openclaw_combine")
-
 
 # Declarative constraints, checked by msgspec when a file or the environment is loaded
 # (the message names the key: "Expected `int` >= 1 - at `$.worker.concurrency`").
@@ -45,6 +42,9 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_SECONDS)]
 
 class ConfigError(ValueError):
     """The configuration breaks a rule; the message names the key and the fix."""
+
+
+PRM_ERROR_POLICIES = ("reject", "keep_original")
 
 
 # --------------------------------------------------------------------------- PRM (AReaL names)
@@ -75,6 +75,18 @@ class PRMConfig(msgspec.Struct, kw_only=True):
     advantage_shaping: PRMAdvantageShapingConfig = msgspec.field(
         default_factory=PRMAdvantageShapingConfig
     )
+    error_policy: str = "reject"
+    """What a scorer failure does to the session (AReaL's ``PRMConfig.error_policy``):
+    ``reject`` fails it (its group is rejected); ``keep_original`` keeps the session
+    unscored (its original token rewards, no scorer contributions, no PRM stats) and
+    says so in the verdict."""
+
+    def __post_init__(self) -> None:
+        if self.error_policy not in PRM_ERROR_POLICIES:
+            raise ConfigError(
+                f"rollout.agent.prm.error_policy must be one of {list(PRM_ERROR_POLICIES)}, "
+                f"got {self.error_policy!r}"
+            )
 
     @property
     def active(self) -> bool:
@@ -193,7 +205,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     judge_scorer: str = "openclaw_judge"  # scorer whose turn results / channel are the judge's
     # null, or a PRM + OPD combination (shaper.combined) used as the per-token process
     # signal; needs worker.keep_scorer_channels for the judge and OPD scorers' channels.
-    combined_mode: Literal["prm_gated_opd", "prm_weighted_opd", "openclaw_combine"] | None = None
+    combined_mode: Literal[COMBINED_MODES] | None = None  # the registry's combined modes (infra.modes)
     opd_scorer: str = "opd_teacher"  # scorer whose channel is the OPD token signal
     # grpo (ours: outcome advantage + shaped process rewards) or openclaw_turns (OpenClaw-RL:
     # each judged turn a sample, advantage = judge score, upstream exclusion). shaper/openclaw_recipe.py
@@ -352,13 +364,14 @@ def validate(cfg: PipelineConfig) -> None:
                 "actor.token_rewards_as_adv must be true when PRM scorers are active "
                 "(folding dense rewards into GAE is not specified)"
             )
-    if mode in ("gvpo", "process_weighted") and not actor.token_rewards_as_adv:
+    info = mode_info(mode)
+    if info is not None and info.direct_advantages and not actor.token_rewards_as_adv:
         raise ConfigError(
             f"actor.token_rewards_as_adv must be true with advantage_shaping.mode {mode!r} "
             "(it shapes direct process advantages)"
         )
-    if mode == "process_weighted" and actor.mask_no_eos_with_zero:
+    if info is not None and info.unit_interval and actor.mask_no_eos_with_zero:
         raise ConfigError(
             "actor.mask_no_eos_with_zero: true cannot be combined with "
-            "rollout.agent.prm.advantage_shaping.mode 'process_weighted'"
+            f"rollout.agent.prm.advantage_shaping.mode {mode!r}"
         )

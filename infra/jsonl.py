@@ -60,6 +60,7 @@ class _JInteraction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     output_logprobs: list[float] | None = None
     stop_reason: str | None = None
     reward: float | None = None
+    token_rewards: list[float] | None = None
 
 
 class _JReady(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="ready", tag_field="kind"):
@@ -92,7 +93,7 @@ def _keys(struct: type[msgspec.Struct]) -> list[str]:
 
 # --------------------------------------------------------------------------- errors
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_ITEM = re.compile(r"^(?P<base>.*\.(?P<field>input_tokens|output_tokens|output_logprobs))\[(?P<i>\d+)\]$")
+_ITEM = re.compile(r"^(?P<base>.*\.(?P<field>input_tokens|output_tokens|output_logprobs|token_rewards))\[(?P<i>\d+)\]$")
 _INTERACTION = re.compile(r"^interactions\[\d+\]$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>.*)`$", re.S)
 _MISSING = re.compile(r"^Object missing required field `(?P<key>.*)`$", re.S)
@@ -100,6 +101,7 @@ _LIST_OF = {
     "input_tokens": "a list of integers in int32 range",
     "output_tokens": "a list of integers in int32 range",
     "output_logprobs": "a list of numbers",
+    "token_rewards": "a list of numbers",
 }
 
 
@@ -141,6 +143,17 @@ def _interaction(j: _JInteraction, where: str) -> Interaction:
             logprobs = np.array(j.output_logprobs, dtype=np.float32)
         if not np.isfinite(logprobs).all():
             raise JsonlError(f"{where}.output_logprobs: values must be finite float32 numbers")
+    token_rewards = None
+    if j.token_rewards is not None:
+        if len(j.token_rewards) != n_out:
+            raise JsonlError(
+                f"{where}.token_rewards: {len(j.token_rewards)} values for {n_out} "
+                "output tokens (need exactly one per output token)"
+            )
+        with np.errstate(over="ignore"):
+            token_rewards = np.array(j.token_rewards, dtype=np.float32)
+        if not np.isfinite(token_rewards).all():
+            raise JsonlError(f"{where}.token_rewards: values must be finite float32 numbers")
     try:
         response = ModelResponse.from_arrays(
             np.array(j.input_tokens, dtype=np.int32),  # bounds already checked by msgspec
@@ -155,6 +168,7 @@ def _interaction(j: _JInteraction, where: str) -> Interaction:
             output_message_list=j.output_message_list,
             reward=j.reward,
             model_response=response,
+            token_rewards_raw=None if token_rewards is None else token_rewards.tobytes(),
         )
     except ValueError as exc:
         raise JsonlError(f"{where}: {exc}") from None
@@ -285,6 +299,8 @@ def _dump_interaction(it: Interaction) -> dict[str, Any]:
         out["stop_reason"] = mr.stop_reason
     if it.reward is not None:
         out["reward"] = it.reward
+    if it.token_rewards is not None:
+        out["token_rewards"] = it.token_rewards.tolist()
     return out
 
 

@@ -170,12 +170,28 @@ class Interaction(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     output_message_list: list[dict[str, Any]] = msgspec.field(default_factory=list)
     reward: float | None = None
     model_response: ModelResponse | None = None
+    token_rewards_raw: bytes | None = msgspec.field(default=None, name="token_rewards")
+    """Optional pre-existing per-output-token rewards (packed float32), e.g. from the
+    environment. Scorers' contributions are added to them (AReaL's ``token_rewards``);
+    the runner checks their length against ``output_len`` and their finiteness, so a bad
+    array rejects the session with a reason instead of dead-lettering the record.
+    Omitted when absent, so records without it encode byte for byte as before."""
 
     def __post_init__(self) -> None:
         if not self.interaction_id:
             raise ValueError("interaction_id must be a non-empty string")
         if self.reward is not None:
             _check_finite(f"interaction {self.interaction_id!r}: reward", self.reward)
+        if self.token_rewards_raw is not None and len(self.token_rewards_raw) % 4:
+            raise ValueError(
+                f"interaction {self.interaction_id!r}: token_rewards byte length is not a multiple of 4 (float32)"
+            )
+
+    @property
+    def token_rewards(self) -> np.ndarray | None:
+        """Pre-existing token rewards as a read-only float32 view, or None."""
+        raw = self.token_rewards_raw
+        return None if raw is None else _view(raw, _F32)
 
 
 class ReadyTrajectory(msgspec.Struct, frozen=True, kw_only=True, tag="ready", tag_field="kind"):

@@ -10,7 +10,7 @@ Rules:
   trained on; verdicts carry the compact token turns);
 * no runner means scoring is off: the member is ``scored`` without rewards;
 * a scorer failure or a timeout fails the member with its reason code
-  (:func:`failure_code`) and keeps no partial results or turns;
+  (:func:`scoring_workers.prm.errors.failure_code`) and keeps no partial results or turns;
 * ``keep_channels`` (``worker.keep_scorer_channels``) keeps each scorer's own token
   rewards in the branches.
 """
@@ -22,17 +22,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from infra.schema import NotConcatExport, ReadyTrajectory, SessionResult, compact_turns
+from scoring_workers.prm.errors import failure_code, failure_detail
 
 if TYPE_CHECKING:
     from scoring_workers.prm import PRMRunner
-
-
-def failure_code(exc: BaseException) -> str:
-    """A short, stable reason code for a member's scoring failure."""
-    if isinstance(exc, TimeoutError):
-        return "scorer_timeout"
-    code = getattr(exc, "reason", None)
-    return code if isinstance(code, str) and code else "scorer_error"
 
 
 async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None,
@@ -63,7 +56,7 @@ async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeo
         raise
     except Exception as exc:  # noqa: BLE001 - the member fails; the group will be rejected
         common["turns"] = []
-        detail = str(exc) or type(exc).__name__
+        detail = failure_detail(exc)
         return SessionResult.failure(code=failure_code(exc), detail=detail, scorer=getattr(exc, "scorer_name", None),
                                      scored_at=stamp(), **common)
     return SessionResult(
@@ -71,6 +64,7 @@ async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeo
         branches=scored.to_branch_results(),
         turn_results=[tr for b in scored.branches for tr in b.turn_results],
         stats=scored.stats("eval-rollout" if traj.is_eval else "rollout"),
+        error=scored.fallback,  # error_policy keep_original: what failed (None otherwise)
         scored_at=stamp(),
         **common,
     )

@@ -70,7 +70,6 @@ from infra.schema import (
     headers_to_dict,
 )
 from scoring_workers.ledger import Decision, GroupLedger
-from scoring_workers.scoring import failure_code as failure_code  # re-exported: the worker's reason codes
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.verdicts import assemble_verdict, encode_scorers, too_large_verdict

@@ -6,29 +6,37 @@ usually dropped.  With process rewards one such case is still useful: an
 all-wrong group in which the scorers flagged specific bad steps (negative token
 rewards) still tells the policy *where* it went wrong (see ``gvpo`` shaping).
 
-Both filters here follow seed 001 ("Branches, Filtering And Metrics"):
+The filters follow AReaL's ``examples.swe.filter_function`` exactly:
 
-* keep mixed-outcome groups (not every outcome reward equal);
-* keep all-wrong groups (every reward equal and ``<= 0``) that have at least one
-  negative process reward at a valid (``loss_mask``) position;
-* reject all-correct groups (every reward equal and ``> 0``) and all-wrong
-  groups without any such penalty.
+* :func:`filter_mixed_or_penalized_all_wrong` (and its ``_mask_no_eos`` variant)
+  return a plain ``bool``: keep mixed-outcome groups, and all-wrong groups (every
+  reward equal and ``<= 0``) with a negative token reward at a valid position;
+  :func:`filter_function` keeps mixed groups only. Each call records AReaL's
+  per-call scalars into a :class:`ScalarTracker` (``rollout`` by default:
+  :data:`ROLLOUT_TRACKER`), exported as fractions of calls.
+* :func:`decide_mixed_or_penalized_all_wrong` (and ``_mask_no_eos``) are the same
+  rules returning a :class:`FilterDecision` with the reason; the trainer's consumer
+  uses these (:data:`FILTERS`, by AReaL's names) to count decisions by cause.
 
-The ``_mask_no_eos`` variant mirrors an actor that zeroes the loss of truncated
-sequences (``mask_no_eos_with_zero``): a penalty inside a sequence the actor
-will not train on cannot justify keeping the group, so truncated rows are
-ignored when looking for penalties.
+Edge inputs as AReaL: rewards are ``original_rewards`` if the key is present (even
+when None, which is an error), else ``rewards``; any shape (flattened); empty or
+non-finite is a ``ValueError``. Token tensors are looked at only for a uniform
+all-wrong group: without ``token_rewards`` or ``loss_mask`` there is no penalty;
+non-tensors, shapes that differ or are not 2-D, and non-finite token rewards are
+``ValueError``. The ``_mask_no_eos`` variant, mirroring the actor's
+``mask_no_eos_with_zero`` (which zeroes truncated rows' rewards), also needs
+``attention_mask`` then (even with ``is_truncated``) and ignores penalties in
+truncated rows; ``is_truncated`` wins over attention length == padded width.
 
-Filters must see *complete* groups; deciding on a partial group would judge
-"mixed" or "all-wrong" on samples that are not all there.  Token rewards are
-examined *unshifted* (aligned with the generated tokens and ``loss_mask``).
+Filters must see *complete* groups.  Token rewards are examined *unshifted*
+(aligned with the generated tokens and ``loss_mask``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
-from typing import Final
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
 
 import torch
 from torch import Tensor
@@ -39,6 +47,11 @@ __all__ = [
     "FilterDecision",
     "GroupFilter",
     "REASONS",
+    "ROLLOUT_TRACKER",
+    "ScalarTracker",
+    "decide_mixed_or_penalized_all_wrong",
+    "decide_mixed_or_penalized_all_wrong_mask_no_eos",
+    "filter_function",
     "filter_mixed_or_penalized_all_wrong",
     "filter_mixed_or_penalized_all_wrong_mask_no_eos",
     "get_filter",
@@ -50,12 +63,8 @@ REASONS: Final[tuple[str, ...]] = ("mixed", "penalized_all_wrong", "all_correct"
 
 @dataclass(frozen=True, slots=True)
 class FilterDecision:
-    """Outcome of a group filter.
-
-    ``reason`` is kept next to ``keep`` so that rejections can be counted by
-    cause (:class:`FilterCounters`); ``bool(decision)`` is ``keep`` so callers
-    that only care about the verdict can write ``if flt(group): ...``.
-    """
+    """Outcome of a group filter, with its cause (counted by :class:`FilterCounters`);
+    ``bool(decision)`` is ``keep``."""
 
     keep: bool
     reason: str
@@ -64,134 +73,168 @@ class FilterDecision:
         return self.keep
 
 
-GroupFilter = Callable[[Mapping[str, Tensor]], FilterDecision]
+GroupFilter = Callable[[Mapping[str, Any]], FilterDecision]
 
 
-# --------------------------------------------------------------------------- #
-# Input validation
-# --------------------------------------------------------------------------- #
-def _outcome_rewards(group: Mapping[str, Tensor]) -> Tensor:
-    """``original_rewards`` (before any group normalisation) win over ``rewards``.
+@dataclass(slots=True)
+class ScalarTracker:
+    """AReaL's ``stats_tracker`` scalars, in small: per-call values averaged on export.
 
-    Once rewards are normalised a group's values are centred, so "all > 0"
-    no longer means "all correct"; the raw outcome is what the rule is about.
+    ``export()`` gives ``<scope>/<key>`` = mean over calls (a fraction for 0/1
+    values) and ``<scope>/<key>__count`` = calls, so exports merge with
+    :func:`shaper.metrics.merge_stats`.
     """
-    key = "original_rewards" if "original_rewards" in group else "rewards"
-    if key not in group or group[key] is None:
-        raise ValueError("group has neither 'original_rewards' nor 'rewards'")
-    rewards = torch.as_tensor(group[key])
-    if rewards.dim() != 1:
-        raise ValueError(f"group[{key!r}] must be 1-D [G]; got shape {tuple(rewards.shape)}")
-    if rewards.numel() == 0:
-        raise ValueError(f"group[{key!r}] is empty; filters need a complete, non-empty group")
-    if not bool(torch.isfinite(rewards).all()):
-        raise ValueError(f"group[{key!r}] contains non-finite values: {rewards.tolist()}")
-    return rewards
+
+    scope: str = "rollout"
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def scalar(self, **values: float) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def export(self, *, reset: bool = True) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key, total in self.sums.items():
+            n = self.counts[key]
+            out[f"{self.scope}/{key}"] = total / n
+            out[f"{self.scope}/{key}__count"] = float(n)
+        if reset:
+            self.sums.clear()
+            self.counts.clear()
+        return out
 
 
-def _token_tensor(group: Mapping[str, Tensor], key: str, num_rows: int) -> Tensor | None:
-    value = group.get(key)
-    if value is None:
-        return None
-    value = torch.as_tensor(value)
-    if value.dim() != 2 or value.shape[0] != num_rows:
-        raise ValueError(
-            f"group[{key!r}] must have shape [G={num_rows}, T]; got {tuple(value.shape)}"
-        )
+ROLLOUT_TRACKER: Final[ScalarTracker] = ScalarTracker("rollout")
+"""Where the AReaL-named filters record by default (AReaL's ``rollout`` scope)."""
+
+
+# --------------------------------------------------------------------------- #
+# AReaL's rules
+# --------------------------------------------------------------------------- #
+def _outcome_rewards(sample: Mapping[str, Any]) -> Tensor:
+    rewards = sample.get("original_rewards", sample.get("rewards"))
+    if rewards is None:
+        raise ValueError("group filter needs 'original_rewards' or 'rewards' (got None)")
+    r = (rewards if isinstance(rewards, Tensor) else torch.as_tensor(rewards)).flatten()
+    if r.numel() == 0:
+        raise ValueError("group filter got empty rewards; filters need a complete, non-empty group")
+    if not bool(torch.isfinite(r.float()).all()):
+        raise ValueError(f"group filter got non-finite rewards: {r.tolist()}")
+    return r
+
+
+def _tensor(sample: Mapping[str, Any], key: str) -> Tensor:
+    value = sample[key]
+    if not isinstance(value, Tensor):
+        raise ValueError(f"group[{key!r}] must be a tensor, got {type(value).__name__}")
     return value
 
 
-def _penalty_positions(group: Mapping[str, Tensor], num_rows: int) -> Tensor | None:
-    """``[G, T]`` bool: negative token reward at a valid position (None: no token rewards)."""
-    token_rewards = _token_tensor(group, "token_rewards", num_rows)
-    if token_rewards is None:
-        return None
-    penalised = token_rewards < 0
-    loss_mask = _token_tensor(group, "loss_mask", num_rows)
-    if loss_mask is not None:
-        if loss_mask.shape != token_rewards.shape:
-            raise ValueError(
-                "group['loss_mask'] and group['token_rewards'] must have the same shape; got "
-                f"{tuple(loss_mask.shape)} and {tuple(token_rewards.shape)}"
-            )
-        penalised = penalised & (loss_mask.to(penalised.device) != 0)
-    return penalised
-
-
-def _truncated_rows(group: Mapping[str, Tensor], num_rows: int) -> Tensor:
-    """``[G]`` bool: rows that ended without EOS.
-
-    ``is_truncated`` is authoritative.  Without it, a row whose attention
-    length fills the whole padded width ``T`` is taken as truncated: it hit
-    the length limit, so we cannot tell that it finished.
-    """
-    flags = group.get("is_truncated")
-    if flags is not None:
-        flags = torch.as_tensor(flags)
-        if flags.dim() != 1 or flags.shape[0] != num_rows:
-            raise ValueError(
-                f"group['is_truncated'] must have shape [G={num_rows}]; got {tuple(flags.shape)}"
-            )
-        return flags != 0
-    attention = _token_tensor(group, "attention_mask", num_rows)
-    if attention is None:
+def _truncated_rows(sample: Mapping[str, Any], mask: Tensor) -> Tensor:
+    """``[B]`` bool, AReaL's truncation rule (``attention_mask`` required even with ``is_truncated``)."""
+    if sample.get("attention_mask") is None:
+        raise ValueError("filter_mixed_or_penalized_all_wrong_mask_no_eos requires attention_mask")
+    attention = _tensor(sample, "attention_mask")
+    if attention.shape != mask.shape:
         raise ValueError(
-            "the _mask_no_eos filter needs 'attention_mask' [G, T] (or 'is_truncated' [G]) "
-            "to tell which sequences were truncated"
+            f"group['attention_mask'] must have the loss_mask's shape {tuple(mask.shape)}; got {tuple(attention.shape)}"
         )
+    flags = sample.get("is_truncated")
+    if flags is not None:
+        if not isinstance(flags, Tensor):
+            raise TypeError(f"group['is_truncated'] must be a tensor, got {type(flags).__name__}")
+        if tuple(flags.shape) != (mask.shape[0],):
+            raise ValueError(f"group['is_truncated'] must have shape [{mask.shape[0]}]; got {tuple(flags.shape)}")
+        return flags.bool()
     return (attention != 0).sum(dim=-1) == attention.shape[-1]
 
 
-# --------------------------------------------------------------------------- #
-# Filters
-# --------------------------------------------------------------------------- #
-def _decide(rewards: Tensor, penalised: Tensor | None) -> FilterDecision:
-    if bool((rewards != rewards[0]).any()):
-        return FilterDecision(True, "mixed")
-    if float(rewards[0]) > 0:
-        return FilterDecision(False, "all_correct")
-    if penalised is not None and bool(penalised.any()):
-        return FilterDecision(True, "penalized_all_wrong")
-    return FilterDecision(False, "all_wrong")
+def _penalized(sample: Mapping[str, Any], *, mask_no_eos: bool) -> bool:
+    if sample.get("token_rewards") is None or sample.get("loss_mask") is None:
+        return False
+    token_rewards, mask = _tensor(sample, "token_rewards"), _tensor(sample, "loss_mask")
+    if token_rewards.shape != mask.shape or token_rewards.dim() != 2:
+        raise ValueError(
+            "group['token_rewards'] and group['loss_mask'] must be 2-D with the same shape; got "
+            f"{tuple(token_rewards.shape)} and {tuple(mask.shape)}"
+        )
+    if not bool(torch.isfinite(token_rewards).all()):
+        raise ValueError("group['token_rewards'] contains non-finite values")
+    valid = mask != 0
+    if mask_no_eos:
+        valid = valid & ~_truncated_rows(sample, mask).to(valid.device).unsqueeze(-1)
+    return bool(((token_rewards < 0) & valid).any())
 
 
-def filter_mixed_or_penalized_all_wrong(group: Mapping[str, Tensor]) -> FilterDecision:
-    """Keep mixed groups and all-wrong groups that carry a process penalty.
-
-    ``group`` holds one complete sample group: ``original_rewards`` (preferred)
-    or ``rewards`` ``[G]``; optionally ``token_rewards`` and ``loss_mask``
-    ``[G, T]`` (unshifted).  Without ``loss_mask`` every token position counts
-    as valid; without ``token_rewards`` an all-wrong group has no penalty.
-
-    Raises:
-        ValueError: rewards missing, empty, non-finite or mis-shaped.
-    """
-    rewards = _outcome_rewards(group)
-    return _decide(rewards, _penalty_positions(group, rewards.shape[0]))
+def _decide(sample: Mapping[str, Any], *, mask_no_eos: bool) -> tuple[FilterDecision, Tensor]:
+    r = _outcome_rewards(sample)
+    mixed = bool((r != r[0]).any())
+    all_wrong = bool((r <= 0).all())
+    if mixed:
+        return FilterDecision(True, "mixed"), r
+    if not all_wrong:
+        return FilterDecision(False, "all_correct"), r
+    if _penalized(sample, mask_no_eos=mask_no_eos):
+        return FilterDecision(True, "penalized_all_wrong"), r
+    return FilterDecision(False, "all_wrong"), r
 
 
-def filter_mixed_or_penalized_all_wrong_mask_no_eos(group: Mapping[str, Tensor]) -> FilterDecision:
-    """As :func:`filter_mixed_or_penalized_all_wrong`, ignoring penalties in truncated rows.
+def _record(tracker: ScalarTracker, decision: FilterDecision, r: Tensor) -> None:
+    reject = not decision.keep
+    all_positive = bool((r > 0).all())
+    tracker.scalar(
+        rejected_by_failed_or_perfect=float(reject),
+        rejected_by_all_correct=float(reject and all_positive),
+        rejected_by_all_wrong=float(reject and not all_positive),
+        accepted_penalized_all_wrong=float(decision.reason == "penalized_all_wrong"),
+    )
 
-    Truncation comes from ``is_truncated`` ``[G]`` when present, else from
-    ``attention_mask`` ``[G, T]`` (attention length == ``T`` means truncated).
-    Outcome classification (mixed / all-correct / all-wrong) still uses every
-    row: truncation changes which tokens train, not what the group scored.
-    """
-    rewards = _outcome_rewards(group)
-    num_rows = rewards.shape[0]
-    penalised = _penalty_positions(group, num_rows)
-    if penalised is not None:
-        truncated = _truncated_rows(group, num_rows).to(penalised.device)
-        penalised = penalised & ~truncated.unsqueeze(-1)
-    return _decide(rewards, penalised)
+
+def decide_mixed_or_penalized_all_wrong(sample: Mapping[str, Any]) -> FilterDecision:
+    """AReaL's rule, as a :class:`FilterDecision` with the reason (records nothing)."""
+    return _decide(sample, mask_no_eos=False)[0]
+
+
+def decide_mixed_or_penalized_all_wrong_mask_no_eos(sample: Mapping[str, Any]) -> FilterDecision:
+    """As :func:`decide_mixed_or_penalized_all_wrong`, ignoring penalties in truncated rows."""
+    return _decide(sample, mask_no_eos=True)[0]
+
+
+def filter_mixed_or_penalized_all_wrong(sample: Mapping[str, Any], tracker: ScalarTracker | None = None) -> bool:
+    """AReaL's filter: keep mixed groups and penalized all-wrong groups; records its scalars."""
+    decision, r = _decide(sample, mask_no_eos=False)
+    _record(ROLLOUT_TRACKER if tracker is None else tracker, decision, r)
+    return decision.keep
+
+
+def filter_mixed_or_penalized_all_wrong_mask_no_eos(
+    sample: Mapping[str, Any], tracker: ScalarTracker | None = None
+) -> bool:
+    """AReaL's ``_mask_no_eos`` filter: as above, penalties in truncated rows do not count."""
+    decision, r = _decide(sample, mask_no_eos=True)
+    _record(ROLLOUT_TRACKER if tracker is None else tracker, decision, r)
+    return decision.keep
+
+
+def filter_function(sample: Mapping[str, Any], tracker: ScalarTracker | None = None) -> bool:
+    """AReaL's plain filter: keep mixed-outcome groups only ("all correct" = all ``>= 0.999``)."""
+    r = _outcome_rewards(sample)
+    accept = bool((r != r[0]).any())
+    (ROLLOUT_TRACKER if tracker is None else tracker).scalar(
+        rejected_by_failed_or_perfect=float(not accept),
+        rejected_by_all_correct=float(not accept and bool((r >= 0.999).all())),
+        rejected_by_all_wrong=float(not accept and not bool((r >= 0.999).all())),
+    )
+    return accept
 
 
 FILTERS: Final[dict[str, GroupFilter]] = {
-    "filter_mixed_or_penalized_all_wrong": filter_mixed_or_penalized_all_wrong,
-    "filter_mixed_or_penalized_all_wrong_mask_no_eos": filter_mixed_or_penalized_all_wrong_mask_no_eos,
+    "filter_mixed_or_penalized_all_wrong": decide_mixed_or_penalized_all_wrong,
+    "filter_mixed_or_penalized_all_wrong_mask_no_eos": decide_mixed_or_penalized_all_wrong_mask_no_eos,
 }
-"""Filters by configuration name."""
+"""Configuration name (AReaL's) -> the rule returning a :class:`FilterDecision` (for the consumer)."""
 
 
 def get_filter(name: str) -> GroupFilter:
@@ -215,13 +258,19 @@ class FilterCounters:
     as counts: added across workers and steps.
     """
 
+    rejected_by_failed_or_perfect: int = 0
     rejected_by_all_correct: int = 0
     rejected_by_all_wrong: int = 0
     accepted_penalized_all_wrong: int = 0
     accepted_mixed: int = 0
 
     def record(self, decision: FilterDecision) -> None:
-        """Count one decision; an unknown reason is a programming error and raises."""
+        """Count one decision; an unknown reason is a programming error and raises.
+
+        The first four counters are AReaL's (as counts, not per-call fractions);
+        ``accepted_mixed`` is ours."""
+        if decision.reason in ("all_correct", "all_wrong"):
+            self.rejected_by_failed_or_perfect += 1
         if decision.reason == "mixed":
             self.accepted_mixed += 1
         elif decision.reason == "penalized_all_wrong":

@@ -3,7 +3,7 @@
 Scoring workers report small flat dicts of numbers.  Averaging their *means*
 naively would give a worker that saw 1 observation the same say as one that
 saw 10 000, so every mean or rate travels with its observation count under the
-companion key ``"<key>__count"`` (seed 001: "Worker means and rates are
+companion key ``"<key>__count"`` (AReaL's Process Rewards: "Worker means and rates are
 weighted by observation counts, while counts and sums are added").
 
 Conventions, by key:
@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from infra.schema import GroupVerdict
     from shaper.filters import FilterDecision
 
-__all__ = ["COUNT_SUFFIX", "PIPELINE_PREFIX", "VerdictMetrics", "count_key", "merge_stats", "reason_code"]
+__all__ = [
+    "COUNT_SUFFIX", "PIPELINE_PREFIX", "VerdictMetrics", "count_key", "merge_stats", "merge_worker_stats", "reason_code",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,59 +50,40 @@ def count_key(key: str) -> str:
     return key + COUNT_SUFFIX
 
 
-def _as_number(key: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"stat {key!r} must be a real number, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"stat {key!r} is not finite: {value!r}")
-    return number
-
-
 def merge_stats(stats_list: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """Merge per-worker stats dicts (see the module docstring for the rules).
 
     Example: ``[{"m": 1.0, "m__count": 1}, {"m": 0.0, "m__count": 3}]``
     merges to ``{"m": 0.25, "m__count": 4.0}``.
 
-    Output keys keep first-seen order; values are floats.
-
-    Raises:
-        ValueError: a non-finite or non-numeric value, a negative count, or a
-            mean reported without its count in some dict while another dict
-            gives it one (its weight would be unknown).
+    Edge cases as AReaL's merge: a mean is weighted only by the count **in its own
+    dict**, so a mean reported without its count carries no weight and is dropped;
+    values are not validated (a NaN mean makes the merged mean NaN). Unlike AReaL's
+    :func:`merge_worker_stats` it keeps ``__count`` keys and non-PRM keys, so merged
+    windows can be merged again (the trainer's :class:`VerdictMetrics`). Output keys
+    keep first-seen order; values are floats.
     """
     dicts = [dict(stats) for stats in stats_list]
-    for stats in dicts:
-        for key, value in stats.items():
-            _as_number(key, value)
-
     mean_keys = {
         key[: -len(COUNT_SUFFIX)]
         for stats in dicts
         for key in stats
         if key.endswith(COUNT_SUFFIX) and len(key) > len(COUNT_SUFFIX)
     }
-
     order: dict[str, None] = {}
     totals: dict[str, float] = {}
     weighted: dict[str, float] = {}
     for stats in dicts:
         for key, raw in stats.items():
-            order.setdefault(key, None)
-            value = float(raw)
             if key in mean_keys:
-                if count_key(key) not in stats:
-                    raise ValueError(
-                        f"mean/rate {key!r} is reported without {count_key(key)!r} in one of "
-                        "the stats dicts, so it cannot be weighted"
-                    )
-                weighted[key] = weighted.get(key, 0.0) + value * float(stats[count_key(key)])
+                count = stats.get(count_key(key))
+                if count is None:
+                    continue  # no weight: AReaL drops it
+                order.setdefault(key, None)
+                weighted[key] = weighted.get(key, 0.0) + float(raw) * float(count)
             else:
-                if key.endswith(COUNT_SUFFIX) and key[: -len(COUNT_SUFFIX)] in mean_keys and value < 0:
-                    raise ValueError(f"count {key!r} must be >= 0, got {raw!r}")
-                totals[key] = totals.get(key, 0.0) + value
-
+                order.setdefault(key, None)
+                totals[key] = totals.get(key, 0.0) + float(raw)
     merged: dict[str, float] = {}
     for key in order:
         if key in mean_keys:
@@ -110,6 +93,40 @@ def merge_stats(stats_list: Iterable[Mapping[str, float]]) -> dict[str, float]:
         else:
             merged[key] = totals[key]
     return merged
+
+
+_SUM_AGGREGATIONS: Final[frozenset[str]] = frozenset({"count", "sum", "observed_count"})
+
+
+def merge_worker_stats(stats_list: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """AReaL's ``_merge_worker_stats`` (rollout controller), rule for rule.
+
+    1. keys ending ``__count`` are never output;
+    2. ``K`` with ``K__count`` in the same dict: ``sum(v*c) / sum(c)``, omitted when
+       ``sum(c) == 0``;
+    3. otherwise, after stripping a leading ``rollout/`` then ``eval-rollout/``, keep
+       (summed) only ``prm_metric/{turn|trajectory}/<scorer>/<metric>/{count|sum|observed_count}``;
+    4. everything else is dropped. No value validation. Output: sums, then means.
+    """
+    sums: dict[str, float] = {}
+    weighted: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for stats in stats_list:
+        for key, value in stats.items():
+            if key.endswith(COUNT_SUFFIX):
+                continue
+            count = stats.get(count_key(key))
+            if count is not None:
+                weighted[key] = weighted.get(key, 0.0) + value * count
+                counts[key] = counts.get(key, 0.0) + count
+                continue
+            name = key.removeprefix("rollout/").removeprefix("eval-rollout/")
+            parts = name.split("/")
+            if len(parts) == 5 and parts[0] == "prm_metric" and parts[1] in ("turn", "trajectory") \
+                    and parts[4] in _SUM_AGGREGATIONS:
+                sums[name] = sums.get(name, 0.0) + value
+    means = {key: weighted[key] / counts[key] for key in weighted if counts[key] != 0}
+    return {**sums, **means}
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -130,7 +147,7 @@ def reason_code(reason: str) -> str:
 class VerdictMetrics:
     """Count-weighted scoring metrics plus pipeline counters, per window and in total.
 
-    What counts (seed 001, "v2 Export And Metric Transport"):
+    What counts (AReaL's Process Rewards, "v2 Export And Metric Transport"):
 
     * the ``stats`` of every member with status ``scored``, whatever the verdict's
       status — "each successfully scored session contributes observations even if
@@ -163,9 +180,8 @@ class VerdictMetrics:
     def observe(self, verdict: GroupVerdict) -> None:
         """Record one distinct verdict: its status counters and its scored members' stats.
 
-        A member whose stats :func:`merge_stats` refuses (non-finite, mean without
-        count) is skipped and counted as ``pipeline/stats_invalid`` instead of
-        failing the trainer over a monitoring value.
+        A member whose stats are non-finite or non-numeric is skipped and counted as ``pipeline/stats_invalid`` instead of failing the
+        trainer over a monitoring value.
         """
         self.count(f"verdicts/{verdict.status}")
         if verdict.status != "accepted":
@@ -174,9 +190,13 @@ class VerdictMetrics:
             if session.status != "scored" or not session.stats:
                 continue
             try:
+                # Ours, not AReaL's merge: one NaN would poison the running totals forever.
+                bad = [k for k, v in session.stats.items() if not math.isfinite(v)]
+                if bad:
+                    raise ValueError(f"non-finite stats {bad}")
                 window = merge_stats([self._window, session.stats])
                 total = merge_stats([self._total, session.stats])
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 log.warning("group %s session %s: ignoring invalid stats: %s",
                             verdict.group_id, session.session_id, exc)
                 self.count("stats_invalid")

@@ -19,26 +19,26 @@ tokens, and no host synchronisation except where an error must be raised.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
-from collections.abc import Sequence
-from typing import Final, Literal
+import os
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from infra.modes import SHAPING_MODES
+
 __all__ = [
     "SHAPING_MODES",
-    "ShapingMode",
     "grpo_outcome_advantages",
     "shape_advantages",
     "shift_token_rewards",
 ]
 
-ShapingMode = Literal["additive", "gvpo", "process_weighted"]
-
-SHAPING_MODES: Final[tuple[str, ...]] = ("additive", "gvpo", "process_weighted")
-"""Valid ``mode`` values of :func:`shape_advantages` (seed 001, "Advantage Shaping")."""
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- #
@@ -64,6 +64,76 @@ def shift_token_rewards(token_rewards: Tensor) -> Tensor:
     if token_rewards.shape[-1] > 1:
         out[..., :-1] = token_rewards[..., 1:]
     return out
+
+
+# --------------------------------------------------------------------------- #
+# Shaping kernels: one elementwise pass per mode
+# --------------------------------------------------------------------------- #
+# Each mode is written once, as a pure elementwise expression over (A, P, mask).
+# Large inputs run it through torch.compile, which fuses the whole expression
+# (including process_weighted's range check, a reduction over the same elements)
+# into one loop that reads each input once and writes the output once; eager
+# PyTorch would make a pass (and a temporary) per operator. Small inputs, and any
+# platform where compilation fails, run the very same expression eagerly: the
+# results are identical (tests/unit/test_shaping.py compares both paths).
+def _active(mask: Tensor) -> Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _additive(a: Tensor, p: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(_active(mask), a + p, a)
+
+
+def _gvpo(a: Tensor, p: Tensor, mask: Tensor, negative_scale: float, zero_penalty: float, zero_eps: float) -> Tensor:
+    failed = (p < 0) & _active(mask)
+    # Failed tokens: A < -eps -> A*(1+s); A > eps -> 0 (clamp); |A| <= eps -> -penalty.
+    # clamp propagates NaN, so a NaN advantage stays NaN.
+    failed_value = torch.where(a.abs() <= zero_eps, -zero_penalty, a.clamp(max=0) * (1.0 + negative_scale))
+    return torch.where(failed, failed_value, a)
+
+
+def _process_weighted(a: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    active = _active(mask)
+    # AReaL's rule: A >= 0 -> A*P; otherwise (A < 0, or NaN) P > 0 -> P, else A.
+    shaped = torch.where(a >= 0, a * p, torch.where(p > 0, p, a))
+    bad = active & ~((p >= 0) & (p <= 1))  # NaN fails both comparisons
+    return torch.where(active, shaped, a), bad.any()
+
+
+_EAGER: dict[str, Callable[..., object]] = {
+    "additive": _additive,
+    "gvpo": _gvpo,
+    "process_weighted": _process_weighted,
+}
+_COMPILE_MIN_NUMEL = 1 << 16  # below this, compilation overhead is never repaid
+_COEFFICIENTS: dict[str, tuple[str, ...]] = {"gvpo": ("negative_scale", "zero_penalty", "zero_eps")}
+_COMPILED: dict[tuple[str, tuple[float, ...]], Callable[..., object]] = {}
+_COMPILE_BROKEN: set[str] = set()  # device types where compilation failed once
+
+
+def _compile_enabled() -> bool:
+    return os.environ.get("PRM_SHAPING_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _run_kernel(mode: str, device_type: str, numel: int, tensors: tuple[Tensor, ...], coefficients: tuple[float, ...] = ()) -> object:
+    """Run ``mode``'s expression: compiled when worth it and possible, else eager.
+
+    Coefficients are baked into the compiled kernel as constants (one compilation
+    per configured set, i.e. per training run), not passed as symbolic scalars.
+    """
+    eager = _EAGER[mode]
+    if numel < _COMPILE_MIN_NUMEL or device_type in _COMPILE_BROKEN or not _compile_enabled():
+        return eager(*tensors, *coefficients)
+    fn = _COMPILED.get((mode, coefficients))
+    if fn is None:
+        bound = functools.partial(eager, **dict(zip(_COEFFICIENTS.get(mode, ()), coefficients)))
+        fn = _COMPILED[(mode, coefficients)] = torch.compile(bound, dynamic=True)
+    try:
+        return fn(*tensors)
+    except Exception as exc:  # noqa: BLE001 - no compiler/triton: the eager path is exact
+        _COMPILE_BROKEN.add(device_type)
+        log.warning("shape_advantages: torch.compile failed on %s (%s); using eager kernels", device_type, exc)
+        return eager(*tensors, *coefficients)
 
 
 # --------------------------------------------------------------------------- #
@@ -96,30 +166,20 @@ def _check_tensors(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor)
         raise ValueError(f"advantages must be a floating-point tensor, got dtype {advantages.dtype}")
 
 
-def _check_process_weights(rewards: Tensor, active: Tensor) -> None:
+def _range_error(rewards: Tensor, mask: Tensor) -> RuntimeError:
     """process_weighted multiplies advantages by P, so P must be a weight in [0, 1].
 
-    Fast path: one ``aminmax`` over the whole tensor (inactive positions are
-    normally 0, so they rarely get in the way).  Only if that fails (out of
-    range somewhere, or NaN, which ``aminmax`` propagates) do we look at the
-    active positions alone, to decide and to name the first offender.  This is
-    the only host synchronisation in the shaping path: a bad reward must
-    surface as an exception rather than a silently wrong gradient.
+    AReaL asserts it (a ``RuntimeError``); we raise the same type, naming the first
+    offending value and its position. Only reached when the fused kernel's check
+    failed, so the normal path pays no extra pass and one host synchronisation.
     """
-    if rewards.numel() == 0:
-        return
-    lo, hi = (float(v) for v in rewards.aminmax())
-    if 0.0 <= lo and hi <= 1.0:
-        return
-    bad = active & ~((rewards >= 0) & (rewards <= 1))  # NaN fails both comparisons
-    if not bool(bad.view(torch.uint8).amax()):  # uint8 amax: bool.any() is slow on CPU
-        return
+    bad = _active(mask) & ~((rewards >= 0) & (rewards <= 1))
     first = torch.nonzero(bad)[0]
     index = tuple(int(i) for i in first.tolist())
     value = float(rewards[index].item())
     count = int(bad.sum().item())
-    raise ValueError(
-        "mode 'process_weighted' requires token_rewards in [0, 1] at every active "
+    return RuntimeError(
+        "mode 'process_weighted' requires process rewards in [0, 1] at every active "
         f"(loss_mask != 0) position; found {value!r} at position {index} "
         f"({count} offending position(s) in total)"
     )
@@ -142,7 +202,8 @@ def shape_advantages(
     the policy gradient, it must not leak into critic returns or be rescaled by
     the normaliser.
 
-    Modes (seed 001, "Advantage Shaping"), applied where ``loss_mask != 0``:
+    Modes (AReaL's Process Rewards, "Advantage Shaping"), applied where
+    ``loss_mask != 0``:
 
     ``additive``
         ``A + P`` — the weighted process reward is extra signal on top of the
@@ -153,21 +214,27 @@ def shape_advantages(
         step was bad); ``|A| <= eps`` becomes ``-zero_penalty`` (no outcome
         signal, so the step penalty provides one); ``A > eps`` becomes ``0``
         (do not reinforce a failed step even in a good trajectory).  Tokens
-        with ``P >= 0`` keep ``A``.
+        with ``P >= 0`` (or NaN) keep ``A``.
     ``process_weighted``
-        ``P`` must lie in ``[0, 1]`` at active positions (``ValueError``
-        naming the first offending value and its index otherwise).
+        ``P`` must lie in ``[0, 1]`` at active positions (``RuntimeError``, as
+        AReaL's assertion, naming the first offending value and its index).
         ``A >= 0`` becomes ``A * P`` (credit only the good steps);
         ``A < 0`` with ``P > 0`` becomes ``P`` (a good step inside a bad
         trajectory is not punished); ``A < 0`` with ``P == 0`` keeps ``A``.
+        A NaN ``A`` is treated like a negative one, as in AReaL: ``P`` when
+        ``P > 0``, else it stays NaN.
 
     Positions where ``loss_mask == 0`` always keep ``A`` unchanged, so padding
-    and prompt tokens are never altered.  A NaN advantage stays NaN in every
-    mode rather than being masked into a plausible number.
+    and prompt tokens are never altered (even by a non-finite ``P`` there).
+    Otherwise a NaN advantage stays NaN.
+
+    Precision: the computation runs in ``promote_types(advantages.dtype,
+    float32)``, as AReaL casts token rewards to its float32 reward dtype before
+    adding them: fp16/bf16 advantages give a float32 result, float64 stays float64.
 
     Args:
         advantages: floating tensor of any shape, e.g. ``[T]`` or ``[B, T]``.
-        token_rewards: same shape; cast to ``advantages.dtype``.
+        token_rewards: same shape; cast to the computation dtype.
         loss_mask: same shape; bool, integer or float (non-zero = active).
         mode: one of :data:`SHAPING_MODES`.
         negative_scale, zero_penalty, zero_eps: ``gvpo`` coefficients; must
@@ -175,11 +242,13 @@ def shape_advantages(
             fails on the first batch, whatever the mode).
 
     Returns:
-        A new tensor with ``advantages``' shape, dtype and device.
+        A new tensor with ``advantages``' shape and device.
 
     Raises:
         ValueError: unknown mode, bad coefficient, mismatched shapes/devices,
-            non-floating advantages, or out-of-range ``process_weighted`` rewards.
+            non-floating advantages.
+        RuntimeError: ``process_weighted`` rewards outside ``[0, 1]`` (or NaN)
+            at an active position.
     """
     if mode not in SHAPING_MODES:
         raise ValueError(f"unknown shaping mode {mode!r}; expected one of {SHAPING_MODES}")
@@ -188,28 +257,20 @@ def shape_advantages(
     zero_eps = _check_coefficient("zero_eps", zero_eps)
     _check_tensors(advantages, token_rewards, loss_mask)
 
-    a = advantages
-    p = token_rewards.to(dtype=a.dtype)
-    active = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
+    dtype = torch.promote_types(advantages.dtype, torch.float32)
+    a = advantages.to(dtype)
+    p = token_rewards.to(dtype)
+    device_type, numel = a.device.type, a.numel()
 
     if mode == "additive":
-        return torch.where(active, a + p, a)
-
+        return _run_kernel(mode, device_type, numel, (a, p, loss_mask))  # type: ignore[return-value]
     if mode == "gvpo":
-        failed = (p < 0) & active
-        # Value for failed tokens: A<-eps -> A*(1+s); A>eps -> 0 (clamp); |A|<=eps -> -penalty.
-        # clamp propagates NaN, so a NaN advantage stays NaN.
-        failed_value = a.clamp(max=0).mul_(1.0 + negative_scale)
-        failed_value = torch.where(a.abs() <= zero_eps, -zero_penalty, failed_value)
-        return torch.where(failed, failed_value, a)
-
-    # process_weighted
-    _check_process_weights(p, active)
-    negative = a < 0
-    take_reward = (p > 0) & negative & active  # A<0, P>0 -> P
-    keep_advantage = negative | ~active  # A<0, P==0 -> A ; inactive -> A
-    out = torch.where(keep_advantage, a, a * p)  # A>=0 -> A*P (NaN A lands here, stays NaN)
-    return torch.where(take_reward, p, out, out=out)
+        coefficients = (negative_scale, zero_penalty, zero_eps)
+        return _run_kernel(mode, device_type, numel, (a, p, loss_mask), coefficients)  # type: ignore[return-value]
+    out, bad = _run_kernel(mode, device_type, numel, (a, p, loss_mask))  # type: ignore[misc]
+    if bool(bad):
+        raise _range_error(p, loss_mask)
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -248,7 +309,7 @@ def grpo_outcome_advantages(
     rewards are all equal gets ``0`` as well (numerator 0, ``eps > 0``).
 
     Only *outcome* rewards are normalised here.  Process token rewards are
-    never group-normalised (seed 001, "v2 Export"): they enter later through
+    never group-normalised (AReaL's Process Rewards, "v2 Export"): they enter later through
     :func:`shape_advantages`.
 
     Args:

@@ -7,7 +7,8 @@ Each step takes one :class:`~shaper.batch.TrainingBatch` from a
 1. move to next-token-prediction positions: the logits at position ``t`` predict
    token ``t + 1``, so ``loss_mask`` and ``token_rewards`` are shifted left by one
    (:func:`shaper.shift_token_rewards`; AReaL's actor rolls its ``loss_mask`` the same
-   way). With ``actor.mask_no_eos_with_zero`` truncated rows are masked out entirely;
+   way). With ``actor.mask_no_eos_with_zero`` truncated rows keep their loss mask but
+   get zero outcome and token rewards (AReaL's actor);
 2. outcome advantages: GRPO group normalisation of the raw outcome rewards
    (:func:`shaper.grpo_outcome_advantages`; one row per branch, so a session with two
    branches counts twice in its group), broadcast over the row's trainable tokens.
@@ -150,8 +151,6 @@ def shape_batch(
     """
     check_recipe(recipe, combined_mode, exclude_neutral_turns)
     loss_mask = batch.loss_mask
-    if mask_no_eos_with_zero:
-        loss_mask = loss_mask & ~batch.is_truncated.unsqueeze(-1)
     if drop_unhinted_turns:
         loss_mask = loss_mask & ~turn_values_to_tokens(unhinted_turns(batch, opd_scorer), batch.turn_index)
     direct: tuple[Tensor, Tensor] | None = None
@@ -178,9 +177,16 @@ def shape_batch(
     else:
         signal = combined_token_signal(batch, combined_mode, loss_mask=loss_mask, judge_scorer=judge_scorer,
                                        opd_scorer=opd_scorer, penalty=gate_penalty, table=table)
+    outcome_rewards = batch.rewards
+    if mask_no_eos_with_zero:
+        # AReaL: truncated rows stay in the loss; their outcome reward is not placed and
+        # their token rewards are zeroed (advantages then come from the group baseline).
+        truncated = batch.is_truncated
+        outcome_rewards = torch.where(truncated, torch.zeros_like(outcome_rewards), outcome_rewards)
+        signal = torch.where(truncated.unsqueeze(-1), torch.zeros_like(signal), signal)
     mask = shift_token_rewards(loss_mask)
     rewards = shift_token_rewards(signal)
-    per_row = grpo_outcome_advantages(batch.rewards, batch.group_ids)
+    per_row = grpo_outcome_advantages(outcome_rewards, batch.group_ids)
     outcome = per_row.unsqueeze(-1).expand_as(rewards) * mask
     shaped = shape_advantages(outcome, rewards, mask, mode=mode, negative_scale=negative_scale,
                               zero_penalty=zero_penalty, zero_eps=zero_eps)

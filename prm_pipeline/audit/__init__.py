@@ -63,9 +63,9 @@ from prm_pipeline.audit.replay import AuditError, parse_offsets, read_snapshot
 from prm_pipeline.audit.report import render_summary as render_summary
 from prm_pipeline.audit.report import write_findings as write_findings
 from prm_pipeline.audit.rescoring import build_runners as build_runners
-from prm_pipeline.audit.rescoring import failure_code as failure_code
 from prm_pipeline.audit.rescoring import rescore, scorer_is_deterministic
 from prm_pipeline.audit.run import AuditOptions, audit, run_audit
+from scoring_workers.prm.errors import failure_code as failure_code
 
 # ``__all__`` is the former module's, unchanged; the ``X as X`` imports above are the
 # other public names it defined, still importable from here (``build_runners``, ...).

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from infra.config import PRMConfig
 from infra.schema import ReadyTrajectory, SessionResult
 from prm_pipeline.audit.compare import ScoringScope
-from scoring_workers.scoring import failure_code as failure_code  # re-exported (prm_pipeline.audit)
 from scoring_workers.scoring import score_member
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The scorer contract (seed 001, "Scorer Contract"), under AReaL's names.
+"""The scorer contract (AReaL's Process Rewards, "Scorer Contract"), under AReaL's names.
 
 A scorer turns one turn (or one branch) into an **unweighted** reward: a scalar that
 the runner broadcasts over the turn's output tokens, or a dense tensor of shape
@@ -69,8 +69,10 @@ class PRMScorerResult:
 class BaseScorer:
     """Base class of every per-turn scorer.
 
-    Subclasses set a unique, non-empty class-level :attr:`name` (it keys metrics,
-    scorer totals and the observation schema) and implement :meth:`evaluate`.
+    Subclasses set a non-empty class-level :attr:`name` (it keys metrics, scorer
+    totals and the observation schema) and implement :meth:`evaluate`. Two scorers may
+    share a name (e.g. one class twice with different kwargs), as in AReaL: both run,
+    their contributions add up and they share the name's metrics and schema.
     Constructor keyword arguments beyond ``weight``/``enabled`` come from the
     config's ``kwargs``; declare them explicitly so a typo fails at start-up.
 
@@ -122,8 +124,13 @@ class BaseScorer:
         return PRMScorerResult(result)
 
     async def evaluate_result(self, interaction: InteractionView, ctx: dict[str, Any]) -> PRMScorerResult | None:
-        """:meth:`evaluate` then :meth:`prepare_result`; this is what the runner calls."""
-        return self.prepare_result(interaction, await self.evaluate(interaction, ctx), ctx)
+        """:meth:`evaluate`, then :meth:`prepare_result` only if the result is not None
+        (as in AReaL: ``None`` rejects right here, so ``prepare_result`` never sees it);
+        this is what the runner calls."""
+        result = await self.evaluate(interaction, ctx)
+        if result is None:
+            return None
+        return self.prepare_result(interaction, result, ctx)
 
     def validate_prm_config(self, config: PRMConfig, *, training_enabled: bool) -> Awaitable[None] | None:
         """Optional start-up check, called once by the runner for every scorer.
@@ -150,22 +157,22 @@ class BaseTrajectoryScorer(BaseScorer):
     """A scorer that sees a whole branch at once (joint scoring of the conversation).
 
     The runner calls :meth:`evaluate_trajectory` once per root-to-leaf branch with its
-    turns parent-before-child. It returns a mapping (or an iterable of pairs)
-    ``interaction_id -> unweighted reward``; ids it leaves out score ``0.0``; unknown,
-    ``None`` or repeated ids are errors; a ``None`` reward rejects the trajectory.
+    turns parent-before-child. It returns a mapping ``interaction_id -> unweighted
+    reward`` (anything else: ``TypeError``); ids it leaves out score ``0.0``; unknown or
+    ``None`` ids are ``ValueError``; a ``None`` reward rejects the trajectory.
     Each value passes through :meth:`prepare_result`, so observations work as for
     per-turn scorers.
     """
 
     async def evaluate(self, interaction: InteractionView, ctx: dict[str, Any]) -> RawReward | None:
-        raise TypeError(
+        raise RuntimeError(
             f"{type(self).__qualname__} is a trajectory scorer: the runner calls "
             "evaluate_trajectory(interactions, ctx) once per branch, never evaluate()"
         )
 
     async def evaluate_trajectory(
         self, interactions: Sequence[InteractionView], ctx: dict[str, Any]
-    ) -> Mapping[str, RawReward | PRMScorerResult | None] | Iterable[tuple[str, Any]] | None:
+    ) -> Mapping[str, RawReward | PRMScorerResult | None] | None:
         """Return ``{interaction_id: reward}`` for the branch ``interactions`` (root first)."""
         raise NotImplementedError(
             f"{type(self).__qualname__} must implement evaluate_trajectory(interactions, ctx)"

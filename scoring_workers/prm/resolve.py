@@ -1,15 +1,14 @@
 """Turning ``rollout.agent.prm.scorers`` entries into scorer instances.
 
-Entries are resolved as in the seed: a :class:`BaseScorer` *instance* is borrowed (its
+Entries are resolved as in AReaL: a :class:`BaseScorer` *instance* is borrowed (its
 caller closes it); a :class:`PRMScorerConfig` or plain mapping is *owned* and built as
 ``cls(weight=, enabled=, **kwargs)`` from its import path ``"module.Class"``.
 
-:data:`SCORER_ALIASES` is consulted before anything is imported. It maps the seed's
-``examples.prm.scorers.LengthBudgetScorer`` onto the built-in
+:data:`SCORER_ALIASES` is the fallback for paths whose module is not importable. It maps
+AReaL's example path ``examples.prm.scorers.LengthBudgetScorer`` onto the built-in
 :class:`scoring_workers.scorers.LengthBudgetScorer`, so configs written for AReaL work
-unchanged without installing a top-level ``examples`` package (which would collide with
-every other project's ``examples`` folder) and without the repository's own
-``examples/`` directory being importable or required.
+without an ``examples`` package installed. A user whose own ``examples.prm.scorers``
+module *is* importable gets that module, as AReaL would import it.
 
 ``allowed_prefixes`` (``worker.allowed_scorer_modules``) lets a deployment restrict
 which modules a config may import (config files are code execution otherwise). It is
@@ -50,7 +49,7 @@ __all__ = [
 
 SCORER_ALIASES: Mapping[str, str] = MappingProxyType(
     {
-        # The seed's example path -> our built-in (same behaviour, same name "length_budget").
+        # AReaL's example path -> our built-in (same behaviour, same name "length_budget").
         "examples.prm.scorers.LengthBudgetScorer": "scoring_workers.scorers.LengthBudgetScorer",
     }
 )
@@ -90,32 +89,20 @@ def _module_allowed(module: str, prefixes: Sequence[str]) -> bool:
 _CONTEXT = object()  # sentinel: take the allow-list from allowed_modules()
 
 
-def resolve_import(
-    spec: str, what: str, *, allowed_prefixes: Sequence[str] | str | None | object = _CONTEXT
-) -> Any:
-    """The object a config names by ``"module:attr"`` or ``"module.attr"`` (after alias lookup).
-
-    ``allowed_prefixes`` defaults to the enclosing :func:`allowed_modules` block (none:
-    any module). ``what`` names the setting in messages (``"scorer path"``,
-    ``"chat_template"``...).
-
-    Raises:
-        ValueError: (:class:`~infra.config.ConfigError`) empty or malformed path, or a
-            module outside the allowed prefixes — checked *before* anything is imported.
-        ImportError: the module cannot be imported or has no such attribute.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(f"{what} must be a non-empty import path 'module.attr' or 'module:attr', got {spec!r}")
-    path = spec.strip()
-    target = SCORER_ALIASES.get(path, path)
+def _split(what: str, spec: str, target: str) -> tuple[str, str]:
     module_name, sep, attr = target.partition(":")
     if not sep:
         module_name, _, attr = target.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"{what} {spec!r} must have the form 'module.attr' or 'module:attr'")
-    prefixes = _ALLOWED.get() if allowed_prefixes is _CONTEXT else _prefixes(allowed_prefixes)  # type: ignore[arg-type]
+    return module_name, attr
+
+
+def _load(what: str, spec: str, target: str, prefixes: tuple[str, ...] | None) -> Any:
+    """Import ``target`` (the path itself or its alias), checking the allow-list first."""
+    module_name, attr = _split(what, spec, target)
     if prefixes is not None and not _module_allowed(module_name, prefixes):
-        via = "" if target == path else f" (alias of {target!r})"
+        via = "" if target == spec else f" (alias of {target!r})"
         raise ConfigError(
             f"{what} {spec!r}{via} is refused: module {module_name!r} is not under the allowed prefixes "
             f"{list(prefixes)}; add its package to worker.allowed_scorer_modules"
@@ -131,6 +118,38 @@ def resolve_import(
         except AttributeError:
             raise ImportError(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}") from None
     return value
+
+
+def resolve_import(
+    spec: str, what: str, *, allowed_prefixes: Sequence[str] | str | None | object = _CONTEXT
+) -> Any:
+    """The object a config names by ``"module:attr"`` or ``"module.attr"``.
+
+    ``allowed_prefixes`` defaults to the enclosing :func:`allowed_modules` block (none:
+    any module). ``what`` names the setting in messages (``"scorer path"``,
+    ``"chat_template"``...). A path in :data:`SCORER_ALIASES` imports the user's own
+    module when it exists (and is allowed), as AReaL would, and the alias otherwise.
+
+    Raises:
+        ValueError: (:class:`~infra.config.ConfigError`) empty or malformed path, or a
+            module outside the allowed prefixes — checked *before* anything is imported.
+        ImportError: the module cannot be imported or has no such attribute.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{what} must be a non-empty import path 'module.attr' or 'module:attr', got {spec!r}")
+    path = spec.strip()
+    prefixes = _ALLOWED.get() if allowed_prefixes is _CONTEXT else _prefixes(allowed_prefixes)  # type: ignore[arg-type]
+    alias = SCORER_ALIASES.get(path)
+    if alias is None:
+        return _load(what, path, path, prefixes)
+    own_module, _ = _split(what, path, path)
+    if prefixes is None or _module_allowed(own_module, prefixes):
+        try:  # the user's own module first, as AReaL imports the path
+            return _load(what, path, path, prefixes)
+        except ModuleNotFoundError as exc:
+            if not (exc.name and (own_module == exc.name or own_module.startswith(exc.name + "."))):
+                raise  # the module exists but one of *its* imports is missing: say so
+    return _load(what, path, alias, prefixes)
 
 
 def resolve_callable(spec: Any, what: str) -> Callable[..., Any]:

@@ -1,7 +1,7 @@
 """What a scoring run produces: scored branches, their wire form and their metrics.
 
 Metrics are returned as data (a flat ``dict[str, float]``) rather than pushed into a
-recorder, because the seed's rule is that a session's statistics are published only
+recorder, because AReaL's rule is that a session's statistics are published only
 when *every* branch succeeded — the caller decides, after the run, whether to record
 them — and because the trainer merges many workers' dicts with
 :func:`shaper.metrics.merge_stats`. The key conventions shared with that function:
@@ -31,7 +31,6 @@ scorer and metric names are URL-quoted keeping ``-_.:``):
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,8 +44,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "PRMRejection",
-    "REJECTION_REASONS",
     "RunnerClosedError",
     "ScoredBranch",
     "ScoredTrajectory",
@@ -56,64 +53,15 @@ __all__ = [
 
 COUNT_SUFFIX = "__count"
 
-REJECTION_REASONS = frozenset(
-    {
-        "scorer_error",  # a scorer (evaluate / evaluate_trajectory / prepare_result) raised
-        "scorer_returned_none",  # a scorer returned None for at least one turn
-        "invalid_reward",  # wrong shape/type, non-finite, output_len <= 0, bad ids in a mapping
-        "invalid_observation",  # wrong target, duplicate, or a metric schema that changed
-        "not_token_backed",  # an interaction has no model_response
-        "invalid_trajectory",  # the parent links do not form a forest
-    }
-)
-#: A scorer may name its own failure: an exception with a ``reason`` attribute matching
-#: this pattern (e.g. the judges' ``judge_failed``) is recorded under that code instead
-#: of ``scorer_error``, so a failed judge is told apart from a buggy scorer.
-SCORER_REASON_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,39}")
-
-
-class PRMRejection(Exception):
-    """A trajectory the runner refused to score; the whole session is rejected.
-
-    ``reason`` is one of :data:`REJECTION_REASONS` (stable strings the worker puts in
-    verdicts); ``scorer_name``, ``interaction_id`` and ``leaf_id`` say where, when
-    known. When a scorer raised, the original exception is ``__cause__``.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        reason: str,
-        scorer_name: str | None = None,
-        interaction_id: str | None = None,
-        leaf_id: str | None = None,
-        trajectory_id: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.scorer_name = scorer_name
-        self.interaction_id = interaction_id
-        self.leaf_id = leaf_id
-        self.trajectory_id = trajectory_id
-
-    def __reduce__(self):  # keep the keyword-only fields when pickled
-        return (_rebuild_rejection, (str(self), self.reason, self.scorer_name, self.interaction_id, self.leaf_id, self.trajectory_id))
-
-
-def _rebuild_rejection(message, reason, scorer_name, interaction_id, leaf_id, trajectory_id):
-    return PRMRejection(
-        message, reason=reason, scorer_name=scorer_name, interaction_id=interaction_id,
-        leaf_id=leaf_id, trajectory_id=trajectory_id,
-    )
-
 
 class RunnerClosedError(RuntimeError):
-    """``run()`` was called after ``aclose()`` started: a shutdown, not the trajectory's fault."""
+    """``run()`` was called after ``aclose()`` started: a shutdown, not the trajectory's fault.
+
+    A ``RuntimeError`` whose message contains "closed", as AReaL's."""
 
 
 def stats_namespace(is_eval: bool) -> str:
-    """``"eval-rollout"`` for evaluation trajectories, ``"rollout"`` otherwise (seed 001)."""
+    """``"eval-rollout"`` for evaluation trajectories, ``"rollout"`` otherwise (AReaL's Process Rewards)."""
     return "eval-rollout" if is_eval else "rollout"
 
 
@@ -223,10 +171,14 @@ class ScoredTrajectory:
     session_id: str
     branches: list[ScoredBranch]
     is_eval: bool = False
+    fallback: str | None = None
+    """Set under ``error_policy: keep_original`` when scoring failed: the failure
+    (``"keep_original: <code>: <detail>"``); the branches then carry the trajectory's
+    original token rewards only, and :meth:`stats` is just ``prm_fallback``."""
 
     @property
     def turn_results(self) -> list[PRMTurnResult]:
-        """Every branch's turn results, branch by branch (the seed's typed ``prm_stats``)."""
+        """Every branch's turn results, branch by branch (AReaL's typed ``prm_stats``)."""
         return [result for branch in self.branches for result in branch.turn_results]
 
     def to_branch_results(self) -> list[BranchResult]:
@@ -241,6 +193,8 @@ class ScoredTrajectory:
         ``rollout`` otherwise.
         """
         ns = stats_namespace(self.is_eval) if namespace is None else namespace
+        if self.fallback is not None:  # AReaL reports the fallback, and no scoring stats
+            return {metric_name(ns, "prm_fallback"): 1.0}
         turn: dict[str, list[float]] = {}  # scorer -> [sum, n]
         turn_results = self.turn_results
         for result in turn_results:

@@ -1,6 +1,6 @@
 """``PRMRunner``: scores one ready trajectory with the configured scorers.
 
-What a run does, and why it is shaped this way (seed 001, "Scorer Contract",
+What a run does, and why it is shaped this way (AReaL's Process Rewards, "Scorer Contract",
 "Branches, Filtering And Metrics"):
 
 1. Every interaction must be token-backed (have a ``model_response``); this is checked
@@ -14,12 +14,19 @@ What a run does, and why it is shaped this way (seed 001, "Scorer Contract",
    suspending is driven inline, with no task per turn (see :class:`_Resume`).
    Trajectory scorers are called once per branch.
 4. A scorer's results are validated as a whole — reward shape and finiteness,
-   observations, metric schema — and only then committed (weighted by the scorer's
-   weight and added to the branch's token rewards). ``None`` or an exception anywhere
-   rejects the trajectory with :class:`PRMRejection`: the first exception in turn
-   order wins, else the count of ``None`` turns is reported.
+   observations, metric schema, the interaction's pre-existing token rewards — and
+   only then committed (weighted by the scorer's weight and added to the branch's
+   token rewards). As in AReaL, an exception propagates: a scorer's own exception
+   unchanged (the first in turn order), the runner's checks as ``ValueError`` /
+   ``TypeError`` / ``RuntimeError`` (``None`` from a scorer: ``RuntimeError``
+   "returned None"). Each carries a note and a context saying where
+   (:mod:`scoring_workers.prm.errors`, which also derives the worker's reason codes).
 5. A :class:`ScoredTrajectory` exists only if every branch succeeded; metric schemas
-   seen in the run are bound to their scorer only then.
+   seen in the run are bound to their scorer name only then. Scorers may share a
+   name (AReaL allows it): their contributions add up, their metrics merge and they
+   share one observation schema.
+6. ``error_policy: keep_original`` turns a scoring failure into an unscored result
+   (original token rewards, ``fallback`` set) instead of an exception.
 
 Lifecycle ("Scorer Lifecycle"): build with ``await PRMRunner.create(config)`` in async
 code (rollback of owned scorers on start-up failure), close with ``await aclose()``.
@@ -33,7 +40,7 @@ import logging
 import math
 import numbers
 import struct
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from types import CoroutineType
 from typing import Any
 
@@ -45,14 +52,15 @@ from infra.config import ConfigError, PRMConfig, validate_prm
 from infra.schema import PRMMetricObservation, PRMTurnResult, ScorerInfo, TokenRewards
 from infra.tree import TreeError, branches
 from scoring_workers.prm.base import BaseScorer, BaseTrajectoryScorer, PRMScorerResult
-from scoring_workers.prm.resolve import build_scorer
-from scoring_workers.prm.results import (
-    SCORER_REASON_PATTERN,
-    PRMRejection,
-    RunnerClosedError,
-    ScoredBranch,
-    ScoredTrajectory,
+from scoring_workers.prm.errors import (
+    PRMErrorContext,
+    attach_context,
+    failure_code,
+    failure_detail,
+    runner_error,
 )
+from scoring_workers.prm.resolve import build_scorer
+from scoring_workers.prm.results import RunnerClosedError, ScoredBranch, ScoredTrajectory
 from scoring_workers.prm.view import InteractionView, MessageCache
 
 __all__ = ["PRMRunner"]
@@ -62,27 +70,21 @@ log = logging.getLogger(__name__)
 _F32_MAX = float(np.finfo(np.float32).max)
 _MISSING = object()
 
-# (value_type, aggregations as a set): order of aggregations is not part of the schema.
-_Schema = tuple[str, frozenset[str]]
+# (value_type, aggregations tuple): as in AReaL, the order of aggregations is part of it.
+_Schema = tuple[str, tuple[str, ...]]
 _SchemaTable = dict[tuple[str, str], _Schema]  # (scope, metric_id) -> schema
 
 
-_AGG_SETS: dict[tuple[str, ...], frozenset[str]] = {}
-
-
-def _agg_set(aggregations: tuple[str, ...]) -> frozenset[str]:
-    found = _AGG_SETS.get(aggregations)
-    if found is None:  # at most a handful of distinct tuples exist (count/rate/sum/mean)
-        found = _AGG_SETS[aggregations] = frozenset(aggregations)
-    return found
-
-
 class _Invalid(Exception):
-    """Internal: a scorer result broke a rule; becomes a :class:`PRMRejection`."""
+    """Internal: a scorer result broke a rule; raised as ``kind`` with context added."""
 
-    def __init__(self, message: str, reason: str = "invalid_reward") -> None:
+    def __init__(self, message: str, kind: type[Exception] = ValueError, reason: str = "invalid_reward") -> None:
         super().__init__(message)
+        self.kind = kind
         self.reason = reason
+
+    def build(self, prefix: str, **where: str | None) -> Exception:
+        return runner_error(self.kind, f"{prefix}{self}", self.reason, **where)
 
 
 class _Resume:
@@ -157,7 +159,7 @@ def _weighted(raw: Any, weight: float, output_len: int) -> tuple[float | torch.T
     nothing the scorer holds. The turn reward is the mean weighted token reward.
     """
     if output_len <= 0:
-        raise _Invalid(f"output_len is {output_len}; a scored turn needs at least one output token")
+        raise _Invalid(f"output_len is {output_len} (must be > 0); a scored turn needs at least one output token")
     if isinstance(raw, PRMScorerResult):
         raw = raw.reward
     if type(raw) is float or type(raw) is int or isinstance(raw, numbers.Real):
@@ -169,30 +171,30 @@ def _weighted(raw: Any, weight: float, output_len: int) -> tuple[float | torch.T
             try:
                 tensor = torch.as_tensor(np.asarray(raw))
             except (TypeError, ValueError, RuntimeError) as exc:
-                raise _Invalid(f"reward {type(raw).__name__} is not numeric: {exc}") from None
+                raise _Invalid(f"reward {type(raw).__name__} is not numeric: {exc}", TypeError) from None
         else:
             raise _Invalid(
-                f"reward must be a number or a tensor of shape [{output_len}], got {type(raw).__name__}"
+                f"reward must be a number or a tensor of shape [{output_len}], got {type(raw).__name__}", TypeError
             )
         if tensor.is_complex() or tensor.dtype not in _REAL_DTYPES:
-            raise _Invalid(f"reward tensor has unsupported dtype {tensor.dtype}")
-        if tensor.dim() == 0:
-            value = float(tensor.item())
-        else:
-            if tuple(tensor.shape) != (output_len,):
-                raise _Invalid(f"reward tensor has shape {list(tensor.shape)}, expected [{output_len}] (output_len)")
-            tensor = tensor.to(device="cpu", dtype=torch.float32)
-            if not bool(torch.isfinite(tensor).all()):
-                raise _Invalid("reward tensor has non-finite values (in float32)")
-            weighted = tensor * weight
-            if not bool(torch.isfinite(weighted).all()):
-                raise _Invalid(f"weighted reward tensor (weight {weight}) has non-finite values in float32")
-            return weighted, float(weighted.mean())
+            raise _Invalid(f"reward tensor has unsupported dtype {tensor.dtype}", TypeError)
+        if tuple(tensor.shape) != (output_len,):  # a 0-dim tensor too, as in AReaL
+            raise _Invalid(
+                f"reward tensor has shape {list(tensor.shape)}; scorers must return shape (n,) "
+                f"with n = output_len = {output_len}, or a scalar"
+            )
+        tensor = tensor.to(device="cpu", dtype=torch.float32)
+        if not bool(torch.isfinite(tensor).all()):
+            raise _Invalid("reward tensor has non-finite values (in float32)")
+        weighted = tensor * weight
+        if not bool(torch.isfinite(weighted).all()):
+            raise _Invalid(f"weighted reward tensor (weight {weight}) has non-finite values in float32")
+        return weighted, float(weighted.mean())
     if not math.isfinite(value):
-        raise _Invalid(f"reward {value!r} is not finite")
+        raise _Invalid(f"reward {value!r} is non-finite")
     weighted_value = value * weight
     if not math.isfinite(weighted_value) or abs(weighted_value) > _F32_MAX:
-        raise _Invalid(f"weighted reward {value!r} * {weight!r} is not finite in float32")
+        raise _Invalid(f"weighted reward {value!r} * {weight!r} is non-finite in float32")
     weighted_value = _to_f32(weighted_value)
     return weighted_value, weighted_value
 
@@ -218,6 +220,13 @@ def _accumulate(acc: float | torch.Tensor, value: float | torch.Tensor) -> float
     return acc.add_(value)
 
 
+def _dense(value: float | torch.Tensor | TokenRewards) -> torch.Tensor | float:
+    """A channel entry as something :func:`_accumulate` takes (uniform stays a float)."""
+    if isinstance(value, TokenRewards):
+        return float(value.uniform) if value.uniform is not None else torch.from_numpy(value.to_numpy().copy())
+    return value
+
+
 def _finish(acc: float | torch.Tensor, output_len: int) -> TokenRewards | torch.Tensor:
     """A turn's final rewards: compact uniform form for scalar-only turns (see ScoredBranch).
 
@@ -226,10 +235,10 @@ def _finish(acc: float | torch.Tensor, output_len: int) -> TokenRewards | torch.
     """
     if isinstance(acc, float):
         if not abs(acc) <= _F32_MAX:
-            raise _Invalid(f"summed token reward {acc!r} is not finite in float32")
+            raise _Invalid(f"summed token reward {acc!r} is non-finite in float32")
         return TokenRewards(length=output_len, uniform=_to_f32(acc))
     if not bool(torch.isfinite(acc).all()):
-        raise _Invalid("summed token rewards are not finite in float32")
+        raise _Invalid("summed token rewards are non-finite in float32")
     return acc
 
 
@@ -327,7 +336,8 @@ class PRMRunner:
         self._scorers.append(scorer)
 
     def _check_names(self) -> None:
-        seen: set[str] = set()
+        """Names must be set; they need not be unique (AReaL: same-named scorers add up
+        and share their name's metrics and observation schema)."""
         for scorer in self._scorers:
             name = getattr(type(scorer), "name", None)
             if not isinstance(name, str) or not name.strip():
@@ -336,12 +346,6 @@ class PRMRunner:
                 raise TypeError(f"scorer {name!r}: its __init__ must call BaseScorer.__init__")
             if name.endswith("__count"):
                 raise ValueError(f"scorer name {name!r} must not end with '__count' (reserved by metrics)")
-            if name in seen:
-                raise ValueError(
-                    f"two scorers are named {name!r}; names key metrics and totals and must be unique "
-                    "within a runner (subclass and set another `name`)"
-                )
-            seen.add(name)
         if self._config.enabled:
             self._active = tuple(s for s in self._scorers if s.enabled)
 
@@ -355,10 +359,11 @@ class PRMRunner:
         for scorer in reversed(self._owned):
             try:
                 await scorer.aclose()
-            except Exception as cleanup:  # collected onto the original error
+            except Exception as cleanup:
                 log.error("PRM start-up rollback: closing scorer %r failed", scorer.name, exc_info=cleanup)
                 error.add_note(
-                    f"while rolling back PRMRunner.create(): {scorer.name}.aclose() failed: {cleanup!r}"
+                    f"PRM scorer cleanup failed while rolling back PRMRunner.create(): "
+                    f"{scorer.name}.aclose() raised {cleanup!r}"
                 )
         self._owned = []
         self._close_done = True
@@ -408,17 +413,52 @@ class PRMRunner:
         scorers differently. Off by default, because it costs a copy of every tensor
         contribution.
 
+        Under ``error_policy: keep_original`` a failure (any ``Exception`` but a closed
+        runner) returns the trajectory unscored instead: its original token rewards,
+        no scorer contributions, :attr:`ScoredTrajectory.fallback` saying what failed.
+
         Raises:
-            PRMRejection: the trajectory is rejected (see its ``reason``).
-            RunnerClosedError: :meth:`aclose` has started.
+            Exception: the scorer's own exception, or ``ValueError`` / ``TypeError`` /
+                ``RuntimeError`` from the runner's checks, each with a note and a
+                :class:`~scoring_workers.prm.errors.PRMErrorContext`
+                (:func:`~scoring_workers.prm.errors.failure_code` names the reason).
+            RunnerClosedError: :meth:`aclose` has started (a ``RuntimeError``).
         """
         if self._closing:
             raise RunnerClosedError("PRMRunner is closing or closed; run() is no longer accepted")
         self._inflight += 1
         try:
             return await self._run(trajectory, is_eval, ctx, keep_channels)
+        except Exception as exc:
+            if self._config.error_policy != "keep_original":
+                raise
+            fallback = f"keep_original: {failure_code(exc)}: {failure_detail(exc)}"[:2000]
+            log.info("trajectory %s: scoring failed, keeping the original: %s",
+                     getattr(trajectory, "trajectory_id", "?"), fallback)
+            return self._original(trajectory, is_eval, fallback)
         finally:
             self._inflight -= 1
+
+    def _original(self, trajectory: Any, is_eval: bool | None, fallback: str) -> ScoredTrajectory:
+        """``keep_original``: every branch with the turns' pre-existing token rewards only
+        (zeros where there are none), no turn results, no scorer totals."""
+        if is_eval is None:
+            is_eval = bool(getattr(trajectory, "is_eval", False))
+        scored: list[ScoredBranch] = []
+        for path in branches(trajectory.interactions):
+            rewards: dict[str, TokenRewards | torch.Tensor] = {}
+            for interaction in path:
+                n = interaction.model_response.output_len if interaction.model_response is not None else 0
+                existing = getattr(interaction, "token_rewards", None)
+                if existing is not None and len(existing) == n and bool(np.isfinite(existing).all()):
+                    rewards[interaction.interaction_id] = TokenRewards.from_array(existing)
+                else:  # none, or unusable (that may be what failed): nothing to keep
+                    rewards[interaction.interaction_id] = TokenRewards(length=n, uniform=0.0)
+            scored.append(ScoredBranch(path[-1].interaction_id, list(rewards), rewards, {}, []))
+        return ScoredTrajectory(
+            trajectory_id=trajectory.trajectory_id, session_id=trajectory.session_id, branches=scored,
+            is_eval=is_eval, fallback=fallback,
+        )
 
     async def _run(
         self, trajectory: Any, is_eval: bool | None, ctx: Mapping[str, Any] | None, keep_channels: bool = False
@@ -429,19 +469,17 @@ class PRMRunner:
         interactions = trajectory.interactions
         for interaction in interactions:
             if interaction.model_response is None:
-                raise PRMRejection(
+                raise runner_error(
+                    ValueError,
                     f"trajectory {trajectory_id!r}: interaction {interaction.interaction_id!r} has no "
-                    "model_response; PRM scoring needs token-backed interactions",
-                    reason="not_token_backed",
-                    interaction_id=interaction.interaction_id,
-                    trajectory_id=trajectory_id,
+                    "model_response; PRM scorers require token-backed interactions",
+                    "not_token_backed", interaction_id=interaction.interaction_id, trajectory_id=trajectory_id,
                 )
         try:
             paths = branches(interactions)
-        except TreeError as exc:
-            raise PRMRejection(
-                f"trajectory {trajectory_id!r}: {exc}", reason="invalid_trajectory", trajectory_id=trajectory_id
-            ) from exc
+        except TreeError as exc:  # a ValueError ("... cycle ..." for cycles, as AReaL)
+            attach_context(exc, PRMErrorContext("invalid_trajectory", trajectory_id=trajectory_id))
+            raise
         base_ctx = dict(ctx) if ctx else {}
         base_ctx["is_eval"] = is_eval
         base_ctx["trajectory_id"] = trajectory_id
@@ -477,6 +515,7 @@ class PRMRunner:
         ctx["messages"] = leaf.messages + leaf.output_message_list if self._active else ()
         lengths = [view.model_response.output_len for view in views]
         acc: list[float | torch.Tensor] = [0.0] * len(views)
+        existing_checked = False
         turn_results: list[PRMTurnResult] = []
         totals: dict[str, float] = {}
         channels: dict[str, dict[str, TokenRewards | torch.Tensor]] = {}
@@ -492,27 +531,43 @@ class PRMRunner:
                 try:
                     value, reward = _weighted(outcome, scorer.weight, output_len)
                 except _Invalid as exc:
-                    raise PRMRejection(
-                        f"scorer {scorer.name!r}, interaction {view.interaction_id!r}: {exc}",
-                        reason=exc.reason, interaction_id=view.interaction_id, **where,
+                    raise exc.build(
+                        f"scorer {scorer.name!r}, interaction {view.interaction_id!r}: ",
+                        interaction_id=view.interaction_id, **where,
                     ) from None
                 observations = outcome.observations if isinstance(outcome, PRMScorerResult) else ()
-                staged.append((value, reward, observations))
+                if isinstance(observations, (str, bytes)) or not isinstance(observations, Sequence):
+                    raise runner_error(
+                        TypeError, f"scorer {scorer.name!r}: observations must be a sequence of "
+                        f"PRMMetricObservation, got {type(observations).__name__}",
+                        "invalid_observation", interaction_id=view.interaction_id, **where,
+                    )
+                staged.append((value, reward, tuple(observations)))
             schema = self._check_observations(scorer.name, views, staged, pending, where)
+            if not existing_checked:  # AReaL checks pre-existing rewards in the scorer step
+                acc = self._existing_rewards(views, lengths, where)
+                existing_checked = True
             # Commit.
             if schema:
                 pending.setdefault(scorer.name, {}).update(schema)
             total = 0.0
             name = scorer.name
-            channel: dict[str, TokenRewards | torch.Tensor] | None = {} if keep_channels else None
+            channel: dict[str, TokenRewards | torch.Tensor] | None = channels.get(name, {}) if keep_channels else None
             for i, (value, reward, observations) in enumerate(staged):
                 if channel is not None:
                     # _accumulate adds in place into its tensors: the channel keeps the
-                    # original, the running sum gets a copy.
-                    if isinstance(value, float):
-                        channel[views[i].interaction_id] = TokenRewards(length=lengths[i], uniform=value)
-                    else:
-                        channel[views[i].interaction_id] = value
+                    # original, the running sum gets a copy. Same-named scorers share one.
+                    iid = views[i].interaction_id
+                    mine = TokenRewards(length=lengths[i], uniform=value) if isinstance(value, float) else value
+                    if iid in channel:
+                        prev, add = _dense(channel[iid]), _dense(mine)
+                        summed = _accumulate(
+                            prev.clone() if isinstance(prev, torch.Tensor) else prev,
+                            add.clone() if isinstance(add, torch.Tensor) else add,
+                        )
+                        mine = TokenRewards(length=lengths[i], uniform=_to_f32(summed)) if isinstance(summed, float) else summed
+                    channel[iid] = mine
+                    if not isinstance(value, float):
                         value = value.clone()
                 acc[i] = _accumulate(acc[i], value)
                 turn_results.append(
@@ -522,16 +577,18 @@ class PRMRunner:
                     )
                 )
                 total += reward
-            totals[name] = total
+            totals[name] = totals.get(name, 0.0) + total  # same-named scorers: one total
             if channel is not None:
                 channels[name] = channel
+        if not existing_checked:
+            acc = self._existing_rewards(views, lengths, {"leaf_id": leaf_id, "trajectory_id": trajectory_id})
         token_rewards: dict[str, TokenRewards | torch.Tensor] = {}
         for view, output_len, a in zip(views, lengths, acc):
             try:
                 token_rewards[view.interaction_id] = _finish(a, output_len)
             except _Invalid as exc:
-                raise PRMRejection(
-                    f"interaction {view.interaction_id!r}: {exc}", reason=exc.reason,
+                raise exc.build(
+                    f"interaction {view.interaction_id!r}: ",
                     interaction_id=view.interaction_id, leaf_id=leaf_id, trajectory_id=trajectory_id,
                 ) from None
         return ScoredBranch(
@@ -543,15 +600,44 @@ class PRMRunner:
             channels=channels,
         )
 
+    @staticmethod
+    def _existing_rewards(
+        views: list[InteractionView], lengths: list[int], where: dict[str, Any]
+    ) -> list[float | torch.Tensor]:
+        """The running sums' start: each turn's pre-existing token rewards (AReaL adds
+        scorer contributions to them), shape- and finiteness-checked; 0.0 where none."""
+        start: list[float | torch.Tensor] = []
+        for view, n in zip(views, lengths):
+            existing = view.token_rewards
+            if existing is None:
+                start.append(0.0)
+                continue
+            context = {"interaction_id": view.interaction_id, **where}
+            if existing.shape != (n,):
+                raise runner_error(
+                    ValueError, f"interaction {view.interaction_id!r}: Existing token_rewards shape mismatch: "
+                    f"{list(existing.shape)} vs output_len {n}", "invalid_reward", **context,
+                )
+            tensor = torch.tensor(existing, dtype=torch.float32)  # a copy: the wire bytes stay untouched
+            if not bool(torch.isfinite(tensor).all()):
+                raise runner_error(
+                    ValueError, f"interaction {view.interaction_id!r}: Existing token_rewards are non-finite",
+                    "invalid_reward", **context,
+                )
+            start.append(tensor)
+        return start
+
     async def _evaluate_turns(
         self, scorer: BaseScorer, views: list[InteractionView], ctx: dict[str, Any], where: dict[str, Any]
     ) -> list[Any]:
-        """Evaluate every turn; return results in turn order or raise the rejection.
+        """Evaluate every turn; return results in turn order or raise.
 
         Turns are started in order and driven inline until one suspends; from then on
         the suspended turn is finished in this task while the remaining turns run as
         concurrent tasks. Synchronous scorers thus cost no task per turn, and judges
-        still overlap their requests.
+        still overlap their requests. As in AReaL, every turn is awaited; then the
+        first exception in turn order is re-raised as it is, else ``None`` results
+        raise ``RuntimeError`` "returned None" (exceptions win over None).
         """
         n = len(views)
         outcomes: list[Any] = [None] * n
@@ -564,12 +650,12 @@ class PRMRunner:
                 outcomes[i] = stop.value
                 i += 1
                 continue
-            except Exception as exc:  # every earlier turn succeeded: first in order
-                raise self._scorer_error(exc, views[i], where) from exc
+            except Exception as exc:  # noqa: BLE001 - every earlier turn succeeded: first in order
+                raise self._scorer_error(exc, views[i], where)  # noqa: B904 - the original exception, re-raised unchanged (AReaL)
             except asyncio.CancelledError as exc:
                 if _runner_cancelled():
                     raise
-                raise self._scorer_error(exc, views[i], where) from exc
+                raise self._scorer_error(exc, views[i], where)  # noqa: B904 - the original exception, re-raised unchanged (AReaL)
             rest = [
                 asyncio.ensure_future(_coroutine(scorer.evaluate_result(views[j], dict(ctx)), scorer.name))
                 for j in range(i + 1, n)
@@ -595,106 +681,87 @@ class PRMRunner:
         nones = 0
         for view, outcome in zip(views, outcomes):
             if isinstance(outcome, BaseException):
-                raise self._scorer_error(outcome, view, where) from outcome
+                raise self._scorer_error(outcome, view, where)
             if outcome is None:
                 nones += 1
         if nones:
-            raise PRMRejection(
-                f"scorer {scorer.name!r} returned None for {nones} of {n} turns of branch {where['leaf_id']!r} "
-                "(None rejects the trajectory; return 0.0 for a deliberate zero)",
-                reason="scorer_returned_none", **where,
+            raise runner_error(
+                RuntimeError,
+                f"PRM scorer {scorer.name!r} returned None for {nones}/{n} interactions of branch "
+                f"{where['leaf_id']!r} (None rejects the trajectory; return 0.0 for a deliberate zero)",
+                "scorer_returned_none", **where,
             )
         return outcomes
 
     async def _evaluate_branch(
         self, scorer: BaseTrajectoryScorer, views: list[InteractionView], ctx: dict[str, Any], where: dict[str, Any]
     ) -> list[Any]:
-        """Call ``evaluate_trajectory`` once; map its answer onto the branch's turns."""
+        """Call ``evaluate_trajectory`` once; map its answer onto the branch's turns (AReaL's rules)."""
         try:
             answer = await scorer.evaluate_trajectory(list(views), dict(ctx))
-        except Exception as exc:
-            raise self._scorer_error(exc, None, where) from exc
+        except Exception as exc:  # noqa: BLE001
+            raise self._scorer_error(exc, None, where)  # noqa: B904 - the original exception, re-raised unchanged (AReaL)
         except asyncio.CancelledError as exc:
             if _runner_cancelled():
                 raise
-            raise self._scorer_error(exc, None, where) from exc
+            raise self._scorer_error(exc, None, where)  # noqa: B904 - the original exception, re-raised unchanged (AReaL)
+        n = len(views)
         if answer is None:
-            raise PRMRejection(
-                f"trajectory scorer {scorer.name!r} returned None for branch {where['leaf_id']!r}",
-                reason="scorer_returned_none", **where,
+            raise runner_error(
+                RuntimeError, f"PRM trajectory scorer {scorer.name!r} returned None for {n}/{n} interactions "
+                f"of branch {where['leaf_id']!r}", "scorer_returned_none", **where,
             )
-        if isinstance(answer, Mapping):
-            items: Iterable[Any] = answer.items()
-        elif isinstance(answer, (str, bytes)) or not isinstance(answer, Iterable):
-            raise PRMRejection(
-                f"trajectory scorer {scorer.name!r} must return a mapping interaction_id -> reward, "
-                f"got {type(answer).__name__}",
-                reason="invalid_reward", **where,
+        if not isinstance(answer, Mapping):
+            raise runner_error(
+                TypeError, f"trajectory scorer {scorer.name!r} must return a mapping interaction_id -> reward, "
+                f"got {type(answer).__name__}", "invalid_reward", **where,
             )
-        else:
-            items = answer
+        if any(key is None for key in answer):
+            raise runner_error(
+                ValueError, f"trajectory scorer {scorer.name!r} returned a None interaction id",
+                "invalid_reward", **where,
+            )
         index = {view.interaction_id: i for i, view in enumerate(views)}
-        values: list[Any] = [_MISSING] * len(views)
-        for item in items:
-            try:
-                key, value = item
-            except (TypeError, ValueError):
-                raise PRMRejection(
-                    f"trajectory scorer {scorer.name!r}: expected (interaction_id, reward) pairs, got {item!r}",
-                    reason="invalid_reward", **where,
-                ) from None
-            if not isinstance(key, str):
-                raise PRMRejection(
-                    f"trajectory scorer {scorer.name!r} returned the id {key!r}; ids must be interaction id strings",
-                    reason="invalid_reward", **where,
-                )
-            i = index.get(key)
-            if i is None:
-                raise PRMRejection(
-                    f"trajectory scorer {scorer.name!r} returned unknown interaction id {key!r} "
-                    f"(branch {where['leaf_id']!r} has {list(index)})",
-                    reason="invalid_reward", interaction_id=key, **where,
-                )
-            if values[i] is not _MISSING:
-                raise PRMRejection(
-                    f"trajectory scorer {scorer.name!r} returned interaction id {key!r} twice",
-                    reason="invalid_reward", interaction_id=key, **where,
-                )
-            values[i] = value
-        nones = sum(1 for value in values if value is None)
-        if nones:
-            raise PRMRejection(
-                f"trajectory scorer {scorer.name!r} returned None for {nones} of {len(views)} turns of "
-                f"branch {where['leaf_id']!r} (return 0.0 for a deliberate zero, or leave the id out)",
-                reason="scorer_returned_none", **where,
+        unknown = sorted(repr(key) for key in answer if key not in index)
+        if unknown:
+            raise runner_error(
+                ValueError, f"trajectory scorer {scorer.name!r} returned unknown interaction ids "
+                f"[{', '.join(unknown)}] (branch {where['leaf_id']!r} has {list(index)})", "invalid_reward", **where,
             )
+        values: list[Any] = [_MISSING] * n
+        for key, value in answer.items():
+            values[index[key]] = value
         outcomes: list[Any] = []
+        nones = 0
         for view, value in zip(views, values):
-            if value is _MISSING:
+            if value is _MISSING:  # omitted ids score 0.0
                 outcomes.append(0.0)
-                continue
-            try:
-                prepared = scorer.prepare_result(view, value, dict(ctx))
-            except Exception as exc:
-                raise self._scorer_error(exc, view, where) from exc
-            if prepared is None:
-                raise PRMRejection(
-                    f"trajectory scorer {scorer.name!r}: prepare_result returned None for {view.interaction_id!r}",
-                    reason="scorer_returned_none", interaction_id=view.interaction_id, **where,
-                )
-            outcomes.append(prepared)
+            elif value is None:
+                nones += 1
+                outcomes.append(None)
+            else:
+                try:
+                    outcomes.append(scorer.prepare_result(view, value, dict(ctx)))
+                except Exception as exc:  # noqa: BLE001
+                    raise self._scorer_error(exc, view, where)  # noqa: B904 - the original exception, re-raised unchanged (AReaL)
+        if nones:
+            raise runner_error(
+                RuntimeError, f"PRM trajectory scorer {scorer.name!r} returned None for {nones}/{n} interactions "
+                f"of branch {where['leaf_id']!r} (return 0.0 for a deliberate zero, or leave the id out)",
+                "scorer_returned_none", **where,
+            )
         return outcomes
 
     @staticmethod
-    def _scorer_error(exc: BaseException, view: InteractionView | None, where: dict[str, Any]) -> PRMRejection:
-        at = f", interaction {view.interaction_id!r}" if view is not None else f", branch {where['leaf_id']!r}"
-        declared = getattr(exc, "reason", None)
-        reason = declared if isinstance(declared, str) and SCORER_REASON_PATTERN.fullmatch(declared) else "scorer_error"
-        return PRMRejection(
-            f"scorer {where['scorer_name']!r} raised {type(exc).__name__}{at}: {exc}",
-            reason=reason,
-            interaction_id=None if view is None else view.interaction_id,
-            **where,
+    def _scorer_error(exc: BaseException, view: InteractionView | None, where: dict[str, Any]) -> BaseException:
+        """The scorer's own exception, unchanged but for a note and a context (AReaL
+        re-raises the original object; we keep where it happened on it)."""
+        return attach_context(
+            exc,
+            PRMErrorContext(
+                reason="scorer_error", interaction_id=None if view is None else view.interaction_id,
+                raised_by_scorer=True, **where,
+            ),
         )
 
     def _check_observations(
@@ -707,53 +774,60 @@ class PRMRunner:
     ) -> _SchemaTable:
         """Validate one scorer's observations for one branch; return its new schema entries.
 
-        A turn observation must target its own turn; (scope, target, metric) may occur
-        once per scorer and branch (a shared ancestor is observed once per branch, like
-        its reward); a metric's (value_type, aggregations) must match what this scorer
-        used before — in this run or any earlier successful run.
+        AReaL's rules and error types: each item is a :class:`PRMMetricObservation`
+        (TypeError); a turn observation targets its own turn; (scope, target, metric)
+        occurs once per scorer *object* and branch; a metric keeps one (value_type,
+        aggregations) within the run; and after each interaction every schema must equal
+        the one bound to this scorer **name** — by an earlier run, or earlier in this run
+        by a same-named scorer ("schema changed across runs").
         """
         seen: set[tuple[str, str, str]] = set()
         local: _SchemaTable = {}
         bound = self._schemas.get(scorer_name, {})
         mine = pending.get(scorer_name, {})
         for view, (_value, _reward, observations) in zip(views, staged):
+            context = {"interaction_id": view.interaction_id, **where}
             for obs in observations:
                 if not isinstance(obs, PRMMetricObservation):
-                    raise PRMRejection(
-                        f"scorer {scorer_name!r}: observations must be PRMMetricObservation, got {type(obs).__name__}",
-                        reason="invalid_observation", interaction_id=view.interaction_id, **where,
+                    raise runner_error(
+                        TypeError, f"scorer {scorer_name!r}: observations must contain PRMMetricObservation, "
+                        f"got {type(obs).__name__}", "invalid_observation", **context,
                     )
-                if not isinstance(obs.target_id, str) or not obs.target_id:
-                    raise PRMRejection(
-                        f"scorer {scorer_name!r}: observation {obs.metric_id!r} has an empty target_id",
-                        reason="invalid_observation", interaction_id=view.interaction_id, **where,
+                if not isinstance(obs.target_id, str) or not obs.target_id.strip():
+                    raise runner_error(
+                        ValueError, f"scorer {scorer_name!r}: observation {obs.metric_id!r} needs a non-empty "
+                        "target_id", "invalid_observation", **context,
                     )
                 if obs.scope == "turn" and obs.target_id != view.interaction_id:
-                    raise PRMRejection(
-                        f"scorer {scorer_name!r}: turn observation {obs.metric_id!r} on interaction "
-                        f"{view.interaction_id!r} targets {obs.target_id!r}; a turn observation must "
-                        "target its own interaction",
-                        reason="invalid_observation", interaction_id=view.interaction_id, **where,
+                    raise runner_error(
+                        ValueError, f"scorer {scorer_name!r}: turn observation {obs.metric_id!r} targets "
+                        f"{obs.target_id!r}, expected {view.interaction_id!r}", "invalid_observation", **context,
                     )
                 key = (obs.scope, obs.target_id, obs.metric_id)
                 if key in seen:
-                    raise PRMRejection(
-                        f"scorer {scorer_name!r}: duplicate {obs.scope} observation {obs.metric_id!r} "
-                        f"for target {obs.target_id!r}",
-                        reason="invalid_observation", interaction_id=view.interaction_id, **where,
+                    raise runner_error(
+                        ValueError, f"scorer {scorer_name!r}: duplicate structured metric {obs.metric_id!r} "
+                        f"({obs.scope} observation for target {obs.target_id!r})", "invalid_observation", **context,
                     )
                 seen.add(key)
                 schema_key = (obs.scope, obs.metric_id)
-                schema: _Schema = (obs.value_type, _agg_set(obs.aggregations))
-                known = local.get(schema_key) or mine.get(schema_key) or bound.get(schema_key)
+                schema: _Schema = (obs.value_type, tuple(obs.aggregations))
+                known = local.get(schema_key)
                 if known is not None and known != schema:
-                    raise PRMRejection(
-                        f"scorer {scorer_name!r}: {obs.scope} metric {obs.metric_id!r} changed schema from "
-                        f"{known[0]} {sorted(known[1])} to {schema[0]} {sorted(schema[1])}; a metric's "
-                        "value type and aggregations must stay stable",
-                        reason="invalid_observation", interaction_id=view.interaction_id, **where,
+                    raise runner_error(
+                        ValueError, f"scorer {scorer_name!r}: inconsistent schema for {obs.scope} metric "
+                        f"{obs.metric_id!r} within one run: {known[0]} {list(known[1])} vs {schema[0]} "
+                        f"{list(schema[1])}", "invalid_observation", **context,
                     )
                 local[schema_key] = schema
+            for schema_key, schema in local.items():
+                known = mine.get(schema_key) or bound.get(schema_key)
+                if known is not None and known != schema:
+                    raise runner_error(
+                        ValueError, f"PRM scorer {scorer_name!r}: structured metric schema changed across runs "
+                        f"for {schema_key[0]} metric {schema_key[1]!r}: {known[0]} {list(known[1])} -> "
+                        f"{schema[0]} {list(schema[1])}", "invalid_observation", **context,
+                    )
         return local
 
     def _bind_schemas(self, pending: dict[str, _SchemaTable], trajectory_id: str) -> None:
@@ -764,10 +838,11 @@ class PRMRunner:
             for schema_key, schema in table.items():
                 known = bound.get(schema_key)
                 if known is not None and known != schema:
-                    raise PRMRejection(
-                        f"scorer {scorer_name!r}: {schema_key[0]} metric {schema_key[1]!r} changed schema from "
-                        f"{known[0]} {sorted(known[1])} to {schema[0]} {sorted(schema[1])} (concurrent run)",
-                        reason="invalid_observation", scorer_name=scorer_name, trajectory_id=trajectory_id,
+                    raise runner_error(
+                        ValueError, f"PRM scorer {scorer_name!r}: structured metric schema changed across runs "
+                        f"for {schema_key[0]} metric {schema_key[1]!r}: {known[0]} {list(known[1])} -> "
+                        f"{schema[0]} {list(schema[1])} (concurrent run)", "invalid_observation",
+                        scorer_name=scorer_name, trajectory_id=trajectory_id,
                     )
         for scorer_name, table in pending.items():
             self._schemas.setdefault(scorer_name, {}).update(table)
@@ -801,7 +876,7 @@ class PRMRunner:
                 scorer = remaining.pop(0)  # popped first: closed at most once, even if interrupted
                 try:
                     await scorer.aclose()
-                except Exception as exc:  # collected and raised together below
+                except Exception as exc:
                     log.error("PRM scorer %r failed to close", scorer.name, exc_info=exc)
                     errors.append(exc)
         except BaseException:
@@ -814,7 +889,7 @@ class PRMRunner:
             raise
         self._close_done = True
         if errors:
-            group = ExceptionGroup(f"PRMRunner.aclose(): {len(errors)} scorer(s) failed to close", errors)
+            group = ExceptionGroup(f"PRM scorer cleanup failed ({len(errors)} scorer(s))", errors)
             future.set_exception(group)
             future.exception()  # mark retrieved: concurrent waiters (if any) re-raise it
             raise group

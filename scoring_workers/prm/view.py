@@ -4,10 +4,10 @@
 and one interaction can sit on several root-to-leaf branches. The runner therefore
 builds one :class:`InteractionView` per (branch, turn): ``parent`` points at the
 previous view *of the same branch*, so a scorer walking up the chain never leaves its
-branch, and rewards it produces stay branch-local (seed 001, "Branches").
+branch, and rewards it produces stay branch-local (AReaL's Process Rewards, "Branches").
 
 The view keeps AReaL's attribute names (``interaction_id``, ``parent``, ``parent_id``,
-``messages``, ``output_message_list``, ``reward``, ``model_response``) so AReaL scorers
+``messages``, ``output_message_list``, ``reward``, ``model_response``, ``token_rewards``) so AReaL scorers
 port unchanged. ``model_response`` is the wire object itself: its token arrays are
 read-only numpy views over immutable bytes, so sharing it costs nothing and cannot be
 corrupted. ``messages`` / ``output_message_list`` are frozen lazily, on first access,
@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from scoring_workers.prm._frozen import freeze
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from infra.schema import Interaction, ModelResponse
 
 __all__ = ["InteractionView", "MessageCache"]
@@ -33,13 +35,18 @@ MessageCache = dict[str, tuple[Any, Any]]
 class InteractionView:
     """One turn as a scorer sees it (read-only; attribute assignment raises)."""
 
-    __slots__ = ("interaction_id", "parent", "parent_id", "reward", "model_response", "_source", "_cache")
+    __slots__ = (
+        "interaction_id", "parent", "parent_id", "reward", "model_response", "token_rewards", "_source", "_cache"
+    )
 
     interaction_id: str
     parent: InteractionView | None
     parent_id: str | None
     reward: float | None
     model_response: ModelResponse
+    token_rewards: np.ndarray | None
+    """Pre-existing token rewards (read-only float32 view), or None; scorer
+    contributions are added to them."""
 
     def __init__(self, source: Interaction, parent: InteractionView | None, cache: MessageCache) -> None:
         setattr_ = object.__setattr__
@@ -48,6 +55,7 @@ class InteractionView:
         setattr_(self, "parent_id", source.parent_id)
         setattr_(self, "reward", source.reward)
         setattr_(self, "model_response", source.model_response)
+        setattr_(self, "token_rewards", getattr(source, "token_rewards", None))
         setattr_(self, "_source", source)
         setattr_(self, "_cache", cache)
 

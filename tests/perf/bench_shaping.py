@@ -2,18 +2,25 @@
 
 Every shaping mode is elementwise, so the cheapest conceivable implementation
 reads the inputs once and writes the output once.  A single ``A + P`` on the
-same tensors is that floor; printing each mode's median time as a *ratio* to
+same tensors is that floor (``where(mask, A, P)`` adds the mask's bytes); printing each mode's median time as a *ratio* to
 it, measured in the same run on the same device, makes results comparable
 across machines where absolute milliseconds are not.  Nothing here asserts a
 time: this is a report, not a gate.
 
-Run: ``python -m tests.perf.bench_shaping --rows 512 --cols 8192 --repeats 20``.
+Each mode is timed twice in the same run: ``fused`` is what ``shape_advantages``
+does (one compiled pass per mode on large inputs), ``eager`` the same expression
+with compilation off (``PRM_SHAPING_COMPILE=0``), i.e. one pass per operator.
+Before timing, the two are checked to give identical results.
+
+Run: ``prm-pipeline bench shaping`` or
+``python -m tests.perf.bench_shaping --rows 512 --cols 8192 --repeats 20``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -73,6 +80,14 @@ def _median_ms(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def _with_compile(call: Callable[[], torch.Tensor], enabled: bool) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        os.environ["PRM_SHAPING_COMPILE"] = "1" if enabled else "0"
+        return call()
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     device = _device(args.device)
@@ -85,10 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     loss_mask = (torch.rand(shape, generator=gen) < 0.9).to(device)  # ~10% padding/prompt
 
     floor = "A + P (floor)"
-    cases: dict[str, Callable[[], object]] = {floor: lambda: advantages + signed_rewards}
+    cases: dict[str, Callable[[], object]] = {
+        floor: lambda: advantages + signed_rewards,
+        # One ATen op with shaping's memory traffic (two floats and the bool mask in,
+        # one float out): what any masked mode costs at the very least.
+        "where(mask, A, P)": lambda: torch.where(loss_mask, advantages, signed_rewards),
+    }
     for mode in SHAPING_MODES:
         rewards = unit_rewards if mode == "process_weighted" else signed_rewards
-        cases[mode] = functools.partial(shape_advantages, advantages, rewards, loss_mask, mode=mode)
+        call = functools.partial(shape_advantages, advantages, rewards, loss_mask, mode=mode)
+        eager, fused = _with_compile(call, False), _with_compile(call, True)
+        a, b = eager(), fused()
+        if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())):
+            raise SystemExit(f"mode {mode!r}: fused and eager results differ")
+        cases[f"{mode} eager"] = eager
+        cases[f"{mode} fused"] = fused
     medians = _median_ms(cases, device, args.warmup, args.repeats)
     floor_ms = medians[floor]
 
@@ -98,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         f"device={device}, threads={torch.get_num_threads()}, "
         f"median of {args.repeats} (warm-up {args.warmup})"
     )
-    print(f"{'mode':<18} {'median ms':>10} {'x A+P':>7}")
+    print(f"{'mode':<24} {'median ms':>10} {'x A+P':>7}")
     for name, ms in medians.items():
-        print(f"{name:<18} {ms:>10.3f} {ms / floor_ms:>7.2f}")
+        print(f"{name:<24} {ms:>10.3f} {ms / floor_ms:>7.2f}")
     return 0
 
 

@@ -24,7 +24,7 @@ from infra.schema import (
 )
 from shaper import ConcatExportError, TrainingBatch, build_training_batch, export_group
 from shaper.batch import collate, turns_from_interactions
-from shaper.filters import filter_mixed_or_penalized_all_wrong_mask_no_eos
+from shaper.filters import decide_mixed_or_penalized_all_wrong_mask_no_eos as filter_mixed_or_penalized_all_wrong_mask_no_eos
 
 
 # --------------------------------------------------------------------------- builders

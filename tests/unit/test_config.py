@@ -404,3 +404,17 @@ def test_command_line_counts_keep_the_config_constraint() -> None:
     for bad in ("0", "-2", "many"):
         with pytest.raises(SystemExit):
             parser.parse_args(["trainer", "--batch-groups", bad])
+def test_shaping_modes_come_from_one_registry() -> None:
+    import infra.config
+    import shaper.shaping
+    from infra.modes import COMBINED_MODES, MODES, SHAPING_MODES, mode_info
+
+    assert SHAPING_MODES == ("additive", "gvpo", "process_weighted")
+    assert COMBINED_MODES == ("prm_gated_opd", "prm_weighted_opd", "openclaw_combine")
+    assert infra.config.SHAPING_MODES is SHAPING_MODES and infra.config.COMBINED_MODES is COMBINED_MODES
+    assert shaper.shaping.SHAPING_MODES is SHAPING_MODES
+    assert {m.name for m in MODES} == {*SHAPING_MODES, *COMBINED_MODES}
+    # the rules config validation applies are attributes of the registry entries
+    assert [m for m in SHAPING_MODES if mode_info(m).direct_advantages] == ["gvpo", "process_weighted"]
+    assert [m for m in SHAPING_MODES if mode_info(m).unit_interval] == ["process_weighted"]
+    assert mode_info("nope") is None

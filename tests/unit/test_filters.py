@@ -13,9 +13,13 @@ from shaper.filters import (
     FILTERS,
     FilterCounters,
     FilterDecision,
-    filter_mixed_or_penalized_all_wrong,
-    filter_mixed_or_penalized_all_wrong_mask_no_eos,
     get_filter,
+)
+from shaper.filters import (
+    decide_mixed_or_penalized_all_wrong as filter_mixed_or_penalized_all_wrong,
+)
+from shaper.filters import (
+    decide_mixed_or_penalized_all_wrong_mask_no_eos as filter_mixed_or_penalized_all_wrong_mask_no_eos,
 )
 
 BOTH = [filter_mixed_or_penalized_all_wrong, filter_mixed_or_penalized_all_wrong_mask_no_eos]
@@ -82,16 +86,18 @@ class TestDecisionPaths:
             {"rewards": torch.tensor([])},
             {"rewards": torch.tensor([0.0, math.nan])},
             {"original_rewards": torch.tensor([math.inf, 1.0]), "rewards": torch.tensor([1.0, 1.0])},
-            {"rewards": torch.zeros(2, 1)},
+            {"original_rewards": None, "rewards": torch.tensor([1.0, 0.0])},  # present None: no fallback
         ],
     )
     def test_bad_rewards(self, flt, g) -> None:
         with pytest.raises(ValueError, match="rewards"):
             flt(g)
 
-    def test_token_rewards_row_count_checked(self, flt) -> None:
-        with pytest.raises(ValueError, match="token_rewards"):
-            flt(group([0.0, 0.0], [[0.0, -1.0]]))
+    def test_token_rewards_rows_not_checked_against_rewards_as_in_areal(self, flt) -> None:
+        assert flt(group([0.0, 0.0], [[0.0, -1.0]], attention_mask=[[1, 0]])).reason == "penalized_all_wrong"
+
+    def test_rewards_of_any_shape_are_flattened(self, flt) -> None:
+        assert flt({"rewards": torch.tensor([[1.0], [0.0]])}).reason == "mixed"
 
 
 class TestMaskNoEos:
@@ -136,8 +142,9 @@ class TestMaskNoEos:
         assert filter_mixed_or_penalized_all_wrong_mask_no_eos(g).reason == "mixed"
 
     def test_needs_truncation_information(self) -> None:
-        g = {"rewards": torch.zeros(2), "token_rewards": torch.full((2, 2), -1.0)}
-        with pytest.raises(ValueError, match="attention_mask"):
+        g = {"rewards": torch.zeros(2), "token_rewards": torch.full((2, 2), -1.0), "loss_mask": torch.ones(2, 2),
+             "is_truncated": torch.tensor([False, False])}  # AReaL: attention_mask needed even then
+        with pytest.raises(ValueError, match="requires attention_mask"):
             filter_mixed_or_penalized_all_wrong_mask_no_eos(g)
 
 
@@ -169,6 +176,7 @@ class TestDecisionAndRegistry:
         ]:
             counters.record(FilterDecision(keep, reason))
         assert counters.as_dict() == {
+            "rejected_by_failed_or_perfect": 4,
             "rejected_by_all_correct": 1,
             "rejected_by_all_wrong": 3,
             "accepted_penalized_all_wrong": 1,
@@ -180,8 +188,9 @@ class TestDecisionAndRegistry:
     def test_counters_with_real_filters(self) -> None:
         counters = FilterCounters()
         for g in (group([1.0, 0.0]), group([1.0, 1.0]), group([0.0, 0.0], [[-1.0], [0.0]])):
-            counters.record(filters.filter_mixed_or_penalized_all_wrong(g))
+            counters.record(filters.decide_mixed_or_penalized_all_wrong(g))
         assert counters.as_dict() == {
+            "rejected_by_failed_or_perfect": 1,
             "rejected_by_all_correct": 1,
             "rejected_by_all_wrong": 0,
             "accepted_penalized_all_wrong": 1,

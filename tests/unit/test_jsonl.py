@@ -362,3 +362,15 @@ def test_verdict_lines_carry_the_typed_failure_fields() -> None:
         "scorer_timeout: TimeoutError", "scorer_timeout", "TimeoutError")
     assert "error_scorer" not in first  # no single scorer failed
     assert not {"error", "error_code", "error_scorer", "error_detail"} & second.keys()
+def test_token_rewards_round_trip_and_length_checked() -> None:
+    from infra.jsonl import JsonlError, dump, parse
+
+    line = {"kind": "ready", "trajectory_id": "t", "session_id": "s", "group_id": "g", "group_size": 1,
+            "outcome_reward": 1.0, "interactions": [{"interaction_id": "a", "input_tokens": [1],
+                                                     "output_tokens": [2, 3], "token_rewards": [0.5, -0.25]}]}
+    message = parse(line)
+    assert message.interactions[0].token_rewards.tolist() == [0.5, -0.25]
+    assert dump(message)["interactions"][0]["token_rewards"] == [0.5, -0.25]
+    line["interactions"][0]["token_rewards"] = [0.5]
+    with pytest.raises(JsonlError, match=r"interactions\[0\].token_rewards: 1 values for 2"):
+        parse(line)

@@ -26,7 +26,6 @@ from scoring_workers.prm import (
     PRMAdvantageShapingConfig,
     PRMConfig,
     PRMMetricObservation,
-    PRMRejection,
     PRMRunner,
     PRMScorerConfig,
     PRMScorerResult,
@@ -72,7 +71,7 @@ def test_public_api_names_and_reexports() -> None:
     for name in (
         "BaseScorer", "BaseTrajectoryScorer", "PRMScorerResult", "PRMMetricObservation", "PRMTurnResult",
         "PRMRunner", "ScoredTrajectory", "PRMConfig", "PRMScorerConfig", "PRMAdvantageShapingConfig",
-        "PRMRejection",
+        "failure_code", "failure_detail",
     ):
         assert name in prm.__all__ and hasattr(prm, name), name
     assert PRMMetricObservation is infra.schema.PRMMetricObservation
@@ -80,7 +79,6 @@ def test_public_api_names_and_reexports() -> None:
     assert PRMConfig is infra.config.PRMConfig
     assert PRMScorerConfig is infra.config.PRMScorerConfig
     assert PRMAdvantageShapingConfig is infra.config.PRMAdvantageShapingConfig
-    assert issubclass(PRMRejection, Exception)
 
 
 def test_config_types_as_in_the_issue() -> None:
@@ -197,9 +195,9 @@ async def test_trajectory_scorer_evaluate_directly_is_an_error() -> None:
         async def evaluate_trajectory(self, interactions: Any, ctx: dict[str, Any]) -> dict[str, float]:
             return {}
 
-    with pytest.raises(TypeError, match="evaluate_trajectory"):
+    with pytest.raises(RuntimeError, match="evaluate_trajectory"):  # AReaL's type
         await Joint().evaluate(turn("a"), {})
-    with pytest.raises(TypeError, match="evaluate_trajectory"):
+    with pytest.raises(RuntimeError, match="evaluate_trajectory"):
         await Joint().evaluate_result(turn("a"), {})
 
 

@@ -20,12 +20,12 @@ from scoring_workers.prm import (
     BaseTrajectoryScorer,
     PRMConfig,
     PRMMetricObservation,
-    PRMRejection,
     PRMRunner,
     PRMScorerConfig,
     PRMScorerResult,
     PRMTurnResult,
 )
+from scoring_workers.prm.errors import error_context, failure_code
 from scoring_workers.scorers import LengthBudgetScorer
 
 
@@ -78,10 +78,28 @@ def obs(metric: str, target: str, value: Any, *, scope: str = "turn", kind: str 
     return PRMMetricObservation(metric_id=metric, scope=scope, target_id=target, value=value, value_type=kind, aggregations=aggs)
 
 
-async def rejected(runner: PRMRunner, trajectory: Any, **kwargs: Any) -> PRMRejection:
-    with pytest.raises(PRMRejection) as info:
+class Rejected:
+    """What a failed run says: the exception as raised (AReaL's types), its reason code
+    (:func:`failure_code`, as the worker records it) and its context."""
+
+    def __init__(self, exc: BaseException) -> None:
+        context = error_context(exc)
+        self.exc = exc
+        self.reason = failure_code(exc)
+        self.scorer_name = context.scorer_name if context else None
+        self.interaction_id = context.interaction_id if context else None
+        self.leaf_id = context.leaf_id if context else None
+        self.trajectory_id = context.trajectory_id if context else None
+        self.cause = exc if context is not None and context.raised_by_scorer else None
+
+    def __str__(self) -> str:
+        return str(self.exc)
+
+
+async def rejected(runner: PRMRunner, trajectory: Any, **kwargs: Any) -> Rejected:
+    with pytest.raises(Exception) as info:
         await runner.run(trajectory, **kwargs)
-    return info.value
+    return Rejected(info.value)
 
 
 # ----------------------------------------------------------------------------- results
@@ -99,17 +117,18 @@ async def test_dense_tensor_keeps_token_positions() -> None:
     assert branch.token_rewards["a"].tolist() == [0.0, 0.5, -1.0]
 
 
-async def test_zero_dim_tensor_counts_as_scalar() -> None:
+async def test_zero_dim_tensor_is_a_shape_error_as_in_areal() -> None:
     runner = runner_of(scorer("z", lambda i, c: torch.tensor(0.75))())
-    (branch,) = (await runner.run(traj(turn("a", n=2)))).branches
-    assert branch.token_rewards["a"].tolist() == [0.75, 0.75]
+    error = await rejected(runner, traj(turn("a", n=2)))
+    assert type(error.exc) is ValueError and "must return shape (n,)" in str(error)
 
 
 @pytest.mark.parametrize("bad", [torch.zeros(2), torch.zeros(1), torch.zeros(1, 3), torch.zeros(4)])
 async def test_tensor_shape_must_equal_output_len(bad: torch.Tensor) -> None:
     runner = runner_of(scorer("shape", lambda i, c: bad)())
     error = await rejected(runner, traj(turn("a", n=3)))
-    assert error.reason == "invalid_reward" and "expected [3]" in str(error) and error.interaction_id == "a"
+    assert type(error.exc) is ValueError and "must return shape (n,)" in str(error)
+    assert error.reason == "invalid_reward" and error.interaction_id == "a"
 
 
 async def test_output_len_zero_is_an_error() -> None:
@@ -175,15 +194,16 @@ async def test_first_exception_in_turn_order_wins() -> None:
     runner = runner_of(scorer("boom", fn)())
     error = await rejected(runner, traj(turn("a"), turn("b", "a"), turn("c", "b")))
     assert error.reason == "scorer_error" and error.scorer_name == "boom" and error.interaction_id == "a"
-    assert isinstance(error.__cause__, Boom) and str(error.__cause__) == "turn a"
+    assert type(error.exc) is Boom and str(error.exc) == "turn a"  # the original object, unwrapped
+    assert any("scorer 'boom'" in note and "interaction 'a'" in note for note in error.exc.__notes__)
     assert error.trajectory_id == "traj-1" and error.leaf_id == "c"
 
 
 async def test_none_turns_are_counted_in_the_error() -> None:
     runner = runner_of(scorer("maybe", lambda i, c: None if i.interaction_id in ("a", "c") else 0.0)())
     error = await rejected(runner, traj(turn("a"), turn("b", "a"), turn("c", "b")))
-    assert error.reason == "scorer_returned_none"
-    assert "2 of 3 turns" in str(error) and error.__cause__ is None
+    assert error.reason == "scorer_returned_none" and type(error.exc) is RuntimeError
+    assert "returned None" in str(error) and "2/3" in str(error) and error.cause is None
 
 
 async def test_exception_wins_over_none() -> None:
@@ -193,7 +213,7 @@ async def test_exception_wins_over_none() -> None:
         raise RuntimeError("later turn failed")
 
     error = await rejected(runner_of(scorer("mix", fn)()), traj(turn("a"), turn("b", "a")))
-    assert error.reason == "scorer_error" and isinstance(error.__cause__, RuntimeError)
+    assert error.reason == "scorer_error" and isinstance(error.cause, RuntimeError)
 
 
 async def test_deliberate_zero_is_a_score() -> None:
@@ -243,7 +263,7 @@ async def test_timeout_inside_scorer_is_a_scorer_error() -> None:
         return 1.0
 
     error = await rejected(runner_of(scorer("slow", fn)()), traj(turn("a"), turn("b", "a")))
-    assert error.reason == "scorer_error" and isinstance(error.__cause__, TimeoutError) and error.interaction_id == "a"
+    assert error.reason == "scorer_error" and isinstance(error.cause, TimeoutError) and error.interaction_id == "a"
 
 
 async def test_cancelling_run_cancels_every_turn() -> None:
@@ -304,19 +324,20 @@ async def test_trajectory_scorer_missing_ids_score_zero() -> None:
 
 
 @pytest.mark.parametrize(
-    ("answer", "reason", "fragment"),
+    ("answer", "reason", "fragment", "kind"),
     [
-        ({"zzz": 1.0}, "invalid_reward", "unknown interaction id 'zzz'"),
-        ({None: 1.0}, "invalid_reward", "ids must be interaction id strings"),
-        ([("a", 1.0), ("a", 0.0)], "invalid_reward", "returned interaction id 'a' twice"),
-        ({"a": None}, "scorer_returned_none", "returned None for 1 of 2 turns"),
-        (None, "scorer_returned_none", "returned None"),
-        (42, "invalid_reward", "must return a mapping"),
+        ({"zzz": 1.0, "b": 0.0, "yyy": 2.0}, "invalid_reward", "unknown interaction ids ['yyy', 'zzz']", ValueError),
+        ({None: 1.0}, "invalid_reward", "None interaction id", ValueError),
+        ([("a", 1.0)], "invalid_reward", "must return a mapping", TypeError),  # AReaL: Mapping only
+        ({"a": None}, "scorer_returned_none", "returned None for 1/2", RuntimeError),
+        (None, "scorer_returned_none", "returned None for 2/2", RuntimeError),
+        (42, "invalid_reward", "must return a mapping", TypeError),
     ],
 )
-async def test_trajectory_scorer_bad_answers(answer: Any, reason: str, fragment: str) -> None:
+async def test_trajectory_scorer_bad_answers(answer: Any, reason: str, fragment: str, kind: type) -> None:
     error = await rejected(runner_of(joint("j", lambda xs, c: answer)()), traj(turn("a"), turn("b", "a")))
     assert error.reason == reason and fragment in str(error) and error.scorer_name == "j"
+    assert type(error.exc) is kind
 
 
 async def test_trajectory_scorer_values_go_through_prepare_result() -> None:
@@ -353,7 +374,7 @@ async def test_turn_observation_must_target_its_own_turn() -> None:
             return PRMScorerResult(1.0, (obs("m", "someone-else", True),))
 
     error = await rejected(runner_of(Wrong()), traj(turn("a")))
-    assert error.reason == "invalid_observation" and "must target its own interaction" in str(error)
+    assert error.reason == "invalid_observation" and "expected 'a'" in str(error) and type(error.exc) is ValueError
 
 
 async def test_duplicate_observation_within_a_run_is_an_error() -> None:
@@ -364,7 +385,7 @@ async def test_duplicate_observation_within_a_run_is_an_error() -> None:
             return PRMScorerResult(1.0, (obs("len", ctx["leaf_id"], 1.0, scope="trajectory", kind="float"),))
 
     error = await rejected(runner_of(Twice()), traj(turn("a"), turn("b", "a")))  # both turns observe the leaf
-    assert error.reason == "invalid_observation" and "duplicate trajectory observation 'len'" in str(error)
+    assert error.reason == "invalid_observation" and "duplicate structured metric 'len'" in str(error)
 
 
 async def test_metric_schema_is_stable_per_scorer_across_runs() -> None:
@@ -382,19 +403,18 @@ async def test_metric_schema_is_stable_per_scorer_across_runs() -> None:
     await runner.run(traj(turn("a")))
     kind["value"] = "float"
     error = await rejected(runner, traj(turn("a")))
-    assert error.reason == "invalid_observation" and "changed schema from boolean" in str(error)
+    assert error.reason == "invalid_observation" and "schema changed across runs" in str(error)
     assert error.scorer_name == "flip"
 
 
-async def test_aggregation_order_is_not_a_schema_change() -> None:
+async def test_aggregation_order_is_part_of_the_schema_as_in_areal() -> None:
     order = {"aggs": ("count", "rate")}
     s = scorer("o", lambda i, c: PRMScorerResult(1.0, (obs("m", i.interaction_id, True, aggs=order["aggs"]),)))()
     runner = runner_of(s)
     await runner.run(traj(turn("a")))
     order["aggs"] = ("rate", "count")
-    await runner.run(traj(turn("a")))
-    order["aggs"] = ("rate",)
-    assert (await rejected(runner, traj(turn("a")))).reason == "invalid_observation"
+    error = await rejected(runner, traj(turn("a")))
+    assert error.reason == "invalid_observation" and "schema changed across runs" in str(error)
 
 
 async def test_failed_run_binds_no_schema_and_commits_nothing() -> None:
@@ -482,9 +502,9 @@ async def test_scorer_infos_names_and_versions_in_config_order() -> None:
     assert runner.scorer_infos() == [ScorerInfo("length_budget", "1"), ScorerInfo("second", "2.1")]
 
 
-def test_duplicate_scorer_names_are_refused() -> None:
-    with pytest.raises(ValueError, match="two scorers are named 'length_budget'"):
-        runner_of(LengthBudgetScorer(), LengthBudgetScorer(max_output_tokens=5, enabled=False))
+def test_duplicate_scorer_names_are_allowed() -> None:
+    runner = runner_of(LengthBudgetScorer(), LengthBudgetScorer(max_output_tokens=5, enabled=False))
+    assert [s.name for s in runner.scorers] == ["length_budget", "length_budget"]
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -678,8 +698,8 @@ async def test_sync_evaluate_result_is_a_scorer_error() -> None:
             return PRMScorerResult(1.0)
 
     error = await rejected(runner_of(NotAsync()), traj(turn("a")))
-    assert error.reason == "scorer_error" and isinstance(error.__cause__, TypeError)
-    assert "must be async" in str(error.__cause__)
+    assert error.reason == "scorer_error" and isinstance(error.cause, TypeError)
+    assert "must be async" in str(error.cause)
 
 
 async def test_summed_rewards_must_stay_finite_in_float32() -> None:
@@ -728,7 +748,6 @@ async def test_a_scorer_may_name_its_rejection_reason(declared: object, recorded
         raise _DeclaredFailure(declared)
 
     runner = PRMRunner(PRMConfig(scorers=[scorer("judge", fail)()]))
-    with pytest.raises(PRMRejection) as info:
+    with pytest.raises(_DeclaredFailure) as info:  # the scorer's own exception, unwrapped
         await runner.run(traj(turn("a")))
-    assert info.value.reason == recorded
-    assert isinstance(info.value.__cause__, _DeclaredFailure)
+    assert failure_code(info.value) == recorded

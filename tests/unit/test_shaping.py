@@ -126,7 +126,7 @@ class TestProcessWeighted:
         a = torch.zeros(2, 3)
         p = torch.zeros(2, 3)
         p[1, 2] = bad
-        with pytest.raises(ValueError, match=r"\[0, 1\]") as info:
+        with pytest.raises(RuntimeError, match=r"process rewards in \[0, 1\]") as info:  # AReaL's assert type
             shape_advantages(a, p, torch.ones(2, 3), mode="process_weighted")
         message = str(info.value)
         assert "position (1, 2)" in message
@@ -250,3 +250,67 @@ def test_package_exports() -> None:
     assert shaper.SHAPING_MODES == ("additive", "gvpo", "process_weighted")
     assert callable(shaper.filters.get_filter)
     assert callable(shaper.merge_stats)
+
+
+# --------------------------------------------------------------------------- #
+# AReaL edge cases
+# --------------------------------------------------------------------------- #
+class TestAReaLEdgeCases:
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_half_precision_computed_in_float32(self, dtype: torch.dtype) -> None:
+        # AReaL casts token rewards to its float32 reward dtype: A(fp16) + P(fp32) promotes to
+        # float32. In fp16, 1000 + 0.1 would round to 1000.0; in float32 it is 1000.1.
+        a = torch.tensor([1000.0, -2.0], dtype=dtype)
+        p = torch.tensor([0.1, 0.25], dtype=dtype)
+        out = shape_advantages(a, p, torch.ones(2), mode="additive")
+        assert out.dtype == torch.float32
+        expected = a.float() + p.float()
+        assert torch.equal(out, expected) and out[0].item() != float(a[0] + p[0])
+
+    def test_process_weighted_nan_advantage_with_positive_reward_becomes_reward(self) -> None:
+        # AReaL: NaN A is not >= 0, so P > 0 -> P, and P == 0 keeps the NaN.
+        a = t(math.nan, math.nan, math.nan)
+        p = t(0.75, 0.0, 0.5)
+        out = shape_advantages(a, p, torch.tensor([1, 1, 0]), mode="process_weighted")
+        assert out[0].item() == 0.75 and math.isnan(out[1].item()) and math.isnan(out[2].item())
+
+    def test_process_weighted_range_error_is_runtime_error(self) -> None:
+        with pytest.raises(RuntimeError, match=r"process rewards in \[0, 1\]"):
+            shape_advantages(t(1.0), t(math.nan), torch.ones(1), mode="process_weighted")
+
+
+def _special_inputs(n: int, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(n, generator=gen)
+    a[::17] = 0.0
+    a[1::17] = 1e-6  # exactly eps: the |A| <= eps boundary
+    a[2::17] = -1e-6
+    a[3::97] = math.nan
+    if mode == "process_weighted":
+        p = torch.rand(n, generator=gen)
+        p[::13] = 0.0
+        p[1::13] = 1.0
+    else:
+        p = torch.randn(n, generator=gen)
+        p[::11] = 0.0
+        p[5::101] = math.nan
+    mask = torch.rand(n, generator=gen) < 0.9
+    return a.view(16, -1), p.view(16, -1), mask.view(16, -1)
+
+
+@pytest.mark.parametrize("mode", SHAPING_MODES)
+def test_fused_kernels_match_eager_exactly(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled one-pass kernels give bit-identical results to the eager expressions
+    (NaN in the same places), including the eps boundaries and masked NaN rewards."""
+    from shaper import shaping
+
+    a, p, mask = _special_inputs(16 * 4096, mode)
+    monkeypatch.setenv("PRM_SHAPING_COMPILE", "0")
+    eager = shape_advantages(a, p, mask, mode=mode)
+    monkeypatch.setenv("PRM_SHAPING_COMPILE", "1")
+    monkeypatch.setattr(shaping, "_COMPILE_BROKEN", set())
+    assert a.numel() >= shaping._COMPILE_MIN_NUMEL
+    fused = shape_advantages(a, p, mask, mode=mode)
+    assert "cpu" not in shaping._COMPILE_BROKEN, "torch.compile fell back to eager"
+    assert torch.equal(fused.isnan(), eager.isnan())
+    assert torch.equal(torch.nan_to_num(fused), torch.nan_to_num(eager))
