@@ -22,10 +22,18 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from infra.schema import NotConcatExport, ReadyTrajectory, SessionResult, compact_turns
-from scoring_workers.prm.errors import failure_code, failure_detail
+from scoring_workers.prm.errors import error_context, failure_code, failure_detail
 
 if TYPE_CHECKING:
     from scoring_workers.prm import PRMRunner
+
+
+def _failed_scorer(exc: BaseException) -> str | None:
+    """The scorer a run's exception names: the runner's context, else the judges' own attribute."""
+    context = error_context(exc)
+    if context is not None and context.scorer_name:
+        return context.scorer_name
+    return getattr(exc, "scorer_name", None)
 
 
 async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None,
@@ -57,7 +65,7 @@ async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeo
     except Exception as exc:  # noqa: BLE001 - the member fails; the group will be rejected
         common["turns"] = []
         detail = failure_detail(exc)
-        return SessionResult.failure(code=failure_code(exc), detail=detail, scorer=getattr(exc, "scorer_name", None),
+        return SessionResult.failure(code=failure_code(exc), detail=detail, scorer=_failed_scorer(exc),
                                      scored_at=stamp(), **common)
     return SessionResult(
         status="scored",
