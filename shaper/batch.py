@@ -3,7 +3,7 @@ r"""Concat export: accepted verdicts -> padded training tensors.
 A :class:`~infra.schema.GroupVerdict` is self-contained: every scored member carries its
 token tree (compact :class:`~infra.schema.TokenTurn`\ s: each turn's *new* prompt tokens
 and its output) and, per root-to-leaf branch, the per-token process rewards of each
-turn. The trainer needs the *concat* view of that (seed 001: scorers require
+turn. The trainer needs the *concat* view of that (AReaL's Process Rewards: scorers require
 ``export_style: concat``): one row per branch holding the leaf turn's full sequence —
 its input tokens followed by its output tokens, which is the concatenation of
 ``prompt_delta + output`` over the path. Turn ``k``'s output therefore sits at

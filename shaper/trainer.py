@@ -1,8 +1,8 @@
 """A reference trainer loop: what a real trainer does with verdicts, minus the model.
 
 Each step takes one :class:`~shaper.batch.TrainingBatch` from a
-:class:`~shaper.consumer.VerdictConsumer` and runs the trainer-side half of seed 001
-"Advantage Shaping" exactly where an AReaL/verl-style trainer would:
+:class:`~shaper.consumer.VerdictConsumer` and runs the trainer-side half of AReaL's Process
+Rewards "Advantage Shaping" exactly where an AReaL/verl-style trainer would:
 
 1. move to next-token-prediction positions: the logits at position ``t`` predict
    token ``t + 1``, so ``loss_mask`` and ``token_rewards`` are shifted left by one

@@ -1,4 +1,4 @@
-"""``LengthBudgetScorer``: the seed's example scorer, built in.
+"""``LengthBudgetScorer``: the example scorer of AReaL's Process Rewards docs, built in.
 
 It rewards a turn ``1.0`` when it stays within ``max_output_tokens`` generated tokens
 and ``0.0`` otherwise, and reports a boolean turn observation ``within_budget``
@@ -6,8 +6,8 @@ and ``0.0`` otherwise, and reports a boolean turn observation ``within_budget``
 also the reference for measuring the runner's own overhead
 (``python -m tests.perf.bench_runner``).
 
-The seed's config path ``examples.prm.scorers.LengthBudgetScorer`` resolves here
-(see :data:`scoring_workers.prm.resolve.SCORER_ALIASES`).
+AReaL's example config path ``examples.prm.scorers.LengthBudgetScorer`` resolves here
+when no user module of that name is importable (see :data:`scoring_workers.prm.resolve.SCORER_ALIASES`).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ actor:
 
 
 def seed() -> dict[str, Any]:
+    """AReaL's Process Rewards example config block (the spec's YAML, unchanged)."""
     return yaml.safe_load(SEED_YAML)
 
 
@@ -142,7 +143,7 @@ def test_max_message_bytes_floor() -> None:
     refused(seed() | {"kafka": {"max_message_bytes": 10}}, "kafka.max_message_bytes")
 
 
-# --------------------------------------------------------------------------- seed rules
+# --------------------------------------------------------------------------- AReaL's config rules
 def test_concat_export_required_with_active_scorers() -> None:
     raw = seed()
     raw["rollout"]["agent"]["export_style"] = "individual"

@@ -195,7 +195,7 @@ def test_kustomization_lists_every_manifest_but_the_secret() -> None:
 
 # --------------------------------------------------------------------------- config
 def test_configmap_yaml_is_a_valid_prm_config() -> None:
-    cfg = pipeline_config()  # raises ConfigError on unknown keys and broken seed rules
+    cfg = pipeline_config()  # raises ConfigError on unknown keys and broken AReaL config rules
     assert cfg.prm.active, "the shipped config should score (replace the scorers, keep them active)"
     # No credentials in the ConfigMap: they come from the Secret as PRM_* variables.
     assert cfg.kafka.sasl_password is None and cfg.kafka.sasl_username is None

@@ -1,4 +1,4 @@
-"""shaper.metrics.VerdictMetrics: seed metric names merged count-weighted over verdicts."""
+"""shaper.metrics.VerdictMetrics: AReaL's metric names merged count-weighted over verdicts."""
 
 from __future__ import annotations
 
