@@ -182,6 +182,10 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # signal; needs worker.keep_scorer_channels for the judge and OPD scorers' channels.
     combined_mode: Literal["prm_gated_opd", "prm_weighted_opd"] | None = None
     opd_scorer: str = "opd_teacher"  # scorer whose channel is the OPD token signal
+    # Bound of the verdict consumer's in-memory dedupe set ((group_id, verdict_version)
+    # keys, oldest evicted first; ~150 B each). Duplicates older than this many groups
+    # are caught only by a durable --dedupe-store. See docs/trainer.md.
+    dedupe_max_seen: int = 1_000_000
 
 
 class LocalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -346,7 +350,8 @@ def validate(cfg: PipelineConfig) -> None:
             "actor.mask_no_eos_with_zero: true cannot be combined with "
             "rollout.agent.prm.advantage_shaping.mode 'process_weighted'"
         )
-    for section, name in (("topics", "partitions"), ("worker", "concurrency"), ("trainer", "batch_groups")):
+    for section, name in (("topics", "partitions"), ("worker", "concurrency"), ("trainer", "batch_groups"),
+                          ("trainer", "dedupe_max_seen")):
         if getattr(getattr(cfg, section), name) < 1:
             raise ConfigError(f"{section}.{name} must be >= 1")
     for name in ("scorer_timeout_s", "group_timeout_s"):

@@ -160,7 +160,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge")
+BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "soak", "capacity")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
