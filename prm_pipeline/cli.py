@@ -234,17 +234,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
+    """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
+    from aiokafka.errors import KafkaConnectionError
+
+    from infra.kafka import KafkaAuthError, diagnose_connection
+    from infra.redis import RedisAccessError
+
+    if isinstance(exc, (KafkaAuthError, RedisAccessError)):
+        return str(exc)
+    if isinstance(exc, KafkaConnectionError):
+        return asyncio.run(diagnose_connection(_load(args).kafka))
+    return None
+
+
+class _QuietBootstrapErrors(logging.Filter):
+    """aiokafka logs each failed bootstrap connect at ERROR before raising; one-shot commands
+    print one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Unable connect to", "Unable to request metadata"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose and args.command not in ("worker", "trainer"):  # long-running: keep every line
+        logging.getLogger("aiokafka").addFilter(_QuietBootstrapErrors())
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - only access failures become one line; the rest re-raise
+        message = _access_error(args, exc)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

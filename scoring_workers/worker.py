@@ -44,6 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from infra.config import PipelineConfig
 from infra.kafka import make_consumer, make_producer
 from infra.offsets import OffsetTracker
+from infra.redis import verify_access
 from infra.schema import (
     DeadLetter,
     DiscardGroup,
@@ -152,6 +153,7 @@ class Worker:
                 [ScorerInfo(s.name, s.version) for s in self._runner.scorer_infos()]
             )
         self.ledger = GroupLedger.from_config(cfg.redis)
+        await verify_access(self.ledger.redis, cfg.redis)  # wrong credentials / untrusted TLS: stop, clearly
         self.producer = make_producer(cfg.kafka)
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
         await self.producer.start()
