@@ -3,9 +3,9 @@
 Every figure comes from the kernel or the server, not from the code under test:
 
 * per process (any pid on this machine): CPU seconds (``utime + stime`` from
-  ``/proc/PID/stat``), resident memory (``/proc/PID/statm``) and bytes moved through
-  ``read``/``write`` system calls (``rchar``/``wchar`` of ``/proc/PID/io``; for the
-  broker and Redis that is almost all socket traffic);
+  ``/proc/PID/stat``) and resident memory (``/proc/PID/statm``). Not network bytes:
+  ``/proc/PID/io`` misses ``recvfrom``/``sendto``-style socket calls (the broker's),
+  so ``bench capacity`` counts the broker's bytes at a proxy instead;
 * Redis: ``INFO`` (``used_memory``, ``total_net_input_bytes`` / ``output``, its own CPU)
   and ``DBSIZE``.
 
@@ -26,8 +26,6 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 class ProcReading:
     cpu_s: float
     rss_bytes: int
-    read_bytes: int  # rchar: bytes returned by read-like syscalls (sockets included)
-    write_bytes: int  # wchar
 
 
 def read_proc(pid: int) -> ProcReading | None:
@@ -37,20 +35,12 @@ def read_proc(pid: int) -> ProcReading | None:
             stat = f.read()
         with open(f"/proc/{pid}/statm") as f:
             resident_pages = int(f.read().split()[1])
-        io: dict[str, int] = {}
-        try:
-            with open(f"/proc/{pid}/io") as f:
-                for line in f:
-                    k, _, v = line.partition(":")
-                    io[k] = int(v)
-        except PermissionError:
-            pass
     except (FileNotFoundError, ProcessLookupError):
         return None
     # fields after "(comm)": state is [0], utime [11], stime [12] (man 5 proc, fields 14/15)
     fields = stat[stat.rindex(")") + 2:].split()
     cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return ProcReading(cpu, resident_pages * PAGE_SIZE, io.get("rchar", 0), io.get("wchar", 0))
+    return ProcReading(cpu, resident_pages * PAGE_SIZE)
 
 
 async def redis_reading(client: Any) -> dict[str, float]:

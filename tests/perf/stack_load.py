@@ -36,7 +36,7 @@ from infra.config import (
     ActorConfig, AgentConfig, KafkaConfig, PipelineConfig, PRMConfig, PRMScorerConfig, RedisConfig,
     RolloutConfig, TopicsConfig, TrainerConfig, WorkerConfig, load_config,
 )
-from infra.local import LocalStack
+from infra.local import LocalStack, free_port
 from prm_pipeline.processes import WorkerProcesses, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,12 +148,28 @@ class Children:
 
 
 @asynccontextmanager
-async def running_stack(workdir: Path, name: str, **config: Any) -> AsyncIterator[tuple[LocalStack, PipelineConfig, WorkerProcesses, Children]]:
-    """Broker + Redis + topics + two workers; children started by the caller. Stops everything on exit."""
+async def running_stack(workdir: Path, name: str, *, counted: bool = False, **config: Any) -> AsyncIterator[tuple[LocalStack, PipelineConfig, WorkerProcesses, Children]]:
+    """Broker + Redis + topics + two workers; children started by the caller. Stops everything on exit.
+
+    ``counted=True`` puts a byte-counting proxy (``stack.proxy``) in front of the broker.
+    """
     from infra.kafka import ensure_topics
 
-    with LocalStack(workdir / "stack") as stack:
+    from tests.security.tlsproxy import TlsProxy
+
+    stack = LocalStack(workdir / "stack")
+    proxy = None
+    if counted:  # clients reach the broker only through a byte-counting proxy (it advertises the proxy)
+        port = free_port()
+        argv = stack.broker.argv
+        argv[argv.index("--advertised-listener-url") + 1] = f"tcp://127.0.0.1:{port}"
+    with stack:
+        if counted:
+            proxy = TlsProxy(stack.broker.port, port=port).start()
         cfg = perf_config(stack, name, **config)
+        if proxy is not None:
+            cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap=f"127.0.0.1:{port}"))
+        stack.proxy = proxy  # type: ignore[attr-defined]
         await ensure_topics(cfg.kafka, cfg.topics)
         path = write_config(cfg, workdir / "config.yaml")
         (workdir / "workers").mkdir(exist_ok=True)
@@ -165,6 +181,8 @@ async def running_stack(workdir: Path, name: str, **config: Any) -> AsyncIterato
         finally:
             children.stop_all()
             workers.stop()
+            if proxy is not None:
+                proxy.stop()
 
 
 def stack_pids(stack: LocalStack, workers: WorkerProcesses, children: Children) -> dict[str, int]:
@@ -219,7 +237,7 @@ async def _publisher(args: argparse.Namespace) -> None:
             gid = f"{run}-g{n:07d}"
             members = [msgspec.structs.replace(t, group_id=gid, trajectory_id=f"{gid}-traj{i}",
                                                session_id=f"{gid}-s{i}", created_at=time.time())
-                       for i, t in enumerate(pool[n % len(pool)])]
+                       for i, t in enumerate(pool[n % len(pool)])][: args.members]
             await pub.publish_many(members)
             if interval:
                 await pub.flush()
@@ -271,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--run-id", default=None)
+    p.add_argument("--members", type=int, default=None, help="publish only the first N members of each group")
     args = p.parse_args(argv)
     asyncio.run(_publisher(args) if args.role == "publisher" else _trainer(args))
     return 0

@@ -93,16 +93,23 @@ def make_pki(directory: Path) -> Pki:
 
 
 class TlsProxy:
-    """``127.0.0.1:port`` (TLS, ``cert``/``key``) -> ``127.0.0.1:upstream_port`` (plain TCP).
+    """``127.0.0.1:port`` (TLS with ``cert``/``key``; plain TCP without) -> ``127.0.0.1:upstream_port``.
 
-    Counts completed handshakes, so a test can prove its traffic went through TLS.
+    Counts completed handshakes, so a test can prove its traffic went through TLS, and
+    the bytes forwarded each way (``bytes_in``: client -> service, ``bytes_out``: back),
+    which is how ``bench capacity`` measures the broker's network traffic.
     """
 
-    def __init__(self, upstream_port: int, cert: Path, key: Path, *, port: int = 0) -> None:
+    def __init__(self, upstream_port: int, cert: Path | None = None, key: Path | None = None, *,
+                 port: int = 0) -> None:
         self.upstream_port, self.port = upstream_port, port
-        self.ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self.ctx.load_cert_chain(cert, key)
+        self.ctx: ssl.SSLContext | None = None
+        if cert is not None:
+            self.ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            self.ctx.load_cert_chain(cert, key)
         self.handshakes = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tls-proxy", daemon=True)
         self._server: asyncio.base_events.Server | None = None
@@ -116,7 +123,7 @@ class TlsProxy:
     async def _start(self) -> None:
         # ``_accept`` runs only after a completed handshake; failed ones are dropped by asyncio.
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port, ssl=self.ctx,
-                                                  ssl_handshake_timeout=10)
+                                                  ssl_handshake_timeout=10 if self.ctx else None)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -130,15 +137,19 @@ class TlsProxy:
                 writer.close()
                 return
 
-            async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, inbound: bool) -> None:
                 with contextlib.suppress(OSError, ssl.SSLError, asyncio.IncompleteReadError):
                     while data := await src.read(65536):
+                        if inbound:
+                            self.bytes_in += len(data)
+                        else:
+                            self.bytes_out += len(data)
                         dst.write(data)
                         await dst.drain()
                 with contextlib.suppress(Exception):
                     dst.close()
 
-            await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+            await asyncio.gather(pipe(reader, up_w, True), pipe(up_r, writer, False))
         finally:
             self._conns.discard(task)  # type: ignore[arg-type]
 
