@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Endurance smoke for CI (about 4 minutes; docs/capacity.md): memory and Redis keys stay bounded.
+soak: $(STAMP)
+	$(BIN)/prm-pipeline bench soak --minutes 3
 
 bench: $(STAMP)
 	$(BIN)/prm-pipeline bench schema
