@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import tempfile
 import time
@@ -165,17 +166,76 @@ def _print(r: dict[str, Any]) -> None:
           " per finished group")
 
 
+def sizing(r: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """docs/capacity.md's sizing table from the measured figures and the stated assumptions."""
+    cpu = r["cpu_s_per_1000"]
+    workers_cpu = sum(v for k, v in cpu.items() if k.startswith("worker")) / 1000  # s per trajectory
+    wire = r["broker_wire_bytes_per_trajectory"]
+    rd, mem = r["redis_per_trajectory"], r["redis_memory"]
+    nic = a.nic_gbit * 1e9 / 8 * a.nic_util  # usable bytes/s per direction per machine
+    rows = []
+    for rate in (1_000, 10_000, 100_000):
+        produce = rate * wire["in"]  # client -> leaders
+        fetch = rate * wire["out"]  # leaders -> consumers
+        repl = (a.rf - 1) * produce  # leaders -> followers
+        broker_in, broker_out = produce + repl, fetch + repl  # cluster-wide, each direction
+        parked = rate * a.open_s * mem["parked_member_bytes"]
+        tombstones = rate / r["workload"]["group_size"] * a.dedupe_s * mem["tombstone_bytes_per_group"]
+        redis_mem = (parked + tombstones) * 1.5  # allocator + replication buffers headroom
+        rows.append({
+            "rate": rate,
+            "worker_cores": rate * workers_cpu / a.util,
+            "broker_cores": rate * cpu.get("broker", 0) / 1000 * a.rf / a.util,
+            "broker_in_MBps": broker_in / 1e6, "broker_out_MBps": broker_out / 1e6,
+            "brokers_by_network": max(a.rf, math.ceil(max(broker_in, broker_out) / nic)),
+            "redis_net_MBps": rate * (rd["in_bytes"] + rd["out_bytes"]) / 1e6,
+            "redis_shards_cpu": math.ceil(rate * rd["cpu_us"] / 1e6 / a.redis_util),
+            "redis_shards_net": math.ceil(rate * max(rd["in_bytes"], rd["out_bytes"]) / nic),
+            "redis_memory_GB": redis_mem / 1e9,
+            "redis_shards_memory": math.ceil(redis_mem / (a.shard_memory_gb * 1e9)),
+        })
+    return rows
+
+
+def _print_sizing(rows: list[dict[str, Any]], a: argparse.Namespace) -> None:
+    print()
+    print(f"sizing (assumptions: {a.util:.0%} CPU target, Redis shard {a.redis_util:.0%} of one core, "
+          f"{a.nic_gbit:g} Gbit/s NICs at {a.nic_util:.0%}, RF {a.rf}, members parked {a.open_s:g} s, "
+          f"tombstones kept {a.dedupe_s:g} s, {a.shard_memory_gb:g} GB per Redis shard)")
+    print(f"{'traj/s':>8} {'worker cores':>12} {'broker cores':>12} {'broker in/out MB/s':>19} {'brokers (net)':>13} "
+          f"{'Redis MB/s':>10} {'Redis GB':>9} {'shards cpu/net/mem':>19}")
+    for x in rows:
+        print(f"{x['rate']:>8,} {x['worker_cores']:12.1f} {x['broker_cores']:12.1f} "
+              f"{x['broker_in_MBps']:>9.0f}/{x['broker_out_MBps']:<9.0f} {x['brokers_by_network']:13d} "
+              f"{x['redis_net_MBps']:10.0f} {x['redis_memory_GB']:9.1f} "
+              f"{x['redis_shards_cpu']:>7d}/{x['redis_shards_net']}/{x['redis_shards_memory']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench capacity", description=__doc__.splitlines()[0])
-    p.add_argument("--rate", type=float, default=200.0, help="trajectories/s (keep it below the machine's peak)")
+    p.add_argument("--rate", type=float, default=60.0, help="trajectories/s (keep it well below the machine's peak)")
     p.add_argument("--seconds", type=float, default=60.0, help="length of the measured load")
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--turns", type=int, default=8, help="turns per session (bench pipeline's workload)")
+    p.add_argument("--tokens", type=int, default=512, help="at most this many output tokens per turn")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--from-json", default=None, metavar="FILE", help="print from a previous --json run (no load)")
+    g = p.add_argument_group("sizing assumptions (docs/capacity.md)")
+    g.add_argument("--util", type=float, default=0.6, help="target CPU utilisation of workers and brokers")
+    g.add_argument("--redis-util", type=float, default=0.5, help="target utilisation of a Redis shard's one core")
+    g.add_argument("--nic-gbit", type=float, default=10.0)
+    g.add_argument("--nic-util", type=float, default=0.5)
+    g.add_argument("--rf", type=int, default=3, help="Kafka replication factor")
+    g.add_argument("--open-s", type=float, default=60.0, help="mean seconds a scored member stays parked")
+    g.add_argument("--dedupe-s", type=float, default=86_400.0, help="seconds a finished group's tombstone lives")
+    g.add_argument("--shard-memory-gb", type=float, default=25.0)
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="prm-capacity-") as tmp:
-        result = asyncio.run(_capacity(args, Path(tmp)))
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+    else:
+        with tempfile.TemporaryDirectory(prefix="prm-capacity-") as tmp:
+            result = asyncio.run(_capacity(args, Path(tmp)))
     _print(result)
+    _print_sizing(sizing(result, args), args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
