@@ -183,7 +183,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     combined_mode: Literal["prm_gated_opd", "prm_weighted_opd"] | None = None
     opd_scorer: str = "opd_teacher"  # scorer whose channel is the OPD token signal
     # Bound of the verdict consumer's in-memory dedupe set ((group_id, verdict_version)
-    # keys, oldest evicted first; ~150 B each). Duplicates older than this many groups
+    # keys, oldest evicted first; ~180 B each). Duplicates older than this many groups
     # are caught only by a durable --dedupe-store. See docs/trainer.md.
     dedupe_max_seen: int = 1_000_000
 
