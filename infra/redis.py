@@ -7,6 +7,7 @@ for ACL users, ``rediss://`` for TLS); ``redis.ssl_ca_certs`` adds a CA bundle;
 
 from __future__ import annotations
 
+import logging
 import ssl
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,6 +18,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.asyncio.cluster import RedisCluster
 
 from infra.config import RedisConfig
+
+log = logging.getLogger(__name__)
 
 
 def make_redis(cfg: RedisConfig, **overrides: Any) -> aioredis.Redis | RedisCluster:
@@ -60,4 +63,4 @@ async def verify_access(client: aioredis.Redis | RedisCluster, cfg: RedisConfig)
                 f"redis.ssl_ca_certs is {cfg.ssl_ca_certs or 'unset (system trust store)'}") from None
         if isinstance(cause, ssl.SSLError) or "SSL" in str(exc):
             raise RedisAccessError(f"{_where(cfg)}: TLS handshake failed ({exc})") from None
-        raise
+        log.warning("%s not reachable at start-up (%s); retrying as work arrives", _where(cfg), exc)
