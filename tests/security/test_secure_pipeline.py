@@ -25,7 +25,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
