@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-ecosystem lint bench faults clean
+.PHONY: install demo test test-unit test-ecosystem lint bench faults soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,9 @@ $(ECO_STAMP): pyproject.toml Makefile
 test-ecosystem: $(ECO_STAMP)
 	cd examples/node-producer && npm ci --no-audit --no-fund
 	$(ECO_BIN)/python -m pytest tests/ecosystem -W ignore::UserWarning -W ignore::DeprecationWarning
+# Endurance smoke for CI (about 4 minutes; docs/capacity.md): memory and Redis keys stay bounded.
+soak: $(STAMP)
+	$(BIN)/prm-pipeline bench soak --minutes 3
 
 bench: $(STAMP)
 	$(BIN)/prm-pipeline bench schema

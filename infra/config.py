@@ -212,6 +212,10 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     recipe: Literal["grpo", "openclaw_turns"] = "grpo"
     # OpenClaw-RL's OPD trains no turn without an accepted hint: mask them (opd_scorer's results)
     drop_unhinted_turns: bool = False
+    # Bound of the verdict consumer's in-memory dedupe set ((group_id, verdict_version)
+    # keys, oldest evicted first; ~180 B each). Duplicates older than this many groups
+    # are caught only by a durable --dedupe-store. See docs/trainer.md.
+    dedupe_max_seen: Positive = 1_000_000
 
 
 class LocalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

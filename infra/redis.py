@@ -7,12 +7,19 @@ for ACL users, ``rediss://`` for TLS); ``redis.ssl_ca_certs`` adds a CA bundle;
 
 from __future__ import annotations
 
+import logging
+import ssl
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from infra.config import RedisConfig
+
+log = logging.getLogger(__name__)
 
 
 def make_redis(cfg: RedisConfig, **overrides: Any) -> aioredis.Redis | RedisCluster:
@@ -24,3 +31,36 @@ def make_redis(cfg: RedisConfig, **overrides: Any) -> aioredis.Redis | RedisClus
     if cfg.cluster:
         return RedisCluster.from_url(cfg.url, **kwargs)
     return aioredis.from_url(cfg.url, health_check_interval=30, **kwargs)
+
+
+class RedisAccessError(RuntimeError):
+    """Redis refused us for a reason no retry fixes (credentials, TLS trust); the message
+    names the user and the setting, never the password."""
+
+
+def _where(cfg: RedisConfig) -> str:
+    url = urlsplit(cfg.url)
+    user = url.username or "default"
+    return f"Redis at {url.hostname}:{url.port or 6379} as user {user!r} (redis.url / PRM_REDIS_URL)"
+
+
+async def verify_access(client: aioredis.Redis | RedisCluster, cfg: RedisConfig) -> None:
+    """One ``PING`` at start-up, so wrong credentials or an untrusted certificate stop the
+    process with one clear line instead of being retried forever as a connection error
+    (redis-py's ``AuthenticationError`` is a ``ConnectionError``). A Redis that is merely
+    down is left to the caller's retries."""
+    try:
+        await client.ping()
+    except AuthenticationError as exc:
+        raise RedisAccessError(f"{_where(cfg)}: login refused: {exc}") from None
+    except ResponseError as exc:  # NOPERM / WRONGPASS from servers that answer that way
+        raise RedisAccessError(f"{_where(cfg)}: {exc}") from None
+    except RedisConnectionError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            raise RedisAccessError(
+                f"{_where(cfg)}: its TLS certificate is not trusted; "
+                f"redis.ssl_ca_certs is {cfg.ssl_ca_certs or 'unset (system trust store)'}") from None
+        if isinstance(cause, ssl.SSLError) or "SSL" in str(exc):
+            raise RedisAccessError(f"{_where(cfg)}: TLS handshake failed ({exc})") from None
+        log.warning("%s not reachable at start-up (%s); retrying as work arrives", _where(cfg), exc)

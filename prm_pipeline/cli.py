@@ -172,7 +172,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "faults")
+BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "faults", "soak", "capacity")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -272,6 +272,26 @@ NEEDS: dict[str, tuple[Service, ...]] = {
     "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
     "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",),
 }
+def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
+    """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
+    from aiokafka.errors import KafkaConnectionError
+
+    from infra.kafka import KafkaAuthError, diagnose_connection
+    from infra.redis import RedisAccessError
+
+    if isinstance(exc, (KafkaAuthError, RedisAccessError)):
+        return str(exc)
+    if isinstance(exc, KafkaConnectionError):
+        return asyncio.run(diagnose_connection(_load(args).kafka))
+    return None
+
+
+class _QuietBootstrapErrors(logging.Filter):
+    """aiokafka logs each failed bootstrap connect at ERROR before raising; one-shot commands
+    print one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Unable connect to", "Unable to request metadata"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -280,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose and args.command not in ("worker", "trainer"):  # long-running: keep every line
+        logging.getLogger("aiokafka").addFilter(_QuietBootstrapErrors())
     try:
         if args.command in NEEDS:
             try:
@@ -291,6 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        message = _access_error(args, exc)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

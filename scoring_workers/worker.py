@@ -56,6 +56,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from infra.config import PipelineConfig
 from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer, record_size
 from infra.offsets import OffsetTracker
+from infra.redis import verify_access
 from infra.schema import (
     DeadLetter,
     DiscardGroup,
@@ -160,6 +161,13 @@ class Worker:
                 [ScorerInfo(s.name, s.version) for s in self._runner.scorer_infos()]
             )
         self.ledger = GroupLedger.from_config(cfg.redis)
+        try:
+            await verify_access(self.ledger.redis, cfg.redis)  # wrong credentials / untrusted TLS: stop, clearly
+        except BaseException:
+            await self.ledger.aclose()
+            if self._owns_runner and self._runner is not None:
+                await self._runner.aclose()
+            raise
         self.producer = make_producer(cfg.kafka)
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
         await self.producer.start()

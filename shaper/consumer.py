@@ -26,8 +26,8 @@ Dedupe guarantees, in layers:
 
 * **within one instance** (also across :meth:`~VerdictConsumer.stop` /
   :meth:`~VerdictConsumer.start` and rebalances): a group is handed out at most once.
-  Every processed key stays in an in-memory seen-set (bounded, oldest evicted first)
-  until the instance is dropped; redelivered copies of groups already handed out are
+  Every processed key stays in an in-memory seen-set (bounded by
+  ``trainer.dedupe_max_seen``, oldest evicted first) until the instance is dropped; redelivered copies of groups already handed out are
   counted as duplicates and acknowledged.
 * **across restarts**, only with a durable :class:`DedupeStore` (``dedupe_store=`` a
   path, :class:`SqliteDedupeStore`): keys are written to it when their records are
@@ -96,8 +96,8 @@ class SqliteDedupeStore:
 
     Each acknowledgement is one transaction, so a crash leaves either all or none of a
     batch's keys. Entries older than ``retention_s`` are pruned when the store is
-    opened: a duplicate cannot arrive after the verdicts topic itself forgot the
-    record. Not meant to be shared by trainers on different hosts (use one consumer
+    opened and hourly while it is used: a duplicate cannot arrive after the verdicts
+    topic itself forgot the record. Not meant to be shared by trainers on different hosts (use one consumer
     group member per store file).
     """
 
@@ -112,8 +112,19 @@ class SqliteDedupeStore:
             " group_id TEXT NOT NULL, verdict_version INTEGER NOT NULL, acked_at REAL NOT NULL,"
             " PRIMARY KEY (group_id, verdict_version)) WITHOUT ROWID"
         )
-        if retention_s is not None:
-            self._db.execute("DELETE FROM acknowledged WHERE acked_at < ?", (time.time() - retention_s,))
+        self.retention_s = retention_s
+        self._pruned_at = 0.0
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop keys older than ``retention_s``: on open and then at most every
+        ``PRUNE_INTERVAL_S`` while acknowledging, so a trainer that runs for weeks keeps a
+        file bounded by the verdicts' retention rather than by its uptime."""
+        if self.retention_s is None:
+            return
+        now = time.time()
+        self._db.execute("DELETE FROM acknowledged WHERE acked_at < ?", (now - self.retention_s,))
+        self._pruned_at = now
 
     def contains(self, key: DedupeKey) -> bool:
         row = self._db.execute(
@@ -121,8 +132,12 @@ class SqliteDedupeStore:
         ).fetchone()
         return row is not None
 
+    PRUNE_INTERVAL_S = 3600.0
+
     def add_many(self, keys: Iterable[DedupeKey]) -> None:
         now = time.time()
+        if now - self._pruned_at >= self.PRUNE_INTERVAL_S:
+            self._prune()
         rows = [(g, v, now) for g, v in keys]
         if not rows:
             return
@@ -185,7 +200,8 @@ class VerdictConsumer:
             ``eval-rollout/``.
         poll_timeout_ms: longest single poll; bounds how quickly :meth:`request_stop`
             and idle timeouts are noticed.
-        max_seen: size bound of the in-memory seen-set.
+        max_seen: size bound of the in-memory seen-set; default
+            ``cfg.trainer.dedupe_max_seen``.
         consumer_overrides: extra :func:`infra.kafka.make_consumer` keyword arguments.
 
     Keep ``kafka.max_poll_interval_ms`` above the longest training step: the consumer
@@ -205,7 +221,7 @@ class VerdictConsumer:
         pad_to_multiple_of: int | None = None,
         train_on_eval: bool = False,
         poll_timeout_ms: int = 200,
-        max_seen: int = 1_000_000,
+        max_seen: int | None = None,
         consumer_overrides: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -223,7 +239,7 @@ class VerdictConsumer:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.train_on_eval = train_on_eval
         self.poll_timeout_ms = max(1, int(poll_timeout_ms))
-        self.max_seen = max(1, int(max_seen))
+        self.max_seen = max(1, int(max_seen if max_seen is not None else cfg.trainer.dedupe_max_seen))
         self._overrides = dict(consumer_overrides or {})
         if isinstance(dedupe_store, (str, os.PathLike)):
             self._store: DedupeStore | None = SqliteDedupeStore(
@@ -243,6 +259,11 @@ class VerdictConsumer:
         self._to_store: list[DedupeKey] = []  # finished keys not yet written to the store
         self._stop_requested = False
         self._closed = False
+
+    @property
+    def dedupe_size(self) -> int:
+        """Keys in the in-memory seen-set (never above :attr:`max_seen`)."""
+        return len(self._seen)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
