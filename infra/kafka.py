@@ -83,7 +83,15 @@ def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[
     """The size the producer checks against ``max_request_size`` (= ``kafka.max_message_bytes``)
     for one record: value, key, headers and the record's own framing."""
     return DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, list(headers or ()))
-class KafkaAuthError(RuntimeError):
+
+
+class KafkaAccessRefused(RuntimeError):
+    """The broker can be reached but refuses us for a reason no retry fixes (an untrusted
+    certificate, TLS spoken to a plaintext listener or the reverse, a refused login);
+    ``str()`` is the one-line report naming the setting to fix."""
+
+
+class KafkaAuthError(KafkaAccessRefused):
     """The broker refused our SASL login; the message names the user and the settings to check.
 
     aiokafka 0.14 turns a SCRAM ``server-final-message`` carrying an error (``e=unknown-user``,
@@ -116,12 +124,14 @@ def _explain_scram_errors() -> None:
 _explain_scram_errors()
 
 
-async def diagnose_connection(cfg: KafkaConfig) -> str:
-    """Why a client could not bootstrap, in one line (aiokafka only says "Unable to bootstrap").
+async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
+    """Why a client could not bootstrap (aiokafka only says "Unable to bootstrap").
 
     Opens one connection to the first bootstrap server with the configured security
-    settings and names the cause: an untrusted certificate, a TLS listener spoken to in
-    plaintext (or the reverse), nothing listening, a refused login.
+    settings. A refusal no retry fixes (an untrusted certificate, a TLS listener spoken
+    to in plaintext or the reverse, a refused login) comes back as a
+    :class:`KafkaAccessRefused`; anything else (nothing listening yet, a timeout) as a
+    one-line description of the outage.
     """
     import ssl
 
@@ -137,18 +147,19 @@ async def diagnose_connection(cfg: KafkaConfig) -> str:
                                  sasl_plain_username=cfg.sasl_username, sasl_plain_password=cfg.sasl_password,
                                  request_timeout_ms=min(cfg.request_timeout_ms, 10_000))
     except ssl.SSLCertVerificationError as exc:
-        return (f"{where}: its TLS certificate is not trusted ({exc.verify_message}); "
-                f"kafka.ssl_cafile is {cfg.ssl_cafile or 'unset (system trust store)'}")
+        return KafkaAccessRefused(f"{where}: its TLS certificate is not trusted ({exc.verify_message}); "
+                                  f"kafka.ssl_cafile is {cfg.ssl_cafile or 'unset (system trust store)'}")
     except ssl.SSLError as exc:
-        return f"{where}: TLS handshake failed ({exc.reason or exc}); does the listener speak TLS?"
+        return KafkaAccessRefused(f"{where}: TLS handshake failed ({exc.reason or exc}); does the listener speak TLS?")
     except ConnectionRefusedError:
         return f"{where}: connection refused, nothing listens there"
     except KafkaAuthError as exc:
-        return str(exc)
+        return exc
     except (KafkaConnectionError, OSError, TimeoutError) as exc:
         if cfg.security_protocol in ("PLAINTEXT", "SASL_PLAINTEXT"):
-            return (f"{where}: the broker closed the connection ({exc}); if the listener expects TLS, "
-                    "set kafka.security_protocol to SSL or SASL_SSL and kafka.ssl_cafile")
+            return KafkaAccessRefused(
+                f"{where}: the broker closed the connection ({exc}); if the listener expects TLS, "
+                "set kafka.security_protocol to SSL or SASL_SSL and kafka.ssl_cafile")
         return f"{where}: {exc}"
     conn.close()
     return f"{where}: the first server answers; another broker advertised in its metadata does not"

@@ -44,6 +44,24 @@ def _where(cfg: RedisConfig) -> str:
     return f"Redis at {url.hostname}:{url.port or 6379} as user {user!r} (redis.url / PRM_REDIS_URL)"
 
 
+def access_refusal(exc: BaseException, cfg: RedisConfig) -> RedisAccessError | None:
+    """The :class:`RedisAccessError` for a refusal no retry fixes (login, ACL, TLS trust or
+    handshake), or None when ``exc`` means only "not reachable (yet)"."""
+    if isinstance(exc, AuthenticationError):
+        return RedisAccessError(f"{_where(cfg)}: login refused: {exc}")
+    if isinstance(exc, ResponseError):  # NOPERM / WRONGPASS from servers that answer that way
+        return RedisAccessError(f"{_where(cfg)}: {exc}")
+    if isinstance(exc, RedisConnectionError):
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            return RedisAccessError(
+                f"{_where(cfg)}: its TLS certificate is not trusted; "
+                f"redis.ssl_ca_certs is {cfg.ssl_ca_certs or 'unset (system trust store)'}")
+        if isinstance(cause, ssl.SSLError) or "SSL" in str(exc):
+            return RedisAccessError(f"{_where(cfg)}: TLS handshake failed ({exc})")
+    return None
+
+
 async def verify_access(client: aioredis.Redis | RedisCluster, cfg: RedisConfig) -> None:
     """One ``PING`` at start-up, so wrong credentials or an untrusted certificate stop the
     process with one clear line instead of being retried forever as a connection error
@@ -51,16 +69,8 @@ async def verify_access(client: aioredis.Redis | RedisCluster, cfg: RedisConfig)
     down is left to the caller's retries."""
     try:
         await client.ping()
-    except AuthenticationError as exc:
-        raise RedisAccessError(f"{_where(cfg)}: login refused: {exc}") from None
-    except ResponseError as exc:  # NOPERM / WRONGPASS from servers that answer that way
-        raise RedisAccessError(f"{_where(cfg)}: {exc}") from None
-    except RedisConnectionError as exc:
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
-            raise RedisAccessError(
-                f"{_where(cfg)}: its TLS certificate is not trusted; "
-                f"redis.ssl_ca_certs is {cfg.ssl_ca_certs or 'unset (system trust store)'}") from None
-        if isinstance(cause, ssl.SSLError) or "SSL" in str(exc):
-            raise RedisAccessError(f"{_where(cfg)}: TLS handshake failed ({exc})") from None
+    except (AuthenticationError, ResponseError, RedisConnectionError) as exc:
+        refused = access_refusal(exc, cfg)
+        if refused is not None:
+            raise refused from None
         log.warning("%s not reachable at start-up (%s); retrying as work arrives", _where(cfg), exc)

@@ -24,10 +24,13 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from infra.config import KafkaConfig, PipelineConfig, RedisConfig
+from infra.kafka import KafkaAccessRefused
+from infra.redis import RedisAccessError
 
 log = logging.getLogger(__name__)
 
 Service = Literal["kafka", "redis"]
+_REFUSALS = (KafkaAccessRefused, RedisAccessError)
 _FIRST_DELAY_S = 0.5
 _MAX_DELAY_S = 5.0
 
@@ -82,7 +85,7 @@ async def probe_kafka(cfg: KafkaConfig, timeout_s: float) -> None:
     from aiokafka.client import AIOKafkaClient
     from aiokafka.errors import KafkaConnectionError
 
-    from infra.kafka import common_kwargs
+    from infra.kafka import common_kwargs, diagnose_connection
 
     kwargs = common_kwargs(cfg)
     kwargs["request_timeout_ms"] = max(1, int(min(cfg.request_timeout_ms, timeout_s * 1000)))
@@ -93,6 +96,9 @@ async def probe_kafka(cfg: KafkaConfig, timeout_s: float) -> None:
         async with asyncio.timeout(timeout_s):
             await client.bootstrap()
     except KafkaConnectionError:
+        diagnosis = await diagnose_connection(cfg)
+        if isinstance(diagnosis, KafkaAccessRefused):
+            raise diagnosis from None  # untrusted certificate, wrong protocol, refused login: no retry
         raise KafkaUnreachable(held.last or "no bootstrap broker answered") from None
     finally:
         aiokafka_log.removeFilter(held)
@@ -101,12 +107,17 @@ async def probe_kafka(cfg: KafkaConfig, timeout_s: float) -> None:
 
 async def probe_redis(cfg: RedisConfig, timeout_s: float) -> None:
     """PING the configured Redis (standalone or cluster); raise if it does not answer."""
-    from infra.redis import make_redis
+    from infra.redis import access_refusal, make_redis
 
     client = make_redis(cfg, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     try:
         async with asyncio.timeout(timeout_s):
             await client.ping()
+    except Exception as exc:
+        refused = access_refusal(exc, cfg)
+        if refused is not None:
+            raise refused from None  # wrong password, ACL, untrusted certificate: no retry
+        raise
     finally:
         await client.aclose()
 
@@ -122,8 +133,8 @@ async def wait_until_reachable(
         remaining = deadline - time.monotonic()
         try:
             await probe(max(0.2, min(remaining, 10.0)))
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, *_REFUSALS):
+            raise  # a refusal no retry fixes ends the wait at once, in one line
         except Exception as exc:  # noqa: BLE001 - any failure to answer is "not reachable yet"
             cause = _describe(exc)
         else:

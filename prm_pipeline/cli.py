@@ -276,13 +276,13 @@ def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
     from aiokafka.errors import KafkaConnectionError
 
-    from infra.kafka import KafkaAuthError, diagnose_connection
+    from infra.kafka import KafkaAccessRefused, diagnose_connection
     from infra.redis import RedisAccessError
 
-    if isinstance(exc, (KafkaAuthError, RedisAccessError)):
+    if isinstance(exc, (KafkaAccessRefused, RedisAccessError)):
         return str(exc)
     if isinstance(exc, KafkaConnectionError):
-        return asyncio.run(diagnose_connection(_load(args).kafka))
+        return str(asyncio.run(diagnose_connection(_load(args).kafka)))
     return None
 
 

@@ -155,24 +155,26 @@ def test_acl_user_stays_inside_the_prefix(acl_redis: AclRedis) -> None:
         user.close()
 
 
-def _worker_config(tmp_path: Path, ca: Path) -> Path:
-    # an unreachable broker: the Redis check comes first, so the worker never gets that far
+def _worker_config(tmp_path: Path, ca: Path, kafka_bootstrap: str) -> Path:
+    # a reachable broker: the worker's start-up waits for Kafka first, then checks Redis
     cfg = PipelineConfig(redis=RedisConfig(url="redis://unset/0", ssl_ca_certs=str(ca)),
-                         kafka=KafkaConfig(bootstrap="127.0.0.1:9", request_timeout_ms=3000))
+                         kafka=KafkaConfig(bootstrap=kafka_bootstrap, request_timeout_ms=3000))
     return write_config(cfg, tmp_path / "worker.yaml")
 
 
-def test_wrong_redis_password_stops_the_worker_in_one_line(acl_redis: AclRedis, pki, tmp_path: Path) -> None:
+def test_wrong_redis_password_stops_the_worker_in_one_line(acl_redis: AclRedis, pki, tmp_path: Path,
+                                                           kafka_bootstrap: str) -> None:
     wrong = "wrong-" + acl_redis.password
-    proc = _cli(_worker_config(tmp_path, pki.ca), "worker",
+    proc = _cli(_worker_config(tmp_path, pki.ca, kafka_bootstrap), "worker",
                 env={"PRM_REDIS_URL": acl_redis.url(password=wrong)}, timeout=60)
     line = _one_line_error(proc)
     assert f"as user '{ACL_USER}'" in line and "PRM_REDIS_URL" in line and "login refused" in line
     assert wrong not in proc.stdout + proc.stderr and acl_redis.password not in proc.stdout + proc.stderr
 
 
-def test_untrusted_redis_certificate_stops_the_worker_in_one_line(acl_redis: AclRedis, pki, tmp_path: Path) -> None:
-    proc = _cli(_worker_config(tmp_path, pki.ca), "worker",
+def test_untrusted_redis_certificate_stops_the_worker_in_one_line(acl_redis: AclRedis, pki, tmp_path: Path,
+                                                                   kafka_bootstrap: str) -> None:
+    proc = _cli(_worker_config(tmp_path, pki.ca, kafka_bootstrap), "worker",
                 env={"PRM_REDIS_URL": acl_redis.url(proxy=acl_redis.untrusted_proxy)}, timeout=60)
     line = _one_line_error(proc)
     assert "certificate is not trusted" in line and "redis.ssl_ca_certs" in line

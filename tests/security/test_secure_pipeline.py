@@ -38,10 +38,10 @@ from infra.config import PipelineConfig, PRMScorerConfig, RedisConfig, load_conf
 from infra.kafka import ensure_topics, make_producer
 from infra.local import free_port
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory, decode_verdict
+from prm_pipeline import fake_judge
+from prm_pipeline.fake_judge import FakeJudgeServer
 from producers.publisher import TrajectoryPublisher
 from producers.synthetic import make_group
-from scoring_workers.scorers import fake_judge
-from scoring_workers.scorers.fake_judge import FakeJudgeServer
 from shaper.consumer import VerdictConsumer
 from tests.integration.harness import isolated_config, read_topic, write_config
 from tests.security.conftest import ROOT, AclRedis, allowed_commands
@@ -210,6 +210,7 @@ def scenario(tls_kafka: tuple[str, Any], acl_redis: AclRedis, pki: Any,
 
         asyncio.run(publish())
         s.expected[gid("dropped")] = "discarded"
+        s.expected[gid("bad")] = "rejected"  # its key names the group: rejected at once (invalid_member)
 
         async def train() -> set[str]:
             accepted = {g for g, st in s.expected.items() if st == "accepted"}
@@ -254,6 +255,7 @@ def test_every_client_works_over_tls(scenario: Scenario) -> None:
     s = scenario
     got = {g: v.status for g, v in s.verdicts.items()}
     assert got == s.expected, f"verdicts {got} != expected {s.expected}\n" + "\n".join(s.logs)[-3000:]
+    assert s.verdicts[next(g for g in got if g.endswith("-bad"))].reason.startswith("invalid_member: record traj.")
     assert s.trainer_groups == {g for g, st in s.expected.items() if st == "accepted"}
     assert len(s.dead_letters) == 1
     lines = [ln for ln in s.cli_verdicts.stdout.splitlines() if ln.strip()]
