@@ -166,6 +166,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # which trainer.combined_mode needs; off by default (verdicts grow by one reward array
     # per scorer and turn, compact for uniform turns).
     keep_scorer_channels: bool = False
+    # Finished groups are remembered this long (compact time-bucketed sets in Redis): a
+    # duplicate or late member within it is acknowledged without work; beyond it, the
+    # trainer's dedupe on (group_id, verdict_version) drops the group's second verdict.
+    # Cover the longest redelivery delay (consumer lag after an outage). docs/architecture.md
+    dedupe_window_s: float = 3600.0
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -434,6 +434,12 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     turns: list[TokenTurn] = msgspec.field(default_factory=list)
     created_at: float = 0.0
     scored_at: float = 0.0
+    # Stage timestamps (wall clock, s; 0 = not recorded, omitted on the wire so older
+    # encodings are unchanged): the worker took the record from Kafka / parked the result.
+    # With ``created_at`` (published), ``scored_at``, the verdict's ``decided_at`` and the
+    # verdict record's timestamp (sent) they break a verdict's latency down by stage.
+    consumed_at: float = 0.0
+    parked_at: float = 0.0
 
 
 class ScorerInfo(msgspec.Struct, frozen=True):

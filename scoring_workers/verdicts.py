@@ -21,9 +21,12 @@ reason, members' stats kept and their token turns dropped — also a pure functi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from infra.schema import GroupVerdict, ScorerInfo, SessionResult
+from scoring_workers.ledger import ParkedMember
 
 VERDICT_VERSION = 1
 _SCORERS = msgspec.msgpack.Decoder(list[ScorerInfo])
@@ -38,8 +41,10 @@ def error_code(error: str | None) -> str:
     return (error or "scorer_error").split(":", 1)[0]
 
 
-def assemble_verdict(group_id: str, state: dict[str, str], members: list[SessionResult]) -> GroupVerdict:
-    members = sorted(members, key=lambda m: m.trajectory_id)
+def assemble_verdict(group_id: str, state: dict[str, str], members: Sequence[SessionResult | ParkedMember]) -> GroupVerdict:
+    """The verdict for a stored decision. Parked members (:class:`ParkedMember`) stand for
+    their results as parked (no token turns); the worker passes sessions with turns."""
+    members = sorted((m.result if isinstance(m, ParkedMember) else m for m in members), key=lambda m: m.trajectory_id)
     group_size = int(state.get("group_size", "0"))
     decision = state.get("decision", "complete")
     failed = [m for m in members if m.status == "failed"]

@@ -60,10 +60,12 @@ from infra.schema import (
     DeadLetter,
     DiscardGroup,
     GroupVerdict,
+    NotConcatExport,
     ReadyTrajectory,
     SchemaError,
     ScorerInfo,
     SessionResult,
+    compact_turns,
     dead_letter_headers,
     decode_message,
     encode,
@@ -73,6 +75,7 @@ from scoring_workers.ledger import Decision, GroupLedger
 from scoring_workers.scoring import failure_code as failure_code  # re-exported: the worker's reason codes
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
+from scoring_workers.tokens import MemberTokens
 from scoring_workers.verdicts import assemble_verdict, encode_scorers, error_code, too_large_verdict
 
 log = logging.getLogger(__name__)
@@ -125,6 +128,7 @@ class Worker:
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
         self._discards: dict[str, asyncio.Task[None]] = {}  # group_id -> in-flight DiscardGroup
         self._scorers_blob = encode_scorers([])
+        self._tokens = MemberTokens(cfg)
         self._paused = False
         self.ready = asyncio.Event()
 
@@ -160,7 +164,7 @@ class Worker:
             self._scorers_blob = encode_scorers(
                 [ScorerInfo(s.name, s.version) for s in self._runner.scorer_infos()]
             )
-        self.ledger = GroupLedger.from_config(cfg.redis)
+        self.ledger = GroupLedger.from_config(cfg.redis, dedupe_window_s=cfg.worker.dedupe_window_s)
         self.producer = make_producer(cfg.kafka)
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
         await self.producer.start()
@@ -177,6 +181,7 @@ class Worker:
         finally:
             await self.producer.stop()
             await self.ledger.aclose()
+            await self._tokens.aclose()
             if self._owns_runner and self._runner is not None:
                 await self._runner.aclose()
             log.info("worker %s stopped: %s", self.worker_id, self.telemetry.snapshot())
@@ -250,6 +255,7 @@ class Worker:
 
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, records: list[ConsumerRecord]) -> None:
+        consumed_at = time.time()
         decoded: list[tuple[ConsumerRecord, Any]] = []
         for record in records:
             try:
@@ -268,7 +274,7 @@ class Worker:
                 barrier = self._discards.get(message.group_id)
                 if barrier is not None:
                     probe = None  # stale: the discard ahead of it may decide the group
-            task = asyncio.create_task(self._process(record, message, probe, after=barrier))
+            task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at))
             if isinstance(message, DiscardGroup):
                 # Records of a group behind its discard (same partition, later offset)
                 # must see the discard's decision: they wait for it, not for each other.
@@ -289,7 +295,7 @@ class Worker:
         self._tracker.finish(tp, offset)
 
     async def _process(self, record: ConsumerRecord, message: Any, probe: str | None,
-                       after: asyncio.Task[None] | None = None) -> None:
+                       after: asyncio.Task[None] | None = None, consumed_at: float = 0.0) -> None:
         if after is not None:
             await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
         attempt = 0
@@ -304,7 +310,7 @@ class Worker:
                     await self._handle_discard(message)
                 else:
                     self.telemetry.consumed.labels("ready").inc()
-                    await self._handle_ready(message, probe)
+                    await self._handle_ready(message, probe, record, consumed_at)
                 return
             except Exception as exc:
                 if is_transient(exc):
@@ -342,7 +348,8 @@ class Worker:
                 await asyncio.sleep(delay)
 
     # ------------------------------------------------------------------ handlers
-    async def _handle_ready(self, traj: ReadyTrajectory, probe: str | None) -> None:
+    async def _handle_ready(self, traj: ReadyTrajectory, probe: str | None, record: ConsumerRecord,
+                            consumed_at: float) -> None:
         wc = self.cfg.worker
         if probe is None:
             (probe,) = await self.ledger.probe_many([(traj.group_id, traj.trajectory_id)])
@@ -354,14 +361,20 @@ class Worker:
             return
         if probe == "duplicate":
             # Already parked (a redelivery). If the crash came between parking the last
-            # member and deciding, finish that decision now.
+            # member and deciding, finish that decision now; the record in hand spares
+            # reading its tokens back from the log.
             self.telemetry.deduplicated.inc()
+            with contextlib.suppress(NotConcatExport):
+                self._tokens.remember(traj.group_id, traj.trajectory_id, compact_turns(traj.interactions))
             await self._decide_and_publish(traj.group_id, "complete")
             return
         result = await self._score(traj)
+        self._tokens.remember(traj.group_id, traj.trajectory_id, result.turns)
+        result = msgspec.structs.replace(result, consumed_at=consumed_at, parked_at=time.time())
         outcome, decision = await self.ledger.park(
             result, group_id=traj.group_id, group_size=traj.group_size, group_timeout_s=wc.group_timeout_s,
             worker_id=self.worker_id, scorers=self._scorers_blob, republish_grace_s=REPUBLISH_GRACE_S,
+            partition=record.partition, offset=record.offset,
         )
         if outcome in ("done", "decided"):
             self.telemetry.deduplicated.inc()  # the group was decided while we scored
@@ -406,11 +419,16 @@ class Worker:
         decided in Redis, so the sweeper tries again after the re-publish grace — never
         in a tight loop, and never holding up other records or groups.
         """
-        verdict, value, headers = self._fit(assemble_verdict(decision.group_id, decision.state, decision.members))
+        if decision.state.get("decision") == "discard":  # listed without results: no tokens needed
+            members = [m.result for m in decision.members]
+        else:
+            members = await self._tokens.members(decision.group_id, decision.members)
+        verdict, value, headers = self._fit(assemble_verdict(decision.group_id, decision.state, members))
         try:
             await self.producer.send_and_wait(
                 self.cfg.topics.verdicts, value, key=verdict.group_id.encode(), headers=headers
             )
+            sent_at = time.time()
         except Exception as exc:
             if not is_permanent(exc):
                 raise
@@ -420,6 +438,8 @@ class Worker:
                       REPUBLISH_GRACE_S)
             return None
         await self.ledger.finish(verdict.group_id, verdict.status)
+        self._tokens.forget_group(verdict.group_id)
+        self.telemetry.observe_stages(verdict, sent_at)
         self.telemetry.verdicts.labels(verdict.status, verdict.reason.split(":", 1)[0]).inc()
         log.info("group=%s verdict=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
                  verdict.reason, len(verdict.sessions), self.worker_id)
