@@ -124,6 +124,9 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000
+    # How long the broker may hold a consumer's fetch when no data is there. Kafka's own
+    # default (500) is a latency floor on brokers that answer only when it runs out.
+    fetch_max_wait_ms: int = 20
 
     def __repr__(self) -> str:
         return _masked_repr(self, secret_fields=("sasl_password",))

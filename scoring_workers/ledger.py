@@ -56,11 +56,13 @@ from infra.config import RedisConfig
 from infra.redis import make_redis
 from infra.schema import SessionResult
 
-DEDUPE_BUCKETS = 4  # a window is this many buckets; a probe checks one more (the window's edge)
+DEDUPE_BUCKETS = 2  # a window is this many buckets; a probe checks one more (the window's edge)
 
 # Every script takes items of the same shape: KEYS = per item (state, members, done...),
 # ARGV[1] = done keys per item, then per item its ARGV group. They loop over the items
-# and return one result per item, so a batch is one call.
+# and return one result per item, so a batch is one call. A group with a state hash is
+# not finished (finishing deletes it in the same step that records the group as done),
+# so the done sets are only consulted for groups without one.
 _HEAD = """
 local nd = tonumber(ARGV[1])
 local nk = 2 + nd
@@ -79,9 +81,11 @@ local n = (#KEYS) / nk
 for j = 0, n - 1 do
   local k0, a0 = j * nk, 1 + j * 2
   local r = 'new'
-  if is_done(k0, ARGV[a0 + 2]) then r = 'done'
-  elseif redis.call('HGET', KEYS[k0 + 1], 'status') == 'decided' then r = 'decided'
-  elseif redis.call('HEXISTS', KEYS[k0 + 2], ARGV[a0 + 1]) == 1 then r = 'duplicate' end
+  local st = redis.call('HGET', KEYS[k0 + 1], 'status')
+  if st == 'decided' then r = 'decided'
+  elseif st then
+    if redis.call('HEXISTS', KEYS[k0 + 2], ARGV[a0 + 1]) == 1 then r = 'duplicate' end
+  elseif is_done(k0, ARGV[a0 + 2]) then r = 'done' end
   out[#out + 1] = r
 end
 return out
@@ -93,19 +97,19 @@ return out
 _DECIDE_FN = """
 local function decide(k0, fp, kind, now, worker, scorers, reason, ttl)
   local S, M = KEYS[k0 + 1], KEYS[k0 + 2]
-  if is_done(k0, fp) then return {'done'} end
-  local st = redis.call('HGET', S, 'status')
+  local st, size, mismatch, deadline = unpack(redis.call('HMGET', S, 'status', 'group_size', 'size_mismatch',
+                                                         'deadline'))
+  if not st and is_done(k0, fp) then return {'done'} end
   local outcome = 'decided_now'
   if st == 'decided' then
     outcome = 'already_decided'
   else
     if kind == 'deadline' then
       if not st then return {'gone'} end
-      if tonumber(now) < tonumber(redis.call('HGET', S, 'deadline')) then return {'not_due'} end
+      if tonumber(now) < tonumber(deadline) then return {'not_due'} end
     elseif kind == 'complete' then
       if not st then return {'gone'} end
-      local size = tonumber(redis.call('HGET', S, 'group_size'))
-      if not redis.call('HGET', S, 'size_mismatch') and redis.call('HLEN', M) < size then
+      if not mismatch and redis.call('HLEN', M) < tonumber(size) then
         return {'incomplete'}
       end
     end
@@ -127,30 +131,29 @@ end
 _PARK = _HEAD + _DECIDE_FN + """
 local function park(k0, a)
   local S, M, fp = KEYS[k0 + 1], KEYS[k0 + 2], ARGV[a + 1]
-  if is_done(k0, fp) then return {'done', 0} end
-  local st = redis.call('HGET', S, 'status')
+  local st, size, mismatch = unpack(redis.call('HMGET', S, 'status', 'group_size', 'size_mismatch'))
   if st == 'decided' then return {'decided', 0} end
-  local function complete()
-    local size = tonumber(redis.call('HGET', S, 'group_size'))
-    local mismatch = redis.call('HGET', S, 'size_mismatch')
-    if mismatch or redis.call('HLEN', M) >= size then return 1 end
-    return 0
-  end
+  if not st and is_done(k0, fp) then return {'done', 0} end
   local outcome = 'parked'
-  if redis.call('HEXISTS', M, ARGV[a + 2]) == 1 then
+  if st and redis.call('HEXISTS', M, ARGV[a + 2]) == 1 then
     outcome = 'duplicate'
   else
-    if not st then
-      redis.call('HSET', S, 'status', 'open', 'group_size', ARGV[a + 4], 'first_seen', ARGV[a + 5],
+    if not st then  -- the group's first member: its keys live until its deadline + redis.ttl_s
+      size = ARGV[a + 4]
+      redis.call('HSET', S, 'status', 'open', 'group_size', size, 'first_seen', ARGV[a + 5],
                  'deadline', ARGV[a + 6])
-    elseif redis.call('HGET', S, 'group_size') ~= ARGV[a + 4] then
-      redis.call('HSET', S, 'size_mismatch', ARGV[a + 4])
+      redis.call('HSET', M, ARGV[a + 2], ARGV[a + 3])
+      redis.call('EXPIRE', S, ARGV[a + 7])
+      redis.call('EXPIRE', M, ARGV[a + 7])
+    else
+      if size ~= ARGV[a + 4] then
+        mismatch = ARGV[a + 4]
+        redis.call('HSET', S, 'size_mismatch', mismatch)
+      end
+      redis.call('HSET', M, ARGV[a + 2], ARGV[a + 3])  -- both keys got their TTL with the first member
     end
-    redis.call('HSET', M, ARGV[a + 2], ARGV[a + 3])
-    redis.call('EXPIRE', S, ARGV[a + 7])
-    redis.call('EXPIRE', M, ARGV[a + 7])
   end
-  if complete() == 1 then
+  if mismatch or redis.call('HLEN', M) >= tonumber(size) then
     return {outcome, 1, decide(k0, fp, 'complete', ARGV[a + 5], ARGV[a + 8], ARGV[a + 9], '', ARGV[a + 7])}
   end
   return {outcome, 0}

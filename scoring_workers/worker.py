@@ -130,6 +130,7 @@ class Worker:
         self._scorers_blob = encode_scorers([])
         self._tokens = MemberTokens(cfg)
         self._paused = False
+        self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -200,7 +201,9 @@ class Worker:
             records = [r for rs in batch.values() for r in rs]
             if records:
                 await self._dispatch(records)
-            await self._commit()
+            if self._committing is None or self._committing.done():
+                # in the background: polling never waits for the commit round trip
+                self._committing = asyncio.create_task(self._commit())
             now = time.monotonic()
             if now - last_sweep >= SWEEP_INTERVAL_S * random.uniform(0.8, 1.2) and (sweeper is None or sweeper.done()):
                 sweeper = asyncio.create_task(self._sweep())
@@ -231,6 +234,9 @@ class Worker:
             if pending:
                 log.warning("worker %s: %d records still running after drain timeout; "
                             "they will be redelivered", self.worker_id, len(pending))
+        if self._committing is not None:  # one commit at a time: let the background one land
+            with contextlib.suppress(Exception):
+                await self._committing
         await self._commit()
         if tps is not None:
             self._tracker.drop(tps)

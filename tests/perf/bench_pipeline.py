@@ -143,14 +143,15 @@ class _RedisMeter:
 STAGES = ("queue", "score", "park", "decide", "send", "deliver")
 
 
-def _stages(verdict: GroupVerdict, record_ts: float, arrival_wall: float) -> dict[str, float] | None:
+def _stages(verdict: GroupVerdict, published: float, record_ts: float, arrival_wall: float) -> dict[str, float] | None:
     """Seconds per stage for the member that completed the group (the last one parked):
-    publish -> consumed -> scored -> parked -> decided -> verdict record -> the bench's tail."""
+    published (wall clock, when the bench's flush returned) -> consumed -> scored -> parked
+    -> decided -> verdict record -> the bench's tail."""
     members = [m for m in verdict.sessions if getattr(m, "parked_at", 0.0)]
     if not members:
         return None  # verdicts of a worker without stage timestamps
     m = max(members, key=lambda x: x.parked_at)
-    return {"queue": m.consumed_at - m.created_at, "score": m.scored_at - m.consumed_at,
+    return {"queue": m.consumed_at - published, "score": m.scored_at - m.consumed_at,
             "park": m.parked_at - m.scored_at, "decide": verdict.decided_at - m.parked_at,
             "send": record_ts - verdict.decided_at, "deliver": arrival_wall - record_ts}
 
@@ -160,20 +161,23 @@ async def _paced(pub: TrajectoryPublisher, tail: VerdictTail, groups: list[list[
     """Publish whole groups at ``rate`` trajectories/s; latency per group and its stage breakdown."""
     interval = len(groups[0]) / rate
     sent_at: dict[str, float] = {}
+    published: dict[str, float] = {}
     start = time.perf_counter()
     for i, g in enumerate(groups):
         delay = start + i * interval - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)  # pacing the load generator, not synchronisation
+        wall = time.time()
         await pub.publish_many(g)
         await pub.flush()
         sent_at[g[0].group_id] = time.perf_counter()
+        published[g[0].group_id] = wall
     await tail.wait_for(set(sent_at), 600)
     latencies = sorted(tail.arrivals[gid] - t for gid, t in sent_at.items())
     stages: dict[str, list[float]] = {k: [] for k in STAGES}
     for gid in sent_at:
         record_ts, value, headers, wall = tail.raw[gid]
-        got = _stages(decode_verdict(value, headers), record_ts, wall)
+        got = _stages(decode_verdict(value, headers), published[gid], record_ts, wall)
         for k, v in (got or {}).items():
             stages[k].append(v)
     return {"interval": interval, "latencies": latencies, "stages": {k: sorted(v) for k, v in stages.items() if v}}
@@ -247,10 +251,10 @@ def _latency_lines(label: str, run: dict[str, Any]) -> list[str]:
              f"p50 {_pct(lat, 0.5) * 1e3:.0f} ms, p99 {_pct(lat, 0.99) * 1e3:.0f} ms, max {lat[-1] * 1e3:.0f} ms"]
     if run["stages"]:
         lines.append("  stage (last member of the group)   p50 ms    p99 ms")
-        names = {"queue": "publish -> consumed", "score": "consumed -> scored", "park": "scored -> parked",
+        names = {"queue": "publish (before flush) -> consumed", "score": "consumed -> scored", "park": "scored -> parked",
                  "decide": "parked -> decided", "send": "decided -> verdict record", "deliver": "record -> trainer"}
         for k, v in run["stages"].items():
-            lines.append(f"  {names[k]:34} {_pct(v, 0.5) * 1e3:7.1f}  {_pct(v, 0.99) * 1e3:8.1f}")
+            lines.append(f"  {names[k]:34} {max(0.0, _pct(v, 0.5)) * 1e3:7.1f}  {max(0.0, _pct(v, 0.99)) * 1e3:8.1f}")
     return lines
 
 
