@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -89,10 +89,6 @@ class TrajectoryPublisher:
 
     async def discard_group(self, group_id: str, reason: str = "") -> None:
         await self.publish(DiscardGroup(group_id=group_id, reason=reason, requested_at=time.time()))
-
-    async def publish_dict(self, obj: Mapping[str, Any]) -> None:
-        """Publish one JSONL-shaped object (see docs/jsonl.md)."""
-        await self.publish(jsonl.parse(obj))
 
     async def publish_many(self, messages: Iterable[TrajectoryMessage]) -> int:
         n = 0

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from infra.schema import GroupVerdict, ScorerInfo, SessionResult
+from infra.kafka import record_size
+from infra.schema import GroupVerdict, ScorerInfo, SessionResult, encode
 from scoring_workers.ledger import ParkedMember
 
 VERDICT_VERSION = 1
@@ -104,3 +105,21 @@ def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: in
 
     return msgspec.structs.replace(verdict, status="rejected", reason=reason,
                                    sessions=[shrink(m) for m in verdict.sessions])
+
+
+def fit_verdict(verdict: GroupVerdict, limit: int) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
+    """``verdict`` encoded as a record, or — when the record would exceed ``limit``
+    (``kafka.max_message_bytes``) — the smallest :func:`too_large_verdict` level that fits.
+    A pure function of the verdict, so every worker that publishes the group sends the
+    same bytes."""
+    key = verdict.group_id.encode()
+    value, headers = encode(verdict)
+    size = record_size(key, value, headers)
+    if size <= limit:
+        return verdict, value, headers
+    for level in (1, 2, 3):
+        small = too_large_verdict(verdict, size=size, limit=limit, level=level)
+        value, headers = encode(small)
+        if record_size(key, value, headers) <= limit:
+            break
+    return small, value, headers

@@ -1,5 +1,8 @@
 """The scoring worker: ``prm.trajectories`` in, ``prm.verdicts`` (and dead letters) out.
 
+(Over 500 lines: one record lifecycle — dispatch, retries, handlers, publish, sweep — whose
+steps share the commit discipline below.)
+
 One asyncio loop per process, in the spirit of arq: poll, hand each record to a task,
 commit what is finished, sweep deadlines. Run several processes for scale; they
 share nothing but Kafka and Redis.
@@ -45,19 +48,18 @@ import socket
 import time
 from typing import Any
 
+import msgspec
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, KafkaError
-import msgspec
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from redis.exceptions import BusyLoadingError, OutOfMemoryError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.config import PipelineConfig
-from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer, record_size
+from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer
 from infra.offsets import OffsetTracker
 from infra.schema import (
-    DeadLetter,
     DiscardGroup,
     GroupVerdict,
     NotConcatExport,
@@ -69,14 +71,14 @@ from infra.schema import (
     dead_letter_headers,
     decode_message,
     encode,
-    headers_to_dict,
 )
+from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
 from scoring_workers.ledger import Decision, GroupLedger
 from scoring_workers.scoring import failure_code as failure_code  # re-exported: the worker's reason codes
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.tokens import MemberTokens
-from scoring_workers.verdicts import assemble_verdict, encode_scorers, error_code, too_large_verdict
+from scoring_workers.verdicts import assemble_verdict, encode_scorers, error_code, fit_verdict
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +335,7 @@ class Worker:
                               self.worker_id, record.topic, record.partition, record.offset, attempt)
                 if attempt >= MAX_ATTEMPTS:
                     group_id = message.group_id if isinstance(message, (ReadyTrajectory, DiscardGroup)) else None
-                    message = exc if isinstance(exc, SchemaError) else _ProcessingError(exc)
+                    message = exc if isinstance(exc, SchemaError) else ProcessingError(exc)
                     await self._dead_letter(record, message, attempt, group_id=group_id)
                     return
                 probe = None
@@ -429,7 +431,11 @@ class Worker:
             members = [m.result for m in decision.members]
         else:
             members = await self._tokens.members(decision.group_id, decision.members)
-        verdict, value, headers = self._fit(assemble_verdict(decision.group_id, decision.state, members))
+        full = assemble_verdict(decision.group_id, decision.state, members)
+        verdict, value, headers = fit_verdict(full, self.cfg.kafka.max_message_bytes)
+        if verdict is not full:
+            log.warning("group=%s: verdict over kafka.max_message_bytes=%d, published as %s",
+                        verdict.group_id, self.cfg.kafka.max_message_bytes, verdict.reason[:200])
         try:
             await self.producer.send_and_wait(
                 self.cfg.topics.verdicts, value, key=verdict.group_id.encode(), headers=headers
@@ -450,25 +456,6 @@ class Worker:
         log.info("group=%s verdict=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
                  verdict.reason, len(verdict.sessions), self.worker_id)
         return verdict
-
-    def _fit(self, verdict: GroupVerdict) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
-        """``verdict`` encoded, or, when its record exceeds ``kafka.max_message_bytes``, the
-        ``verdict_too_large`` rejection built from it (a pure function of the verdict, so
-        every worker that publishes the group sends the same bytes)."""
-        limit = self.cfg.kafka.max_message_bytes
-        key = verdict.group_id.encode()
-        value, headers = encode(verdict)
-        size = record_size(key, value, headers)
-        if size <= limit:
-            return verdict, value, headers
-        for level in (1, 2, 3):
-            small = too_large_verdict(verdict, size=size, limit=limit, level=level)
-            value, headers = encode(small)
-            if record_size(key, value, headers) <= limit:
-                break
-        log.warning("group=%s: verdict is %d bytes, over kafka.max_message_bytes=%d: published as %s/%s",
-                    verdict.group_id, size, limit, small.status, small.reason.split(":", 1)[0])
-        return small, value, headers
 
     async def _sweep(self) -> None:
         """Reject overdue groups and re-publish decisions whose publisher died.
@@ -519,8 +506,10 @@ class Worker:
         coordinates are logged and counted (``prm_worker_poison_total``) and the record is
         committed: the source topic still holds it for audit.
         """
-        cause = error.cause if isinstance(error, _ProcessingError) else error
-        letter, key = self._capped_letter(record, cause, attempt)
+        cause = error.cause if isinstance(error, ProcessingError) else error
+        letter, key = capped_letter(record, cause, attempt, worker_id=self.worker_id,
+                                    max_message_bytes=self.cfg.kafka.max_message_bytes,
+                                    dead_letter_max_bytes=self.cfg.worker.dead_letter_max_bytes)
         try:
             await self.producer.send_and_wait(
                 self.cfg.topics.dead_letters, letter.payload, key=key, headers=dead_letter_headers(letter)
@@ -537,43 +526,11 @@ class Worker:
             self.telemetry.dead_lettered.labels(letter.error_class).inc()
             log.warning("dead-lettered %s:%d offset %d: %s: %s", record.topic, record.partition, record.offset,
                         letter.error_class, letter.error_message[:300])
-        group_id = group_id or _group_of(record.key)
+        group_id = group_id or group_of(record.key)
         if group_id is not None:
             reason = (f"invalid_member: record {record.topic}:{record.partition}@{record.offset} was dead-lettered "
                       f"({letter.error_class}: {letter.error_message[:200]})")
             await self._decide_and_publish(group_id, "invalid", discard_reason=reason)
-
-    def _capped_letter(self, record: ConsumerRecord, cause: BaseException, attempt: int) -> tuple[DeadLetter, bytes | None]:
-        limit = self.cfg.kafka.max_message_bytes
-        payload = record.value or b""
-        key = record.key
-        letter = DeadLetter(
-            payload=b"", error_class=type(cause).__name__, error_message=str(cause), source_topic=record.topic,
-            source_partition=record.partition, source_offset=record.offset, attempt=attempt,
-            worker_id=self.worker_id, original_headers=headers_to_dict(record.headers), original_size=len(payload),
-        )
-        overhead = record_size(key, b"", dead_letter_headers(letter))
-        if overhead > limit // 2:  # absurd headers or key: keep room for the payload, drop the copies
-            letter = msgspec.structs.replace(letter, original_headers={
-                "dropped": f"{len(letter.original_headers)} original headers ({overhead} bytes with the key)"})
-            if key is not None and len(key) > limit // 4:
-                key = key[: limit // 4]
-            overhead = record_size(key, b"", dead_letter_headers(letter))
-        # 16 bytes: the varints of the record and value lengths grow with the payload
-        cap = max(0, min(self.cfg.worker.dead_letter_max_bytes, limit - overhead - 16))
-        if len(payload) > cap:
-            return msgspec.structs.replace(letter, payload=payload[:cap]), key
-        return msgspec.structs.replace(letter, payload=payload, original_size=-1), key
-
-
-def _group_of(key: bytes | None) -> str | None:
-    """The group a record's key names (keys are group ids), when it can name one."""
-    if not key:
-        return None
-    try:
-        return key.decode()
-    except UnicodeDecodeError:
-        return None
 
 
 async def _unless_stopped(coro: Any, stop: asyncio.Event) -> bool:
@@ -589,11 +546,3 @@ async def _unless_stopped(coro: Any, stop: asyncio.Event) -> bool:
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     return False
-
-
-class _ProcessingError(Exception):
-    """Wraps an unexpected processing failure so the dead letter names the original error."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
