@@ -5,6 +5,8 @@ In one run, on the same broker and machine:
 (a) publish -> N worker processes (LengthBudgetScorer) -> verdicts, trajectories/s;
 (b) raw aiokafka produce + consume of the same encoded bytes (the transport ceiling);
 (c) the in-process ``PRMRunner`` on the same trajectories (the AReaL-style baseline);
+(d) the ledger's Redis calls alone for the same scored results (Redis cost without the
+    contention of the whole pipeline on the same cores);
 then p50/p99 publish-to-verdict latency with the load paced at 10% and at 50% of (a),
 each with its breakdown by stage (from the stage timestamps every verdict carries), and
 Redis CPU (``INFO commandstats``), bytes and calls per trajectory during (a).
@@ -87,6 +89,51 @@ async def _raw_baseline(cfg: PipelineConfig, payloads: list[tuple[bytes, bytes, 
     await producer.stop()
     await consumer.stop()
     return len(payloads) / elapsed
+
+
+async def _ledger_alone(cfg: PipelineConfig, trajectories: list[ReadyTrajectory], n_groups: int = 1500,
+                        group_size: int = 4, concurrency: int = 32) -> dict[str, float]:
+    """The worker's Redis calls alone (probe, park, finish per member; no Kafka, no workers)
+    for ``n_groups`` groups of real scored results: Redis CPU per trajectory without the
+    contention of the full pipeline on the same cores."""
+    import msgspec
+    import redis.asyncio as aioredis
+
+    from scoring_workers.ledger import GroupLedger
+    from scoring_workers.prm import PRMRunner
+    from scoring_workers.scoring import score_member
+
+    runner = await PRMRunner.create(cfg.prm)
+    try:
+        scored = [await score_member(runner, t, timeout_s=None) for t in trajectories[:group_size]]
+    finally:
+        await runner.aclose()
+    redis_cfg = msgspec.structs.replace(cfg.redis, key_prefix=cfg.redis.key_prefix + ":alone")
+    ledger = GroupLedger.from_config(redis_cfg)
+    meter = _RedisMeter(cfg.redis.url)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(g: int) -> None:
+        gid = f"alone-{g}"
+        async with sem:
+            await ledger.probe_many([(gid, f"{gid}-{i}") for i in range(group_size)])
+            await asyncio.gather(*(ledger.park(
+                msgspec.structs.replace(r, trajectory_id=f"{gid}-{i}"), group_id=gid, group_size=group_size,
+                group_timeout_s=600, worker_id="bench", scorers=b"\x90", republish_grace_s=5, partition=0, offset=i)
+                for i, r in enumerate(scored)))
+            await ledger.finish(gid, "accepted")
+
+    try:
+        await ledger.probe_many([("warm", "up")])
+        await meter.reset()
+        await asyncio.gather(*(one(g) for g in range(n_groups)))
+        got = await meter.read()
+    finally:
+        await ledger.aclose()
+        await meter.aclose()
+    n = n_groups * group_size
+    return {"usec": got["usec"] / n, "cpu_us": got["cpu_s"] / n * 1e6, "in": got["in"] / n, "out": got["out"] / n,
+            "scripts": got["scripts"] / n}
 
 
 async def _runner_baseline(cfg: PipelineConfig, trajectories: list[ReadyTrajectory]) -> float:
@@ -274,6 +321,7 @@ async def _main(args: argparse.Namespace) -> int:
               f"<= {args.tokens} output tokens/turn, {mean_kib:.0f} KiB/trajectory on the wire")
         raw = await _raw_baseline(cfg, payloads)
         inproc = await _runner_baseline(cfg, trajectories[: args.groups * args.group_size])
+        alone = await _ledger_alone(cfg, trajectories)
         work = Path(tmp) / "workers"
         work.mkdir()
         result = await _pipeline(cfg, groups, args.workers, work, args.latency_groups, stack.redis_url)
@@ -290,6 +338,9 @@ async def _main(args: argparse.Namespace) -> int:
           f"{redis['scripts'] / n:.2f} script calls + {(redis['calls'] - redis['scripts']) / n:.2f} other commands")
     top = sorted(redis["by_command"].items(), key=lambda kv: -kv[1][1])[:6]
     print("  " + ", ".join(f"{k} {c / n:.2f} calls {u / n:.1f} µs" for k, (c, u) in top))
+    print(f"(d) the ledger's calls alone (6,000 members, no Kafka): {alone['usec']:.1f} µs in commands, "
+          f"{alone['cpu_us']:.1f} µs server CPU, {alone['in'] / 1024:.1f} KB in, {alone['out'] / 1024:.1f} KB out, "
+          f"{alone['scripts']:.2f} script calls per trajectory")
     print()
     for line in _latency_lines("10%", result["low"]) + _latency_lines("50%", result["half"]):
         print(line)
