@@ -100,37 +100,45 @@ class MemberTokens:
         return out
 
     async def _read_back(self, group_id: str, wanted: Sequence[ParkedMember]) -> None:
-        """Read members' records at their parked coordinates (one at a time: the reader is shared)."""
+        """Read members' records at their parked coordinates (one read at a time: the reader is shared)."""
         topic = self.cfg.topics.trajectories
-        timeout_s = self.cfg.kafka.request_timeout_ms / 1000
         async with self._lock:
             if self._reader is None:
                 self._reader = make_consumer(self.cfg.kafka, group_id=None, enable_auto_commit=False)
                 await self._reader.start()
             reader = self._reader
-            tps = {TopicPartition(topic, p.partition) for p in wanted}
-            reader.assign(sorted(tps | reader.assignment(), key=lambda tp: tp.partition))
-            for p in sorted(wanted, key=lambda m: (m.partition, m.offset)):
-                tp = TopicPartition(topic, p.partition)
-                reader.seek(tp, p.offset)
-                async with asyncio.timeout(timeout_s):  # a broker outage: transient, retried by the caller
-                    record = await reader.getone(tp)
-                self.log_reads += 1
-                if record.offset != p.offset:
-                    log.error("group=%s traj=%s: record %s:%d@%d is gone (next is @%d)", group_id,
-                              p.result.trajectory_id, topic, p.partition, p.offset, record.offset)
-                    continue
-                try:
-                    message = decode_message(record.value, record.headers)
-                except SchemaError as exc:
-                    log.error("group=%s: record %s:%d@%d no longer decodes: %s", group_id, topic, p.partition,
-                              p.offset, exc)
-                    continue
-                if not isinstance(message, ReadyTrajectory) or message.trajectory_id != p.result.trajectory_id:
-                    log.error("group=%s: record %s:%d@%d is not trajectory %s", group_id, topic, p.partition,
-                              p.offset, p.result.trajectory_id)
-                    continue
-                self.remember(group_id, message.trajectory_id, compact_turns(message.interactions))
+            tps = sorted({TopicPartition(topic, p.partition) for p in wanted}, key=lambda tp: tp.partition)
+            reader.assign(tps)
+            reader.resume(*tps)  # paused after the previous read
+            try:
+                await self._read_each(reader, group_id, wanted)
+            finally:  # no background fetching between reads
+                reader.pause(*reader.assignment())
+
+    async def _read_each(self, reader: AIOKafkaConsumer, group_id: str, wanted: Sequence[ParkedMember]) -> None:
+        topic = self.cfg.topics.trajectories
+        timeout_s = self.cfg.kafka.request_timeout_ms / 1000
+        for p in sorted(wanted, key=lambda m: (m.partition, m.offset)):
+            tp = TopicPartition(topic, p.partition)
+            reader.seek(tp, p.offset)
+            async with asyncio.timeout(timeout_s):  # a broker outage: transient, retried by the caller
+                record = await reader.getone(tp)
+            self.log_reads += 1
+            if record.offset != p.offset:
+                log.error("group=%s traj=%s: record %s:%d@%d is gone (next is @%d)", group_id,
+                          p.result.trajectory_id, topic, p.partition, p.offset, record.offset)
+                continue
+            try:
+                message = decode_message(record.value, record.headers)
+            except SchemaError as exc:
+                log.error("group=%s: record %s:%d@%d no longer decodes: %s", group_id, topic, p.partition,
+                          p.offset, exc)
+                continue
+            if not isinstance(message, ReadyTrajectory) or message.trajectory_id != p.result.trajectory_id:
+                log.error("group=%s: record %s:%d@%d is not trajectory %s", group_id, topic, p.partition,
+                          p.offset, p.result.trajectory_id)
+                continue
+            self.remember(group_id, message.trajectory_id, compact_turns(message.interactions))
 
     async def aclose(self) -> None:
         if self._reader is not None:

@@ -96,19 +96,24 @@ async def test_a_worker_that_did_not_consume_members_reads_their_tokens_from_the
                                                                                      redis_url) -> None:
     cfg = _config(kafka_bootstrap, redis_url)
     await ensure_topics(cfg.kafka, cfg.topics)
-    group = make_group(f"back-{uuid.uuid4().hex[:6]}", 4, turns=2, output_tokens=(32, 64))
-    gid = group[0].group_id
-    async with _worker(cfg, "w-first"):  # scores and parks three members, then leaves (commits them)
+    groups = [make_group(f"back{k}-{uuid.uuid4().hex[:6]}", 4, turns=2, output_tokens=(32, 64)) for k in range(2)]
+    async with _worker(cfg, "w-first"):  # scores and parks three members of each, then leaves (commits them)
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
-            await pub.publish_many(group[:3])
-        await _parked(cfg, gid, 3)
+            for group in groups:
+                await pub.publish_many(group[:3])
+        for group in groups:
+            await _parked(cfg, group[0].group_id, 3)
+    verdicts = []
     async with _worker(cfg, "w-second") as second:  # never saw them: their tokens come from the log
-        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
-            await pub.publish_ready(group[3])
-        (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid], timeout_s=30) if v.group_id == gid]
-        assert second._tokens.log_reads == 3  # noqa: SLF001
-    assert verdict.status == "accepted" and verdict.worker_id == "w-second"
-    by_id = {t.trajectory_id: t for t in group}
-    assert [s.trajectory_id for s in verdict.sessions] == sorted(by_id)
-    for s in verdict.sessions:
-        assert s.turns == compact_turns(by_id[s.trajectory_id].interactions)
+        for group in groups:  # one group after the other: two separate read-backs
+            async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+                await pub.publish_ready(group[3])
+            gid = group[0].group_id
+            verdicts += [v for v in await wait_for_verdicts(cfg, [gid], timeout_s=30) if v.group_id == gid]
+        assert second._tokens.log_reads == 6  # noqa: SLF001
+    for group, verdict in zip(groups, verdicts):
+        assert verdict.status == "accepted" and verdict.worker_id == "w-second"
+        by_id = {t.trajectory_id: t for t in group}
+        assert [s.trajectory_id for s in verdict.sessions] == sorted(by_id)
+        for s in verdict.sessions:
+            assert s.turns == compact_turns(by_id[s.trajectory_id].interactions)
