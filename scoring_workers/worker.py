@@ -448,6 +448,7 @@ class Worker:
             log.error("worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
                       "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc,
                       REPUBLISH_GRACE_S)
+            await self.ledger.postpone(verdict.group_id, REPUBLISH_GRACE_S)
             return None
         await self.ledger.finish(verdict.group_id, verdict.status)
         self._tokens.forget_group(verdict.group_id)
@@ -492,8 +493,7 @@ class Worker:
             time.time() * 1000 - decision.decided_at_ms >= REPUBLISH_GRACE_S * 1000
         )
         if decision.outcome == "decided_now" or overdue:
-            if await self._publish(decision) is None and overdue:
-                await self.ledger.nudge(group_id, REPUBLISH_GRACE_S)  # refused: look again after the grace
+            await self._publish(decision)
         elif decision.outcome in ("done", "gone"):
             await self.ledger.forget(group_id)
 
