@@ -117,3 +117,41 @@ def test_token_cache_is_bounded_and_forgets_finished_groups() -> None:
     assert cache._bytes <= cache.max_bytes  # noqa: SLF001
     cache.forget_group("g-big")
     assert cache._bytes == 0 and not cache._cache  # noqa: SLF001
+
+
+async def test_a_dead_letter_kafka_refuses_for_good_is_counted_as_poison_not_retried() -> None:
+    from aiokafka.structs import ConsumerRecord
+
+    from infra.config import PipelineConfig
+    from infra.schema import InvalidMessage
+    from scoring_workers.worker import Worker
+
+    class RefusingProducer:  # the control flow under test is the worker's, not Kafka's
+        calls = 0
+
+        async def send_and_wait(self, *args: object, **kwargs: object) -> None:
+            RefusingProducer.calls += 1
+            raise kerr.TopicAuthorizationFailedError()
+
+    worker = Worker(PipelineConfig(), worker_id="w-unit")
+    worker.producer = RefusingProducer()  # type: ignore[assignment]
+    record = ConsumerRecord("traj", 2, 41, 0, 0, None, b"junk", None, 4, [], [])
+    await worker._dead_letter(record, InvalidMessage("truncated"), 1)  # noqa: SLF001 - returns, never loops
+    assert RefusingProducer.calls == 1
+    assert worker.telemetry.snapshot()["prm_worker_poison_total"] == 1.0
+
+
+def test_capped_dead_letter_fits_with_absurd_headers_and_key() -> None:
+    from aiokafka.structs import ConsumerRecord
+
+    from infra.schema import dead_letter_headers
+    from scoring_workers.dead_letters import capped_letter
+
+    limit = 64 * 1024
+    headers = [(f"h{i}", b"x" * 1000) for i in range(40)]  # 40 KB of headers
+    record = ConsumerRecord("traj", 0, 7, 0, 0, b"k" * 30_000, b"v" * 60_000, None, 30_000, 60_000, headers)
+    letter, key = capped_letter(record, ValueError("bad"), 1, worker_id="w", max_message_bytes=limit,
+                                dead_letter_max_bytes=limit)
+    assert record_size(key, letter.payload, dead_letter_headers(letter)) <= limit
+    assert letter.original_size == 60_000 and letter.payload == b"v" * len(letter.payload)
+    assert "dropped" in letter.original_headers and len(key) <= limit // 4
