@@ -206,6 +206,8 @@ class GroupLedger:
             raise ValueError(f"worker.dedupe_window_s must be > 0, got {dedupe_window_s}")
         self.deadlines_key = f"{self.prefix}:deadlines"
         self.cluster = cfg.cluster
+        if self.cluster:
+            _slot_tags()  # built now, not inside the first script call of a busy event loop
         self.bucket_s = dedupe_window_s / DEDUPE_BUCKETS
         self.done_ttl_s = int(dedupe_window_s + 2 * self.bucket_s) + 1
         self._sha: dict[str, str] = {}
