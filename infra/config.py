@@ -148,6 +148,9 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Commands wait this long for the broker at startup (a log line per attempt), then
     # exit with one line naming the address (infra.startup).
     startup_timeout_s: Seconds = 30.0
+    # How long the broker may hold a consumer's fetch when no data is there. Kafka's own
+    # default (500) is a latency floor on brokers that answer only when it runs out.
+    fetch_max_wait_ms: int = 20
 
     def __repr__(self) -> str:
         return _masked_repr(self, secret_fields=("sasl_password",))
@@ -191,6 +194,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # which trainer.combined_mode needs; off by default (verdicts grow by one reward array
     # per scorer and turn, compact for uniform turns).
     keep_scorer_channels: bool = False
+    # Finished groups are remembered this long (compact time-bucketed sets in Redis): a
+    # duplicate or late member within it is acknowledged without work; beyond it, the
+    # trainer's dedupe on (group_id, verdict_version) drops the group's second verdict.
+    # Cover the longest redelivery delay (consumer lag after an outage). docs/architecture.md
+    dedupe_window_s: float = 3600.0
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -208,6 +208,7 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
         session_timeout_ms=cfg.session_timeout_ms,
         heartbeat_interval_ms=cfg.heartbeat_interval_ms,
         max_poll_interval_ms=cfg.max_poll_interval_ms,
+        fetch_max_wait_ms=cfg.fetch_max_wait_ms,
         fetch_max_bytes=max(52_428_800, cfg.max_message_bytes * 4),
         max_partition_fetch_bytes=max(1_048_576, cfg.max_message_bytes),
     )

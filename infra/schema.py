@@ -463,6 +463,13 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     error_scorer: str | None = None
     error_detail: str | None = None
 
+    # Stage timestamps (wall clock, s; 0 = not recorded, omitted on the wire so older
+    # encodings are unchanged): the worker took the record from Kafka / parked the result.
+    # With ``created_at`` (published), ``scored_at``, the verdict's ``decided_at`` and the
+    # verdict record's timestamp (sent) they break a verdict's latency down by stage.
+    consumed_at: float = 0.0
+    parked_at: float = 0.0
+
     @classmethod
     def failure(cls, *, code: str, detail: str, scorer: str | None = None, **fields: Any) -> SessionResult:
         """A ``failed`` member: the typed reason fields plus the ``"code: detail"`` line."""

@@ -1,132 +1,97 @@
 """The group ledger: the only code that talks to Redis.
 
-Per group ``G`` (all keys share the ``{G}`` hash tag, so Redis Cluster keeps them in one
-slot and every transition is one atomic Lua call):
+Redis carries scores, not tokens. Per group ``G`` (its keys share the ``{G}`` hash tag,
+so Redis Cluster keeps them in one slot and every transition is one atomic Lua call):
 
 * ``<prefix>:{G}:state``   hash — ``status`` (``open`` | ``decided``), ``group_size``,
   ``first_seen``/``deadline`` (ms), ``size_mismatch``; once decided also ``decision``
   (``complete`` | ``deadline`` | ``discard`` | ``invalid``), ``discard_reason`` (the
-  reason of a discard or of an ``invalid`` decision), ``decided_at``,
-  ``decided_by``, ``scorers``.
-* ``<prefix>:{G}:members`` hash — ``trajectory_id`` -> msgpack ``SessionResult`` (the
-  parked result of a scored member; a failed member is parked too, without stats).
-* ``<prefix>:{G}:done``    string — tombstone written after the verdict is published;
-  late members and redeliveries of a finished group are acknowledged without work.
+  reason of a discard or of an ``invalid`` decision), ``decided_at``, ``decided_by``,
+  ``scorers``.
+* ``<prefix>:{G}:members`` hash — ``trajectory_id`` -> msgpack :class:`ParkedMember`:
+  what scoring produced (rewards — per turn when uniform, dense only when not —, turn
+  results, stats, status, stage timestamps) and the member's record coordinates in the
+  trajectories topic. Token ids and log-probs stay in Kafka: the deciding worker takes
+  them from its own memory or reads them at those coordinates
+  (:mod:`scoring_workers.tokens`), so any worker still builds the identical verdict.
+
+Finished groups are remembered for ``worker.dedupe_window_s`` in time-bucketed sets of
+12-byte group fingerprints, ``<prefix>:done:<slot>:<bucket>`` (``<prefix>:{<tag>}:done:
+<bucket>`` on Redis Cluster, where ``<tag>`` is a short string hashing to the group's own
+slot, so the check stays inside the group's atomic scripts). A bucket spans a quarter of
+the window and expires a window and two buckets after it opened; about 18 bytes per
+finished group while a set is small (listpack), 33–37 once it is large (hash table),
+instead of a 24 h tombstone key per group. A duplicate or late member of a group finished
+longer ago than the window re-opens it, and its second verdict is dropped by the
+trainer's dedupe on ``(group_id, verdict_version)`` — so the window must cover the
+longest redelivery delay (consumer lag after an outage, producer retries), see
+docs/architecture.md.
 
 One global sorted set, ``<prefix>:deadlines``, lists unfinished groups by the time a
 sweeper must look at them (deadline, or a re-publish grace for decided groups). It is
 only an index: every decision is re-checked atomically on the group's own keys.
 
-Every key has a TTL. The decision fields are stored so that any worker can rebuild the
-*identical* verdict from Redis alone; that is what makes redelivered work converge on
-the same ``(group_id, verdict_version)``.
+Round trips: probes of one poll batch are one script call (per slot on Redis Cluster);
+parks (which decide a group when its last member lands) and finishes are gathered from
+all in-flight records into one call while the previous one is on the wire
+(:class:`_GroupCommit`), so Redis sees one round trip per batch, not per record.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 from redis.exceptions import NoScriptError
 
 from infra.config import RedisConfig
 from infra.redis import make_redis
 from infra.schema import SessionResult
+from scoring_workers.ledger_scripts import DECIDE, FINISH, PARK, PROBE
 
-_PROBE = """
-if redis.call('EXISTS', KEYS[3]) == 1 then return 'done' end
-local st = redis.call('HGET', KEYS[1], 'status')
-if st == 'decided' then return 'decided' end
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 'duplicate' end
-return 'new'
-"""
+DEDUPE_BUCKETS = 2  # a window is this many buckets; a probe checks one more (the window's edge)
 
-# Shared by PARK (kind 'complete', when the last member lands) and DECIDE.
-# kind: complete (all members parked) | deadline (sweeper) | discard (DiscardGroup)
-#       | invalid (a member was dead-lettered; ``reason`` names it)
-_DECIDE_FN = """
-local function decide(kind, now, worker, scorers, reason, ttl)
-  if redis.call('EXISTS', KEYS[3]) == 1 then return {'done'} end
-  local st = redis.call('HGET', KEYS[1], 'status')
-  local outcome = 'decided_now'
-  if st == 'decided' then
-    outcome = 'already_decided'
-  else
-    if kind == 'deadline' then
-      if not st then return {'gone'} end
-      if tonumber(now) < tonumber(redis.call('HGET', KEYS[1], 'deadline')) then return {'not_due'} end
-    elseif kind == 'complete' then
-      if not st then return {'gone'} end
-      local size = tonumber(redis.call('HGET', KEYS[1], 'group_size'))
-      if not redis.call('HGET', KEYS[1], 'size_mismatch') and redis.call('HLEN', KEYS[2]) < size then
-        return {'incomplete'}
-      end
-    end
-    if not st then
-      redis.call('HSET', KEYS[1], 'group_size', '0', 'first_seen', now, 'deadline', now)
-    end
-    redis.call('HSET', KEYS[1], 'status', 'decided', 'decision', kind, 'decided_at', now,
-               'decided_by', worker, 'scorers', scorers, 'discard_reason', reason)
-    redis.call('EXPIRE', KEYS[1], ttl)
-    redis.call('EXPIRE', KEYS[2], ttl)
-  end
-  return {outcome, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
-end
-"""
-
-# KEYS: state, members, done.
-# ARGV: trajectory_id, blob, group_size, now_ms, deadline_ms, ttl_s, worker_id, scorers_blob
-# Returns {outcome, complete, decision...}: the member that completes the group also
-# decides it in the same atomic step (one round trip for park + decide).
-_PARK = _DECIDE_FN + """
-if redis.call('EXISTS', KEYS[3]) == 1 then return {'done', 0} end
-local st = redis.call('HGET', KEYS[1], 'status')
-if st == 'decided' then return {'decided', 0} end
-local function complete()
-  local size = tonumber(redis.call('HGET', KEYS[1], 'group_size'))
-  local mismatch = redis.call('HGET', KEYS[1], 'size_mismatch')
-  if mismatch or redis.call('HLEN', KEYS[2]) >= size then return 1 end
-  return 0
-end
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
-  if complete() == 1 then return {'duplicate', 1, decide('complete', ARGV[4], ARGV[7], ARGV[8], '', ARGV[6])} end
-  return {'duplicate', 0}
-end
-if not st then
-  redis.call('HSET', KEYS[1], 'status', 'open', 'group_size', ARGV[3], 'first_seen', ARGV[4], 'deadline', ARGV[5])
-elseif redis.call('HGET', KEYS[1], 'group_size') ~= ARGV[3] then
-  redis.call('HSET', KEYS[1], 'size_mismatch', ARGV[3])
-end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('EXPIRE', KEYS[2], ARGV[6])
-if complete() == 1 then return {'parked', 1, decide('complete', ARGV[4], ARGV[7], ARGV[8], '', ARGV[6])} end
-return {'parked', 0}
-"""
-
-# KEYS: state, members, done. ARGV: kind, now_ms, worker_id, scorers_blob, discard_reason, ttl_s
-_DECIDE = _DECIDE_FN + """
-return decide(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
-"""
-
-# KEYS: state, members, done. ARGV: verdict status, ttl_s
-_FINISH = """
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[2])
-return 1
-"""
 
 Probe = Literal["new", "duplicate", "decided", "done"]
 ParkOutcome = Literal["parked", "duplicate", "decided", "done"]
 DecideOutcome = Literal["decided_now", "already_decided", "done", "gone", "not_due", "incomplete"]
 
-_MEMBER_DECODER = msgspec.msgpack.Decoder(SessionResult)
+
+class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
+    """A member as parked: its scoring result without token turns, and where its record is.
+
+    ``partition``/``offset`` locate the member's ``ReadyTrajectory`` in the trajectories
+    topic (-1 when unknown: results parked by an older worker carry their turns inline).
+    """
+
+    result: SessionResult
+    partition: int = -1
+    offset: int = -1
+
+
+_MEMBER_DECODER = msgspec.msgpack.Decoder(ParkedMember)
+_LEGACY_DECODER = msgspec.msgpack.Decoder(SessionResult)
 _ENCODER = msgspec.msgpack.Encoder()
+
+
+def decode_parked(blob: bytes) -> ParkedMember:
+    """A parked blob; a map (not an array) is a :class:`SessionResult` parked by an older worker."""
+    if blob[:1] and (0x80 <= blob[0] <= 0x8F or blob[0] in (0xDE, 0xDF)):
+        return ParkedMember(_LEGACY_DECODER.decode(blob))
+    return _MEMBER_DECODER.decode(blob)
+
+
+def fingerprint(group_id: str) -> bytes:
+    """12 bytes naming a finished group in the dedupe sets (collisions: ~n / 2**96)."""
+    return hashlib.blake2b(group_id.encode(), digest_size=12).digest()
 
 
 @dataclass(frozen=True)
@@ -136,7 +101,7 @@ class Decision:
     outcome: DecideOutcome
     group_id: str
     state: dict[str, str]
-    members: list[SessionResult]
+    members: list[ParkedMember]
 
     @property
     def decided_at_ms(self) -> int:
@@ -147,36 +112,128 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class _GroupCommit(Generic[T, R]):
+    """Gathers items submitted by concurrent tasks into batches: while one batch is on the
+    wire, new items queue; the next batch takes them all (one call, one round trip)."""
+
+    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]]) -> None:
+        self._run = run
+        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def submit(self, item: T) -> R:
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, fut))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                results = await self._run([item for item, _ in batch])
+            except BaseException as exc:  # every submitter sees the failure (and retries)
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError(repr(exc)))
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for (_, fut), result in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(result)
+
+    async def aclose(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+
+@dataclass(frozen=True)
+class _Park:
+    group_id: str
+    trajectory_id: str
+    blob: bytes
+    group_size: int
+    group_timeout_s: float
+    worker_id: str
+    scorers: bytes
+
+
+_SLOT_TAGS: list[str] | None = None
+
+
+def _slot_tags() -> list[str]:
+    """For each cluster slot, a short string whose hash slot it is (built once, ~0.5 s)."""
+    global _SLOT_TAGS
+    if _SLOT_TAGS is None:
+        tags: list[str | None] = [None] * 16384
+        missing, i = 16384, 0
+        while missing:
+            tag = format(i, "x")
+            slot = key_slot(tag.encode())
+            if tags[slot] is None:
+                tags[slot] = tag
+                missing -= 1
+            i += 1
+        _SLOT_TAGS = tags  # type: ignore[assignment]
+    return _SLOT_TAGS  # type: ignore[return-value]
+
+
 class GroupLedger:
     """Atomic, TTL'd group state in Redis. One instance per worker process.
 
-    Scripts are loaded once (``SCRIPT LOAD``) and called with ``EVALSHA`` inside
-    pipelines; after a Redis restart (``NOSCRIPT``) they are reloaded and the call is
-    repeated — every script is safe to repeat.
+    Scripts are loaded once (``SCRIPT LOAD``) and called with ``EVALSHA``; after a Redis
+    restart (``NOSCRIPT``) they are reloaded and the call is repeated — every script is
+    safe to repeat.
     """
 
-    _SCRIPTS = {"probe": _PROBE, "park": _PARK, "decide": _DECIDE, "finish": _FINISH}
+    _SCRIPTS = {"probe": PROBE, "park": PARK, "decide": DECIDE, "finish": FINISH}
 
-    def __init__(self, client: aioredis.Redis, cfg: RedisConfig) -> None:
+    def __init__(self, client: aioredis.Redis, cfg: RedisConfig, *, dedupe_window_s: float = 3600.0) -> None:
         self.redis = client
         self.cfg = cfg
         self.prefix = cfg.key_prefix
         if "{" in self.prefix or "}" in self.prefix:
             raise ValueError("redis.key_prefix must not contain '{' or '}' (they select the cluster hash slot)")
+        if dedupe_window_s <= 0:
+            raise ValueError(f"worker.dedupe_window_s must be > 0, got {dedupe_window_s}")
         self.deadlines_key = f"{self.prefix}:deadlines"
         self.cluster = cfg.cluster
+        if self.cluster:
+            _slot_tags()  # built now, not inside the first script call of a busy event loop
+        self.bucket_s = dedupe_window_s / DEDUPE_BUCKETS
+        self.done_ttl_s = int(dedupe_window_s + 2 * self.bucket_s) + 1
         self._sha: dict[str, str] = {}
+        self._parks: _GroupCommit[_Park, tuple[str, list[Any] | None, int]] = _GroupCommit(self._park_batch)
+        self._finishes: _GroupCommit[str, None] = _GroupCommit(self._finish_batch)
 
     @classmethod
-    def from_config(cls, cfg: RedisConfig) -> GroupLedger:
-        return cls(make_redis(cfg), cfg)
+    def from_config(cls, cfg: RedisConfig, *, dedupe_window_s: float = 3600.0) -> GroupLedger:
+        return cls(make_redis(cfg), cfg, dedupe_window_s=dedupe_window_s)
 
     async def aclose(self) -> None:
+        await self._parks.aclose()
+        await self._finishes.aclose()
         await self.redis.aclose()
 
     def keys(self, group_id: str) -> list[str]:
+        """The group's state and members keys, then its dedupe buckets (newest first)."""
         tag = f"{self.prefix}:{{{group_id}}}"
-        return [f"{tag}:state", f"{tag}:members", f"{tag}:done"]
+        slot = self._slot(group_id)
+        bucket = int(time.time() // self.bucket_s)
+        base = f"{self.prefix}:{{{_slot_tags()[slot]}}}:done" if self.cluster else f"{self.prefix}:done:{slot}"
+        return [f"{tag}:state", f"{tag}:members", *(f"{base}:{bucket - i}" for i in range(DEDUPE_BUCKETS + 1))]
+
+    def _slot(self, group_id: str) -> int:
+        """The cluster slot of the group's keys (their hash tag decides it)."""
+        return key_slot(f"{self.prefix}:{{{group_id}}}:state".encode())
 
     def _state_ttl(self, group_timeout_s: float) -> int:
         return int(group_timeout_s) + self.cfg.ttl_s
@@ -185,113 +242,143 @@ class GroupLedger:
         for name, body in self._SCRIPTS.items():
             self._sha[name] = await self.redis.script_load(body)
 
-    async def _execute(self, ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-        """Run ``(command, args, kwargs)`` ops in one round trip; reload scripts once on NOSCRIPT.
-
-        Standalone Redis: one pipeline. Redis Cluster (whose client refuses scripts in
-        pipelines): the ops run concurrently, each routed to its key's slot.
-        """
+    async def _scripts(self, script: str, items: Sequence[tuple[str, list[Any]]],
+                       extra: Sequence[tuple[str, tuple[Any, ...], dict[str, Any]]] = ()) -> tuple[list[Any], list[Any]]:
+        """Run ``script`` over ``items`` (``(group_id, argv)``) in one call — one per slot on
+        Redis Cluster — plus plain ``extra`` commands, in one round trip. Returns the
+        per-item results in order and the extra commands' results."""
         if not self._sha:
             await self._load_scripts()
+        if self.cluster:  # the cluster client refuses scripts in pipelines: one call per slot, concurrently
+            by_slot: dict[int, list[int]] = {}
+            for i, (group_id, _) in enumerate(items):
+                by_slot.setdefault(self._slot(group_id), []).append(i)
+            calls = [self._call(script, [items[i] for i in idx]) for idx in by_slot.values()]
+            for attempt in (1, 2):
+                try:  # every command here is safe to repeat
+                    done = await asyncio.gather(
+                        *(self.redis.evalsha(self._sha[script], len(keys), *keys, *argv) for keys, argv in calls),
+                        *(getattr(self.redis, n)(*a, **kw) for n, a, kw in extra))
+                    break
+                except NoScriptError:
+                    if attempt == 2:
+                        raise
+                    await self._load_scripts()
+            out: list[Any] = [None] * len(items)
+            for idx, res in zip(by_slot.values(), done):
+                for i, r in zip(idx, res):
+                    out[i] = r
+            return out, list(done[len(calls):])
         for attempt in (1, 2):
             try:
-                resolved = [self._resolve(op) for op in ops]
-                if self.cluster:
-                    return list(await asyncio.gather(*(getattr(self.redis, n)(*a, **kw) for n, a, kw in resolved)))
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for name, args, kw in resolved:
+                    if items:
+                        keys, argv = self._call(script, items)
+                        pipe.evalsha(self._sha[script], len(keys), *keys, *argv)
+                    for name, args, kw in extra:
                         getattr(pipe, name)(*args, **kw)
-                    return await pipe.execute()
+                    res = await pipe.execute()
+                return (list(res[0]) if items else []), list(res[1:] if items else res)
             except NoScriptError:
                 if attempt == 2:
                     raise
                 await self._load_scripts()  # Redis restarted and lost its script cache
         raise AssertionError("unreachable")
 
-    def _script(self, script: str, group_id: str, *args: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-        keys = self.keys(group_id)
-        return ("script:" + script, (len(keys), *keys, *args), {})
-
-    def _resolve(self, op: tuple[str, tuple[Any, ...], dict[str, Any]]) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-        name, args, kw = op
-        if name.startswith("script:"):
-            return "evalsha", (self._sha[name[len("script:"):]], *args), kw
-        return op
+    def _call(self, script: str, items: Sequence[tuple[str, list[Any]]]) -> tuple[list[str], list[Any]]:
+        keys: list[str] = []
+        argv: list[Any] = [DEDUPE_BUCKETS + 1]
+        for group_id, args in items:
+            keys += self.keys(group_id)
+            argv += args
+        return keys, argv
 
     # ---------------------------------------------------------------- reads
     async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Probe]:
         """Batched pre-check for one poll: ``(group_id, trajectory_id)`` -> what is known.
 
-        One pipeline round trip for the whole poll, so duplicates and members of
-        decided groups are acknowledged without scoring.
+        One script call for the whole poll (per slot on Redis Cluster), so duplicates
+        and members of decided groups are acknowledged without scoring.
         """
         if not items:
             return []
-
-        ops = [self._script("probe", group_id, trajectory_id) for group_id, trajectory_id in items]
-        return [r.decode() if isinstance(r, bytes) else r for r in await self._execute(ops)]
+        res, _ = await self._scripts("probe", [(g, [t, fingerprint(g)]) for g, t in items])
+        return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     # ---------------------------------------------------------------- transitions
     async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
-                   worker_id: str, scorers: bytes, republish_grace_s: float) -> tuple[ParkOutcome, Decision | None]:
-        """Store a member's result; if it completes the group, decide the group too.
+                   worker_id: str, scorers: bytes, republish_grace_s: float, partition: int = -1,
+                   offset: int = -1) -> tuple[ParkOutcome, Decision | None]:
+        """Store a member's result (its token turns stay in Kafka at ``partition``/``offset``);
+        if it completes the group, decide the group too.
 
         Returns ``(outcome, decision)``; ``decision`` is set when the group is complete
-        (``decided_now`` for the caller that must publish). The deadline index entry is
-        added in the same round trip (``ZADD NX``).
+        (``decided_now`` for the caller that must publish). Parks of concurrent records
+        share one round trip, with the deadline index entries (``ZADD NX``).
         """
-        now = _now_ms()
-        deadline = now + int(group_timeout_s * 1000)
-        ttl = self._state_ttl(group_timeout_s)
+        member = ParkedMember(msgspec.structs.replace(result, turns=[]), partition, offset)
+        outcome, raw, now = await self._parks.submit(_Park(
+            group_id, result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers))
+        if raw is None:
+            return outcome, None  # type: ignore[return-value]
+        return outcome, self._decision(group_id, raw)  # type: ignore[return-value]
 
-        raw, *_ = await self._execute([
-            self._script("park", group_id, result.trajectory_id, _ENCODER.encode(result), group_size, now,
-                         deadline, ttl, worker_id, scorers),
-            ("zadd", (self.deadlines_key, {group_id: deadline}), {"nx": True}),
-            ("expire", (self.deadlines_key, ttl), {}),
-        ])
-        outcome = raw[0].decode()
-        if len(raw) < 3:
-            return outcome, None
-        return outcome, await self._decision(group_id, raw[2], now, republish_grace_s)
+    async def _park_batch(self, parks: list[_Park]) -> list[tuple[str, list[Any] | None, int]]:
+        now = _now_ms()
+        items, index = [], {}
+        for p in parks:
+            deadline = now + int(p.group_timeout_s * 1000)
+            ttl = self._state_ttl(p.group_timeout_s)
+            items.append((p.group_id, [fingerprint(p.group_id), p.trajectory_id, p.blob, p.group_size, now, deadline,
+                                       ttl, p.worker_id, p.scorers]))
+            index.setdefault(p.group_id, deadline)
+        ttl = max(self._state_ttl(p.group_timeout_s) for p in parks)
+        res, _ = await self._scripts("park", items, [
+            ("zadd", (self.deadlines_key, index), {"nx": True}), ("expire", (self.deadlines_key, ttl), {})])
+        return [(r[0].decode(), r[2] if len(r) >= 3 else None, now) for r in res]
 
     async def decide(self, group_id: str, kind: Literal["complete", "deadline", "discard", "invalid"], *,
                      worker_id: str, scorers: bytes, discard_reason: str = "",
                      group_timeout_s: float, republish_grace_s: float) -> Decision:
         """Record the group's decision unless one exists; return the stored one either way."""
         now = _now_ms()
-        (raw,) = await self._execute([self._script(
-            "decide", group_id, kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s))])
-        return await self._decision(group_id, raw, now, republish_grace_s)
+        (raw,), _ = await self._scripts("decide", [(group_id, [
+            fingerprint(group_id), kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s)])])
+        decision = self._decision(group_id, raw)
+        if decision.outcome == "decided_now":
+            # Until finish() removes it, the sweeper re-publishes after the grace period
+            # in case this worker dies between deciding and publishing. (A decision made
+            # by a park needs no such step: its last member stays uncommitted until the
+            # verdict is out, and whoever gets it again nudges the group.)
+            await self.redis.zadd(self.deadlines_key, {group_id: now + int(republish_grace_s * 1000)})
+        return decision
 
-    async def _decision(self, group_id: str, raw: list[Any], now: int, republish_grace_s: float) -> Decision:
+    @staticmethod
+    def _decision(group_id: str, raw: list[Any]) -> Decision:
         outcome = raw[0].decode()
         if outcome not in ("decided_now", "already_decided"):
-            return Decision(outcome, group_id, {}, [])
+            return Decision(outcome, group_id, {}, [])  # type: ignore[arg-type]
         flat_state, flat_members = raw[1], raw[2]
         # latin-1 maps bytes 1:1, so the binary ``scorers`` blob survives the str round trip
         state = {flat_state[i].decode(): flat_state[i + 1].decode("latin-1") for i in range(0, len(flat_state), 2)}
-        members = [_MEMBER_DECODER.decode(flat_members[i + 1]) for i in range(0, len(flat_members), 2)]
-        if outcome == "decided_now":
-            # Until finish() removes it, the sweeper re-publishes after the grace period
-            # in case this worker dies between deciding and publishing.
-            await self.redis.zadd(self.deadlines_key, {group_id: now + int(republish_grace_s * 1000)})
-        return Decision(outcome, group_id, state, members)
+        members = [decode_parked(flat_members[i + 1]) for i in range(0, len(flat_members), 2)]
+        return Decision(outcome, group_id, state, members)  # type: ignore[arg-type]
 
-    async def finish(self, group_id: str, status: str, *, ttl_s: int | None = None) -> None:
-        """After the verdict is acknowledged by Kafka: drop the group's state, leave a tombstone."""
+    async def finish(self, group_id: str, status: str) -> None:
+        """After the verdict is acknowledged by Kafka: drop the group's state and remember
+        it as finished for the dedupe window. Concurrent finishes share one round trip."""
+        await self._finishes.submit(group_id)
 
-        await self._execute([
-            self._script("finish", group_id, status, ttl_s or self.cfg.ttl_s),
-            ("zrem", (self.deadlines_key, group_id), {}),
-        ])
+    async def _finish_batch(self, groups: list[str]) -> list[None]:
+        await self._scripts("finish", [(g, [fingerprint(g), self.done_ttl_s]) for g in groups],
+                            [("zrem", (self.deadlines_key, *groups), {})])
+        return [None] * len(groups)
 
     async def nudge(self, group_id: str, republish_grace_s: float) -> None:
         """Bring a decided group's sweep forward to ``now + grace`` (never later, never re-adding).
 
         Called whenever a worker finds a group decided but not finished: if its decider
-        died between deciding and moving the index entry, the sweeper would otherwise
-        wait for the group deadline before re-publishing.
+        died before publishing, the sweeper would otherwise wait for the group deadline.
         """
         await self.redis.zadd(self.deadlines_key, {group_id: _now_ms() + int(republish_grace_s * 1000)},
                               xx=True, lt=True)

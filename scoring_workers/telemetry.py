@@ -14,6 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from infra.schema import GroupVerdict
+
 LIVENESS_STALE_S = 30.0
 
 
@@ -39,12 +41,32 @@ class WorkerTelemetry:
             "prm_worker_scoring_seconds", "PRMRunner.run latency per trajectory", registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
+        self.stage_seconds = Histogram(
+            "prm_worker_stage_seconds", "Verdict latency by stage, per member: queue (published -> consumed), "
+            "score (consumed -> scored), park (scored -> parked), wait (parked -> group decided), "
+            "send (decided -> verdict acknowledged)", ["stage"], registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600),
+        )
         self.in_flight = Gauge("prm_worker_in_flight", "Records being processed", registry=r)
         self.lag = Gauge("prm_worker_consumer_lag", "highwater - committed offset", ["topic", "partition"], registry=r)
 
         self.last_tick = time.monotonic()
         self.ready = False
         self._server: ThreadingHTTPServer | None = None
+
+    def observe_stages(self, verdict: GroupVerdict, sent_at: float) -> None:
+        """Stage latencies of a published verdict's members (those that carry stage timestamps)."""
+        for m in verdict.sessions:
+            if not (m.parked_at and m.consumed_at):
+                continue
+            if m.created_at:
+                self.stage_seconds.labels("queue").observe(max(0.0, m.consumed_at - m.created_at))
+            if m.scored_at:
+                self.stage_seconds.labels("score").observe(max(0.0, m.scored_at - m.consumed_at))
+                self.stage_seconds.labels("park").observe(max(0.0, m.parked_at - m.scored_at))
+            self.stage_seconds.labels("wait").observe(max(0.0, verdict.decided_at - m.parked_at))
+        if verdict.decided_at:
+            self.stage_seconds.labels("send").observe(max(0.0, sent_at - verdict.decided_at))
 
     def tick(self) -> None:
         """Called by the worker loop on every poll: proof of life for ``/healthz``."""

@@ -21,9 +21,13 @@ reason, members' stats kept and their token turns dropped — also a pure functi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
-from infra.schema import GroupVerdict, ScorerInfo, SessionResult
+from infra.kafka import record_size
+from infra.schema import GroupVerdict, ScorerInfo, SessionResult, encode
+from scoring_workers.ledger import ParkedMember
 
 VERDICT_VERSION = 1
 _SCORERS = msgspec.msgpack.Decoder(list[ScorerInfo])
@@ -33,8 +37,10 @@ def encode_scorers(scorers: list[ScorerInfo]) -> bytes:
     return msgspec.msgpack.encode(scorers)
 
 
-def assemble_verdict(group_id: str, state: dict[str, str], members: list[SessionResult]) -> GroupVerdict:
-    members = sorted(members, key=lambda m: m.trajectory_id)
+def assemble_verdict(group_id: str, state: dict[str, str], members: Sequence[SessionResult | ParkedMember]) -> GroupVerdict:
+    """The verdict for a stored decision. Parked members (:class:`ParkedMember`) stand for
+    their results as parked (no token turns); the worker passes sessions with turns."""
+    members = sorted((m.result if isinstance(m, ParkedMember) else m for m in members), key=lambda m: m.trajectory_id)
     group_size = int(state.get("group_size", "0"))
     decision = state.get("decision", "complete")
     failed = [m for m in members if m.status == "failed"]
@@ -94,3 +100,21 @@ def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: in
 
     return msgspec.structs.replace(verdict, status="rejected", reason=reason,
                                    sessions=[shrink(m) for m in verdict.sessions])
+
+
+def fit_verdict(verdict: GroupVerdict, limit: int) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
+    """``verdict`` encoded as a record, or — when the record would exceed ``limit``
+    (``kafka.max_message_bytes``) — the smallest :func:`too_large_verdict` level that fits.
+    A pure function of the verdict, so every worker that publishes the group sends the
+    same bytes."""
+    key = verdict.group_id.encode()
+    value, headers = encode(verdict)
+    size = record_size(key, value, headers)
+    if size <= limit:
+        return verdict, value, headers
+    for level in (1, 2, 3):
+        small = too_large_verdict(verdict, size=size, limit=limit, level=level)
+        value, headers = encode(small)
+        if record_size(key, value, headers) <= limit:
+            break
+    return small, value, headers

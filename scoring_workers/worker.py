@@ -1,5 +1,8 @@
 """The scoring worker: ``prm.trajectories`` in, ``prm.verdicts`` (and dead letters) out.
 
+(Over 500 lines: one record lifecycle — dispatch, retries, handlers, publish, sweep — whose
+steps share the commit discipline below.)
+
 One asyncio loop per process, in the spirit of arq: poll, hand each record to a task,
 commit what is finished, sweep deadlines. Run several processes for scale; they
 share nothing but Kafka and Redis.
@@ -54,26 +57,27 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.config import PipelineConfig
-from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer, record_size
+from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer
 from infra.offsets import OffsetTracker
 from infra.redis import verify_access
 from infra.schema import (
-    DeadLetter,
     DiscardGroup,
     GroupVerdict,
+    NotConcatExport,
     ReadyTrajectory,
     SchemaError,
     ScorerInfo,
     SessionResult,
+    compact_turns,
     dead_letter_headers,
     decode_message,
-    encode,
-    headers_to_dict,
 )
+from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
 from scoring_workers.ledger import Decision, GroupLedger
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
-from scoring_workers.verdicts import assemble_verdict, encode_scorers, too_large_verdict
+from scoring_workers.tokens import MemberTokens
+from scoring_workers.verdicts import assemble_verdict, encode_scorers, fit_verdict
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +129,9 @@ class Worker:
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
         self._discards: dict[str, asyncio.Task[None]] = {}  # group_id -> in-flight DiscardGroup
         self._scorers_blob = encode_scorers([])
+        self._tokens = MemberTokens(cfg)
         self._paused = False
+        self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -160,7 +166,7 @@ class Worker:
             self._scorers_blob = encode_scorers(
                 [ScorerInfo(s.name, s.version) for s in self._runner.scorer_infos()]
             )
-        self.ledger = GroupLedger.from_config(cfg.redis)
+        self.ledger = GroupLedger.from_config(cfg.redis, dedupe_window_s=cfg.worker.dedupe_window_s)
         try:
             await verify_access(self.ledger.redis, cfg.redis)  # wrong credentials / untrusted TLS: stop, clearly
         except BaseException:
@@ -184,6 +190,7 @@ class Worker:
         finally:
             await self.producer.stop()
             await self.ledger.aclose()
+            await self._tokens.aclose()
             if self._owns_runner and self._runner is not None:
                 await self._runner.aclose()
             log.info("worker %s stopped: %s", self.worker_id, self.telemetry.snapshot())
@@ -202,7 +209,9 @@ class Worker:
             records = [r for rs in batch.values() for r in rs]
             if records:
                 await self._dispatch(records)
-            await self._commit()
+            if self._committing is None or self._committing.done():
+                # in the background: polling never waits for the commit round trip
+                self._committing = asyncio.create_task(self._commit())
             now = time.monotonic()
             if now - last_sweep >= SWEEP_INTERVAL_S * random.uniform(0.8, 1.2) and (sweeper is None or sweeper.done()):
                 sweeper = asyncio.create_task(self._sweep())
@@ -233,6 +242,9 @@ class Worker:
             if pending:
                 log.warning("worker %s: %d records still running after drain timeout; "
                             "they will be redelivered", self.worker_id, len(pending))
+        if self._committing is not None:  # one commit at a time: let the background one land
+            with contextlib.suppress(Exception):
+                await self._committing
         await self._commit()
         if tps is not None:
             self._tracker.drop(tps)
@@ -257,6 +269,7 @@ class Worker:
 
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, records: list[ConsumerRecord]) -> None:
+        consumed_at = time.time()
         decoded: list[tuple[ConsumerRecord, Any]] = []
         for record in records:
             try:
@@ -275,7 +288,7 @@ class Worker:
                 barrier = self._discards.get(message.group_id)
                 if barrier is not None:
                     probe = None  # stale: the discard ahead of it may decide the group
-            task = asyncio.create_task(self._process(record, message, probe, after=barrier))
+            task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at))
             if isinstance(message, DiscardGroup):
                 # Records of a group behind its discard (same partition, later offset)
                 # must see the discard's decision: they wait for it, not for each other.
@@ -296,7 +309,7 @@ class Worker:
         self._tracker.finish(tp, offset)
 
     async def _process(self, record: ConsumerRecord, message: Any, probe: str | None,
-                       after: asyncio.Task[None] | None = None) -> None:
+                       after: asyncio.Task[None] | None = None, consumed_at: float = 0.0) -> None:
         if after is not None:
             await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
         attempt = 0
@@ -311,7 +324,7 @@ class Worker:
                     await self._handle_discard(message)
                 else:
                     self.telemetry.consumed.labels("ready").inc()
-                    await self._handle_ready(message, probe)
+                    await self._handle_ready(message, probe, record, consumed_at)
                 return
             except Exception as exc:
                 if is_transient(exc):
@@ -328,7 +341,7 @@ class Worker:
                               self.worker_id, record.topic, record.partition, record.offset, attempt)
                 if attempt >= MAX_ATTEMPTS:
                     group_id = message.group_id if isinstance(message, (ReadyTrajectory, DiscardGroup)) else None
-                    message = exc if isinstance(exc, SchemaError) else _ProcessingError(exc)
+                    message = exc if isinstance(exc, SchemaError) else ProcessingError(exc)
                     await self._dead_letter(record, message, attempt, group_id=group_id)
                     return
                 probe = None
@@ -349,7 +362,8 @@ class Worker:
                 await asyncio.sleep(delay)
 
     # ------------------------------------------------------------------ handlers
-    async def _handle_ready(self, traj: ReadyTrajectory, probe: str | None) -> None:
+    async def _handle_ready(self, traj: ReadyTrajectory, probe: str | None, record: ConsumerRecord,
+                            consumed_at: float) -> None:
         wc = self.cfg.worker
         if probe is None:
             (probe,) = await self.ledger.probe_many([(traj.group_id, traj.trajectory_id)])
@@ -361,14 +375,20 @@ class Worker:
             return
         if probe == "duplicate":
             # Already parked (a redelivery). If the crash came between parking the last
-            # member and deciding, finish that decision now.
+            # member and deciding, finish that decision now; the record in hand spares
+            # reading its tokens back from the log.
             self.telemetry.deduplicated.inc()
+            with contextlib.suppress(NotConcatExport):
+                self._tokens.remember(traj.group_id, traj.trajectory_id, compact_turns(traj.interactions))
             await self._decide_and_publish(traj.group_id, "complete")
             return
         result = await self._score(traj)
+        self._tokens.remember(traj.group_id, traj.trajectory_id, result.turns)
+        result = msgspec.structs.replace(result, consumed_at=consumed_at, parked_at=time.time())
         outcome, decision = await self.ledger.park(
             result, group_id=traj.group_id, group_size=traj.group_size, group_timeout_s=wc.group_timeout_s,
             worker_id=self.worker_id, scorers=self._scorers_blob, republish_grace_s=REPUBLISH_GRACE_S,
+            partition=record.partition, offset=record.offset,
         )
         if outcome in ("done", "decided"):
             self.telemetry.deduplicated.inc()  # the group was decided while we scored
@@ -413,11 +433,20 @@ class Worker:
         decided in Redis, so the sweeper tries again after the re-publish grace — never
         in a tight loop, and never holding up other records or groups.
         """
-        verdict, value, headers = self._fit(assemble_verdict(decision.group_id, decision.state, decision.members))
+        if decision.state.get("decision") == "discard":  # listed without results: no tokens needed
+            members = [m.result for m in decision.members]
+        else:
+            members = await self._tokens.members(decision.group_id, decision.members)
+        full = assemble_verdict(decision.group_id, decision.state, members)
+        verdict, value, headers = fit_verdict(full, self.cfg.kafka.max_message_bytes)
+        if verdict is not full:
+            log.warning("group=%s: verdict over kafka.max_message_bytes=%d, published as %s",
+                        verdict.group_id, self.cfg.kafka.max_message_bytes, verdict.reason[:200])
         try:
             await self.producer.send_and_wait(
                 self.cfg.topics.verdicts, value, key=verdict.group_id.encode(), headers=headers
             )
+            sent_at = time.time()
         except Exception as exc:
             if not is_permanent(exc):
                 raise
@@ -425,31 +454,15 @@ class Worker:
             log.error("worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
                       "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc,
                       REPUBLISH_GRACE_S)
+            await self.ledger.postpone(verdict.group_id, REPUBLISH_GRACE_S)
             return None
         await self.ledger.finish(verdict.group_id, verdict.status)
+        self._tokens.forget_group(verdict.group_id)
+        self.telemetry.observe_stages(verdict, sent_at)
         self.telemetry.verdicts.labels(verdict.status, verdict.reason.split(":", 1)[0]).inc()
         log.info("group=%s verdict=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
                  verdict.reason, len(verdict.sessions), self.worker_id)
         return verdict
-
-    def _fit(self, verdict: GroupVerdict) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
-        """``verdict`` encoded, or, when its record exceeds ``kafka.max_message_bytes``, the
-        ``verdict_too_large`` rejection built from it (a pure function of the verdict, so
-        every worker that publishes the group sends the same bytes)."""
-        limit = self.cfg.kafka.max_message_bytes
-        key = verdict.group_id.encode()
-        value, headers = encode(verdict)
-        size = record_size(key, value, headers)
-        if size <= limit:
-            return verdict, value, headers
-        for level in (1, 2, 3):
-            small = too_large_verdict(verdict, size=size, limit=limit, level=level)
-            value, headers = encode(small)
-            if record_size(key, value, headers) <= limit:
-                break
-        log.warning("group=%s: verdict is %d bytes, over kafka.max_message_bytes=%d: published as %s/%s",
-                    verdict.group_id, size, limit, small.status, small.reason.split(":", 1)[0])
-        return small, value, headers
 
     async def _sweep(self) -> None:
         """Reject overdue groups and re-publish decisions whose publisher died.
@@ -486,8 +499,7 @@ class Worker:
             time.time() * 1000 - decision.decided_at_ms >= REPUBLISH_GRACE_S * 1000
         )
         if decision.outcome == "decided_now" or overdue:
-            if await self._publish(decision) is None and overdue:
-                await self.ledger.nudge(group_id, REPUBLISH_GRACE_S)  # refused: look again after the grace
+            await self._publish(decision)
         elif decision.outcome in ("done", "gone"):
             await self.ledger.forget(group_id)
 
@@ -500,8 +512,10 @@ class Worker:
         coordinates are logged and counted (``prm_worker_poison_total``) and the record is
         committed: the source topic still holds it for audit.
         """
-        cause = error.cause if isinstance(error, _ProcessingError) else error
-        letter, key = self._capped_letter(record, cause, attempt)
+        cause = error.cause if isinstance(error, ProcessingError) else error
+        letter, key = capped_letter(record, cause, attempt, worker_id=self.worker_id,
+                                    max_message_bytes=self.cfg.kafka.max_message_bytes,
+                                    dead_letter_max_bytes=self.cfg.worker.dead_letter_max_bytes)
         try:
             await self.producer.send_and_wait(
                 self.cfg.topics.dead_letters, letter.payload, key=key, headers=dead_letter_headers(letter)
@@ -518,43 +532,11 @@ class Worker:
             self.telemetry.dead_lettered.labels(letter.error_class).inc()
             log.warning("dead-lettered %s:%d offset %d: %s: %s", record.topic, record.partition, record.offset,
                         letter.error_class, letter.error_message[:300])
-        group_id = group_id or _group_of(record.key)
+        group_id = group_id or group_of(record.key)
         if group_id is not None:
             reason = (f"invalid_member: record {record.topic}:{record.partition}@{record.offset} was dead-lettered "
                       f"({letter.error_class}: {letter.error_message[:200]})")
             await self._decide_and_publish(group_id, "invalid", discard_reason=reason)
-
-    def _capped_letter(self, record: ConsumerRecord, cause: BaseException, attempt: int) -> tuple[DeadLetter, bytes | None]:
-        limit = self.cfg.kafka.max_message_bytes
-        payload = record.value or b""
-        key = record.key
-        letter = DeadLetter(
-            payload=b"", error_class=type(cause).__name__, error_message=str(cause), source_topic=record.topic,
-            source_partition=record.partition, source_offset=record.offset, attempt=attempt,
-            worker_id=self.worker_id, original_headers=headers_to_dict(record.headers), original_size=len(payload),
-        )
-        overhead = record_size(key, b"", dead_letter_headers(letter))
-        if overhead > limit // 2:  # absurd headers or key: keep room for the payload, drop the copies
-            letter = msgspec.structs.replace(letter, original_headers={
-                "dropped": f"{len(letter.original_headers)} original headers ({overhead} bytes with the key)"})
-            if key is not None and len(key) > limit // 4:
-                key = key[: limit // 4]
-            overhead = record_size(key, b"", dead_letter_headers(letter))
-        # 16 bytes: the varints of the record and value lengths grow with the payload
-        cap = max(0, min(self.cfg.worker.dead_letter_max_bytes, limit - overhead - 16))
-        if len(payload) > cap:
-            return msgspec.structs.replace(letter, payload=payload[:cap]), key
-        return msgspec.structs.replace(letter, payload=payload, original_size=-1), key
-
-
-def _group_of(key: bytes | None) -> str | None:
-    """The group a record's key names (keys are group ids), when it can name one."""
-    if not key:
-        return None
-    try:
-        return key.decode()
-    except UnicodeDecodeError:
-        return None
 
 
 async def _unless_stopped(coro: Any, stop: asyncio.Event) -> bool:
@@ -570,11 +552,3 @@ async def _unless_stopped(coro: Any, stop: asyncio.Event) -> bool:
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     return False
-
-
-class _ProcessingError(Exception):
-    """Wraps an unexpected processing failure so the dead letter names the original error."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.cause = cause

@@ -138,3 +138,26 @@ async def test_scripts_are_reloaded_after_a_script_flush(ledger) -> None:
     await ledger.probe_many([(g, "x")])
     await ledger.redis.script_flush()  # what a Redis restart does to the script cache
     assert await ledger.probe_many([(g, "x")]) == ["new"]
+
+
+async def test_finished_groups_are_remembered_for_the_dedupe_window_only(redis_url: str) -> None:
+    window_s = 2.0
+    cfg = RedisConfig(url=redis_url, key_prefix=f"window-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    ledger = GroupLedger.from_config(cfg, dedupe_window_s=window_s)
+    try:
+        g = f"w-{uuid.uuid4().hex[:6]}"
+        _, decision = await ledger.park(_member("a"), group_id=g, group_size=1, **ARGS)
+        assert decision is not None and decision.outcome == "decided_now"
+        await ledger.finish(g, "accepted")
+        finished = time.monotonic()
+        assert await ledger.probe_many([(g, "a"), (g, "late")]) == ["done", "done"]
+        outcome, _ = await ledger.park(_member("late"), group_id=g, group_size=1, **ARGS)
+        assert outcome == "done"  # a late member does not re-open the group
+        assert not await ledger.redis.exists(*ledger.keys(g)[:2])  # the group's own keys are gone
+        deadline = finished + 4 * window_s + 2
+        while await ledger.probe_many([(g, "a")]) == ["done"]:  # poll until the window has passed
+            assert time.monotonic() < deadline, "the finished group was never forgotten"
+            await asyncio.sleep(0.1)
+        assert time.monotonic() - finished >= window_s  # remembered for the whole window
+    finally:
+        await ledger.aclose()

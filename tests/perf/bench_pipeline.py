@@ -5,7 +5,11 @@ In one run, on the same broker and machine:
 (a) publish -> N worker processes (LengthBudgetScorer) -> verdicts, trajectories/s;
 (b) raw aiokafka produce + consume of the same encoded bytes (the transport ceiling);
 (c) the in-process ``PRMRunner`` on the same trajectories (the AReaL-style baseline);
-then p50/p99 publish-to-verdict latency with the load paced at half of (a).
+(d) the ledger's Redis calls alone for the same scored results (Redis cost without the
+    contention of the whole pipeline on the same cores);
+then p50/p99 publish-to-verdict latency with the load paced at 10% and at 50% of (a),
+each with its breakdown by stage (from the stage timestamps every verdict carries), and
+Redis CPU (``INFO commandstats``), bytes and calls per trajectory during (a).
 
 Ratios are the figures to quote; absolute rates on a shared 2-core box are noisy.
 """
@@ -20,6 +24,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from infra.config import (
     ActorConfig,
@@ -35,7 +40,7 @@ from infra.config import (
 )
 from infra.kafka import ensure_topics, make_consumer, make_producer
 from infra.local import LocalStack
-from infra.schema import ReadyTrajectory, encode
+from infra.schema import GroupVerdict, ReadyTrajectory, decode_verdict, encode
 from prm_pipeline.observe import VerdictTail
 from prm_pipeline.processes import WorkerProcesses, write_config
 from producers.publisher import TrajectoryPublisher
@@ -94,6 +99,50 @@ async def _raw_baseline(cfg: PipelineConfig, payloads: list[tuple[bytes, bytes, 
     return len(payloads) / elapsed
 
 
+async def _ledger_alone(cfg: PipelineConfig, trajectories: list[ReadyTrajectory], n_groups: int = 1500,
+                        group_size: int = 4, concurrency: int = 32) -> dict[str, float]:
+    """The worker's Redis calls alone (probe, park, finish per member; no Kafka, no workers)
+    for ``n_groups`` groups of real scored results: Redis CPU per trajectory without the
+    contention of the full pipeline on the same cores."""
+    import msgspec
+
+    from scoring_workers.ledger import GroupLedger
+    from scoring_workers.prm import PRMRunner
+    from scoring_workers.scoring import score_member
+
+    runner = await PRMRunner.create(cfg.prm)
+    try:
+        scored = [await score_member(runner, t, timeout_s=None) for t in trajectories[:group_size]]
+    finally:
+        await runner.aclose()
+    redis_cfg = msgspec.structs.replace(cfg.redis, key_prefix=cfg.redis.key_prefix + ":alone")
+    ledger = GroupLedger.from_config(redis_cfg)
+    meter = _RedisMeter(cfg.redis.url)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(g: int) -> None:
+        gid = f"alone-{g}"
+        async with sem:
+            await ledger.probe_many([(gid, f"{gid}-{i}") for i in range(group_size)])
+            await asyncio.gather(*(ledger.park(
+                msgspec.structs.replace(r, trajectory_id=f"{gid}-{i}"), group_id=gid, group_size=group_size,
+                group_timeout_s=600, worker_id="bench", scorers=b"\x90", republish_grace_s=5, partition=0, offset=i)
+                for i, r in enumerate(scored)))
+            await ledger.finish(gid, "accepted")
+
+    try:
+        await ledger.probe_many([("warm", "up")])
+        await meter.reset()
+        await asyncio.gather(*(one(g) for g in range(n_groups)))
+        got = await meter.read()
+    finally:
+        await ledger.aclose()
+        await meter.aclose()
+    n = n_groups * group_size
+    return {"usec": got["usec"] / n, "cpu_us": got["cpu_s"] / n * 1e6, "in": got["in"] / n, "out": got["out"] / n,
+            "scripts": got["scripts"] / n}
+
+
 async def _runner_baseline(cfg: PipelineConfig, trajectories: list[ReadyTrajectory]) -> float:
     from scoring_workers.prm import PRMRunner
 
@@ -109,10 +158,90 @@ async def _runner_baseline(cfg: PipelineConfig, trajectories: list[ReadyTrajecto
         await runner.aclose()
 
 
+class _RedisMeter:
+    """Redis work between two points, from ``INFO commandstats`` / ``INFO stats``."""
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio as aioredis
+
+        self.client = aioredis.Redis.from_url(url)
+
+    async def _cpu(self) -> float:
+        cpu = await self.client.info("cpu")
+        return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+    async def reset(self) -> None:
+        await self.client.config_resetstat()
+        self.cpu0 = await self._cpu()
+
+    async def read(self) -> dict[str, Any]:
+        """Commands the clients sent (script calls count once: commandstats also lists the
+        commands a script runs, inside its own time) and the server's whole CPU."""
+        cpu = await self._cpu() - self.cpu0
+        stats = {k[len("cmdstat_"):]: v for k, v in (await self.client.info("commandstats")).items()}
+        net = await self.client.info("stats")
+        scripts = {k: v for k, v in stats.items() if k in ("evalsha", "eval", "fcall")}
+        inner = {"hset", "hget", "hgetall", "hexists", "hlen", "exists", "del", "set", "sismember", "sadd",
+                 "hmget", "hdel"}  # only ever run inside the ledger's scripts
+        top = {k: v for k, v in stats.items() if k not in inner and k not in ("info", "config|resetstat")}
+        return {"usec": sum(v["usec"] for v in top.values()), "cpu_s": cpu,
+                "scripts": sum(v["calls"] for v in scripts.values()),
+                "calls": sum(v["calls"] for v in top.values()),
+                "in": net["total_net_input_bytes"], "out": net["total_net_output_bytes"],
+                "by_command": {k: (v["calls"], v["usec"]) for k, v in top.items()}}
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+STAGES = ("queue", "score", "park", "decide", "send", "deliver")
+
+
+def _stages(verdict: GroupVerdict, published: float, record_ts: float, arrival_wall: float) -> dict[str, float] | None:
+    """Seconds per stage for the member that completed the group (the last one parked):
+    published (wall clock, when the bench's flush returned) -> consumed -> scored -> parked
+    -> decided -> verdict record -> the bench's tail."""
+    members = [m for m in verdict.sessions if getattr(m, "parked_at", 0.0)]
+    if not members:
+        return None  # verdicts of a worker without stage timestamps
+    m = max(members, key=lambda x: x.parked_at)
+    return {"queue": m.consumed_at - published, "score": m.scored_at - m.consumed_at,
+            "park": m.parked_at - m.scored_at, "decide": verdict.decided_at - m.parked_at,
+            "send": record_ts - verdict.decided_at, "deliver": arrival_wall - record_ts}
+
+
+async def _paced(pub: TrajectoryPublisher, tail: VerdictTail, groups: list[list[ReadyTrajectory]],
+                 rate: float) -> dict[str, Any]:
+    """Publish whole groups at ``rate`` trajectories/s; latency per group and its stage breakdown."""
+    interval = len(groups[0]) / rate
+    sent_at: dict[str, float] = {}
+    published: dict[str, float] = {}
+    start = time.perf_counter()
+    for i, g in enumerate(groups):
+        delay = start + i * interval - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)  # pacing the load generator, not synchronisation
+        wall = time.time()
+        await pub.publish_many(g)
+        await pub.flush()
+        sent_at[g[0].group_id] = time.perf_counter()
+        published[g[0].group_id] = wall
+    await tail.wait_for(set(sent_at), 600)
+    latencies = sorted(tail.arrivals[gid] - t for gid, t in sent_at.items())
+    stages: dict[str, list[float]] = {k: [] for k in STAGES}
+    for gid in sent_at:
+        record_ts, value, headers, wall = tail.raw[gid]
+        got = _stages(decode_verdict(value, headers), published[gid], record_ts, wall)
+        for k, v in (got or {}).items():
+            stages[k].append(v)
+    return {"interval": interval, "latencies": latencies, "stages": {k: sorted(v) for k, v in stages.items() if v}}
+
+
 async def _pipeline(cfg: PipelineConfig, groups: list[list[ReadyTrajectory]], n_workers: int, workdir: Path,
-                    latency_groups: int) -> tuple[float, list[float], float]:
+                    latency_groups: int, redis_url: str) -> dict[str, Any]:
     procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=n_workers)
-    tail = VerdictTail(cfg, decode=False)  # the load generator must not compete for CPU
+    tail = _RawTail(cfg)  # keys + raw bytes: the load generator must not compete for CPU decoding
+    meter = _RedisMeter(redis_url)
     procs.start()
     try:
         await tail.start()
@@ -123,37 +252,64 @@ async def _pipeline(cfg: PipelineConfig, groups: list[list[ReadyTrajectory]], n_
             await tail.wait_for({warm[0].group_id}, 60)  # workers joined and scoring
 
             # (a) peak: publish everything as fast as possible
-            peak = groups[: len(groups) - latency_groups]
+            peak = groups[: len(groups) - 2 * latency_groups]
+            await meter.reset()
             t0 = time.perf_counter()
             for g in peak:
                 await pub.publish_many(g)
             await pub.flush()
             await tail.wait_for({g[0].group_id for g in peak}, 600)
             done = max(tail.arrivals[g[0].group_id] for g in peak)
-            rate = sum(len(g) for g in peak) / (done - t0)
+            redis = await meter.read()
+            n_peak = sum(len(g) for g in peak)
+            rate = n_peak / (done - t0)
 
-            # latency at half the peak rate: pace whole groups
-            paced = groups[len(groups) - latency_groups:]
-            interval = len(paced[0]) / (rate / 2)
-            sent_at: dict[str, float] = {}
-            start = time.perf_counter()
-            for i, g in enumerate(paced):
-                delay = start + i * interval - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)  # pacing the load generator, not synchronisation
-                await pub.publish_many(g)
-                await pub.flush()
-                sent_at[g[0].group_id] = time.perf_counter()
-            await tail.wait_for(set(sent_at), 600)
-            latencies = sorted(tail.arrivals[gid] - t for gid, t in sent_at.items())
-        return rate, latencies, interval
+            rest = groups[len(groups) - 2 * latency_groups:]
+            low = await _paced(pub, tail, rest[:latency_groups], rate * 0.1)
+            half = await _paced(pub, tail, rest[latency_groups:], rate * 0.5)
+        return {"rate": rate, "redis": redis, "trajectories": n_peak, "low": low, "half": half}
     finally:
         await tail.stop()
+        await meter.aclose()
         procs.stop()
+
+
+class _RawTail(VerdictTail):
+    """:class:`VerdictTail` that keeps each group's first verdict record undecoded (bytes,
+    headers, producer timestamp, arrival wall time) for the stage breakdown."""
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        super().__init__(cfg, decode=False)
+        self.raw: dict[str, tuple[float, bytes, Any, float]] = {}
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            batch = await self.consumer.getmany(timeout_ms=50)
+            now, wall = time.perf_counter(), time.time()
+            for records in batch.values():
+                for r in records:
+                    self.records += 1
+                    gid = r.key.decode()
+                    if gid not in self.arrivals:
+                        self.arrivals[gid] = now
+                        self.raw[gid] = (r.timestamp / 1000, r.value, r.headers, wall)
 
 
 def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _latency_lines(label: str, run: dict[str, Any]) -> list[str]:
+    lat = run["latencies"]
+    lines = [f"latency at {label} of peak ({len(lat)} groups, one every {run['interval'] * 1e3:.0f} ms): "
+             f"p50 {_pct(lat, 0.5) * 1e3:.0f} ms, p99 {_pct(lat, 0.99) * 1e3:.0f} ms, max {lat[-1] * 1e3:.0f} ms"]
+    if run["stages"]:
+        lines.append("  stage (last member of the group)   p50 ms    p99 ms")
+        names = {"queue": "publish (before flush) -> consumed", "score": "consumed -> scored", "park": "scored -> parked",
+                 "decide": "parked -> decided", "send": "decided -> verdict record", "deliver": "record -> trainer"}
+        for k, v in run["stages"].items():
+            lines.append(f"  {names[k]:34} {max(0.0, _pct(v, 0.5)) * 1e3:7.1f}  {max(0.0, _pct(v, 0.99)) * 1e3:8.1f}")
+    return lines
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -161,7 +317,7 @@ async def _main(args: argparse.Namespace) -> int:
         name = uuid.uuid4().hex[:8]
         cfg = _config(stack, name, args.concurrency, args.compression)
         await ensure_topics(cfg.kafka, cfg.topics)
-        groups = _groups(args.groups + args.latency_groups, args.group_size, args.turns, args.tokens, f"b{name}-")
+        groups = _groups(args.groups + 2 * args.latency_groups, args.group_size, args.turns, args.tokens, f"b{name}-")
         trajectories = [t for g in groups for t in g]
         payloads = []
         for t in trajectories[: args.groups * args.group_size]:
@@ -172,18 +328,29 @@ async def _main(args: argparse.Namespace) -> int:
               f"<= {args.tokens} output tokens/turn, {mean_kib:.0f} KiB/trajectory on the wire")
         raw = await _raw_baseline(cfg, payloads)
         inproc = await _runner_baseline(cfg, trajectories[: args.groups * args.group_size])
+        alone = await _ledger_alone(cfg, trajectories)
         work = Path(tmp) / "workers"
         work.mkdir()
-        e2e, latencies, interval = await _pipeline(cfg, groups, args.workers, work, args.latency_groups)
+        result = await _pipeline(cfg, groups, args.workers, work, args.latency_groups, stack.redis_url)
+    e2e, redis, n = result["rate"], result["redis"], result["trajectories"]
     print()
     print(f"{'path':52} {'traj/s':>10} {'ratio':>8}")
     print(f"{f'(a) pipeline: publish -> {args.workers} workers -> verdict':52} {e2e:10.0f} {'1.00':>8}")
     print(f"{'(b) raw aiokafka produce+consume, same bytes':52} {raw:10.0f} {e2e / raw:8.2f}  (a)/(b)")
     print(f"{'(c) in-process PRMRunner, same trajectories':52} {inproc:10.0f} {e2e / inproc:8.2f}  (a)/(c)")
     print()
-    print(f"latency at half peak ({len(latencies)} groups, one every {interval * 1e3:.0f} ms): "
-          f"p50 {_pct(latencies, 0.5) * 1e3:.0f} ms, p99 {_pct(latencies, 0.99) * 1e3:.0f} ms, "
-          f"max {latencies[-1] * 1e3:.0f} ms")
+    print(f"Redis per trajectory during (a): {redis['usec'] / n:.1f} µs in commands (INFO commandstats), "
+          f"{redis['cpu_s'] / n * 1e6:.1f} µs server CPU (INFO cpu), "
+          f"{redis['in'] / n / 1024:.1f} KB in, {redis['out'] / n / 1024:.1f} KB out, "
+          f"{redis['scripts'] / n:.2f} script calls + {(redis['calls'] - redis['scripts']) / n:.2f} other commands")
+    top = sorted(redis["by_command"].items(), key=lambda kv: -kv[1][1])[:6]
+    print("  " + ", ".join(f"{k} {c / n:.2f} calls {u / n:.1f} µs" for k, (c, u) in top))
+    print(f"(d) the ledger's calls alone (6,000 members, no Kafka): {alone['usec']:.1f} µs in commands, "
+          f"{alone['cpu_us']:.1f} µs server CPU, {alone['in'] / 1024:.1f} KB in, {alone['out'] / 1024:.1f} KB out, "
+          f"{alone['scripts']:.2f} script calls per trajectory")
+    print()
+    for line in _latency_lines("10%", result["low"]) + _latency_lines("50%", result["half"]):
+        print(line)
     return 0
 
 

@@ -1,0 +1,119 @@
+"""Redis carries scores, not tokens: the parked hash holds no token ids or log-probs, and a
+worker that did not consume a member reads its tokens back from the log, so the verdict
+is the same whoever decides the group."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from infra.config import PipelineConfig, PRMScorerConfig
+from infra.kafka import ensure_topics
+from infra.schema import ReadyTrajectory, compact_turns
+from producers.publisher import TrajectoryPublisher
+from producers.synthetic import make_group
+from scoring_workers.ledger import GroupLedger, decode_parked
+from scoring_workers.worker import Worker
+from tests.integration.harness import isolated_config, wait_for_verdicts
+
+pytestmark = pytest.mark.integration
+
+
+def _config(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
+    return isolated_config(f"tokens-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, group_timeout_s=120,
+                           scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer",
+                                                    kwargs={"max_output_tokens": 24})])
+
+
+@contextlib.asynccontextmanager
+async def _worker(cfg: PipelineConfig, worker_id: str) -> AsyncIterator[Worker]:
+    worker = Worker(cfg, worker_id=worker_id)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 30)
+        yield worker
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def _parked(cfg: PipelineConfig, group_id: str, n: int, timeout_s: float = 30) -> dict[bytes, bytes]:
+    """The group's members hash once ``n`` members are parked (a poll with a deadline)."""
+    ledger = GroupLedger.from_config(cfg.redis)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(members := await ledger.redis.hgetall(ledger.keys(group_id)[1])) < n:
+            assert time.monotonic() < deadline, f"only {len(members)} of {n} members parked"
+            await asyncio.sleep(0.05)
+        return members
+    finally:
+        await ledger.aclose()
+
+
+def _token_samples(traj: ReadyTrajectory) -> list[bytes]:
+    """Distinctive byte strings of the trajectory's tokens and log-probs (32 bytes each)."""
+    out = []
+    for it in traj.interactions:
+        mr = it.model_response
+        assert mr is not None and mr.output_len >= 8
+        out += [mr.output_tokens_raw[:32], mr.output_logprobs_raw[:32], mr.input_tokens_raw[:32]]
+    return out
+
+
+async def test_parked_hash_holds_no_token_ids_or_logprobs(kafka_bootstrap, redis_url) -> None:
+    cfg = _config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
+    group = make_group(f"park-{uuid.uuid4().hex[:6]}", 4, turns=3, output_tokens=(64, 128))
+    gid = group[0].group_id
+    async with _worker(cfg, "w-park"):
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_many(group[:3])  # the group stays open: its members stay parked
+        members = await _parked(cfg, gid, 3)
+        for tid, blob in members.items():
+            parked = decode_parked(blob)
+            assert parked.result.status == "scored" and parked.result.stats and parked.result.branches
+            assert parked.result.turns == [] and parked.partition >= 0 and parked.offset >= 0
+            traj = next(t for t in group if t.trajectory_id == tid.decode())
+            for sample in _token_samples(traj):
+                assert sample not in blob, f"{tid!r}: token bytes found in Redis"
+            assert len(blob) < 2048, f"parked blob is {len(blob)} bytes"
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_ready(group[3])
+        (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid], timeout_s=30) if v.group_id == gid]
+    assert verdict.status == "accepted"
+    by_id = {t.trajectory_id: t for t in group}
+    for s in verdict.sessions:  # the verdict still carries every member's tokens
+        assert s.turns == compact_turns(by_id[s.trajectory_id].interactions)
+
+
+async def test_a_worker_that_did_not_consume_members_reads_their_tokens_from_the_log(kafka_bootstrap,
+                                                                                     redis_url) -> None:
+    cfg = _config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
+    groups = [make_group(f"back{k}-{uuid.uuid4().hex[:6]}", 4, turns=2, output_tokens=(32, 64)) for k in range(2)]
+    async with _worker(cfg, "w-first"):  # scores and parks three members of each, then leaves (commits them)
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            for group in groups:
+                await pub.publish_many(group[:3])
+        for group in groups:
+            await _parked(cfg, group[0].group_id, 3)
+    verdicts = []
+    async with _worker(cfg, "w-second") as second:  # never saw them: their tokens come from the log
+        for group in groups:  # one group after the other: two separate read-backs
+            async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+                await pub.publish_ready(group[3])
+            gid = group[0].group_id
+            verdicts += [v for v in await wait_for_verdicts(cfg, [gid], timeout_s=30) if v.group_id == gid]
+        assert second._tokens.log_reads == 6
+    for group, verdict in zip(groups, verdicts):
+        assert verdict.status == "accepted" and verdict.worker_id == "w-second"
+        by_id = {t.trajectory_id: t for t in group}
+        assert [s.trajectory_id for s in verdict.sessions] == sorted(by_id)
+        for s in verdict.sessions:
+            assert s.turns == compact_turns(by_id[s.trajectory_id].interactions)

@@ -1,0 +1,157 @@
+"""Pure logic of the worker's plumbing: Kafka error classes, backoff, the verdict size
+fallback, parked-member decoding, group-commit batching and the token cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+from aiokafka import errors as kerr
+
+from infra.kafka import backoff_delay, is_permanent, is_retriable, record_size
+from infra.schema import GroupVerdict, SessionResult, compact_turns, encode
+from producers.synthetic import make_group
+from scoring_workers.ledger import ParkedMember, _GroupCommit, decode_parked, fingerprint
+from scoring_workers.verdicts import assemble_verdict, too_large_verdict
+
+
+@pytest.mark.parametrize("exc", [kerr.KafkaConnectionError(), kerr.NotLeaderForPartitionError(),
+                                 kerr.RequestTimedOutError(), kerr.KafkaTimeoutError(), kerr.NodeNotReadyError(),
+                                 ConnectionResetError(), OSError("network down")])
+def test_outages_are_retriable(exc: BaseException) -> None:
+    assert is_retriable(exc) and not is_permanent(exc)
+
+
+@pytest.mark.parametrize("exc", [kerr.MessageSizeTooLargeError(), kerr.InvalidTopicError(),
+                                 kerr.TopicAuthorizationFailedError(), kerr.UnsupportedVersionError(),
+                                 kerr.SaslAuthenticationFailed(), kerr.IllegalStateError()])
+def test_what_no_retry_can_fix_is_permanent(exc: BaseException) -> None:
+    assert is_permanent(exc) and not is_retriable(exc)
+
+
+def test_backoff_is_bounded_and_jittered() -> None:
+    assert backoff_delay(1, jitter=False) == pytest.approx(0.2)
+    assert backoff_delay(50, jitter=False) == 10.0
+    assert all(5.0 <= backoff_delay(50) <= 10.0 for _ in range(100))
+
+
+def test_record_size_counts_key_and_headers() -> None:
+    assert record_size(b"k" * 100, b"v", [("h", b"x" * 100)]) > record_size(None, b"v", None) + 200
+
+
+def _scored_group(n: int = 3) -> tuple[list, list[SessionResult]]:
+    group = make_group("g-big", n, turns=2, output_tokens=64)
+    members = [SessionResult(session_id=t.session_id, trajectory_id=t.trajectory_id, status="scored",
+                             stats={"rollout/x": 1.0}, turns=compact_turns(t.interactions)) for t in group]
+    return group, members
+
+
+def test_too_large_verdict_keeps_stats_and_drops_turns_deterministically() -> None:
+    _, members = _scored_group()
+    verdict = assemble_verdict("g-big", {"group_size": "3", "decision": "complete", "decided_at": "5"}, members)
+    assert verdict.status == "accepted"
+    small = too_large_verdict(verdict, size=123_456, limit=65_536)
+    assert small == too_large_verdict(verdict, size=123_456, limit=65_536)  # a pure function: same bytes
+    assert small.status == "rejected" and small.reason.startswith("verdict_too_large:")
+    assert "123456 bytes" in small.reason and "max_message_bytes=65536" in small.reason
+    assert "it was accepted" in small.reason
+    assert all(s.turns == [] and s.stats == {"rollout/x": 1.0} for s in small.sessions)
+    assert len(encode(small)[0]) < len(encode(verdict)[0]) / 4
+
+
+def test_parked_members_carry_no_turns_and_legacy_blobs_still_decode() -> None:
+    _, members = _scored_group(1)
+    legacy = msgspec.msgpack.encode(members[0])  # what an older worker parked: the whole result
+    assert decode_parked(legacy) == ParkedMember(members[0])
+    parked = ParkedMember(msgspec.structs.replace(members[0], turns=[]), 3, 17)
+    assert decode_parked(msgspec.msgpack.encode(parked)) == parked
+    verdict = assemble_verdict("g", {"group_size": "1"}, [parked])
+    assert isinstance(verdict, GroupVerdict) and verdict.sessions[0].turns == []
+
+
+def test_fingerprints_are_12_bytes_and_stable() -> None:
+    assert fingerprint("g-1") == fingerprint("g-1") != fingerprint("g-2")
+    assert len(fingerprint("g-1")) == 12
+
+
+async def test_group_commit_batches_concurrent_submissions() -> None:
+    batches: list[list[int]] = []
+    gate = asyncio.Event()
+
+    async def run(items: list[int]) -> list[int]:
+        batches.append(items)
+        await gate.wait()
+        return [i * 10 for i in items]
+
+    commit: _GroupCommit[int, int] = _GroupCommit(run)
+    first = asyncio.create_task(commit.submit(1))
+    await asyncio.sleep(0)  # the first batch is on the wire
+    rest = [asyncio.create_task(commit.submit(i)) for i in (2, 3, 4)]
+    await asyncio.sleep(0)
+    gate.set()
+    assert await asyncio.gather(first, *rest) == [10, 20, 30, 40]
+    assert batches == [[1], [2, 3, 4]]  # the three that queued meanwhile went as one call
+
+
+async def test_group_commit_fails_every_member_of_a_failed_batch() -> None:
+    async def run(items: list[int]) -> list[int]:
+        raise ConnectionError("redis down")
+
+    commit: _GroupCommit[int, int] = _GroupCommit(run)
+    results = await asyncio.gather(commit.submit(1), commit.submit(2), return_exceptions=True)
+    assert all(isinstance(r, ConnectionError) for r in results)
+
+
+def test_token_cache_is_bounded_and_forgets_finished_groups() -> None:
+    from infra.config import PipelineConfig
+    from scoring_workers.tokens import MemberTokens
+
+    group, members = _scored_group(3)
+    one = sum(len(t.prompt_delta_raw) + len(t.output_tokens_raw) + len(t.output_logprobs_raw or b"")
+              for t in members[0].turns)
+    cache = MemberTokens(PipelineConfig(), max_bytes=int(one * 2.5))
+    for m in members:
+        cache.remember("g-big", m.trajectory_id, m.turns)
+    assert ("g-big", members[0].trajectory_id) not in cache._cache
+    assert cache._bytes <= cache.max_bytes
+    cache.forget_group("g-big")
+    assert cache._bytes == 0 and not cache._cache
+
+
+async def test_a_dead_letter_kafka_refuses_for_good_is_counted_as_poison_not_retried() -> None:
+    from aiokafka.structs import ConsumerRecord
+
+    from infra.config import PipelineConfig
+    from infra.schema import InvalidMessage
+    from scoring_workers.worker import Worker
+
+    class RefusingProducer:  # the control flow under test is the worker's, not Kafka's
+        calls = 0
+
+        async def send_and_wait(self, *args: object, **kwargs: object) -> None:
+            RefusingProducer.calls += 1
+            raise kerr.TopicAuthorizationFailedError()
+
+    worker = Worker(PipelineConfig(), worker_id="w-unit")
+    worker.producer = RefusingProducer()  # type: ignore[assignment]
+    record = ConsumerRecord("traj", 2, 41, 0, 0, None, b"junk", None, 4, [], [])
+    await worker._dead_letter(record, InvalidMessage("truncated"), 1)
+    assert RefusingProducer.calls == 1
+    assert worker.telemetry.snapshot()["prm_worker_poison_total"] == 1.0
+
+
+def test_capped_dead_letter_fits_with_absurd_headers_and_key() -> None:
+    from aiokafka.structs import ConsumerRecord
+
+    from infra.schema import dead_letter_headers
+    from scoring_workers.dead_letters import capped_letter
+
+    limit = 64 * 1024
+    headers = [(f"h{i}", b"x" * 1000) for i in range(40)]  # 40 KB of headers
+    record = ConsumerRecord("traj", 0, 7, 0, 0, b"k" * 30_000, b"v" * 60_000, None, 30_000, 60_000, headers)
+    letter, key = capped_letter(record, ValueError("bad"), 1, worker_id="w", max_message_bytes=limit,
+                                dead_letter_max_bytes=limit)
+    assert record_size(key, letter.payload, dead_letter_headers(letter)) <= limit
+    assert letter.original_size == 60_000 and letter.payload == b"v" * len(letter.payload)
+    assert "dropped" in letter.original_headers and len(key) <= limit // 4
