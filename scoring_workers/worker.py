@@ -128,6 +128,7 @@ class Worker:
         self._tracker = OffsetTracker()
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
         self._discards: dict[str, asyncio.Task[None]] = {}  # group_id -> in-flight DiscardGroup
+        self._members: dict[str, set[asyncio.Task[None]]] = {}  # group_id -> in-flight members
         self._scorers_blob = encode_scorers([])
         self._tokens = MemberTokens(cfg)
         self._paused = False
@@ -283,12 +284,18 @@ class Worker:
             tp = TopicPartition(record.topic, record.partition)
             self._tracker.begin(tp, record.offset)
             probe = probes.get(id(record))
-            barrier = None
+            barrier: asyncio.Future[Any] | None = None
             if isinstance(message, ReadyTrajectory):
                 barrier = self._discards.get(message.group_id)
                 if barrier is not None:
                     probe = None  # stale: the discard ahead of it may decide the group
+            elif isinstance(message, SchemaError) and (earlier := self._members.get(group_of(record.key) or "")):
+                # its group is rejected (invalid_member) once the members consumed before it have parked
+                barrier = asyncio.ensure_future(asyncio.wait(list(earlier)))
             task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at))
+            if isinstance(message, ReadyTrajectory):
+                self._members.setdefault(message.group_id, set()).add(task)
+                task.add_done_callback(lambda t, g=message.group_id: self._member_done(g, t))
             if isinstance(message, DiscardGroup):
                 # Records of a group behind its discard (same partition, later offset)
                 # must see the discard's decision: they wait for it, not for each other.
@@ -298,6 +305,13 @@ class Worker:
             self._tasks[task] = tp
             self.telemetry.in_flight.set(len(self._tasks))
             task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
+
+    def _member_done(self, group_id: str, task: asyncio.Task[None]) -> None:
+        members = self._members.get(group_id)
+        if members is not None:
+            members.discard(task)
+            if not members:
+                del self._members[group_id]
 
     def _done(self, task: asyncio.Task[None], tp: TopicPartition, offset: int) -> None:
         self._tasks.pop(task, None)
@@ -309,7 +323,7 @@ class Worker:
         self._tracker.finish(tp, offset)
 
     async def _process(self, record: ConsumerRecord, message: Any, probe: str | None,
-                       after: asyncio.Task[None] | None = None, consumed_at: float = 0.0) -> None:
+                       after: asyncio.Future[Any] | None = None, consumed_at: float = 0.0) -> None:
         if after is not None:
             await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
         attempt = 0
