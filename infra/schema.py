@@ -1,5 +1,7 @@
 """Wire schemas: the one definition of every message that crosses Kafka.
 
+Long on purpose: the one definition of every wire message; splitting it would make two places to look for the contract.
+
 (Over 500 lines on purpose: every wire message and its codec live in this one module.)
 
 Design rules (after msgspec's own): few precise types, validation at the boundary

@@ -1,5 +1,7 @@
 """A scripted LLM judge / teacher on loopback, for tests, benchmarks and demos.
 
+Long on purpose: one self-contained test server speaking both judge APIs, with its scripting knobs.
+
 :class:`FakeJudgeServer` is a real HTTP/1.1 server (stdlib
 :class:`http.server.ThreadingHTTPServer` in a background thread, keep-alive on) that
 answers the endpoints the judge scorers call:

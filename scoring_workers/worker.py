@@ -1,5 +1,7 @@
 """The scoring worker: ``prm.trajectories`` in, ``prm.verdicts`` (and dead letters) out.
 
+Long on purpose: the whole consume/score/park/decide/commit loop fits in one readable module, like arq's worker.
+
 (Over 500 lines: one record lifecycle — dispatch, retries, handlers, publish, sweep — whose
 steps share the commit discipline below.)
 

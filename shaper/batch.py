@@ -1,5 +1,7 @@
 r"""Concat export: accepted verdicts -> padded training tensors.
 
+Long on purpose: the concat rebuild, padding and reward alignment are one invariant (rewards on the right tokens).
+
 A :class:`~infra.schema.GroupVerdict` is self-contained: every scored member carries its
 token tree (compact :class:`~infra.schema.TokenTurn`\ s: each turn's *new* prompt tokens
 and its output) and, per root-to-leaf branch, the per-token process rewards of each

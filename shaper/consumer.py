@@ -1,5 +1,7 @@
 """The trainer's end of ``prm.verdicts``: verdicts in, deduplicated :class:`TrainingBatch`\\ es out.
 
+Long on purpose: dedupe, filtering, commit-after-acknowledge and batching share one offset discipline.
+
 ::
 
     async with VerdictConsumer(cfg) as consumer:

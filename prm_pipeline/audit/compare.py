@@ -1,5 +1,7 @@
 """The audit's pure comparison: verdict members vs what re-scoring produced.
 
+Long on purpose: every rule by which a re-scored member may differ from its verdict, side by side.
+
 Wire structs in (:class:`~infra.schema.GroupVerdict`, :class:`~infra.schema.SessionResult`),
 :class:`GroupFinding` out: no I/O, no runner, no Kafka, so it is unit-tested on
 hand-built verdicts (tests/unit/test_audit_compare.py). It holds the tolerance

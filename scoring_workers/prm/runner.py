@@ -1,5 +1,7 @@
 """``PRMRunner``: scores one ready trajectory with the configured scorers.
 
+Long on purpose: one run's validate-then-commit state machine and the lifecycle it guards read best in one place.
+
 What a run does, and why it is shaped this way (AReaL's Process Rewards, "Scorer Contract",
 "Branches, Filtering And Metrics"):
 
