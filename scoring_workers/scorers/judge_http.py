@@ -34,6 +34,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Self
 
 import aiohttp
@@ -119,8 +120,10 @@ class JudgeClient:
         max_concurrency, rps, breaker_failure_threshold, breaker_reset_s: the shared
             per-``base_url`` limits; ``None`` inherits what is registered (defaults
             32, unlimited, 5, 10 s). ``rps=0`` means no pacing.
-        headers: extra request headers; ``api_key`` / ``api_key_env`` add
-            ``Authorization: Bearer ...`` (prefer the environment variable).
+        headers: extra request headers; ``api_key_env`` (an environment variable),
+            ``api_key_file`` (a file, e.g. a mounted Kubernetes Secret; surrounding
+            whitespace stripped) or ``api_key`` add ``Authorization: Bearer ...``, the
+            first one set winning. Keys never come from a trajectory.
         trust_env: let the client read proxy settings from the environment (off:
             judges are cluster-internal and a stray ``HTTP_PROXY`` breaks them).
         rng: random source for the jitter (tests pass a seeded one).
@@ -144,6 +147,7 @@ class JudgeClient:
         headers: Mapping[str, str] | None = None,
         api_key: str | None = None,
         api_key_env: str | None = None,
+        api_key_file: str | None = None,
         trust_env: bool = False,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -169,6 +173,11 @@ class JudgeClient:
         if breaker_reset_s is not None:
             requested["breaker_reset_s"] = _check_number("breaker_reset_s", breaker_reset_s)
         hdrs = {str(k): str(v) for k, v in (headers or {}).items()}
+        if api_key_file and not (api_key_env and os.environ.get(api_key_env)):
+            try:
+                api_key = Path(api_key_file).read_text().strip() or api_key
+            except OSError as exc:
+                raise ValueError(f"api_key_file {api_key_file!r} cannot be read: {exc.strerror}") from None
         if api_key_env:
             api_key = os.environ.get(api_key_env) or api_key
         if api_key:

@@ -56,6 +56,7 @@ Config (``kwargs`` of the scorer entry)::
       breaker_failure_threshold: 5
       breaker_reset_s: 10
       api_key_env: null                 # env var holding a bearer token
+      api_key_file: null                # or a file holding it (a mounted Secret)
       audit_sink: null                  # "module:callable" receiving audit records
 
 Judge texts for audit travel on the result: :class:`JudgeScorerResult` is a
@@ -174,6 +175,7 @@ class JudgeScorerBase(BaseScorer):
         breaker_failure_threshold: int | None = None,
         breaker_reset_s: float | None = None,
         api_key_env: str | None = None,
+        api_key_file: str | None = None,
         headers: Mapping[str, str] | None = None,
         chat_template: Any = None,
         audit_sink: Any = None,
@@ -219,7 +221,7 @@ class JudgeScorerBase(BaseScorer):
             "timeout_s": timeout_s, "total_timeout_s": total_timeout_s, "max_retries": max_retries,
             "backoff_base_s": backoff_base_s, "backoff_max_s": backoff_max_s, "max_concurrency": max_concurrency,
             "rps": rps, "breaker_failure_threshold": breaker_failure_threshold, "breaker_reset_s": breaker_reset_s,
-            "api_key_env": api_key_env, "headers": headers,
+            "api_key_env": api_key_env, "api_key_file": api_key_file, "headers": headers,
         }
         self._clients: list[JudgeClient] = []
         client = self._new_client(base_url)
