@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -216,19 +217,28 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
     return AIOKafkaConsumer(*topics, **kwargs)
 
 
-async def assign_from_start(consumer: AIOKafkaConsumer, *topics: str) -> list[TopicPartition]:
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 30.0) -> list[TopicPartition]:
+    """Every partition of ``topic``, waiting up to ``timeout_s`` for its metadata (a topic
+    created a moment ago may not be known to the client yet); a topic that never shows
+    up is a clear error, not an endless wait."""
+    deadline = time.monotonic() + timeout_s
+    partitions = consumer.partitions_for_topic(topic)
+    while not partitions:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"topic {topic!r} does not exist (create it with `prm-pipeline topics create`)")
+        await consumer._client.force_metadata_update()  # aiokafka has no public call for this
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            await asyncio.sleep(0.05)
+    return [TopicPartition(topic, p) for p in sorted(partitions)]
+
+
+async def assign_from_start(consumer: AIOKafkaConsumer, *topics: str, timeout_s: float = 30.0) -> list[TopicPartition]:
     """Assign every partition of ``topics`` to a started, group-less consumer and seek each
-    to its beginning; returns the partitions. Waits for each topic's metadata (a topic
-    created a moment ago may not be known to the client yet)."""
+    to its beginning; returns the partitions (see :func:`partitions_of`)."""
     tps: list[TopicPartition] = []
     for topic in topics:
-        partitions = consumer.partitions_for_topic(topic)
-        while not partitions:
-            await consumer._client.force_metadata_update()
-            partitions = consumer.partitions_for_topic(topic)
-            if not partitions:
-                await asyncio.sleep(0.05)
-        tps += [TopicPartition(topic, p) for p in sorted(partitions)]
+        tps += await partitions_of(consumer, topic, timeout_s=timeout_s)
     consumer.assign(tps)
     await consumer.seek_to_beginning(*tps)
     return tps

@@ -46,14 +46,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from aiokafka.structs import TopicPartition
 from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
 from verl.trainer.ppo import core_algos
 
 from infra.config import PipelineConfig, PRMAdvantageShapingConfig, load_config
-from infra.kafka import make_consumer
+from infra.kafka import make_consumer, partitions_of
 from infra.schema import GroupVerdict, Interaction, ModelResponse, ReadyTrajectory, SchemaError, decode_verdict
 from producers.publisher import TrajectoryPublisher
 from shaper.shaping import shape_advantages
@@ -141,17 +140,11 @@ class VerdictWaiter:
     async def start(self) -> None:
         self._consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=50)
         await self._consumer.start()
-        topic = self.cfg.topics.verdicts
-        parts = None
-        deadline = time.monotonic() + 30
-        while not parts:  # the metadata of a just-created topic may lag
-            if time.monotonic() > deadline:
-                await self._consumer.stop()
-                raise RuntimeError(f"topic {topic!r} does not exist on {self.cfg.kafka.bootstrap} "
-                                   "(create it with `prm-pipeline topics create`)")
-            await self._consumer._client.force_metadata_update()
-            parts = self._consumer.partitions_for_topic(topic)
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        try:
+            tps = await partitions_of(self._consumer, self.cfg.topics.verdicts)
+        except RuntimeError:
+            await self._consumer.stop()
+            raise
         self._consumer.assign(tps)
         await self._consumer.seek_to_end()
         for tp in tps:  # resolve the lazy seek now, before anything is published

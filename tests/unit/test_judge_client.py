@@ -396,13 +396,19 @@ async def test_a_base_url_path_prefix_is_kept(server):
     assert info.value.status == 404 and "/gateway/v1/chat/completions" in str(info.value)
 
 
-def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
+async def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
     key_file = tmp_path / "judge-key"
     key_file.write_text("file-secret\n")
-    from_file = JudgeClient("http://127.0.0.1:9", api_key_file=str(key_file))
-    assert from_file._headers["Authorization"] == "Bearer file-secret"  # whitespace stripped
+    url = "http://127.0.0.1:9/api-key-test"
+    from_file = JudgeClient(url, api_key_file=str(key_file))
     monkeypatch.setenv("PRM_TEST_JUDGE_KEY", "env-secret")
-    both = JudgeClient("http://127.0.0.1:9", api_key_env="PRM_TEST_JUDGE_KEY", api_key_file=str(key_file))
-    assert both._headers["Authorization"] == "Bearer env-secret"  # the environment variable wins
-    with pytest.raises(ValueError, match="api_key_file .*missing.* cannot be read"):
-        JudgeClient("http://127.0.0.1:9", api_key_file=str(tmp_path / "missing"))
+    both = JudgeClient(url, api_key_env="PRM_TEST_JUDGE_KEY", api_key_file=str(key_file))
+    try:
+        assert from_file._headers["Authorization"] == "Bearer file-secret"  # whitespace stripped
+        assert both._headers["Authorization"] == "Bearer env-secret"  # the environment variable wins
+        with pytest.raises(ValueError, match="api_key_file .*missing.* cannot be read"):
+            JudgeClient(url, api_key_file=str(tmp_path / "missing"))
+    finally:
+        await from_file.aclose()
+        await both.aclose()
+    assert registered_limits(url) is None
