@@ -8,8 +8,9 @@ transient errors grew). The scripts loaded with SCRIPT LOAD do not survive a res
 the ledger's NOSCRIPT reload path runs too.
 
 Expected: no group lost, none with two distinct verdicts after the trainer's dedupe
-(byte-identical re-publishes are fine), all accepted; the ledger's tombstones written
-before each restart are still there after it (the AOF did its job).
+(byte-identical re-publishes are fine), all accepted; the finished groups the ledger
+remembered before each restart (fingerprints in its dedupe sets) are still there after it
+(the AOF did its job).
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ async def _noscript_errors(redis_cfg: RedisConfig) -> int:
 
 
 async def _tombstones(redis_cfg: RedisConfig) -> int:
+    """Finished groups the ledger remembers: fingerprints in its dedupe sets."""
     client = make_redis(redis_cfg)
     try:
-        return sum([1 async for _ in client.scan_iter(match=f"{redis_cfg.key_prefix}:*:done", count=1000)])
+        return sum([await client.scard(key) async for key in
+                    client.scan_iter(match=f"{redis_cfg.key_prefix}:done:*", count=1000)])
     finally:
         await client.aclose()
 
@@ -135,6 +138,7 @@ async def test_redis_restart_with_aof_loses_and_duplicates_nothing(kafka_bootstr
     for f in faults:
         assert f["clients_noticed"], f"the workers never noticed the outage: {f}"
         assert f["exit_code"] == (-9 if "SIGKILL" in f["fault"] else 0), f
+        assert f["tombstones_before"] > 0, f"no finished group to check before the restart: {f}"
         assert f["tombstones_after"] >= f["tombstones_before"], f"ledger state lost across the restart: {f}"
         assert f["noscript_replies_after"] >= 1, f"the script cache survived the restart? {f}"
     assert all(code == 0 for code, _ in procs.final_exits()), procs.logs()

@@ -11,7 +11,9 @@ and reports from the kernel and the servers (:mod:`tests.perf.procstats`):
   actually sent to and from the broker (compressed batches plus protocol), counted by
   a loopback proxy the broker advertises — so the consumers' fetches are included;
 * Redis: bytes in and out, CPU and commands per trajectory (``INFO``), and the memory
-  of a parked member and of a finished group's tombstone (``MEMORY USAGE``).
+  of a parked member and of a finished group in the dedupe sets (``MEMORY USAGE``): as
+  measured (small sets, key overhead included) and in a scratch set of 3,000
+  fingerprints, the size a set reaches at 100k trajectories/s (what the sizing uses).
 
 ``--json FILE`` writes the figures for docs/capacity.md. The benchmark process only
 watches (status files, ``/proc``, ``INFO``): it reads no topic while measuring, so the
@@ -64,6 +66,28 @@ async def _memory_sample(redis: Any, pattern: str, limit: int = 50) -> tuple[flo
     return sum(sizes) / len(sizes), sum(entries) / len(entries)
 
 
+async def _done_sets(redis: Any, prefix: str) -> float:
+    """Mean ``MEMORY USAGE`` bytes per finished group over the ledger's dedupe sets."""
+    size = members = 0
+    for pattern in (f"{prefix}:done:*", f"{prefix}:{{*}}:done:*"):  # standalone, cluster
+        async for key in redis.scan_iter(match=pattern, count=1000):
+            size += await redis.memory_usage(key, samples=0) or 0
+            members += await redis.scard(key)
+    return size / members if members else float("nan")
+
+
+async def _scratch_set_bytes(redis: Any, key: str, n: int) -> float:
+    """Bytes per member of a set of ``n`` 12-byte fingerprints (a dedupe set at scale)."""
+    import os
+
+    await redis.delete(key)
+    try:
+        await redis.sadd(key, *(os.urandom(12) for _ in range(n)))
+        return (await redis.memory_usage(key, samples=0) or 0) / n
+    finally:
+        await redis.delete(key)
+
+
 def _record_bytes(records: list[Any]) -> int:
     return sum(len(r.key or b"") + len(r.value or b"") + sum(len(k) + len(v or b"") for k, v in r.headers)
                for r in records)
@@ -96,7 +120,8 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             k1 = (stack.proxy.bytes_in, stack.proxy.bytes_out)
             r1 = await redis_reading(redis)
             commandstats = await redis.info("commandstats")
-            tomb_bytes, _ = await _memory_sample(redis, f"{cfg.redis.key_prefix}:*:done")
+            done_bytes = await _done_sets(redis, cfg.redis.key_prefix)
+            done_at_scale = await _scratch_set_bytes(redis, f"{cfg.redis.key_prefix}:bench-scratch", 3000)
             # after the measured window: groups that never complete keep their members parked
             children.start("publisher", "--groups", "20", "--members", str(GROUP_SIZE - 1), "--turns", str(args.turns),
                            "--tokens", str(args.tokens), "--run-id", "open", name="open")
@@ -120,6 +145,11 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     admin = {"info", "dbsize", "scan", "type", "memory|usage", "config|resetstat", "client|setinfo", "hello", "auth"}
     calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in commandstats.items() if v.get("calls")}
     ledger_calls = {k: v for k, v in calls.items() if k not in admin}
+    # time inside the ledger's commands: EVALSHA (its usec includes the commands its script
+    # calls) plus the index commands sent outside scripts; the rest of the server CPU is
+    # I/O, client handling and background work, which does not grow with the load
+    usec = {k.removeprefix("cmdstat_"): v.get("usec", 0) for k, v in commandstats.items()}
+    commands_us = sum(usec.get(k, 0) for k in ("evalsha", "zadd", "zrem", "zrangebyscore"))
     result = {
         "workload": {"trajectories": trajectories, "group_size": GROUP_SIZE, "turns": args.turns,
                      "output_tokens": [args.tokens // 2, args.tokens], "rate": args.rate, "elapsed_s": elapsed,
@@ -132,11 +162,13 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "in_bytes": (r1["net_in"] - r0["net_in"]) / trajectories,
             "out_bytes": (r1["net_out"] - r0["net_out"]) / trajectories,
             "cpu_us": (r1["cpu_s"] - r0["cpu_s"]) / trajectories * 1e6,
+            "commands_us": commands_us / trajectories,
             "commands": sum(ledger_calls.values()) / trajectories,  # Lua-called commands included
             "commandstats_calls": {k: v / trajectories for k, v in ledger_calls.items()},
         },
         "redis_memory": {"parked_member_bytes": parked_bytes / parked_entries,
-                         "tombstone_bytes_per_group": tomb_bytes},
+                         "dedupe_bytes_per_group_measured": done_bytes,
+                         "dedupe_bytes_per_group_at_scale": done_at_scale},
     }
     return result
 
@@ -159,11 +191,12 @@ def _print(r: dict[str, Any]) -> None:
           f"out {b['out']:.0f} B")
     rr, m = r["redis_per_trajectory"], r["redis_memory"]
     print("Redis per trajectory")
-    print(f"  in {rr['in_bytes']:.0f} B, out {rr['out_bytes']:.0f} B, server CPU {rr['cpu_us']:.1f} us, "
-          f"{rr['commands']:.2f} commands")
+    print(f"  in {rr['in_bytes']:.0f} B, out {rr['out_bytes']:.0f} B, server CPU {rr['cpu_us']:.1f} us "
+          f"(in the ledger's commands {rr.get('commands_us', float('nan')):.1f} us), {rr['commands']:.2f} commands")
     print("  " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(rr["commandstats_calls"].items(), key=lambda kv: -kv[1])))
-    print(f"Redis memory: parked member {m['parked_member_bytes']:.0f} B, tombstone {m['tombstone_bytes_per_group']:.0f} B"
-          " per finished group")
+    print(f"Redis memory: parked member {m['parked_member_bytes']:.0f} B; per finished group in the dedupe sets "
+          f"{m['dedupe_bytes_per_group_measured']:.0f} B as measured (small sets), "
+          f"{m['dedupe_bytes_per_group_at_scale']:.1f} B in a 3,000-member set")
 
 
 def sizing(r: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -180,8 +213,8 @@ def sizing(r: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
         repl = (a.rf - 1) * produce  # leaders -> followers
         broker_in, broker_out = produce + repl, fetch + repl  # cluster-wide, each direction
         parked = rate * a.open_s * mem["parked_member_bytes"]
-        tombstones = rate / r["workload"]["group_size"] * a.dedupe_s * mem["tombstone_bytes_per_group"]
-        redis_mem = (parked + tombstones) * 1.5  # allocator + replication buffers headroom
+        dedupe = rate / r["workload"]["group_size"] * a.dedupe_s * mem["dedupe_bytes_per_group_at_scale"]
+        redis_mem = (parked + dedupe) * 1.5  # allocator + replication buffers headroom
         rows.append({
             "rate": rate,
             "worker_cores": rate * workers_cpu / a.util,
@@ -201,7 +234,7 @@ def _print_sizing(rows: list[dict[str, Any]], a: argparse.Namespace) -> None:
     print()
     print(f"sizing (assumptions: {a.util:.0%} CPU target, Redis shard {a.redis_util:.0%} of one core, "
           f"{a.nic_gbit:g} Gbit/s NICs at {a.nic_util:.0%}, RF {a.rf}, members parked {a.open_s:g} s, "
-          f"tombstones kept {a.dedupe_s:g} s, {a.shard_memory_gb:g} GB per Redis shard)")
+          f"finished groups held {a.dedupe_s:g} s, {a.shard_memory_gb:g} GB per Redis shard)")
     print(f"{'traj/s':>8} {'worker cores':>12} {'broker cores':>12} {'broker in/out MB/s':>19} {'brokers (net)':>13} "
           f"{'Redis MB/s':>10} {'Redis GB':>9} {'shards cpu/net/mem':>19}")
     for x in rows:
@@ -226,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--nic-util", type=float, default=0.5)
     g.add_argument("--rf", type=int, default=3, help="Kafka replication factor")
     g.add_argument("--open-s", type=float, default=60.0, help="mean seconds a scored member stays parked")
-    g.add_argument("--dedupe-s", type=float, default=86_400.0, help="seconds a finished group's tombstone lives")
+    g.add_argument("--dedupe-s", type=float, default=8_100.0,
+                   help="seconds a finished group's fingerprint stays in Redis: 2-2.5 x worker.dedupe_window_s "
+                        "(default 3600) with the ledger's buckets, 2.25 x on average")
     g.add_argument("--shard-memory-gb", type=float, default=25.0)
     args = p.parse_args(argv)
     if args.from_json:

@@ -17,9 +17,10 @@ be bounded is not:
 * a worker, the trainer consumer or Redis grows in the second half by more than 25% of
   its level, or — when the second half lasts at least 10 minutes — its slope there
   is above 10% of its level per hour (and above 16 MiB/h);
-* Redis holds more keys than ``redis.ttl_s`` allows (set to a sixth of the run): more
-  than 1.25 x (groups finished within the last ``ttl_s`` + two per open group + the
-  deadline index) at any sample after the first.
+* Redis holds more keys than the configuration allows (``redis.ttl_s`` and
+  ``worker.dedupe_window_s`` both set to a sixth of the run): more than 1.25 x (groups
+  finished within the dedupe sets' lifetime, 2.5 windows — each adds at most one set
+  key — + two per open group + the deadline index) at any sample after the first.
 
 The broker's RSS is reported but not judged: the embedded tansu broker keeps every
 record in memory (its ``memory://`` engine has no retention), so it grows by design;
@@ -92,7 +93,9 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
     ttl_s = args.ttl_s or max(20, int(minutes * 60 / 6))
     sample_s = args.sample_s or min(60.0, max(5.0, minutes * 60 / 18))
     name = uuid.uuid4().hex[:8]
-    async with running_stack(workdir, name, ttl_s=ttl_s, group_timeout_s=120) as (stack, cfg, workers, children):
+    # the workers' dedupe window is the run's bound for finished groups, like redis.ttl_s for the rest
+    async with running_stack(workdir, name, ttl_s=ttl_s, group_timeout_s=120,
+                             dedupe_window_s=float(ttl_s)) as (stack, cfg, workers, children):
         tail = VerdictTail(cfg, decode=False)
         await tail.start()
         redis = make_redis(cfg.redis)
@@ -108,7 +111,7 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
             groups_per_s = rate / GROUP_SIZE
             dedupe_max = args.dedupe_max or max(100, int(groups_per_s * minutes * 60 / 3))
             print(f"peak {peak:.0f} trajectories/s; soaking at {rate:.0f}/s ({groups_per_s:.1f} groups/s) for "
-                  f"{minutes} min, sampling every {sample_s:.0f} s; redis.ttl_s={ttl_s}, "
+                  f"{minutes} min, sampling every {sample_s:.0f} s; redis.ttl_s=worker.dedupe_window_s={ttl_s}, "
                   f"trainer.dedupe_max_seen={dedupe_max}", flush=True)
 
             children.start("trainer", env={"PRM_TRAINER_DEDUPE_MAX_SEEN": str(dedupe_max)})
@@ -139,9 +142,11 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
                     "dedupe": float(st.get("dedupe_size", 0)),
                     "p50": percentile(window, 0.5) * 1e3, "p99": percentile(window, 0.99) * 1e3,
                     "backlog": float(sum(1 for g in s if g not in tail.arrivals)),
-                    # what redis.ttl_s allows: a tombstone per group finished within ttl_s, two
-                    # keys per open group, the deadline index
-                    "expected_keys": float(sum(1 for t in tail.arrivals.values() if t > now - ttl_s)
+                    # what the configuration allows: at most one dedupe-set key per group finished
+                    # within the sets' lifetime (2.5 x worker.dedupe_window_s = ttl_s here: buckets
+                    # of half a window, each kept a window and two buckets after its last write),
+                    # two keys per open group, the deadline index
+                    "expected_keys": float(sum(1 for t in tail.arrivals.values() if t > now - 2.5 * ttl_s)
                                            + 2 * sum(1 for g in s if g not in tail.arrivals) + 1),
                     "verdicts": float(len(window)),
                 }
@@ -181,8 +186,8 @@ def _report(rows: list[dict[str, float]], dedupe_max: int, published: int, train
         fmt = (lambda v: mib(v)) if memory else (lambda v: f"{v:.0f}")
         if key == "redis_keys":  # a bound from configuration, not a slope: keys follow the load
             excess = max(r["redis_keys"] / max(1.0, r["expected_keys"]) for r in rows[1:] or rows)
-            verdict = (f"<= {excess:.2f} x what redis.ttl_s={ttl_s} allows" if excess <= 1.25
-                       else f"EXCEEDS what redis.ttl_s={ttl_s} allows ({excess:.2f} x)")
+            verdict = (f"<= {excess:.2f} x what dedupe_window_s=ttl_s={ttl_s} allows" if excess <= 1.25
+                       else f"EXCEEDS what dedupe_window_s=ttl_s={ttl_s} allows ({excess:.2f} x)")
         elif not judged:
             verdict = ("not judged: in-memory test broker keeps every record" if key == "broker_rss"
                        else f"max {max(ys):.0f} <= bound {dedupe_max}" if max(ys) <= dedupe_max
