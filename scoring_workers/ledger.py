@@ -18,8 +18,10 @@ so Redis Cluster keeps them in one slot and every transition is one atomic Lua c
 Finished groups are remembered for ``worker.dedupe_window_s`` in time-bucketed sets of
 12-byte group fingerprints, ``<prefix>:done:<slot>:<bucket>`` (``<prefix>:{<tag>}:done:
 <bucket>`` on Redis Cluster, where ``<tag>`` is a short string hashing to the group's own
-slot, so the check stays inside the group's atomic scripts). A bucket spans a quarter of
-the window and expires a window and two buckets after it opened; about 18 bytes per
+slot, so the check stays inside the group's atomic scripts). A bucket spans half the
+window (``DEDUPE_BUCKETS``); a probe checks the current bucket and the two before it, so a
+finished group is recognised for at least one window, and each set expires a window and
+two buckets (two windows) after its last write; about 18 bytes per
 finished group while a set is small (listpack), 33–37 once it is large (hash table),
 instead of a 24 h tombstone key per group. A duplicate or late member of a group finished
 longer ago than the window re-opens it, and its second verdict is dropped by the

@@ -15,7 +15,7 @@ discarded groups stop here -> an accepted group is exported to concat rows
 the group and is counted) -> the configured group filter judges the complete group ->
 kept groups wait in a buffer until ``batch_groups`` of them make a batch.
 
-Commit discipline (DESIGN.md §6). A record's offset is committed only when nothing
+Commit discipline (docs/architecture.md, "Commit discipline"). A record's offset is committed only when nothing
 derived from it is still owed to the caller: records that produce no rows
 (rejected, discarded, duplicate, undecodable, filtered, unexportable) are finished
 when processed; a record whose group went into a batch is finished when that batch has
@@ -76,7 +76,7 @@ __all__ = ["DedupeKey", "DedupeStore", "SqliteDedupeStore", "VerdictConsumer"]
 log = logging.getLogger(__name__)
 
 DedupeKey = tuple[str, int]
-"""``(group_id, verdict_version)``: the identity of a verdict (DESIGN.md §6)."""
+"""``(group_id, verdict_version)``: the identity of a verdict (docs/architecture.md, "Guarantees")."""
 
 _FROM_CONFIG: Final[Any] = object()
 
