@@ -24,7 +24,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from infra.config import KafkaConfig, PipelineConfig, RedisConfig
-from infra.kafka import KafkaAccessRefused
+from infra.kafka import KafkaAccessRefused, backoff_delay
 from infra.redis import RedisAccessError
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ async def wait_until_reachable(
 ) -> None:
     """Run ``probe`` until it succeeds, with growing pauses, for at most ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
-    delay, attempt = _FIRST_DELAY_S, 0
+    attempt = 0
     while True:
         attempt += 1
         remaining = deadline - time.monotonic()
@@ -144,11 +144,10 @@ async def wait_until_reachable(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ServiceUnavailable(what, address, setting, cause, timeout_s)
-        pause = min(delay, remaining)
+        pause = min(backoff_delay(attempt, base_s=_FIRST_DELAY_S / 2, cap_s=_MAX_DELAY_S, jitter=False), remaining)
         log.warning("%s at %s not reachable (attempt %d: %s); retrying in %.1f s, giving up in %.1f s",
                     what, address, attempt, cause, pause, remaining)
         await asyncio.sleep(pause)
-        delay = min(delay * 2, _MAX_DELAY_S)
 
 
 async def wait_for_services(cfg: PipelineConfig, services: Iterable[Service]) -> None:
