@@ -66,7 +66,7 @@ def test_shaping_options_defaults_overrides_and_unknown_keys(monkeypatch: pytest
 def test_process_weighted_rejects_rewards_outside_0_1() -> None:
     rewards = torch.tensor([[2.0, 1.0], [0.5, 0.0]])
     mask = torch.ones(2, 2, dtype=torch.long)
-    with pytest.raises(ValueError, match="process_weighted"):
+    with pytest.raises(RuntimeError, match="process_weighted"):  # the range check raises as AReaL does
         compute_prm_grpo_advantage(rewards, mask, np.array(["g", "g"], dtype=object),
                                    config={"prm_shaping": {"mode": "process_weighted"}})
 
