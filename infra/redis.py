@@ -49,8 +49,9 @@ def access_refusal(exc: BaseException, cfg: RedisConfig) -> RedisAccessError | N
     handshake), or None when ``exc`` means only "not reachable (yet)"."""
     if isinstance(exc, AuthenticationError):
         return RedisAccessError(f"{_where(cfg)}: login refused: {exc}")
-    if isinstance(exc, ResponseError):  # NOPERM / WRONGPASS from servers that answer that way
-        return RedisAccessError(f"{_where(cfg)}: {exc}")
+    if isinstance(exc, ResponseError) and any(w in str(exc) for w in ("NOPERM", "WRONGPASS", "no permissions")):
+        # the ACL refuses a command (a script's included): grant it (docs/deploy.md), no retry helps
+        return RedisAccessError(f"{_where(cfg)}: {exc}; grant the ledger's commands (docs/deploy.md)")
     if isinstance(exc, RedisConnectionError):
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):

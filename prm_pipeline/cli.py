@@ -277,10 +277,12 @@ def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     from aiokafka.errors import KafkaConnectionError
 
     from infra.kafka import KafkaAccessRefused, diagnose_connection
-    from infra.redis import RedisAccessError
+    from infra.redis import RedisAccessError, access_refusal
 
     if isinstance(exc, (KafkaAccessRefused, RedisAccessError)):
         return str(exc)
+    if (refused := access_refusal(exc, _load(args).redis)) is not None:  # e.g. an ACL without a ledger command
+        return str(refused)
     if isinstance(exc, KafkaConnectionError):
         return str(asyncio.run(diagnose_connection(_load(args).kafka)))
     return None

@@ -120,3 +120,18 @@ async def test_wait_gives_up_after_the_timeout() -> None:
     with pytest.raises(ServiceUnavailable, match=r"cannot reach Kafka at h:9 after 1 s \(connection refused\)"):
         await wait_until_reachable(probe, what="Kafka", address="h:9", setting="PRM_KAFKA_BOOTSTRAP", timeout_s=1.0)
     assert 0.9 <= loop.time() - t0 < 5
+
+
+def test_a_redis_acl_refusal_is_one_line_and_other_redis_errors_are_not_hidden() -> None:
+    from redis.exceptions import ResponseError
+
+    from infra.config import RedisConfig
+    from infra.redis import RedisAccessError, access_refusal
+
+    cfg = RedisConfig(url="redis://prm-worker:s3cret@10.0.0.5:6380/0")
+    refused = access_refusal(ResponseError("ACL failure in script: User prm-worker has no permissions to run "
+                                           "the 'sismember' command"), cfg)
+    assert isinstance(refused, RedisAccessError)
+    assert "10.0.0.5:6380 as user 'prm-worker'" in str(refused) and "docs/deploy.md" in str(refused)
+    assert "s3cret" not in str(refused)
+    assert access_refusal(ResponseError("ERR Error running script: attempt to compare nil"), cfg) is None
