@@ -18,15 +18,13 @@ import numpy as np
 import pytest
 
 from infra.config import PipelineConfig, PRMScorerConfig
-from infra.kafka import ensure_topics
 from infra.schema import dead_letter_from_record, decode_message
 from tests.integration.harness import (
     TEST_SCORER_MODULES,
-    WorkerProcesses,
     isolated_config,
     read_topic,
     wait_for_verdicts,
-    write_config,
+    worker_processes,
 )
 
 pytestmark = pytest.mark.integration
@@ -62,13 +60,8 @@ def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
 
 @pytest.fixture(scope="module")
 async def workers(cfg: PipelineConfig, tmp_path_factory: pytest.TempPathFactory):
-    await ensure_topics(cfg.kafka, cfg.topics)
-    tmp = tmp_path_factory.mktemp("node-workers")
-    procs = WorkerProcesses(write_config(cfg, tmp / "config.yaml"), tmp, n=2)
-    procs.start()
-    yield procs
-    codes = procs.stop()
-    assert codes == [0, 0], f"workers did not exit cleanly: {codes}\n{procs.logs()}"
+    async with worker_processes(cfg, tmp_path_factory.mktemp("node-workers")) as procs:
+        yield procs
 
 
 def _description(tmp_path: Path, group: dict) -> str:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from infra.config import (
@@ -18,9 +21,9 @@ from infra.config import (
     TopicsConfig,
     WorkerConfig,
 )
-from infra.kafka import assign_from_start, make_consumer
+from infra.kafka import assign_from_start, ensure_topics, make_consumer
 from infra.schema import GroupVerdict, decode_verdict
-from prm_pipeline.processes import WorkerProcesses, write_config  # noqa: F401 - re-exported for tests
+from prm_pipeline.processes import WorkerProcesses, write_config
 
 TEST_SCORER_MODULES = ["scoring_workers.scorers", "tests.scorers"]
 
@@ -90,3 +93,35 @@ async def wait_for_verdicts(cfg: PipelineConfig, groups: Iterable[str], timeout_
     missing = wanted - {v.group_id for v in verdicts}
     assert not missing, f"no verdict within {timeout_s}s for {sorted(missing)[:10]} ({len(missing)} groups)"
     return verdicts
+
+
+@contextlib.asynccontextmanager
+async def running_worker(cfg: PipelineConfig, worker_id: str) -> AsyncIterator[Any]:
+    """One in-process :class:`~scoring_workers.worker.Worker`, ready (group joined) on entry,
+    stopped and drained on exit."""
+    from scoring_workers.worker import Worker
+
+    await ensure_topics(cfg.kafka, cfg.topics)
+    worker = Worker(cfg, worker_id=worker_id)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 30)
+        yield worker
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+@contextlib.asynccontextmanager
+async def worker_processes(cfg: PipelineConfig, tmp: Path, n: int = 2) -> AsyncIterator[WorkerProcesses]:
+    """``n`` ``prm-pipeline worker`` processes on ``cfg`` (logs under ``tmp``); on exit they
+    must stop cleanly (exit code 0), else the assertion shows their logs."""
+    await ensure_topics(cfg.kafka, cfg.topics)
+    procs = WorkerProcesses(write_config(cfg, tmp / "config.yaml"), tmp, n=n)
+    procs.start()
+    try:
+        yield procs
+    finally:
+        codes = procs.stop()
+    assert codes == [0] * n, f"workers did not exit cleanly: {codes}\n{procs.logs()}"

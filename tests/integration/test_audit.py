@@ -23,17 +23,17 @@ from infra.config import (
     PipelineConfig,
     PRMScorerConfig,
 )
-from infra.kafka import ensure_topics, make_producer
+from infra.kafka import make_producer
 from infra.schema import TokenRewards, encode
 from prm_pipeline.audit import AuditOptions, add_audit_parser, audit
 from prm_pipeline.verdict_dump import _dump, parse_time
 from producers.publisher import TrajectoryPublisher
 from producers.synthetic import make_group, make_session
 from tests.integration.harness import (
-    WorkerProcesses,
     isolated_config,
     read_topic,
     wait_for_verdicts,
+    worker_processes,
     write_config,
 )
 
@@ -51,13 +51,8 @@ def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
 
 @pytest.fixture(scope="module")
 async def workers(cfg: PipelineConfig, tmp_path_factory: pytest.TempPathFactory):
-    await ensure_topics(cfg.kafka, cfg.topics)
-    tmp = tmp_path_factory.mktemp("audit-workers")
-    procs = WorkerProcesses(write_config(cfg, tmp / "config.yaml"), tmp, n=2)
-    procs.start()
-    yield procs
-    codes = procs.stop()
-    assert codes == [0, 0], f"workers did not exit cleanly: {codes}\n{procs.logs()}"
+    async with worker_processes(cfg, tmp_path_factory.mktemp("audit-workers")) as procs:
+        yield procs
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:

@@ -36,12 +36,11 @@ from infra.config import (
     PipelineConfig,
     PRMScorerConfig,
 )
-from infra.kafka import ensure_topics
 from infra.schema import GroupVerdict, Interaction, ModelResponse, ReadyTrajectory, decode_verdict
 from prm_pipeline.fake_judge import FakeJudgeServer
 from producers.publisher import TrajectoryPublisher
 from shaper import apply_exclusion, build_training_batch
-from tests.integration.harness import WorkerProcesses, isolated_config, read_topic, wait_for_verdicts, write_config
+from tests.integration.harness import isolated_config, read_topic, wait_for_verdicts, worker_processes
 
 pytestmark = pytest.mark.integration
 
@@ -133,13 +132,8 @@ def cfg(kafka_bootstrap: str, redis_url: str, judge: LoggingJudge) -> PipelineCo
 
 @pytest.fixture(scope="module")
 async def workers(cfg: PipelineConfig, tmp_path_factory: pytest.TempPathFactory):
-    await ensure_topics(cfg.kafka, cfg.topics)
-    tmp = tmp_path_factory.mktemp("judge-workers")
-    procs = WorkerProcesses(write_config(cfg, tmp / "config.yaml"), tmp, n=2)
-    procs.start()
-    yield procs
-    codes = procs.stop()
-    assert codes == [0, 0], f"workers did not exit cleanly: {codes}\n{procs.logs()}"
+    async with worker_processes(cfg, tmp_path_factory.mktemp("judge-workers")) as procs:
+        yield procs
 
 
 # --------------------------------------------------------------------------- trajectories

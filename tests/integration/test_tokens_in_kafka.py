@@ -5,10 +5,8 @@ is the same whoever decides the group."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -18,8 +16,7 @@ from infra.schema import ReadyTrajectory, compact_turns
 from producers.publisher import TrajectoryPublisher
 from producers.synthetic import make_group
 from scoring_workers.ledger import GroupLedger, decode_parked
-from scoring_workers.worker import Worker
-from tests.integration.harness import isolated_config, wait_for_verdicts
+from tests.integration.harness import isolated_config, running_worker, wait_for_verdicts
 
 pytestmark = pytest.mark.integration
 
@@ -28,19 +25,6 @@ def _config(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
     return isolated_config(f"tokens-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, group_timeout_s=120,
                            scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer",
                                                     kwargs={"max_output_tokens": 24})])
-
-
-@contextlib.asynccontextmanager
-async def _worker(cfg: PipelineConfig, worker_id: str) -> AsyncIterator[Worker]:
-    worker = Worker(cfg, worker_id=worker_id)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    try:
-        await asyncio.wait_for(worker.ready.wait(), 30)
-        yield worker
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
 
 
 async def _parked(cfg: PipelineConfig, group_id: str, n: int, timeout_s: float = 30) -> dict[bytes, bytes]:
@@ -71,7 +55,7 @@ async def test_parked_hash_holds_no_token_ids_or_logprobs(kafka_bootstrap, redis
     await ensure_topics(cfg.kafka, cfg.topics)
     group = make_group(f"park-{uuid.uuid4().hex[:6]}", 4, turns=3, output_tokens=(64, 128))
     gid = group[0].group_id
-    async with _worker(cfg, "w-park"):
+    async with running_worker(cfg, "w-park"):
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_many(group[:3])  # the group stays open: its members stay parked
         members = await _parked(cfg, gid, 3)
@@ -97,14 +81,14 @@ async def test_a_worker_that_did_not_consume_members_reads_their_tokens_from_the
     cfg = _config(kafka_bootstrap, redis_url)
     await ensure_topics(cfg.kafka, cfg.topics)
     groups = [make_group(f"back{k}-{uuid.uuid4().hex[:6]}", 4, turns=2, output_tokens=(32, 64)) for k in range(2)]
-    async with _worker(cfg, "w-first"):  # scores and parks three members of each, then leaves (commits them)
+    async with running_worker(cfg, "w-first"):  # scores and parks three members of each, then leaves (commits them)
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             for group in groups:
                 await pub.publish_many(group[:3])
         for group in groups:
             await _parked(cfg, group[0].group_id, 3)
     verdicts = []
-    async with _worker(cfg, "w-second") as second:  # never saw them: their tokens come from the log
+    async with running_worker(cfg, "w-second") as second:  # never saw them: their tokens come from the log
         for group in groups:  # one group after the other: two separate read-backs
             async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
                 await pub.publish_ready(group[3])

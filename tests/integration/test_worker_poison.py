@@ -14,11 +14,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -29,8 +26,7 @@ from infra.schema import GroupVerdict, SessionResult, dead_letter_from_record, e
 from producers.publisher import TrajectoryPublisher
 from producers.synthetic import make_group, make_session
 from scoring_workers.ledger import GroupLedger
-from scoring_workers.worker import Worker
-from tests.integration.harness import isolated_config, read_topic, wait_for_verdicts
+from tests.integration.harness import isolated_config, read_topic, running_worker, wait_for_verdicts
 
 pytestmark = pytest.mark.integration
 
@@ -46,20 +42,6 @@ def _config(kafka_bootstrap: str, redis_url: str, **worker: object) -> PipelineC
                                                kwargs={"max_output_tokens": 64})], **worker)
 
 
-@contextlib.asynccontextmanager
-async def _worker(cfg: PipelineConfig) -> AsyncIterator[Worker]:
-    await ensure_topics(cfg.kafka, cfg.topics)
-    worker = Worker(cfg, worker_id="w-poison")
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    try:
-        await asyncio.wait_for(worker.ready.wait(), 30)
-        yield worker
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-
-
 async def _verdict(cfg: PipelineConfig, gid: str, timeout_s: float) -> GroupVerdict:
     verdicts = await wait_for_verdicts(cfg, [gid], timeout_s=timeout_s)
     return next(v for v in verdicts if v.group_id == gid)
@@ -71,7 +53,7 @@ async def test_oversized_verdict_is_rejected_and_never_blocks_later_groups(kafka
     sizes = [record_size(m.group_id.encode(), *encode(m)) for m in big]
     assert max(sizes) < LIMIT < sum(sizes), sizes  # each member fits, the verdict cannot
     late = make_group(f"late-{uuid.uuid4().hex[:6]}", 2, turns=1, output_tokens=8)[:1]  # needs its deadline
-    async with _worker(cfg) as worker:
+    async with running_worker(cfg, "w-poison") as worker:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_many(big)
             await pub.flush()
@@ -108,7 +90,7 @@ async def test_a_broken_decision_costs_the_sweeper_that_group_only(kafka_bootstr
     finally:
         await ledger.aclose()
     late = make_group(f"late-{uuid.uuid4().hex[:6]}", 2, turns=1, output_tokens=8)[:1]
-    async with _worker(cfg) as worker:
+    async with running_worker(cfg, "w-poison") as worker:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_many(late)
         t_late = time.monotonic()
@@ -134,7 +116,7 @@ async def test_dead_letter_of_a_record_just_under_the_limit_fits(kafka_bootstrap
         await producer.send_and_wait(cfg.topics.trajectories, value, key=key, headers=headers)
     finally:
         await producer.stop()
-    async with _worker(cfg):
+    async with running_worker(cfg, "w-poison"):
         records = await read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + 20,
                                    stop_when=lambda rs: any(r.key == key for r in rs))
         (record,) = [r for r in records if r.key == key]
@@ -150,7 +132,7 @@ async def test_dead_lettered_member_rejects_its_group_at_once(kafka_bootstrap, r
     gid = group[0].group_id
     value, headers = encode(group[1])
     await ensure_topics(cfg.kafka, cfg.topics)
-    async with _worker(cfg):
+    async with running_worker(cfg, "w-poison"):
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_ready(group[0])
             await pub.flush()

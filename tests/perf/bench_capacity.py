@@ -36,20 +36,10 @@ from typing import Any
 from infra.redis import make_redis
 from tests.integration.harness import read_topic
 from tests.perf.procstats import read_proc, redis_reading
-from tests.perf.stack_load import running_stack, stack_pids
+from tests.perf.stack_load import running_stack, stack_pids, wait_until
 
 GROUP_SIZE = 4
 PROCESSES = ("broker", "redis", "worker0", "worker1", "publisher", "trainer")
-
-
-async def _wait(cond: Any, timeout_s: float, what: str, children: Any, names: tuple[str, ...]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        for n in names:
-            children.check_alive(n)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.1)
 
 
 async def _memory_sample(redis: Any, pattern: str, limit: int = 50) -> tuple[float, float]:
@@ -100,7 +90,7 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         try:
             children.start("trainer")
             children.start("publisher", "--groups", "2", "--run-id", "warm", name="warm")
-            await _wait(lambda: children.status("trainer").get("groups", 0) >= 2, 120,
+            await wait_until(lambda: children.status("trainer").get("groups", 0) >= 2, 120,
                         "the warm-up groups to reach the trainer", children, ("trainer",))
             children.stop("warm")
             await redis.config_resetstat()
@@ -113,7 +103,7 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             k0 = (stack.proxy.bytes_in, stack.proxy.bytes_out)
             r0 = await redis_reading(redis)
             t0 = time.perf_counter()
-            await _wait(lambda: children.status("trainer").get("groups", 0) >= 2 + n_groups, args.seconds * 5 + 120,
+            await wait_until(lambda: children.status("trainer").get("groups", 0) >= 2 + n_groups, args.seconds * 5 + 120,
                         "every group to reach the trainer", children, ("trainer",))
             elapsed = time.perf_counter() - t0
             after = {k: read_proc(p) for k, p in pids.items()}
@@ -125,7 +115,7 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             # after the measured window: groups that never complete keep their members parked
             children.start("publisher", "--groups", "20", "--members", str(GROUP_SIZE - 1), "--turns", str(args.turns),
                            "--tokens", str(args.tokens), "--run-id", "open", name="open")
-            await _wait(lambda: children.status("open").get("done", False), 60, "the open groups", children, ())
+            await wait_until(lambda: children.status("open").get("done", False), 60, "the open groups", children, ())
             pattern = f"{cfg.redis.key_prefix}:{{open-*}}:members"
             deadline = time.monotonic() + 30
             parked_bytes, parked_entries = await _memory_sample(redis, pattern)

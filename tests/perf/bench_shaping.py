@@ -80,7 +80,7 @@ def _median_ms(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def _with_compile(call: Callable[[], torch.Tensor], enabled: bool) -> Callable[[], torch.Tensor]:
+def with_compile(call: Callable[[], torch.Tensor], enabled: bool) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         os.environ["PRM_SHAPING_COMPILE"] = "1" if enabled else "0"
         return call()
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in SHAPING_MODES:
         rewards = unit_rewards if mode == "process_weighted" else signed_rewards
         call = functools.partial(shape_advantages, advantages, rewards, loss_mask, mode=mode)
-        eager, fused = _with_compile(call, False), _with_compile(call, True)
+        eager, fused = with_compile(call, False), with_compile(call, True)
         a, b = eager(), fused()
         if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())):
             raise SystemExit(f"mode {mode!r}: fused and eager results differ")

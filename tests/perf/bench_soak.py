@@ -44,20 +44,10 @@ from typing import Any
 from infra.redis import make_redis
 from prm_pipeline.observe import VerdictTail
 from tests.perf.procstats import mib, percentile, read_proc, redis_reading, slope
-from tests.perf.stack_load import SentLog, running_stack, stack_pids
+from tests.perf.stack_load import SentLog, running_stack, stack_pids, wait_until
 
 GROUP_SIZE = 4
 JUDGED = ("worker0", "worker1", "trainer")
-
-
-async def _wait(cond: Any, timeout_s: float, what: str, children: Any = None, names: tuple[str, ...] = ()) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        for n in names:
-            children.check_alive(n)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def _peak(children: Any, tail: VerdictTail, workdir: Path, groups: int, args: argparse.Namespace) -> float:
@@ -65,9 +55,9 @@ async def _peak(children: Any, tail: VerdictTail, workdir: Path, groups: int, ar
     sent = SentLog(workdir / "sent-peak.log")
     children.start("publisher", "--sent", str(sent.path), "--rate", "0", "--groups", str(groups),
                    "--turns", str(args.turns), "--tokens", str(args.tokens), "--run-id", "peak", name="peak")
-    await _wait(lambda: len(sent.poll()) >= groups, 300, "the burst to be published", children, ("peak",))
+    await wait_until(lambda: len(sent.poll()) >= groups, 300, "the burst to be published", children, ("peak",))
     t0 = min(sent.sent.values())
-    await _wait(lambda: set(sent.sent) <= tail.arrivals.keys(), 600, "the burst's verdicts")
+    await wait_until(lambda: set(sent.sent) <= tail.arrivals.keys(), 600, "the burst's verdicts")
     children.stop("peak")
     return groups * GROUP_SIZE / (max(tail.arrivals[g] for g in sent.sent) - t0)
 
@@ -103,7 +93,7 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
             # warm-up: workers joined and scoring
             warm = SentLog(workdir / "sent-warm.log")
             children.start("publisher", "--sent", str(warm.path), "--groups", "2", "--run-id", "warm", name="warm")
-            await _wait(lambda: len(warm.poll()) == 2 and set(warm.sent) <= tail.arrivals.keys(), 120,
+            await wait_until(lambda: len(warm.poll()) == 2 and set(warm.sent) <= tail.arrivals.keys(), 120,
                         "the warm-up verdicts (workers joining)")
             children.stop("warm")
             peak = await _peak(children, tail, workdir, args.peak_groups, args)
@@ -159,7 +149,7 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
                       f"{row['p99']:7.0f} {row['backlog']:7.0f} {row['verdicts']:8.0f}", flush=True)
             children.stop("publisher")
             s = sent.poll()
-            await _wait(lambda: set(s) <= tail.arrivals.keys(), 300, "the last verdicts")
+            await wait_until(lambda: set(s) <= tail.arrivals.keys(), 300, "the last verdicts")
             st = children.status("trainer")
             published = len(s)
         finally:

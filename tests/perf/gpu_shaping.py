@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from shaper.shaping import SHAPING_MODES, shape_advantages
+from tests.perf.bench_shaping import with_compile
 
 # Nominal peak memory bandwidth (GB/s = 1e9 B/s) of devices we expect to meet.
 NOMINAL_GBS = {"H200": 4800.0, "H100 80GB HBM3": 3350.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0, "A100": 1555.0}
@@ -65,14 +65,6 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int, int], f
     return median_s
 
 
-def _with_compile(call: Callable[[], torch.Tensor], enabled: bool) -> Callable[[], torch.Tensor]:
-    def run() -> torch.Tensor:
-        os.environ["PRM_SHAPING_COMPILE"] = "1" if enabled else "0"
-        return call()
-
-    return run
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.device == "auto":
@@ -107,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         p = unit if mode == "process_weighted" else signed
         call = functools.partial(shape_advantages, a, p, mask, mode=mode)
         for label, enabled in (("eager", False), ("fused", True)):
-            seconds = median_s(_with_compile(call, enabled), args.warmup, args.repeats)
+            seconds = median_s(with_compile(call, enabled), args.warmup, args.repeats)
             gbs = bytes_moved / seconds / 1e9
             line = f"{mode + ' ' + label:<24} {seconds * 1e3:8.3f} {gbs:8.1f} {gbs / copy_gbs:9.2f}"
             print(line + (f" {gbs / peak:8.2f}" if peak else ""))

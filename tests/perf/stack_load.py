@@ -196,6 +196,19 @@ async def running_stack(workdir: Path, name: str, *, counted: bool = False, **co
                 proxy.stop()
 
 
+async def wait_until(cond: Any, timeout_s: float, what: str, children: Children | None = None,
+                     names: tuple[str, ...] = ()) -> None:
+    """Poll ``cond`` until true (a deadline, not a sleep): fail early if a named child died."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        for n in names:
+            assert children is not None
+            children.check_alive(n)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
 def stack_pids(stack: LocalStack, workers: WorkerProcesses, children: Children) -> dict[str, int]:
     pids = {"broker": stack.broker.pid, "redis": stack.redis.pid}
     for i, p in enumerate(workers.procs):
