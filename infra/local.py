@@ -21,7 +21,7 @@ with an append-only file) build such dedicated services, and
 :meth:`LocalService.restart` stops (SIGTERM, or SIGKILL with ``kill=True``) and starts
 one again on its port.
 
-Known tansu gaps (see shared/notes/local-services.md) that callers must design around:
+Known tansu gaps (measured against tansu 0.6.0) that callers must design around:
 no idempotent producer / transactions, wrong ``end_offsets``/``seek_to_end``, no
 CreatePartitions/AlterConfigs/DeleteRecords, no message size limit, auto-created topics
 get 4 partitions (create topics explicitly). Security: no working TLS listener (``--cert``
@@ -128,10 +128,14 @@ def find_redis_binary(explicit: str | None = None) -> Path:
     )
 
 
+# Resolved in the parent: loading a library between fork and exec can deadlock when the
+# parent has other threads (torch's pools, in tests) holding the loader lock at fork time.
+_PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _tcp_ready(port: int) -> bool:
@@ -196,6 +200,12 @@ class LocalService:
         except OSError:
             return ""
 
+    def terminate(self) -> None:
+        """Send SIGTERM without waiting (:meth:`stop` then waits); lets a stack stop its
+        services in parallel instead of one timeout after the other."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
     def stop(self, timeout_s: float = 5.0) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code (None if not running)."""
         proc, self.proc = self.proc, None
@@ -205,6 +215,7 @@ class LocalService:
         try:
             return proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            log.warning("%s ignored SIGTERM for %.1fs; killing it (see %s)", self.name, timeout_s, self.log_path)
             proc.kill()
             return proc.wait()
 
@@ -336,9 +347,12 @@ class LocalStack:
         log.info("local stack up: kafka=%s redis=%s logs=%s", self.kafka_bootstrap, self.redis_url, self.data_dir / "logs")
         return self
 
-    def stop(self) -> None:
-        self.redis.stop()
-        self.broker.stop()
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM both at once, then wait for each (SIGKILL after ``timeout_s``)."""
+        self.redis.terminate()
+        self.broker.terminate()
+        self.redis.stop(timeout_s)
+        self.broker.stop(timeout_s)
 
     def __enter__(self) -> LocalStack:
         return self.start()

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,13 +42,11 @@ def positive_int(text: str) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the embedded broker + Redis in the foreground until SIGINT/SIGTERM."""
     from infra.local import LocalStack
+    from prm_pipeline.foreground import StopSignals
 
     cfg = _load(args)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    with LocalStack(cfg.local.data_dir, broker_binary=cfg.local.broker_binary,
-                    redis_binary=cfg.local.redis_binary) as stack:
+    with StopSignals() as stop, LocalStack(cfg.local.data_dir, broker_binary=cfg.local.broker_binary,
+                                           redis_binary=cfg.local.redis_binary) as stack:
         if args.create_topics:
             import msgspec
 
@@ -59,12 +57,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"PRM_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}", flush=True)
         print(f"PRM_REDIS_URL={stack.redis_url}", flush=True)
         print(f"# logs in {stack.data_dir / 'logs'}; Ctrl-C stops both", file=sys.stderr, flush=True)
-        while not stop.wait(0.5):
+
+        def exited() -> int | None:
             for svc in (stack.broker, stack.redis):
                 if not svc.running:
                     print(f"{svc.name} exited unexpectedly; see {svc.log_path}", file=sys.stderr)
                     return 1
-    return 0
+            return None
+
+        code = stop.wait(exited)
+        started = time.monotonic()
+    print(f"# stopped both in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
+    return code
 
 
 def cmd_topics(args: argparse.Namespace) -> int:

@@ -55,7 +55,6 @@ import argparse
 import json
 import random
 import re
-import signal
 import socket
 import threading
 import time
@@ -64,6 +63,7 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
+from prm_pipeline.foreground import StopSignals
 from scoring_workers.scorers.conversation import render_chatml
 from scoring_workers.scorers.judge import HINT_SUFFIX_HEADER
 
@@ -465,27 +465,18 @@ def cmd_fake_judge(args: argparse.Namespace) -> int:
         args.host, args.port, latency_ms=args.latency_ms, error_rate=args.error_rate,
         outages=args.outage, outage_mode=args.outage_mode, seed=args.seed,
     )
-    stop = threading.Event()
-    previous = {}
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
-    except ValueError:  # not the main thread: rely on the caller to interrupt
-        pass
-    try:
-        url = server.start()
-    except OSError as exc:
-        print(f"fake-judge: cannot listen on {args.host}:{args.port}: {exc}", flush=True)
-        return 1
-    print(f"PRM_JUDGE_URL={url}", flush=True)
-    try:
-        while not stop.wait(0.5):
-            pass
-    finally:
-        server.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        print(f"fake-judge: served {server.requests} requests {dict(server.statuses)}", flush=True)
+    with StopSignals() as stop:
+        try:
+            url = server.start()
+        except OSError as exc:
+            print(f"fake-judge: cannot listen on {args.host}:{args.port}: {exc}", flush=True)
+            return 1
+        print(f"PRM_JUDGE_URL={url}", flush=True)
+        try:
+            stop.wait()
+        finally:
+            server.stop()
+            print(f"fake-judge: served {server.requests} requests {dict(server.statuses)}", flush=True)
     return 0
 
 

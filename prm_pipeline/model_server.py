@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import threading
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
+
+from prm_pipeline.foreground import StopSignals
 
 __all__ = ["ModelServer", "add_model_server_parser", "cmd_model_server"]
 
@@ -194,16 +195,13 @@ def cmd_model_server(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)  # requests are served one at a time; leave the other cores to the workers
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    server = ModelServer(host=args.host, port=args.port, weights=args.weights, seed=args.seed)
-    print(f"model-server listening on {server.start()}", flush=True)
-    try:
-        stop.wait()
-    finally:
-        server.stop()
-    return 0
+    with StopSignals() as stop:
+        server = ModelServer(host=args.host, port=args.port, weights=args.weights, seed=args.seed)
+        print(f"model-server listening on {server.start()}", flush=True)
+        try:
+            return stop.wait()
+        finally:
+            server.stop()
 
 
 def add_model_server_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -95,21 +96,33 @@ def test_failed_start_reports_the_log(tmp_path) -> None:
 
 def test_cli_up_prints_endpoints_and_stops_on_sigterm(tmp_path) -> None:
     env = {**os.environ, "PRM_LOCAL_DATA_DIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "up"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+    stderr_path = tmp_path / "up.stderr"
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "up"], stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, env=env)
+
+    def diagnosis() -> str:  # what `up` and the services said, for a failure message
+        logs = [stderr_path, *sorted((tmp_path / "logs").glob("*.log"))]
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in logs if p.exists())
+
     try:
         first = proc.stdout.readline().strip()
         second = proc.stdout.readline().strip()
-        assert first.startswith("PRM_KAFKA_BOOTSTRAP=127.0.0.1:")
-        assert second.startswith("PRM_REDIS_URL=redis://127.0.0.1:") and second.endswith("/0")
+        assert first.startswith("PRM_KAFKA_BOOTSTRAP=127.0.0.1:"), diagnosis()
+        assert second.startswith("PRM_REDIS_URL=redis://127.0.0.1:") and second.endswith("/0"), diagnosis()
         port = int(second.rsplit(":", 1)[1].split("/")[0])
-        import socket
-
         with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
             s.sendall(b"*1\r\n$4\r\nPING\r\n")
             assert s.recv(16).startswith(b"+PONG")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
+        try:
+            code = proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`prm-pipeline up` still running 15 s after SIGTERM\n{diagnosis()}")
+        assert code == 0, diagnosis()
+        assert "stopped both in" in stderr_path.read_text()
+        with pytest.raises(OSError):  # Redis went with it
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:
         if proc.poll() is None:
             proc.kill()
