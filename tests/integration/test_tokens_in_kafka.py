@@ -101,3 +101,49 @@ async def test_a_worker_that_did_not_consume_members_reads_their_tokens_from_the
         assert [s.trajectory_id for s in verdict.sessions] == sorted(by_id)
         for s in verdict.sessions:
             assert s.turns == compact_turns(by_id[s.trajectory_id].interactions)
+
+
+async def test_a_member_whose_record_cannot_be_read_back_fails_as_tokens_unavailable(kafka_bootstrap,
+                                                                                     redis_url) -> None:
+    """The log no longer holds the member (another record at its offset, or bytes that no longer
+    decode): its member fails with ``tokens_unavailable`` naming the coordinates, never a verdict
+    without tokens; a member whose record is intact still gets its turns."""
+    from infra.kafka import make_producer
+    from infra.schema import SessionResult, encode
+    from scoring_workers.ledger import ParkedMember
+    from scoring_workers.tokens import MemberTokens
+
+    cfg = _config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
+    group = make_group(f"gone-{uuid.uuid4().hex[:6]}", 3, turns=2, output_tokens=(16, 32))
+    gid, topic = group[0].group_id, cfg.topics.trajectories
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        coords = []
+        for traj in group[:2]:
+            value, headers = encode(traj)
+            meta = await producer.send_and_wait(topic, value, key=gid.encode(), headers=headers)
+            coords.append((meta.partition, meta.offset))
+        junk = await producer.send_and_wait(topic, b"\xc1 no longer a trajectory", key=gid.encode())
+    finally:
+        await producer.stop()
+
+    def parked(traj: ReadyTrajectory, partition: int, offset: int) -> ParkedMember:
+        return ParkedMember(SessionResult(session_id=traj.session_id, trajectory_id=traj.trajectory_id,
+                                          status="scored", stats={"x": 1.0}), partition, offset)
+
+    tokens = MemberTokens(cfg)
+    try:
+        intact, moved, garbled = await tokens.members(gid, [
+            parked(group[0], *coords[0]),
+            parked(group[2], *coords[1]),  # its offset holds group[1]'s record
+            parked(group[1], junk.partition, junk.offset),
+        ])
+    finally:
+        await tokens.aclose()
+    assert intact.status == "scored" and intact.turns == compact_turns(group[0].interactions)
+    for member, (partition, offset) in ((moved, coords[1]), (garbled, (junk.partition, junk.offset))):
+        assert member.status == "failed" and member.turns == [] and member.stats == {}
+        assert member.error == f"tokens_unavailable: record {topic}:{partition}@{offset} could not be read back"
+    assert tokens.log_reads == 3
