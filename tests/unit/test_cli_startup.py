@@ -135,3 +135,21 @@ def test_a_redis_acl_refusal_is_one_line_and_other_redis_errors_are_not_hidden()
     assert "10.0.0.5:6380 as user 'prm-worker'" in str(refused) and "docs/deploy.md" in str(refused)
     assert "s3cret" not in str(refused)
     assert access_refusal(ResponseError("ERR Error running script: attempt to compare nil"), cfg) is None
+
+
+async def test_the_worker_process_freezes_what_start_up_built_once_ready() -> None:
+    import asyncio
+    import gc
+
+    from prm_pipeline.cli import _freeze_gc_when_ready
+
+    ready = asyncio.Event()
+    task = asyncio.create_task(_freeze_gc_when_ready(ready))
+    await asyncio.sleep(0)
+    assert gc.get_freeze_count() == 0 and not task.done()  # nothing before the worker is ready
+    ready.set()
+    try:
+        await asyncio.wait_for(task, 10)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
