@@ -201,23 +201,32 @@ class LocalService:
             return ""
 
     def terminate(self) -> None:
-        """Send SIGTERM without waiting (:meth:`stop` then waits); lets a stack stop its
+        """Send SIGTERM without waiting (:meth:`wait_stopped` waits); lets a stack stop its
         services in parallel instead of one timeout after the other."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
 
-    def stop(self, timeout_s: float = 5.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code (None if not running)."""
+    def wait_stopped(self, timeout_s: float = 5.0) -> int | None:
+        """Wait for the process to exit, SIGKILL after ``timeout_s``; returns the exit code
+        (None if not running). A second SIGTERM is never sent: Redis takes one during its
+        shutdown as "exit now, skip saving"."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return None
-        proc.terminate()
         try:
             return proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             log.warning("%s ignored SIGTERM for %.1fs; killing it (see %s)", self.name, timeout_s, self.log_path)
             proc.kill()
             return proc.wait()
+
+    def stop(self, timeout_s: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code (None if not running)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = None
+            return None
+        self.terminate()
+        return self.wait_stopped(timeout_s)
 
     def kill(self) -> int | None:
         """SIGKILL, for fault-injection tests; returns the exit code (None if not running)."""
@@ -351,8 +360,8 @@ class LocalStack:
         """SIGTERM both at once, then wait for each (SIGKILL after ``timeout_s``)."""
         self.redis.terminate()
         self.broker.terminate()
-        self.redis.stop(timeout_s)
-        self.broker.stop(timeout_s)
+        self.redis.wait_stopped(timeout_s)
+        self.broker.wait_stopped(timeout_s)
 
     def __enter__(self) -> LocalStack:
         return self.start()
