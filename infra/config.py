@@ -145,6 +145,12 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000
+    # A stopping group member sends LeaveGroup so its partitions move at once. Set false
+    # for tansu 0.6 (the embedded broker): a LeaveGroup from the group's leader while a
+    # rebalance is forming leaves the departed member as leader, so no member is ever
+    # elected again and the group stalls for good. Without it, membership ends by session
+    # expiry (session_timeout_ms later), a path tansu handles (docs/faults.md).
+    leave_group_on_stop: bool = True
     # Commands wait this long for the broker at startup (a log line per attempt), then
     # exit with one line naming the address (infra.startup).
     startup_timeout_s: Seconds = 30.0

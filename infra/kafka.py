@@ -199,8 +199,64 @@ def make_producer(cfg: KafkaConfig, **overrides: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**kwargs)
 
 
-def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overrides: Any) -> AIOKafkaConsumer:
-    """A consumer with manual commits (``enable_auto_commit=False``) reading from the earliest offset."""
+class PipelineConsumer(AIOKafkaConsumer):
+    """An aiokafka consumer whose polls and :meth:`stop` are bounded and that can skip LeaveGroup.
+
+    * Bounded: aiokafka's ``stop()`` first lets a rebalance in progress finish, which never
+      happens when the group cannot form (a broker that lost its leader, a member that
+      hangs in a rebalance). A stop signal must end the process anyway, so the stop gives
+      up after ``stop_timeout_s``: what was committed stays committed, the rest is
+      redelivered to whoever holds the partition next.
+    * ``leave_group_on_stop=False``: membership ends by session expiry instead of
+      LeaveGroup (see ``KafkaConfig.leave_group_on_stop`` for the broker defect this
+      avoids). aiokafka has no switch for it, so the coordinator's leave step is replaced
+      by the reset it would have done afterwards.
+    """
+
+    def __init__(self, *topics: str, leave_group_on_stop: bool = True, stop_timeout_s: float = 15.0,
+                 **kwargs: Any) -> None:
+        super().__init__(*topics, **kwargs)
+        self.leave_group_on_stop = leave_group_on_stop
+        self.stop_timeout_s = stop_timeout_s
+
+    async def getmany(self, *partitions: TopicPartition, timeout_ms: int = 0,
+                      max_records: int | None = None) -> dict[TopicPartition, list[Any]]:
+        """aiokafka's ``getmany``, but ``timeout_ms`` holds during a rebalance too.
+
+        aiokafka waits for a rebalance in progress to finish, ignoring ``timeout_ms``; a
+        caller polling in a loop then cannot see its stop signal (a worker ignored SIGTERM
+        for as long as its group could not form). Cancelling that wait takes no records.
+        """
+        fetch = asyncio.ensure_future(super().getmany(*partitions, timeout_ms=timeout_ms, max_records=max_records))
+        try:
+            done, _ = await asyncio.wait({fetch}, timeout=timeout_ms / 1000 + 0.05)
+        except asyncio.CancelledError:
+            fetch.cancel()
+            raise
+        if not done:
+            fetch.cancel()
+            await asyncio.wait({fetch})  # the cancel lands, or the records it had taken are kept
+            if fetch.cancelled():
+                return {}
+        return fetch.result()
+
+    async def stop(self) -> None:
+        coordinator = getattr(self, "_coordinator", None)
+        if not self.leave_group_on_stop and coordinator is not None and hasattr(coordinator, "_maybe_leave_group"):
+            async def forget_membership() -> None:
+                coordinator.reset_generation()
+
+            coordinator._maybe_leave_group = forget_membership
+        try:
+            await asyncio.wait_for(super().stop(), self.stop_timeout_s)
+        except TimeoutError:
+            log.warning("consumer of group %s did not stop within %.0fs (a rebalance that cannot complete); "
+                        "closing anyway: uncommitted records are redelivered", self._group_id, self.stop_timeout_s)
+
+
+def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overrides: Any) -> PipelineConsumer:
+    """A consumer with manual commits (``enable_auto_commit=False``) reading from the earliest
+    offset; its stop is bounded and honours ``kafka.leave_group_on_stop`` (:class:`PipelineConsumer`)."""
     kwargs = common_kwargs(cfg)
     kwargs.update(
         group_id=group_id,
@@ -214,7 +270,10 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
         max_partition_fetch_bytes=max(1_048_576, cfg.max_message_bytes),
     )
     kwargs.update(overrides)
-    return AIOKafkaConsumer(*topics, **kwargs)
+    # long enough for a rebalance that can finish (one session), bounded when one cannot
+    stop_timeout_s = cfg.session_timeout_ms / 1000 + 5.0
+    return PipelineConsumer(*topics, leave_group_on_stop=cfg.leave_group_on_stop, stop_timeout_s=stop_timeout_s,
+                            **kwargs)
 
 
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 30.0) -> list[TopicPartition]:

@@ -24,7 +24,8 @@ one again on its port.
 Known tansu gaps (measured against tansu 0.6.0) that callers must design around:
 no idempotent producer / transactions, wrong ``end_offsets``/``seek_to_end``, no
 CreatePartitions/AlterConfigs/DeleteRecords, no message size limit, auto-created topics
-get 4 partitions (create topics explicitly). Security: no working TLS listener (``--cert``
+get 4 partitions (create topics explicitly), and a group whose leader sends LeaveGroup
+mid-rebalance never forms again (clients use :data:`LOCAL_BROKER_CLIENT`). Security: no working TLS listener (``--cert``
 with ``--key`` is refused; a combined PEM fails the handshake), and with
 ``--authentication`` users cannot be provisioned (``tansu user create`` needs
 authentication off, and the users are unknown once it is on), so every SCRAM login gets
@@ -256,6 +257,14 @@ class LocalService:
 
 
 MEMORY_STORAGE = "memory://tansu/"
+
+#: ``KafkaConfig`` fields for clients of the embedded broker. tansu 0.6 answers a group
+#: join after half the session timeout, so short sessions keep joins (and rebalances after
+#: a crash) quick; and a LeaveGroup from the group leader mid-rebalance stalls the group
+#: for good there, so members leave by session expiry (``KafkaConfig.leave_group_on_stop``).
+LOCAL_BROKER_CLIENT: dict[str, int | bool] = {
+    "session_timeout_ms": 2000, "heartbeat_interval_ms": 500, "leave_group_on_stop": False,
+}
 
 
 def s3_storage_env(endpoint: str, *, region: str = "us-east-1", access_key_id: str = "test",

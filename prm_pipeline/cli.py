@@ -57,6 +57,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             asyncio.run(ensure_topics(kafka, cfg.topics))
         print(f"PRM_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}", flush=True)
         print(f"PRM_REDIS_URL={stack.redis_url}", flush=True)
+        print("PRM_KAFKA_LEAVE_GROUP_ON_STOP=false", flush=True)  # see KafkaConfig.leave_group_on_stop
         print(f"# logs in {stack.data_dir / 'logs'}; Ctrl-C stops both", file=sys.stderr, flush=True)
 
         def exited() -> int | None:

@@ -380,7 +380,7 @@ def run_demo(args: argparse.Namespace) -> int:
             cfg = msgspec.structs.replace(
                 cfg,
                 kafka=msgspec.structs.replace(cfg.kafka, bootstrap=stack.kafka_bootstrap, session_timeout_ms=3000,
-                                              heartbeat_interval_ms=1000),
+                                              heartbeat_interval_ms=1000, leave_group_on_stop=False),
                 redis=msgspec.structs.replace(cfg.redis, url=stack.redis_url),
             )
             workdir = Path(tmp) / "workers"

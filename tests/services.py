@@ -8,8 +8,9 @@ binaries of :mod:`infra.local`. Each of Kafka and Redis is chosen on its own, so
 Caveats of the embedded broker (tansu 0.6) that shape our tests:
 - One broker per test *session*: its memory engine never frees data, so tests get
   unique topic names instead of a fresh broker.
-- Consumer-group joins wait half the session timeout: tests use
-  ``session_timeout_ms=2000, heartbeat_interval_ms=500``.
+- Consumer-group joins wait half the session timeout, and a LeaveGroup from the group
+  leader mid-rebalance stalls the group: tests use ``infra.local.LOCAL_BROKER_CLIENT``
+  (2 s sessions, members leave by session expiry).
 - ``end_offsets``/``seek_to_end`` are wrong: tests read with ``highwater()`` or to a
   known count with a deadline, never "to the end".
 - No idempotent producer / transactions: nothing here may require them.

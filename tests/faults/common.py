@@ -154,6 +154,23 @@ class FaultWorkers(WorkerProcesses):
         return [len(rx.findall(self.current_log(i).read_text(errors="replace")))
                 for i, p in enumerate(self.procs) if p is not None]
 
+    def diagnosis(self, lines: int = 15) -> str:
+        """Per slot: alive, polling, and the last ``lines`` log lines that are not verdicts.
+
+        What a failed wait prints, so a stall seen only on another machine (CI) shows whether
+        the workers were joining, polling or erroring without a rerun.
+        """
+        out = []
+        for i, p in enumerate(self.procs):
+            if p is None:
+                out.append(f"--- slot {i}: empty")
+                continue
+            text = self.current_log(i).read_text(errors="replace").splitlines()
+            tail = [ln for ln in text if " verdict=" not in ln][-lines:]
+            out.append(f"--- slot {i} ({self.current_log(i).name}): exit={p.poll()} "
+                       f"polling={any('polling' in ln for ln in text)}\n" + "\n".join(tail))
+        return "\n".join(out)
+
     TRANSIENT = r"transient \w+|sweep skipped"
 
     def transient_errors(self) -> int:

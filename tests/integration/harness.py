@@ -22,6 +22,7 @@ from infra.config import (
     WorkerConfig,
 )
 from infra.kafka import assign_from_start, ensure_topics, make_consumer
+from infra.local import LOCAL_BROKER_CLIENT
 from infra.schema import GroupVerdict, decode_verdict
 from prm_pipeline.processes import WorkerProcesses, write_config
 
@@ -32,15 +33,14 @@ def isolated_config(name: str, kafka_bootstrap: str, redis_url: str, *, scorers:
                     partitions: int = 4, kafka: dict[str, Any] | None = None, **worker: Any) -> PipelineConfig:
     """A config of one test's own: topics, consumer group and Redis key prefix carry ``name``.
 
-    Short session/heartbeat timeouts because the embedded broker makes group joins wait
-    half the session timeout; ``worker`` keys override :class:`WorkerConfig` fields.
+    Kafka client settings for the embedded broker (``infra.local.LOCAL_BROKER_CLIENT``:
+    short sessions, leave by expiry); ``worker`` keys override :class:`WorkerConfig` fields.
     """
     worker.setdefault("allowed_scorer_modules", TEST_SCORER_MODULES)
     return PipelineConfig(
         rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=list(scorers)))),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
-                          **{"linger_ms": 1, **(kafka or {})}),
+        kafka=KafkaConfig(bootstrap=kafka_bootstrap, **{**LOCAL_BROKER_CLIENT, "linger_ms": 1, **(kafka or {})}),
         redis=RedisConfig(url=redis_url, key_prefix=f"prm-test:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             partitions=partitions),

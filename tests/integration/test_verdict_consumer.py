@@ -15,6 +15,7 @@ import pytest
 
 from infra.config import PipelineConfig, TrainerConfig
 from infra.kafka import ensure_topics, make_producer
+from infra.local import LOCAL_BROKER_CLIENT
 from infra.schema import KIND_HEADER, SCHEMA_HEADER, GroupVerdict, encode
 from shaper import SqliteDedupeStore, TrainingBatch, VerdictConsumer, run_trainer
 from shaper.consumer import DedupeKey
@@ -227,7 +228,7 @@ def test_cli_trainer_subcommand(pipeline_config, unique_name, tmp_path, capsys) 
     asyncio.run(publish(cfg, [accepted_group(f"g{k}", (1.0, 0.0), reward=0.5) for k in range(3)]))
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump({
-        "kafka": {"bootstrap": cfg.kafka.bootstrap, "session_timeout_ms": 2000, "heartbeat_interval_ms": 500},
+        "kafka": {"bootstrap": cfg.kafka.bootstrap, **LOCAL_BROKER_CLIENT},
         "topics": {"verdicts": cfg.topics.verdicts},
         "trainer": {"group_id": f"trainer.{unique_name}", "batch_groups": 8},
     }))

@@ -41,7 +41,7 @@ from infra.config import (
     WorkerConfig,
 )
 from infra.kafka import assign_from_start, ensure_topics, make_consumer, make_producer, record_size
-from infra.local import LocalStack
+from infra.local import LOCAL_BROKER_CLIENT, LocalStack
 from infra.schema import GroupVerdict, dead_letter_from_record, decode_verdict, encode
 from prm_pipeline.processes import WorkerProcesses, write_config
 from producers.synthetic import make_group
@@ -66,8 +66,7 @@ def _config(stack: LocalStack, name: str, group_timeout_s: float) -> PipelineCon
             PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
         ]))),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
-                          linger_ms=5, max_message_bytes=LIMIT),
+        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, linger_ms=5, max_message_bytes=LIMIT),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"faults:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             partitions=8),
