@@ -200,24 +200,17 @@ def make_producer(cfg: KafkaConfig, **overrides: Any) -> AIOKafkaProducer:
 
 
 class PipelineConsumer(AIOKafkaConsumer):
-    """An aiokafka consumer whose polls and :meth:`stop` are bounded and that can skip LeaveGroup.
+    """An aiokafka consumer whose polls keep their timeout and that can skip LeaveGroup.
 
-    * Bounded: aiokafka's ``stop()`` first lets a rebalance in progress finish, which never
-      happens when the group cannot form (a broker that lost its leader, a member that
-      hangs in a rebalance). A stop signal must end the process anyway, so the stop gives
-      up after ``stop_timeout_s``: what was committed stays committed, the rest is
-      redelivered to whoever holds the partition next.
-    * ``leave_group_on_stop=False``: membership ends by session expiry instead of
-      LeaveGroup (see ``KafkaConfig.leave_group_on_stop`` for the broker defect this
-      avoids). aiokafka has no switch for it, so the coordinator's leave step is replaced
-      by the reset it would have done afterwards.
+    ``leave_group_on_stop=False``: membership ends by session expiry instead of LeaveGroup
+    (see ``KafkaConfig.leave_group_on_stop`` for the broker defect this avoids). aiokafka
+    has no switch for it, so the coordinator's leave step is replaced by the reset it would
+    have done afterwards.
     """
 
-    def __init__(self, *topics: str, leave_group_on_stop: bool = True, stop_timeout_s: float = 15.0,
-                 **kwargs: Any) -> None:
+    def __init__(self, *topics: str, leave_group_on_stop: bool = True, **kwargs: Any) -> None:
         super().__init__(*topics, **kwargs)
         self.leave_group_on_stop = leave_group_on_stop
-        self.stop_timeout_s = stop_timeout_s
 
     async def getmany(self, *partitions: TopicPartition, timeout_ms: int = 0,
                       max_records: int | None = None) -> dict[TopicPartition, list[Any]]:
@@ -247,16 +240,12 @@ class PipelineConsumer(AIOKafkaConsumer):
                 coordinator.reset_generation()
 
             coordinator._maybe_leave_group = forget_membership
-        try:
-            await asyncio.wait_for(super().stop(), self.stop_timeout_s)
-        except TimeoutError:
-            log.warning("consumer of group %s did not stop within %.0fs (a rebalance that cannot complete); "
-                        "closing anyway: uncommitted records are redelivered", self._group_id, self.stop_timeout_s)
+        await super().stop()
 
 
 def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overrides: Any) -> PipelineConsumer:
     """A consumer with manual commits (``enable_auto_commit=False``) reading from the earliest
-    offset; its stop is bounded and honours ``kafka.leave_group_on_stop`` (:class:`PipelineConsumer`)."""
+    offset; its polls keep their timeout and it honours ``kafka.leave_group_on_stop`` (:class:`PipelineConsumer`)."""
     kwargs = common_kwargs(cfg)
     kwargs.update(
         group_id=group_id,
@@ -270,10 +259,7 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
         max_partition_fetch_bytes=max(1_048_576, cfg.max_message_bytes),
     )
     kwargs.update(overrides)
-    # long enough for a rebalance that can finish (one session), bounded when one cannot
-    stop_timeout_s = cfg.session_timeout_ms / 1000 + 5.0
-    return PipelineConsumer(*topics, leave_group_on_stop=cfg.leave_group_on_stop, stop_timeout_s=stop_timeout_s,
-                            **kwargs)
+    return PipelineConsumer(*topics, leave_group_on_stop=cfg.leave_group_on_stop, **kwargs)
 
 
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 30.0) -> list[TopicPartition]:

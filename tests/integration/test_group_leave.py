@@ -1,11 +1,12 @@
-"""Leaving a consumer group: leave by session expiry, and a stop that never hangs.
+"""Leaving a consumer group: leave by session expiry, and a poll that never hangs.
 
 tansu 0.6 (the embedded broker) keeps a departed member as the group's leader when that
 leader sends LeaveGroup while a rebalance is forming: no later member is elected and the
 group never forms again (this stalled a worker storm in CI). The first test pins that
 defect down, which is why ``kafka.leave_group_on_stop`` exists and is false for the
-embedded broker; it also checks that our consumer's stop is bounded on such a group. The
-second checks the option itself.
+embedded broker; it also checks that our consumer's poll keeps its timeout in such a group
+(aiokafka's waits for the group to form, so a worker never saw SIGTERM). The second checks
+the option itself.
 """
 
 from __future__ import annotations
@@ -88,10 +89,8 @@ async def test_embedded_broker_stalls_a_group_whose_leader_leaves_mid_rebalance(
         t0 = time.monotonic()
         polled = await asyncio.wait_for(member.getmany(timeout_ms=200), 5)  # TimeoutError: the poll hung
         assert polled == {} and time.monotonic() - t0 < 2.0
-        t0 = time.monotonic()
         joining.cancel()
-        await asyncio.gather(member.stop(), joiner.stop())  # neither waits for the group for ever
-        assert time.monotonic() - t0 < member.stop_timeout_s + 3
+        await asyncio.wait_for(asyncio.gather(member.stop(), joiner.stop()), 15)  # a worker's exit path
     finally:
         if joining is not None:
             joining.cancel()
