@@ -318,6 +318,7 @@ def dump_verdict(verdict: GroupVerdict, *, include_tokens: bool = False) -> dict
             "status": s.status,
             "outcome_reward": s.outcome_reward,
             "is_eval": s.is_eval,
+            "policy_version": s.policy_version,
             "branches": [
                 {
                     "leaf_id": b.leaf_id,
@@ -342,6 +343,7 @@ def dump_verdict(verdict: GroupVerdict, *, include_tokens: bool = False) -> dict
     return {
         "group_id": verdict.group_id,
         "status": verdict.status,
+        "reason_code": verdict.reason_code,
         "reason": verdict.reason,
         "verdict_version": verdict.verdict_version,
         "group_size": verdict.group_size,

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import numpy as np
 
+from infra import reasons
 from infra.tree import TreeError, topological_order
 
 if TYPE_CHECKING:
@@ -441,11 +442,12 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     ``turn_results``/``stats`` out: it carries none (no partial branch stats).
 
     A failed member says why in typed fields, so no reader parses ``error``:
-    ``error_code`` (a stable reason code such as ``scorer_timeout``), ``error_scorer``
-    (the scorer that failed, when one did) and ``error_detail`` (the message).
-    ``error`` keeps the human-readable ``"code: detail"`` line. Build failures with
-    :meth:`failure`. The typed fields are omitted when unset, so other results encode
-    byte for byte as before they existed, and older readers ignore them.
+    ``error_code`` (a registered reason code, :mod:`infra.reasons`, such as
+    ``scorer_timeout``), ``error_scorer`` (the scorer that failed, when one did) and
+    ``error_detail`` (the message). ``error`` keeps the human-readable
+    ``"code: detail"`` line. Every failure is built with :meth:`failure`, which refuses
+    an unregistered code. The typed fields are omitted when unset, so other results
+    encode byte for byte as before they existed, and older readers ignore them.
     """
 
     session_id: str
@@ -474,18 +476,21 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
 
     @classmethod
     def failure(cls, *, code: str, detail: str, scorer: str | None = None, **fields: Any) -> SessionResult:
-        """A ``failed`` member: the typed reason fields plus the ``"code: detail"`` line."""
+        """A ``failed`` member: the typed reason fields plus the ``"code: detail"`` line.
+
+        ``code`` must be a registered member code (:func:`infra.reasons.require`): a
+        ``ValueError`` otherwise.
+        """
+        reasons.require(code, member=True)
         detail = detail[:2000]
         return cls(status="failed", error=f"{code}: {detail}"[:2000], error_code=code, error_scorer=scorer,
                    error_detail=detail, **fields)
 
     @property
     def failure_code(self) -> str:
-        """The failure's reason code. Members parked by workers older than ``error_code``
-        carry only ``error``, whose text has always started with the code."""
-        if self.error_code:
-            return self.error_code
-        return (self.error or "scorer_error").split(":", 1)[0]
+        """The failure's reason code: ``error_code``; ``scorer_error`` for a failed member
+        built without one (by hand: writers always set it), never parsed from ``error``."""
+        return self.error_code or reasons.SCORER_ERROR
 
     def turn_result_blocks(self) -> list[dict[str, tuple[PRMTurnResult, ...]]] | None:
         """``turn_results`` split per branch: ``[{scorer: results in path order}]``, one per branch.
@@ -529,7 +534,14 @@ VerdictStatus = Literal["accepted", "rejected", "discarded"]
 
 
 class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """The decision for one group; ``(group_id, verdict_version)`` is the trainer's dedupe key."""
+    """The decision for one group; ``(group_id, verdict_version)`` is the trainer's dedupe key.
+
+    Why, typed: ``reason_code`` is a registered code (:mod:`infra.reasons`; empty when
+    accepted) for programs and metric labels, ``reason`` free text for people (a
+    discard's own words, a dead letter's coordinates, a failed member's detail). Read
+    the code, never parse the text. ``reason_code`` is left out when empty, so a
+    verdict written before it existed decodes with ``""``.
+    """
 
     group_id: str
     status: VerdictStatus
@@ -541,6 +553,12 @@ class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     worker_id: str = ""
     decided_at: float = 0.0
     timings: dict[str, float] = msgspec.field(default_factory=dict)
+    reason_code: str = ""
+
+    def __post_init__(self) -> None:
+        if self.reason_code and not reasons.CODE_PATTERN.fullmatch(self.reason_code):
+            raise ValueError(f"reason_code {self.reason_code[:80]!r} is not a reason code "
+                             f"({reasons.CODE_PATTERN.pattern})")
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):

@@ -230,7 +230,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                 await proxy.publish(pub, groups)
                 expect.update({g[0].group_id: ("accepted", "") for g in groups})
                 await pub.discard_group(f"it{it}-filtered", "prompt filtered by the proxy")
-                expect[f"it{it}-filtered"] = ("discarded", "prompt filtered by the proxy")
+                expect[f"it{it}-filtered"] = ("discarded", "discarded")
                 if lost:  # rejected at the group deadline
                     await pub.publish_many(lost)
                     expect["it0-lost"] = ("rejected", "missing_sessions")
@@ -278,7 +278,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     verdicts = {g: v for g, v in tail.verdicts.items() if g in expect}
     statuses = collections.Counter(v.status for v in verdicts.values())
     wrong = {g: (want, verdicts[g].status, verdicts[g].reason) for g, want in expect.items()
-             if (verdicts[g].status, verdicts[g].reason.split(":", 1)[0]) != want}
+             if (verdicts[g].status, verdicts[g].reason_code) != want}
     worst = max(s["update/alignment_max_abs_diff"] for s in loop.records)
     record.verdict_events = [(tail.arrivals[g] - t0, g, v.status) for g, v in verdicts.items()]
     record.steps = loop.records

@@ -25,11 +25,13 @@ class WorkerTelemetry:
         r = self.registry
         self.consumed = Counter("prm_worker_consumed", "Records consumed", ["kind"], registry=r)
         self.scored = Counter("prm_worker_scored", "Trajectories scored successfully", registry=r)
-        self.member_failures = Counter("prm_worker_member_failures", "Members that failed scoring", ["reason"], registry=r)
+        self.member_failures = Counter("prm_worker_member_failures", "Members that failed scoring, by reason code "
+                                       "(infra.reasons)", ["reason"], registry=r)
         self.deduplicated = Counter("prm_worker_deduplicated",
                                     "Records acknowledged without work (duplicate or group already decided)", registry=r)
         self.dead_lettered = Counter("prm_worker_dead_lettered", "Records sent to the dead-letter topic", ["error"], registry=r)
-        self.verdicts = Counter("prm_worker_verdicts", "Verdicts published", ["status", "reason"], registry=r)
+        self.verdicts = Counter("prm_worker_verdicts", "Verdicts published, by status and reason code (infra.reasons; "
+                                "never the free-text reason)", ["status", "reason"], registry=r)
         self.retries = Counter("prm_worker_retries", "Transient infrastructure errors retried", ["error"], registry=r)
         self.poison = Counter("prm_worker_poison", "Records committed without a dead letter: Kafka refused the "
                               "dead letter for good (the source topic keeps the record)", registry=r)

@@ -25,6 +25,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from infra import reasons
 from infra.config import PipelineConfig
 from infra.kafka import make_consumer
 from infra.schema import ReadyTrajectory, SchemaError, SessionResult, TokenTurn, compact_turns, decode_message
@@ -37,6 +38,16 @@ CACHE_BYTES = 256 * 1024 * 1024  # token bytes kept in memory; beyond it the old
 
 def _size(turns: Sequence[TokenTurn]) -> int:
     return sum(len(t.prompt_delta_raw) + len(t.output_tokens_raw) + len(t.output_logprobs_raw or b"") for t in turns)
+
+
+def unavailable(member: SessionResult, detail: str) -> SessionResult:
+    """``member`` failed with ``tokens_unavailable`` (typed fields set, results dropped)."""
+    return SessionResult.failure(
+        code=reasons.TOKENS_UNAVAILABLE, detail=detail, session_id=member.session_id,
+        trajectory_id=member.trajectory_id, outcome_reward=member.outcome_reward, is_eval=member.is_eval,
+        policy_version=member.policy_version, created_at=member.created_at, scored_at=member.scored_at,
+        consumed_at=member.consumed_at, parked_at=member.parked_at,
+    )
 
 
 class MemberTokens:
@@ -91,9 +102,8 @@ class MemberTokens:
             if r.status == "scored" and not r.turns and p.partition >= 0:
                 turns = self._cache.get((group_id, r.trajectory_id))
                 if turns is None:
-                    r = msgspec.structs.replace(r, status="failed", branches=[], turn_results=[], stats={},
-                                                error=f"tokens_unavailable: record {self.cfg.topics.trajectories}:"
-                                                      f"{p.partition}@{p.offset} could not be read back")
+                    r = unavailable(r, f"record {self.cfg.topics.trajectories}:{p.partition}@{p.offset} "
+                                       "could not be read back")
                 else:
                     r = msgspec.structs.replace(r, turns=turns)
             out.append(r)

@@ -4,13 +4,14 @@
 that (re)publishes a group's verdict produces the same bytes — the trainer's dedupe on
 ``(group_id, verdict_version)`` then sees one verdict however often it is redelivered.
 
-Rules:
+Rules (each sets ``reason_code`` from :mod:`infra.reasons`; ``reason`` is the text):
 * ``discard`` decision -> ``discarded``; members are listed without results.
 * ``invalid`` decision (a member's record was dead-lettered) -> ``rejected`` with the
   stored ``invalid_member: ...`` reason (it names the dead letter's coordinates).
 * members reporting different ``group_size`` values -> ``rejected`` / ``group_size_mismatch``.
 * any failed member -> ``rejected`` with that member's error code (first by
-  trajectory id); successful members keep their stats, the failed one has none.
+  trajectory id) as ``reason_code`` and its detail in ``reason``; successful members
+  keep their stats, the failed one has none.
 * fewer members than ``group_size`` -> ``rejected`` / ``missing_sessions``.
 * otherwise ``accepted``.
 
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from infra import reasons
 from infra.kafka import record_size
 from infra.schema import GroupVerdict, ScorerInfo, SessionResult, encode
 from scoring_workers.ledger import ParkedMember
@@ -44,21 +46,23 @@ def assemble_verdict(group_id: str, state: dict[str, str], members: Sequence[Ses
     group_size = int(state.get("group_size", "0"))
     decision = state.get("decision", "complete")
     failed = [m for m in members if m.status == "failed"]
+    code = ""
     if decision == "discard":
-        status, reason = "discarded", state.get("discard_reason") or "discarded"
+        status, code, reason = "discarded", reasons.DISCARDED, state.get("discard_reason") or "discarded"
         members = [
             msgspec.structs.replace(m, status="discarded", branches=[], turn_results=[], stats={}, turns=[])
             for m in members
         ]
     elif decision == "invalid":
-        status, reason = "rejected", state.get("discard_reason") or "invalid_member"
+        status, code, reason = "rejected", reasons.INVALID_MEMBER, state.get("discard_reason") or "invalid_member"
     elif state.get("size_mismatch"):
-        status = "rejected"
+        status, code = "rejected", reasons.GROUP_SIZE_MISMATCH
         reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state['size_mismatch']})"
     elif failed:
-        status, reason = "rejected", failed[0].failure_code
+        status, code, reason = "rejected", failed[0].failure_code, _failure_reason(failed[0])
     elif len(members) < group_size:
-        status, reason = "rejected", f"missing_sessions: {len(members)} of {group_size} arrived before the deadline"
+        status, code = "rejected", reasons.MISSING_SESSIONS
+        reason = f"missing_sessions: {len(members)} of {group_size} arrived before the deadline"
     else:
         status, reason = "accepted", ""
     first_seen = int(state.get("first_seen", "0"))
@@ -75,7 +79,17 @@ def assemble_verdict(group_id: str, state: dict[str, str], members: Sequence[Ses
         worker_id=state.get("decided_by", ""),
         decided_at=decided_at / 1000.0,
         timings={"group_open_s": max(0, decided_at - first_seen) / 1000.0},
+        reason_code=code,
     )
+
+
+def _failure_reason(member: SessionResult) -> str:
+    """A rejection's text for its first failed member: the code, the member and why (the
+    member's ``error_detail``, cut short: the member keeps the whole message)."""
+    detail = (member.error_detail or "").replace("\n", " ")
+    if len(detail) > 500:
+        detail = detail[:497] + "..."
+    return f"{member.failure_code}: member {member.trajectory_id!r}" + (f": {detail}" if detail else "")
 
 
 def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: int = 1) -> GroupVerdict:
@@ -85,7 +99,7 @@ def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: in
     branches and turn results; 3 also truncates error texts. Stats, statuses and ids
     always stay, so the trainer sees which group failed and why.
     """
-    was = f"; it was {verdict.status}" + (f" ({verdict.reason.split(':', 1)[0]})" if verdict.reason else "")
+    was = f"; it was {verdict.status}" + (f" ({verdict.reason_code})" if verdict.reason_code else "")
     what = {1: "token turns", 2: "token turns, branches and turn results",
             3: "token turns, branches, turn results and error details"}[level]
     reason = (f"verdict_too_large: the verdict is {size} bytes, over kafka.max_message_bytes={limit} "
@@ -98,7 +112,7 @@ def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: in
         error = m.error[:200] if level >= 3 and m.error else m.error
         return msgspec.structs.replace(m, turns=[], branches=[], turn_results=[], error=error)
 
-    return msgspec.structs.replace(verdict, status="rejected", reason=reason,
+    return msgspec.structs.replace(verdict, status="rejected", reason=reason, reason_code=reasons.VERDICT_TOO_LARGE,
                                    sessions=[shrink(m) for m in verdict.sessions])
 
 

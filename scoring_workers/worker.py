@@ -58,6 +58,7 @@ from redis.exceptions import BusyLoadingError, OutOfMemoryError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from infra import reasons
 from infra.config import PipelineConfig
 from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer
 from infra.offsets import OffsetTracker
@@ -418,8 +419,7 @@ class Worker:
         result = await score_member(self._runner, traj, timeout_s=self.cfg.worker.scorer_timeout_s,
                                     keep_channels=self.cfg.worker.keep_scorer_channels)
         if result.status == "failed":  # the member fails; the group will be rejected
-            code = result.failure_code
-            self.telemetry.member_failures.labels(code).inc()
+            self.telemetry.member_failures.labels(reasons.metric_label("failed", result.failure_code)).inc()
             log.info("group=%s traj=%s: scoring failed: %s", traj.group_id, traj.trajectory_id, result.error)
         elif self._runner is not None:
             self.telemetry.scoring_seconds.observe(time.perf_counter() - t0)
@@ -475,9 +475,9 @@ class Worker:
         await self.ledger.finish(verdict.group_id, verdict.status)
         self._tokens.forget_group(verdict.group_id)
         self.telemetry.observe_stages(verdict, sent_at)
-        self.telemetry.verdicts.labels(verdict.status, verdict.reason.split(":", 1)[0]).inc()
-        log.info("group=%s verdict=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
-                 verdict.reason, len(verdict.sessions), self.worker_id)
+        self.telemetry.verdicts.labels(verdict.status, reasons.metric_label(verdict.status, verdict.reason_code)).inc()
+        log.info("group=%s verdict=%s code=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
+                 verdict.reason_code or "-", verdict.reason, len(verdict.sessions), self.worker_id)
         return verdict
 
     async def _sweep(self) -> None:

@@ -29,14 +29,15 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Final
-from urllib.parse import quote
+
+from infra import reasons
 
 if TYPE_CHECKING:
     from infra.schema import GroupVerdict
     from shaper.filters import FilterDecision
 
 __all__ = [
-    "COUNT_SUFFIX", "PIPELINE_PREFIX", "VerdictMetrics", "count_key", "merge_stats", "merge_worker_stats", "reason_code",
+    "COUNT_SUFFIX", "PIPELINE_PREFIX", "VerdictMetrics", "count_key", "merge_stats", "merge_worker_stats", "reason_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -134,14 +135,15 @@ PIPELINE_PREFIX: Final[str] = "pipeline"
 """Namespace of the trainer-side counters (all plain counts: added when merged)."""
 
 
-def reason_code(reason: str) -> str:
-    """``"missing_sessions: 1 of 2 arrived"`` -> ``"missing_sessions"``, safe as a key part.
+def reason_key(verdict: GroupVerdict) -> str:
+    """The key part for a rejected or discarded verdict: its ``reason_code``, bounded.
 
-    Verdict reasons start with a stable code followed by free text; only the code
-    may become part of a metric name, or every distinct message would be a new series.
+    Only a registered code may become part of a metric name (:func:`infra.reasons.metric_label`:
+    ``unspecified`` when a verdict carries none, ``other`` for a code this process does
+    not know); the free-text ``reason`` never does, or every distinct message would be a
+    new series.
     """
-    code = (reason or "unspecified").split(":", 1)[0].strip()[:64] or "unspecified"
-    return quote(code, safe="-_.")
+    return reasons.metric_label(verdict.status, verdict.reason_code)
 
 
 class VerdictMetrics:
@@ -185,7 +187,7 @@ class VerdictMetrics:
         """
         self.count(f"verdicts/{verdict.status}")
         if verdict.status != "accepted":
-            self.count(f"verdicts/{verdict.status}/{reason_code(verdict.reason)}")
+            self.count(f"verdicts/{verdict.status}/{reason_key(verdict)}")
         for session in verdict.sessions:
             if session.status != "scored" or not session.stats:
                 continue

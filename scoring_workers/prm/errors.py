@@ -12,8 +12,9 @@ reason code with :func:`failure_code` and a one-line description with
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from infra import reasons
 
 __all__ = [
     "CONTEXT_ATTR",
@@ -29,18 +30,20 @@ __all__ = [
 
 REJECTION_REASONS = frozenset(
     {
-        "scorer_error",  # a scorer (evaluate / evaluate_trajectory / prepare_result) raised
-        "scorer_returned_none",  # a scorer returned None for at least one turn
-        "invalid_reward",  # wrong shape/type, non-finite, output_len <= 0, bad ids in a mapping
-        "invalid_observation",  # wrong target, duplicate, or a metric schema that changed
-        "not_token_backed",  # an interaction has no model_response
-        "invalid_trajectory",  # the parent links do not form a forest
+        reasons.SCORER_ERROR,  # a scorer (evaluate / evaluate_trajectory / prepare_result) raised
+        reasons.SCORER_RETURNED_NONE,  # a scorer returned None for at least one turn
+        reasons.INVALID_REWARD,  # wrong shape/type, non-finite, output_len <= 0, bad ids in a mapping
+        reasons.INVALID_OBSERVATION,  # wrong target, duplicate, or a metric schema that changed
+        reasons.NOT_TOKEN_BACKED,  # an interaction has no model_response
+        reasons.INVALID_TRAJECTORY,  # the parent links do not form a forest
     }
 )
-#: A scorer may name its own failure: an exception with a ``reason`` attribute matching
-#: this pattern (e.g. the judges' ``judge_failed``) is recorded under that code instead
-#: of ``scorer_error``, so a failed judge is told apart from a buggy scorer.
-SCORER_REASON_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,39}")
+"""The runner's own rejection codes (all registered in :mod:`infra.reasons`)."""
+#: A scorer may name its own failure: an exception with a ``reason`` attribute that is a
+#: registered code (:func:`infra.reasons.register`; e.g. the judges' ``judge_failed``)
+#: is recorded under that code instead of ``scorer_error``, so a failed judge is told
+#: apart from a buggy scorer. An unregistered one is recorded as ``scorer_error``.
+SCORER_REASON_PATTERN = reasons.CODE_PATTERN
 
 CONTEXT_ATTR = "prm_context"
 
@@ -96,25 +99,36 @@ def runner_error(cls: type[Exception], message: str, reason: str, **where: str |
 def failure_code(exc: BaseException) -> str:
     """A short, stable reason code for a member's scoring failure.
 
-    A code the exception declares itself (``exc.reason``, e.g. ``judge_failed``) wins;
+    A registered code the exception declares itself (``exc.reason``, e.g.
+    ``judge_failed``) wins;
     then the runner's context (``invalid_reward``, ``scorer_returned_none``, ...,
     ``scorer_error`` for anything a scorer raised); a bare ``TimeoutError`` is the
     worker's scoring deadline (``scorer_timeout``); anything else is ``scorer_error``.
     """
     declared = getattr(exc, "reason", None)
-    if isinstance(declared, str) and SCORER_REASON_PATTERN.fullmatch(declared):
+    if isinstance(declared, str) and reasons.is_member_code(declared):
         return declared
     context = error_context(exc)
     if context is not None:
         return context.reason
     if isinstance(exc, TimeoutError):
-        return "scorer_timeout"
-    return "scorer_error"
+        return reasons.SCORER_TIMEOUT
+    return reasons.SCORER_ERROR
+
+
+def _unregistered_code(exc: BaseException) -> str | None:
+    declared = getattr(exc, "reason", None)
+    if isinstance(declared, str) and reasons.CODE_PATTERN.fullmatch(declared) and not reasons.is_member_code(declared):
+        return declared
+    return None
 
 
 def failure_detail(exc: BaseException) -> str:
     """One line for a verdict: where (when known), the exception type and its text."""
     text = str(exc) or type(exc).__name__
+    unregistered = _unregistered_code(exc)
+    if unregistered is not None:  # say why the code it declared was not used
+        text = f"{text} (its declared reason {unregistered!r} is not a registered member code: infra.reasons.register)"
     context = error_context(exc)
     if context is None or not context.raised_by_scorer:
         return text

@@ -418,7 +418,7 @@ def check_verdicts(records: Sequence[Any], expected: set[str]) -> VerdictCheck:
 
 
 def reason_code(verdict: GroupVerdict) -> str:
-    return verdict.reason.split(":", 1)[0]
+    return verdict.reason_code
 
 
 def log_dir(tmp_path: Path) -> Path:

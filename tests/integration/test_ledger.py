@@ -122,7 +122,8 @@ async def test_deadline_is_decided_by_exactly_one_caller(ledger) -> None:
                                                     group_timeout_s=0, republish_grace_s=5) for i in range(8)))
     assert sorted(r.outcome for r in results).count("decided_now") == 1
     verdict = assemble_verdict(g, results[0].state, results[0].members)
-    assert verdict.status == "rejected" and verdict.reason.startswith("missing_sessions: 1 of 3")
+    assert verdict.status == "rejected" and verdict.reason_code == "missing_sessions"
+    assert verdict.reason.startswith("missing_sessions: 1 of 3")
 
 
 async def test_members_disagreeing_on_group_size_reject_the_group(ledger) -> None:
@@ -130,7 +131,7 @@ async def test_members_disagreeing_on_group_size_reject_the_group(ledger) -> Non
     await ledger.park(_member("a"), group_id=g, group_size=3, **ARGS)
     outcome, decision = await ledger.park(_member("b"), group_id=g, group_size=2, **ARGS)
     assert decision is not None and decision.outcome == "decided_now"
-    assert assemble_verdict(g, decision.state, decision.members).reason.startswith("group_size_mismatch")
+    assert assemble_verdict(g, decision.state, decision.members).reason_code == "group_size_mismatch"
 
 
 async def test_scripts_are_reloaded_after_a_script_flush(ledger) -> None:

@@ -98,7 +98,8 @@ async def test_raising_scorer_rejects_the_group_but_keeps_peer_stats(cfg, worker
                        turns=2, output_tokens=16)
     await _publish(cfg, [ok, bad])
     (verdict,) = await _verdicts_for(cfg, gid)
-    assert verdict.status == "rejected" and verdict.reason == "scorer_error"
+    assert (verdict.status, verdict.reason_code) == ("rejected", "scorer_error"), verdict.reason
+    assert "scripted failure" in verdict.reason and f"{gid}-bad" in verdict.reason  # the detail, for people
     by_traj = {s.trajectory_id: s for s in verdict.sessions}
     assert by_traj[f"{gid}-bad"].status == "failed"
     assert "scripted failure" in by_traj[f"{gid}-bad"].error
@@ -119,7 +120,7 @@ async def test_missing_member_rejects_after_deadline_exactly_once(cfg, workers) 
     assert len(verdicts) == 1, [v.worker_id for v in verdicts]
     (verdict,) = verdicts
     assert time.monotonic() - t0 >= GROUP_TIMEOUT_S * 0.9  # not before the deadline
-    assert verdict.status == "rejected" and verdict.reason.startswith("missing_sessions")
+    assert (verdict.status, verdict.reason_code) == ("rejected", "missing_sessions"), verdict.reason
     assert sorted(s.trajectory_id for s in verdict.sessions) == sorted(m.trajectory_id for m in members[:2])
     # the straggler arrives late: acknowledged, no second verdict
     await _publish(cfg, members[2:])
@@ -136,8 +137,8 @@ async def test_discard_before_members_arrive(cfg, workers) -> None:
             await pub.discard_group(gid, "prompt filtered")
             await pub.publish_many(make_group(gid, 1, turns=1, output_tokens=16))
     verdicts = await _verdicts_for(cfg, *gids, settle_s=1.5)
-    assert sorted((v.group_id, v.status, v.reason) for v in verdicts) == \
-        sorted((gid, "discarded", "prompt filtered") for gid in gids)
+    assert sorted((v.group_id, v.status, v.reason_code, v.reason) for v in verdicts) == \
+        sorted((gid, "discarded", "discarded", "prompt filtered") for gid in gids)
 
 
 async def test_discard_after_members_arrive(cfg, workers) -> None:
@@ -148,7 +149,8 @@ async def test_discard_after_members_arrive(cfg, workers) -> None:
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         await pub.discard_group(gid, "trainer no longer needs it")
     verdicts = await _verdicts_for(cfg, gid, settle_s=1.5)
-    assert [(v.status, v.reason) for v in verdicts] == [("discarded", "trainer no longer needs it")]
+    assert [(v.status, v.reason_code, v.reason) for v in verdicts] == [
+        ("discarded", "discarded", "trainer no longer needs it")]
     assert all(s.status == "discarded" and not s.branches for s in verdicts[0].sessions)
 
 

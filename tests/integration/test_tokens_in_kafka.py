@@ -146,4 +146,6 @@ async def test_a_member_whose_record_cannot_be_read_back_fails_as_tokens_unavail
     for member, (partition, offset) in ((moved, coords[1]), (garbled, (junk.partition, junk.offset))):
         assert member.status == "failed" and member.turns == [] and member.stats == {}
         assert member.error == f"tokens_unavailable: record {topic}:{partition}@{offset} could not be read back"
+        assert (member.error_code, member.error_detail) == (  # typed, like every other failure
+            "tokens_unavailable", f"record {topic}:{partition}@{offset} could not be read back")
     assert tokens.log_reads == 3

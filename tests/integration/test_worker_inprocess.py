@@ -67,6 +67,18 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
             assert asyncio.get_running_loop().time() < deadline, body
             await asyncio.sleep(0.05)
         assert "prm_worker_scoring_seconds_count 1.0" in body
+        # a discard's free text stays in the verdict; the label is its reason code
+        dropped = f"d-{uuid.uuid4().hex[:6]}"
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.discard_group(dropped, "environment crashed before turn 3")
+        (discarded,) = await wait_for_verdicts(cfg, [dropped])
+        assert (discarded.reason_code, discarded.reason) == ("discarded", "environment crashed before turn 3")
+        deadline = asyncio.get_running_loop().time() + 10
+        while 'prm_worker_verdicts_total{reason="discarded",status="discarded"} 1.0' not in body:
+            assert asyncio.get_running_loop().time() < deadline, body
+            await asyncio.sleep(0.05)
+            body = (await asyncio.to_thread(_get, port, "/metrics"))[1]
+        assert "environment" not in body
         assert (await asyncio.to_thread(_get, port, "/nope"))[0] == 404
         stop.set()
         deadline = asyncio.get_running_loop().time() + 20
@@ -92,7 +104,7 @@ async def test_hanging_scorer_times_out_and_rejects_the_group(pipeline_config) -
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_many([hang, ok])
         (verdict,) = await wait_for_verdicts(cfg, [gid], timeout_s=30)
-        assert verdict.status == "rejected" and verdict.reason == "scorer_timeout"
+        assert verdict.status == "rejected" and verdict.reason_code == "scorer_timeout", verdict.reason
         assert {s.trajectory_id: s.status for s in verdict.sessions} == {f"{gid}-1": "failed", f"{gid}-2": "scored"}
     finally:
         stop.set()

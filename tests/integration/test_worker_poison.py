@@ -60,13 +60,13 @@ async def test_oversized_verdict_is_rejected_and_never_blocks_later_groups(kafka
             await pub.publish_many(late)
         t_late = time.monotonic()
         verdict = await _verdict(cfg, big[0].group_id, timeout_s=20)
-        assert verdict.status == "rejected" and verdict.reason.startswith("verdict_too_large:"), verdict.reason
+        assert verdict.status == "rejected" and verdict.reason_code == "verdict_too_large", verdict.reason
         assert f"max_message_bytes={LIMIT}" in verdict.reason and "it was accepted" in verdict.reason
         assert len(verdict.sessions) == 3
         assert all(s.status == "scored" and s.stats and not s.turns for s in verdict.sessions)
         late_verdict = await _verdict(cfg, late[0].group_id, timeout_s=GROUP_TIMEOUT_S + 10)
         waited = time.monotonic() - t_late
-        assert late_verdict.status == "rejected" and late_verdict.reason.startswith("missing_sessions")
+        assert late_verdict.status == "rejected" and late_verdict.reason_code == "missing_sessions"
         assert waited < GROUP_TIMEOUT_S + 3, f"the later group waited {waited:.1f}s for a {GROUP_TIMEOUT_S}s deadline"
         snapshot = worker.telemetry.snapshot()
         assert snapshot['prm_worker_verdicts_total{reason=verdict_too_large,status=rejected}'] == 1
@@ -148,7 +148,7 @@ async def test_dead_lettered_member_rejects_its_group_at_once(kafka_bootstrap, r
         t0 = time.monotonic()
         verdict = await _verdict(cfg, gid, timeout_s=20)
         assert time.monotonic() - t0 < 20  # not the 120 s group deadline
-        assert verdict.status == "rejected" and verdict.reason.startswith("invalid_member:"), verdict.reason
+        assert verdict.status == "rejected" and verdict.reason_code == "invalid_member", verdict.reason
         letters = await read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + 10,
                                    stop_when=lambda rs: any(r.key == gid.encode() for r in rs))
         (dl,) = [dead_letter_from_record(r.value, r.headers) for r in letters if r.key == gid.encode()]

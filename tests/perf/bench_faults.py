@@ -147,7 +147,7 @@ def _account(cases: list[Case], valid: list[str], tail: _Tail) -> tuple[list[lis
         if len(verdicts) > 1:
             problems.append(f"{case.category} {case.key}: {len(verdicts)} different verdicts")
         verdict = decoded[0] if decoded else None
-        code = verdict.reason.split(":", 1)[0] if verdict is not None else None
+        code = verdict.reason_code if verdict is not None else None
         if case.expect.outcome == "dead":
             if len(letters) != 1:
                 row["lost" if not letters else "duplicated"] += 1

@@ -77,9 +77,9 @@ def session(
 
 
 def verdict(gid: str, sessions: Sequence[SessionResult], status: str = "accepted", reason: str = "",
-            version: int = 1) -> GroupVerdict:
+            version: int = 1, code: str = "") -> GroupVerdict:
     return GroupVerdict(group_id=gid, status=status, reason=reason, verdict_version=version,  # type: ignore[arg-type]
-                        group_size=len(sessions), sessions=list(sessions), worker_id="test")
+                        group_size=len(sessions), sessions=list(sessions), worker_id="test", reason_code=code)
 
 
 def simple_session(sid: str, *, outcome: float = 1.0, reward: float = 0.5, prompt: int = 3, out: int = 2,

@@ -362,6 +362,19 @@ def test_verdict_lines_carry_the_typed_failure_fields() -> None:
         "scorer_timeout: TimeoutError", "scorer_timeout", "TimeoutError")
     assert "error_scorer" not in first  # no single scorer failed
     assert not {"error", "error_code", "error_scorer", "error_detail"} & second.keys()
+
+
+def test_verdict_lines_carry_policy_version_and_reason_code() -> None:
+    from infra.schema import GroupVerdict, SessionResult
+
+    member = SessionResult(session_id="s", trajectory_id="t", status="discarded", policy_version=7)
+    line = jsonl.dump_verdict(GroupVerdict(group_id="g", status="discarded", reason="environment crashed",
+                                           reason_code="discarded", sessions=[member]))
+    assert (line["reason_code"], line["reason"]) == ("discarded", "environment crashed")
+    assert line["sessions"][0]["policy_version"] == 7
+    unversioned = jsonl.dump_verdict(GroupVerdict(group_id="g", status="accepted", sessions=[
+        SessionResult(session_id="s", trajectory_id="t", status="scored")]))
+    assert unversioned["sessions"][0]["policy_version"] is None and unversioned["reason_code"] == ""
 def test_token_rewards_round_trip_and_length_checked() -> None:
     from infra.jsonl import JsonlError, dump, parse
 
@@ -374,3 +387,25 @@ def test_token_rewards_round_trip_and_length_checked() -> None:
     line["interactions"][0]["token_rewards"] = [0.5]
     with pytest.raises(JsonlError, match=r"interactions\[0\].token_rewards: 1 values for 2"):
         parse(line)
+
+
+def test_doc_lists_every_field_of_a_verdict_line() -> None:
+    """docs/jsonl.md's verdict table names every key ``dump_verdict`` writes."""
+    from infra.schema import BranchResult, GroupVerdict, PRMTurnResult, SessionResult, TokenRewards
+
+    scored = SessionResult(session_id="s", trajectory_id="t", status="scored", policy_version=1, error="keep_original",
+                           branches=[BranchResult(leaf_id="a", path=["a"], token_rewards={"a": TokenRewards(length=1,
+                                                  uniform=1.0)}, scorer_totals={"x": 1.0})],
+                           turn_results=[PRMTurnResult(interaction_id="a", scorer_name="x", reward=1.0)])
+    failed = SessionResult.failure(code="scorer_error", detail="boom", scorer="x", session_id="s2", trajectory_id="t2")
+    line = jsonl.dump_verdict(GroupVerdict(group_id="g", status="rejected", reason_code="scorer_error",
+                                           sessions=[scored, failed]))
+    rows = [row for row in DOC.read_text().split("## Verdict output", 1)[1].splitlines() if row.startswith("| `")]
+    top = {row.split("`")[1] for row in rows}
+    member_rows = [row.split(" | ")[0] for row in rows if row.startswith("| `sessions[].")]
+    missing = [k for k in line if k not in top]
+    missing += [f"sessions[].{k}" for s in line["sessions"] for k in s
+                if not any(f"`{k}`" in r or f"`sessions[].{k}`" in r or f"`sessions[].{k}[]`" in r for r in member_rows)]
+    branch_row = next(r for r in rows if r.startswith("| `sessions[].branches[]`"))
+    missing += [f"branches[].{k}" for k in line["sessions"][0]["branches"][0] if f"`{k}`" not in branch_row]
+    assert missing == []

@@ -486,7 +486,30 @@ def test_failed_member_carries_typed_reason_fields_and_the_readable_line() -> No
     verdict = GroupVerdict(group_id="g", status="rejected", reason="judge_failed", sessions=[failed])
     again = decode_verdict(*encode(verdict)).sessions[0]
     assert again == failed and again.failure_code == "judge_failed"
-    assert len(SessionResult.failure(code="x", detail="y" * 5000, session_id="s", trajectory_id="t").error) == 2000
+    assert len(SessionResult.failure(code="scorer_error", detail="y" * 5000, session_id="s",
+                                     trajectory_id="t").error) == 2000
+
+
+def test_a_failure_needs_a_registered_member_code() -> None:
+    with pytest.raises(ValueError, match="'made_up' is not registered as a member code"):
+        SessionResult.failure(code="made_up", detail="d", session_id="s", trajectory_id="t")
+    with pytest.raises(ValueError, match="'missing_sessions' is not registered as a member code"):
+        SessionResult.failure(code="missing_sessions", detail="d", session_id="s", trajectory_id="t")
+
+
+def test_verdict_reason_code_is_optional_on_the_wire() -> None:
+    """``reason_code`` is left out when empty, and a verdict written before it decodes with ``""``."""
+    accepted = GroupVerdict(group_id="g", status="accepted")
+    assert "reason_code" not in msgspec.msgpack.decode(encode(accepted)[0])
+    old_writer = msgspec.msgpack.encode({"group_id": "g", "status": "rejected", "reason": "missing_sessions: 1 of 2"})
+    old = decode_verdict(old_writer, encode(accepted)[1])
+    assert (old.status, old.reason_code) == ("rejected", "")
+    rejected = GroupVerdict(group_id="g", status="rejected", reason="missing_sessions: 1 of 2",
+                            reason_code="missing_sessions")
+    assert decode_verdict(*encode(rejected)).reason_code == "missing_sessions"
+    with pytest.raises(InvalidMessage, match="reason_code"):  # free text is never a code
+        decode_verdict(msgspec.msgpack.encode({"group_id": "g", "status": "discarded",
+                                               "reason_code": "environment crashed"}), encode(accepted)[1])
 
 
 def test_results_without_failure_encode_as_before_the_typed_fields() -> None:
@@ -495,9 +518,9 @@ def test_results_without_failure_encode_as_before_the_typed_fields() -> None:
         "session_id", "trajectory_id", "status", "outcome_reward"}
 
 
-def test_failure_code_of_a_member_parked_before_the_typed_fields() -> None:
-    old = SessionResult(session_id="s", trajectory_id="t", status="failed", error="scorer_timeout: TimeoutError")
-    assert old.failure_code == "scorer_timeout" and old.error_scorer is None
+def test_failure_code_is_the_typed_field_never_the_text() -> None:
+    hand_built = SessionResult(session_id="s", trajectory_id="t", status="failed", error="scorer_timeout: x")
+    assert hand_built.failure_code == "scorer_error"  # the text is for people; nothing parses it
 
 
 def _layout_session(blocks: list[tuple[list[str], list[str]]], results: list[tuple[str, str]]) -> SessionResult:

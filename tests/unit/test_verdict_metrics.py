@@ -7,7 +7,7 @@ import math
 import pytest
 
 from shaper.filters import FilterDecision
-from shaper.metrics import VerdictMetrics, reason_code
+from shaper.metrics import VerdictMetrics, reason_key
 from tests.unit.test_batch import T0, session, simple_session, verdict
 
 TURN = "rollout/prm_turn_reward/len"
@@ -44,7 +44,7 @@ def test_rejected_groups_scored_members_count_failed_members_do_not() -> None:
     scored = simple_session("ok", stats=stats(0.5, 2))
     # A failed member never carries stats on the wire; even if one did, it must not count.
     failed = session("bad", [T0], status="failed", stats=stats(100.0, 50))
-    m.observe(verdict("g", [scored, failed], status="rejected", reason="scorer_error"))
+    m.observe(verdict("g", [scored, failed], status="rejected", reason="scorer_error: boom", code="scorer_error"))
     out = m.drain()
     assert out[TURN] == pytest.approx(0.5) and out[TURN + "__count"] == 2.0
     assert out["pipeline/verdicts/rejected"] == 1.0
@@ -54,12 +54,15 @@ def test_rejected_groups_scored_members_count_failed_members_do_not() -> None:
 
 def test_discarded_and_missing_sessions_are_counted_by_reason_code() -> None:
     m = VerdictMetrics()
-    m.observe(verdict("g1", [], status="discarded", reason="operator asked"))
+    for k in range(3):  # three discards, three different texts: one series, keyed by the code
+        m.observe(verdict(f"g1-{k}", [], status="discarded", reason=f"environment crashed before turn {k}",
+                          code="discarded"))
     m.observe(verdict("g2", [simple_session("x", stats=stats(1.0, 1))], status="rejected",
-                      reason="missing_sessions: 1 of 2 arrived before the deadline"))
+                      reason="missing_sessions: 1 of 2 arrived before the deadline", code="missing_sessions"))
     out = m.drain()
-    assert out["pipeline/verdicts/discarded"] == 1.0
-    assert out["pipeline/verdicts/discarded/operator%20asked"] == 1.0
+    assert out["pipeline/verdicts/discarded"] == 3.0
+    assert out["pipeline/verdicts/discarded/discarded"] == 3.0
+    assert not [k for k in out if "environment" in k or "%20" in k]  # the text never becomes a key
     assert out["pipeline/verdicts/rejected/missing_sessions"] == 1.0
     assert out[TURN + "__count"] == 1.0
 
@@ -102,7 +105,9 @@ def test_invalid_stats_are_skipped_and_counted() -> None:
     assert out[TURN] == 0.5 and out[TURN + "__count"] == 1.0
 
 
-def test_reason_code() -> None:
-    assert reason_code("scorer_timeout: took 60s") == "scorer_timeout"
-    assert reason_code("") == "unspecified"
-    assert reason_code("a/b c") == "a%2Fb%20c"  # never a new path level in the metric name
+def test_reason_key_is_the_registered_code_never_the_text() -> None:
+    assert reason_key(verdict("g", [], "rejected", "scorer_timeout: took 60s", code="scorer_timeout")) == \
+        "scorer_timeout"
+    assert reason_key(verdict("g", [], "rejected", "missing_sessions: 1 of 2")) == "unspecified"  # no code: old writer
+    assert reason_key(verdict("g", [], "rejected", "x", code="not_a_known_code")) == "other"
+    assert reason_key(verdict("g", [], "accepted")) == ""

@@ -53,7 +53,7 @@ def test_too_large_verdict_keeps_stats_and_drops_turns_deterministically() -> No
     assert verdict.status == "accepted"
     small = too_large_verdict(verdict, size=123_456, limit=65_536)
     assert small == too_large_verdict(verdict, size=123_456, limit=65_536)  # a pure function: same bytes
-    assert small.status == "rejected" and small.reason.startswith("verdict_too_large:")
+    assert (small.status, small.reason_code) == ("rejected", "verdict_too_large")
     assert "123456 bytes" in small.reason and "max_message_bytes=65536" in small.reason
     assert "it was accepted" in small.reason
     assert all(s.turns == [] and s.stats == {"rollout/x": 1.0} for s in small.sessions)

@@ -143,11 +143,12 @@ def verdict_rejected() -> GroupVerdict:
     ok = ready_single_turn()
     branch = BranchResult(leaf_id="i0", path=["i0"], token_rewards={"i0": TokenRewards(length=4, uniform=1.0)},
                           scorer_totals={"length_budget": 1.0})
-    failed = SessionResult(session_id="g-vec-1/s1", trajectory_id="g-vec-1/t1", status="failed",
-                           outcome_reward=0.0, policy_version=3, error="scorer_timeout: judge took > 60.0s",
-                           created_at=T0, scored_at=T0 + 60)
+    failed = SessionResult.failure(code="scorer_timeout", detail="judge took > 60.0s", scorer="judge",
+                                   session_id="g-vec-1/s1", trajectory_id="g-vec-1/t1", outcome_reward=0.0,
+                                   policy_version=3, created_at=T0, scored_at=T0 + 60)
     return GroupVerdict(
-        group_id=ok.group_id, status="rejected", reason="scorer_timeout", verdict_version=1, group_size=2,
+        group_id=ok.group_id, status="rejected", reason_code="scorer_timeout",
+        reason="scorer_timeout: member 'g-vec-1/t1': judge took > 60.0s", verdict_version=1, group_size=2,
         sessions=[_scored(ok, [branch], [PRMTurnResult(interaction_id="i0", scorer_name="length_budget",
                                                        reward=1.0)], {"rollout/prm/length_budget/reward": 1.0}),
                   failed],
@@ -158,7 +159,8 @@ def verdict_rejected() -> GroupVerdict:
 def verdict_discarded() -> GroupVerdict:
     """A discarded group lists the members that had arrived, without results."""
     return GroupVerdict(
-        group_id="g-vec-3", status="discarded", reason="prompt filtered by the proxy", verdict_version=1,
+        group_id="g-vec-3", status="discarded", reason="prompt filtered by the proxy", reason_code="discarded",
+        verdict_version=1,
         group_size=4,
         sessions=[SessionResult(session_id="g-vec-3/s0", trajectory_id="g-vec-3/t0", status="discarded",
                                 outcome_reward=1.0, created_at=T0)],
