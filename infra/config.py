@@ -27,6 +27,7 @@ import msgspec
 import yaml
 
 # Shaping modes come from the one registry (advantage and PRM + OPD combined modes).
+from infra.errors import ConfigurationError
 from infra.modes import COMBINED_MODES, SHAPING_MODES, mode_info
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_SECONDS)]
 
 
-class ConfigError(ValueError):
+class ConfigError(ConfigurationError, ValueError):
     """The configuration breaks a rule; the message names the key and the fix."""
 
 

@@ -23,6 +23,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from infra.errors import WireError
 from infra.schema import (
     DiscardGroup,
     GroupVerdict,
@@ -38,7 +39,7 @@ __all__ = ["JsonlError", "parse", "load", "dump", "write", "KINDS"]
 KINDS = ("ready", "discard")
 
 
-class JsonlError(ValueError):
+class JsonlError(WireError, ValueError):
     """A JSONL record is not a valid message; the text names the field path (and line)."""
 
 

@@ -26,11 +26,12 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import TopicPartition
 
 from infra.config import KafkaConfig, TopicsConfig
+from infra.errors import ServiceError, WireError
 
 log = logging.getLogger(__name__)
 
 
-class MessageTooLarge(ValueError):
+class MessageTooLarge(WireError, ValueError):
     """A record is larger than ``kafka.max_message_bytes``.
 
     Checked client-side because the embedded broker enforces no limit while a real
@@ -86,7 +87,7 @@ def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[
     return DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, list(headers or ()))
 
 
-class KafkaAccessRefused(RuntimeError):
+class KafkaAccessRefused(ServiceError, RuntimeError):
     """The broker can be reached but refuses us for a reason no retry fixes (an untrusted
     certificate, TLS spoken to a plaintext listener or the reverse, a refused login);
     ``str()`` is the one-line report naming the setting to fix."""

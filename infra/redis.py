@@ -18,6 +18,7 @@ from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from infra.config import RedisConfig
+from infra.errors import ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def make_redis(cfg: RedisConfig, **overrides: Any) -> aioredis.Redis | RedisClus
     return aioredis.from_url(cfg.url, health_check_interval=30, **kwargs)
 
 
-class RedisAccessError(RuntimeError):
+class RedisAccessError(ServiceError, RuntimeError):
     """Redis refused us for a reason no retry fixes (credentials, TLS trust); the message
     names the user and the setting, never the password."""
 

@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from infra import reasons
+from infra.errors import WireError
 from infra.tree import TreeError, topological_order
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ _F32 = np.dtype("<f4")
 
 
 # --------------------------------------------------------------------------- errors
-class SchemaError(ValueError):
+class SchemaError(WireError, ValueError):
     """A Kafka record could not be turned into one of our messages."""
 
 
@@ -379,8 +380,28 @@ class TokenTurn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(self.output_tokens_raw):
             raise ValueError(f"turn {self.interaction_id!r}: output_logprobs length differs from output_tokens")
 
+    @property
+    def prompt_delta(self) -> np.ndarray:
+        """The new prompt tokens (int32, read-only view)."""
+        return _view(self.prompt_delta_raw, _I32)
 
-class NotConcatExport(ValueError):
+    @property
+    def output_tokens(self) -> np.ndarray:
+        """The generated tokens (int32, read-only view)."""
+        return _view(self.output_tokens_raw, _I32)
+
+    @property
+    def output_logprobs(self) -> np.ndarray | None:
+        """Behaviour log-probs of the generated tokens (float32, read-only view), or None."""
+        raw = self.output_logprobs_raw
+        return None if raw is None else _view(raw, _F32)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens_raw) // 4
+
+
+class NotConcatExport(WireError, ValueError):
     """A turn's input does not start with its parent's input + output."""
 
 

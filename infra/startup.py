@@ -24,6 +24,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from infra.config import KafkaConfig, PipelineConfig, RedisConfig
+from infra.errors import ServiceError
 from infra.kafka import KafkaAccessRefused, backoff_delay
 from infra.redis import RedisAccessError
 
@@ -35,7 +36,7 @@ _FIRST_DELAY_S = 0.5
 _MAX_DELAY_S = 5.0
 
 
-class ServiceUnavailable(RuntimeError):
+class ServiceUnavailable(ServiceError, RuntimeError):
     """A service did not answer within its ``startup_timeout_s``; ``str()`` is the one-line report."""
 
     def __init__(self, what: str, address: str, setting: str, cause: str, waited_s: float) -> None:
@@ -76,7 +77,7 @@ class _KafkaConnectLog(logging.Filter):
         return True
 
 
-class KafkaUnreachable(ConnectionError):
+class KafkaUnreachable(ServiceError, ConnectionError):
     """No bootstrap broker answered a metadata request."""
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
+from infra.errors import WireError
 
-class TreeError(ValueError):
+
+class TreeError(WireError, ValueError):
     """The parent links do not form a forest (duplicate id, unknown parent, cycle)."""
 
 

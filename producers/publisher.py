@@ -25,11 +25,12 @@ from aiokafka import AIOKafkaProducer
 
 from infra import jsonl
 from infra.config import KafkaConfig, TopicsConfig
+from infra.errors import ServiceError
 from infra.kafka import check_size, make_producer
 from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage, encode
 
 
-class PublishError(RuntimeError):
+class PublishError(ServiceError, RuntimeError):
     """One or more records were not acknowledged by the broker."""
 
 

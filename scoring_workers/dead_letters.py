@@ -6,11 +6,12 @@ from __future__ import annotations
 import msgspec
 from aiokafka.structs import ConsumerRecord
 
+from infra.errors import ScoringError
 from infra.kafka import record_size
 from infra.schema import DeadLetter, dead_letter_headers, headers_to_dict
 
 
-class ProcessingError(Exception):
+class ProcessingError(ScoringError):
     """Wraps an unexpected processing failure so the dead letter names the original error."""
 
     def __init__(self, cause: BaseException) -> None:

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from infra.errors import TrainingError
 from infra.schema import (
     BranchResult,
     GroupVerdict,
@@ -89,7 +90,7 @@ was cut off was still followed by more context, so the row itself did not end ea
 """
 
 
-class ConcatExportError(ValueError):
+class ConcatExportError(TrainingError, ValueError):
     """An accepted verdict cannot be laid out as concat rows.
 
     ``reason`` is a short stable code (``not_prefix``, ``not_token_backed``,
@@ -163,10 +164,6 @@ class ExportedGroup:
             "attention_mask": batch.attention_mask,
             "is_truncated": batch.is_truncated,
         }
-
-
-_I32 = np.dtype("<i4")
-_F32 = np.dtype("<f4")
 
 
 def turns_from_interactions(
@@ -251,13 +248,12 @@ def _export_branch(
     spans: list[tuple[TokenTurn, int, int]] = []
     pos = 0
     for t in path:
-        delta = np.frombuffer(t.prompt_delta_raw, dtype=_I32)
-        out = np.frombuffer(t.output_tokens_raw, dtype=_I32)
+        delta, out = t.prompt_delta, t.output_tokens  # the schema's views: the shaper never reads wire bytes
         pieces += (delta, out)
         start = pos + delta.shape[0]
         pos = start + out.shape[0]
         spans.append((t, start, pos))
-    ids = np.concatenate(pieces) if pieces else np.empty(0, dtype=_I32)
+    ids = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int32)
     length = pos
     loss_mask = np.zeros(length, dtype=bool)
     logprobs = np.zeros(length, dtype=np.float32)
@@ -266,8 +262,9 @@ def _export_branch(
     for k, (t, start, stop) in enumerate(spans):
         loss_mask[start:stop] = True
         turn_index[start:stop] = k
-        if t.output_logprobs_raw is not None:
-            logprobs[start:stop] = np.frombuffer(t.output_logprobs_raw, dtype=_F32)
+        behaviour = t.output_logprobs
+        if behaviour is not None:
+            logprobs[start:stop] = behaviour
         tr = rewards.get(t.interaction_id)
         if tr is not None:
             if tr.length != stop - start:

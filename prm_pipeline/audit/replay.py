@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from infra.config import PipelineConfig
+from infra.errors import PRMPipelineError
 
 
-class AuditError(RuntimeError):
+class AuditError(PRMPipelineError, RuntimeError):
     """The audit cannot run (a topic is missing, an offset names no partition, ...)."""
 
 

@@ -38,6 +38,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from infra.errors import ScoringError
 from infra.schema import BranchResult, PRMTurnResult, TokenRewards
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ __all__ = [
 COUNT_SUFFIX = "__count"
 
 
-class RunnerClosedError(RuntimeError):
+class RunnerClosedError(ScoringError, RuntimeError):
     """``run()`` was called after ``aclose()`` started: a shutdown, not the trajectory's fault.
 
     A ``RuntimeError`` whose message contains "closed", as AReaL's."""

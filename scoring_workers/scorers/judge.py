@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from infra.errors import ScoringError
 from scoring_workers.scorers.conversation import message_text
 
 __all__ = [
@@ -275,7 +276,7 @@ def append_hint_to_messages(messages: Sequence[Mapping[str, Any]], hint: str) ->
 
 
 # --------------------------------------------------------------------------- voting
-class JudgeFailedError(RuntimeError):
+class JudgeFailedError(ScoringError, RuntimeError):
     """Every judge vote of a turn failed (transport error or unparseable answer).
 
     Raised by the judge scorers when ``on_all_votes_failed="reject"`` (the default):

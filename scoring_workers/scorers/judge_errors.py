@@ -6,10 +6,12 @@ without importing any HTTP library.
 
 from __future__ import annotations
 
+from infra.errors import ScoringError
+
 __all__ = ["CircuitOpenError", "JudgeRequestError", "JudgeTimeoutError"]
 
 
-class JudgeRequestError(Exception):
+class JudgeRequestError(ScoringError):
     """A logical judge request failed.
 
     ``kind`` is one of ``connect``, ``timeout``, ``http_status``, ``transport``,

@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from infra.errors import ScoringError
 from scoring_workers.prm.resolve import resolve_callable
 from scoring_workers.scorers.conversation import normalize_template_messages
 from scoring_workers.scorers.judge import (
@@ -84,7 +85,7 @@ from scoring_workers.scorers.openclaw import JudgeScorerBase, JudgeScorerResult,
 __all__ = ["MissingLogprobsError", "OPDTeacherScorer", "hf_chat_tokenizer"]
 
 
-class MissingLogprobsError(ValueError):
+class MissingLogprobsError(ScoringError, ValueError):
     """The turn has no ``model_response.output_logprobs``: OPD needs the rollout's log-probs."""
 
 

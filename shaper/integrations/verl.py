@@ -52,6 +52,7 @@ from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManage
 from verl.trainer.ppo import core_algos
 
 from infra.config import PipelineConfig, PRMAdvantageShapingConfig, load_config
+from infra.errors import TrainingError
 from infra.kafka import make_consumer, partitions_of
 from infra.schema import GroupVerdict, Interaction, ModelResponse, ReadyTrajectory, SchemaError, decode_verdict
 from producers.publisher import TrajectoryPublisher
@@ -68,7 +69,7 @@ __all__ = [
 ]
 
 
-class VerdictTimeout(TimeoutError):
+class VerdictTimeout(TrainingError, TimeoutError):
     """A group's verdict did not arrive within ``verdict_timeout_s`` (raised with ``on_timeout: raise``)."""
 
 

@@ -551,3 +551,21 @@ def test_turn_result_blocks_follow_the_verdict_layout() -> None:
 ])
 def test_turn_result_blocks_refuse_to_guess(results: list[tuple[str, str]]) -> None:
     assert _layout_session([(["a", "b"], ["x", "y"])], results).turn_result_blocks() is None
+
+
+def test_token_turn_accessors_are_the_only_reader_of_its_bytes() -> None:
+    """The shaper lays sequences out through these views; it never decodes wire bytes itself."""
+    from pathlib import Path
+
+    from infra.schema import TokenTurn, pack_array
+
+    turn = TokenTurn(interaction_id="a", prompt_delta_raw=pack_array([1, 2], np.dtype("<i4")),
+                     output_tokens_raw=pack_array([3], np.dtype("<i4")),
+                     output_logprobs_raw=pack_array([-0.5], np.dtype("<f4")))
+    assert turn.prompt_delta.tolist() == [1, 2] and turn.output_tokens.tolist() == [3] and turn.output_len == 1
+    assert turn.output_logprobs.tolist() == [-0.5] and TokenTurn(interaction_id="b").output_logprobs is None
+    assert not turn.output_tokens.flags.writeable
+    shaper = Path(__file__).resolve().parents[2] / "shaper"
+    readers = [f"{p.name}:{n}" for p in shaper.rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
+               if "frombuffer" in line or "_raw" in line]
+    assert readers == [], "use infra.schema's accessors, not the packed bytes"

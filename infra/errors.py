@@ -1,0 +1,57 @@
+"""One root for every exception prm-pipeline raises on purpose, with typed subtrees.
+
+A library user catches :class:`PRMPipelineError` for "anything this package refused or
+could not do", or one subtree (as httpx's ``HTTPError`` / ``RequestError`` /
+``TransportError``):
+
+* :class:`ConfigurationError` — a setting or config file is wrong (``ConfigError``);
+* :class:`WireError` — a message, record or file breaks the wire contract
+  (``SchemaError`` and its kinds, ``JsonlError``, ``TreeError``, ``NotConcatExport``,
+  ``MessageTooLarge``);
+* :class:`ServiceError` — Kafka, Redis or a local service is unreachable or refuses us
+  (``ServiceUnavailable``, ``KafkaUnreachable``, ``KafkaAccessRefused``,
+  ``RedisAccessError``, ``LocalStackError``, ``PublishError``);
+* :class:`ScoringError` — scoring a trajectory failed (``JudgeRequestError`` and its
+  kinds, ``JudgeFailedError``, ``MissingLogprobsError``, ``RunnerClosedError``,
+  ``ProcessingError``);
+* :class:`TrainingError` — the trainer side could not use a verdict (``ConcatExportError``,
+  ``VerdictTimeout``).
+
+``AuditError`` (an audit could not read the records it was asked to) derives from the
+root directly.
+
+The existing classes keep their standard bases (``ValueError``, ``RuntimeError``,
+``ConnectionError``, ``TimeoutError``, …): the root is mixed in, so every ``except``
+clause written before it still catches what it caught. Exceptions a scorer raises are
+the scorer's own (AReaL semantics) and are not wrapped.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError", "PRMPipelineError", "ScoringError", "ServiceError", "TrainingError", "WireError",
+]
+
+
+class PRMPipelineError(Exception):
+    """Root of every exception prm-pipeline raises on purpose."""
+
+
+class ConfigurationError(PRMPipelineError):
+    """A setting, config file or command-line option is wrong."""
+
+
+class WireError(PRMPipelineError):
+    """A message, Kafka record or JSONL line breaks the wire contract (docs/wire.md)."""
+
+
+class ServiceError(PRMPipelineError):
+    """Kafka, Redis or a local service is unreachable, or refuses what we ask."""
+
+
+class ScoringError(PRMPipelineError):
+    """Scoring a trajectory failed (a judge or teacher request, the runner, a record)."""
+
+
+class TrainingError(PRMPipelineError):
+    """The trainer side could not use a verdict."""
