@@ -87,8 +87,8 @@ def _failure_reason(member: SessionResult) -> str:
     """A rejection's text for its first failed member: the code, the member and why (the
     member's ``error_detail``, cut short: the member keeps the whole message)."""
     detail = (member.error_detail or "").replace("\n", " ")
-    if len(detail) > 500:
-        detail = detail[:497] + "..."
+    if len(detail) > 1000:
+        detail = detail[:997] + "..."
     return f"{member.failure_code}: member {member.trajectory_id!r}" + (f": {detail}" if detail else "")
 
 

@@ -88,8 +88,12 @@ class JudgeTurnTable:
         return JudgeTurnTable(self.scores.to(device), self.has_next_state.to(device), self.judged.to(device))
 
 
-def judge_turn_table(batch: TrainingBatch, scorer: str = "openclaw_judge") -> JudgeTurnTable:
+def judge_turn_table(batch: TrainingBatch, scorer: str = "openclaw_judge", *,
+                     needed_by: str = "trainer.exclude_neutral_turns") -> JudgeTurnTable:
     """Lay the ``scorer``'s per-turn results of every row of ``batch`` out as ``[B, K]``.
+
+    ``needed_by`` names the setting that asked for the table, so the error says which
+    one to change (not one the user never turned on).
 
     Work is per turn (a few Python operations per judged turn), never per token. Raises
     :class:`ValueError` naming the row when a row has no results of ``scorer``: every
@@ -113,8 +117,9 @@ def judge_turn_table(batch: TrainingBatch, scorer: str = "openclaw_judge") -> Ju
             known = sorted(by_scorer)
             raise ValueError(
                 f"row {b} (session {batch.session_ids[b]!r}, leaf {batch.leaf_ids[b]!r}) has no per-turn "
-                f"results of scorer {scorer!r} (it has {known or 'none'}); set trainer.judge_scorer to the "
-                "judge's name, or turn trainer.exclude_neutral_turns off"
+                f"results of scorer {scorer!r} (it has {known or 'none'}), which {needed_by} needs; set "
+                f"trainer.judge_scorer to the judge's name, configure the judge on the workers, or turn "
+                f"{needed_by} off"
             )
         k = len(results)
         if k > num_turns:

@@ -165,8 +165,11 @@ def shape_batch(
         return ShapedBatch(loss_mask=mask, token_rewards=shifted, outcome_advantages=torch.zeros_like(shifted),
                            advantages=shifted)
     table: JudgeTurnTable | None = None
+    if combined_mode is not None:  # say what is missing for the mode asked for, before anything else
+        _require_channels(batch, combined_mode, judge_scorer, opd_scorer)
     if exclude_neutral_turns or combined_mode == "prm_gated_opd":
-        table = judge_turn_table(batch, judge_scorer)
+        table = judge_turn_table(batch, judge_scorer, needed_by="trainer.exclude_neutral_turns"
+                                 if exclude_neutral_turns else f"trainer.combined_mode {combined_mode}")
     if exclude_neutral_turns:
         assert table is not None
         sessions = session_index(batch.group_ids, batch.session_ids, device=batch.turn_index.device)
@@ -223,7 +226,8 @@ def combined_token_signal(
     opd = batch.channels[opd_scorer]
     if combined_mode == "prm_weighted_opd":
         return prm_weighted_opd(opd, scores, turn_index, mask)
-    table = table if table is not None else judge_turn_table(batch, judge_scorer)
+    if table is None:
+        table = judge_turn_table(batch, judge_scorer, needed_by=f"trainer.combined_mode {combined_mode}")
     return prm_gated_opd(opd, scores, turn_index, mask, penalty=penalty,
                          turn_mask=table.judged & table.has_next_state)
 

@@ -316,10 +316,15 @@ class JudgeClient:
                     f"POST {url}: rate limit ({limits.settings.rps} req/s) leaves no slot before the total timeout",
                     kind="timeout",
                 )
-            ticket = limits.breaker.acquire()
+            breaker = limits.breaker
+            ticket = breaker.acquire()
             if ticket is None:
-                raise CircuitOpenError(f"POST {url}: circuit breaker open, failing fast", kind="circuit_open")
+                raise CircuitOpenError(
+                    f"POST {url}: circuit breaker open after {breaker.failure_threshold} consecutive failed "
+                    f"attempts, failing fast (a probe goes through {breaker.reset_timeout_s:g}s after it opened); last error: "
+                    f"{breaker.last_error or 'unknown'}", kind="circuit_open")
             verdict: bool | None = None
+            failure: str | None = None
             limits.in_flight += 1
             limits.max_in_flight = max(limits.max_in_flight, limits.in_flight)
             self.stats.attempts += 1
@@ -339,18 +344,21 @@ class JudgeClient:
                 except TimeoutError:
                     verdict = False
                     error = JudgeTimeoutError(f"POST {url}: no answer within {budget:.3g}s", kind="timeout")
+                    failure = str(error)
                     if self.retry_on_timeout:
                         raise _Retry(error) from None
                     raise error from None
                 except aiohttp.ClientConnectorError as exc:
                     verdict = False
-                    raise _Retry(
-                        JudgeRequestError(f"POST {url}: cannot connect: {exc!r}", kind="connect")
-                    ) from None
+                    failure = f"POST {url}: cannot connect: {exc}"
+                    raise _Retry(JudgeRequestError(failure, kind="connect")) from None
                 except (aiohttp.ClientError, OSError) as exc:
                     verdict = False
-                    raise JudgeRequestError(f"POST {url}: {type(exc).__name__}: {exc}", kind="transport") from None
+                    failure = f"POST {url}: {type(exc).__name__}: {exc}"
+                    raise JudgeRequestError(failure, kind="transport") from None
                 verdict = status < 500
+                if not verdict:
+                    failure = f"POST {url}: HTTP {status}: {_snippet(raw, 200)}"
                 if status >= 500 or status == 429:
                     raise _Retry(
                         JudgeRequestError(
@@ -372,6 +380,6 @@ class JudgeClient:
                     ) from None
             finally:
                 limits.in_flight -= 1
-                limits.breaker.record(ticket, verdict)
+                breaker.record(ticket, verdict, failure)
         finally:
             semaphore.release()

@@ -33,7 +33,9 @@ class CircuitBreaker:
 
     Use :meth:`acquire` before an attempt (``None`` = rejected, fail fast) and
     :meth:`record` after it with ``True`` (the server answered), ``False`` (it did
-    not, or answered 5xx) or ``None`` (no verdict, e.g. cancelled). Thread-safe.
+    not, or answered 5xx; pass what went wrong as ``error``) or ``None`` (no verdict,
+    e.g. cancelled). :attr:`last_error` keeps the last failure's description, so a
+    request refused while the breaker is open can say *why* it opened. Thread-safe.
     """
 
     CLOSED = "closed"
@@ -67,6 +69,8 @@ class CircuitBreaker:
         """How many times the breaker opened (a monotonically increasing counter)."""
         self.rejected_count = 0
         """How many attempts were refused while open / half-open with no probe slot."""
+        self.last_error: str | None = None
+        """The last failed attempt's description (e.g. ``connection refused``), or None."""
 
     @property
     def state(self) -> str:
@@ -98,12 +102,14 @@ class CircuitBreaker:
                 return _Ticket(probe=True)
             return _Ticket(probe=False)
 
-    def record(self, ticket: _Ticket, success: bool | None) -> None:
-        """Report how the attempt admitted by ``ticket`` ended."""
+    def record(self, ticket: _Ticket, success: bool | None, error: str | None = None) -> None:
+        """Report how the attempt admitted by ``ticket`` ended (``error``: what went wrong)."""
         with self._lock:
             if ticket.done:
                 return
             ticket.done = True
+            if success is False and error:
+                self.last_error = error[:500]
             if ticket.probe:
                 if self._state != self.HALF_OPEN:
                     return  # stale probe: another probe already decided

@@ -256,6 +256,25 @@ def test_combined_mode_needs_both_channels() -> None:
         shape_batch(combined_batch(), mode="additive", combined_mode="prm_gated_opd", opd_scorer="teacher")
 
 
+@pytest.mark.parametrize("judge", ["judge", "no_such_judge"])
+def test_gated_mode_without_channels_names_the_setting_that_fixes_it(judge: str) -> None:
+    """prm_gated_opd also reads the judge's turn results; without channels the error must
+    name worker.keep_scorer_channels, not trainer.exclude_neutral_turns (never turned on)."""
+    with pytest.raises(ValueError) as info:
+        shape_batch(combined_batch(with_channels=False), mode="additive", combined_mode="prm_gated_opd",
+                    judge_scorer=judge)
+    assert "worker.keep_scorer_channels: true" in str(info.value)
+    assert "exclude_neutral_turns" not in str(info.value)
+
+
+def test_gated_mode_without_judge_results_names_the_mode() -> None:
+    from shaper.exclusion import judge_turn_table
+
+    with pytest.raises(ValueError, match="which trainer.combined_mode prm_gated_opd needs") as info:
+        judge_turn_table(combined_batch(), "no_such_judge", needed_by="trainer.combined_mode prm_gated_opd")
+    assert "exclude_neutral_turns" not in str(info.value)
+
+
 def test_combined_modes_are_not_shaping_modes() -> None:
     check_combined_mode(None, "process_weighted")
     check_combined_mode("prm_gated_opd", "additive")

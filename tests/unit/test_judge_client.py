@@ -412,3 +412,30 @@ async def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
         await from_file.aclose()
         await both.aclose()
     assert registered_limits(url) is None
+
+
+async def test_an_open_circuit_names_the_error_that_opened_it():
+    """A judge outage reports its cause, not only ``circuit_open``: the refused request's
+    message carries the last underlying error (here: nothing listens on the port)."""
+    url = f"http://127.0.0.1:{_free_port()}"
+    async with _client(url, max_retries=0, breaker_failure_threshold=1, breaker_reset_s=30,
+                       clock=FakeClock()) as client:
+        with pytest.raises(JudgeRequestError) as first:
+            await _chat(client)
+        assert first.value.kind == "connect"
+        with pytest.raises(CircuitOpenError) as refused:
+            await _chat(client)
+    message = str(refused.value)
+    assert "circuit breaker open after 1 consecutive failed attempts" in message
+    assert f"last error: POST {url}/v1/chat/completions: cannot connect" in message, message
+    assert client.breaker.last_error is not None and "cannot connect" in client.breaker.last_error
+
+
+async def test_an_http_failure_is_the_breakers_last_error(server):
+    async with _client(server.base_url, max_retries=0, breaker_failure_threshold=1, breaker_reset_s=30,
+                       clock=FakeClock()) as client:
+        server.set_outage(True)
+        with pytest.raises(JudgeRequestError):
+            await _chat(client)
+        with pytest.raises(CircuitOpenError, match="last error: POST .*: HTTP 503"):
+            await _chat(client)

@@ -427,3 +427,30 @@ async def test_judge_and_opd_together_in_one_runner(server):
     np.testing.assert_allclose(rewards["t0"].numpy(), 0.5 * -1.0 + opd, rtol=1e-6)
     assert rewards["t1"].tolist() == [0.5] * 4 and rewards["t2"].tolist() == [0.0] * 2
     assert registered_limits(server.base_url) is None
+
+
+async def test_a_judge_outage_names_its_cause_in_the_members_failure_and_the_verdict():
+    """With the breaker open, the rejection still says why: the last underlying error."""
+    import msgspec
+
+    from scoring_workers.scoring import score_member
+    from scoring_workers.verdicts import assemble_verdict
+
+    turns, prefix = [], np.arange(5, dtype=np.int32)  # three_turns, laid out as concat export
+    for it in three_turns():
+        out = it.model_response.output_tokens
+        turns.append(msgspec.structs.replace(it, model_response=ModelResponse.from_arrays(prefix, out)))
+        prefix = np.concatenate([prefix, out, [9]]).astype(np.int32)
+    url = f"http://127.0.0.1:{_free_port()}"
+    runner = await PRMRunner.create({"scorers": [{"path": OPENCLAW, "kwargs": judge_kwargs(
+        url, breaker_failure_threshold=1, breaker_reset_s=300)}]})
+    try:
+        opened = await score_member(runner, trajectory(turns), timeout_s=30)  # connect errors open it
+        failed = await score_member(runner, trajectory(turns), timeout_s=30)  # refused: circuit open
+    finally:
+        await runner.aclose()
+    assert opened.error_code == failed.error_code == "judge_failed"
+    assert "circuit_open" in failed.error_detail and "circuit breaker open" in failed.error_detail
+    assert "cannot connect" in failed.error_detail, failed.error_detail
+    verdict = assemble_verdict("g-1", {"decision": "complete", "group_size": "1"}, [failed])
+    assert verdict.reason_code == "judge_failed" and "cannot connect" in verdict.reason, verdict.reason
