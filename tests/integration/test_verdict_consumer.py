@@ -79,8 +79,9 @@ async def test_only_accepted_groups_reach_the_trainer_once_each(pipeline_config,
     stats = {"rollout/prm_turn_reward/len": 0.5, "rollout/prm_turn_reward/len__count": 2.0}
     acc_a = accepted_group("acc-a", stats=stats)
     acc_b = accepted_group("acc-b")
-    rejected = verdict("rej", [simple_session("rej-ok", stats=stats)], status="rejected", reason="scorer_error: x")
-    discarded = verdict("dis", [], status="discarded", reason="discarded")
+    rejected = verdict("rej", [simple_session("rej-ok", stats=stats)], status="rejected", reason="scorer_error: x",
+                       code="scorer_error")
+    discarded = verdict("dis", [], status="discarded", reason="environment crashed before turn 2", code="discarded")
     garbage = [(b"\x00not msgpack", [(SCHEMA_HEADER, b"1"), (KIND_HEADER, b"verdict")]), (b"no headers", [])]
     await publish(cfg, [acc_a, rejected, garbage[0], discarded, acc_b, acc_a, garbage[1]])
 
@@ -97,6 +98,8 @@ async def test_only_accepted_groups_reach_the_trainer_once_each(pipeline_config,
     assert counters["pipeline/verdicts/rejected"] == 1
     assert counters["pipeline/verdicts/rejected/scorer_error"] == 1
     assert counters["pipeline/verdicts/discarded"] == 1
+    assert counters["pipeline/verdicts/discarded/discarded"] == 1  # the code, never the discard's text
+    assert not [k for k in counters if "environment" in k]
     assert counters["pipeline/verdicts/duplicate"] == 1
     assert counters["pipeline/verdicts/undecodable"] == 2
     # The rejected group's scored member counts in the metrics (seed), weighted by count.

@@ -71,7 +71,7 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
         dropped = f"d-{uuid.uuid4().hex[:6]}"
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.discard_group(dropped, "environment crashed before turn 3")
-        (discarded,) = await wait_for_verdicts(cfg, [dropped])
+        (discarded,) = [v for v in await wait_for_verdicts(cfg, [dropped]) if v.group_id == dropped]
         assert (discarded.reason_code, discarded.reason) == ("discarded", "environment crashed before turn 3")
         deadline = asyncio.get_running_loop().time() + 10
         while 'prm_worker_verdicts_total{reason="discarded",status="discarded"} 1.0' not in body:
