@@ -463,7 +463,8 @@ class VerdictConsumer:
         """Export and filter an accepted verdict; None when it contributes no rows."""
         m = self.metrics
         if verdict.status != "accepted":
-            log.info("group %s %s (%s): not trained on", verdict.group_id, verdict.status, verdict.reason)
+            log.info("group %s %s (%s: %s): not trained on", verdict.group_id, verdict.status,
+                     verdict.reason_code or "-", verdict.reason)
             return None
         try:
             group = export_group(verdict)
