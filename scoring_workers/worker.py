@@ -52,7 +52,6 @@ from typing import Any
 
 import msgspec
 from aiokafka import ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from redis.exceptions import BusyLoadingError, OutOfMemoryError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -60,7 +59,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.config import PipelineConfig
 from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer
-from infra.offsets import OffsetTracker
+from infra.offsets import OffsetCommitter
 from infra.redis import verify_access
 from infra.schema import (
     DiscardGroup,
@@ -93,6 +92,7 @@ MAX_ATTEMPTS = 3  # non-transient processing errors before a record is dead-lett
 REPUBLISH_GRACE_S = 5.0
 SWEEP_INTERVAL_S = 0.5
 SWEEP_BACKOFF_S = 30.0  # a group the sweeper failed on (not an outage) is looked at again after this
+LAG_INTERVAL_S = 5.0
 
 
 def default_worker_id() -> str:
@@ -110,6 +110,9 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         await self.worker._drain_partitions(set(revoked))
+        for tp in revoked:  # no stale lag series for partitions another member now owns
+            with contextlib.suppress(KeyError):
+                self.worker.telemetry.lag.remove(tp.topic, str(tp.partition))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.worker.telemetry.ready = True  # joined the group (even with nothing assigned)
@@ -127,13 +130,11 @@ class Worker:
         self.telemetry = WorkerTelemetry()
         self._runner = runner
         self._owns_runner = runner is None
-        self._tracker = OffsetTracker()
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
         self._discards: dict[str, asyncio.Task[None]] = {}  # group_id -> in-flight DiscardGroup
         self._members: dict[str, set[asyncio.Task[None]]] = {}  # group_id -> in-flight members
         self._scorers_blob = encode_scorers([])
         self._tokens = MemberTokens(cfg)
-        self._paused = False
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
 
@@ -179,6 +180,9 @@ class Worker:
             raise
         self.producer = make_producer(cfg.kafka)
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
+        self._committer = OffsetCommitter(self.consumer, owner=f"worker {self.worker_id}",
+                                          on_failure=lambda exc: self.telemetry.commit_failures.labels(
+                                              type(exc).__name__).inc())
         await self.producer.start()
         try:
             self.consumer.subscribe([cfg.topics.trajectories], listener=_Rebalance(self))
@@ -201,6 +205,7 @@ class Worker:
     async def _loop(self, stop: asyncio.Event) -> None:
         last_sweep = last_lag = 0.0
         sweeper: asyncio.Task[None] | None = None
+        lag: asyncio.Task[None] | None = None
         self.ready.set()
         log.info("worker %s polling %s", self.worker_id, self.cfg.topics.trajectories)
         while not stop.is_set():
@@ -212,30 +217,48 @@ class Worker:
             records = [r for rs in batch.values() for r in rs]
             if records:
                 await self._dispatch(records)
-            if self._committing is None or self._committing.done():
-                # in the background: polling never waits for the commit round trip
-                self._committing = asyncio.create_task(self._commit())
+            # Background steps: polling never waits for them, a rebalance may land at any of
+            # their awaits, and one that fails is logged and counted and runs again later.
+            if (self._committing is None or self._committing.done()) and not self._committer.busy:
+                self._committing = self._background("commit", self._committer.commit())
             now = time.monotonic()
             if now - last_sweep >= SWEEP_INTERVAL_S * random.uniform(0.8, 1.2) and (sweeper is None or sweeper.done()):
-                sweeper = asyncio.create_task(self._sweep())
+                sweeper = self._background("sweep", self._sweep())
                 last_sweep = now
-            if now - last_lag >= 5.0:
-                await self._update_lag()
+            if now - last_lag >= LAG_INTERVAL_S and (lag is None or lag.done()):
+                lag = self._background("lag", self._update_lag())
                 last_lag = now
         log.info("worker %s stopping: draining %d in-flight records", self.worker_id, len(self._tasks))
-        if sweeper is not None:
-            with contextlib.suppress(Exception):
-                await sweeper
+        for step in (sweeper, lag):
+            if step is not None:
+                await asyncio.wait([step])  # its failure, if any, is already logged and counted
+
+    def _background(self, step: str, coro: Any) -> asyncio.Task[None]:
+        """Run a periodic step as a task whose unexpected failure is logged and counted, never fatal."""
+        task = asyncio.create_task(coro, name=f"{self.worker_id}:{step}")
+        task.add_done_callback(lambda t: self._background_done(step, t))
+        return task
+
+    def _background_done(self, step: str, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        self.telemetry.background_errors.labels(step, type(exc).__name__).inc()
+        log.error("worker %s: background step %r failed (%s: %s); the worker goes on and the step runs again",
+                  self.worker_id, step, type(exc).__name__, exc, exc_info=exc)
 
     def _apply_backpressure(self) -> None:
+        """Pause every assigned partition while ``concurrency`` records are in flight.
+
+        Reads the assignment as it is now (a rebalance may have changed it since the
+        last poll): partitions assigned while full are paused too, and only partitions
+        still ours are resumed.
+        """
         full = len(self._tasks) >= self.concurrency
-        assignment = self.consumer.assignment()
-        if full and not self._paused and assignment:
-            self.consumer.pause(*assignment)
-            self._paused = True
-        elif not full and self._paused:
-            self.consumer.resume(*assignment)
-            self._paused = False
+        if full:
+            if fresh := self.consumer.assignment() - self.consumer.paused():
+                self.consumer.pause(*fresh)
+        elif paused := self.consumer.paused():
+            self.consumer.resume(*paused)
 
     async def _drain_partitions(self, tps: set[TopicPartition] | None) -> None:
         """Wait (bounded) for in-flight records of ``tps`` (all if None), commit, forget them."""
@@ -245,30 +268,11 @@ class Worker:
             if pending:
                 log.warning("worker %s: %d records still running after drain timeout; "
                             "they will be redelivered", self.worker_id, len(pending))
-        if self._committing is not None:  # one commit at a time: let the background one land
-            with contextlib.suppress(Exception):
-                await self._committing
-        await self._commit()
-        if tps is not None:
-            self._tracker.drop(tps)
-
-    async def _commit(self) -> None:
-        offsets = self._tracker.committable()
-        if not offsets:
-            return
-        try:
-            await self.consumer.commit(offsets)
-            self._tracker.mark_committed(offsets)
-        except (CommitFailedError, KafkaError) as exc:
-            log.warning("worker %s: commit of %s failed (%s); records will be redelivered", self.worker_id, offsets, exc)
+        await self._committer.revoke(tps)  # waits for a background commit in flight first
 
     async def _update_lag(self) -> None:
-        for tp in self.consumer.assignment():
-            high = self.consumer.highwater(tp)
-            if high is None:
-                continue
-            committed = await self.consumer.committed(tp) or 0
-            self.telemetry.lag.labels(tp.topic, str(tp.partition)).set(max(0, high - committed))
+        for tp, lag in (await self._committer.lag()).items():
+            self.telemetry.lag.labels(tp.topic, str(tp.partition)).set(lag)
 
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, records: list[ConsumerRecord]) -> None:
@@ -284,7 +288,7 @@ class Worker:
             lambda: self.ledger.probe_many([(m.group_id, m.trajectory_id) for _, m in ready]), "probe")))
         for record, message in decoded:
             tp = TopicPartition(record.topic, record.partition)
-            self._tracker.begin(tp, record.offset)
+            self._committer.tracker.begin(tp, record.offset)
             probe = probes.get(id(record))
             barrier: asyncio.Future[Any] | None = None
             if isinstance(message, ReadyTrajectory):
@@ -322,7 +326,7 @@ class Worker:
             if not task.cancelled():
                 log.error("worker %s: record %s:%d not finished: %r", self.worker_id, tp, offset, task.exception())
             return  # not marked done: it will be redelivered
-        self._tracker.finish(tp, offset)
+        self._committer.tracker.finish(tp, offset)
 
     async def _process(self, record: ConsumerRecord, message: Any, probe: str | None,
                        after: asyncio.Future[Any] | None = None, consumed_at: float = 0.0) -> None:

@@ -59,12 +59,11 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.config import PipelineConfig
 from infra.kafka import make_consumer
-from infra.offsets import OffsetTracker
+from infra.offsets import OffsetCommitter
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
 
 from .batch import ConcatExportError, ExportedGroup, TrainingBatch, collate, export_group, resolve_device
@@ -254,7 +253,7 @@ class VerdictConsumer:
 
         self.metrics = VerdictMetrics()
         self._consumer: AIOKafkaConsumer | None = None
-        self._offsets = OffsetTracker()
+        self._committer: OffsetCommitter | None = None  # one per start(): it owns the offsets
         self._seen: dict[DedupeKey, None] = {}  # insertion-ordered: evict oldest first
         self._buffer: list[tuple[ExportedGroup, _Ticket]] = []
         self._handed: list[_Ticket] = []  # in batches handed out, not yet acknowledged
@@ -276,9 +275,11 @@ class VerdictConsumer:
             raise RuntimeError("VerdictConsumer is already started")
         consumer = make_consumer(self.cfg.kafka, group_id=self.group_id, **self._overrides)
         consumer.subscribe([self.topic], listener=_Rebalance(self))
+        self._committer = OffsetCommitter(consumer, owner=f"trainer consumer ({self.group_id})")
         try:
             await consumer.start()
         except BaseException:
+            self._committer = None
             await consumer.stop()  # release the half-started client's connections
             raise
         self._consumer = consumer
@@ -305,7 +306,7 @@ class VerdictConsumer:
                 self._seen.pop(ticket.key, None)
             self._buffer.clear()
             self._handed.clear()
-            self._offsets.drop()
+            self._committer = None
             self._consumer = None
             await consumer.stop()
 
@@ -425,14 +426,16 @@ class VerdictConsumer:
         return self._store is not None and self._store.contains(key)
 
     def _process(self, records: list[ConsumerRecord]) -> None:
-        assigned = self._consumer.assignment() if self._consumer is not None else set()
+        if self._consumer is None or self._committer is None:
+            return
+        assigned, committer = self._consumer.assignment(), self._committer
         for record in records:
             tp = TopicPartition(record.topic, record.partition)
             if tp not in assigned:
                 continue  # revoked while the fetch was in flight: the new owner has it
-            self._offsets.begin(tp, record.offset)
+            committer.tracker.begin(tp, record.offset)
             if not self._handle(record, tp):
-                self._offsets.finish(tp, record.offset)
+                committer.tracker.finish(tp, record.offset)
 
     def _handle(self, record: ConsumerRecord, tp: TopicPartition) -> bool:
         """Process one record; True when its group was buffered (offset stays pending)."""
@@ -509,28 +512,17 @@ class VerdictConsumer:
 
     async def _acknowledge(self) -> None:
         """The caller is done with every handed-out batch: store keys, then commit offsets."""
+        committer = self._committer
         for ticket in self._handed:
-            self._offsets.finish(ticket.tp, ticket.offset)
+            if committer is not None:
+                committer.tracker.finish(ticket.tp, ticket.offset)
             self._to_store.append(ticket.key)
         self._handed.clear()
         if self._store is not None and self._to_store:
             self._store.add_many(self._to_store)  # before the commit: see the module docstring
         self._to_store.clear()
-        await self._commit()
-
-    async def _commit(self, tps: set[TopicPartition] | None = None) -> None:
-        consumer = self._consumer
-        if consumer is None:
-            return
-        offsets = self._offsets.committable(tps)
-        if not offsets:
-            return
-        try:
-            await consumer.commit(offsets)
-            self._offsets.mark_committed(offsets)
-        except (CommitFailedError, KafkaError) as exc:
-            log.warning("commit of %s failed (%s); those verdicts will be redelivered and deduplicated",
-                        offsets, exc)
+        if committer is not None:
+            await committer.commit()
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Commit what is finished on ``revoked``, then forget them (another member takes over).
@@ -540,7 +532,6 @@ class VerdictConsumer:
         already handed out stay remembered; if the caller never acknowledges them,
         the new owner redelivers them (at-least-once across members).
         """
-        await self._commit(revoked)
         kept = []
         for group, ticket in self._buffer:
             if ticket.tp in revoked:
@@ -548,5 +539,6 @@ class VerdictConsumer:
             else:
                 kept.append((group, ticket))
         self._buffer = kept
-        self._offsets.drop(revoked)
+        if self._committer is not None:
+            await self._committer.revoke(revoked)
 
