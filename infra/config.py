@@ -205,6 +205,21 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # trainer's dedupe on (group_id, verdict_version) drops the group's second verdict.
     # Cover the longest redelivery delay (consumer lag after an outage). docs/architecture.md
     dedupe_window_s: float = 3600.0
+    # Tuning (arq keeps the same knobs as worker settings). A record whose processing
+    # fails this many times with a non-transient error is dead-lettered (outages are
+    # retried for as long as they last and never count).
+    max_attempts: Positive = 3
+    # A decided group whose verdict is not out this long after the decision (its
+    # publisher died, or Kafka refused the verdict) is re-published by a sweeper.
+    republish_grace_s: Seconds = 5.0
+    # How often the sweeper looks for overdue groups (jittered ±20 %), and how long it
+    # leaves a group alone after failing on it (not an outage) so one broken group
+    # cannot flood the log.
+    sweep_interval_s: Seconds = 0.5
+    sweep_backoff_s: Seconds = 30.0
+    # Token bytes of scored members kept in memory for the verdict; beyond it the oldest
+    # are evicted and read back from the trajectories topic (scoring_workers/tokens.py).
+    token_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024 * 1024
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

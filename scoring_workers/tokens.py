@@ -32,9 +32,6 @@ from scoring_workers.ledger import ParkedMember
 
 log = logging.getLogger(__name__)
 
-CACHE_BYTES = 256 * 1024 * 1024  # token bytes kept in memory; beyond it the oldest are read back from the log
-
-
 def _size(turns: Sequence[TokenTurn]) -> int:
     return sum(len(t.prompt_delta_raw) + len(t.output_tokens_raw) + len(t.output_logprobs_raw or b"") for t in turns)
 
@@ -42,9 +39,10 @@ def _size(turns: Sequence[TokenTurn]) -> int:
 class MemberTokens:
     """Token turns of group members: remembered when scored, read from the log otherwise."""
 
-    def __init__(self, cfg: PipelineConfig, *, max_bytes: int = CACHE_BYTES) -> None:
+    def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
-        self.max_bytes = max_bytes
+        # token bytes kept in memory (worker.token_cache_bytes); beyond it the oldest are read back from the log
+        self.max_bytes = cfg.worker.token_cache_bytes
         self._cache: OrderedDict[tuple[str, str], list[TokenTurn]] = OrderedDict()
         self._bytes = 0
         self._groups: dict[str, set[str]] = {}

@@ -18,11 +18,14 @@ Per record (see docs/architecture.md):
 2. pre-check the ledger for the whole poll in one round trip — duplicates and members
    of decided groups are acknowledged without scoring;
 3. score with :class:`PRMRunner` under ``worker.scorer_timeout_s``; a failure parks a
-   failed member (the group will be rejected, other members keep their stats);
+   failed member, which rejects the group at once — after the group's members consumed
+   before it have parked, so they are listed with their stats;
 4. park the result; whoever parks the last member decides the group and publishes
    the verdict, then the ledger leaves a tombstone. A verdict over
    ``kafka.max_message_bytes`` is published as ``rejected`` / ``verdict_too_large``
-   (stats kept, token turns dropped) — it never blocks.
+   (stats kept, token turns dropped) — it never blocks. A ``DiscardGroup`` decides its
+   group once the members consumed before it have parked, so the discarded verdict
+   lists them.
 
 Errors: transient ones (Redis outages, Kafka errors aiokafka flags retriable, broker
 timeouts — :func:`infra.kafka.is_retriable`) are retried with bounded backoff and
@@ -74,7 +77,7 @@ from infra.schema import (
     decode_message,
 )
 from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
-from scoring_workers.ledger import Decision, GroupLedger
+from scoring_workers.ledger import Decision, DecisionKind, GroupLedger
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.tokens import MemberTokens
@@ -88,11 +91,7 @@ log = logging.getLogger(__name__)
 REDIS_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
 )
-MAX_ATTEMPTS = 3  # non-transient processing errors before a record is dead-lettered
-REPUBLISH_GRACE_S = 5.0
-SWEEP_INTERVAL_S = 0.5
-SWEEP_BACKOFF_S = 30.0  # a group the sweeper failed on (not an outage) is looked at again after this
-LAG_INTERVAL_S = 5.0
+LAG_INTERVAL_S = 5.0  # how often the consumer-lag gauge is refreshed
 
 
 def default_worker_id() -> str:
@@ -222,7 +221,8 @@ class Worker:
             if (self._committing is None or self._committing.done()) and not self._committer.busy:
                 self._committing = self._background("commit", self._committer.commit())
             now = time.monotonic()
-            if now - last_sweep >= SWEEP_INTERVAL_S * random.uniform(0.8, 1.2) and (sweeper is None or sweeper.done()):
+            sweep_every = self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
+            if now - last_sweep >= sweep_every and (sweeper is None or sweeper.done()):
                 sweeper = self._background("sweep", self._sweep())
                 last_sweep = now
             if now - last_lag >= LAG_INTERVAL_S and (lag is None or lag.done()):
@@ -291,14 +291,21 @@ class Worker:
             self._committer.tracker.begin(tp, record.offset)
             probe = probes.get(id(record))
             barrier: asyncio.Future[Any] | None = None
+            earlier: tuple[asyncio.Task[None], ...] = ()
             if isinstance(message, ReadyTrajectory):
                 barrier = self._discards.get(message.group_id)
                 if barrier is not None:
                     probe = None  # stale: the discard ahead of it may decide the group
-            elif isinstance(message, SchemaError) and (earlier := self._members.get(group_of(record.key) or "")):
-                # its group is rejected (invalid_member) once the members consumed before it have parked
-                barrier = asyncio.ensure_future(asyncio.wait(list(earlier)))
-            task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at))
+                # a failure decides the group at once, but not before these have parked
+                earlier = tuple(self._members.get(message.group_id, ()))
+            else:
+                # An invalid member (rejected: invalid_member) or a discard decides its group
+                # once the members consumed before it have parked, so its verdict lists them.
+                group_id = message.group_id if isinstance(message, DiscardGroup) else group_of(record.key)
+                if members := self._members.get(group_id or ""):
+                    barrier = asyncio.ensure_future(asyncio.wait(list(members)))
+            task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at,
+                                                     earlier=earlier))
             if isinstance(message, ReadyTrajectory):
                 self._members.setdefault(message.group_id, set()).add(task)
                 task.add_done_callback(lambda t, g=message.group_id: self._member_done(g, t))
@@ -329,7 +336,8 @@ class Worker:
         self._committer.tracker.finish(tp, offset)
 
     async def _process(self, record: ConsumerRecord, message: Any, probe: str | None,
-                       after: asyncio.Future[Any] | None = None, consumed_at: float = 0.0) -> None:
+                       after: asyncio.Future[Any] | None = None, consumed_at: float = 0.0,
+                       earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
         if after is not None:
             await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
         attempt = 0
@@ -344,7 +352,7 @@ class Worker:
                     await self._handle_discard(message)
                 else:
                     self.telemetry.consumed.labels("ready").inc()
-                    await self._handle_ready(message, probe, record, consumed_at)
+                    await self._handle_ready(message, probe, record, consumed_at, earlier)
                 return
             except Exception as exc:
                 if is_transient(exc):
@@ -359,7 +367,7 @@ class Worker:
                 # a bug or poison record: retry a little, then dead-letter it
                 log.exception("worker %s: failed processing %s:%d offset %d (attempt %d)",
                               self.worker_id, record.topic, record.partition, record.offset, attempt)
-                if attempt >= MAX_ATTEMPTS:
+                if attempt >= self.cfg.worker.max_attempts:
                     group_id = message.group_id if isinstance(message, (ReadyTrajectory, DiscardGroup)) else None
                     message = exc if isinstance(exc, SchemaError) else ProcessingError(exc)
                     await self._dead_letter(record, message, attempt, group_id=group_id)
@@ -383,7 +391,7 @@ class Worker:
 
     # ------------------------------------------------------------------ handlers
     async def _handle_ready(self, traj: ReadyTrajectory, probe: str | None, record: ConsumerRecord,
-                            consumed_at: float) -> None:
+                            consumed_at: float, earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
         wc = self.cfg.worker
         if probe is None:
             (probe,) = await self.ledger.probe_many([(traj.group_id, traj.trajectory_id)])
@@ -391,7 +399,7 @@ class Worker:
             self.telemetry.deduplicated.inc()
             log.debug("group=%s traj=%s: group already decided, acknowledged", traj.group_id, traj.trajectory_id)
             if probe == "decided":  # decided, not finished: make sure a sweeper publishes soon
-                await self.ledger.nudge(traj.group_id, REPUBLISH_GRACE_S)
+                await self.ledger.nudge(traj.group_id, wc.republish_grace_s)
             return
         if probe == "duplicate":
             # Already parked (a redelivery). If the crash came between parking the last
@@ -404,18 +412,21 @@ class Worker:
             return
         result = await self._score(traj)
         self._tokens.remember(traj.group_id, traj.trajectory_id, result.turns)
+        if result.status == "failed" and (pending := [t for t in earlier if not t.done()]):
+            # Parking a failed member decides (rejects) the group: the members consumed
+            # before it go first, so the verdict lists them with their stats.
+            await asyncio.wait(pending)
         result = msgspec.structs.replace(result, consumed_at=consumed_at, parked_at=time.time())
         outcome, decision = await self.ledger.park(
             result, group_id=traj.group_id, group_size=traj.group_size, group_timeout_s=wc.group_timeout_s,
-            worker_id=self.worker_id, scorers=self._scorers_blob, republish_grace_s=REPUBLISH_GRACE_S,
-            partition=record.partition, offset=record.offset,
+            worker_id=self.worker_id, scorers=self._scorers_blob, partition=record.partition, offset=record.offset,
         )
         if outcome in ("done", "decided"):
             self.telemetry.deduplicated.inc()  # the group was decided while we scored
             if outcome == "decided":
-                await self.ledger.nudge(traj.group_id, REPUBLISH_GRACE_S)
+                await self.ledger.nudge(traj.group_id, wc.republish_grace_s)
         elif decision is not None and decision.outcome == "decided_now":
-            await self._publish(decision)  # this member completed the group
+            await self._publish(decision)  # this member completed (or failed) the group
 
     async def _score(self, traj: ReadyTrajectory) -> SessionResult:
         t0 = time.perf_counter()
@@ -433,16 +444,16 @@ class Worker:
     async def _handle_discard(self, msg: DiscardGroup) -> None:
         await self._decide_and_publish(msg.group_id, "discard", discard_reason=msg.reason or "discarded")
 
-    async def _decide_and_publish(self, group_id: str, kind: str, *, discard_reason: str = "") -> None:
+    async def _decide_and_publish(self, group_id: str, kind: DecisionKind, *, discard_reason: str = "") -> None:
         decision = await self.ledger.decide(
-            group_id, kind, worker_id=self.worker_id, scorers=self._scorers_blob,  # type: ignore[arg-type]
+            group_id, kind, worker_id=self.worker_id, scorers=self._scorers_blob,
             discard_reason=discard_reason, group_timeout_s=self.cfg.worker.group_timeout_s,
-            republish_grace_s=REPUBLISH_GRACE_S,
+            republish_grace_s=self.cfg.worker.republish_grace_s,
         )
         if decision.outcome == "decided_now":
             await self._publish(decision)
         elif decision.outcome == "already_decided":
-            await self.ledger.nudge(group_id, REPUBLISH_GRACE_S)
+            await self.ledger.nudge(group_id, self.cfg.worker.republish_grace_s)
         elif decision.outcome in ("done", "gone"):
             await self.ledger.forget(group_id)
 
@@ -453,7 +464,7 @@ class Worker:
         decided in Redis, so the sweeper tries again after the re-publish grace — never
         in a tight loop, and never holding up other records or groups.
         """
-        if decision.state.get("decision") == "discard":  # listed without results: no tokens needed
+        if decision.state.decision == "discard":  # listed without results: no tokens needed
             members = [m.result for m in decision.members]
         else:
             members = await self._tokens.members(decision.group_id, decision.members)
@@ -470,13 +481,13 @@ class Worker:
         except Exception as exc:
             if not is_permanent(exc):
                 raise
+            grace_s = self.cfg.worker.republish_grace_s
             self.telemetry.publish_failures.labels(type(exc).__name__).inc()
             log.error("worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
-                      "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc,
-                      REPUBLISH_GRACE_S)
-            await self.ledger.postpone(verdict.group_id, REPUBLISH_GRACE_S)
+                      "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc, grace_s)
+            await self.ledger.postpone(verdict.group_id, grace_s)
             return None
-        await self.ledger.finish(verdict.group_id, verdict.status)
+        await self.ledger.finish(verdict.group_id)
         self._tokens.forget_group(verdict.group_id)
         self.telemetry.observe_stages(verdict, sent_at)
         self.telemetry.verdicts.labels(verdict.status, verdict.reason.split(":", 1)[0]).inc()
@@ -505,18 +516,20 @@ class Worker:
                     log.warning("worker %s: sweep skipped for group %s: transient %s: %s", self.worker_id,
                                 group_id, type(exc).__name__, exc)
                     continue
+                backoff_s = self.cfg.worker.sweep_backoff_s
                 log.exception("worker %s: sweep failed for group %s; next look in %.0fs", self.worker_id,
-                              group_id, SWEEP_BACKOFF_S)
+                              group_id, backoff_s)
                 with contextlib.suppress(Exception):  # not every sweep: a broken group must not flood the log
-                    await self.ledger.postpone(group_id, SWEEP_BACKOFF_S)
+                    await self.ledger.postpone(group_id, backoff_s)
 
     async def _sweep_group(self, group_id: str) -> None:
+        grace_s = self.cfg.worker.republish_grace_s
         decision = await self.ledger.decide(
             group_id, "deadline", worker_id=self.worker_id, scorers=self._scorers_blob,
-            group_timeout_s=self.cfg.worker.group_timeout_s, republish_grace_s=REPUBLISH_GRACE_S,
+            group_timeout_s=self.cfg.worker.group_timeout_s, republish_grace_s=grace_s,
         )
         overdue = decision.outcome == "already_decided" and (
-            time.time() * 1000 - decision.decided_at_ms >= REPUBLISH_GRACE_S * 1000
+            time.time() * 1000 - decision.decided_at_ms >= grace_s * 1000
         )
         if decision.outcome == "decided_now" or overdue:
             await self._publish(decision)

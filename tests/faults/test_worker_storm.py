@@ -17,10 +17,9 @@ import uuid
 
 import pytest
 
-from infra.config import PRMScorerConfig
+from infra.config import PRMScorerConfig, WorkerConfig
 from infra.kafka import ensure_topics
 from producers.synthetic import workload
-from scoring_workers.worker import REPUBLISH_GRACE_S
 from tests.faults.common import (
     FaultWorkers,
     PacedLoad,
@@ -34,6 +33,8 @@ from tests.faults.common import (
 from tests.integration.harness import read_topic, write_config
 
 pytestmark = pytest.mark.integration
+
+REPUBLISH_GRACE_S = WorkerConfig().republish_grace_s  # the default worker.republish_grace_s
 
 N_WORKERS, GROUP_SIZE = 3, 3
 MAX_GROUPS = 2400  # the pool; load is published only while the storm lasts, at most

@@ -98,7 +98,8 @@ async def test_raising_scorer_rejects_the_group_but_keeps_peer_stats(cfg, worker
                        turns=2, output_tokens=16)
     await _publish(cfg, [ok, bad])
     (verdict,) = await _verdicts_for(cfg, gid)
-    assert verdict.status == "rejected" and verdict.reason == "scorer_error"
+    assert verdict.status == "rejected"
+    assert verdict.reason == f"scorer_error: member {gid}-bad (session {gid}-FAIL) failed"  # names the member
     by_traj = {s.trajectory_id: s for s in verdict.sessions}
     assert by_traj[f"{gid}-bad"].status == "failed"
     assert "scripted failure" in by_traj[f"{gid}-bad"].error
