@@ -253,8 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_parser(sub)
 
     from prm_pipeline.audit import add_audit_parser
+    from prm_pipeline.dead_letter_tool import add_dead_letters_parser
     from prm_pipeline.fake_judge import add_fake_judge_parser
 
+    add_dead_letters_parser(sub)
     add_audit_parser(sub)
     add_fake_judge_parser(sub)
 
@@ -296,7 +298,7 @@ def _accept_global_options_after(sub: argparse._SubParsersAction) -> None:
 # The services each command needs before it starts (infra.startup waits for them).
 NEEDS: dict[str, tuple[Service, ...]] = {
     "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
-    "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",),
+    "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",), "dead-letters": ("kafka",),
 }
 def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
