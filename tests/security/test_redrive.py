@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -107,6 +108,21 @@ async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_p
         assert {r["trajectory_id"] for r in old} == {good.trajectory_id} and old[0]["group_id"] == "dl-ok"
         assert old[0]["original_headers"]["prm-kind"] == "ready"
 
+        # --follow --out: the file fills, Ctrl-C ends it cleanly
+        out = tmp_path / "letters.jsonl"
+        follow = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "dead-letters",
+                                   "--follow", "--since", "1h", "--out", str(out)], cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 60
+            while not (out.exists() and len(out.read_text().splitlines()) == 3):
+                assert time.monotonic() < deadline and follow.poll() is None, "--follow wrote no 3 lines"
+                await asyncio.sleep(0.1)
+        finally:
+            follow.send_signal(signal.SIGINT)
+            _, err = await asyncio.to_thread(follow.communicate, timeout=30)
+        assert follow.returncode == 0 and "3 dead letters" in err, err
+
         before = len(await read_topic(cfg, cfg.topics.trajectories))
 
         # dry run: the plan, and nothing published
@@ -136,8 +152,9 @@ async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_p
         assert done.stdout.splitlines()[-1].startswith("redrove 1 of 2 chosen dead letters")
         (verdict,) = [v for v in await wait_for_verdicts(cfg, ["dl-ok"]) if v.group_id == "dl-ok"]
         assert verdict.status == "accepted" and verdict.sessions[0].trajectory_id == good.trajectory_id
-        republished = (await read_topic(cfg, cfg.topics.trajectories))[-1]
-        assert dict(republished.headers)["prm-redriven-source"] == f"{cfg.topics.trajectories}:0@7".encode()
+        (republished,) = [dict(r.headers) for r in await read_topic(cfg, cfg.topics.trajectories)
+                          if "prm-redriven-from" in dict(r.headers)]
+        assert republished["prm-redriven-source"] == f"{cfg.topics.trajectories}:0@7".encode()
 
         # again: the worker acknowledges the trajectory as a duplicate, no second verdict
         again = await asyncio.to_thread(_cli, config, "dead-letters", "--redrive", "--yes", "--offsets",
