@@ -150,7 +150,7 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
     from prm_pipeline.verdict_dump import dump_verdicts
 
     return dump_verdicts(_load(args), from_beginning=args.from_beginning, max_count=args.max,
-                         timeout_s=args.timeout, out=args.out, since_ms=args.since)
+                         timeout_s=args.timeout, out=args.out, since_ms=args.since, tokens=args.tokens)
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
@@ -246,13 +246,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write to FILE instead of stdout")
     p.add_argument("--since", type=since_arg, metavar="TIME", default=None,
                    help="only verdicts timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
+    p.add_argument("--tokens", action="store_true",
+                   help="keep each member's token ids (interactions): the form `inspect --verdicts` reads")
     p.set_defaults(func=cmd_verdicts)
 
     add_trainer_parser(sub)
 
     from prm_pipeline.audit import add_audit_parser
+    from prm_pipeline.dead_letter_tool import add_dead_letters_parser
     from prm_pipeline.fake_judge import add_fake_judge_parser
 
+    add_dead_letters_parser(sub)
     add_audit_parser(sub)
     add_fake_judge_parser(sub)
 
@@ -262,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
 
-    from prm_pipeline.inspect import add_inspect_parser
     from prm_pipeline.model_server import add_model_server_parser
+    from prm_pipeline.token_view import add_inspect_parser
 
     add_inspect_parser(sub)
     add_model_server_parser(sub)
@@ -294,7 +298,7 @@ def _accept_global_options_after(sub: argparse._SubParsersAction) -> None:
 # The services each command needs before it starts (infra.startup waits for them).
 NEEDS: dict[str, tuple[Service, ...]] = {
     "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
-    "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",),
+    "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",), "dead-letters": ("kafka",),
 }
 def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""

@@ -76,6 +76,7 @@ from infra.schema import (
     dead_letter_headers,
     decode_message,
 )
+from infra.throttle import LogThrottle
 from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
 from scoring_workers.ledger import Decision, DecisionKind, GroupLedger
 from scoring_workers.scoring import score_member
@@ -136,6 +137,7 @@ class Worker:
         self._tokens = MemberTokens(cfg)
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
+        self._duplicates_log = LogThrottle(log, burst=20, window_s=60.0)  # duplicates are normal, but say so
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -397,9 +399,10 @@ class Worker:
             (probe,) = await self.ledger.probe_many([(traj.group_id, traj.trajectory_id)])
         if probe in ("done", "decided"):
             self.telemetry.deduplicated.inc()
-            log.debug("group=%s traj=%s: group already decided, acknowledged", traj.group_id, traj.trajectory_id)
             if probe == "decided":  # decided, not finished: make sure a sweeper publishes soon
                 await self.ledger.nudge(traj.group_id, wc.republish_grace_s)
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, its group is already "
+                                     "decided (a re-published or redriven record)", traj.group_id, traj.trajectory_id)
             return
         if probe == "duplicate":
             # Already parked (a redelivery). If the crash came between parking the last
@@ -409,6 +412,8 @@ class Worker:
             with contextlib.suppress(NotConcatExport):
                 self._tokens.remember(traj.group_id, traj.trajectory_id, compact_turns(traj.interactions))
             await self._decide_and_publish(traj.group_id, "complete")
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, already scored (a "
+                                     "redelivery or a re-published record)", traj.group_id, traj.trajectory_id)
             return
         result = await self._score(traj)
         self._tokens.remember(traj.group_id, traj.trajectory_id, result.turns)
@@ -425,6 +430,8 @@ class Worker:
             self.telemetry.deduplicated.inc()  # the group was decided while we scored
             if outcome == "decided":
                 await self.ledger.nudge(traj.group_id, wc.republish_grace_s)
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: acknowledged, its group was decided while it "
+                                     "was scored", traj.group_id, traj.trajectory_id)
         elif decision is not None and decision.outcome == "decided_now":
             await self._publish(decision)  # this member completed (or failed) the group
 

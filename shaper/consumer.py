@@ -65,6 +65,7 @@ from infra.config import PipelineConfig
 from infra.kafka import make_consumer
 from infra.offsets import OffsetCommitter
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
+from infra.throttle import Every
 
 from .batch import ConcatExportError, ExportedGroup, TrainingBatch, collate, export_group, resolve_device
 from .filters import GroupFilter, get_filter
@@ -240,6 +241,9 @@ class VerdictConsumer:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.train_on_eval = train_on_eval
         self.poll_timeout_ms = max(1, int(poll_timeout_ms))
+        # "waiting for N more groups": first after this long without a full batch, then at most this often
+        self.wait_log_after_s = 5.0
+        self.wait_log_every_s = 30.0
         self.max_seen = max(1, int(max_seen if max_seen is not None else cfg.trainer.dedupe_max_seen))
         self._overrides = dict(consumer_overrides or {})
         if isinstance(dedupe_store, (str, os.PathLike)):
@@ -358,9 +362,12 @@ class VerdictConsumer:
         consumer = self._require_started()
         await self._acknowledge()
         last_activity = time.monotonic()
+        waiting = Every(self.wait_log_every_s, first_s=self.wait_log_after_s)
         while len(self._buffer) < self.batch_groups:
             if self._stop_requested:
                 return None
+            if waiting.due():
+                self._log_waiting(idle_timeout_s if flush_partial else None)
             remaining = None if idle_timeout_s is None else idle_timeout_s - (time.monotonic() - last_activity)
             if remaining is not None and remaining <= 0:
                 return self._emit(len(self._buffer)) if flush_partial and self._buffer else None
@@ -374,6 +381,14 @@ class VerdictConsumer:
                 last_activity = time.monotonic()
                 self._process(records)
         return self._emit(self.batch_groups)
+
+    def _log_waiting(self, idle_timeout_s: float | None) -> None:
+        """Say why no batch comes yet: a trainer that prints nothing looks hung."""
+        need = self.batch_groups - len(self._buffer)
+        then = (f"a partial batch goes after {idle_timeout_s:g}s without a verdict" if idle_timeout_s is not None
+                else "an idle timeout (trainer --idle-timeout S) would train on a partial batch")
+        log.info("waiting for %d more group%s to fill a batch of %d (%d buffered); %s", need,
+                 "" if need == 1 else "s", self.batch_groups, len(self._buffer), then)
 
     async def batches(
         self,

@@ -450,6 +450,8 @@ def _configure(args: argparse.Namespace) -> PipelineConfig:
 def cmd_trainer(args: argparse.Namespace) -> int:
     """Entry point of ``prm-pipeline trainer``; SIGINT/SIGTERM stop it gracefully."""
     cfg = _configure(args)
+    if logging.getLogger("shaper").getEffectiveLevel() > logging.INFO:
+        logging.getLogger("shaper").setLevel(logging.INFO)  # progress lines ("waiting for N more groups")
 
     async def main() -> TrainerSummary:
         stop = asyncio.Event()
