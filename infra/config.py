@@ -253,6 +253,30 @@ class LocalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     redis_binary: str | None = None
 
 
+class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``prm-pipeline gateway``: the HTTP reward service (docs/integrations/gateway.md).
+
+    Requests carry samples only; everything that decides what runs (scorers, topics,
+    limits, tokenizer) is set here by the operator.
+    """
+
+    host: str = "127.0.0.1"  # all interfaces needs auth (or --allow-unauthenticated)
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8431
+    tokenizer: str = "bytes"  # "bytes" (UTF-8 bytes as ids, no files) or a tokenizer.json path
+    grouping: Literal["per_query", "per_request"] = "per_query"  # how text queries form GRPO groups
+    process_reduction: Literal["mean", "sum", "last"] = "mean"  # token rewards -> the scalar in `rewards`
+    verdict_timeout_s: Seconds = 150.0  # then 504 (OpenRLHF's client gives up at 180 s)
+    max_body_bytes: Positive = 4 * 1024 * 1024  # 413 above
+    max_items: Positive = 256  # queries or samples per request (400 above)
+    max_in_flight: Positive = 1024  # requests being answered, all clients (429 above)
+    max_in_flight_per_client: Positive = 64  # per client address (429 above)
+    read_timeout_s: Seconds = 30.0  # a request body must arrive within this (408)
+    auth_tokens_env: str | None = None  # name of an env var holding bearer tokens (comma-separated)
+    auth_tokens_file: str | None = None  # file with one bearer token per line (rotation: list both)
+    tls_certfile: str | None = None  # serve HTTPS with this certificate chain ...
+    tls_keyfile: str | None = None  # ... and its private key
+
+
 class PipelineConfig(msgspec.Struct, kw_only=True):
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
@@ -262,6 +286,7 @@ class PipelineConfig(msgspec.Struct, kw_only=True):
     worker: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     local: LocalConfig = msgspec.field(default_factory=LocalConfig)
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
 
     @property
     def prm(self) -> PRMConfig:
@@ -275,6 +300,7 @@ _ENV_SECTIONS: dict[str, type[msgspec.Struct]] = {
     "worker": WorkerConfig,
     "trainer": TrainerConfig,
     "local": LocalConfig,
+    "gateway": GatewayConfig,
 }
 
 

@@ -212,6 +212,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(module.main(args.bench_args) or 0)
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """The HTTP reward gateway (docs/integrations/gateway.md) until SIGINT/SIGTERM."""
+    import msgspec
+
+    from prm_pipeline.gateway import serve
+
+    cfg = _load(args)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        cfg = msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, **overrides))
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, stop, allow_unauthenticated=args.allow_unauthenticated,
+                    on_ready=lambda port: print(f"listening on http{'s' if cfg.gateway.tls_certfile else ''}://"
+                                                f"{cfg.gateway.host}:{port}", flush=True))
+
+    asyncio.run(main())
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from prm_pipeline.verdict_dump import since_arg
@@ -251,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verdicts)
 
     add_trainer_parser(sub)
+
+    p = sub.add_parser("gateway", help="HTTP reward service for OpenRLHF, slime and token-id clients")
+    p.add_argument("--host", default=None, help="listen address (default gateway.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default gateway.port; 0 = any free port)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="listen beyond loopback without bearer tokens (only behind a network policy)")
+    p.set_defaults(func=cmd_gateway)
 
     from prm_pipeline.audit import add_audit_parser
     from prm_pipeline.dead_letter_tool import add_dead_letters_parser
@@ -299,6 +331,7 @@ def _accept_global_options_after(sub: argparse._SubParsersAction) -> None:
 NEEDS: dict[str, tuple[Service, ...]] = {
     "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
     "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",), "dead-letters": ("kafka",),
+    "gateway": ("kafka",),
 }
 def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
