@@ -15,13 +15,16 @@ replaced before anything looked at it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -80,9 +83,9 @@ class Workers:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, argv: Sequence[str] = ("--config", "config/demo.yaml", "worker")) -> None:
         with (self.log_dir / f"{name}.log").open("wb") as log:
-            self.procs[name] = subprocess.Popen([*CLI, "--config", "config/demo.yaml", "worker"], cwd=REPO,
+            self.procs[name] = subprocess.Popen([*CLI, *argv], cwd=REPO,
                                                 env=self.env, stdout=log, stderr=subprocess.STDOUT)
         _wait_for(lambda: "polling" in self.log(name) or self.procs[name].poll() is not None, 120,
                   f"{name} to poll", self.diagnosis)
@@ -171,3 +174,46 @@ async def test_workers_join_and_leave_one_after_another_as_the_readme_runs_them(
         finally:
             codes = await asyncio.to_thread(workers.stop_all)
         assert set(codes.values()) <= {0}, (codes, workers.diagnosis())
+
+
+def readme_quick_session() -> list[str]:
+    """The lines of the README's quick manual session, as written."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"A quick manual session:\s*```bash\n(.*?)```", text, re.S)
+    assert block, "README.md lost its quick manual session"
+    return [line.split("#", 1)[0].strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_the_readme_quick_session_runs_as_written_with_two_workers(tmp_path) -> None:
+    lines = readme_quick_session()
+    cli = ".venv/bin/prm-pipeline"
+    assert lines[0] == f"{cli} up --create-topics &"
+    with embedded_stack(tmp_path) as settings:
+        exported = shlex.split(lines[1])
+        assert exported[0] == "export" and sorted(v.split("=")[0] for v in exported[1:]) == sorted(settings)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")} | settings
+        workers = Workers(env, tmp_path)
+        outputs: list[subprocess.CompletedProcess[str]] = []
+        for line in lines[2:]:
+            argv = shlex.split(line.removesuffix("&"))
+            assert argv[0] == cli, line
+            if line.endswith("&"):  # "run it twice for two workers"
+                assert "worker" in argv
+                workers.start("w1", argv[1:])
+                workers.start("w2", argv[1:])
+                continue
+            outputs.append(subprocess.run([*CLI, *argv[1:]], cwd=REPO, env=env, capture_output=True, text=True,
+                                          timeout=300))
+            assert outputs[-1].returncode == 0, (line, outputs[-1].stderr, workers.diagnosis())
+        try:
+            assert workers.died() == {}, workers.diagnosis()
+        finally:
+            codes = workers.stop_all()
+        assert set(codes.values()) <= {0}, (codes, workers.diagnosis())
+    published, dumped, trained = outputs
+    assert "published 3 ready trajectories and 1 discards" in published.stdout
+    by_group = {v["group_id"]: v for v in map(json.loads, dumped.stdout.splitlines())}
+    assert by_group["example-math"]["status"] == "accepted"
+    dropped = by_group["example-dropped"]
+    assert dropped["status"] == "discarded" and [s["status"] for s in dropped["sessions"]] == ["discarded"]
+    assert "step" in trained.stdout + trained.stderr, trained
