@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from infra.config import ActorConfig as Actor
+from infra.config import PRMAdvantageShapingConfig as Shaping
 from infra.config import PRMConfig
+from infra.config import TrainerConfig as Trainer
 from infra.schema import Interaction, ModelResponse, SessionResult, decode_message, encode
 from scoring_workers.prm import BaseScorer, PRMRunner, PRMScorerResult, failure_code, failure_detail
 from scoring_workers.prm.errors import error_context
@@ -311,16 +314,16 @@ def test_mask_no_eos_keeps_truncated_rows_in_the_loss_and_zeroes_their_rewards()
         token_rewards=torch.where(batch.loss_mask, 0.5, 0.0),
         is_truncated=torch.tensor([True] + [False] * (n - 1)),
     )
-    plain = shape_batch(batch, mode="additive")
-    masked = shape_batch(batch, mode="additive", mask_no_eos_with_zero=True)
+    plain = shape_batch(batch, Shaping(mode="additive"))
+    masked = shape_batch(batch, Shaping(mode="additive"), Trainer(), Actor(mask_no_eos_with_zero=True))
     assert torch.equal(masked.loss_mask, plain.loss_mask)  # truncated row 0 stays in the loss
     assert masked.token_rewards[0].abs().sum() == 0 and masked.token_rewards[1].abs().sum() > 0
     # row 0's outcome reward (0.0 here, already) is not placed; others keep theirs:
     # zeroing another row instead changes the group baseline
     moved = dataclasses.replace(batch, is_truncated=torch.tensor([False] * (n - 1) + [True]))
-    shaped = shape_batch(moved, mode="additive", mask_no_eos_with_zero=True)
+    shaped = shape_batch(moved, Shaping(mode="additive"), Trainer(), Actor(mask_no_eos_with_zero=True))
     expected = shape_batch(dataclasses.replace(moved, rewards=torch.tensor([*range(n - 1), 0.0]),
                                                token_rewards=torch.where(torch.arange(n)[:, None] == n - 1, 0.0,
-                                                                         moved.token_rewards)), mode="additive")
+                                                                         moved.token_rewards)), Shaping(mode="additive"))
     assert torch.equal(shaped.advantages, expected.advantages)
     assert shaped.loss_mask[n - 1].sum() > 0
