@@ -281,11 +281,30 @@ def test_merge_worker_stats_as_areal() -> None:
          "rollout/prm_turn_reward/z__count": 1.0, "rollout/prm_turn_reward/e": 1.0, "rollout/prm_turn_reward/e__count": 0.0},
     ])
     assert merged["rollout/prm_turn_reward/s"] == 0.25
-    assert merged["prm_metric/turn/s/m/count"] == 3.0  # namespace stripped, summed
+    # summed under the key as given: the namespace is stripped only to classify the key
+    assert merged["rollout/prm_metric/turn/s/m/count"] == 2.0
+    assert merged["eval-rollout/prm_metric/turn/s/m/count"] == 1.0
+    assert "prm_metric/turn/s/m/count" not in merged
     assert math.isnan(merged["rollout/prm_turn_reward/z"])  # no validation: NaN passes
     assert "rollout/prm_turn_reward/e" not in merged  # sum of counts 0: omitted
     assert not any(k.endswith("__count") for k in merged)
-    assert "rollout/other" not in merged and "prm_metric/turn/s/m/rate" not in merged  # mean without count: dropped
+    assert "rollout/other" not in merged and "rollout/prm_metric/turn/s/m/rate" not in merged  # mean without count
+
+
+def test_merge_worker_stats_omits_a_mean_unless_its_count_sum_is_positive() -> None:
+    from shaper.metrics import merge_worker_stats
+
+    key = "rollout/prm_metric/turn/s/m/rate"
+    merged = merge_worker_stats([
+        {key: 1.0, f"{key}__count": -2.0, "rollout/prm_turn_reward/s": 0.5, "rollout/prm_turn_reward/s__count": -1.0},
+        {key: 0.5, f"{key}__count": 1.0, "rollout/prm_turn_reward/s": 0.5, "rollout/prm_turn_reward/s__count": 3.0},
+        {"rollout/prm_metric/trajectory/s/m/sum": 2.5, "rollout/prm_metric/trajectory/s/m/observed_count": 1.0},
+        {"rollout/prm_metric/trajectory/s/m/sum": -1.0},
+    ])
+    assert key not in merged  # count sum -1: AReaL keeps a mean only when the sum is > 0
+    assert merged["rollout/prm_turn_reward/s"] == 0.5  # (0.5 * -1 + 0.5 * 3) / 2
+    assert merged["rollout/prm_metric/trajectory/s/m/sum"] == 1.5
+    assert merged["rollout/prm_metric/trajectory/s/m/observed_count"] == 1.0
 
 
 def test_merge_stats_edge_cases_as_areal() -> None:
