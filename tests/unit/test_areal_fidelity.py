@@ -81,7 +81,7 @@ async def test_scorer_exception_propagates_with_notes_and_reason_code() -> None:
 
 
 @pytest.mark.parametrize(("reward", "kind", "fragment"), [
-    (torch.zeros(3), ValueError, "must return shape (n,)"),
+    (torch.zeros(3), ValueError, "must return shape (2,)"),
     (math.nan, ValueError, "non-finite"),
     ("abc", TypeError, "must be a number"),
 ])
@@ -267,6 +267,25 @@ def ScalarTrackerFactory() -> Any:  # noqa: N802 - a throwaway tracker so the mo
     from shaper.filters import ScalarTracker
 
     return ScalarTracker()
+
+
+async def test_error_messages_start_with_areal_wording() -> None:
+    """AReaL's tests match these messages; ours start with AReaL's words, then add where."""
+    import re
+
+    with pytest.raises(ValueError) as shape:  # AReaL: match=r"must return shape \(3,\)"
+        await runner_of(scorer("shape", lambda i, c: torch.zeros(2))()).run(traj(turn("a", n=3)))
+    assert re.match(r"scorer 'shape' must return shape \(3,\), got a reward tensor of shape \[2\]", str(shape.value))
+    assert "(interaction 'a')" in str(shape.value) and failure_code(shape.value) == "invalid_reward"
+    with pytest.raises(TypeError, match="must contain PRMMetricObservation"):  # AReaL's test, as written
+        await runner_of(scorer("obs", lambda i, c: PRMScorerResult(reward=1.0, observations=(object(),)))()).run(
+            traj(turn("a", n=3)))
+    bad = PRMScorerResult(reward=1.0)  # a result whose observations changed after construction
+    object.__setattr__(bad, "observations", (object(),))
+    with pytest.raises(TypeError) as observation:
+        await runner_of(scorer("obs", lambda i, c: bad)()).run(traj(turn("a", n=3)))
+    assert str(observation.value).startswith("scorer 'obs' observations must contain PRMMetricObservation, got object")
+    assert "(interaction 'a')" in str(observation.value)
 
 
 # ----------------------------------------------------------------------------- merge_stats
