@@ -188,7 +188,8 @@ def apply_shaping(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, 
     ``>= 0``), so nothing about the mode is checked again here: this is the per-batch
     entry of the trainer and the verl adapter.
     """
-    return _shape(advantages, token_rewards, loss_mask, shaping_mode(shaping.mode), shaping.coefficients())
+    mode = shaping_mode(shaping.mode)  # a lookup, never a default: the struct holds a registered name
+    return _shape(advantages, token_rewards, loss_mask, mode, tuple(getattr(shaping, n) for n in mode.coefficients))
 
 
 def _shape(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, mode: Mode,
