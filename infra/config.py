@@ -26,8 +26,19 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-# Shaping modes come from the one registry (advantage and PRM + OPD combined modes).
-from infra.modes import COMBINED_MODES, SHAPING_MODES, mode_info
+# Shaping modes, their coefficients and the trainer recipes come from the one registry.
+from infra.modes import (
+    COEFFICIENT_DEFAULTS,
+    COMBINED_MODES,
+    JUDGE_SCORER,
+    OPD_SCORER,
+    RECIPES,
+    SHAPING_MODES,
+    check_coefficient,
+    combined_mode,
+    mode_info,
+    shaping_mode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +68,32 @@ class PRMScorerConfig(msgspec.Struct, kw_only=False):
     kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class PRMAdvantageShapingConfig(msgspec.Struct, kw_only=True):
-    """How the trainer folds process rewards into advantages (seed: "Advantage Shaping")."""
+class PRMAdvantageShapingConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """How the trainer folds process rewards into advantages (seed: "Advantage Shaping").
+
+    Checked when built (from a file or in code) and immutable after: the mode is a
+    registered shaping mode and every coefficient is finite and ``>= 0`` (AReaL checks
+    all three whatever the mode), so the trainer never checks them again per batch.
+    """
 
     mode: str = "additive"
-    negative_scale: float = 0.2
-    zero_penalty: float = 0.4
-    zero_eps: float = 1e-6
+    negative_scale: float = COEFFICIENT_DEFAULTS["negative_scale"]
+    zero_penalty: float = COEFFICIENT_DEFAULTS["zero_penalty"]
+    zero_eps: float = COEFFICIENT_DEFAULTS["zero_eps"]
+
+    def __post_init__(self) -> None:
+        key = "rollout.agent.prm.advantage_shaping"
+        if self.mode not in SHAPING_MODES:
+            raise ConfigError(f"{key}.mode must be one of {list(SHAPING_MODES)}, got {self.mode!r}")
+        for name in COEFFICIENT_DEFAULTS:
+            try:
+                check_coefficient(f"{key}.{name}", getattr(self, name))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+
+    def coefficients(self) -> tuple[float, ...]:
+        """The values of the coefficients the mode's kernel takes, in the registry's order."""
+        return tuple(float(getattr(self, name)) for name in shaping_mode(self.mode).coefficients)
 
 
 class PRMConfig(msgspec.Struct, kw_only=True):
@@ -222,7 +252,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     token_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024 * 1024
 
 
-class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """The reference trainer's options; checked when built (recipe, combined mode and
+    their compatibility, from the registry in :mod:`infra.modes`), immutable after."""
+
     group_id: str = "prm-trainer"
     batch_groups: Positive = 8
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -231,20 +264,41 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # state get loss mask 0; a session with no effective turn keeps its first judged
     # turn that had a next state (at-least-one guarantee). See shaper/exclusion.py.
     exclude_neutral_turns: bool = False
-    judge_scorer: str = "openclaw_judge"  # scorer whose turn results / channel are the judge's
+    judge_scorer: str = JUDGE_SCORER  # scorer whose turn results / channel are the judge's
     # null, or a PRM + OPD combination (shaper.combined) used as the per-token process
     # signal; needs worker.keep_scorer_channels for the judge and OPD scorers' channels.
-    combined_mode: Literal[COMBINED_MODES] | None = None  # the registry's combined modes (infra.modes)
-    opd_scorer: str = "opd_teacher"  # scorer whose channel is the OPD token signal
+    combined_mode: str | None = None  # one of the registry's combined modes (infra.modes)
+    opd_scorer: str = OPD_SCORER  # scorer whose channel is the OPD token signal
     # grpo (ours: outcome advantage + shaped process rewards) or openclaw_turns (OpenClaw-RL:
     # each judged turn a sample, advantage = judge score, upstream exclusion). shaper/openclaw_recipe.py
-    recipe: Literal["grpo", "openclaw_turns"] = "grpo"
+    recipe: Literal[RECIPES] = "grpo"  # type: ignore[valid-type]
     # OpenClaw-RL's OPD trains no turn without an accepted hint: mask them (opd_scorer's results)
     drop_unhinted_turns: bool = False
     # Bound of the verdict consumer's in-memory dedupe set ((group_id, verdict_version)
     # keys, oldest evicted first; ~180 B each). Duplicates older than this many groups
     # are caught only by a durable --dedupe-store. See docs/trainer.md.
     dedupe_max_seen: Positive = 1_000_000
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"trainer.recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
+        combined = None
+        if self.combined_mode is not None:
+            try:
+                combined = combined_mode(self.combined_mode)
+            except ValueError:
+                raise ConfigError(
+                    f"trainer.combined_mode must be one of {list(COMBINED_MODES)} or null, got {self.combined_mode!r}"
+                ) from None
+        if self.exclude_neutral_turns and (self.recipe == "openclaw_turns" or (combined and combined.own_turn_selection)):
+            which = f"trainer.recipe {self.recipe!r}" if self.recipe == "openclaw_turns" \
+                else f"trainer.combined_mode {self.combined_mode!r}"
+            raise ConfigError(f"{which} applies OpenClaw-RL's own turn selection; turn trainer.exclude_neutral_turns off")
+        if self.recipe != "grpo" and combined is not None:
+            raise ConfigError(
+                f"trainer.recipe {self.recipe!r} defines the whole advantage; it cannot be combined with "
+                f"trainer.combined_mode {self.combined_mode!r} (use one of them)"
+            )
 
 
 class LocalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -374,20 +428,13 @@ def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[
 
 
 # --------------------------------------------------------------------------- rules
-def _check_coefficient(key: str, value: float) -> None:
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")
-
-
 def validate_prm(prm: PRMConfig, key: str = "rollout.agent.prm") -> None:
-    """Rules that concern the PRM block alone (also used by the runner)."""
-    shaping = prm.advantage_shaping
-    if shaping.mode not in SHAPING_MODES:
+    """Rules that concern the PRM block alone (also used by the runner). The shaping
+    mode and coefficients were checked when ``advantage_shaping`` was built."""
+    if not isinstance(prm.advantage_shaping, PRMAdvantageShapingConfig):
         raise ConfigError(
-            f"{key}.advantage_shaping.mode must be one of {list(SHAPING_MODES)}, got {shaping.mode!r}"
+            f"{key}.advantage_shaping must be a PRMAdvantageShapingConfig, got {type(prm.advantage_shaping).__name__}"
         )
-    for name in ("negative_scale", "zero_penalty", "zero_eps"):
-        _check_coefficient(f"{key}.advantage_shaping.{name}", getattr(shaping, name))
     for i, scorer in enumerate(prm.scorers):
         if isinstance(scorer, PRMScorerConfig):
             if not scorer.path:
@@ -423,14 +470,21 @@ def validate(cfg: PipelineConfig) -> None:
                 "actor.token_rewards_as_adv must be true when PRM scorers are active "
                 "(folding dense rewards into GAE is not specified)"
             )
-    info = mode_info(mode)
-    if info is not None and info.direct_advantages and not actor.token_rewards_as_adv:
+    info = shaping_mode(mode)  # registered: checked when the struct was built
+    if info.direct_advantages and not actor.token_rewards_as_adv:
         raise ConfigError(
             f"actor.token_rewards_as_adv must be true with advantage_shaping.mode {mode!r} "
             "(it shapes direct process advantages)"
         )
-    if info is not None and info.unit_interval and actor.mask_no_eos_with_zero:
+    if info.unit_interval and actor.mask_no_eos_with_zero:
         raise ConfigError(
             "actor.mask_no_eos_with_zero: true cannot be combined with "
             f"rollout.agent.prm.advantage_shaping.mode {mode!r}"
+        )
+    combined = cfg.trainer.combined_mode
+    if combined is not None and info.unit_interval and combined_mode(combined).yields == "signal":
+        raise ConfigError(
+            f"trainer.combined_mode {combined!r} produces signed token signals, but "
+            f"rollout.agent.prm.advantage_shaping.mode {mode!r} needs process rewards in [0, 1]; "
+            f"use one of {[m for m in SHAPING_MODES if not mode_info(m).unit_interval]}"  # type: ignore[union-attr]
         )

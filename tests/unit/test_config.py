@@ -408,13 +408,13 @@ def test_command_line_counts_keep_the_config_constraint() -> None:
 def test_shaping_modes_come_from_one_registry() -> None:
     import infra.config
     import shaper.shaping
-    from infra.modes import COMBINED_MODES, MODES, SHAPING_MODES, mode_info
+    from infra.modes import COMBINED_MODES, SHAPING_MODES, mode_info, registered_modes
 
     assert SHAPING_MODES == ("additive", "gvpo", "process_weighted")
     assert COMBINED_MODES == ("prm_gated_opd", "prm_weighted_opd", "openclaw_combine")
     assert infra.config.SHAPING_MODES is SHAPING_MODES and infra.config.COMBINED_MODES is COMBINED_MODES
     assert shaper.shaping.SHAPING_MODES is SHAPING_MODES
-    assert {m.name for m in MODES} == {*SHAPING_MODES, *COMBINED_MODES}
+    assert {m.name for m in registered_modes()} == {*SHAPING_MODES, *COMBINED_MODES}
     # the rules config validation applies are attributes of the registry entries
     assert [m for m in SHAPING_MODES if mode_info(m).direct_advantages] == ["gvpo", "process_weighted"]
     assert [m for m in SHAPING_MODES if mode_info(m).unit_interval] == ["process_weighted"]
