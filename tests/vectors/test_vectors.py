@@ -107,7 +107,7 @@ def test_numbers_may_be_msgpack_ints_where_floats_are_expected() -> None:
     ("headers", "error"),
     [
         ([("prm-kind", b"ready")], UnknownSchemaVersion),
-        ([(SCHEMA_HEADER, b"2"), ("prm-kind", b"ready")], UnknownSchemaVersion),
+        ([(SCHEMA_HEADER, b"3"), ("prm-kind", b"ready")], UnknownSchemaVersion),
         ([(SCHEMA_HEADER, b"1")], UnknownMessageKind),
         ([(SCHEMA_HEADER, b"1"), ("prm-kind", b"discard")], InvalidMessage),
     ],
