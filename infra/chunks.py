@@ -33,13 +33,15 @@ from infra.schema import (
     SCHEMA_HEADER,
     InvalidMessage,
     ReadyTrajectory,
+    SchemaError,
     TrajectoryChunk,
     TrajectoryMessage,
     compact_trajectory,
+    decode_message,
     encode,
 )
 
-__all__ = ["IncompleteTrajectory", "Assembled", "ChunkAssembler", "READY_HEADERS", "to_records", "too_large"]
+__all__ = ["IncompleteTrajectory", "Assembled", "ChunkAssembler", "READY_HEADERS", "to_records", "too_large", "reassembled"]
 
 Record = tuple[bytes, list[tuple[str, bytes]]]
 """A record's ``(value, headers)``; its key is always the message's ``group_id``."""
@@ -111,13 +113,15 @@ class _Pending(Generic[C]):
 
 @dataclass(frozen=True)
 class Assembled(Generic[C]):
-    """A trajectory's chunks put back together: ``value`` decodes with :data:`READY_HEADERS`;
-    ``coords`` are every chunk record's coordinates, first chunk first (arrival order)."""
+    """What became of a chunked trajectory: reassembled (``value`` decodes with
+    :data:`READY_HEADERS`) or given up (``error`` says why, ``value`` is empty).
+    ``coords`` are its chunk records' coordinates in arrival order (first chunk first)."""
 
     trajectory_id: str
     group_id: str
     value: bytes
     coords: list[C]
+    error: str = ""
 
 
 class ChunkAssembler(Generic[C]):
@@ -139,44 +143,48 @@ class ChunkAssembler(Generic[C]):
     def buffered_bytes(self) -> int:
         return sum(len(d) for p in self._pending.values() for d in p.parts.values())
 
-    def add(self, scope: Hashable, chunk: TrajectoryChunk, coord: C) -> tuple[Assembled[C] | None, list[Assembled[C]]]:
-        """Add one chunk; returns ``(complete, abandoned)``.
+    def add(self, scope: Hashable, chunk: TrajectoryChunk, coord: C) -> list[Assembled[C]]:
+        """Add one chunk; returns the trajectories it finished (usually none or one).
 
-        ``complete`` is the reassembled trajectory when this chunk was its last missing
-        one. ``abandoned`` lists earlier partial trajectories this chunk supersedes (the
-        same trajectory id published again with a different size): the caller
-        dead-letters their chunks (their ``value`` is empty).
+        A trajectory is finished when this chunk was its last missing one (reassembled,
+        or an error when the pieces do not add up to the announced size), or when this
+        chunk supersedes a partial one (the same trajectory id published again with a
+        different size: the partial one is given up, its chunks are the caller's to
+        dead-letter).
         """
         key = (scope, chunk.group_id, chunk.trajectory_id)
-        abandoned: list[Assembled[C]] = []
+        out: list[Assembled[C]] = []
         pending = self._pending.get(key)
         if pending is not None and (pending.count, pending.total_bytes) != (chunk.count, chunk.total_bytes):
             del self._pending[key]
-            abandoned.append(Assembled(chunk.trajectory_id, chunk.group_id, b"", pending.coords))
+            out.append(Assembled(chunk.trajectory_id, chunk.group_id, b"", pending.coords, error=(
+                f"trajectory {chunk.trajectory_id!r}: {len(pending.parts)} of {pending.count} chunks arrived before "
+                f"a re-publication with a different size superseded them")))
             pending = None
         if pending is None:
             pending = self._pending[key] = _Pending(chunk.count, chunk.total_bytes, self._clock())
         pending.parts.setdefault(chunk.index, chunk.data)  # a duplicate carries the same bytes
         pending.coords.append(coord)
         if len(pending.parts) < pending.count:
-            return None, abandoned
+            return out
         del self._pending[key]
         value = b"".join(pending.parts[i] for i in range(pending.count))
         if len(value) != pending.total_bytes:
-            raise IncompleteTrajectory(
-                f"trajectory {chunk.trajectory_id!r}: its {pending.count} chunks hold {len(value)} bytes, "
-                f"not the announced {pending.total_bytes}"
-            )
-        return Assembled(chunk.trajectory_id, chunk.group_id, value, pending.coords), abandoned
+            out.append(Assembled(chunk.trajectory_id, chunk.group_id, b"", pending.coords, error=(
+                f"trajectory {chunk.trajectory_id!r}: its {pending.count} chunks hold {len(value)} bytes, not the "
+                f"announced {pending.total_bytes}")))
+        else:
+            out.append(Assembled(chunk.trajectory_id, chunk.group_id, value, pending.coords))
+        return out
 
     def expire(self, max_age_s: float) -> list[Assembled[C]]:
-        """Give up trajectories whose first chunk arrived over ``max_age_s`` ago (their ``value`` is empty)."""
+        """Give up trajectories whose first chunk arrived over ``max_age_s`` ago."""
         now = self._clock()
-        old = [k for k, p in self._pending.items() if now - p.started > max_age_s]
         out = []
-        for key in old:
+        for key in [k for k, p in self._pending.items() if now - p.started > max_age_s]:
             p = self._pending.pop(key)
-            out.append(Assembled(key[2], key[1], b"", p.coords))
+            out.append(Assembled(key[2], key[1], b"", p.coords, error=(
+                f"trajectory {key[2]!r}: only {len(p.parts)} of its {p.count} chunks arrived within {max_age_s:g}s")))
         return out
 
     def drop(self, scopes: Iterable[Hashable] | None = None) -> None:
@@ -187,3 +195,17 @@ class ChunkAssembler(Generic[C]):
         gone = set(scopes)
         for key in [k for k in self._pending if k[0] in gone]:
             del self._pending[key]
+
+
+def reassembled(done: Assembled[object]) -> ReadyTrajectory:
+    """Decode a finished trajectory (expanded); raises a :class:`infra.schema.SchemaError`
+    (:class:`IncompleteTrajectory` when it was given up) that names the trajectory."""
+    if done.error:
+        raise IncompleteTrajectory(done.error)
+    try:
+        message = decode_message(done.value, READY_HEADERS)
+    except SchemaError as exc:
+        raise type(exc)(f"trajectory {done.trajectory_id!r} reassembled from {len(done.coords)} chunks: {exc}") from None
+    if not isinstance(message, ReadyTrajectory) or message.trajectory_id != done.trajectory_id:
+        raise IncompleteTrajectory(f"the chunks of trajectory {done.trajectory_id!r} reassemble into another message")
+    return message

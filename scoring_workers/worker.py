@@ -11,7 +11,9 @@ share nothing but Kafka and Redis.
 
 Per record (see docs/architecture.md):
 
-1. decode — undecodable, unknown-version or invalid records go to the dead-letter
+1. decode — chunks of a large trajectory are buffered until the last one arrives
+   (:mod:`scoring_workers.chunked`; their offsets are finished with the trajectory);
+   undecodable, unknown-version or invalid records go to the dead-letter
    topic with the reason in headers (capped so the whole dead letter fits the size
    limit); when the record's key names its group, the group is rejected at once
    (``invalid_member``) instead of waiting for its deadline;
@@ -70,10 +72,12 @@ from infra.schema import (
     SchemaError,
     ScorerInfo,
     SessionResult,
+    TrajectoryChunk,
     compact_turns,
     dead_letter_headers,
     decode_message,
 )
+from scoring_workers.chunked import WorkerChunks
 from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
 from scoring_workers.ledger import Decision, GroupLedger
 from scoring_workers.scoring import score_member
@@ -133,6 +137,7 @@ class Worker:
         self._members: dict[str, set[asyncio.Task[None]]] = {}  # group_id -> in-flight members
         self._scorers_blob = encode_scorers([])
         self._tokens = MemberTokens(cfg)
+        self._chunks = WorkerChunks()
         self._paused = False
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
@@ -219,6 +224,8 @@ class Worker:
             if now - last_sweep >= SWEEP_INTERVAL_S * random.uniform(0.8, 1.2) and (sweeper is None or sweeper.done()):
                 sweeper = asyncio.create_task(self._sweep())
                 last_sweep = now
+                for record, error, extra in self._chunks.expired(self.cfg.worker.group_timeout_s):
+                    self._spawn(record, error, None, extra=extra)
             if now - last_lag >= 5.0:
                 await self._update_lag()
                 last_lag = now
@@ -251,6 +258,7 @@ class Worker:
         await self._commit()
         if tps is not None:
             self._tracker.drop(tps)
+        self._chunks.drop(tps)  # partial chunked trajectories are replayed from the committed offset
 
     async def _commit(self) -> None:
         offsets = self._tracker.committable()
@@ -273,40 +281,54 @@ class Worker:
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, records: list[ConsumerRecord]) -> None:
         consumed_at = time.time()
-        decoded: list[tuple[ConsumerRecord, Any]] = []
+        decoded: list[tuple[ConsumerRecord, Any, list[int]]] = []
         for record in records:
             try:
-                decoded.append((record, decode_message(record.value, record.headers)))
+                message: Any = decode_message(record.value, record.headers)
             except SchemaError as exc:
-                decoded.append((record, exc))
-        ready = [(r, m) for r, m in decoded if isinstance(m, ReadyTrajectory)]
+                message = exc
+            if isinstance(message, TrajectoryChunk):
+                # finished with the whole trajectory: the commit stays below its first chunk until then
+                self._tracker.begin(TopicPartition(record.topic, record.partition), record.offset)
+                decoded += self._chunks.add(record, message)
+            else:
+                decoded.append((record, message, []))
+        ready = [(r, m) for r, m, _ in decoded if isinstance(m, ReadyTrajectory)]
         probes = dict(zip((id(r) for r, _ in ready), await self._with_retry(
             lambda: self.ledger.probe_many([(m.group_id, m.trajectory_id) for _, m in ready]), "probe")))
-        for record, message in decoded:
-            tp = TopicPartition(record.topic, record.partition)
-            self._tracker.begin(tp, record.offset)
-            probe = probes.get(id(record))
-            barrier: asyncio.Future[Any] | None = None
-            if isinstance(message, ReadyTrajectory):
-                barrier = self._discards.get(message.group_id)
-                if barrier is not None:
-                    probe = None  # stale: the discard ahead of it may decide the group
-            elif isinstance(message, SchemaError) and (earlier := self._members.get(group_of(record.key) or "")):
-                # its group is rejected (invalid_member) once the members consumed before it have parked
-                barrier = asyncio.ensure_future(asyncio.wait(list(earlier)))
-            task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at))
-            if isinstance(message, ReadyTrajectory):
-                self._members.setdefault(message.group_id, set()).add(task)
-                task.add_done_callback(lambda t, g=message.group_id: self._member_done(g, t))
-            if isinstance(message, DiscardGroup):
-                # Records of a group behind its discard (same partition, later offset)
-                # must see the discard's decision: they wait for it, not for each other.
-                self._discards[message.group_id] = task
-                task.add_done_callback(lambda t, g=message.group_id: self._discards.get(g) is t
-                                       and self._discards.pop(g))
-            self._tasks[task] = tp
-            self.telemetry.in_flight.set(len(self._tasks))
-            task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
+        for record, message, extra in decoded:
+            self._spawn(record, message, probes.get(id(record)), extra=extra, consumed_at=consumed_at)
+
+    def _spawn(self, record: ConsumerRecord, message: Any, probe: str | None, *, extra: list[int],
+               consumed_at: float = 0.0) -> None:
+        """Process one record in a task; ``extra`` offsets (the other chunks of a chunked
+        trajectory, same partition) are finished with it."""
+        tp = TopicPartition(record.topic, record.partition)
+        self._tracker.begin(tp, record.offset)
+        barrier: asyncio.Future[Any] | None = None
+        if isinstance(message, ReadyTrajectory):
+            barrier = self._discards.get(message.group_id)
+            if barrier is not None:
+                probe = None  # stale: the discard ahead of it may decide the group
+        elif isinstance(message, SchemaError) and (earlier := self._members.get(group_of(record.key) or "")):
+            # its group is rejected (invalid_member) once the members consumed before it have parked
+            barrier = asyncio.ensure_future(asyncio.wait(list(earlier)))
+        task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at))
+        if isinstance(message, ReadyTrajectory):
+            self._members.setdefault(message.group_id, set()).add(task)
+            task.add_done_callback(lambda t, g=message.group_id: self._member_done(g, t))
+        if isinstance(message, DiscardGroup):
+            # Records of a group behind its discard (same partition, later offset)
+            # must see the discard's decision: they wait for it, not for each other.
+            self._discards[message.group_id] = task
+            task.add_done_callback(lambda t, g=message.group_id: self._discards.get(g) is t
+                                   and self._discards.pop(g))
+        self._tasks[task] = tp
+        self.telemetry.in_flight.set(len(self._tasks))
+        task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
+        for off in extra:
+            task.add_done_callback(lambda t, tp=tp, off=off: t.cancelled() or t.exception() is not None
+                                   or self._tracker.finish(tp, off))
 
     def _member_done(self, group_id: str, task: asyncio.Task[None]) -> None:
         members = self._members.get(group_id)
