@@ -161,3 +161,37 @@ async def test_chunks_that_never_complete_are_dead_lettered_and_reject_their_gro
     assert letter.error_class == "IncompleteTrajectory" and letter.source_offset == sent.offset
     assert "only 1 of its" in letter.error_message and "worker.group_timeout_s" in letter.error_message
     assert await _wait_committed(cfg, sent.partition, sent.offset + 1) >= sent.offset + 1
+
+
+async def test_a_chunked_member_is_read_back_from_its_first_chunk(cfg) -> None:
+    """A worker that did not consume a chunked member reads it back from the log: from its
+    parked (first chunk) coordinates on, past other records, until its last chunk."""
+    from infra.kafka import ensure_topics
+    from infra.schema import SessionResult, compact_turns
+    from scoring_workers.ledger import ParkedMember
+    from scoring_workers.tokens import MemberTokens
+
+    await ensure_topics(cfg.kafka, cfg.topics)
+    gid = f"back-{uuid.uuid4().hex[:6]}"
+    traj = _session(gid, 100, 128_000)
+    records = to_records(traj, cfg.kafka.max_message_bytes)
+    (between,) = to_records(_session(gid, 2, 2_000), cfg.kafka.max_message_bytes)  # another record in between
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        first = await producer.send_and_wait(cfg.topics.trajectories, records[0][0], key=gid.encode(),
+                                             headers=records[0][1])
+        await producer.send_and_wait(cfg.topics.trajectories, between[0], key=gid.encode(), headers=between[1])
+        for value, headers in records[1:]:
+            await producer.send_and_wait(cfg.topics.trajectories, value, key=gid.encode(), headers=headers)
+    finally:
+        await producer.stop()
+    tokens = MemberTokens(cfg)
+    try:
+        (member,) = await tokens.members(gid, [ParkedMember(
+            SessionResult(session_id=traj.session_id, trajectory_id=traj.trajectory_id, status="scored",
+                          stats={"x": 1.0}), first.partition, first.offset)])
+    finally:
+        await tokens.aclose()
+    assert member.status == "scored" and member.turns == compact_turns(traj.interactions)
+    assert tokens.log_reads == len(records) + 1
