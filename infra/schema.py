@@ -295,7 +295,8 @@ class TrajectoryChunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", ta
     index: int
     count: int
     total_bytes: int
-    data: bytes
+    data: memoryview
+    """Decoded as a zero-copy view of the record value (a chunk is only ever joined)."""
 
     def __post_init__(self) -> None:
         for name in ("group_id", "trajectory_id"):
@@ -477,9 +478,12 @@ def compact_turns(interactions: Sequence[Interaction]) -> list[TokenTurn]:
                     f"interaction {it.interaction_id!r}: input does not start with parent "
                     f"{it.parent_id!r}'s input + output (concat export required)"
                 )
+        # An expanded prompt is a view of its chain's buffer: its delta is a view too. A
+        # full-form prompt is copied, so the turn does not pin its whole prompt.
+        delta = raw[4 * start :] if isinstance(mr.input_tokens_raw, memoryview) else bytes(raw[4 * start :])
         turns.append(TokenTurn(
             interaction_id=it.interaction_id, parent_id=it.parent_id,
-            prompt_delta_raw=bytes(raw[4 * start :]), output_tokens_raw=mr.output_tokens_raw,
+            prompt_delta_raw=delta, output_tokens_raw=mr.output_tokens_raw,  # type: ignore[arg-type]
             output_logprobs_raw=mr.output_logprobs_raw, stop_reason=mr.stop_reason,
         ))
     return turns
