@@ -195,3 +195,31 @@ async def test_a_chunked_member_is_read_back_from_its_first_chunk(cfg) -> None:
         await tokens.aclose()
     assert member.status == "scored" and member.turns == compact_turns(traj.interactions)
     assert tokens.log_reads == len(records) + 1
+
+
+async def test_publish_refuses_a_session_over_every_limit_in_one_line_before_sending_anything(
+        kafka_bootstrap, redis_url, tmp_path) -> None:
+    """`prm-pipeline publish` checks every line (size included) before it sends any; a session no
+    chunking fits is one line naming it, its size, its turns and the setting — no traceback."""
+    import subprocess
+    import sys
+
+    from infra import jsonl
+    from infra.kafka import ensure_topics
+    from prm_pipeline.processes import write_config
+
+    cfg = isolated_config(f"pubcli-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url,
+                          kafka={"max_message_bytes": 1024})
+    await ensure_topics(cfg.kafka, cfg.topics)
+    small, big = _session("cli-small", 2, 400), _session("cli-big", 40, 40_000)
+    jsonl.write(tmp_path / "in.jsonl", [small, big])
+    config = write_config(cfg, tmp_path / "config.yaml")
+    proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config),
+                                                    "publish", str(tmp_path / "in.jsonl")],
+                                   capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert line.startswith("error: session 'cli-big-s' (trajectory 'cli-big-t', group 'cli-big') is ")
+    assert " bytes in compact form over 40 turns" in line and "kafka.max_message_bytes=1024" in line
+    assert await read_topic(cfg, cfg.topics.trajectories) == []  # the small session before it was not sent either
