@@ -25,7 +25,7 @@ from infra.schema import (
     decode_verdict,
     encode,
 )
-from tests.vectors.generate import VECTORS, ready_compact_full, readable
+from tests.vectors.generate import VECTORS, readable, ready_compact_full
 
 HERE = Path(__file__).resolve().parent
 REGENERATE = "if the change only adds optional fields, run `python tests/vectors/generate.py` and commit"
