@@ -262,3 +262,19 @@ def test_chunk_rules_are_checked_on_decode() -> None:
         decode_message(msgspec.msgpack.encode(raw), headers)
     with pytest.raises(InvalidMessage, match="a chunk needs prm-schema-version: 2"):
         decode_message(value, [(SCHEMA_HEADER, b"1"), (KIND_HEADER, b"chunk")])
+
+
+async def test_scoring_a_compact_trajectory_scores_its_full_turns() -> None:
+    """Built in process (not decoded), a compact trajectory is expanded before scorers see it."""
+    from scoring_workers.prm import PRMConfig, PRMRunner
+    from scoring_workers.scoring import score_member
+    from tests.scorers import TokenEchoScorer
+
+    full = agent(6, 3_000, branch_at=2)
+    runner = await PRMRunner.create(PRMConfig(scorers=[TokenEchoScorer()]))  # type: ignore[list-item]
+    try:
+        want = await score_member(runner, full, timeout_s=None, scored_at=0)
+        got = await score_member(runner, compact_trajectory(full), timeout_s=None, scored_at=0)
+    finally:
+        await runner.aclose()
+    assert got.status == "scored" and got.branches == want.branches and got.turns == want.turns
