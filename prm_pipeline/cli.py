@@ -129,6 +129,7 @@ async def _freeze_gc_when_ready(ready: asyncio.Event) -> None:
 
 def cmd_publish(args: argparse.Namespace) -> int:
     from infra.jsonl import JsonlError
+    from infra.kafka import MessageTooLarge
     from producers.publisher import TrajectoryPublisher
 
     cfg = _load(args)
@@ -139,7 +140,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
     try:
         counts = asyncio.run(main())
-    except JsonlError as exc:
+    except (JsonlError, MessageTooLarge) as exc:  # one line, nothing sent: every line is checked first
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"published {counts['ready']} ready trajectories and {counts['discard']} discards to {cfg.topics.trajectories}")
@@ -196,7 +197,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "faults", "soak", "capacity")
+BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "faults", "soak", "capacity", "sessions")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

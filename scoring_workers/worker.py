@@ -11,7 +11,9 @@ share nothing but Kafka and Redis.
 
 Per record (see docs/architecture.md):
 
-1. decode — undecodable, unknown-version or invalid records go to the dead-letter
+1. decode — chunks of a large trajectory are buffered until the last one arrives
+   (:mod:`scoring_workers.chunked`; their offsets are finished with the trajectory);
+   undecodable, unknown-version or invalid records go to the dead-letter
    topic with the reason in headers (capped so the whole dead letter fits the size
    limit); when the record's key names its group, the group is rejected at once
    (``invalid_member``) instead of waiting for its deadline;
@@ -72,11 +74,13 @@ from infra.schema import (
     SchemaError,
     ScorerInfo,
     SessionResult,
+    TrajectoryChunk,
     compact_turns,
     dead_letter_headers,
     decode_message,
 )
 from infra.throttle import LogThrottle
+from scoring_workers.chunked import WorkerChunks
 from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
 from scoring_workers.ledger import Decision, DecisionKind, GroupLedger
 from scoring_workers.scoring import score_member
@@ -135,6 +139,7 @@ class Worker:
         self._members: dict[str, set[asyncio.Task[None]]] = {}  # group_id -> in-flight members
         self._scorers_blob = encode_scorers([])
         self._tokens = MemberTokens(cfg)
+        self._chunks = WorkerChunks()
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
         self._duplicates_log = LogThrottle(log, burst=20, window_s=60.0)  # duplicates are normal, but say so
@@ -227,6 +232,8 @@ class Worker:
             if now - last_sweep >= sweep_every and (sweeper is None or sweeper.done()):
                 sweeper = self._background("sweep", self._sweep())
                 last_sweep = now
+                for record, error, extra in self._chunks.expired(self.cfg.worker.group_timeout_s):
+                    self._spawn(record, error, None, extra=extra)
             if now - last_lag >= LAG_INTERVAL_S and (lag is None or lag.done()):
                 lag = self._background("lag", self._update_lag())
                 last_lag = now
@@ -271,6 +278,7 @@ class Worker:
                 log.warning("worker %s: %d records still running after drain timeout; "
                             "they will be redelivered", self.worker_id, len(pending))
         await self._committer.revoke(tps)  # waits for a background commit in flight first
+        self._chunks.drop(tps)  # partial chunked trajectories are replayed from the committed offset
 
     async def _update_lag(self) -> None:
         for tp, lag in (await self._committer.lag()).items():
@@ -279,47 +287,62 @@ class Worker:
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, records: list[ConsumerRecord]) -> None:
         consumed_at = time.time()
-        decoded: list[tuple[ConsumerRecord, Any]] = []
+        decoded: list[tuple[ConsumerRecord, Any, list[int]]] = []
         for record in records:
             try:
-                decoded.append((record, decode_message(record.value, record.headers)))
+                message: Any = decode_message(record.value, record.headers)
             except SchemaError as exc:
-                decoded.append((record, exc))
-        ready = [(r, m) for r, m in decoded if isinstance(m, ReadyTrajectory)]
+                message = exc
+            if isinstance(message, TrajectoryChunk):
+                # finished with the whole trajectory: the commit stays below its first chunk until then
+                self._committer.tracker.begin(TopicPartition(record.topic, record.partition), record.offset)
+                decoded += self._chunks.add(record, message)
+            else:
+                decoded.append((record, message, []))
+        ready = [(r, m) for r, m, _ in decoded if isinstance(m, ReadyTrajectory)]
         probes = dict(zip((id(r) for r, _ in ready), await self._with_retry(
             lambda: self.ledger.probe_many([(m.group_id, m.trajectory_id) for _, m in ready]), "probe")))
-        for record, message in decoded:
-            tp = TopicPartition(record.topic, record.partition)
-            self._committer.tracker.begin(tp, record.offset)
-            probe = probes.get(id(record))
-            barrier: asyncio.Future[Any] | None = None
-            earlier: tuple[asyncio.Task[None], ...] = ()
-            if isinstance(message, ReadyTrajectory):
-                barrier = self._discards.get(message.group_id)
-                if barrier is not None:
-                    probe = None  # stale: the discard ahead of it may decide the group
-                # a failure decides the group at once, but not before these have parked
-                earlier = tuple(self._members.get(message.group_id, ()))
-            else:
-                # An invalid member (rejected: invalid_member) or a discard decides its group
-                # once the members consumed before it have parked, so its verdict lists them.
-                group_id = message.group_id if isinstance(message, DiscardGroup) else group_of(record.key)
-                if members := self._members.get(group_id or ""):
-                    barrier = asyncio.ensure_future(asyncio.wait(list(members)))
-            task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at,
-                                                     earlier=earlier))
-            if isinstance(message, ReadyTrajectory):
-                self._members.setdefault(message.group_id, set()).add(task)
-                task.add_done_callback(lambda t, g=message.group_id: self._member_done(g, t))
-            if isinstance(message, DiscardGroup):
-                # Records of a group behind its discard (same partition, later offset)
-                # must see the discard's decision: they wait for it, not for each other.
-                self._discards[message.group_id] = task
-                task.add_done_callback(lambda t, g=message.group_id: self._discards.get(g) is t
-                                       and self._discards.pop(g))
-            self._tasks[task] = tp
-            self.telemetry.in_flight.set(len(self._tasks))
-            task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
+        for record, message, extra in decoded:
+            self._spawn(record, message, probes.get(id(record)), extra=extra, consumed_at=consumed_at)
+
+    def _spawn(self, record: ConsumerRecord, message: Any, probe: str | None, *, extra: list[int],
+               consumed_at: float = 0.0) -> None:
+        """Process one record in a task; ``extra`` offsets (the other chunks of a chunked
+        trajectory, same partition) are finished with it."""
+        tp = TopicPartition(record.topic, record.partition)
+        tracker = self._committer.tracker
+        tracker.begin(tp, record.offset)
+        barrier: asyncio.Future[Any] | None = None
+        earlier: tuple[asyncio.Task[None], ...] = ()
+        if isinstance(message, ReadyTrajectory):
+            barrier = self._discards.get(message.group_id)
+            if barrier is not None:
+                probe = None  # stale: the discard ahead of it may decide the group
+            # a failure decides the group at once, but not before these have parked
+            earlier = tuple(self._members.get(message.group_id, ()))
+        else:
+            # An invalid member (rejected: invalid_member) or a discard decides its group
+            # once the members consumed before it have parked, so its verdict lists them.
+            group_id = message.group_id if isinstance(message, DiscardGroup) else group_of(record.key)
+            if members := self._members.get(group_id or ""):
+                barrier = asyncio.ensure_future(asyncio.wait(list(members)))
+        task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at,
+                                                 earlier=earlier))
+        if isinstance(message, ReadyTrajectory):
+            self._members.setdefault(message.group_id, set()).add(task)
+            task.add_done_callback(lambda t, g=message.group_id: self._member_done(g, t))
+        if isinstance(message, DiscardGroup):
+            # Records of a group behind its discard (same partition, later offset)
+            # must see the discard's decision: they wait for it, not for each other.
+            self._discards[message.group_id] = task
+            task.add_done_callback(lambda t, g=message.group_id: self._discards.get(g) is t
+                                   and self._discards.pop(g))
+        self._tasks[task] = tp
+        self.telemetry.in_flight.set(len(self._tasks))
+        task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
+        for off in extra:
+            task.add_done_callback(lambda t, tp=tp, off=off: t.cancelled() or t.exception() is not None
+                                   or tracker.finish(tp, off))
 
     def _member_done(self, group_id: str, task: asyncio.Task[None]) -> None:
         members = self._members.get(group_id)
