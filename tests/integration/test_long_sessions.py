@@ -131,7 +131,7 @@ async def test_chunks_are_committed_only_when_their_trajectory_is_whole(cfg, wor
         await wait_for_verdicts(cfg, [other])
         # the record behind the first chunk is done and the worker has committed all it may ...
         tp = TopicPartition(cfg.topics.trajectories, part)
-        await _until(lambda: worker._tracker.in_flight({tp}) == 1 and not worker._tracker.committable({tp}))
+        await _until(lambda: worker._committer.tracker.in_flight({tp}) == 1 and not worker._committer.tracker.committable({tp}))
         # ... which stops at the first chunk: a crash now replays the whole trajectory
         assert await _committed(cfg, part) == sent.offset
         for value, headers in rest:
