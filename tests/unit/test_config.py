@@ -107,13 +107,75 @@ def test_seed_snippet_alone(tmp_path: Path) -> None:
 def test_extra_areal_keys_are_ignored() -> None:
     raw = seed()
     raw["rollout"]["max_concurrent_rollouts"] = 64
-    raw["rollout"]["agent"]["max_turns"] = 8
-    prm(raw)["some_future_flag"] = True
-    prm(raw)["scorers"][0]["timeout"] = 3
+    raw["rollout"]["agent"]["max_turns"] = 8  # not in our AReaL list either: a newer AReaL's key
     raw["actor"]["path"] = "Qwen/Qwen3-8B"
     raw["actor"]["optimizer"] = {"lr": 1e-6}
     raw["gconfig"] = {"n_samples": 8}  # a whole AReaL top-level section
+    raw["defaults"] = ["_self_"]  # Hydra's, through which AReaL reads its YAML
     assert build(raw).prm.active
+
+
+def test_a_whole_areal_grpo_config_loads() -> None:
+    """Every top-level section of AReaL's GRPO/PPO experiment configs, with values."""
+    raw = seed() | {
+        "experiment_name": "gsm8k-grpo", "trial_name": "t1", "seed": 1, "total_train_epochs": 10,
+        "allocation_mode": "sglang:d4+fsdp:d4", "tokenizer_path": "Qwen/Qwen3-1.7B",
+        "cluster": {"n_nodes": 1, "n_gpus_per_node": 8}, "gconfig": {"n_samples": 4, "max_new_tokens": 1024},
+        "train_dataset": {"path": "openai/gsm8k", "batch_size": 256}, "valid_dataset": None,
+        "saver": {"freq_epochs": 1}, "evaluator": {}, "stats_logger": {"wandb": {"mode": "disabled"}},
+        "recover": {"mode": "disabled"}, "sglang": {"mem_fraction_static": 0.8}, "vllm": {},
+        "launcher": {}, "ref": {"path": "Qwen/Qwen3-1.7B"}, "critic": {}, "scheduler": {},
+        "async_training": True, "enable_offload": False, "teacher": {}, "perf_tracer": None,
+    }
+    raw["rollout"] |= {"max_concurrent_rollouts": 256, "queue_size": None, "consumer_batch_size": 256,
+                       "max_head_offpolicyness": 2, "enable_rollout_tracing": False, "setup_timeout": 120}
+    raw["rollout"]["agent"] |= {"mode": "inline", "tool_call_parser": "qwen25", "turn_discount": 1.0}
+    raw["actor"] |= {"path": "Qwen/Qwen3-1.7B", "group_size": 4, "ppo_n_minibatches": 1, "eps_clip": 0.4,
+                     "kl_ctl": 0.0, "adv_norm": {"mean_level": "group"}, "mb_spec": {"max_tokens_per_mb": 10240},
+                     "optimizer": {"lr": 1.7e-5}, "gradient_checkpointing": True, "dtype": "bfloat16"}
+    assert build(raw).prm.active
+
+
+# --------------------------------------------------------------------------- typos fail, naming the fix
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda r: r.update(wroker={"concurrency": 3}), "unknown top-level key `wroker`; did you mean `worker`?"),
+    (lambda r: r.update(trainner={}), "unknown top-level key `trainner`; did you mean `trainer`?"),
+    (lambda r: r.update(kafak=None), "unknown top-level key `kafak`; did you mean `kafka`?"),  # even when empty
+    (lambda r: prm(r)["scorers"][0].update(wieght=0.5),
+     "rollout.agent.prm.scorers[0]: unknown key `wieght`; did you mean `weight`?"),
+    (lambda r: prm(r)["scorers"][0].update(enabeld=False),
+     "rollout.agent.prm.scorers[0]: unknown key `enabeld`; did you mean `enabled`?"),
+    (lambda r: prm(r)["scorers"][0].update(timeout=3), "(a scorer's own arguments go under `kwargs`)"),
+    (lambda r: prm(r).update(enabeld=False), "rollout.agent.prm: unknown key `enabeld`; did you mean `enabled`?"),
+    (lambda r: prm(r).update(error_polcy="reject"), "did you mean `error_policy`?"),
+    (lambda r: prm(r)["advantage_shaping"].update(negative_scal=0.1),
+     "rollout.agent.prm.advantage_shaping: unknown key `negative_scal`; did you mean `negative_scale`?"),
+    (lambda r: r["actor"].update(token_reward_as_adv=True),
+     "actor: unknown key `token_reward_as_adv`; did you mean `token_rewards_as_adv`?"),
+    (lambda r: r["rollout"]["agent"].update(export_styel="concat"), "did you mean `export_style`?"),
+    (lambda r: r["rollout"]["agent"].update(pmr={}), "rollout.agent: unknown key `pmr`; did you mean `prm`?"),
+    (lambda r: r["rollout"].update(version="v2"), "rollout: unknown key `version`; did you mean `_version`?"),
+    (lambda r: r.update(worker={"concurency": 3}), "worker: unknown key `concurency`; did you mean `concurrency`?"),
+    (lambda r: r.update(kafka={"bootstrap_servers": "x:1"}), "did you mean `bootstrap`?"),
+])
+def test_a_typo_anywhere_is_one_line_naming_the_closest_key(mutate: Any, message: str) -> None:
+    raw = seed()
+    mutate(raw)
+    text = refused(raw, message)
+    assert "\n" not in text
+
+
+def test_an_unknown_top_level_key_with_no_close_match_lists_our_sections() -> None:
+    refused(seed() | {"scoring": {}}, "unknown top-level key `scoring`", "kafka, local, redis")
+
+
+def test_prm_config_mappings_built_in_python_are_strict_too() -> None:
+    import msgspec
+
+    from infra.config import PRMConfig
+
+    with pytest.raises(msgspec.ValidationError, match="enabeld"):
+        msgspec.convert({"enabeld": False}, PRMConfig)
 
 
 def test_empty_sections_mean_defaults() -> None:
