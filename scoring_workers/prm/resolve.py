@@ -302,50 +302,54 @@ def _entry(item: Any, where: str) -> PRMScorerConfig:
     return item
 
 
-def _arguments(cls: type) -> tuple[list[str], list[str]] | None:
-    """``(keyword arguments cls(...) accepts, those it requires)``, or None when unknowable.
+def _arguments(cls: type) -> tuple[list[str], list[str], bool] | None:
+    """``(keyword arguments cls(...) is known to accept, those it requires, open)``.
 
-    A constructor that takes ``**kwargs`` is assumed to hand them to ``super().__init__``
-    (as AReaL's scorers do), so its parents' arguments count too, up to the first
-    ``__init__`` without ``**kwargs``; if every one takes ``**kwargs``, anything goes.
-    Required arguments are read from the class's own constructor only: a subclass may
-    supply its parents' itself.
+    ``open``: the constructor takes ``**kwargs``. It is then assumed to hand them to
+    ``super().__init__`` (as AReaL's scorers do), so its parents' arguments count too, up
+    to the first ``__init__`` without ``**kwargs``. Required arguments are read from the
+    class's own constructor only: a subclass may supply its parents' itself. None when
+    the signature cannot be read.
     """
     names: list[str] = []
     required: list[str] = []
     first = True
+    takes_more = False
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
-        if init is None:
+        if init is None or klass is object:
             continue
-        if klass is object:
-            return None
         try:
             params = list(inspect.signature(init).parameters.values())[1:]  # without self
         except (TypeError, ValueError):
             return None
-        takes_more = False
+        more = False
         for p in params:
             if p.kind is inspect.Parameter.VAR_KEYWORD:
-                takes_more = True
+                more = True
             elif p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
                 if p.name not in names:
                     names.append(p.name)
                 if first and p.default is inspect.Parameter.empty:
                     required.append(p.name)
+        takes_more = takes_more or (first and more)
         first = False
-        if not takes_more:
-            return names, required
-    return None
+        if not more:
+            break
+    return names, required, takes_more
 
 
 def check_scorer_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -> None:
     """Refuse ``kwargs`` that ``cls(weight=, enabled=, **kwargs)`` would not accept.
 
+    A constructor without ``**kwargs`` takes exactly its named arguments (and, through
+    ``**kwargs`` handed up, its parents'). One that takes ``**kwargs`` may use them for
+    anything, so there only a near-miss of a known argument is refused.
+
     Raises:
         ScorerArgumentError: an argument the constructor does not take (with the closest
             one it does), ``weight`` / ``enabled`` inside ``kwargs``, or a required one
-            missing. Constructors that take ``**kwargs`` all the way up are not checked.
+            missing.
     """
     clash = sorted({"weight", "enabled"} & set(kwargs))
     if clash:
@@ -353,16 +357,21 @@ def check_scorer_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -> Non
     arguments = _arguments(cls)
     if arguments is None:
         return
-    names, required = arguments
+    names, required, takes_more = arguments
     takes = [n for n in names if n not in ("weight", "enabled")]
     for key in kwargs:
-        if key not in names:
-            match = did_you_mean(str(key), takes)
-            hint = f"did you mean `{match}`?" if match else (
-                f"it takes {', '.join(f'`{n}`' for n in takes)}" if takes else "it takes none")
-            raise ScorerArgumentError(
-                f"{where}: kwargs: {cls.__name__} got an unexpected keyword argument `{key}`; {hint}"
-            )
+        if key in names:
+            continue
+        match = did_you_mean(str(key), names)
+        if takes_more and match is None:
+            continue  # the constructor's own **kwargs: it decides
+        hint = f"did you mean `{match}`?" if match else (
+            f"it takes {', '.join(f'`{n}`' for n in takes)}" if takes else "it takes none")
+        if match in ("weight", "enabled"):
+            hint += " (set it at the entry level, not inside kwargs)"
+        raise ScorerArgumentError(
+            f"{where}: kwargs: {cls.__name__} got an unexpected keyword argument `{key}`; {hint}"
+        )
     missing = [n for n in required if n not in kwargs and n not in ("weight", "enabled")]
     if missing:
         raise ScorerArgumentError(
