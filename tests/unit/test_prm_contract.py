@@ -393,7 +393,10 @@ def test_examples_readme_snippet_runs(monkeypatch: pytest.MonkeyPatch, capsys: p
     monkeypatch.chdir(REPO)  # the snippet says: run from the repository root
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "prm_custom_scorer", raising=False)
-    exec(compile(snippet, "examples/README.md", "exec"), {"__name__": "__main__"})
+    try:
+        exec(compile(snippet, "examples/README.md", "exec"), {"__name__": "__main__"})
+    finally:
+        sys.modules.pop("prm_custom_scorer", None)
     printed = capsys.readouterr().out
     assert "rollout/prm_metric/turn/tool_use/valid_tool_call/rate = 0.5" in printed
     assert "rollout/prm_trajectory_reward/final_answer = 1" in printed

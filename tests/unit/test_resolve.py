@@ -178,6 +178,17 @@ def test_an_unimportable_module_is_one_line_with_the_fix():
         resolve_import("scoring_workers.scorers.LengthBudgetScorr", "scorer path")
 
 
+@pytest.fixture
+def _no_examples_modules(monkeypatch):
+    """Hide the ``examples*`` modules during the test and drop the ones it imports after it
+    (otherwise later tests would see the user's package as importable)."""
+    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
+        del sys.modules[name]
+
+
 def _user_examples(tmp_path, monkeypatch) -> tuple[str, object]:
     """An importable user package ``examples.prm.scorers`` that records being imported."""
     pkg = tmp_path / "examples" / "prm"
@@ -191,11 +202,10 @@ def _user_examples(tmp_path, monkeypatch) -> tuple[str, object]:
         "class LengthBudgetScorer(_B):\n    name = 'users_length_budget'\n"
     )
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
-        monkeypatch.delitem(sys.modules, name)
     return str(pkg / "scorers.py"), marker
 
 
+@pytest.mark.usefixtures("_no_examples_modules")
 def test_a_users_examples_module_outside_the_allow_list_is_refused_not_silently_replaced(tmp_path, monkeypatch):
     where, marker = _user_examples(tmp_path, monkeypatch)
     with pytest.raises(ConfigError) as info:
