@@ -182,7 +182,11 @@ def _locate(module_name: str) -> str | None:
             spec = None
             for finder in sys.meta_path:
                 find = getattr(finder, "find_spec", None)
-                if find is not None and (spec := find(name, search)) is not None:
+                try:
+                    spec = find(name, search) if find is not None else None
+                except (ImportError, ValueError, TypeError):
+                    spec = None  # a finder that cannot answer for this name
+                if spec is not None:
                     break
             if spec is None:
                 return None
