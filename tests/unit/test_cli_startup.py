@@ -223,3 +223,10 @@ def test_every_file_a_command_takes_is_checked_before_it_connects(tmp_path: Path
                                   f"{str(tmp_path / 'no-dir')!r} does not exist")
     assert problem("publish", str(here)) is None and problem("verdicts", "--out", str(tmp_path / "v.jsonl")) is None
     assert problem("worker") is None
+
+
+def test_audit_without_kafka_exits_2_not_1_which_means_a_group_differs() -> None:
+    port = _closed_port()
+    proc = _run("audit", env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}"})
+    _assert_one_line_report(proc, "Kafka", f"127.0.0.1:{port}")
+    assert proc.returncode == 2, proc.stderr
