@@ -1,10 +1,14 @@
 """Typed configuration: one YAML file plus ``PRM_*`` environment overrides.
 
-The file accepts AReaL's ``rollout:`` / ``actor:`` blocks unchanged (extra AReaL keys
-in them are ignored) next to our own ``kafka:``, ``redis:``, ``topics:``, ``worker:``,
-``trainer:`` and ``local:`` sections, whose keys are checked strictly so a typo fails
-loudly. AReaL's Process Rewards rules are enforced at load time by
-:func:`validate`, with messages that name the offending key.
+The file accepts AReaL's ``rollout:`` / ``actor:`` blocks unchanged next to our own
+``kafka:``, ``redis:``, ``topics:``, ``worker:``, ``trainer:`` and ``local:`` sections.
+An unknown key is an error with the closest valid key (:func:`check_keys`), with one
+exception: AReaL's own keys (:mod:`infra.areal_keys`, and inside ``rollout:`` /
+``rollout.agent:`` / ``actor:`` any key that is no near-miss of one we read) are
+accepted and ignored, so a whole AReaL training config loads. The ``rollout.agent.prm``
+block, its scorer entries and our sections are strict throughout. AReaL's Process
+Rewards rules are enforced at load time by :func:`validate`, with messages that name
+the offending key.
 
 Environment overrides: ``PRM_<SECTION>_<FIELD>=value`` for our own sections, e.g.
 ``PRM_KAFKA_BOOTSTRAP=host:9092``, ``PRM_REDIS_URL=redis://host:6379/0``,
@@ -13,18 +17,21 @@ Environment overrides: ``PRM_<SECTION>_<FIELD>=value`` for our own sections, e.g
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
+
+from infra.areal_keys import AREAL_ACTOR_KEYS, AREAL_AGENT_KEYS, AREAL_ROLLOUT_KEYS, AREAL_TOP_LEVEL_KEYS
 
 # Shaping modes, their coefficients and the trainer recipes come from the one registry.
 from infra.modes import (
@@ -59,7 +66,7 @@ PRM_ERROR_POLICIES = ("reject", "keep_original")
 
 
 # --------------------------------------------------------------------------- PRM (AReaL names)
-class PRMScorerConfig(msgspec.Struct, kw_only=False):
+class PRMScorerConfig(msgspec.Struct, kw_only=False, forbid_unknown_fields=True):
     """One configured scorer: an import path ``module.Class`` built as ``cls(weight=, enabled=, **kwargs)``."""
 
     path: str
@@ -68,8 +75,9 @@ class PRMScorerConfig(msgspec.Struct, kw_only=False):
     kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class PRMAdvantageShapingConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """How the trainer folds process rewards into advantages (seed: "Advantage Shaping").
+class PRMAdvantageShapingConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the trainer folds process rewards into advantages (AReaL's Process Rewards,
+    "Advantage Shaping"; docs/compatibility.md links the source).
 
     Checked when built (from a file or in code) and immutable after: the mode is a
     registered shaping mode and every coefficient is finite and ``>= 0`` (AReaL checks
@@ -96,7 +104,7 @@ class PRMAdvantageShapingConfig(msgspec.Struct, kw_only=True, frozen=True):
         return tuple(float(getattr(self, name)) for name in shaping_mode(self.mode).coefficients)
 
 
-class PRMConfig(msgspec.Struct, kw_only=True):
+class PRMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``rollout.agent.prm``. ``scorers`` items may also be scorer instances (borrowed by
     the runner) or plain mappings when built in Python."""
 
@@ -120,7 +128,8 @@ class PRMConfig(msgspec.Struct, kw_only=True):
 
     @property
     def active(self) -> bool:
-        """Scoring runs only when enabled with at least one scorer (seed: empty list = off)."""
+        """Scoring runs only when enabled with at least one scorer (AReaL's Process Rewards:
+        "An empty scorer list or enabled: false disables proxy scoring")."""
         return bool(self.enabled and self.scorers)
 
 
@@ -358,6 +367,107 @@ _ENV_SECTIONS: dict[str, type[msgspec.Struct]] = {
 }
 
 
+# --------------------------------------------------------------------------- key checks
+def did_you_mean(word: str, candidates: Iterable[str]) -> str | None:
+    """The candidate closest to ``word`` (difflib), or None when nothing is close."""
+    pool = {c.lower(): c for c in candidates}
+    match = difflib.get_close_matches(word.lower(), list(pool), n=1, cutoff=0.6)
+    return pool[match[0]] if match else None
+
+
+def unknown_key_message(where: str, key: str, candidates: Iterable[str]) -> str:
+    """``where: unknown key `x`; did you mean `y`?`` (or the valid keys when none is close)."""
+    candidates = sorted(set(candidates))
+    match = did_you_mean(key, candidates)
+    hint = f"did you mean `{match}`?" if match else f"valid keys: {', '.join(candidates)}"
+    return f"{where}: unknown key `{key}`; {hint}"
+
+
+def _keys(struct: type[msgspec.Struct]) -> frozenset[str]:
+    return frozenset(f.encode_name for f in msgspec.structs.fields(struct))
+
+
+def _strict(data: Any, struct: type[msgspec.Struct], where: str) -> None:
+    """Every key of the mapping ``data`` must be a field of ``struct``."""
+    if not isinstance(data, Mapping):
+        return  # a wrong type is msgspec's to report, with the key
+    known = _keys(struct)
+    for key in data:
+        if key not in known:
+            raise ConfigError(unknown_key_message(where, str(key), known))
+
+
+def _areal_block(data: Any, struct: type[msgspec.Struct], areal: frozenset[str], where: str) -> None:
+    """An AReaL-owned block: keys AReaL defines pass, and so does any other key unless it
+    is a near-miss of a key we read here (a misspelt ``token_rewards_as_adv`` must not be
+    silently ignored; a key of a newer AReaL must not break loading)."""
+    if not isinstance(data, Mapping):
+        return
+    ours = _keys(struct)
+    for key in data:
+        name = str(key)
+        if name in ours or name in areal:
+            continue
+        close = difflib.get_close_matches(name.lower(), sorted(ours), n=1, cutoff=0.75)
+        close += [k for k in sorted(ours) if sorted(k) == sorted(name.lower())]  # `pmr` for `prm`
+        if close:
+            raise ConfigError(f"{where}: unknown key `{name}`; did you mean `{close[0]}`?")
+
+
+def check_keys(raw: Mapping[str, Any]) -> None:
+    """Refuse unknown keys anywhere in a config mapping, naming the closest valid one.
+
+    The rule (README, "Configuration"): our sections, the ``rollout.agent.prm`` block and
+    its scorer entries are strict; at the top level AReaL's own sections
+    (:data:`~infra.areal_keys.AREAL_TOP_LEVEL_KEYS`) are accepted and ignored; inside
+    ``rollout:`` / ``rollout.agent:`` / ``actor:`` see :func:`_areal_block`. A scorer's
+    ``kwargs`` are checked against its constructor when the scorers are resolved
+    (:func:`scoring_workers.prm.resolve.check_scorer_entries`), not here: that needs the
+    scorer's module imported.
+    """
+    ours = _keys(PipelineConfig)
+    for key in raw:
+        if key not in ours and key not in AREAL_TOP_LEVEL_KEYS:
+            match = did_you_mean(str(key), ours | AREAL_TOP_LEVEL_KEYS)
+            hint = (f"did you mean `{match}`?" if match else
+                    f"prm-pipeline's sections are {', '.join(sorted(ours))}; AReaL's are accepted too")
+            raise ConfigError(f"unknown top-level key `{key}`; {hint}")
+    for section, struct in _ENV_SECTIONS.items():
+        _strict(raw.get(section), struct, section)
+    rollout, actor = raw.get("rollout"), raw.get("actor")
+    _areal_block(actor, ActorConfig, AREAL_ACTOR_KEYS, "actor")
+    _areal_block(rollout, RolloutConfig, AREAL_ROLLOUT_KEYS, "rollout")
+    agent = rollout.get("agent") if isinstance(rollout, Mapping) else None
+    _areal_block(agent, AgentConfig, AREAL_AGENT_KEYS, "rollout.agent")
+    prm = agent.get("prm") if isinstance(agent, Mapping) else None
+    check_prm_keys(prm)
+
+
+def check_prm_keys(prm: Any, where: str = "rollout.agent.prm") -> None:
+    """The PRM block is AReaL's Process Rewards config, which we implement whole: strict."""
+    _strict(prm, PRMConfig, where)
+    if not isinstance(prm, Mapping):
+        return
+    _strict(prm.get("advantage_shaping"), PRMAdvantageShapingConfig, f"{where}.advantage_shaping")
+    scorers = prm.get("scorers")
+    if isinstance(scorers, list):
+        for i, entry in enumerate(scorers):
+            if isinstance(entry, Mapping):
+                check_scorer_entry_keys(entry, f"{where}.scorers[{i}]")
+
+
+def check_scorer_entry_keys(entry: Mapping[str, Any], where: str) -> None:
+    """A scorer entry takes ``path``, ``weight``, ``enabled``, ``kwargs``; the scorer's own
+    arguments belong under ``kwargs`` (a stray one is named as such)."""
+    known = _keys(PRMScorerConfig)
+    for key in entry:
+        if key not in known:
+            message = unknown_key_message(where, str(key), known)
+            if did_you_mean(str(key), known) is None:
+                message += " (a scorer's own arguments go under `kwargs`)"
+            raise ConfigError(message)
+
+
 # --------------------------------------------------------------------------- loading
 def _accepts_str(section: type[msgspec.Struct], field: str) -> bool:
     """Whether ``section.field`` is a free-form string (``str`` or ``str | None``)."""
@@ -381,7 +491,9 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
         field = rest[len(section) + 1 :]
         fields = {f.encode_name for f in msgspec.structs.fields(_ENV_SECTIONS[section])}
         if field not in fields:
-            raise ConfigError(f"{name}: section {section!r} has no field {field!r} (known: {sorted(fields)})")
+            match = did_you_mean(field, fields)
+            hint = f"did you mean `{match}`?" if match else f"known: {sorted(fields)}"
+            raise ConfigError(f"{name}: section {section!r} has no field {field!r}; {hint}")
         sub = dict(out.get(section) or {})
         parsed = yaml.safe_load(value) if value != "" else None
         if parsed is not None and not isinstance(parsed, str) and _accepts_str(_ENV_SECTIONS[section], field):
@@ -395,14 +507,12 @@ def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | 
     """Build and validate a config from an already-parsed mapping (plus env overrides)."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config must be a mapping at the top level, got {type(raw).__name__}")
+    check_keys(raw)  # before dropping empty sections: a misspelt empty one is a typo too
     # ``worker:`` with every key commented out parses as null: treat it as "all defaults".
     data = {k: v for k, v in raw.items() if v is not None}
     data = apply_env_overrides(data, os.environ if environ is None else environ)
-    known = {f.encode_name for f in msgspec.structs.fields(PipelineConfig)}
-    unknown = sorted(k for k in data if k not in known)
-    if unknown:
-        log.warning("config: ignoring top-level keys %s (not used by prm-pipeline)", unknown)
-        data = {k: v for k, v in data.items() if k in known}
+    known = _keys(PipelineConfig)
+    data = {k: v for k, v in data.items() if k in known}  # AReaL's other sections: accepted, not ours
     try:
         cfg = msgspec.convert(data, PipelineConfig, strict=False)
     except msgspec.ValidationError as exc:

@@ -15,7 +15,9 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
@@ -334,6 +336,78 @@ NEEDS: dict[str, tuple[Service, ...]] = {
     "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",), "dead-letters": ("kafka",),
     "gateway": ("kafka",),
 }
+
+# Files each command reads (they must exist and be readable) and writes (their folder must
+# exist and be writable), as (argparse dest, how the user spelt it). They are checked before
+# the config is used and before any connection: a mistyped path is one line at once, not a
+# wait of kafka.startup_timeout_s followed by a message about Kafka. A new command that
+# takes a file adds it here.
+READS: dict[str, tuple[tuple[str, str], ...]] = {
+    "publish": (("file", "FILE"),),
+    "inspect": (("verdicts", "--verdicts"), ("audit", "--audit")),
+}
+WRITES: dict[str, tuple[tuple[str, str], ...]] = {
+    "verdicts": (("out", "--out"),),
+    "audit": (("out", "--out"),),
+    "inspect": (("html", "--html"),),
+    "trainer": (("dedupe_store", "--dedupe-store"),),
+}
+
+# Exit status of an error that is not the command's own verdict. ``audit`` keeps 1 for
+# "a group differs", so its errors (config, files, services, crashes) exit 2.
+ERROR_EXIT: dict[str, int] = {"audit": 2}
+
+
+def local_file_problem(args: argparse.Namespace) -> str | None:
+    """One line naming the first input that cannot be read or output that cannot be written."""
+    for dest, flag in READS.get(args.command, ()):
+        path = getattr(args, dest, None)
+        if path is None:
+            continue
+        p = Path(path)
+        if not p.exists():
+            return f"{args.command} {flag}: {path!r} does not exist"
+        if p.is_dir():
+            return f"{args.command} {flag}: {path!r} is a folder, not a file"
+        if not os.access(p, os.R_OK):
+            return f"{args.command} {flag}: {path!r} is not readable"
+    for dest, flag in WRITES.get(args.command, ()):
+        path = getattr(args, dest, None)
+        if path is None:
+            continue
+        p = Path(path)
+        folder = p.parent
+        if p.is_dir():
+            return f"{args.command} {flag}: {path!r} is a folder, not a file"
+        if not folder.is_dir():
+            return f"{args.command} {flag}: cannot write {path!r}: folder {str(folder)!r} does not exist"
+        if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+            return f"{args.command} {flag}: cannot write {path!r}: permission denied"
+    return None
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """Checks of local inputs that need no service, run before waiting for any.
+
+    ``worker`` and ``audit`` resolve the configured scorers and check their ``kwargs``
+    (building nothing): a typo, a missing package or a module outside
+    ``worker.allowed_scorer_modules`` is a :class:`ConfigError` at once. ``publish``
+    validates its whole file.
+    """
+    if args.command in ("worker", "audit"):
+        from scoring_workers.prm.resolve import check_scorer_entries
+
+        cfg = _load(args)
+        if cfg.prm.active:
+            try:
+                check_scorer_entries(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+            except (ImportError, TypeError) as exc:
+                raise ConfigError(str(exc)) from None
+    elif args.command == "publish":
+        from infra.jsonl import load
+
+        for _ in load(args.file):  # every line is valid before anything connects
+            pass
 def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
     from aiokafka.errors import KafkaConnectionError
@@ -366,23 +440,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not args.verbose and args.command not in ("worker", "trainer"):  # long-running: keep every line
         logging.getLogger("aiokafka").addFilter(_QuietBootstrapErrors())
+    failed = ERROR_EXIT.get(args.command, 1)
+    if (problem := local_file_problem(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
+        preflight(args)
         if args.command in NEEDS:
             try:
                 asyncio.run(wait_for_services(_load(args), NEEDS[args.command]))
             except ServiceUnavailable as exc:
                 print(f"error: {exc}", file=sys.stderr)
-                return 1
+                return failed
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        from infra.jsonl import JsonlError
+
+        if isinstance(exc, JsonlError):
+            print(f"error: {exc}", file=sys.stderr)
+            return failed
         message = _access_error(args, exc)
         if message is None:
-            raise
+            if failed == 1:
+                raise
+            traceback.print_exc()
+            return failed
         print(f"error: {message}", file=sys.stderr)
-        return 1
+        return failed
     except KeyboardInterrupt:
         return 130
 

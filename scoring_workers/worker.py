@@ -83,6 +83,7 @@ from infra.throttle import LogThrottle
 from scoring_workers.chunked import WorkerChunks
 from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
 from scoring_workers.ledger import Decision, DecisionKind, GroupLedger
+from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.tokens import MemberTokens
@@ -172,6 +173,7 @@ class Worker:
             from scoring_workers.prm import PRMRunner
 
             self._runner = await PRMRunner.create(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+        log_scorers(log, self.worker_id, self._runner, self._runner.config if self._runner is not None else cfg.prm)
         if self._runner is not None:
             self._scorers_blob = encode_scorers(
                 [ScorerInfo(s.name, s.version) for s in self._runner.scorer_infos()]

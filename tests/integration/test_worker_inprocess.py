@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import urllib.request
 import uuid
 
@@ -199,3 +200,22 @@ async def test_a_failed_member_rejects_its_group_without_waiting_for_the_deadlin
     assert by_traj[f"{gid}-bad"].status == "failed" and by_traj[f"{gid}-bad"].stats == {}
     assert by_traj[f"{gid}-ok"].status == "scored"
     assert by_traj[f"{gid}-ok"].stats["rollout/prm_turn_reward/slow"] == 0.0  # scored members keep their stats
+
+
+async def test_the_worker_says_which_scorers_run_and_warns_when_none_does(pipeline_config, caplog) -> None:
+    """Before: a worker without --config accepted every group unscored and said nothing."""
+    await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
+    stopped = asyncio.Event()
+    stopped.set()  # start up (scorers, Redis, Kafka), then leave before consuming anything
+    scored = _with_scorers(pipeline_config, PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=0.5,
+                                                            kwargs={"max_output_tokens": 64}))
+    with caplog.at_level(logging.INFO, logger="scoring_workers.worker"):
+        await asyncio.wait_for(Worker(scored, worker_id="w-said").run(stopped), 60)
+        await asyncio.wait_for(Worker(pipeline_config, worker_id="w-bare").run(stopped), 60)
+    said = [r.getMessage() for r in caplog.records if "w-said" in r.getMessage()]
+    assert ("worker w-said: scorer 'length_budget' (active): weight=0.5 version=1 "
+            "class=scoring_workers.scorers.length_budget.LengthBudgetScorer") in said
+    assert not any("NO SCORER" in m for m in said)
+    (bare,) = [r for r in caplog.records if "w-bare" in r.getMessage() and "NO SCORER" in r.getMessage()]
+    assert bare.levelno == logging.WARNING
+    assert "rollout.agent.prm.scorers is empty or absent (was the worker started without --config?)" in bare.getMessage()
