@@ -4,10 +4,12 @@ A library user catches :class:`PRMPipelineError` for "anything this package refu
 could not do", or one subtree (as httpx's ``HTTPError`` / ``RequestError`` /
 ``TransportError``):
 
-* :class:`ConfigurationError` — a setting or config file is wrong (``ConfigError``);
+* :class:`ConfigurationError` — a setting or config file is wrong (``ConfigError`` and
+  ``ScorerArgumentError``, ``TokenizerError``);
 * :class:`WireError` — a message, record or file breaks the wire contract
-  (``SchemaError`` and its kinds, ``JsonlError``, ``TreeError``, ``NotConcatExport``,
-  ``MessageTooLarge``);
+  (``SchemaError`` and its kinds, ``IncompleteTrajectory`` for chunked records,
+  ``JsonlError``, ``TreeError``, ``NotConcatExport``, ``MessageTooLarge``, and the
+  gateway's ``BadRequest``);
 * :class:`ServiceError` — Kafka, Redis or a local service is unreachable or refuses us
   (``ServiceUnavailable``, ``KafkaUnreachable``, ``KafkaAccessRefused``,
   ``RedisAccessError``, ``LocalStackError``, ``PublishError``);

@@ -54,7 +54,7 @@ DEMO_GROUP_TIMEOUT_S = 6.0
 ALIGNMENT_TOLERANCE = 1e-4  # the demo's alarm; the tests hold the alignment to 1e-5
 JUDGE = "scoring_workers.scorers.openclaw.OpenClawJudgeScorer"
 OPD = "scoring_workers.scorers.opd.OPDTeacherScorer"
-AUDIT_SINK = "prm_pipeline.inspect:record_judge_audit"
+AUDIT_SINK = "prm_pipeline.token_view:record_judge_audit"
 
 
 async def _await_verdicts(tail: VerdictTail, procs: WorkerProcesses, groups: set[str], timeout_s: float) -> None:
@@ -164,8 +164,8 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     import torch
 
     from prm_pipeline.fake_judge import FakeJudgeServer
-    from prm_pipeline.inspect import AUDIT_ENV, branch_views, load_audit, render_html, verdict_record
     from prm_pipeline.report import DemoRecord, write_report
+    from prm_pipeline.token_view import AUDIT_ENV, branch_views, demo_decoder, load_audit, render_html, verdict_record
     from producers.rollout_proxy import RolloutConfig, RolloutProxy
     from producers.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
     from shaper.trainer import run_trainer
@@ -292,7 +292,8 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     (out_dir / "verdicts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if audit_path.exists():
         (out_dir / "judge-audit.jsonl").write_bytes(audit_path.read_bytes())
-    record.token_views_html = render_html(_sample_views(records, load_audit(audit_path), branch_views))
+    record.token_views_html = render_html(_sample_views(records, load_audit(audit_path), branch_views),
+                                          demo_decoder())
     record.summary = [
         f"{len(loop.records)} policy updates in {loop_s:.1f}s (start-up {stage_setup['start-up']:.1f}s, the model "
         f"server ready after {stage_setup['model-server ready']:.1f}s); "

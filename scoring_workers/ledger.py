@@ -5,9 +5,10 @@ so Redis Cluster keeps them in one slot and every transition is one atomic Lua c
 
 * ``<prefix>:{G}:state``   hash — ``status`` (``open`` | ``decided``), ``group_size``,
   ``first_seen``/``deadline`` (ms), ``size_mismatch``; once decided also ``decision``
-  (``complete`` | ``deadline`` | ``discard`` | ``invalid``), ``discard_reason`` (the
-  reason of a discard or of an ``invalid`` decision), ``decided_at``, ``decided_by``,
-  ``scorers``.
+  (``complete`` | ``failed`` | ``deadline`` | ``discard`` | ``invalid``),
+  ``discard_reason`` (the reason of a discard or of an ``invalid`` decision),
+  ``decided_at``, ``decided_by``, ``scorers``. Read back as one typed
+  :class:`GroupState`.
 * ``<prefix>:{G}:members`` hash — ``trajectory_id`` -> msgpack :class:`ParkedMember`:
   what scoring produced (rewards — per turn when uniform, dense only when not —, turn
   results, stats, status, stage timestamps) and the member's record coordinates in the
@@ -28,6 +29,10 @@ longer ago than the window re-opens it, and its second verdict is dropped by the
 trainer's dedupe on ``(group_id, verdict_version)`` — so the window must cover the
 longest redelivery delay (consumer lag after an outage, producer retries), see
 docs/architecture.md.
+
+A member parked ``failed`` decides its group in the same atomic step (``failed``): the
+group is rejected whatever its other members bring (AReaL rejects a group when any
+member fails), so it does not wait for the rest or for the deadline.
 
 One global sorted set, ``<prefix>:deadlines``, lists unfinished groups by the time a
 sweeper must look at them (deadline, or a re-publish grace for decided groups). It is
@@ -71,7 +76,7 @@ class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
     """A member as parked: its scoring result without token turns, and where its record is.
 
     ``partition``/``offset`` locate the member's ``ReadyTrajectory`` in the trajectories
-    topic (-1 when unknown: results parked by an older worker carry their turns inline).
+    topic (-1 when unknown).
     """
 
     result: SessionResult
@@ -79,15 +84,59 @@ class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
     offset: int = -1
 
 
+DecisionKind = Literal["complete", "failed", "deadline", "discard", "invalid"]
+
+
+class GroupState(msgspec.Struct, frozen=True, kw_only=True):
+    """A group's state hash, typed. Times are epoch milliseconds; ``scorers`` is the
+    msgpack list of :class:`~infra.schema.ScorerInfo` the decider ran (raw bytes).
+
+    ``decision`` says why the group was decided: ``complete`` (every member parked),
+    ``failed`` (a member failed), ``deadline`` (the sweeper), ``discard`` (a
+    ``DiscardGroup``) or ``invalid`` (a member was dead-lettered; ``discard_reason``
+    names it, as it holds a discard's reason).
+    """
+
+    status: Literal["open", "decided"] = "open"
+    group_size: int = 0
+    first_seen: int = 0
+    deadline: int = 0
+    size_mismatch: int | None = None
+    decision: DecisionKind | None = None
+    discard_reason: str = ""
+    decided_at: int = 0
+    decided_by: str = ""
+    scorers: bytes = b""
+
+
+_INT_FIELDS = frozenset({"group_size", "first_seen", "deadline", "size_mismatch", "decided_at"})
+
+
+def decode_state(flat: Sequence[bytes]) -> GroupState:
+    """The state hash as ``HGETALL`` returns it (field, value, ...) -> :class:`GroupState`.
+
+    Integers are stored as decimal strings, ``scorers`` stays bytes, other values are
+    UTF-8; unknown fields are ignored. A value of the wrong shape raises ``ValueError``
+    (or :class:`msgspec.ValidationError`, a subclass) naming it.
+    """
+    fields: dict[str, Any] = {}
+    for raw_name, value in zip(flat[::2], flat[1::2]):
+        name = raw_name.decode()
+        if name == "scorers":
+            fields[name] = bytes(value)
+        elif name in _INT_FIELDS:
+            fields[name] = int(value)
+        elif name in GroupState.__struct_fields__:
+            fields[name] = value.decode()
+    return msgspec.convert(fields, GroupState)
+
+
 _MEMBER_DECODER = msgspec.msgpack.Decoder(ParkedMember)
-_LEGACY_DECODER = msgspec.msgpack.Decoder(SessionResult)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 def decode_parked(blob: bytes) -> ParkedMember:
-    """A parked blob; a map (not an array) is a :class:`SessionResult` parked by an older worker."""
-    if blob[:1] and (0x80 <= blob[0] <= 0x8F or blob[0] in (0xDE, 0xDF)):
-        return ParkedMember(_LEGACY_DECODER.decode(blob))
+    """A parked member's blob (as stored in the group's members hash)."""
     return _MEMBER_DECODER.decode(blob)
 
 
@@ -98,16 +147,19 @@ def fingerprint(group_id: str) -> bytes:
 
 @dataclass(frozen=True)
 class Decision:
-    """A group's stored decision and its parked members: all a verdict is built from."""
+    """A group's stored decision and its parked members: all a verdict is built from.
+
+    ``state`` is the default :class:`GroupState` when nothing was decided (``done``,
+    ``gone``, ``not_due``, ``incomplete``)."""
 
     outcome: DecideOutcome
     group_id: str
-    state: dict[str, str]
+    state: GroupState
     members: list[ParkedMember]
 
     @property
     def decided_at_ms(self) -> int:
-        return int(self.state.get("decided_at", "0"))
+        return self.state.decided_at
 
 
 def _now_ms() -> int:
@@ -166,6 +218,7 @@ class _Park:
     group_timeout_s: float
     worker_id: str
     scorers: bytes
+    failed: bool
 
 
 _SLOT_TAGS: list[str] | None = None
@@ -255,7 +308,7 @@ class GroupLedger:
             by_slot: dict[int, list[int]] = {}
             for i, (group_id, _) in enumerate(items):
                 by_slot.setdefault(self._slot(group_id), []).append(i)
-            calls = [self._call(script, [items[i] for i in idx]) for idx in by_slot.values()]
+            calls = [self._call([items[i] for i in idx]) for idx in by_slot.values()]
             for attempt in (1, 2):
                 try:  # every command here is safe to repeat
                     done = await asyncio.gather(
@@ -275,7 +328,7 @@ class GroupLedger:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     if items:
-                        keys, argv = self._call(script, items)
+                        keys, argv = self._call(items)
                         pipe.evalsha(self._sha[script], len(keys), *keys, *argv)
                     for name, args, kw in extra:
                         getattr(pipe, name)(*args, **kw)
@@ -287,7 +340,7 @@ class GroupLedger:
                 await self._load_scripts()  # Redis restarted and lost its script cache
         raise AssertionError("unreachable")
 
-    def _call(self, script: str, items: Sequence[tuple[str, list[Any]]]) -> tuple[list[str], list[Any]]:
+    def _call(self, items: Sequence[tuple[str, list[Any]]]) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
         argv: list[Any] = [DEDUPE_BUCKETS + 1]
         for group_id, args in items:
@@ -309,18 +362,20 @@ class GroupLedger:
 
     # ---------------------------------------------------------------- transitions
     async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
-                   worker_id: str, scorers: bytes, republish_grace_s: float, partition: int = -1,
+                   worker_id: str, scorers: bytes, partition: int = -1,
                    offset: int = -1) -> tuple[ParkOutcome, Decision | None]:
         """Store a member's result (its token turns stay in Kafka at ``partition``/``offset``);
-        if it completes the group, decide the group too.
+        if it completes the group, or failed (the group is rejected either way), decide the
+        group too.
 
-        Returns ``(outcome, decision)``; ``decision`` is set when the group is complete
-        (``decided_now`` for the caller that must publish). Parks of concurrent records
-        share one round trip, with the deadline index entries (``ZADD NX``).
+        Returns ``(outcome, decision)``; ``decision`` is set when the group was decided in
+        this step (``decided_now`` for the caller that must publish). Parks of concurrent
+        records share one round trip, with the deadline index entries (``ZADD NX``).
         """
         member = ParkedMember(msgspec.structs.replace(result, turns=[]), partition, offset)
         outcome, raw, now = await self._parks.submit(_Park(
-            group_id, result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers))
+            group_id, result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers,
+            result.status == "failed"))
         if raw is None:
             return outcome, None  # type: ignore[return-value]
         return outcome, self._decision(group_id, raw)  # type: ignore[return-value]
@@ -332,14 +387,14 @@ class GroupLedger:
             deadline = now + int(p.group_timeout_s * 1000)
             ttl = self._state_ttl(p.group_timeout_s)
             items.append((p.group_id, [fingerprint(p.group_id), p.trajectory_id, p.blob, p.group_size, now, deadline,
-                                       ttl, p.worker_id, p.scorers]))
+                                       ttl, p.worker_id, p.scorers, "failed" if p.failed else "complete"]))
             index.setdefault(p.group_id, deadline)
         ttl = max(self._state_ttl(p.group_timeout_s) for p in parks)
         res, _ = await self._scripts("park", items, [
             ("zadd", (self.deadlines_key, index), {"nx": True}), ("expire", (self.deadlines_key, ttl), {})])
         return [(r[0].decode(), r[2] if len(r) >= 3 else None, now) for r in res]
 
-    async def decide(self, group_id: str, kind: Literal["complete", "deadline", "discard", "invalid"], *,
+    async def decide(self, group_id: str, kind: DecisionKind, *,
                      worker_id: str, scorers: bytes, discard_reason: str = "",
                      group_timeout_s: float, republish_grace_s: float) -> Decision:
         """Record the group's decision unless one exists; return the stored one either way."""
@@ -359,14 +414,12 @@ class GroupLedger:
     def _decision(group_id: str, raw: list[Any]) -> Decision:
         outcome = raw[0].decode()
         if outcome not in ("decided_now", "already_decided"):
-            return Decision(outcome, group_id, {}, [])  # type: ignore[arg-type]
-        flat_state, flat_members = raw[1], raw[2]
-        # latin-1 maps bytes 1:1, so the binary ``scorers`` blob survives the str round trip
-        state = {flat_state[i].decode(): flat_state[i + 1].decode("latin-1") for i in range(0, len(flat_state), 2)}
+            return Decision(outcome, group_id, GroupState(), [])  # type: ignore[arg-type]
+        flat_members = raw[2]
         members = [decode_parked(flat_members[i + 1]) for i in range(0, len(flat_members), 2)]
-        return Decision(outcome, group_id, state, members)  # type: ignore[arg-type]
+        return Decision(outcome, group_id, decode_state(raw[1]), members)  # type: ignore[arg-type]
 
-    async def finish(self, group_id: str, status: str) -> None:
+    async def finish(self, group_id: str) -> None:
         """After the verdict is acknowledged by Kafka: drop the group's state and remember
         it as finished for the dedupe window. Concurrent finishes share one round trip."""
         await self._finishes.submit(group_id)

@@ -10,8 +10,11 @@ Rules (each sets ``reason_code`` from :mod:`infra.reasons`; ``reason`` is the te
   stored ``invalid_member: ...`` reason (it names the dead letter's coordinates).
 * members reporting different ``group_size`` values -> ``rejected`` / ``group_size_mismatch``.
 * any failed member -> ``rejected`` with that member's error code (first by
-  trajectory id) as ``reason_code`` and its detail in ``reason``; successful members
-  keep their stats, the failed one has none.
+  trajectory id) as ``reason_code``; ``reason`` names the member and says why
+  (``"<code>: member '<trajectory>' (session '<session>'): <error_detail>"``, plus
+  ``"; N more member(s) failed"`` when others did); successful members keep their
+  stats, the failed one has none. A failed member decides its group when it is parked
+  (decision ``failed``), so the members listed are those parked by then.
 * fewer members than ``group_size`` -> ``rejected`` / ``missing_sessions``.
 * otherwise ``accepted``.
 
@@ -29,7 +32,7 @@ import msgspec
 from infra import reasons
 from infra.kafka import record_size
 from infra.schema import GroupVerdict, ScorerInfo, SessionResult, encode
-from scoring_workers.ledger import ParkedMember
+from scoring_workers.ledger import GroupState, ParkedMember
 
 VERDICT_VERSION = 1
 _SCORERS = msgspec.msgpack.Decoder(list[ScorerInfo])
@@ -39,35 +42,35 @@ def encode_scorers(scorers: list[ScorerInfo]) -> bytes:
     return msgspec.msgpack.encode(scorers)
 
 
-def assemble_verdict(group_id: str, state: dict[str, str], members: Sequence[SessionResult | ParkedMember]) -> GroupVerdict:
+def assemble_verdict(group_id: str, state: GroupState,
+                     members: Sequence[SessionResult | ParkedMember]) -> GroupVerdict:
     """The verdict for a stored decision. Parked members (:class:`ParkedMember`) stand for
     their results as parked (no token turns); the worker passes sessions with turns."""
     members = sorted((m.result if isinstance(m, ParkedMember) else m for m in members), key=lambda m: m.trajectory_id)
-    group_size = int(state.get("group_size", "0"))
-    decision = state.get("decision", "complete")
+    group_size = state.group_size
+    decision = state.decision or "complete"
     failed = [m for m in members if m.status == "failed"]
     code = ""
     if decision == "discard":
-        status, code, reason = "discarded", reasons.DISCARDED, state.get("discard_reason") or "discarded"
+        status, code, reason = "discarded", reasons.DISCARDED, state.discard_reason or "discarded"
         members = [
             msgspec.structs.replace(m, status="discarded", branches=[], turn_results=[], stats={}, turns=[])
             for m in members
         ]
     elif decision == "invalid":
-        status, code, reason = "rejected", reasons.INVALID_MEMBER, state.get("discard_reason") or "invalid_member"
-    elif state.get("size_mismatch"):
+        status, code, reason = "rejected", reasons.INVALID_MEMBER, state.discard_reason or "invalid_member"
+    elif state.size_mismatch is not None:
         status, code = "rejected", reasons.GROUP_SIZE_MISMATCH
-        reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state['size_mismatch']})"
+        reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state.size_mismatch})"
     elif failed:
-        status, code, reason = "rejected", failed[0].failure_code, _failure_reason(failed[0])
+        status, code, reason = "rejected", failed[0].failure_code, _failed_reason(failed)
     elif len(members) < group_size:
         status, code = "rejected", reasons.MISSING_SESSIONS
         reason = f"missing_sessions: {len(members)} of {group_size} arrived before the deadline"
     else:
         status, reason = "accepted", ""
-    first_seen = int(state.get("first_seen", "0"))
-    decided_at = int(state.get("decided_at", "0"))
-    scorers = _SCORERS.decode(state["scorers"].encode("latin-1")) if state.get("scorers") else []
+    first_seen, decided_at = state.first_seen, state.decided_at
+    scorers = _SCORERS.decode(state.scorers) if state.scorers else []
     return GroupVerdict(
         group_id=group_id,
         status=status,
@@ -76,20 +79,25 @@ def assemble_verdict(group_id: str, state: dict[str, str], members: Sequence[Ses
         group_size=group_size,
         sessions=members,
         scorers=scorers,
-        worker_id=state.get("decided_by", ""),
+        worker_id=state.decided_by,
         decided_at=decided_at / 1000.0,
         timings={"group_open_s": max(0, decided_at - first_seen) / 1000.0},
         reason_code=code,
     )
 
 
-def _failure_reason(member: SessionResult) -> str:
-    """A rejection's text for its first failed member: the code, the member and why (the
-    member's ``error_detail``, cut short: the member keeps the whole message)."""
-    detail = (member.error_detail or "").replace("\n", " ")
+def _failed_reason(failed: Sequence[SessionResult]) -> str:
+    """A rejection's text for its failed members: the first one's (by trajectory id) code,
+    trajectory and session, and why (its ``error_detail``, cut short: the member keeps the
+    whole message), plus how many others failed. For people; programs read
+    ``reason_code``."""
+    first = failed[0]
+    detail = (first.error_detail or "").replace("\n", " ")
     if len(detail) > 1000:
         detail = detail[:997] + "..."
-    return f"{member.failure_code}: member {member.trajectory_id!r}" + (f": {detail}" if detail else "")
+    more = f"; {len(failed) - 1} more member(s) failed" if len(failed) > 1 else ""
+    why = f": {detail}" if detail else " failed"
+    return f"{first.failure_code}: member {first.trajectory_id!r} (session {first.session_id!r}){why}{more}"
 
 
 def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: int = 1) -> GroupVerdict:

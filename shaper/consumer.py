@@ -59,13 +59,13 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.config import PipelineConfig
 from infra.kafka import make_consumer
-from infra.offsets import OffsetTracker
+from infra.offsets import OffsetCommitter
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
+from infra.throttle import Every
 
 from .batch import ConcatExportError, ExportedGroup, TrainingBatch, collate, export_group, resolve_device
 from .filters import GroupFilter, get_filter
@@ -241,6 +241,9 @@ class VerdictConsumer:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.train_on_eval = train_on_eval
         self.poll_timeout_ms = max(1, int(poll_timeout_ms))
+        # "waiting for N more groups": first after this long without a full batch, then at most this often
+        self.wait_log_after_s = 5.0
+        self.wait_log_every_s = 30.0
         self.max_seen = max(1, int(max_seen if max_seen is not None else cfg.trainer.dedupe_max_seen))
         self._overrides = dict(consumer_overrides or {})
         if isinstance(dedupe_store, (str, os.PathLike)):
@@ -254,7 +257,7 @@ class VerdictConsumer:
 
         self.metrics = VerdictMetrics()
         self._consumer: AIOKafkaConsumer | None = None
-        self._offsets = OffsetTracker()
+        self._committer: OffsetCommitter | None = None  # one per start(): it owns the offsets
         self._seen: dict[DedupeKey, None] = {}  # insertion-ordered: evict oldest first
         self._buffer: list[tuple[ExportedGroup, _Ticket]] = []
         self._handed: list[_Ticket] = []  # in batches handed out, not yet acknowledged
@@ -276,9 +279,11 @@ class VerdictConsumer:
             raise RuntimeError("VerdictConsumer is already started")
         consumer = make_consumer(self.cfg.kafka, group_id=self.group_id, **self._overrides)
         consumer.subscribe([self.topic], listener=_Rebalance(self))
+        self._committer = OffsetCommitter(consumer, owner=f"trainer consumer ({self.group_id})")
         try:
             await consumer.start()
         except BaseException:
+            self._committer = None
             await consumer.stop()  # release the half-started client's connections
             raise
         self._consumer = consumer
@@ -305,7 +310,7 @@ class VerdictConsumer:
                 self._seen.pop(ticket.key, None)
             self._buffer.clear()
             self._handed.clear()
-            self._offsets.drop()
+            self._committer = None
             self._consumer = None
             await consumer.stop()
 
@@ -357,9 +362,12 @@ class VerdictConsumer:
         consumer = self._require_started()
         await self._acknowledge()
         last_activity = time.monotonic()
+        waiting = Every(self.wait_log_every_s, first_s=self.wait_log_after_s)
         while len(self._buffer) < self.batch_groups:
             if self._stop_requested:
                 return None
+            if waiting.due():
+                self._log_waiting(idle_timeout_s if flush_partial else None)
             remaining = None if idle_timeout_s is None else idle_timeout_s - (time.monotonic() - last_activity)
             if remaining is not None and remaining <= 0:
                 return self._emit(len(self._buffer)) if flush_partial and self._buffer else None
@@ -373,6 +381,14 @@ class VerdictConsumer:
                 last_activity = time.monotonic()
                 self._process(records)
         return self._emit(self.batch_groups)
+
+    def _log_waiting(self, idle_timeout_s: float | None) -> None:
+        """Say why no batch comes yet: a trainer that prints nothing looks hung."""
+        need = self.batch_groups - len(self._buffer)
+        then = (f"a partial batch goes after {idle_timeout_s:g}s without a verdict" if idle_timeout_s is not None
+                else "an idle timeout (trainer --idle-timeout S) would train on a partial batch")
+        log.info("waiting for %d more group%s to fill a batch of %d (%d buffered); %s", need,
+                 "" if need == 1 else "s", self.batch_groups, len(self._buffer), then)
 
     async def batches(
         self,
@@ -425,14 +441,16 @@ class VerdictConsumer:
         return self._store is not None and self._store.contains(key)
 
     def _process(self, records: list[ConsumerRecord]) -> None:
-        assigned = self._consumer.assignment() if self._consumer is not None else set()
+        if self._consumer is None or self._committer is None:
+            return
+        assigned, committer = self._consumer.assignment(), self._committer
         for record in records:
             tp = TopicPartition(record.topic, record.partition)
             if tp not in assigned:
                 continue  # revoked while the fetch was in flight: the new owner has it
-            self._offsets.begin(tp, record.offset)
+            committer.tracker.begin(tp, record.offset)
             if not self._handle(record, tp):
-                self._offsets.finish(tp, record.offset)
+                committer.tracker.finish(tp, record.offset)
 
     def _handle(self, record: ConsumerRecord, tp: TopicPartition) -> bool:
         """Process one record; True when its group was buffered (offset stays pending)."""
@@ -510,28 +528,17 @@ class VerdictConsumer:
 
     async def _acknowledge(self) -> None:
         """The caller is done with every handed-out batch: store keys, then commit offsets."""
+        committer = self._committer
         for ticket in self._handed:
-            self._offsets.finish(ticket.tp, ticket.offset)
+            if committer is not None:
+                committer.tracker.finish(ticket.tp, ticket.offset)
             self._to_store.append(ticket.key)
         self._handed.clear()
         if self._store is not None and self._to_store:
             self._store.add_many(self._to_store)  # before the commit: see the module docstring
         self._to_store.clear()
-        await self._commit()
-
-    async def _commit(self, tps: set[TopicPartition] | None = None) -> None:
-        consumer = self._consumer
-        if consumer is None:
-            return
-        offsets = self._offsets.committable(tps)
-        if not offsets:
-            return
-        try:
-            await consumer.commit(offsets)
-            self._offsets.mark_committed(offsets)
-        except (CommitFailedError, KafkaError) as exc:
-            log.warning("commit of %s failed (%s); those verdicts will be redelivered and deduplicated",
-                        offsets, exc)
+        if committer is not None:
+            await committer.commit()
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Commit what is finished on ``revoked``, then forget them (another member takes over).
@@ -541,7 +548,6 @@ class VerdictConsumer:
         already handed out stay remembered; if the caller never acknowledges them,
         the new owner redelivers them (at-least-once across members).
         """
-        await self._commit(revoked)
         kept = []
         for group, ticket in self._buffer:
             if ticket.tp in revoked:
@@ -549,5 +555,6 @@ class VerdictConsumer:
             else:
                 kept.append((group, ticket))
         self._buffer = kept
-        self._offsets.drop(revoked)
+        if self._committer is not None:
+            await self._committer.revoke(revoked)
 

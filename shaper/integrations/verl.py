@@ -12,7 +12,8 @@ docs/integrations/verl.md). Importing it registers two names with verl:
   rewards aligned to the response tokens. A verdict that does not come in time is
   reported (``prm_status=timeout``, a warning, a counter), never turned into a zero.
 * advantage estimator ``prm_grpo`` (:func:`compute_prm_grpo_advantage`): verl's GRPO on
-  the outcome, then :func:`shaper.shaping.shape_advantages` with the configured mode.
+  the outcome, then :func:`shaper.shaping.apply_shaping` with the configured mode (any
+  mode of the registry in :mod:`infra.modes`; checked once per distinct setting).
 
 Three facts of verl's interfaces shape this module (docs/integrations/verl.md says more):
 
@@ -44,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from verl import DataProto
@@ -56,7 +58,7 @@ from infra.errors import TrainingError
 from infra.kafka import make_consumer, partitions_of
 from infra.schema import GroupVerdict, Interaction, ModelResponse, ReadyTrajectory, SchemaError, decode_verdict
 from producers.publisher import TrajectoryPublisher
-from shaper.shaping import shape_advantages
+from shaper.shaping import apply_shaping
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ ESTIMATOR_NAME = "prm_grpo"
 
 __all__ = [
     "ESTIMATOR_NAME", "MANAGER_NAME", "PRMRewardManager", "PRMScore", "VerdictTimeout", "VerdictWaiter",
-    "compute_prm_grpo_advantage", "split_rewards", "turn_spans",
+    "compute_prm_grpo_advantage", "shaping_config", "shaping_options", "split_rewards", "turn_spans",
 ]
 
 
@@ -403,18 +405,30 @@ def _shaping_from_file(path: str | None) -> PRMAdvantageShapingConfig:
     return load_config(path).prm.advantage_shaping
 
 
-def shaping_options(config: Any) -> dict[str, Any]:
+@lru_cache(maxsize=32)
+def _shaping(path: str | None, overrides: tuple[tuple[str, Any], ...]) -> PRMAdvantageShapingConfig:
+    """The file's shaping with ``overrides``, checked once (as a loaded config is) per distinct setting."""
+    base = _shaping_from_file(path)
+    known = set(base.__struct_fields__)
+    unknown = {k for k, _ in overrides} - known
+    if unknown:
+        raise ValueError(f"algorithm.prm_shaping: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    try:
+        return msgspec.structs.replace(base, **dict(overrides))
+    except ValueError as exc:  # ConfigError: unknown mode, bad coefficient
+        raise ValueError(f"algorithm.prm_shaping: {exc}") from None
+
+
+def shaping_config(config: Any) -> PRMAdvantageShapingConfig:
     """Shaping mode and coefficients: our YAML (``algorithm.prm_config`` or ``$PRM_CONFIG``), then
     ``algorithm.prm_shaping`` overrides; AReaL's defaults (``additive``) without either."""
-    shaping = _shaping_from_file(_get(config, "prm_config"))
-    options = {"mode": shaping.mode, "negative_scale": shaping.negative_scale,
-               "zero_penalty": shaping.zero_penalty, "zero_eps": shaping.zero_eps}
     overrides = _get(config, "prm_shaping", {}) or {}
-    unknown = set(overrides) - set(options)
-    if unknown:
-        raise ValueError(f"algorithm.prm_shaping: unknown keys {sorted(unknown)}; known: {sorted(options)}")
-    options.update({k: overrides[k] for k in overrides})
-    return options
+    return _shaping(_get(config, "prm_config"), tuple(sorted((str(k), overrides[k]) for k in overrides)))
+
+
+def shaping_options(config: Any) -> dict[str, Any]:
+    """:func:`shaping_config` as a plain mapping (mode and every coefficient)."""
+    return msgspec.structs.asdict(shaping_config(config))
 
 
 @core_algos.register_adv_est(ESTIMATOR_NAME)
@@ -442,5 +456,5 @@ def compute_prm_grpo_advantage(
         token_level_rewards=outcome, response_mask=response_mask, index=index, epsilon=epsilon,
         norm_adv_by_std_in_grpo=bool(_get(config, "norm_adv_by_std_in_grpo", True)), config=config,
     )
-    shaped = shape_advantages(advantages, process, response_mask, **shaping_options(config))
+    shaped = apply_shaping(advantages, process, response_mask, shaping_config(config))
     return shaped, shaped

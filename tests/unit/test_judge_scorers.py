@@ -433,6 +433,7 @@ async def test_a_judge_outage_names_its_cause_in_the_members_failure_and_the_ver
     """With the breaker open, the rejection still says why: the last underlying error."""
     import msgspec
 
+    from scoring_workers.ledger import GroupState
     from scoring_workers.scoring import score_member
     from scoring_workers.verdicts import assemble_verdict
 
@@ -452,5 +453,5 @@ async def test_a_judge_outage_names_its_cause_in_the_members_failure_and_the_ver
     assert opened.error_code == failed.error_code == "judge_failed"
     assert "circuit_open" in failed.error_detail and "circuit breaker open" in failed.error_detail
     assert "cannot connect" in failed.error_detail, failed.error_detail
-    verdict = assemble_verdict("g-1", {"decision": "complete", "group_size": "1"}, [failed])
+    verdict = assemble_verdict("g-1", GroupState(decision="failed", group_size=1), [failed])
     assert verdict.reason_code == "judge_failed" and "cannot connect" in verdict.reason, verdict.reason

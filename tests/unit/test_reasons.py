@@ -15,6 +15,7 @@ import pytest
 
 from infra import reasons
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory, SessionResult
+from scoring_workers.ledger import GroupState
 from scoring_workers.prm import PRMConfig, PRMRunner, failure_code, failure_detail
 from scoring_workers.prm.errors import REJECTION_REASONS
 from scoring_workers.scorers import LengthBudgetScorer
@@ -66,15 +67,19 @@ def _member(tid: str, status: str = "scored") -> SessionResult:
     return SessionResult(session_id=tid, trajectory_id=tid, status=status)  # type: ignore[arg-type]
 
 
+_FAILED = SessionResult.failure(code="scorer_timeout", detail="took 30 s", session_id="s-f", trajectory_id="f")
+
+
 @pytest.mark.parametrize(("state", "members", "status", "code"), [
-    ({"decision": "discard", "discard_reason": "environment crashed"}, [_member("a")], "discarded", "discarded"),
-    ({"decision": "discard"}, [], "discarded", "discarded"),
-    ({"decision": "invalid", "discard_reason": "invalid_member: record t:0@5 was dead-lettered"}, [],
+    (GroupState(decision="discard", discard_reason="environment crashed"), [_member("a")], "discarded", "discarded"),
+    (GroupState(decision="discard"), [], "discarded", "discarded"),
+    (GroupState(decision="invalid", discard_reason="invalid_member: record t:0@5 was dead-lettered"), [],
      "rejected", "invalid_member"),
-    ({"decision": "complete", "group_size": "2", "size_mismatch": "3"}, [_member("a"), _member("b")],
+    (GroupState(decision="complete", group_size=2, size_mismatch=3), [_member("a"), _member("b")],
      "rejected", "group_size_mismatch"),
-    ({"decision": "deadline", "group_size": "3"}, [_member("a")], "rejected", "missing_sessions"),
-    ({"decision": "complete", "group_size": "1"}, [_member("a")], "accepted", ""),
+    (GroupState(decision="failed", group_size=3), [_member("a"), _FAILED], "rejected", "scorer_timeout"),
+    (GroupState(decision="deadline", group_size=3), [_member("a")], "rejected", "missing_sessions"),
+    (GroupState(decision="complete", group_size=1), [_member("a")], "accepted", ""),
 ])
 def test_every_decision_carries_its_code(state, members, status, code) -> None:
     verdict = assemble_verdict("g", state, members)
@@ -86,15 +91,16 @@ def test_every_decision_carries_its_code(state, members, status, code) -> None:
 def test_a_failed_member_rejects_with_its_code_and_detail() -> None:
     bad = SessionResult.failure(code="judge_failed", detail="all 3 votes failed; last error: connection refused",
                                 session_id="b", trajectory_id="b")
-    verdict = assemble_verdict("g", {"decision": "complete", "group_size": "2"}, [_member("a"), bad])
+    verdict = assemble_verdict("g", GroupState(decision="failed", group_size=2), [_member("a"), bad])
     assert (verdict.status, verdict.reason_code) == ("rejected", "judge_failed")
-    assert "connection refused" in verdict.reason and "'b'" in verdict.reason
+    assert verdict.reason == ("judge_failed: member 'b' (session 'b'): all 3 votes failed; last error: "
+                              "connection refused")
     small = too_large_verdict(verdict, size=10_000, limit=1_000)
     assert small.reason_code == "verdict_too_large" and "it was rejected (judge_failed)" in small.reason
 
 
 def test_a_discard_keeps_its_text_out_of_the_code() -> None:
-    verdict = assemble_verdict("g", {"decision": "discard", "discard_reason": "environment crashed before turn 3"},
+    verdict = assemble_verdict("g", GroupState(decision="discard", discard_reason="environment crashed before turn 3"),
                                [_member("a")])
     assert (verdict.reason_code, verdict.reason) == ("discarded", "environment crashed before turn 3")
 
