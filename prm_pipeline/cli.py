@@ -101,10 +101,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = _stop_on_signals()
         worker = Worker(cfg, worker_id=args.worker_id, concurrency=args.concurrency)
         frozen = asyncio.create_task(_freeze_gc_when_ready(worker.ready))
         try:
@@ -114,6 +111,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT and SIGTERM set (call inside the command's event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 async def _freeze_gc_when_ready(ready: asyncio.Event) -> None:
@@ -228,10 +234,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = _stop_on_signals()
         await serve(cfg, stop, allow_unauthenticated=args.allow_unauthenticated,
                     on_ready=lambda port: print(f"listening on http{'s' if cfg.gateway.tls_certfile else ''}://"
                                                 f"{cfg.gateway.host}:{port}", flush=True))
