@@ -90,7 +90,11 @@ class _Bridge:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="prm-openrlhf-reward", daemon=True)
         self.thread.start()
-        self.client = self.run(self._make_client())
+        try:
+            self.client = self.run(self._make_client())
+        except BaseException:  # Kafka unreachable: no thread left behind; the next call tries again
+            self._stop_loop()
+            raise
 
     async def _make_client(self) -> RewardClient:
         client = RewardClient(self.cfg, verdict_timeout_s=self.cfg.gateway.verdict_timeout_s,
@@ -112,10 +116,13 @@ class _Bridge:
         try:
             self.run(self.client.aclose())
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            if not self.thread.is_alive():
-                self.loop.close()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 _lock = threading.Lock()

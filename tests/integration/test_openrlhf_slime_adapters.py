@@ -178,3 +178,21 @@ async def test_no_verdict_in_time_raises_naming_the_group(cfg, tmp_path) -> None
             await slime_rm.reward(args, SlimeSample(prompt="p", response="x"))
     finally:
         await slime_rm.aclose()
+
+
+async def test_reward_func_with_kafka_unreachable_raises_and_leaves_no_thread(cfg) -> None:
+    import socket
+    import threading
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap=f"127.0.0.1:{port}"))
+    openrlhf_reward.configure(down)
+    try:
+        for _ in range(2):  # each call tries again; neither leaves its loop thread behind
+            with pytest.raises(Exception, match=f"Unable to bootstrap.*{port}"):
+                await asyncio.to_thread(openrlhf_reward.reward_func, ["p: x"], ["p: "], [""])
+        assert not [t for t in threading.enumerate() if t.name == "prm-openrlhf-reward"]
+    finally:
+        await asyncio.to_thread(openrlhf_reward.close)
