@@ -31,7 +31,8 @@ test-unit: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 # The ecosystem suite (tests/ecosystem): the verl integration against real verl in its own
-# environment, and the Node.js producer example. Needs the package registries (PyPI, npm).
+# environment, OpenRLHF's reward client from its wheel against the gateway, and the Node.js
+# producer example. Needs the package registries (PyPI, npm).
 ECO_VENV  := .venv-ecosystem
 ECO_BIN   := $(ECO_VENV)/bin
 ECO_STAMP := $(ECO_VENV)/.installed
@@ -43,9 +44,16 @@ $(ECO_STAMP): pyproject.toml Makefile
 	$(ECO_BIN)/python -m pip install -q -c $(ECO_VENV)/constraints.txt -e ".[local,ecosystem]"
 	touch $(ECO_STAMP)
 
-test-ecosystem: $(ECO_STAMP)
+# OpenRLHF's reward client (openrlhf/utils/agent.py) from its wheel, without its GPU dependencies.
+OPENRLHF_VERSION := 0.11.2
+OPENRLHF_AGENT   := $(ECO_VENV)/openrlhf-$(OPENRLHF_VERSION)/agent.py
+
+$(OPENRLHF_AGENT): $(ECO_STAMP) tests/ecosystem/fetch_openrlhf.py
+	$(ECO_BIN)/python tests/ecosystem/fetch_openrlhf.py $(OPENRLHF_VERSION) $@
+
+test-ecosystem: $(ECO_STAMP) $(OPENRLHF_AGENT)
 	cd examples/node-producer && npm ci --no-audit --no-fund
-	$(ECO_BIN)/python -m pytest tests/ecosystem -W ignore::UserWarning -W ignore::DeprecationWarning
+	OPENRLHF_AGENT_PY=$(OPENRLHF_AGENT) $(ECO_BIN)/python -m pytest tests/ecosystem -W ignore::UserWarning -W ignore::DeprecationWarning
 # Endurance smoke for CI (about 4 minutes; docs/capacity.md): memory and Redis keys stay bounded.
 soak: $(STAMP)
 	$(BIN)/prm-pipeline bench soak --minutes 3

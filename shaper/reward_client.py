@@ -139,8 +139,8 @@ class VerdictWaiter:
 
     async def start(self) -> None:
         self._consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=50)
-        await self._consumer.start()
         try:
+            await self._consumer.start()  # a broker that is down fails here: close the client all the same
             tps = await partitions_of(self._consumer, self.cfg.topics.verdicts)
             self._consumer.assign(tps)
             if self.from_beginning:
