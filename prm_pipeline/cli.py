@@ -268,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_parser(sub)
     add_model_server_parser(sub)
 
+    from prm_pipeline.status.command import add_status_parser
+
+    add_status_parser(sub)
+
     p = sub.add_parser("bench", help=f"run a benchmark from tests/perf ({', '.join(BENCHMARKS)})")
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
