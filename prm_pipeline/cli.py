@@ -179,6 +179,8 @@ def add_trainer_parser(subparsers: Any) -> None:
                    help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
     p.add_argument("--dedupe-store", default=None, metavar="PATH",
                    help="sqlite file remembering acknowledged verdicts across restarts")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve the consumer's counters as Prometheus /metrics on P (shaper/telemetry.py)")
     p.add_argument("--exclude-neutral-turns", action=argparse.BooleanOptionalAction, default=None,
                    help="OpenClaw-RL exclusion: no loss on turns the judge scored 0 or without a next state, "
                         "keeping one per session (default: trainer.exclude_neutral_turns)")
