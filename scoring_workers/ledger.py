@@ -452,6 +452,18 @@ class GroupLedger:
         return [(str(node), int(v.get("used_memory", 0)), int(v.get("maxmemory", 0))) for node, v in per_node.items()]
 
 
+    async def command_calls(self) -> dict[str, int]:
+        """Calls per command since each Redis node started (``INFO commandstats``), summed over nodes."""
+        info = await self.redis.info("commandstats")
+        per_node = info.values() if self.cluster and all(isinstance(v, dict) for v in info.values()) else [info]
+        calls: dict[str, int] = {}
+        for node in per_node:
+            for name, stats in node.items():
+                if isinstance(stats, dict) and "calls" in stats:
+                    command = name.removeprefix("cmdstat_")
+                    calls[command] = calls.get(command, 0) + int(stats["calls"])
+        return calls
+
 @dataclass(frozen=True)
 class UnfinishedGroup:
     """A group the deadlines index lists, as :meth:`GroupLedger.unfinished_groups` read it.

@@ -166,6 +166,7 @@ async def ledger_summary(cfg: PipelineConfig, *, now_ms: int | None = None) -> t
     try:
         total, groups = await ledger.unfinished_groups(LEDGER_SAMPLE)
         memory = await ledger.memory()
+        commands = await ledger.command_calls()
         beats = await ledger.heartbeats()
     finally:
         await ledger.aclose()
@@ -176,7 +177,7 @@ async def ledger_summary(cfg: PipelineConfig, *, now_ms: int | None = None) -> t
     decided = [g for g in groups if g.status == "decided"]
     summary = LedgerSummary(indexed=total, sampled=len(groups), open=len(open_groups), decided=len(decided),
                             gone=sum(g.status == "gone" for g in groups), group_timeout_s=cfg.worker.group_timeout_s,
-                            memory=[RedisNode(n, used, mx) for n, used, mx in memory])
+                            memory=[RedisNode(n, used, mx) for n, used, mx in memory], redis_commands=commands)
     if open_groups:
         oldest = min(open_groups, key=lambda g: g.first_seen_ms or now_ms)
         summary.oldest_open_group = oldest.group_id

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from prm_pipeline.status.report import StatusReport
@@ -30,7 +30,7 @@ class StatusCollector(Collector):
         with self._lock:
             self._report = report
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self._lock:
             report = self._report
         up = GaugeMetricFamily("prm_pipeline_status_up", "1 when the last status read each part (kafka, redis, "
@@ -85,6 +85,11 @@ class StatusCollector(Collector):
                 limit.add_metric([node.node], float(node.max_bytes))
             yield used
             yield limit
+            commands = CounterMetricFamily("prm_pipeline_redis_commands", "Redis calls per command (INFO "
+                                           "commandstats, every client of that Redis)", labels=["command"])
+            for command, calls in sorted(ledger.redis_commands.items()):
+                commands.add_metric([command], float(calls))
+            yield commands
 
 
 def status_registry(collector: StatusCollector) -> CollectorRegistry:

@@ -99,6 +99,7 @@ class LedgerSummary:
     oldest_open_timeout_s: float | None = None  # the timeout that group was parked with (deadline - first seen)
     oldest_decided_age_s: float | None = None
     memory: list[RedisNode] = field(default_factory=list)
+    redis_commands: dict[str, int] = field(default_factory=dict)  # calls per command since Redis started
 
 
 @dataclass
