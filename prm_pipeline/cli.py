@@ -129,16 +129,18 @@ async def _freeze_gc_when_ready(ready: asyncio.Event) -> None:
 
 def cmd_publish(args: argparse.Namespace) -> int:
     from infra.jsonl import JsonlError
+    from prm_pipeline.progress import progress_enabled, publish_progress
     from producers.publisher import TrajectoryPublisher
 
     cfg = _load(args)
 
-    async def main() -> dict[str, int]:
+    async def main(on_progress: Any) -> dict[str, int]:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
-            return await pub.publish_jsonl(args.file)
+            return await pub.publish_jsonl(args.file, on_progress=on_progress)
 
     try:
-        counts = asyncio.run(main())
+        with publish_progress(args.file, enabled=progress_enabled(args.quiet)) as on_progress:
+            counts = asyncio.run(main(on_progress))
     except JsonlError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -211,7 +213,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"benchmark {args.name!r} not found ({exc}); run from a checkout of prm-pipeline", file=sys.stderr)
         return 2
-    return int(module.main(args.bench_args) or 0)
+    from prm_pipeline.progress import progress_enabled, spinner
+
+    with spinner(f"bench {args.name}", enabled=progress_enabled(args.quiet)):
+        return int(module.main(args.bench_args) or 0)
 
 
 # --------------------------------------------------------------------------- parser
@@ -239,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("publish", help="publish ready trajectories and discards from a JSONL file")
     p.add_argument("file", help="JSONL file (docs/jsonl.md)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none either when stdout is not a terminal)")
     p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("verdicts", help="print verdicts as JSON lines")
@@ -275,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_status_parser(sub)
 
     p = sub.add_parser("bench", help=f"run a benchmark from tests/perf ({', '.join(BENCHMARKS)})")
+    p.add_argument("-q", "--quiet", action="store_true", help="no spinner (none either when stdout is not a terminal)")
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)

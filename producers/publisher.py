@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -97,11 +97,22 @@ class TrajectoryPublisher:
             n += 1
         return n
 
-    async def publish_jsonl(self, path: str | os.PathLike[str]) -> dict[str, int]:
-        """Publish every line of a JSONL file (all lines are validated before the first send)."""
-        messages = list(jsonl.load(path))
+    async def publish_jsonl(self, path: str | os.PathLike[str], *,
+                            on_progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+        """Publish every line of a JSONL file (all lines are validated before the first send).
+
+        ``on_progress(phase, n)`` sees ``("validated", 1)`` per line, ``("publishing", total)``
+        once, then ``("published", 1)`` per record queued (:mod:`prm_pipeline.progress`)."""
+        report = on_progress or (lambda _phase, _n: None)
+        messages = []
+        for message in jsonl.load(path):
+            messages.append(message)
+            report("validated", 1)
         before = dict(self.published)
-        await self.publish_many(messages)
+        report("publishing", len(messages))
+        for message in messages:
+            await self.publish(message)
+            report("published", 1)
         await self.flush()
         return {k: self.published[k] - before[k] for k in before}
 
