@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-ecosystem lint bench faults soak clean
+.PHONY: install demo test test-unit test-ops ops-tools test-ecosystem lint bench faults soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,19 @@ test-unit: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# Operations suite (tests/ops): the alert rules through `promtool check rules` / `promtool
+# test rules`, and a real Prometheus server scraping the embedded stack. Both binaries come
+# from the Debian package `prometheus`, installed here when missing (apt-get; root or sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+ops-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@promtool --version 2>&1 | head -1
+
+test-ops: $(STAMP) ops-tools
+	$(BIN)/python -m pytest tests/ops
 # The ecosystem suite (tests/ecosystem): the verl integration against real verl in its own
 # environment, OpenRLHF's reward client from its wheel against the gateway, and the Node.js
 # producer example. Needs the package registries (PyPI, npm).

@@ -43,6 +43,7 @@ K8S_VERSIONS = ("1.29", kv.latest_version())
 CRD_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject-v1alpha1.json",
     ("keda.sh/v1alpha1", "TriggerAuthentication"): "keda-triggerauthentication-v1alpha1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-v1.json",
 }
 IMAGE = "prm-pipeline"  # the image name the manifests use; kustomization.yaml maps it to a registry
 CONFIG_PATH = "/etc/prm/config.yaml"
@@ -472,7 +473,7 @@ def cli_options() -> dict[str, dict[str, bool]]:
     they are made on (``p = sub.add_parser("worker")`` ... ``p.add_argument(...)``).
     """
     out: dict[str, dict[str, bool]] = {}
-    for path in [*sorted((ROOT / "prm_pipeline").glob("*.py")), ROOT / "shaper" / "trainer.py"]:
+    for path in [*sorted((ROOT / "prm_pipeline").rglob("*.py")), ROOT / "shaper" / "trainer.py"]:
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, ast.FunctionDef):
                 continue
