@@ -288,6 +288,10 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fr
     # keys, oldest evicted first; ~180 B each). Duplicates older than this many groups
     # are caught only by a durable --dedupe-store. See docs/trainer.md.
     dedupe_max_seen: Positive = 1_000_000
+    # Staleness bound (off: null): an accepted group whose oldest member's policy_version is
+    # more than this many versions behind the trainer's current policy is dropped and counted
+    # (pipeline/filter/stale). AReaL's max_head_offpolicyness. docs/trainer.md, "Staleness bound"
+    max_policy_lag: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:

@@ -101,10 +101,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = _stop_on_signals()
         worker = Worker(cfg, worker_id=args.worker_id, concurrency=args.concurrency)
         frozen = asyncio.create_task(_freeze_gc_when_ready(worker.ready))
         try:
@@ -114,6 +111,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT and SIGTERM set (call inside the command's event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 async def _freeze_gc_when_ready(ready: asyncio.Event) -> None:
@@ -132,16 +138,18 @@ async def _freeze_gc_when_ready(ready: asyncio.Event) -> None:
 def cmd_publish(args: argparse.Namespace) -> int:
     from infra.jsonl import JsonlError
     from infra.kafka import MessageTooLarge
+    from prm_pipeline.progress import progress_enabled, publish_progress
     from producers.publisher import TrajectoryPublisher
 
     cfg = _load(args)
 
-    async def main() -> dict[str, int]:
+    async def main(on_progress: Any) -> dict[str, int]:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
-            return await pub.publish_jsonl(args.file)
+            return await pub.publish_jsonl(args.file, on_progress=on_progress)
 
     try:
-        counts = asyncio.run(main())
+        with publish_progress(args.file, enabled=progress_enabled(args.quiet)) as on_progress:
+            counts = asyncio.run(main(on_progress))
     except (JsonlError, MessageTooLarge) as exc:  # one line, nothing sent: every line is checked first
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -182,6 +190,8 @@ def add_trainer_parser(subparsers: Any) -> None:
                    help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
     p.add_argument("--dedupe-store", default=None, metavar="PATH",
                    help="sqlite file remembering acknowledged verdicts across restarts")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve the consumer's counters as Prometheus /metrics on P (shaper/telemetry.py)")
     p.add_argument("--exclude-neutral-turns", action=argparse.BooleanOptionalAction, default=None,
                    help="OpenClaw-RL exclusion: no loss on turns the judge scored 0 or without a next state, "
                         "keeping one per session (default: trainer.exclude_neutral_turns)")
@@ -212,7 +222,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"benchmark {args.name!r} not found ({exc}); run from a checkout of prm-pipeline", file=sys.stderr)
         return 2
-    return int(module.main(args.bench_args) or 0)
+    from prm_pipeline.progress import progress_enabled, spinner
+
+    with spinner(f"bench {args.name}", enabled=progress_enabled(args.quiet)):
+        return int(module.main(args.bench_args) or 0)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -228,10 +241,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = _stop_on_signals()
         await serve(cfg, stop, allow_unauthenticated=args.allow_unauthenticated,
                     on_ready=lambda port: print(f"listening on http{'s' if cfg.gateway.tls_certfile else ''}://"
                                                 f"{cfg.gateway.host}:{port}", flush=True))
@@ -265,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("publish", help="publish ready trajectories and discards from a JSONL file")
     p.add_argument("file", help="JSONL file (docs/jsonl.md)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none either when stdout is not a terminal)")
     p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("verdicts", help="print verdicts as JSON lines")
@@ -307,7 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_parser(sub)
     add_model_server_parser(sub)
 
+    from prm_pipeline.status.command import add_status_parser
+
+    add_status_parser(sub)
+
     p = sub.add_parser("bench", help=f"run a benchmark from tests/perf ({', '.join(BENCHMARKS)})")
+    p.add_argument("-q", "--quiet", action="store_true", help="no spinner (none either when stdout is not a terminal)")
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)

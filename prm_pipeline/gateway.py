@@ -175,6 +175,29 @@ def _prompt_text(prompt: Any, field: str) -> tuple[str, list[dict[str, Any]]]:
     raise BadRequest(f"{field} must be a string or a list of messages with string 'content'")
 
 
+# --------------------------------------------------------------------------- one scalar per sample
+def reduce_process(reward: SampleReward, how: str) -> float:
+    """The ``mean``, ``sum`` or ``last`` of a sample's process rewards over the tokens it generated.
+
+    Shared by the gateway and the in-process adapters (OpenRLHF's ``reward_func``, slime's
+    custom reward), so a trainer gets the same number whichever way it calls.
+    """
+    values = np.concatenate([reward.token_rewards[s:e] for s, e in reward.turn_spans]) if reward.turn_spans \
+        else reward.token_rewards
+    if not len(values):
+        return 0.0
+    return float(values.mean() if how == "mean" else values.sum() if how == "sum" else values[-1])
+
+
+def reward_summary(reward: SampleReward, how: str) -> dict[str, Any]:
+    """``score`` = outcome + the reduced process rewards (0 unless accepted), with the parts, the status
+    and why (``reason_code`` for programs, ``reason`` for people)."""
+    process = reduce_process(reward, how) if reward.accepted else 0.0
+    return {"score": reward.outcome + process, "outcome": reward.outcome, "process": process,
+            "status": reward.status, "reason_code": reward.reason_code, "reason": reward.reason,
+            "group_id": reward.group_id}
+
+
 # --------------------------------------------------------------------------- the service
 class Gateway:
     """The HTTP service around one :class:`RewardClient` (one Kafka producer and verdict reader)."""
@@ -302,20 +325,8 @@ class Gateway:
                                "still decide it)")
         return results
 
-    def _reduce(self, reward: SampleReward) -> float:
-        """The configured scalar of a sample's process rewards (over the tokens it generated)."""
-        values = np.concatenate([reward.token_rewards[s:e] for s, e in reward.turn_spans]) if reward.turn_spans \
-            else reward.token_rewards
-        if not len(values):
-            return 0.0
-        how = self.gw.process_reduction
-        return float(values.mean() if how == "mean" else values.sum() if how == "sum" else values[-1])
-
     def _summary(self, reward: SampleReward) -> dict[str, Any]:
-        process = self._reduce(reward) if reward.accepted else 0.0
-        return {"score": reward.outcome + process, "outcome": reward.outcome, "process": process,
-                "status": reward.status, "reason_code": reward.reason_code, "reason": reward.reason,
-                "group_id": reward.group_id}
+        return reward_summary(reward, self.gw.process_reduction)
 
     # ------------------------------------------------------------------ routes
     async def _openrlhf(self, request: web.Request) -> web.Response:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -115,15 +115,25 @@ class TrajectoryPublisher:
             n += 1
         return n
 
-    async def publish_jsonl(self, path: str | os.PathLike[str]) -> dict[str, int]:
+    async def publish_jsonl(self, path: str | os.PathLike[str], *,
+                            on_progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
         """Publish every line of a JSONL file (full form; compacted here). Every line is
-        validated and size-checked before the first send, so a bad line sends nothing."""
+        validated and size-checked before the first send, so a bad line sends nothing.
+
+        ``on_progress(phase, n)`` sees ``("validated", 1)`` per line, ``("publishing", total)``
+        once, then ``("published", 1)`` per message queued (:mod:`prm_pipeline.progress`)."""
         if self._producer is None:
             raise RuntimeError("TrajectoryPublisher is not started; use 'async with TrajectoryPublisher(...)'")
-        prepared = [(m, self.records(m)) for m in jsonl.load(path)]
+        report = on_progress or (lambda _phase, _n: None)
+        prepared = []
+        for message in jsonl.load(path):
+            prepared.append((message, self.records(message)))
+            report("validated", 1)
         before = dict(self.published)
+        report("publishing", len(prepared))
         for message, records in prepared:
             await self._send(message, records)
+            report("published", 1)
         await self.flush()
         return {k: self.published[k] - before[k] for k in before}
 

@@ -65,6 +65,7 @@ from infra.schema import SessionResult
 from scoring_workers.ledger_scripts import DECIDE, FINISH, PARK, PROBE
 
 DEDUPE_BUCKETS = 2  # a window is this many buckets; a probe checks one more (the window's edge)
+WORKERS_REMEMBERED_S = 3600.0  # a worker silent this long leaves the heartbeat set
 
 
 Probe = Literal["new", "duplicate", "decided", "done"]
@@ -450,3 +451,83 @@ class GroupLedger:
         """Groups whose deadline (or re-publish grace) has passed."""
         raw = await self.redis.zrangebyscore(self.deadlines_key, "-inf", _now_ms(), start=0, num=limit)
         return [g.decode() for g in raw]
+
+    # ---------------------------------------------------------------- worker heartbeats (prm-pipeline status)
+    # One sorted set, ``<prefix>:workers``: worker id -> last beat (ms). Kept apart from
+    # the group transitions; no group key is touched here.
+    @property
+    def workers_key(self) -> str:
+        return f"{self.prefix}:workers"
+
+    async def beat(self, worker_id: str, *, forget_after_s: float = WORKERS_REMEMBERED_S) -> None:
+        """Record that ``worker_id`` is alive now; forget workers silent for ``forget_after_s``."""
+        now = _now_ms()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.workers_key, {worker_id: now})
+            pipe.zremrangebyscore(self.workers_key, "-inf", now - int(forget_after_s * 1000))
+            pipe.expire(self.workers_key, int(forget_after_s))
+            await pipe.execute()
+
+    async def retire(self, worker_id: str) -> None:
+        """A worker that stops cleanly leaves the heartbeat set at once."""
+        await self.redis.zrem(self.workers_key, worker_id)
+
+    # ---------------------------------------------------------------- operator reads (prm-pipeline status)
+    # Read-only and separate from the transitions above: nothing here changes a key.
+    async def heartbeats(self) -> list[tuple[str, int]]:
+        """``(worker_id, last beat in epoch ms)`` of the workers seen within the remembered span."""
+        return [(w.decode(), int(ms)) for w, ms in await self.redis.zrange(self.workers_key, 0, -1, withscores=True)]
+
+    async def unfinished_groups(self, limit: int = 1000) -> tuple[int, list[UnfinishedGroup]]:
+        """``(total, first)``: how many groups the deadlines index lists, and the state of
+        the ``limit`` that are due soonest (decided groups waiting for their verdict come
+        first: their index entry is the re-publish time). One round trip for the index,
+        one pipelined read of the states (per slot on Redis Cluster)."""
+        total = int(await self.redis.zcard(self.deadlines_key))
+        entries = await self.redis.zrange(self.deadlines_key, 0, max(0, limit - 1), withscores=True)
+        if not entries:
+            return total, []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for group, _ in entries:
+                pipe.hmget(f"{self.prefix}:{{{group.decode()}}}:state", "status", "first_seen", "deadline", "decided_at")
+            states = await pipe.execute()
+        out = []
+        for (group, due), (status, first_seen, deadline, decided_at) in zip(entries, states):
+            out.append(UnfinishedGroup(group.decode(), status.decode() if status else "gone", int(due),
+                                       int(first_seen or 0), int(deadline or 0), int(decided_at or 0)))
+        return total, out
+
+    async def memory(self) -> list[tuple[str, int, int]]:
+        """``(node, used_memory, maxmemory)`` of each Redis node holding the ledger (one on a
+        standalone Redis; every primary on Redis Cluster). ``maxmemory`` 0 means unlimited."""
+        info = await self.redis.info("memory")
+        per_node = info if self.cluster and all(isinstance(v, dict) for v in info.values()) else {"redis": info}
+        return [(str(node), int(v.get("used_memory", 0)), int(v.get("maxmemory", 0))) for node, v in per_node.items()]
+
+
+    async def command_calls(self) -> dict[str, int]:
+        """Calls per command since each Redis node started (``INFO commandstats``), summed over nodes."""
+        info = await self.redis.info("commandstats")
+        per_node = info.values() if self.cluster and all(isinstance(v, dict) for v in info.values()) else [info]
+        calls: dict[str, int] = {}
+        for node in per_node:
+            for name, stats in node.items():
+                if isinstance(stats, dict) and "calls" in stats:
+                    command = name.removeprefix("cmdstat_")
+                    calls[command] = calls.get(command, 0) + int(stats["calls"])
+        return calls
+
+@dataclass(frozen=True)
+class UnfinishedGroup:
+    """A group the deadlines index lists, as :meth:`GroupLedger.unfinished_groups` read it.
+
+    ``status`` is ``open``, ``decided`` (waiting for its verdict to be published) or
+    ``gone`` (its keys expired or were finished since the index was read); times are
+    epoch milliseconds, 0 when unknown."""
+
+    group_id: str
+    status: str
+    due_ms: int
+    first_seen_ms: int
+    deadline_ms: int
+    decided_at_ms: int

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from infra.schema import GroupVerdict
+from scoring_workers.judge_metrics import JudgeCollector
 
 LIVENESS_STALE_S = 30.0
 
@@ -57,6 +58,9 @@ class WorkerTelemetry:
         )
         self.in_flight = Gauge("prm_worker_in_flight", "Records being processed", registry=r)
         self.lag = Gauge("prm_worker_consumer_lag", "highwater - committed offset", ["topic", "partition"], registry=r)
+        Gauge("prm_worker_ready", "1 once the consumer joined its group and polls (/readyz), 0 before and after",
+              registry=r).set_function(lambda: 1.0 if self.ready else 0.0)
+        r.register(JudgeCollector())  # the judge servers this process calls (none: nothing exported)
 
         self.last_tick = time.monotonic()
         self.ready = False

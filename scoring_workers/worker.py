@@ -83,6 +83,7 @@ from infra.schema import (
 from infra.throttle import LogThrottle
 from scoring_workers.chunked import WorkerChunks
 from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
+from scoring_workers.heartbeat import Heartbeat
 from scoring_workers.ledger import Decision, DecisionKind, GroupLedger
 from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
@@ -161,12 +162,19 @@ class Worker:
             self.telemetry.close()
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
-        """Liveness = the event loop runs (not: Kafka and Redis answer); readiness ends at stop."""
+        """Liveness = the event loop runs (not: Kafka and Redis answer); readiness ends at stop.
+        A ready worker also beats in Redis (scoring_workers/heartbeat.py) and leaves at stop."""
+        beats = Heartbeat(self.worker_id)
         while True:
             self.telemetry.tick()
             if stop.is_set():
                 self.telemetry.ready = False
-            await asyncio.sleep(1.0)
+            await beats.step(getattr(self, "ledger", None), ready=self.telemetry.ready, stopping=stop.is_set())
+            if stop.is_set():
+                await asyncio.sleep(1.0)
+            else:  # wake at stop: leave the heartbeat set while the ledger is still open
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
 
     async def _run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg

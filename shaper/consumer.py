@@ -166,6 +166,7 @@ class _Ticket:
     tp: TopicPartition
     offset: int
     key: DedupeKey
+    policy_version: int | None = None  # the group's oldest member's (None: unknown)
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -178,6 +179,14 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("trainer consumer assigned %s", sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+
+
+def _oldest_policy_version(verdict: GroupVerdict) -> int | None:
+    """The oldest policy that produced a member of the group; None if any member does not say."""
+    versions = [s.policy_version for s in verdict.sessions]
+    if not versions or any(v is None for v in versions):
+        return None
+    return min(versions)  # type: ignore[type-var]
 
 
 # --------------------------------------------------------------------------- consumer
@@ -204,6 +213,12 @@ class VerdictConsumer:
             and idle timeouts are noticed.
         max_seen: size bound of the in-memory seen-set; default
             ``cfg.trainer.dedupe_max_seen``.
+        max_policy_lag: staleness bound; default ``cfg.trainer.max_policy_lag``
+            (``None``: off). Once the trainer says its policy version
+            (:meth:`set_policy_version`), an accepted group whose oldest member is more
+            than this many versions behind is dropped and counted as
+            ``pipeline/filter/stale`` — also a group already buffered when the version
+            moves on. Members without a ``policy_version`` never make a group stale.
         consumer_overrides: extra :func:`infra.kafka.make_consumer` keyword arguments.
 
     Keep ``kafka.max_poll_interval_ms`` above the longest training step: the consumer
@@ -224,6 +239,7 @@ class VerdictConsumer:
         train_on_eval: bool = False,
         poll_timeout_ms: int = 200,
         max_seen: int | None = None,
+        max_policy_lag: int | None | Any = _FROM_CONFIG,
         consumer_overrides: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -246,6 +262,10 @@ class VerdictConsumer:
         self.wait_log_every_s = 30.0
         self.max_seen = max(1, int(max_seen if max_seen is not None else cfg.trainer.dedupe_max_seen))
         self._overrides = dict(consumer_overrides or {})
+        self.max_policy_lag: int | None = cfg.trainer.max_policy_lag if max_policy_lag is _FROM_CONFIG else max_policy_lag
+        if self.max_policy_lag is not None and self.max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0 or None, got {self.max_policy_lag}")
+        self.policy_version: int | None = None  # the trainer's current policy (set_policy_version)
         if isinstance(dedupe_store, (str, os.PathLike)):
             self._store: DedupeStore | None = SqliteDedupeStore(
                 dedupe_store, retention_s=2 * cfg.topics.retention_ms / 1000.0
@@ -416,6 +436,30 @@ class VerdictConsumer:
         """Merged scoring metrics and pipeline counters since this instance was created."""
         return self.metrics.totals()
 
+    def set_policy_version(self, version: int) -> None:
+        """The trainer's current policy version (after each optimiser step that publishes weights).
+
+        With ``max_policy_lag`` set, buffered groups that are now too old are dropped (and
+        counted) at once, so a batch never carries a group staler than the bound."""
+        self.policy_version = int(version)
+        if self.max_policy_lag is None:
+            return
+        kept = []
+        for group, ticket in self._buffer:
+            if self._too_old(ticket.policy_version):
+                self.metrics.count("filter/stale")
+                log.info("group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
+                         ticket.key[0], ticket.policy_version, self.max_policy_lag, self.policy_version)
+                self._offsets.finish(ticket.tp, ticket.offset)
+                self._to_store.append(ticket.key)
+            else:
+                kept.append((group, ticket))
+        self._buffer = kept
+
+    def _too_old(self, version: int | None) -> bool:
+        return (self.max_policy_lag is not None and self.policy_version is not None and version is not None
+                and self.policy_version - version > self.max_policy_lag)
+
     @property
     def buffered_groups(self) -> int:
         return len(self._buffer)
@@ -470,19 +514,25 @@ class VerdictConsumer:
             return False
         self._remember(key)
         m.observe(verdict)
-        group = self._admit(verdict)
+        version = _oldest_policy_version(verdict)
+        group = self._admit(verdict, version)
         if group is None:
             self._to_store.append(key)
             return False
-        self._buffer.append((group, _Ticket(tp, record.offset, key)))
+        self._buffer.append((group, _Ticket(tp, record.offset, key, version)))
         return True
 
-    def _admit(self, verdict: GroupVerdict) -> ExportedGroup | None:
+    def _admit(self, verdict: GroupVerdict, version: int | None = None) -> ExportedGroup | None:
         """Export and filter an accepted verdict; None when it contributes no rows."""
         m = self.metrics
         if verdict.status != "accepted":
             log.info("group %s %s (%s: %s): not trained on", verdict.group_id, verdict.status,
                      verdict.reason_code or "-", verdict.reason)
+            return None
+        if self._too_old(version):
+            m.count("filter/stale")
+            log.info("group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
+                     verdict.group_id, version, self.max_policy_lag, self.policy_version)
             return None
         try:
             group = export_group(verdict)

@@ -21,18 +21,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import numpy as np
 
 from infra.config import PipelineConfig
 from infra.kafka import make_consumer, partitions_of
-from infra.schema import GroupVerdict, Interaction, ModelResponse, ReadyTrajectory, SchemaError, decode_verdict
+from infra.schema import (
+    GroupVerdict,
+    Interaction,
+    ModelResponse,
+    ReadyTrajectory,
+    SchemaError,
+    SessionResult,
+    decode_verdict,
+)
 from producers.publisher import TrajectoryPublisher
 
 log = logging.getLogger(__name__)
@@ -113,14 +123,18 @@ class VerdictWaiter:
     """Waits for groups' verdicts on the verdicts topic; one group-less consumer per process.
 
     It positions itself at the topic's end *before* anything is published (or at its
-    beginning with ``from_beginning``), so no verdict of ours can be missed and it never
-    disturbs anyone's offsets. Recent verdicts are kept (bounded) so a caller that asks
-    after the verdict passed still gets it.
+    beginning with ``from_beginning``, or at the first verdict written at or after the
+    epoch time ``since``), so no verdict of ours can be missed and it never disturbs
+    anyone's offsets. Recent verdicts are kept (bounded) so a caller that asks after the
+    verdict passed still gets it; ``keep`` may slim each one before it is kept.
     """
 
-    def __init__(self, cfg: PipelineConfig, *, from_beginning: bool = False, keep_recent: int = 10_000) -> None:
+    def __init__(self, cfg: PipelineConfig, *, from_beginning: bool = False, since: float | None = None,
+                 keep_recent: int = 10_000, keep: Callable[[GroupVerdict], GroupVerdict] | None = None) -> None:
         self.cfg = cfg
         self.from_beginning = from_beginning
+        self.since = since
+        self.keep = keep
         self.keep_recent = keep_recent
         self.recent: OrderedDict[str, GroupVerdict] = OrderedDict()
         self.arrivals: dict[str, float] = {}  # group id -> time.perf_counter() of its first verdict
@@ -130,12 +144,20 @@ class VerdictWaiter:
 
     async def start(self) -> None:
         self._consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=50)
-        await self._consumer.start()
         try:
+            await self._consumer.start()  # a broker that is down fails here: close the client all the same
             tps = await partitions_of(self._consumer, self.cfg.topics.verdicts)
             self._consumer.assign(tps)
             if self.from_beginning:
                 await self._consumer.seek_to_beginning(*tps)
+            elif self.since is not None:
+                found = await self._consumer.offsets_for_times({tp: int(self.since * 1000) for tp in tps})
+                for tp in tps:
+                    hit = found.get(tp)
+                    if hit is None:  # nothing written since then on this partition
+                        await self._consumer.seek_to_end(tp)
+                    else:
+                        self._consumer.seek(tp, hit.offset)
             else:
                 await self._consumer.seek_to_end(*tps)
             for tp in tps:  # resolve the lazy seek now, before anything is published
@@ -202,6 +224,8 @@ class VerdictWaiter:
             log.warning("undecodable verdict at %s:%d: %s", record.partition, record.offset, exc)
             return
         self.arrivals.setdefault(verdict.group_id, time.perf_counter())
+        if self.keep is not None:
+            verdict = self.keep(verdict)
         self.recent[verdict.group_id] = verdict
         self.recent.move_to_end(verdict.group_id)
         while len(self.recent) > self.keep_recent:
@@ -209,6 +233,73 @@ class VerdictWaiter:
         fut = self._waiting.pop(verdict.group_id, None)
         if fut is not None and not fut.done():
             fut.set_result(verdict)
+
+
+class BlockingVerdicts:
+    """Verdicts by group id for synchronous callers (a trainer's advantage step).
+
+    A :class:`VerdictWaiter` on its own event loop in a daemon thread, started on first
+    use at the verdicts written ``lookback_s`` before then, so the verdicts of samples
+    scored before the caller started are found too. Kept verdicts are slimmed (no token
+    tree, no per-turn scorer results: the token rewards stay) and bounded by
+    ``keep_recent`` groups.
+    """
+
+    def __init__(self, cfg: PipelineConfig, *, lookback_s: float = 3600.0, keep_recent: int = 4096) -> None:
+        self.cfg = cfg
+        self.lookback_s = float(lookback_s)
+        self.keep_recent = keep_recent
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._waiter: VerdictWaiter | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _slim(verdict: GroupVerdict) -> GroupVerdict:
+        sessions = [msgspec.structs.replace(s, turns=[], turn_results=[]) for s in verdict.sessions]
+        return msgspec.structs.replace(verdict, sessions=sessions)
+
+    def _started(self) -> tuple[asyncio.AbstractEventLoop, VerdictWaiter]:
+        with self._lock:
+            if self._waiter is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="prm-verdicts", daemon=True)
+                thread.start()
+                waiter = VerdictWaiter(self.cfg, since=time.time() - self.lookback_s, keep_recent=self.keep_recent,
+                                       keep=self._slim)
+                try:
+                    asyncio.run_coroutine_threadsafe(waiter.start(), loop).result(timeout=60)
+                except BaseException:
+                    loop.call_soon_threadsafe(loop.stop)
+                    thread.join(timeout=5)
+                    raise
+                self._loop, self._thread, self._waiter = loop, thread, waiter
+            assert self._loop is not None
+            return self._loop, self._waiter
+
+    def get(self, group_ids: Iterable[str], timeout_s: float) -> dict[str, GroupVerdict]:
+        """The verdicts of ``group_ids`` that arrive within ``timeout_s`` (all waited for together)."""
+        ids = list(dict.fromkeys(group_ids))
+        loop, waiter = self._started()
+
+        async def gather() -> dict[str, GroupVerdict]:
+            found = await asyncio.gather(*(waiter.wait(g, timeout_s) for g in ids))
+            return {g: v for g, v in zip(ids, found) if v is not None}
+
+        return asyncio.run_coroutine_threadsafe(gather(), loop).result(timeout=timeout_s + 30)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._loop is None or self._waiter is None:
+                return
+            try:
+                asyncio.run_coroutine_threadsafe(self._waiter.aclose(), self._loop).result(timeout=30)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                if self._thread is not None:
+                    self._thread.join(timeout=5)
+                self._loop.close()
+                self._loop, self._thread, self._waiter = None, None, None
 
 
 # --------------------------------------------------------------------------- the client
@@ -354,10 +445,11 @@ def rewards_for(verdict: GroupVerdict | None, trajectory: ReadyTrajectory, spans
     if session is None:
         raise RuntimeError(f"accepted verdict of group {group_id!r} lacks member {trajectory.trajectory_id!r}")
     turns: list[float] = []
-    if session.branches:  # none when the workers run with scoring off
-        (branch,) = session.branches  # a sample is one chain of turns: one branch
-        for k, (start, end) in enumerate(spans):
-            values = branch.token_rewards[f"t{k}"].to_numpy()
+    per_turn = session_turn_rewards(session, group_id=group_id)
+    if per_turn:  # none when the workers run with scoring off
+        if len(per_turn) != len(spans):
+            raise RuntimeError(f"group {group_id!r}: {len(per_turn)} turns scored for {len(spans)} turns sent")
+        for k, ((start, end), values) in enumerate(zip(spans, per_turn)):
             if len(values) != end - start:
                 raise RuntimeError(f"group {group_id!r}: turn t{k} has {len(values)} rewards for {end - start} tokens")
             rewards[start:end] = values
@@ -366,3 +458,20 @@ def rewards_for(verdict: GroupVerdict | None, trajectory: ReadyTrajectory, spans
         turns = [0.0] * len(spans)
     return SampleReward(group_id, trajectory.trajectory_id, "accepted", verdict.reason, outcome, rewards, turns,
                         spans, verdict, reason_code=verdict.reason_code)
+
+
+def session_turn_rewards(session: SessionResult, *, group_id: str) -> list[np.ndarray]:
+    """Per-turn process token rewards of a session published by :class:`RewardClient` (turns ``t0``, ``t1``, …).
+
+    Empty when the workers ran with scoring off (no branches).
+    """
+    if not session.branches:
+        return []
+    if len(session.branches) != 1:
+        raise RuntimeError(f"group {group_id!r}: session {session.trajectory_id!r} has {len(session.branches)} "
+                           "branches; a sample is one chain of turns")
+    token_rewards = session.branches[0].token_rewards
+    try:
+        return [token_rewards[f"t{k}"].to_numpy() for k in range(len(token_rewards))]
+    except KeyError as exc:
+        raise RuntimeError(f"group {group_id!r}: session {session.trajectory_id!r} lacks turn {exc}") from None

@@ -260,6 +260,8 @@ async def run_trainer(
     stop: asyncio.Event | None = None,
     consumer_kwargs: Mapping[str, Any] | None = None,
     update: Callable[[TrainingBatch, ShapedBatch], Mapping[str, float]] | None = None,
+    policy_version: int = 0,
+    metrics_port: int | None = None,
 ) -> TrainerSummary:
     """Consume verdicts and shape advantages until ``max_steps``, idleness or ``stop``.
 
@@ -273,6 +275,11 @@ async def run_trainer(
     ``update`` is the optimiser step (e.g. :class:`shaper.policy_update.PolicyUpdate`
     wrapped by the caller): it gets each batch with its shaped advantages and returns
     numbers for the step report; without it the loop shapes and reports only.
+
+    ``policy_version`` is the version of the policy at the start; each step makes the
+    next one (or the ``policy_version`` its ``update`` returns), and the consumer's
+    staleness bound (``trainer.max_policy_lag``) compares verdicts with it.
+    ``metrics_port`` serves the consumer's counters to Prometheus (:mod:`shaper.telemetry`).
     """
     if mode is not None and mode != cfg.prm.advantage_shaping.mode:
         cfg = with_shaping_mode(cfg, mode)
@@ -284,6 +291,25 @@ async def run_trainer(
     stop = stop or asyncio.Event()
     kwargs = dict(consumer_kwargs or {})
     consumer = VerdictConsumer(cfg, batch_groups=batch_groups, device=dev, dedupe_store=dedupe_store, **kwargs)
+    consumer.set_policy_version(policy_version)
+    telemetry = None
+    if metrics_port is not None:
+        from shaper.telemetry import TrainerTelemetry
+
+        telemetry = TrainerTelemetry(consumer)
+        telemetry.serve(metrics_port)
+    try:
+        return await _train(cfg, consumer, summary, stop, tc, shaping, mode, max_steps, idle_timeout_s, update,
+                            on_step, policy_version, telemetry)
+    finally:
+        if telemetry is not None:
+            telemetry.close()
+
+
+async def _train(cfg: PipelineConfig, consumer: VerdictConsumer, summary: TrainerSummary, stop: asyncio.Event,
+                 tc: Any, shaping: Any, mode: str, max_steps: int | None, idle_timeout_s: float | None,
+                 update: Callable[[TrainingBatch, ShapedBatch], Mapping[str, float]] | None,
+                 on_step: Callable[[StepReport], None] | None, policy_version: int, telemetry: Any) -> TrainerSummary:
     async with consumer:
         watcher = asyncio.create_task(_stop_when(stop, consumer))
         try:
@@ -309,6 +335,10 @@ async def run_trainer(
                     update=stepped,
                 )
                 summary.steps += 1
+                policy_version = int(stepped.get("policy_version", policy_version + 1))
+                consumer.set_policy_version(policy_version)
+                if telemetry is not None:
+                    telemetry.collector.steps = summary.steps
                 summary.groups += report.groups
                 summary.rows += report.rows
                 summary.tokens += report.tokens
@@ -369,6 +399,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
         return await run_trainer(
             cfg, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout, stop=stop,
             on_step=lambda report: print(format_step(report), flush=True), dedupe_store=args.dedupe_store,
+            metrics_port=getattr(args, "metrics_port", None),
         )
 
     try:

@@ -325,6 +325,7 @@ class JudgeClient:
                     f"{breaker.last_error or 'unknown'}", kind="circuit_open")
             verdict: bool | None = None
             failure: str | None = None
+            started = loop.time()
             limits.in_flight += 1
             limits.max_in_flight = max(limits.max_in_flight, limits.in_flight)
             self.stats.attempts += 1
@@ -381,5 +382,6 @@ class JudgeClient:
             finally:
                 limits.in_flight -= 1
                 breaker.record(ticket, verdict, failure)
+                limits.observe(loop.time() - started, failed=verdict is False)
         finally:
             semaphore.release()
