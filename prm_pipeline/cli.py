@@ -191,7 +191,7 @@ def add_trainer_parser(subparsers: Any) -> None:
 
 # --------------------------------------------------------------------------- demo / bench
 def cmd_demo(args: argparse.Namespace) -> int:
-    from prm_pipeline.demo import run_demo
+    from prm_pipeline.demo.run import run_demo
 
     return run_demo(args)
 
@@ -251,19 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_parser(sub)
 
     from prm_pipeline.audit import add_audit_parser
-    from prm_pipeline.fake_judge import add_fake_judge_parser
+    from prm_pipeline.demo.fake_judge import add_fake_judge_parser
 
     add_audit_parser(sub)
     add_fake_judge_parser(sub)
 
     p = sub.add_parser("demo", help="train a tiny LM through the pipeline (closed loop) and write a report")
-    from prm_pipeline.demo import add_demo_arguments
+    from prm_pipeline.demo.run import add_demo_arguments
 
     add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
 
+    from prm_pipeline.demo.model_server import add_model_server_parser
     from prm_pipeline.inspect import add_inspect_parser
-    from prm_pipeline.model_server import add_model_server_parser
 
     add_inspect_parser(sub)
     add_model_server_parser(sub)

@@ -159,7 +159,7 @@ def verdict_record(verdict: Any) -> dict[str, Any]:
 def default_decoder() -> Callable[[Sequence[int]], list[str]]:
     """Token ids -> per-token strings with the demo tokenizer, or ``[id]`` without it."""
     try:
-        from producers.tiny_model import build_tokenizer
+        from prm_pipeline.demo.tiny_model import build_tokenizer
 
         tok = build_tokenizer()
     except ImportError:
@@ -279,7 +279,7 @@ async def _verdict_from_topic(args: argparse.Namespace) -> dict[str, Any] | None
     except TimeoutError:
         return None
     finally:
-        await tail.stop()
+        await tail.aclose()
     return verdict_record(tail.verdicts[args.group])
 
 

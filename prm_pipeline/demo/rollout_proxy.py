@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory
+from producers.publisher import TrajectoryPublisher
 
-from .publisher import TrajectoryPublisher
 from .tiny_model import TinyPolicy, WeightStore
 
 __all__ = ["Environment", "RolloutConfig", "RolloutProxy", "RolloutStats"]

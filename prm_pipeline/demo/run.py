@@ -1,21 +1,21 @@
 """``make demo``: a tiny real LM trained through the pipeline, in a closed loop, with a report.
 
 1. start the embedded Kafka-protocol broker and Redis, create the topics; start the
-   scripted judge (:class:`~prm_pipeline.fake_judge.FakeJudgeServer`, for the
+   scripted judge (:class:`~prm_pipeline.demo.fake_judge.FakeJudgeServer`, for the
    ``\\boxed{}`` votes: a random LM cannot judge) and ``prm-pipeline model-server`` (the
    tiny LM as the OPD teacher: real log-probs over SGLang ``/generate``);
 2. start two ``prm-pipeline worker`` processes. Scorers: the config file's (the length
    budget, its limit lowered to 12 tokens so it varies here), plus OpenClaw-RL's PRM
    judge and the OPD teacher; shaping ``additive`` (the judge and OPD signals are
    signed), per-scorer channels kept for the report;
-3. each iteration: the rollout proxy (:mod:`producers.rollout_proxy`) reloads the newest
+3. each iteration: the rollout proxy (:mod:`prm_pipeline.demo.rollout_proxy`) reloads the newest
    published weights, samples ``prompts`` GRPO groups of multi-turn sessions (some
    branching) against a calculator tool and a user simulator, and publishes them with
    their ``policy_version`` (plus one discarded group; the first iteration also sends a
    group whose last member never arrives, rejected at the group deadline, and one with a
    member that is not concat export, rejected by the workers);
 4. the reference trainer consumes the verdicts, shapes advantages and runs a PPO-clip
-   step (:class:`shaper.policy_update.PolicyUpdate`) on its own copy of the model, then
+   step (:class:`prm_pipeline.demo.policy_update.PolicyUpdate`) on its own copy of the model, then
    publishes the new weights (``policy_version + 1``) for the proxy — the loop closes;
 5. ``demo-report/index.html``: statuses over time, per-stage latency, reward
    distributions per scorer, outcome vs shaped advantages, loss / importance ratio /
@@ -46,8 +46,8 @@ import msgspec
 from infra.config import PipelineConfig, PRMScorerConfig, load_config
 from infra.kafka import ensure_topics
 from infra.local import LocalStack, free_port
+from prm_pipeline.demo.processes import WorkerProcesses, write_config
 from prm_pipeline.observe import VerdictTail
-from prm_pipeline.processes import WorkerProcesses, write_config
 from producers.publisher import TrajectoryPublisher
 
 DEMO_GROUP_TIMEOUT_S = 6.0
@@ -127,8 +127,8 @@ class _Loop:
     """The trainer half of the closed loop: PPO step, weight publishing, what the report needs."""
 
     def __init__(self, store: Any, seed: int) -> None:
-        from producers.tiny_model import TinyLMConfig, TinyPolicy
-        from shaper.policy_update import PolicyUpdate
+        from prm_pipeline.demo.policy_update import PolicyUpdate
+        from prm_pipeline.demo.tiny_model import TinyLMConfig, TinyPolicy
 
         self.policy = TinyPolicy.create(TinyLMConfig(seed=seed))  # the trainer's own copy
         self.updater = PolicyUpdate(self.policy.model)
@@ -163,11 +163,11 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                group_size: int, seed: int) -> int:
     import torch
 
-    from prm_pipeline.fake_judge import FakeJudgeServer
+    from prm_pipeline.demo.fake_judge import FakeJudgeServer
+    from prm_pipeline.demo.report import DemoRecord, write_report
+    from prm_pipeline.demo.rollout_proxy import RolloutConfig, RolloutProxy
+    from prm_pipeline.demo.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
     from prm_pipeline.inspect import AUDIT_ENV, branch_views, load_audit, render_html, verdict_record
-    from prm_pipeline.report import DemoRecord, write_report
-    from producers.rollout_proxy import RolloutConfig, RolloutProxy
-    from producers.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
     from shaper.trainer import run_trainer
 
     torch.set_num_threads(1)  # two shared cores: one thread each for the proxy and the trainer
@@ -260,7 +260,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
         await tail.wait_for(set(expect), timeout_s=DEMO_GROUP_TIMEOUT_S + 60)
         teacher_requests = _teacher_requests(teacher_url)
     finally:
-        await tail.stop()
+        await tail.aclose()
         stop_trainer.set()  # graceful: the consumer commits and leaves its group
         done, _ = await asyncio.wait([trainer], timeout=30)
         if not done:

@@ -151,7 +151,8 @@ class VerdictWaiter:
             await self._consumer.position(tp)
         self._task = asyncio.create_task(self._run())
 
-    async def stop(self) -> None:
+    async def aclose(self) -> None:
+        """Stop the reader task and close its consumer."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -258,10 +259,10 @@ class PRMRewardManager(NaiveRewardManager):
     async def aclose(self) -> None:
         """Stop the Kafka clients (verl never calls this; tests and scripts do)."""
         if self._publisher is not None:
-            await self._publisher.stop()
+            await self._publisher.aclose()
             self._publisher = None
         if self._waiter is not None:
-            await self._waiter.stop()
+            await self._waiter.aclose()
             self._waiter = None
 
     async def run_single(self, data: DataProto) -> dict:

@@ -21,7 +21,7 @@ import pytest
 
 from infra.config import PRMScorerConfig
 from infra.kafka import ensure_topics
-from producers.synthetic import workload
+from prm_pipeline.demo.synthetic import workload
 from scoring_workers.worker import REPUBLISH_GRACE_S
 from tests.faults.common import (
     FaultWorkers,

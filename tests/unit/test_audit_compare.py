@@ -35,8 +35,8 @@ from prm_pipeline.audit import (
     rescore,
     scorer_is_deterministic,
 )
+from prm_pipeline.demo.synthetic import make_session
 from prm_pipeline.verdict_dump import parse_time
-from producers.synthetic import make_session
 from scoring_workers.prm import BaseScorer, PRMRunner
 from scoring_workers.scorers import LengthBudgetScorer
 
