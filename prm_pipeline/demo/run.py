@@ -210,7 +210,9 @@ class _Loop:
                 groups.setdefault(batch.group_ids[i], {})[batch.session_ids[i]] = float(batch.rewards[i])
             outcome_abs = outcome_adv[mask].abs()
             used = adv[mask]
-            share = float(process.sum() / (process.sum() + outcome_abs.sum()).clamp_min(1e-12))
+            # the process rewards' share of the advantage this run trained on (0 for the outcome run)
+            share = 0.0 if name == "outcome" else float(
+                process.sum() / (process.sum() + outcome_abs.sum()).clamp_min(1e-12))
             from shaper.shaping import shift_token_rewards
 
             per_scorer = {f"process_mean_abs/{k}": float(shift_token_rewards(v[rows])[mask].abs().mean())
