@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-ecosystem lint bench faults soak clean
+.PHONY: install demo test test-unit test-ops ops-tools test-ecosystem lint bench faults soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,8 +30,22 @@ test-unit: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# Operations suite (tests/ops): the alert rules through `promtool check rules` / `promtool
+# test rules`, and a real Prometheus server scraping the embedded stack. Both binaries come
+# from the Debian package `prometheus`, installed here when missing (apt-get; root or sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+ops-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@promtool --version 2>&1 | head -1
+
+test-ops: $(STAMP) ops-tools
+	$(BIN)/python -m pytest tests/ops
 # The ecosystem suite (tests/ecosystem): the verl integration against real verl in its own
-# environment, and the Node.js producer example. Needs the package registries (PyPI, npm).
+# environment, OpenRLHF's reward client from its wheel against the gateway, and the Node.js
+# producer example. Needs the package registries (PyPI, npm).
 ECO_VENV  := .venv-ecosystem
 ECO_BIN   := $(ECO_VENV)/bin
 ECO_STAMP := $(ECO_VENV)/.installed
@@ -43,9 +57,16 @@ $(ECO_STAMP): pyproject.toml Makefile
 	$(ECO_BIN)/python -m pip install -q -c $(ECO_VENV)/constraints.txt -e ".[local,ecosystem]"
 	touch $(ECO_STAMP)
 
-test-ecosystem: $(ECO_STAMP)
+# OpenRLHF's reward client (openrlhf/utils/agent.py) from its wheel, without its GPU dependencies.
+OPENRLHF_VERSION := 0.11.2
+OPENRLHF_AGENT   := $(ECO_VENV)/openrlhf-$(OPENRLHF_VERSION)/agent.py
+
+$(OPENRLHF_AGENT): $(ECO_STAMP) tests/ecosystem/fetch_openrlhf.py
+	$(ECO_BIN)/python tests/ecosystem/fetch_openrlhf.py $(OPENRLHF_VERSION) $@
+
+test-ecosystem: $(ECO_STAMP) $(OPENRLHF_AGENT)
 	cd examples/node-producer && npm ci --no-audit --no-fund
-	$(ECO_BIN)/python -m pytest tests/ecosystem -W ignore::UserWarning -W ignore::DeprecationWarning
+	OPENRLHF_AGENT_PY=$(OPENRLHF_AGENT) $(ECO_BIN)/python -m pytest tests/ecosystem -W ignore::UserWarning -W ignore::DeprecationWarning
 # Endurance smoke for CI (about 4 minutes; docs/capacity.md): memory and Redis keys stay bounded.
 soak: $(STAMP)
 	$(BIN)/prm-pipeline bench soak --minutes 3

@@ -1,10 +1,14 @@
 """Typed configuration: one YAML file plus ``PRM_*`` environment overrides.
 
-The file accepts AReaL's ``rollout:`` / ``actor:`` blocks unchanged (extra AReaL keys
-in them are ignored) next to our own ``kafka:``, ``redis:``, ``topics:``, ``worker:``,
-``trainer:`` and ``local:`` sections, whose keys are checked strictly so a typo fails
-loudly. AReaL's Process Rewards rules are enforced at load time by
-:func:`validate`, with messages that name the offending key.
+The file accepts AReaL's ``rollout:`` / ``actor:`` blocks unchanged next to our own
+``kafka:``, ``redis:``, ``topics:``, ``worker:``, ``trainer:`` and ``local:`` sections.
+An unknown key is an error with the closest valid key (:func:`check_keys`), with one
+exception: AReaL's own keys (:mod:`infra.areal_keys`, and inside ``rollout:`` /
+``rollout.agent:`` / ``actor:`` any key that is no near-miss of one we read) are
+accepted and ignored, so a whole AReaL training config loads. The ``rollout.agent.prm``
+block, its scorer entries and our sections are strict throughout. AReaL's Process
+Rewards rules are enforced at load time by :func:`validate`, with messages that name
+the offending key.
 
 Environment overrides: ``PRM_<SECTION>_<FIELD>=value`` for our own sections, e.g.
 ``PRM_KAFKA_BOOTSTRAP=host:9092``, ``PRM_REDIS_URL=redis://host:6379/0``,
@@ -13,21 +17,35 @@ Environment overrides: ``PRM_<SECTION>_<FIELD>=value`` for our own sections, e.g
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
 
-# Shaping modes come from the one registry (advantage and PRM + OPD combined modes).
-from infra.modes import COMBINED_MODES, SHAPING_MODES, mode_info
+from infra.areal_keys import AREAL_ACTOR_KEYS, AREAL_AGENT_KEYS, AREAL_ROLLOUT_KEYS, AREAL_TOP_LEVEL_KEYS
+
+# Shaping modes, their coefficients and the trainer recipes come from the one registry.
+from infra.modes import (
+    COEFFICIENT_DEFAULTS,
+    COMBINED_MODES,
+    JUDGE_SCORER,
+    OPD_SCORER,
+    RECIPES,
+    SHAPING_MODES,
+    check_coefficient,
+    combined_mode,
+    mode_info,
+    shaping_mode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +66,7 @@ PRM_ERROR_POLICIES = ("reject", "keep_original")
 
 
 # --------------------------------------------------------------------------- PRM (AReaL names)
-class PRMScorerConfig(msgspec.Struct, kw_only=False):
+class PRMScorerConfig(msgspec.Struct, kw_only=False, forbid_unknown_fields=True):
     """One configured scorer: an import path ``module.Class`` built as ``cls(weight=, enabled=, **kwargs)``."""
 
     path: str
@@ -57,16 +75,36 @@ class PRMScorerConfig(msgspec.Struct, kw_only=False):
     kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class PRMAdvantageShapingConfig(msgspec.Struct, kw_only=True):
-    """How the trainer folds process rewards into advantages (seed: "Advantage Shaping")."""
+class PRMAdvantageShapingConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the trainer folds process rewards into advantages (AReaL's Process Rewards,
+    "Advantage Shaping"; docs/compatibility.md links the source).
+
+    Checked when built (from a file or in code) and immutable after: the mode is a
+    registered shaping mode and every coefficient is finite and ``>= 0`` (AReaL checks
+    all three whatever the mode), so the trainer never checks them again per batch.
+    """
 
     mode: str = "additive"
-    negative_scale: float = 0.2
-    zero_penalty: float = 0.4
-    zero_eps: float = 1e-6
+    negative_scale: float = COEFFICIENT_DEFAULTS["negative_scale"]
+    zero_penalty: float = COEFFICIENT_DEFAULTS["zero_penalty"]
+    zero_eps: float = COEFFICIENT_DEFAULTS["zero_eps"]
+
+    def __post_init__(self) -> None:
+        key = "rollout.agent.prm.advantage_shaping"
+        if self.mode not in SHAPING_MODES:
+            raise ConfigError(f"{key}.mode must be one of {list(SHAPING_MODES)}, got {self.mode!r}")
+        for name in COEFFICIENT_DEFAULTS:
+            try:
+                check_coefficient(f"{key}.{name}", getattr(self, name))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+
+    def coefficients(self) -> tuple[float, ...]:
+        """The values of the coefficients the mode's kernel takes, in the registry's order."""
+        return tuple(float(getattr(self, name)) for name in shaping_mode(self.mode).coefficients)
 
 
-class PRMConfig(msgspec.Struct, kw_only=True):
+class PRMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``rollout.agent.prm``. ``scorers`` items may also be scorer instances (borrowed by
     the runner) or plain mappings when built in Python."""
 
@@ -90,7 +128,8 @@ class PRMConfig(msgspec.Struct, kw_only=True):
 
     @property
     def active(self) -> bool:
-        """Scoring runs only when enabled with at least one scorer (seed: empty list = off)."""
+        """Scoring runs only when enabled with at least one scorer (AReaL's Process Rewards:
+        "An empty scorer list or enabled: false disables proxy scoring")."""
         return bool(self.enabled and self.scorers)
 
 
@@ -205,9 +244,27 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # trainer's dedupe on (group_id, verdict_version) drops the group's second verdict.
     # Cover the longest redelivery delay (consumer lag after an outage). docs/architecture.md
     dedupe_window_s: float = 3600.0
+    # Tuning (arq keeps the same knobs as worker settings). A record whose processing
+    # fails this many times with a non-transient error is dead-lettered (outages are
+    # retried for as long as they last and never count).
+    max_attempts: Positive = 3
+    # A decided group whose verdict is not out this long after the decision (its
+    # publisher died, or Kafka refused the verdict) is re-published by a sweeper.
+    republish_grace_s: Seconds = 5.0
+    # How often the sweeper looks for overdue groups (jittered ±20 %), and how long it
+    # leaves a group alone after failing on it (not an outage) so one broken group
+    # cannot flood the log.
+    sweep_interval_s: Seconds = 0.5
+    sweep_backoff_s: Seconds = 30.0
+    # Token bytes of scored members kept in memory for the verdict; beyond it the oldest
+    # are evicted and read back from the trajectories topic (scoring_workers/tokens.py).
+    token_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024 * 1024
 
 
-class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """The reference trainer's options; checked when built (recipe, combined mode and
+    their compatibility, from the registry in :mod:`infra.modes`), immutable after."""
+
     group_id: str = "prm-trainer"
     batch_groups: Positive = 8
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -216,26 +273,75 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # state get loss mask 0; a session with no effective turn keeps its first judged
     # turn that had a next state (at-least-one guarantee). See shaper/exclusion.py.
     exclude_neutral_turns: bool = False
-    judge_scorer: str = "openclaw_judge"  # scorer whose turn results / channel are the judge's
+    judge_scorer: str = JUDGE_SCORER  # scorer whose turn results / channel are the judge's
     # null, or a PRM + OPD combination (shaper.combined) used as the per-token process
     # signal; needs worker.keep_scorer_channels for the judge and OPD scorers' channels.
-    combined_mode: Literal[COMBINED_MODES] | None = None  # the registry's combined modes (infra.modes)
-    opd_scorer: str = "opd_teacher"  # scorer whose channel is the OPD token signal
+    combined_mode: str | None = None  # one of the registry's combined modes (infra.modes)
+    opd_scorer: str = OPD_SCORER  # scorer whose channel is the OPD token signal
     # grpo (ours: outcome advantage + shaped process rewards) or openclaw_turns (OpenClaw-RL:
     # each judged turn a sample, advantage = judge score, upstream exclusion). shaper/openclaw_recipe.py
-    recipe: Literal["grpo", "openclaw_turns"] = "grpo"
+    recipe: Literal[RECIPES] = "grpo"  # type: ignore[valid-type]
     # OpenClaw-RL's OPD trains no turn without an accepted hint: mask them (opd_scorer's results)
     drop_unhinted_turns: bool = False
     # Bound of the verdict consumer's in-memory dedupe set ((group_id, verdict_version)
     # keys, oldest evicted first; ~180 B each). Duplicates older than this many groups
     # are caught only by a durable --dedupe-store. See docs/trainer.md.
     dedupe_max_seen: Positive = 1_000_000
+    # Staleness bound (off: null): an accepted group whose oldest member's policy_version is
+    # more than this many versions behind the trainer's current policy is dropped and counted
+    # (pipeline/filter/stale). AReaL's max_head_offpolicyness. docs/trainer.md, "Staleness bound"
+    max_policy_lag: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"trainer.recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
+        combined = None
+        if self.combined_mode is not None:
+            try:
+                combined = combined_mode(self.combined_mode)
+            except ValueError:
+                raise ConfigError(
+                    f"trainer.combined_mode must be one of {list(COMBINED_MODES)} or null, got {self.combined_mode!r}"
+                ) from None
+        if self.exclude_neutral_turns and (self.recipe == "openclaw_turns" or (combined and combined.own_turn_selection)):
+            which = f"trainer.recipe {self.recipe!r}" if self.recipe == "openclaw_turns" \
+                else f"trainer.combined_mode {self.combined_mode!r}"
+            raise ConfigError(f"{which} applies OpenClaw-RL's own turn selection; turn trainer.exclude_neutral_turns off")
+        if self.recipe != "grpo" and combined is not None:
+            raise ConfigError(
+                f"trainer.recipe {self.recipe!r} defines the whole advantage; it cannot be combined with "
+                f"trainer.combined_mode {self.combined_mode!r} (use one of them)"
+            )
 
 
 class LocalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data_dir: str = ".prm-local"
     broker_binary: str | None = None
     redis_binary: str | None = None
+
+
+class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``prm-pipeline gateway``: the HTTP reward service (docs/integrations/gateway.md).
+
+    Requests carry samples only; everything that decides what runs (scorers, topics,
+    limits, tokenizer) is set here by the operator.
+    """
+
+    host: str = "127.0.0.1"  # all interfaces needs auth (or --allow-unauthenticated)
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8431
+    tokenizer: str = "bytes"  # "bytes" (UTF-8 bytes as ids, no files) or a tokenizer.json path
+    grouping: Literal["per_query", "per_request"] = "per_query"  # how text queries form GRPO groups
+    process_reduction: Literal["mean", "sum", "last"] = "mean"  # token rewards -> the scalar in `rewards`
+    verdict_timeout_s: Seconds = 150.0  # then 504 (OpenRLHF's client gives up at 180 s)
+    max_body_bytes: Positive = 4 * 1024 * 1024  # 413 above
+    max_items: Positive = 256  # queries or samples per request (400 above)
+    max_in_flight: Positive = 1024  # requests being answered, all clients (429 above)
+    max_in_flight_per_client: Positive = 64  # per client address (429 above)
+    read_timeout_s: Seconds = 30.0  # a request body must arrive within this (408)
+    auth_tokens_env: str | None = None  # name of an env var holding bearer tokens (comma-separated)
+    auth_tokens_file: str | None = None  # file with one bearer token per line (rotation: list both)
+    tls_certfile: str | None = None  # serve HTTPS with this certificate chain ...
+    tls_keyfile: str | None = None  # ... and its private key
 
 
 class PipelineConfig(msgspec.Struct, kw_only=True):
@@ -247,6 +353,7 @@ class PipelineConfig(msgspec.Struct, kw_only=True):
     worker: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     local: LocalConfig = msgspec.field(default_factory=LocalConfig)
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
 
     @property
     def prm(self) -> PRMConfig:
@@ -260,7 +367,109 @@ _ENV_SECTIONS: dict[str, type[msgspec.Struct]] = {
     "worker": WorkerConfig,
     "trainer": TrainerConfig,
     "local": LocalConfig,
+    "gateway": GatewayConfig,
 }
+
+
+# --------------------------------------------------------------------------- key checks
+def did_you_mean(word: str, candidates: Iterable[str]) -> str | None:
+    """The candidate closest to ``word`` (difflib), or None when nothing is close."""
+    pool = {c.lower(): c for c in candidates}
+    match = difflib.get_close_matches(word.lower(), list(pool), n=1, cutoff=0.6)
+    return pool[match[0]] if match else None
+
+
+def unknown_key_message(where: str, key: str, candidates: Iterable[str]) -> str:
+    """``where: unknown key `x`; did you mean `y`?`` (or the valid keys when none is close)."""
+    candidates = sorted(set(candidates))
+    match = did_you_mean(key, candidates)
+    hint = f"did you mean `{match}`?" if match else f"valid keys: {', '.join(candidates)}"
+    return f"{where}: unknown key `{key}`; {hint}"
+
+
+def _keys(struct: type[msgspec.Struct]) -> frozenset[str]:
+    return frozenset(f.encode_name for f in msgspec.structs.fields(struct))
+
+
+def _strict(data: Any, struct: type[msgspec.Struct], where: str) -> None:
+    """Every key of the mapping ``data`` must be a field of ``struct``."""
+    if not isinstance(data, Mapping):
+        return  # a wrong type is msgspec's to report, with the key
+    known = _keys(struct)
+    for key in data:
+        if key not in known:
+            raise ConfigError(unknown_key_message(where, str(key), known))
+
+
+def _areal_block(data: Any, struct: type[msgspec.Struct], areal: frozenset[str], where: str) -> None:
+    """An AReaL-owned block: keys AReaL defines pass, and so does any other key unless it
+    is a near-miss of a key we read here (a misspelt ``token_rewards_as_adv`` must not be
+    silently ignored; a key of a newer AReaL must not break loading)."""
+    if not isinstance(data, Mapping):
+        return
+    ours = _keys(struct)
+    for key in data:
+        name = str(key)
+        if name in ours or name in areal:
+            continue
+        close = difflib.get_close_matches(name.lower(), sorted(ours), n=1, cutoff=0.75)
+        close += [k for k in sorted(ours) if sorted(k) == sorted(name.lower())]  # `pmr` for `prm`
+        if close:
+            raise ConfigError(f"{where}: unknown key `{name}`; did you mean `{close[0]}`?")
+
+
+def check_keys(raw: Mapping[str, Any]) -> None:
+    """Refuse unknown keys anywhere in a config mapping, naming the closest valid one.
+
+    The rule (README, "Configuration"): our sections, the ``rollout.agent.prm`` block and
+    its scorer entries are strict; at the top level AReaL's own sections
+    (:data:`~infra.areal_keys.AREAL_TOP_LEVEL_KEYS`) are accepted and ignored; inside
+    ``rollout:`` / ``rollout.agent:`` / ``actor:`` see :func:`_areal_block`. A scorer's
+    ``kwargs`` are checked against its constructor when the scorers are resolved
+    (:func:`scoring_workers.prm.resolve.check_scorer_entries`), not here: that needs the
+    scorer's module imported.
+    """
+    ours = _keys(PipelineConfig)
+    for key in raw:
+        if key not in ours and key not in AREAL_TOP_LEVEL_KEYS:
+            match = did_you_mean(str(key), ours | AREAL_TOP_LEVEL_KEYS)
+            hint = (f"did you mean `{match}`?" if match else
+                    f"prm-pipeline's sections are {', '.join(sorted(ours))}; AReaL's are accepted too")
+            raise ConfigError(f"unknown top-level key `{key}`; {hint}")
+    for section, struct in _ENV_SECTIONS.items():
+        _strict(raw.get(section), struct, section)
+    rollout, actor = raw.get("rollout"), raw.get("actor")
+    _areal_block(actor, ActorConfig, AREAL_ACTOR_KEYS, "actor")
+    _areal_block(rollout, RolloutConfig, AREAL_ROLLOUT_KEYS, "rollout")
+    agent = rollout.get("agent") if isinstance(rollout, Mapping) else None
+    _areal_block(agent, AgentConfig, AREAL_AGENT_KEYS, "rollout.agent")
+    prm = agent.get("prm") if isinstance(agent, Mapping) else None
+    check_prm_keys(prm)
+
+
+def check_prm_keys(prm: Any, where: str = "rollout.agent.prm") -> None:
+    """The PRM block is AReaL's Process Rewards config, which we implement whole: strict."""
+    _strict(prm, PRMConfig, where)
+    if not isinstance(prm, Mapping):
+        return
+    _strict(prm.get("advantage_shaping"), PRMAdvantageShapingConfig, f"{where}.advantage_shaping")
+    scorers = prm.get("scorers")
+    if isinstance(scorers, list):
+        for i, entry in enumerate(scorers):
+            if isinstance(entry, Mapping):
+                check_scorer_entry_keys(entry, f"{where}.scorers[{i}]")
+
+
+def check_scorer_entry_keys(entry: Mapping[str, Any], where: str) -> None:
+    """A scorer entry takes ``path``, ``weight``, ``enabled``, ``kwargs``; the scorer's own
+    arguments belong under ``kwargs`` (a stray one is named as such)."""
+    known = _keys(PRMScorerConfig)
+    for key in entry:
+        if key not in known:
+            message = unknown_key_message(where, str(key), known)
+            if did_you_mean(str(key), known) is None:
+                message += " (a scorer's own arguments go under `kwargs`)"
+            raise ConfigError(message)
 
 
 # --------------------------------------------------------------------------- loading
@@ -286,7 +495,9 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
         field = rest[len(section) + 1 :]
         fields = {f.encode_name for f in msgspec.structs.fields(_ENV_SECTIONS[section])}
         if field not in fields:
-            raise ConfigError(f"{name}: section {section!r} has no field {field!r} (known: {sorted(fields)})")
+            match = did_you_mean(field, fields)
+            hint = f"did you mean `{match}`?" if match else f"known: {sorted(fields)}"
+            raise ConfigError(f"{name}: section {section!r} has no field {field!r}; {hint}")
         sub = dict(out.get(section) or {})
         parsed = yaml.safe_load(value) if value != "" else None
         if parsed is not None and not isinstance(parsed, str) and _accepts_str(_ENV_SECTIONS[section], field):
@@ -300,14 +511,12 @@ def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | 
     """Build and validate a config from an already-parsed mapping (plus env overrides)."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config must be a mapping at the top level, got {type(raw).__name__}")
+    check_keys(raw)  # before dropping empty sections: a misspelt empty one is a typo too
     # ``worker:`` with every key commented out parses as null: treat it as "all defaults".
     data = {k: v for k, v in raw.items() if v is not None}
     data = apply_env_overrides(data, os.environ if environ is None else environ)
-    known = {f.encode_name for f in msgspec.structs.fields(PipelineConfig)}
-    unknown = sorted(k for k in data if k not in known)
-    if unknown:
-        log.warning("config: ignoring top-level keys %s (not used by prm-pipeline)", unknown)
-        data = {k: v for k, v in data.items() if k in known}
+    known = _keys(PipelineConfig)
+    data = {k: v for k, v in data.items() if k in known}  # AReaL's other sections: accepted, not ours
     try:
         cfg = msgspec.convert(data, PipelineConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -333,20 +542,13 @@ def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[
 
 
 # --------------------------------------------------------------------------- rules
-def _check_coefficient(key: str, value: float) -> None:
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")
-
-
 def validate_prm(prm: PRMConfig, key: str = "rollout.agent.prm") -> None:
-    """Rules that concern the PRM block alone (also used by the runner)."""
-    shaping = prm.advantage_shaping
-    if shaping.mode not in SHAPING_MODES:
+    """Rules that concern the PRM block alone (also used by the runner). The shaping
+    mode and coefficients were checked when ``advantage_shaping`` was built."""
+    if not isinstance(prm.advantage_shaping, PRMAdvantageShapingConfig):
         raise ConfigError(
-            f"{key}.advantage_shaping.mode must be one of {list(SHAPING_MODES)}, got {shaping.mode!r}"
+            f"{key}.advantage_shaping must be a PRMAdvantageShapingConfig, got {type(prm.advantage_shaping).__name__}"
         )
-    for name in ("negative_scale", "zero_penalty", "zero_eps"):
-        _check_coefficient(f"{key}.advantage_shaping.{name}", getattr(shaping, name))
     for i, scorer in enumerate(prm.scorers):
         if isinstance(scorer, PRMScorerConfig):
             if not scorer.path:
@@ -382,14 +584,21 @@ def validate(cfg: PipelineConfig) -> None:
                 "actor.token_rewards_as_adv must be true when PRM scorers are active "
                 "(folding dense rewards into GAE is not specified)"
             )
-    info = mode_info(mode)
-    if info is not None and info.direct_advantages and not actor.token_rewards_as_adv:
+    info = shaping_mode(mode)  # registered: checked when the struct was built
+    if info.direct_advantages and not actor.token_rewards_as_adv:
         raise ConfigError(
             f"actor.token_rewards_as_adv must be true with advantage_shaping.mode {mode!r} "
             "(it shapes direct process advantages)"
         )
-    if info is not None and info.unit_interval and actor.mask_no_eos_with_zero:
+    if info.unit_interval and actor.mask_no_eos_with_zero:
         raise ConfigError(
             "actor.mask_no_eos_with_zero: true cannot be combined with "
             f"rollout.agent.prm.advantage_shaping.mode {mode!r}"
+        )
+    combined = cfg.trainer.combined_mode
+    if combined is not None and info.unit_interval and combined_mode(combined).yields == "signal":
+        raise ConfigError(
+            f"trainer.combined_mode {combined!r} produces signed token signals, but "
+            f"rollout.agent.prm.advantage_shaping.mode {mode!r} needs process rewards in [0, 1]; "
+            f"use one of {[m for m in SHAPING_MODES if not mode_info(m).unit_interval]}"  # type: ignore[union-attr]
         )

@@ -10,10 +10,16 @@ would lose record 5 if the worker died.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +59,11 @@ class OffsetTracker:
                 out[tp] = safe
         return out
 
+    def committed(self, tp: TopicPartition) -> int | None:
+        """The highest offset committed for ``tp`` through this tracker (None: none yet)."""
+        st = self._parts.get(tp)
+        return st.committed if st is not None and st.committed >= 0 else None
+
     def mark_committed(self, offsets: dict[TopicPartition, int]) -> None:
         for tp, offset in offsets.items():
             st = self._parts.get(tp)
@@ -65,3 +76,88 @@ class OffsetTracker:
             self._parts.clear()
         for tp in tps or ():
             self._parts.pop(tp, None)
+
+
+class OffsetCommitter:
+    """The one commit path of a group-managed consumer: tracker, commit call, revoke handling.
+
+    Shared by the scoring worker and the trainer's verdict consumer, so both follow the
+    same discipline: commit only what :class:`OffsetTracker` says is safe, one commit at
+    a time, and on revocation commit the revoked partitions' finished offsets before
+    forgetting them. A rebalance can land at any ``await``; every step here tolerates a
+    partition that stopped being ours meanwhile (its commit fails, is logged and the new
+    owner gets the records again — at-least-once, never a crash).
+    """
+
+    def __init__(self, consumer: AIOKafkaConsumer, *, owner: str,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        self.consumer = consumer
+        self.tracker = OffsetTracker()
+        self.owner = owner
+        self._on_failure = on_failure
+        self._lock = asyncio.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """A commit is in flight (a caller polling in a loop need not queue another)."""
+        return self._lock.locked()
+
+    def committed(self, tp: TopicPartition) -> int | None:
+        """The last offset this member committed for ``tp`` (None: nothing yet)."""
+        return self.tracker.committed(tp)
+
+    async def commit(self, tps: set[TopicPartition] | None = None) -> None:
+        """Commit what is safe on ``tps`` (all if None); a refused commit is logged, never raised.
+
+        The records whose offsets did not land are redelivered (to us or to the
+        partition's next owner) and deduplicated downstream.
+        """
+        async with self._lock:
+            offsets = self.tracker.committable(tps)
+            assigned = self.consumer.assignment()  # no await before the commit call: stays current
+            gone = {tp for tp in offsets if tp not in assigned}
+            if gone:  # revoked while its records were in flight: the new owner commits them
+                self.tracker.drop(gone)
+                offsets = {tp: off for tp, off in offsets.items() if tp not in gone}
+            if not offsets:
+                return
+            try:
+                await self.consumer.commit(offsets)
+            except KafkaError as exc:  # CommitFailedError, IllegalStateError (revoked meanwhile), ...
+                if self._on_failure is not None:
+                    self._on_failure(exc)
+                log.warning("%s: commit of %s failed (%s: %s); those records will be redelivered",
+                            self.owner, _describe(offsets), type(exc).__name__, exc)
+                return
+            self.tracker.mark_committed(offsets)
+
+    async def lag(self) -> dict[TopicPartition, int]:
+        """``highwater - committed`` per assigned partition whose highwater is known.
+
+        The assignment is read and every ``highwater()`` taken with no ``await`` between
+        them, so a rebalance cannot revoke a partition halfway (aiokafka asserts on an
+        unassigned one); committed offsets this member has not written yet are asked of
+        the broker, and a partition revoked during that ask is skipped.
+        """
+        highs = {tp: high for tp in self.consumer.assignment() if (high := self.consumer.highwater(tp)) is not None}
+        out: dict[TopicPartition, int] = {}
+        for tp, high in highs.items():
+            committed = self.tracker.committed(tp)
+            if committed is None:
+                try:
+                    committed = await self.consumer.committed(tp)
+                except KafkaError:
+                    continue
+                if tp not in self.consumer.assignment():
+                    continue
+            out[tp] = max(0, high - (committed or 0))
+        return out
+
+    async def revoke(self, tps: set[TopicPartition] | None) -> None:
+        """Commit what is finished on ``tps`` (all if None), then forget them."""
+        await self.commit(tps)
+        self.tracker.drop(tps)
+
+
+def _describe(offsets: dict[TopicPartition, int]) -> str:
+    return ", ".join(f"{tp.topic}:{tp.partition}@{off}" for tp, off in sorted(offsets.items()))

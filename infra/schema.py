@@ -11,8 +11,17 @@ little-endian bytes and are exposed as zero-copy, read-only numpy views, so deco
 a 32k-token trajectory creates no per-token Python objects.
 
 Every Kafka record carries two headers: :data:`SCHEMA_HEADER` (the schema version)
-and :data:`KIND_HEADER` (``ready``, ``discard``, ``verdict``). Decoding checks both
-and raises a :class:`SchemaError` subclass that says what was wrong.
+and :data:`KIND_HEADER` (``ready``, ``discard``, ``chunk``, ``verdict``). Decoding checks
+both and raises a :class:`SchemaError` subclass that says what was wrong.
+
+Long sessions travel in the *compact* form (schema version 2): each interaction carries
+only what is new since its parent (``shared_messages`` / ``shared_tokens`` say how much
+of the parent's context it repeats), and a record too large for one Kafka message is
+split into ``chunk`` records. :func:`decode_message` expands compact trajectories
+(:func:`expand_trajectory`, the same expansion the verdict's :class:`TokenTurn` turns
+use), so readers see full interactions whatever the producer sent. :func:`encode`
+writes version 1 for everything version 1 can express, so older readers keep reading
+full-form records, and refuse (instead of misreading) compact ones.
 """
 
 from __future__ import annotations
@@ -25,13 +34,20 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import numpy as np
 
+from infra.prefix import Part, expand_messages, expand_prompts, same_bytes, shared_list_prefix, shared_token_prefix
 from infra.tree import TreeError, topological_order
 
 if TYPE_CHECKING:
     import torch
 
 SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+"""The version of every record version 1 can express (full-form trajectories, discards, verdicts)."""
+COMPACT_SCHEMA_VERSION = 2
+"""Compact trajectories (an interaction with ``shared_messages``/``shared_tokens``) and chunks."""
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
+MAX_CHUNKS = 256
+"""At most this many chunk records per trajectory (a reader buffers a trajectory's chunks
+until the last arrives: this bounds that memory at ``MAX_CHUNKS`` x the record limit)."""
 SCHEMA_HEADER = "prm-schema-version"
 KIND_HEADER = "prm-kind"
 
@@ -164,7 +180,15 @@ class ModelResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
 
 
 class Interaction(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One turn of a session: the conversation so far, the model's output, its tokens."""
+    """One turn of a session: the conversation so far, the model's output, its tokens.
+
+    In the compact form (schema version 2) a turn repeats nothing of its parent:
+    ``shared_messages`` leading messages of its conversation are the parent's
+    ``messages`` + ``output_message_list`` (that many of them) and ``messages`` holds
+    the rest; ``shared_tokens`` leading prompt tokens are the parent's input + output
+    tokens and ``model_response.input_tokens`` holds the rest. Both are 0 (left out) in
+    the full form. Readers never see them: :func:`decode_message` expands.
+    """
 
     interaction_id: str
     parent_id: str | None = None
@@ -178,10 +202,20 @@ class Interaction(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     the runner checks their length against ``output_len`` and their finiteness, so a bad
     array rejects the session with a reason instead of dead-lettering the record.
     Omitted when absent, so records without it encode byte for byte as before."""
+    shared_messages: int = 0
+    shared_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.interaction_id:
             raise ValueError("interaction_id must be a non-empty string")
+        if self.shared_messages or self.shared_tokens:
+            if self.shared_messages < 0 or self.shared_tokens < 0:
+                raise ValueError(f"interaction {self.interaction_id!r}: shared_messages/shared_tokens must be >= 0")
+            if self.parent_id is None:
+                raise ValueError(f"interaction {self.interaction_id!r}: a root shares nothing with a parent "
+                                 "(shared_messages/shared_tokens must be 0)")
+            if self.shared_tokens and self.model_response is None:
+                raise ValueError(f"interaction {self.interaction_id!r}: shared_tokens without a model_response")
         if self.reward is not None:
             _check_finite(f"interaction {self.interaction_id!r}: reward", self.reward)
         if self.token_rewards_raw is not None and len(self.token_rewards_raw) % 4:
@@ -228,6 +262,11 @@ class ReadyTrajectory(msgspec.Struct, frozen=True, kw_only=True, tag="ready", ta
         except TreeError as exc:
             raise ValueError(f"interactions: {exc}") from None
 
+    @property
+    def is_compact(self) -> bool:
+        """True when some interaction stores only its delta (needs schema version 2 on the wire)."""
+        return any(i.shared_messages or i.shared_tokens for i in self.interactions)
+
 
 class DiscardGroup(msgspec.Struct, frozen=True, kw_only=True, tag="discard", tag_field="kind"):
     """Explicit request to drop a group: its members are not scored, its verdict is ``discarded``."""
@@ -241,7 +280,37 @@ class DiscardGroup(msgspec.Struct, frozen=True, kw_only=True, tag="discard", tag
             raise ValueError("group_id must be a non-empty string")
 
 
-TrajectoryMessage = ReadyTrajectory | DiscardGroup
+class TrajectoryChunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", tag_field="kind"):
+    """One piece of a ``ready`` record too large for one Kafka message (schema version 2).
+
+    ``data`` of chunks ``0 .. count-1`` concatenated is the msgpack value of the whole
+    (compact) ``ready`` message, ``total_bytes`` long. The chunks of one trajectory share
+    its record key (``group_id``), so they land in one partition in order; a worker
+    buffers them and scores the trajectory when the last one arrives, committing the
+    chunks' offsets only then (see :mod:`infra.chunks`).
+    """
+
+    group_id: str
+    trajectory_id: str
+    index: int
+    count: int
+    total_bytes: int
+    data: memoryview
+    """Decoded as a zero-copy view of the record value (a chunk is only ever joined)."""
+
+    def __post_init__(self) -> None:
+        for name in ("group_id", "trajectory_id"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+        if not 2 <= self.count <= MAX_CHUNKS:
+            raise ValueError(f"chunk count must be in [2, {MAX_CHUNKS}], got {self.count}")
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"chunk index must be in [0, {self.count - 1}], got {self.index}")
+        if not self.data or len(self.data) > self.total_bytes:
+            raise ValueError(f"chunk data must hold 1..total_bytes={self.total_bytes} bytes, got {len(self.data)}")
+
+
+TrajectoryMessage = ReadyTrajectory | DiscardGroup | TrajectoryChunk
 
 
 # --------------------------------------------------------------------------- scoring results
@@ -384,7 +453,13 @@ class NotConcatExport(ValueError):
 
 
 def compact_turns(interactions: Sequence[Interaction]) -> list[TokenTurn]:
-    """Token-backed interactions -> :class:`TokenTurn`s, checking the concat-export prefix rule."""
+    """Token-backed interactions -> :class:`TokenTurn`s, checking the concat-export prefix rule.
+
+    Linear in the session for expanded trajectories: a child's prompt and its parent's
+    are views of one buffer, so the prefix check is an address comparison
+    (:func:`infra.prefix.same_bytes`).
+    """
+    interactions = expand_trajectory_interactions(interactions)
     by_id = {i.interaction_id: i for i in interactions}
     turns: list[TokenTurn] = []
     for it in topological_order(interactions):
@@ -392,41 +467,130 @@ def compact_turns(interactions: Sequence[Interaction]) -> list[TokenTurn]:
         if mr is None:
             raise NotConcatExport(f"interaction {it.interaction_id!r} has no model_response (not token-backed)")
         start = 0
+        raw = memoryview(mr.input_tokens_raw)
         if it.parent_id is not None:
             parent = by_id[it.parent_id].model_response
             assert parent is not None  # checked when the parent was visited
             start = parent.input_len + parent.output_len
-            if mr.input_len < start or mr.input_tokens_raw[: 4 * parent.input_len] != parent.input_tokens_raw or \
-                    mr.input_tokens_raw[4 * parent.input_len : 4 * start] != parent.output_tokens_raw:
+            if mr.input_len < start or not same_bytes(raw[: 4 * parent.input_len], parent.input_tokens_raw) or \
+                    not same_bytes(raw[4 * parent.input_len : 4 * start], parent.output_tokens_raw):
                 raise NotConcatExport(
                     f"interaction {it.interaction_id!r}: input does not start with parent "
                     f"{it.parent_id!r}'s input + output (concat export required)"
                 )
+        # An expanded prompt is a view of its chain's buffer: its delta is a view too. A
+        # full-form prompt is copied, so the turn does not pin its whole prompt.
+        delta = raw[4 * start :] if isinstance(mr.input_tokens_raw, memoryview) else bytes(raw[4 * start :])
         turns.append(TokenTurn(
             interaction_id=it.interaction_id, parent_id=it.parent_id,
-            prompt_delta_raw=mr.input_tokens_raw[4 * start :], output_tokens_raw=mr.output_tokens_raw,
+            prompt_delta_raw=delta, output_tokens_raw=mr.output_tokens_raw,  # type: ignore[arg-type]
             output_logprobs_raw=mr.output_logprobs_raw, stop_reason=mr.stop_reason,
         ))
     return turns
 
 
 def expand_turns(turns: Sequence[TokenTurn]) -> list[Interaction]:
-    """Rebuild token-backed interactions (full input tokens) from :func:`compact_turns` output."""
-    inputs: dict[str, bytes] = {}
-    outputs: dict[str, bytes] = {}
-    out: list[Interaction] = []
-    for t in topological_order(turns):
-        prefix = b"" if t.parent_id is None else inputs[t.parent_id] + outputs[t.parent_id]
-        inputs[t.interaction_id] = prefix + t.prompt_delta_raw
-        outputs[t.interaction_id] = t.output_tokens_raw
-        out.append(Interaction(
+    """Rebuild token-backed interactions (full input tokens) from :func:`compact_turns` output.
+
+    The same expansion as a compact ``ready`` record's (:func:`infra.prefix.expand_prompts`):
+    a turn shares its parent's whole context. Input tokens are read-only memoryviews
+    over one buffer per chain (memory linear in the session).
+    """
+    order = topological_order(turns)
+    ctx_len: dict[str, int] = {}
+    parts = []
+    for t in order:
+        shared = 0 if t.parent_id is None else ctx_len[t.parent_id]
+        ctx_len[t.interaction_id] = shared + (len(t.prompt_delta_raw) + len(t.output_tokens_raw)) // 4
+        parts.append(Part(t.interaction_id, t.parent_id, shared, t.prompt_delta_raw, t.output_tokens_raw))
+    prompts = expand_prompts(parts)
+    return [
+        Interaction(
             interaction_id=t.interaction_id, parent_id=t.parent_id,
             model_response=ModelResponse(
-                input_tokens_raw=inputs[t.interaction_id], output_tokens_raw=t.output_tokens_raw,
+                input_tokens_raw=prompts[t.interaction_id],  # type: ignore[arg-type]  # a read-only view
+                output_tokens_raw=t.output_tokens_raw,
                 output_logprobs_raw=t.output_logprobs_raw, stop_reason=t.stop_reason,
             ),
-        ))
+        )
+        for t in order
+    ]
+
+
+# --------------------------------------------------------------------------- compact trajectories
+def expand_trajectory_interactions(interactions: Sequence[Interaction]) -> list[Interaction]:
+    """Full-form interactions from compact (or full) ones, in the same order.
+
+    Raises ``ValueError`` when a turn shares more than its parent's context holds. Full
+    interactions come back as they are (the same objects).
+    """
+    if not any(i.shared_messages or i.shared_tokens for i in interactions):
+        return list(interactions)
+    order = topological_order(interactions)
+    messages = expand_messages([Part(i.interaction_id, i.parent_id, i.shared_messages, i.messages,
+                                     i.output_message_list) for i in order])
+    empty = b""
+    prompts = expand_prompts([
+        Part(i.interaction_id, i.parent_id, i.shared_tokens,
+             i.model_response.input_tokens_raw if i.model_response is not None else empty,
+             i.model_response.output_tokens_raw if i.model_response is not None else empty)
+        for i in order
+    ])
+    out = []
+    for i in interactions:
+        mr = i.model_response
+        if mr is not None:
+            mr = msgspec.structs.replace(mr, input_tokens_raw=prompts[i.interaction_id])
+        out.append(msgspec.structs.replace(i, messages=messages[i.interaction_id], model_response=mr,
+                                           shared_messages=0, shared_tokens=0))
     return out
+
+
+def expand_trajectory(traj: ReadyTrajectory) -> ReadyTrajectory:
+    """The full form of a compact trajectory (the same object when it is already full).
+
+    Every turn gets its whole conversation (the message dicts are shared between turns,
+    not copied) and its whole prompt (read-only memoryviews over one buffer per chain
+    of turns), so memory stays linear in the session.
+    """
+    if not traj.is_compact:
+        return traj
+    return msgspec.structs.replace(traj, interactions=expand_trajectory_interactions(traj.interactions))
+
+
+def compact_trajectory(traj: ReadyTrajectory) -> ReadyTrajectory:
+    """The compact form: each turn keeps only what follows the prefix it shares with its parent.
+
+    The shared prefix is the longest one (messages compared as values, tokens as ids),
+    so a concat-export turn shares its parent's whole context and a turn whose history
+    was re-rendered shares what still matches — down to nothing (a full prompt).
+    ``expand_trajectory(compact_trajectory(t))`` equals ``t``. A trajectory in which no
+    turn shares anything comes back unchanged (and encodes as version 1).
+    """
+    if traj.is_compact:
+        return traj
+    by_id = {i.interaction_id: i for i in traj.interactions}
+    out = []
+    changed = False
+    for it in traj.interactions:
+        parent = by_id.get(it.parent_id) if it.parent_id is not None else None
+        if parent is None:
+            out.append(it)
+            continue
+        sm = shared_list_prefix(parent.messages, parent.output_message_list, it.messages)
+        mr, pmr, st = it.model_response, parent.model_response, 0
+        if mr is not None and pmr is not None:
+            st = shared_token_prefix(pmr.input_tokens_raw, pmr.output_tokens_raw, mr.input_tokens_raw)
+        if not sm and not st:
+            out.append(it)
+            continue
+        changed = True
+        if st:
+            assert mr is not None
+            mr = msgspec.structs.replace(mr, input_tokens_raw=bytes(memoryview(mr.input_tokens_raw)[4 * st :]))
+        out.append(msgspec.structs.replace(it, messages=it.messages[sm:], shared_messages=sm,
+                                           model_response=mr, shared_tokens=st))
+    return msgspec.structs.replace(traj, interactions=out) if changed else traj
 
 
 SessionStatus = Literal["scored", "failed", "missing", "discarded", "pending"]
@@ -572,15 +736,25 @@ def kind_of(message: TrajectoryMessage | GroupVerdict) -> str:
         return "ready"
     if isinstance(message, DiscardGroup):
         return "discard"
+    if isinstance(message, TrajectoryChunk):
+        return "chunk"
     if isinstance(message, GroupVerdict):
         return "verdict"
     raise TypeError(f"not a wire message: {type(message).__name__}")
 
 
+def schema_version_of(message: TrajectoryMessage | GroupVerdict) -> int:
+    """The lowest schema version that expresses ``message``: 2 for compact trajectories and chunks."""
+    if isinstance(message, TrajectoryChunk) or (isinstance(message, ReadyTrajectory) and message.is_compact):
+        return COMPACT_SCHEMA_VERSION
+    return SCHEMA_VERSION
+
+
 def encode(message: TrajectoryMessage | GroupVerdict) -> tuple[bytes, list[tuple[str, bytes]]]:
-    """Encode a message as ``(value, headers)`` for a Kafka record."""
+    """Encode a message as ``(value, headers)`` for a Kafka record (as it is: compact
+    only if it already is, see :func:`compact_trajectory`)."""
     headers = [
-        (SCHEMA_HEADER, str(SCHEMA_VERSION).encode()),
+        (SCHEMA_HEADER, str(schema_version_of(message)).encode()),
         (KIND_HEADER, kind_of(message).encode()),
     ]
     return _ENCODER.encode(message), headers
@@ -596,7 +770,7 @@ def _header(headers: Headers | None, name: str) -> str | None:
     return None
 
 
-def _check_headers(headers: Headers | None, expected: Iterable[str]) -> str:
+def _check_headers(headers: Headers | None, expected: Iterable[str]) -> tuple[str, int]:
     version = _header(headers, SCHEMA_HEADER)
     if version is None:
         raise UnknownSchemaVersion(f"missing {SCHEMA_HEADER!r} header")
@@ -609,12 +783,17 @@ def _check_headers(headers: Headers | None, expected: Iterable[str]) -> str:
     expected = tuple(expected)
     if kind not in expected:
         raise UnknownMessageKind(f"message kind {kind!r} is not one of {list(expected)}")
-    return kind
+    return kind, int(version)
 
 
-def decode_message(value: bytes | None, headers: Headers | None) -> TrajectoryMessage:
-    """Decode a ``prm.trajectories`` record, raising :class:`SchemaError` subclasses."""
-    kind = _check_headers(headers, ("ready", "discard"))
+def decode_message(value: bytes | None, headers: Headers | None, *, expand: bool = True) -> TrajectoryMessage:
+    """Decode a ``prm.trajectories`` record, raising :class:`SchemaError` subclasses.
+
+    A compact ``ready`` record comes back expanded (full interactions) unless
+    ``expand=False`` (the wire form, e.g. to re-encode it byte for byte). A ``chunk``
+    comes back as it is: :mod:`infra.chunks` reassembles chunks into a ready record.
+    """
+    kind, version = _check_headers(headers, ("ready", "discard", "chunk"))
     if value is None:
         raise InvalidMessage("record has no value (tombstone)")
     try:
@@ -623,12 +802,22 @@ def decode_message(value: bytes | None, headers: Headers | None) -> TrajectoryMe
         raise InvalidMessage(str(exc)) from None
     if kind_of(message) != kind:
         raise InvalidMessage(f"header says {kind!r} but the payload is {kind_of(message)!r}")
+    needed = schema_version_of(message)
+    if version < needed:
+        what = "a chunk" if isinstance(message, TrajectoryChunk) else "a compact trajectory (shared_messages/shared_tokens)"
+        raise InvalidMessage(f"{what} needs {SCHEMA_HEADER}: {needed}, the record says {version} "
+                             "(a version-1 reader would misread it)")
+    if expand and isinstance(message, ReadyTrajectory) and message.is_compact:
+        try:
+            message = expand_trajectory(message)
+        except ValueError as exc:
+            raise InvalidMessage(f"interactions: {exc}") from None
     return message
 
 
 def decode_verdict(value: bytes | None, headers: Headers | None) -> GroupVerdict:
     """Decode a ``prm.verdicts`` record, raising :class:`SchemaError` subclasses."""
-    _check_headers(headers, ("verdict",))
+    _check_headers(headers, ("verdict",))  # verdicts are version 1 (any supported version is read)
     if value is None:
         raise InvalidMessage("record has no value (tombstone)")
     try:
@@ -677,9 +866,10 @@ def headers_to_dict(headers: Headers | None) -> dict[str, str]:
 
 
 __all__ = [
-    "SCHEMA_VERSION", "SCHEMA_HEADER", "KIND_HEADER", "SchemaError", "UnknownSchemaVersion",
-    "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
-    "DiscardGroup", "TrajectoryMessage", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
+    "SCHEMA_VERSION", "COMPACT_SCHEMA_VERSION", "MAX_CHUNKS", "SCHEMA_HEADER", "KIND_HEADER", "SchemaError",
+    "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
+    "DiscardGroup", "TrajectoryChunk", "TrajectoryMessage", "compact_trajectory", "expand_trajectory",
+    "expand_trajectory_interactions", "schema_version_of", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
     "BranchResult", "TokenTurn", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
     "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
     "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",

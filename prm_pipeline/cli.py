@@ -15,7 +15,9 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
@@ -99,10 +101,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = _stop_on_signals()
         worker = Worker(cfg, worker_id=args.worker_id, concurrency=args.concurrency)
         frozen = asyncio.create_task(_freeze_gc_when_ready(worker.ready))
         try:
@@ -112,6 +111,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT and SIGTERM set (call inside the command's event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 async def _freeze_gc_when_ready(ready: asyncio.Event) -> None:
@@ -129,17 +137,20 @@ async def _freeze_gc_when_ready(ready: asyncio.Event) -> None:
 
 def cmd_publish(args: argparse.Namespace) -> int:
     from infra.jsonl import JsonlError
+    from infra.kafka import MessageTooLarge
+    from prm_pipeline.progress import progress_enabled, publish_progress
     from producers.publisher import TrajectoryPublisher
 
     cfg = _load(args)
 
-    async def main() -> dict[str, int]:
+    async def main(on_progress: Any) -> dict[str, int]:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
-            return await pub.publish_jsonl(args.file)
+            return await pub.publish_jsonl(args.file, on_progress=on_progress)
 
     try:
-        counts = asyncio.run(main())
-    except JsonlError as exc:
+        with publish_progress(args.file, enabled=progress_enabled(args.quiet)) as on_progress:
+            counts = asyncio.run(main(on_progress))
+    except (JsonlError, MessageTooLarge) as exc:  # one line, nothing sent: every line is checked first
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"published {counts['ready']} ready trajectories and {counts['discard']} discards to {cfg.topics.trajectories}")
@@ -150,7 +161,7 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
     from prm_pipeline.verdict_dump import dump_verdicts
 
     return dump_verdicts(_load(args), from_beginning=args.from_beginning, max_count=args.max,
-                         timeout_s=args.timeout, out=args.out, since_ms=args.since)
+                         timeout_s=args.timeout, out=args.out, since_ms=args.since, tokens=args.tokens)
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
@@ -179,6 +190,8 @@ def add_trainer_parser(subparsers: Any) -> None:
                    help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
     p.add_argument("--dedupe-store", default=None, metavar="PATH",
                    help="sqlite file remembering acknowledged verdicts across restarts")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve the consumer's counters as Prometheus /metrics on P (shaper/telemetry.py)")
     p.add_argument("--exclude-neutral-turns", action=argparse.BooleanOptionalAction, default=None,
                    help="OpenClaw-RL exclusion: no loss on turns the judge scored 0 or without a next state, "
                         "keeping one per session (default: trainer.exclude_neutral_turns)")
@@ -196,7 +209,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "faults", "soak", "capacity")
+BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "faults", "soak", "capacity", "sessions")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -209,7 +222,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"benchmark {args.name!r} not found ({exc}); run from a checkout of prm-pipeline", file=sys.stderr)
         return 2
-    return int(module.main(args.bench_args) or 0)
+    from prm_pipeline.progress import progress_enabled, spinner
+
+    with spinner(f"bench {args.name}", enabled=progress_enabled(args.quiet)):
+        return int(module.main(args.bench_args) or 0)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """The HTTP reward gateway (docs/integrations/gateway.md) until SIGINT/SIGTERM."""
+    import msgspec
+
+    from prm_pipeline.gateway import serve
+
+    cfg = _load(args)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        cfg = msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, **overrides))
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
+
+    async def main() -> None:
+        stop = _stop_on_signals()
+        await serve(cfg, stop, allow_unauthenticated=args.allow_unauthenticated,
+                    on_ready=lambda port: print(f"listening on http{'s' if cfg.gateway.tls_certfile else ''}://"
+                                                f"{cfg.gateway.host}:{port}", flush=True))
+
+    asyncio.run(main())
+    return 0
 
 
 # --------------------------------------------------------------------------- parser
@@ -237,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("publish", help="publish ready trajectories and discards from a JSONL file")
     p.add_argument("file", help="JSONL file (docs/jsonl.md)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none either when stdout is not a terminal)")
     p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("verdicts", help="print verdicts as JSON lines")
@@ -246,13 +285,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write to FILE instead of stdout")
     p.add_argument("--since", type=since_arg, metavar="TIME", default=None,
                    help="only verdicts timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
+    p.add_argument("--tokens", action="store_true",
+                   help="keep each member's token ids (interactions): the form `inspect --verdicts` reads")
     p.set_defaults(func=cmd_verdicts)
 
     add_trainer_parser(sub)
 
+    p = sub.add_parser("gateway", help="HTTP reward service for OpenRLHF, slime and token-id clients")
+    p.add_argument("--host", default=None, help="listen address (default gateway.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default gateway.port; 0 = any free port)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="listen beyond loopback without bearer tokens (only behind a network policy)")
+    p.set_defaults(func=cmd_gateway)
+
     from prm_pipeline.audit import add_audit_parser
+    from prm_pipeline.dead_letter_tool import add_dead_letters_parser
     from prm_pipeline.demo.fake_judge import add_fake_judge_parser
 
+    add_dead_letters_parser(sub)
     add_audit_parser(sub)
     add_fake_judge_parser(sub)
 
@@ -263,12 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     from prm_pipeline.demo.model_server import add_model_server_parser
-    from prm_pipeline.inspect import add_inspect_parser
+    from prm_pipeline.token_view import add_inspect_parser
 
     add_inspect_parser(sub)
     add_model_server_parser(sub)
 
+    from prm_pipeline.status.command import add_status_parser
+
+    add_status_parser(sub)
+
     p = sub.add_parser("bench", help=f"run a benchmark from tests/perf ({', '.join(BENCHMARKS)})")
+    p.add_argument("-q", "--quiet", action="store_true", help="no spinner (none either when stdout is not a terminal)")
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)
@@ -294,8 +349,81 @@ def _accept_global_options_after(sub: argparse._SubParsersAction) -> None:
 # The services each command needs before it starts (infra.startup waits for them).
 NEEDS: dict[str, tuple[Service, ...]] = {
     "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
-    "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",),
+    "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",), "dead-letters": ("kafka",),
+    "gateway": ("kafka",),
 }
+
+# Files each command reads (they must exist and be readable) and writes (their folder must
+# exist and be writable), as (argparse dest, how the user spelt it). They are checked before
+# the config is used and before any connection: a mistyped path is one line at once, not a
+# wait of kafka.startup_timeout_s followed by a message about Kafka. A new command that
+# takes a file adds it here.
+READS: dict[str, tuple[tuple[str, str], ...]] = {
+    "publish": (("file", "FILE"),),
+    "inspect": (("verdicts", "--verdicts"), ("audit", "--audit")),
+}
+WRITES: dict[str, tuple[tuple[str, str], ...]] = {
+    "verdicts": (("out", "--out"),),
+    "audit": (("out", "--out"),),
+    "inspect": (("html", "--html"),),
+    "trainer": (("dedupe_store", "--dedupe-store"),),
+}
+
+# Exit status of an error that is not the command's own verdict. ``audit`` keeps 1 for
+# "a group differs", so its errors (config, files, services, crashes) exit 2.
+ERROR_EXIT: dict[str, int] = {"audit": 2}
+
+
+def local_file_problem(args: argparse.Namespace) -> str | None:
+    """One line naming the first input that cannot be read or output that cannot be written."""
+    for dest, flag in READS.get(args.command, ()):
+        path = getattr(args, dest, None)
+        if path is None:
+            continue
+        p = Path(path)
+        if not p.exists():
+            return f"{args.command} {flag}: {path!r} does not exist"
+        if p.is_dir():
+            return f"{args.command} {flag}: {path!r} is a folder, not a file"
+        if not os.access(p, os.R_OK):
+            return f"{args.command} {flag}: {path!r} is not readable"
+    for dest, flag in WRITES.get(args.command, ()):
+        path = getattr(args, dest, None)
+        if path is None:
+            continue
+        p = Path(path)
+        folder = p.parent
+        if p.is_dir():
+            return f"{args.command} {flag}: {path!r} is a folder, not a file"
+        if not folder.is_dir():
+            return f"{args.command} {flag}: cannot write {path!r}: folder {str(folder)!r} does not exist"
+        if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+            return f"{args.command} {flag}: cannot write {path!r}: permission denied"
+    return None
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """Checks of local inputs that need no service, run before waiting for any.
+
+    ``worker`` and ``audit`` resolve the configured scorers and check their ``kwargs``
+    (building nothing): a typo, a missing package or a module outside
+    ``worker.allowed_scorer_modules`` is a :class:`ConfigError` at once. ``publish``
+    validates its whole file.
+    """
+    if args.command in ("worker", "audit"):
+        from scoring_workers.prm.resolve import check_scorer_entries
+
+        cfg = _load(args)
+        if cfg.prm.active:
+            try:
+                check_scorer_entries(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+            except (ImportError, TypeError) as exc:
+                raise ConfigError(str(exc)) from None
+    elif args.command == "publish":
+        from infra.jsonl import load
+
+        for _ in load(args.file):  # every line is valid before anything connects
+            pass
 def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
     from aiokafka.errors import KafkaConnectionError
@@ -328,23 +456,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not args.verbose and args.command not in ("worker", "trainer"):  # long-running: keep every line
         logging.getLogger("aiokafka").addFilter(_QuietBootstrapErrors())
+    failed = ERROR_EXIT.get(args.command, 1)
+    if (problem := local_file_problem(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
+        preflight(args)
         if args.command in NEEDS:
             try:
                 asyncio.run(wait_for_services(_load(args), NEEDS[args.command]))
             except ServiceUnavailable as exc:
                 print(f"error: {exc}", file=sys.stderr)
-                return 1
+                return failed
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        from infra.jsonl import JsonlError
+
+        if isinstance(exc, JsonlError):
+            print(f"error: {exc}", file=sys.stderr)
+            return failed
         message = _access_error(args, exc)
         if message is None:
-            raise
+            if failed == 1:
+                raise
+            traceback.print_exc()
+            return failed
         print(f"error: {message}", file=sys.stderr)
-        return 1
+        return failed
     except KeyboardInterrupt:
         return 130
 

@@ -19,6 +19,7 @@ import asyncio
 import re
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, Any
 
@@ -28,6 +29,7 @@ from infra.config import PipelineConfig
 from infra.jsonl import dump_verdict
 from infra.kafka import assign_from_start, make_consumer
 from infra.schema import SchemaError, decode_verdict
+from prm_pipeline.token_view import verdict_record
 
 _UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0, "w": 604_800.0}
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
@@ -75,8 +77,28 @@ def since_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+@dataclass
+class DumpCounts:
+    """What a dump printed: ``verdicts`` lines, of ``groups`` distinct groups; ``repeats``
+    are verdicts of a ``(group_id, verdict_version)`` printed before (a re-publish after a
+    worker crash or a retried send), which the trainer's dedupe drops."""
+
+    verdicts: int = 0
+    groups: int = 0
+    repeats: int = 0
+
+    def summary(self) -> str:
+        if not self.repeats:
+            return f"{self.verdicts} verdicts"
+        return (f"{self.verdicts} verdicts of {self.groups} groups: {self.repeats} repeated a (group_id, "
+                "verdict_version) already printed (a re-published verdict; the trainer keeps the first)")
+
+
 async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_count: int | None,
-                timeout_s: float | None, since_ms: int | None = None) -> int:
+                timeout_s: float | None, since_ms: int | None = None, tokens: bool = False,
+                counts: DumpCounts | None = None) -> int:
+    counts = counts if counts is not None else DumpCounts()
+    seen: set[tuple[str, int]] = set()
     start_ms = since_ms if since_ms is not None else (0 if from_beginning else int(time.time() * 1000))
     consumer = make_consumer(cfg.kafka, group_id=None)
     await consumer.start()
@@ -100,14 +122,22 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
                 except SchemaError as exc:
                     print(f"skipping undecodable verdict at {record.partition}:{record.offset}: {exc}", file=sys.stderr)
                     continue
-                out.write(encoder.encode(dump_verdict(verdict)).decode() + "\n")
+                line = verdict_record(verdict) if tokens else dump_verdict(verdict)
+                out.write(encoder.encode(line).decode() + "\n")
                 count += 1
+                key = (verdict.group_id, verdict.verdict_version)
+                if key in seen:
+                    counts.repeats += 1
+                else:
+                    seen.add(key)
+                    counts.groups += 1
                 last_new = time.monotonic()
                 if max_count is not None and count >= max_count:
                     break
             out.flush()
     finally:
         await consumer.stop()
+    counts.verdicts = count
     return count
 
 
@@ -126,15 +156,21 @@ async def seek_to_time(consumer: Any, tps: Any, since_ms: int) -> None:
 
 
 def dump_verdicts(cfg: PipelineConfig, *, from_beginning: bool, max_count: int | None, timeout_s: float | None,
-                  out: str | None, since_ms: int | None = None) -> int:
+                  out: str | None, since_ms: int | None = None, tokens: bool = False) -> int:
+    """Print (or write to ``out``) verdict JSON lines; the summary line goes to stderr.
+
+    ``tokens`` keeps each member's token ids (``interactions``, plus ``policy_version``):
+    the form ``prm-pipeline inspect --verdicts`` reads.
+    """
     fh = open(out, "w") if out else sys.stdout
+    counts = DumpCounts()
     try:
-        n = asyncio.run(_dump(cfg, fh, from_beginning=from_beginning, max_count=max_count, timeout_s=timeout_s,
-                              since_ms=since_ms))
+        asyncio.run(_dump(cfg, fh, from_beginning=from_beginning, max_count=max_count, timeout_s=timeout_s,
+                          since_ms=since_ms, tokens=tokens, counts=counts))
     except KeyboardInterrupt:
         return 130
     finally:
         if out:
             fh.close()
-    print(f"{n} verdicts", file=sys.stderr)
+    print(counts.summary(), file=sys.stderr)
     return 0

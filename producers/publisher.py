@@ -5,6 +5,12 @@ order with the group's discard), sent with ``acks=all`` and compression, and che
 against ``kafka.max_message_bytes`` before sending — the embedded broker enforces no
 limit, a real cluster would refuse the record after the fact.
 
+Trajectories go out in the compact form (each turn carries only what is new since its
+parent, schema version 2), and one too large for a record is split into chunk records
+(:func:`infra.chunks.to_records`): a long agent session costs its content, not the
+square of its turns. Only a session over :data:`infra.schema.MAX_CHUNKS` records is
+refused, with :class:`infra.kafka.MessageTooLarge` naming it.
+
 Retries are bounded: the client retries retriable send errors (leader changes,
 disconnects) with backoff until ``kafka.request_timeout_ms`` runs out, then the delivery
 fails. ``publish_ready``/``discard_group`` return once the record is queued; ``flush()``
@@ -18,15 +24,17 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
 from aiokafka import AIOKafkaProducer
 
 from infra import jsonl
+from infra.chunks import Record, to_records
 from infra.config import KafkaConfig, TopicsConfig
-from infra.kafka import check_size, make_producer
-from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage, encode
+from infra.kafka import make_producer
+from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage
 
 
 class PublishError(RuntimeError):
@@ -44,6 +52,7 @@ class TrajectoryPublisher:
         self._errors: list[BaseException] = []
         self._max_pending = max_pending
         self.published = {"ready": 0, "discard": 0}
+        self.records_sent = 0  # Kafka records (a chunked trajectory is several)
 
     async def __aenter__(self) -> TrajectoryPublisher:
         await self.start()
@@ -66,21 +75,29 @@ class TrajectoryPublisher:
             await self._producer.stop()
             self._producer = None
 
+    def records(self, message: TrajectoryMessage) -> list[Record]:
+        """The Kafka records (``(value, headers)``, key = ``group_id``) that carry ``message``:
+        compact, chunked when large, each checked against ``kafka.max_message_bytes``.
+        Raises :class:`infra.kafka.MessageTooLarge` with a one-line reason."""
+        if isinstance(message, ReadyTrajectory) and not message.created_at:
+            message = msgspec.structs.replace(message, created_at=time.time())
+        return to_records(message, self.kafka.max_message_bytes)
+
     async def publish(self, message: TrajectoryMessage) -> None:
         """Queue one message (validated: it is a wire struct, so it was checked on construction)."""
         if self._producer is None:
             raise RuntimeError("TrajectoryPublisher is not started; use 'async with TrajectoryPublisher(...)'")
-        if isinstance(message, ReadyTrajectory) and not message.created_at:
-            import msgspec
+        await self._send(message, self.records(message))
 
-            message = msgspec.structs.replace(message, created_at=time.time())
-        value, headers = encode(message)
-        check_size(value, self.kafka, f"{type(message).__name__} for group {message.group_id!r}")
-        if len(self._pending) >= self._max_pending:
-            await self._wait(self._pending)
-        fut = await self._producer.send(self.topic, value, key=message.group_id.encode(), headers=headers)
-        self._pending.add(fut)
-        fut.add_done_callback(self._on_delivered)
+    async def _send(self, message: TrajectoryMessage, records: list[Record]) -> None:
+        assert self._producer is not None
+        for value, headers in records:  # chunks in order, one key: one partition, in order
+            if len(self._pending) >= self._max_pending:
+                await self._wait(self._pending)
+            fut = await self._producer.send(self.topic, value, key=message.group_id.encode(), headers=headers)
+            self._pending.add(fut)
+            fut.add_done_callback(self._on_delivered)
+            self.records_sent += 1
         self.published["ready" if isinstance(message, ReadyTrajectory) else "discard"] += 1
 
     async def publish_ready(self, trajectory: ReadyTrajectory) -> None:
@@ -98,11 +115,25 @@ class TrajectoryPublisher:
             n += 1
         return n
 
-    async def publish_jsonl(self, path: str | os.PathLike[str]) -> dict[str, int]:
-        """Publish every line of a JSONL file (all lines are validated before the first send)."""
-        messages = list(jsonl.load(path))
+    async def publish_jsonl(self, path: str | os.PathLike[str], *,
+                            on_progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+        """Publish every line of a JSONL file (full form; compacted here). Every line is
+        validated and size-checked before the first send, so a bad line sends nothing.
+
+        ``on_progress(phase, n)`` sees ``("validated", 1)`` per line, ``("publishing", total)``
+        once, then ``("published", 1)`` per message queued (:mod:`prm_pipeline.progress`)."""
+        if self._producer is None:
+            raise RuntimeError("TrajectoryPublisher is not started; use 'async with TrajectoryPublisher(...)'")
+        report = on_progress or (lambda _phase, _n: None)
+        prepared = []
+        for message in jsonl.load(path):
+            prepared.append((message, self.records(message)))
+            report("validated", 1)
         before = dict(self.published)
-        await self.publish_many(messages)
+        report("publishing", len(prepared))
+        for message, records in prepared:
+            await self._send(message, records)
+            report("published", 1)
         await self.flush()
         return {k: self.published[k] - before[k] for k in before}
 

@@ -5,9 +5,10 @@ so Redis Cluster keeps them in one slot and every transition is one atomic Lua c
 
 * ``<prefix>:{G}:state``   hash — ``status`` (``open`` | ``decided``), ``group_size``,
   ``first_seen``/``deadline`` (ms), ``size_mismatch``; once decided also ``decision``
-  (``complete`` | ``deadline`` | ``discard`` | ``invalid``), ``discard_reason`` (the
-  reason of a discard or of an ``invalid`` decision), ``decided_at``, ``decided_by``,
-  ``scorers``.
+  (``complete`` | ``failed`` | ``deadline`` | ``discard`` | ``invalid``),
+  ``discard_reason`` (the reason of a discard or of an ``invalid`` decision),
+  ``decided_at``, ``decided_by``, ``scorers``. Read back as one typed
+  :class:`GroupState`.
 * ``<prefix>:{G}:members`` hash — ``trajectory_id`` -> msgpack :class:`ParkedMember`:
   what scoring produced (rewards — per turn when uniform, dense only when not —, turn
   results, stats, status, stage timestamps) and the member's record coordinates in the
@@ -28,6 +29,10 @@ longer ago than the window re-opens it, and its second verdict is dropped by the
 trainer's dedupe on ``(group_id, verdict_version)`` — so the window must cover the
 longest redelivery delay (consumer lag after an outage, producer retries), see
 docs/architecture.md.
+
+A member parked ``failed`` decides its group in the same atomic step (``failed``): the
+group is rejected whatever its other members bring (AReaL rejects a group when any
+member fails), so it does not wait for the rest or for the deadline.
 
 One global sorted set, ``<prefix>:deadlines``, lists unfinished groups by the time a
 sweeper must look at them (deadline, or a re-publish grace for decided groups). It is
@@ -60,6 +65,7 @@ from infra.schema import SessionResult
 from scoring_workers.ledger_scripts import DECIDE, FINISH, PARK, PROBE
 
 DEDUPE_BUCKETS = 2  # a window is this many buckets; a probe checks one more (the window's edge)
+WORKERS_REMEMBERED_S = 3600.0  # a worker silent this long leaves the heartbeat set
 
 
 Probe = Literal["new", "duplicate", "decided", "done"]
@@ -71,7 +77,7 @@ class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
     """A member as parked: its scoring result without token turns, and where its record is.
 
     ``partition``/``offset`` locate the member's ``ReadyTrajectory`` in the trajectories
-    topic (-1 when unknown: results parked by an older worker carry their turns inline).
+    topic (-1 when unknown).
     """
 
     result: SessionResult
@@ -79,15 +85,59 @@ class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
     offset: int = -1
 
 
+DecisionKind = Literal["complete", "failed", "deadline", "discard", "invalid"]
+
+
+class GroupState(msgspec.Struct, frozen=True, kw_only=True):
+    """A group's state hash, typed. Times are epoch milliseconds; ``scorers`` is the
+    msgpack list of :class:`~infra.schema.ScorerInfo` the decider ran (raw bytes).
+
+    ``decision`` says why the group was decided: ``complete`` (every member parked),
+    ``failed`` (a member failed), ``deadline`` (the sweeper), ``discard`` (a
+    ``DiscardGroup``) or ``invalid`` (a member was dead-lettered; ``discard_reason``
+    names it, as it holds a discard's reason).
+    """
+
+    status: Literal["open", "decided"] = "open"
+    group_size: int = 0
+    first_seen: int = 0
+    deadline: int = 0
+    size_mismatch: int | None = None
+    decision: DecisionKind | None = None
+    discard_reason: str = ""
+    decided_at: int = 0
+    decided_by: str = ""
+    scorers: bytes = b""
+
+
+_INT_FIELDS = frozenset({"group_size", "first_seen", "deadline", "size_mismatch", "decided_at"})
+
+
+def decode_state(flat: Sequence[bytes]) -> GroupState:
+    """The state hash as ``HGETALL`` returns it (field, value, ...) -> :class:`GroupState`.
+
+    Integers are stored as decimal strings, ``scorers`` stays bytes, other values are
+    UTF-8; unknown fields are ignored. A value of the wrong shape raises ``ValueError``
+    (or :class:`msgspec.ValidationError`, a subclass) naming it.
+    """
+    fields: dict[str, Any] = {}
+    for raw_name, value in zip(flat[::2], flat[1::2]):
+        name = raw_name.decode()
+        if name == "scorers":
+            fields[name] = bytes(value)
+        elif name in _INT_FIELDS:
+            fields[name] = int(value)
+        elif name in GroupState.__struct_fields__:
+            fields[name] = value.decode()
+    return msgspec.convert(fields, GroupState)
+
+
 _MEMBER_DECODER = msgspec.msgpack.Decoder(ParkedMember)
-_LEGACY_DECODER = msgspec.msgpack.Decoder(SessionResult)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 def decode_parked(blob: bytes) -> ParkedMember:
-    """A parked blob; a map (not an array) is a :class:`SessionResult` parked by an older worker."""
-    if blob[:1] and (0x80 <= blob[0] <= 0x8F or blob[0] in (0xDE, 0xDF)):
-        return ParkedMember(_LEGACY_DECODER.decode(blob))
+    """A parked member's blob (as stored in the group's members hash)."""
     return _MEMBER_DECODER.decode(blob)
 
 
@@ -98,16 +148,19 @@ def fingerprint(group_id: str) -> bytes:
 
 @dataclass(frozen=True)
 class Decision:
-    """A group's stored decision and its parked members: all a verdict is built from."""
+    """A group's stored decision and its parked members: all a verdict is built from.
+
+    ``state`` is the default :class:`GroupState` when nothing was decided (``done``,
+    ``gone``, ``not_due``, ``incomplete``)."""
 
     outcome: DecideOutcome
     group_id: str
-    state: dict[str, str]
+    state: GroupState
     members: list[ParkedMember]
 
     @property
     def decided_at_ms(self) -> int:
-        return int(self.state.get("decided_at", "0"))
+        return self.state.decided_at
 
 
 def _now_ms() -> int:
@@ -166,6 +219,7 @@ class _Park:
     group_timeout_s: float
     worker_id: str
     scorers: bytes
+    failed: bool
 
 
 _SLOT_TAGS: list[str] | None = None
@@ -255,7 +309,7 @@ class GroupLedger:
             by_slot: dict[int, list[int]] = {}
             for i, (group_id, _) in enumerate(items):
                 by_slot.setdefault(self._slot(group_id), []).append(i)
-            calls = [self._call(script, [items[i] for i in idx]) for idx in by_slot.values()]
+            calls = [self._call([items[i] for i in idx]) for idx in by_slot.values()]
             for attempt in (1, 2):
                 try:  # every command here is safe to repeat
                     done = await asyncio.gather(
@@ -275,7 +329,7 @@ class GroupLedger:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     if items:
-                        keys, argv = self._call(script, items)
+                        keys, argv = self._call(items)
                         pipe.evalsha(self._sha[script], len(keys), *keys, *argv)
                     for name, args, kw in extra:
                         getattr(pipe, name)(*args, **kw)
@@ -287,7 +341,7 @@ class GroupLedger:
                 await self._load_scripts()  # Redis restarted and lost its script cache
         raise AssertionError("unreachable")
 
-    def _call(self, script: str, items: Sequence[tuple[str, list[Any]]]) -> tuple[list[str], list[Any]]:
+    def _call(self, items: Sequence[tuple[str, list[Any]]]) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
         argv: list[Any] = [DEDUPE_BUCKETS + 1]
         for group_id, args in items:
@@ -309,18 +363,20 @@ class GroupLedger:
 
     # ---------------------------------------------------------------- transitions
     async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
-                   worker_id: str, scorers: bytes, republish_grace_s: float, partition: int = -1,
+                   worker_id: str, scorers: bytes, partition: int = -1,
                    offset: int = -1) -> tuple[ParkOutcome, Decision | None]:
         """Store a member's result (its token turns stay in Kafka at ``partition``/``offset``);
-        if it completes the group, decide the group too.
+        if it completes the group, or failed (the group is rejected either way), decide the
+        group too.
 
-        Returns ``(outcome, decision)``; ``decision`` is set when the group is complete
-        (``decided_now`` for the caller that must publish). Parks of concurrent records
-        share one round trip, with the deadline index entries (``ZADD NX``).
+        Returns ``(outcome, decision)``; ``decision`` is set when the group was decided in
+        this step (``decided_now`` for the caller that must publish). Parks of concurrent
+        records share one round trip, with the deadline index entries (``ZADD NX``).
         """
         member = ParkedMember(msgspec.structs.replace(result, turns=[]), partition, offset)
         outcome, raw, now = await self._parks.submit(_Park(
-            group_id, result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers))
+            group_id, result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers,
+            result.status == "failed"))
         if raw is None:
             return outcome, None  # type: ignore[return-value]
         return outcome, self._decision(group_id, raw)  # type: ignore[return-value]
@@ -332,14 +388,14 @@ class GroupLedger:
             deadline = now + int(p.group_timeout_s * 1000)
             ttl = self._state_ttl(p.group_timeout_s)
             items.append((p.group_id, [fingerprint(p.group_id), p.trajectory_id, p.blob, p.group_size, now, deadline,
-                                       ttl, p.worker_id, p.scorers]))
+                                       ttl, p.worker_id, p.scorers, "failed" if p.failed else "complete"]))
             index.setdefault(p.group_id, deadline)
         ttl = max(self._state_ttl(p.group_timeout_s) for p in parks)
         res, _ = await self._scripts("park", items, [
             ("zadd", (self.deadlines_key, index), {"nx": True}), ("expire", (self.deadlines_key, ttl), {})])
         return [(r[0].decode(), r[2] if len(r) >= 3 else None, now) for r in res]
 
-    async def decide(self, group_id: str, kind: Literal["complete", "deadline", "discard", "invalid"], *,
+    async def decide(self, group_id: str, kind: DecisionKind, *,
                      worker_id: str, scorers: bytes, discard_reason: str = "",
                      group_timeout_s: float, republish_grace_s: float) -> Decision:
         """Record the group's decision unless one exists; return the stored one either way."""
@@ -359,14 +415,12 @@ class GroupLedger:
     def _decision(group_id: str, raw: list[Any]) -> Decision:
         outcome = raw[0].decode()
         if outcome not in ("decided_now", "already_decided"):
-            return Decision(outcome, group_id, {}, [])  # type: ignore[arg-type]
-        flat_state, flat_members = raw[1], raw[2]
-        # latin-1 maps bytes 1:1, so the binary ``scorers`` blob survives the str round trip
-        state = {flat_state[i].decode(): flat_state[i + 1].decode("latin-1") for i in range(0, len(flat_state), 2)}
+            return Decision(outcome, group_id, GroupState(), [])  # type: ignore[arg-type]
+        flat_members = raw[2]
         members = [decode_parked(flat_members[i + 1]) for i in range(0, len(flat_members), 2)]
-        return Decision(outcome, group_id, state, members)  # type: ignore[arg-type]
+        return Decision(outcome, group_id, decode_state(raw[1]), members)  # type: ignore[arg-type]
 
-    async def finish(self, group_id: str, status: str) -> None:
+    async def finish(self, group_id: str) -> None:
         """After the verdict is acknowledged by Kafka: drop the group's state and remember
         it as finished for the dedupe window. Concurrent finishes share one round trip."""
         await self._finishes.submit(group_id)
@@ -397,3 +451,83 @@ class GroupLedger:
         """Groups whose deadline (or re-publish grace) has passed."""
         raw = await self.redis.zrangebyscore(self.deadlines_key, "-inf", _now_ms(), start=0, num=limit)
         return [g.decode() for g in raw]
+
+    # ---------------------------------------------------------------- worker heartbeats (prm-pipeline status)
+    # One sorted set, ``<prefix>:workers``: worker id -> last beat (ms). Kept apart from
+    # the group transitions; no group key is touched here.
+    @property
+    def workers_key(self) -> str:
+        return f"{self.prefix}:workers"
+
+    async def beat(self, worker_id: str, *, forget_after_s: float = WORKERS_REMEMBERED_S) -> None:
+        """Record that ``worker_id`` is alive now; forget workers silent for ``forget_after_s``."""
+        now = _now_ms()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.workers_key, {worker_id: now})
+            pipe.zremrangebyscore(self.workers_key, "-inf", now - int(forget_after_s * 1000))
+            pipe.expire(self.workers_key, int(forget_after_s))
+            await pipe.execute()
+
+    async def retire(self, worker_id: str) -> None:
+        """A worker that stops cleanly leaves the heartbeat set at once."""
+        await self.redis.zrem(self.workers_key, worker_id)
+
+    # ---------------------------------------------------------------- operator reads (prm-pipeline status)
+    # Read-only and separate from the transitions above: nothing here changes a key.
+    async def heartbeats(self) -> list[tuple[str, int]]:
+        """``(worker_id, last beat in epoch ms)`` of the workers seen within the remembered span."""
+        return [(w.decode(), int(ms)) for w, ms in await self.redis.zrange(self.workers_key, 0, -1, withscores=True)]
+
+    async def unfinished_groups(self, limit: int = 1000) -> tuple[int, list[UnfinishedGroup]]:
+        """``(total, first)``: how many groups the deadlines index lists, and the state of
+        the ``limit`` that are due soonest (decided groups waiting for their verdict come
+        first: their index entry is the re-publish time). One round trip for the index,
+        one pipelined read of the states (per slot on Redis Cluster)."""
+        total = int(await self.redis.zcard(self.deadlines_key))
+        entries = await self.redis.zrange(self.deadlines_key, 0, max(0, limit - 1), withscores=True)
+        if not entries:
+            return total, []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for group, _ in entries:
+                pipe.hmget(f"{self.prefix}:{{{group.decode()}}}:state", "status", "first_seen", "deadline", "decided_at")
+            states = await pipe.execute()
+        out = []
+        for (group, due), (status, first_seen, deadline, decided_at) in zip(entries, states):
+            out.append(UnfinishedGroup(group.decode(), status.decode() if status else "gone", int(due),
+                                       int(first_seen or 0), int(deadline or 0), int(decided_at or 0)))
+        return total, out
+
+    async def memory(self) -> list[tuple[str, int, int]]:
+        """``(node, used_memory, maxmemory)`` of each Redis node holding the ledger (one on a
+        standalone Redis; every primary on Redis Cluster). ``maxmemory`` 0 means unlimited."""
+        info = await self.redis.info("memory")
+        per_node = info if self.cluster and all(isinstance(v, dict) for v in info.values()) else {"redis": info}
+        return [(str(node), int(v.get("used_memory", 0)), int(v.get("maxmemory", 0))) for node, v in per_node.items()]
+
+
+    async def command_calls(self) -> dict[str, int]:
+        """Calls per command since each Redis node started (``INFO commandstats``), summed over nodes."""
+        info = await self.redis.info("commandstats")
+        per_node = info.values() if self.cluster and all(isinstance(v, dict) for v in info.values()) else [info]
+        calls: dict[str, int] = {}
+        for node in per_node:
+            for name, stats in node.items():
+                if isinstance(stats, dict) and "calls" in stats:
+                    command = name.removeprefix("cmdstat_")
+                    calls[command] = calls.get(command, 0) + int(stats["calls"])
+        return calls
+
+@dataclass(frozen=True)
+class UnfinishedGroup:
+    """A group the deadlines index lists, as :meth:`GroupLedger.unfinished_groups` read it.
+
+    ``status`` is ``open``, ``decided`` (waiting for its verdict to be published) or
+    ``gone`` (its keys expired or were finished since the index was read); times are
+    epoch milliseconds, 0 when unknown."""
+
+    group_id: str
+    status: str
+    due_ms: int
+    first_seen_ms: int
+    deadline_ms: int
+    decided_at_ms: int

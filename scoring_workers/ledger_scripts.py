@@ -37,9 +37,11 @@ end
 return out
 """
 
-# Shared by PARK (kind 'complete', when the last member lands) and DECIDE.
-# kind: complete (all members parked) | deadline (sweeper) | discard (DiscardGroup)
-#       | invalid (a member was dead-lettered; ``reason`` names it)
+# Shared by PARK (kind 'complete' when the last member lands, 'failed' when a failed member
+# lands) and DECIDE.
+# kind: complete (all members parked) | failed (a member failed: the group is rejected
+#       anyway) | deadline (sweeper) | discard (DiscardGroup) | invalid (a member was
+#       dead-lettered; ``reason`` names it)
 DECIDE_FN = """
 local function decide(k0, fp, kind, now, worker, scorers, reason, ttl)
   local S, M = KEYS[k0 + 1], KEYS[k0 + 2]
@@ -71,9 +73,10 @@ local function decide(k0, fp, kind, now, worker, scorers, reason, ttl)
 end
 """
 
-# per item ARGV: fingerprint, trajectory_id, blob, group_size, now_ms, deadline_ms, ttl_s, worker_id, scorers
-# per item result: {outcome, complete[, decision]} — the member that completes the group
-# also decides it in the same atomic step.
+# per item ARGV: fingerprint, trajectory_id, blob, group_size, now_ms, deadline_ms, ttl_s, worker_id, scorers,
+# kind ('complete', or 'failed' for a failed member)
+# per item result: {outcome, decided[, decision]} — the member that completes the group,
+# or a failed member, also decides it in the same atomic step.
 PARK = HEAD + DECIDE_FN + """
 local function park(k0, a)
   local S, M, fp = KEYS[k0 + 1], KEYS[k0 + 2], ARGV[a + 1]
@@ -99,14 +102,16 @@ local function park(k0, a)
       redis.call('HSET', M, ARGV[a + 2], ARGV[a + 3])  -- both keys got their TTL with the first member
     end
   end
-  if mismatch or redis.call('HLEN', M) >= tonumber(size) then
-    return {outcome, 1, decide(k0, fp, 'complete', ARGV[a + 5], ARGV[a + 8], ARGV[a + 9], '', ARGV[a + 7])}
+  local kind = ARGV[a + 10]
+  if outcome ~= 'parked' then kind = 'complete' end  -- a duplicate: the member parked first stands
+  if kind == 'failed' or mismatch or redis.call('HLEN', M) >= tonumber(size) then
+    return {outcome, 1, decide(k0, fp, kind, ARGV[a + 5], ARGV[a + 8], ARGV[a + 9], '', ARGV[a + 7])}
   end
   return {outcome, 0}
 end
 local out = {}
 local n = (#KEYS) / nk
-for j = 0, n - 1 do out[#out + 1] = park(j * nk, 1 + j * 9) end
+for j = 0, n - 1 do out[#out + 1] = park(j * nk, 1 + j * 10) end
 return out
 """
 

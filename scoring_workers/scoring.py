@@ -21,7 +21,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from infra.schema import NotConcatExport, ReadyTrajectory, SessionResult, compact_turns
+from infra.schema import NotConcatExport, ReadyTrajectory, SessionResult, compact_turns, expand_trajectory
 from scoring_workers.prm.errors import error_context, failure_code, failure_detail
 
 if TYPE_CHECKING:
@@ -41,7 +41,9 @@ async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeo
     """Score ``traj`` and return the member result to park (see the module rules).
 
     ``scored_at`` defaults to now (the worker); the audit passes 0 (it is not compared).
+    A compact trajectory (built in process, not decoded) is expanded first: scorers see full turns.
     """
+    traj = expand_trajectory(traj)
     common: dict[str, Any] = {
         "session_id": traj.session_id, "trajectory_id": traj.trajectory_id, "outcome_reward": traj.outcome_reward,
         "is_eval": traj.is_eval, "policy_version": traj.policy_version, "created_at": traj.created_at,

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from infra.schema import GroupVerdict
+from scoring_workers.judge_metrics import JudgeCollector
 
 LIVENESS_STALE_S = 30.0
 
@@ -37,6 +38,12 @@ class WorkerTelemetry:
                                       "not handle this time; it goes on with the others", ["error"], registry=r)
         self.publish_failures = Counter("prm_worker_publish_failures", "Verdicts Kafka refused for good (they "
                                         "stay decided; the sweeper re-publishes them)", ["error"], registry=r)
+        self.commit_failures = Counter("prm_worker_commit_failures", "Offset commits Kafka refused (e.g. a "
+                                       "rebalance revoked the partition); the records are redelivered", ["error"],
+                                       registry=r)
+        self.background_errors = Counter("prm_worker_background_errors", "Unexpected failures of a periodic step "
+                                         "(commit, sweep, lag); the worker goes on and the step runs again",
+                                         ["step", "error"], registry=r)
         self.scoring_seconds = Histogram(
             "prm_worker_scoring_seconds", "PRMRunner.run latency per trajectory", registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
@@ -49,6 +56,9 @@ class WorkerTelemetry:
         )
         self.in_flight = Gauge("prm_worker_in_flight", "Records being processed", registry=r)
         self.lag = Gauge("prm_worker_consumer_lag", "highwater - committed offset", ["topic", "partition"], registry=r)
+        Gauge("prm_worker_ready", "1 once the consumer joined its group and polls (/readyz), 0 before and after",
+              registry=r).set_function(lambda: 1.0 if self.ready else 0.0)
+        r.register(JudgeCollector())  # the judge servers this process calls (none: nothing exported)
 
         self.last_tick = time.monotonic()
         self.ready = False

@@ -6,7 +6,8 @@ land on one partition and are consumed by one worker at a time; that worker keep
 compact token turns of the members it scored in memory (:meth:`MemberTokens.remember`).
 A member consumed before a rebalance or a crash is read back from the log at its parked
 coordinates. Either way the turns are ``compact_turns`` of the same record bytes, so any
-worker builds the identical verdict.
+worker builds the identical verdict. A chunked trajectory is parked at its first chunk's
+coordinates; reading it back reads on from there until its last chunk.
 
 The log must therefore keep a trajectory at least as long as its group can stay open
 (``topics.retention_ms`` > ``worker.group_timeout_s`` + the re-publish grace, with room
@@ -25,15 +26,22 @@ import msgspec
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from infra.chunks import ChunkAssembler, reassembled
 from infra.config import PipelineConfig
 from infra.kafka import make_consumer
-from infra.schema import ReadyTrajectory, SchemaError, SessionResult, TokenTurn, compact_turns, decode_message
+from infra.schema import (
+    ReadyTrajectory,
+    SchemaError,
+    SessionResult,
+    TokenTurn,
+    TrajectoryChunk,
+    TrajectoryMessage,
+    compact_turns,
+    decode_message,
+)
 from scoring_workers.ledger import ParkedMember
 
 log = logging.getLogger(__name__)
-
-CACHE_BYTES = 256 * 1024 * 1024  # token bytes kept in memory; beyond it the oldest are read back from the log
-
 
 def _size(turns: Sequence[TokenTurn]) -> int:
     return sum(len(t.prompt_delta_raw) + len(t.output_tokens_raw) + len(t.output_logprobs_raw or b"") for t in turns)
@@ -42,9 +50,10 @@ def _size(turns: Sequence[TokenTurn]) -> int:
 class MemberTokens:
     """Token turns of group members: remembered when scored, read from the log otherwise."""
 
-    def __init__(self, cfg: PipelineConfig, *, max_bytes: int = CACHE_BYTES) -> None:
+    def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
-        self.max_bytes = max_bytes
+        # token bytes kept in memory (worker.token_cache_bytes); beyond it the oldest are read back from the log
+        self.max_bytes = cfg.worker.token_cache_bytes
         self._cache: OrderedDict[tuple[str, str], list[TokenTurn]] = OrderedDict()
         self._bytes = 0
         self._groups: dict[str, set[str]] = {}
@@ -130,6 +139,9 @@ class MemberTokens:
                 continue
             try:
                 message = decode_message(record.value, record.headers)
+                if isinstance(message, TrajectoryChunk):
+                    async with asyncio.timeout(timeout_s):
+                        message = await self._read_chunks(reader, tp, record.offset, message)
             except SchemaError as exc:
                 log.error("group=%s: record %s:%d@%d no longer decodes: %s", group_id, topic, p.partition,
                           p.offset, exc)
@@ -139,6 +151,27 @@ class MemberTokens:
                           p.offset, p.result.trajectory_id)
                 continue
             self.remember(group_id, message.trajectory_id, compact_turns(message.interactions))
+
+    async def _read_chunks(self, reader: AIOKafkaConsumer, tp: TopicPartition, offset: int,
+                           first: TrajectoryChunk) -> TrajectoryMessage:
+        """Read on from a trajectory's first chunk until it is whole; decode it."""
+        assembler: ChunkAssembler[int] = ChunkAssembler()
+        done = assembler.add(None, first, offset)
+        while True:
+            finished = [d for d in done if d.coords[-1] == offset]  # not a superseded partial one
+            if finished:
+                return reassembled(finished[0])
+            record = await reader.getone(tp)
+            self.log_reads += 1
+            offset = record.offset
+            try:
+                chunk = decode_message(record.value, record.headers)
+            except SchemaError:
+                done = []
+                continue
+            same = isinstance(chunk, TrajectoryChunk) and (chunk.group_id, chunk.trajectory_id) == \
+                (first.group_id, first.trajectory_id)
+            done = assembler.add(None, chunk, offset) if same else []  # type: ignore[arg-type]
 
     async def aclose(self) -> None:
         if self._reader is not None:

@@ -10,7 +10,10 @@ Rules:
   stored ``invalid_member: ...`` reason (it names the dead letter's coordinates).
 * members reporting different ``group_size`` values -> ``rejected`` / ``group_size_mismatch``.
 * any failed member -> ``rejected`` with that member's error code (first by
-  trajectory id); successful members keep their stats, the failed one has none.
+  trajectory id), naming the member (``"<code>: member <trajectory> (session <session>)
+  failed"``); successful members keep their stats, the failed one has none. A failed
+  member decides its group when it is parked (decision ``failed``), so the members
+  listed are those parked by then.
 * fewer members than ``group_size`` -> ``rejected`` / ``missing_sessions``.
 * otherwise ``accepted``.
 
@@ -27,7 +30,7 @@ import msgspec
 
 from infra.kafka import record_size
 from infra.schema import GroupVerdict, ScorerInfo, SessionResult, encode
-from scoring_workers.ledger import ParkedMember
+from scoring_workers.ledger import GroupState, ParkedMember
 
 VERDICT_VERSION = 1
 _SCORERS = msgspec.msgpack.Decoder(list[ScorerInfo])
@@ -37,33 +40,33 @@ def encode_scorers(scorers: list[ScorerInfo]) -> bytes:
     return msgspec.msgpack.encode(scorers)
 
 
-def assemble_verdict(group_id: str, state: dict[str, str], members: Sequence[SessionResult | ParkedMember]) -> GroupVerdict:
+def assemble_verdict(group_id: str, state: GroupState,
+                     members: Sequence[SessionResult | ParkedMember]) -> GroupVerdict:
     """The verdict for a stored decision. Parked members (:class:`ParkedMember`) stand for
     their results as parked (no token turns); the worker passes sessions with turns."""
     members = sorted((m.result if isinstance(m, ParkedMember) else m for m in members), key=lambda m: m.trajectory_id)
-    group_size = int(state.get("group_size", "0"))
-    decision = state.get("decision", "complete")
+    group_size = state.group_size
+    decision = state.decision or "complete"
     failed = [m for m in members if m.status == "failed"]
     if decision == "discard":
-        status, reason = "discarded", state.get("discard_reason") or "discarded"
+        status, reason = "discarded", state.discard_reason or "discarded"
         members = [
             msgspec.structs.replace(m, status="discarded", branches=[], turn_results=[], stats={}, turns=[])
             for m in members
         ]
     elif decision == "invalid":
-        status, reason = "rejected", state.get("discard_reason") or "invalid_member"
-    elif state.get("size_mismatch"):
+        status, reason = "rejected", state.discard_reason or "invalid_member"
+    elif state.size_mismatch is not None:
         status = "rejected"
-        reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state['size_mismatch']})"
+        reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state.size_mismatch})"
     elif failed:
-        status, reason = "rejected", failed[0].failure_code
+        status, reason = "rejected", _failed_reason(failed)
     elif len(members) < group_size:
         status, reason = "rejected", f"missing_sessions: {len(members)} of {group_size} arrived before the deadline"
     else:
         status, reason = "accepted", ""
-    first_seen = int(state.get("first_seen", "0"))
-    decided_at = int(state.get("decided_at", "0"))
-    scorers = _SCORERS.decode(state["scorers"].encode("latin-1")) if state.get("scorers") else []
+    first_seen, decided_at = state.first_seen, state.decided_at
+    scorers = _SCORERS.decode(state.scorers) if state.scorers else []
     return GroupVerdict(
         group_id=group_id,
         status=status,
@@ -72,10 +75,18 @@ def assemble_verdict(group_id: str, state: dict[str, str], members: Sequence[Ses
         group_size=group_size,
         sessions=members,
         scorers=scorers,
-        worker_id=state.get("decided_by", ""),
+        worker_id=state.decided_by,
         decided_at=decided_at / 1000.0,
         timings={"group_open_s": max(0, decided_at - first_seen) / 1000.0},
     )
+
+
+def _failed_reason(failed: Sequence[SessionResult]) -> str:
+    """``"<code>: member <trajectory> (session <session>) failed"`` for the first failed
+    member (by trajectory id), plus how many others failed."""
+    first = failed[0]
+    more = f"; {len(failed) - 1} more member(s) failed" if len(failed) > 1 else ""
+    return f"{first.failure_code}: member {first.trajectory_id} (session {first.session_id}) failed{more}"
 
 
 def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: int = 1) -> GroupVerdict:

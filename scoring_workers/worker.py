@@ -11,18 +11,23 @@ share nothing but Kafka and Redis.
 
 Per record (see docs/architecture.md):
 
-1. decode — undecodable, unknown-version or invalid records go to the dead-letter
+1. decode — chunks of a large trajectory are buffered until the last one arrives
+   (:mod:`scoring_workers.chunked`; their offsets are finished with the trajectory);
+   undecodable, unknown-version or invalid records go to the dead-letter
    topic with the reason in headers (capped so the whole dead letter fits the size
    limit); when the record's key names its group, the group is rejected at once
    (``invalid_member``) instead of waiting for its deadline;
 2. pre-check the ledger for the whole poll in one round trip — duplicates and members
    of decided groups are acknowledged without scoring;
 3. score with :class:`PRMRunner` under ``worker.scorer_timeout_s``; a failure parks a
-   failed member (the group will be rejected, other members keep their stats);
+   failed member, which rejects the group at once — after the group's members consumed
+   before it have parked, so they are listed with their stats;
 4. park the result; whoever parks the last member decides the group and publishes
    the verdict, then the ledger leaves a tombstone. A verdict over
    ``kafka.max_message_bytes`` is published as ``rejected`` / ``verdict_too_large``
-   (stats kept, token turns dropped) — it never blocks.
+   (stats kept, token turns dropped) — it never blocks. A ``DiscardGroup`` decides its
+   group once the members consumed before it have parked, so the discarded verdict
+   lists them.
 
 Errors: transient ones (Redis outages, Kafka errors aiokafka flags retriable, broker
 timeouts — :func:`infra.kafka.is_retriable`) are retried with bounded backoff and
@@ -52,7 +57,6 @@ from typing import Any
 
 import msgspec
 from aiokafka import ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from redis.exceptions import BusyLoadingError, OutOfMemoryError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -60,7 +64,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.config import PipelineConfig
 from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer
-from infra.offsets import OffsetTracker
+from infra.offsets import OffsetCommitter
 from infra.redis import verify_access
 from infra.schema import (
     DiscardGroup,
@@ -70,12 +74,17 @@ from infra.schema import (
     SchemaError,
     ScorerInfo,
     SessionResult,
+    TrajectoryChunk,
     compact_turns,
     dead_letter_headers,
     decode_message,
 )
+from infra.throttle import LogThrottle
+from scoring_workers.chunked import WorkerChunks
 from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
-from scoring_workers.ledger import Decision, GroupLedger
+from scoring_workers.heartbeat import Heartbeat
+from scoring_workers.ledger import Decision, DecisionKind, GroupLedger
+from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.tokens import MemberTokens
@@ -89,10 +98,7 @@ log = logging.getLogger(__name__)
 REDIS_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
 )
-MAX_ATTEMPTS = 3  # non-transient processing errors before a record is dead-lettered
-REPUBLISH_GRACE_S = 5.0
-SWEEP_INTERVAL_S = 0.5
-SWEEP_BACKOFF_S = 30.0  # a group the sweeper failed on (not an outage) is looked at again after this
+LAG_INTERVAL_S = 5.0  # how often the consumer-lag gauge is refreshed
 
 
 def default_worker_id() -> str:
@@ -110,6 +116,9 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         await self.worker._drain_partitions(set(revoked))
+        for tp in revoked:  # no stale lag series for partitions another member now owns
+            with contextlib.suppress(KeyError):
+                self.worker.telemetry.lag.remove(tp.topic, str(tp.partition))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.worker.telemetry.ready = True  # joined the group (even with nothing assigned)
@@ -127,15 +136,15 @@ class Worker:
         self.telemetry = WorkerTelemetry()
         self._runner = runner
         self._owns_runner = runner is None
-        self._tracker = OffsetTracker()
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
         self._discards: dict[str, asyncio.Task[None]] = {}  # group_id -> in-flight DiscardGroup
         self._members: dict[str, set[asyncio.Task[None]]] = {}  # group_id -> in-flight members
         self._scorers_blob = encode_scorers([])
         self._tokens = MemberTokens(cfg)
-        self._paused = False
+        self._chunks = WorkerChunks()
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
+        self._duplicates_log = LogThrottle(log, burst=20, window_s=60.0)  # duplicates are normal, but say so
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -152,12 +161,19 @@ class Worker:
             self.telemetry.close()
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
-        """Liveness = the event loop runs (not: Kafka and Redis answer); readiness ends at stop."""
+        """Liveness = the event loop runs (not: Kafka and Redis answer); readiness ends at stop.
+        A ready worker also beats in Redis (scoring_workers/heartbeat.py) and leaves at stop."""
+        beats = Heartbeat(self.worker_id)
         while True:
             self.telemetry.tick()
             if stop.is_set():
                 self.telemetry.ready = False
-            await asyncio.sleep(1.0)
+            await beats.step(getattr(self, "ledger", None), ready=self.telemetry.ready, stopping=stop.is_set())
+            if stop.is_set():
+                await asyncio.sleep(1.0)
+            else:  # wake at stop: leave the heartbeat set while the ledger is still open
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
 
     async def _run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
@@ -165,6 +181,7 @@ class Worker:
             from scoring_workers.prm import PRMRunner
 
             self._runner = await PRMRunner.create(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+        log_scorers(log, self.worker_id, self._runner, self._runner.config if self._runner is not None else cfg.prm)
         if self._runner is not None:
             self._scorers_blob = encode_scorers(
                 [ScorerInfo(s.name, s.version) for s in self._runner.scorer_infos()]
@@ -179,6 +196,9 @@ class Worker:
             raise
         self.producer = make_producer(cfg.kafka)
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
+        self._committer = OffsetCommitter(self.consumer, owner=f"worker {self.worker_id}",
+                                          on_failure=lambda exc: self.telemetry.commit_failures.labels(
+                                              type(exc).__name__).inc())
         await self.producer.start()
         try:
             self.consumer.subscribe([cfg.topics.trajectories], listener=_Rebalance(self))
@@ -201,6 +221,7 @@ class Worker:
     async def _loop(self, stop: asyncio.Event) -> None:
         last_sweep = last_lag = 0.0
         sweeper: asyncio.Task[None] | None = None
+        lag: asyncio.Task[None] | None = None
         self.ready.set()
         log.info("worker %s polling %s", self.worker_id, self.cfg.topics.trajectories)
         while not stop.is_set():
@@ -212,30 +233,51 @@ class Worker:
             records = [r for rs in batch.values() for r in rs]
             if records:
                 await self._dispatch(records)
-            if self._committing is None or self._committing.done():
-                # in the background: polling never waits for the commit round trip
-                self._committing = asyncio.create_task(self._commit())
+            # Background steps: polling never waits for them, a rebalance may land at any of
+            # their awaits, and one that fails is logged and counted and runs again later.
+            if (self._committing is None or self._committing.done()) and not self._committer.busy:
+                self._committing = self._background("commit", self._committer.commit())
             now = time.monotonic()
-            if now - last_sweep >= SWEEP_INTERVAL_S * random.uniform(0.8, 1.2) and (sweeper is None or sweeper.done()):
-                sweeper = asyncio.create_task(self._sweep())
+            sweep_every = self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
+            if now - last_sweep >= sweep_every and (sweeper is None or sweeper.done()):
+                sweeper = self._background("sweep", self._sweep())
                 last_sweep = now
-            if now - last_lag >= 5.0:
-                await self._update_lag()
+                for record, error, extra in self._chunks.expired(self.cfg.worker.group_timeout_s):
+                    self._spawn(record, error, None, extra=extra)
+            if now - last_lag >= LAG_INTERVAL_S and (lag is None or lag.done()):
+                lag = self._background("lag", self._update_lag())
                 last_lag = now
         log.info("worker %s stopping: draining %d in-flight records", self.worker_id, len(self._tasks))
-        if sweeper is not None:
-            with contextlib.suppress(Exception):
-                await sweeper
+        for step in (sweeper, lag):
+            if step is not None:
+                await asyncio.wait([step])  # its failure, if any, is already logged and counted
+
+    def _background(self, step: str, coro: Any) -> asyncio.Task[None]:
+        """Run a periodic step as a task whose unexpected failure is logged and counted, never fatal."""
+        task = asyncio.create_task(coro, name=f"{self.worker_id}:{step}")
+        task.add_done_callback(lambda t: self._background_done(step, t))
+        return task
+
+    def _background_done(self, step: str, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        self.telemetry.background_errors.labels(step, type(exc).__name__).inc()
+        log.error("worker %s: background step %r failed (%s: %s); the worker goes on and the step runs again",
+                  self.worker_id, step, type(exc).__name__, exc, exc_info=exc)
 
     def _apply_backpressure(self) -> None:
+        """Pause every assigned partition while ``concurrency`` records are in flight.
+
+        Reads the assignment as it is now (a rebalance may have changed it since the
+        last poll): partitions assigned while full are paused too, and only partitions
+        still ours are resumed.
+        """
         full = len(self._tasks) >= self.concurrency
-        assignment = self.consumer.assignment()
-        if full and not self._paused and assignment:
-            self.consumer.pause(*assignment)
-            self._paused = True
-        elif not full and self._paused:
-            self.consumer.resume(*assignment)
-            self._paused = False
+        if full:
+            if fresh := self.consumer.assignment() - self.consumer.paused():
+                self.consumer.pause(*fresh)
+        elif paused := self.consumer.paused():
+            self.consumer.resume(*paused)
 
     async def _drain_partitions(self, tps: set[TopicPartition] | None) -> None:
         """Wait (bounded) for in-flight records of ``tps`` (all if None), commit, forget them."""
@@ -245,68 +287,72 @@ class Worker:
             if pending:
                 log.warning("worker %s: %d records still running after drain timeout; "
                             "they will be redelivered", self.worker_id, len(pending))
-        if self._committing is not None:  # one commit at a time: let the background one land
-            with contextlib.suppress(Exception):
-                await self._committing
-        await self._commit()
-        if tps is not None:
-            self._tracker.drop(tps)
-
-    async def _commit(self) -> None:
-        offsets = self._tracker.committable()
-        if not offsets:
-            return
-        try:
-            await self.consumer.commit(offsets)
-            self._tracker.mark_committed(offsets)
-        except (CommitFailedError, KafkaError) as exc:
-            log.warning("worker %s: commit of %s failed (%s); records will be redelivered", self.worker_id, offsets, exc)
+        await self._committer.revoke(tps)  # waits for a background commit in flight first
+        self._chunks.drop(tps)  # partial chunked trajectories are replayed from the committed offset
 
     async def _update_lag(self) -> None:
-        for tp in self.consumer.assignment():
-            high = self.consumer.highwater(tp)
-            if high is None:
-                continue
-            committed = await self.consumer.committed(tp) or 0
-            self.telemetry.lag.labels(tp.topic, str(tp.partition)).set(max(0, high - committed))
+        for tp, lag in (await self._committer.lag()).items():
+            self.telemetry.lag.labels(tp.topic, str(tp.partition)).set(lag)
 
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, records: list[ConsumerRecord]) -> None:
         consumed_at = time.time()
-        decoded: list[tuple[ConsumerRecord, Any]] = []
+        decoded: list[tuple[ConsumerRecord, Any, list[int]]] = []
         for record in records:
             try:
-                decoded.append((record, decode_message(record.value, record.headers)))
+                message: Any = decode_message(record.value, record.headers)
             except SchemaError as exc:
-                decoded.append((record, exc))
-        ready = [(r, m) for r, m in decoded if isinstance(m, ReadyTrajectory)]
+                message = exc
+            if isinstance(message, TrajectoryChunk):
+                # finished with the whole trajectory: the commit stays below its first chunk until then
+                self._committer.tracker.begin(TopicPartition(record.topic, record.partition), record.offset)
+                decoded += self._chunks.add(record, message)
+            else:
+                decoded.append((record, message, []))
+        ready = [(r, m) for r, m, _ in decoded if isinstance(m, ReadyTrajectory)]
         probes = dict(zip((id(r) for r, _ in ready), await self._with_retry(
             lambda: self.ledger.probe_many([(m.group_id, m.trajectory_id) for _, m in ready]), "probe")))
-        for record, message in decoded:
-            tp = TopicPartition(record.topic, record.partition)
-            self._tracker.begin(tp, record.offset)
-            probe = probes.get(id(record))
-            barrier: asyncio.Future[Any] | None = None
-            if isinstance(message, ReadyTrajectory):
-                barrier = self._discards.get(message.group_id)
-                if barrier is not None:
-                    probe = None  # stale: the discard ahead of it may decide the group
-            elif isinstance(message, SchemaError) and (earlier := self._members.get(group_of(record.key) or "")):
-                # its group is rejected (invalid_member) once the members consumed before it have parked
-                barrier = asyncio.ensure_future(asyncio.wait(list(earlier)))
-            task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at))
-            if isinstance(message, ReadyTrajectory):
-                self._members.setdefault(message.group_id, set()).add(task)
-                task.add_done_callback(lambda t, g=message.group_id: self._member_done(g, t))
-            if isinstance(message, DiscardGroup):
-                # Records of a group behind its discard (same partition, later offset)
-                # must see the discard's decision: they wait for it, not for each other.
-                self._discards[message.group_id] = task
-                task.add_done_callback(lambda t, g=message.group_id: self._discards.get(g) is t
-                                       and self._discards.pop(g))
-            self._tasks[task] = tp
-            self.telemetry.in_flight.set(len(self._tasks))
-            task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
+        for record, message, extra in decoded:
+            self._spawn(record, message, probes.get(id(record)), extra=extra, consumed_at=consumed_at)
+
+    def _spawn(self, record: ConsumerRecord, message: Any, probe: str | None, *, extra: list[int],
+               consumed_at: float = 0.0) -> None:
+        """Process one record in a task; ``extra`` offsets (the other chunks of a chunked
+        trajectory, same partition) are finished with it."""
+        tp = TopicPartition(record.topic, record.partition)
+        tracker = self._committer.tracker
+        tracker.begin(tp, record.offset)
+        barrier: asyncio.Future[Any] | None = None
+        earlier: tuple[asyncio.Task[None], ...] = ()
+        if isinstance(message, ReadyTrajectory):
+            barrier = self._discards.get(message.group_id)
+            if barrier is not None:
+                probe = None  # stale: the discard ahead of it may decide the group
+            # a failure decides the group at once, but not before these have parked
+            earlier = tuple(self._members.get(message.group_id, ()))
+        else:
+            # An invalid member (rejected: invalid_member) or a discard decides its group
+            # once the members consumed before it have parked, so its verdict lists them.
+            group_id = message.group_id if isinstance(message, DiscardGroup) else group_of(record.key)
+            if members := self._members.get(group_id or ""):
+                barrier = asyncio.ensure_future(asyncio.wait(list(members)))
+        task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at,
+                                                 earlier=earlier))
+        if isinstance(message, ReadyTrajectory):
+            self._members.setdefault(message.group_id, set()).add(task)
+            task.add_done_callback(lambda t, g=message.group_id: self._member_done(g, t))
+        if isinstance(message, DiscardGroup):
+            # Records of a group behind its discard (same partition, later offset)
+            # must see the discard's decision: they wait for it, not for each other.
+            self._discards[message.group_id] = task
+            task.add_done_callback(lambda t, g=message.group_id: self._discards.get(g) is t
+                                   and self._discards.pop(g))
+        self._tasks[task] = tp
+        self.telemetry.in_flight.set(len(self._tasks))
+        task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
+        for off in extra:
+            task.add_done_callback(lambda t, tp=tp, off=off: t.cancelled() or t.exception() is not None
+                                   or tracker.finish(tp, off))
 
     def _member_done(self, group_id: str, task: asyncio.Task[None]) -> None:
         members = self._members.get(group_id)
@@ -322,10 +368,11 @@ class Worker:
             if not task.cancelled():
                 log.error("worker %s: record %s:%d not finished: %r", self.worker_id, tp, offset, task.exception())
             return  # not marked done: it will be redelivered
-        self._tracker.finish(tp, offset)
+        self._committer.tracker.finish(tp, offset)
 
     async def _process(self, record: ConsumerRecord, message: Any, probe: str | None,
-                       after: asyncio.Future[Any] | None = None, consumed_at: float = 0.0) -> None:
+                       after: asyncio.Future[Any] | None = None, consumed_at: float = 0.0,
+                       earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
         if after is not None:
             await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
         attempt = 0
@@ -340,7 +387,7 @@ class Worker:
                     await self._handle_discard(message)
                 else:
                     self.telemetry.consumed.labels("ready").inc()
-                    await self._handle_ready(message, probe, record, consumed_at)
+                    await self._handle_ready(message, probe, record, consumed_at, earlier)
                 return
             except Exception as exc:
                 if is_transient(exc):
@@ -355,7 +402,7 @@ class Worker:
                 # a bug or poison record: retry a little, then dead-letter it
                 log.exception("worker %s: failed processing %s:%d offset %d (attempt %d)",
                               self.worker_id, record.topic, record.partition, record.offset, attempt)
-                if attempt >= MAX_ATTEMPTS:
+                if attempt >= self.cfg.worker.max_attempts:
                     group_id = message.group_id if isinstance(message, (ReadyTrajectory, DiscardGroup)) else None
                     message = exc if isinstance(exc, SchemaError) else ProcessingError(exc)
                     await self._dead_letter(record, message, attempt, group_id=group_id)
@@ -379,15 +426,16 @@ class Worker:
 
     # ------------------------------------------------------------------ handlers
     async def _handle_ready(self, traj: ReadyTrajectory, probe: str | None, record: ConsumerRecord,
-                            consumed_at: float) -> None:
+                            consumed_at: float, earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
         wc = self.cfg.worker
         if probe is None:
             (probe,) = await self.ledger.probe_many([(traj.group_id, traj.trajectory_id)])
         if probe in ("done", "decided"):
             self.telemetry.deduplicated.inc()
-            log.debug("group=%s traj=%s: group already decided, acknowledged", traj.group_id, traj.trajectory_id)
             if probe == "decided":  # decided, not finished: make sure a sweeper publishes soon
-                await self.ledger.nudge(traj.group_id, REPUBLISH_GRACE_S)
+                await self.ledger.nudge(traj.group_id, wc.republish_grace_s)
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, its group is already "
+                                     "decided (a re-published or redriven record)", traj.group_id, traj.trajectory_id)
             return
         if probe == "duplicate":
             # Already parked (a redelivery). If the crash came between parking the last
@@ -397,21 +445,28 @@ class Worker:
             with contextlib.suppress(NotConcatExport):
                 self._tokens.remember(traj.group_id, traj.trajectory_id, compact_turns(traj.interactions))
             await self._decide_and_publish(traj.group_id, "complete")
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, already scored (a "
+                                     "redelivery or a re-published record)", traj.group_id, traj.trajectory_id)
             return
         result = await self._score(traj)
         self._tokens.remember(traj.group_id, traj.trajectory_id, result.turns)
+        if result.status == "failed" and (pending := [t for t in earlier if not t.done()]):
+            # Parking a failed member decides (rejects) the group: the members consumed
+            # before it go first, so the verdict lists them with their stats.
+            await asyncio.wait(pending)
         result = msgspec.structs.replace(result, consumed_at=consumed_at, parked_at=time.time())
         outcome, decision = await self.ledger.park(
             result, group_id=traj.group_id, group_size=traj.group_size, group_timeout_s=wc.group_timeout_s,
-            worker_id=self.worker_id, scorers=self._scorers_blob, republish_grace_s=REPUBLISH_GRACE_S,
-            partition=record.partition, offset=record.offset,
+            worker_id=self.worker_id, scorers=self._scorers_blob, partition=record.partition, offset=record.offset,
         )
         if outcome in ("done", "decided"):
             self.telemetry.deduplicated.inc()  # the group was decided while we scored
             if outcome == "decided":
-                await self.ledger.nudge(traj.group_id, REPUBLISH_GRACE_S)
+                await self.ledger.nudge(traj.group_id, wc.republish_grace_s)
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: acknowledged, its group was decided while it "
+                                     "was scored", traj.group_id, traj.trajectory_id)
         elif decision is not None and decision.outcome == "decided_now":
-            await self._publish(decision)  # this member completed the group
+            await self._publish(decision)  # this member completed (or failed) the group
 
     async def _score(self, traj: ReadyTrajectory) -> SessionResult:
         t0 = time.perf_counter()
@@ -429,16 +484,16 @@ class Worker:
     async def _handle_discard(self, msg: DiscardGroup) -> None:
         await self._decide_and_publish(msg.group_id, "discard", discard_reason=msg.reason or "discarded")
 
-    async def _decide_and_publish(self, group_id: str, kind: str, *, discard_reason: str = "") -> None:
+    async def _decide_and_publish(self, group_id: str, kind: DecisionKind, *, discard_reason: str = "") -> None:
         decision = await self.ledger.decide(
-            group_id, kind, worker_id=self.worker_id, scorers=self._scorers_blob,  # type: ignore[arg-type]
+            group_id, kind, worker_id=self.worker_id, scorers=self._scorers_blob,
             discard_reason=discard_reason, group_timeout_s=self.cfg.worker.group_timeout_s,
-            republish_grace_s=REPUBLISH_GRACE_S,
+            republish_grace_s=self.cfg.worker.republish_grace_s,
         )
         if decision.outcome == "decided_now":
             await self._publish(decision)
         elif decision.outcome == "already_decided":
-            await self.ledger.nudge(group_id, REPUBLISH_GRACE_S)
+            await self.ledger.nudge(group_id, self.cfg.worker.republish_grace_s)
         elif decision.outcome in ("done", "gone"):
             await self.ledger.forget(group_id)
 
@@ -449,7 +504,7 @@ class Worker:
         decided in Redis, so the sweeper tries again after the re-publish grace — never
         in a tight loop, and never holding up other records or groups.
         """
-        if decision.state.get("decision") == "discard":  # listed without results: no tokens needed
+        if decision.state.decision == "discard":  # listed without results: no tokens needed
             members = [m.result for m in decision.members]
         else:
             members = await self._tokens.members(decision.group_id, decision.members)
@@ -466,13 +521,13 @@ class Worker:
         except Exception as exc:
             if not is_permanent(exc):
                 raise
+            grace_s = self.cfg.worker.republish_grace_s
             self.telemetry.publish_failures.labels(type(exc).__name__).inc()
             log.error("worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
-                      "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc,
-                      REPUBLISH_GRACE_S)
-            await self.ledger.postpone(verdict.group_id, REPUBLISH_GRACE_S)
+                      "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc, grace_s)
+            await self.ledger.postpone(verdict.group_id, grace_s)
             return None
-        await self.ledger.finish(verdict.group_id, verdict.status)
+        await self.ledger.finish(verdict.group_id)
         self._tokens.forget_group(verdict.group_id)
         self.telemetry.observe_stages(verdict, sent_at)
         self.telemetry.verdicts.labels(verdict.status, verdict.reason.split(":", 1)[0]).inc()
@@ -501,18 +556,20 @@ class Worker:
                     log.warning("worker %s: sweep skipped for group %s: transient %s: %s", self.worker_id,
                                 group_id, type(exc).__name__, exc)
                     continue
+                backoff_s = self.cfg.worker.sweep_backoff_s
                 log.exception("worker %s: sweep failed for group %s; next look in %.0fs", self.worker_id,
-                              group_id, SWEEP_BACKOFF_S)
+                              group_id, backoff_s)
                 with contextlib.suppress(Exception):  # not every sweep: a broken group must not flood the log
-                    await self.ledger.postpone(group_id, SWEEP_BACKOFF_S)
+                    await self.ledger.postpone(group_id, backoff_s)
 
     async def _sweep_group(self, group_id: str) -> None:
+        grace_s = self.cfg.worker.republish_grace_s
         decision = await self.ledger.decide(
             group_id, "deadline", worker_id=self.worker_id, scorers=self._scorers_blob,
-            group_timeout_s=self.cfg.worker.group_timeout_s, republish_grace_s=REPUBLISH_GRACE_S,
+            group_timeout_s=self.cfg.worker.group_timeout_s, republish_grace_s=grace_s,
         )
         overdue = decision.outcome == "already_decided" and (
-            time.time() * 1000 - decision.decided_at_ms >= REPUBLISH_GRACE_S * 1000
+            time.time() * 1000 - decision.decided_at_ms >= grace_s * 1000
         )
         if decision.outcome == "decided_now" or overdue:
             await self._publish(decision)

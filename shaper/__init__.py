@@ -6,7 +6,8 @@
 * :mod:`shaper.batch` — concat export of accepted verdicts into padded :class:`TrainingBatch` es.
 * :mod:`shaper.consumer` — :class:`VerdictConsumer`: deduplicated batches from ``prm.verdicts``.
 * :mod:`shaper.exclusion` — OpenClaw-RL's neutral-turn exclusion with the at-least-one guarantee.
-* :mod:`shaper.combined` — PRM + OPD combined token signals.
+* :mod:`shaper.combined` — PRM + OPD combined token signals (pure tensors).
+* :mod:`shaper.combiners` — the combined modes' combiners over a batch's channels.
 * :mod:`shaper.trainer` — the reference trainer loop (:func:`run_trainer`) and its CLI.
 """
 
@@ -17,7 +18,7 @@ from .batch import ConcatExportError, ExportedGroup, TrainingBatch, build_traini
 from .consumer import DedupeStore, SqliteDedupeStore, VerdictConsumer
 from .exclusion import apply_exclusion, exclude_neutral_turns
 from .metrics import VerdictMetrics, merge_stats
-from .shaping import SHAPING_MODES, grpo_outcome_advantages, shape_advantages, shift_token_rewards
+from .shaping import SHAPING_MODES, apply_shaping, grpo_outcome_advantages, shape_advantages, shift_token_rewards
 from .trainer import TrainerSummary, run_trainer
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "VerdictConsumer",
     "VerdictMetrics",
     "apply_exclusion",
+    "apply_shaping",
     "build_training_batch",
     "collate",
     "exclude_neutral_turns",

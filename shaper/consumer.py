@@ -59,13 +59,13 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.config import PipelineConfig
 from infra.kafka import make_consumer
-from infra.offsets import OffsetTracker
+from infra.offsets import OffsetCommitter
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
+from infra.throttle import Every
 
 from .batch import ConcatExportError, ExportedGroup, TrainingBatch, collate, export_group, resolve_device
 from .filters import GroupFilter, get_filter
@@ -166,6 +166,7 @@ class _Ticket:
     tp: TopicPartition
     offset: int
     key: DedupeKey
+    policy_version: int | None = None  # the group's oldest member's (None: unknown)
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -178,6 +179,14 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("trainer consumer assigned %s", sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+
+
+def _oldest_policy_version(verdict: GroupVerdict) -> int | None:
+    """The oldest policy that produced a member of the group; None if any member does not say."""
+    versions = [s.policy_version for s in verdict.sessions]
+    if not versions or any(v is None for v in versions):
+        return None
+    return min(versions)  # type: ignore[type-var]
 
 
 # --------------------------------------------------------------------------- consumer
@@ -204,6 +213,12 @@ class VerdictConsumer:
             and idle timeouts are noticed.
         max_seen: size bound of the in-memory seen-set; default
             ``cfg.trainer.dedupe_max_seen``.
+        max_policy_lag: staleness bound; default ``cfg.trainer.max_policy_lag``
+            (``None``: off). Once the trainer says its policy version
+            (:meth:`set_policy_version`), an accepted group whose oldest member is more
+            than this many versions behind is dropped and counted as
+            ``pipeline/filter/stale`` — also a group already buffered when the version
+            moves on. Members without a ``policy_version`` never make a group stale.
         consumer_overrides: extra :func:`infra.kafka.make_consumer` keyword arguments.
 
     Keep ``kafka.max_poll_interval_ms`` above the longest training step: the consumer
@@ -224,6 +239,7 @@ class VerdictConsumer:
         train_on_eval: bool = False,
         poll_timeout_ms: int = 200,
         max_seen: int | None = None,
+        max_policy_lag: int | None | Any = _FROM_CONFIG,
         consumer_overrides: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -241,8 +257,15 @@ class VerdictConsumer:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.train_on_eval = train_on_eval
         self.poll_timeout_ms = max(1, int(poll_timeout_ms))
+        # "waiting for N more groups": first after this long without a full batch, then at most this often
+        self.wait_log_after_s = 5.0
+        self.wait_log_every_s = 30.0
         self.max_seen = max(1, int(max_seen if max_seen is not None else cfg.trainer.dedupe_max_seen))
         self._overrides = dict(consumer_overrides or {})
+        self.max_policy_lag: int | None = cfg.trainer.max_policy_lag if max_policy_lag is _FROM_CONFIG else max_policy_lag
+        if self.max_policy_lag is not None and self.max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0 or None, got {self.max_policy_lag}")
+        self.policy_version: int | None = None  # the trainer's current policy (set_policy_version)
         if isinstance(dedupe_store, (str, os.PathLike)):
             self._store: DedupeStore | None = SqliteDedupeStore(
                 dedupe_store, retention_s=2 * cfg.topics.retention_ms / 1000.0
@@ -254,7 +277,7 @@ class VerdictConsumer:
 
         self.metrics = VerdictMetrics()
         self._consumer: AIOKafkaConsumer | None = None
-        self._offsets = OffsetTracker()
+        self._committer: OffsetCommitter | None = None  # one per start(): it owns the offsets
         self._seen: dict[DedupeKey, None] = {}  # insertion-ordered: evict oldest first
         self._buffer: list[tuple[ExportedGroup, _Ticket]] = []
         self._handed: list[_Ticket] = []  # in batches handed out, not yet acknowledged
@@ -276,9 +299,11 @@ class VerdictConsumer:
             raise RuntimeError("VerdictConsumer is already started")
         consumer = make_consumer(self.cfg.kafka, group_id=self.group_id, **self._overrides)
         consumer.subscribe([self.topic], listener=_Rebalance(self))
+        self._committer = OffsetCommitter(consumer, owner=f"trainer consumer ({self.group_id})")
         try:
             await consumer.start()
         except BaseException:
+            self._committer = None
             await consumer.stop()  # release the half-started client's connections
             raise
         self._consumer = consumer
@@ -305,7 +330,7 @@ class VerdictConsumer:
                 self._seen.pop(ticket.key, None)
             self._buffer.clear()
             self._handed.clear()
-            self._offsets.drop()
+            self._committer = None
             self._consumer = None
             await consumer.stop()
 
@@ -364,9 +389,12 @@ class VerdictConsumer:
         consumer = self._require_started()
         await self._acknowledge()
         last_activity = time.monotonic()
+        waiting = Every(self.wait_log_every_s, first_s=self.wait_log_after_s)
         while len(self._buffer) < self.batch_groups:
             if self._stop_requested:
                 return None
+            if waiting.due():
+                self._log_waiting(idle_timeout_s if flush_partial else None)
             remaining = None if idle_timeout_s is None else idle_timeout_s - (time.monotonic() - last_activity)
             if remaining is not None and remaining <= 0:
                 return self._emit(len(self._buffer)) if flush_partial and self._buffer else None
@@ -380,6 +408,14 @@ class VerdictConsumer:
                 last_activity = time.monotonic()
                 self._process(records)
         return self._emit(self.batch_groups)
+
+    def _log_waiting(self, idle_timeout_s: float | None) -> None:
+        """Say why no batch comes yet: a trainer that prints nothing looks hung."""
+        need = self.batch_groups - len(self._buffer)
+        then = (f"a partial batch goes after {idle_timeout_s:g}s without a verdict" if idle_timeout_s is not None
+                else "an idle timeout (trainer --idle-timeout S) would train on a partial batch")
+        log.info("waiting for %d more group%s to fill a batch of %d (%d buffered); %s", need,
+                 "" if need == 1 else "s", self.batch_groups, len(self._buffer), then)
 
     async def batches(
         self,
@@ -407,6 +443,30 @@ class VerdictConsumer:
         """Merged scoring metrics and pipeline counters since this instance was created."""
         return self.metrics.totals()
 
+    def set_policy_version(self, version: int) -> None:
+        """The trainer's current policy version (after each optimiser step that publishes weights).
+
+        With ``max_policy_lag`` set, buffered groups that are now too old are dropped (and
+        counted) at once, so a batch never carries a group staler than the bound."""
+        self.policy_version = int(version)
+        if self.max_policy_lag is None:
+            return
+        kept = []
+        for group, ticket in self._buffer:
+            if self._too_old(ticket.policy_version):
+                self.metrics.count("filter/stale")
+                log.info("group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
+                         ticket.key[0], ticket.policy_version, self.max_policy_lag, self.policy_version)
+                self._offsets.finish(ticket.tp, ticket.offset)
+                self._to_store.append(ticket.key)
+            else:
+                kept.append((group, ticket))
+        self._buffer = kept
+
+    def _too_old(self, version: int | None) -> bool:
+        return (self.max_policy_lag is not None and self.policy_version is not None and version is not None
+                and self.policy_version - version > self.max_policy_lag)
+
     @property
     def buffered_groups(self) -> int:
         return len(self._buffer)
@@ -432,14 +492,16 @@ class VerdictConsumer:
         return self._store is not None and self._store.contains(key)
 
     def _process(self, records: list[ConsumerRecord]) -> None:
-        assigned = self._consumer.assignment() if self._consumer is not None else set()
+        if self._consumer is None or self._committer is None:
+            return
+        assigned, committer = self._consumer.assignment(), self._committer
         for record in records:
             tp = TopicPartition(record.topic, record.partition)
             if tp not in assigned:
                 continue  # revoked while the fetch was in flight: the new owner has it
-            self._offsets.begin(tp, record.offset)
+            committer.tracker.begin(tp, record.offset)
             if not self._handle(record, tp):
-                self._offsets.finish(tp, record.offset)
+                committer.tracker.finish(tp, record.offset)
 
     def _handle(self, record: ConsumerRecord, tp: TopicPartition) -> bool:
         """Process one record; True when its group was buffered (offset stays pending)."""
@@ -459,18 +521,24 @@ class VerdictConsumer:
             return False
         self._remember(key)
         m.observe(verdict)
-        group = self._admit(verdict)
+        version = _oldest_policy_version(verdict)
+        group = self._admit(verdict, version)
         if group is None:
             self._to_store.append(key)
             return False
-        self._buffer.append((group, _Ticket(tp, record.offset, key)))
+        self._buffer.append((group, _Ticket(tp, record.offset, key, version)))
         return True
 
-    def _admit(self, verdict: GroupVerdict) -> ExportedGroup | None:
+    def _admit(self, verdict: GroupVerdict, version: int | None = None) -> ExportedGroup | None:
         """Export and filter an accepted verdict; None when it contributes no rows."""
         m = self.metrics
         if verdict.status != "accepted":
             log.info("group %s %s (%s): not trained on", verdict.group_id, verdict.status, verdict.reason)
+            return None
+        if self._too_old(version):
+            m.count("filter/stale")
+            log.info("group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
+                     verdict.group_id, version, self.max_policy_lag, self.policy_version)
             return None
         try:
             group = export_group(verdict)
@@ -516,28 +584,17 @@ class VerdictConsumer:
 
     async def _acknowledge(self) -> None:
         """The caller is done with every handed-out batch: store keys, then commit offsets."""
+        committer = self._committer
         for ticket in self._handed:
-            self._offsets.finish(ticket.tp, ticket.offset)
+            if committer is not None:
+                committer.tracker.finish(ticket.tp, ticket.offset)
             self._to_store.append(ticket.key)
         self._handed.clear()
         if self._store is not None and self._to_store:
             self._store.add_many(self._to_store)  # before the commit: see the module docstring
         self._to_store.clear()
-        await self._commit()
-
-    async def _commit(self, tps: set[TopicPartition] | None = None) -> None:
-        consumer = self._consumer
-        if consumer is None:
-            return
-        offsets = self._offsets.committable(tps)
-        if not offsets:
-            return
-        try:
-            await consumer.commit(offsets)
-            self._offsets.mark_committed(offsets)
-        except (CommitFailedError, KafkaError) as exc:
-            log.warning("commit of %s failed (%s); those verdicts will be redelivered and deduplicated",
-                        offsets, exc)
+        if committer is not None:
+            await committer.commit()
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Commit what is finished on ``revoked``, then forget them (another member takes over).
@@ -547,7 +604,6 @@ class VerdictConsumer:
         already handed out stay remembered; if the caller never acknowledges them,
         the new owner redelivers them (at-least-once across members).
         """
-        await self._commit(revoked)
         kept = []
         for group, ticket in self._buffer:
             if ticket.tp in revoked:
@@ -555,5 +611,6 @@ class VerdictConsumer:
             else:
                 kept.append((group, ticket))
         self._buffer = kept
-        self._offsets.drop(revoked)
+        if self._committer is not None:
+            await self._committer.revoke(revoked)
 

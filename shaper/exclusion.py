@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from infra.modes import JUDGE_SCORER, OPD_SCORER
 from infra.schema import PRMMetricObservation
 
 from .batch import TrainingBatch
@@ -88,7 +89,7 @@ class JudgeTurnTable:
         return JudgeTurnTable(self.scores.to(device), self.has_next_state.to(device), self.judged.to(device))
 
 
-def judge_turn_table(batch: TrainingBatch, scorer: str = "openclaw_judge") -> JudgeTurnTable:
+def judge_turn_table(batch: TrainingBatch, scorer: str = JUDGE_SCORER) -> JudgeTurnTable:
     """Lay the ``scorer``'s per-turn results of every row of ``batch`` out as ``[B, K]``.
 
     Work is per turn (a few Python operations per judged turn), never per token. Raises
@@ -220,7 +221,7 @@ def exclude_neutral_turns(
     return mask & ((turn_index < 0) | token_keep)
 
 
-def apply_exclusion(batch: TrainingBatch, scorer: str = "openclaw_judge", loss_mask: Tensor | None = None) -> Tensor:
+def apply_exclusion(batch: TrainingBatch, scorer: str = JUDGE_SCORER, loss_mask: Tensor | None = None) -> Tensor:
     """:func:`exclude_neutral_turns` for a :class:`TrainingBatch` (``loss_mask`` defaults to the batch's)."""
     table = judge_turn_table(batch, scorer)
     sessions = session_index(batch.group_ids, batch.session_ids, device=batch.turn_index.device)
@@ -254,7 +255,7 @@ def turn_flag_table(batch: TrainingBatch, scorer: str, metric: str, *, default: 
     return torch.from_numpy(flags).to(device), torch.from_numpy(present).to(device)
 
 
-def unhinted_turns(batch: TrainingBatch, opd_scorer: str = "opd_teacher") -> Tensor:
+def unhinted_turns(batch: TrainingBatch, opd_scorer: str = OPD_SCORER) -> Tensor:
     """``[B, K]`` bool: turns OpenClaw-RL's OPD would not train — the OPD scorer reports no
     accepted hint (``hint_accepted`` false: no hint, or no next state) or a failed judge /
     teacher (``judge_failed`` true, under ``on_all_votes_failed: neutral``)."""

@@ -102,10 +102,11 @@ def merge_worker_stats(stats_list: Iterable[Mapping[str, float]]) -> dict[str, f
     """AReaL's ``_merge_worker_stats`` (rollout controller), rule for rule.
 
     1. keys ending ``__count`` are never output;
-    2. ``K`` with ``K__count`` in the same dict: ``sum(v*c) / sum(c)``, omitted when
-       ``sum(c) == 0``;
-    3. otherwise, after stripping a leading ``rollout/`` then ``eval-rollout/``, keep
-       (summed) only ``prm_metric/{turn|trajectory}/<scorer>/<metric>/{count|sum|observed_count}``;
+    2. ``K`` with ``K__count`` in the same dict: ``sum(v*c) / sum(c)``, omitted unless
+       ``sum(c) > 0``;
+    3. otherwise keep (summed, under the key as given, namespace included) only keys
+       that, after stripping a leading ``rollout/`` then ``eval-rollout/``, read
+       ``prm_metric/{turn|trajectory}/<scorer>/<metric>/{count|sum|observed_count}``;
     4. everything else is dropped. No value validation. Output: sums, then means.
     """
     sums: dict[str, float] = {}
@@ -124,8 +125,8 @@ def merge_worker_stats(stats_list: Iterable[Mapping[str, float]]) -> dict[str, f
             parts = name.split("/")
             if len(parts) == 5 and parts[0] == "prm_metric" and parts[1] in ("turn", "trajectory") \
                     and parts[4] in _SUM_AGGREGATIONS:
-                sums[name] = sums.get(name, 0.0) + value
-    means = {key: weighted[key] / counts[key] for key in weighted if counts[key] != 0}
+                sums[key] = sums.get(key, 0.0) + value  # the prefix is stripped only to classify
+    means = {key: weighted[key] / counts[key] for key in weighted if counts[key] > 0}
     return {**sums, **means}
 
 

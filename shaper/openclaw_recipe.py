@@ -24,14 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from infra.modes import JUDGE_SCORER, RECIPES
+
 from .batch import TrainingBatch
 from .exclusion import judge_turn_table, session_index, streaming_turn_keep
 
 __all__ = ["RECIPES", "openclaw_turn_advantages", "turn_values_to_tokens"]
 
-RECIPES = ("grpo", "openclaw_turns")
-"""Trainer recipes: ``grpo`` (ours: outcome advantage + shaped process rewards) and
-``openclaw_turns`` (OpenClaw-RL's turn samples)."""
 
 
 def turn_values_to_tokens(values: Tensor, turn_index: Tensor) -> Tensor:
@@ -43,7 +42,7 @@ def turn_values_to_tokens(values: Tensor, turn_index: Tensor) -> Tensor:
 
 
 def openclaw_turn_advantages(
-    batch: TrainingBatch, judge_scorer: str = "openclaw_judge", loss_mask: Tensor | None = None
+    batch: TrainingBatch, judge_scorer: str = JUDGE_SCORER, loss_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(advantages, loss_mask)``, both ``[B, T]`` unshifted, of OpenClaw-RL's RL recipe.
 

@@ -10,7 +10,8 @@ tokens carry 0).  The trainer consumes them in three steps, in this order:
    (for GRPO-style training :func:`grpo_outcome_advantages` is the group
    normalisation).  Critic returns are never touched by process rewards.
 3. :func:`shape_advantages` folds the shifted process rewards into the already
-   normalised advantages with one of :data:`SHAPING_MODES`.
+   normalised advantages with one of :data:`SHAPING_MODES` (the registry in
+   :mod:`infra.modes`; :func:`apply_shaping` takes a checked config struct instead).
 
 Every function here is pure (inputs are never mutated), fully vectorised and
 runs on whatever device its input tensors live on: no Python loops over rows or
@@ -29,11 +30,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from infra.modes import SHAPING_MODES
+from infra.config import PRMAdvantageShapingConfig
+from infra.modes import COEFFICIENT_DEFAULTS, SHAPING_MODES, Mode, check_coefficient, shaping_mode
 
 __all__ = [
     "SHAPING_MODES",
+    "additive_kernel",
+    "apply_shaping",
+    "gvpo_kernel",
     "grpo_outcome_advantages",
+    "process_weighted_kernel",
     "shape_advantages",
     "shift_token_rewards",
 ]
@@ -69,8 +75,9 @@ def shift_token_rewards(token_rewards: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- #
 # Shaping kernels: one elementwise pass per mode
 # --------------------------------------------------------------------------- #
-# Each mode is written once, as a pure elementwise expression over (A, P, mask).
-# Large inputs run it through torch.compile, which fuses the whole expression
+# Each mode is written once, as a pure elementwise expression over (A, P, mask), and
+# registered with its coefficients in infra.modes (which refers to these kernels by
+# name). Large inputs run it through torch.compile, which fuses the whole expression
 # (including process_weighted's range check, a reduction over the same elements)
 # into one loop that reads each input once and writes the output once; eager
 # PyTorch would make a pass (and a temporary) per operator. Small inputs, and any
@@ -80,11 +87,14 @@ def _active(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def _additive(a: Tensor, p: Tensor, mask: Tensor) -> Tensor:
+def additive_kernel(a: Tensor, p: Tensor, mask: Tensor) -> Tensor:
+    """``additive``: ``A + P`` on active positions."""
     return torch.where(_active(mask), a + p, a)
 
 
-def _gvpo(a: Tensor, p: Tensor, mask: Tensor, negative_scale: float, zero_penalty: float, zero_eps: float) -> Tensor:
+def gvpo_kernel(a: Tensor, p: Tensor, mask: Tensor, *, negative_scale: float, zero_penalty: float,
+                zero_eps: float) -> Tensor:
+    """``gvpo``: failed tokens (``P < 0``) reshape ``A``."""
     failed = (p < 0) & _active(mask)
     # Failed tokens: A < -eps -> A*(1+s); A > eps -> 0 (clamp); |A| <= eps -> -penalty.
     # clamp propagates NaN, so a NaN advantage stays NaN.
@@ -92,7 +102,8 @@ def _gvpo(a: Tensor, p: Tensor, mask: Tensor, negative_scale: float, zero_penalt
     return torch.where(failed, failed_value, a)
 
 
-def _process_weighted(a: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def process_weighted_kernel(a: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``process_weighted``: ``P`` in ``[0, 1]`` weights ``A``; also whether some active ``P`` is outside."""
     active = _active(mask)
     # AReaL's rule: A >= 0 -> A*P; otherwise (A < 0, or NaN) P > 0 -> P, else A.
     shaped = torch.where(a >= 0, a * p, torch.where(p > 0, p, a))
@@ -100,14 +111,8 @@ def _process_weighted(a: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, Tenso
     return torch.where(active, shaped, a), bad.any()
 
 
-_EAGER: dict[str, Callable[..., object]] = {
-    "additive": _additive,
-    "gvpo": _gvpo,
-    "process_weighted": _process_weighted,
-}
 _COMPILE_MIN_NUMEL = 1 << 16  # below this, compilation overhead is never repaid
-_COEFFICIENTS: dict[str, tuple[str, ...]] = {"gvpo": ("negative_scale", "zero_penalty", "zero_eps")}
-_COMPILED: dict[tuple[str, tuple[float, ...]], Callable[..., object]] = {}
+_COMPILED: dict[tuple[Callable[..., object], tuple[tuple[str, float], ...]], Callable[..., object]] = {}
 _COMPILE_BROKEN: set[str] = set()  # device types where compilation failed once
 
 
@@ -115,40 +120,31 @@ def _compile_enabled() -> bool:
     return os.environ.get("PRM_SHAPING_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _run_kernel(mode: str, device_type: str, numel: int, tensors: tuple[Tensor, ...], coefficients: tuple[float, ...] = ()) -> object:
+def _run_kernel(mode: Mode, device_type: str, numel: int, tensors: tuple[Tensor, ...],
+                coefficients: tuple[float, ...]) -> object:
     """Run ``mode``'s expression: compiled when worth it and possible, else eager.
 
     Coefficients are baked into the compiled kernel as constants (one compilation
     per configured set, i.e. per training run), not passed as symbolic scalars.
     """
-    eager = _EAGER[mode]
+    kernel = mode.resolve()
+    bound = tuple(zip(mode.coefficients, coefficients))
     if numel < _COMPILE_MIN_NUMEL or device_type in _COMPILE_BROKEN or not _compile_enabled():
-        return eager(*tensors, *coefficients)
-    fn = _COMPILED.get((mode, coefficients))
+        return kernel(*tensors, **dict(bound))
+    fn = _COMPILED.get((kernel, bound))
     if fn is None:
-        bound = functools.partial(eager, **dict(zip(_COEFFICIENTS.get(mode, ()), coefficients)))
-        fn = _COMPILED[(mode, coefficients)] = torch.compile(bound, dynamic=True)
+        fn = _COMPILED[(kernel, bound)] = torch.compile(functools.partial(kernel, **dict(bound)), dynamic=True)
     try:
         return fn(*tensors)
     except Exception as exc:  # noqa: BLE001 - no compiler/triton: the eager path is exact
         _COMPILE_BROKEN.add(device_type)
         log.warning("shape_advantages: torch.compile failed on %s (%s); using eager kernels", device_type, exc)
-        return eager(*tensors, *coefficients)
+        return kernel(*tensors, **dict(bound))
 
 
 # --------------------------------------------------------------------------- #
 # Shaping
 # --------------------------------------------------------------------------- #
-def _check_coefficient(name: str, value: float) -> float:
-    """Coefficients come from YAML; reject nonsense early rather than train on it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0.0:
-        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
-    return value
-
-
 def _check_tensors(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor) -> None:
     shapes = (tuple(advantages.shape), tuple(token_rewards.shape), tuple(loss_mask.shape))
     if not (shapes[0] == shapes[1] == shapes[2]):
@@ -166,8 +162,8 @@ def _check_tensors(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor)
         raise ValueError(f"advantages must be a floating-point tensor, got dtype {advantages.dtype}")
 
 
-def _range_error(rewards: Tensor, mask: Tensor) -> RuntimeError:
-    """process_weighted multiplies advantages by P, so P must be a weight in [0, 1].
+def _range_error(mode: str, rewards: Tensor, mask: Tensor) -> RuntimeError:
+    """A unit-interval mode multiplies advantages by P, so P must be a weight in [0, 1].
 
     AReaL asserts it (a ``RuntimeError``); we raise the same type, naming the first
     offending value and its position. Only reached when the fused kernel's check
@@ -179,10 +175,37 @@ def _range_error(rewards: Tensor, mask: Tensor) -> RuntimeError:
     value = float(rewards[index].item())
     count = int(bad.sum().item())
     return RuntimeError(
-        "mode 'process_weighted' requires process rewards in [0, 1] at every active "
+        f"mode {mode!r} requires process rewards in [0, 1] at every active "
         f"(loss_mask != 0) position; found {value!r} at position {index} "
         f"({count} offending position(s) in total)"
     )
+
+
+def apply_shaping(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, shaping: PRMAdvantageShapingConfig) -> Tensor:
+    """:func:`shape_advantages` with the mode and coefficients of a config struct.
+
+    The struct was checked when it was built (registered mode, coefficients finite and
+    ``>= 0``), so nothing about the mode is checked again here: this is the per-batch
+    entry of the trainer and the verl adapter.
+    """
+    mode = shaping_mode(shaping.mode)  # a lookup, never a default: the struct holds a registered name
+    return _shape(advantages, token_rewards, loss_mask, mode, tuple(getattr(shaping, n) for n in mode.coefficients))
+
+
+def _shape(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, mode: Mode,
+           coefficients: tuple[float, ...]) -> Tensor:
+    _check_tensors(advantages, token_rewards, loss_mask)
+    dtype = torch.promote_types(advantages.dtype, torch.float32)
+    a = advantages.to(dtype)
+    p = token_rewards.to(dtype)
+    out = _run_kernel(mode, a.device.type, a.numel(), (a, p, loss_mask), coefficients)
+    if mode.unit_interval:
+        out, bad = out  # type: ignore[misc]
+        if bool(bad):
+            raise _range_error(mode.name, p, loss_mask)
+    if mode.result_dtype == "advantages":
+        out = out.to(advantages.dtype)  # type: ignore[union-attr]
+    return out  # type: ignore[return-value]
 
 
 def shape_advantages(
@@ -191,9 +214,9 @@ def shape_advantages(
     loss_mask: Tensor,
     *,
     mode: str,
-    negative_scale: float = 0.2,
-    zero_penalty: float = 0.4,
-    zero_eps: float = 1e-6,
+    negative_scale: float = COEFFICIENT_DEFAULTS["negative_scale"],
+    zero_penalty: float = COEFFICIENT_DEFAULTS["zero_penalty"],
+    zero_eps: float = COEFFICIENT_DEFAULTS["zero_eps"],
 ) -> Tensor:
     """Fold shifted process rewards ``P`` into normalised outcome advantages ``A``.
 
@@ -202,8 +225,8 @@ def shape_advantages(
     the policy gradient, it must not leak into critic returns or be rescaled by
     the normaliser.
 
-    Modes (AReaL's Process Rewards, "Advantage Shaping"), applied where
-    ``loss_mask != 0``:
+    Modes (AReaL's Process Rewards, "Advantage Shaping"; the registry in
+    :mod:`infra.modes` may hold more), applied where ``loss_mask != 0``:
 
     ``additive``
         ``A + P`` — the weighted process reward is extra signal on top of the
@@ -230,7 +253,10 @@ def shape_advantages(
 
     Precision: the computation runs in ``promote_types(advantages.dtype,
     float32)``, as AReaL casts token rewards to its float32 reward dtype before
-    adding them: fp16/bf16 advantages give a float32 result, float64 stays float64.
+    using them. The result has the dtype AReaL's expression gives: float32 for
+    fp16/bf16 advantages in ``additive`` and ``process_weighted`` (the float32
+    rewards enter the result), the advantages' own dtype in ``gvpo`` (rewards only
+    select); float64 stays float64.
 
     Args:
         advantages: floating tensor of any shape, e.g. ``[T]`` or ``[B, T]``.
@@ -238,8 +264,7 @@ def shape_advantages(
         loss_mask: same shape; bool, integer or float (non-zero = active).
         mode: one of :data:`SHAPING_MODES`.
         negative_scale, zero_penalty, zero_eps: ``gvpo`` coefficients; must
-            be finite and ``>= 0`` (checked in every mode so that a bad config
-            fails on the first batch, whatever the mode).
+            be finite and ``>= 0`` (checked in every mode, as AReaL's config does).
 
     Returns:
         A new tensor with ``advantages``' shape and device.
@@ -250,27 +275,10 @@ def shape_advantages(
         RuntimeError: ``process_weighted`` rewards outside ``[0, 1]`` (or NaN)
             at an active position.
     """
-    if mode not in SHAPING_MODES:
-        raise ValueError(f"unknown shaping mode {mode!r}; expected one of {SHAPING_MODES}")
-    negative_scale = _check_coefficient("negative_scale", negative_scale)
-    zero_penalty = _check_coefficient("zero_penalty", zero_penalty)
-    zero_eps = _check_coefficient("zero_eps", zero_eps)
-    _check_tensors(advantages, token_rewards, loss_mask)
-
-    dtype = torch.promote_types(advantages.dtype, torch.float32)
-    a = advantages.to(dtype)
-    p = token_rewards.to(dtype)
-    device_type, numel = a.device.type, a.numel()
-
-    if mode == "additive":
-        return _run_kernel(mode, device_type, numel, (a, p, loss_mask))  # type: ignore[return-value]
-    if mode == "gvpo":
-        coefficients = (negative_scale, zero_penalty, zero_eps)
-        return _run_kernel(mode, device_type, numel, (a, p, loss_mask), coefficients)  # type: ignore[return-value]
-    out, bad = _run_kernel(mode, device_type, numel, (a, p, loss_mask))  # type: ignore[misc]
-    if bool(bad):
-        raise _range_error(p, loss_mask)
-    return out
+    info = shaping_mode(mode)
+    values = {name: check_coefficient(name, value) for name, value in
+              (("negative_scale", negative_scale), ("zero_penalty", zero_penalty), ("zero_eps", zero_eps))}
+    return _shape(advantages, token_rewards, loss_mask, info, tuple(values[name] for name in info.coefficients))
 
 
 # --------------------------------------------------------------------------- #

@@ -46,27 +46,36 @@ import msgspec
 import torch
 from torch import Tensor
 
-from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config, validate
+from infra.config import (
+    ActorConfig,
+    ConfigError,
+    PipelineConfig,
+    PRMAdvantageShapingConfig,
+    TrainerConfig,
+    load_config,
+    validate,
+)
+from infra.modes import combined_mode
 
 from .batch import TrainingBatch, resolve_device
-from .combined import openclaw_combine, prm_gated_opd, prm_weighted_opd, turn_scores_from_tokens
+from .combiners import combined_token_signal
 from .consumer import VerdictConsumer
 from .exclusion import JudgeTurnTable, judge_turn_table, session_index, unhinted_turns
 from .exclusion import exclude_neutral_turns as _exclude_neutral_turns
 from .filters import get_filter
-from .openclaw_recipe import RECIPES, openclaw_turn_advantages, turn_values_to_tokens
-from .shaping import grpo_outcome_advantages, shape_advantages, shift_token_rewards
+from .openclaw_recipe import openclaw_turn_advantages, turn_values_to_tokens
+from .shaping import apply_shaping, grpo_outcome_advantages, shift_token_rewards
 
 __all__ = [
     "ShapedBatch",
     "StepReport",
     "TrainerSummary",
-    "check_combined_mode",
     "cmd_trainer",
     "combined_token_signal",
     "format_step",
     "run_trainer",
     "shape_batch",
+    "with_shaping_mode",
 ]
 
 log = logging.getLogger(__name__)
@@ -116,48 +125,45 @@ class TrainerSummary:
 
 def shape_batch(
     batch: TrainingBatch,
-    *,
-    mode: str,
-    negative_scale: float = 0.2,
-    zero_penalty: float = 0.4,
-    zero_eps: float = 1e-6,
-    mask_no_eos_with_zero: bool = False,
-    exclude_neutral_turns: bool = False,
-    judge_scorer: str = "openclaw_judge",
-    combined_mode: str | None = None,
-    opd_scorer: str = "opd_teacher",
-    gate_penalty: float = -1.0,
-    recipe: str = "grpo",
-    drop_unhinted_turns: bool = False,
+    shaping: PRMAdvantageShapingConfig,
+    trainer: TrainerConfig | None = None,
+    actor: ActorConfig | None = None,
 ) -> ShapedBatch:
     """Shifted masks/rewards, GRPO outcome advantages and shaped advantages for ``batch``.
 
     Pure and vectorised on the batch's device; the three calls a real trainer needs
-    after its own advantage computation are the last two lines.
+    after its own advantage computation are the last two lines. The config structs
+    come whole and were checked when built (mode, coefficients, recipe, combined mode
+    and their compatibility): nothing is validated again per batch, and the modes are
+    dispatched through the registry in :mod:`infra.modes`, never by a default.
 
-    ``exclude_neutral_turns`` removes the turns OpenClaw-RL would not train on (judge
-    score 0 or no next state, with the at-least-one guarantee per session) from the
-    loss mask, using ``judge_scorer``'s per-turn results (:mod:`shaper.exclusion`).
-    ``combined_mode`` (``prm_gated_opd`` | ``prm_weighted_opd``) replaces the summed
-    token rewards by :func:`combined_token_signal` of the ``judge_scorer`` and
-    ``opd_scorer`` channels. Both work in generated-token alignment, before the shift.
+    ``trainer.exclude_neutral_turns`` removes the turns OpenClaw-RL would not train on
+    (judge score 0 or no next state, with the at-least-one guarantee per session) from
+    the loss mask, using ``trainer.judge_scorer``'s per-turn results
+    (:mod:`shaper.exclusion`). A combined mode that yields a signal replaces the summed
+    token rewards by its combiner's signal of the ``judge_scorer`` and ``opd_scorer``
+    channels (:mod:`shaper.combiners`). Both work in generated-token alignment, before
+    the shift. ``actor.mask_no_eos_with_zero`` zeroes truncated rows' rewards (AReaL).
 
     OpenClaw-RL's recipes replace the outcome advantage altogether (their
-    ``outcome_advantages`` are zeros): ``recipe="openclaw_turns"`` trains judged turns
-    with the judge score as advantage (:mod:`shaper.openclaw_recipe`), and
-    ``combined_mode="openclaw_combine"`` uses :func:`shaper.combined.openclaw_combine`'s
-    advantage and mask. ``drop_unhinted_turns`` masks the turns ``opd_scorer`` accepted
-    no hint for (:func:`shaper.exclusion.unhinted_turns`).
+    ``outcome_advantages`` are zeros): ``recipe: openclaw_turns`` trains judged turns
+    with the judge score as advantage (:mod:`shaper.openclaw_recipe`), and a combined
+    mode that yields the advantage (``openclaw_combine``) gives the advantage and mask.
+    ``drop_unhinted_turns`` masks the turns ``opd_scorer`` accepted no hint for
+    (:func:`shaper.exclusion.unhinted_turns`).
     """
-    check_recipe(recipe, combined_mode, exclude_neutral_turns)
+    trainer = _DEFAULT_TRAINER if trainer is None else trainer
+    actor = _DEFAULT_ACTOR if actor is None else actor
+    combined = None if trainer.combined_mode is None else combined_mode(trainer.combined_mode)
     loss_mask = batch.loss_mask
-    if drop_unhinted_turns:
-        loss_mask = loss_mask & ~turn_values_to_tokens(unhinted_turns(batch, opd_scorer), batch.turn_index)
+    if trainer.drop_unhinted_turns:
+        loss_mask = loss_mask & ~turn_values_to_tokens(unhinted_turns(batch, trainer.opd_scorer), batch.turn_index)
+    channels = {"judge_scorer": trainer.judge_scorer, "opd_scorer": trainer.opd_scorer}
     direct: tuple[Tensor, Tensor] | None = None
-    if recipe == "openclaw_turns":
-        direct = openclaw_turn_advantages(batch, judge_scorer, loss_mask)
-    elif combined_mode == "openclaw_combine":
-        direct = _openclaw_combine(batch, loss_mask, judge_scorer, opd_scorer)
+    if trainer.recipe == "openclaw_turns":
+        direct = openclaw_turn_advantages(batch, trainer.judge_scorer, loss_mask)
+    elif combined is not None and combined.yields == "advantage":
+        direct = combined.resolve()(batch, loss_mask, table=None, **channels)
     if direct is not None:  # OpenClaw-RL: the advantage itself, no outcome term, no shaping
         advantages, kept = direct
         mask = shift_token_rewards(kept)
@@ -165,20 +171,14 @@ def shape_batch(
         return ShapedBatch(loss_mask=mask, token_rewards=shifted, outcome_advantages=torch.zeros_like(shifted),
                            advantages=shifted)
     table: JudgeTurnTable | None = None
-    if exclude_neutral_turns or combined_mode == "prm_gated_opd":
-        table = judge_turn_table(batch, judge_scorer)
-    if exclude_neutral_turns:
-        assert table is not None
+    if trainer.exclude_neutral_turns:
+        table = judge_turn_table(batch, trainer.judge_scorer)
         sessions = session_index(batch.group_ids, batch.session_ids, device=batch.turn_index.device)
         loss_mask = _exclude_neutral_turns(loss_mask, batch.turn_index, table.scores, table.has_next_state,
                                            sessions, table.judged)
-    if combined_mode is None:
-        signal = batch.token_rewards
-    else:
-        signal = combined_token_signal(batch, combined_mode, loss_mask=loss_mask, judge_scorer=judge_scorer,
-                                       opd_scorer=opd_scorer, penalty=gate_penalty, table=table)
+    signal = batch.token_rewards if combined is None else combined.resolve()(batch, loss_mask, table=table, **channels)
     outcome_rewards = batch.rewards
-    if mask_no_eos_with_zero:
+    if actor.mask_no_eos_with_zero:
         # AReaL: truncated rows stay in the loss; their outcome reward is not placed and
         # their token rewards are zeroed (advantages then come from the group baseline).
         truncated = batch.is_truncated
@@ -188,103 +188,29 @@ def shape_batch(
     rewards = shift_token_rewards(signal)
     per_row = grpo_outcome_advantages(outcome_rewards, batch.group_ids)
     outcome = per_row.unsqueeze(-1).expand_as(rewards) * mask
-    shaped = shape_advantages(outcome, rewards, mask, mode=mode, negative_scale=negative_scale,
-                              zero_penalty=zero_penalty, zero_eps=zero_eps)
+    shaped = apply_shaping(outcome, rewards, mask, shaping)
     return ShapedBatch(loss_mask=mask, token_rewards=rewards, outcome_advantages=outcome, advantages=shaped)
 
 
-def combined_token_signal(
-    batch: TrainingBatch,
-    combined_mode: str,
-    *,
-    loss_mask: Tensor | None = None,
-    judge_scorer: str = "openclaw_judge",
-    opd_scorer: str = "opd_teacher",
-    penalty: float = -1.0,
-    table: JudgeTurnTable | None = None,
-) -> Tensor:
-    """The ``[B, T]`` PRM + OPD token signal of ``batch`` (unshifted, 0 off the loss mask).
-
-    Per-turn scores are the ``judge_scorer`` channel's mean over each turn's tokens
-    (its weighted ``+1/0/-1``); token signals are the ``opd_scorer`` channel
-    (``teacher_lp - rollout_lp``, weighted). ``prm_gated_opd`` additionally treats
-    turns without a next state as unjudged (``turn_mask``), from the judge's
-    ``has_next_state`` observations: such a turn (normally the last) has nothing to be
-    judged on, so its ``0`` must not cut the cascade or earn the penalty.
-    """
-    check_combined_mode(combined_mode)
-    if combined_mode == "openclaw_combine":
-        raise ValueError("openclaw_combine yields an advantage and a mask, not a token signal: use shape_batch")
-    _require_channels(batch, combined_mode, judge_scorer, opd_scorer)
-    mask = batch.loss_mask if loss_mask is None else loss_mask
-    turn_index = batch.turn_index
-    num_turns = int(turn_index.max().item()) + 1 if turn_index.numel() else 0
-    scores = turn_scores_from_tokens(batch.channels[judge_scorer], turn_index, num_turns)
-    opd = batch.channels[opd_scorer]
-    if combined_mode == "prm_weighted_opd":
-        return prm_weighted_opd(opd, scores, turn_index, mask)
-    table = table if table is not None else judge_turn_table(batch, judge_scorer)
-    return prm_gated_opd(opd, scores, turn_index, mask, penalty=penalty,
-                         turn_mask=table.judged & table.has_next_state)
+_DEFAULT_TRAINER = TrainerConfig()
+_DEFAULT_ACTOR = ActorConfig()
 
 
-def _openclaw_combine(
-    batch: TrainingBatch, loss_mask: Tensor, judge_scorer: str, opd_scorer: str
-) -> tuple[Tensor, Tensor]:
-    """:func:`shaper.combined.openclaw_combine` on the batch's channels; the scorers'
-    weights already scale them, so they play ``w_rl`` (judge) and ``w_opd`` (OPD)."""
-    _require_channels(batch, "openclaw_combine", judge_scorer, opd_scorer)
-    turn_index = batch.turn_index
-    num_turns = int(turn_index.max().item()) + 1 if turn_index.numel() else 0
-    scores = turn_scores_from_tokens(batch.channels[judge_scorer], turn_index, num_turns)
-    hinted = ~unhinted_turns(batch, opd_scorer)
-    return openclaw_combine(batch.channels[opd_scorer], scores, hinted, turn_index, loss_mask)
+def with_shaping_mode(cfg: PipelineConfig, mode: str) -> PipelineConfig:
+    """``cfg`` with ``advantage_shaping.mode`` replaced, checked as a loaded config is."""
+    cfg = _replace_shaping_mode(cfg, mode)
+    validate(cfg)
+    return cfg
 
 
-def _require_channels(batch: TrainingBatch, combined_mode: str, judge_scorer: str, opd_scorer: str) -> None:
-    missing = [name for name in (judge_scorer, opd_scorer) if name not in batch.channels]
-    if missing:
-        raise ValueError(
-            f"combined_mode {combined_mode!r} needs the per-scorer channels of {judge_scorer!r} (judge) and "
-            f"{opd_scorer!r} (OPD); the batch has {sorted(batch.channels) or 'none'}, missing {missing}. Run the "
-            "workers with worker.keep_scorer_channels: true and both scorers configured, or set "
-            "trainer.judge_scorer / trainer.opd_scorer to their names"
-        )
-
-
-def check_recipe(recipe: str, combined_mode: str | None = None, exclude_neutral_turns: bool = False) -> None:
-    """Refuse an unknown recipe, and OpenClaw-RL's turn recipe combined with a PRM + OPD mode
-    (each defines the whole advantage) or with our exclusion (it has OpenClaw-RL's own)."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown trainer recipe {recipe!r}; expected one of {list(RECIPES)}")
-    if exclude_neutral_turns and (recipe == "openclaw_turns" or combined_mode == "openclaw_combine"):
-        which = "trainer.recipe 'openclaw_turns'" if recipe == "openclaw_turns" else "combined_mode 'openclaw_combine'"
-        raise ValueError(
-            f"{which} applies OpenClaw-RL's own turn selection; turn trainer.exclude_neutral_turns off"
-        )
-    if recipe != "grpo" and combined_mode is not None:
-        raise ValueError(
-            f"trainer.recipe {recipe!r} defines the whole advantage; it cannot be combined with "
-            f"trainer.combined_mode {combined_mode!r} (use one of them)"
-        )
-
-
-def check_combined_mode(combined_mode: str | None, shaping_mode: str | None = None) -> None:
-    """Refuse an unknown combined mode, and one that ``shaping_mode`` cannot fold in.
-
-    The combined signals are signed (a ``-1`` penalty, ``score x (teacher_lp -
-    rollout_lp)``), while ``process_weighted`` multiplies advantages by a weight in
-    ``[0, 1]``: better to say so at start-up than on the first batch.
-    """
-    if combined_mode is None:
-        return
-    if combined_mode not in COMBINED_MODES:
-        raise ValueError(f"unknown combined mode {combined_mode!r}; expected one of {list(COMBINED_MODES)} or null")
-    if shaping_mode == "process_weighted" and combined_mode != "openclaw_combine":  # that one is not shaped
-        raise ValueError(
-            f"trainer.combined_mode {combined_mode!r} produces signed token signals, but "
-            "advantage_shaping.mode 'process_weighted' needs process rewards in [0, 1]; use additive or gvpo"
-        )
+def _replace_shaping_mode(cfg: PipelineConfig, mode: str) -> PipelineConfig:
+    prm = cfg.prm
+    try:
+        shaping = msgspec.structs.replace(prm.advantage_shaping, mode=mode)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    agent = msgspec.structs.replace(cfg.rollout.agent, prm=msgspec.structs.replace(prm, advantage_shaping=shaping))
+    return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, agent=agent))
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> float:
@@ -334,6 +260,8 @@ async def run_trainer(
     stop: asyncio.Event | None = None,
     consumer_kwargs: Mapping[str, Any] | None = None,
     update: Callable[[TrainingBatch, ShapedBatch], Mapping[str, float]] | None = None,
+    policy_version: int = 0,
+    metrics_port: int | None = None,
 ) -> TrainerSummary:
     """Consume verdicts and shape advantages until ``max_steps``, idleness or ``stop``.
 
@@ -347,20 +275,41 @@ async def run_trainer(
     ``update`` is the optimiser step (e.g. :class:`prm_pipeline.demo.policy_update.PolicyUpdate`
     wrapped by the caller): it gets each batch with its shaped advantages and returns
     numbers for the step report; without it the loop shapes and reports only.
+
+    ``policy_version`` is the version of the policy at the start; each step makes the
+    next one (or the ``policy_version`` its ``update`` returns), and the consumer's
+    staleness bound (``trainer.max_policy_lag``) compares verdicts with it.
+    ``metrics_port`` serves the consumer's counters to Prometheus (:mod:`shaper.telemetry`).
     """
-    shaping = cfg.prm.advantage_shaping
-    mode = mode or shaping.mode
-    if mode not in SHAPING_MODES:
-        raise ValueError(f"unknown shaping mode {mode!r}; expected one of {list(SHAPING_MODES)}")
-    tc = cfg.trainer
-    check_combined_mode(tc.combined_mode, mode)
-    check_recipe(tc.recipe, tc.combined_mode, tc.exclude_neutral_turns)
+    if mode is not None and mode != cfg.prm.advantage_shaping.mode:
+        cfg = with_shaping_mode(cfg, mode)
+    shaping, tc = cfg.prm.advantage_shaping, cfg.trainer
+    mode = shaping.mode
     dev = resolve_device(device if device is not None else tc.device)
     summary = TrainerSummary(device=str(dev), mode=mode, combined_mode=tc.combined_mode,
                              exclude_neutral_turns=tc.exclude_neutral_turns)
     stop = stop or asyncio.Event()
     kwargs = dict(consumer_kwargs or {})
     consumer = VerdictConsumer(cfg, batch_groups=batch_groups, device=dev, dedupe_store=dedupe_store, **kwargs)
+    consumer.set_policy_version(policy_version)
+    telemetry = None
+    if metrics_port is not None:
+        from shaper.telemetry import TrainerTelemetry
+
+        telemetry = TrainerTelemetry(consumer)
+        telemetry.serve(metrics_port)
+    try:
+        return await _train(cfg, consumer, summary, stop, tc, shaping, mode, max_steps, idle_timeout_s, update,
+                            on_step, policy_version, telemetry)
+    finally:
+        if telemetry is not None:
+            telemetry.close()
+
+
+async def _train(cfg: PipelineConfig, consumer: VerdictConsumer, summary: TrainerSummary, stop: asyncio.Event,
+                 tc: Any, shaping: Any, mode: str, max_steps: int | None, idle_timeout_s: float | None,
+                 update: Callable[[TrainingBatch, ShapedBatch], Mapping[str, float]] | None,
+                 on_step: Callable[[StepReport], None] | None, policy_version: int, telemetry: Any) -> TrainerSummary:
     async with consumer:
         watcher = asyncio.create_task(_stop_when(stop, consumer))
         try:
@@ -370,13 +319,7 @@ async def run_trainer(
                     summary.stop_reason = "stopped" if stop.is_set() else "idle"
                     break
                 t0 = time.perf_counter()
-                shaped = shape_batch(
-                    batch, mode=mode, negative_scale=shaping.negative_scale, zero_penalty=shaping.zero_penalty,
-                    zero_eps=shaping.zero_eps, mask_no_eos_with_zero=cfg.actor.mask_no_eos_with_zero,
-                    exclude_neutral_turns=tc.exclude_neutral_turns, judge_scorer=tc.judge_scorer,
-                    combined_mode=tc.combined_mode, opd_scorer=tc.opd_scorer,
-                    recipe=tc.recipe, drop_unhinted_turns=tc.drop_unhinted_turns,
-                )
+                shaped = shape_batch(batch, shaping, tc, cfg.actor)
                 mask = shaped.loss_mask
                 stepped = dict(update(batch, shaped)) if update is not None else {}
                 report = StepReport(
@@ -392,6 +335,10 @@ async def run_trainer(
                     update=stepped,
                 )
                 summary.steps += 1
+                policy_version = int(stepped.get("policy_version", policy_version + 1))
+                consumer.set_policy_version(policy_version)
+                if telemetry is not None:
+                    telemetry.collector.steps = summary.steps
                 summary.groups += report.groups
                 summary.rows += report.rows
                 summary.tokens += report.tokens
@@ -415,41 +362,33 @@ async def _stop_when(stop: asyncio.Event, consumer: VerdictConsumer) -> None:
 # --------------------------------------------------------------------------- CLI
 def _configure(args: argparse.Namespace) -> PipelineConfig:
     cfg = load_config(getattr(args, "config", None))
-    trainer = cfg.trainer
-    if args.batch_groups is not None:
-        trainer = msgspec.structs.replace(trainer, batch_groups=args.batch_groups)
-    if args.device is not None:
-        trainer = msgspec.structs.replace(trainer, device=args.device)
-    if args.filter is not None:
-        trainer = msgspec.structs.replace(trainer, filter=args.filter)
-    if getattr(args, "exclude_neutral_turns", None) is not None:
-        trainer = msgspec.structs.replace(trainer, exclude_neutral_turns=args.exclude_neutral_turns)
+    changes: dict[str, Any] = {
+        name: getattr(args, name) for name in ("batch_groups", "device", "filter", "exclude_neutral_turns")
+        if getattr(args, name, None) is not None
+    }
     combined = getattr(args, "combined_mode", None)
     if combined is not None:  # "none" on the command line turns a configured mode off
-        trainer = msgspec.structs.replace(trainer, combined_mode=None if combined == "none" else combined)
-    cfg = msgspec.structs.replace(cfg, trainer=trainer)
+        changes["combined_mode"] = None if combined == "none" else combined
+    try:  # one replace: the trainer's rules see the final combination of options
+        cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, **changes))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if args.mode is not None:
-        prm = cfg.prm
-        shaping = msgspec.structs.replace(prm.advantage_shaping, mode=args.mode)
-        agent = msgspec.structs.replace(cfg.rollout.agent, prm=msgspec.structs.replace(prm, advantage_shaping=shaping))
-        cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, agent=agent))
+        cfg = _replace_shaping_mode(cfg, args.mode)
     if cfg.trainer.filter is not None:
         try:
             get_filter(cfg.trainer.filter)
         except ValueError as exc:
             raise ConfigError(f"trainer.filter: {exc}") from None
     validate(cfg)  # e.g. process_weighted with mask_no_eos_with_zero: ConfigError -> exit 2
-    try:
-        check_combined_mode(cfg.trainer.combined_mode, cfg.prm.advantage_shaping.mode)
-        check_recipe(cfg.trainer.recipe, cfg.trainer.combined_mode, cfg.trainer.exclude_neutral_turns)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
     return cfg
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
     """Entry point of ``prm-pipeline trainer``; SIGINT/SIGTERM stop it gracefully."""
     cfg = _configure(args)
+    if logging.getLogger("shaper").getEffectiveLevel() > logging.INFO:
+        logging.getLogger("shaper").setLevel(logging.INFO)  # progress lines ("waiting for N more groups")
 
     async def main() -> TrainerSummary:
         stop = asyncio.Event()
@@ -460,6 +399,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
         return await run_trainer(
             cfg, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout, stop=stop,
             on_step=lambda report: print(format_step(report), flush=True), dedupe_store=args.dedupe_store,
+            metrics_port=getattr(args, "metrics_port", None),
         )
 
     try:

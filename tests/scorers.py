@@ -43,3 +43,22 @@ class SlowScorer(BaseScorer):
             await asyncio.Event().wait()
         await asyncio.sleep(self.delay_s)
         return 0.0
+
+
+def token_echo_rewards(input_tokens: Any, output_tokens: Any, n_messages: int) -> Any:
+    """Per-output-token rewards that depend on the whole prompt, the conversation and each token."""
+    import numpy as np
+
+    base = (int(input_tokens[-1]) if len(input_tokens) else 0) + len(input_tokens) + n_messages
+    return ((np.asarray(output_tokens, dtype=np.int64) + base) % 97).astype(np.float32) / np.float32(97)
+
+
+class TokenEchoScorer(BaseScorer):
+    """Rewards each output token from the turn's full prompt and conversation (:func:`token_echo_rewards`):
+    a verdict shows whether the worker saw every turn exactly as the producer built it."""
+
+    name = "token_echo"
+
+    async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> Any:
+        mr = interaction.model_response
+        return token_echo_rewards(mr.input_tokens, mr.output_tokens, len(interaction.messages))

@@ -17,11 +17,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from infra.chunks import ChunkAssembler, reassembled
 from infra.schema import (
     DiscardGroup,
     GroupVerdict,
     ReadyTrajectory,
     SchemaError,
+    TrajectoryChunk,
     decode_message,
     decode_verdict,
 )
@@ -109,6 +111,7 @@ class Auditor:
         self._discards: set[str] = set()
         self._notes: dict[str, list[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._chunks: ChunkAssembler[None] = ChunkAssembler()  # large trajectories arrive in chunk records
         self._frozen = False
 
     # ------------------------------------------------------------------ verdicts
@@ -152,6 +155,7 @@ class Auditor:
         """Decode one trajectories-topic record; re-score it if a verdict needs it.
 
         Waits while ``concurrency`` re-scorings are in flight (backpressure on reading).
+        A chunk record is buffered; the trajectory is audited when its last chunk arrives.
         """
         self._frozen = True
         self.counts["trajectory_records"] += 1
@@ -160,6 +164,18 @@ class Auditor:
         except SchemaError:
             self.counts["undecodable_trajectories"] += 1  # the worker dead-lettered these
             return
+        if isinstance(message, TrajectoryChunk):
+            for done in self._chunks.add(None, message, None) if self.wanted(message.group_id) else ():
+                try:
+                    whole = reassembled(done)
+                except SchemaError:
+                    self.counts["undecodable_trajectories"] += 1
+                    continue
+                await self._feed(whole, done.value)
+            return
+        await self._feed(message, value)
+
+    async def _feed(self, message: ReadyTrajectory | DiscardGroup, value: bytes | None) -> None:
         if not self.wanted(message.group_id):
             return
         if isinstance(message, DiscardGroup):

@@ -65,7 +65,7 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-differences", type=_positive_int, default=100, metavar="N",
                    help="differences kept per group in --out (100)")
     p.add_argument("--show", type=int, default=10, metavar="N", help="differing groups listed in the summary (10)")
-    p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
+    p.add_argument("--no-progress", "-q", "--quiet", dest="progress", action="store_const", const=False, default=None,
                    help="no progress bar (default: shown when stderr is a terminal)")
     p.set_defaults(func=cmd_audit)
     return p

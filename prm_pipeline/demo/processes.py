@@ -35,9 +35,12 @@ class WorkerProcesses:
         self.concurrency = concurrency
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.starts = [0] * n
+        self.ended_on_purpose: set[int] = set()  # pids this object SIGKILLed or SIGTERMed
+        self.crashed: list[tuple[str, int]] = []  # (log name, exit code) of workers that ended by themselves
 
     def start(self, i: int | None = None) -> None:
         for k in range(len(self.procs)) if i is None else [i]:
+            self._note_exit(k)  # a slot restarted after its worker died by itself must not hide it
             self.starts[k] += 1
             log = (self.log_dir / f"worker{k}.{self.starts[k]}.log").open("wb")
             argv = [sys.executable, "-m", "prm_pipeline.cli", "--config", str(self.config_path), "worker",
@@ -52,16 +55,31 @@ class WorkerProcesses:
     def kill(self, i: int) -> None:
         proc = self.procs[i]
         if proc is not None and proc.poll() is None:
+            self.ended_on_purpose.add(proc.pid)
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+
+    def _note_exit(self, k: int) -> None:
+        proc = self.procs[k]
+        if proc is not None and proc.poll() is not None and proc.pid not in self.ended_on_purpose:
+            self.ended_on_purpose.add(proc.pid)  # noted once
+            self.crashed.append((f"worker{k}.{self.starts[k]}.log", proc.returncode))
+
+    def unexpected_exits(self) -> list[tuple[str, int]]:
+        """Workers that ended although nobody stopped them: ``(log name, exit code)``."""
+        for k in range(len(self.procs)):
+            self._note_exit(k)
+        return list(self.crashed)
 
     def alive(self) -> list[bool]:
         return [p is not None and p.poll() is None for p in self.procs]
 
     def stop(self, timeout_s: float = 30.0) -> list[int | None]:
         """SIGTERM all (graceful drain + commit), wait, SIGKILL stragglers; return exit codes."""
+        self.unexpected_exits()
         for p in self.procs:
             if p is not None and p.poll() is None:
+                self.ended_on_purpose.add(p.pid)
                 p.send_signal(signal.SIGTERM)
         codes: list[int | None] = []
         for p in self.procs:

@@ -2,7 +2,7 @@
 
 :class:`DemoRecord` is what the demo measures while the loop runs; :func:`write_report`
 turns it into matplotlib (Agg) figures, embeds them as base64 PNGs next to the token
-views of :mod:`prm_pipeline.inspect`, and also leaves each PNG beside the page. The
+views of :mod:`prm_pipeline.token_view`, and also leaves each PNG beside the page. The
 sections (their ``id`` s are what the tests check) are :data:`SECTIONS`; the first is the
 learning curves of the two runs. ``learning-curves.json`` beside the page holds the
 curves' numbers (what :func:`prm_pipeline.demo.curves.check_run` compares with the

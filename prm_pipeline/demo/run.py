@@ -64,7 +64,7 @@ DEMO_GROUP_TIMEOUT_S = 6.0
 ALIGNMENT_TOLERANCE = 1e-4  # the demo's alarm; the tests hold the alignment to 1e-5
 JUDGE = "scoring_workers.scorers.openclaw.OpenClawJudgeScorer"
 OPD = "scoring_workers.scorers.opd.OPDTeacherScorer"
-AUDIT_SINK = "prm_pipeline.inspect:record_judge_audit"
+AUDIT_SINK = "prm_pipeline.token_view:record_judge_audit"
 JUDGE_WEIGHT = 0.5  # the judge's +1/-1 per answered turn, next to a GRPO advantage of about +-1
 OPD_WEIGHT = 0.2  # teacher - policy log-prob on hinted (failed) turns: a small pull, nats are large
 LEARNING_RATE = 1e-2  # Adam; a tiny model from scratch moves visibly within a dozen updates
@@ -248,7 +248,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     from prm_pipeline.demo.report import DemoRecord, write_report
     from prm_pipeline.demo.rollout_proxy import RolloutConfig, RolloutProxy
     from prm_pipeline.demo.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
-    from prm_pipeline.inspect import AUDIT_ENV, branch_views, load_audit, render_html, verdict_record
+    from prm_pipeline.token_view import AUDIT_ENV, branch_views, demo_decoder, load_audit, render_html, verdict_record
     from shaper.trainer import run_trainer
 
     torch.set_num_threads(1)  # two shared cores: one thread each for the proxy and the trainer
@@ -380,7 +380,8 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     (out_dir / "trainer-log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in loop.log))
     if audit_path.exists():
         (out_dir / "judge-audit.jsonl").write_bytes(audit_path.read_bytes())
-    record.token_views_html = render_html(_sample_views(records, load_audit(audit_path), branch_views))
+    record.token_views_html = render_html(_sample_views(records, load_audit(audit_path), branch_views),
+                                          demo_decoder())
     record.curves = curves_from_trainer_log(loop.log)
     record.process_share = [line["process_share"] for line in loop.log if line["run"] == "process"]
     record.learning_verdict = verdict_text(record.curves, record.process_share)

@@ -62,7 +62,7 @@ class PRMScorerResult:
         for item in observations:
             if not isinstance(item, PRMMetricObservation):
                 raise TypeError(
-                    f"PRMScorerResult.observations must hold PRMMetricObservation, got {type(item).__name__}"
+                    f"PRMScorerResult.observations must contain PRMMetricObservation, got {type(item).__name__}"
                 )
 
 

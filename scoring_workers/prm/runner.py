@@ -78,15 +78,25 @@ _SchemaTable = dict[tuple[str, str], _Schema]  # (scope, metric_id) -> schema
 
 
 class _Invalid(Exception):
-    """Internal: a scorer result broke a rule; raised as ``kind`` with context added."""
+    """Internal: a scorer result broke a rule; raised as ``kind`` with context added.
 
-    def __init__(self, message: str, kind: type[Exception] = ValueError, reason: str = "invalid_reward") -> None:
+    ``follows_subject``: the message continues its subject, as AReaL's wording does
+    ("scorer 'x' must return shape (3,)"), so the place goes after it, not before.
+    """
+
+    def __init__(self, message: str, kind: type[Exception] = ValueError, reason: str = "invalid_reward",
+                 *, follows_subject: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.reason = reason
+        self.follows_subject = follows_subject
 
-    def build(self, prefix: str, **where: str | None) -> Exception:
-        return runner_error(self.kind, f"{prefix}{self}", self.reason, **where)
+    def build(self, subject: str, place: str | None = None, **where: str | None) -> Exception:
+        if self.follows_subject:
+            text = f"{subject} {self}" + (f" ({place})" if place else "")
+        else:
+            text = f"{subject}{', ' + place if place else ''}: {self}"
+        return runner_error(self.kind, text, self.reason, **where)
 
 
 class _Resume:
@@ -181,9 +191,10 @@ def _weighted(raw: Any, weight: float, output_len: int) -> tuple[float | torch.T
         if tensor.is_complex() or tensor.dtype not in _REAL_DTYPES:
             raise _Invalid(f"reward tensor has unsupported dtype {tensor.dtype}", TypeError)
         if tuple(tensor.shape) != (output_len,):  # a 0-dim tensor too, as in AReaL
-            raise _Invalid(
-                f"reward tensor has shape {list(tensor.shape)}; scorers must return shape (n,) "
-                f"with n = output_len = {output_len}, or a scalar"
+            raise _Invalid(  # AReaL's wording first (its tests match it), then ours
+                f"must return shape ({output_len},), got a reward tensor of shape {list(tensor.shape)}; "
+                f"n = output_len = {output_len}, or return a scalar",
+                follows_subject=True,
             )
         tensor = tensor.to(device="cpu", dtype=torch.float32)
         if not bool(torch.isfinite(tensor).all()):
@@ -534,7 +545,7 @@ class PRMRunner:
                     value, reward = _weighted(outcome, scorer.weight, output_len)
                 except _Invalid as exc:
                     raise exc.build(
-                        f"scorer {scorer.name!r}, interaction {view.interaction_id!r}: ",
+                        f"scorer {scorer.name!r}", f"interaction {view.interaction_id!r}",
                         interaction_id=view.interaction_id, **where,
                     ) from None
                 observations = outcome.observations if isinstance(outcome, PRMScorerResult) else ()
@@ -590,7 +601,7 @@ class PRMRunner:
                 token_rewards[view.interaction_id] = _finish(a, output_len)
             except _Invalid as exc:
                 raise exc.build(
-                    f"interaction {view.interaction_id!r}: ",
+                    f"interaction {view.interaction_id!r}",
                     interaction_id=view.interaction_id, leaf_id=leaf_id, trajectory_id=trajectory_id,
                 ) from None
         return ScoredBranch(
@@ -792,8 +803,9 @@ class PRMRunner:
             for obs in observations:
                 if not isinstance(obs, PRMMetricObservation):
                     raise runner_error(
-                        TypeError, f"scorer {scorer_name!r}: observations must contain PRMMetricObservation, "
-                        f"got {type(obs).__name__}", "invalid_observation", **context,
+                        TypeError, f"scorer {scorer_name!r} observations must contain PRMMetricObservation, "
+                        f"got {type(obs).__name__} (interaction {view.interaction_id!r})", "invalid_observation",
+                        **context,
                     )
                 if not isinstance(obs.target_id, str) or not obs.target_id.strip():
                     raise runner_error(

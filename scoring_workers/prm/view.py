@@ -12,7 +12,10 @@ port unchanged. ``model_response`` is the wire object itself: its token arrays a
 read-only numpy views over immutable bytes, so sharing it costs nothing and cannot be
 corrupted. ``messages`` / ``output_message_list`` are frozen lazily, on first access,
 and shared by every branch of one run: cheap scorers that only look at tokens never pay
-for freezing, and the frozen copies are immutable so sharing them is safe.
+for freezing, and the frozen copies are immutable so sharing them is safe. A message
+object that several turns share (an expanded compact trajectory gives every turn the
+same dicts for its common history) is frozen once per run, so a long session costs
+its messages, not the square of its turns.
 """
 
 from __future__ import annotations
@@ -29,7 +32,20 @@ if TYPE_CHECKING:
 __all__ = ["InteractionView", "MessageCache"]
 
 MessageCache = dict[str, tuple[Any, Any]]
-"""Per-run cache: interaction id -> (frozen messages, frozen output_message_list)."""
+"""Per-run cache: interaction id -> (frozen messages, frozen output_message_list); the
+entry under ``""`` (never an interaction id) maps ``id(message)`` to (message, frozen message)."""
+
+_SHARED = ""
+
+
+def _freeze_each(messages: Any, memo: dict[int, tuple[Any, Any]]) -> tuple[Any, ...]:
+    out = []
+    for m in messages:
+        hit = memo.get(id(m))
+        if hit is None or hit[0] is not m:
+            hit = memo[id(m)] = (m, freeze(m))
+        out.append(hit[1])
+    return tuple(out)
 
 
 class InteractionView:
@@ -62,7 +78,8 @@ class InteractionView:
     def _frozen(self) -> tuple[Any, Any]:
         entry = self._cache.get(self.interaction_id)
         if entry is None:
-            entry = (freeze(self._source.messages), freeze(self._source.output_message_list))
+            memo = self._cache.setdefault(_SHARED, ({}, None))[0]
+            entry = (_freeze_each(self._source.messages, memo), _freeze_each(self._source.output_message_list, memo))
             self._cache[self.interaction_id] = entry
         return entry
 

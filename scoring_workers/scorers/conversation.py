@@ -40,7 +40,14 @@ def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: 
 
 
 def message_text(message: Mapping[str, Any] | None) -> str:
-    """A message's text: string content as is, multimodal lists joined (text parts only)."""
+    """A message's text: string content as is, multimodal lists joined (text parts only).
+
+    As OpenClaw-RL's flattening: text parts joined by one space, a part without
+    ``text`` counts as empty, ``None`` content is empty, anything else is ``str()``-ed.
+    Two inputs upstream does not handle are accepted (docs/compatibility.md): a text
+    part whose ``text`` is null (JSON ``null``) counts as empty, and a tuple of parts is
+    flattened like a list.
+    """
     if not message:
         return ""
     content = message.get("content")
@@ -48,7 +55,7 @@ def message_text(message: Mapping[str, Any] | None) -> str:
         return content
     if isinstance(content, (list, tuple)):
         parts = [
-            str(item.get("text", ""))
+            "" if (text := item.get("text")) is None else str(text)
             for item in content
             if isinstance(item, Mapping) and item.get("type") == "text"
         ]

@@ -95,6 +95,9 @@ def parse_boxed_score(text: str | None) -> int | None:
     ``None`` — an invalid last box never falls back to an earlier one. Boxes that are
     not ``sign? digit`` (``\\boxed{1.0}``, ``\\boxed{ 1 }``, ``\\boxed{10}``) are not
     candidates at all, as with OpenClaw-RL's ``findall``. No candidate -> ``None``.
+    ``None`` text (an OpenAI-compatible answer with ``content: null``) -> ``None``, a
+    failed vote; OpenClaw-RL's parser would raise ``TypeError``, but its SGLang and
+    Tinker paths always have text (docs/compatibility.md).
 
     >>> parse_boxed_score("so \\\\boxed{+1}"), parse_boxed_score("\\\\boxed{-0}")
     (1, 0)
@@ -144,7 +147,8 @@ def select_best_hint(judgements: Sequence[Any]) -> str | None:
     than 10 characters; ties -> the earliest; none -> ``None``.
 
     Items are ``(score, hint)`` pairs, mappings with ``"score"``/``"hint"`` keys, or
-    ``None`` (a failed vote, skipped).
+    ``None`` (a failed vote, skipped). A score counts when it equals ``1`` (``True``
+    and ``1.0`` too), exactly OpenClaw-RL's ``v.get("score") == 1``.
     """
     best: str | None = None
     for item in judgements:
@@ -154,7 +158,7 @@ def select_best_hint(judgements: Sequence[Any]) -> str | None:
             score, hint = item.get("score"), item.get("hint")
         else:
             score, hint = item
-        if score != 1 or isinstance(score, bool) or not isinstance(hint, str):
+        if score != 1 or not isinstance(hint, str):
             continue
         hint = hint.strip()
         if len(hint) > 10 and (best is None or len(hint) > len(best)):

@@ -320,6 +320,7 @@ class JudgeClient:
             if ticket is None:
                 raise CircuitOpenError(f"POST {url}: circuit breaker open, failing fast", kind="circuit_open")
             verdict: bool | None = None
+            started = loop.time()
             limits.in_flight += 1
             limits.max_in_flight = max(limits.max_in_flight, limits.in_flight)
             self.stats.attempts += 1
@@ -373,5 +374,6 @@ class JudgeClient:
             finally:
                 limits.in_flight -= 1
                 limits.breaker.record(ticket, verdict)
+                limits.observe(loop.time() - started, failed=verdict is False)
         finally:
             semaphore.release()

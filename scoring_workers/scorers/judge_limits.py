@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CircuitBreaker", "SharedLimits", "acquire_limits", "registered_limits", "release_limits"]
+__all__ = ["LATENCY_BUCKETS_S", "CircuitBreaker", "SharedLimits", "acquire_limits", "all_limits", "registered_limits",
+           "release_limits"]
 
 
 class CircuitBreaker:
@@ -193,8 +194,22 @@ class SharedLimits:
         self.refs = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        # attempts on the wire, for the workers' metrics (scoring_workers/judge_metrics.py)
+        self.attempts = 0
+        self.failed_attempts = 0  # those the breaker counts as failures (timeouts, connect errors, 5xx)
+        self.latency_buckets = [0] * len(LATENCY_BUCKETS_S)  # cumulative counts per upper bound
+        self.latency_sum_s = 0.0
         self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[asyncio.Semaphore, _Pacer | None]]
         self._per_loop = weakref.WeakKeyDictionary()
+
+    def observe(self, seconds: float, *, failed: bool) -> None:
+        """One finished attempt: its duration and whether the breaker counted it as a failure."""
+        self.attempts += 1
+        self.failed_attempts += failed
+        self.latency_sum_s += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS_S):
+            if seconds <= bound:
+                self.latency_buckets[i] += 1
 
     def for_loop(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Semaphore, _Pacer | None]:
         entry = self._per_loop.get(loop)
@@ -204,6 +219,8 @@ class SharedLimits:
             self._per_loop[loop] = entry
         return entry
 
+
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 _REGISTRY: dict[str, SharedLimits] = {}
 _REGISTRY_LOCK = threading.Lock()
@@ -217,6 +234,12 @@ def registered_limits(base_url: str) -> SharedLimits | None:
     """The live :class:`SharedLimits` of ``base_url`` (``None`` if no client uses it)."""
     with _REGISTRY_LOCK:
         return _REGISTRY.get(_registry_key(base_url))
+
+
+def all_limits() -> list[SharedLimits]:
+    """Every live :class:`SharedLimits` of this process (one per judge server in use)."""
+    with _REGISTRY_LOCK:
+        return list(_REGISTRY.values())
 
 
 def acquire_limits(base_url: str, requested: dict[str, Any], clock: Callable[[], float]) -> SharedLimits:

@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from infra.modes import OPD_SCORER
 from scoring_workers.prm.resolve import resolve_callable
 from scoring_workers.scorers.conversation import normalize_template_messages
 from scoring_workers.scorers.judge import (
@@ -121,7 +122,7 @@ class OPDTeacherScorer(JudgeScorerBase):
     ``opd_signal_mean`` (float: sum, mean; only on turns with an accepted hint).
     """
 
-    name = "opd_teacher"
+    name = OPD_SCORER
     version = "1"
 
     def __init__(

@@ -75,6 +75,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from infra.modes import JUDGE_SCORER
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
 from scoring_workers.prm.resolve import resolve_callable
 from scoring_workers.scorers.conversation import (
@@ -360,7 +361,7 @@ class OpenClawJudgeScorer(JudgeScorerBase):
     ``judge_call_errors``, ``judge_votes_invalid`` (float: sum, mean).
     """
 
-    name = "openclaw_judge"
+    name = JUDGE_SCORER
     version = "1"
 
     def __init__(

@@ -93,6 +93,62 @@ async def test_node_encoding_decodes_to_the_golden_vector(node: str, tmp_path: P
     assert decode_message(bytes.fromhex(record["value_hex"]), headers) == golden
 
 
+def _node_description(traj) -> dict:
+    """A full-form ReadyTrajectory as produce.js's JSON description."""
+    interactions = []
+    for it in traj.interactions:
+        mr = it.model_response
+        entry = {"interaction_id": it.interaction_id, "messages": it.messages,
+                 "output_message_list": it.output_message_list, "stop_reason": mr.stop_reason,
+                 "input_tokens": mr.input_tokens.tolist(), "output_tokens": mr.output_tokens.tolist(),
+                 "output_logprobs": mr.output_logprobs.tolist()}
+        if it.parent_id is not None:
+            entry["parent_id"] = it.parent_id
+        interactions.append(entry)
+    return {"group_id": traj.group_id, "group_size": traj.group_size, "sessions": [{
+        "trajectory_id": traj.trajectory_id, "session_id": traj.session_id, "outcome_reward": traj.outcome_reward,
+        "policy_version": traj.policy_version, "created_at": traj.created_at, "interactions": interactions}]}
+
+
+def _records(out: str) -> list[tuple[bytes, list[tuple[str, bytes]]]]:
+    lines = [json.loads(line) for line in out.splitlines()]
+    return [(bytes.fromhex(r["value_hex"]), [(k, v.encode()) for k, v in r["headers"].items()]) for r in lines]
+
+
+async def test_node_sends_the_compact_form_of_the_golden_vector(node: str, tmp_path: Path) -> None:
+    """The session behind the ``ready_compact`` vector, given in full, leaves produce.js compact
+    (version 2, the same sharing as our writer) and expands back to the same session."""
+    from tests.vectors.generate import ready_compact_full
+
+    full = ready_compact_full()
+    (record,) = _records(await run_node(node, "--dry-run", _description(tmp_path, _node_description(full))))
+    value, headers = record
+    assert dict(headers)["prm-schema-version"] == b"2"
+    golden_twin = json.loads((VECTORS / "ready_compact.json").read_text())["value"]
+    raw = msgspec.msgpack.decode(value)
+    assert [(i.get("shared_messages", 0), i.get("shared_tokens", 0)) for i in raw["interactions"]] == \
+        [(i.get("shared_messages", 0), i.get("shared_tokens", 0)) for i in golden_twin["interactions"]]
+    assert decode_message(value, headers) == full
+
+
+async def test_node_chunks_a_session_over_the_record_limit(node: str, tmp_path: Path) -> None:
+    from infra.chunks import ChunkAssembler, reassembled
+    from prm_pipeline.demo.synthetic import make_agent_session
+
+    full = make_agent_session(trajectory_id="node-long/t0", session_id="node-long/s0", group_id="node-long",
+                              turns=12, context_tokens=6_000, output_tokens=50)
+    records = _records(await run_node(node, "--dry-run", "--max-message-bytes", "8192",
+                                      _description(tmp_path, _node_description(full))))
+    assert len(records) > 2 and all(len(v) <= 8192 for v, _ in records)
+    assembler: ChunkAssembler[int] = ChunkAssembler()
+    done = []
+    for offset, (value, headers) in enumerate(records):
+        assert dict(headers) == {"prm-schema-version": b"2", "prm-kind": b"chunk"}
+        done += assembler.add(0, decode_message(value, headers), offset)
+    (whole,) = done
+    assert reassembled(whole) == full
+
+
 async def test_node_group_is_accepted_with_expected_rewards(node: str, cfg: PipelineConfig, workers,
                                                             tmp_path: Path) -> None:
     group = json.loads((PRODUCER / "example-group.json").read_text())

@@ -1,10 +1,21 @@
 """The verl integration against real verl 0.9.1, the embedded broker + Redis and two worker processes.
 
-A real ``DataProto`` batch (2 GRPO groups x 2 samples, one multi-turn sample with a
-tool gap, one truncated) goes through :class:`PRMRewardManager` the way verl's Reward
-Loop drives a manager (``run_single`` on one-row slices, concurrently, then the class's
-``assemble_rm_scores``), and then through verl's own ``compute_advantage`` with
-``adv_estimator="prm_grpo"``. Every expected number is worked out by hand below.
+Two groups x 2 samples (one multi-turn sample with a tool token, one truncated) reach
+:class:`PRMRewardManager` along both of verl's reward paths, and then verl's own
+``compute_advantage`` with ``adv_estimator="prm_grpo"``:
+
+* the colocated reward-model path: ``run_single`` on one-row slices of a ``DataProto``,
+  concurrently, then the class's ``assemble_rm_scores`` (what ``RewardLoopManager.compute_rm_score``
+  does);
+* the agent-loop path, verl's default: verl's own ``AgentLoopWorker._agent_loop_postprocess``
+  (which calls ``_compute_score`` -> verl's ``RewardLoopWorker.compute_score`` -> our
+  ``run_single``) and ``AgentLoopWorker._postprocess`` build ``rm_scores`` from the floats
+  (the legacy trainer); and ``_compute_score`` + ``AgentLoopOutput.as_dict()`` as the v1
+  trainer's ``AgentLoopWorkerTQ`` uses them (v1's TransferQueue module is not installed
+  here; its ``compute_advantage_for_multi_trajectories`` hands a registered estimator to
+  the same ``compute_advantage``).
+
+Every expected number is worked out by hand below.
 
 The worker scores with ``TokenParityScorer``: +0.5 for an even token id, -0.25 for an
 odd one. The outcome is verl's: 1.0 when the ground truth "7" is a word of the decoded
@@ -17,6 +28,7 @@ import asyncio
 import math
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +39,16 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 
 from infra.config import PipelineConfig, PRMScorerConfig
 from infra.kafka import ensure_topics
-from shaper.integrations.verl import ESTIMATOR_NAME, MANAGER_NAME, PRMRewardManager, PRMScore, VerdictTimeout
+from shaper.integrations import verl as verl_adapter
+from shaper.integrations.verl import (
+    ESTIMATOR_NAME,
+    MANAGER_NAME,
+    PRMRewardManager,
+    VerdictTimeout,
+    close_verdict_lookups,
+    recover_rewards,
+)
+from shaper.reward_tags import read_tag, tag_reward, tagged_matches
 from tests.integration.harness import TEST_SCORER_MODULES, WorkerProcesses, isolated_config, write_config
 
 pytestmark = pytest.mark.integration
@@ -66,11 +87,25 @@ async def prm_yaml(cfg: PipelineConfig, tmp_path_factory: pytest.TempPathFactory
     assert codes == [0, 0], f"workers did not exit cleanly: {codes}\n{procs.logs()}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_driver_lookups():
+    yield
+    close_verdict_lookups()
+
+
 def verl_config(prm_yaml: Path, **reward_kwargs) -> object:
     return OmegaConf.create({
-        "actor_rollout_ref": {"rollout": {"n": 2}},
-        "reward": {"reward_kwargs": {"prm_config": str(prm_yaml), **reward_kwargs}},
+        "actor_rollout_ref": {"rollout": {"n": 2, "response_length": 6}},
+        "reward": {"reward_kwargs": {"prm_config": str(prm_yaml), **reward_kwargs},
+                   "custom_reward_function": {"path": None}, "reward_model": {"enable": False}},
+        "algorithm": {"adv_estimator": ESTIMATOR_NAME, "use_kl_in_reward": False},
     })
+
+
+def objects(values: list) -> np.ndarray:
+    arr = np.empty(len(values), dtype=object)
+    arr[:] = values
+    return arr
 
 
 def make_batch(uids: list[str]) -> DataProto:
@@ -86,11 +121,6 @@ def make_batch(uids: list[str]) -> DataProto:
     response_attention = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1] * 6])
     response_mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1] * 6])
 
-    def objects(values: list) -> np.ndarray:
-        arr = np.empty(len(values), dtype=object)
-        arr[:] = values
-        return arr
-
     n = len(uids)
     return DataProto.from_dict(
         tensors={"prompts": prompts[:n], "responses": responses[:n],
@@ -100,6 +130,28 @@ def make_batch(uids: list[str]) -> DataProto:
                      "reward_model": objects([{"ground_truth": "7"} for _ in range(n)]),
                      "raw_prompt": objects([[{"role": "user", "content": f"prompt {i}"}] for i in range(n)])},
     )
+
+
+
+PROMPTS = [[11, 12, 13], [21, 22], [31, 32, 33], [31, 32, 33]]
+RESPONSES = [[7, 4, 2], [8, 9, 5, 6, 3], [7, 1, 2], [7, 6, 4, 4, 2, 1]]
+MASKS = [[1, 1, 1], [1, 1, 0, 1, 1], [1, 1, 1], [1] * 6]
+A = 0.5 / (math.sqrt(0.5) + 1e-6)  # group A outcomes [1, 0]: verl's GRPO (r - 0.5) / (unbiased std + eps) = +-A
+# Group B outcomes [1, 1]: advantage 0. Additive: A + P on response_mask positions only; every generated
+# token carries its process reward (TokenParityScorer: +0.5 even id, -0.25 odd id), the last one included.
+ADDITIVE = torch.tensor([
+    [A - 0.25, A + 0.5, A + 0.5, 0, 0, 0],             # 7 4 2
+    [-A + 0.5, -A - 0.25, 0, -A + 0.5, -A - 0.25, 0],  # 8 9 | tool 5 | 6 3
+    [-0.25, -0.25, 0.5, 0, 0, 0],                      # 7 1 2
+    [-0.25, 0.5, 0.5, 0.5, 0.5, -0.25],                # 7 6 4 4 2 1
+])
+# gvpo on tokens with P < 0: A > eps -> 0; A < -eps -> 1.2 A; |A| <= eps -> -0.4. Others keep A.
+GVPO = torch.tensor([
+    [0, A, A, 0, 0, 0],
+    [-A, -1.2 * A, 0, -A, -1.2 * A, 0],
+    [-0.4, -0.4, 0, 0, 0, 0],
+    [-0.4, 0, 0, 0, 0, -0.4],
+])
 
 
 async def score(manager: PRMRewardManager, data: DataProto) -> list[dict]:
@@ -129,32 +181,24 @@ def test_names_are_registered_with_verl() -> None:
     assert get_adv_estimator_fn(ESTIMATOR_NAME).__name__ == "compute_prm_grpo_advantage"
 
 
-def test_manager_returns_outcome_and_aligned_process_rewards(scored) -> None:
+def test_manager_returns_the_outcome_tagged_with_its_member(scored) -> None:
     _, outputs, _ = scored
-    assert [o["reward_extra_info"]["prm_status"] for o in outputs] == ["accepted"] * 4
+    infos = [o["reward_extra_info"] for o in outputs]
+    assert [i["prm_status"] for i in infos] == ["accepted"] * 4
+    assert [i["prm_outcome"] for i in infos] == [1.0, 0.0, 1.0, 1.0]  # verl's outcome, untouched
     scores = [o["reward_score"] for o in outputs]
-    assert all(isinstance(s, PRMScore) for s in scores)
-    assert [float(s) for s in scores] == [1.0, 0.0, 1.0, 1.0]  # verl's outcome, untouched
-    expected = [
-        [-0.25, 0.5, 0.5],                    # 7 4 2
-        [0.5, -0.25, 0.0, 0.5, -0.25],        # 8 9 | tool 5 | 6 3 : two turns, 0 on the tool token
-        [-0.25, -0.25, 0.5],                  # 7 1 2
-        [-0.25, 0.5, 0.5, 0.5, 0.5, -0.25],   # 7 6 4 4 2 1
-    ]
-    for s, want in zip(scores, expected):
-        np.testing.assert_array_equal(s.token_rewards, np.array(want, np.float32))
-    assert outputs[1]["reward_extra_info"]["prm_process_reward"] == pytest.approx(0.5)
+    assert all(type(s) is float for s in scores)  # verl's agent loop requires a float
+    for s, info in zip(scores, infos):
+        assert read_tag(s) == info["prm_member"] in (1, 2)
+        assert tagged_matches(s, info["prm_outcome"]) and abs(s - info["prm_outcome"]) < 1e-5
+    assert {infos[0]["prm_member"], infos[1]["prm_member"]} == {1, 2}  # the two members of group A differ
+    assert [i["prm_process_reward"] for i in infos] == pytest.approx([0.75, 0.5, 0.0, 1.5])
 
 
-def test_rm_scores_carry_outcome_at_last_token_and_process_rewards_before_it(scored) -> None:
-    _, _, rm_scores = scored
-    expected = torch.tensor([
-        [-0.25, 0.5, 1.0, 0, 0, 0],           # last token: the outcome 1.0 (its process reward is not carried)
-        [0.5, -0.25, 0, 0.5, 0.0, 0],         # last generated token 3: outcome 0.0
-        [-0.25, -0.25, 1.0, 0, 0, 0],
-        [-0.25, 0.5, 0.5, 0.5, 0.5, 1.0],
-    ])
-    torch.testing.assert_close(rm_scores, expected, rtol=0, atol=0)
+def test_rm_scores_hold_the_tagged_outcome_at_the_last_valid_token(scored) -> None:
+    _, outputs, rm_scores = scored
+    for row, out, last in zip(rm_scores, outputs, [2, 4, 2, 5]):
+        assert torch.count_nonzero(row) == 1 and row[last].item() == out["reward_score"]
 
 
 def _with_rewards(data: DataProto, rm_scores: torch.Tensor) -> DataProto:
@@ -164,56 +208,84 @@ def _with_rewards(data: DataProto, rm_scores: torch.Tensor) -> DataProto:
     return data
 
 
-def _algorithm(mode: str) -> object:
+def _algorithm(prm_yaml: Path, mode: str, **extra) -> object:
     return OmegaConf.create({"adv_estimator": ESTIMATOR_NAME, "norm_adv_by_std_in_grpo": True,
-                             "use_kl_in_reward": False, "prm_shaping": {"mode": mode}})
+                             "use_kl_in_reward": False, "prm_config": str(prm_yaml), "prm_verdict_wait_s": 10,
+                             "prm_shaping": {"mode": mode}, **extra})
 
 
-def test_verl_compute_advantage_with_prm_grpo_additive(scored) -> None:
+@pytest.mark.parametrize(("mode", "expected"), [("additive", ADDITIVE), ("gvpo", GVPO)])
+def test_colocated_path_compute_advantage_with_prm_grpo(scored, prm_yaml: Path, mode: str, expected) -> None:
     data, _, rm_scores = scored
-    out = compute_advantage(_with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME, config=_algorithm("additive"))
-    # Group A outcomes [1, 0]: verl's GRPO = (r - 0.5) / (unbiased std sqrt(0.5) + 1e-6) = +-a.
-    a = 0.5 / (math.sqrt(0.5) + 1e-6)
-    # Group B outcomes [1, 1]: advantage 0. Additive: A + P on response_mask positions only.
-    expected = torch.tensor([
-        [a - 0.25, a + 0.5, a, 0, 0, 0],
-        [-a + 0.5, -a - 0.25, 0, -a + 0.5, -a, 0],
-        [-0.25, -0.25, 0, 0, 0, 0],
-        [-0.25, 0.5, 0.5, 0.5, 0.5, 0],
-    ])
+    out = compute_advantage(_with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME,
+                            config=_algorithm(prm_yaml, mode))
     torch.testing.assert_close(out.batch["advantages"], expected)
     torch.testing.assert_close(out.batch["returns"], expected)
 
 
-def test_verl_compute_advantage_with_prm_grpo_gvpo(scored) -> None:
+def test_process_weighted_refuses_rewards_outside_0_1(scored, prm_yaml: Path) -> None:
     data, _, rm_scores = scored
-    out = compute_advantage(_with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME, config=_algorithm("gvpo"))
-    a = 0.5 / (math.sqrt(0.5) + 1e-6)
-    # gvpo on tokens with P < 0: A > eps -> 0; A < -eps -> 1.2 A; |A| <= eps -> -0.4. Others keep A.
-    expected = torch.tensor([
-        [0, a, a, 0, 0, 0],
-        [-a, -1.2 * a, 0, -a, -a, 0],
-        [-0.4, -0.4, 0, 0, 0, 0],
-        [-0.4, 0, 0, 0, 0, 0],
-    ])
-    torch.testing.assert_close(out.batch["advantages"], expected)
+    with pytest.raises(RuntimeError, match="process_weighted"):  # the range check raises as AReaL does
+        compute_advantage(_with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME,
+                          config=_algorithm(prm_yaml, "process_weighted"))
 
 
-def test_prm_grpo_without_process_rewards_is_verls_grpo(scored) -> None:
-    data, outputs, _ = scored
-    outcome_only = PRMRewardManager.assemble_rm_scores(data, [float(o["reward_score"]) for o in outputs])
-    ours = compute_advantage(_with_rewards(data, outcome_only), adv_estimator=ESTIMATOR_NAME,
-                             config=_algorithm("additive"))
-    verls = compute_advantage(_with_rewards(data, outcome_only), adv_estimator="grpo",
-                              config=_algorithm("additive"))
-    torch.testing.assert_close(ours.batch["advantages"], verls.batch["advantages"], rtol=0, atol=0)
+def test_prm_grpo_outcome_part_is_verls_grpo_on_the_exact_outcomes(scored, prm_yaml: Path) -> None:
+    data, outputs, rm_scores = scored
+    exact = PRMRewardManager.assemble_rm_scores(data, [o["reward_extra_info"]["prm_outcome"] for o in outputs])
+    algorithm = _algorithm(prm_yaml, "additive")
+    outcome, process, tagged = recover_rewards(rm_scores, data.batch["response_mask"], data.non_tensor_batch["uid"],
+                                               verl_adapter._verdicts(algorithm), wait_s=10)
+    assert tagged == 4
+    torch.testing.assert_close(outcome, exact, rtol=0, atol=0)  # the tags are gone, bit for bit
+    ours = compute_advantage(_with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME, config=algorithm)
+    verls = compute_advantage(_with_rewards(data, exact), adv_estimator="grpo", config=algorithm)
+    mask = data.batch["response_mask"]
+    torch.testing.assert_close(ours.batch["advantages"] - process * mask, verls.batch["advantages"])
 
 
-def test_kl_in_reward_is_refused(scored) -> None:
+def test_kl_in_reward_is_refused(scored, prm_yaml: Path) -> None:
     data, _, rm_scores = scored
     algorithm = OmegaConf.create({"use_kl_in_reward": True})
     with pytest.raises(ValueError, match="use_kl_in_reward"):
         compute_advantage(_with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME, config=algorithm)
+    with pytest.raises(ValueError, match="use_kl_in_reward"):  # and at start-up, by the manager
+        config = verl_config(prm_yaml)
+        config.algorithm.use_kl_in_reward = True
+        PRMRewardManager(config, DigitsTokenizer(), contains_ground_truth)
+
+
+def test_dapo_filtering_on_the_tagged_reward_is_refused_at_start_up(prm_yaml: Path) -> None:
+    config = verl_config(prm_yaml)
+    config.algorithm.filter_groups = {"enable": True, "metric": "reward"}
+    with pytest.raises(ValueError, match="filter_groups.metric=prm_outcome"):
+        PRMRewardManager(config, DigitsTokenizer(), contains_ground_truth)
+
+
+def test_a_tag_that_does_not_decode_is_an_error(scored, prm_yaml: Path) -> None:
+    data, outputs, rm_scores = scored
+    swapped = rm_scores.clone()
+    other = outputs[1]["reward_extra_info"]["prm_member"]  # row 0 (outcome 1) claims row 1's member (outcome 0)
+    swapped[0, 2] = tag_reward(1.0, other)
+    with pytest.raises(RuntimeError, match="does not decode as a member"):
+        compute_advantage(_with_rewards(data, swapped), adv_estimator=ESTIMATOR_NAME,
+                          config=_algorithm(prm_yaml, "additive"))
+    stranger = rm_scores.clone()
+    stranger[2, 2] = 0.1  # float32(0.1) ends in 0xCD: it reads as tag 205 of a group that has no verdict
+    data = _with_rewards(data, stranger)
+    data.non_tensor_batch["uid"] = objects(["x", "x", f"nobody-{uuid.uuid4().hex[:6]}", "x"])
+    with pytest.raises(RuntimeError, match="no verdict for that group arrived within 0.5s"):
+        compute_advantage(data, adv_estimator=ESTIMATOR_NAME, config=_algorithm(prm_yaml, "additive",
+                                                                                prm_verdict_wait_s=0.5))
+
+
+def test_first_batch_without_any_tag_is_refused(scored, prm_yaml: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data, outputs, _ = scored
+    plain = PRMRewardManager.assemble_rm_scores(data, [o["reward_extra_info"]["prm_outcome"] for o in outputs])
+    monkeypatch.setattr(verl_adapter, "_seen_tagged", False)
+    with pytest.raises(RuntimeError, match="refusing to train plain GRPO"):
+        compute_advantage(_with_rewards(data, plain), adv_estimator=ESTIMATOR_NAME,
+                          config=_algorithm(prm_yaml, "additive"))
 
 
 async def test_missing_verdict_is_reported_never_a_silent_zero(prm_yaml: Path) -> None:
@@ -231,8 +303,8 @@ async def test_missing_verdict_is_reported_never_a_silent_zero(prm_yaml: Path) -
         await strict.aclose()
     info = out["reward_extra_info"]
     assert info["prm_status"] == "timeout" and "within 0.5s" in info["prm_reason"]
-    assert float(out["reward_score"]) == 1.0  # verl's outcome stays
-    assert not out["reward_score"].token_rewards.any()
+    assert out["reward_score"] == 1.0 and info["prm_member"] == 0  # verl's outcome stays, untagged
+    assert info["prm_process_reward"] == 0.0
     assert manager.counts["timeout"] == 1
 
 
@@ -248,4 +320,102 @@ async def test_group_rejected_by_the_workers_is_reported(prm_yaml: Path) -> None
     assert info["prm_status"] == "rejected"
     assert info["prm_reason"].startswith("missing_sessions")
     assert GROUP_TIMEOUT_S - 1 <= info["prm_verdict_wait_s"] < 30
-    assert not out["reward_score"].token_rewards.any()
+    assert info["prm_process_reward"] == 0.0
+    assert tagged_matches(out["reward_score"], 1.0)  # tagged when the verdict lists the member, exact otherwise
+
+
+# --------------------------------------------------------------------------- verl's agent-loop path
+def digit_tokenizer():
+    """A real Hugging Face tokenizer built in code (no download): token ``"k"`` has id k; pad is 100."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {str(i): i for i in range(100)} | {"<pad>": 100}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+                                   pad_token="<pad>")
+
+
+def agent_loop_worker(manager: PRMRewardManager, config) -> object:
+    """verl's AgentLoopWorker with only what post-processing reads, its reward handle a RewardLoopWorker.
+
+    The handle stands in for the Ray actor handle (``compute_score.remote(data)`` is awaited);
+    behind it runs verl's own ``RewardLoopWorker.compute_score``, which calls ``run_single``.
+    """
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    reward_worker = RewardLoopWorker.__new__(RewardLoopWorker)
+    reward_worker.config, reward_worker.reward_manager = config, manager
+    worker = AgentLoopWorker.__new__(AgentLoopWorker)
+    worker.reward_loop_worker_handles = [SimpleNamespace(compute_score=SimpleNamespace(remote=reward_worker.compute_score))]
+    worker.rollout_config = SimpleNamespace(prompt_length=3, response_length=6)
+    worker.tokenizer, worker.processor, worker.mm_processor_kwargs = digit_tokenizer(), None, {}
+    worker.distillation_enabled = False
+    return worker
+
+
+def agent_outputs() -> list:
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    return [AgentLoopOutput(prompt_ids=p, response_ids=r, response_mask=m, num_turns=2, metrics=AgentLoopMetrics())
+            for p, r, m in zip(PROMPTS, RESPONSES, MASKS)]
+
+
+def sample_kwargs(uid: str, i: int) -> dict:
+    return {"uid": uid, "data_source": "unit", "reward_model": {"ground_truth": "7"},
+            "raw_prompt": [{"role": "user", "content": f"prompt {i}"}]}
+
+
+async def test_agent_loop_path_legacy_trainer(prm_yaml: Path) -> None:
+    """verl's per-sample and batch post-processing build rm_scores from the floats; prm_grpo gets the rest."""
+    config = verl_config(prm_yaml, verdict_timeout_s=30)
+    manager = PRMRewardManager(config, digit_tokenizer(), contains_ground_truth)
+    worker = agent_loop_worker(manager, config)
+    tag = uuid.uuid4().hex[:6]
+    uids = [f"lA-{tag}", f"lA-{tag}", f"lB-{tag}", f"lB-{tag}"]
+    try:
+        internal = await asyncio.gather(*(worker._agent_loop_postprocess(out, False, **sample_kwargs(uid, i))
+                                          for i, (out, uid) in enumerate(zip(agent_outputs(), uids))))
+    finally:
+        await manager.aclose()
+    batch = worker._postprocess(list(internal), input_non_tensor_batch=None, validate=False)
+    assert list(batch.non_tensor_batch["prm_status"]) == ["accepted"] * 4
+    assert batch.meta_info["reward_extra_keys"][-6:] == ["prm_status", "prm_reason", "prm_process_reward",
+                                                         "prm_verdict_wait_s", "prm_outcome", "prm_member"]
+    assert torch.count_nonzero(batch.batch["rm_scores"]) == 4  # one float per sample, as verl writes it
+    batch.non_tensor_batch["uid"] = objects(uids)  # what the trainer's union with the prompt batch adds
+    rewards = batch.batch["rm_scores"]
+    for mode, expected in (("additive", ADDITIVE), ("gvpo", GVPO)):
+        out = compute_advantage(_with_rewards(batch, rewards), adv_estimator=ESTIMATOR_NAME,
+                                config=_algorithm(prm_yaml, mode))
+        torch.testing.assert_close(out.batch["advantages"], expected)
+
+
+async def test_agent_loop_path_v1_trainer(prm_yaml: Path) -> None:
+    """verl's default (trainer.use_v1): _compute_score per sample with its session_id, as_dict(), then the estimator.
+
+    AgentLoopWorkerTQ stores each ``as_dict()`` in TransferQueue; the trainer reads the rows back
+    right-padded (``to_padded_tensor``), as the jagged tensors below are.
+    """
+    config = verl_config(prm_yaml, verdict_timeout_s=30)
+    manager = PRMRewardManager(config, digit_tokenizer(), contains_ground_truth)
+    worker = agent_loop_worker(manager, config)
+    tag = uuid.uuid4().hex[:6]
+    uids = [f"vA-{tag}", f"vA-{tag}", f"vB-{tag}", f"vB-{tag}"]
+    outputs = agent_outputs()
+    try:
+        await asyncio.gather(*(worker._compute_score([out], kwargs={**sample_kwargs(uid, i), "session_id": i % 2})
+                               for i, (out, uid) in enumerate(zip(outputs, uids))))
+    finally:
+        await manager.aclose()
+    fields = [out.as_dict() for out in outputs]
+    assert [f["extra_fields"]["reward_extra_info"]["prm_status"] for f in fields] == ["accepted"] * 4
+
+    def padded(key: str) -> torch.Tensor:
+        return torch.nested.as_nested_tensor([f[key] for f in fields], layout=torch.jagged).to_padded_tensor(0)
+
+    batch = DataProto.from_dict(tensors={"response_mask": padded("response_mask"), "rm_scores": padded("rm_scores")},
+                                non_tensors={"uid": objects(uids)})
+    out = compute_advantage(_with_rewards(batch, batch.batch["rm_scores"]), adv_estimator=ESTIMATOR_NAME,
+                            config=_algorithm(prm_yaml, "additive"))
+    torch.testing.assert_close(out.batch["advantages"], ADDITIVE)

@@ -97,8 +97,10 @@ class FaultWorkers(WorkerProcesses):
         super().kill(i)
 
     def terminate(self, i: int) -> None:
+        self._note_exit(i)
         proc = self.procs[i]
         if proc is not None and proc.poll() is None:
+            self.ended_on_purpose.add(proc.pid)
             proc.send_signal(signal.SIGTERM)
             self.retiring.append((proc, self.current_log(i)))
             self.events["sigterm"] += 1

@@ -19,10 +19,9 @@ import uuid
 
 import pytest
 
-from infra.config import PRMScorerConfig
+from infra.config import PRMScorerConfig, WorkerConfig
 from infra.kafka import ensure_topics
 from prm_pipeline.demo.synthetic import workload
-from scoring_workers.worker import REPUBLISH_GRACE_S
 from tests.faults.common import (
     FaultWorkers,
     PacedLoad,
@@ -37,6 +36,8 @@ from tests.faults.common import (
 from tests.integration.harness import read_topic, write_config
 
 pytestmark = pytest.mark.integration
+
+REPUBLISH_GRACE_S = WorkerConfig().republish_grace_s  # the default worker.republish_grace_s
 
 GROUP_SIZE, MAX_GROUPS = 3, 600
 STEPS = [(30, "graceful restart (SIGTERM)"), (30, "crash restart (SIGKILL)")]

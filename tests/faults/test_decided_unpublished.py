@@ -18,17 +18,20 @@ import uuid
 import msgspec
 import pytest
 
+from infra.config import WorkerConfig
 from infra.kafka import ensure_topics
 from infra.schema import SessionResult
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.ledger import GroupLedger
 from scoring_workers.verdicts import encode_scorers
-from scoring_workers.worker import REPUBLISH_GRACE_S, Worker
+from scoring_workers.worker import Worker
 from tests.faults.common import report
 from tests.integration.harness import wait_for_verdicts
 
 pytestmark = pytest.mark.integration
+
+REPUBLISH_GRACE_S = WorkerConfig().republish_grace_s  # the default worker.republish_grace_s
 
 GROUP_TIMEOUT_S = 30.0  # far beyond the grace: a late verdict would be obvious
 
@@ -47,10 +50,10 @@ async def test_decision_left_by_a_dead_worker_is_published_within_the_grace(pipe
                 SessionResult(session_id=m.session_id, trajectory_id=m.trajectory_id, status="scored",
                               outcome_reward=m.outcome_reward),
                 group_id=gid, group_size=2, group_timeout_s=GROUP_TIMEOUT_S, worker_id="dead-worker",
-                scorers=encode_scorers([]), republish_grace_s=REPUBLISH_GRACE_S)
+                scorers=encode_scorers([]))
         assert decision is not None and decision.outcome == "decided_now", outcome
         # ... and died before the grace update: the index entry still says "group deadline"
-        first_seen = int(decision.state["first_seen"])
+        first_seen = decision.state.first_seen
         await ledger.redis.zadd(ledger.deadlines_key, {gid: first_seen + int(GROUP_TIMEOUT_S * 1000)}, xx=True)
     finally:
         await ledger.aclose()

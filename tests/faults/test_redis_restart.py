@@ -21,11 +21,10 @@ import uuid
 
 import pytest
 
-from infra.config import PRMScorerConfig, RedisConfig
+from infra.config import PRMScorerConfig, RedisConfig, WorkerConfig
 from infra.kafka import ensure_topics
 from infra.redis import make_redis
 from prm_pipeline.demo.synthetic import workload
-from scoring_workers.worker import REPUBLISH_GRACE_S
 from tests.faults.common import (
     FaultWorkers,
     PacedLoad,
@@ -40,6 +39,8 @@ from tests.faults.common import (
 from tests.integration.harness import read_topic, write_config
 
 pytestmark = pytest.mark.integration
+
+REPUBLISH_GRACE_S = WorkerConfig().republish_grace_s  # the default worker.republish_grace_s
 
 GROUP_SIZE, MAX_GROUPS = 3, 600
 STEPS = [(40, "graceful restart (SIGTERM)"), (40, "crash restart (SIGKILL)")]  # (new groups before, fault)

@@ -17,10 +17,9 @@ import uuid
 
 import pytest
 
-from infra.config import PRMScorerConfig
+from infra.config import PRMScorerConfig, WorkerConfig
 from infra.kafka import ensure_topics
 from prm_pipeline.demo.synthetic import workload
-from scoring_workers.worker import REPUBLISH_GRACE_S
 from tests.faults.common import (
     FaultWorkers,
     PacedLoad,
@@ -34,6 +33,8 @@ from tests.faults.common import (
 from tests.integration.harness import read_topic, write_config
 
 pytestmark = pytest.mark.integration
+
+REPUBLISH_GRACE_S = WorkerConfig().republish_grace_s  # the default worker.republish_grace_s
 
 N_WORKERS, GROUP_SIZE = 3, 3
 MAX_GROUPS = 2400  # the pool; load is published only while the storm lasts, at most
@@ -122,6 +123,9 @@ async def test_sigkill_and_rebalance_storm_with_three_workers(kafka_bootstrap, r
         elapsed_s=round(elapsed, 1), storm_sigterm_exits=graceful, final_sigterm_exits=procs.final_exits(),
         events=[{k: v for k, v in e.items() if k != "t"} for e in events],
     )
+    # Nobody stopped these: a worker that died by itself (a rebalance crash) is a failure,
+    # even though the next step restarted its slot and the pool kept up.
+    assert procs.crashed == [], f"workers died by themselves: {procs.crashed}\n{procs.logs()}"
     check.assert_exactly_once(procs.logs())
     assert dict(check.statuses) == {"accepted": len(expected)}, check.statuses
     assert len(events) == len(STORM)

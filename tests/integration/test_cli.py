@@ -136,3 +136,37 @@ async def test_readme_manual_session_with_the_example_file(pipeline_config, tmp_
     assert branching["branches"][1]["token_rewards"] == {"s1-i1": [1.0, 1.0], "s1-i3": [1.0, 1.0]}
     assert (branching["outcome_reward"], linear["outcome_reward"]) == (1.0, 0.0)
     assert branching["stats"]["rollout/prm_turn_reward/length_budget"] == pytest.approx(1.0)
+
+
+def _on_a_terminal(config, *args: str) -> tuple[int, str]:
+    """Run the CLI with stdout on a pseudo-terminal; return its exit code and what it drew."""
+    import pty
+
+    main, secondary = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+                            stdout=secondary, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "150"})
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(main)
+    return proc.wait(60), b"".join(chunks).decode(errors="replace")
+
+
+async def test_publish_shows_progress_on_a_terminal_only(pipeline_config, tmp_path) -> None:
+    config = write_config(pipeline_config, tmp_path / "config.yaml")
+    await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
+    jsonl.write(tmp_path / "in.jsonl", [m for g in range(20) for m in make_group(f"p{g}", 2, turns=1, output_tokens=3)])
+    code, drawn = await asyncio.to_thread(_on_a_terminal, config, "publish", str(tmp_path / "in.jsonl"))
+    assert code == 0 and "published 40 ready trajectories" in drawn
+    assert "validating" in drawn and "40/40" in drawn and "records/s" in drawn
+    code, quiet = await asyncio.to_thread(_on_a_terminal, config, "publish", "--quiet", str(tmp_path / "in.jsonl"))
+    assert code == 0 and "validating" not in quiet and "records/s" not in quiet
+    piped = await asyncio.to_thread(_cli, config, "publish", str(tmp_path / "in.jsonl"))
+    assert piped.stdout == f"published 40 ready trajectories and 0 discards to {pipeline_config.topics.trajectories}\n"

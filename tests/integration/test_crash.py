@@ -81,6 +81,7 @@ async def test_sigkill_during_load_loses_and_duplicates_nothing(kafka_bootstrap,
         await tail
         codes = procs.stop()
     assert kills == len(KILL_AT), f"only {kills} kills happened\n{procs.logs()}"
+    assert procs.crashed == [], f"workers died by themselves: {procs.crashed}\n{procs.logs()}"
     missing = expected - seen
     assert not missing, f"{len(missing)} groups without verdict, e.g. {sorted(missing)[:5]}\n{procs.logs()}"
 

@@ -80,7 +80,7 @@ def _member(tid: str, status: str = "scored") -> SessionResult:
     return SessionResult(session_id=f"s-{tid}", trajectory_id=tid, status=status, outcome_reward=1.0)
 
 
-ARGS = dict(group_timeout_s=30, worker_id="w1", scorers=encode_scorers([]), republish_grace_s=5)
+ARGS = dict(group_timeout_s=30, worker_id="w1", scorers=encode_scorers([]))
 
 
 async def test_last_member_decides_once_and_finish_leaves_a_tombstone(ledger) -> None:
@@ -98,9 +98,9 @@ async def test_last_member_decides_once_and_finish_leaves_a_tombstone(ledger) ->
     assert outcome == "decided" and decision is None
     again = await ledger.decide(g, "complete", worker_id="w2", scorers=b"\x90", group_timeout_s=30,
                                 republish_grace_s=5)
-    assert again.outcome == "already_decided" and again.state["decided_by"] == "w1"
+    assert again.outcome == "already_decided" and again.state.decided_by == "w1"
     assert assemble_verdict(g, again.state, again.members) == verdict  # rebuilt byte-identical
-    await ledger.finish(g, verdict.status)
+    await ledger.finish(g)
     assert await ledger.probe_many([(g, "a"), (g, "c")]) == ["done", "done"]
     assert g not in await ledger.due_groups()
 
@@ -113,6 +113,24 @@ async def test_discard_before_any_member(ledger) -> None:
     assert assemble_verdict(g, decision.state, decision.members).status == "discarded"
     outcome, _ = await ledger.park(_member("late"), group_id=g, group_size=2, **ARGS)
     assert outcome == "decided"  # not parked, not scored again
+
+
+async def test_a_failed_member_decides_its_group_when_parked(ledger) -> None:
+    g = f"x-{uuid.uuid4().hex[:6]}"
+    assert await ledger.park(_member("a"), group_id=g, group_size=3, **ARGS) == ("parked", None)
+    # a redelivered copy of a member parked as scored that fails this time: the first park stands
+    redelivered = SessionResult.failure(code="scorer_error", detail="flaky", session_id="s-a", trajectory_id="a")
+    assert await ledger.park(redelivered, group_id=g, group_size=3, **ARGS) == ("duplicate", None)
+    failed = SessionResult.failure(code="not_concat_export", detail="turn 2 does not extend turn 1",
+                                   session_id="s-b", trajectory_id="b")
+    outcome, decision = await ledger.park(failed, group_id=g, group_size=3, **ARGS)
+    assert outcome == "parked" and decision is not None and decision.outcome == "decided_now"
+    assert decision.state.decision == "failed" and decision.state.group_size == 3
+    verdict = assemble_verdict(g, decision.state, decision.members)
+    assert (verdict.status, verdict.reason) == ("rejected", "not_concat_export: member b (session s-b) failed")
+    assert {s.trajectory_id: s.status for s in verdict.sessions} == {"a": "scored", "b": "failed"}
+    # the third member comes too late: the group is decided, nothing is parked
+    assert await ledger.park(_member("c"), group_id=g, group_size=3, **ARGS) == ("decided", None)
 
 
 async def test_deadline_is_decided_by_exactly_one_caller(ledger) -> None:
@@ -148,7 +166,7 @@ async def test_finished_groups_are_remembered_for_the_dedupe_window_only(redis_u
         g = f"w-{uuid.uuid4().hex[:6]}"
         _, decision = await ledger.park(_member("a"), group_id=g, group_size=1, **ARGS)
         assert decision is not None and decision.outcome == "decided_now"
-        await ledger.finish(g, "accepted")
+        await ledger.finish(g)
         finished = time.monotonic()
         assert await ledger.probe_many([(g, "a"), (g, "late")]) == ["done", "done"]
         outcome, _ = await ledger.park(_member("late"), group_id=g, group_size=1, **ARGS)

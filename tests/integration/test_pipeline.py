@@ -98,7 +98,8 @@ async def test_raising_scorer_rejects_the_group_but_keeps_peer_stats(cfg, worker
                        turns=2, output_tokens=16)
     await _publish(cfg, [ok, bad])
     (verdict,) = await _verdicts_for(cfg, gid)
-    assert verdict.status == "rejected" and verdict.reason == "scorer_error"
+    assert verdict.status == "rejected"
+    assert verdict.reason == f"scorer_error: member {gid}-bad (session {gid}-FAIL) failed"  # names the member
     by_traj = {s.trajectory_id: s for s in verdict.sessions}
     assert by_traj[f"{gid}-bad"].status == "failed"
     assert "scripted failure" in by_traj[f"{gid}-bad"].error
@@ -215,10 +216,12 @@ async def test_persistent_hitl_session_exports_are_each_consumed_once(cfg, worke
 
 
 async def test_oversized_trajectory_is_refused_before_sending(cfg) -> None:
+    """Over the limit even in MAX_CHUNKS chunk records: refused, naming the session and the setting."""
     from infra.kafka import MessageTooLarge
 
     small = msgspec.structs.replace(cfg.kafka, max_message_bytes=4096)
-    (big,) = make_group(_gid("big"), 1, turns=1, output_tokens=4096)
+    (big,) = make_group(_gid("big"), 1, turns=1, output_tokens=200_000)
     async with TrajectoryPublisher(small, cfg.topics) as pub:
-        with pytest.raises(MessageTooLarge, match="over kafka.max_message_bytes=4096"):
+        with pytest.raises(MessageTooLarge, match=r"over 1 turns: \d+ records of kafka.max_message_bytes=4096"):
             await pub.publish_ready(big)
+        assert pub.records_sent == 0

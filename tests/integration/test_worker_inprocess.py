@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import urllib.request
 import uuid
 
@@ -92,7 +93,8 @@ async def test_hanging_scorer_times_out_and_rejects_the_group(pipeline_config) -
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_many([hang, ok])
         (verdict,) = await wait_for_verdicts(cfg, [gid], timeout_s=30)
-        assert verdict.status == "rejected" and verdict.reason == "scorer_timeout"
+        assert verdict.status == "rejected"
+        assert verdict.reason == f"scorer_timeout: member {gid}-1 (session {gid}-HANG) failed"
         assert {s.trajectory_id: s.status for s in verdict.sessions} == {f"{gid}-1": "failed", f"{gid}-2": "scored"}
     finally:
         stop.set()
@@ -135,3 +137,85 @@ async def test_dead_letter_payloads_are_size_capped(pipeline_config) -> None:
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+async def test_discard_lists_the_members_consumed_before_it(pipeline_config) -> None:
+    """examples/trajectories.jsonl as published: ``example-dropped``'s member comes before its
+    discard in the same partition, so the discarded verdict lists it (status ``discarded``)."""
+    from pathlib import Path
+
+    from tests.integration.harness import running_worker
+
+    cfg = pipeline_config
+    examples = Path(__file__).resolve().parents[2] / "examples" / "trajectories.jsonl"
+    async with running_worker(cfg, "w-discard"):
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_jsonl(examples)
+        verdicts = {v.group_id: v for v in await wait_for_verdicts(cfg, ["example-math", "example-dropped"])}
+    dropped = verdicts["example-dropped"]
+    assert dropped.status == "discarded"
+    assert dropped.reason == "environment crashed before the second session finished"
+    assert dropped.group_size == 2  # the member's group_size, not the "no member seen" 0
+    assert [(s.trajectory_id, s.status) for s in dropped.sessions] == [("example-dropped-t1", "discarded")]
+    assert verdicts["example-math"].status == "accepted"
+
+
+async def test_discard_waits_for_an_earlier_member_still_scoring(pipeline_config) -> None:
+    cfg = _with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": 0.5}))
+    from tests.integration.harness import running_worker
+
+    gid = f"disc-slow-{uuid.uuid4().hex[:6]}"
+    (member,) = make_group(gid, 2, turns=1, output_tokens=4)[:1]
+    async with running_worker(cfg, "w-discard-slow"):
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_many([member])
+            await pub.discard_group(gid, "dropped while scoring")
+        (verdict,) = await wait_for_verdicts(cfg, [gid], timeout_s=30)
+    assert (verdict.status, verdict.reason) == ("discarded", "dropped while scoring")
+    (session,) = verdict.sessions
+    assert (session.trajectory_id, session.status, session.stats) == (member.trajectory_id, "discarded", {})
+
+
+async def test_a_failed_member_rejects_its_group_without_waiting_for_the_deadline(pipeline_config) -> None:
+    """group_timeout_s is 600 s and a third member never comes: the failure alone decides.
+    The member consumed before the failure (still scoring, slow) is listed with its stats."""
+    from tests.integration.harness import running_worker
+
+    cfg = _with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.FailOnMarkerScorer"),
+                        PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": 0.5}), group_timeout_s=600)
+    gid = f"fail-fast-{uuid.uuid4().hex[:6]}"
+    ok = make_session(trajectory_id=f"{gid}-ok", session_id=f"{gid}-fine", group_id=gid, group_size=3,
+                      turns=1, output_tokens=4)
+    bad = make_session(trajectory_id=f"{gid}-bad", session_id=f"{gid}-FAIL", group_id=gid, group_size=3,
+                       turns=1, output_tokens=4)
+    async with running_worker(cfg, "w-fail-fast"):
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_many([ok, bad])
+        (verdict,) = await wait_for_verdicts(cfg, [gid], timeout_s=30)  # far under the 600 s deadline
+    assert verdict.status == "rejected"
+    assert verdict.reason.startswith("scorer_error: member ")
+    assert f"{gid}-bad" in verdict.reason and f"{gid}-FAIL" in verdict.reason  # names the member
+    by_traj = {s.trajectory_id: s for s in verdict.sessions}
+    assert set(by_traj) == {f"{gid}-ok", f"{gid}-bad"}
+    assert by_traj[f"{gid}-bad"].status == "failed" and by_traj[f"{gid}-bad"].stats == {}
+    assert by_traj[f"{gid}-ok"].status == "scored"
+    assert by_traj[f"{gid}-ok"].stats["rollout/prm_turn_reward/slow"] == 0.0  # scored members keep their stats
+
+
+async def test_the_worker_says_which_scorers_run_and_warns_when_none_does(pipeline_config, caplog) -> None:
+    """Before: a worker without --config accepted every group unscored and said nothing."""
+    await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
+    stopped = asyncio.Event()
+    stopped.set()  # start up (scorers, Redis, Kafka), then leave before consuming anything
+    scored = _with_scorers(pipeline_config, PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=0.5,
+                                                            kwargs={"max_output_tokens": 64}))
+    with caplog.at_level(logging.INFO, logger="scoring_workers.worker"):
+        await asyncio.wait_for(Worker(scored, worker_id="w-said").run(stopped), 60)
+        await asyncio.wait_for(Worker(pipeline_config, worker_id="w-bare").run(stopped), 60)
+    said = [r.getMessage() for r in caplog.records if "w-said" in r.getMessage()]
+    assert ("worker w-said: scorer 'length_budget' (active): weight=0.5 version=1 "
+            "class=scoring_workers.scorers.length_budget.LengthBudgetScorer") in said
+    assert not any("NO SCORER" in m for m in said)
+    (bare,) = [r for r in caplog.records if "w-bare" in r.getMessage() and "NO SCORER" in r.getMessage()]
+    assert bare.levelno == logging.WARNING
+    assert "rollout.agent.prm.scorers is empty or absent (was the worker started without --config?)" in bare.getMessage()

@@ -81,7 +81,7 @@ async def test_a_broken_decision_costs_the_sweeper_that_group_only(kafka_bootstr
                               group_size=2, turns=1, output_tokens=4)
         await ledger.park(SessionResult(session_id=member.session_id, trajectory_id=member.trajectory_id,
                                         status="scored"), group_id=rotten, group_size=2, group_timeout_s=600,
-                          worker_id="planted", scorers=b"\x90", republish_grace_s=5)
+                          worker_id="planted", scorers=b"\x90")
         await ledger.decide(rotten, "discard", worker_id="planted", scorers=b"\x90",
                             group_timeout_s=600, republish_grace_s=5)
         state_key = ledger.keys(rotten)[0]

@@ -125,9 +125,9 @@ async def _ledger_alone(cfg: PipelineConfig, trajectories: list[ReadyTrajectory]
             await ledger.probe_many([(gid, f"{gid}-{i}") for i in range(group_size)])
             await asyncio.gather(*(ledger.park(
                 msgspec.structs.replace(r, trajectory_id=f"{gid}-{i}"), group_id=gid, group_size=group_size,
-                group_timeout_s=600, worker_id="bench", scorers=b"\x90", republish_grace_s=5, partition=0, offset=i)
+                group_timeout_s=600, worker_id="bench", scorers=b"\x90", partition=0, offset=i)
                 for i, r in enumerate(scored)))
-            await ledger.finish(gid, "accepted")
+            await ledger.finish(gid)
 
     try:
         await ledger.probe_many([("warm", "up")])

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from infra.config import ActorConfig as Actor
+from infra.config import PRMAdvantageShapingConfig as Shaping
 from infra.config import PRMConfig
+from infra.config import TrainerConfig as Trainer
 from infra.schema import Interaction, ModelResponse, SessionResult, decode_message, encode
 from scoring_workers.prm import BaseScorer, PRMRunner, PRMScorerResult, failure_code, failure_detail
 from scoring_workers.prm.errors import error_context
@@ -78,7 +81,7 @@ async def test_scorer_exception_propagates_with_notes_and_reason_code() -> None:
 
 
 @pytest.mark.parametrize(("reward", "kind", "fragment"), [
-    (torch.zeros(3), ValueError, "must return shape (n,)"),
+    (torch.zeros(3), ValueError, "must return shape (2,)"),
     (math.nan, ValueError, "non-finite"),
     ("abc", TypeError, "must be a number"),
 ])
@@ -266,6 +269,25 @@ def ScalarTrackerFactory() -> Any:  # noqa: N802 - a throwaway tracker so the mo
     return ScalarTracker()
 
 
+async def test_error_messages_start_with_areal_wording() -> None:
+    """AReaL's tests match these messages; ours start with AReaL's words, then add where."""
+    import re
+
+    with pytest.raises(ValueError) as shape:  # AReaL: match=r"must return shape \(3,\)"
+        await runner_of(scorer("shape", lambda i, c: torch.zeros(2))()).run(traj(turn("a", n=3)))
+    assert re.match(r"scorer 'shape' must return shape \(3,\), got a reward tensor of shape \[2\]", str(shape.value))
+    assert "(interaction 'a')" in str(shape.value) and failure_code(shape.value) == "invalid_reward"
+    with pytest.raises(TypeError, match="must contain PRMMetricObservation"):  # AReaL's test, as written
+        await runner_of(scorer("obs", lambda i, c: PRMScorerResult(reward=1.0, observations=(object(),)))()).run(
+            traj(turn("a", n=3)))
+    bad = PRMScorerResult(reward=1.0)  # a result whose observations changed after construction
+    object.__setattr__(bad, "observations", (object(),))
+    with pytest.raises(TypeError) as observation:
+        await runner_of(scorer("obs", lambda i, c: bad)()).run(traj(turn("a", n=3)))
+    assert str(observation.value).startswith("scorer 'obs' observations must contain PRMMetricObservation, got object")
+    assert "(interaction 'a')" in str(observation.value)
+
+
 # ----------------------------------------------------------------------------- merge_stats
 def test_merge_worker_stats_as_areal() -> None:
     from shaper.metrics import merge_worker_stats
@@ -278,11 +300,30 @@ def test_merge_worker_stats_as_areal() -> None:
          "rollout/prm_turn_reward/z__count": 1.0, "rollout/prm_turn_reward/e": 1.0, "rollout/prm_turn_reward/e__count": 0.0},
     ])
     assert merged["rollout/prm_turn_reward/s"] == 0.25
-    assert merged["prm_metric/turn/s/m/count"] == 3.0  # namespace stripped, summed
+    # summed under the key as given: the namespace is stripped only to classify the key
+    assert merged["rollout/prm_metric/turn/s/m/count"] == 2.0
+    assert merged["eval-rollout/prm_metric/turn/s/m/count"] == 1.0
+    assert "prm_metric/turn/s/m/count" not in merged
     assert math.isnan(merged["rollout/prm_turn_reward/z"])  # no validation: NaN passes
     assert "rollout/prm_turn_reward/e" not in merged  # sum of counts 0: omitted
     assert not any(k.endswith("__count") for k in merged)
-    assert "rollout/other" not in merged and "prm_metric/turn/s/m/rate" not in merged  # mean without count: dropped
+    assert "rollout/other" not in merged and "rollout/prm_metric/turn/s/m/rate" not in merged  # mean without count
+
+
+def test_merge_worker_stats_omits_a_mean_unless_its_count_sum_is_positive() -> None:
+    from shaper.metrics import merge_worker_stats
+
+    key = "rollout/prm_metric/turn/s/m/rate"
+    merged = merge_worker_stats([
+        {key: 1.0, f"{key}__count": -2.0, "rollout/prm_turn_reward/s": 0.5, "rollout/prm_turn_reward/s__count": -1.0},
+        {key: 0.5, f"{key}__count": 1.0, "rollout/prm_turn_reward/s": 0.5, "rollout/prm_turn_reward/s__count": 3.0},
+        {"rollout/prm_metric/trajectory/s/m/sum": 2.5, "rollout/prm_metric/trajectory/s/m/observed_count": 1.0},
+        {"rollout/prm_metric/trajectory/s/m/sum": -1.0},
+    ])
+    assert key not in merged  # count sum -1: AReaL keeps a mean only when the sum is > 0
+    assert merged["rollout/prm_turn_reward/s"] == 0.5  # (0.5 * -1 + 0.5 * 3) / 2
+    assert merged["rollout/prm_metric/trajectory/s/m/sum"] == 1.5
+    assert merged["rollout/prm_metric/trajectory/s/m/observed_count"] == 1.0
 
 
 def test_merge_stats_edge_cases_as_areal() -> None:
@@ -311,16 +352,16 @@ def test_mask_no_eos_keeps_truncated_rows_in_the_loss_and_zeroes_their_rewards()
         token_rewards=torch.where(batch.loss_mask, 0.5, 0.0),
         is_truncated=torch.tensor([True] + [False] * (n - 1)),
     )
-    plain = shape_batch(batch, mode="additive")
-    masked = shape_batch(batch, mode="additive", mask_no_eos_with_zero=True)
+    plain = shape_batch(batch, Shaping(mode="additive"))
+    masked = shape_batch(batch, Shaping(mode="additive"), Trainer(), Actor(mask_no_eos_with_zero=True))
     assert torch.equal(masked.loss_mask, plain.loss_mask)  # truncated row 0 stays in the loss
     assert masked.token_rewards[0].abs().sum() == 0 and masked.token_rewards[1].abs().sum() > 0
     # row 0's outcome reward (0.0 here, already) is not placed; others keep theirs:
     # zeroing another row instead changes the group baseline
     moved = dataclasses.replace(batch, is_truncated=torch.tensor([False] * (n - 1) + [True]))
-    shaped = shape_batch(moved, mode="additive", mask_no_eos_with_zero=True)
+    shaped = shape_batch(moved, Shaping(mode="additive"), Trainer(), Actor(mask_no_eos_with_zero=True))
     expected = shape_batch(dataclasses.replace(moved, rewards=torch.tensor([*range(n - 1), 0.0]),
                                                token_rewards=torch.where(torch.arange(n)[:, None] == n - 1, 0.0,
-                                                                         moved.token_rewards)), mode="additive")
+                                                                         moved.token_rewards)), Shaping(mode="additive"))
     assert torch.equal(shaped.advantages, expected.advantages)
     assert shaped.loss_mask[n - 1].sum() > 0

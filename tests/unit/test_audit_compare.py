@@ -416,3 +416,26 @@ def test_parse_offsets_and_times() -> None:
     for bad in ("", "15", "yesterday", "2099-01-01"):
         with pytest.raises(ValueError):
             parse_time(bad, now=now)
+
+
+async def test_auditor_reassembles_chunked_trajectories() -> None:
+    """A long session travels as chunk records; the audit re-scores it once its last chunk arrives."""
+    from infra.chunks import to_records
+    from prm_pipeline.demo.synthetic import make_agent_session
+
+    traj = make_agent_session(trajectory_id="g-long-0", session_id="g-long-s0", group_id="g-long", turns=12,
+                              context_tokens=12_000, output_tokens=16)
+    recorded = await _scored([LengthBudgetScorer(max_output_tokens=32)], [traj])
+    runner = await PRMRunner.create(PRMConfig(scorers=[LengthBudgetScorer(max_output_tokens=32)]))  # type: ignore[list-item]
+    try:
+        auditor = Auditor(scope=LB, runner=runner)
+        auditor.feed_verdict(*encode(_verdict("g-long", recorded, ["length_budget"])))
+        records = to_records(traj, 16_384)
+        assert len(records) > 2
+        for value, headers in records:
+            await auditor.feed_trajectory(value, headers)
+        report = await auditor.finish()
+    finally:
+        await runner.aclose()
+    assert report.by_group()["g-long"].outcome == "identical"
+    assert report.records["trajectory_records"] == len(records)

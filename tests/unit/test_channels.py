@@ -14,7 +14,9 @@ import pytest
 import torch
 import yaml
 
-from infra.config import ConfigError, PipelineConfig, PRMConfig, WorkerConfig, load_config
+from infra.config import ConfigError, PipelineConfig, PRMConfig, WorkerConfig, config_from_mapping, load_config
+from infra.config import PRMAdvantageShapingConfig as Shaping
+from infra.config import TrainerConfig as Trainer
 from infra.schema import (
     BranchResult,
     GroupVerdict,
@@ -27,7 +29,7 @@ from scoring_workers.prm import BaseScorer, PRMRunner
 from shaper import build_training_batch
 from shaper.batch import ConcatExportError
 from shaper.combined import turn_scores_from_tokens
-from shaper.trainer import check_combined_mode, shape_batch
+from shaper.trainer import shape_batch
 from tests.unit.test_exclusion import JUDGE, group, scored_session, three_turns
 
 OPD = "opd_teacher"
@@ -217,7 +219,7 @@ def _expected(rows_p: list[list[float]], outcomes_adv: list[float]) -> torch.Ten
 
 
 def test_prm_gated_opd_through_shape_batch() -> None:
-    shaped = shape_batch(combined_batch(), mode="additive", combined_mode="prm_gated_opd")
+    shaped = shape_batch(combined_batch(), Shaping(mode="additive"), Trainer(combined_mode="prm_gated_opd"))
     # a: t0 good -> OPD; t1 first bad -> -1; t2 cut -> 0.
     # b: t0, t1 good -> OPD; t2 has no next state: unjudged, 0 (not the -1 penalty).
     p = [[0, 0, 0.5, -0.2, 0, -1, -1, 0, 0, 0, 0, 0],
@@ -229,7 +231,7 @@ def test_prm_gated_opd_through_shape_batch() -> None:
 
 def test_prm_weighted_opd_through_shape_batch_with_weighted_judge() -> None:
     # judge weight 2: the channel carries 2 * score, and the product scales with it
-    shaped = shape_batch(combined_batch(judge_weight=2.0), mode="additive", combined_mode="prm_weighted_opd")
+    shaped = shape_batch(combined_batch(judge_weight=2.0), Shaping(mode="additive"), Trainer(combined_mode="prm_weighted_opd"))
     p = [[0, 0, 1.0, -0.4, 0, -0.6, -0.2, 0, 0, 0, 0, 0],
          [0, 0, 0.4, 0.8, 0, -0.2, 1.2, 0, 0, 0, 0, 0]]
     torch.testing.assert_close(shaped.token_rewards, torch.tensor(p))
@@ -239,8 +241,7 @@ def test_prm_weighted_opd_through_shape_batch_with_weighted_judge() -> None:
 def test_combined_mode_with_exclusion_and_gvpo() -> None:
     # exclusion drops t2 of both rows (no next state); gvpo: negative P punishes where A < 0,
     # clamps A > 0 to 0 (row a's penalised t1), keeps A where P >= 0.
-    shaped = shape_batch(combined_batch(), mode="gvpo", combined_mode="prm_gated_opd", exclude_neutral_turns=True,
-                         negative_scale=0.5)
+    shaped = shape_batch(combined_batch(), Shaping(mode="gvpo", negative_scale=0.5), Trainer(combined_mode="prm_gated_opd", exclude_neutral_turns=True))
     kept = [False, False, True, True, False, True, True, False, False, False, False, False]
     assert shaped.loss_mask.tolist() == [kept, kept]
     a_row = [0, 0, A, 0.0, 0, 0.0, 0.0, 0, 0, 0, 0, 0]  # -0.2 at pos 3 and -1 at 5, 6: A>0 -> 0
@@ -251,20 +252,26 @@ def test_combined_mode_with_exclusion_and_gvpo() -> None:
 def test_combined_mode_needs_both_channels() -> None:
     batch = combined_batch(with_channels=False)
     with pytest.raises(ValueError, match="worker.keep_scorer_channels: true"):
-        shape_batch(batch, mode="additive", combined_mode="prm_weighted_opd")
+        shape_batch(batch, Shaping(mode="additive"), Trainer(combined_mode="prm_weighted_opd"))
     with pytest.raises(ValueError, match=r"missing \['teacher'\]"):
-        shape_batch(combined_batch(), mode="additive", combined_mode="prm_gated_opd", opd_scorer="teacher")
+        shape_batch(combined_batch(), Shaping(mode="additive"), Trainer(combined_mode="prm_gated_opd", opd_scorer="teacher"))
 
 
 def test_combined_modes_are_not_shaping_modes() -> None:
-    check_combined_mode(None, "process_weighted")
-    check_combined_mode("prm_gated_opd", "additive")
-    with pytest.raises(ValueError, match="unknown combined mode"):
-        check_combined_mode("gvpo")
-    with pytest.raises(ValueError, match="process_weighted"):
-        check_combined_mode("prm_weighted_opd", "process_weighted")
-    with pytest.raises(ValueError, match="unknown shaping mode"):
-        shape_batch(combined_batch(), mode="prm_gated_opd")
+    def build(shaping: str, combined: str | None) -> PipelineConfig:
+        return config_from_mapping({"rollout": {"agent": {"prm": {"advantage_shaping": {"mode": shaping}}}},
+                                    "actor": {"token_rewards_as_adv": True},
+                                    "trainer": {"combined_mode": combined}}, environ={})
+
+    assert build("process_weighted", None).trainer.combined_mode is None
+    assert build("additive", "prm_gated_opd").trainer.combined_mode == "prm_gated_opd"
+    assert build("process_weighted", "openclaw_combine").trainer.combined_mode == "openclaw_combine"  # not shaped
+    with pytest.raises(ConfigError, match="trainer.combined_mode must be one of"):
+        Trainer(combined_mode="gvpo")
+    with pytest.raises(ConfigError, match="process_weighted"):
+        build("process_weighted", "prm_weighted_opd")
+    with pytest.raises(ConfigError, match="advantage_shaping.mode must be one of"):
+        Shaping(mode="prm_gated_opd")
 
 
 # --------------------------------------------------------------------------- config and CLI
@@ -314,8 +321,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_combined_modes_run_on_the_inputs_device() -> None:
     batch = combined_batch()
     for mode in ("prm_gated_opd", "prm_weighted_opd"):
-        cpu = shape_batch(batch, mode="additive", combined_mode=mode, exclude_neutral_turns=True)
-        gpu = shape_batch(batch.to(DEVICE), mode="additive", combined_mode=mode, exclude_neutral_turns=True)
+        cpu = shape_batch(batch, Shaping(mode="additive"), Trainer(combined_mode=mode, exclude_neutral_turns=True))
+        gpu = shape_batch(batch.to(DEVICE), Shaping(mode="additive"), Trainer(combined_mode=mode, exclude_neutral_turns=True))
         assert gpu.advantages.device.type == DEVICE
         torch.testing.assert_close(gpu.advantages.cpu(), cpu.advantages)
         assert gpu.loss_mask.cpu().tolist() == cpu.loss_mask.tolist()

@@ -153,3 +153,80 @@ async def test_the_worker_process_freezes_what_start_up_built_once_ready() -> No
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+# --------------------------------------------------------------------------- local inputs before services
+_SCORER_CONFIG = """\
+rollout:
+  agent:
+    prm:
+      scorers:
+        - path: {path}
+          {entry}
+          kwargs: {kwargs}
+actor:
+  token_rewards_as_adv: true
+worker:
+  allowed_scorer_modules: [scoring_workers.scorers, no_such_pkg_q7]
+"""
+
+
+@pytest.mark.parametrize(("command", "path", "entry", "kwargs", "needles"), [
+    ("worker", "examples.prm.scorers.LengthBudgetScorer", "wieght: 0.5", "{}",
+     ("rollout.agent.prm.scorers[0]: unknown key `wieght`; did you mean `weight`?",)),
+    ("worker", "examples.prm.scorers.LengthBudgetScorer", "enabled: true", "{max_output_token: 64}",
+     ("rollout.agent.prm.scorers[0]", "`max_output_token`; did you mean `max_output_tokens`?")),
+    ("worker", "no_such_pkg_q7.scorers.Mine", "weight: 1.0", "{}",
+     ("'no_such_pkg_q7.scorers' is not importable", "install the package", "PYTHONPATH")),
+    ("audit", "examples.prm.scorers.LengthBudgetScorer", "enabled: true", "{max_output_token: 64}",
+     ("did you mean `max_output_tokens`?",)),  # audit: 2, its 1 means "a group differs"
+])
+def test_config_and_scorer_mistakes_are_one_line_exit_2_before_any_connection(
+    tmp_path: Path, command: str, path: str, entry: str, kwargs: str, needles: tuple[str, ...]
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(_SCORER_CONFIG.format(path=path, entry=entry, kwargs=kwargs))
+    proc = _run("--config", str(config), command, env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}",
+                                                       "PRM_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0"})
+    line = _assert_one_line_report(proc, *needles)
+    assert proc.returncode == 2, proc.stderr
+    assert line.startswith("config error:") and "not reachable" not in proc.stderr  # never waited for Kafka
+
+
+def test_publish_of_a_missing_file_exits_2_at_once_naming_it(tmp_path: Path) -> None:
+    """Before: it waited kafka.startup_timeout_s for a broker, then talked about Kafka."""
+    proc = _run("publish", "missing.jsonl", cwd=tmp_path,
+                env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}", "PRM_KAFKA_STARTUP_TIMEOUT_S": "600"})
+    line = _assert_one_line_report(proc, "'missing.jsonl' does not exist")
+    assert proc.returncode == 2 and line == "error: publish FILE: 'missing.jsonl' does not exist"
+    assert "Kafka" not in proc.stderr
+
+
+def test_every_file_a_command_takes_is_checked_before_it_connects(tmp_path: Path) -> None:
+    from prm_pipeline.cli import local_file_problem
+
+    parser = build_parser()
+    here = tmp_path / "here.jsonl"
+    here.write_text("")
+    gone, nowhere = str(tmp_path / "gone.jsonl"), str(tmp_path / "no-dir" / "x")
+
+    def problem(*argv: str) -> str | None:
+        return local_file_problem(parser.parse_args(list(argv)))
+
+    assert problem("publish", gone) == f"publish FILE: {gone!r} does not exist"
+    assert problem("publish", str(tmp_path)) == f"publish FILE: {str(tmp_path)!r} is a folder, not a file"
+    assert problem("inspect", "--verdicts", gone) == f"inspect --verdicts: {gone!r} does not exist"
+    assert problem("inspect", "--verdicts", str(here), "--audit", gone) == f"inspect --audit: {gone!r} does not exist"
+    for argv in (("verdicts", "--out", nowhere), ("audit", "--out", nowhere), ("inspect", "--group", "g", "--html", nowhere),
+                 ("trainer", "--dedupe-store", nowhere)):
+        assert problem(*argv) == (f"{argv[0]} {argv[-2]}: cannot write {nowhere!r}: folder "
+                                  f"{str(tmp_path / 'no-dir')!r} does not exist")
+    assert problem("publish", str(here)) is None and problem("verdicts", "--out", str(tmp_path / "v.jsonl")) is None
+    assert problem("worker") is None
+
+
+def test_audit_without_kafka_exits_2_not_1_which_means_a_group_differs() -> None:
+    port = _closed_port()
+    proc = _run("audit", env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}"})
+    _assert_one_line_report(proc, "Kafka", f"127.0.0.1:{port}")
+    assert proc.returncode == 2, proc.stderr

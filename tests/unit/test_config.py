@@ -25,7 +25,7 @@ from infra.config import (
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "config" / "demo.yaml"
 
-SEED_YAML = """\
+AREAL_YAML = """\
 rollout:
   _version: v1
   agent:
@@ -45,9 +45,9 @@ actor:
 """
 
 
-def seed() -> dict[str, Any]:
+def areal() -> dict[str, Any]:
     """AReaL's Process Rewards example config block (the spec's YAML, unchanged)."""
-    return yaml.safe_load(SEED_YAML)
+    return yaml.safe_load(AREAL_YAML)
 
 
 def build(raw: dict[str, Any], **environ: str) -> PipelineConfig:
@@ -68,7 +68,7 @@ def prm(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def shaping_additive(raw: dict[str, Any]) -> dict[str, Any]:
-    """The seed block with the mode switched to additive, to isolate scorer-only rules."""
+    """AReaL's block with the mode switched to additive, to isolate scorer-only rules."""
     prm(raw)["advantage_shaping"]["mode"] = "additive"
     return raw
 
@@ -82,10 +82,10 @@ def test_demo_yaml_loads() -> None:
     assert cfg.prm.scorers[0].kwargs == {"max_output_tokens": 128}
 
 
-def test_demo_yaml_contains_the_seed_block_unchanged() -> None:
+def test_demo_yaml_contains_the_areal_block_unchanged() -> None:
     demo = yaml.safe_load(DEMO.read_text())
-    assert {k: demo[k] for k in ("rollout", "actor")} == seed()
-    assert SEED_YAML in DEMO.read_text()  # verbatim, not merely equivalent
+    assert {k: demo[k] for k in ("rollout", "actor")} == areal()
+    assert AREAL_YAML in DEMO.read_text()  # verbatim, not merely equivalent
 
 
 def test_demo_yaml_spells_out_our_defaults() -> None:
@@ -96,114 +96,176 @@ def test_demo_yaml_spells_out_our_defaults() -> None:
         assert set(demo[section]) == {f for f in type(getattr(defaults, section)).__struct_fields__}, section
 
 
-def test_seed_snippet_alone(tmp_path: Path) -> None:
-    path = tmp_path / "seed.yaml"
-    path.write_text(SEED_YAML)
+def test_areal_snippet_alone(tmp_path: Path) -> None:
+    path = tmp_path / "areal.yaml"
+    path.write_text(AREAL_YAML)
     cfg = load_config(path, environ={})
     assert cfg.prm.active and cfg.rollout.version == "v1"
     assert cfg.kafka.bootstrap == "127.0.0.1:9092"  # our sections fall back to defaults
 
 
 def test_extra_areal_keys_are_ignored() -> None:
-    raw = seed()
+    raw = areal()
     raw["rollout"]["max_concurrent_rollouts"] = 64
-    raw["rollout"]["agent"]["max_turns"] = 8
-    prm(raw)["some_future_flag"] = True
-    prm(raw)["scorers"][0]["timeout"] = 3
+    raw["rollout"]["agent"]["max_turns"] = 8  # not in our AReaL list either: a newer AReaL's key
     raw["actor"]["path"] = "Qwen/Qwen3-8B"
     raw["actor"]["optimizer"] = {"lr": 1e-6}
     raw["gconfig"] = {"n_samples": 8}  # a whole AReaL top-level section
+    raw["defaults"] = ["_self_"]  # Hydra's, through which AReaL reads its YAML
     assert build(raw).prm.active
 
 
+def test_a_whole_areal_grpo_config_loads() -> None:
+    """Every top-level section of AReaL's GRPO/PPO experiment configs, with values."""
+    raw = areal() | {
+        "experiment_name": "gsm8k-grpo", "trial_name": "t1", "seed": 1, "total_train_epochs": 10,
+        "allocation_mode": "sglang:d4+fsdp:d4", "tokenizer_path": "Qwen/Qwen3-1.7B",
+        "cluster": {"n_nodes": 1, "n_gpus_per_node": 8}, "gconfig": {"n_samples": 4, "max_new_tokens": 1024},
+        "train_dataset": {"path": "openai/gsm8k", "batch_size": 256}, "valid_dataset": None,
+        "saver": {"freq_epochs": 1}, "evaluator": {}, "stats_logger": {"wandb": {"mode": "disabled"}},
+        "recover": {"mode": "disabled"}, "sglang": {"mem_fraction_static": 0.8}, "vllm": {},
+        "launcher": {}, "ref": {"path": "Qwen/Qwen3-1.7B"}, "critic": {}, "scheduler": {},
+        "async_training": True, "enable_offload": False, "teacher": {}, "perf_tracer": None,
+    }
+    raw["rollout"] |= {"max_concurrent_rollouts": 256, "queue_size": None, "consumer_batch_size": 256,
+                       "max_head_offpolicyness": 2, "enable_rollout_tracing": False, "setup_timeout": 120}
+    raw["rollout"]["agent"] |= {"mode": "inline", "tool_call_parser": "qwen25", "turn_discount": 1.0}
+    raw["actor"] |= {"path": "Qwen/Qwen3-1.7B", "group_size": 4, "ppo_n_minibatches": 1, "eps_clip": 0.4,
+                     "kl_ctl": 0.0, "adv_norm": {"mean_level": "group"}, "mb_spec": {"max_tokens_per_mb": 10240},
+                     "optimizer": {"lr": 1.7e-5}, "gradient_checkpointing": True, "dtype": "bfloat16"}
+    assert build(raw).prm.active
+
+
+# --------------------------------------------------------------------------- typos fail, naming the fix
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda r: r.update(wroker={"concurrency": 3}), "unknown top-level key `wroker`; did you mean `worker`?"),
+    (lambda r: r.update(trainner={}), "unknown top-level key `trainner`; did you mean `trainer`?"),
+    (lambda r: r.update(kafak=None), "unknown top-level key `kafak`; did you mean `kafka`?"),  # even when empty
+    (lambda r: prm(r)["scorers"][0].update(wieght=0.5),
+     "rollout.agent.prm.scorers[0]: unknown key `wieght`; did you mean `weight`?"),
+    (lambda r: prm(r)["scorers"][0].update(enabeld=False),
+     "rollout.agent.prm.scorers[0]: unknown key `enabeld`; did you mean `enabled`?"),
+    (lambda r: prm(r)["scorers"][0].update(timeout=3), "(a scorer's own arguments go under `kwargs`)"),
+    (lambda r: prm(r).update(enabeld=False), "rollout.agent.prm: unknown key `enabeld`; did you mean `enabled`?"),
+    (lambda r: prm(r).update(error_polcy="reject"), "did you mean `error_policy`?"),
+    (lambda r: prm(r)["advantage_shaping"].update(negative_scal=0.1),
+     "rollout.agent.prm.advantage_shaping: unknown key `negative_scal`; did you mean `negative_scale`?"),
+    (lambda r: r["actor"].update(token_reward_as_adv=True),
+     "actor: unknown key `token_reward_as_adv`; did you mean `token_rewards_as_adv`?"),
+    (lambda r: r["rollout"]["agent"].update(export_styel="concat"), "did you mean `export_style`?"),
+    (lambda r: r["rollout"]["agent"].update(pmr={}), "rollout.agent: unknown key `pmr`; did you mean `prm`?"),
+    (lambda r: r["rollout"].update(version="v2"), "rollout: unknown key `version`; did you mean `_version`?"),
+    (lambda r: r.update(worker={"concurency": 3}), "worker: unknown key `concurency`; did you mean `concurrency`?"),
+    (lambda r: r.update(kafka={"bootstrap_servers": "x:1"}), "did you mean `bootstrap`?"),
+])
+def test_a_typo_anywhere_is_one_line_naming_the_closest_key(mutate: Any, message: str) -> None:
+    raw = areal()
+    mutate(raw)
+    text = refused(raw, message)
+    assert "\n" not in text
+
+
+def test_an_unknown_top_level_key_with_no_close_match_lists_our_sections() -> None:
+    refused(areal() | {"scoring": {}}, "unknown top-level key `scoring`", "kafka, local, redis")
+
+
+def test_prm_config_mappings_built_in_python_are_strict_too() -> None:
+    import msgspec
+
+    from infra.config import PRMConfig
+
+    with pytest.raises(msgspec.ValidationError, match="enabeld"):
+        msgspec.convert({"enabeld": False}, PRMConfig)
+
+
 def test_empty_sections_mean_defaults() -> None:
-    raw = seed() | {"worker": None}  # ``worker:`` with every key commented out
+    raw = areal() | {"worker": None}  # ``worker:`` with every key commented out
     assert build(raw).worker.concurrency == 32
 
 
 # --------------------------------------------------------------------------- our sections are strict
 def test_unknown_key_in_our_section() -> None:
-    refused(seed() | {"worker": {"concurency": 3}}, "concurency", "worker")
+    refused(areal() | {"worker": {"concurency": 3}}, "concurency", "worker")
 
 
 def test_wrong_type_in_our_section() -> None:
-    refused(seed() | {"kafka": {"compression": "brotli"}}, "kafka.compression")
+    refused(areal() | {"kafka": {"compression": "brotli"}}, "kafka.compression")
 
 
 def test_worker_concurrency_positive() -> None:
-    refused(seed() | {"worker": {"concurrency": 0}}, "worker.concurrency")
+    refused(areal() | {"worker": {"concurrency": 0}}, "worker.concurrency")
 
 
 def test_worker_timeouts_positive() -> None:
-    refused(seed() | {"worker": {"scorer_timeout_s": 0}}, "worker.scorer_timeout_s")
-    refused(seed() | {"worker": {"group_timeout_s": math.inf}}, "worker.group_timeout_s")
+    refused(areal() | {"worker": {"scorer_timeout_s": 0}}, "worker.scorer_timeout_s")
+    refused(areal() | {"worker": {"group_timeout_s": math.inf}}, "worker.group_timeout_s")
 
 
 def test_max_message_bytes_floor() -> None:
-    refused(seed() | {"kafka": {"max_message_bytes": 10}}, "kafka.max_message_bytes")
+    refused(areal() | {"kafka": {"max_message_bytes": 10}}, "kafka.max_message_bytes")
 
 
 # --------------------------------------------------------------------------- AReaL's config rules
 def test_concat_export_required_with_active_scorers() -> None:
-    raw = seed()
+    raw = areal()
     raw["rollout"]["agent"]["export_style"] = "individual"
     refused(raw, "rollout.agent.export_style", "'concat'", "'individual'")
 
 
 def test_concat_template_required_with_active_scorers() -> None:
-    raw = seed()
+    raw = areal()
     raw["rollout"]["agent"]["chat_template_type"] = "hf"
     refused(raw, "rollout.agent.chat_template_type", "'hf'")
 
 
 def test_token_rewards_as_adv_required_with_active_scorers() -> None:
-    raw = shaping_additive(seed())
+    raw = shaping_additive(areal())
     raw["actor"]["token_rewards_as_adv"] = False
     refused(raw, "actor.token_rewards_as_adv", "scorers are active")
 
 
 def test_token_rewards_as_adv_required_with_gvpo() -> None:
-    raw = seed()
+    raw = areal()
     prm(raw).update(scorers=[], advantage_shaping={"mode": "gvpo"})
     raw["actor"]["token_rewards_as_adv"] = False
     refused(raw, "actor.token_rewards_as_adv", "'gvpo'")
 
 
 def test_token_rewards_as_adv_required_with_process_weighted_without_scorers() -> None:
-    raw = seed()
+    raw = areal()
     prm(raw)["scorers"] = []
     raw["actor"]["token_rewards_as_adv"] = False
     refused(raw, "actor.token_rewards_as_adv", "'process_weighted'")
 
 
 def test_process_weighted_refuses_mask_no_eos_with_zero() -> None:
-    raw = seed()
+    raw = areal()
     raw["actor"]["mask_no_eos_with_zero"] = True
     refused(raw, "actor.mask_no_eos_with_zero", "process_weighted")
 
 
 def test_mask_no_eos_with_zero_fine_with_other_modes() -> None:
-    raw = shaping_additive(seed())
+    raw = shaping_additive(areal())
     raw["actor"]["mask_no_eos_with_zero"] = True
     assert build(raw).actor.mask_no_eos_with_zero
 
 
 def test_scorers_refused_with_api_url() -> None:
-    raw = seed()
+    raw = areal()
     raw["rollout"]["api_url"] = "http://external:8000/v1"
     raw["rollout"]["_version"] = "v2"
     refused(raw, "rollout.api_url", "rollout.agent.prm")
 
 
 def test_api_url_fine_with_empty_scorers() -> None:
-    raw = seed()
+    raw = areal()
     raw["rollout"]["api_url"] = "http://external:8000/v1"
     prm(raw)["scorers"] = []
     assert build(raw).rollout.api_url == "http://external:8000/v1"
 
 
 def test_api_url_fine_when_disabled() -> None:
-    raw = seed()
+    raw = areal()
     raw["rollout"]["api_url"] = "http://external:8000/v1"
     prm(raw)["enabled"] = False
     assert not build(raw).prm.active
@@ -211,19 +273,19 @@ def test_api_url_fine_when_disabled() -> None:
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_version_v1_or_v2_accepted(version: str) -> None:
-    raw = seed()
+    raw = areal()
     raw["rollout"]["_version"] = version
     assert build(raw).rollout.version == version
 
 
 def test_version_must_be_v1_or_v2() -> None:
-    raw = seed()
+    raw = areal()
     raw["rollout"]["_version"] = "v3"
     refused(raw, "rollout._version", "'v3'")
 
 
 def test_unknown_shaping_mode() -> None:
-    raw = seed()
+    raw = areal()
     prm(raw)["advantage_shaping"]["mode"] = "process-weighted"
     refused(raw, "rollout.agent.prm.advantage_shaping.mode", "'process-weighted'", "process_weighted")
 
@@ -231,32 +293,32 @@ def test_unknown_shaping_mode() -> None:
 @pytest.mark.parametrize("key", ["negative_scale", "zero_penalty"])
 @pytest.mark.parametrize("value", [-0.1, math.nan, math.inf, -math.inf])
 def test_shaping_coefficients_finite_non_negative(key: str, value: float) -> None:
-    raw = seed()
+    raw = areal()
     prm(raw)["advantage_shaping"][key] = value
     refused(raw, f"rollout.agent.prm.advantage_shaping.{key}", ">= 0")
 
 
 def test_shaping_coefficients_zero_allowed() -> None:
-    raw = seed()
+    raw = areal()
     prm(raw)["advantage_shaping"].update(negative_scale=0.0, zero_penalty=0.0)
     assert build(raw).prm.advantage_shaping.zero_penalty == 0.0
 
 
 def test_scorer_weight_finite() -> None:
-    raw = seed()
+    raw = areal()
     prm(raw)["scorers"][0]["weight"] = math.nan
     refused(raw, "rollout.agent.prm.scorers[0].weight")
 
 
 def test_scorer_path_required() -> None:
-    raw = seed()
+    raw = areal()
     prm(raw)["scorers"][0]["path"] = ""
     refused(raw, "rollout.agent.prm.scorers[0].path")
 
 
 # --------------------------------------------------------------------------- inactive PRM
 def test_empty_scorer_list_is_inactive() -> None:
-    raw = shaping_additive(seed())
+    raw = shaping_additive(areal())
     prm(raw)["scorers"] = []
     raw["rollout"]["agent"]["export_style"] = "individual"
     raw["actor"]["token_rewards_as_adv"] = False
@@ -264,7 +326,7 @@ def test_empty_scorer_list_is_inactive() -> None:
 
 
 def test_enabled_false_is_inactive_and_allows_individual_export() -> None:
-    raw = seed()
+    raw = areal()
     prm(raw)["enabled"] = False
     raw["rollout"]["agent"]["export_style"] = "individual"
     raw["rollout"]["agent"]["chat_template_type"] = "hf"
@@ -278,54 +340,54 @@ def test_no_prm_block_is_inactive() -> None:
 
 # --------------------------------------------------------------------------- environment
 def test_env_kafka_bootstrap() -> None:
-    assert build(seed(), PRM_KAFKA_BOOTSTRAP="broker-1:9092,broker-2:9092").kafka.bootstrap == (
+    assert build(areal(), PRM_KAFKA_BOOTSTRAP="broker-1:9092,broker-2:9092").kafka.bootstrap == (
         "broker-1:9092,broker-2:9092"
     )
 
 
 def test_env_redis_url() -> None:
-    assert build(seed(), PRM_REDIS_URL="redis://ledger:6380/2").redis.url == "redis://ledger:6380/2"
+    assert build(areal(), PRM_REDIS_URL="redis://ledger:6380/2").redis.url == "redis://ledger:6380/2"
 
 
 def test_env_float_parsed() -> None:
-    value = build(seed(), PRM_WORKER_SCORER_TIMEOUT_S="2.5").worker.scorer_timeout_s
+    value = build(areal(), PRM_WORKER_SCORER_TIMEOUT_S="2.5").worker.scorer_timeout_s
     assert value == 2.5 and isinstance(value, float)
 
 
 def test_env_int_parsed() -> None:
-    assert build(seed(), PRM_WORKER_CONCURRENCY="4").worker.concurrency == 4
+    assert build(areal(), PRM_WORKER_CONCURRENCY="4").worker.concurrency == 4
 
 
 def test_env_overrides_the_file() -> None:
-    raw = seed() | {"worker": {"concurrency": 3, "scorer_timeout_s": 9.0}}
+    raw = areal() | {"worker": {"concurrency": 3, "scorer_timeout_s": 9.0}}
     cfg = build(raw, PRM_WORKER_CONCURRENCY="5")
     assert (cfg.worker.concurrency, cfg.worker.scorer_timeout_s) == (5, 9.0)
 
 
 def test_env_string_fields_stay_strings() -> None:
-    cfg = build(seed(), PRM_KAFKA_SASL_PASSWORD="12345", PRM_KAFKA_SASL_USERNAME="yes")
+    cfg = build(areal(), PRM_KAFKA_SASL_PASSWORD="12345", PRM_KAFKA_SASL_USERNAME="yes")
     assert (cfg.kafka.sasl_password, cfg.kafka.sasl_username) == ("12345", "yes")
 
 
 def test_env_empty_value_is_null() -> None:
-    assert build(seed() | {"worker": {"metrics_port": 9100}}, PRM_WORKER_METRICS_PORT="").worker.metrics_port is None
+    assert build(areal() | {"worker": {"metrics_port": 9100}}, PRM_WORKER_METRICS_PORT="").worker.metrics_port is None
 
 
 def test_env_unknown_field_refused() -> None:
-    refused(seed(), "PRM_WORKER_FOO", "'foo'", "worker", PRM_WORKER_FOO="1")
+    refused(areal(), "PRM_WORKER_FOO", "'foo'", "worker", PRM_WORKER_FOO="1")
 
 
 def test_env_bad_value_refused() -> None:
-    refused(seed(), "worker.concurrency", PRM_WORKER_CONCURRENCY="many")
+    refused(areal(), "worker.concurrency", PRM_WORKER_CONCURRENCY="many")
 
 
 def test_env_unrelated_prm_variables_ignored() -> None:
-    cfg = build(seed(), PRM_TEST_KAFKA="1", PRM_CONFIG="/nowhere.yaml", PRMX_WORKER_FOO="1")
+    cfg = build(areal(), PRM_TEST_KAFKA="1", PRM_CONFIG="/nowhere.yaml", PRMX_WORKER_FOO="1")
     assert cfg.kafka == PipelineConfig().kafka
 
 
 def test_env_does_not_mutate_input() -> None:
-    raw = seed() | {"worker": {"concurrency": 3}}
+    raw = areal() | {"worker": {"concurrency": 3}}
     before = copy.deepcopy(raw)
     build(raw, PRM_WORKER_CONCURRENCY="5")
     assert raw == before
@@ -333,7 +395,7 @@ def test_env_does_not_mutate_input() -> None:
 
 def test_prm_config_env_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "from-env.yaml"
-    path.write_text(SEED_YAML + "worker:\n  concurrency: 7\n")
+    path.write_text(AREAL_YAML + "worker:\n  concurrency: 7\n")
     assert load_config(environ={"PRM_CONFIG": str(path)}).worker.concurrency == 7
 
 
@@ -394,7 +456,7 @@ def test_secrets_never_appear_in_a_config_repr() -> None:
     ({"topics": {"partitions": 0}}, "topics.partitions"),
 ])
 def test_declared_constraints_name_the_key(raw: dict[str, Any], key: str) -> None:
-    refused(seed() | raw, key)
+    refused(areal() | raw, key)
 
 
 def test_command_line_counts_keep_the_config_constraint() -> None:
@@ -408,13 +470,13 @@ def test_command_line_counts_keep_the_config_constraint() -> None:
 def test_shaping_modes_come_from_one_registry() -> None:
     import infra.config
     import shaper.shaping
-    from infra.modes import COMBINED_MODES, MODES, SHAPING_MODES, mode_info
+    from infra.modes import COMBINED_MODES, SHAPING_MODES, mode_info, registered_modes
 
     assert SHAPING_MODES == ("additive", "gvpo", "process_weighted")
     assert COMBINED_MODES == ("prm_gated_opd", "prm_weighted_opd", "openclaw_combine")
     assert infra.config.SHAPING_MODES is SHAPING_MODES and infra.config.COMBINED_MODES is COMBINED_MODES
     assert shaper.shaping.SHAPING_MODES is SHAPING_MODES
-    assert {m.name for m in MODES} == {*SHAPING_MODES, *COMBINED_MODES}
+    assert {m.name for m in registered_modes()} == {*SHAPING_MODES, *COMBINED_MODES}
     # the rules config validation applies are attributes of the registry entries
     assert [m for m in SHAPING_MODES if mode_info(m).direct_advantages] == ["gvpo", "process_weighted"]
     assert [m for m in SHAPING_MODES if mode_info(m).unit_interval] == ["process_weighted"]

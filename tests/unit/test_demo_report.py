@@ -12,7 +12,7 @@ import pytest
 from prm_pipeline.demo.curves import Curve
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from prm_pipeline.demo.report import SECTIONS, DemoRecord, write_report
-from prm_pipeline.inspect import branch_views, cmd_inspect, load_audit, render_html, render_terminal, verdict_record
+from prm_pipeline.token_view import branch_views, cmd_inspect, load_audit, render_html, render_terminal, verdict_record
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 from tests import real_model
 from tests.real_model import one_torch_thread  # noqa: F401 - autouse fixture

@@ -43,6 +43,7 @@ K8S_VERSIONS = ("1.29", kv.latest_version())
 CRD_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject-v1alpha1.json",
     ("keda.sh/v1alpha1", "TriggerAuthentication"): "keda-triggerauthentication-v1alpha1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-v1.json",
 }
 IMAGE = "prm-pipeline"  # the image name the manifests use; kustomization.yaml maps it to a registry
 CONFIG_PATH = "/etc/prm/config.yaml"
@@ -252,7 +253,8 @@ def test_pod_references_exist(key: str) -> None:
 
 
 def test_credentials_come_from_the_secret() -> None:
-    for name in ("Deployment/prm-scoring-worker", "Deployment/prm-trainer", "Job/prm-topics-create"):
+    for name in ("Deployment/prm-scoring-worker", "Deployment/prm-trainer", "Deployment/prm-gateway",
+                 "Job/prm-topics-create"):
         (c,) = pod_templates()[name]["spec"]["containers"]
         env = {e["name"]: e for e in c.get("env", [])}
         for var in ("PRM_KAFKA_SASL_USERNAME", "PRM_KAFKA_SASL_PASSWORD"):
@@ -321,6 +323,81 @@ def test_selectors_match_pod_labels(kind: str) -> None:
         selector = d["spec"].get("selector", {}).get("matchLabels")
         if selector is not None:
             assert selector.items() <= labels.items(), f"{kind}/{name}: selector does not match its pods"
+
+
+# --------------------------------------------------------------------------- gateway
+GATEWAY_CLIENT_LABEL = {"prm.io/gateway-client": "true"}
+
+
+def test_gateway_listens_with_tokens_from_the_secret_and_is_probed() -> None:
+    """All interfaces only with bearer tokens (the Secret, as a file); probes on its port."""
+    gateway = one("Deployment", "prm-gateway")
+    c = container(gateway)
+    args = c["args"]
+    assert args[args.index("gateway") + 1:].count("--allow-unauthenticated") == 0, "tokens are the default gate"
+    port = int(arg_after(args, "--port"))
+    host = arg_after(args, "--host")
+    assert [p["containerPort"] for p in c["ports"]] == [port]
+    env = {e["name"]: e for e in c["env"]}
+    cfg = config_from_mapping(configmap_raw(), environ={k: e["value"] for k, e in env.items() if "value" in e})
+    assert cfg.gateway.port == port, "gateway.port in the ConfigMap and --port disagree"
+    # the token file is a key of prm-secrets mounted read-only
+    token_file = cfg.gateway.auth_tokens_file
+    assert host == "0.0.0.0" and token_file, "beyond loopback the gateway runs with bearer tokens (PRM_GATEWAY_AUTH_TOKENS_FILE)"
+    mount_dir, _, filename = token_file.rpartition("/")
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == mount_dir)
+    assert mount["readOnly"] is True
+    volume = next(v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    item = next(i for i in volume["secret"]["items"] if i["path"] == filename)
+    assert item["key"] in secret_keys()[volume["secret"]["secretName"]]
+    assert volume["secret"]["defaultMode"] & 0o007 == 0, "tokens must not be world-readable"
+    tokens = one("Secret", "prm-secrets")["stringData"]["gateway-tokens"].split()
+    assert tokens, "the example Secret's gateway-tokens holds no token (the gateway refuses to start without one)"
+    probes = {kind: c[kind] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert probes["livenessProbe"]["httpGet"]["path"] == probes["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    for kind, probe in probes.items():
+        assert resolve_port(c, probe["httpGet"]["port"]) == port, f"{kind} probes another port"
+        assert probe["timeoutSeconds"] < probe["periodSeconds"]
+    assert gateway["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert gateway["spec"]["replicas"] >= 2, "one gateway pod is a single point of failure for every trainer"
+
+
+def test_gateway_service_targets_the_gateway_pods_only() -> None:
+    gateway = one("Deployment", "prm-gateway")
+    service = one("Service", "prm-gateway")["spec"]
+    labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert service["type"] == "ClusterIP", "no exposure outside the cluster in the base"
+    assert service["selector"].items() <= labels.items()
+    for key, template in pod_templates().items():
+        if key != "Deployment/prm-gateway":
+            assert not service["selector"].items() <= template["metadata"]["labels"].items(), f"it also selects {key}"
+    (port,) = service["ports"]
+    assert resolve_port(container(gateway), port["targetPort"]) == int(arg_after(container(gateway)["args"], "--port"))
+
+
+def test_gateway_network_policy_admits_only_labelled_trainers_and_reaches_only_kafka() -> None:
+    gateway = one("Deployment", "prm-gateway")
+    labels = gateway["spec"]["template"]["metadata"]["labels"]
+    port = int(arg_after(container(gateway)["args"], "--port"))
+    policies = of_kind("NetworkPolicy")
+    selecting = [n for n, p in policies.items() if p["spec"]["podSelector"].get("matchLabels", {}).items() <= labels.items()]
+    assert sorted(selecting) == ["prm-default-deny", "prm-gateway"], selecting
+    policy = policies["prm-gateway"]["spec"]
+    assert set(policy["policyTypes"]) == {"Ingress", "Egress"}
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+    (source,) = rule["from"]
+    assert source["podSelector"] == {"matchLabels": GATEWAY_CLIENT_LABEL}, "only pods labelled as gateway clients"
+    assert "ipBlock" not in source
+    kafka_ports = {p["port"] for e in policies["prm-default-deny"]["spec"]["egress"] for p in e["ports"]} - {53}
+    egress_ports = {p["port"] for e in policy["egress"] for p in e["ports"]}
+    assert egress_ports <= kafka_ports, f"the gateway reaches more than Kafka: {sorted(egress_ports - kafka_ports)}"
+    # the other pods' policies do not open the gateway's port to anyone else
+    for name, p in policies.items():
+        if name != "prm-gateway":
+            for r in p["spec"].get("ingress", []):
+                assert port not in {q["port"] for q in r.get("ports", [])}, f"{name} opens the gateway port"
 
 
 # --------------------------------------------------------------------------- KEDA
@@ -396,7 +473,7 @@ def cli_options() -> dict[str, dict[str, bool]]:
     they are made on (``p = sub.add_parser("worker")`` ... ``p.add_argument(...)``).
     """
     out: dict[str, dict[str, bool]] = {}
-    for path in [*sorted((ROOT / "prm_pipeline").glob("*.py")), ROOT / "shaper" / "trainer.py"]:
+    for path in [*sorted((ROOT / "prm_pipeline").rglob("*.py")), ROOT / "shaper" / "trainer.py"]:
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, ast.FunctionDef):
                 continue

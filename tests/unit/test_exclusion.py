@@ -18,6 +18,8 @@ import pytest
 import torch
 import yaml
 
+from infra.config import PRMAdvantageShapingConfig as Shaping
+from infra.config import TrainerConfig as Trainer
 from infra.config import load_config
 from infra.schema import (
     BranchResult,
@@ -162,8 +164,8 @@ def test_judge_turn_table_reads_scores_and_has_next_state() -> None:
 
 def test_shape_batch_applies_exclusion_before_the_shift() -> None:
     batch = cases_batch()
-    plain = shape_batch(batch, mode="additive")
-    shaped = shape_batch(batch, mode="additive", exclude_neutral_turns=True)
+    plain = shape_batch(batch, Shaping(mode="additive"))
+    shaped = shape_batch(batch, Shaping(mode="additive"), Trainer(exclude_neutral_turns=True))
     expected = shift_token_rewards(apply_exclusion(batch))
     assert shaped.loss_mask.tolist() == expected.tolist()
     assert plain.loss_mask.tolist() == shift_token_rewards(batch.loss_mask).tolist()
@@ -198,7 +200,7 @@ def test_wrong_judge_scorer_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"no per-turn results of scorer 'prm_judge'.*trainer.judge_scorer"):
         apply_exclusion(batch, scorer="prm_judge")
     with pytest.raises(ValueError, match="trainer.judge_scorer"):
-        shape_batch(batch, mode="additive", exclude_neutral_turns=True, judge_scorer="prm_judge")
+        shape_batch(batch, Shaping(mode="additive"), Trainer(exclude_neutral_turns=True, judge_scorer="prm_judge"))
 
 
 def test_verdict_without_aligned_turn_results_is_refused() -> None:

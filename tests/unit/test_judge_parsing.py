@@ -117,7 +117,9 @@ def test_select_best_hint():
     assert select_best_hint([(1, "   short     "), (None, long_a), (-1, long_a)]) is None
     assert select_best_hint([(1, "0123456789")]) is None
     assert select_best_hint([(1, " 0123456789A ")]) == "0123456789A"
-    assert select_best_hint([None, {"score": 1, "hint": long_a}, {"score": True, "hint": long_b}]) == long_a
+    # a score equal to 1 counts, as OpenClaw-RL's ``v.get("score") == 1`` (True == 1, 1.0 == 1)
+    assert select_best_hint([None, {"score": 1, "hint": long_a}, {"score": True, "hint": long_b}]) == long_b
+    assert select_best_hint([(1.0, long_a), (False, long_b), ("1", long_b)]) == long_a
     assert select_best_hint([]) is None
 
 
@@ -161,6 +163,10 @@ def test_hint_prompt():
 def test_render_helpers():
     assert render_chatml([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert message_text({"content": None}) == "" and message_text(None) == ""
+    # a null text part is empty, as a missing one (OpenClaw-RL's join raises TypeError on it)
+    parts = [{"type": "text", "text": None}, {"type": "text"}, {"type": "text", "text": "b"}, {"type": "image_url"}]
+    assert message_text({"content": parts}) == "  b"
+    assert message_text({"content": tuple(parts)}) == "  b"  # a tuple is flattened like a list
     out = [{
         "role": "assistant", "content": "Listing.",
         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "/"}'}}],

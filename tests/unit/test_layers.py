@@ -21,9 +21,10 @@ MAY_IMPORT = {
     "shaper": {"infra"},
     "prm_pipeline": set(PRODUCT),
 }
-# Trainer integrations (verl) are both a producer and a verdict reader: they wire
-# the rollout side to the trainer side, like the command layer.
-INTEGRATIONS = Path("shaper", "integrations")
+# Trainer integrations (verl, OpenRLHF, slime) and the RewardClient under them are both
+# a producer and a verdict reader: they wire the rollout side to the trainer side, like
+# the command layer.
+WIRING = (Path("shaper", "integrations"), Path("shaper", "reward_client.py"))
 DEMO = "prm_pipeline.demo"
 
 
@@ -50,7 +51,7 @@ def test_production_packages_import_only_lower_layers() -> None:
     wrong = []
     for path in _product_files():
         pkg = path.relative_to(ROOT).parts[0]
-        if path.relative_to(ROOT).is_relative_to(INTEGRATIONS):
+        if any(path.relative_to(ROOT).is_relative_to(w) for w in WIRING):
             pkg = "prm_pipeline"
         for module, _ in _imports(path):
             target = module.split(".", 1)[0]

@@ -1,6 +1,7 @@
+from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import TopicPartition
 
-from infra.offsets import OffsetTracker
+from infra.offsets import OffsetCommitter, OffsetTracker
 
 TP = TopicPartition("t", 0)
 TP1 = TopicPartition("t", 1)
@@ -37,3 +38,70 @@ def test_partitions_are_independent_and_dropped_on_revoke() -> None:
     t.drop({TP})
     t.finish(TP, 10)  # a late finish of a revoked partition is ignored
     assert t.committable() == {TP1: 4}
+
+
+class _Consumer:
+    """The slice of aiokafka's consumer that OffsetCommitter uses, with a rebalance we control."""
+
+    def __init__(self, assigned: set[TopicPartition], highs: dict[TopicPartition, int]) -> None:
+        self.assigned, self.highs = set(assigned), highs
+        self.commits: list[dict[TopicPartition, int]] = []
+        self.revoke_during_committed: TopicPartition | None = None
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self.assigned)
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        assert tp in self.assigned, "Partition is not assigned"  # as aiokafka does
+        return self.highs.get(tp)
+
+    async def committed(self, tp: TopicPartition) -> int | None:
+        if self.revoke_during_committed is not None:  # the rebalance lands at this await
+            self.assigned.discard(self.revoke_during_committed)
+        return 0
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        if any(tp not in self.assigned for tp in offsets):
+            raise IllegalStateError("Partition is not assigned")
+        self.commits.append(dict(offsets))
+
+
+A, B = TopicPartition("t", 0), TopicPartition("t", 1)
+
+
+async def test_committer_commits_only_partitions_still_assigned_and_forgets_the_rest() -> None:
+    consumer = _Consumer({A}, {})
+    committer = OffsetCommitter(consumer, owner="test")  # type: ignore[arg-type]
+    committer.tracker.begin(A, 4)
+    committer.tracker.begin(B, 9)  # B was revoked while its record was in flight
+    committer.tracker.finish(A, 4)
+    committer.tracker.finish(B, 9)
+    await committer.commit()
+    assert consumer.commits == [{A: 5}]  # one revoked partition must not fail the whole commit
+    assert committer.tracker.committable() == {}
+
+
+async def test_committer_reports_a_refused_commit_and_does_not_raise() -> None:
+    consumer = _Consumer({A}, {})
+    failures: list[BaseException] = []
+    committer = OffsetCommitter(consumer, owner="test", on_failure=failures.append)  # type: ignore[arg-type]
+
+    async def refuse(offsets: dict[TopicPartition, int]) -> None:
+        raise CommitFailedError("rebalanced")
+
+    consumer.commit = refuse  # type: ignore[method-assign]
+    committer.tracker.begin(A, 0)
+    committer.tracker.finish(A, 0)
+    await committer.commit()
+    assert [type(e) for e in failures] == [CommitFailedError]
+    assert committer.tracker.committable() == {A: 1}  # still owed: the next commit tries again
+
+
+async def test_lag_survives_a_rebalance_at_any_await() -> None:
+    consumer = _Consumer({A, B}, {A: 10, B: 7})
+    committer = OffsetCommitter(consumer, owner="test")  # type: ignore[arg-type]
+    consumer.revoke_during_committed = B
+    lag = await committer.lag()
+    assert B not in lag and lag[A] == 10
+    consumer.assigned = {A}  # revoked between two lag steps: never asked about again
+    assert await committer.lag() == {A: 10}

@@ -11,13 +11,16 @@ import numpy as np
 import pytest
 import torch
 
+from infra.config import ConfigError
+from infra.config import PRMAdvantageShapingConfig as Shaping
+from infra.config import TrainerConfig as Trainer
 from infra.schema import PRMMetricObservation, PRMTurnResult, TokenRewards
 from shaper import build_training_batch
 from shaper.combined import openclaw_combine
 from shaper.exclusion import apply_exclusion, streaming_turn_keep, unhinted_turns
 from shaper.openclaw_recipe import openclaw_turn_advantages
 from shaper.shaping import shift_token_rewards
-from shaper.trainer import check_recipe, shape_batch
+from shaper.trainer import shape_batch
 from tests.unit.test_exclusion import CASES, T0_POS, T1_POS, T2_POS, group, linear, mask_at
 
 OPD = "opd_teacher"
@@ -78,7 +81,7 @@ def test_upstream_recipe_differs_from_our_exclusion_where_documented():
 
 def test_shape_batch_openclaw_turns_has_no_outcome_term():
     batch = _cases_batch()
-    shaped = shape_batch(batch, mode="additive", recipe="openclaw_turns")
+    shaped = shape_batch(batch, Shaping(mode="additive"), Trainer(recipe="openclaw_turns"))
     advantages, mask = openclaw_turn_advantages(batch)
     assert shaped.loss_mask.tolist() == shift_token_rewards(mask).tolist()
     assert shaped.advantages.tolist() == shift_token_rewards(advantages).tolist()
@@ -88,14 +91,15 @@ def test_shape_batch_openclaw_turns_has_no_outcome_term():
 
 
 def test_recipe_checks():
-    with pytest.raises(ValueError, match="unknown trainer recipe"):
-        check_recipe("ppo")
-    with pytest.raises(ValueError, match="cannot be combined"):
-        check_recipe("openclaw_turns", "prm_gated_opd")
-    with pytest.raises(ValueError, match="exclude_neutral_turns off"):
-        shape_batch(_cases_batch(), mode="additive", recipe="openclaw_turns", exclude_neutral_turns=True)
-    with pytest.raises(ValueError, match="combined_mode 'openclaw_combine' applies"):
-        check_recipe("grpo", "openclaw_combine", exclude_neutral_turns=True)
+    """Checked once, when the trainer config is built (file or code), never per batch."""
+    with pytest.raises(ConfigError, match="trainer.recipe must be one of"):
+        Trainer(recipe="ppo")
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        Trainer(recipe="openclaw_turns", combined_mode="prm_gated_opd")
+    with pytest.raises(ConfigError, match="exclude_neutral_turns off"):
+        Trainer(recipe="openclaw_turns", exclude_neutral_turns=True)
+    with pytest.raises(ConfigError, match="combined_mode 'openclaw_combine' applies"):
+        Trainer(combined_mode="openclaw_combine", exclude_neutral_turns=True)
 
 
 # --------------------------------------------------------------------------- openclaw_combine
@@ -148,7 +152,7 @@ def test_shape_batch_openclaw_combine_and_drop_unhinted():
     session = _with_opd(linear("s", [(1.0, True), (0.0, True), (0.0, False)]), [False, True, False], [0.0, 0.3, 0.0])
     batch = build_training_batch([group("g", [session])])
     assert unhinted_turns(batch).tolist() == [[True, False, True]]
-    shaped = shape_batch(batch, mode="process_weighted", combined_mode="openclaw_combine")
+    shaped = shape_batch(batch, Shaping(mode="process_weighted"), Trainer(combined_mode="openclaw_combine"))
     # t0: RL only (score 1); t1: OPD only (0.3); t2: neither -> dropped. Shifted left by one.
     expected = np.zeros(12, np.float32)
     expected[[2, 3]] = 1.0
@@ -157,10 +161,10 @@ def test_shape_batch_openclaw_combine_and_drop_unhinted():
     assert shaped.loss_mask[0].tolist() == shift_token_rewards(torch.tensor([mask_at(T0_POS, T1_POS)]))[0].tolist()
     assert not shaped.outcome_advantages.any()
     # OpenClaw-RL's OPD trains no turn without an accepted hint: only t1 stays in the loss.
-    dropped = shape_batch(batch, mode="additive", drop_unhinted_turns=True)
+    dropped = shape_batch(batch, Shaping(mode="additive"), Trainer(drop_unhinted_turns=True))
     assert dropped.loss_mask[0].tolist() == shift_token_rewards(torch.tensor([mask_at(T1_POS)]))[0].tolist()
     with pytest.raises(ValueError, match="no per-turn results of scorer 'nope'"):
-        shape_batch(batch, mode="additive", drop_unhinted_turns=True, opd_scorer="nope")
+        shape_batch(batch, Shaping(mode="additive"), Trainer(drop_unhinted_turns=True, opd_scorer="nope"))
 
 
 def test_config_names_the_openclaw_modes():

@@ -303,7 +303,7 @@ def test_build_scorer_owned_and_borrowed() -> None:
     assert build_scorer(instance) == (instance, False)
     scorer, owned = build_scorer({"path": "examples.prm.scorers.LengthBudgetScorer", "weight": 0.5, "enabled": False, "kwargs": {"max_output_tokens": 7}})
     assert owned and (scorer.weight, scorer.enabled, scorer.max_output_tokens) == (0.5, False, 7)
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="unknown key `max_output_tokens`"):
         build_scorer({"path": "examples.prm.scorers.LengthBudgetScorer", "max_output_tokens": 7})
     with pytest.raises(TypeError, match="unexpected keyword"):
         build_scorer(PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", kwargs={"budget": 7}))
@@ -384,3 +384,19 @@ async def test_example_custom_scorers_run() -> None:
     # dense: token 2 of turn a has logprob -5.0 < -2.0 -> penalised (weight 0.5 * -1.0)
     assert branch.token_rewards["a"].tolist() == pytest.approx([0.5, 0.0, 0.5])
     await runner.aclose()
+
+
+def test_examples_readme_snippet_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/README.md's end-to-end snippet runs as written (it once used an undefined name)."""
+    text = (REPO / "examples" / "README.md").read_text()
+    snippet = text[text.index("Try the example end to end"):].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(REPO)  # the snippet says: run from the repository root
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "prm_custom_scorer", raising=False)
+    try:
+        exec(compile(snippet, "examples/README.md", "exec"), {"__name__": "__main__"})
+    finally:
+        sys.modules.pop("prm_custom_scorer", None)
+    printed = capsys.readouterr().out
+    assert "rollout/prm_metric/turn/tool_use/valid_tool_call/rate = 0.5" in printed
+    assert "rollout/prm_trajectory_reward/final_answer = 1" in printed

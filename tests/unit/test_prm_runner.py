@@ -120,14 +120,14 @@ async def test_dense_tensor_keeps_token_positions() -> None:
 async def test_zero_dim_tensor_is_a_shape_error_as_in_areal() -> None:
     runner = runner_of(scorer("z", lambda i, c: torch.tensor(0.75))())
     error = await rejected(runner, traj(turn("a", n=2)))
-    assert type(error.exc) is ValueError and "must return shape (n,)" in str(error)
+    assert type(error.exc) is ValueError and "must return shape (2,)" in str(error)
 
 
 @pytest.mark.parametrize("bad", [torch.zeros(2), torch.zeros(1), torch.zeros(1, 3), torch.zeros(4)])
 async def test_tensor_shape_must_equal_output_len(bad: torch.Tensor) -> None:
     runner = runner_of(scorer("shape", lambda i, c: bad)())
     error = await rejected(runner, traj(turn("a", n=3)))
-    assert type(error.exc) is ValueError and "must return shape (n,)" in str(error)
+    assert type(error.exc) is ValueError and "must return shape (3,)" in str(error)
     assert error.reason == "invalid_reward" and error.interaction_id == "a"
 
 

@@ -193,7 +193,7 @@ class TestHeaders:
 
     def test_unknown_kind(self) -> None:
         value, _ = encode(trajectory())
-        with pytest.raises(UnknownMessageKind, match=r"'bogus' is not one of \['ready', 'discard'\]"):
+        with pytest.raises(UnknownMessageKind, match=r"'bogus' is not one of \['ready', 'discard', 'chunk'\]"):
             decode_message(value, headers(kind="bogus"))
 
     def test_missing_kind_header(self) -> None:

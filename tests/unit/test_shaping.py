@@ -267,6 +267,18 @@ class TestAReaLEdgeCases:
         expected = a.float() + p.float()
         assert torch.equal(out, expected) and out[0].item() != float(a[0] + p[0])
 
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_gvpo_returns_the_advantages_dtype(self, dtype: torch.dtype) -> None:
+        # AReaL's gvpo only compares P (P < 0), so its result keeps A's dtype; we compute in
+        # float32 and cast back: A(1 + s) is rounded once, at the end.
+        a = torch.tensor([-3.0, 0.5, 1e-7, -1.0, 2.0], dtype=dtype)
+        p = torch.tensor([-1.0, -1.0, -1.0, 0.5, 0.0], dtype=dtype)
+        out = shape_advantages(a, p, torch.ones(5), mode="gvpo", negative_scale=0.3)
+        assert out.dtype == dtype
+        expected = torch.tensor([-3.0 * 1.3, 0.0, -0.4, -1.0, 2.0]).to(dtype)
+        assert torch.equal(out, expected)
+        assert shape_advantages(a.double(), p, torch.ones(5), mode="gvpo").dtype == torch.float64
+
     def test_process_weighted_nan_advantage_with_positive_reward_becomes_reward(self) -> None:
         # AReaL: NaN A is not >= 0, so P > 0 -> P, and P == 0 keeps the NaN.
         a = t(math.nan, math.nan, math.nan)

@@ -1,5 +1,5 @@
 """Pure logic of the worker's plumbing: Kafka error classes, backoff, the verdict size
-fallback, parked-member decoding, group-commit batching and the token cache."""
+fallback, parked-member and group-state decoding, group-commit batching and the token cache."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from aiokafka import errors as kerr
 from infra.kafka import backoff_delay, is_permanent, is_retriable, record_size
 from infra.schema import GroupVerdict, SessionResult, compact_turns, encode
 from prm_pipeline.demo.synthetic import make_group
-from scoring_workers.ledger import ParkedMember, _GroupCommit, decode_parked, fingerprint
+from scoring_workers.ledger import GroupState, ParkedMember, _GroupCommit, decode_parked, decode_state, fingerprint
 from scoring_workers.verdicts import assemble_verdict, too_large_verdict
 
 
@@ -49,7 +49,7 @@ def _scored_group(n: int = 3) -> tuple[list, list[SessionResult]]:
 
 def test_too_large_verdict_keeps_stats_and_drops_turns_deterministically() -> None:
     _, members = _scored_group()
-    verdict = assemble_verdict("g-big", {"group_size": "3", "decision": "complete", "decided_at": "5"}, members)
+    verdict = assemble_verdict("g-big", GroupState(group_size=3, decision="complete", decided_at=5), members)
     assert verdict.status == "accepted"
     small = too_large_verdict(verdict, size=123_456, limit=65_536)
     assert small == too_large_verdict(verdict, size=123_456, limit=65_536)  # a pure function: same bytes
@@ -60,14 +60,45 @@ def test_too_large_verdict_keeps_stats_and_drops_turns_deterministically() -> No
     assert len(encode(small)[0]) < len(encode(verdict)[0]) / 4
 
 
-def test_parked_members_carry_no_turns_and_legacy_blobs_still_decode() -> None:
+def test_parked_members_carry_no_turns() -> None:
     _, members = _scored_group(1)
-    legacy = msgspec.msgpack.encode(members[0])  # what an older worker parked: the whole result
-    assert decode_parked(legacy) == ParkedMember(members[0])
     parked = ParkedMember(msgspec.structs.replace(members[0], turns=[]), 3, 17)
     assert decode_parked(msgspec.msgpack.encode(parked)) == parked
-    verdict = assemble_verdict("g", {"group_size": "1"}, [parked])
+    verdict = assemble_verdict("g", GroupState(group_size=1), [parked])
     assert isinstance(verdict, GroupVerdict) and verdict.sessions[0].turns == []
+
+
+def test_group_state_decodes_typed_and_keeps_the_scorers_blob_as_bytes() -> None:
+    from infra.schema import ScorerInfo
+    from scoring_workers.verdicts import encode_scorers
+
+    scorers = encode_scorers([ScorerInfo("judge", "1.0")])  # msgpack: starts 0x91, not UTF-8
+    with pytest.raises(UnicodeDecodeError):
+        scorers.decode()
+    flat = [b"status", b"decided", b"group_size", b"3", b"first_seen", b"1000", b"deadline", b"601000",
+            b"size_mismatch", b"2", b"decision", b"failed", b"decided_at", b"1500", b"decided_by", b"w1",
+            b"discard_reason", b"", b"scorers", scorers, b"from_a_newer_worker", b"ignored"]
+    state = decode_state(flat)
+    assert state == GroupState(status="decided", group_size=3, first_seen=1000, deadline=601000, size_mismatch=2,
+                               decision="failed", decided_at=1500, decided_by="w1", scorers=scorers)
+    verdict = assemble_verdict("g", state, [])
+    assert [s.name for s in verdict.scorers] == ["judge"] and verdict.timings == {"group_open_s": 0.5}
+    assert decode_state([b"status", b"open", b"group_size", b"2"]).decision is None
+    with pytest.raises(ValueError, match="decision"):
+        decode_state([b"status", b"decided", b"decision", b"maybe"])
+
+
+def test_a_failed_member_rejects_the_group_naming_it() -> None:
+    ok = SessionResult(session_id="s-ok", trajectory_id="t-ok", status="scored", stats={"rollout/x": 1.0})
+    bad = SessionResult.failure(code="not_concat_export", detail="turn 2 does not extend turn 1",
+                                session_id="s-bad", trajectory_id="t-bad")
+    verdict = assemble_verdict("g", GroupState(group_size=3, decision="failed"), [ok, bad])
+    assert verdict.status == "rejected"
+    assert verdict.reason == "not_concat_export: member t-bad (session s-bad) failed"
+    assert {s.trajectory_id: s.stats for s in verdict.sessions} == {"t-bad": {}, "t-ok": {"rollout/x": 1.0}}
+    worse = SessionResult.failure(code="scorer_error", detail="boom", session_id="s-a", trajectory_id="t-a")
+    verdict = assemble_verdict("g", GroupState(group_size=3, decision="failed"), [ok, bad, worse])
+    assert verdict.reason == "scorer_error: member t-a (session s-a) failed; 1 more member(s) failed"
 
 
 def test_fingerprints_are_12_bytes_and_stable() -> None:
@@ -104,13 +135,13 @@ async def test_group_commit_fails_every_member_of_a_failed_batch() -> None:
 
 
 def test_token_cache_is_bounded_and_forgets_finished_groups() -> None:
-    from infra.config import PipelineConfig
+    from infra.config import PipelineConfig, WorkerConfig
     from scoring_workers.tokens import MemberTokens
 
     group, members = _scored_group(3)
     one = sum(len(t.prompt_delta_raw) + len(t.output_tokens_raw) + len(t.output_logprobs_raw or b"")
               for t in members[0].turns)
-    cache = MemberTokens(PipelineConfig(), max_bytes=int(one * 2.5))
+    cache = MemberTokens(PipelineConfig(worker=WorkerConfig(token_cache_bytes=int(one * 2.5))))
     for m in members:
         cache.remember("g-big", m.trajectory_id, m.turns)
     assert ("g-big", members[0].trajectory_id) not in cache._cache

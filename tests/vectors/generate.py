@@ -38,6 +38,8 @@ from infra.schema import (  # noqa: E402
     ScorerInfo,
     SessionResult,
     TokenRewards,
+    TrajectoryChunk,
+    compact_trajectory,
     compact_turns,
     encode,
 )
@@ -50,7 +52,9 @@ PACKED_KEYS: dict[str, str] = {
     "output_logprobs": "<f4",
     "values": "<f4",
 }
-TOPICS = {"ready": "prm.trajectories", "discard": "prm.trajectories", "verdict": "prm.verdicts"}
+TOPICS = {"ready": "prm.trajectories", "discard": "prm.trajectories", "chunk": "prm.trajectories",
+          "verdict": "prm.verdicts"}
+BYTES_KEYS = {"data"}  # msgpack ``bin`` that is not an array: a chunk's slice of a record value
 T0 = 1_764_500_000.0  # a fixed "now" (unix seconds): vectors never depend on the clock
 
 
@@ -89,6 +93,62 @@ def ready_branching() -> ReadyTrajectory:
         ],
         outcome_reward=0.0, is_eval=False, policy_version=None, created_at=T0 + 1,
     )
+
+
+def ready_compact_full() -> ReadyTrajectory:
+    """An agent session in the full form: the twin ``ready_compact`` expands to (not a vector itself).
+
+    root -> step -> leaf-a (concat export: shares the whole context) and
+    root -> step -> leaf-b (history re-rendered: shares the step's prompt and the first
+    two messages only, the assistant message was rewritten).
+    """
+    root_in, root_out = [101, 102], [11, 12, 13]
+    step_in, step_out = root_in + root_out + [201], [21, 22]
+    system = {"role": "system", "content": "You are a coding agent."}
+    task = {"role": "user", "content": "fix the test"}
+    root_ans = {"role": "assistant", "content": "run pytest"}
+    tool = {"role": "tool", "content": "1 failed"}
+    step_ans = {"role": "assistant", "content": "<think>x</think>edit a.py"}
+
+    def turn(iid: str, parent: str | None, msgs: list[dict], answer: dict, inputs: list[int], outputs: list[int],
+             logprobs: list[float]) -> Interaction:
+        return Interaction(interaction_id=iid, parent_id=parent, messages=msgs, output_message_list=[answer],
+                           model_response=ModelResponse.from_arrays(inputs, outputs, logprobs, "stop"))
+
+    return ReadyTrajectory(
+        trajectory_id="g-vec-4/t0", session_id="g-vec-4/s0", group_id="g-vec-4", group_size=1,
+        interactions=[
+            turn("root", None, [system, task], root_ans, root_in, root_out, [-0.5, -0.5, -0.25]),
+            turn("step", "root", [system, task, root_ans, tool], step_ans, step_in, step_out, [-0.125, -0.0625]),
+            turn("leaf-a", "step", [system, task, root_ans, tool, step_ans, {"role": "tool", "content": "passed"}],
+                 {"role": "assistant", "content": "done"}, step_in + step_out + [301], [31, 2], [-0.25, -1.0]),
+            turn("leaf-b", "step", [system, task, {"role": "assistant", "content": "edit a.py"},
+                                    {"role": "tool", "content": "passed"}],
+                 {"role": "assistant", "content": "done"}, step_in + [22, 302], [41, 2], [-2.0, -1.0]),
+        ],
+        outcome_reward=1.0, policy_version=5, created_at=T0 + 4,
+    )
+
+
+def ready_compact() -> ReadyTrajectory:
+    """``ready_compact_full`` in the compact form (schema version 2)."""
+    return compact_trajectory(ready_compact_full())
+
+
+def _chunk(index: int) -> TrajectoryChunk:
+    value, _ = encode(ready_compact())
+    half = (len(value) + 1) // 2
+    return TrajectoryChunk(group_id="g-vec-4", trajectory_id="g-vec-4/t0", index=index, count=2,
+                           total_bytes=len(value), data=value[index * half : (index + 1) * half])  # type: ignore[arg-type]
+
+
+def chunk_0() -> TrajectoryChunk:
+    """The first of two chunks carrying ``ready_compact`` (a record too large for one message)."""
+    return _chunk(0)
+
+
+def chunk_1() -> TrajectoryChunk:
+    return _chunk(1)
 
 
 def discard() -> DiscardGroup:
@@ -169,6 +229,9 @@ def verdict_discarded() -> GroupVerdict:
 VECTORS = {
     "ready_single_turn": ready_single_turn,
     "ready_branching": ready_branching,
+    "ready_compact": ready_compact,
+    "chunk_0": chunk_0,
+    "chunk_1": chunk_1,
     "discard": discard,
     "verdict_accepted": verdict_accepted,
     "verdict_rejected": verdict_rejected,
@@ -181,8 +244,11 @@ def readable(value: Any, key: str | None = None) -> Any:
     """The decoded msgpack tree with every packed array replaced by its numbers.
 
     ``{"$packed": "<i4", "values": [...]}`` marks a msgpack ``bin`` that holds a
-    little-endian int32 (``<i4``) or float32 (``<f4``) array.
+    little-endian int32 (``<i4``) or float32 (``<f4``) array; ``{"$bytes": "hex"}`` a
+    ``bin`` that is plain bytes (a chunk's ``data``).
     """
+    if isinstance(value, bytes) and key in BYTES_KEYS:
+        return {"$bytes": value.hex()}
     if isinstance(value, bytes):
         dtype = PACKED_KEYS.get(key or "")
         if dtype is None:

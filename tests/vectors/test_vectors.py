@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from infra.chunks import ChunkAssembler, reassembled
 from infra.schema import (
     SCHEMA_HEADER,
     InvalidMessage,
@@ -24,7 +25,7 @@ from infra.schema import (
     decode_verdict,
     encode,
 )
-from tests.vectors.generate import VECTORS, readable
+from tests.vectors.generate import VECTORS, readable, ready_compact_full
 
 HERE = Path(__file__).resolve().parent
 REGENERATE = "if the change only adds optional fields, run `python tests/vectors/generate.py` and commit"
@@ -35,8 +36,9 @@ def _load(name: str) -> tuple[bytes, dict]:
 
 
 def _decode(value: bytes, headers: list[tuple[str, bytes]]):
+    """The wire form (compact trajectories not expanded), to re-encode byte for byte."""
     kind = dict(headers)["prm-kind"].decode()
-    return decode_verdict(value, headers) if kind == "verdict" else decode_message(value, headers)
+    return decode_verdict(value, headers) if kind == "verdict" else decode_message(value, headers, expand=False)
 
 
 def test_every_kind_and_status_has_a_vector() -> None:
@@ -46,7 +48,7 @@ def test_every_kind_and_status_has_a_vector() -> None:
         kinds.add(twin["headers"]["prm-kind"])
         if twin["headers"]["prm-kind"] == "verdict":
             statuses.add(twin["value"]["status"])
-    assert kinds == {"ready", "discard", "verdict"}
+    assert kinds == {"ready", "discard", "chunk", "verdict"}
     assert statuses == {"accepted", "rejected", "discarded"}
     _, branching = _load("ready_branching")
     parents = [i.get("parent_id") for i in branching["value"]["interactions"]]
@@ -74,6 +76,34 @@ def test_json_twin_describes_the_bytes(name: str) -> None:
 def test_generator_still_writes_the_committed_bytes(name: str) -> None:
     value, _ = _load(name)
     assert encode(VECTORS[name]())[0] == value, f"{name}: the generator's output differs ({REGENERATE})"
+
+
+def test_schema_versions_per_vector() -> None:
+    """Version 2 only where version 1 cannot express the record: compact trajectories and chunks."""
+    versions = {name: _load(name)[1]["headers"][SCHEMA_HEADER] for name in VECTORS}
+    assert {n for n, v in versions.items() if v == "2"} == {"ready_compact", "chunk_0", "chunk_1"}
+    assert set(versions.values()) == {"1", "2"}
+
+
+def test_the_compact_vector_expands_to_its_full_form() -> None:
+    value, twin = _load("ready_compact")
+    headers = [(k, v.encode()) for k, v in twin["headers"].items()]
+    full = ready_compact_full()
+    assert decode_message(value, headers) == full
+    shared = {i["interaction_id"]: (i.get("shared_messages", 0), i.get("shared_tokens", 0))
+              for i in twin["value"]["interactions"]}
+    assert shared == {"root": (0, 0), "step": (3, 5), "leaf-a": (5, 8), "leaf-b": (2, 6)}
+
+
+def test_the_chunk_vectors_reassemble_into_the_compact_vector() -> None:
+    assembler: ChunkAssembler[str] = ChunkAssembler()
+    done = []
+    for name in ("chunk_0", "chunk_1"):
+        value, twin = _load(name)
+        done += assembler.add("p", _decode(value, [(k, v.encode()) for k, v in twin["headers"].items()]), name)
+    (whole,) = done
+    assert whole.value == _load("ready_compact")[0]
+    assert reassembled(whole) == ready_compact_full()
 
 
 def test_packed_arrays_are_little_endian() -> None:
@@ -107,7 +137,7 @@ def test_numbers_may_be_msgpack_ints_where_floats_are_expected() -> None:
     ("headers", "error"),
     [
         ([("prm-kind", b"ready")], UnknownSchemaVersion),
-        ([(SCHEMA_HEADER, b"2"), ("prm-kind", b"ready")], UnknownSchemaVersion),
+        ([(SCHEMA_HEADER, b"3"), ("prm-kind", b"ready")], UnknownSchemaVersion),
         ([(SCHEMA_HEADER, b"1")], UnknownMessageKind),
         ([(SCHEMA_HEADER, b"1"), ("prm-kind", b"discard")], InvalidMessage),
     ],

@@ -7,11 +7,16 @@ negative, white zero), and under each turn the per-turn result of every scorer
 (weighted reward and observations) plus, where a judge audit log is given, the judge's
 votes with their texts (and the OPD hint).
 
-Input is a verdict in the JSON-lines form of ``prm-pipeline verdicts`` *with the
-token-backed interactions* (``infra.jsonl.dump_verdict(v, include_tokens=True)``; the
+Input is a verdict in the JSON-lines form of ``prm-pipeline verdicts --tokens`` (the
+token-backed interactions, ``infra.jsonl.dump_verdict(v, include_tokens=True)``; the
 demo writes ``demo-report/verdicts.jsonl``), or ``--group ID`` read from the verdicts
-topic. Token ids are decoded with the demo's tokenizer when the ``demo`` extra is
-installed; otherwise they are shown as ids.
+topic. Token ids are shown raw unless ``--tokenizer`` names the policy's
+``tokenizer.json``: no verdict says which tokenizer produced its ids, and decoding with
+the wrong one prints fluent nonsense. A group that is not accepted, and a member
+without tokens (discarded, failed, missing), get one line each instead of a view.
+
+(The module is ``token_view``, not ``inspect``, so it does not shadow the standard
+library's :mod:`inspect`.)
 
 Judge texts do not travel on verdicts (they can be long and are audit data): the judge
 scorers hand them to an ``audit_sink``. :func:`record_judge_audit` is such a sink: it
@@ -38,8 +43,11 @@ __all__ = [
     "add_inspect_parser",
     "branch_views",
     "cmd_inspect",
-    "default_decoder",
+    "demo_decoder",
+    "group_notes",
     "load_audit",
+    "load_decoder",
+    "raw_ids",
     "record_judge_audit",
     "render_html",
     "render_terminal",
@@ -115,10 +123,12 @@ def branch_views(verdict: Mapping[str, Any], audit: AuditIndex | None = None) ->
     views: list[BranchView] = []
     for s in verdict.get("sessions", []):
         inters = {i["interaction_id"]: i for i in s.get("interactions") or []}
+        if not inters and s.get("status", "scored") != "scored":
+            continue  # discarded / failed / missing: nothing scored to show (see group_notes)
         if not inters:
             raise ValueError(
-                f"group {verdict.get('group_id')!r}: session {s.get('session_id')!r} carries no interactions; "
-                "inspect needs verdict lines written with the token-backed interactions (include_tokens)"
+                f"group {verdict.get('group_id')!r}: session {s.get('session_id')!r} carries no token ids; "
+                "write the verdict file with `prm-pipeline verdicts --tokens --out FILE`"
             )
         results = s.get("turn_results") or []
         pos = 0  # turn_results are flattened branch by branch, scorer by scorer (path order)
@@ -145,6 +155,27 @@ def branch_views(verdict: Mapping[str, Any], audit: AuditIndex | None = None) ->
     return views
 
 
+def group_notes(verdict: Mapping[str, Any]) -> list[str]:
+    """One line for a group that is not accepted, and one per member without tokens to show.
+
+    A discarded group has no token view at all; saying so (with the discard reason)
+    tells the reader the file was read, not that inspect silently skipped it.
+    """
+    status = verdict.get("status", "accepted")
+    sessions = verdict.get("sessions") or []
+    notes = []
+    if status != "accepted":
+        reason = f" ({verdict.get('reason')})" if verdict.get("reason") else ""
+        notes.append(f"group {verdict.get('group_id')}: {status}{reason}; {len(sessions)} of "
+                     f"{verdict.get('group_size', len(sessions))} members listed")
+    for s in sessions:
+        if not s.get("interactions") and s.get("status", "scored") != "scored":
+            error = f": {s['error']}" if s.get("error") else ""
+            notes.append(f"  session {s.get('session_id')} (trajectory {s.get('trajectory_id')}): "
+                         f"{s.get('status')}{error}; no token view")
+    return notes
+
+
 def verdict_record(verdict: Any) -> dict[str, Any]:
     """A :class:`~infra.schema.GroupVerdict` as inspect's input: the verdict JSON line with
     token-backed interactions, plus each session's ``policy_version``."""
@@ -156,17 +187,71 @@ def verdict_record(verdict: Any) -> dict[str, Any]:
     return record
 
 
-def default_decoder() -> Callable[[Sequence[int]], list[str]]:
-    """Token ids -> per-token strings with the demo tokenizer, or ``[id]`` without it."""
-    try:
-        from prm_pipeline.demo.tiny_model import build_tokenizer
+Decoder = Callable[[Sequence[int]], list[str]]
 
-        tok = build_tokenizer()
+
+def raw_ids(ids: Sequence[int]) -> list[str]:
+    """The raw-ids view: each token as ``[id]``. The default, because no file says which
+    tokenizer produced its ids, and decoding with the wrong one prints fluent nonsense."""
+    return [f"[{int(i)}]" for i in ids]
+
+
+def demo_decoder() -> Decoder:
+    """Token ids -> per-token strings with the demo's tiny tokenizer (needs the ``demo`` extra)."""
+    from prm_pipeline.demo.tiny_model import build_tokenizer
+
+    return _token_decoder(build_tokenizer(), "the demo tokenizer")
+
+
+class TokenizerError(ValueError):
+    """A ``--tokenizer`` that cannot be loaded."""
+
+
+def load_decoder(spec: str) -> Decoder:
+    """``--tokenizer``: a ``tokenizer.json`` (or a folder holding one), or ``demo``.
+
+    Ids outside the tokenizer's vocabulary are shown as ``[id?]`` and reported once on
+    stderr: a sign that the file was not produced with this tokenizer.
+    """
+    if spec == "demo":
+        try:
+            return demo_decoder()
+        except ImportError as exc:
+            raise TokenizerError(f"--tokenizer demo needs the demo extra ({exc})") from None
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(f"--tokenizer {spec}: no such file (give a tokenizer.json, a folder holding one, "
+                             "or 'demo')")
+    try:
+        from tokenizers import Tokenizer
     except ImportError:
-        return lambda ids: [f"[{i}]" for i in ids]
+        raise TokenizerError("--tokenizer needs the 'tokenizers' package (pip install tokenizers)") from None
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - the library raises plain Exceptions for bad files
+        raise TokenizerError(f"--tokenizer {path}: not a tokenizer.json ({str(exc).splitlines()[0][:200]})") from None
+    return _token_decoder(tok, str(path))
+
+
+def _token_decoder(tok: Any, name: str) -> Decoder:
+    size = tok.get_vocab_size(with_added_tokens=True)
+    warned: list[bool] = []
 
     def decode(ids: Sequence[int]) -> list[str]:
-        return [tok.decode([int(i)], skip_special_tokens=False) for i in ids]
+        out = []
+        for i in ids:
+            i = int(i)
+            if 0 <= i < size:
+                out.append(tok.decode([i], skip_special_tokens=False))
+                continue
+            out.append(f"[{i}?]")
+            if not warned:
+                warned.append(True)
+                print(f"inspect: token id {i} is outside {name}'s vocabulary ({size} ids); was this file produced "
+                      "with another tokenizer? (shown as [id?])", file=sys.stderr)
+        return out
 
     return decode
 
@@ -191,7 +276,7 @@ def _esc(text: str) -> str:
 
 def render_html(views: Iterable[BranchView], decode: Callable[[Sequence[int]], list[str]] | None = None) -> str:
     """An HTML fragment (inline styles only) with one block per branch."""
-    decode = decode or default_decoder()
+    decode = decode or raw_ids
     out = ['<div class="token-views">']
     for v in views:
         scale = max((abs(r) for t in v.turns for r in t.rewards), default=0.0) or 1.0
@@ -237,7 +322,7 @@ def render_terminal(views: Iterable[BranchView], decode: Callable[[Sequence[int]
     from rich.table import Table
     from rich.text import Text
 
-    decode = decode or default_decoder()
+    decode = decode or raw_ids
     console = console or Console()
     for v in views:
         scale = max((abs(r) for t in v.turns for r in t.rewards), default=0.0) or 1.0
@@ -287,6 +372,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not args.verdicts and not args.group:
         print("inspect: give --group ID (read from the verdicts topic) and/or --verdicts FILE", file=sys.stderr)
         return 2
+    tokenizer = getattr(args, "tokenizer", None)
+    try:
+        decode = load_decoder(tokenizer) if tokenizer and not getattr(args, "ids", False) else raw_ids
+    except TokenizerError as exc:
+        print(f"inspect: {exc}", file=sys.stderr)
+        return 2
     if args.verdicts:
         verdicts = _verdicts_from_file(args.verdicts)
         if args.group:
@@ -298,20 +389,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"inspect: no verdict for group {args.group!r}", file=sys.stderr)
         return 1
     audit = load_audit(args.audit)
+    shown = verdicts[: args.max_groups]
     try:
-        views = [view for v in verdicts[: args.max_groups] for view in branch_views(v, audit)]
+        views = [view for v in shown for view in branch_views(v, audit)]
     except ValueError as exc:
         print(f"inspect: {exc}", file=sys.stderr)
         return 1
     if args.session:
         views = [v for v in views if v.session_id == args.session]
-    decode = default_decoder()
+    notes = [line for v in shown for line in group_notes(v)]
+    for line in notes:
+        print(line)
+    if decode is raw_ids and views:
+        print("inspect: token ids shown raw; --tokenizer FILE (the policy's tokenizer.json, or 'demo' for the "
+              "demo's model) decodes them", file=sys.stderr)
     if not args.no_terminal:
         render_terminal(views, decode)
     if args.html:
         body = render_html(views, decode)
+        extra = "".join(f"<p class='group-note'>{html.escape(line)}</p>" for line in notes)
         Path(args.html).write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>prm-pipeline inspect"
-                                   f"</title></head><body>{body}</body></html>")
+                                   f"</title></head><body>{extra}{body}</body></html>")
         print(f"token view written to {Path(args.html).resolve()}")
     return 0
 
@@ -319,7 +417,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("inspect", help="token view of a verdict: output tokens coloured by process reward")
     p.add_argument("--group", help="this group's verdict: from the verdicts topic, or picked from --verdicts")
-    p.add_argument("--verdicts", help="a JSON-lines verdict file written with token-backed interactions")
+    p.add_argument("--verdicts", help="a JSON-lines verdict file with token ids (prm-pipeline verdicts --tokens)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="decode token ids with this tokenizer.json (or a folder holding one; 'demo' = the demo's "
+                        "model); default: show raw ids")
+    p.add_argument("--ids", action="store_true", help="show raw token ids even with --tokenizer")
     p.add_argument("--audit", default=None, help="judge audit JSON lines (record_judge_audit) to show votes and texts")
     p.add_argument("--session", default=None, help="only this session")
     p.add_argument("--max-groups", type=int, default=3, help="groups shown from a --verdicts file (default 3)")

@@ -1,0 +1,398 @@
+"""``prm-pipeline dead-letters``: read the dead-letter topic, and redrive chosen records.
+
+Reading prints one JSON line per dead letter with its headers decoded (why it was
+dead-lettered, where the original record was, which worker gave up) and, where this
+build can decode the payload, what it holds (kind, group, trajectory). ``--since``,
+``--follow`` and ``--out`` work as for ``verdicts``.
+
+``--redrive`` republishes chosen dead letters to the trajectories topic after a fix (a
+worker upgraded to a newer schema, a scorer bug fixed). It is a **dry run** unless
+``--yes``: the plan lists every chosen record with why it was dead-lettered and whether
+it would be republished. A record is skipped when republishing cannot help: its payload
+was cut when it was dead-lettered, this build still cannot decode it (it would be
+dead-lettered again), or its trajectory was already chosen earlier in the same run.
+Across runs, workers make a redrive idempotent by ``trajectory_id``: their ledger
+acknowledges a trajectory it has already parked or whose group it has decided.
+
+A republished record keeps its payload, key and original headers, plus
+``prm-redriven-from`` (the dead letter's coordinates) and ``prm-redriven-source`` (the
+original record's), so a record dead-lettered again shows its history. The tool needs
+only Read on the dead-letter topic and Write on the trajectories topic (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import IO, Any
+
+from infra.config import PipelineConfig
+from infra.schema import (
+    DeadLetter,
+    ReadyTrajectory,
+    SchemaError,
+    TrajectoryMessage,
+    dead_letter_from_record,
+    decode_message,
+)
+
+log = logging.getLogger(__name__)
+
+REDRIVEN_FROM_HEADER = "prm-redriven-from"
+REDRIVEN_SOURCE_HEADER = "prm-redriven-source"
+# Classes a worker gives a record it could not decode (infra.schema's SchemaError family).
+SCHEMA_ERROR_CLASSES = frozenset({"SchemaError", "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage"})
+
+
+@dataclass(frozen=True)
+class LetterRecord:
+    """One record of the dead-letter topic: where it is, and the :class:`DeadLetter` it holds."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    letter: DeadLetter
+
+    @property
+    def coordinates(self) -> str:
+        return f"{self.topic}:{self.partition}@{self.offset}"
+
+    @property
+    def source(self) -> str:
+        return f"{self.letter.source_topic}:{self.letter.source_partition}@{self.letter.source_offset}"
+
+    @property
+    def truncated(self) -> bool:
+        return self.letter.original_size >= 0
+
+    @property
+    def key_text(self) -> str | None:
+        if self.key is None:
+            return None
+        return self.key.decode(errors="replace")
+
+    def original_headers(self) -> list[tuple[str, bytes]]:
+        return [(k, v.encode()) for k, v in self.letter.original_headers.items()]
+
+    def decoded(self) -> TrajectoryMessage | SchemaError:
+        """The payload decoded with this build, or why it does not decode."""
+        try:
+            return decode_message(self.letter.payload, self.original_headers())
+        except SchemaError as exc:
+            return exc
+
+    def to_json(self, *, payload: bool = False) -> dict[str, Any]:
+        """The JSON line ``dead-letters`` prints (docs/faults.md)."""
+        d = self.letter
+        out: dict[str, Any] = {
+            "dead_letter": self.coordinates,
+            "timestamp": _iso(self.timestamp_ms),
+            "key": self.key_text,
+            "error_class": d.error_class,
+            "error_message": d.error_message,
+            "source": self.source,
+            "attempt": d.attempt,
+            "worker_id": d.worker_id,
+            "original_headers": d.original_headers,
+            "payload_bytes": len(d.payload),
+        }
+        if self.truncated:
+            out["original_size"] = d.original_size
+        message = self.decoded()
+        if isinstance(message, SchemaError):
+            out["decode_error"] = f"{type(message).__name__}: {message}"
+        else:
+            out["kind"] = "ready" if isinstance(message, ReadyTrajectory) else "discard"
+            out["group_id"] = message.group_id
+            if isinstance(message, ReadyTrajectory):
+                out["trajectory_id"] = message.trajectory_id
+        if payload:
+            out["payload_base64"] = base64.b64encode(d.payload).decode()
+        return out
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+
+
+# --------------------------------------------------------------------------- selection and plan
+@dataclass(frozen=True)
+class Selection:
+    """Which dead letters ``--redrive`` considers. Kinds of selector AND together; the values
+    of one kind OR (``--reason A --reason B`` is either class). Empty: every letter read."""
+
+    offsets: frozenset[tuple[int, int]] = frozenset()
+    trajectories: frozenset[str] = frozenset()
+    groups: frozenset[str] = frozenset()
+    reasons: frozenset[str] = frozenset()
+
+    def matches(self, rec: LetterRecord, message: TrajectoryMessage | SchemaError) -> bool:
+        if self.offsets and (rec.partition, rec.offset) not in self.offsets:
+            return False
+        if self.reasons and rec.letter.error_class not in self.reasons:
+            return False
+        group = None if isinstance(message, SchemaError) else message.group_id
+        if self.groups and group not in self.groups and rec.key_text not in self.groups:
+            return False
+        if self.trajectories:
+            return isinstance(message, ReadyTrajectory) and message.trajectory_id in self.trajectories
+        return True
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """What a redrive does with one chosen dead letter: republish it, or skip it and why."""
+
+    record: LetterRecord
+    redrive: bool
+    why_skipped: str = ""
+    group_id: str | None = None
+    trajectory_id: str | None = None
+    note: str = ""
+
+    def describe(self) -> str:
+        rec, d = self.record, self.record.letter
+        what = (f"trajectory {self.trajectory_id} of group {self.group_id}" if self.trajectory_id
+                else f"discard of group {self.group_id}" if self.group_id else "undecodable record")
+        why = f"dead-lettered from {rec.source} by {d.worker_id or '?'} after {d.attempt} attempt(s): " \
+              f"{d.error_class}: {d.error_message[:300]}"
+        head = f"redrive {rec.coordinates}" if self.redrive else f"skip    {rec.coordinates}"
+        tail = f"; {self.note}" if self.note and self.redrive else ""
+        skipped = f" -- skipped: {self.why_skipped}" if not self.redrive else ""
+        return f"{head}: {what}; {why}{skipped}{tail}"
+
+
+def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[PlanEntry]:
+    """The redrive plan for ``records`` (pure: nothing is read or sent here)."""
+    entries: list[PlanEntry] = []
+    chosen: dict[str, str] = {}  # trajectory id (or discard:<group>) -> the dead letter first chosen for it
+    for rec in records:
+        message = rec.decoded()
+        if not selection.matches(rec, message):
+            continue
+        if rec.truncated:
+            entries.append(PlanEntry(rec, False, (
+                f"the payload was cut to {len(rec.letter.payload)} of {rec.letter.original_size} bytes when it was "
+                f"dead-lettered; republish the original from {rec.source} (while the topic retains it)")))
+            continue
+        if isinstance(message, SchemaError):
+            entries.append(PlanEntry(rec, False, (
+                f"this build still cannot decode it ({type(message).__name__}: {str(message)[:200]}); "
+                "it would be dead-lettered again")))
+            continue
+        traj = message.trajectory_id if isinstance(message, ReadyTrajectory) else None
+        ident = traj if traj is not None else f"discard:{message.group_id}"
+        if ident in chosen:
+            entries.append(PlanEntry(rec, False, f"already redriven from {chosen[ident]} in this run",
+                                     message.group_id, traj))
+            continue
+        chosen[ident] = rec.coordinates
+        entries.append(PlanEntry(rec, True, "", message.group_id, traj, _rejection_note(rec, message)))
+    return entries
+
+
+def _rejection_note(rec: LetterRecord, message: TrajectoryMessage) -> str:
+    """Workers reject the group a dead letter names (``invalid_member``) when they write it;
+    say so, because a redriven member of a decided group is acknowledged, not scored."""
+    keyed = rec.key_text is not None
+    if not keyed and rec.letter.error_class in SCHEMA_ERROR_CLASSES:
+        return ""  # an undecodable record without a key named no group: none was rejected
+    return (f"workers rejected group {message.group_id} (invalid_member) when they dead-lettered this record; "
+            "while they remember it (worker.dedupe_window_s) they acknowledge the redriven record without a "
+            "new verdict")
+
+
+# --------------------------------------------------------------------------- Kafka
+async def read_letters(cfg: PipelineConfig, *, since_ms: int | None = None, follow: bool = False,
+                       on_letter: Callable[[LetterRecord], None] | None = None,
+                       stop: asyncio.Event | None = None, idle_end_s: float = 3.0) -> list[LetterRecord]:
+    """Dead letters from the beginning (or ``since_ms``) to the topic's end; with ``follow``,
+    keep reading until ``stop`` is set. A throw-away consumer: no group, nothing committed.
+
+    The end is each partition's high-water mark seen after a fetch (the embedded broker's
+    ``end_offsets`` is wrong); a partition that reports none (empty, on some brokers) ends
+    the read after ``idle_end_s`` without records.
+    """
+    from infra.kafka import assign_from_start, make_consumer
+    from prm_pipeline.verdict_dump import seek_to_time
+
+    topic = cfg.topics.dead_letters
+    consumer = make_consumer(cfg.kafka, group_id=None)
+    await consumer.start()
+    out: list[LetterRecord] = []
+    try:
+        tps = await assign_from_start(consumer, topic)
+        if since_ms is not None:
+            await seek_to_time(consumer, tps, since_ms)
+        last_new = time.monotonic()
+        while stop is None or not stop.is_set():
+            batch = await consumer.getmany(timeout_ms=200)
+            records = sorted((r for rs in batch.values() for r in rs), key=lambda r: (r.partition, r.offset))
+            for r in records:
+                last_new = time.monotonic()
+                if since_ms is not None and r.timestamp < since_ms:
+                    continue
+                rec = LetterRecord(r.topic, r.partition, r.offset, r.timestamp, r.key,
+                                   dead_letter_from_record(r.value, r.headers or ()))
+                out.append(rec)
+                if on_letter is not None:
+                    on_letter(rec)
+            if follow or records:
+                continue
+            highs = [consumer.highwater(tp) for tp in tps]
+            if all(h is not None for h in highs):
+                positions = [await consumer.position(tp) for tp in tps]
+                if all(p >= h for p, h in zip(positions, highs)):  # type: ignore[operator]
+                    break
+            elif time.monotonic() - last_new > idle_end_s:
+                break
+    finally:
+        await consumer.stop()
+    return out
+
+
+@dataclass
+class RedriveResult:
+    sent: list[tuple[PlanEntry, str]] = field(default_factory=list)  # entry, new coordinates
+    skipped: list[PlanEntry] = field(default_factory=list)
+
+
+async def redrive(cfg: PipelineConfig, entries: Sequence[PlanEntry], *, out: IO[str]) -> RedriveResult:
+    """Republish the plan's chosen records to the trajectories topic, one line each."""
+    from infra.kafka import make_producer
+
+    result = RedriveResult(skipped=[e for e in entries if not e.redrive])
+    todo = [e for e in entries if e.redrive]
+    if not todo:
+        return result
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        for entry in todo:
+            rec = entry.record
+            headers = [*rec.original_headers(), (REDRIVEN_FROM_HEADER, rec.coordinates.encode()),
+                       (REDRIVEN_SOURCE_HEADER, rec.source.encode())]
+            key = rec.key if rec.key is not None else (entry.group_id or "").encode() or None
+            meta = await producer.send_and_wait(cfg.topics.trajectories, rec.letter.payload, key=key, headers=headers)
+            where = f"{meta.topic}:{meta.partition}@{meta.offset}"
+            result.sent.append((entry, where))
+            line = (f"redriven {rec.coordinates} (originally {rec.source}, {rec.letter.error_class}) -> {where}: "
+                    f"{'trajectory ' + entry.trajectory_id if entry.trajectory_id else 'discard'} "
+                    f"of group {entry.group_id}")
+            log.info("%s", line)
+            print(line, file=out, flush=True)
+    finally:
+        await producer.stop()
+    return result
+
+
+# --------------------------------------------------------------------------- CLI
+def parse_offsets(text: str) -> set[tuple[int, int]]:
+    """``--offsets 0:12,0:13,1:4`` (partition:offset of the dead-letter topic)."""
+    found: set[tuple[int, int]] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        p, sep, o = part.partition(":")
+        if not sep or not p.isdigit() or not o.isdigit():
+            raise argparse.ArgumentTypeError(f"expected PARTITION:OFFSET[,PARTITION:OFFSET...], got {part!r}")
+        found.add((int(p), int(o)))
+    return found
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    from infra.config import load_config
+
+    cfg = load_config(args.config)
+    selectors = bool(args.offsets or args.trajectory or args.group or args.reason)
+    if args.redrive and args.follow:
+        print("dead-letters: --redrive works on what is in the topic now; drop --follow", file=sys.stderr)
+        return 2
+    if (selectors or args.yes) and not args.redrive:
+        print("dead-letters: --offsets/--trajectory/--group/--reason/--yes choose what --redrive republishes; "
+              "add --redrive", file=sys.stderr)
+        return 2
+    if not args.redrive:
+        return _list(cfg, args)
+    selection = Selection(
+        offsets=frozenset(o for spec in args.offsets or () for o in spec),
+        trajectories=frozenset(args.trajectory or ()), groups=frozenset(args.group or ()),
+        reasons=frozenset(args.reason or ()),
+    )
+    records = asyncio.run(read_letters(cfg, since_ms=args.since))
+    entries = plan_redrive(records, selection)
+    out = sys.stdout
+    for entry in entries:
+        print(entry.describe(), file=out)
+    chosen = sum(e.redrive for e in entries)
+    skipped = len(entries) - chosen
+    topic = cfg.topics.trajectories
+    if not args.yes:
+        print(f"dry run: would redrive {chosen} of {len(entries)} chosen dead letters ({len(records)} read) to "
+              f"{topic}, {skipped} skipped; nothing was published. Rerun with --yes to republish.", file=out)
+        return 0
+    result = asyncio.run(redrive(cfg, entries, out=out))
+    print(f"redrove {len(result.sent)} of {len(entries)} chosen dead letters ({len(records)} read) to {topic}, "
+          f"{len(result.skipped)} skipped", file=out)
+    return 0
+
+
+def _list(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    fh = open(args.out, "w") if args.out else sys.stdout
+    count = 0
+
+    def emit(rec: LetterRecord) -> None:
+        nonlocal count
+        fh.write(json.dumps(rec.to_json(payload=args.payload), ensure_ascii=False) + "\n")
+        fh.flush()
+        count += 1
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        if args.follow:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+        await read_letters(cfg, since_ms=args.since, follow=args.follow, on_letter=emit, stop=stop)
+
+    try:
+        asyncio.run(main())
+    finally:
+        if args.out:
+            fh.close()
+    print(f"{count} dead letters in {cfg.topics.dead_letters}", file=sys.stderr)
+    return 0
+
+
+def add_dead_letters_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from prm_pipeline.verdict_dump import since_arg
+
+    p = subparsers.add_parser(
+        "dead-letters", help="print dead letters with their headers decoded; --redrive republishes chosen ones",
+        description="Read the dead-letter topic (JSON lines), or plan and run a redrive to the trajectories "
+                    "topic (a dry run unless --yes). See docs/faults.md.")
+    p.add_argument("--since", type=since_arg, metavar="TIME", default=None,
+                   help="only dead letters timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
+    p.add_argument("--follow", action="store_true", help="keep printing new dead letters until Ctrl-C")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the JSON lines to FILE instead of stdout")
+    p.add_argument("--payload", action="store_true", help="include each payload (base64) in the JSON lines")
+    p.add_argument("--redrive", action="store_true",
+                   help="republish chosen dead letters to the trajectories topic (a dry run unless --yes)")
+    p.add_argument("--yes", action="store_true", help="with --redrive: really republish")
+    p.add_argument("--offsets", type=parse_offsets, action="append", metavar="P:O[,P:O...]",
+                   help="with --redrive: only these dead letters (partition:offset in the dead-letter topic)")
+    p.add_argument("--trajectory", action="append", metavar="ID", help="with --redrive: only this trajectory id")
+    p.add_argument("--group", action="append", metavar="ID", help="with --redrive: only records of this group")
+    p.add_argument("--reason", action="append", metavar="CLASS",
+                   help="with --redrive: only dead letters of this error class (e.g. UnknownSchemaVersion)")
+    p.set_defaults(func=cmd_dead_letters)
+    return p

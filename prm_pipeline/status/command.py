@@ -1,0 +1,107 @@
+"""The ``prm-pipeline status`` command: one report (exit 0 healthy, 1 unhealthy), or a
+report every ``--watch`` seconds, optionally served to Prometheus (``--metrics-port``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from typing import Any
+
+from infra.config import load_config
+
+
+def add_status_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "status", help="is the pipeline healthy? lag, open groups, workers, verdict latency, dead letters",
+        description="One screen of the pipeline's state. Exit code 0 when healthy, 1 when not (Kafka or Redis "
+                    "unreachable, no live worker, lag growing, the oldest open group past 80%% of "
+                    "worker.group_timeout_s); warnings do not change it.")
+    p.add_argument("--json", action="store_true", help="one JSON object per report (for machines)")
+    p.add_argument("--watch", type=float, default=None, metavar="S",
+                   help="report every S seconds until interrupted (lag change is measured between reports)")
+    p.add_argument("--sample", type=float, default=2.0, metavar="S",
+                   help="single report: seconds between the two lag readings that show a growing lag (default 2)")
+    p.add_argument("--dead-letter-window", type=float, default=10.0, metavar="MIN",
+                   help="count dead letters of the last MIN minutes (default 10)")
+    p.add_argument("--verdict-window", type=float, default=60.0, metavar="S",
+                   help="verdict rate and latency over the last S seconds (default 60)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="bound of each read (default 10)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="with --watch: serve the latest report as Prometheus gauges on P (/metrics)")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.metrics_port is not None and args.watch is None:
+        print("error: --metrics-port needs --watch S", file=sys.stderr)
+        return 2
+    if args.watch is not None and args.watch <= 0:
+        print("error: --watch must be > 0 seconds", file=sys.stderr)
+        return 2
+    cfg = load_config(getattr(args, "config", None))
+    try:
+        return asyncio.run(_run(cfg, args))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _run(cfg: Any, args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from prm_pipeline.status.collect import collect
+    from prm_pipeline.status.render import render
+
+    opts = {"dead_letter_window_s": args.dead_letter_window * 60, "verdict_window_s": args.verdict_window,
+            "timeout_s": args.timeout, "sample_s": args.sample}
+    console = Console()
+    if args.watch is None:
+        report, _ = await collect(cfg, **opts)
+        if args.json:
+            print(json.dumps(report.to_json()), flush=True)
+        else:
+            console.print(render(report))
+        return 0 if report.healthy else 1
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    exporter = None
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        from prm_pipeline.status.exporter import StatusCollector, status_registry
+
+        exporter = StatusCollector()
+        start_http_server(args.metrics_port, registry=status_registry(exporter))
+    live = Live(console=console, auto_refresh=False) if console.is_terminal and not args.json else None
+    previous = None
+    healthy = True
+    if live is not None:
+        live.start()
+    try:
+        while not stop.is_set():
+            report, sample = await collect(cfg, previous=previous, **opts)
+            previous = sample or previous
+            healthy = report.healthy
+            if exporter is not None:
+                exporter.update(report)
+            if args.json:
+                print(json.dumps(report.to_json()), flush=True)
+            elif live is not None:
+                live.update(render(report), refresh=True)
+            else:
+                console.print(render(report))
+                console.print()
+            try:
+                await asyncio.wait_for(stop.wait(), args.watch)
+            except TimeoutError:
+                pass
+    finally:
+        if live is not None:
+            live.stop()
+    return 0 if healthy else 1

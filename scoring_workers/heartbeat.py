@@ -1,0 +1,43 @@
+"""A worker's heartbeat in Redis, for ``prm-pipeline status``.
+
+Consumer-group membership is a poor liveness signal: a killed worker stays a member
+until its session times out (and the embedded test broker never expires it), and a
+member says nothing about which worker it is. So a ready worker beats every
+:data:`HEARTBEAT_S` in the ledger's ``<prefix>:workers`` set
+(:meth:`scoring_workers.ledger.GroupLedger.beat`), leaves it when it stops
+(:meth:`~scoring_workers.ledger.GroupLedger.retire`), and ``status`` counts a worker
+alive while its last beat is younger than :data:`ALIVE_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 5.0
+ALIVE_S = 3 * HEARTBEAT_S  # two missed beats are tolerated (a Redis blip, a long GC pause)
+
+
+class Heartbeat:
+    """Called once a second by the worker's liveness loop; beats at most every :data:`HEARTBEAT_S`."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self._last = float("-inf")
+        self._retired = False
+
+    async def step(self, ledger: Any | None, *, ready: bool, stopping: bool) -> None:
+        if ledger is None or self._retired:
+            return
+        try:
+            if stopping:
+                self._retired = True
+                await ledger.retire(self.worker_id)
+            elif ready and time.monotonic() - self._last >= HEARTBEAT_S:
+                await ledger.beat(self.worker_id)
+                self._last = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - Redis trouble: the record path retries and counts it
+            log.debug("worker %s: heartbeat skipped: %s: %s", self.worker_id, type(exc).__name__, exc)

@@ -1,0 +1,472 @@
+"""The framework-neutral way for a trainer to get process rewards from the pipeline.
+
+A trainer has samples (prompt tokens, response tokens, maybe log-probs and a mask of
+which response tokens the model generated); the pipeline wants trajectories and answers
+with verdicts. :class:`RewardClient` does the translation both ways and nothing else:
+
+* :meth:`RewardClient.trajectory` turns one :class:`Sample` into a concat-export
+  :class:`~infra.schema.ReadyTrajectory` (each run of generated tokens is one turn;
+  turn *k*'s prompt is the sample's prompt plus the response before it);
+* :meth:`RewardClient.score` / :meth:`RewardClient.score_group` publish and wait —
+  bounded — for the group's verdict, and return one :class:`SampleReward` per sample:
+  status and reason, the raw outcome, process rewards laid out on the sample's response
+  tokens (0 on tokens the model did not generate) and one value per turn.
+
+A missing verdict is ``status="timeout"`` and a rejected or discarded group says so with
+its reason: never a silent 0. No trainer is imported here; the verl adapter, the reward
+gateway and the other adapters are thin layers over this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from infra.config import PipelineConfig
+from infra.kafka import make_consumer, partitions_of
+from infra.schema import (
+    GroupVerdict,
+    Interaction,
+    ModelResponse,
+    ReadyTrajectory,
+    SchemaError,
+    SessionResult,
+    decode_verdict,
+)
+from producers.publisher import TrajectoryPublisher
+
+log = logging.getLogger(__name__)
+
+RewardStatus = Literal["accepted", "rejected", "discarded", "timeout"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trainer sample, as token ids.
+
+    ``response_mask`` marks the response tokens the model generated (1) and those it
+    did not (tool results, user turns: 0); each maximal run of ones is one turn. Without
+    it the whole response is one turn. ``messages`` is the prompt as chat messages, for
+    scorers that read text (a judge); ``decode`` on the client fills in the turns' text.
+    """
+
+    prompt_ids: Sequence[int] | np.ndarray
+    response_ids: Sequence[int] | np.ndarray
+    response_logprobs: Sequence[float] | np.ndarray | None = None
+    response_mask: Sequence[int] | np.ndarray | None = None
+    outcome_reward: float = 0.0
+    messages: Sequence[dict[str, Any]] = ()
+    truncated: bool = False
+    session_id: str | None = None
+    policy_version: int | None = None
+    is_eval: bool = False
+
+
+@dataclass(frozen=True)
+class SampleReward:
+    """What the pipeline decided about one sample.
+
+    ``token_rewards`` has one float32 per response token: the process reward on tokens
+    the model generated, 0 elsewhere (and everywhere unless ``status == "accepted"``).
+    ``turn_rewards`` is the mean process reward of each turn's tokens (a scorer's scalar
+    turn reward comes back as itself). ``outcome`` is the sample's raw outcome as the
+    verdict recorded it (AReaL keeps outcome and process rewards apart; adding them is
+    the trainer's choice).
+    """
+
+    group_id: str
+    trajectory_id: str
+    status: RewardStatus
+    reason: str
+    outcome: float
+    token_rewards: np.ndarray
+    turn_rewards: list[float]
+    turn_spans: list[tuple[int, int]]
+    verdict: GroupVerdict | None = field(default=None, repr=False)
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == "accepted"
+
+    def process_total(self) -> float:
+        return float(self.token_rewards.sum())
+
+
+def turn_spans(response_mask: Sequence[int] | np.ndarray | None, length: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each generated turn inside a response of ``length`` tokens."""
+    if response_mask is None:
+        return [(0, length)]
+    mask = np.asarray(response_mask[:length]).astype(bool)
+    if not mask.any():
+        return [(0, 0)]
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
+    return [(int(s), int(e)) for s, e in zip(edges[::2], edges[1::2])]
+
+
+# --------------------------------------------------------------------------- verdicts
+class VerdictWaiter:
+    """Waits for groups' verdicts on the verdicts topic; one group-less consumer per process.
+
+    It positions itself at the topic's end *before* anything is published (or at its
+    beginning with ``from_beginning``, or at the first verdict written at or after the
+    epoch time ``since``), so no verdict of ours can be missed and it never disturbs
+    anyone's offsets. Recent verdicts are kept (bounded) so a caller that asks after the
+    verdict passed still gets it; ``keep`` may slim each one before it is kept.
+    """
+
+    def __init__(self, cfg: PipelineConfig, *, from_beginning: bool = False, since: float | None = None,
+                 keep_recent: int = 10_000, keep: Callable[[GroupVerdict], GroupVerdict] | None = None) -> None:
+        self.cfg = cfg
+        self.from_beginning = from_beginning
+        self.since = since
+        self.keep = keep
+        self.keep_recent = keep_recent
+        self.recent: OrderedDict[str, GroupVerdict] = OrderedDict()
+        self.arrivals: dict[str, float] = {}  # group id -> time.perf_counter() of its first verdict
+        self._waiting: dict[str, asyncio.Future[GroupVerdict]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._consumer: Any = None
+
+    async def start(self) -> None:
+        self._consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=50)
+        try:
+            await self._consumer.start()  # a broker that is down fails here: close the client all the same
+            tps = await partitions_of(self._consumer, self.cfg.topics.verdicts)
+            self._consumer.assign(tps)
+            if self.from_beginning:
+                await self._consumer.seek_to_beginning(*tps)
+            elif self.since is not None:
+                found = await self._consumer.offsets_for_times({tp: int(self.since * 1000) for tp in tps})
+                for tp in tps:
+                    hit = found.get(tp)
+                    if hit is None:  # nothing written since then on this partition
+                        await self._consumer.seek_to_end(tp)
+                    else:
+                        self._consumer.seek(tp, hit.offset)
+            else:
+                await self._consumer.seek_to_end(*tps)
+            for tp in tps:  # resolve the lazy seek now, before anything is published
+                await self._consumer.position(tp)
+        except BaseException:
+            await self._consumer.stop()
+            self._consumer = None
+            raise
+        self._task = asyncio.create_task(self._run())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+    def expect(self, group_id: str) -> asyncio.Future[GroupVerdict]:
+        """Register interest in ``group_id`` (call before publishing its members)."""
+        if self._task is None:
+            raise RuntimeError("VerdictWaiter is not started")
+        if self._task.done() and not self._task.cancelled():
+            raise RuntimeError("the verdict waiter stopped") from self._task.exception()
+        fut = self._waiting.get(group_id)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            verdict = self.recent.get(group_id)
+            if verdict is not None:
+                fut.set_result(verdict)
+            else:  # members of one group in this process share the future
+                self._waiting[group_id] = fut
+        return fut
+
+    async def wait(self, group_id: str, timeout_s: float) -> GroupVerdict | None:
+        """The group's verdict, or ``None`` when none arrived within ``timeout_s``."""
+        fut = self.expect(group_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                batch = await self._consumer.getmany(timeout_ms=200)
+                for records in batch.values():
+                    for record in records:
+                        self._on_record(record)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the broker client gave up: every waiter learns why
+            log.exception("verdict waiter stopped")
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(exc)
+            raise
+
+    def _on_record(self, record: Any) -> None:
+        try:
+            verdict = decode_verdict(record.value, record.headers)
+        except SchemaError as exc:
+            log.warning("undecodable verdict at %s:%d: %s", record.partition, record.offset, exc)
+            return
+        self.arrivals.setdefault(verdict.group_id, time.perf_counter())
+        if self.keep is not None:
+            verdict = self.keep(verdict)
+        self.recent[verdict.group_id] = verdict
+        self.recent.move_to_end(verdict.group_id)
+        while len(self.recent) > self.keep_recent:
+            self.recent.popitem(last=False)
+        fut = self._waiting.pop(verdict.group_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(verdict)
+
+
+class BlockingVerdicts:
+    """Verdicts by group id for synchronous callers (a trainer's advantage step).
+
+    A :class:`VerdictWaiter` on its own event loop in a daemon thread, started on first
+    use at the verdicts written ``lookback_s`` before then, so the verdicts of samples
+    scored before the caller started are found too. Kept verdicts are slimmed (no token
+    tree, no per-turn scorer results: the token rewards stay) and bounded by
+    ``keep_recent`` groups.
+    """
+
+    def __init__(self, cfg: PipelineConfig, *, lookback_s: float = 3600.0, keep_recent: int = 4096) -> None:
+        self.cfg = cfg
+        self.lookback_s = float(lookback_s)
+        self.keep_recent = keep_recent
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._waiter: VerdictWaiter | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _slim(verdict: GroupVerdict) -> GroupVerdict:
+        sessions = [msgspec.structs.replace(s, turns=[], turn_results=[]) for s in verdict.sessions]
+        return msgspec.structs.replace(verdict, sessions=sessions)
+
+    def _started(self) -> tuple[asyncio.AbstractEventLoop, VerdictWaiter]:
+        with self._lock:
+            if self._waiter is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="prm-verdicts", daemon=True)
+                thread.start()
+                waiter = VerdictWaiter(self.cfg, since=time.time() - self.lookback_s, keep_recent=self.keep_recent,
+                                       keep=self._slim)
+                try:
+                    asyncio.run_coroutine_threadsafe(waiter.start(), loop).result(timeout=60)
+                except BaseException:
+                    loop.call_soon_threadsafe(loop.stop)
+                    thread.join(timeout=5)
+                    raise
+                self._loop, self._thread, self._waiter = loop, thread, waiter
+            assert self._loop is not None
+            return self._loop, self._waiter
+
+    def get(self, group_ids: Iterable[str], timeout_s: float) -> dict[str, GroupVerdict]:
+        """The verdicts of ``group_ids`` that arrive within ``timeout_s`` (all waited for together)."""
+        ids = list(dict.fromkeys(group_ids))
+        loop, waiter = self._started()
+
+        async def gather() -> dict[str, GroupVerdict]:
+            found = await asyncio.gather(*(waiter.wait(g, timeout_s) for g in ids))
+            return {g: v for g, v in zip(ids, found) if v is not None}
+
+        return asyncio.run_coroutine_threadsafe(gather(), loop).result(timeout=timeout_s + 30)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._loop is None or self._waiter is None:
+                return
+            try:
+                asyncio.run_coroutine_threadsafe(self._waiter.aclose(), self._loop).result(timeout=30)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                if self._thread is not None:
+                    self._thread.join(timeout=5)
+                self._loop.close()
+                self._loop, self._thread, self._waiter = None, None, None
+
+
+# --------------------------------------------------------------------------- the client
+class RewardClient:
+    """Publish trainer samples as trajectories and await their groups' verdicts.
+
+    Args:
+        cfg: the pipeline config (Kafka, topics; ``worker.group_timeout_s`` sets the
+            default wait).
+        verdict_timeout_s: how long :meth:`score` waits for a verdict; default the
+            workers' ``group_timeout_s`` + 30 s, so a group missing members is rejected
+            by the workers before the client gives up.
+        decode: token ids -> text, to give scorers that read text (a judge) each turn's
+            words; without it turns carry tokens only.
+    """
+
+    def __init__(self, cfg: PipelineConfig, *, verdict_timeout_s: float | None = None,
+                 decode: Callable[[np.ndarray], str] | None = None) -> None:
+        self.cfg = cfg
+        self.verdict_timeout_s = float(verdict_timeout_s if verdict_timeout_s is not None
+                                       else cfg.worker.group_timeout_s + 30)
+        self.decode = decode
+        self._publisher: TrajectoryPublisher | None = None
+        self._waiter: VerdictWaiter | None = None
+        self._starting = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Create the Kafka clients (idempotent; :meth:`score` calls it on first use)."""
+        async with self._starting:
+            if self._waiter is not None:
+                return
+            waiter = VerdictWaiter(self.cfg)
+            await waiter.start()
+            publisher = TrajectoryPublisher(self.cfg.kafka, self.cfg.topics)
+            try:
+                await publisher.start()
+            except BaseException:
+                await waiter.aclose()
+                raise
+            self._waiter, self._publisher = waiter, publisher
+
+    async def aclose(self) -> None:
+        if self._publisher is not None:
+            await self._publisher.aclose()
+            self._publisher = None
+        if self._waiter is not None:
+            await self._waiter.aclose()
+            self._waiter = None
+
+    async def __aenter__(self) -> RewardClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ samples -> trajectories
+    def trajectory(self, sample: Sample, *, group_id: str, group_size: int,
+                   trajectory_id: str | None = None) -> tuple[ReadyTrajectory, list[tuple[int, int]]]:
+        """One sample as a concat-export trajectory, and its turns' spans on the response."""
+        prompt = np.asarray(sample.prompt_ids, dtype=np.int32)
+        response = np.asarray(sample.response_ids, dtype=np.int32)
+        logprobs = None if sample.response_logprobs is None else np.asarray(sample.response_logprobs, np.float32)
+        if logprobs is not None and len(logprobs) != len(response):
+            raise ValueError(f"response_logprobs has {len(logprobs)} values for {len(response)} response tokens")
+        if sample.response_mask is not None and len(sample.response_mask) != len(response):
+            raise ValueError(f"response_mask has {len(sample.response_mask)} values for {len(response)} response tokens")
+        spans = turn_spans(sample.response_mask, len(response))
+        trajectory_id = trajectory_id or f"{group_id}/{uuid.uuid4().hex}"
+        history = [dict(m) for m in sample.messages]
+        interactions: list[Interaction] = []
+        previous_end = 0
+        for k, (start, end) in enumerate(spans):
+            if start > previous_end and self.decode is not None:  # tool / user tokens between two turns
+                history.append({"role": "tool", "content": self.decode(response[previous_end:start])})
+            answer = [{"role": "assistant", "content": self.decode(response[start:end])}] if self.decode else []
+            last = k == len(spans) - 1
+            interactions.append(Interaction(
+                interaction_id=f"t{k}", parent_id=f"t{k - 1}" if k else None,
+                messages=list(history), output_message_list=answer,
+                model_response=ModelResponse.from_arrays(
+                    np.concatenate([prompt, response[:start]]), response[start:end],
+                    None if logprobs is None else logprobs[start:end],
+                    "length" if last and sample.truncated else "stop"),
+            ))
+            history.extend(answer)
+            previous_end = end
+        trajectory = ReadyTrajectory(
+            trajectory_id=trajectory_id, session_id=sample.session_id or trajectory_id, group_id=group_id,
+            group_size=group_size, interactions=interactions, outcome_reward=float(sample.outcome_reward),
+            is_eval=sample.is_eval, policy_version=sample.policy_version, created_at=time.time(),
+        )
+        return trajectory, spans
+
+    # ------------------------------------------------------------------ publish and wait
+    async def score(self, sample: Sample, *, group_id: str, group_size: int,
+                    timeout_s: float | None = None) -> SampleReward:
+        """Publish one member of ``group_id`` and wait for the group's verdict.
+
+        Members of one group may be scored concurrently (from several calls, tasks or
+        processes): each waits for the same verdict.
+        """
+        trajectory, spans = self.trajectory(sample, group_id=group_id, group_size=group_size)
+        (reward,) = await self._publish_and_wait(group_id, [(trajectory, spans, len(sample.response_ids))], timeout_s)
+        return reward
+
+    async def score_group(self, samples: Sequence[Sample], *, group_id: str | None = None,
+                          timeout_s: float | None = None) -> list[SampleReward]:
+        """Publish ``samples`` as one whole group and wait for its verdict."""
+        if not samples:
+            raise ValueError("score_group needs at least one sample")
+        group_id = group_id or uuid.uuid4().hex
+        built = [(*self.trajectory(s, group_id=group_id, group_size=len(samples)), len(s.response_ids))
+                 for s in samples]
+        return await self._publish_and_wait(group_id, built, timeout_s)
+
+    async def _publish_and_wait(self, group_id: str, built: list[tuple[ReadyTrajectory, list[tuple[int, int]], int]],
+                                timeout_s: float | None) -> list[SampleReward]:
+        await self.start()
+        assert self._publisher is not None and self._waiter is not None
+        self._waiter.expect(group_id)  # before publishing: the verdict cannot slip past us
+        for trajectory, _, _ in built:
+            await self._publisher.publish(trajectory)
+        await self._publisher.flush()  # published before anyone is told it was accepted
+        timeout = self.verdict_timeout_s if timeout_s is None else timeout_s
+        verdict = await self._waiter.wait(group_id, timeout)
+        return [rewards_for(verdict, t, spans, n, group_id=group_id, timeout_s=timeout) for t, spans, n in built]
+
+
+def rewards_for(verdict: GroupVerdict | None, trajectory: ReadyTrajectory, spans: list[tuple[int, int]],
+                response_len: int, *, group_id: str, timeout_s: float) -> SampleReward:
+    """One sample's :class:`SampleReward` from its group's verdict (``None``: it never came)."""
+    rewards = np.zeros(response_len, dtype=np.float32)
+    if verdict is None:
+        return SampleReward(group_id, trajectory.trajectory_id, "timeout",
+                            f"no verdict for group {group_id!r} within {timeout_s:g}s", trajectory.outcome_reward,
+                            rewards, [0.0] * len(spans), spans)
+    session = next((s for s in verdict.sessions if s.trajectory_id == trajectory.trajectory_id), None)
+    outcome = trajectory.outcome_reward if session is None or session.outcome_reward is None else session.outcome_reward
+    if verdict.status != "accepted":
+        return SampleReward(group_id, trajectory.trajectory_id, verdict.status, verdict.reason, outcome, rewards,
+                            [0.0] * len(spans), spans, verdict)
+    if session is None:
+        raise RuntimeError(f"accepted verdict of group {group_id!r} lacks member {trajectory.trajectory_id!r}")
+    turns: list[float] = []
+    per_turn = session_turn_rewards(session, group_id=group_id)
+    if per_turn:  # none when the workers run with scoring off
+        if len(per_turn) != len(spans):
+            raise RuntimeError(f"group {group_id!r}: {len(per_turn)} turns scored for {len(spans)} turns sent")
+        for k, ((start, end), values) in enumerate(zip(spans, per_turn)):
+            if len(values) != end - start:
+                raise RuntimeError(f"group {group_id!r}: turn t{k} has {len(values)} rewards for {end - start} tokens")
+            rewards[start:end] = values
+            turns.append(float(values.mean()) if len(values) else 0.0)
+    else:
+        turns = [0.0] * len(spans)
+    return SampleReward(group_id, trajectory.trajectory_id, "accepted", verdict.reason, outcome, rewards, turns,
+                        spans, verdict)
+
+
+def session_turn_rewards(session: SessionResult, *, group_id: str) -> list[np.ndarray]:
+    """Per-turn process token rewards of a session published by :class:`RewardClient` (turns ``t0``, ``t1``, …).
+
+    Empty when the workers ran with scoring off (no branches).
+    """
+    if not session.branches:
+        return []
+    if len(session.branches) != 1:
+        raise RuntimeError(f"group {group_id!r}: session {session.trajectory_id!r} has {len(session.branches)} "
+                           "branches; a sample is one chain of turns")
+    token_rewards = session.branches[0].token_rewards
+    try:
+        return [token_rewards[f"t{k}"].to_numpy() for k in range(len(token_rewards))]
+    except KeyError as exc:
+        raise RuntimeError(f"group {group_id!r}: session {session.trajectory_id!r} lacks turn {exc}") from None
