@@ -237,7 +237,7 @@ def check_config_judge_hosts(prm: Any, allowed: Sequence[str] | None) -> None:
     hosts = HostAllowList(allowed)
     for where, url in config_judge_urls(prm):
         if not hosts.allows(url):
-            raise ConfigError(_refusal(where, url, hosts))
+            raise ConfigError(_refusal(f"{where}: judge URL", url, hosts))
 
 
 def effective_allow_list(prm: Any, allowed: Sequence[str] | None) -> HostAllowList:
