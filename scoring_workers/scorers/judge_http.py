@@ -332,7 +332,7 @@ class JudgeClient:
         pool = len(self._endpoints) > 1
         order = rendezvous_order(affinity, self.base_urls) if pool and affinity else None
         failed: list[int] = []  # pool endpoints that failed this request, in order
-        attempts = 0
+        attempts = retries = 0
         try:
             while True:
                 attempts += 1
@@ -341,16 +341,21 @@ class JudgeClient:
                     result = await self._attempt(loop, self._endpoints[index], path, body, total_deadline, attempts)
                 except _Retry as retry:
                     error = retry.error
-                    if attempts > self.max_retries:
-                        raise error from None
                     failed.append(index)
                     elsewhere = pool and self._alternative(failed)
+                    # A pool endpoint whose breaker closed the door after routing (another
+                    # call took its half-open probe) was sent nothing: moving on is free.
+                    free = elsewhere and isinstance(error, CircuitOpenError)
+                    if not free and retries >= self.max_retries:
+                        raise error from None
                     if isinstance(retry, _Failover) and not elsewhere:
                         raise error from None  # only another endpoint could have helped
-                    delay = 0.0 if elsewhere else self._backoff(attempts, retry.retry_after)
+                    delay = 0.0 if elsewhere else self._backoff(retries + 1, retry.retry_after)
                     if loop.time() + delay >= total_deadline:
                         raise error from None  # the deadline leaves no room for another attempt
-                    self.stats.retries += 1
+                    if not free:
+                        retries += 1
+                        self.stats.retries += 1
                     if elsewhere:
                         self.stats.failovers += 1
                     else:

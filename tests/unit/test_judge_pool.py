@@ -216,6 +216,21 @@ async def test_failover_to_another_replica_costs_no_backoff_and_no_call(replicas
     assert replicas[0].requests == 1
 
 
+async def test_a_breaker_that_closes_after_routing_costs_no_retry(replicas) -> None:
+    """Routing saw the endpoint admit a call, but by the time the call had its slot
+    another call had taken the half-open probe: nothing was sent, so moving to another
+    replica uses none of the retry budget (here: none at all)."""
+    urls = [replicas[0].base_url, replicas[1].base_url]
+    key = _key_preferring(urls, 0)
+    async with _pool(urls, max_retries=0) as client:
+        breaker = client.endpoint_limits[0].breaker
+        breaker.admits = lambda: True  # the state routing saw
+        breaker.acquire = lambda: None  # the state at the attempt
+        assert "\\boxed{1}" in await _chat(client, key)
+        assert (client.stats.retries, client.stats.failovers, client.stats.attempts) == (0, 1, 1)
+    assert (replicas[0].requests, replicas[1].requests) == (0, 1)
+
+
 async def test_a_timeout_fails_over_to_a_faster_replica(replicas) -> None:
     slow, fast = replicas[0], replicas[1]
     slow.latency_ms = 3000.0
