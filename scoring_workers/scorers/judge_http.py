@@ -179,7 +179,7 @@ class JudgeClient:
         api_key_env: str | None = None,
         api_key_file: str | None = None,
         trust_env: bool = False,
-        spill_in_flight: int = 8,
+        spill_in_flight: int = 16,
         spill_ratio: float = 1.5,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,

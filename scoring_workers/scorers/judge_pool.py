@@ -50,12 +50,14 @@ class SpillPolicy:
     """When a session's preferred endpoint counts as overloaded (module docstring, 3).
 
     ``spill_in_flight``: how many more unfinished calls than the least-loaded endpoint
-    it must have; ``spill_ratio``: and how many times as many. Defaults 8 and 1.5: a
-    replica serving a few more of its sessions' calls than the others keeps them (cache
-    hits are worth a short queue); one that has fallen behind sheds the excess.
+    it must have; ``spill_ratio``: and how many times as many. Defaults 16 (half the
+    default per-endpoint concurrency cap of 32) and 1.5 (SGLang's router's relative
+    threshold): a replica serving a few more of its sessions' calls than the others
+    keeps them (cache hits are worth a short queue); one that has fallen behind sheds
+    the excess. Loads are counted per worker process, so the thresholds are too.
     """
 
-    spill_in_flight: int = 8
+    spill_in_flight: int = 16
     spill_ratio: float = 1.5
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ Config (``kwargs`` of the scorer entry)::
     kwargs:
       base_url: http://judge:30000      # server root
       # base_urls: [http://judge-0:30000, http://judge-1:30000]   # or a pool of replicas
-      # spill_in_flight: 8              # pool: spill a session's call when its replica has this many
+      # spill_in_flight: 16             # pool: spill a session's call when its replica has this many
       # spill_ratio: 1.5                #   more unfinished calls than the least-loaded, and 1.5x as many
       api: openai                       # or sglang (/generate on a ChatML prompt)
       model: qwen3-8b
@@ -220,7 +220,7 @@ class JudgeScorerBase(BaseScorer):
         chat_template: Any = None,
         audit_sink: Any = None,
         merge_tool_results: bool = False,
-        spill_in_flight: int = 8,
+        spill_in_flight: int = 16,
         spill_ratio: float = 1.5,
     ) -> None:
         super().__init__(weight=weight, enabled=enabled)
