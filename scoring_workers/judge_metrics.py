@@ -4,7 +4,7 @@ Per judge endpoint (label ``endpoint`` = ``host:port``, never the URL: its path,
 or user info may carry a secret; two roots on one ``host:port`` are summed), from its
 process-wide limits (:mod:`scoring_workers.scorers.judge_limits`): attempts, attempts
 the circuit breaker counts as failures, attempt latency, requests on the wire, the
-load a judge pool routes by, how pool calls were routed (``prm_judge_routed``, label
+load and recent latency a judge pool routes by, how pool calls were routed (``prm_judge_routed``, label
 ``route``: ``affinity`` / ``detour`` / ``spill`` / ``failover`` / ``balanced``, see
 :mod:`scoring_workers.scorers.judge_pool`), and the breaker — its state
 (``prm_judge_breaker_open`` is 1 while open or half-open) and how often it opened.
@@ -37,6 +37,7 @@ class _Endpoint:
     routed: Counter[str] = field(default_factory=Counter)
     state: str = "closed"
     opened: int = 0
+    ewma_s: float | None = None
 
     def add(self, lim: SharedLimits) -> None:
         self.attempts += lim.attempts
@@ -50,6 +51,8 @@ class _Endpoint:
         if _STATE_RANK.get(state, 0) > _STATE_RANK.get(self.state, 0):
             self.state = state  # the worst breaker of the endpoint's roots
         self.opened += lim.breaker.opened_count
+        if lim.latency_ewma_s is not None:
+            self.ewma_s = max(self.ewma_s or 0.0, lim.latency_ewma_s)
 
 
 def endpoint_snapshot(limits: list[SharedLimits] | None = None) -> dict[str, _Endpoint]:
@@ -71,6 +74,8 @@ class JudgeCollector(Collector):
         in_flight = GaugeMetricFamily("prm_judge_in_flight", "Attempts on the wire", labels=["endpoint"])
         load = GaugeMetricFamily("prm_judge_load", "Attempts routed to the endpoint and not finished (waiting "
                                  "for a slot or on the wire): what a judge pool balances", labels=["endpoint"])
+        ewma = GaugeMetricFamily("prm_judge_latency_ewma_seconds", "Recent answer latency (EWMA) a judge pool "
+                                 "weighs the endpoint's load by", labels=["endpoint"])
         routed = CounterMetricFamily("prm_judge_routed", "Judge pool attempts by endpoint and route (affinity: "
                                      "the session's replica; detour: its next, the first one's breaker being open; "
                                      "spill: the least-loaded, the session's being overloaded; failover: a retry "
@@ -86,9 +91,11 @@ class JudgeCollector(Collector):
             latency.add_metric([label], [*buckets, ("+Inf", float(ep.attempts))], ep.latency_sum_s)
             in_flight.add_metric([label], ep.in_flight)
             load.add_metric([label], ep.load)
+            if ep.ewma_s is not None:
+                ewma.add_metric([label], ep.ewma_s)
             for route, count in sorted(ep.routed.items()):
                 routed.add_metric([label, route], count)
             is_open.add_metric([label, ep.state], 0.0 if ep.state == "closed" else 1.0)
             opened.add_metric([label], ep.opened)
         if endpoints:
-            yield from (attempts, failed, latency, in_flight, load, routed, is_open, opened)
+            yield from (attempts, failed, latency, in_flight, load, ewma, routed, is_open, opened)

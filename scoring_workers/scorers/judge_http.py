@@ -378,8 +378,8 @@ class JudgeClient:
         self._turn += 1
         choice = choose_endpoint(
             [ep.limits.load for ep in eps], [ep.limits.breaker.admits() for ep in eps], order=order,
-            policy=self.spill, caps=[ep.limits.settings.max_concurrency for ep in eps], avoid=failed,
-            start=self._turn,
+            policy=self.spill, caps=[ep.limits.settings.max_concurrency for ep in eps],
+            latencies=[ep.limits.latency_ewma_s for ep in eps], avoid=failed, start=self._turn,
         )
         if choice is None:
             raise CircuitOpenError(
@@ -490,7 +490,10 @@ class JudgeClient:
             finally:
                 limits.in_flight -= 1
                 limits.breaker.record(ticket, verdict)
-                limits.observe(loop.time() - started, failed=verdict is False)
+                took = loop.time() - started
+                limits.observe(took, failed=verdict is False)
+                if verdict:
+                    limits.answered(took)
         finally:
             semaphore.release()
 

@@ -213,6 +213,7 @@ class SharedLimits:
         self.max_in_flight = 0
         self.load = 0
         self.routed: Counter[str] = Counter()
+        self.latency_ewma_s: float | None = None  # answered attempts; what a pool weighs the load by
         # attempts on the wire, for the workers' metrics (scoring_workers/judge_metrics.py)
         self.attempts = 0
         self.failed_attempts = 0  # those the breaker counts as failures (timeouts, connect errors, 5xx)
@@ -230,6 +231,11 @@ class SharedLimits:
             if seconds <= bound:
                 self.latency_buckets[i] += 1
 
+    def answered(self, seconds: float) -> None:
+        """An attempt the server answered (any status below 500): update the latency EWMA."""
+        ewma = self.latency_ewma_s
+        self.latency_ewma_s = seconds if ewma is None else ewma + _EWMA_ALPHA * (seconds - ewma)
+
     def for_loop(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Semaphore, _Pacer | None]:
         entry = self._per_loop.get(loop)
         if entry is None:
@@ -238,6 +244,8 @@ class SharedLimits:
             self._per_loop[loop] = entry
         return entry
 
+
+_EWMA_ALPHA = 0.2  # weight of the newest answer: about the last ten answers count
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -2,8 +2,10 @@
 
 A judge scorer may list several replicas of the same judge (``base_urls``). Each call
 goes to one of them, chosen by :func:`choose_endpoint` from what the process knows
-about each endpoint — its *load* (attempts routed there and not finished) and whether
-its circuit breaker admits a call:
+about each endpoint — its *load* (attempts routed there and not finished), its recent
+answer latency (an EWMA) and whether its circuit breaker admits a call. An endpoint's
+*cost* is the time a new call would take there, ``(load + 1) x latency``: how far
+behind it is, counted in calls of the endpoint it is compared with.
 
 1. **Affinity.** Calls carrying a key (the trajectory's ``session_id``) prefer the
    endpoint that ranks first for that key by *rendezvous hashing*
@@ -14,17 +16,22 @@ its circuit breaker admits a call:
 2. **Breakers.** An endpoint whose breaker is open (or half-open with its probe out)
    is skipped; the session's next endpoint in rank order takes its calls (``detour``),
    so even a detour is consistent per session.
-3. **Spill-over.** When the preferred endpoint is *overloaded* — its load exceeds the
-   least-loaded available endpoint's by more than ``spill_in_flight`` **and** by a
-   factor above ``spill_ratio`` (the two thresholds of SGLang's router, which balances
-   the same trade-off between cache hits and queueing), or it is at its concurrency
-   cap while another is not — the call goes to the least-loaded endpoint (``spill``).
-   A slow replica accumulates load, so it sheds its share; a replica that is merely as
-   busy as the others keeps its sessions.
+3. **Spill-over.** When the preferred endpoint is *overloaded* — its cost exceeds the
+   cheapest available endpoint's by more than ``spill_in_flight`` of that endpoint's
+   calls **and** by a factor above ``spill_ratio`` (the two thresholds of SGLang's
+   router, which balances the same trade-off between cache hits and queueing; with
+   equally fast replicas they compare plain in-flight counts), or it is at its
+   concurrency cap while another is not — the call goes to the cheapest endpoint
+   (``spill``). A replica ten times slower than the others keeps a session's call only
+   while it has next to nothing in flight; a replica that is merely as busy as the
+   others keeps its sessions.
 4. **Failover.** A retry of a failed attempt avoids the endpoints that already failed
    for this call (``failover``) while another is available.
-5. Calls without a key go to the least-loaded available endpoint (``balanced``),
-   ties broken round-robin.
+5. Calls without a key go to the cheapest available endpoint (``balanced``), ties
+   broken round-robin.
+
+An endpoint without a latency estimate yet counts as fast as the fastest known one,
+so a new or recovered replica gets calls and is measured.
 
 Pure functions over plain numbers: unit-tested exhaustively without HTTP
 (``tests/unit/test_judge_pool.py``); :class:`~scoring_workers.scorers.judge_http.
@@ -68,11 +75,14 @@ class SpillPolicy:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio < 1:
             raise ValueError(f"spill_ratio must be a finite number >= 1, got {ratio!r}")
 
-    def overloaded(self, load: int, least: int, *, at_cap: bool = False, least_at_cap: bool = False) -> bool:
-        """Whether an endpoint with ``load`` should shed a call to one with ``least``."""
+    def overloaded(self, cost: float, least_cost: float, least_latency: float, least_load: int, *,
+                   at_cap: bool = False, least_at_cap: bool = False) -> bool:
+        """Whether an endpoint whose next call would cost ``cost`` should shed it to the
+        cheapest one (``least_*``); costs are ``(load + 1) x latency``."""
         if at_cap and not least_at_cap:
             return True
-        return load - least > self.spill_in_flight and load > self.spill_ratio * least
+        behind = cost / least_latency - (least_load + 1)  # in calls of the cheapest endpoint
+        return behind > self.spill_in_flight and cost > self.spill_ratio * least_cost
 
 
 def _score(key: str, endpoint: str) -> int:
@@ -95,6 +105,7 @@ def choose_endpoint(
     order: Sequence[int] | None = None,
     policy: SpillPolicy = SpillPolicy(),
     caps: Sequence[int] | None = None,
+    latencies: Sequence[float | None] | None = None,
     avoid: Collection[int] = (),
     start: int = 0,
 ) -> tuple[int, str] | None:
@@ -106,6 +117,8 @@ def choose_endpoint(
         order: the call's rendezvous ranking (:func:`rendezvous_order`); ``None`` for a
             call without an affinity key.
         caps: each endpoint's concurrency cap (a call beyond it waits for a slot).
+        latencies: each endpoint's recent answer latency (``None``: not measured yet,
+            counts as the fastest measured); ``None`` for all: equally fast.
         avoid: endpoints that already failed for this call; skipped while another is
             available (then the route is ``failover``).
         start: round-robin offset that breaks ties between equally loaded endpoints.
@@ -124,12 +137,18 @@ def choose_endpoint(
     def at_cap(i: int) -> bool:
         return caps is not None and loads[i] >= caps[i]
 
-    least = min(candidates, key=lambda i: (loads[i], (i - start) % n))
+    known = [x for x in latencies or () if x is not None and x > 0]
+    fastest = min(known) if known else 1.0
+    speed = [fastest if not latencies or latencies[i] is None or latencies[i] <= 0 else latencies[i]
+             for i in range(n)]
+    cost = [(loads[i] + 1) * speed[i] for i in range(n)]
+    least = min(candidates, key=lambda i: (cost[i], (i - start) % n))
     if order is None:
         return least, "failover" if failover else "balanced"
     preferred = next(i for i in order if i in candidates)
     if preferred != least and policy.overloaded(
-        loads[preferred], loads[least], at_cap=at_cap(preferred), least_at_cap=at_cap(least)
+        cost[preferred], cost[least], speed[least], loads[least], at_cap=at_cap(preferred),
+        least_at_cap=at_cap(least),
     ):
         return least, "failover" if failover else "spill"
     if failover:

@@ -114,6 +114,24 @@ def test_spill_over_needs_both_thresholds() -> None:
     assert choose_endpoint([4, 4, 4], avail, order=order, policy=policy, caps=[4, 4, 4]) == (0, "affinity")
 
 
+def test_a_slow_replica_counts_its_load_in_its_own_time() -> None:
+    """Costs are (load + 1) x latency: a replica 10x slower keeps a session's call only
+    while it has almost nothing in flight, and spilled calls go to the cheapest replica,
+    not to the idle slow one."""
+    policy = SpillPolicy()  # 16 calls behind, 1.5x
+    lat = [0.2, 0.02, 0.02]  # replica 0 is 10x slower
+    order = (0, 1, 2)
+    avail = [True] * 3
+    assert choose_endpoint([0, 0, 0], avail, order=order, policy=policy, latencies=lat) == (0, "affinity")  # 9 behind
+    assert choose_endpoint([1, 1, 2], avail, order=order, policy=policy, latencies=lat) == (1, "spill")  # 18 behind
+    assert choose_endpoint([0, 3, 2], avail, latencies=lat) == (2, "balanced")  # cost 0.2 vs 0.06
+    # With plain in-flight counts the slow replica would have kept its session's call.
+    assert choose_endpoint([1, 1, 2], avail, order=order, policy=policy) == (0, "affinity")
+    # Not measured yet: as fast as the fastest measured, so it gets calls and is measured.
+    assert choose_endpoint([0, 1, 1], avail, order=(0, 1, 2), latencies=[None, 0.02, 0.02]) == (0, "affinity")
+    assert choose_endpoint([0, 1, 1], avail, latencies=[None, 0.02, 0.02]) == (0, "balanced")
+
+
 def test_breaker_open_endpoint_is_skipped_consistently() -> None:
     order = (2, 0, 1)
     assert choose_endpoint([0, 0, 0], [True, True, False], order=order) == (0, "detour")  # the session's next
