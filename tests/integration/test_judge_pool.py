@@ -25,6 +25,7 @@ import pytest
 
 from infra.config import PipelineConfig, PRMScorerConfig
 from producers.publisher import TrajectoryPublisher
+from scoring_workers.judge_metrics import endpoint_snapshot
 from scoring_workers.worker import Worker
 from tests.integration.harness import isolated_config, wait_for_verdicts
 from tests.integration.test_judge_pipeline import judged_trajectory
@@ -109,6 +110,7 @@ async def test_three_replicas_one_slow_one_failing_lose_no_vote(kafka_bootstrap:
                 async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
                     await pub.publish_many(members)
             verdicts = {v.group_id: v for v in await wait_for_verdicts(cfg, groups, timeout_s=120)}
+            seen = endpoint_snapshot()  # the worker's view of each replica (what /metrics exports)
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
@@ -126,7 +128,9 @@ async def test_three_replicas_one_slow_one_failing_lose_no_vote(kafka_bootstrap:
     answered = {r.name: r.statuses.get(200, 0) for r in pool}
     shares = {name: round(n / votes, 3) for name, n in answered.items()}
     print(f"\njudge pool: {votes} votes, lost {int(errors)}; share of answered calls per replica {shares}; "
-          f"HTTP statuses {[(r.name, r.statuses) for r in pool]}")
+          f"HTTP statuses {[(r.name, r.statuses) for r in pool]}; routes "
+          f"{[(r.name, dict(seen[r.url.removeprefix('http://')].routed)) for r in pool]}; latency EWMA "
+          f"{[(r.name, seen[r.url.removeprefix('http://')].ewma_s) for r in pool]}")
     assert (calls, errors) == (votes, 0)  # every vote cast, none lost
     assert sum(answered.values()) == votes  # each vote answered exactly once
     assert answered["failing"] == 0 and pool[2].statuses.get(500, 0) > 0  # it was tried, and routed around
