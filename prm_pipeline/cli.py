@@ -209,7 +209,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "faults", "soak", "capacity", "sessions")
+BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "pool", "faults", "soak", "capacity", "sessions")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -407,11 +407,12 @@ def preflight(args: argparse.Namespace) -> None:
 
     ``worker`` and ``audit`` resolve the configured scorers and check their ``kwargs``
     (building nothing): a typo, a missing package or a module outside
-    ``worker.allowed_scorer_modules`` is a :class:`ConfigError` at once. ``publish``
-    validates its whole file.
+    ``worker.allowed_scorer_modules`` is a :class:`ConfigError` at once, and so is a judge
+    URL outside ``worker.allowed_judge_hosts``. ``publish`` validates its whole file.
     """
     if args.command in ("worker", "audit"):
         from scoring_workers.prm.resolve import check_scorer_entries
+        from scoring_workers.scorers.judge_hosts import check_config_judge_hosts
 
         cfg = _load(args)
         if cfg.prm.active:
@@ -419,6 +420,7 @@ def preflight(args: argparse.Namespace) -> None:
                 check_scorer_entries(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
             except (ImportError, TypeError) as exc:
                 raise ConfigError(str(exc)) from None
+            check_config_judge_hosts(cfg.prm, cfg.worker.allowed_judge_hosts)
     elif args.command == "publish":
         from infra.jsonl import load
 
