@@ -24,10 +24,10 @@ import pytest
 
 from infra.config import ActorConfig, AgentConfig, ConfigError, PRMConfig, PRMScorerConfig, RolloutConfig
 from infra.local import free_port
-from prm_pipeline.fake_judge import FakeJudgeServer
-from prm_pipeline.processes import write_config
+from prm_pipeline.demo.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.processes import write_config
+from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group
 from scoring_workers.worker import Worker
 from tests.integration.harness import wait_for_verdicts
 from tests.security.conftest import ROOT

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from prm_pipeline.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from scoring_workers.judge_metrics import JudgeCollector
 from scoring_workers.scorers.judge_apis import openai_chat
 from scoring_workers.scorers.judge_errors import CircuitOpenError
