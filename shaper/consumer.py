@@ -457,7 +457,8 @@ class VerdictConsumer:
                 self.metrics.count("filter/stale")
                 log.info("group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
                          ticket.key[0], ticket.policy_version, self.max_policy_lag, self.policy_version)
-                self._offsets.finish(ticket.tp, ticket.offset)
+                if self._committer is not None:
+                    self._committer.tracker.finish(ticket.tp, ticket.offset)
                 self._to_store.append(ticket.key)
             else:
                 kept.append((group, ticket))

@@ -178,9 +178,11 @@ async def test_a_session_sticks_to_its_replica(replicas) -> None:
     served = [s.by_path["/v1/chat/completions"] for s in replicas]
     assert sum(served) == 48 * 6 and all(n > 0 for n in served), served
     assert routed["affinity"] / sum(routed.values()) >= 0.95, routed
-    # Each replica served exactly the calls of the sessions that rank it first.
+    # Each replica served the calls of the sessions that rank it first, but for the few
+    # that spilled (a loaded machine can make a replica look busy): each moves one call.
     expected = Counter(rendezvous_order(f"sess-{k}", urls)[0] for k in range(48))
-    assert served == [expected[i] * 6 for i in range(3)]
+    spilled = sum(routed.values()) - routed["affinity"]
+    assert sum(abs(n - expected[i] * 6) for i, n in enumerate(served)) <= 2 * spilled, (served, expected, routed)
 
 
 async def test_a_slow_replica_spills_its_excess(replicas) -> None:
