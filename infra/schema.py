@@ -596,6 +596,20 @@ def compact_trajectory(traj: ReadyTrajectory) -> ReadyTrajectory:
 SessionStatus = Literal["scored", "failed", "missing", "discarded", "pending"]
 
 
+class TokenRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a member's token turns are: its record in the trajectories topic.
+
+    A verdict published with ``worker.verdict_tokens: reference`` carries this instead
+    of the member's :class:`TokenTurn` list. ``offset`` is the ``ready`` record's offset,
+    or a chunked trajectory's first chunk's (its other chunks follow it on the same
+    partition). Readers turn it back into turns with :mod:`infra.readback`, the code the
+    worker uses for the same job.
+    """
+
+    partition: int
+    offset: int
+
+
 class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One member's outcome inside a verdict, with everything the trainer needs.
 
@@ -635,6 +649,9 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # verdict record's timestamp (sent) they break a verdict's latency down by stage.
     consumed_at: float = 0.0
     parked_at: float = 0.0
+    # ``worker.verdict_tokens: reference``: the member's record instead of ``turns``
+    # (omitted otherwise, so inline verdicts encode as before it existed).
+    tokens_at: TokenRef | None = None
 
     @classmethod
     def failure(cls, *, code: str, detail: str, scorer: str | None = None, **fields: Any) -> SessionResult:
@@ -870,7 +887,7 @@ __all__ = [
     "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
     "DiscardGroup", "TrajectoryChunk", "TrajectoryMessage", "compact_trajectory", "expand_trajectory",
     "expand_trajectory_interactions", "schema_version_of", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
-    "BranchResult", "TokenTurn", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
+    "BranchResult", "TokenTurn", "TokenRef", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
     "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
     "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",
     "headers_to_dict", "pack_array", "to_tensor", "kind_of",

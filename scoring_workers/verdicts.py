@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import msgspec
 
 from infra.kafka import record_size
+from infra.readback import failed_reason
 from infra.schema import GroupVerdict, ScorerInfo, SessionResult, encode
 from scoring_workers.ledger import GroupState, ParkedMember
 
@@ -60,7 +61,7 @@ def assemble_verdict(group_id: str, state: GroupState,
         status = "rejected"
         reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state.size_mismatch})"
     elif failed:
-        status, reason = "rejected", _failed_reason(failed)
+        status, reason = "rejected", failed_reason(failed)
     elif len(members) < group_size:
         status, reason = "rejected", f"missing_sessions: {len(members)} of {group_size} arrived before the deadline"
     else:
@@ -79,14 +80,6 @@ def assemble_verdict(group_id: str, state: GroupState,
         decided_at=decided_at / 1000.0,
         timings={"group_open_s": max(0, decided_at - first_seen) / 1000.0},
     )
-
-
-def _failed_reason(failed: Sequence[SessionResult]) -> str:
-    """``"<code>: member <trajectory> (session <session>) failed"`` for the first failed
-    member (by trajectory id), plus how many others failed."""
-    first = failed[0]
-    more = f"; {len(failed) - 1} more member(s) failed" if len(failed) > 1 else ""
-    return f"{first.failure_code}: member {first.trajectory_id} (session {first.session_id}) failed{more}"
 
 
 def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: int = 1) -> GroupVerdict:

@@ -442,8 +442,9 @@ class Worker:
             # member and deciding, finish that decision now; the record in hand spares
             # reading its tokens back from the log.
             self.telemetry.deduplicated.inc()
-            with contextlib.suppress(NotConcatExport):
-                self._tokens.remember(traj.group_id, traj.trajectory_id, compact_turns(traj.interactions))
+            if self._tokens.inline:
+                with contextlib.suppress(NotConcatExport):
+                    self._tokens.remember(traj.group_id, traj.trajectory_id, compact_turns(traj.interactions))
             await self._decide_and_publish(traj.group_id, "complete")
             self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, already scored (a "
                                      "redelivery or a re-published record)", traj.group_id, traj.trajectory_id)
