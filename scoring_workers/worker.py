@@ -75,6 +75,7 @@ from infra.schema import (
     ScorerInfo,
     SessionResult,
     TrajectoryChunk,
+    check_expandable,
     compact_turns,
     dead_letter_headers,
     decode_message,
@@ -299,8 +300,10 @@ class Worker:
         consumed_at = time.time()
         decoded: list[tuple[ConsumerRecord, Any, list[int]]] = []
         for record in records:
-            try:
-                message: Any = decode_message(record.value, record.headers)
+            try:  # the wire form: scoring takes its token turns from it, then expands it once
+                message: Any = decode_message(record.value, record.headers, expand=False)
+                if isinstance(message, ReadyTrajectory):
+                    check_expandable(message)
             except SchemaError as exc:
                 message = exc
             if isinstance(message, TrajectoryChunk):
