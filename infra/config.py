@@ -233,6 +233,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Scorer classes may be imported only from these module prefixes (configs are code
     # execution otherwise; trajectory payloads never name code). Add your own package.
     allowed_scorer_modules: list[str] = msgspec.field(default_factory=lambda: ["scoring_workers.scorers"])
+    # Judge hosts the workers may send trajectories to ("judge", "judge:30000", "*.judges.svc").
+    # null: exactly the hosts this file's scorers name; a list: every judge URL must match
+    # it, refused at start-up otherwise. docs/security.md, "Judge endpoints"
+    allowed_judge_hosts: list[str] | None = None
     # Dead letters keep at most this many bytes of the original record (a header says so).
     dead_letter_max_bytes: int = 1_048_576
     # Verdicts also carry each scorer's own weighted token rewards (BranchResult.channels),

@@ -204,12 +204,12 @@ def add_trainer_parser(subparsers: Any) -> None:
 
 # --------------------------------------------------------------------------- demo / bench
 def cmd_demo(args: argparse.Namespace) -> int:
-    from prm_pipeline.demo import run_demo
+    from prm_pipeline.demo.run import run_demo
 
     return run_demo(args)
 
 
-BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "faults", "soak", "capacity", "sessions")
+BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "pool", "faults", "soak", "capacity", "sessions")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -300,19 +300,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from prm_pipeline.audit import add_audit_parser
     from prm_pipeline.dead_letter_tool import add_dead_letters_parser
-    from prm_pipeline.fake_judge import add_fake_judge_parser
+    from prm_pipeline.demo.fake_judge import add_fake_judge_parser
 
     add_dead_letters_parser(sub)
     add_audit_parser(sub)
     add_fake_judge_parser(sub)
 
     p = sub.add_parser("demo", help="train a tiny LM through the pipeline (closed loop) and write a report")
-    from prm_pipeline.demo import add_demo_arguments
+    from prm_pipeline.demo.run import add_demo_arguments
 
     add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
 
-    from prm_pipeline.model_server import add_model_server_parser
+    from prm_pipeline.demo.model_server import add_model_server_parser
     from prm_pipeline.token_view import add_inspect_parser
 
     add_inspect_parser(sub)
@@ -407,11 +407,12 @@ def preflight(args: argparse.Namespace) -> None:
 
     ``worker`` and ``audit`` resolve the configured scorers and check their ``kwargs``
     (building nothing): a typo, a missing package or a module outside
-    ``worker.allowed_scorer_modules`` is a :class:`ConfigError` at once. ``publish``
-    validates its whole file.
+    ``worker.allowed_scorer_modules`` is a :class:`ConfigError` at once, and so is a judge
+    URL outside ``worker.allowed_judge_hosts``. ``publish`` validates its whole file.
     """
     if args.command in ("worker", "audit"):
         from scoring_workers.prm.resolve import check_scorer_entries
+        from scoring_workers.scorers.judge_hosts import check_config_judge_hosts
 
         cfg = _load(args)
         if cfg.prm.active:
@@ -419,6 +420,7 @@ def preflight(args: argparse.Namespace) -> None:
                 check_scorer_entries(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
             except (ImportError, TypeError) as exc:
                 raise ConfigError(str(exc)) from None
+            check_config_judge_hosts(cfg.prm, cfg.worker.allowed_judge_hosts)
     elif args.command == "publish":
         from infra.jsonl import load
 

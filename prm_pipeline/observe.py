@@ -57,7 +57,8 @@ class VerdictTail:
                 raise TimeoutError(f"{len(groups - self.arrivals.keys())} groups without verdict after {timeout_s}s")
             await asyncio.sleep(0.01)
 
-    async def stop(self) -> None:
+    async def aclose(self) -> None:
+        """Stop reading and close the consumer (what was recorded stays readable)."""
         self._stop.set()
         if self._task:
             await self._task

@@ -198,7 +198,7 @@ def raw_ids(ids: Sequence[int]) -> list[str]:
 
 def demo_decoder() -> Decoder:
     """Token ids -> per-token strings with the demo's tiny tokenizer (needs the ``demo`` extra)."""
-    from producers.tiny_model import build_tokenizer
+    from prm_pipeline.demo.tiny_model import build_tokenizer
 
     return _token_decoder(build_tokenizer(), "the demo tokenizer")
 
@@ -366,7 +366,7 @@ async def _verdict_from_topic(args: argparse.Namespace) -> dict[str, Any] | None
     except TimeoutError:
         return None
     finally:
-        await tail.stop()
+        await tail.aclose()
     tokens = VerdictTokens(cfg)  # a verdict published with worker.verdict_tokens: reference
     try:
         verdict = await tokens.resolve_one(tail.verdicts[args.group])

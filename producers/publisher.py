@@ -63,13 +63,14 @@ class TrajectoryPublisher:
             if exc_type is None:
                 await self.flush()
         finally:
-            await self.stop()
+            await self.aclose()
 
     async def start(self) -> None:
         self._producer = make_producer(self.kafka)
         await self._producer.start()
 
-    async def stop(self) -> None:
+    async def aclose(self) -> None:
+        """Close the producer (call :meth:`flush` first to wait for queued sends); :meth:`start` may follow."""
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None

@@ -1,44 +1,101 @@
 """The judge servers a worker calls, as Prometheus metrics (read at scrape time).
 
-Per judge ``base_url`` (label ``endpoint``), from its process-wide limits
-(:mod:`scoring_workers.scorers.judge_limits`): attempts, attempts the circuit breaker
-counts as failures, attempt latency, requests on the wire, and the breaker — its state
+Per judge endpoint (label ``endpoint`` = ``host:port``, never the URL: its path, query
+or user info may carry a secret; two roots on one ``host:port`` are summed), from its
+process-wide limits (:mod:`scoring_workers.scorers.judge_limits`): attempts, attempts
+the circuit breaker counts as failures, attempt latency, requests on the wire, the
+load and recent latency a judge pool routes by, how pool calls were routed (``prm_judge_routed``, label
+``route``: ``affinity`` / ``detour`` / ``spill`` / ``failover`` / ``balanced``, see
+:mod:`scoring_workers.scorers.judge_pool`), and the breaker — its state
 (``prm_judge_breaker_open`` is 1 while open or half-open) and how often it opened.
 Nothing is exported while no judge scorer is configured.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from scoring_workers.scorers.judge_limits import LATENCY_BUCKETS_S, all_limits
+from scoring_workers.scorers.judge_hosts import endpoint_label
+from scoring_workers.scorers.judge_limits import LATENCY_BUCKETS_S, SharedLimits, all_limits
+
+_STATE_RANK = {"closed": 0, "half_open": 1, "open": 2}
+
+
+@dataclass(slots=True)
+class _Endpoint:
+    attempts: int = 0
+    failed: int = 0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
+    latency_sum_s: float = 0.0
+    in_flight: int = 0
+    load: int = 0
+    routed: Counter[str] = field(default_factory=Counter)
+    state: str = "closed"
+    opened: int = 0
+    ewma_s: float | None = None
+
+    def add(self, lim: SharedLimits) -> None:
+        self.attempts += lim.attempts
+        self.failed += lim.failed_attempts
+        self.buckets = [a + b for a, b in zip(self.buckets, lim.latency_buckets)]
+        self.latency_sum_s += lim.latency_sum_s
+        self.in_flight += lim.in_flight
+        self.load += lim.load
+        self.routed.update(lim.routed)
+        state = lim.breaker.state
+        if _STATE_RANK.get(state, 0) > _STATE_RANK.get(self.state, 0):
+            self.state = state  # the worst breaker of the endpoint's roots
+        self.opened += lim.breaker.opened_count
+        if lim.latency_ewma_s is not None:
+            self.ewma_s = max(self.ewma_s or 0.0, lim.latency_ewma_s)
+
+
+def endpoint_snapshot(limits: list[SharedLimits] | None = None) -> dict[str, _Endpoint]:
+    """``host:port`` -> the summed state of its judge roots (all live ones by default)."""
+    out: dict[str, _Endpoint] = {}
+    for lim in all_limits() if limits is None else limits:
+        out.setdefault(endpoint_label(lim.key), _Endpoint()).add(lim)
+    return out
 
 
 class JudgeCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
-        limits = all_limits()
+        endpoints = endpoint_snapshot()
         attempts = CounterMetricFamily("prm_judge_attempts", "HTTP attempts to the judge", labels=["endpoint"])
         failed = CounterMetricFamily("prm_judge_attempt_failures", "Attempts the circuit breaker counts as "
                                      "failures (timeouts, connection errors, HTTP 5xx)", labels=["endpoint"])
         latency = HistogramMetricFamily("prm_judge_attempt_seconds", "Duration of one HTTP attempt",
                                         labels=["endpoint"])
         in_flight = GaugeMetricFamily("prm_judge_in_flight", "Attempts on the wire", labels=["endpoint"])
+        load = GaugeMetricFamily("prm_judge_load", "Attempts routed to the endpoint and not finished (waiting "
+                                 "for a slot or on the wire): what a judge pool balances", labels=["endpoint"])
+        ewma = GaugeMetricFamily("prm_judge_latency_ewma_seconds", "Recent answer latency (EWMA) a judge pool "
+                                 "weighs the endpoint's load by", labels=["endpoint"])
+        routed = CounterMetricFamily("prm_judge_routed", "Judge pool attempts by endpoint and route (affinity: "
+                                     "the session's replica; detour: its next, the first one's breaker being open; "
+                                     "spill: the least-loaded, the session's being overloaded; failover: a retry "
+                                     "elsewhere; balanced: no session)", labels=["endpoint", "route"])
         is_open = GaugeMetricFamily("prm_judge_breaker_open", "1 while the circuit breaker is open or half-open",
                                     labels=["endpoint", "state"])
         opened = CounterMetricFamily("prm_judge_breaker_opened", "Times the circuit breaker opened",
                                      labels=["endpoint"])
-        for lim in limits:
-            ep = [lim.key]
-            attempts.add_metric(ep, lim.attempts)
-            failed.add_metric(ep, lim.failed_attempts)
-            buckets = [(str(b), float(n)) for b, n in zip(LATENCY_BUCKETS_S, lim.latency_buckets)]
-            latency.add_metric(ep, [*buckets, ("+Inf", float(lim.attempts))], lim.latency_sum_s)
-            in_flight.add_metric(ep, lim.in_flight)
-            state = lim.breaker.state
-            is_open.add_metric([lim.key, state], 0.0 if state == "closed" else 1.0)
-            opened.add_metric(ep, lim.breaker.opened_count)
-        if limits:
-            yield from (attempts, failed, latency, in_flight, is_open, opened)
+        for label, ep in sorted(endpoints.items()):
+            attempts.add_metric([label], ep.attempts)
+            failed.add_metric([label], ep.failed)
+            buckets = [(str(b), float(n)) for b, n in zip(LATENCY_BUCKETS_S, ep.buckets)]
+            latency.add_metric([label], [*buckets, ("+Inf", float(ep.attempts))], ep.latency_sum_s)
+            in_flight.add_metric([label], ep.in_flight)
+            load.add_metric([label], ep.load)
+            if ep.ewma_s is not None:
+                ewma.add_metric([label], ep.ewma_s)
+            for route, count in sorted(ep.routed.items()):
+                routed.add_metric([label, route], count)
+            is_open.add_metric([label, ep.state], 0.0 if ep.state == "closed" else 1.0)
+            opened.add_metric([label], ep.opened)
+        if endpoints:
+            yield from (attempts, failed, latency, in_flight, load, ewma, routed, is_open, opened)

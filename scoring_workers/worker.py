@@ -180,8 +180,10 @@ class Worker:
         cfg = self.cfg
         if self._runner is None and cfg.prm.active:
             from scoring_workers.prm import PRMRunner
+            from scoring_workers.scorers.judge_hosts import judge_hosts_allowed
 
-            self._runner = await PRMRunner.create(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+            with judge_hosts_allowed(cfg.worker.allowed_judge_hosts):  # no judge client outside the list
+                self._runner = await PRMRunner.create(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
         log_scorers(log, self.worker_id, self._runner, self._runner.config if self._runner is not None else cfg.prm)
         if self._runner is not None:
             self._scorers_blob = encode_scorers(

@@ -341,14 +341,21 @@ class VerdictConsumer:
             await consumer.stop()
             await self._tokens.aclose()
 
-    async def close(self, *, commit: bool = True) -> None:
-        """:meth:`stop`, then close an owned dedupe store; the instance cannot restart."""
+    async def aclose(self, *, commit: bool = True) -> None:
+        """:meth:`stop`, then close an owned dedupe store; the instance cannot restart.
+
+        :meth:`stop` is the pause that :meth:`start` undoes; this is the end.
+        """
         try:
             await self.stop(commit=commit)
         finally:
             self._closed = True
             if self._owns_store and self._store is not None:
                 self._store.close()
+
+    async def close(self, *, commit: bool = True) -> None:
+        """The former name of :meth:`aclose`, kept because docs/trainer.md documented it."""
+        await self.aclose(commit=commit)
 
     async def __aenter__(self) -> VerdictConsumer:
         await self.start()
@@ -357,7 +364,7 @@ class VerdictConsumer:
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         # Leaving the block normally means the caller is done with every batch it got;
         # an exception means the last one may be unfinished: leave it for redelivery.
-        await self.close(commit=exc_type is None)
+        await self.aclose(commit=exc_type is None)
 
     def request_stop(self) -> None:
         """Make a waiting :meth:`next_batch` return ``None`` (and ``async for`` end) soon.

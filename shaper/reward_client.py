@@ -367,7 +367,7 @@ class RewardClient:
 
     async def aclose(self) -> None:
         if self._publisher is not None:
-            await self._publisher.stop()
+            await self._publisher.aclose()
             self._publisher = None
         if self._waiter is not None:
             await self._waiter.aclose()

@@ -25,7 +25,7 @@ Two trainer-side options change what goes into steps 1 and 3 (``trainer:`` confi
   rewards; ``advantage_shaping.mode`` still decides how that signal is folded in.
 
 It then reports one line per step. The optimiser step is the caller's ``update``
-callback (the demo passes :class:`shaper.policy_update.PolicyUpdate`, PPO-clip on a
+callback (the demo passes :class:`prm_pipeline.demo.policy_update.PolicyUpdate`, PPO-clip on a
 real model); without one the loop only shapes (see ``docs/trainer.md``).
 """
 
@@ -272,7 +272,7 @@ async def run_trainer(
     at a normal exit; an exception (e.g. ``process_weighted`` meeting a reward outside
     ``[0, 1]``) propagates and leaves the failing batch for redelivery.
 
-    ``update`` is the optimiser step (e.g. :class:`shaper.policy_update.PolicyUpdate`
+    ``update`` is the optimiser step (e.g. :class:`prm_pipeline.demo.policy_update.PolicyUpdate`
     wrapped by the caller): it gets each batch with its shaped advantages and returns
     numbers for the step report; without it the loop shapes and reports only.
 

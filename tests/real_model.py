@@ -28,13 +28,13 @@ def one_torch_thread() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def policy() -> Any:
-    from producers.tiny_model import TinyPolicy
+    from prm_pipeline.demo.tiny_model import TinyPolicy
 
     return TinyPolicy.create()
 
 
 def proxy(seed: int = 0) -> Any:
-    from producers.rollout_proxy import RolloutConfig, RolloutProxy
+    from prm_pipeline.demo.rollout_proxy import RolloutConfig, RolloutProxy
 
     return RolloutProxy(policy(), RolloutConfig(group_size=2, seed=seed))
 

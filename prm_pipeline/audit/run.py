@@ -24,6 +24,7 @@ from prm_pipeline.audit.compare import DEFAULT_TOLERANCE, Tolerance
 from prm_pipeline.audit.replay import AuditError, read_snapshot
 from prm_pipeline.audit.report import _progress, render_summary, write_findings
 from prm_pipeline.audit.rescoring import build_runners
+from scoring_workers.scorers.judge_hosts import judge_hosts_allowed
 
 
 # =========================================================================== running it
@@ -66,7 +67,8 @@ async def audit(
         raise AuditError(f"--from-offsets names {stray}; only {topics.trajectories!r} and {topics.verdicts!r} "
                          "are audited")
     timeout_s = options.timeout_s if options.timeout_s is not None else cfg.worker.scorer_timeout_s
-    scope, runner, owned = await build_runners(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+    with judge_hosts_allowed(cfg.worker.allowed_judge_hosts):  # re-scoring calls judges too
+        scope, runner, owned = await build_runners(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
     try:
         progress = _progress(stderr, options.progress)
         with progress:

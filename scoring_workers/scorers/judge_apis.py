@@ -57,6 +57,7 @@ async def openai_chat(
     include_reasoning: bool = True,
     deadline: float | None = None,
     extra: Mapping[str, Any] | None = None,
+    affinity: str | None = None,
 ) -> str:
     """One OpenAI-compatible ``/v1/chat/completions`` call; returns the answer text.
 
@@ -77,14 +78,14 @@ async def openai_chat(
         payload["top_k"] = top_k
     if extra:
         payload.update(extra)
-    data = await client.post_json("/v1/chat/completions", payload, deadline=deadline)
+    data = await client.post_json("/v1/chat/completions", payload, deadline=deadline, affinity=affinity)
     try:
         message = data["choices"][0]["message"]
         if not isinstance(message, Mapping):
             raise TypeError
     except (KeyError, IndexError, TypeError):
         raise JudgeRequestError(
-            f"{client.base_url}/v1/chat/completions: unexpected response shape: {str(data)[:200]!r}",
+            f"{client.name}/v1/chat/completions: unexpected response shape: {str(data)[:200]!r}",
             kind="bad_response",
         ) from None
     return _answer_text(message, include_reasoning)
@@ -97,6 +98,7 @@ async def sglang_generate_text(
     temperature: float,
     max_new_tokens: int,
     deadline: float | None = None,
+    affinity: str | None = None,
 ) -> str:
     """One SGLang ``/generate`` call on a rendered prompt (OpenClaw-RL's sampling params)."""
     payload = {
@@ -112,7 +114,7 @@ async def sglang_generate_text(
         },
         "return_logprob": False,
     }
-    data = await client.post_json("/generate", payload, deadline=deadline)
+    data = await client.post_json("/generate", payload, deadline=deadline, affinity=affinity)
     raw = data.get("text") if isinstance(data, Mapping) else data
     if isinstance(raw, list):
         raw = raw[0] if raw else ""
@@ -120,7 +122,7 @@ async def sglang_generate_text(
         raw = raw.get("text", "")
     if not isinstance(raw, str):
         raise JudgeRequestError(
-            f"{client.base_url}/generate: unexpected response shape: {str(data)[:200]!r}", kind="bad_response"
+            f"{client.name}/generate: unexpected response shape: {str(data)[:200]!r}", kind="bad_response"
         )
     return raw
 
@@ -131,6 +133,7 @@ async def sglang_input_logprobs(
     *,
     logprob_start_len: int,
     deadline: float | None = None,
+    affinity: str | None = None,
 ) -> list[float | None]:
     """Teacher-force ``input_ids`` through SGLang ``/generate`` (``max_new_tokens=0``) and
     return the log-prob column of ``meta_info.input_token_logprobs`` (one entry per
@@ -141,14 +144,14 @@ async def sglang_input_logprobs(
         "return_logprob": True,
         "logprob_start_len": int(logprob_start_len),
     }
-    data = await client.post_json("/generate", payload, deadline=deadline)
+    data = await client.post_json("/generate", payload, deadline=deadline, affinity=affinity)
     if isinstance(data, list):
         data = data[0] if data else {}
     try:
         rows = data["meta_info"]["input_token_logprobs"]
     except (KeyError, TypeError):
         raise JudgeRequestError(
-            f"{client.base_url}/generate: no meta_info.input_token_logprobs in the answer", kind="bad_response"
+            f"{client.name}/generate: no meta_info.input_token_logprobs in the answer", kind="bad_response"
         ) from None
     out: list[float | None] = []
     for row in rows:
@@ -216,16 +219,21 @@ class JudgeEndpoint:
             chat_template = render_chatml
         self.chat_template = chat_template
 
-    async def complete(self, messages: Sequence[Mapping[str, Any]], *, deadline: float | None = None) -> str:
+    async def complete(
+        self, messages: Sequence[Mapping[str, Any]], *, deadline: float | None = None, affinity: str | None = None
+    ) -> str:
+        """The judge's answer text; ``affinity`` (a session id) keeps one session on one
+        replica of a pool (:meth:`JudgeClient.post_json`)."""
         if self.api == "openai":
             return await openai_chat(
                 self.client, messages, model=self.model, temperature=self.temperature,
                 max_tokens=self.max_tokens, top_p=self.top_p, top_k=self.top_k,
-                include_reasoning=self.include_reasoning, deadline=deadline,
+                include_reasoning=self.include_reasoning, deadline=deadline, affinity=affinity,
             )
         text = self.chat_template(messages)
         if not isinstance(text, str):
             raise TypeError(f"chat_template must return a string, got {type(text).__name__}")
         return await sglang_generate_text(
-            self.client, text, temperature=self.temperature, max_new_tokens=self.max_tokens, deadline=deadline
+            self.client, text, temperature=self.temperature, max_new_tokens=self.max_tokens, deadline=deadline,
+            affinity=affinity,
         )

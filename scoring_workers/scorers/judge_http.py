@@ -17,6 +17,14 @@ logical request is one or more HTTP *attempts*:
 * **Shared limits** (:mod:`scoring_workers.scorers.judge_limits`): the concurrency cap,
   pacing and circuit breaker of the ``base_url``. Any HTTP answer below 500 (including
   4xx/429) proves the server is up and counts as a success for the breaker.
+* **A pool** (several ``base_url`` s, replicas of one judge): every attempt is routed
+  by :func:`~scoring_workers.scorers.judge_pool.choose_endpoint` — the session's
+  rendezvous-preferred endpoint, the least-loaded one when that is overloaded, never
+  one whose breaker is open — and each endpoint has its own shared limits. A failed
+  attempt moves to another available endpoint at once (no backoff: that server is
+  not the one struggling), within the same ``max_retries`` and deadline; there a read
+  timeout or a dropped connection is worth a retry too, because another replica may
+  answer. So a replica that fails or dies costs no vote while another one works.
 
 Transport: :mod:`aiohttp` with one keep-alive connection pool per client, bodies
 encoded and decoded with :mod:`msgspec`. It replaced httpx, whose per-request CPU cost
@@ -32,7 +40,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -42,9 +50,11 @@ import msgspec
 import yarl
 
 from scoring_workers.scorers.judge_errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
+from scoring_workers.scorers.judge_hosts import check_judge_url, endpoint_label
 from scoring_workers.scorers.judge_limits import CircuitBreaker, SharedLimits, acquire_limits, release_limits
+from scoring_workers.scorers.judge_pool import SpillPolicy, choose_endpoint, rendezvous_order
 
-__all__ = ["JudgeClient", "JudgeClientStats"]
+__all__ = ["JudgeClient", "JudgeClientStats", "normalize_base_urls"]
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
@@ -60,6 +70,19 @@ class _Retry(Exception):
         self.retry_after = retry_after
 
 
+class _Failover(_Retry):
+    """Internal: an attempt failed in a way worth retrying on *another* endpoint only
+    (a read timeout, a dropped connection, an open breaker): the same server would
+    likely fail again, a replica may not."""
+
+
+@dataclass(slots=True)
+class _Endpoint:
+    base_url: str
+    label: str  # host:port, for logs and metrics
+    limits: SharedLimits
+
+
 @dataclass(slots=True)
 class JudgeClientStats:
     """Counters of one client (logical requests and HTTP attempts)."""
@@ -71,6 +94,8 @@ class JudgeClientStats:
     retries: int = 0
     timeouts: int = 0
     circuit_rejections: int = 0
+    failovers: int = 0
+    """Retries sent to another endpoint of the pool than the attempt that failed."""
 
 
 def _check_number(name: str, value: Any, *, allow_zero: bool = False) -> float:
@@ -109,7 +134,10 @@ class JudgeClient:
 
     Args:
         base_url: server root, e.g. ``http://judge:30000`` (a trailing ``/v1`` is
-            stripped; paths are absolute: ``/v1/chat/completions``, ``/generate``).
+            stripped; paths are absolute: ``/v1/chat/completions``, ``/generate``),
+            or a sequence of them: a pool of replicas (module docstring). Every URL
+            must pass the enclosing ``worker.allowed_judge_hosts`` check
+            (:func:`~scoring_workers.scorers.judge_hosts.check_judge_url`).
         timeout_s: bound of one HTTP attempt.
         total_timeout_s: bound of one logical request, retries included.
         max_retries: retries after the first attempt (connect errors, 5xx, 429).
@@ -126,13 +154,15 @@ class JudgeClient:
             first one set winning. Keys never come from a trajectory.
         trust_env: let the client read proxy settings from the environment (off:
             judges are cluster-internal and a stray ``HTTP_PROXY`` breaks them).
+        spill_in_flight, spill_ratio: when a pool's preferred endpoint is overloaded
+            (:class:`~scoring_workers.scorers.judge_pool.SpillPolicy`).
         rng: random source for the jitter (tests pass a seeded one).
         clock: clock of a newly registered circuit breaker (tests pass a fake one).
     """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         timeout_s: float = 30.0,
         total_timeout_s: float = 60.0,
@@ -149,12 +179,18 @@ class JudgeClient:
         api_key_env: str | None = None,
         api_key_file: str | None = None,
         trust_env: bool = False,
+        spill_in_flight: int = 16,
+        spill_ratio: float = 1.5,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
-        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        urls = normalize_base_urls(base_url)
+        for url in urls:
+            check_judge_url(url)
+        self.base_urls: tuple[str, ...] = urls
+        self.base_url = urls[0]
+        """The (first) server root; a pool's others are in :attr:`base_urls`."""
+        self.spill = SpillPolicy(spill_in_flight, spill_ratio)
         self.timeout_s = _check_number("timeout_s", timeout_s)
         self.total_timeout_s = _check_number("total_timeout_s", total_timeout_s)
         self.max_retries = _check_count("max_retries", max_retries, 0)
@@ -187,13 +223,36 @@ class JudgeClient:
         self._rng = rng or random.Random()
         self.stats = JudgeClientStats()
         self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[str, yarl.URL] = {}  # path -> parsed base_url + path (a base path prefix is kept)
+        self._urls: dict[str, yarl.URL] = {}  # full URL -> parsed (a base path prefix is kept)
         self._closed = False
-        self.limits: SharedLimits = acquire_limits(self.base_url, requested, clock)  # last: nothing to undo
+        self._turn = 0  # round-robin offset of a pool's ties
+        endpoints: list[_Endpoint] = []
+        try:  # last: nothing else to undo
+            for url in urls:
+                endpoints.append(_Endpoint(url, endpoint_label(url), acquire_limits(url, requested, clock)))
+        except BaseException:
+            for ep in endpoints:
+                release_limits(ep.limits)
+            raise
+        self._endpoints: tuple[_Endpoint, ...] = tuple(endpoints)
+        self.limits: SharedLimits = endpoints[0].limits
+        """The (first) endpoint's shared limits; each pool endpoint has its own."""
 
     @property
     def breaker(self) -> CircuitBreaker:
         return self.limits.breaker
+
+    @property
+    def name(self) -> str:
+        """The server root, or ``pool[host:port, ...]`` for a pool (for messages)."""
+        if len(self._endpoints) == 1:
+            return self.base_url
+        return f"pool[{', '.join(ep.label for ep in self._endpoints)}]"
+
+    @property
+    def endpoint_limits(self) -> tuple[SharedLimits, ...]:
+        """Each endpoint's shared limits, in :attr:`base_urls` order."""
+        return tuple(ep.limits for ep in self._endpoints)
 
     def _http(self) -> aiohttp.ClientSession:
         """The session, opened on first use inside the running loop.
@@ -223,7 +282,8 @@ class JudgeClient:
             if session is not None:
                 await session.close()
         finally:
-            release_limits(self.limits)
+            for ep in self._endpoints:
+                release_limits(ep.limits)
 
     def discard(self) -> None:
         """Synchronous :meth:`aclose` for a client that never sent a request (e.g. its
@@ -233,7 +293,8 @@ class JudgeClient:
         if self._session is not None:
             raise RuntimeError("JudgeClient.discard() after use; await aclose() instead")
         self._closed = True
-        release_limits(self.limits)
+        for ep in self._endpoints:
+            release_limits(ep.limits)
 
     async def __aenter__(self) -> Self:
         return self
@@ -248,14 +309,19 @@ class JudgeClient:
             delay = max(delay, min(retry_after, self.backoff_max_s))
         return delay
 
-    async def post_json(self, path: str, payload: Any, *, deadline: float | None = None) -> Any:
+    async def post_json(
+        self, path: str, payload: Any, *, deadline: float | None = None, affinity: str | None = None
+    ) -> Any:
         """POST ``payload`` as JSON to ``base_url + path`` and return the decoded JSON.
 
         ``deadline`` is an absolute ``loop.time()`` bound on top of ``total_timeout_s``.
+        ``affinity`` (a session id) picks a pool's preferred endpoint; calls with the
+        same key go to the same replica while it is healthy and not overloaded.
 
         Raises:
             JudgeRequestError: (or :class:`JudgeTimeoutError`,
-                :class:`CircuitOpenError`) when the request failed for good.
+                :class:`CircuitOpenError`) when the request failed for good; with a
+                pool, the error of the last endpoint tried.
         """
         loop = asyncio.get_running_loop()
         total_deadline = loop.time() + self.total_timeout_s
@@ -263,21 +329,37 @@ class JudgeClient:
             total_deadline = min(total_deadline, deadline)
         body = _ENCODER.encode(payload)
         self.stats.requests += 1
-        attempts = 0
+        pool = len(self._endpoints) > 1
+        order = rendezvous_order(affinity, self.base_urls) if pool and affinity else None
+        failed: list[int] = []  # pool endpoints that failed this request, in order
+        attempts = retries = 0
         try:
             while True:
                 attempts += 1
+                index = self._route(order, failed) if pool else 0
                 try:
-                    result = await self._attempt(loop, path, body, total_deadline, attempts)
+                    result = await self._attempt(loop, self._endpoints[index], path, body, total_deadline, attempts)
                 except _Retry as retry:
                     error = retry.error
-                    if attempts > self.max_retries:
+                    failed.append(index)
+                    elsewhere = pool and self._alternative(failed)
+                    # A pool endpoint whose breaker closed the door after routing (another
+                    # call took its half-open probe) was sent nothing: moving on is free.
+                    free = elsewhere and isinstance(error, CircuitOpenError)
+                    if not free and retries >= self.max_retries:
                         raise error from None
-                    delay = self._backoff(attempts, retry.retry_after)
+                    if isinstance(retry, _Failover) and not elsewhere:
+                        raise error from None  # only another endpoint could have helped
+                    delay = 0.0 if elsewhere else self._backoff(retries + 1, retry.retry_after)
                     if loop.time() + delay >= total_deadline:
                         raise error from None  # the deadline leaves no room for another attempt
-                    self.stats.retries += 1
-                    await asyncio.sleep(delay)
+                    if not free:
+                        retries += 1
+                        self.stats.retries += 1
+                    if elsewhere:
+                        self.stats.failovers += 1
+                    else:
+                        await asyncio.sleep(delay)
                     continue
                 self.stats.succeeded += 1
                 return result
@@ -290,14 +372,46 @@ class JudgeClient:
                 self.stats.circuit_rejections += 1
             raise
 
+    def _route(self, order: tuple[int, ...] | None, failed: list[int]) -> int:
+        """The pool endpoint for the next attempt (:func:`choose_endpoint`)."""
+        eps = self._endpoints
+        self._turn += 1
+        choice = choose_endpoint(
+            [ep.limits.load for ep in eps], [ep.limits.breaker.admits() for ep in eps], order=order,
+            policy=self.spill, caps=[ep.limits.settings.max_concurrency for ep in eps],
+            latencies=[ep.limits.latency_ewma_s for ep in eps], avoid=failed, start=self._turn,
+        )
+        if choice is None:
+            raise CircuitOpenError(
+                f"{self.name}: every endpoint's circuit breaker is open, failing fast", kind="circuit_open"
+            )
+        index, route = choice
+        eps[index].limits.routed[route] += 1
+        return index
+
+    def _alternative(self, failed: list[int]) -> bool:
+        """Whether an endpoint that has not failed this request admits a call."""
+        return any(i not in failed and ep.limits.breaker.admits() for i, ep in enumerate(self._endpoints))
+
     async def _attempt(
-        self, loop: asyncio.AbstractEventLoop, path: str, body: bytes, total_deadline: float, attempt: int
+        self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, path: str, body: bytes, total_deadline: float,
+        attempt: int,
     ) -> Any:
-        limits = self.limits
+        limits = endpoint.limits
         semaphore, pacer = limits.for_loop(loop)
-        url = self.base_url + path
+        url = endpoint.base_url + path
         if loop.time() >= total_deadline:
             raise JudgeTimeoutError(f"POST {url}: total timeout before attempt {attempt}", kind="timeout")
+        limits.load += 1
+        try:
+            return await self._admitted(loop, limits, semaphore, pacer, url, body, total_deadline)
+        finally:
+            limits.load -= 1
+
+    async def _admitted(
+        self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, semaphore: asyncio.Semaphore,
+        pacer: Any, url: str, body: bytes, total_deadline: float,
+    ) -> Any:
         if semaphore.locked():
             try:
                 async with asyncio.timeout_at(total_deadline):
@@ -318,7 +432,7 @@ class JudgeClient:
                 )
             ticket = limits.breaker.acquire()
             if ticket is None:
-                raise CircuitOpenError(f"POST {url}: circuit breaker open, failing fast", kind="circuit_open")
+                raise _Failover(CircuitOpenError(f"POST {url}: circuit breaker open, failing fast", kind="circuit_open"))
             verdict: bool | None = None
             started = loop.time()
             limits.in_flight += 1
@@ -328,9 +442,9 @@ class JudgeClient:
                 attempt_deadline = min(loop.time() + self.timeout_s, total_deadline)
                 budget = attempt_deadline - loop.time()
                 http = self._http()
-                target = self._urls.get(path)
+                target = self._urls.get(url)
                 if target is None:
-                    target = self._urls[path] = yarl.URL(url)
+                    target = self._urls[url] = yarl.URL(url)
                 try:
                     async with asyncio.timeout_at(attempt_deadline):
                         async with http.post(target, data=body, headers=_JSON_HEADERS) as response:
@@ -342,7 +456,7 @@ class JudgeClient:
                     error = JudgeTimeoutError(f"POST {url}: no answer within {budget:.3g}s", kind="timeout")
                     if self.retry_on_timeout:
                         raise _Retry(error) from None
-                    raise error from None
+                    raise _Failover(error) from None
                 except aiohttp.ClientConnectorError as exc:
                     verdict = False
                     raise _Retry(
@@ -350,7 +464,9 @@ class JudgeClient:
                     ) from None
                 except (aiohttp.ClientError, OSError) as exc:
                     verdict = False
-                    raise JudgeRequestError(f"POST {url}: {type(exc).__name__}: {exc}", kind="transport") from None
+                    raise _Failover(
+                        JudgeRequestError(f"POST {url}: {type(exc).__name__}: {exc}", kind="transport")
+                    ) from None
                 verdict = status < 500
                 if status >= 500 or status == 429:
                     raise _Retry(
@@ -374,6 +490,29 @@ class JudgeClient:
             finally:
                 limits.in_flight -= 1
                 limits.breaker.record(ticket, verdict)
-                limits.observe(loop.time() - started, failed=verdict is False)
+                took = loop.time() - started
+                limits.observe(took, failed=verdict is False)
+                if verdict:
+                    limits.answered(took)
         finally:
             semaphore.release()
+
+
+def normalize_base_urls(base_url: str | Sequence[str]) -> tuple[str, ...]:
+    """One server root or a pool's list as normalized roots (trailing ``/`` and ``/v1``
+    stripped), checked: http(s) URLs, at least one, none twice."""
+    if isinstance(base_url, str):
+        raw: list[Any] = [base_url]
+    elif isinstance(base_url, Sequence) and base_url:
+        raw = list(base_url)
+    else:
+        raise ValueError(f"base_url must be an http(s) URL or a non-empty list of them, got {base_url!r}")
+    urls: list[str] = []
+    for item in raw:
+        if not isinstance(item, str) or not item.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {item!r}")
+        url = item.rstrip("/").removesuffix("/v1")
+        if url in urls:
+            raise ValueError(f"judge pool lists {endpoint_label(url)} twice; list each replica once")
+        urls.append(url)
+    return tuple(urls)

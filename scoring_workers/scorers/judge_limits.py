@@ -21,6 +21,7 @@ import math
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,18 @@ class CircuitBreaker:
     @property
     def consecutive_failures(self) -> int:
         return self._failures
+
+    def admits(self) -> bool:
+        """Whether :meth:`acquire` would grant an attempt now, without taking a probe slot.
+
+        What a judge pool routes by: an open breaker (reset timeout not yet elapsed) or a
+        half-open one whose probe is already out is skipped."""
+        with self._lock:
+            if self._state == self.OPEN:
+                return self._clock() - self._opened_at >= self.reset_timeout_s
+            if self._state == self.HALF_OPEN:
+                return self._probes < self.half_open_max_calls
+            return True
 
     def acquire(self) -> _Ticket | None:
         """Permission for one attempt, or ``None`` to fail fast."""
@@ -182,7 +195,11 @@ class SharedLimits:
 
     Holds the circuit breaker and, per event loop, the concurrency semaphore and the
     rate pacer (asyncio primitives are bound to one loop). ``in_flight`` /
-    ``max_in_flight`` count attempts currently on the wire (client side).
+    ``max_in_flight`` count attempts currently on the wire (client side); ``load``
+    counts attempts routed here and not finished (waiting for a slot or pacing, or on
+    the wire) — what a judge pool compares to find the least-loaded endpoint — and
+    ``routed`` how pool requests were routed here (``affinity``, ``detour``, ``spill``,
+    ``failover``, ``balanced``; :mod:`scoring_workers.scorers.judge_pool`).
     """
 
     def __init__(self, key: str, settings: _LimitSettings, clock: Callable[[], float]) -> None:
@@ -194,6 +211,9 @@ class SharedLimits:
         self.refs = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.load = 0
+        self.routed: Counter[str] = Counter()
+        self.latency_ewma_s: float | None = None  # answered attempts; what a pool weighs the load by
         # attempts on the wire, for the workers' metrics (scoring_workers/judge_metrics.py)
         self.attempts = 0
         self.failed_attempts = 0  # those the breaker counts as failures (timeouts, connect errors, 5xx)
@@ -211,6 +231,11 @@ class SharedLimits:
             if seconds <= bound:
                 self.latency_buckets[i] += 1
 
+    def answered(self, seconds: float) -> None:
+        """An attempt the server answered (any status below 500): update the latency EWMA."""
+        ewma = self.latency_ewma_s
+        self.latency_ewma_s = seconds if ewma is None else ewma + _EWMA_ALPHA * (seconds - ewma)
+
     def for_loop(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Semaphore, _Pacer | None]:
         entry = self._per_loop.get(loop)
         if entry is None:
@@ -219,6 +244,8 @@ class SharedLimits:
             self._per_loop[loop] = entry
         return entry
 
+
+_EWMA_ALPHA = 0.2  # weight of the newest answer: about the last ten answers count
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -80,7 +80,7 @@ from scoring_workers.scorers.judge import (
 from scoring_workers.scorers.judge_apis import sglang_input_logprobs
 from scoring_workers.scorers.judge_errors import JudgeRequestError
 from scoring_workers.scorers.judge_http import JudgeClient
-from scoring_workers.scorers.openclaw import JudgeScorerBase, JudgeScorerResult, _obs
+from scoring_workers.scorers.openclaw import JudgeScorerBase, JudgeScorerResult, _judge_urls, _obs, _session_key
 
 __all__ = ["MissingLogprobsError", "OPDTeacherScorer", "hf_chat_tokenizer"]
 
@@ -113,7 +113,8 @@ class OPDTeacherScorer(JudgeScorerBase):
 
     Extra kwargs beyond :class:`~scoring_workers.scorers.openclaw.JudgeScorerBase`:
     ``teacher_base_url`` (default ``base_url``: the same SGLang server, as in
-    OpenClaw-RL), ``tokenizer`` (``"remote"``, ``"module:callable"`` or
+    OpenClaw-RL) or ``teacher_base_urls`` (a pool of teacher replicas, routed like the
+    judge's: a session's teacher calls go to one replica), ``tokenizer (``"remote"``, ``"module:callable"`` or
     ``"hf:<path>"``; see the module docstring), ``tokenize_path`` (default
     ``/tokenize``).
 
@@ -131,6 +132,7 @@ class OPDTeacherScorer(JudgeScorerBase):
         enabled: bool = True,
         *,
         teacher_base_url: str | None = None,
+        teacher_base_urls: Sequence[str] | None = None,
         tokenizer: Any = "remote",
         tokenize_path: str = "/tokenize",
         **kwargs: Any,
@@ -143,18 +145,19 @@ class OPDTeacherScorer(JudgeScorerBase):
             tokenize_fn = None
         else:
             tokenize_fn = resolve_callable(tokenizer, "tokenizer")
+        teacher_urls = _judge_urls(self.name, "teacher_base_url", teacher_base_url, teacher_base_urls, required=False)
         super().__init__(weight, enabled, **kwargs)
         try:
-            self.teacher: JudgeClient = (
-                self.client if teacher_base_url is None else self._new_client(teacher_base_url)
-            )
+            self.teacher: JudgeClient = self.client if teacher_urls is None else self._new_client(teacher_urls)
         except BaseException:
             self._release_unopened()
             raise
         self._tokenize_fn = tokenize_fn
         self.tokenize_path = tokenize_path
 
-    async def _prompt_ids(self, messages: list[dict[str, Any]], deadline: float | None) -> list[int]:
+    async def _prompt_ids(
+        self, messages: list[dict[str, Any]], deadline: float | None, affinity: str | None = None
+    ) -> list[int]:
         if self._tokenize_fn is not None:
             ids = self._tokenize_fn(messages)
             if inspect.isawaitable(ids):
@@ -163,12 +166,12 @@ class OPDTeacherScorer(JudgeScorerBase):
             data = await self.teacher.post_json(
                 self.tokenize_path,
                 {"model": self.endpoint.model, "messages": messages, "add_generation_prompt": True},
-                deadline=deadline,
+                deadline=deadline, affinity=affinity,
             )
             ids = data.get("tokens") if isinstance(data, Mapping) else None
             if ids is None:
                 raise JudgeRequestError(
-                    f"{self.teacher.base_url}{self.tokenize_path}: answer has no 'tokens'", kind="bad_response"
+                    f"{self.teacher.name}{self.tokenize_path}: answer has no 'tokens'", kind="bad_response"
                 )
         ids = [int(t) for t in ids]
         if not ids:
@@ -176,13 +179,14 @@ class OPDTeacherScorer(JudgeScorerBase):
         return ids
 
     async def _teacher_logprobs(
-        self, messages: list[dict[str, Any]], output_tokens: np.ndarray, deadline: float | None
+        self, messages: list[dict[str, Any]], output_tokens: np.ndarray, deadline: float | None,
+        affinity: str | None = None,
     ) -> np.ndarray:
-        prompt = await self._prompt_ids(messages, deadline)
+        prompt = await self._prompt_ids(messages, deadline, affinity)
         n = int(output_tokens.shape[0])
         rows = await sglang_input_logprobs(
             self.teacher, [*prompt, *output_tokens.tolist()],
-            logprob_start_len=max(0, len(prompt) - 1), deadline=deadline,
+            logprob_start_len=max(0, len(prompt) - 1), deadline=deadline, affinity=affinity,
         )
         if len(rows) < n:
             raise JudgeRequestError(
@@ -229,9 +233,10 @@ class OPDTeacherScorer(JudgeScorerBase):
                            audit={"hint": "", "votes": ""})
         messages = build_hint_judge_messages(self.response_text(interaction), state.text, state.role)
         deadline = self._deadline()
+        session = _session_key(ctx)
 
         async def vote(_i: int) -> tuple[Vote, str]:
-            text, error = await self._ask(messages, deadline)
+            text, error = await self._ask(messages, deadline, session)
             if text is None:
                 return Vote(None, None, error), ""
             score, hint = parse_hint_judgement(text)
@@ -261,7 +266,7 @@ class OPDTeacherScorer(JudgeScorerBase):
         try:
             teacher_lp = await self._teacher_logprobs(
                 normalize_template_messages(append_hint_to_messages(interaction.messages, hint)),
-                response.output_tokens, deadline
+                response.output_tokens, deadline, session
             )
         except JudgeRequestError as exc:
             self.counters["judge_failed"] += 1

@@ -33,6 +33,9 @@ Config (``kwargs`` of the scorer entry)::
     weight: 1.0
     kwargs:
       base_url: http://judge:30000      # server root
+      # base_urls: [http://judge-0:30000, http://judge-1:30000]   # or a pool of replicas
+      # spill_in_flight: 16             # pool: spill a session's call when its replica has this many
+      # spill_ratio: 1.5                #   more unfinished calls than the least-loaded, and 1.5x as many
       api: openai                       # or sglang (/generate on a ChatML prompt)
       model: qwen3-8b
       temperature: 0.6
@@ -95,7 +98,7 @@ from scoring_workers.scorers.judge import (
 )
 from scoring_workers.scorers.judge_apis import JudgeEndpoint
 from scoring_workers.scorers.judge_errors import JudgeRequestError
-from scoring_workers.scorers.judge_http import JudgeClient
+from scoring_workers.scorers.judge_http import JudgeClient, normalize_base_urls
 from scoring_workers.scorers.policy_tokenizer import load_policy_decoder
 
 __all__ = ["JudgeScorerBase", "JudgeScorerResult", "OpenClawJudgeScorer"]
@@ -138,6 +141,35 @@ def _vote_label(vote: Vote) -> str:
     return "invalid" if vote.score is None else str(vote.score)
 
 
+def _judge_urls(
+    scorer: str, key: str, url: str | None, urls: Sequence[str] | None, *, required: bool
+) -> str | tuple[str, ...] | None:
+    """``<key>`` (one server) or ``<key>s`` (a pool): exactly one of them (or neither
+    when not ``required``), checked as the client will use them."""
+    if url is not None and urls is not None:
+        raise ValueError(f"scorer {scorer!r}: set {key} (one server) or {key}s (a pool), not both")
+    if urls is not None:
+        if isinstance(urls, str) or not isinstance(urls, Sequence) or not urls:
+            raise ValueError(f"scorer {scorer!r}: {key}s must be a non-empty list of URLs, got {urls!r}")
+        try:
+            return normalize_base_urls(urls)
+        except ValueError as exc:
+            raise ValueError(f"scorer {scorer!r}: {key}s: {exc}") from None
+    if url is None:
+        if required:
+            raise TypeError(f"scorer {scorer!r}: needs {key} (one judge server) or {key}s (a pool of replicas)")
+        return None
+    if not isinstance(url, str):
+        raise ValueError(f"scorer {scorer!r}: {key} must be one URL (a pool goes in {key}s), got {url!r}")
+    return url
+
+
+def _session_key(ctx: Mapping[str, Any]) -> str | None:
+    """The affinity key of a trajectory's judge calls: its session id (None: balanced)."""
+    session = ctx.get("session_id")
+    return session if isinstance(session, str) and session else None
+
+
 class JudgeScorerBase(BaseScorer):
     """Shared plumbing of the judge scorers: configuration, the owned
     :class:`JudgeClient` / :class:`JudgeEndpoint`, next-state lookup, the judged
@@ -146,14 +178,21 @@ class JudgeScorerBase(BaseScorer):
     ``next_state`` (default ``"last"``, OpenClaw-RL's rule) or ``"first"``: the first
     ``user``/``tool`` message after the output (system/developer skipped). With
     ``"first"``, ``merge_tool_results: true`` joins a run of consecutive ``tool``
-    messages into one next state (parallel tool calls)."""
+    messages into one next state (parallel tool calls).
+
+    ``base_url`` names one judge server; ``base_urls`` (instead) a pool of replicas of
+    the same judge: each call goes to the session's preferred replica (rendezvous
+    hashing on ``ctx["session_id"]``), spills to the least-loaded one when that is
+    overloaded (``spill_in_flight``, ``spill_ratio``), skips replicas whose breaker is
+    open and retries a failed call on another replica (docs/judge.md, "Judge pool")."""
 
     def __init__(
         self,
         weight: float = 1.0,
         enabled: bool = True,
         *,
-        base_url: str,
+        base_url: str | None = None,
+        base_urls: Sequence[str] | None = None,
         api: str = "openai",
         model: str = "default",
         temperature: float = 0.6,
@@ -181,9 +220,12 @@ class JudgeScorerBase(BaseScorer):
         chat_template: Any = None,
         audit_sink: Any = None,
         merge_tool_results: bool = False,
+        spill_in_flight: int = 16,
+        spill_ratio: float = 1.5,
     ) -> None:
         super().__init__(weight=weight, enabled=enabled)
         name = self.name
+        urls = _judge_urls(name, "base_url", base_url, base_urls, required=True)
         if not isinstance(merge_tool_results, bool):
             raise TypeError(f"scorer {name!r}: merge_tool_results must be a bool, got {merge_tool_results!r}")
         self.merge_tool_results = merge_tool_results
@@ -223,9 +265,10 @@ class JudgeScorerBase(BaseScorer):
             "backoff_base_s": backoff_base_s, "backoff_max_s": backoff_max_s, "max_concurrency": max_concurrency,
             "rps": rps, "breaker_failure_threshold": breaker_failure_threshold, "breaker_reset_s": breaker_reset_s,
             "api_key_env": api_key_env, "api_key_file": api_key_file, "headers": headers,
+            "spill_in_flight": spill_in_flight, "spill_ratio": spill_ratio,
         }
         self._clients: list[JudgeClient] = []
-        client = self._new_client(base_url)
+        client = self._new_client(urls)
         try:
             self.endpoint = JudgeEndpoint(
                 client, api=api, model=model, temperature=temperature, max_tokens=max_tokens,
@@ -243,9 +286,10 @@ class JudgeScorerBase(BaseScorer):
         return self.endpoint.temperature == 0
 
     # ------------------------------------------------------------------ clients
-    def _new_client(self, base_url: str) -> JudgeClient:
+    def _new_client(self, base_url: str | Sequence[str]) -> JudgeClient:
+        urls = normalize_base_urls(base_url)
         for client in self._clients:
-            if client.base_url == base_url.rstrip("/").removesuffix("/v1"):
+            if client.base_urls == urls:
                 return client
         client = JudgeClient(base_url, **self._client_options)
         self._clients.append(client)
@@ -312,10 +356,13 @@ class JudgeScorerBase(BaseScorer):
             )
         return conversation
 
-    async def _ask(self, messages: Sequence[Mapping[str, Any]], deadline: float | None) -> tuple[str | None, str | None]:
-        """One judge call: ``(text, None)`` or ``(None, error description)``."""
+    async def _ask(
+        self, messages: Sequence[Mapping[str, Any]], deadline: float | None, affinity: str | None = None
+    ) -> tuple[str | None, str | None]:
+        """One judge call: ``(text, None)`` or ``(None, error description)``. ``affinity``
+        (the session id) keeps a session's calls on one replica of a pool."""
         try:
-            return await self.endpoint.complete(messages, deadline=deadline), None
+            return await self.endpoint.complete(messages, deadline=deadline, affinity=affinity), None
         except JudgeRequestError as exc:
             return None, f"{exc.kind}: {exc}"
 
@@ -406,9 +453,10 @@ class OpenClawJudgeScorer(JudgeScorerBase):
             )
         messages = build_prm_judge_messages(self.response_text(interaction), state.text, state.role)
         deadline = self._deadline()
+        session = _session_key(ctx)
 
         async def request(_i: int) -> Vote:
-            text, error = await self._ask(messages, deadline)
+            text, error = await self._ask(messages, deadline, session)
             return Vote(None if text is None else parse_boxed_score(text), text, error)
 
         result = await run_votes(request, self.m, adaptive=self.adaptive, max_votes=self.max_votes)

@@ -133,7 +133,7 @@ async def test_node_sends_the_compact_form_of_the_golden_vector(node: str, tmp_p
 
 async def test_node_chunks_a_session_over_the_record_limit(node: str, tmp_path: Path) -> None:
     from infra.chunks import ChunkAssembler, reassembled
-    from producers.synthetic import make_agent_session
+    from prm_pipeline.demo.synthetic import make_agent_session
 
     full = make_agent_session(trajectory_id="node-long/t0", session_id="node-long/s0", group_id="node-long",
                               turns=12, context_tokens=6_000, output_tokens=50)

@@ -38,7 +38,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from infra.config import PipelineConfig, PRMScorerConfig
-from prm_pipeline.processes import write_config
+from prm_pipeline.demo.processes import write_config
 from tests.integration.harness import TEST_SCORER_MODULES, isolated_config, worker_processes
 from tests.integration.test_gateway import gateway
 

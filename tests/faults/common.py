@@ -352,7 +352,7 @@ class PacedLoad:
                         log.warning("wave %d not acknowledged (%r); publishing it again", i // self.wave, exc)
                         if pub is not None:
                             with contextlib.suppress(Exception):
-                                await pub.stop()
+                                await pub.aclose()
                             pub = None
                         await asyncio.sleep(0.2)  # back-off before reconnecting, not a sync point
                 self.records_sent += len(messages)
@@ -361,7 +361,7 @@ class PacedLoad:
         finally:
             if pub is not None:
                 with contextlib.suppress(Exception):
-                    await pub.stop()
+                    await pub.aclose()
 
 
 # --------------------------------------------------------------------------- verdict checks

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from infra.schema import KIND_HEADER, SCHEMA_HEADER
-from producers.synthetic import make_session
+from prm_pipeline.demo.synthetic import make_session
 
 Headers = list[tuple[str, bytes]]
 READY_HEADERS: Headers = [(SCHEMA_HEADER, b"1"), (KIND_HEADER, b"ready")]

@@ -21,8 +21,8 @@ import pytest
 from infra.config import WorkerConfig
 from infra.kafka import ensure_topics
 from infra.schema import SessionResult
+from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group
 from scoring_workers.ledger import GroupLedger
 from scoring_workers.verdicts import encode_scorers
 from scoring_workers.worker import Worker

@@ -26,8 +26,8 @@ import pytest
 from infra.config import PRMScorerConfig
 from infra.kafka import ensure_topics, make_producer
 from infra.schema import dead_letter_from_record
+from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group
 from tests.faults.common import (
     FaultWorkers,
     check_verdicts,

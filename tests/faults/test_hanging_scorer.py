@@ -19,8 +19,8 @@ import pytest
 
 from infra.config import PRMScorerConfig
 from infra.kafka import ensure_topics
+from prm_pipeline.demo.synthetic import make_session
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_session
 from tests.faults.common import (
     FaultWorkers,
     check_verdicts,

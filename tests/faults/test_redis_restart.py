@@ -24,7 +24,7 @@ import pytest
 from infra.config import PRMScorerConfig, RedisConfig, WorkerConfig
 from infra.kafka import ensure_topics
 from infra.redis import make_redis
-from producers.synthetic import workload
+from prm_pipeline.demo.synthetic import workload
 from tests.faults.common import (
     FaultWorkers,
     PacedLoad,

@@ -19,7 +19,7 @@ import pytest
 
 from infra.config import PRMScorerConfig, WorkerConfig
 from infra.kafka import ensure_topics
-from producers.synthetic import workload
+from prm_pipeline.demo.synthetic import workload
 from tests.faults.common import (
     FaultWorkers,
     PacedLoad,

@@ -24,7 +24,7 @@ from infra.config import (
 from infra.kafka import assign_from_start, ensure_topics, make_consumer
 from infra.local import LOCAL_BROKER_CLIENT
 from infra.schema import GroupVerdict, decode_verdict
-from prm_pipeline.processes import WorkerProcesses, write_config
+from prm_pipeline.demo.processes import WorkerProcesses, write_config
 
 TEST_SCORER_MODULES = ["scoring_workers.scorers", "tests.scorers"]
 

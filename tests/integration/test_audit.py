@@ -26,9 +26,9 @@ from infra.config import (
 from infra.kafka import make_producer
 from infra.schema import TokenRewards, encode
 from prm_pipeline.audit import AuditOptions, add_audit_parser, audit
+from prm_pipeline.demo.synthetic import make_group, make_session
 from prm_pipeline.verdict_dump import _dump, parse_time
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group, make_session
 from tests.integration.harness import (
     isolated_config,
     read_topic,

@@ -17,8 +17,8 @@ import pytest
 from infra import jsonl
 from infra.config import ActorConfig, AgentConfig, PRMConfig, PRMScorerConfig, RolloutConfig, load_config
 from infra.kafka import ensure_topics
-from prm_pipeline.processes import write_config
-from producers.synthetic import make_group
+from prm_pipeline.demo.processes import write_config
+from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.worker import Worker
 
 pytestmark = pytest.mark.integration

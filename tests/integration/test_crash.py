@@ -20,8 +20,8 @@ from infra.config import (
 )
 from infra.kafka import ensure_topics, make_consumer
 from infra.schema import decode_verdict
+from prm_pipeline.demo.synthetic import workload
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import workload
 from tests.integration.harness import WorkerProcesses, isolated_config, read_topic, write_config
 
 pytestmark = pytest.mark.integration

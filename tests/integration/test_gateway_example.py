@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from infra.config import PipelineConfig, load_config
-from prm_pipeline.processes import write_config
+from prm_pipeline.demo.processes import write_config
 from tests.integration.harness import worker_processes
 from tests.integration.test_gateway import post
 

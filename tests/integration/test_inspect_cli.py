@@ -14,7 +14,7 @@ import pytest
 
 from infra.config import load_config
 from infra.kafka import ensure_topics
-from prm_pipeline.processes import write_config
+from prm_pipeline.demo.processes import write_config
 from scoring_workers.worker import Worker
 
 pytestmark = pytest.mark.integration

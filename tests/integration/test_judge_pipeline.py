@@ -37,7 +37,7 @@ from infra.config import (
     PRMScorerConfig,
 )
 from infra.schema import GroupVerdict, Interaction, ModelResponse, ReadyTrajectory, decode_verdict
-from prm_pipeline.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from producers.publisher import TrajectoryPublisher
 from shaper import apply_exclusion, build_training_batch
 from tests.integration.harness import isolated_config, read_topic, wait_for_verdicts, worker_processes

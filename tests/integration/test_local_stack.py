@@ -17,7 +17,7 @@ from infra.kafka import MessageTooLarge, check_size, ensure_topics, make_consume
 from infra.local import LocalStack, LocalStackError
 from infra.redis import make_redis
 from infra.schema import decode_message, encode
-from producers.synthetic import make_group
+from prm_pipeline.demo.synthetic import make_group
 
 pytestmark = pytest.mark.integration
 

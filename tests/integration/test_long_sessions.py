@@ -24,8 +24,8 @@ from infra.chunks import to_records
 from infra.config import PipelineConfig, PRMScorerConfig
 from infra.kafka import make_consumer, make_producer
 from infra.schema import ReadyTrajectory, dead_letter_from_record, expand_turns
+from prm_pipeline.demo.synthetic import make_agent_session
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_agent_session
 from tests.integration.harness import isolated_config, read_topic, running_worker, wait_for_verdicts
 from tests.scorers import token_echo_rewards
 
@@ -207,7 +207,7 @@ async def test_publish_refuses_a_session_over_every_limit_in_one_line_before_sen
 
     from infra import jsonl
     from infra.kafka import ensure_topics
-    from prm_pipeline.processes import write_config
+    from prm_pipeline.demo.processes import write_config
 
     cfg = isolated_config(f"pubcli-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url,
                           kafka={"max_message_bytes": 1024})

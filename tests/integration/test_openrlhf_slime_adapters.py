@@ -27,7 +27,7 @@ import pytest
 
 from infra.config import PipelineConfig, PRMScorerConfig
 from infra.kafka import ensure_topics
-from prm_pipeline.processes import write_config
+from prm_pipeline.demo.processes import write_config
 from shaper.integrations import openrlhf_reward, slime_rm
 from tests.integration.harness import TEST_SCORER_MODULES, isolated_config, running_worker
 

@@ -18,8 +18,8 @@ from infra.config import (
 )
 from infra.kafka import make_producer
 from infra.schema import dead_letter_from_record, encode
+from prm_pipeline.demo.synthetic import make_group, make_session
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group, make_session
 from tests.integration.harness import isolated_config, read_topic, wait_for_verdicts, worker_processes
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,8 @@ from infra import jsonl
 from infra.config import ActorConfig, AgentConfig, PRMConfig, PRMScorerConfig, RolloutConfig, TrainerConfig
 from infra.kafka import ensure_topics
 from infra.schema import GroupVerdict
-from prm_pipeline.processes import write_config
-from producers.synthetic import make_group
+from prm_pipeline.demo.processes import write_config
+from prm_pipeline.demo.synthetic import make_group
 from tests.integration.harness import running_worker, wait_for_verdicts
 from tests.integration.test_verdict_consumer import publish
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 
 from infra.config import load_config
+from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group
 from tests.integration.harness import read_topic
 
 pytestmark = pytest.mark.integration

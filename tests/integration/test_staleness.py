@@ -16,8 +16,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from infra.config import PipelineConfig, TrainerConfig
+from prm_pipeline.demo.synthetic import make_session
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_session
 from shaper import VerdictConsumer
 from shaper.telemetry import TrainerTelemetry
 from tests.integration.harness import running_worker, wait_for_verdicts

@@ -26,11 +26,11 @@ import pytest
 from infra.config import PipelineConfig, PRMScorerConfig, RedisConfig
 from infra.kafka import ensure_topics
 from infra.schema import SessionResult
-from prm_pipeline.processes import WorkerProcesses, write_config
+from prm_pipeline.demo.processes import WorkerProcesses, write_config
+from prm_pipeline.demo.synthetic import make_session
 from prm_pipeline.status.collect import ledger_summary
 from prm_pipeline.status.report import StatusReport, assess
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_session
 from scoring_workers.heartbeat import ALIVE_S
 from scoring_workers.ledger import GroupLedger
 from tests.integration.harness import isolated_config, wait_for_verdicts

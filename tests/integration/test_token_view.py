@@ -10,7 +10,7 @@ import pytest
 
 from infra.config import PipelineConfig
 from infra.kafka import ensure_topics
-from prm_pipeline.processes import write_config
+from prm_pipeline.demo.processes import write_config
 from prm_pipeline.token_view import cmd_inspect
 from tests import real_model
 from tests.integration.test_verdict_consumer import publish

@@ -13,8 +13,8 @@ import pytest
 from infra.config import PipelineConfig, PRMScorerConfig
 from infra.kafka import ensure_topics
 from infra.schema import ReadyTrajectory, compact_turns
+from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group
 from scoring_workers.ledger import GroupLedger, decode_parked
 from tests.integration.harness import isolated_config, running_worker, wait_for_verdicts
 

@@ -141,7 +141,7 @@ async def test_redelivery_is_deduplicated_by_the_same_instance(pipeline_config, 
     # Same instance, restarted: Kafka redelivers both, the seen-set drops them.
     await first.start()
     await drain_until(first, "verdicts/duplicate", 2)
-    await first.close(commit=False)
+    await first.aclose(commit=False)
 
     # A fresh instance without a durable store: unacknowledged work comes back
     # (at-least-once); acknowledging it commits the offsets.
@@ -150,7 +150,7 @@ async def test_redelivery_is_deduplicated_by_the_same_instance(pipeline_config, 
     again = await collect(second, 2)
     assert groups_of(again) == ["g1", "g2"]
     await second.commit()
-    await second.close(commit=False)
+    await second.aclose(commit=False)
 
     # Committed: a third consumer in the group sees nothing.
     async with VerdictConsumer(cfg) as third:
@@ -167,7 +167,7 @@ async def test_asking_for_the_next_batch_acknowledges_the_previous(pipeline_conf
     await consumer.start()
     first = await collect(consumer, 1)
     second = await collect(consumer, 1)  # acknowledges `first`, hands out `second`
-    await consumer.close(commit=False)  # crash while training on `second`
+    await consumer.aclose(commit=False)  # crash while training on `second`
     assert len(first) == len(second) == 1
 
     async with VerdictConsumer(cfg) as restarted:

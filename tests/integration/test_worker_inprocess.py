@@ -12,8 +12,8 @@ import pytest
 
 from infra.config import ActorConfig, AgentConfig, ConfigError, PipelineConfig, PRMConfig, PRMScorerConfig, RolloutConfig
 from infra.kafka import ensure_topics
+from prm_pipeline.demo.synthetic import make_group, make_session
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group, make_session
 from scoring_workers.worker import Worker
 from tests.integration.harness import wait_for_verdicts
 

@@ -23,8 +23,8 @@ import pytest
 from infra.config import PipelineConfig, PRMScorerConfig
 from infra.kafka import ensure_topics, make_producer, record_size
 from infra.schema import GroupVerdict, SessionResult, dead_letter_from_record, encode
+from prm_pipeline.demo.synthetic import make_group, make_session
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group, make_session
 from scoring_workers.ledger import GroupLedger
 from tests.integration.harness import isolated_config, read_topic, running_worker, wait_for_verdicts
 

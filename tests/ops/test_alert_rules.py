@@ -30,7 +30,7 @@ class Case:
 
 LAG = 'prm_pipeline_consumer_lag{role="workers",group="prm-scoring-workers",topic="prm.trajectories",partition="%d"}'
 LAG_LABELS = {"role": "workers", "group": "prm-scoring-workers", "topic": "prm.trajectories"}
-JUDGE = 'prm_judge_breaker_open{endpoint="http://judge:30000",state="%s",instance="w0:9108"}'
+JUDGE = 'prm_judge_breaker_open{endpoint="judge:30000",state="%s",instance="w0:9108"}'
 
 CASES = [
     Case("PrmConsumerLagGrowing", True, {LAG % 0: "0+10x40", LAG % 1: "5x40"}, "20m", LAG_LABELS),
@@ -55,7 +55,7 @@ CASES = [
     Case("PrmRejectedShareHigh", False, {'prm_worker_verdicts_total{status="rejected",reason="missing_sessions"}': "0+1x40",
                                          'prm_worker_verdicts_total{status="accepted",reason=""}': "0+9x40"}, "30m"),
     Case("PrmRejectedShareHigh", False, {'prm_worker_verdicts_total{status="accepted",reason=""}': "0+9x40"}, "30m"),
-    Case("PrmJudgeBreakerOpen", True, {JUDGE % "open": "1x10"}, "5m", {"endpoint": "http://judge:30000"}),
+    Case("PrmJudgeBreakerOpen", True, {JUDGE % "open": "1x10"}, "5m", {"endpoint": "judge:30000"}),
     Case("PrmJudgeBreakerOpen", False, {JUDGE % "closed": "0x10"}, "5m"),
     Case("PrmRedisMemoryNearMax", True, {'prm_pipeline_redis_used_memory_bytes{node="redis"}': "900x10",
                                          'prm_pipeline_redis_maxmemory_bytes{node="redis"}': "1000x10"}, "7m",

@@ -38,8 +38,8 @@ from infra.local import free_port
 from infra.monitoring.__main__ import RULES
 from infra.monitoring.alerts import ALERTS
 from infra.monitoring.dashboard import PANELS
-from prm_pipeline.fake_judge import FakeJudgeServer
-from prm_pipeline.processes import write_config
+from prm_pipeline.demo.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.processes import write_config
 from producers.publisher import TrajectoryPublisher
 from shaper.trainer import run_trainer
 from tests.integration.harness import isolated_config

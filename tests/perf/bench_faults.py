@@ -43,8 +43,8 @@ from infra.config import (
 from infra.kafka import assign_from_start, ensure_topics, make_consumer, make_producer, record_size
 from infra.local import LOCAL_BROKER_CLIENT, LocalStack
 from infra.schema import GroupVerdict, dead_letter_from_record, decode_verdict, encode
-from prm_pipeline.processes import WorkerProcesses, write_config
-from producers.synthetic import make_group
+from prm_pipeline.demo.processes import WorkerProcesses, write_config
+from prm_pipeline.demo.synthetic import make_group
 from tests.faults.malformed import READY_HEADERS, Case, Expect, draw_cases
 
 LIMIT = 1_048_576  # kafka.max_message_bytes (the default) == worker.dead_letter_max_bytes (the default)

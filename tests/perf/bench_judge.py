@@ -1,6 +1,6 @@
 """Benchmark the OpenClaw judge scorer against the fake judge: throughput and calls/turn.
 
-A :class:`~prm_pipeline.fake_judge.FakeJudgeServer` answers every request
+A :class:`~prm_pipeline.demo.fake_judge.FakeJudgeServer` answers every request
 after ``--latency-ms`` (default 50 ms). ``--turns`` turns are scored with at most
 ``--concurrency`` C turns in flight, once with OpenClaw-RL's fixed ``m = 3`` votes and
 once with adaptive voting. Each turn's three votes are scripted: each vote equals the
@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterator
 
 from infra.schema import Interaction, ModelResponse
-from prm_pipeline.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from scoring_workers.scorers.judge_http import JudgeClient
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 
@@ -124,7 +124,7 @@ def _judge_process(latency_ms: float, in_process: bool) -> Iterator[tuple[str, i
             yield server.base_url, None
         return
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prm_pipeline.fake_judge", "--port", "0", "--latency-ms", str(latency_ms)],
+        [sys.executable, "-m", "prm_pipeline.demo.fake_judge", "--port", "0", "--latency-ms", str(latency_ms)],
         stdout=subprocess.PIPE, text=True,
     )
     try:

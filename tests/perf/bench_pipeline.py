@@ -44,10 +44,10 @@ from infra.config import (
 from infra.kafka import ensure_topics, make_consumer, make_producer
 from infra.local import LOCAL_BROKER_CLIENT, LocalStack
 from infra.schema import GroupVerdict, ReadyTrajectory, decode_verdict, encode
+from prm_pipeline.demo.processes import WorkerProcesses, write_config
+from prm_pipeline.demo.synthetic import make_group
 from prm_pipeline.observe import VerdictTail
-from prm_pipeline.processes import WorkerProcesses, write_config
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group
 
 
 def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "zstd",
@@ -302,7 +302,7 @@ async def _pipeline(cfg: PipelineConfig, rounds: list[list[list[ReadyTrajectory]
         return {"pairs": pairs, "rate": rate, "redis": redis, "trajectories": n_peak, "low": low, "half": half,
                 "verdict_bytes": verdict_bytes / n_peak}
     finally:
-        await tail.stop()
+        await tail.aclose()
         await meter.aclose()
         procs.stop()
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from infra.chunks import ChunkAssembler, reassembled, to_records
 from infra.schema import ReadyTrajectory, TrajectoryChunk, decode_message, encode
-from producers.synthetic import make_agent_session, session_content_bytes
+from prm_pipeline.demo.synthetic import make_agent_session, session_content_bytes
 from scoring_workers.prm import PRMConfig, PRMRunner
 from scoring_workers.scorers import LengthBudgetScorer
 from scoring_workers.scoring import score_member

@@ -154,7 +154,7 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
             published = len(s)
         finally:
             await redis.aclose()
-            await tail.stop()
+            await tail.aclose()
     return _report(rows, dedupe_max, published, st, ttl_s)
 
 

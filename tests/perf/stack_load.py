@@ -47,7 +47,7 @@ from infra.config import (
     load_config,
 )
 from infra.local import LOCAL_BROKER_CLIENT, LocalStack, free_port
-from prm_pipeline.processes import WorkerProcesses, write_config
+from prm_pipeline.demo.processes import WorkerProcesses, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,8 +232,8 @@ async def _publisher(args: argparse.Namespace) -> None:
     """Publish fresh groups at ``--rate`` trajectories/s (0 = as fast as acknowledgements allow)."""
     import numpy as np
 
+    from prm_pipeline.demo.synthetic import make_group
     from producers.publisher import TrajectoryPublisher
-    from producers.synthetic import make_group
 
     cfg = load_config(args.config)
     stop = _stop_event()

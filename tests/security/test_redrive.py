@@ -34,7 +34,7 @@ from aiokafka.structs import ConsumerRecord
 from infra.config import ActorConfig, AgentConfig, PRMConfig, PRMScorerConfig, RolloutConfig
 from infra.kafka import ensure_topics, make_producer
 from infra.schema import UnknownSchemaVersion, dead_letter_headers, decode_verdict, encode
-from producers.synthetic import make_group
+from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.dead_letters import capped_letter
 from tests.integration.harness import read_topic, running_worker, wait_for_verdicts, write_config
 

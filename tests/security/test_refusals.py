@@ -29,7 +29,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from infra.config import KafkaConfig, PipelineConfig, RedisConfig, TopicsConfig, load_config
 from infra.kafka import KafkaAuthError, make_admin, make_consumer, make_producer
 from infra.redis import make_redis, verify_access
-from prm_pipeline.processes import write_config
+from prm_pipeline.demo.processes import write_config
 from tests.security.conftest import ACL_USER, ROOT, AclRedis
 
 pytestmark = pytest.mark.integration

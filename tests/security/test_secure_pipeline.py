@@ -38,10 +38,10 @@ from infra.config import PipelineConfig, PRMScorerConfig, RedisConfig, load_conf
 from infra.kafka import ensure_topics, make_producer
 from infra.local import free_port
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory, decode_verdict
-from prm_pipeline import fake_judge
-from prm_pipeline.fake_judge import FakeJudgeServer
+from prm_pipeline.demo import fake_judge
+from prm_pipeline.demo.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
-from producers.synthetic import make_group
 from shaper.consumer import VerdictConsumer
 from tests.integration.harness import isolated_config, read_topic, write_config
 from tests.security.conftest import ROOT, AclRedis, allowed_commands

@@ -35,8 +35,8 @@ from prm_pipeline.audit import (
     rescore,
     scorer_is_deterministic,
 )
+from prm_pipeline.demo.synthetic import make_session
 from prm_pipeline.verdict_dump import parse_time
-from producers.synthetic import make_session
 from scoring_workers.prm import BaseScorer, PRMRunner
 from scoring_workers.scorers import LengthBudgetScorer
 
@@ -421,7 +421,7 @@ def test_parse_offsets_and_times() -> None:
 async def test_auditor_reassembles_chunked_trajectories() -> None:
     """A long session travels as chunk records; the audit re-scores it once its last chunk arrives."""
     from infra.chunks import to_records
-    from producers.synthetic import make_agent_session
+    from prm_pipeline.demo.synthetic import make_agent_session
 
     traj = make_agent_session(trajectory_id="g-long-0", session_id="g-long-s0", group_id="g-long", turns=12,
                               context_tokens=12_000, output_tokens=16)

@@ -24,7 +24,7 @@ from infra.schema import (
     decode_verdict,
     encode,
 )
-from producers.synthetic import make_session
+from prm_pipeline.demo.synthetic import make_session
 from scoring_workers.prm import BaseScorer, PRMRunner
 from shaper import build_training_batch
 from shaper.batch import ConcatExportError

@@ -33,7 +33,7 @@ from infra.schema import (
     expand_trajectory,
     expand_turns,
 )
-from producers.synthetic import make_agent_session, make_session, session_content_bytes
+from prm_pipeline.demo.synthetic import make_agent_session, make_session, session_content_bytes
 
 LIMIT = 1_048_576  # kafka.max_message_bytes, the default
 

@@ -11,7 +11,7 @@ HEAVY = ("transformers", "tokenizers", "matplotlib")
 def test_workers_shaper_and_cli_do_not_import_the_demo_extra() -> None:
     code = (
         "import sys\n"
-        "import scoring_workers.worker, scoring_workers.scorers, shaper, shaper.trainer, shaper.policy_update\n"
+        "import scoring_workers.worker, scoring_workers.scorers, shaper, shaper.trainer, producers.publisher\n"
         "import prm_pipeline.cli as cli\n"
         "cli.build_parser()\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"

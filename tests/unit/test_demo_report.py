@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from prm_pipeline.fake_judge import FakeJudgeServer
-from prm_pipeline.report import SECTIONS, DemoRecord, write_report
+from prm_pipeline.demo.curves import Curve
+from prm_pipeline.demo.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.report import SECTIONS, DemoRecord, write_report
 from prm_pipeline.token_view import branch_views, cmd_inspect, load_audit, render_html, render_terminal, verdict_record
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 from tests import real_model
@@ -97,8 +98,15 @@ async def test_report_parses_and_holds_every_section(branching_verdict, tmp_path
                 {"rollout": 0.4, "scoring": 0.2, "train step": 0.1}],
         scorer_turn_rewards={"openclaw_judge": [0.5, -0.5, 0.0], "opd_teacher": [0.01, -0.02]},
         advantages=[(1.0, 1.2), (-1.0, -1.3), (0.0, 0.1)],
-        steps=[{"step": float(i), "policy_version": float(i), "update/loss": 0.1, "update/ratio_mean": 1.0,
-                "update/ratio_min": 0.9, "update/ratio_max": 1.1} for i in (1, 2, 3)],
+        steps=[{"step": float(i), "run": run, "policy_version": float(i), "update/loss": 0.1,
+                "update/ratio_mean": 1.0, "update/ratio_min": 0.9, "update/ratio_max": 1.1}
+               for i in (1, 2, 3) for run in ("outcome", "process")],
+        curves={"outcome": Curve("outcome", [{"outcome-it0-p0": 0.25, "outcome-it0-p1": 0.0},
+                                             {"outcome-it1-p0": 0.25, "outcome-it1-p1": 0.25}]),
+                "process": Curve("process", [{"process-it0-p0": 0.25, "process-it0-p1": 0.0},
+                                             {"process-it1-p0": 0.5, "process-it1-p1": 0.75}])},
+        process_share=[0.3, 0.25],
+        learning_verdict="computed elsewhere",
         token_views_html=render_html(branch_views(record, load_audit(audit_path))),
         summary=["3 policy updates"],
     )
@@ -106,9 +114,14 @@ async def test_report_parses_and_holds_every_section(branching_verdict, tmp_path
     page = _Page()
     page.feed(path.read_text(encoding="utf-8"))
     assert list(page.sections) == list(SECTIONS)
-    for key in ("statuses", "latency", "rewards", "advantages", "training"):
+    assert list(SECTIONS)[0] == "learning"  # the first picture is the two learning curves
+    for key in ("learning", "statuses", "latency", "rewards", "advantages", "training"):
         imgs = [e for e in page.sections[key] if e["tag"] == "img"]
         assert len(imgs) == 1 and imgs[0]["src"].startswith("data:image/png;base64,"), key
         assert (tmp_path / "report" / f"{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert page.external == []  # opens without network
     assert page.token_spans > 0
+    saved = json.loads((tmp_path / "report" / "learning-curves.json").read_text())
+    assert [c["run"] for c in saved["curves"]] == ["outcome", "process"]
+    assert saved["curves"][1]["mean"] == [0.125, 0.625] and saved["process_share"] == [0.3, 0.25]
+    assert saved["verdict"] == "computed elsewhere" and saved["reading"]["updates"] == 2

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prm_pipeline.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from scoring_workers.scorers.judge_apis import openai_chat, sglang_generate_text, sglang_input_logprobs
 from scoring_workers.scorers.judge_errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
 from scoring_workers.scorers.judge_http import JudgeClient
@@ -355,7 +355,7 @@ def test_client_validates_arguments():
 def test_fake_judge_parser():
     import argparse
 
-    from prm_pipeline.fake_judge import add_fake_judge_parser, cmd_fake_judge
+    from prm_pipeline.demo.fake_judge import add_fake_judge_parser, cmd_fake_judge
 
     parser = argparse.ArgumentParser()
     add_fake_judge_parser(parser.add_subparsers(dest="command", required=True))
@@ -373,7 +373,7 @@ async def test_fake_judge_cli_serves_and_exits_cleanly_on_sigterm():
     import sys
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prm_pipeline.fake_judge", "--port", "0", stdout=asyncio.subprocess.PIPE
+        sys.executable, "-m", "prm_pipeline.demo.fake_judge", "--port", "0", stdout=asyncio.subprocess.PIPE
     )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory
-from prm_pipeline.fake_judge import (
+from prm_pipeline.demo.fake_judge import (
     FakeJudgeServer,
     fake_teacher_logprob,
     fake_tokenize,

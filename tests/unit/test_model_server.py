@@ -8,8 +8,8 @@ import httpx
 import pytest
 import torch
 
-from prm_pipeline.model_server import ModelServer
-from producers.tiny_model import TinyPolicy, WeightStore
+from prm_pipeline.demo.model_server import ModelServer
+from prm_pipeline.demo.tiny_model import TinyPolicy, WeightStore
 from tests import real_model
 from tests.real_model import one_torch_thread  # noqa: F401 - autouse fixture
 

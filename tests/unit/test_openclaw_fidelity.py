@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from infra.schema import Interaction, ModelResponse
-from prm_pipeline.fake_judge import FakeJudgeServer, fake_teacher_logprob, fake_tokenize
+from prm_pipeline.demo.fake_judge import FakeJudgeServer, fake_teacher_logprob, fake_tokenize
 from scoring_workers.scorers.conversation import render_chatml
 from scoring_workers.scorers.judge import JudgeFailedError
 from scoring_workers.scorers.opd import OPDTeacherScorer

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from infra.schema import ReadyTrajectory
-from prm_pipeline.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.fake_judge import FakeJudgeServer
+from prm_pipeline.demo.policy_update import PolicyUpdate
 from scoring_workers.scorers.judge import append_hint_to_messages
 from scoring_workers.scorers.opd import OPDTeacherScorer
 from shaper import shift_token_rewards
-from shaper.policy_update import PolicyUpdate
 from tests import real_model
 from tests.real_model import one_torch_thread  # noqa: F401 - autouse fixture
 
@@ -86,7 +86,7 @@ async def test_rewards_land_on_their_turns_output_positions() -> None:
 
 
 async def test_opd_signal_is_teacher_minus_rollout_logprob_on_the_hinted_prompt() -> None:
-    from prm_pipeline.model_server import ModelServer
+    from prm_pipeline.demo.model_server import ModelServer
 
     policy = real_model.policy()
     for seed in range(4, 64):  # a first turn the environment answers negatively: the hint judge gives a hint
@@ -118,8 +118,8 @@ async def test_opd_signal_is_teacher_minus_rollout_logprob_on_the_hinted_prompt(
 
 async def test_alignment_and_a_step_on_the_machines_accelerator() -> None:
     """Sampling (KV cache) and the trainer's recompute on the same device agree to 1e-5; a step runs there."""
-    from producers.rollout_proxy import RolloutConfig, RolloutProxy
-    from producers.tiny_model import TinyPolicy
+    from prm_pipeline.demo.rollout_proxy import RolloutConfig, RolloutProxy
+    from prm_pipeline.demo.tiny_model import TinyPolicy
 
     policy = TinyPolicy.create()
     policy.model.to(DEVICE)

@@ -8,7 +8,7 @@ import pytest
 
 from infra.schema import DeadLetter, DiscardGroup, encode
 from prm_pipeline.dead_letter_tool import LetterRecord, Selection, parse_offsets, plan_redrive
-from producers.synthetic import make_group
+from prm_pipeline.demo.synthetic import make_group
 
 
 def _letter(offset: int, message=None, *, key: bytes | None = None, error_class: str = "UnknownSchemaVersion",

@@ -447,7 +447,7 @@ class TestToTensor:
 # --------------------------------------------------------------------------- compact token turns
 def test_compact_turns_round_trip_a_branching_concat_tree() -> None:
     from infra.schema import compact_turns, expand_turns
-    from producers.synthetic import make_session
+    from prm_pipeline.demo.synthetic import make_session
 
     traj = make_session(trajectory_id="t", session_id="s", group_id="g", group_size=1, turns=3, branch_at=0,
                         output_tokens=5, prompt_tokens=4)

@@ -11,7 +11,7 @@ from aiokafka import errors as kerr
 
 from infra.kafka import backoff_delay, is_permanent, is_retriable, record_size
 from infra.schema import GroupVerdict, SessionResult, compact_turns, encode
-from producers.synthetic import make_group
+from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.ledger import GroupState, ParkedMember, _GroupCommit, decode_parked, decode_state, fingerprint
 from scoring_workers.verdicts import assemble_verdict, too_large_verdict
 

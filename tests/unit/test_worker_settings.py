@@ -14,7 +14,7 @@ from aiokafka.structs import ConsumerRecord
 
 from infra.config import ConfigError, PipelineConfig, WorkerConfig, config_from_mapping
 from infra.schema import DiscardGroup
-from producers.synthetic import make_session
+from prm_pipeline.demo.synthetic import make_session
 from scoring_workers.tokens import MemberTokens
 from scoring_workers.worker import Worker
 

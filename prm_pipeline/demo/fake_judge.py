@@ -46,7 +46,7 @@ the next *n* requests with a given status. Counters: :attr:`FakeJudgeServer.requ
 
 It is a test and demo tool, not part of scoring. CLI: ``prm-pipeline fake-judge --port P
 [--latency-ms MS] [--error-rate P] [--outage START:END ...]`` (or ``python -m
-prm_pipeline.fake_judge``) — see :func:`add_fake_judge_parser`.
+prm_pipeline.demo.fake_judge``) — see :func:`add_fake_judge_parser`.
 """
 
 from __future__ import annotations
@@ -500,7 +500,7 @@ def add_fake_judge_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-if __name__ == "__main__":  # python -m prm_pipeline.fake_judge --port 0
+if __name__ == "__main__":  # python -m prm_pipeline.demo.fake_judge --port 0
     import sys
 
     _parser = argparse.ArgumentParser(prog="fake-judge")

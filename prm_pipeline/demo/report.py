@@ -3,7 +3,10 @@
 :class:`DemoRecord` is what the demo measures while the loop runs; :func:`write_report`
 turns it into matplotlib (Agg) figures, embeds them as base64 PNGs next to the token
 views of :mod:`prm_pipeline.token_view`, and also leaves each PNG beside the page. The
-sections (their ``id`` s are what the tests check) are :data:`SECTIONS`.
+sections (their ``id`` s are what the tests check) are :data:`SECTIONS`; the first is the
+learning curves of the two runs. ``learning-curves.json`` beside the page holds the
+curves' numbers (what :func:`prm_pipeline.demo.curves.check_run` compares with the
+verdicts and the trainer log).
 
 Needs the ``demo`` extra (matplotlib), imported only when a report is written.
 """
@@ -13,14 +16,18 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prm_pipeline.demo.curves import RUNS, Curve, reading_dict
+
 __all__ = ["SECTIONS", "DemoRecord", "write_report"]
 
 SECTIONS: dict[str, str] = {
+    "learning": "Learning curves: outcome only vs with process rewards",
     "summary": "Summary",
     "statuses": "Verdict statuses over time",
     "latency": "Per-stage latency",
@@ -39,7 +46,10 @@ class DemoRecord:
     stages: list[dict[str, float]] = field(default_factory=list)  # per iteration: stage -> seconds
     scorer_turn_rewards: dict[str, list[float]] = field(default_factory=dict)  # scorer -> per-turn rewards
     advantages: list[tuple[float, float]] = field(default_factory=list)  # per token: (outcome, shaped)
-    steps: list[dict[str, float]] = field(default_factory=list)  # update stats + policy_version per step
+    steps: list[dict[str, Any]] = field(default_factory=list)  # per run and step: update stats, policy_version
+    curves: dict[str, Curve] = field(default_factory=dict)  # run -> mean outcome per update (trainer log)
+    process_share: list[float] = field(default_factory=list)  # per step: |process| / (|outcome| + |process|)
+    learning_verdict: str = ""
     token_views_html: str = ""
     summary: list[str] = field(default_factory=list)
 
@@ -118,30 +128,62 @@ def _advantages(rec: DemoRecord) -> bytes:
     return _png(fig)
 
 
-def _training(rec: DemoRecord) -> bytes:
+_COLOURS = {"outcome": "tab:gray", "process": "tab:blue"}
+
+
+def _learning(rec: DemoRecord) -> bytes:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
-    steps = [int(s["step"]) for s in rec.steps]
-    axes[0].plot(steps, [s["update/loss"] for s in rec.steps], marker="o")
-    axes[0].set_title("PPO-clip loss", fontsize=10)
-    axes[1].plot(steps, [s["update/ratio_mean"] for s in rec.steps], marker="o", label="mean")
-    axes[1].fill_between(steps, [s["update/ratio_min"] for s in rec.steps], [s["update/ratio_max"] for s in rec.steps],
-                         alpha=0.25, label="min..max")
-    axes[1].set_title("importance ratio", fontsize=10)
-    axes[1].legend(fontsize=8)
-    axes[2].step(steps, [s["policy_version"] for s in rec.steps], where="post", marker="o")
-    axes[2].set_title("policy version after the step", fontsize=10)
-    for ax in axes:
-        ax.set_xlabel("step")
-        ax.set_xticks(steps)
-        ax.grid(alpha=0.3)
-    axes[2].set_yticks(sorted({int(s["policy_version"]) for s in rec.steps}))
+    fig, (ax, share_ax) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [2, 1]})
+    for run, curve in rec.curves.items():
+        xs = list(range(len(curve.mean)))
+        lo = [max(0.0, m - s) for m, s in zip(curve.mean, curve.sd)]
+        hi = [min(1.0, m + s) for m, s in zip(curve.mean, curve.sd)]
+        colour = _COLOURS.get(run)
+        ax.plot(xs, curve.mean, marker="o", color=colour, label=RUNS.get(run, run))
+        ax.fill_between(xs, lo, hi, color=colour, alpha=0.2)
+    ax.set_xlabel("policy version that sampled the rollouts (= updates so far)")
+    ax.set_ylabel("mean outcome (band: +-1 s.d. over groups)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    if rec.process_share:
+        share_ax.plot(range(1, len(rec.process_share) + 1), rec.process_share, marker="o", color=_COLOURS["process"])
+    share_ax.set_ylim(0, 1)
+    share_ax.set_xlabel("update")
+    share_ax.set_title("process-reward share of |advantage|", fontsize=10)
+    share_ax.grid(alpha=0.3)
     fig.tight_layout()
     return _png(fig)
 
 
-_FIGURES = {"statuses": _statuses, "latency": _latency, "rewards": _rewards, "advantages": _advantages,
+def _training(rec: DemoRecord) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+    runs = list(dict.fromkeys(str(s.get("run", "")) for s in rec.steps))
+    for run in runs:
+        rows = [s for s in rec.steps if str(s.get("run", "")) == run]
+        steps = [int(s["step"]) for s in rows]
+        label = RUNS.get(run, run or "policy")
+        colour = _COLOURS.get(run)
+        axes[0].plot(steps, [s["update/loss"] for s in rows], marker="o", color=colour, label=label)
+        axes[1].plot(steps, [s["update/ratio_mean"] for s in rows], marker="o", color=colour, label=label)
+        axes[1].fill_between(steps, [s["update/ratio_min"] for s in rows], [s["update/ratio_max"] for s in rows],
+                             alpha=0.2, color=colour)
+        axes[2].step(steps, [s["policy_version"] for s in rows], where="post", marker="o", color=colour, label=label)
+    axes[0].set_title("PPO-clip loss", fontsize=10)
+    axes[1].set_title("importance ratio (mean, min..max)", fontsize=10)
+    axes[2].set_title("policy version after the step", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
+_FIGURES = {"learning": _learning, "statuses": _statuses, "latency": _latency, "rewards": _rewards, "advantages": _advantages,
             "training": _training}
 
 
@@ -156,6 +198,22 @@ def _table(rows: list[Mapping[str, Any]]) -> str:
         for r in rows
     )
     return f"<div style='overflow-x:auto'><table class='data'><tr>{head}</tr>{body}</table></div>"
+
+
+def _curve_rows(rec: DemoRecord) -> list[dict[str, Any]]:
+    """One row per update: each run's mean outcome and band, the process share."""
+    n = max((len(c.mean) for c in rec.curves.values()), default=0)
+    rows = []
+    for i in range(n):
+        row: dict[str, Any] = {"policy version": i}
+        for run, c in rec.curves.items():
+            if i < len(c.mean):
+                row[f"{RUNS.get(run, run)}: mean outcome"] = c.mean[i]
+                row[f"{RUNS.get(run, run)}: s.d. over groups"] = c.sd[i]
+        if i < len(rec.process_share):
+            row["process share"] = rec.process_share[i]
+        rows.append(row)
+    return rows
 
 
 def write_report(rec: DemoRecord, out_dir: str | Path) -> Path:
@@ -177,15 +235,21 @@ def write_report(rec: DemoRecord, out_dir: str | Path) -> Path:
         (out / f"{key}.png").write_bytes(png)
         data = base64.b64encode(png).decode()
         parts[key] = f"<img alt='{html.escape(SECTIONS[key])}' src='data:image/png;base64,{data}'>"
+    parts["learning"] = (f"<p class='verdict'>{html.escape(rec.learning_verdict)}</p>" + parts["learning"]
+                         + _table(_curve_rows(rec)))
     parts["latency"] += _table(rec.stages)
     parts["training"] += _table(rec.steps)
+    curves = {"curves": [c.as_dict() for c in rec.curves.values()], "process_share": rec.process_share,
+              "reading": reading_dict(rec.curves) if rec.curves else {}, "verdict": rec.learning_verdict}
+    (out / "learning-curves.json").write_text(json.dumps(curves, indent=1), encoding="utf-8")
     body = "".join(f"<section id='{key}'><h2>{html.escape(title)}</h2>{parts[key]}</section>"
                    for key, title in SECTIONS.items())
     page = (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'><title>prm-pipeline demo report</title>"
         "<style>body{font-family:sans-serif;max-width:1100px;margin:auto;padding:12px}"
         "table.data{border-collapse:collapse;font-size:12px}table.data td,table.data th{border:1px solid #ddd;"
-        "padding:2px 6px}img{max-width:100%}</style></head><body><h1>prm-pipeline demo report</h1>"
+        "padding:2px 6px}img{max-width:100%}p.verdict{font-size:1.1em;background:#f4f8ff;padding:8px}</style>"
+        "</head><body><h1>prm-pipeline demo report</h1>"
         f"{body}</body></html>"
     )
     path = out / "index.html"

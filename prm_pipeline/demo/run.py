@@ -1,29 +1,38 @@
-"""``make demo``: a tiny real LM trained through the pipeline, in a closed loop, with a report.
+"""``make demo``: a tiny real LM learns through the pipeline, with and without process rewards.
+
+Two runs train side by side through the same pipeline, from the same seed: ``outcome``
+(GRPO on the outcome alone: the process rewards are computed but not used) and
+``process`` (the outcome advantage plus the process rewards, ``additive`` shaping).
+The task (:mod:`prm_pipeline.demo.rollout_proxy`) has a sparse outcome — a 3-turn
+session succeeds only if every turn passed — while the judge marks each answered turn.
 
 1. start the embedded Kafka-protocol broker and Redis, create the topics; start the
-   scripted judge (:class:`~prm_pipeline.fake_judge.FakeJudgeServer`, for the
+   scripted judge (:class:`~prm_pipeline.demo.fake_judge.FakeJudgeServer`, for the
    ``\\boxed{}`` votes: a random LM cannot judge) and ``prm-pipeline model-server`` (the
    tiny LM as the OPD teacher: real log-probs over SGLang ``/generate``);
-2. start two ``prm-pipeline worker`` processes. Scorers: the config file's (the length
-   budget, its limit lowered to 12 tokens so it varies here), plus OpenClaw-RL's PRM
-   judge and the OPD teacher; shaping ``additive`` (the judge and OPD signals are
-   signed), per-scorer channels kept for the report;
-3. each iteration: the rollout proxy (:mod:`producers.rollout_proxy`) reloads the newest
-   published weights, samples ``prompts`` GRPO groups of multi-turn sessions (some
-   branching) against a calculator tool and a user simulator, and publishes them with
-   their ``policy_version`` (plus one discarded group; the first iteration also sends a
-   group whose last member never arrives, rejected at the group deadline, and one with a
-   member that is not concat export, rejected by the workers);
-4. the reference trainer consumes the verdicts, shapes advantages and runs a PPO-clip
-   step (:class:`shaper.policy_update.PolicyUpdate`) on its own copy of the model, then
-   publishes the new weights (``policy_version + 1``) for the proxy — the loop closes;
-5. ``demo-report/index.html``: statuses over time, per-stage latency, reward
-   distributions per scorer, outcome vs shaped advantages, loss / importance ratio /
-   policy version per step, and token views of three sessions. Its path is printed.
+2. start two ``prm-pipeline worker`` processes with OpenClaw-RL's PRM judge and the OPD
+   teacher as scorers, per-scorer channels kept for the report;
+3. each iteration, for each run: its rollout proxy reloads that run's newest weights,
+   samples ``prompts`` GRPO groups of 3-turn sessions (some branching) and publishes
+   them with their ``policy_version`` (plus one discarded group; the first iteration
+   also sends a group whose last member never arrives, rejected at the group deadline,
+   and one with a member that is not concat export, rejected by the workers);
+4. one reference trainer consumes the verdicts (both runs' groups form one batch),
+   shapes advantages, and steps each run's own model with PPO-clip
+   (:class:`~prm_pipeline.demo.policy_update.PolicyUpdate`) on its rows — the outcome
+   advantages for ``outcome``, the shaped ones for ``process`` — then publishes each
+   run's new weights (``policy_version + 1``) for its proxy: the loops close;
+5. ``demo-report/index.html``: first the two learning curves (mean outcome per update,
+   a band over groups), the process-reward share of the advantage and a verdict
+   computed from them; then statuses, latency, rewards per scorer, advantages,
+   loss / ratio / version and token views. Beside it ``verdicts.jsonl``,
+   ``trainer-log.jsonl`` and ``learning-curves.json``.
 
-Exit status 0 when every step ran, every verdict is what the proxy expected, the
-workers exited cleanly and the first minibatch of every step was on-policy (recomputed
-log-probs equal the behaviour log-probs to float noise).
+Exit status 0 when every step ran, every verdict is what the proxies expected, the
+workers exited cleanly, the first minibatch of every step was on-policy (recomputed
+log-probs equal the behaviour log-probs to float noise), and the report's learning
+curves equal those read back from the verdicts and from the trainer log
+(:func:`prm_pipeline.demo.curves.check_run`).
 """
 
 from __future__ import annotations
@@ -46,8 +55,9 @@ import msgspec
 from infra.config import PipelineConfig, PRMScorerConfig, load_config
 from infra.kafka import ensure_topics
 from infra.local import LocalStack, free_port
+from prm_pipeline.demo.curves import RUNS, check_run, curves_from_trainer_log, group_id, parse_group_id, verdict_text
+from prm_pipeline.demo.processes import WorkerProcesses, write_config
 from prm_pipeline.observe import VerdictTail
-from prm_pipeline.processes import WorkerProcesses, write_config
 from producers.publisher import TrajectoryPublisher
 
 DEMO_GROUP_TIMEOUT_S = 6.0
@@ -55,6 +65,11 @@ ALIGNMENT_TOLERANCE = 1e-4  # the demo's alarm; the tests hold the alignment to 
 JUDGE = "scoring_workers.scorers.openclaw.OpenClawJudgeScorer"
 OPD = "scoring_workers.scorers.opd.OPDTeacherScorer"
 AUDIT_SINK = "prm_pipeline.token_view:record_judge_audit"
+JUDGE_WEIGHT = 0.5  # the judge's +1/-1 per answered turn, next to a GRPO advantage of about +-1
+OPD_WEIGHT = 0.2  # teacher - policy log-prob on hinted (failed) turns: a small pull, nats are large
+LEARNING_RATE = 1e-2  # Adam; a tiny model from scratch moves visibly within a dozen updates
+DEFAULT_UPDATES = 12
+TURNS = 3  # every session's main branch: 3 turns, so the outcome (all turns pass) is sparse
 
 
 async def _await_verdicts(tail: VerdictTail, procs: WorkerProcesses, groups: set[str], timeout_s: float) -> None:
@@ -71,16 +86,15 @@ async def _await_verdicts(tail: VerdictTail, procs: WorkerProcesses, groups: set
 
 
 def demo_config(cfg: PipelineConfig, *, judge_url: str, teacher_url: str, prompts: int) -> PipelineConfig:
-    """The configured pipeline plus the judge and OPD scorers, additive shaping, kept channels."""
-    scorers = []
-    for s in cfg.prm.scorers:
-        if s.path.endswith("LengthBudgetScorer"):
-            s = msgspec.structs.replace(s, kwargs={**s.kwargs, "max_output_tokens": 12})
-        scorers.append(s)
+    """The demo's scorers (judge + OPD teacher), additive shaping, kept channels, both runs in one batch.
+
+    The config file's own scorers are left out: its length budget would reward short
+    answers, the opposite of what this task asks, and blur the comparison.
+    """
     common = {"base_url": judge_url, "audit_sink": AUDIT_SINK, "temperature": 0.0, "timeout_s": 10.0}
-    scorers += [
-        PRMScorerConfig(path=JUDGE, weight=0.5, kwargs={**common, "m": 3}),
-        PRMScorerConfig(path=OPD, weight=1.0, kwargs={**common, "m": 1, "teacher_base_url": teacher_url}),
+    scorers = [
+        PRMScorerConfig(path=JUDGE, weight=JUDGE_WEIGHT, kwargs={**common, "m": 3}),
+        PRMScorerConfig(path=OPD, weight=OPD_WEIGHT, kwargs={**common, "m": 1, "teacher_base_url": teacher_url}),
     ]
     shaping = msgspec.structs.replace(cfg.prm.advantage_shaping, mode="additive")
     prm = msgspec.structs.replace(cfg.prm, scorers=scorers, advantage_shaping=shaping)
@@ -92,7 +106,7 @@ def demo_config(cfg: PipelineConfig, *, judge_url: str, teacher_url: str, prompt
         worker=msgspec.structs.replace(cfg.worker, group_timeout_s=DEMO_GROUP_TIMEOUT_S, keep_scorer_channels=True,
                                        allowed_scorer_modules=[*cfg.worker.allowed_scorer_modules,
                                                                AUDIT_SINK.split(":")[0]]),
-        trainer=msgspec.structs.replace(cfg.trainer, batch_groups=prompts, device="cpu"),
+        trainer=msgspec.structs.replace(cfg.trainer, batch_groups=prompts * len(RUNS), device="cpu"),
     )
 
 
@@ -123,51 +137,118 @@ class ModelServerProcess:
             return self.proc.wait()
 
 
-class _Loop:
-    """The trainer half of the closed loop: PPO step, weight publishing, what the report needs."""
+def _rows(batch: Any, rows: list[int]) -> Any:
+    """The sub-batch of ``rows`` (tensors, channels and per-row lists), for one run's update."""
+    import dataclasses
 
-    def __init__(self, store: Any, seed: int) -> None:
-        from producers.tiny_model import TinyLMConfig, TinyPolicy
-        from shaper.policy_update import PolicyUpdate
+    import torch
 
+    index = torch.tensor(rows, dtype=torch.long)
+    picked: dict[str, Any] = {name: getattr(batch, name)[index] for name in batch._TENSORS}
+    picked["channels"] = {k: v[index] for k, v in batch.channels.items()}
+    for name in ("group_ids", "session_ids", "trajectory_ids", "leaf_ids", "turn_results"):
+        values = getattr(batch, name)
+        picked[name] = [values[i] for i in rows] if values else values
+    return dataclasses.replace(batch, **picked)
+
+
+class _Run:
+    """One run's policy copy (the trainer's), optimiser and weight store."""
+
+    def __init__(self, name: str, store: Any, seed: int) -> None:
+        from prm_pipeline.demo.policy_update import PolicyUpdate
+        from prm_pipeline.demo.tiny_model import TinyLMConfig, TinyPolicy
+
+        self.name = name
         self.policy = TinyPolicy.create(TinyLMConfig(seed=seed))  # the trainer's own copy
-        self.updater = PolicyUpdate(self.policy.model)
+        self.updater = PolicyUpdate(self.policy.model, lr=LEARNING_RATE)
         self.store = store
         self.version = 0
+
+
+class _Loop:
+    """The trainer half of the closed loops: splits each batch by run, steps each run's model,
+    publishes its weights, and logs what the report and the checks need."""
+
+    def __init__(self, stores: dict[str, Any], seed: int) -> None:
+        self.runs = {name: _Run(name, stores[name], seed) for name in RUNS}
         self.done = asyncio.Event()
-        self.records: list[dict[str, float]] = []
-        self.advantages: list[tuple[float, float]] = []
+        self.records: list[dict[str, float]] = []  # one per run and step
+        self.log: list[dict[str, Any]] = []  # trainer-log.jsonl
+        self.advantages: list[tuple[float, float]] = []  # (outcome, shaped) of the process run
         self.timings: list[dict[str, float]] = []
         self.rng = random.Random(seed)
 
     def __call__(self, batch: Any, shaped: Any) -> dict[str, float]:
-        t0 = time.perf_counter()
-        stats = self.updater.step(batch, shaped.advantages, shaped.loss_mask)
-        t1 = time.perf_counter()
-        self.version += 1
-        self.store.publish(self.policy.model, self.version)
-        t2 = time.perf_counter()
-        mask = shaped.loss_mask
-        pairs = list(zip(shaped.outcome_advantages[mask].tolist(), shaped.advantages[mask].tolist()))
-        self.advantages += self.rng.sample(pairs, min(len(pairs), 600))
-        record = {"step": float(len(self.records) + 1), "policy_version": float(self.version),
-                  "rows": float(batch.batch_size), "mean_outcome": float(batch.rewards.mean()),
-                  **stats.as_dict()}
-        self.records.append(record)
-        self.timings.append({"train step": t1 - t0, "publish weights": t2 - t1})
+        step = len(self.timings) + 1
+        timing = {"train step": 0.0, "publish weights": 0.0}
+        out: dict[str, float] = {}
+        by_run: dict[str, list[int]] = {}
+        for i, gid in enumerate(batch.group_ids):
+            parsed = parse_group_id(gid)
+            if parsed is None:
+                raise RuntimeError(f"the demo trainer got a group outside both runs: {gid!r}")
+            by_run.setdefault(parsed[0], []).append(i)
+        if set(by_run) != set(RUNS):
+            raise RuntimeError(f"step {step}: the batch holds runs {sorted(by_run)}, expected {sorted(RUNS)}")
+        for name, rows in by_run.items():
+            run = self.runs[name]
+            sub = _rows(batch, rows)
+            mask = shaped.loss_mask[rows].bool()
+            outcome_adv = shaped.outcome_advantages[rows]
+            adv = outcome_adv if name == "outcome" else shaped.advantages[rows]
+            process = (shaped.advantages[rows] - outcome_adv)[mask].abs()
+            t0 = time.perf_counter()
+            stats = run.updater.step(sub, adv, mask)
+            t1 = time.perf_counter()
+            run.version += 1
+            run.store.publish(run.policy.model, run.version)
+            timing["train step"] += t1 - t0
+            timing["publish weights"] += time.perf_counter() - t1
+            groups: dict[str, dict[str, float]] = {}  # group -> session -> outcome (branch rows repeat it)
+            for i in rows:
+                groups.setdefault(batch.group_ids[i], {})[batch.session_ids[i]] = float(batch.rewards[i])
+            outcome_abs = outcome_adv[mask].abs()
+            used = adv[mask]
+            # the process rewards' share of the advantage this run trained on (0 for the outcome run)
+            share = 0.0 if name == "outcome" else float(
+                process.sum() / (process.sum() + outcome_abs.sum()).clamp_min(1e-12))
+            from shaper.shaping import shift_token_rewards
+
+            per_scorer = {f"process_mean_abs/{k}": float(shift_token_rewards(v[rows])[mask].abs().mean())
+                          for k, v in sorted(batch.channels.items())} if mask.any() else {}
+            line = {
+                "step": step, "run": name, "policy_version": run.version - 1,
+                "groups": {g: list(s.values()) for g, s in sorted(groups.items())},
+                "mean_outcome": sum(sum(s.values()) / len(s) for s in groups.values()) / len(groups),
+                "loss_tokens": int(mask.sum()),
+                "nonzero_advantage_fraction": float((used != 0).float().mean()) if used.numel() else 0.0,
+                "outcome_advantage_mean_abs": float(outcome_abs.mean()) if outcome_abs.numel() else 0.0,
+                "process_mean_abs": float(process.mean()) if process.numel() else 0.0,
+                "process_share": share, **per_scorer, **stats.as_dict(),
+            }
+            self.log.append(line)
+            self.records.append({"step": float(step), "run": name, "policy_version": float(run.version),
+                                 "rows": float(len(rows)), "mean_outcome": line["mean_outcome"],
+                                 "process_share": share, **stats.as_dict()})
+            out.update({f"{name}/{k}": v for k, v in stats.as_dict().items()})
+            if name == "process":
+                pairs = list(zip(outcome_adv[mask].tolist(), shaped.advantages[rows][mask].tolist()))
+                self.advantages += self.rng.sample(pairs, min(len(pairs), 300))
+        self.timings.append(timing)
         self.done.set()
-        return stats.as_dict()
+        return out
 
 
 async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: int, prompts: int,
                group_size: int, seed: int) -> int:
     import torch
 
-    from prm_pipeline.fake_judge import FakeJudgeServer
-    from prm_pipeline.report import DemoRecord, write_report
+    from prm_pipeline.demo.fake_judge import FakeJudgeServer
+    from prm_pipeline.demo.report import DemoRecord, write_report
+    from prm_pipeline.demo.rollout_proxy import RolloutConfig, RolloutProxy
+    from prm_pipeline.demo.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
     from prm_pipeline.token_view import AUDIT_ENV, branch_views, demo_decoder, load_audit, render_html, verdict_record
-    from producers.rollout_proxy import RolloutConfig, RolloutProxy
-    from producers.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
     from shaper.trainer import run_trainer
 
     torch.set_num_threads(1)  # two shared cores: one thread each for the proxy and the trainer
@@ -184,10 +265,14 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     cfg = demo_config(cfg, judge_url=judge.base_url, teacher_url=teacher_url, prompts=prompts)
     procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=2)
     procs.start()
-    store = WeightStore(workdir / "weights")
-    policy = TinyPolicy.create(TinyLMConfig(seed=seed))
-    store.publish(policy.model, 0)
-    loop = _Loop(store, seed)
+    stores = {name: WeightStore(workdir / f"weights-{name}") for name in RUNS}
+    proxies = {}
+    for name in RUNS:  # the same seed: the same initial weights and the same first rollouts
+        policy = TinyPolicy.create(TinyLMConfig(seed=seed))
+        stores[name].publish(policy.model, 0)
+        proxies[name] = RolloutProxy(policy, RolloutConfig(group_size=group_size, seed=seed, min_turns=TURNS,
+                                                           max_turns=TURNS), store=stores[name])
+    loop = _Loop(stores, seed)
     if await asyncio.wait_for(asyncio.to_thread(server.wait_url), timeout=120) != teacher_url:
         raise RuntimeError(f"model-server is not listening on {teacher_url}; see {server.log_path}")
     stage_setup["model-server ready"] = time.perf_counter() - t_start
@@ -195,7 +280,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     print(f"tiny LM: Llama 2 layers, hidden 64, {n_params:,} parameters, vocab {policy.tokenizer.get_vocab_size()}; "
           f"teacher {teacher_url}; scripted judge {judge.base_url}")
     print("scorers: " + ", ".join(f"{s.path.rsplit('.', 1)[-1]}(weight={s.weight})" for s in cfg.prm.scorers)
-          + f"; shaping {cfg.prm.advantage_shaping.mode}")
+          + f"; runs: {' vs '.join(RUNS.values())} (shaping {cfg.prm.advantage_shaping.mode}), seed {seed}")
     tail = VerdictTail(cfg)
     await tail.start()
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
@@ -205,9 +290,8 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     print(f"started 2 scoring workers and the model server in {stage_setup['start-up']:.1f}s (model server "
           f"ready after {stage_setup['model-server ready']:.1f}s; logs in {workdir})")
 
-    proxy = RolloutProxy(policy, RolloutConfig(group_size=group_size, seed=seed), store=store)
     stop_trainer = asyncio.Event()
-    trainer = asyncio.create_task(run_trainer(cfg, update=loop, batch_groups=prompts, stop=stop_trainer))
+    trainer = asyncio.create_task(run_trainer(cfg, update=loop, batch_groups=prompts * len(RUNS), stop=stop_trainer))
     expect: dict[str, tuple[str, str]] = {}  # group -> (status, reason code)
     record = DemoRecord()
     t0 = time.perf_counter()
@@ -217,17 +301,19 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
             for it in range(updates):
                 stage: dict[str, float] = {}
                 ts = time.perf_counter()
-                proxy.reload()
+                for proxy in proxies.values():
+                    proxy.reload()
                 stage["reload weights"] = time.perf_counter() - ts
                 ts = time.perf_counter()
-                groups = [proxy.group(f"it{it}-p{k}") for k in range(prompts)]
-                lost = proxy.group("it0-lost")[:-1] if it == 0 else []  # its last rollout never finishes
-                broken = _not_concat([proxy.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False)
+                groups = [proxies[name].group(group_id(name, it, k)) for name in RUNS for k in range(prompts)]
+                first = proxies["outcome"]
+                lost = first.group("it0-lost")[:-1] if it == 0 else []  # its last rollout never finishes
+                broken = _not_concat([first.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False)
                                       for i in range(group_size)]) if it == 0 else []
                 stage["rollout"] = time.perf_counter() - ts
                 ts = time.perf_counter()
                 loop.done.clear()
-                await proxy.publish(pub, groups)
+                await first.publish(pub, groups)
                 expect.update({g[0].group_id: ("accepted", "") for g in groups})
                 await pub.discard_group(f"it{it}-filtered", "prompt filtered by the proxy")
                 expect[f"it{it}-filtered"] = ("discarded", "prompt filtered by the proxy")
@@ -240,27 +326,28 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                 await pub.flush()
                 stage["publish"] = time.perf_counter() - ts
                 ts = time.perf_counter()
-                await tail.wait_for({g[0].group_id for g in groups}, timeout_s=120)
+                await _await_verdicts(tail, procs, {g[0].group_id for g in groups}, timeout_s=120)
                 stage["scoring (publish -> verdicts)"] = time.perf_counter() - ts
                 ts = time.perf_counter()
                 await _wait_step(loop.done, trainer)
                 stage["trainer consume"] = time.perf_counter() - ts - sum(loop.timings[-1].values())
                 stage.update(loop.timings[-1])
                 record.stages.append(stage)
-                s = loop.records[-1]
+                last = {r["run"]: r for r in loop.records[-len(RUNS):]}
                 n_turns = sum(len(m.interactions) for g in groups for m in g)
-                print(f"  iter {it}: policy v{groups[0][0].policy_version} sampled {len(groups)} groups "
-                      f"({n_turns} turns) in {stage['rollout']:.2f}s, scored in "
-                      f"{stage['scoring (publish -> verdicts)']:.2f}s; step {int(s['step'])}: loss "
-                      f"{s['update/loss']:+.4f} ratio {s['update/ratio_min']:.3f}..{s['update/ratio_max']:.3f} "
-                      f"clip {s['update/clip_fraction']:.2f} align |d|max {s['update/alignment_max_abs_diff']:.1e} "
-                      f"mean outcome {s['mean_outcome']:.2f} -> policy v{int(s['policy_version'])}")
-            proxy.reload()
-            print(f"  proxy reloaded policy v{proxy.policy.version} (published after step {len(loop.records)})")
+                print(f"  iter {it}: {len(groups)} groups ({n_turns} turns) sampled in {stage['rollout']:.2f}s, "
+                      f"scored in {stage['scoring (publish -> verdicts)']:.2f}s; step {it + 1}: mean outcome "
+                      + ", ".join(f"{name} {last[name]['mean_outcome']:.2f}" for name in RUNS)
+                      + f"; process share {last['process']['process_share']:.2f}; align |d|max "
+                      f"{max(r['update/alignment_max_abs_diff'] for r in last.values()):.1e}")
+            for proxy in proxies.values():
+                proxy.reload()
+            print("  proxies reloaded policy " + ", ".join(f"{n} v{p.policy.version}" for n, p in proxies.items())
+                  + f" (published after step {len(loop.timings)})")
         await tail.wait_for(set(expect), timeout_s=DEMO_GROUP_TIMEOUT_S + 60)
         teacher_requests = _teacher_requests(teacher_url)
     finally:
-        await tail.stop()
+        await tail.aclose()
         stop_trainer.set()  # graceful: the consumer commits and leaves its group
         done, _ = await asyncio.wait([trainer], timeout=30)
         if not done:
@@ -290,20 +377,26 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     out_dir.mkdir(parents=True, exist_ok=True)
     records = [verdict_record(v) for v in verdicts.values()]
     (out_dir / "verdicts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out_dir / "trainer-log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in loop.log))
     if audit_path.exists():
         (out_dir / "judge-audit.jsonl").write_bytes(audit_path.read_bytes())
     record.token_views_html = render_html(_sample_views(records, load_audit(audit_path), branch_views),
                                           demo_decoder())
+    record.curves = curves_from_trainer_log(loop.log)
+    record.process_share = [line["process_share"] for line in loop.log if line["run"] == "process"]
+    record.learning_verdict = verdict_text(record.curves, record.process_share)
     record.summary = [
-        f"{len(loop.records)} policy updates in {loop_s:.1f}s (start-up {stage_setup['start-up']:.1f}s, the model "
-        f"server ready after {stage_setup['model-server ready']:.1f}s); "
-        f"policy version {proxy.policy.version} at the end",
+        record.learning_verdict,
+        f"{len(loop.timings)} updates of each run in {loop_s:.1f}s (start-up {stage_setup['start-up']:.1f}s, the "
+        f"model server ready after {stage_setup['model-server ready']:.1f}s); policy versions "
+        + ", ".join(f"{n} v{p.policy.version}" for n, p in proxies.items()) + " at the end",
         f"verdicts: {dict(statuses)}; scripted-judge requests {judge.requests}, teacher (model-server) "
         f"requests {teacher_requests}",
         f"alignment: max |recomputed - behaviour| log-prob on the first minibatch of each step = {worst:.2e}",
         f"workers exited with {codes}",
     ]
     path = write_report(record, out_dir)
+    mismatches = check_run(out_dir)
     print()
     print("summary")
     for line in record.summary:
@@ -312,7 +405,10 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
         print(f"  UNEXPECTED verdicts: {dict(list(wrong.items())[:10])}")
     if worst > ALIGNMENT_TOLERANCE:
         print(f"  ALIGNMENT: recomputed log-probs differ from the behaviour log-probs by {worst:.2e}")
-    ok = ok and not wrong and codes == [0, 0] and len(loop.records) == updates and worst <= ALIGNMENT_TOLERANCE
+    for line in mismatches:
+        print(f"  LEARNING CURVES: {line}")
+    ok = (ok and not wrong and codes == [0, 0] and len(loop.timings) == updates and worst <= ALIGNMENT_TOLERANCE
+          and not mismatches)
     print("demo OK" if ok else "demo FAILED")
     print(f"report: {path.resolve()}")
     return 0 if ok else 1
@@ -353,9 +449,10 @@ def _teacher_requests(url: str) -> int:
 
 
 def _sample_views(records: list[dict[str, Any]], audit: Any, branch_views: Any) -> list[Any]:
-    """Three sessions of the last iteration: a branching one, a multi-turn one, a single-turn one."""
+    """Sessions of the process run's last iteration: a branching one and a plain multi-turn one."""
     views = [v for r in records if r["status"] == "accepted" for v in branch_views(r, audit)]
-    last = max((v.group_id.split("-")[0] for v in views), default="")
+    its = [p[1] for v in views if (p := parse_group_id(v.group_id)) is not None and p[0] == "process"]
+    last = group_id("process", max(its), 0).rsplit("-", 1)[0] if its else ""
     views = [v for v in views if v.group_id.startswith(last + "-")] or views
     sessions: dict[str, list[Any]] = {}
     for v in views:
@@ -391,8 +488,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--updates", type=int, default=3, help="policy updates in the closed loop (default 3)")
-    p.add_argument("--prompts", type=int, default=4, help="GRPO groups per update (default 4)")
-    p.add_argument("--group-size", type=int, default=4, help="sessions per group (default 4)")
-    p.add_argument("--seed", type=int, default=0)
+    from prm_pipeline.cli import positive_int
+
+    p.add_argument("--updates", type=positive_int, default=DEFAULT_UPDATES,
+                   help=f"policy updates of each run (default {DEFAULT_UPDATES}); more runs longer")
+    p.add_argument("--prompts", type=positive_int, default=4, help="GRPO groups per update and run (default 4)")
+    p.add_argument("--group-size", type=positive_int, default=4, help="sessions per group (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="one seed for both runs: weights, prompts, sampling")
     p.add_argument("--out", default="demo-report", help="report directory (default demo-report)")

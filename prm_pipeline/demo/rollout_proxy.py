@@ -1,10 +1,11 @@
 """A real rollout proxy: the tiny policy talks to a small environment, sessions go to Kafka.
 
-Each prompt is a small arithmetic task. A session alternates policy turns with
-environment answers — a **calculator tool** (it evaluates the first ``a op b`` it finds
-in the assistant's text, or answers ``error: ...``) and a **user simulator** (``thanks,
-ok`` when the answer shows six digits or more, ``wrong, ...`` otherwise). The text is nonsense
-(the policy is a random tiny LM); the structure is what real agents export:
+The toy task ("show me numbers", multi-turn): each prompt is a small arithmetic
+request, and every assistant turn is checked the same way — it **passes** when it
+shows an expression ``a op b`` (a **calculator tool** answers ``result: V (success)``)
+or at least :attr:`Environment.DIGITS` digits (the **user simulator** answers ``thanks,
+ok - go on``); otherwise the user answers ``wrong, show me more numbers``. The text is
+nonsense (the policy is a random tiny LM); the structure is what real agents export:
 
 * **concat export** — turn ``k+1``'s input ids are turn ``k``'s input ids + its output
   ids + the template's ids for the new tool/user message (never re-tokenised text);
@@ -14,8 +15,12 @@ ok`` when the answer shows six digits or more, ``wrong, ...`` otherwise). The te
 * ``policy_version`` is the version of the weights that produced every token;
   :meth:`RolloutProxy.reload` picks up weights the trainer published.
 
-The outcome reward is 1 when the session's last answer contains at least six digits
-(something a policy can learn; about half of the random model's answers do), else 0.
+The outcome reward is **sparse**: 1 only when *every* turn of the session's main branch
+passed, else 0 — it says that something went wrong, not where. The environment's
+answers say where: a judge reading the next state (the OpenClaw-RL PRM judge) marks
+each answered turn ``+1`` or ``-1``. A random model passes about half its turns, so a
+3-turn session succeeds about one time in eight and most GRPO groups are all-zero:
+outcome-only GRPO learns nothing from them, the per-turn judge still does.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ import numpy as np
 import torch
 
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory
+from producers.publisher import TrajectoryPublisher
 
-from .publisher import TrajectoryPublisher
 from .tiny_model import TinyPolicy, WeightStore
 
 __all__ = ["Environment", "RolloutConfig", "RolloutProxy", "RolloutStats"]
@@ -40,31 +45,36 @@ _DIGIT = re.compile(r"\d")
 
 
 class Environment:
-    """The calculator tool (even turns) and the user simulator (odd turns)."""
+    """The calculator tool and the user simulator; :meth:`passes` is the per-turn check."""
+
+    DIGITS = 6  # about half of the random tiny LM's turns reach it
+
+    @classmethod
+    def passes(cls, output_text: str) -> bool:
+        """A turn passes with an expression to evaluate or at least :attr:`DIGITS` digits."""
+        return _EXPR.search(output_text) is not None or len(_DIGIT.findall(output_text)) >= cls.DIGITS
 
     def respond(self, turn: int, output_text: str) -> dict[str, str]:
-        if turn % 2 == 0:
-            found = _EXPR.search(output_text)
-            if found is None:
-                return {"role": "tool", "content": "error: no expression to evaluate"}
+        found = _EXPR.search(output_text)
+        if found is not None:
             a, op, b = int(found.group(1)), found.group(2), int(found.group(3))
             value = a + b if op == "+" else a - b if op == "-" else a * b
             return {"role": "tool", "content": f"result: {value} (success)"}
-        if len(_DIGIT.findall(output_text)) >= self.DIGITS:
+        if self.passes(output_text):
             return {"role": "user", "content": "thanks, ok - go on"}
         return {"role": "user", "content": "wrong, show me more numbers"}
 
-    DIGITS = 6  # about half of the random tiny LM's answers reach it: mixed GRPO groups
-
     @classmethod
-    def outcome(cls, final_text: str) -> float:
-        return 1.0 if len(_DIGIT.findall(final_text)) >= cls.DIGITS else 0.0
+    def outcome(cls, turn_texts: Sequence[str]) -> float:
+        """1.0 when every turn of the main branch passed, else 0.0 (sparse on purpose)."""
+        return 1.0 if turn_texts and all(cls.passes(t) for t in turn_texts) else 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class RolloutConfig:
     group_size: int = 4
-    max_turns: int = 3  # sessions have 1..max_turns turns on their main branch
+    max_turns: int = 3  # sessions have min_turns..max_turns turns on their main branch
+    min_turns: int = 1
     max_new_tokens: tuple[int, int] = (6, 16)  # each turn's token limit is drawn from this range
     branch_every: int = 3  # session i branches when i % branch_every == branch_every - 1
     seed: int = 0
@@ -116,7 +126,7 @@ class RolloutProxy:
                 branch: bool | None = None) -> ReadyTrajectory:
         """One session of ``turns`` turns (drawn when None); ``branch`` forks its second turn."""
         cfg = self.config
-        n = int(turns if turns is not None else self.rng.integers(1, cfg.max_turns + 1))
+        n = int(turns if turns is not None else self.rng.integers(cfg.min_turns, cfg.max_turns + 1))
         branch = (index % cfg.branch_every == cfg.branch_every - 1 and n >= 2) if branch is None else branch
         sid = f"{group_id}-s{index}"
         messages = [{"role": "system", "content": "use the calculator"}, {"role": "user", "content": task}]
@@ -124,12 +134,14 @@ class RolloutProxy:
         interactions: list[Interaction] = []
         parent: str | None = None
         text = ""
+        texts: list[str] = []
         fork: tuple[list[int], list[dict[str, str]], str | None] | None = None
         for k in range(n):
             if branch and k == 1:
                 fork = (list(ids), list(messages), parent)
             inter, text, ended = self._turn(f"{sid}-t{k}", parent, ids, messages)
             interactions.append(inter)
+            texts.append(text)
             parent = inter.interaction_id
             if k + 1 < n:  # the environment answers; the next input extends this one (concat)
                 reply = self.env.respond(k, text)
@@ -140,7 +152,7 @@ class RolloutProxy:
             inter, _, _ = self._turn(f"{sid}-t1b", fork[2], fork[0], fork[1])
             interactions.append(inter)
         self.stats.sessions += 1
-        outcome = self.env.outcome(text)
+        outcome = self.env.outcome(texts)
         self.stats.outcomes.append(outcome)
         return ReadyTrajectory(
             trajectory_id=f"{group_id}-traj{index}", session_id=sid, group_id=group_id,

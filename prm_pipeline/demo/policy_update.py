@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .batch import TrainingBatch
-from .shaping import shift_token_rewards
+from shaper.batch import TrainingBatch
+from shaper.shaping import shift_token_rewards
 
 __all__ = ["PolicyUpdate", "UpdateStats", "next_token_logprobs", "ppo_clip_loss"]
 

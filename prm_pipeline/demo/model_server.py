@@ -2,7 +2,7 @@
 
 The OPD scorer needs a *real* teacher: log-probs of the rollout's own output tokens
 under a model that read a hinted prompt. This server is that teacher for the demo and
-the tests — the tiny LM of :mod:`producers.tiny_model` on loopback:
+the tests — the tiny LM of :mod:`prm_pipeline.demo.tiny_model` on loopback:
 
 ``POST /generate``              SGLang. ``{"input_ids": [...], "sampling_params":
                                 {"max_new_tokens": 0}, "return_logprob": true,
@@ -20,7 +20,7 @@ the tests — the tiny LM of :mod:`producers.tiny_model` on loopback:
 ``GET  /health``                liveness, and the served ``policy_version``.
 
 With ``--weights DIR`` it serves the newest weights published in that
-:class:`~producers.tiny_model.WeightStore` (checked before each request); otherwise the
+:class:`~prm_pipeline.demo.tiny_model.WeightStore` (checked before each request); otherwise the
 seeded initial weights. Requests are served one at a time (the model is small; a lock
 keeps answers deterministic), on one torch thread.
 """
@@ -79,13 +79,13 @@ class _Server(ThreadingHTTPServer):
 
 
 class ModelServer:
-    """The HTTP server around a :class:`~producers.tiny_model.TinyPolicy` (a background thread)."""
+    """The HTTP server around a :class:`~prm_pipeline.demo.tiny_model.TinyPolicy` (a background thread)."""
 
     def __init__(self, policy: Any = None, *, host: str = "127.0.0.1", port: int = 0, weights: str | None = None,
                  seed: int = 0, max_new_tokens: int = 32) -> None:
         import torch
 
-        from producers.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
+        from prm_pipeline.demo.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
 
         self.policy = policy if policy is not None else TinyPolicy.create(TinyLMConfig(seed=seed))
         self.store = WeightStore(weights) if weights else None

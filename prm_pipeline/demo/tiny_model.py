@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from shaper.policy_update import next_token_logprobs
+from prm_pipeline.demo.policy_update import next_token_logprobs
 
 __all__ = [
     "EOS_ID",
