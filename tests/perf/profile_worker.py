@@ -104,7 +104,7 @@ async def _run(args: argparse.Namespace) -> None:
             idle_cpu = time.process_time() - c1
             stop.set()
             await task
-            await tail.stop()
+            await tail.aclose()
     print(f"{n} trajectories in {busy_wall:.2f}s ({n / busy_wall:.0f}/s); CPU {busy_cpu:.2f}s = "
           f"{busy_cpu / n * 1000:.2f} CPU-s per 1,000 trajectories (worker + verdict tail, one process)")
     print(f"idle: {idle_cpu:.2f} CPU-s over {args.idle_s:g}s ({idle_cpu / args.idle_s * 100:.1f}% of a core)")
