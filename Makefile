@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-ops ops-tools test-ecosystem lint bench faults soak clean
+.PHONY: install demo test test-unit test-ops ops-tools test-ecosystem test-ecosystem-areal lint bench faults soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,9 +43,10 @@ ops-tools:
 
 test-ops: $(STAMP) ops-tools
 	$(BIN)/python -m pytest tests/ops
-# The ecosystem suite (tests/ecosystem): the verl integration against real verl in its own
-# environment, OpenRLHF's reward client from its wheel against the gateway, and the Node.js
-# producer example. Needs the package registries (PyPI, npm).
+# The ecosystem suite (tests/ecosystem): the verl, TRL and verifiers integrations against the real
+# packages in their own environment, OpenRLHF's reward client from its wheel against the gateway,
+# and the Node.js producer example. Needs the package registries (PyPI, npm). AReaL pins another
+# torch, so it has an environment and a target of its own below.
 ECO_VENV  := .venv-ecosystem
 ECO_BIN   := $(ECO_VENV)/bin
 ECO_STAMP := $(ECO_VENV)/.installed
@@ -66,7 +67,25 @@ $(OPENRLHF_AGENT): $(ECO_STAMP) tests/ecosystem/fetch_openrlhf.py
 
 test-ecosystem: $(ECO_STAMP) $(OPENRLHF_AGENT)
 	cd examples/node-producer && npm ci --no-audit --no-fund
-	OPENRLHF_AGENT_PY=$(OPENRLHF_AGENT) $(ECO_BIN)/python -m pytest tests/ecosystem -W ignore::UserWarning -W ignore::DeprecationWarning
+	HF_HUB_OFFLINE=1 OPENRLHF_AGENT_PY=$(OPENRLHF_AGENT) $(ECO_BIN)/python -m pytest tests/ecosystem --ignore=tests/ecosystem/areal \
+		-W ignore::UserWarning -W ignore::DeprecationWarning
+
+# AReaL 1.0.4 in .venv-areal: areal with --no-deps (its torch<2.11 pin is metadata only), then
+# the `areal-runtime` extra; the constraints file keeps our torch build.
+AREAL_VENV  := .venv-areal
+AREAL_BIN   := $(AREAL_VENV)/bin
+AREAL_STAMP := $(AREAL_VENV)/.installed
+
+$(AREAL_STAMP): pyproject.toml Makefile
+	test -x $(AREAL_BIN)/python || $(PYTHON) -m venv $(AREAL_VENV)
+	echo "$(TORCH_SPEC)" > $(AREAL_VENV)/constraints.txt
+	$(AREAL_BIN)/python -c "import torch" 2>/dev/null || $(AREAL_BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy
+	$(AREAL_BIN)/python -m pip install -q --no-deps areal==1.0.4
+	$(AREAL_BIN)/python -m pip install -q -c $(AREAL_VENV)/constraints.txt -e ".[local,areal-runtime]"
+	touch $(AREAL_STAMP)
+
+test-ecosystem-areal: $(AREAL_STAMP)
+	HF_HUB_OFFLINE=1 $(AREAL_BIN)/python -m pytest tests/ecosystem/areal -W ignore::UserWarning -W ignore::DeprecationWarning
 # Endurance smoke for CI (about 4 minutes; docs/capacity.md): memory and Redis keys stay bounded.
 soak: $(STAMP)
 	$(BIN)/prm-pipeline bench soak --minutes 3
@@ -81,4 +100,4 @@ faults: $(STAMP)
 	$(BIN)/prm-pipeline bench faults
 
 clean:
-	rm -rf $(VENV) $(ECO_VENV) .pytest_cache .prm-local examples/node-producer/node_modules
+	rm -rf $(VENV) $(ECO_VENV) $(AREAL_VENV) .pytest_cache .prm-local examples/node-producer/node_modules

@@ -30,7 +30,7 @@ import ssl
 import time
 import uuid
 from collections import Counter as Tally
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from infra.config import ConfigError, GatewayConfig, PipelineConfig
 from shaper.reward_client import RewardClient, Sample, SampleReward
+from shaper.text_rewards import load_tokenizer, openrlhf_answer, reward_summary, samples_from_queries
 
 log = logging.getLogger(__name__)
 
@@ -50,47 +51,13 @@ _MAX_TOKEN_ID = 2**31 - 1
 class BadRequest(ValueError):
     """A request the gateway refuses with 400; the message names the field."""
 
-
-# --------------------------------------------------------------------------- tokenizers
-class ByteTokenizer:
-    """UTF-8 bytes as token ids: needs no files, so the gateway works out of the box.
-
-    Use a real tokenizer (``gateway.tokenizer: path/to/tokenizer.json``) whenever the
-    scorers' token counts must match the policy's.
-    """
-
-    name = "bytes"
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        return bytes(int(i) & 0xFF for i in ids).decode("utf-8", errors="replace")
+    status = 400
 
 
-class FileTokenizer:
-    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` package), special tokens kept as text."""
+class SlowBody(BadRequest):
+    """The request body did not arrive within ``gateway.read_timeout_s`` (408)."""
 
-    def __init__(self, path: str) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:  # pragma: no cover - depends on the install
-            raise ConfigError("gateway.tokenizer names a file, which needs the 'tokenizers' package "
-                              "(pip install 'prm-pipeline[tokenizer]')") from None
-        if not Path(path).is_file():
-            raise ConfigError(f"gateway.tokenizer: {path!r} is not a file (a tokenizer.json, or 'bytes')")
-        self.name = Path(path).name
-        self._tok = Tokenizer.from_file(path)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-def load_tokenizer(spec: str) -> ByteTokenizer | FileTokenizer:
-    return ByteTokenizer() if spec == "bytes" else FileTokenizer(spec)
+    status = 408
 
 
 # --------------------------------------------------------------------------- auth and limits
@@ -171,26 +138,6 @@ def _prompt_text(prompt: Any, field: str) -> tuple[str, list[dict[str, Any]]]:
 
 
 # --------------------------------------------------------------------------- one scalar per sample
-def reduce_process(reward: SampleReward, how: str) -> float:
-    """The ``mean``, ``sum`` or ``last`` of a sample's process rewards over the tokens it generated.
-
-    Shared by the gateway and the in-process adapters (OpenRLHF's ``reward_func``, slime's
-    custom reward), so a trainer gets the same number whichever way it calls.
-    """
-    values = np.concatenate([reward.token_rewards[s:e] for s, e in reward.turn_spans]) if reward.turn_spans \
-        else reward.token_rewards
-    if not len(values):
-        return 0.0
-    return float(values.mean() if how == "mean" else values.sum() if how == "sum" else values[-1])
-
-
-def reward_summary(reward: SampleReward, how: str) -> dict[str, Any]:
-    """``score`` = outcome + the reduced process rewards (0 unless accepted), with the parts and the status."""
-    process = reduce_process(reward, how) if reward.accepted else 0.0
-    return {"score": reward.outcome + process, "outcome": reward.outcome, "process": process,
-            "status": reward.status, "reason": reward.reason, "group_id": reward.group_id}
-
-
 # --------------------------------------------------------------------------- the service
 class Gateway:
     """The HTTP service around one :class:`RewardClient` (one Kafka producer and verdict reader)."""
@@ -265,7 +212,7 @@ class Gateway:
         try:
             return await handler(request)
         except BadRequest as exc:
-            return _error(400, str(exc))
+            return _error(exc.status, str(exc))
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body over gateway.max_body_bytes={self.gw.max_body_bytes}")
         finally:
@@ -289,7 +236,7 @@ class Gateway:
         try:
             raw = await asyncio.wait_for(request.read(), self.gw.read_timeout_s)
         except TimeoutError:
-            raise BadRequest(f"request body did not arrive within gateway.read_timeout_s={self.gw.read_timeout_s:g}s"
+            raise SlowBody(f"request body did not arrive within gateway.read_timeout_s={self.gw.read_timeout_s:g}s"
                              ) from None
         try:
             body = json.loads(raw)
@@ -327,32 +274,18 @@ class Gateway:
         queries = _list(body, "query", self.gw.max_items)
         prompts = _list(body, "prompts", self.gw.max_items)
         assert queries is not None and prompts is not None
-        if len(prompts) != len(queries):
-            raise BadRequest(f"prompts has {len(prompts)} items for {len(queries)} queries")
         labels = body.get("labels")
         if labels is not None and (not isinstance(labels, list) or len(labels) != len(queries)):
             raise BadRequest("labels must be a list with one item per query")
-        samples = []
-        for i, (query, prompt) in enumerate(zip(queries, prompts)):
-            if not isinstance(query, str) or not isinstance(prompt, str):
-                raise BadRequest(f"query[{i}] and prompts[{i}] must be strings")
-            if not query.startswith(prompt):
-                raise BadRequest(f"query[{i}] does not start with prompts[{i}] (OpenRLHF sends prompt + response)")
-            samples.append(self._text_sample(prompt, query[len(prompt):], [{"role": "user", "content": prompt}]))
+        try:
+            samples = samples_from_queries(queries, prompts, self.tokenizer)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         groups = [samples] if self.gw.grouping == "per_request" else [[s] for s in samples]
         scored = await self._score_groups(groups)
         if isinstance(scored, web.Response):
             return scored
-        summaries = [self._summary(r) for rs in scored for r in rs]
-        return web.json_response({
-            "rewards": [s["score"] for s in summaries],
-            "scores": [s["score"] for s in summaries],
-            "extra_logs": {"prm_outcome": [s["outcome"] for s in summaries],
-                           "prm_process": [s["process"] for s in summaries],
-                           "prm_accepted": [float(s["status"] == "accepted") for s in summaries]},
-            "status": [s["status"] for s in summaries],
-            "reason": [s["reason"] for s in summaries],
-        })
+        return web.json_response(openrlhf_answer([self._summary(r) for rs in scored for r in rs]))
 
     async def _slime(self, request: web.Request) -> web.Response:
         body = await self._json(request)

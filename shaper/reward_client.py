@@ -499,3 +499,24 @@ def session_turn_rewards(session: SessionResult, *, group_id: str) -> list[np.nd
         return [token_rewards[f"t{k}"].to_numpy() for k in range(len(token_rewards))]
     except KeyError as exc:
         raise RuntimeError(f"group {group_id!r}: session {session.trajectory_id!r} lacks turn {exc}") from None
+
+
+ProcessReduction = Literal["mean", "sum", "last"]
+
+
+def reduce_process(reward: SampleReward, how: ProcessReduction = "mean") -> float:
+    """One scalar from a sample's process rewards, over the tokens the model generated.
+
+    ``mean`` / ``sum`` / ``last`` (the last generated token's value); 0 for a sample that
+    was not accepted or generated nothing. Trainers that take one number per sample (TRL's
+    reward functions, OpenRLHF, slime) add it to the outcome.
+    """
+    if how not in ("mean", "sum", "last"):
+        raise ValueError(f"process reduction must be 'mean', 'sum' or 'last', got {how!r}")
+    if not reward.accepted:
+        return 0.0
+    values = np.concatenate([reward.token_rewards[s:e] for s, e in reward.turn_spans]) if reward.turn_spans \
+        else reward.token_rewards
+    if not len(values):
+        return 0.0
+    return float(values.mean() if how == "mean" else values.sum() if how == "sum" else values[-1])

@@ -25,29 +25,14 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from infra.config import PipelineConfig, load_config
-from prm_pipeline.gateway import load_tokenizer, reward_summary
-from shaper.reward_client import RewardClient, Sample, SampleReward
+from shaper.reward_client import RewardClient, SampleReward
+from shaper.text_rewards import load_tokenizer, openrlhf_answer, reward_summary, samples_from_queries
 
 __all__ = ["VerdictTimeout", "close", "configure", "reward_func", "samples_from_queries", "score_queries"]
 
 
 class VerdictTimeout(TimeoutError):
     """No verdict within ``gateway.verdict_timeout_s`` (the HTTP route answers 504)."""
-
-
-def samples_from_queries(queries: Sequence[Any], prompts: Sequence[Any], tokenizer: Any) -> list[Sample]:
-    """OpenRLHF's ``query`` (prompt + response text) and ``prompts`` as token-id samples."""
-    if len(prompts) != len(queries):
-        raise ValueError(f"prompts has {len(prompts)} items for {len(queries)} queries")
-    samples = []
-    for i, (query, prompt) in enumerate(zip(queries, prompts)):
-        if not isinstance(query, str) or not isinstance(prompt, str):
-            raise ValueError(f"query[{i}] and prompts[{i}] must be strings")
-        if not query.startswith(prompt):
-            raise ValueError(f"query[{i}] does not start with prompts[{i}] (OpenRLHF sends prompt + response)")
-        samples.append(Sample(prompt_ids=tokenizer.encode(prompt), response_ids=tokenizer.encode(query[len(prompt):]),
-                              messages=[{"role": "user", "content": prompt}]))
-    return samples
 
 
 async def score_queries(client: RewardClient, cfg: PipelineConfig, tokenizer: Any, queries: Sequence[Any],
@@ -69,16 +54,7 @@ async def score_queries(client: RewardClient, cfg: PipelineConfig, tokenizer: An
     late = next((rs[0] for rs in scored if rs[0].status == "timeout"), None)
     if late is not None:
         raise VerdictTimeout(late.reason + " (its trajectories are published; the workers may still decide it)")
-    summaries = [reward_summary(r, cfg.gateway.process_reduction) for rs in scored for r in rs]
-    return {
-        "rewards": [s["score"] for s in summaries],
-        "scores": [s["score"] for s in summaries],
-        "extra_logs": {"prm_outcome": [s["outcome"] for s in summaries],
-                       "prm_process": [s["process"] for s in summaries],
-                       "prm_accepted": [float(s["status"] == "accepted") for s in summaries]},
-        "status": [s["status"] for s in summaries],
-        "reason": [s["reason"] for s in summaries],
-    }
+    return openrlhf_answer([reward_summary(r, cfg.gateway.process_reduction) for rs in scored for r in rs])
 
 
 class _Bridge:

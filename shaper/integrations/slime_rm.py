@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from infra.config import PipelineConfig, load_config
-from prm_pipeline.gateway import ByteTokenizer, FileTokenizer, load_tokenizer, reward_summary
 from shaper.reward_client import RewardClient, Sample
+from shaper.text_rewards import ByteTokenizer, FileTokenizer, load_tokenizer, reward_summary
 
 __all__ = ["VerdictTimeout", "aclose", "reward", "sample_from_slime", "score_samples"]
 
