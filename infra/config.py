@@ -264,6 +264,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Token bytes of scored members kept in memory for the verdict; beyond it the oldest
     # are evicted and read back from the trajectories topic (scoring_workers/tokens.py).
     token_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024 * 1024
+    # What a verdict carries of each scored member's tokens: ``inline`` its token turns
+    # (the verdicts topic alone reproduces the batches), ``reference`` its record's
+    # coordinates in the trajectories topic (readers read the turns from there:
+    # infra/readback.py). docs/wire.md, "Token turns inline or by reference".
+    verdict_tokens: Literal["inline", "reference"] = "inline"
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

@@ -26,6 +26,7 @@ full-form records, and refuse (instead of misreading) compact ones.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Iterable, Sequence
@@ -474,13 +475,44 @@ class NotConcatExport(WireError, ValueError):
     """A turn's input does not start with its parent's input + output."""
 
 
+def _turns_of_compact(interactions: Sequence[Interaction]) -> list[TokenTurn] | None:
+    """:func:`compact_turns` of a compact trajectory whose every child shares its parent's
+    whole context (``shared_tokens``): concat export by construction, so each turn's delta
+    is its stored prompt and nothing is compared. None when that does not hold (the
+    full check decides)."""
+    if not any(i.shared_tokens for i in interactions):
+        return None
+    ctx: dict[str, int] = {}
+    turns: list[TokenTurn] = []
+    for it in topological_order(interactions):
+        mr = it.model_response
+        if mr is None:
+            return None
+        if it.parent_id is None:
+            if it.shared_tokens:
+                return None
+        elif it.shared_tokens != ctx[it.parent_id]:
+            return None
+        ctx[it.interaction_id] = it.shared_tokens + mr.input_len + mr.output_len
+        turns.append(TokenTurn(
+            interaction_id=it.interaction_id, parent_id=it.parent_id,
+            prompt_delta_raw=mr.input_tokens_raw, output_tokens_raw=mr.output_tokens_raw,
+            output_logprobs_raw=mr.output_logprobs_raw, stop_reason=mr.stop_reason,
+        ))
+    return turns
+
+
 def compact_turns(interactions: Sequence[Interaction]) -> list[TokenTurn]:
     """Token-backed interactions -> :class:`TokenTurn`s, checking the concat-export prefix rule.
 
-    Linear in the session for expanded trajectories: a child's prompt and its parent's
-    are views of one buffer, so the prefix check is an address comparison
-    (:func:`infra.prefix.same_bytes`).
+    Compact interactions (the wire form) in which every child shares its parent's whole
+    context need no check at all. Otherwise linear in the session for expanded
+    trajectories: a child's prompt and its parent's are views of one buffer, so the
+    prefix check is an address comparison (:func:`infra.prefix.same_bytes`).
     """
+    fast = _turns_of_compact(interactions)
+    if fast is not None:
+        return fast
     interactions = expand_trajectory_interactions(interactions)
     by_id = {i.interaction_id: i for i in interactions}
     turns: list[TokenTurn] = []
@@ -577,7 +609,35 @@ def expand_trajectory(traj: ReadyTrajectory) -> ReadyTrajectory:
     """
     if not traj.is_compact:
         return traj
-    return msgspec.structs.replace(traj, interactions=expand_trajectory_interactions(traj.interactions))
+    # Same ids and parent links: the tree was checked when ``traj`` was built, so the
+    # copy is not validated again (msgspec.structs.replace would re-run __post_init__).
+    out = copy.copy(traj)
+    msgspec.structs.force_setattr(out, "interactions", expand_trajectory_interactions(traj.interactions))
+    return out
+
+
+def check_expandable(traj: ReadyTrajectory) -> None:
+    """Raise :class:`InvalidMessage` when a compact trajectory cannot be expanded (a turn
+    shares more messages or tokens than its parent's context holds) — the check
+    :func:`decode_message` makes by expanding, without building anything (length
+    arithmetic only), for readers that expand later (the worker scores the expanded form
+    but takes its token turns from the compact one)."""
+    if not traj.is_compact:
+        return
+    msgs: dict[str, int] = {}
+    toks: dict[str, int] = {}
+    for i in topological_order(traj.interactions):
+        mr = i.model_response
+        n_in = i.shared_tokens + (mr.input_len if mr is not None else 0)
+        n_msgs = i.shared_messages + len(i.messages)
+        if i.parent_id is not None:
+            for shared, have, unit in ((i.shared_messages, msgs[i.parent_id], "messages"),
+                                       (i.shared_tokens, toks[i.parent_id], "tokens")):
+                if shared > have:
+                    raise InvalidMessage(f"interactions: turn {i.interaction_id!r}: shares {shared} {unit} with "
+                                         f"parent {i.parent_id!r}, whose context has only {have}")
+        msgs[i.interaction_id] = n_msgs + len(i.output_message_list)
+        toks[i.interaction_id] = n_in + (mr.output_len if mr is not None else 0)
 
 
 def compact_trajectory(traj: ReadyTrajectory) -> ReadyTrajectory:
@@ -616,6 +676,20 @@ def compact_trajectory(traj: ReadyTrajectory) -> ReadyTrajectory:
 
 
 SessionStatus = Literal["scored", "failed", "missing", "discarded", "pending"]
+
+
+class TokenRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a member's token turns are: its record in the trajectories topic.
+
+    A verdict published with ``worker.verdict_tokens: reference`` carries this instead
+    of the member's :class:`TokenTurn` list. ``offset`` is the ``ready`` record's offset,
+    or a chunked trajectory's first chunk's (its other chunks follow it on the same
+    partition). Readers turn it back into turns with :mod:`infra.readback`, the code the
+    worker uses for the same job.
+    """
+
+    partition: int
+    offset: int
 
 
 class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -658,6 +732,9 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # verdict record's timestamp (sent) they break a verdict's latency down by stage.
     consumed_at: float = 0.0
     parked_at: float = 0.0
+    # ``worker.verdict_tokens: reference``: the member's record instead of ``turns``
+    # (omitted otherwise, so inline verdicts encode as before it existed).
+    tokens_at: TokenRef | None = None
 
     @classmethod
     def failure(cls, *, code: str, detail: str, scorer: str | None = None, **fields: Any) -> SessionResult:
@@ -908,8 +985,9 @@ __all__ = [
     "SCHEMA_VERSION", "COMPACT_SCHEMA_VERSION", "MAX_CHUNKS", "SCHEMA_HEADER", "KIND_HEADER", "SchemaError",
     "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
     "DiscardGroup", "TrajectoryChunk", "TrajectoryMessage", "compact_trajectory", "expand_trajectory",
+    "check_expandable",
     "expand_trajectory_interactions", "schema_version_of", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
-    "BranchResult", "TokenTurn", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
+    "BranchResult", "TokenTurn", "TokenRef", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
     "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
     "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",
     "headers_to_dict", "pack_array", "to_tensor", "kind_of",

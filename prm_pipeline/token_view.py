@@ -357,9 +357,11 @@ def _verdicts_from_file(path: str) -> list[dict[str, Any]]:
 
 async def _verdict_from_topic(args: argparse.Namespace) -> dict[str, Any] | None:
     from infra.config import load_config
+    from infra.readback import VerdictTokens
     from prm_pipeline.observe import VerdictTail
 
-    tail = VerdictTail(load_config(args.config))
+    cfg = load_config(args.config)
+    tail = VerdictTail(cfg)
     await tail.start()
     try:
         await tail.wait_for({args.group}, timeout_s=args.timeout)
@@ -367,7 +369,12 @@ async def _verdict_from_topic(args: argparse.Namespace) -> dict[str, Any] | None
         return None
     finally:
         await tail.aclose()
-    return verdict_record(tail.verdicts[args.group])
+    tokens = VerdictTokens(cfg)  # a verdict published with worker.verdict_tokens: reference
+    try:
+        verdict = await tokens.resolve_one(tail.verdicts[args.group])
+    finally:
+        await tokens.aclose()
+    return verdict_record(verdict)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ import msgspec
 from infra.config import PipelineConfig
 from infra.jsonl import dump_verdict
 from infra.kafka import assign_from_start, make_consumer
+from infra.readback import VerdictTokens, needs_tokens
 from infra.schema import SchemaError, decode_verdict
 from prm_pipeline.token_view import verdict_record
 
@@ -102,6 +103,7 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
     start_ms = since_ms if since_ms is not None else (0 if from_beginning else int(time.time() * 1000))
     consumer = make_consumer(cfg.kafka, group_id=None)
     await consumer.start()
+    readback = VerdictTokens(cfg)  # verdicts published with worker.verdict_tokens: reference
     count = 0
     try:
         tps = await assign_from_start(consumer, cfg.topics.verdicts)
@@ -114,14 +116,17 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
             records = [r for rs in batch.values() for r in rs]
             if not records and timeout_s is not None and time.monotonic() - last_new > timeout_s:
                 break
+            verdicts = []
             for record in records:
                 if record.timestamp < start_ms:
                     continue
                 try:
-                    verdict = decode_verdict(record.value, record.headers)
+                    verdicts.append(decode_verdict(record.value, record.headers))
                 except SchemaError as exc:
                     print(f"skipping undecodable verdict at {record.partition}:{record.offset}: {exc}", file=sys.stderr)
-                    continue
+            if any(needs_tokens(v) for v in verdicts):  # the turns (and the status) the trainer sees
+                verdicts = await readback.resolve(verdicts)
+            for verdict in verdicts:
                 line = verdict_record(verdict) if tokens else dump_verdict(verdict)
                 out.write(encoder.encode(line).decode() + "\n")
                 count += 1
@@ -137,6 +142,7 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
             out.flush()
     finally:
         await consumer.stop()
+        await readback.aclose()
     counts.verdicts = count
     return count
 

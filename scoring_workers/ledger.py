@@ -64,6 +64,8 @@ from infra.redis import make_redis
 from infra.schema import SessionResult
 from scoring_workers.ledger_scripts import DECIDE, FINISH, PARK, PROBE
 
+TTL_REFRESH_S = 60.0  # a TTL this instance set is not set again for this long (it is that much longer)
+DONE_TTL_KEYS = 65_536  # bound of the done-set TTL memo (expired entries are dropped past it)
 DEDUPE_BUCKETS = 2  # a window is this many buckets; a probe checks one more (the window's edge)
 WORKERS_REMEMBERED_S = 3600.0  # a worker silent this long leaves the heartbeat set
 
@@ -267,6 +269,10 @@ class GroupLedger:
         self.bucket_s = dedupe_window_s / DEDUPE_BUCKETS
         self.done_ttl_s = int(dedupe_window_s + 2 * self.bucket_s) + 1
         self._sha: dict[str, str] = {}
+        # TTLs this instance set lately (one EXPIRE per key per TTL_REFRESH_S, not per call):
+        # the deadlines index, and each done set (its TTL covers the refresh interval too)
+        self._deadlines_ttl_at = 0.0
+        self._done_ttl_at: dict[str, float] = {}
         self._parks: _GroupCommit[_Park, tuple[str, list[Any] | None, int]] = _GroupCommit(self._park_batch)
         self._finishes: _GroupCommit[str, None] = _GroupCommit(self._finish_batch)
 
@@ -391,8 +397,11 @@ class GroupLedger:
                                        ttl, p.worker_id, p.scorers, "failed" if p.failed else "complete"]))
             index.setdefault(p.group_id, deadline)
         ttl = max(self._state_ttl(p.group_timeout_s) for p in parks)
-        res, _ = await self._scripts("park", items, [
-            ("zadd", (self.deadlines_key, index), {"nx": True}), ("expire", (self.deadlines_key, ttl), {})])
+        extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [("zadd", (self.deadlines_key, index), {"nx": True})]
+        if time.monotonic() >= self._deadlines_ttl_at:
+            extra.append(("expire", (self.deadlines_key, ttl + int(TTL_REFRESH_S)), {}))
+            self._deadlines_ttl_at = time.monotonic() + TTL_REFRESH_S
+        res, _ = await self._scripts("park", items, extra)
         return [(r[0].decode(), r[2] if len(r) >= 3 else None, now) for r in res]
 
     async def decide(self, group_id: str, kind: DecisionKind, *,
@@ -426,9 +435,20 @@ class GroupLedger:
         await self._finishes.submit(group_id)
 
     async def _finish_batch(self, groups: list[str]) -> list[None]:
-        await self._scripts("finish", [(g, [fingerprint(g), self.done_ttl_s]) for g in groups],
+        await self._scripts("finish", [(g, [fingerprint(g), self._done_ttl(g)]) for g in groups],
                             [("zrem", (self.deadlines_key, *groups), {})])
         return [None] * len(groups)
+
+    def _done_ttl(self, group_id: str) -> int:
+        """The TTL to set on the group's newest done set with this finish, or 0 when this
+        instance set it less than TTL_REFRESH_S ago (the TTL covers that much more)."""
+        key, now = self.keys(group_id)[2], time.monotonic()
+        if self._done_ttl_at.get(key, 0.0) > now:
+            return 0
+        if len(self._done_ttl_at) > DONE_TTL_KEYS:
+            self._done_ttl_at = {k: t for k, t in self._done_ttl_at.items() if t > now}
+        self._done_ttl_at[key] = now + TTL_REFRESH_S
+        return self.done_ttl_s + int(TTL_REFRESH_S)
 
     async def nudge(self, group_id: str, republish_grace_s: float) -> None:
         """Bring a decided group's sweep forward to ``now + grace`` (never later, never re-adding).

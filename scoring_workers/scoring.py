@@ -41,8 +41,16 @@ async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeo
     """Score ``traj`` and return the member result to park (see the module rules).
 
     ``scored_at`` defaults to now (the worker); the audit passes 0 (it is not compared).
-    A compact trajectory (built in process, not decoded) is expanded first: scorers see full turns.
+    A compact trajectory (the worker decodes the wire form and checks it with
+    :func:`infra.schema.check_expandable`) gives its token turns without any prefix
+    comparison, then is expanded: scorers see full turns.
     """
+    try:
+        turns = compact_turns(traj.interactions)
+    except NotConcatExport as exc:
+        turns, not_concat = [], exc
+    else:
+        not_concat = None
     traj = expand_trajectory(traj)
     common: dict[str, Any] = {
         "session_id": traj.session_id, "trajectory_id": traj.trajectory_id, "outcome_reward": traj.outcome_reward,
@@ -52,10 +60,9 @@ async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeo
     def stamp() -> float:
         return time.time() if scored_at is None else scored_at
 
-    try:
-        common["turns"] = compact_turns(traj.interactions)
-    except NotConcatExport as exc:
-        return SessionResult.failure(code="not_concat_export", detail=str(exc), scored_at=stamp(), **common)
+    common["turns"] = turns
+    if not_concat is not None:
+        return SessionResult.failure(code="not_concat_export", detail=str(not_concat), scored_at=stamp(), **common)
     if runner is None:
         return SessionResult(status="scored", scored_at=stamp(), **common)
     try:

@@ -13,69 +13,56 @@ The log must therefore keep a trajectory at least as long as its group can stay 
 (``topics.retention_ms`` > ``worker.group_timeout_s`` + the re-publish grace, with room
 for outages). A record that is gone anyway (deleted by retention, topic recreated)
 cannot be trained on: its member is published ``failed`` with ``tokens_unavailable``.
+
+The read-back itself lives in :mod:`infra.readback`: verdict readers use the same code
+(and the same ``tokens_unavailable`` rule) for verdicts published with
+``worker.verdict_tokens: reference``, which carry each member's record coordinates
+instead of its turns — then the worker needs no turns at all to publish.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import msgspec
-from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import TopicPartition
 
-from infra import reasons
-from infra.chunks import ChunkAssembler, reassembled
 from infra.config import PipelineConfig
-from infra.kafka import make_consumer
-from infra.schema import (
-    ReadyTrajectory,
-    SchemaError,
-    SessionResult,
-    TokenTurn,
-    TrajectoryChunk,
-    TrajectoryMessage,
-    compact_turns,
-    decode_message,
-)
+from infra.readback import TrajectoryReader, Wanted, reference, unavailable
+from infra.schema import SessionResult, TokenTurn
 from scoring_workers.ledger import ParkedMember
 
-log = logging.getLogger(__name__)
 
 def _size(turns: Sequence[TokenTurn]) -> int:
     return sum(len(t.prompt_delta_raw) + len(t.output_tokens_raw) + len(t.output_logprobs_raw or b"") for t in turns)
 
 
-def unavailable(member: SessionResult, detail: str) -> SessionResult:
-    """``member`` failed with ``tokens_unavailable`` (typed fields set, results dropped)."""
-    return SessionResult.failure(
-        code=reasons.TOKENS_UNAVAILABLE, detail=detail, session_id=member.session_id,
-        trajectory_id=member.trajectory_id, outcome_reward=member.outcome_reward, is_eval=member.is_eval,
-        policy_version=member.policy_version, created_at=member.created_at, scored_at=member.scored_at,
-        consumed_at=member.consumed_at, parked_at=member.parked_at,
-    )
-
-
 class MemberTokens:
-    """Token turns of group members: remembered when scored, read from the log otherwise."""
+    """Token turns of group members: remembered when scored, read from the log otherwise.
+
+    With ``worker.verdict_tokens: reference`` nothing is remembered or read: members
+    are published with their record coordinates (:func:`infra.readback.reference`).
+    """
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
+        self.inline = cfg.worker.verdict_tokens == "inline"
         # token bytes kept in memory (worker.token_cache_bytes); beyond it the oldest are read back from the log
-        self.max_bytes = cfg.worker.token_cache_bytes
+        self.max_bytes = cfg.worker.token_cache_bytes if self.inline else 0
         self._cache: OrderedDict[tuple[str, str], list[TokenTurn]] = OrderedDict()
         self._bytes = 0
         self._groups: dict[str, set[str]] = {}
-        self._reader: AIOKafkaConsumer | None = None
-        self._lock = asyncio.Lock()
-        self.log_reads = 0
+        self._reader = TrajectoryReader(cfg)
+
+    @property
+    def log_reads(self) -> int:
+        """Records fetched from the trajectories topic to read members back."""
+        return self._reader.records_read
 
     # ------------------------------------------------------------------ memory
     def remember(self, group_id: str, trajectory_id: str, turns: list[TokenTurn]) -> None:
         key = (group_id, trajectory_id)
-        if key in self._cache or not turns:
+        if not self.inline or key in self._cache or not turns:
             return
         self._cache[key] = turns
         self._groups.setdefault(group_id, set()).add(trajectory_id)
@@ -100,90 +87,27 @@ class MemberTokens:
 
     # ------------------------------------------------------------------ members
     async def members(self, group_id: str, parked: Sequence[ParkedMember]) -> list[SessionResult]:
-        """The parked members as verdict sessions, scored ones with their token turns."""
-        wanted = [p for p in parked if p.result.status == "scored" and not p.result.turns and p.partition >= 0
-                  and (group_id, p.result.trajectory_id) not in self._cache]
-        if wanted:
-            await self._read_back(group_id, wanted)
+        """The parked members as verdict sessions: scored ones with their token turns
+        (inline) or their record coordinates (reference)."""
+        def located(p: ParkedMember) -> bool:
+            return p.result.status == "scored" and not p.result.turns and p.partition >= 0
+
+        if not self.inline:
+            return [reference(p.result, p.partition, p.offset) if located(p) else p.result for p in parked]
+        wanted = [Wanted(p.partition, p.offset, p.result.trajectory_id, group_id) for p in parked
+                  if located(p) and (group_id, p.result.trajectory_id) not in self._cache]
+        read = await self._reader.read(wanted) if wanted else {}
         out = []
         for p in parked:
             r = p.result
-            if r.status == "scored" and not r.turns and p.partition >= 0:
-                turns = self._cache.get((group_id, r.trajectory_id))
+            if located(p):
+                turns = self._cache.get((group_id, r.trajectory_id)) or read.get((p.partition, p.offset, r.trajectory_id))
                 if turns is None:
-                    r = unavailable(r, f"record {self.cfg.topics.trajectories}:{p.partition}@{p.offset} "
-                                       "could not be read back")
+                    r = unavailable(r, self.cfg.topics.trajectories, p.partition, p.offset)
                 else:
                     r = msgspec.structs.replace(r, turns=turns)
             out.append(r)
         return out
 
-    async def _read_back(self, group_id: str, wanted: Sequence[ParkedMember]) -> None:
-        """Read members' records at their parked coordinates (one read at a time: the reader is shared)."""
-        topic = self.cfg.topics.trajectories
-        async with self._lock:
-            if self._reader is None:
-                self._reader = make_consumer(self.cfg.kafka, group_id=None, enable_auto_commit=False)
-                await self._reader.start()
-            reader = self._reader
-            tps = sorted({TopicPartition(topic, p.partition) for p in wanted}, key=lambda tp: tp.partition)
-            reader.assign(tps)
-            reader.resume(*tps)  # paused after the previous read
-            try:
-                await self._read_each(reader, group_id, wanted)
-            finally:  # no background fetching between reads
-                reader.pause(*reader.assignment())
-
-    async def _read_each(self, reader: AIOKafkaConsumer, group_id: str, wanted: Sequence[ParkedMember]) -> None:
-        topic = self.cfg.topics.trajectories
-        timeout_s = self.cfg.kafka.request_timeout_ms / 1000
-        for p in sorted(wanted, key=lambda m: (m.partition, m.offset)):
-            tp = TopicPartition(topic, p.partition)
-            reader.seek(tp, p.offset)
-            async with asyncio.timeout(timeout_s):  # a broker outage: transient, retried by the caller
-                record = await reader.getone(tp)
-            self.log_reads += 1
-            if record.offset != p.offset:
-                log.error("group=%s traj=%s: record %s:%d@%d is gone (next is @%d)", group_id,
-                          p.result.trajectory_id, topic, p.partition, p.offset, record.offset)
-                continue
-            try:
-                message = decode_message(record.value, record.headers)
-                if isinstance(message, TrajectoryChunk):
-                    async with asyncio.timeout(timeout_s):
-                        message = await self._read_chunks(reader, tp, record.offset, message)
-            except SchemaError as exc:
-                log.error("group=%s: record %s:%d@%d no longer decodes: %s", group_id, topic, p.partition,
-                          p.offset, exc)
-                continue
-            if not isinstance(message, ReadyTrajectory) or message.trajectory_id != p.result.trajectory_id:
-                log.error("group=%s: record %s:%d@%d is not trajectory %s", group_id, topic, p.partition,
-                          p.offset, p.result.trajectory_id)
-                continue
-            self.remember(group_id, message.trajectory_id, compact_turns(message.interactions))
-
-    async def _read_chunks(self, reader: AIOKafkaConsumer, tp: TopicPartition, offset: int,
-                           first: TrajectoryChunk) -> TrajectoryMessage:
-        """Read on from a trajectory's first chunk until it is whole; decode it."""
-        assembler: ChunkAssembler[int] = ChunkAssembler()
-        done = assembler.add(None, first, offset)
-        while True:
-            finished = [d for d in done if d.coords[-1] == offset]  # not a superseded partial one
-            if finished:
-                return reassembled(finished[0])
-            record = await reader.getone(tp)
-            self.log_reads += 1
-            offset = record.offset
-            try:
-                chunk = decode_message(record.value, record.headers)
-            except SchemaError:
-                done = []
-                continue
-            same = isinstance(chunk, TrajectoryChunk) and (chunk.group_id, chunk.trajectory_id) == \
-                (first.group_id, first.trajectory_id)
-            done = assembler.add(None, chunk, offset) if same else []  # type: ignore[arg-type]
-
     async def aclose(self) -> None:
-        if self._reader is not None:
-            await self._reader.stop()
-            self._reader = None
+        await self._reader.aclose()

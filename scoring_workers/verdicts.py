@@ -31,6 +31,7 @@ import msgspec
 
 from infra import reasons
 from infra.kafka import record_size
+from infra.readback import failed_reason
 from infra.schema import GroupVerdict, ScorerInfo, SessionResult, encode
 from scoring_workers.ledger import GroupState, ParkedMember
 
@@ -63,7 +64,7 @@ def assemble_verdict(group_id: str, state: GroupState,
         status, code = "rejected", reasons.GROUP_SIZE_MISMATCH
         reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state.size_mismatch})"
     elif failed:
-        status, code, reason = "rejected", failed[0].failure_code, _failed_reason(failed)
+        status, code, reason = "rejected", failed[0].failure_code, failed_reason(failed)
     elif len(members) < group_size:
         status, code = "rejected", reasons.MISSING_SESSIONS
         reason = f"missing_sessions: {len(members)} of {group_size} arrived before the deadline"
@@ -84,20 +85,6 @@ def assemble_verdict(group_id: str, state: GroupState,
         timings={"group_open_s": max(0, decided_at - first_seen) / 1000.0},
         reason_code=code,
     )
-
-
-def _failed_reason(failed: Sequence[SessionResult]) -> str:
-    """A rejection's text for its failed members: the first one's (by trajectory id) code,
-    trajectory and session, and why (its ``error_detail``, cut short: the member keeps the
-    whole message), plus how many others failed. For people; programs read
-    ``reason_code``."""
-    first = failed[0]
-    detail = (first.error_detail or "").replace("\n", " ")
-    if len(detail) > 1000:
-        detail = detail[:997] + "..."
-    more = f"; {len(failed) - 1} more member(s) failed" if len(failed) > 1 else ""
-    why = f": {detail}" if detail else " failed"
-    return f"{first.failure_code}: member {first.trajectory_id!r} (session {first.session_id!r}){why}{more}"
 
 
 def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: int = 1) -> GroupVerdict:

@@ -76,6 +76,7 @@ from infra.schema import (
     ScorerInfo,
     SessionResult,
     TrajectoryChunk,
+    check_expandable,
     compact_turns,
     dead_letter_headers,
     decode_message,
@@ -302,8 +303,10 @@ class Worker:
         consumed_at = time.time()
         decoded: list[tuple[ConsumerRecord, Any, list[int]]] = []
         for record in records:
-            try:
-                message: Any = decode_message(record.value, record.headers)
+            try:  # the wire form: scoring takes its token turns from it, then expands it once
+                message: Any = decode_message(record.value, record.headers, expand=False)
+                if isinstance(message, ReadyTrajectory):
+                    check_expandable(message)
             except SchemaError as exc:
                 message = exc
             if isinstance(message, TrajectoryChunk):
@@ -445,8 +448,9 @@ class Worker:
             # member and deciding, finish that decision now; the record in hand spares
             # reading its tokens back from the log.
             self.telemetry.deduplicated.inc()
-            with contextlib.suppress(NotConcatExport):
-                self._tokens.remember(traj.group_id, traj.trajectory_id, compact_turns(traj.interactions))
+            if self._tokens.inline:
+                with contextlib.suppress(NotConcatExport):
+                    self._tokens.remember(traj.group_id, traj.trajectory_id, compact_turns(traj.interactions))
             await self._decide_and_publish(traj.group_id, "complete")
             self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, already scored (a "
                                      "redelivery or a re-published record)", traj.group_id, traj.trajectory_id)

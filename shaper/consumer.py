@@ -9,7 +9,10 @@ Long on purpose: dedupe, filtering, commit-after-acknowledge and batching share 
             train_step(batch.to(device))
 
 Per record: decode (an undecodable record is logged and counted, never fatal) ->
-dedupe on ``(group_id, verdict_version)`` -> count its metrics -> rejected and
+dedupe on ``(group_id, verdict_version)`` -> an accepted verdict published with
+``worker.verdict_tokens: reference`` gets its members' token turns read back from the
+trajectories topic (:mod:`infra.readback`, the worker's own read-back and its
+``tokens_unavailable`` rule; outages are retried with backoff) -> count its metrics -> rejected and
 discarded groups stop here -> an accepted group is exported to concat rows
 (:func:`shaper.batch.export_group`; a :class:`~shaper.batch.ConcatExportError` drops
 the group and is counted) -> the configured group filter judges the complete group ->
@@ -48,6 +51,7 @@ redelivered record whose key is unknown to the instance and the store counts aga
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sqlite3
@@ -62,8 +66,9 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.config import PipelineConfig
-from infra.kafka import make_consumer
+from infra.kafka import backoff_delay, is_retriable, make_consumer
 from infra.offsets import OffsetCommitter
+from infra.readback import VerdictTokens, needs_tokens
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
 from infra.throttle import Every
 
@@ -276,6 +281,7 @@ class VerdictConsumer:
             self._owns_store = False
 
         self.metrics = VerdictMetrics()
+        self._tokens = VerdictTokens(cfg)  # reads referenced members' turns (no connection until needed)
         self._consumer: AIOKafkaConsumer | None = None
         self._committer: OffsetCommitter | None = None  # one per start(): it owns the offsets
         self._seen: dict[DedupeKey, None] = {}  # insertion-ordered: evict oldest first
@@ -333,6 +339,7 @@ class VerdictConsumer:
             self._committer = None
             self._consumer = None
             await consumer.stop()
+            await self._tokens.aclose()
 
     async def aclose(self, *, commit: bool = True) -> None:
         """:meth:`stop`, then close an owned dedupe store; the instance cannot restart.
@@ -406,7 +413,7 @@ class VerdictConsumer:
             records = [record for part in polled.values() for record in part]
             if records:
                 last_activity = time.monotonic()
-                self._process(records)
+                await self._process(records)
         return self._emit(self.batch_groups)
 
     def _log_waiting(self, idle_timeout_s: float | None) -> None:
@@ -492,28 +499,62 @@ class VerdictConsumer:
             return True
         return self._store is not None and self._store.contains(key)
 
-    def _process(self, records: list[ConsumerRecord]) -> None:
+    async def _process(self, records: list[ConsumerRecord]) -> None:
         if self._consumer is None or self._committer is None:
             return
-        assigned, committer = self._consumer.assignment(), self._committer
+        assigned = self._consumer.assignment()
+        decoded: list[tuple[ConsumerRecord, TopicPartition, GroupVerdict | None]] = []
         for record in records:
             tp = TopicPartition(record.topic, record.partition)
             if tp not in assigned:
                 continue  # revoked while the fetch was in flight: the new owner has it
+            decoded.append((record, tp, self._decode(record)))
+        await self._read_tokens(decoded)
+        committer = self._committer
+        if committer is None:  # stopped while reading tokens back
+            return
+        for record, tp, verdict in decoded:
             committer.tracker.begin(tp, record.offset)
-            if not self._handle(record, tp):
+            if verdict is None or not self._handle(verdict, record, tp):
                 committer.tracker.finish(tp, record.offset)
 
-    def _handle(self, record: ConsumerRecord, tp: TopicPartition) -> bool:
-        """Process one record; True when its group was buffered (offset stays pending)."""
-        m = self.metrics
+    def _decode(self, record: ConsumerRecord) -> GroupVerdict | None:
         try:
-            verdict = decode_verdict(record.value, record.headers)
+            return decode_verdict(record.value, record.headers)
         except SchemaError as exc:
-            m.count("verdicts/undecodable")
+            self.metrics.count("verdicts/undecodable")
             log.error("undecodable verdict at %s:%d offset %d skipped: %s: %s",
                       record.topic, record.partition, record.offset, type(exc).__name__, exc)
-            return False
+            return None
+
+    async def _read_tokens(self, decoded: list[tuple[ConsumerRecord, TopicPartition, GroupVerdict | None]]) -> None:
+        """Fill in referenced members' turns of the accepted, new verdicts (one read for all).
+
+        Only those can become rows; a broker outage is retried with backoff (the records
+        are not begun yet, so a stop meanwhile leaves them for redelivery)."""
+        todo = [i for i, (_, _, v) in enumerate(decoded) if v is not None and v.status == "accepted"
+                and needs_tokens(v) and not self._is_duplicate((v.group_id, v.verdict_version))]
+        if not todo:
+            return
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                resolved = await self._tokens.resolve([decoded[i][2] for i in todo])  # type: ignore[misc]
+                break
+            except Exception as exc:
+                if not is_retriable(exc):
+                    raise
+                delay = backoff_delay(attempt)
+                log.warning("reading members' tokens back from %s failed (%s: %s); retrying in %.1fs",
+                            self.cfg.topics.trajectories, type(exc).__name__, exc, delay)
+                await asyncio.sleep(delay)
+        for i, verdict in zip(todo, resolved):
+            decoded[i] = (decoded[i][0], decoded[i][1], verdict)
+
+    def _handle(self, verdict: GroupVerdict, record: ConsumerRecord, tp: TopicPartition) -> bool:
+        """Process one decoded verdict; True when its group was buffered (offset stays pending)."""
+        m = self.metrics
         key: DedupeKey = (verdict.group_id, verdict.verdict_version)
         if self._is_duplicate(key):
             m.count("verdicts/duplicate")

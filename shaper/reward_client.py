@@ -33,7 +33,8 @@ import msgspec
 import numpy as np
 
 from infra.config import PipelineConfig
-from infra.kafka import make_consumer, partitions_of
+from infra.kafka import backoff_delay, is_retriable, make_consumer, partitions_of
+from infra.readback import VerdictTokens, needs_tokens
 from infra.schema import (
     GroupVerdict,
     Interaction,
@@ -127,6 +128,11 @@ class VerdictWaiter:
     epoch time ``since``), so no verdict of ours can be missed and it never disturbs
     anyone's offsets. Recent verdicts are kept (bounded) so a caller that asks after the
     verdict passed still gets it; ``keep`` may slim each one before it is kept.
+
+    A verdict published with ``worker.verdict_tokens: reference`` gets its members' token
+    turns read back from the trajectories topic before anyone sees it
+    (:mod:`infra.readback`: the worker's read-back and its ``tokens_unavailable`` rule),
+    so its status is the one the trainer sees.
     """
 
     def __init__(self, cfg: PipelineConfig, *, from_beginning: bool = False, since: float | None = None,
@@ -141,6 +147,7 @@ class VerdictWaiter:
         self._waiting: dict[str, asyncio.Future[GroupVerdict]] = {}
         self._task: asyncio.Task[None] | None = None
         self._consumer: Any = None
+        self._tokens = VerdictTokens(cfg)
 
     async def start(self) -> None:
         self._consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=50)
@@ -176,6 +183,7 @@ class VerdictWaiter:
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
+        await self._tokens.aclose()
 
     def expect(self, group_id: str) -> asyncio.Future[GroupVerdict]:
         """Register interest in ``group_id`` (call before publishing its members)."""
@@ -205,9 +213,10 @@ class VerdictWaiter:
         try:
             while True:
                 batch = await self._consumer.getmany(timeout_ms=200)
-                for records in batch.values():
-                    for record in records:
-                        self._on_record(record)
+                verdicts = [v for records in batch.values() for record in records
+                            if (v := self._decode(record)) is not None]
+                for verdict in await self._read_tokens(verdicts):
+                    self._on_verdict(verdict)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the broker client gave up: every waiter learns why
@@ -217,12 +226,32 @@ class VerdictWaiter:
                     fut.set_exception(exc)
             raise
 
-    def _on_record(self, record: Any) -> None:
+    @staticmethod
+    def _decode(record: Any) -> GroupVerdict | None:
         try:
-            verdict = decode_verdict(record.value, record.headers)
+            return decode_verdict(record.value, record.headers)
         except SchemaError as exc:
             log.warning("undecodable verdict at %s:%d: %s", record.partition, record.offset, exc)
-            return
+            return None
+
+    async def _read_tokens(self, verdicts: list[GroupVerdict]) -> list[GroupVerdict]:
+        """Referenced members' turns read back (a broker outage is retried with backoff)."""
+        if not any(needs_tokens(v) for v in verdicts):
+            return verdicts
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self._tokens.resolve(verdicts)
+            except Exception as exc:
+                if not is_retriable(exc):
+                    raise
+                delay = backoff_delay(attempt)
+                log.warning("reading members' tokens back failed (%s: %s); retrying in %.1fs",
+                            type(exc).__name__, exc, delay)
+                await asyncio.sleep(delay)
+
+    def _on_verdict(self, verdict: GroupVerdict) -> None:
         self.arrivals.setdefault(verdict.group_id, time.perf_counter())
         if self.keep is not None:
             verdict = self.keep(verdict)

@@ -120,6 +120,14 @@ class Auditor:
 
     def feed_verdict(self, value: bytes | None, headers: Any) -> GroupVerdict | None:
         """Decode and register one verdict record (skipped when filtered or undecodable)."""
+        verdict = self.decode_verdict(value, headers)
+        if verdict is not None:
+            self.add_verdict(verdict)
+        return verdict
+
+    def decode_verdict(self, value: bytes | None, headers: Any) -> GroupVerdict | None:
+        """Decode and count one verdict record; None when filtered or undecodable (then
+        :meth:`add_verdict` it, after reading referenced members' turns back)."""
         if self._frozen:
             raise RuntimeError("feed every verdict before the first trajectory")
         self.counts["verdict_records"] += 1
@@ -130,7 +138,6 @@ class Auditor:
             return None
         if not self.wanted(verdict.group_id):
             return None
-        self.add_verdict(verdict)
         return verdict
 
     def add_verdict(self, verdict: GroupVerdict) -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from infra.config import PipelineConfig
+from infra.readback import VerdictTokens, needs_tokens
+from infra.schema import GroupVerdict
 from prm_pipeline.audit.auditor import Auditor, AuditReport
 from prm_pipeline.audit.compare import DEFAULT_TOLERANCE, Tolerance
 from prm_pipeline.audit.replay import AuditError, read_snapshot
@@ -40,6 +42,8 @@ class AuditOptions:
     max_differences: int = 100
     progress: bool | None = None  # None: when stderr is a terminal
     show: int = 10  # differing groups listed in the summary
+
+READBACK_BATCH = 512  # referenced verdicts whose members' turns are read back together
 
 
 async def audit(
@@ -82,12 +86,26 @@ async def audit(
                 return lambda n: progress.update(task, total=(progress.tasks[task].total or 0) + n)
 
             ends: dict[str, dict[int, int]] = {topics.verdicts: {}, topics.trajectories: {}}
-            async for record in read_snapshot(cfg, topics.verdicts, start=offsets.get(topics.verdicts),
-                                              since_ms=options.since_ms, on_total=grow(verdict_task),
-                                              ends_out=ends[topics.verdicts]):
-                progress.advance(verdict_task)
-                if record is not None:
-                    auditor.feed_verdict(record.value, record.headers)
+            tokens = VerdictTokens(cfg)  # verdicts published with worker.verdict_tokens: reference
+            try:
+                referenced: list[GroupVerdict] = []
+                async for record in read_snapshot(cfg, topics.verdicts, start=offsets.get(topics.verdicts),
+                                                  since_ms=options.since_ms, on_total=grow(verdict_task),
+                                                  ends_out=ends[topics.verdicts]):
+                    progress.advance(verdict_task)
+                    verdict = None if record is None else auditor.decode_verdict(record.value, record.headers)
+                    if verdict is not None and needs_tokens(verdict):
+                        referenced.append(verdict)  # its turns are read back in batches, as the trainer does
+                    elif verdict is not None:
+                        auditor.add_verdict(verdict)
+                    if len(referenced) >= READBACK_BATCH:
+                        for v in await tokens.resolve(referenced):
+                            auditor.add_verdict(v)
+                        referenced = []
+                for v in await tokens.resolve(referenced):
+                    auditor.add_verdict(v)
+            finally:
+                await tokens.aclose()
             progress.update(rescore_task, total=auditor.sessions_to_rescore)
             progress.start_task(rescore_task)
             async for record in read_snapshot(cfg, topics.trajectories, start=offsets.get(topics.trajectories),

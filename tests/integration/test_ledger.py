@@ -105,6 +105,33 @@ async def test_last_member_decides_once_and_finish_leaves_a_tombstone(ledger) ->
     assert g not in await ledger.due_groups()
 
 
+async def test_a_group_sets_each_ttl_once_and_parks_without_hash_probes(redis_url: str) -> None:
+    """Redis work per group, counted by the server (INFO commandstats): the state and
+    members keys get their TTL with the first member only (not again when a park decides
+    the group), the deadlines index and the done set at most once per refresh interval,
+    and a member is parked with one HSETNX (no HEXISTS first)."""
+    cfg = RedisConfig(url=redis_url, key_prefix=f"ttl-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    led = GroupLedger.from_config(cfg)
+    try:
+        async def one_group() -> dict[str, int]:
+            g = f"g-{uuid.uuid4().hex[:6]}"
+            before = await led.command_calls()
+            for k in range(4):
+                outcome, decision = await led.park(_member(f"t{k}"), group_id=g, group_size=4, **ARGS)
+            assert outcome == "parked" and decision.outcome == "decided_now" and len(decision.members) == 4
+            await led.finish(g)
+            after = await led.command_calls()
+            return {c: after.get(c, 0) - before.get(c, 0) for c in after}
+
+        await one_group()  # the first group also sets the deadlines index's TTL
+        calls = await one_group()
+        assert calls.get("expire", 0) <= 3, calls  # state + members at the first member, the done set
+        assert calls.get("hexists", 0) == 0 and calls.get("hsetnx", 0) == 3, calls
+        assert calls.get("hlen", 0) == 4, calls  # once per park, not again when deciding
+    finally:
+        await led.aclose()
+
+
 async def test_discard_before_any_member(ledger) -> None:
     g = f"d-{uuid.uuid4().hex[:6]}"
     decision = await ledger.decide(g, "discard", worker_id="w1", scorers=b"\x90", discard_reason="no",

@@ -14,6 +14,7 @@ import asyncio
 import time
 import uuid
 
+import msgspec
 import numpy as np
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
@@ -223,3 +224,36 @@ async def test_publish_refuses_a_session_over_every_limit_in_one_line_before_sen
     assert line.startswith("error: session 'cli-big-s' (trajectory 'cli-big-t', group 'cli-big') is ")
     assert " bytes in compact form over 40 turns" in line and "kafka.max_message_bytes=1024" in line
     assert await read_topic(cfg, cfg.topics.trajectories) == []  # the small session before it was not sent either
+
+
+async def test_a_group_of_long_sessions_is_accepted_with_reference_verdicts(cfg, worker, kafka_bootstrap,
+                                                                           redis_url) -> None:
+    """Three 100-turn sessions: inline, their turns make the verdict too large to publish
+    (rejected / verdict_too_large); with ``worker.verdict_tokens: reference`` the verdict
+    names their (chunked) records and a reader reads every turn back from the log."""
+    from infra.readback import VerdictTokens
+
+    ref_cfg = isolated_config(f"longref-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, partitions=PARTITIONS,
+                              group_timeout_s=GROUP_TIMEOUT_S * 10, scorer_timeout_s=60, verdict_tokens="reference",
+                              scorers=[PRMScorerConfig("tests.scorers.TokenEchoScorer")])
+    gid = f"many-{uuid.uuid4().hex[:6]}"
+    group = [make_agent_session(trajectory_id=f"{gid}-t{k}", session_id=f"{gid}-s{k}", group_id=gid, group_size=3,
+                                turns=100, context_tokens=128_000, rng=np.random.default_rng(k)) for k in range(3)]
+    for c in (cfg, ref_cfg):
+        async with TrajectoryPublisher(c.kafka, c.topics) as pub:
+            assert len(pub.records(group[0])) >= 2
+            await pub.publish_many(group)
+    (inline,) = [v for v in await wait_for_verdicts(cfg, [gid], timeout_s=120) if v.group_id == gid]
+    assert inline.status == "rejected" and inline.reason.startswith("verdict_too_large"), inline.reason
+    async with running_worker(ref_cfg, "longref-w0"):
+        (verdict,) = [v for v in await wait_for_verdicts(ref_cfg, [gid], timeout_s=120) if v.group_id == gid]
+    assert verdict.status == "accepted", verdict.reason
+    assert all(s.tokens_at is not None and not s.turns for s in verdict.sessions)
+    tokens = VerdictTokens(ref_cfg)
+    try:
+        resolved = await tokens.resolve_one(verdict)
+    finally:
+        await tokens.aclose()
+    by_id = {t.trajectory_id: t for t in group}
+    for session in resolved.sessions:
+        _check_verdict(msgspec.structs.replace(resolved, sessions=[session]), by_id[session.trajectory_id])

@@ -149,3 +149,126 @@ async def test_a_member_whose_record_cannot_be_read_back_fails_as_tokens_unavail
         assert (member.error_code, member.error_detail) == (  # typed, like every other failure
             "tokens_unavailable", f"record {topic}:{partition}@{offset} could not be read back")
     assert tokens.log_reads == 3
+
+
+# --------------------------------------------------------------------------- worker.verdict_tokens: reference
+def _reference_config(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
+    return isolated_config(f"tokref-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, group_timeout_s=120,
+                           verdict_tokens="reference",
+                           scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer",
+                                                    kwargs={"max_output_tokens": 24})])
+
+
+async def test_reference_verdicts_name_records_and_every_reader_reads_the_same_turns(kafka_bootstrap,
+                                                                                     redis_url) -> None:
+    """With ``reference`` the verdict carries coordinates, not tokens; the trainer's consumer,
+    the verdict waiter and ``verdicts --tokens`` read back exactly the worker's turns."""
+    import io
+
+    import msgspec
+    import torch
+
+    from infra.readback import VerdictTokens
+    from infra.schema import decode_verdict
+    from prm_pipeline.verdict_dump import _dump
+    from shaper import VerdictConsumer
+    from shaper.batch import collate, export_group
+    from shaper.reward_client import VerdictWaiter
+    from tests.integration.harness import read_topic
+
+    cfg = _reference_config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
+    group = make_group(f"ref-{uuid.uuid4().hex[:6]}", 4, turns=3, output_tokens=(64, 128))
+    gid = group[0].group_id
+    by_id = {t.trajectory_id: t for t in group}
+    waiter = VerdictWaiter(cfg)
+    await waiter.start()
+    try:
+        fut = waiter.expect(gid)
+        async with running_worker(cfg, "w-ref"):
+            async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+                await pub.publish_many(group)
+            await wait_for_verdicts(cfg, [gid], timeout_s=30)
+        waited = await asyncio.wait_for(fut, 30)
+    finally:
+        await waiter.aclose()
+    (record,) = [r for r in await read_topic(cfg, cfg.topics.verdicts) if r.key == gid.encode()]
+    raw = decode_verdict(record.value, record.headers)
+    assert raw.status == "accepted"
+    for s in raw.sessions:  # the record names each member's ready record instead of carrying its tokens
+        assert s.turns == [] and s.tokens_at is not None and s.tokens_at.offset >= 0
+        for sample in _token_samples(by_id[s.trajectory_id]):
+            assert sample not in record.value
+    tokens = VerdictTokens(cfg)
+    try:
+        resolved = await tokens.resolve_one(raw)
+    finally:
+        await tokens.aclose()
+    inline_value = msgspec.msgpack.encode(resolved)  # the rewards stay on the verdict: only the tokens leave it
+    assert len(record.value) * 2 < len(inline_value), (len(record.value), len(inline_value))
+    for verdict in (resolved, waited):
+        assert verdict.status == "accepted"
+        for s in verdict.sessions:
+            assert s.tokens_at is None and s.turns == compact_turns(by_id[s.trajectory_id].interactions)
+    out = io.StringIO()
+    await _dump(cfg, out, from_beginning=True, max_count=1, timeout_s=5, tokens=True)
+    assert '"interactions"' in out.getvalue() and gid in out.getvalue()
+    async with VerdictConsumer(cfg, batch_groups=1, group_filter=None, device="cpu",
+                               group_id=f"trainer-{gid}") as consumer:
+        batch = await consumer.next_batch(idle_timeout_s=10)
+    assert batch is not None and set(batch.group_ids) == {gid}
+    expected = collate([export_group(resolved)])
+    assert torch.equal(batch.input_ids, expected.input_ids)
+    assert torch.equal(batch.token_rewards, expected.token_rewards)
+
+
+async def test_a_referenced_member_whose_record_is_gone_rejects_its_group_for_every_reader(kafka_bootstrap,
+                                                                                           redis_url) -> None:
+    """The reader-side ``tokens_unavailable`` rule: an accepted verdict naming a record that is not
+    its member's trajectory comes out rejected, as the worker would have published it inline."""
+    import io
+    import json
+
+    from infra.kafka import make_producer
+    from infra.readback import VerdictTokens
+    from infra.schema import GroupVerdict, SessionResult, TokenRef, encode
+    from prm_pipeline.verdict_dump import _dump
+    from shaper import VerdictConsumer
+
+    cfg = _reference_config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
+    group = make_group(f"refgone-{uuid.uuid4().hex[:6]}", 2, turns=2, output_tokens=(16, 32))
+    gid, topic = group[0].group_id, cfg.topics.trajectories
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        value, headers = encode(group[0])
+        meta = await producer.send_and_wait(topic, value, key=gid.encode(), headers=headers)
+        sessions = [SessionResult(session_id=t.session_id, trajectory_id=t.trajectory_id, status="scored",
+                                  stats={"x": 1.0}, tokens_at=TokenRef(partition=meta.partition, offset=meta.offset))
+                    for t in group]  # the second member names the first one's record
+        verdict = GroupVerdict(group_id=gid, status="accepted", group_size=2, sessions=sessions)
+        value, headers = encode(verdict)
+        await producer.send_and_wait(cfg.topics.verdicts, value, key=gid.encode(), headers=headers)
+    finally:
+        await producer.stop()
+    reason = f"tokens_unavailable: member {group[1].trajectory_id} (session {group[1].session_id}) failed"
+    tokens = VerdictTokens(cfg)
+    try:
+        resolved = await tokens.resolve_one(verdict)
+    finally:
+        await tokens.aclose()
+    assert resolved.status == "rejected" and resolved.reason == reason
+    kept, lost = resolved.sessions
+    assert kept.status == "scored" and kept.turns == compact_turns(group[0].interactions)
+    assert lost.status == "failed" and lost.stats == {} and lost.turns == [] and lost.tokens_at is None
+    assert lost.error == f"tokens_unavailable: record {topic}:{meta.partition}@{meta.offset} could not be read back"
+    out = io.StringIO()
+    await _dump(cfg, out, from_beginning=True, max_count=1, timeout_s=5)
+    line = json.loads(out.getvalue())
+    assert line["status"] == "rejected" and line["reason"] == reason
+    async with VerdictConsumer(cfg, batch_groups=1, group_filter=None, device="cpu",
+                               group_id=f"trainer-{gid}") as consumer:
+        assert await consumer.next_batch(idle_timeout_s=3) is None  # nothing to train on
+        totals = consumer.totals()
+    assert totals["pipeline/verdicts/rejected/tokens_unavailable"] == 1, totals

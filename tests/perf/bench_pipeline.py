@@ -3,7 +3,10 @@
 In one run, on the same broker and machine:
 
 (a) publish -> N worker processes (LengthBudgetScorer) -> verdicts, trajectories/s;
-(b) raw aiokafka produce + consume of the same encoded bytes (the transport ceiling);
+(b) raw aiokafka produce + consume of the same encoded bytes (the transport ceiling),
+    interleaved with (a): ``--pairs`` rounds of (b) then (a) on fresh groups, reported
+    as the median ratio (a)/(b) with its range — one run of each says nothing on a
+    shared machine, where the transport itself varies by 2x from run to run;
 (c) the in-process ``PRMRunner`` on the same trajectories (the AReaL-style baseline);
 (d) the ledger's Redis calls alone for the same scored results (Redis cost without the
     contention of the whole pipeline on the same cores);
@@ -47,7 +50,8 @@ from prm_pipeline.observe import VerdictTail
 from producers.publisher import TrajectoryPublisher
 
 
-def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "zstd") -> PipelineConfig:
+def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "zstd",
+            verdict_tokens: str = "inline") -> PipelineConfig:
     return PipelineConfig(
         rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
             PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 384}),
@@ -57,7 +61,8 @@ def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"bench:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             partitions=8),
-        worker=WorkerConfig(group_id=f"workers.{name}", concurrency=concurrency, group_timeout_s=600),
+        worker=WorkerConfig(group_id=f"workers.{name}", concurrency=concurrency, group_timeout_s=600,
+                            verdict_tokens=verdict_tokens),  # type: ignore[arg-type]
     )
 
 
@@ -181,11 +186,13 @@ class _RedisMeter:
         net = await self.client.info("stats")
         scripts = {k: v for k, v in stats.items() if k in ("evalsha", "eval", "fcall")}
         inner = {"hset", "hget", "hgetall", "hexists", "hlen", "exists", "del", "set", "sismember", "sadd",
-                 "hmget", "hdel"}  # only ever run inside the ledger's scripts
-        top = {k: v for k, v in stats.items() if k not in inner and k not in ("info", "config|resetstat")}
+                 "hmget", "hdel", "hsetnx"}  # only ever run inside the ledger's scripts
+        mine = {k: v for k, v in stats.items() if k not in ("info", "config|resetstat")}
+        top = {k: v for k, v in mine.items() if k not in inner}
         return {"usec": sum(v["usec"] for v in top.values()), "cpu_s": cpu,
                 "scripts": sum(v["calls"] for v in scripts.values()),
                 "calls": sum(v["calls"] for v in top.values()),
+                "all_calls": sum(v["calls"] for v in mine.values()),  # scripts' own commands too
                 "in": net["total_net_input_bytes"], "out": net["total_net_output_bytes"],
                 "by_command": {k: (v["calls"], v["usec"]) for k, v in top.items()}}
 
@@ -236,8 +243,19 @@ async def _paced(pub: TrajectoryPublisher, tail: VerdictTail, groups: list[list[
     return {"interval": interval, "latencies": latencies, "stages": {k: sorted(v) for k, v in stages.items() if v}}
 
 
-async def _pipeline(cfg: PipelineConfig, groups: list[list[ReadyTrajectory]], n_workers: int, workdir: Path,
-                    latency_groups: int, redis_url: str) -> dict[str, Any]:
+def _payloads(groups: list[list[ReadyTrajectory]]) -> list[tuple[bytes, bytes, list]]:
+    out = []
+    for g in groups:
+        for t in g:
+            value, headers = encode(t)
+            out.append((t.group_id.encode(), value, headers))
+    return out
+
+
+async def _pipeline(cfg: PipelineConfig, rounds: list[list[list[ReadyTrajectory]]], n_workers: int, workdir: Path,
+                    latency: list[list[ReadyTrajectory]], redis_url: str) -> dict[str, Any]:
+    """Workers up once; then per round the raw baseline (b) and the pipeline at peak (a)
+    on that round's groups, back to back; then the paced latency runs."""
     procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=n_workers)
     tail = _RawTail(cfg)  # keys + raw bytes: the load generator must not compete for CPU decoding
     meter = _RedisMeter(redis_url)
@@ -250,23 +268,39 @@ async def _pipeline(cfg: PipelineConfig, groups: list[list[ReadyTrajectory]], n_
             await pub.flush()
             await tail.wait_for({warm[0].group_id}, 60)  # workers joined and scoring
 
-            # (a) peak: publish everything as fast as possible
-            peak = groups[: len(groups) - 2 * latency_groups]
-            await meter.reset()
-            t0 = time.perf_counter()
-            for g in peak:
-                await pub.publish_many(g)
-            await pub.flush()
-            await tail.wait_for({g[0].group_id for g in peak}, 600)
-            done = max(tail.arrivals[g[0].group_id] for g in peak)
-            redis = await meter.read()
-            n_peak = sum(len(g) for g in peak)
-            rate = n_peak / (done - t0)
-
-            rest = groups[len(groups) - 2 * latency_groups:]
-            low = await _paced(pub, tail, rest[:latency_groups], rate * 0.1)
-            half = await _paced(pub, tail, rest[latency_groups:], rate * 0.5)
-        return {"rate": rate, "redis": redis, "trajectories": n_peak, "low": low, "half": half}
+            pairs: list[tuple[float, float]] = []
+            redis: dict[str, Any] = {}
+            verdict_bytes = n_peak = 0
+            for peak in rounds:
+                raw = await _raw_baseline(cfg, _payloads(peak))  # (b), then at once (a) on the same bytes
+                await meter.reset()
+                t0 = time.perf_counter()
+                for g in peak:
+                    await pub.publish_many(g)
+                await pub.flush()
+                await tail.wait_for({g[0].group_id for g in peak}, 600)
+                done = max(tail.arrivals[g[0].group_id] for g in peak)
+                got = await meter.read()
+                for k, v in got.items():  # Redis work summed over the rounds
+                    if k == "by_command":
+                        acc = redis.setdefault(k, {})
+                        for c, (calls, usec) in v.items():
+                            a = acc.get(c, (0, 0))
+                            acc[c] = (a[0] + calls, a[1] + usec)
+                    else:
+                        redis[k] = redis.get(k, 0) + v
+                n = sum(len(g) for g in peak)
+                n_peak += n
+                verdict_bytes += sum(len(tail.raw[g[0].group_id][1]) for g in peak)
+                pairs.append((n / (done - t0), raw))
+                print(f"  round {len(pairs)}: pipeline {pairs[-1][0]:.0f}/s, raw {raw:.0f}/s, "
+                      f"ratio {pairs[-1][0] / raw:.2f}", flush=True)
+            rate = statistics.median(a for a, _ in pairs)
+            n_lat = len(latency) // 2
+            low = await _paced(pub, tail, latency[:n_lat], rate * 0.1)
+            half = await _paced(pub, tail, latency[n_lat:], rate * 0.5)
+        return {"pairs": pairs, "rate": rate, "redis": redis, "trajectories": n_peak, "low": low, "half": half,
+                "verdict_bytes": verdict_bytes / n_peak}
     finally:
         await tail.aclose()
         await meter.aclose()
@@ -314,34 +348,41 @@ def _latency_lines(label: str, run: dict[str, Any]) -> list[str]:
 async def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="prm-bench-") as tmp, LocalStack(Path(tmp) / "stack") as stack:
         name = uuid.uuid4().hex[:8]
-        cfg = _config(stack, name, args.concurrency, args.compression)
+        cfg = _config(stack, name, args.concurrency, args.compression, args.verdict_tokens)
         await ensure_topics(cfg.kafka, cfg.topics)
-        groups = _groups(args.groups + 2 * args.latency_groups, args.group_size, args.turns, args.tokens, f"b{name}-")
-        trajectories = [t for g in groups for t in g]
-        payloads = []
-        for t in trajectories[: args.groups * args.group_size]:
-            value, headers = encode(t)
-            payloads.append((t.group_id.encode(), value, headers))
-        mean_kib = statistics.mean(len(v) for _, v, _ in payloads) / 1024
-        print(f"workload: {args.groups} groups x {args.group_size} sessions, {args.turns} turns, "
-              f"<= {args.tokens} output tokens/turn, {mean_kib:.0f} KiB/trajectory on the wire")
-        raw = await _raw_baseline(cfg, payloads)
-        inproc = await _runner_baseline(cfg, trajectories[: args.groups * args.group_size])
+        pairs = max(1, args.pairs)
+        groups = _groups(pairs * args.groups + 2 * args.latency_groups, args.group_size, args.turns, args.tokens,
+                         f"b{name}-")
+        rounds = [groups[r * args.groups:(r + 1) * args.groups] for r in range(pairs)]
+        trajectories = [t for g in rounds[0] for t in g]
+        mean_kib = statistics.mean(len(v) for _, v, _ in _payloads(rounds[0])) / 1024
+        print(f"workload: {args.groups} groups x {args.group_size} sessions per round, {pairs} rounds, {args.turns} "
+              f"turns, <= {args.tokens} output tokens/turn, {mean_kib:.0f} KiB/trajectory on the wire; verdicts "
+              f"carry tokens {args.verdict_tokens}")
+        inproc = await _runner_baseline(cfg, trajectories)
         alone = await _ledger_alone(cfg, trajectories)
         work = Path(tmp) / "workers"
         work.mkdir()
-        result = await _pipeline(cfg, groups, args.workers, work, args.latency_groups, stack.redis_url)
+        result = await _pipeline(cfg, rounds, args.workers, work, groups[pairs * args.groups:], stack.redis_url)
     e2e, redis, n = result["rate"], result["redis"], result["trajectories"]
+    ratios = sorted(a / b for a, b in result["pairs"])
+    raws = sorted(b for _, b in result["pairs"])
+    rates = sorted(a for a, _ in result["pairs"])
     print()
-    print(f"{'path':52} {'traj/s':>10} {'ratio':>8}")
-    print(f"{f'(a) pipeline: publish -> {args.workers} workers -> verdict':52} {e2e:10.0f} {'1.00':>8}")
-    print(f"{'(b) raw aiokafka produce+consume, same bytes':52} {raw:10.0f} {e2e / raw:8.2f}  (a)/(b)")
-    print(f"{'(c) in-process PRMRunner, same trajectories':52} {inproc:10.0f} {e2e / inproc:8.2f}  (a)/(c)")
+    print(f"{'path (median of the rounds, range)':52} {'traj/s':>18} {'ratio':>8}")
+    print(f"{f'(a) pipeline: publish -> {args.workers} workers -> verdict':52} "
+          f"{e2e:6.0f} ({rates[0]:.0f}-{rates[-1]:.0f})")
+    print(f"{'(b) raw aiokafka produce+consume, same bytes':52} "
+          f"{statistics.median(raws):6.0f} ({raws[0]:.0f}-{raws[-1]:.0f}) "
+          f"{statistics.median(ratios):8.2f}  (a)/(b) per round, range {ratios[0]:.2f}-{ratios[-1]:.2f}")
+    print(f"{'(c) in-process PRMRunner, same trajectories':52} {inproc:6.0f} {e2e / inproc:20.2f}  (a)/(c)")
+    print(f"verdict record: {result['verdict_bytes'] / 1024:.1f} KiB per trajectory (value, before compression)")
     print()
     print(f"Redis per trajectory during (a): {redis['usec'] / n:.1f} µs in commands (INFO commandstats), "
           f"{redis['cpu_s'] / n * 1e6:.1f} µs server CPU (INFO cpu), "
           f"{redis['in'] / n / 1024:.1f} KB in, {redis['out'] / n / 1024:.1f} KB out, "
-          f"{redis['scripts'] / n:.2f} script calls + {(redis['calls'] - redis['scripts']) / n:.2f} other commands")
+          f"{redis['scripts'] / n:.2f} script calls + {(redis['calls'] - redis['scripts']) / n:.2f} other commands; "
+          f"{redis['all_calls'] / n:.2f} commands in all (INFO commandstats, scripts' own commands included)")
     top = sorted(redis["by_command"].items(), key=lambda kv: -kv[1][1])[:6]
     print("  " + ", ".join(f"{k} {c / n:.2f} calls {u / n:.1f} µs" for k, (c, u) in top))
     print(f"(d) the ledger's calls alone (6,000 members, no Kafka): {alone['usec']:.1f} µs in commands, "
@@ -363,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--latency-groups", type=int, default=60)
     p.add_argument("--compression", choices=["zstd", "lz4", "gzip", "none"], default="zstd")
+    p.add_argument("--pairs", type=int, default=5, help="interleaved rounds of (b) raw baseline then (a) pipeline")
+    p.add_argument("--verdict-tokens", choices=["inline", "reference"], default="inline",
+                   help="worker.verdict_tokens for the workers")
     return asyncio.run(_main(p.parse_args(argv)))
 
 

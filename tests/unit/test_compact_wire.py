@@ -22,8 +22,10 @@ from infra.schema import (
     Interaction,
     InvalidMessage,
     ModelResponse,
+    NotConcatExport,
     ReadyTrajectory,
     TrajectoryChunk,
+    check_expandable,
     compact_trajectory,
     compact_turns,
     decode_message,
@@ -124,6 +126,48 @@ def test_verdict_turns_and_record_turns_expand_the_same_way() -> None:
     assert rebuilt == {i.interaction_id: tokens(i) for i in full.interactions}
     # a compact trajectory given straight to compact_turns is expanded first
     assert compact_turns(compact_trajectory(full).interactions) == turns
+
+
+def test_turns_of_the_wire_form_need_no_prefix_comparison(monkeypatch) -> None:
+    """The worker takes token turns from the compact record: when every child shares its
+    parent's whole context they are its stored deltas — no expansion, no comparison — and
+    equal the turns of the expanded form. A re-rendered history still gets the full check."""
+    import infra.schema
+
+    full = agent(8, 8_000, branch_at=3)
+    compact = compact_trajectory(full)
+    expected = compact_turns(full.interactions)
+
+    def no_compare(*_: object) -> bool:
+        raise AssertionError("prompts compared")
+
+    monkeypatch.setattr(infra.schema, "same_bytes", no_compare)
+    monkeypatch.setattr(infra.schema, "expand_trajectory_interactions", no_compare)
+    assert compact_turns(compact.interactions) == expected
+    monkeypatch.undo()
+    root, child = agent(2, 2_000).interactions
+    shorter = compact_trajectory(ReadyTrajectory(  # the child shares less than its parent's whole context
+        trajectory_id="t", session_id="s", group_id="g", group_size=1, outcome_reward=0.0, interactions=[
+            root, msgspec.structs.replace(child, model_response=msgspec.structs.replace(
+                child.model_response, input_tokens_raw=root.model_response.input_tokens_raw + b"\x07\0\0\0"))]))
+    assert 0 < shorter.interactions[1].shared_tokens < root.model_response.input_len + root.model_response.output_len
+    with pytest.raises(NotConcatExport):
+        compact_turns(shorter.interactions)
+
+
+@pytest.mark.parametrize(("turn", "field", "value"), [(1, "shared_tokens", 10**6), (1, "shared_messages", 99),
+                                                     (2, "shared_tokens", 10**6)])
+def test_check_expandable_refuses_what_expansion_refuses(turn: int, field: str, value: int) -> None:
+    raw, headers = _raw(compact_trajectory(agent(3, 3_000)))
+    raw["interactions"][turn][field] = value
+    value_bytes = msgspec.msgpack.encode(raw)
+    with pytest.raises(InvalidMessage) as expanding:
+        decode_message(value_bytes, headers)
+    wire = decode_message(value_bytes, headers, expand=False)
+    with pytest.raises(InvalidMessage) as checking:
+        check_expandable(wire)
+    assert str(checking.value) == str(expanding.value)
+    check_expandable(compact_trajectory(agent(3, 3_000)))  # a sound one passes
 
 
 def test_full_form_records_keep_version_1_and_their_bytes() -> None:

@@ -37,6 +37,7 @@ from infra.schema import (  # noqa: E402
     ReadyTrajectory,
     ScorerInfo,
     SessionResult,
+    TokenRef,
     TokenRewards,
     TrajectoryChunk,
     compact_trajectory,
@@ -198,6 +199,15 @@ def verdict_accepted() -> GroupVerdict:
     )
 
 
+def verdict_reference() -> GroupVerdict:
+    """``verdict_accepted`` as published with ``worker.verdict_tokens: reference``: the member
+    names its ``ready`` record in the trajectories topic instead of carrying its token turns."""
+    full = verdict_accepted()
+    (session,) = full.sessions
+    return msgspec.structs.replace(full, sessions=[
+        msgspec.structs.replace(session, turns=[], tokens_at=TokenRef(partition=3, offset=1207))])
+
+
 def verdict_rejected() -> GroupVerdict:
     """Two members: one scored, one whose scorer failed -> the whole group is rejected."""
     ok = ready_single_turn()
@@ -236,6 +246,7 @@ VECTORS = {
     "chunk_1": chunk_1,
     "discard": discard,
     "verdict_accepted": verdict_accepted,
+    "verdict_reference": verdict_reference,
     "verdict_rejected": verdict_rejected,
     "verdict_discarded": verdict_discarded,
 }
