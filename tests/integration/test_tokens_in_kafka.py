@@ -252,13 +252,14 @@ async def test_a_referenced_member_whose_record_is_gone_rejects_its_group_for_ev
         await producer.send_and_wait(cfg.topics.verdicts, value, key=gid.encode(), headers=headers)
     finally:
         await producer.stop()
-    reason = f"tokens_unavailable: member {group[1].trajectory_id} (session {group[1].session_id}) failed"
+    reason = (f"tokens_unavailable: member {group[1].trajectory_id!r} (session {group[1].session_id!r}): "
+              f"record {topic}:{meta.partition}@{meta.offset} could not be read back")
     tokens = VerdictTokens(cfg)
     try:
         resolved = await tokens.resolve_one(verdict)
     finally:
         await tokens.aclose()
-    assert resolved.status == "rejected" and resolved.reason == reason
+    assert resolved.status == "rejected" and resolved.reason == reason and resolved.reason_code == "tokens_unavailable"
     kept, lost = resolved.sessions
     assert kept.status == "scored" and kept.turns == compact_turns(group[0].interactions)
     assert lost.status == "failed" and lost.stats == {} and lost.turns == [] and lost.tokens_at is None

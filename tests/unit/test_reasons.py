@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from infra import reasons
+from infra.readback import unavailable
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory, SessionResult
 from scoring_workers.ledger import GroupState
 from scoring_workers.prm import PRMConfig, PRMRunner, failure_code, failure_detail
@@ -21,7 +22,6 @@ from scoring_workers.prm.errors import REJECTION_REASONS
 from scoring_workers.scorers import LengthBudgetScorer
 from scoring_workers.scorers.judge import JudgeFailedError
 from scoring_workers.scoring import score_member
-from scoring_workers.tokens import unavailable
 from scoring_workers.verdicts import assemble_verdict, too_large_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,7 +125,7 @@ async def test_every_failure_path_sets_a_registered_error_code() -> None:
         ]
     finally:
         await runner.aclose()
-    failures.append(unavailable(_member("t"), "record prm.trajectories:0@5 could not be read back"))
+    failures.append(unavailable(_member("t"), "prm.trajectories", 0, 5))
     assert [f.error_code for f in failures] == ["not_concat_export", "invalid_reward", "tokens_unavailable"]
     for f in failures:
         assert f.status == "failed" and reasons.is_member_code(f.failure_code) and f.error_detail
