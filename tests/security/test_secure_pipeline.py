@@ -270,6 +270,10 @@ def test_judge_key_comes_from_the_environment_only(scenario: Scenario) -> None:
     assert set(scenario.authorizations) == {f"Bearer {scenario.secrets['judge']}"}
 
 
+CONDITIONAL_COMMANDS = {"hexists"}
+LEDGER_SCRIPTS = Path(__file__).resolve().parents[2] / "scoring_workers" / "ledger_scripts.py"
+
+
 def test_redis_commands_are_exactly_the_acl_grants(scenario: Scenario, acl_redis: AclRedis) -> None:
     """The ACL line of docs/deploy.md grants exactly what the ledger used in this run."""
     stats = scenario.commandstats
@@ -277,8 +281,12 @@ def test_redis_commands_are_exactly_the_acl_grants(scenario: Scenario, acl_redis
     refused = {c for c, v in stats.items() if v.get("rejected_calls", 0) > 0} - IGNORED_REFUSALS
     granted = allowed_commands(acl_redis.acl)
     assert not refused, f"the ledger needed {sorted(refused)}, which the ACL line in docs/deploy.md refuses"
-    assert used == granted, (f"docs/deploy.md grants {sorted(granted - used)} the ledger never used and misses "
-                             f"{sorted(used - granted)}; update the ACL line")
+    # HEXISTS runs only when a redelivered member finds its group still open (the probe's
+    # 'duplicate' answer), which this scenario need not hit; it must still be granted.
+    conditional = {c for c in CONDITIONAL_COMMANDS if f"'{c.upper()}'" in LEDGER_SCRIPTS.read_text()}
+    assert used <= granted and granted - used <= conditional, (
+        f"docs/deploy.md grants {sorted(granted - used - conditional)} the ledger never used and misses "
+        f"{sorted(used - granted)}; update the ACL line")
 
 
 def test_no_secret_leaks(scenario: Scenario) -> None:
