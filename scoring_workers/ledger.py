@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -268,6 +269,9 @@ class GroupLedger:
             _slot_tags()  # built now, not inside the first script call of a busy event loop
         self.bucket_s = dedupe_window_s / DEDUPE_BUCKETS
         self.done_ttl_s = int(dedupe_window_s + 2 * self.bucket_s) + 1
+        # A done set's TTL is refreshed at most this often (it lives that much longer): never
+        # more than a bucket, so a short dedupe window keeps its sets' lifetime (and key count).
+        self.ttl_refresh_s = min(TTL_REFRESH_S, self.bucket_s)
         self._sha: dict[str, str] = {}
         # TTLs this instance set lately (one EXPIRE per key per TTL_REFRESH_S, not per call):
         # the deadlines index, and each done set (its TTL covers the refresh interval too)
@@ -441,14 +445,14 @@ class GroupLedger:
 
     def _done_ttl(self, group_id: str) -> int:
         """The TTL to set on the group's newest done set with this finish, or 0 when this
-        instance set it less than TTL_REFRESH_S ago (the TTL covers that much more)."""
+        instance set it less than ``ttl_refresh_s`` ago (the TTL covers that much more)."""
         key, now = self.keys(group_id)[2], time.monotonic()
         if self._done_ttl_at.get(key, 0.0) > now:
             return 0
         if len(self._done_ttl_at) > DONE_TTL_KEYS:
             self._done_ttl_at = {k: t for k, t in self._done_ttl_at.items() if t > now}
-        self._done_ttl_at[key] = now + TTL_REFRESH_S
-        return self.done_ttl_s + int(TTL_REFRESH_S)
+        self._done_ttl_at[key] = now + self.ttl_refresh_s
+        return self.done_ttl_s + int(math.ceil(self.ttl_refresh_s))
 
     async def nudge(self, group_id: str, republish_grace_s: float) -> None:
         """Bring a decided group's sweep forward to ``now + grace`` (never later, never re-adding).
