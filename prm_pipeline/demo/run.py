@@ -337,7 +337,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                 n_turns = sum(len(m.interactions) for g in groups for m in g)
                 print(f"  iter {it}: {len(groups)} groups ({n_turns} turns) sampled in {stage['rollout']:.2f}s, "
                       f"scored in {stage['scoring (publish -> verdicts)']:.2f}s; step {it + 1}: mean outcome "
-                      + ", ".join(f"{name} {last[name]['mean_outcome']:.2f}" for name in RUNS)
+                      + ", ".join(f"{label} {last[name]['mean_outcome']:.2f}" for name, label in RUNS.items())
                       + f"; process share {last['process']['process_share']:.2f}; align |d|max "
                       f"{max(r['update/alignment_max_abs_diff'] for r in last.values()):.1e}")
             for proxy in proxies.values():
