@@ -19,30 +19,24 @@ from verifiers.v1.graph import MessageNode
 from verifiers.v1.trace import AgentInfo, Trace, TraceTask
 from verifiers.v1.types import AssistantMessage, ToolMessage, UserMessage
 
-from infra.config import PipelineConfig, PRMScorerConfig
+from infra.config import PipelineConfig
 from infra.kafka import ensure_topics
 from shaper.integrations.verifiers import PRMRewardMixin, close_clients, trace_sample
-from tests.integration.harness import TEST_SCORER_MODULES, WorkerProcesses, isolated_config, write_config
+from tests.ecosystem.parity import parity_config
+from tests.integration.harness import isolated_config, worker_processes
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
-    return isolated_config(f"vf-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, scorer_timeout_s=5,
-                           group_timeout_s=10, allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"],
-                           scorers=[PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer")])
+    return parity_config("vf", kafka_bootstrap, redis_url)
 
 
 @pytest.fixture(scope="module")
 async def workers(cfg: PipelineConfig, tmp_path_factory: pytest.TempPathFactory):
-    await ensure_topics(cfg.kafka, cfg.topics)
-    tmp = tmp_path_factory.mktemp("vf-workers")
-    procs = WorkerProcesses(write_config(cfg, tmp / "prm.yaml"), tmp, n=2)
-    procs.start()
-    yield procs
-    codes = procs.stop()
-    assert codes == [0, 0], f"workers did not exit cleanly: {codes}\n{procs.logs()}"
+    async with worker_processes(cfg, tmp_path_factory.mktemp("vf-workers")) as procs:
+        yield procs
 
 
 def two_turn_trace(task: vf.Task, answer: list[int]) -> Trace:

@@ -24,10 +24,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import shaper.integrations.areal as adapter
-from infra.config import PipelineConfig, PRMScorerConfig
+from infra.config import PipelineConfig
 from infra.kafka import ensure_topics
 from shaper.integrations.areal import HAS_TOKEN_REWARDS_FIELD, PRMRolloutWorkflow, chain_of, sample_of
-from tests.integration.harness import TEST_SCORER_MODULES, WorkerProcesses, isolated_config, write_config
+from tests.ecosystem.parity import parity_config
+from tests.integration.harness import isolated_config, worker_processes
 
 pytestmark = pytest.mark.integration
 
@@ -85,20 +86,13 @@ SCRIPT = [[8, 9, EOS], [7, 10, EOS], [11, EOS], [12, 8, 9, EOS]]
 
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
-    return isolated_config(f"areal-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, scorer_timeout_s=5,
-                           group_timeout_s=10, allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"],
-                           scorers=[PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer")])
+    return parity_config("areal", kafka_bootstrap, redis_url)
 
 
 @pytest.fixture(scope="module")
 async def workers(cfg: PipelineConfig, tmp_path_factory: pytest.TempPathFactory):
-    await ensure_topics(cfg.kafka, cfg.topics)
-    tmp = tmp_path_factory.mktemp("areal-workers")
-    procs = WorkerProcesses(write_config(cfg, tmp / "prm.yaml"), tmp, n=2)
-    procs.start()
-    yield procs
-    codes = procs.stop()
-    assert codes == [0, 0], f"workers did not exit cleanly: {codes}\n{procs.logs()}"
+    async with worker_processes(cfg, tmp_path_factory.mktemp("areal-workers")) as procs:
+        yield procs
 
 
 async def run_group(workflow: PRMRolloutWorkflow, script=SCRIPT) -> tuple[dict | None, ScriptedEngine]:
