@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from infra.config import (
     ActorConfig,
     AgentConfig,
@@ -20,6 +22,7 @@ from infra.config import (
     RolloutConfig,
     TopicsConfig,
     WorkerConfig,
+    load_config,
 )
 from infra.kafka import assign_from_start, ensure_topics, make_consumer
 from infra.local import LOCAL_BROKER_CLIENT
@@ -93,6 +96,24 @@ async def wait_for_verdicts(cfg: PipelineConfig, groups: Iterable[str], timeout_
     missing = wanted - {v.group_id for v in verdicts}
     assert not missing, f"no verdict within {timeout_s}s for {sorted(missing)[:10]} ({len(missing)} groups)"
     return verdicts
+
+
+def with_scorers(cfg: PipelineConfig, *scorers: PRMScorerConfig, **worker: Any) -> PipelineConfig:
+    """``cfg`` scoring with ``scorers`` (AReaL's rules met: token rewards as advantages),
+    ``worker`` keys overriding :class:`WorkerConfig` fields."""
+    return msgspec.structs.replace(
+        cfg,
+        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=list(scorers)))),
+        actor=ActorConfig(token_rewards_as_adv=True),
+        worker=msgspec.structs.replace(cfg.worker, **worker),
+    )
+
+
+def demo_config_on(services: PipelineConfig) -> PipelineConfig:
+    """``config/demo.yaml`` (its scorers, as a user runs it) on a test's own services and topics."""
+    demo = load_config(Path(__file__).resolve().parents[2] / "config" / "demo.yaml", environ={})
+    return msgspec.structs.replace(demo, kafka=services.kafka, redis=services.redis, topics=services.topics,
+                                   worker=services.worker)
 
 
 @contextlib.asynccontextmanager

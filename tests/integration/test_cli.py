@@ -11,15 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from infra import jsonl
-from infra.config import ActorConfig, AgentConfig, PRMConfig, PRMScorerConfig, RolloutConfig, load_config
+from infra.config import PRMScorerConfig
 from infra.kafka import ensure_topics
 from prm_pipeline.demo.processes import write_config
 from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.worker import Worker
+from tests.integration.harness import demo_config_on, with_scorers
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -31,12 +31,8 @@ def _cli(config, *args: str, timeout: float = 60) -> subprocess.CompletedProcess
 
 
 async def test_publish_jsonl_then_dump_verdicts(pipeline_config, tmp_path) -> None:
-    cfg = msgspec.structs.replace(
-        pipeline_config,
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
-            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4})]))),
-        actor=ActorConfig(token_rewards_as_adv=True),
-    )
+    cfg = with_scorers(pipeline_config,
+                       PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4}))
     config = write_config(cfg, tmp_path / "config.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
     group = make_group("cli-g1", 2, turns=1, output_tokens=3)
@@ -95,9 +91,7 @@ def test_worker_with_kafka_but_no_redis_names_redis_and_its_setting(kafka_bootst
 
 async def test_readme_manual_session_with_the_example_file(pipeline_config, tmp_path) -> None:
     """README's manual session: demo.yaml's scorers, examples/trajectories.jsonl, a CLI worker."""
-    demo = load_config(REPO / "config" / "demo.yaml", environ={})
-    cfg = msgspec.structs.replace(demo, kafka=pipeline_config.kafka, redis=pipeline_config.redis,
-                                  topics=pipeline_config.topics, worker=pipeline_config.worker)
+    cfg = demo_config_on(pipeline_config)
     config = write_config(cfg, tmp_path / "config.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
 

@@ -9,13 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 
-from infra.config import load_config
 from infra.kafka import ensure_topics
 from prm_pipeline.demo.processes import write_config
 from scoring_workers.worker import Worker
+from tests.integration.harness import demo_config_on
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -36,9 +35,7 @@ def _small_tokenizer(path: Path, size: int = 50) -> Path:
 
 
 async def test_inspect_reads_what_verdicts_writes_with_tokens(pipeline_config, tmp_path) -> None:
-    demo = load_config(REPO / "config" / "demo.yaml", environ={})
-    cfg = msgspec.structs.replace(demo, kafka=pipeline_config.kafka, redis=pipeline_config.redis,
-                                  topics=pipeline_config.topics, worker=pipeline_config.worker)
+    cfg = demo_config_on(pipeline_config)
     config = write_config(cfg, tmp_path / "config.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
     published = await asyncio.to_thread(_cli, config, "publish", str(REPO / "examples" / "trajectories.jsonl"))

@@ -14,12 +14,12 @@ import msgspec
 import pytest
 
 from infra import jsonl
-from infra.config import ActorConfig, AgentConfig, PRMConfig, PRMScorerConfig, RolloutConfig, TrainerConfig
+from infra.config import PRMScorerConfig, TrainerConfig
 from infra.kafka import ensure_topics
 from infra.schema import GroupVerdict
 from prm_pipeline.demo.processes import write_config
 from prm_pipeline.demo.synthetic import make_group
-from tests.integration.harness import running_worker, wait_for_verdicts
+from tests.integration.harness import running_worker, wait_for_verdicts, with_scorers
 from tests.integration.test_verdict_consumer import publish
 
 pytestmark = pytest.mark.integration
@@ -34,12 +34,8 @@ def _cli(config: Path, *args: str, timeout: float = 120) -> subprocess.Completed
 async def test_republished_file_is_logged_and_the_trainer_says_what_it_waits_for(pipeline_config, tmp_path,
                                                                                   caplog) -> None:
     caplog.set_level(logging.INFO, logger="scoring_workers.worker")
-    cfg = msgspec.structs.replace(
-        pipeline_config,
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
-            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4})]))),
-        actor=ActorConfig(token_rewards_as_adv=True),
-    )
+    cfg = with_scorers(pipeline_config,
+                       PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4}))
     config = write_config(cfg, tmp_path / "config.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
     group = make_group("quiet-g1", 2, turns=1, output_tokens=3)

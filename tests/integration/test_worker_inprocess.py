@@ -7,26 +7,16 @@ import logging
 import urllib.request
 import uuid
 
-import msgspec
 import pytest
 
-from infra.config import ActorConfig, AgentConfig, ConfigError, PipelineConfig, PRMConfig, PRMScorerConfig, RolloutConfig
+from infra.config import ConfigError, PRMScorerConfig
 from infra.kafka import ensure_topics
 from prm_pipeline.demo.synthetic import make_group, make_session
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.worker import Worker
-from tests.integration.harness import wait_for_verdicts
+from tests.integration.harness import wait_for_verdicts, with_scorers
 
 pytestmark = pytest.mark.integration
-
-
-def _with_scorers(cfg: PipelineConfig, *scorers: PRMScorerConfig, **worker: object) -> PipelineConfig:
-    return msgspec.structs.replace(
-        cfg,
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=list(scorers)))),
-        actor=ActorConfig(token_rewards_as_adv=True),
-        worker=msgspec.structs.replace(cfg.worker, **worker),
-    )
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -40,7 +30,7 @@ def _get(port: int, path: str) -> tuple[int, str]:
 
 
 async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
-    cfg = _with_scorers(pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer"), metrics_port=0)
+    cfg = with_scorers(pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer"), metrics_port=0)
     await ensure_topics(cfg.kafka, cfg.topics)
     worker = Worker(cfg, worker_id="w-health")
     stop = asyncio.Event()
@@ -92,7 +82,7 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
 
 
 async def test_hanging_scorer_times_out_and_rejects_the_group(pipeline_config) -> None:
-    cfg = _with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer"), scorer_timeout_s=0.5)
+    cfg = with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer"), scorer_timeout_s=0.5)
     await ensure_topics(cfg.kafka, cfg.topics)
     stop = asyncio.Event()
     task = asyncio.create_task(Worker(cfg, worker_id="w-timeout").run(stop))
@@ -114,7 +104,7 @@ async def test_hanging_scorer_times_out_and_rejects_the_group(pipeline_config) -
 
 
 async def test_scorer_outside_the_allow_list_is_refused_at_start(pipeline_config) -> None:
-    cfg = _with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer"),
+    cfg = with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer"),
                         allowed_scorer_modules=["scoring_workers.scorers"])
     with pytest.raises(ConfigError, match="'tests.scorers.SlowScorer' is refused"):
         await Worker(cfg).run(asyncio.Event())
@@ -125,7 +115,7 @@ async def test_dead_letter_payloads_are_size_capped(pipeline_config) -> None:
     from infra.schema import dead_letter_from_record
     from tests.integration.harness import read_topic
 
-    cfg = _with_scorers(pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer"),
+    cfg = with_scorers(pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer"),
                         dead_letter_max_bytes=1024)
     await ensure_topics(cfg.kafka, cfg.topics)
     producer = make_producer(cfg.kafka)
@@ -173,7 +163,7 @@ async def test_discard_lists_the_members_consumed_before_it(pipeline_config) -> 
 
 
 async def test_discard_waits_for_an_earlier_member_still_scoring(pipeline_config) -> None:
-    cfg = _with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": 0.5}))
+    cfg = with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": 0.5}))
     from tests.integration.harness import running_worker
 
     gid = f"disc-slow-{uuid.uuid4().hex[:6]}"
@@ -193,7 +183,7 @@ async def test_a_failed_member_rejects_its_group_without_waiting_for_the_deadlin
     The member consumed before the failure (still scoring, slow) is listed with its stats."""
     from tests.integration.harness import running_worker
 
-    cfg = _with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.FailOnMarkerScorer"),
+    cfg = with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.FailOnMarkerScorer"),
                         PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": 0.5}), group_timeout_s=600)
     gid = f"fail-fast-{uuid.uuid4().hex[:6]}"
     ok = make_session(trajectory_id=f"{gid}-ok", session_id=f"{gid}-fine", group_id=gid, group_size=3,
@@ -218,7 +208,7 @@ async def test_the_worker_says_which_scorers_run_and_warns_when_none_does(pipeli
     await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
     stopped = asyncio.Event()
     stopped.set()  # start up (scorers, Redis, Kafka), then leave before consuming anything
-    scored = _with_scorers(pipeline_config, PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=0.5,
+    scored = with_scorers(pipeline_config, PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=0.5,
                                                             kwargs={"max_output_tokens": 64}))
     with caplog.at_level(logging.INFO, logger="scoring_workers.worker"):
         await asyncio.wait_for(Worker(scored, worker_id="w-said").run(stopped), 60)

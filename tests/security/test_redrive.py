@@ -27,16 +27,15 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
 import pytest
 from aiokafka.structs import ConsumerRecord
 
-from infra.config import ActorConfig, AgentConfig, PRMConfig, PRMScorerConfig, RolloutConfig
+from infra.config import PRMScorerConfig
 from infra.kafka import ensure_topics, make_producer
 from infra.schema import UnknownSchemaVersion, dead_letter_headers, decode_verdict, encode
 from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.dead_letters import capped_letter
-from tests.integration.harness import read_topic, running_worker, wait_for_verdicts, write_config
+from tests.integration.harness import read_topic, running_worker, wait_for_verdicts, with_scorers, write_config
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,12 +65,8 @@ async def _old_workers_letter(cfg, value: bytes, headers: list[tuple[str, bytes]
 
 async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="scoring_workers.worker")
-    cfg = msgspec.structs.replace(
-        pipeline_config,
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
-            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4})]))),
-        actor=ActorConfig(token_rewards_as_adv=True),
-    )
+    cfg = with_scorers(pipeline_config,
+                       PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4}))
     config = write_config(cfg, tmp_path / "config.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
     (good,) = make_group("dl-ok", 1, turns=1, output_tokens=3)
