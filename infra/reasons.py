@@ -28,7 +28,7 @@ from typing import Final, Literal
 __all__ = [
     "CODE_PATTERN", "OTHER", "UNSPECIFIED", "Reason", "ReasonStatus", "get", "is_member_code", "is_registered", "metric_label",
     "register", "registered", "render_markdown", "require",
-    "DISCARDED", "INVALID_MEMBER", "GROUP_SIZE_MISMATCH", "MISSING_SESSIONS", "VERDICT_TOO_LARGE",
+    "DISCARDED", "UNKNOWN_EXPERIMENT", "INVALID_MEMBER", "GROUP_SIZE_MISMATCH", "MISSING_SESSIONS", "VERDICT_TOO_LARGE",
     "NOT_CONCAT_EXPORT", "TOKENS_UNAVAILABLE", "SCORER_ERROR", "SCORER_TIMEOUT", "SCORER_RETURNED_NONE",
     "INVALID_REWARD", "INVALID_OBSERVATION", "NOT_TOKEN_BACKED", "INVALID_TRAJECTORY", "JUDGE_FAILED",
 ]
@@ -83,6 +83,10 @@ DISCARDED: Final = _add(
     "discarded", "discarded", False,
     "a producer's `discard` for the group arrived; `reason` is the discard's own text (`discarded` when it "
     "had none); `sessions` list the members consumed before it, status `discarded`, without results")
+UNKNOWN_EXPERIMENT: Final = _add(
+    "unknown_experiment", "rejected", False,
+    "the record names an experiment the workers' registry does not hold (never added, removed, or its "
+    "registry record was refused); `reason` names it")
 INVALID_MEMBER: Final = _add(
     "invalid_member", "rejected", False,
     "a record keyed by the group was dead-lettered (undecodable or persistently failing); `reason` names "

@@ -37,6 +37,7 @@ import numpy as np
 
 from infra import reasons
 from infra.errors import WireError
+from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id
 from infra.prefix import Part, expand_messages, expand_prompts, same_bytes, shared_list_prefix, shared_token_prefix
 from infra.tree import TreeError, topological_order
 
@@ -250,11 +251,15 @@ class ReadyTrajectory(msgspec.Struct, frozen=True, kw_only=True, tag="ready", ta
     is_eval: bool = False
     policy_version: int | None = None
     created_at: float = 0.0
+    experiment_id: str | msgspec.UnsetType = msgspec.UNSET
+    """The experiment the group belongs to (docs/fleet.md); left out of the record for the
+    default experiment, so a default record keeps its version-1 bytes. Read :attr:`experiment`."""
 
     def __post_init__(self) -> None:
         for name in ("trajectory_id", "session_id", "group_id"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string")
+        _check_experiment(self.experiment_id)
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         _check_finite("outcome_reward", self.outcome_reward)
@@ -264,6 +269,11 @@ class ReadyTrajectory(msgspec.Struct, frozen=True, kw_only=True, tag="ready", ta
             topological_order(self.interactions)
         except TreeError as exc:
             raise ValueError(f"interactions: {exc}") from None
+
+    @property
+    def experiment(self) -> str:
+        """``experiment_id``, or ``"default"`` when the record names none."""
+        return _experiment(self.experiment_id)
 
     @property
     def is_compact(self) -> bool:
@@ -277,10 +287,18 @@ class DiscardGroup(msgspec.Struct, frozen=True, kw_only=True, tag="discard", tag
     group_id: str
     reason: str = ""
     requested_at: float = 0.0
+    experiment_id: str | msgspec.UnsetType = msgspec.UNSET
+    """As :attr:`ReadyTrajectory.experiment_id`."""
 
     def __post_init__(self) -> None:
         if not self.group_id:
             raise ValueError("group_id must be a non-empty string")
+        _check_experiment(self.experiment_id)
+
+    @property
+    def experiment(self) -> str:
+        """``experiment_id``, or ``"default"`` when the record names none."""
+        return _experiment(self.experiment_id)
 
 
 class TrajectoryChunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", tag_field="kind"):
@@ -314,6 +332,15 @@ class TrajectoryChunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", ta
 
 
 TrajectoryMessage = ReadyTrajectory | DiscardGroup | TrajectoryChunk
+
+
+def _check_experiment(experiment_id: str | msgspec.UnsetType) -> None:
+    if experiment_id is not msgspec.UNSET:
+        check_experiment_id(experiment_id)  # type: ignore[arg-type]
+
+
+def _experiment(experiment_id: str | msgspec.UnsetType) -> str:
+    return DEFAULT_EXPERIMENT if experiment_id is msgspec.UNSET else experiment_id  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- scoring results
@@ -816,8 +843,12 @@ class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     decided_at: float = 0.0
     timings: dict[str, float] = msgspec.field(default_factory=dict)
     reason_code: str = ""
+    experiment_id: str = DEFAULT_EXPERIMENT
+    """The experiment of the group (left out when ``"default"``): the trainer's dedupe key is
+    ``(experiment_id, group_id, verdict_version)``."""
 
     def __post_init__(self) -> None:
+        check_experiment_id(self.experiment_id)
         if self.reason_code and not reasons.CODE_PATTERN.fullmatch(self.reason_code):
             raise ValueError(f"reason_code {self.reason_code[:80]!r} is not a reason code "
                              f"({reasons.CODE_PATTERN.pattern})")

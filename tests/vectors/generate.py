@@ -78,6 +78,11 @@ def ready_single_turn() -> ReadyTrajectory:
     )
 
 
+def ready_experiment() -> ReadyTrajectory:
+    """``ready_single_turn`` for experiment ``exp-a`` (the default experiment's records leave the field out)."""
+    return msgspec.structs.replace(ready_single_turn(), experiment_id="exp-a")
+
+
 def ready_branching() -> ReadyTrajectory:
     """Root -> child -> two leaves (concat export: each input = parent input + output + delta)."""
     root_in, root_out = [101, 102], [11, 12, 13]
@@ -238,8 +243,14 @@ def verdict_discarded() -> GroupVerdict:
     )
 
 
+def verdict_experiment() -> GroupVerdict:
+    """``verdict_discarded`` of experiment ``exp-a``: the verdict names it (left out for ``default``)."""
+    return msgspec.structs.replace(verdict_discarded(), experiment_id="exp-a")
+
+
 VECTORS = {
     "ready_single_turn": ready_single_turn,
+    "ready_experiment": ready_experiment,
     "ready_branching": ready_branching,
     "ready_compact": ready_compact,
     "chunk_0": chunk_0,
@@ -249,6 +260,7 @@ VECTORS = {
     "verdict_reference": verdict_reference,
     "verdict_rejected": verdict_rejected,
     "verdict_discarded": verdict_discarded,
+    "verdict_experiment": verdict_experiment,
 }
 
 
