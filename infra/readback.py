@@ -35,6 +35,7 @@ from aiokafka.structs import TopicPartition
 from infra import reasons
 from infra.chunks import ChunkAssembler, reassembled
 from infra.config import PipelineConfig
+from infra.experiments import trajectories_topic
 from infra.kafka import make_consumer
 from infra.schema import (
     GroupVerdict,
@@ -148,7 +149,13 @@ class TrajectoryReader:
         self.records_read = 0  # records fetched (wanted or skipped over), for tests and benches
         self.bytes_read = 0
 
-    async def read(self, wanted: Iterable[Wanted]) -> Turns:
+    def topic_of(self, experiment_id: str) -> str:
+        """The trajectories topic that holds ``experiment_id``'s records."""
+        return trajectories_topic(self.topic, experiment_id)
+
+    async def read(self, wanted: Iterable[Wanted], *, topic: str | None = None) -> Turns:
+        """The turns of ``wanted`` records of ``topic`` (default: the default experiment's)."""
+        topic = topic or self.topic
         by_partition: dict[int, dict[int, list[Wanted]]] = {}
         for w in wanted:
             if w.partition >= 0 and w.offset >= 0:
@@ -161,7 +168,7 @@ class TrajectoryReader:
                 self._reader = make_consumer(self.cfg.kafka, group_id=None, enable_auto_commit=False)
                 await self._reader.start()
             reader = self._reader
-            tps = [TopicPartition(self.topic, p) for p in sorted(by_partition)]
+            tps = [TopicPartition(topic, p) for p in sorted(by_partition)]
             reader.assign(tps)
             reader.resume(*tps)  # paused after the previous read
             timeout_s = self.cfg.kafka.request_timeout_ms / 1000
@@ -287,12 +294,19 @@ class VerdictTokens:
 
     async def resolve(self, verdicts: Sequence[GroupVerdict]) -> list[GroupVerdict]:
         """``verdicts`` with every referenced member's turns in place (one read for all of them)."""
-        wanted = [Wanted(s.tokens_at.partition, s.tokens_at.offset, s.trajectory_id, v.group_id)
-                  for v in verdicts for s in v.sessions if s.tokens_at is not None]
-        if not wanted:
+        by_experiment: dict[str, list[Wanted]] = {}
+        for v in verdicts:  # an experiment's records are in its own trajectories topic
+            by_experiment.setdefault(v.experiment_id, []).extend(
+                Wanted(s.tokens_at.partition, s.tokens_at.offset, s.trajectory_id, v.group_id)
+                for s in v.sessions if s.tokens_at is not None)
+        turns: dict[str, Turns] = {}
+        for experiment_id, wanted in by_experiment.items():
+            if wanted:
+                turns[experiment_id] = await self.reader.read(wanted, topic=self.reader.topic_of(experiment_id))
+        if not turns:
             return list(verdicts)
-        turns = await self.reader.read(wanted)
-        return [resolve_verdict(v, turns, self.reader.topic) for v in verdicts]
+        return [resolve_verdict(v, turns.get(v.experiment_id, {}), self.reader.topic_of(v.experiment_id))
+                for v in verdicts]
 
     async def resolve_one(self, verdict: GroupVerdict) -> GroupVerdict:
         return (await self.resolve([verdict]))[0]
