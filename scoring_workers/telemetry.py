@@ -71,6 +71,8 @@ class WorkerTelemetry:
                                  "scored; retiring: removed, open groups still scored)", ["state"], registry=r)
         self.registry_records = Counter("prm_worker_registry_records", "Experiment registry records applied, by "
                                         "outcome (declared, removed, refused)", ["outcome"], registry=r)
+        for outcome in ("declared", "removed", "refused"):  # present (at 0) before the first record, for alerts
+            self.registry_records.labels(outcome)
         self.lag = Gauge("prm_worker_consumer_lag", "highwater - committed offset", ["topic", "partition"], registry=r)
         Gauge("prm_worker_ready", "1 once the consumer joined its group and polls (/readyz), 0 before and after",
               registry=r).set_function(lambda: 1.0 if self.ready else 0.0)

@@ -165,7 +165,7 @@ class Worker:
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
         self._discards: dict[str, asyncio.Task[None]] = {}  # scoped group -> in-flight DiscardGroup
         self._members: dict[str, set[asyncio.Task[None]]] = {}  # scoped group -> in-flight members
-        self.fleet = Fleet(cfg, None)
+        self.fleet = Fleet(cfg, runner)
         self._registry: RegistryFollower | None = None
         # Fetched records of an experiment at its slot cap wait here (in consumption order,
         # uncommitted) until it has a free slot: a quota caps records *in flight*, not fetches.
@@ -618,7 +618,9 @@ class Worker:
         elif decision is not None and decision.outcome == "decided_now":
             await self._publish(decision)  # this member completed (or failed) the group
 
-    async def _score(self, traj: ReadyTrajectory, experiment: Experiment) -> SessionResult:
+    async def _score(self, traj: ReadyTrajectory, experiment: Experiment | None = None) -> SessionResult:
+        experiment = experiment or self.fleet.get(DEFAULT_EXPERIMENT)
+        assert experiment is not None
         t0 = time.perf_counter()
         result = await score_member(experiment.runner, traj, timeout_s=self.cfg.worker.scorer_timeout_s,
                                     keep_channels=self.cfg.worker.keep_scorer_channels)
