@@ -513,9 +513,10 @@ class Worker:
             return  # not marked done: it will be redelivered
         self._committer.tracker.finish(tp, offset)
 
-    async def _process(self, record: ConsumerRecord, message: Any, probe: str | None, route: Routed,
+    async def _process(self, record: ConsumerRecord, message: Any, probe: str | None, route: Routed | None = None,
                        after: asyncio.Future[Any] | None = None, consumed_at: float = 0.0,
                        earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
+        route = route or self._route(record, message)
         if after is not None:
             await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
         kind = "invalid" if isinstance(message, SchemaError) else "discard" if isinstance(message, DiscardGroup) \

@@ -74,7 +74,7 @@ async def test_max_attempts_bounds_the_retries_before_a_dead_letter() -> None:
     handled: list[int] = []
     dead: list[int] = []
 
-    async def failing_discard(msg: DiscardGroup) -> None:
+    async def failing_discard(msg: DiscardGroup, route: Any) -> None:
         handled.append(1)
         raise RuntimeError("a bug")
 
@@ -98,7 +98,7 @@ async def test_a_member_of_a_decided_group_nudges_it_by_the_grace() -> None:
     worker, ledger = _worker(republish_grace_s=3.0)
     traj = make_session(trajectory_id="t", session_id="s", group_id="g", group_size=2, turns=1, output_tokens=4)
     record = ConsumerRecord("traj", 0, 7, 0, 0, b"g", b"", None, 1, 0, [])
-    await worker._handle_ready(traj, "decided", record, 0.0)
+    await worker._handle_ready(traj, "decided", record, 0.0, worker._route(record, traj))
     assert ledger.calls == [("nudge", "g", 3.0)]
 
 
