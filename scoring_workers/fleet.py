@@ -95,6 +95,13 @@ class Fleet:
         """The runtime of ``experiment_id``; None when this worker does not serve it."""
         return self._experiments.get(experiment_id)
 
+    def retired(self, experiment_id: str) -> Experiment:
+        """Settings for the leftover groups of an experiment no longer served: the worker's group
+        timeout, no scorers (its verdicts must not name another experiment's)."""
+        return Experiment(experiment_id, None, _blob(None), self.cfg.worker.group_timeout_s,
+                          trajectories_topic=trajectories_topic(self.cfg.topics.trajectories, experiment_id),
+                          verdicts_topic=verdicts_topic(self.cfg.topics.verdicts, experiment_id))
+
     def of_topic(self, topic: str) -> Experiment | None:
         return self._by_topic.get(topic)
 

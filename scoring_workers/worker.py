@@ -380,10 +380,10 @@ class Worker:
         return Routed(experiment_id, self.fleet.get(experiment_id), scoped)
 
     def _served(self, scoped: str) -> tuple[str, Experiment]:
-        """The experiment of a scoped group and its runtime (the default one's settings when no
-        longer served: a removed experiment's last groups still get their verdicts)."""
+        """The experiment of a scoped group and its runtime; for one no longer served (a removed
+        experiment's last groups still get their verdicts) the worker's group timeout and no scorers."""
         experiment_id, _ = split_scoped(scoped)
-        return experiment_id, self.fleet.get(experiment_id) or self.fleet.get(DEFAULT_EXPERIMENT)  # type: ignore[return-value]
+        return experiment_id, self.fleet.get(experiment_id) or self.fleet.retired(experiment_id)
 
     async def _drain_partitions(self, tps: set[TopicPartition] | None) -> None:
         """Wait (bounded) for in-flight records of ``tps`` (all if None), commit, forget them."""
