@@ -370,6 +370,11 @@ class HttpTransport(Transport):
         self.connections_opened = 0
         """How many connections this transport opened (tests check reuse by it)."""
 
+    @property
+    def open_connections(self) -> int:
+        """Connections open now, idle or busy."""
+        return len(self._conns)
+
     def _target(self, url: str) -> _Target:
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
