@@ -51,7 +51,17 @@ import msgspec
 
 from scoring_workers.scorers.judge_errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
 from scoring_workers.scorers.judge_hosts import check_judge_url, endpoint_label
-from scoring_workers.scorers.judge_limits import CircuitBreaker, SharedLimits, acquire_limits, release_limits
+from scoring_workers.scorers.judge_limits import (
+    CircuitBreaker,
+    JudgeQuota,
+    QuotaLimits,
+    SharedLimits,
+    acquire_limits,
+    acquire_quota,
+    active_quota,
+    release_limits,
+    release_quota,
+)
 from scoring_workers.scorers.judge_pool import SpillPolicy, choose_endpoint, rendezvous_order
 from scoring_workers.scorers.judge_transport import (
     AiohttpTransport,
@@ -87,6 +97,12 @@ class _Endpoint:
     base_url: str
     label: str  # host:port, for logs and metrics
     limits: SharedLimits
+    quota: QuotaLimits | None = None  # the experiment's quota on this endpoint (judge_quota)
+
+    def release(self) -> None:
+        release_limits(self.limits)
+        if self.quota is not None:
+            release_quota(self.quota)
 
 
 @dataclass(slots=True)
@@ -231,13 +247,18 @@ class JudgeClient:
         self._transport: Transport | None = None
         self._closed = False
         self._turn = 0  # round-robin offset of a pool's ties
+        quota = active_quota()
+        self.quota: JudgeQuota | None = quota
+        """The experiment quota taken at construction (:func:`~scoring_workers.scorers.
+        judge_limits.judge_quota`), or None."""
         endpoints: list[_Endpoint] = []
         try:  # last: nothing else to undo
             for url in urls:
                 endpoints.append(_Endpoint(url, endpoint_label(url), acquire_limits(url, requested, clock)))
+                endpoints[-1].quota = acquire_quota(quota, url)
         except BaseException:
             for ep in endpoints:
-                release_limits(ep.limits)
+                ep.release()
             raise
         self._endpoints: tuple[_Endpoint, ...] = tuple(endpoints)
         self.limits: SharedLimits = endpoints[0].limits
@@ -258,6 +279,11 @@ class JudgeClient:
     def endpoint_limits(self) -> tuple[SharedLimits, ...]:
         """Each endpoint's shared limits, in :attr:`base_urls` order."""
         return tuple(ep.limits for ep in self._endpoints)
+
+    @property
+    def endpoint_quotas(self) -> tuple[QuotaLimits | None, ...]:
+        """Each endpoint's experiment quota (None: no quota), in :attr:`base_urls` order."""
+        return tuple(ep.quota for ep in self._endpoints)
 
     def _http(self) -> Transport:
         """The transport, opened on first use inside the running loop: this module's own
@@ -284,7 +310,7 @@ class JudgeClient:
                 await transport.aclose()
         finally:
             for ep in self._endpoints:
-                release_limits(ep.limits)
+                ep.release()
 
     def discard(self) -> None:
         """Synchronous :meth:`aclose` for a client that never sent a request (e.g. its
@@ -295,7 +321,7 @@ class JudgeClient:
             raise RuntimeError("JudgeClient.discard() after use; await aclose() instead")
         self._closed = True
         for ep in self._endpoints:
-            release_limits(ep.limits)
+            ep.release()
 
     async def __aenter__(self) -> Self:
         return self
@@ -398,16 +424,75 @@ class JudgeClient:
         self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, path: str, body: bytes, total_deadline: float,
         attempt: int,
     ) -> Any:
-        limits = endpoint.limits
-        semaphore, pacer = limits.for_loop(loop)
         url = endpoint.base_url + path
         if loop.time() >= total_deadline:
             raise JudgeTimeoutError(f"POST {url}: total timeout before attempt {attempt}", kind="timeout")
+        if endpoint.quota is not None:
+            return await self._under_quota(loop, endpoint.quota, endpoint.limits, url, body, total_deadline)
+        return await self._loaded(loop, endpoint.limits, url, body, total_deadline)
+
+    async def _loaded(
+        self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, url: str, body: bytes, total_deadline: float,
+    ) -> Any:
+        semaphore, pacer = limits.for_loop(loop)
         limits.load += 1
         try:
             return await self._admitted(loop, limits, semaphore, pacer, url, body, total_deadline)
         finally:
             limits.load -= 1
+
+    async def _under_quota(
+        self, loop: asyncio.AbstractEventLoop, quota: QuotaLimits, limits: SharedLimits, url: str, body: bytes,
+        total_deadline: float,
+    ) -> Any:
+        """The experiment's quota on this endpoint first, then the process-wide limits:
+        a call waiting for its quota holds no process-wide slot (and adds no load)."""
+        semaphore, pacer = quota.for_loop(loop)
+        waiting_since: float | None = None
+        acquired = False
+        try:
+            if semaphore is not None:
+                if semaphore.locked():
+                    waiting_since = loop.time()
+                    try:
+                        async with asyncio.timeout_at(total_deadline):
+                            await semaphore.acquire()
+                    except TimeoutError:
+                        raise JudgeTimeoutError(
+                            f"POST {url}: experiment {quota.scope!r} has no free judge slot (quota "
+                            f"max_in_flight={quota.quota.max_in_flight} per endpoint) before the total timeout",
+                            kind="timeout",
+                        ) from None
+                else:
+                    await semaphore.acquire()
+                acquired = True
+            if pacer is not None:
+                if waiting_since is None and pacer.next_at > loop.time():
+                    waiting_since = loop.time()
+                if not await pacer.wait(loop, total_deadline):
+                    raise JudgeTimeoutError(
+                        f"POST {url}: experiment {quota.scope!r}'s quota ({quota.quota.rps:g} req/s per endpoint) "
+                        "leaves no slot before the total timeout",
+                        kind="timeout",
+                    )
+        except BaseException:
+            if acquired:
+                semaphore.release()  # type: ignore[union-attr]
+            raise
+        finally:
+            if waiting_since is not None:
+                quota.waited += 1
+                quota.wait_s += loop.time() - waiting_since
+        quota.admitted += 1
+        quota.in_flight += 1
+        if quota.in_flight > quota.peak_in_flight:
+            quota.peak_in_flight = quota.in_flight
+        try:
+            return await self._loaded(loop, limits, url, body, total_deadline)
+        finally:
+            quota.in_flight -= 1
+            if acquired:
+                semaphore.release()  # type: ignore[union-attr]
 
     async def _admitted(
         self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, semaphore: asyncio.Semaphore,
