@@ -16,7 +16,9 @@ logical request is one or more HTTP *attempts*:
   raised at once.
 * **Shared limits** (:mod:`scoring_workers.scorers.judge_limits`): the concurrency cap,
   pacing and circuit breaker of the ``base_url``. Any HTTP answer below 500 (including
-  4xx/429) proves the server is up and counts as a success for the breaker.
+  4xx/429) proves the server is up and counts as a success for the breaker. A client
+  built inside :func:`~scoring_workers.scorers.judge_limits.judge_quota` also takes its
+  experiment's quota on each endpoint, acquired *before* the process-wide slot.
 * **A pool** (several ``base_url`` s, replicas of one judge): every attempt is routed
   by :func:`~scoring_workers.scorers.judge_pool.choose_endpoint` — the session's
   rendezvous-preferred endpoint, the least-loaded one when that is overloaded, never
