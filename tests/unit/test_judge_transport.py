@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import socket
+import ssl
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from scoring_workers.scorers.judge_errors import JudgeRequestError
 from scoring_workers.scorers.judge_http import JudgeClient
 from scoring_workers.scorers.judge_transport import HttpTransport, TransportError, check_headers
+from tests.security.tlsproxy import make_pki
 
 OK = b'{"ok": true}'
 CLOSE = "close"  # close the connection instead of answering
@@ -34,8 +37,9 @@ def _answer(body: bytes = OK, *headers: str, status: str = "200 OK") -> bytes:
 class Scripted:
     """A loopback server; :attr:`requests` are ``(head, body)`` as received."""
 
-    def __init__(self, actions: Sequence[bytes | list[bytes] | str]) -> None:
+    def __init__(self, actions: Sequence[bytes | list[bytes] | str], tls: ssl.SSLContext | None = None) -> None:
         self.actions = list(actions)
+        self.tls = tls
         self.requests: list[tuple[bytes, bytes]] = []
         self.connections = 0
         self.eofs = 0  # connections the client closed
@@ -44,8 +48,9 @@ class Scripted:
         self._handlers: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> Scripted:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
+        scheme = "https" if self.tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -283,6 +288,29 @@ async def test_user_info_becomes_basic_auth():
             await transport.aclose()
     expected = "Authorization: Basic " + base64.b64encode(b"me:s@cret").decode()
     assert expected in srv.requests[0][0].decode().split("\r\n")
+
+
+async def test_https_verifies_the_server_certificate(tmp_path: Path, monkeypatch):
+    pki = make_pki(tmp_path)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(pki.cert, pki.key)
+    async with Scripted([_answer(OK)], tls=server_tls) as srv:
+        monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca))  # what the default context trusts
+        transport = HttpTransport()
+        try:
+            assert await _post(transport, srv.url) == (200, OK, None)
+            assert await _post(transport, srv.url) == (200, OK, None)
+        finally:
+            await transport.aclose()
+        assert transport.connections_opened == 1
+        monkeypatch.setenv("SSL_CERT_FILE", str(pki.other_ca))
+        untrusting = HttpTransport()
+        try:
+            with pytest.raises(TransportError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed") as info:
+                await _post(untrusting, srv.url)
+        finally:
+            await untrusting.aclose()
+        assert info.value.connect
 
 
 # --------------------------------------------------------------------------- headers
