@@ -8,7 +8,11 @@ load and recent latency a judge pool routes by, how pool calls were routed (``pr
 ``route``: ``affinity`` / ``detour`` / ``spill`` / ``failover`` / ``balanced``, see
 :mod:`scoring_workers.scorers.judge_pool`), and the breaker — its state
 (``prm_judge_breaker_open`` is 1 while open or half-open) and how often it opened.
-Nothing is exported while no judge scorer is configured.
+Per experiment quota (labels ``scope`` — the experiment id — and ``endpoint``; see
+:class:`~scoring_workers.scorers.judge_limits.JudgeQuota`): attempts admitted, those
+that had to wait for the quota and the seconds they waited, attempts holding a quota
+slot now. Nothing is exported while no judge scorer is configured, and no quota
+series while no client with a quota is open.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from scoring_workers.scorers.judge_hosts import endpoint_label
-from scoring_workers.scorers.judge_limits import LATENCY_BUCKETS_S, SharedLimits, all_limits
+from scoring_workers.scorers.judge_limits import LATENCY_BUCKETS_S, QuotaLimits, SharedLimits, all_limits, all_quotas
 
 _STATE_RANK = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -53,6 +57,28 @@ class _Endpoint:
         self.opened += lim.breaker.opened_count
         if lim.latency_ewma_s is not None:
             self.ewma_s = max(self.ewma_s or 0.0, lim.latency_ewma_s)
+
+
+@dataclass(slots=True)
+class _Quota:
+    in_flight: int = 0
+    admitted: int = 0
+    waited: int = 0
+    wait_s: float = 0.0
+
+    def add(self, quota: QuotaLimits) -> None:
+        self.in_flight += quota.in_flight
+        self.admitted += quota.admitted
+        self.waited += quota.waited
+        self.wait_s += quota.wait_s
+
+
+def quota_snapshot(quotas: list[QuotaLimits] | None = None) -> dict[tuple[str, str], _Quota]:
+    """``(scope, host:port)`` -> the summed state of that experiment's quotas there."""
+    out: dict[tuple[str, str], _Quota] = {}
+    for quota in all_quotas() if quotas is None else quotas:
+        out.setdefault((quota.scope, endpoint_label(quota.endpoint)), _Quota()).add(quota)
+    return out
 
 
 def endpoint_snapshot(limits: list[SharedLimits] | None = None) -> dict[str, _Endpoint]:
@@ -99,3 +125,24 @@ class JudgeCollector(Collector):
             opened.add_metric([label], ep.opened)
         if endpoints:
             yield from (attempts, failed, latency, in_flight, load, ewma, routed, is_open, opened)
+        yield from _quota_families(quota_snapshot())
+
+
+def _quota_families(quotas: dict[tuple[str, str], _Quota]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    if not quotas:
+        return
+    labels = ["scope", "endpoint"]
+    admitted = CounterMetricFamily("prm_judge_quota_admitted", "Judge attempts an experiment's quota admitted",
+                                   labels=labels)
+    waited = CounterMetricFamily("prm_judge_quota_waited", "Of those, attempts that waited for the experiment's "
+                                 "quota (its max_in_flight or rps on the endpoint)", labels=labels)
+    wait_s = CounterMetricFamily("prm_judge_quota_wait_seconds", "Seconds attempts waited for the experiment's "
+                                 "quota", labels=labels)
+    in_flight = GaugeMetricFamily("prm_judge_quota_in_flight", "Attempts holding a slot of the experiment's quota "
+                                  "(waiting for a process-wide slot or on the wire)", labels=labels)
+    for key, q in sorted(quotas.items()):
+        admitted.add_metric(list(key), q.admitted)
+        waited.add_metric(list(key), q.waited)
+        wait_s.add_metric(list(key), q.wait_s)
+        in_flight.add_metric(list(key), q.in_flight)
+    yield from (admitted, waited, wait_s, in_flight)

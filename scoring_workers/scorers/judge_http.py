@@ -16,7 +16,9 @@ logical request is one or more HTTP *attempts*:
   raised at once.
 * **Shared limits** (:mod:`scoring_workers.scorers.judge_limits`): the concurrency cap,
   pacing and circuit breaker of the ``base_url``. Any HTTP answer below 500 (including
-  4xx/429) proves the server is up and counts as a success for the breaker.
+  4xx/429) proves the server is up and counts as a success for the breaker. A client
+  built inside :func:`~scoring_workers.scorers.judge_limits.judge_quota` also takes its
+  experiment's quota on each endpoint, acquired *before* the process-wide slot.
 * **A pool** (several ``base_url`` s, replicas of one judge): every attempt is routed
   by :func:`~scoring_workers.scorers.judge_pool.choose_endpoint` — the session's
   rendezvous-preferred endpoint, the least-loaded one when that is overloaded, never
@@ -26,11 +28,13 @@ logical request is one or more HTTP *attempts*:
   timeout or a dropped connection is worth a retry too, because another replica may
   answer. So a replica that fails or dies costs no vote while another one works.
 
-Transport: :mod:`aiohttp` with one keep-alive connection pool per client, bodies
-encoded and decoded with :mod:`msgspec`. It replaced httpx, whose per-request CPU cost
-capped a worker near 1,000 judge calls/s (``prm-pipeline bench judge`` measures both
-against a raw asyncio-streams baseline). Only this module imports an HTTP library;
-``scoring_workers.prm`` stays light.
+Transport: :mod:`~scoring_workers.scorers.judge_transport` — HTTP/1.1 keep-alive
+connections on asyncio protocols, one pool per client — with bodies encoded and decoded
+by :mod:`msgspec`. It replaced aiohttp (≈ 3.5x the CPU of a bare asyncio-streams
+exchange per call), which replaced httpx (≈ 12x); ``prm-pipeline bench judge`` measures
+the client against that baseline. aiohttp remains for ``trust_env=True`` (proxies from
+the environment). Only the transport module talks HTTP; ``scoring_workers.prm`` stays
+light.
 """
 
 from __future__ import annotations
@@ -45,20 +49,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-import aiohttp
 import msgspec
-import yarl
 
 from scoring_workers.scorers.judge_errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
 from scoring_workers.scorers.judge_hosts import check_judge_url, endpoint_label
-from scoring_workers.scorers.judge_limits import CircuitBreaker, SharedLimits, acquire_limits, release_limits
+from scoring_workers.scorers.judge_limits import (
+    CircuitBreaker,
+    JudgeQuota,
+    QuotaLimits,
+    SharedLimits,
+    acquire_limits,
+    acquire_quota,
+    active_quota,
+    release_limits,
+    release_quota,
+)
 from scoring_workers.scorers.judge_pool import SpillPolicy, choose_endpoint, rendezvous_order
+from scoring_workers.scorers.judge_transport import (
+    AiohttpTransport,
+    HttpTransport,
+    Transport,
+    TransportError,
+    check_headers,
+)
 
 __all__ = ["JudgeClient", "JudgeClientStats", "normalize_base_urls"]
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
-_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class _Retry(Exception):
@@ -81,6 +99,12 @@ class _Endpoint:
     base_url: str
     label: str  # host:port, for logs and metrics
     limits: SharedLimits
+    quota: QuotaLimits | None = None  # the experiment's quota on this endpoint (judge_quota)
+
+    def release(self) -> None:
+        release_limits(self.limits)
+        if self.quota is not None:
+            release_quota(self.quota)
 
 
 @dataclass(slots=True)
@@ -128,8 +152,8 @@ def _snippet(body: bytes, n: int) -> str:
 
 class JudgeClient:
     """An async JSON-over-HTTP client for one judge server, with the hygiene described
-    in the module docstring. It owns its :class:`aiohttp.ClientSession` (created lazily
-    inside the running event loop) and releases it and its share of the limits in
+    in the module docstring. It owns its connections (opened lazily inside the running
+    event loop) and releases them and its share of the limits in
     :meth:`aclose`.
 
     Args:
@@ -208,7 +232,7 @@ class JudgeClient:
             )
         if breaker_reset_s is not None:
             requested["breaker_reset_s"] = _check_number("breaker_reset_s", breaker_reset_s)
-        hdrs = {str(k): str(v) for k, v in (headers or {}).items()}
+        hdrs = check_headers(headers or {})
         if api_key_file and not (api_key_env and os.environ.get(api_key_env)):
             try:
                 api_key = Path(api_key_file).read_text().strip() or api_key
@@ -222,17 +246,21 @@ class JudgeClient:
         self._trust_env = bool(trust_env)
         self._rng = rng or random.Random()
         self.stats = JudgeClientStats()
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[str, yarl.URL] = {}  # full URL -> parsed (a base path prefix is kept)
+        self._transport: Transport | None = None
         self._closed = False
         self._turn = 0  # round-robin offset of a pool's ties
+        quota = active_quota()
+        self.quota: JudgeQuota | None = quota
+        """The experiment quota taken at construction (:func:`~scoring_workers.scorers.
+        judge_limits.judge_quota`), or None."""
         endpoints: list[_Endpoint] = []
         try:  # last: nothing else to undo
             for url in urls:
                 endpoints.append(_Endpoint(url, endpoint_label(url), acquire_limits(url, requested, clock)))
+                endpoints[-1].quota = acquire_quota(quota, url)
         except BaseException:
             for ep in endpoints:
-                release_limits(ep.limits)
+                ep.release()
             raise
         self._endpoints: tuple[_Endpoint, ...] = tuple(endpoints)
         self.limits: SharedLimits = endpoints[0].limits
@@ -254,47 +282,48 @@ class JudgeClient:
         """Each endpoint's shared limits, in :attr:`base_urls` order."""
         return tuple(ep.limits for ep in self._endpoints)
 
-    def _http(self) -> aiohttp.ClientSession:
-        """The session, opened on first use inside the running loop.
+    @property
+    def endpoint_quotas(self) -> tuple[QuotaLimits | None, ...]:
+        """Each endpoint's experiment quota (None: no quota), in :attr:`base_urls` order."""
+        return tuple(ep.quota for ep in self._endpoints)
 
-        The connector has no connection limit of its own (the shared concurrency cap
-        already bounds attempts in flight) and keeps connections alive between calls.
-        """
+    def _http(self) -> Transport:
+        """The transport, opened on first use inside the running loop: this module's own
+        HTTP/1.1 keep-alive connections (:class:`~scoring_workers.scorers.judge_transport.
+        HttpTransport`), or aiohttp when ``trust_env`` asks for the environment's proxies.
+        No connection limit of its own: the shared concurrency cap bounds attempts."""
         if self._closed:
             raise RuntimeError("JudgeClient is closed")
-        session = self._session
-        if session is None:
-            https = self.base_url.startswith("https://")
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, ssl=None if https else False)
-            session = self._session = aiohttp.ClientSession(
-                connector=connector, headers=self._headers, trust_env=self._trust_env,
-                timeout=aiohttp.ClientTimeout(total=None),
+        transport = self._transport
+        if transport is None:
+            transport = self._transport = (
+                AiohttpTransport(self._headers) if self._trust_env else HttpTransport(self._headers)
             )
-        return session
+        return transport
 
     async def aclose(self) -> None:
-        """Close the HTTP session and release this client's share of the limits (idempotent)."""
+        """Close the connections and release this client's share of the limits (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        session, self._session = self._session, None
+        transport, self._transport = self._transport, None
         try:
-            if session is not None:
-                await session.close()
+            if transport is not None:
+                await transport.aclose()
         finally:
             for ep in self._endpoints:
-                release_limits(ep.limits)
+                ep.release()
 
     def discard(self) -> None:
         """Synchronous :meth:`aclose` for a client that never sent a request (e.g. its
         owner's constructor failed later): releases the shared limits."""
         if self._closed:
             return
-        if self._session is not None:
+        if self._transport is not None:
             raise RuntimeError("JudgeClient.discard() after use; await aclose() instead")
         self._closed = True
         for ep in self._endpoints:
-            release_limits(ep.limits)
+            ep.release()
 
     async def __aenter__(self) -> Self:
         return self
@@ -397,16 +426,75 @@ class JudgeClient:
         self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, path: str, body: bytes, total_deadline: float,
         attempt: int,
     ) -> Any:
-        limits = endpoint.limits
-        semaphore, pacer = limits.for_loop(loop)
         url = endpoint.base_url + path
         if loop.time() >= total_deadline:
             raise JudgeTimeoutError(f"POST {url}: total timeout before attempt {attempt}", kind="timeout")
+        if endpoint.quota is not None:
+            return await self._under_quota(loop, endpoint.quota, endpoint.limits, url, body, total_deadline)
+        return await self._loaded(loop, endpoint.limits, url, body, total_deadline)
+
+    async def _loaded(
+        self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, url: str, body: bytes, total_deadline: float,
+    ) -> Any:
+        semaphore, pacer = limits.for_loop(loop)
         limits.load += 1
         try:
             return await self._admitted(loop, limits, semaphore, pacer, url, body, total_deadline)
         finally:
             limits.load -= 1
+
+    async def _under_quota(
+        self, loop: asyncio.AbstractEventLoop, quota: QuotaLimits, limits: SharedLimits, url: str, body: bytes,
+        total_deadline: float,
+    ) -> Any:
+        """The experiment's quota on this endpoint first, then the process-wide limits:
+        a call waiting for its quota holds no process-wide slot (and adds no load)."""
+        semaphore, pacer = quota.for_loop(loop)
+        waiting_since: float | None = None
+        acquired = False
+        try:
+            if semaphore is not None:
+                if semaphore.locked():
+                    waiting_since = loop.time()
+                    try:
+                        async with asyncio.timeout_at(total_deadline):
+                            await semaphore.acquire()
+                    except TimeoutError:
+                        raise JudgeTimeoutError(
+                            f"POST {url}: experiment {quota.scope!r} has no free judge slot (quota "
+                            f"max_in_flight={quota.quota.max_in_flight} per endpoint) before the total timeout",
+                            kind="timeout",
+                        ) from None
+                else:
+                    await semaphore.acquire()
+                acquired = True
+            if pacer is not None:
+                if waiting_since is None and pacer.next_at > loop.time():
+                    waiting_since = loop.time()
+                if not await pacer.wait(loop, total_deadline):
+                    raise JudgeTimeoutError(
+                        f"POST {url}: experiment {quota.scope!r}'s quota ({quota.quota.rps:g} req/s per endpoint) "
+                        "leaves no slot before the total timeout",
+                        kind="timeout",
+                    )
+        except BaseException:
+            if acquired:
+                semaphore.release()  # type: ignore[union-attr]
+            raise
+        finally:
+            if waiting_since is not None:
+                quota.waited += 1
+                quota.wait_s += loop.time() - waiting_since
+        quota.admitted += 1
+        quota.in_flight += 1
+        if quota.in_flight > quota.peak_in_flight:
+            quota.peak_in_flight = quota.in_flight
+        try:
+            return await self._loaded(loop, limits, url, body, total_deadline)
+        finally:
+            quota.in_flight -= 1
+            if acquired:
+                semaphore.release()  # type: ignore[union-attr]
 
     async def _admitted(
         self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, semaphore: asyncio.Semaphore,
@@ -446,16 +534,9 @@ class JudgeClient:
             try:
                 attempt_deadline = min(loop.time() + self.timeout_s, total_deadline)
                 budget = attempt_deadline - loop.time()
-                http = self._http()
-                target = self._urls.get(url)
-                if target is None:
-                    target = self._urls[url] = yarl.URL(url)
+                transport = self._http()
                 try:
-                    async with asyncio.timeout_at(attempt_deadline):
-                        async with http.post(target, data=body, headers=_JSON_HEADERS) as response:
-                            status = response.status
-                            raw = await response.read()
-                            retry_after = response.headers.get("Retry-After")
+                    status, raw, retry_after = await transport.post(url, body, attempt_deadline)
                 except TimeoutError:
                     verdict = False
                     error = JudgeTimeoutError(f"POST {url}: no answer within {budget:.3g}s", kind="timeout")
@@ -463,13 +544,12 @@ class JudgeClient:
                     if self.retry_on_timeout:
                         raise _Retry(error) from None
                     raise _Failover(error) from None
-                except aiohttp.ClientConnectorError as exc:
+                except TransportError as exc:
                     verdict = False
-                    failure = f"POST {url}: cannot connect: {exc}"
-                    raise _Retry(JudgeRequestError(failure, kind="connect")) from None
-                except (aiohttp.ClientError, OSError) as exc:
-                    verdict = False
-                    failure = f"POST {url}: {type(exc).__name__}: {exc}"
+                    if exc.connect:
+                        failure = f"POST {url}: cannot connect: {exc}"
+                        raise _Retry(JudgeRequestError(failure, kind="connect")) from None
+                    failure = f"POST {url}: {exc}"
                     raise _Failover(JudgeRequestError(failure, kind="transport")) from None
                 verdict = status < 500
                 if not verdict:

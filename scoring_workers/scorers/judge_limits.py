@@ -12,22 +12,34 @@ server can take.
   ``failure_threshold`` consecutive failed attempts open it; while open, requests fail
   immediately instead of piling onto a dead judge; after ``reset_timeout_s`` one probe
   is let through (half-open) — its success closes the breaker, its failure re-opens it.
+
+**Quotas per experiment** (:class:`JudgeQuota`, :func:`judge_quota`): one worker
+process may score several experiments against the same judge. An experiment's quota
+caps *its* calls in flight and per second on each endpoint; every client built inside
+``judge_quota(q)`` shares one :class:`QuotaLimits` per ``(q.scope, endpoint)`` (a second
+registry, reference-counted like the shared limits). A call takes its quota slot first
+and the endpoint's process-wide slot second, so an experiment over its quota waits
+without holding a process-wide slot that another experiment could use; the process-wide
+limits still bound every experiment together.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LATENCY_BUCKETS_S", "CircuitBreaker", "SharedLimits", "acquire_limits", "all_limits", "registered_limits",
-           "release_limits"]
+__all__ = ["LATENCY_BUCKETS_S", "CircuitBreaker", "JudgeQuota", "QuotaLimits", "SharedLimits", "acquire_limits",
+           "acquire_quota", "active_quota", "all_limits", "all_quotas", "judge_quota", "registered_limits",
+           "release_limits", "release_quota"]
 
 
 class CircuitBreaker:
@@ -310,3 +322,128 @@ def release_limits(shared: SharedLimits) -> None:
         shared.refs -= 1
         if shared.refs <= 0 and _REGISTRY.get(shared.key) is shared:
             del _REGISTRY[shared.key]
+
+
+# --------------------------------------------------------------------------- quotas per experiment
+@dataclass(frozen=True, slots=True)
+class JudgeQuota:
+    """One experiment's share of every judge endpoint it calls (module docstring).
+
+    ``scope``: the experiment id (a metric label: keep the set of scopes bounded).
+    ``max_in_flight``: its attempts in flight per endpoint (``None``: no cap);
+    ``rps``: its attempts per second per endpoint (``None``: unpaced). The process-wide
+    limits of each endpoint apply on top.
+    """
+
+    scope: str
+    max_in_flight: int | None = None
+    rps: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scope, str) or not self.scope.strip():
+            raise ValueError(f"judge quota scope must be a non-empty string (the experiment id), got {self.scope!r}")
+        cap: Any = self.max_in_flight
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"judge quota {self.scope!r}: max_in_flight must be an integer >= 1 or None, got {cap!r}")
+        if self.rps is not None and not _positive(self.rps):
+            raise ValueError(f"judge quota {self.scope!r}: rps must be a finite number > 0 or None, got {self.rps!r}")
+
+    @property
+    def unlimited(self) -> bool:
+        return self.max_in_flight is None and self.rps is None
+
+
+_QUOTA: ContextVar[JudgeQuota | None] = ContextVar("prm_judge_quota", default=None)
+
+
+@contextlib.contextmanager
+def judge_quota(quota: JudgeQuota | None) -> Iterator[None]:
+    """Within this block every judge client built takes ``quota``'s limits on each of its
+    endpoints (``None``: no quota, also inside an outer block). What a client took at
+    construction stays with it for its life."""
+    if quota is not None and not isinstance(quota, JudgeQuota):
+        raise TypeError(f"judge_quota takes a JudgeQuota or None, got {type(quota).__name__}")
+    token = _QUOTA.set(quota)
+    try:
+        yield
+    finally:
+        _QUOTA.reset(token)
+
+
+def active_quota() -> JudgeQuota | None:
+    """The quota of the enclosing :func:`judge_quota` block, if any."""
+    return _QUOTA.get()
+
+
+class QuotaLimits:
+    """One experiment's limits on one endpoint, shared by its clients in the process.
+
+    Per event loop a semaphore (``max_in_flight``) and a pacer (``rps``), as
+    :class:`SharedLimits`. Counters for the metrics: ``in_flight`` (attempts holding a
+    quota slot; ``peak_in_flight`` the most at once), ``admitted`` (attempts that passed the quota), ``waited`` (of those,
+    how many had to wait for it) and ``wait_s`` (the seconds they waited in total).
+    """
+
+    def __init__(self, quota: JudgeQuota, endpoint: str) -> None:
+        self.quota = quota
+        self.scope = quota.scope
+        self.endpoint = endpoint  # the registry key of the endpoint's base_url
+        self.refs = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self.admitted = 0
+        self.waited = 0
+        self.wait_s = 0.0
+        self._per_loop: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[asyncio.Semaphore | None, _Pacer | None]
+        ] = weakref.WeakKeyDictionary()
+
+    def for_loop(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Semaphore | None, _Pacer | None]:
+        entry = self._per_loop.get(loop)
+        if entry is None:
+            cap, rps = self.quota.max_in_flight, self.quota.rps
+            entry = (None if cap is None else asyncio.Semaphore(cap), None if rps is None else _Pacer(rps))
+            self._per_loop[loop] = entry
+        return entry
+
+    def __repr__(self) -> str:
+        return f"QuotaLimits({self.quota!r}, endpoint={self.endpoint!r}, in_flight={self.in_flight})"
+
+
+_QUOTAS: dict[tuple[str, str], QuotaLimits] = {}
+
+
+def acquire_quota(quota: JudgeQuota | None, base_url: str) -> QuotaLimits | None:
+    """Take a reference to ``quota``'s limits on ``base_url`` (``None`` when there is
+    nothing to limit). Every client of one scope must carry the same quota: a different
+    one for a scope that is still registered is a :class:`ValueError`."""
+    if quota is None or quota.unlimited:
+        return None
+    key = (quota.scope, _registry_key(base_url))
+    with _REGISTRY_LOCK:
+        limits = _QUOTAS.get(key)
+        if limits is None:
+            limits = _QUOTAS[key] = QuotaLimits(quota, key[1])
+        elif limits.quota != quota:
+            raise ValueError(
+                f"judge quota of experiment {quota.scope!r} on {key[1]} is already registered as "
+                f"max_in_flight={limits.quota.max_in_flight}, rps={limits.quota.rps} by clients still open; "
+                f"close them before changing it to max_in_flight={quota.max_in_flight}, rps={quota.rps}"
+            )
+        limits.refs += 1
+        return limits
+
+
+def release_quota(limits: QuotaLimits) -> None:
+    """Drop one reference; the last one unregisters the quota (and its metrics)."""
+    with _REGISTRY_LOCK:
+        limits.refs -= 1
+        key = (limits.scope, limits.endpoint)
+        if limits.refs <= 0 and _QUOTAS.get(key) is limits:
+            del _QUOTAS[key]
+
+
+def all_quotas() -> list[QuotaLimits]:
+    """Every live :class:`QuotaLimits` of this process."""
+    with _REGISTRY_LOCK:
+        return list(_QUOTAS.values())

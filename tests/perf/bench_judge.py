@@ -248,7 +248,7 @@ def _report_calls(args: argparse.Namespace, runs: list[dict[str, float]]) -> Non
     ideal = args.call_concurrency / (args.latency_ms / 1000.0)
     print(f"\njudge client: {args.calls} calls x {args.repeats} runs, C = {args.call_concurrency} calls in flight, "
           f"judge latency {args.latency_ms:g} ms; ideal C/latency = {ideal:.0f} calls/s; ranges over runs")
-    print(f"{'path':<22} {'calls/s':>11} {'/ideal':>11} {'/raw':>11} {'client CPU/call':>16} "
+    print(f"{'path':<22} {'calls/s':>11} {'/ideal':>11} {'/raw':>11} {'client CPU/call':>16} {'CPU /raw':>11} "
           f"{'1 core allows':>15} {'judge CPU/call':>15}")
 
     def span(key: str, fmt: str, scale: float = 1.0, invert: bool = False) -> str:
@@ -257,14 +257,17 @@ def _report_calls(args: argparse.Namespace, runs: list[dict[str, float]]) -> Non
 
     for name, key, server_key in (("raw asyncio streams", "raw", "server_cpu"),
                                   ("JudgeClient.post_json", "client", "server_cpu_client")):
-        ratio = "1" if key == "raw" else span("ratio", ".2f")
-        for r in runs:
+        for r in runs:  # per run: the client against the raw baseline measured just before it
             r["ratio"] = r["client"] / r["raw"]
+            r["cpu_ratio"] = r["client_cpu"] / r["raw_cpu"] if r["raw_cpu"] else float("inf")
+        ratio = "1" if key == "raw" else span("ratio", ".2f")
+        cpu_ratio = "1" if key == "raw" else span("cpu_ratio", ".2f")
         print(f"{name:<22} {span(key, '.0f'):>11} {span(key, '.2f', 1 / ideal):>11} {ratio:>11} "
-              f"{span(key + '_cpu', '.0f', 1e6) + ' us':>16} {span(key + '_cpu', '.0f', 1.0, invert=True):>15} "
-              f"{span(server_key, '.0f', 1e6) + ' us':>15}")
-    print("(1 core allows = calls/s the client process could make if it had a whole core; the judge server runs "
-          "in its own process, whose CPU per call bounds the raw baseline on a shared machine)")
+              f"{span(key + '_cpu', '.0f', 1e6) + ' us':>16} {cpu_ratio:>11} "
+              f"{span(key + '_cpu', '.0f', 1.0, invert=True):>15} {span(server_key, '.0f', 1e6) + ' us':>15}")
+    print("(CPU /raw = the client's CPU per call over the raw baseline's, per run; 1 core allows = calls/s the "
+          "client process could make if it had a whole core; the judge server runs in its own process, whose CPU "
+          "per call bounds the raw baseline on a shared machine)")
 
 
 def main(argv: list[str] | None = None) -> int:
