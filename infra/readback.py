@@ -35,6 +35,7 @@ from aiokafka.structs import TopicPartition
 from infra import reasons
 from infra.chunks import ChunkAssembler, reassembled
 from infra.config import PipelineConfig
+from infra.experiments import DEFAULT_EXPERIMENT, trajectories_topic
 from infra.kafka import make_consumer
 from infra.schema import (
     GroupVerdict,
@@ -140,9 +141,9 @@ class TrajectoryReader:
     (``TimeoutError`` after ``kafka.request_timeout_ms``): transient for the caller.
     """
 
-    def __init__(self, cfg: PipelineConfig) -> None:
+    def __init__(self, cfg: PipelineConfig, *, topic: str | None = None) -> None:
         self.cfg = cfg
-        self.topic = cfg.topics.trajectories
+        self.topic = topic or cfg.topics.trajectories  # an experiment's own topic (infra.experiments)
         self._reader: AIOKafkaConsumer | None = None
         self._lock = asyncio.Lock()
         self.records_read = 0  # records fetched (wanted or skipped over), for tests and benches
@@ -280,25 +281,50 @@ class TrajectoryReader:
 
 
 class VerdictTokens:
-    """A verdict reader's half: referenced members' turns read back with :class:`TrajectoryReader`."""
+    """A verdict reader's half: referenced members' turns read back with :class:`TrajectoryReader`.
+
+    A :class:`~infra.schema.TokenRef` names a record of the verdict's own experiment's
+    trajectories topic (:func:`infra.experiments.trajectories_topic`), so each experiment
+    gets its reader, created when one of its verdicts first needs it."""
 
     def __init__(self, cfg: PipelineConfig) -> None:
-        self.reader = TrajectoryReader(cfg)
+        self.cfg = cfg
+        self.readers: dict[str, TrajectoryReader] = {}  # experiment id -> its topic's reader
+
+    @property
+    def reader(self) -> TrajectoryReader:
+        """The default experiment's reader (the only one before experiments existed)."""
+        return self._reader(DEFAULT_EXPERIMENT)
+
+    def _reader(self, experiment: str) -> TrajectoryReader:
+        reader = self.readers.get(experiment)
+        if reader is None:
+            reader = self.readers[experiment] = TrajectoryReader(
+                self.cfg, topic=trajectories_topic(self.cfg.topics.trajectories, experiment))
+        return reader
 
     async def resolve(self, verdicts: Sequence[GroupVerdict]) -> list[GroupVerdict]:
-        """``verdicts`` with every referenced member's turns in place (one read for all of them)."""
-        wanted = [Wanted(s.tokens_at.partition, s.tokens_at.offset, s.trajectory_id, v.group_id)
-                  for v in verdicts for s in v.sessions if s.tokens_at is not None]
-        if not wanted:
-            return list(verdicts)
-        turns = await self.reader.read(wanted)
-        return [resolve_verdict(v, turns, self.reader.topic) for v in verdicts]
+        """``verdicts`` with every referenced member's turns in place (one read per experiment)."""
+        out = list(verdicts)
+        by_experiment: dict[str, list[int]] = {}
+        for i, v in enumerate(out):
+            if any(s.tokens_at is not None for s in v.sessions):
+                by_experiment.setdefault(v.experiment_id, []).append(i)
+        for experiment, indexes in by_experiment.items():
+            reader = self._reader(experiment)
+            wanted = [Wanted(s.tokens_at.partition, s.tokens_at.offset, s.trajectory_id, out[i].group_id)
+                      for i in indexes for s in out[i].sessions if s.tokens_at is not None]
+            turns = await reader.read(wanted)
+            for i in indexes:
+                out[i] = resolve_verdict(out[i], turns, reader.topic)
+        return out
 
     async def resolve_one(self, verdict: GroupVerdict) -> GroupVerdict:
         return (await self.resolve([verdict]))[0]
 
     async def aclose(self) -> None:
-        await self.reader.aclose()
+        for reader in self.readers.values():
+            await reader.aclose()
 
 
 def reference(result: SessionResult, partition: int, offset: int) -> SessionResult:
