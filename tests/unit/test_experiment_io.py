@@ -227,3 +227,21 @@ def test_status_warns_about_unread_endpoints_and_an_experiment_no_worker_serves(
     assert checks == {"worker_metrics_unreachable": "warning", "experiment_not_served": "warning"}
     served = ExperimentSummary("exp-a", sources=1, present=True)
     assert not assess(StatusReport(at=0, experiment="exp-a", fleet=served))
+
+
+# --------------------------------------------------------------------------- command lines
+def test_every_command_of_one_experiment_takes_experiment_and_checks_it(capsys) -> None:
+    from prm_pipeline.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["publish", "f.jsonl"], ["trainer"], ["verdicts"], ["inspect"], ["audit"], ["dead-letters"],
+                 ["status"]):
+        assert parser.parse_args([*argv, "--experiment", "exp-a"]).experiment == "exp-a", argv
+        assert parser.parse_args(argv).experiment is None, argv  # absent: trainer.experiment, or no filter
+    with pytest.raises(SystemExit):
+        parser.parse_args(["publish", "f.jsonl", "--experiment", "a/b"])
+    assert "experiment_id 'a/b' must match" in capsys.readouterr().err
+    args = parser.parse_args(["status", "--worker-metrics", "http://w0:9108/metrics"])
+    assert args.func(args) == 2 and "--worker-metrics needs --experiment" in capsys.readouterr().err
+    args = parser.parse_args(["status", "--experiment", "exp-a", "--worker-metrics", "w0:9108"])
+    assert args.func(args) == 2 and "expected an http:// or https:// URL" in capsys.readouterr().err
