@@ -245,3 +245,12 @@ def test_every_command_of_one_experiment_takes_experiment_and_checks_it(capsys) 
     assert args.func(args) == 2 and "--worker-metrics needs --experiment" in capsys.readouterr().err
     args = parser.parse_args(["status", "--experiment", "exp-a", "--worker-metrics", "w0:9108"])
     assert args.func(args) == 2 and "expected an http:// or https:// URL" in capsys.readouterr().err
+
+
+def test_status_of_an_experiment_reads_its_topics_and_its_trainer_group() -> None:
+    from prm_pipeline.status.collect import _roles
+
+    cfg = config_from_mapping({})
+    assert _roles(cfg) == [("workers", "prm-scoring-workers", "prm.trajectories"), ("trainer", "prm-trainer", "prm.verdicts")]
+    assert _roles(cfg, "exp-a") == [("workers", "prm-scoring-workers", "prm.trajectories.exp-a"),
+                                    ("trainer", "prm-trainer.exp-a", "prm.verdicts.exp-a")]
