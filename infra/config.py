@@ -219,6 +219,7 @@ class TopicsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     trajectories: str = "prm.trajectories"
     verdicts: str = "prm.verdicts"
     dead_letters: str = "prm.dead-letters"
+    experiments: str = "prm.experiments"  # the experiment registry (compacted; docs/fleet.md)
     partitions: Positive = 8
     replication_factor: Positive = 1
     retention_ms: int = 7 * 86_400_000

@@ -304,6 +304,15 @@ def check_size(value: bytes, cfg: KafkaConfig, what: str) -> None:
         )
 
 
+def _new_topic(name: str, kafka: KafkaConfig, topics: TopicsConfig) -> NewTopic:
+    if name == topics.experiments:  # the registry: one partition (one order), latest record per key kept
+        return NewTopic(name=name, num_partitions=1, replication_factor=topics.replication_factor,
+                        topic_configs={"cleanup.policy": "compact"})
+    return NewTopic(name=name, num_partitions=topics.partitions, replication_factor=topics.replication_factor,
+                    topic_configs={"retention.ms": str(topics.retention_ms),
+                                   "max.message.bytes": str(kafka.max_message_bytes)})
+
+
 async def ensure_topics(
     kafka: KafkaConfig, topics: TopicsConfig, names: Iterable[str] | None = None
 ) -> dict[str, str]:
@@ -312,7 +321,8 @@ async def ensure_topics(
     Idempotent: an existing topic is reported, not an error (its partition count is
     left alone — the embedded broker cannot change it, and shrinking is never safe).
     """
-    wanted = list(names) if names is not None else [topics.trajectories, topics.verdicts, topics.dead_letters]
+    wanted = list(names) if names is not None else [topics.trajectories, topics.verdicts, topics.dead_letters,
+                                                    topics.experiments]
     admin = make_admin(kafka)
     await admin.start()
     try:
@@ -320,16 +330,7 @@ async def ensure_topics(
         missing = [n for n in wanted if n not in existing]
         result = {n: "exists" for n in wanted if n in existing}
         if missing:
-            new = [
-                NewTopic(
-                    name=n,
-                    num_partitions=topics.partitions,
-                    replication_factor=topics.replication_factor,
-                    topic_configs={"retention.ms": str(topics.retention_ms),
-                                   "max.message.bytes": str(kafka.max_message_bytes)},
-                )
-                for n in missing
-            ]
+            new = [_new_topic(n, kafka, topics) for n in missing]
             response = await admin.create_topics(new)
             for name, code, *_ in getattr(response, "topic_errors", []):
                 if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator won)

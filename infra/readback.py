@@ -35,7 +35,7 @@ from aiokafka.structs import TopicPartition
 from infra import reasons
 from infra.chunks import ChunkAssembler, reassembled
 from infra.config import PipelineConfig
-from infra.experiments import DEFAULT_EXPERIMENT, trajectories_topic
+from infra.experiments import trajectories_topic
 from infra.kafka import make_consumer
 from infra.schema import (
     GroupVerdict,
@@ -141,15 +141,21 @@ class TrajectoryReader:
     (``TimeoutError`` after ``kafka.request_timeout_ms``): transient for the caller.
     """
 
-    def __init__(self, cfg: PipelineConfig, *, topic: str | None = None) -> None:
+    def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
-        self.topic = topic or cfg.topics.trajectories  # an experiment's own topic (infra.experiments)
+        self.topic = cfg.topics.trajectories
         self._reader: AIOKafkaConsumer | None = None
         self._lock = asyncio.Lock()
         self.records_read = 0  # records fetched (wanted or skipped over), for tests and benches
         self.bytes_read = 0
 
-    async def read(self, wanted: Iterable[Wanted]) -> Turns:
+    def topic_of(self, experiment_id: str) -> str:
+        """The trajectories topic that holds ``experiment_id``'s records."""
+        return trajectories_topic(self.topic, experiment_id)
+
+    async def read(self, wanted: Iterable[Wanted], *, topic: str | None = None) -> Turns:
+        """The turns of ``wanted`` records of ``topic`` (default: the default experiment's)."""
+        topic = topic or self.topic
         by_partition: dict[int, dict[int, list[Wanted]]] = {}
         for w in wanted:
             if w.partition >= 0 and w.offset >= 0:
@@ -162,7 +168,7 @@ class TrajectoryReader:
                 self._reader = make_consumer(self.cfg.kafka, group_id=None, enable_auto_commit=False)
                 await self._reader.start()
             reader = self._reader
-            tps = [TopicPartition(self.topic, p) for p in sorted(by_partition)]
+            tps = [TopicPartition(topic, p) for p in sorted(by_partition)]
             reader.assign(tps)
             reader.resume(*tps)  # paused after the previous read
             timeout_s = self.cfg.kafka.request_timeout_ms / 1000
@@ -281,50 +287,32 @@ class TrajectoryReader:
 
 
 class VerdictTokens:
-    """A verdict reader's half: referenced members' turns read back with :class:`TrajectoryReader`.
-
-    A :class:`~infra.schema.TokenRef` names a record of the verdict's own experiment's
-    trajectories topic (:func:`infra.experiments.trajectories_topic`), so each experiment
-    gets its reader, created when one of its verdicts first needs it."""
+    """A verdict reader's half: referenced members' turns read back with :class:`TrajectoryReader`."""
 
     def __init__(self, cfg: PipelineConfig) -> None:
-        self.cfg = cfg
-        self.readers: dict[str, TrajectoryReader] = {}  # experiment id -> its topic's reader
-
-    @property
-    def reader(self) -> TrajectoryReader:
-        """The default experiment's reader (the only one before experiments existed)."""
-        return self._reader(DEFAULT_EXPERIMENT)
-
-    def _reader(self, experiment: str) -> TrajectoryReader:
-        reader = self.readers.get(experiment)
-        if reader is None:
-            reader = self.readers[experiment] = TrajectoryReader(
-                self.cfg, topic=trajectories_topic(self.cfg.topics.trajectories, experiment))
-        return reader
+        self.reader = TrajectoryReader(cfg)
 
     async def resolve(self, verdicts: Sequence[GroupVerdict]) -> list[GroupVerdict]:
-        """``verdicts`` with every referenced member's turns in place (one read per experiment)."""
-        out = list(verdicts)
-        by_experiment: dict[str, list[int]] = {}
-        for i, v in enumerate(out):
-            if any(s.tokens_at is not None for s in v.sessions):
-                by_experiment.setdefault(v.experiment_id, []).append(i)
-        for experiment, indexes in by_experiment.items():
-            reader = self._reader(experiment)
-            wanted = [Wanted(s.tokens_at.partition, s.tokens_at.offset, s.trajectory_id, out[i].group_id)
-                      for i in indexes for s in out[i].sessions if s.tokens_at is not None]
-            turns = await reader.read(wanted)
-            for i in indexes:
-                out[i] = resolve_verdict(out[i], turns, reader.topic)
-        return out
+        """``verdicts`` with every referenced member's turns in place (one read for all of them)."""
+        by_experiment: dict[str, list[Wanted]] = {}
+        for v in verdicts:  # an experiment's records are in its own trajectories topic
+            by_experiment.setdefault(v.experiment_id, []).extend(
+                Wanted(s.tokens_at.partition, s.tokens_at.offset, s.trajectory_id, v.group_id)
+                for s in v.sessions if s.tokens_at is not None)
+        turns: dict[str, Turns] = {}
+        for experiment_id, wanted in by_experiment.items():
+            if wanted:
+                turns[experiment_id] = await self.reader.read(wanted, topic=self.reader.topic_of(experiment_id))
+        if not turns:
+            return list(verdicts)
+        return [resolve_verdict(v, turns.get(v.experiment_id, {}), self.reader.topic_of(v.experiment_id))
+                for v in verdicts]
 
     async def resolve_one(self, verdict: GroupVerdict) -> GroupVerdict:
         return (await self.resolve([verdict]))[0]
 
     async def aclose(self) -> None:
-        for reader in self.readers.values():
-            await reader.aclose()
+        await self.reader.aclose()
 
 
 def reference(result: SessionResult, partition: int, offset: int) -> SessionResult:

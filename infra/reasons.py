@@ -84,7 +84,7 @@ DISCARDED: Final = _add(
     "a producer's `discard` for the group arrived; `reason` is the discard's own text (`discarded` when it "
     "had none); `sessions` list the members consumed before it, status `discarded`, without results")
 UNKNOWN_EXPERIMENT: Final = _add(
-    "unknown_experiment", "rejected", False,
+    "unknown_experiment", "rejected", True,
     "the record names an experiment the workers' registry does not hold (never added, removed, or its "
     "registry record was refused); `reason` names it")
 INVALID_MEMBER: Final = _add(

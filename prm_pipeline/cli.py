@@ -311,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prm_pipeline.audit import add_audit_parser
     from prm_pipeline.dead_letter_tool import add_dead_letters_parser
     from prm_pipeline.demo.fake_judge import add_fake_judge_parser
+    from prm_pipeline.experiment_tool import add_experiment_parser
 
+    add_experiment_parser(sub)
     add_dead_letters_parser(sub)
     add_audit_parser(sub)
     add_fake_judge_parser(sub)
@@ -360,7 +362,7 @@ def _accept_global_options_after(sub: argparse._SubParsersAction) -> None:
 NEEDS: dict[str, tuple[Service, ...]] = {
     "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
     "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",), "dead-letters": ("kafka",),
-    "gateway": ("kafka",),
+    "gateway": ("kafka",), "experiment": ("kafka",),
 }
 
 # Files each command reads (they must exist and be readable) and writes (their folder must
@@ -431,6 +433,10 @@ def preflight(args: argparse.Namespace) -> None:
             except (ImportError, TypeError) as exc:
                 raise ConfigError(str(exc)) from None
             check_config_judge_hosts(cfg.prm, cfg.worker.allowed_judge_hosts)
+    elif args.command == "experiment" and args.action == "add" and args.target:
+        from prm_pipeline.experiment_tool import check_experiment_file
+
+        check_experiment_file(_load(args), args.target)
     elif args.command == "publish":
         from infra.jsonl import load
 

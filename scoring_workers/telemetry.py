@@ -57,6 +57,22 @@ class WorkerTelemetry:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600),
         )
         self.in_flight = Gauge("prm_worker_in_flight", "Records being processed", registry=r)
+        # Per experiment (docs/fleet.md): the label is an experiment the registry declared (or
+        # "default"); a record naming an unknown one is counted under "unknown", never its id.
+        self.experiment_records = Counter("prm_worker_experiment_records", "Records consumed, by experiment and kind",
+                                          ["experiment", "kind"], registry=r)
+        self.experiment_verdicts = Counter("prm_worker_experiment_verdicts", "Verdicts published, by experiment and "
+                                           "status", ["experiment", "status"], registry=r)
+        self.experiment_in_flight = Gauge("prm_worker_experiment_in_flight", "Records being processed, by experiment",
+                                          ["experiment"], registry=r)
+        self.experiment_slots = Gauge("prm_worker_experiment_slots", "In-flight slots the experiment may use now "
+                                      "(its fair share, capped by its quota)", ["experiment"], registry=r)
+        self.experiments = Gauge("prm_worker_experiments", "Experiments this worker serves, by state (active: "
+                                 "scored; retiring: removed, open groups still scored)", ["state"], registry=r)
+        self.registry_records = Counter("prm_worker_registry_records", "Experiment registry records applied, by "
+                                        "outcome (declared, removed, refused)", ["outcome"], registry=r)
+        for outcome in ("declared", "removed", "refused"):  # present (at 0) before the first record, for alerts
+            self.registry_records.labels(outcome)
         self.lag = Gauge("prm_worker_consumer_lag", "highwater - committed offset", ["topic", "partition"], registry=r)
         Gauge("prm_worker_ready", "1 once the consumer joined its group and polls (/readyz), 0 before and after",
               registry=r).set_function(lambda: 1.0 if self.ready else 0.0)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import msgspec
 
 from infra.config import PipelineConfig
+from infra.experiments import DEFAULT_EXPERIMENT
 from infra.readback import TrajectoryReader, Wanted, reference, unavailable
 from infra.schema import SessionResult, TokenTurn
 from scoring_workers.ledger import ParkedMember
@@ -86,9 +87,11 @@ class MemberTokens:
                 del self._groups[group_id]
 
     # ------------------------------------------------------------------ members
-    async def members(self, group_id: str, parked: Sequence[ParkedMember]) -> list[SessionResult]:
+    async def members(self, group_id: str, parked: Sequence[ParkedMember], *,
+                      experiment_id: str = DEFAULT_EXPERIMENT) -> list[SessionResult]:
         """The parked members as verdict sessions: scored ones with their token turns
-        (inline) or their record coordinates (reference)."""
+        (inline) or their record coordinates (reference). ``group_id`` is the scoped key the
+        members were remembered under; their records are in ``experiment_id``'s topic."""
         def located(p: ParkedMember) -> bool:
             return p.result.status == "scored" and not p.result.turns and p.partition >= 0
 
@@ -96,14 +99,15 @@ class MemberTokens:
             return [reference(p.result, p.partition, p.offset) if located(p) else p.result for p in parked]
         wanted = [Wanted(p.partition, p.offset, p.result.trajectory_id, group_id) for p in parked
                   if located(p) and (group_id, p.result.trajectory_id) not in self._cache]
-        read = await self._reader.read(wanted) if wanted else {}
+        topic = self._reader.topic_of(experiment_id)
+        read = await self._reader.read(wanted, topic=topic) if wanted else {}
         out = []
         for p in parked:
             r = p.result
             if located(p):
                 turns = self._cache.get((group_id, r.trajectory_id)) or read.get((p.partition, p.offset, r.trajectory_id))
                 if turns is None:
-                    r = unavailable(r, self.cfg.topics.trajectories, p.partition, p.offset)
+                    r = unavailable(r, topic, p.partition, p.offset)
                 else:
                     r = msgspec.structs.replace(r, turns=turns)
             out.append(r)

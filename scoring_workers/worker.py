@@ -53,7 +53,8 @@ import os
 import random
 import socket
 import time
-from typing import Any
+from collections import deque
+from typing import Any, NamedTuple
 
 import msgspec
 from aiokafka import ConsumerRebalanceListener
@@ -64,16 +65,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra import reasons
 from infra.config import PipelineConfig
+from infra.experiments import DEFAULT_EXPERIMENT, scoped_group, split_scoped, verdicts_topic
 from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer
 from infra.offsets import OffsetCommitter
 from infra.redis import verify_access
+from infra.registry import RegistryFollower
 from infra.schema import (
     DiscardGroup,
     GroupVerdict,
     NotConcatExport,
     ReadyTrajectory,
     SchemaError,
-    ScorerInfo,
     SessionResult,
     TrajectoryChunk,
     check_expandable,
@@ -84,13 +86,15 @@ from infra.schema import (
 from infra.throttle import LogThrottle
 from scoring_workers.chunked import WorkerChunks
 from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
+from scoring_workers.fair_share import slot_caps
+from scoring_workers.fleet import Experiment, Fleet
 from scoring_workers.heartbeat import Heartbeat
 from scoring_workers.ledger import Decision, DecisionKind, GroupLedger
 from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.tokens import MemberTokens
-from scoring_workers.verdicts import assemble_verdict, encode_scorers, fit_verdict
+from scoring_workers.verdicts import assemble_verdict, fit_verdict
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,26 @@ REDIS_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
 )
 LAG_INTERVAL_S = 5.0  # how often the consumer-lag gauge is refreshed
+UNKNOWN_LABEL = "unknown"  # the experiment label of records naming an experiment this worker does not serve
+
+
+class _Held(NamedTuple):
+    """A fetched record waiting for its experiment's free slot: the arguments of ``Worker._spawn``."""
+
+    record: ConsumerRecord
+    message: Any
+    probe: str | None
+    route: Routed
+    extra: list[int]
+    consumed_at: float
+
+
+class Routed(msgspec.Struct, frozen=True):
+    """Where a record belongs: its experiment (None: not served here) and its scoped group key."""
+
+    experiment_id: str
+    experiment: Experiment | None
+    scoped: str | None  # scoped_group(experiment_id, group_id); None when the record names no group
 
 
 def default_worker_id() -> str:
@@ -139,9 +163,14 @@ class Worker:
         self._runner = runner
         self._owns_runner = runner is None
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
-        self._discards: dict[str, asyncio.Task[None]] = {}  # group_id -> in-flight DiscardGroup
-        self._members: dict[str, set[asyncio.Task[None]]] = {}  # group_id -> in-flight members
-        self._scorers_blob = encode_scorers([])
+        self._discards: dict[str, asyncio.Task[None]] = {}  # scoped group -> in-flight DiscardGroup
+        self._members: dict[str, set[asyncio.Task[None]]] = {}  # scoped group -> in-flight members
+        self.fleet = Fleet(cfg, runner)
+        self._registry: RegistryFollower | None = None
+        # Fetched records of an experiment at its slot cap wait here (in consumption order,
+        # uncommitted) until it has a free slot: a quota caps records *in flight*, not fetches.
+        self._held: dict[str, deque[_Held]] = {}
+        self._caps: dict[str, int] = {}
         self._tokens = MemberTokens(cfg)
         self._chunks = WorkerChunks()
         self._committing: asyncio.Task[None] | None = None
@@ -186,10 +215,8 @@ class Worker:
             with judge_hosts_allowed(cfg.worker.allowed_judge_hosts):  # no judge client outside the list
                 self._runner = await PRMRunner.create(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
         log_scorers(log, self.worker_id, self._runner, self._runner.config if self._runner is not None else cfg.prm)
-        if self._runner is not None:
-            self._scorers_blob = encode_scorers(
-                [ScorerInfo(s.name, s.version) for s in self._runner.scorer_infos()]
-            )
+        self.fleet = Fleet(cfg, self._runner, on_refused=lambda _e, _why: self.telemetry.registry_records.labels(
+            "refused").inc())
         self.ledger = GroupLedger.from_config(cfg.redis, dedupe_window_s=cfg.worker.dedupe_window_s)
         try:
             await verify_access(self.ledger.redis, cfg.redis)  # wrong credentials / untrusted TLS: stop, clearly
@@ -204,8 +231,14 @@ class Worker:
                                           on_failure=lambda exc: self.telemetry.commit_failures.labels(
                                               type(exc).__name__).inc())
         await self.producer.start()
+        self._registry = RegistryFollower(cfg)
         try:
-            self.consumer.subscribe([cfg.topics.trajectories], listener=_Rebalance(self))
+            # Every declared experiment is known before the first trajectory is read.
+            await self._registry.start()
+            for entry in await self._registry.catch_up():
+                await self._apply_registry(entry)
+            self.fleet.expire()
+            self._subscribe()
             if not await _unless_stopped(self.consumer.start(), stop):
                 await self.consumer.stop()
                 return  # stopped while joining: nothing consumed, nothing to commit
@@ -215,6 +248,8 @@ class Worker:
                 await self._drain_partitions(None)
                 await self.consumer.stop()
         finally:
+            await self._registry.aclose()
+            await self.fleet.aclose()
             await self.producer.stop()
             await self.ledger.aclose()
             await self._tokens.aclose()
@@ -226,10 +261,12 @@ class Worker:
         last_sweep = last_lag = 0.0
         sweeper: asyncio.Task[None] | None = None
         lag: asyncio.Task[None] | None = None
+        registry: asyncio.Task[None] | None = None
         self.ready.set()
         log.info("worker %s polling %s", self.worker_id, self.cfg.topics.trajectories)
         while not stop.is_set():
             self._apply_backpressure()
+            self._release_held()
             room = max(1, self.concurrency - len(self._tasks))
             batch = await self.consumer.getmany(
                 timeout_ms=100, max_records=min(room, self.cfg.worker.poll_max_records)
@@ -251,7 +288,11 @@ class Worker:
             if now - last_lag >= LAG_INTERVAL_S and (lag is None or lag.done()):
                 lag = self._background("lag", self._update_lag())
                 last_lag = now
+            if registry is None or registry.done():
+                registry = self._background("registry", self._follow_registry())
         log.info("worker %s stopping: draining %d in-flight records", self.worker_id, len(self._tasks))
+        if registry is not None:
+            registry.cancel()
         for step in (sweeper, lag):
             if step is not None:
                 await asyncio.wait([step])  # its failure, if any, is already logged and counted
@@ -270,18 +311,79 @@ class Worker:
                   self.worker_id, step, type(exc).__name__, exc, exc_info=exc)
 
     def _apply_backpressure(self) -> None:
-        """Pause every assigned partition while ``concurrency`` records are in flight.
+        """Pause every assigned partition while ``concurrency`` records are in flight, and
+        with several experiments each experiment's partitions while it uses its fair share
+        of the slots (:func:`scoring_workers.fair_share.slot_caps`).
 
         Reads the assignment as it is now (a rebalance may have changed it since the
         last poll): partitions assigned while full are paused too, and only partitions
         still ours are resumed.
         """
         full = len(self._tasks) >= self.concurrency
-        if full:
-            if fresh := self.consumer.assignment() - self.consumer.paused():
-                self.consumer.pause(*fresh)
-        elif paused := self.consumer.paused():
-            self.consumer.resume(*paused)
+        experiments = list(self.fleet)
+        if len(experiments) == 1 or full:
+            if len(experiments) == 1:
+                self._caps = {}
+            if full:
+                if fresh := self.consumer.assignment() - self.consumer.paused():
+                    self.consumer.pause(*fresh)
+            elif paused := self.consumer.paused():
+                self.consumer.resume(*paused)
+            return
+        self._caps = caps = slot_caps(self.concurrency, {e.experiment_id: e.weight for e in experiments},
+                                      {e.experiment_id: len(e.in_flight) for e in experiments},
+                                      {e.experiment_id: e.max_in_flight for e in experiments})
+        over: set[str] = set()
+        for e in experiments:
+            self.telemetry.experiment_slots.labels(e.experiment_id).set(caps[e.experiment_id])
+            self.telemetry.experiment_in_flight.labels(e.experiment_id).set(len(e.in_flight))
+            if len(e.in_flight) >= caps[e.experiment_id]:
+                over.add(e.trajectories_topic)
+        assigned, paused = self.consumer.assignment(), self.consumer.paused()
+        if fresh := {tp for tp in assigned - paused if tp.topic in over}:
+            self.consumer.pause(*fresh)
+        if back := {tp for tp in paused & assigned if tp.topic not in over}:
+            self.consumer.resume(*back)
+
+    # ------------------------------------------------------------------ experiments
+    def _subscribe(self) -> None:
+        """Consume every served experiment's trajectories topic (a change rebalances the group)."""
+        topics = self.fleet.topics()
+        if set(topics) != self.consumer.subscription():
+            self.consumer.subscribe(topics, listener=_Rebalance(self))
+            log.info("worker %s consumes %s", self.worker_id, topics)
+        for state, count in self.fleet.states().items():
+            self.telemetry.experiments.labels(state).set(count)
+
+    async def _apply_registry(self, entry: Any) -> None:
+        await self.fleet.apply(entry)
+        if not entry.error:
+            self.telemetry.registry_records.labels("removed" if entry.removal else "declared").inc()
+
+    async def _follow_registry(self) -> None:
+        """Apply what the registry says as it says it; retire removed experiments in time."""
+        assert self._registry is not None
+        for entry in await self._registry.poll(timeout_ms=500):
+            await self._apply_registry(entry)
+        self.fleet.expire()
+        self._subscribe()
+
+    def _route(self, record: ConsumerRecord, message: Any) -> Routed:
+        """The experiment and scoped group of a record: the experiment it names, else its topic's."""
+        named = getattr(message, "experiment_id", msgspec.UNSET)
+        experiment_id = self.fleet.experiment_of(record.topic, None if named is msgspec.UNSET else named)
+        if isinstance(message, (ReadyTrajectory, DiscardGroup)):
+            group_id: str | None = message.group_id
+        else:  # undecodable: its key names the group, its topic the experiment
+            group_id = group_of(record.key)
+        scoped = scoped_group(experiment_id, group_id) if group_id else None
+        return Routed(experiment_id, self.fleet.get(experiment_id), scoped)
+
+    def _served(self, scoped: str) -> tuple[str, Experiment]:
+        """The experiment of a scoped group and its runtime (the default one's settings when no
+        longer served: a removed experiment's last groups still get their verdicts)."""
+        experiment_id, _ = split_scoped(scoped)
+        return experiment_id, self.fleet.get(experiment_id) or self.fleet.get(DEFAULT_EXPERIMENT)  # type: ignore[return-value]
 
     async def _drain_partitions(self, tps: set[TopicPartition] | None) -> None:
         """Wait (bounded) for in-flight records of ``tps`` (all if None), commit, forget them."""
@@ -291,6 +393,13 @@ class Worker:
             if pending:
                 log.warning("worker %s: %d records still running after drain timeout; "
                             "they will be redelivered", self.worker_id, len(pending))
+        for experiment_id, queue in list(self._held.items()):  # not started: the next owner reads them again
+            kept = deque(h for h in queue if tps is not None
+                         and TopicPartition(h.record.topic, h.record.partition) not in tps)
+            if kept:
+                self._held[experiment_id] = kept
+            else:
+                del self._held[experiment_id]
         await self._committer.revoke(tps)  # waits for a background commit in flight first
         self._chunks.drop(tps)  # partial chunked trajectories are replayed from the committed offset
 
@@ -315,48 +424,76 @@ class Worker:
                 decoded += self._chunks.add(record, message)
             else:
                 decoded.append((record, message, []))
-        ready = [(r, m) for r, m, _ in decoded if isinstance(m, ReadyTrajectory)]
-        probes = dict(zip((id(r) for r, _ in ready), await self._with_retry(
-            lambda: self.ledger.probe_many([(m.group_id, m.trajectory_id) for _, m in ready]), "probe")))
-        for record, message, extra in decoded:
-            self._spawn(record, message, probes.get(id(record)), extra=extra, consumed_at=consumed_at)
+        routes = [self._route(r, m) for r, m, _ in decoded]
+        ready = [(r, m, route) for (r, m, _), route in zip(decoded, routes)
+                 if isinstance(m, ReadyTrajectory) and route.experiment is not None]
+        probes = dict(zip((id(r) for r, _, _ in ready), await self._with_retry(
+            lambda: self.ledger.probe_many([(route.scoped, m.trajectory_id) for _, m, route in ready]), "probe")))
+        for (record, message, extra), route in zip(decoded, routes):
+            held = _Held(record, message, probes.get(id(record)), route, extra, consumed_at)
+            owner = self.fleet.of_topic(record.topic)
+            if owner is not None and (owner.experiment_id in self._held or self._at_cap(owner)):
+                self._committer.tracker.begin(TopicPartition(record.topic, record.partition), record.offset)
+                self._held.setdefault(owner.experiment_id, deque()).append(held)
+            else:
+                self._spawn(*held)
+        self._release_held()
 
-    def _spawn(self, record: ConsumerRecord, message: Any, probe: str | None, *, extra: list[int],
-               consumed_at: float = 0.0) -> None:
+    def _at_cap(self, experiment: Experiment) -> bool:
+        cap = self._caps.get(experiment.experiment_id)
+        return cap is not None and len(experiment.in_flight) >= cap
+
+    def _release_held(self, *_: Any) -> None:
+        """Start held records of experiments that have a free slot again, in order."""
+        if not self._held:
+            return
+        for experiment_id in list(self._held):
+            queue = self._held[experiment_id]
+            owner = self.fleet.get(experiment_id)
+            while queue and (owner is None or not self._at_cap(owner)):
+                self._spawn(*queue.popleft())
+            if not queue:
+                del self._held[experiment_id]
+
+    def _spawn(self, record: ConsumerRecord, message: Any, probe: str | None, route: Routed | None = None,
+               extra: list[int] | None = None, consumed_at: float = 0.0) -> None:
         """Process one record in a task; ``extra`` offsets (the other chunks of a chunked
         trajectory, same partition) are finished with it."""
+        route = route or self._route(record, message)
         tp = TopicPartition(record.topic, record.partition)
         tracker = self._committer.tracker
         tracker.begin(tp, record.offset)
         barrier: asyncio.Future[Any] | None = None
         earlier: tuple[asyncio.Task[None], ...] = ()
+        scoped = route.scoped or ""
         if isinstance(message, ReadyTrajectory):
-            barrier = self._discards.get(message.group_id)
+            barrier = self._discards.get(scoped)
             if barrier is not None:
                 probe = None  # stale: the discard ahead of it may decide the group
             # a failure decides the group at once, but not before these have parked
-            earlier = tuple(self._members.get(message.group_id, ()))
-        else:
+            earlier = tuple(self._members.get(scoped, ()))
+        elif members := self._members.get(scoped):
             # An invalid member (rejected: invalid_member) or a discard decides its group
             # once the members consumed before it have parked, so its verdict lists them.
-            group_id = message.group_id if isinstance(message, DiscardGroup) else group_of(record.key)
-            if members := self._members.get(group_id or ""):
-                barrier = asyncio.ensure_future(asyncio.wait(list(members)))
-        task = asyncio.create_task(self._process(record, message, probe, after=barrier, consumed_at=consumed_at,
-                                                 earlier=earlier))
+            barrier = asyncio.ensure_future(asyncio.wait(list(members)))
+        task = asyncio.create_task(self._process(record, message, probe, route, after=barrier,
+                                                 consumed_at=consumed_at, earlier=earlier))
         if isinstance(message, ReadyTrajectory):
-            self._members.setdefault(message.group_id, set()).add(task)
-            task.add_done_callback(lambda t, g=message.group_id: self._member_done(g, t))
+            self._members.setdefault(scoped, set()).add(task)
+            task.add_done_callback(lambda t, g=scoped: self._member_done(g, t))
         if isinstance(message, DiscardGroup):
             # Records of a group behind its discard (same partition, later offset)
             # must see the discard's decision: they wait for it, not for each other.
-            self._discards[message.group_id] = task
-            task.add_done_callback(lambda t, g=message.group_id: self._discards.get(g) is t
-                                   and self._discards.pop(g))
+            self._discards[scoped] = task
+            task.add_done_callback(lambda t, g=scoped: self._discards.get(g) is t and self._discards.pop(g))
         self._tasks[task] = tp
         self.telemetry.in_flight.set(len(self._tasks))
         task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
-        for off in extra:
+        if (owner := self.fleet.of_topic(record.topic)) is not None:  # slots are counted per topic's experiment
+            owner.in_flight.add(task)
+            task.add_done_callback(owner.in_flight.discard)
+            task.add_done_callback(self._release_held)
+        for off in extra or ():
             task.add_done_callback(lambda t, tp=tp, off=off: t.cancelled() or t.exception() is not None
                                    or tracker.finish(tp, off))
 
@@ -376,24 +513,28 @@ class Worker:
             return  # not marked done: it will be redelivered
         self._committer.tracker.finish(tp, offset)
 
-    async def _process(self, record: ConsumerRecord, message: Any, probe: str | None,
+    async def _process(self, record: ConsumerRecord, message: Any, probe: str | None, route: Routed,
                        after: asyncio.Future[Any] | None = None, consumed_at: float = 0.0,
                        earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
         if after is not None:
             await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
+        kind = "invalid" if isinstance(message, SchemaError) else "discard" if isinstance(message, DiscardGroup) \
+            else "ready"
+        self.telemetry.experiment_records.labels(
+            route.experiment_id if route.experiment is not None else UNKNOWN_LABEL, kind).inc()
         attempt = 0
         while True:
             attempt += 1
             try:
+                self.telemetry.consumed.labels(kind).inc()
                 if isinstance(message, SchemaError):
-                    self.telemetry.consumed.labels("invalid").inc()
-                    await self._dead_letter(record, message, attempt)
+                    await self._dead_letter(record, message, attempt, group_id=route.scoped)
+                elif route.experiment is None:
+                    await self._reject_unknown(message, route)
                 elif isinstance(message, DiscardGroup):
-                    self.telemetry.consumed.labels("discard").inc()
-                    await self._handle_discard(message)
+                    await self._handle_discard(message, route)
                 else:
-                    self.telemetry.consumed.labels("ready").inc()
-                    await self._handle_ready(message, probe, record, consumed_at, earlier)
+                    await self._handle_ready(message, probe, record, consumed_at, route, earlier)
                 return
             except Exception as exc:
                 if is_transient(exc):
@@ -409,9 +550,8 @@ class Worker:
                 log.exception("worker %s: failed processing %s:%d offset %d (attempt %d)",
                               self.worker_id, record.topic, record.partition, record.offset, attempt)
                 if attempt >= self.cfg.worker.max_attempts:
-                    group_id = message.group_id if isinstance(message, (ReadyTrajectory, DiscardGroup)) else None
                     message = exc if isinstance(exc, SchemaError) else ProcessingError(exc)
-                    await self._dead_letter(record, message, attempt, group_id=group_id)
+                    await self._dead_letter(record, message, attempt, group_id=route.scoped)
                     return
                 probe = None
 
@@ -432,14 +572,16 @@ class Worker:
 
     # ------------------------------------------------------------------ handlers
     async def _handle_ready(self, traj: ReadyTrajectory, probe: str | None, record: ConsumerRecord,
-                            consumed_at: float, earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
+                            consumed_at: float, route: Routed, earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
         wc = self.cfg.worker
+        experiment, group = route.experiment, route.scoped
+        assert experiment is not None and group is not None
         if probe is None:
-            (probe,) = await self.ledger.probe_many([(traj.group_id, traj.trajectory_id)])
+            (probe,) = await self.ledger.probe_many([(group, traj.trajectory_id)])
         if probe in ("done", "decided"):
             self.telemetry.deduplicated.inc()
             if probe == "decided":  # decided, not finished: make sure a sweeper publishes soon
-                await self.ledger.nudge(traj.group_id, wc.republish_grace_s)
+                await self.ledger.nudge(group, wc.republish_grace_s)
             self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, its group is already "
                                      "decided (a re-published or redriven record)", traj.group_id, traj.trajectory_id)
             return
@@ -450,50 +592,81 @@ class Worker:
             self.telemetry.deduplicated.inc()
             if self._tokens.inline:
                 with contextlib.suppress(NotConcatExport):
-                    self._tokens.remember(traj.group_id, traj.trajectory_id, compact_turns(traj.interactions))
-            await self._decide_and_publish(traj.group_id, "complete")
+                    self._tokens.remember(group, traj.trajectory_id, compact_turns(traj.interactions))
+            await self._decide_and_publish(group, "complete")
             self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, already scored (a "
                                      "redelivery or a re-published record)", traj.group_id, traj.trajectory_id)
             return
-        result = await self._score(traj)
-        self._tokens.remember(traj.group_id, traj.trajectory_id, result.turns)
+        result = await self._score(traj, experiment)
+        self._tokens.remember(group, traj.trajectory_id, result.turns)
         if result.status == "failed" and (pending := [t for t in earlier if not t.done()]):
             # Parking a failed member decides (rejects) the group: the members consumed
             # before it go first, so the verdict lists them with their stats.
             await asyncio.wait(pending)
         result = msgspec.structs.replace(result, consumed_at=consumed_at, parked_at=time.time())
         outcome, decision = await self.ledger.park(
-            result, group_id=traj.group_id, group_size=traj.group_size, group_timeout_s=wc.group_timeout_s,
-            worker_id=self.worker_id, scorers=self._scorers_blob, partition=record.partition, offset=record.offset,
+            result, group_id=group, group_size=traj.group_size, group_timeout_s=experiment.group_timeout_s,
+            worker_id=self.worker_id, scorers=experiment.scorers_blob, partition=record.partition,
+            offset=record.offset,
         )
         if outcome in ("done", "decided"):
             self.telemetry.deduplicated.inc()  # the group was decided while we scored
             if outcome == "decided":
-                await self.ledger.nudge(traj.group_id, wc.republish_grace_s)
+                await self.ledger.nudge(group, wc.republish_grace_s)
             self._duplicates_log.log(logging.INFO, "group=%s traj=%s: acknowledged, its group was decided while it "
                                      "was scored", traj.group_id, traj.trajectory_id)
         elif decision is not None and decision.outcome == "decided_now":
             await self._publish(decision)  # this member completed (or failed) the group
 
-    async def _score(self, traj: ReadyTrajectory) -> SessionResult:
+    async def _score(self, traj: ReadyTrajectory, experiment: Experiment | None = None) -> SessionResult:
+        experiment = experiment or self.fleet.get(DEFAULT_EXPERIMENT)
+        assert experiment is not None
         t0 = time.perf_counter()
-        result = await score_member(self._runner, traj, timeout_s=self.cfg.worker.scorer_timeout_s,
+        result = await score_member(experiment.runner, traj, timeout_s=self.cfg.worker.scorer_timeout_s,
                                     keep_channels=self.cfg.worker.keep_scorer_channels)
         if result.status == "failed":  # the member fails; the group will be rejected
             self.telemetry.member_failures.labels(reasons.metric_label("failed", result.failure_code)).inc()
             log.info("group=%s traj=%s: scoring failed: %s", traj.group_id, traj.trajectory_id, result.error)
-        elif self._runner is not None:
+        elif experiment.runner is not None:
             self.telemetry.scoring_seconds.observe(time.perf_counter() - t0)
             self.telemetry.scored.inc()
         return result
 
-    async def _handle_discard(self, msg: DiscardGroup) -> None:
-        await self._decide_and_publish(msg.group_id, "discard", discard_reason=msg.reason or "discarded")
+    async def _handle_discard(self, msg: DiscardGroup, route: Routed) -> None:
+        assert route.scoped is not None
+        await self._decide_and_publish(route.scoped, "discard", discard_reason=msg.reason or "discarded")
+
+    async def _reject_unknown(self, message: ReadyTrajectory | DiscardGroup, route: Routed) -> None:
+        """A record naming an experiment this worker does not serve: its group is rejected
+        (``unknown_experiment``) on the default verdicts topic, without touching the ledger
+        (ids named by producers must not grow Redis). Every such record says so again;
+        the trainer's dedupe keeps one verdict per group."""
+        members = []
+        if isinstance(message, ReadyTrajectory):
+            members = [SessionResult.failure(
+                code=reasons.UNKNOWN_EXPERIMENT, detail=f"experiment {route.experiment_id!r} is not served",
+                session_id=message.session_id, trajectory_id=message.trajectory_id,
+                outcome_reward=message.outcome_reward, is_eval=message.is_eval,
+                policy_version=message.policy_version, created_at=message.created_at)]
+        verdict = GroupVerdict(
+            group_id=message.group_id, status="rejected", reason_code=reasons.UNKNOWN_EXPERIMENT,
+            reason=f"unknown_experiment: {route.experiment_id!r} is not in the experiment registry of worker "
+                   f"{self.worker_id} (never added, removed, or its record was refused)",
+            group_size=getattr(message, "group_size", 0), sessions=members, worker_id=self.worker_id,
+            decided_at=time.time(), experiment_id=route.experiment_id)
+        _, value, headers = fit_verdict(verdict, self.cfg.kafka.max_message_bytes)
+        await self.producer.send_and_wait(self.cfg.topics.verdicts, value, key=verdict.group_id.encode(),
+                                          headers=headers)
+        self.telemetry.verdicts.labels("rejected", reasons.UNKNOWN_EXPERIMENT).inc()
+        self._duplicates_log.log(logging.WARNING, "group=%s: rejected, unknown experiment %r", message.group_id,
+                                 route.experiment_id)
 
     async def _decide_and_publish(self, group_id: str, kind: DecisionKind, *, discard_reason: str = "") -> None:
+        """Decide the (scoped) group ``group_id`` and publish its verdict if this call decided it."""
+        _, experiment = self._served(group_id)
         decision = await self.ledger.decide(
-            group_id, kind, worker_id=self.worker_id, scorers=self._scorers_blob,
-            discard_reason=discard_reason, group_timeout_s=self.cfg.worker.group_timeout_s,
+            group_id, kind, worker_id=self.worker_id, scorers=experiment.scorers_blob,
+            discard_reason=discard_reason, group_timeout_s=experiment.group_timeout_s,
             republish_grace_s=self.cfg.worker.republish_grace_s,
         )
         if decision.outcome == "decided_now":
@@ -510,18 +683,21 @@ class Worker:
         decided in Redis, so the sweeper tries again after the re-publish grace — never
         in a tight loop, and never holding up other records or groups.
         """
+        experiment_id, group_id = split_scoped(decision.group_id)
         if decision.state.decision == "discard":  # listed without results: no tokens needed
             members = [m.result for m in decision.members]
         else:
-            members = await self._tokens.members(decision.group_id, decision.members)
-        full = assemble_verdict(decision.group_id, decision.state, members)
+            members = await self._tokens.members(decision.group_id, decision.members, experiment_id=experiment_id)
+        full = assemble_verdict(group_id, decision.state, members)
+        if experiment_id != DEFAULT_EXPERIMENT:
+            full = msgspec.structs.replace(full, experiment_id=experiment_id)
         verdict, value, headers = fit_verdict(full, self.cfg.kafka.max_message_bytes)
         if verdict is not full:
             log.warning("group=%s: verdict over kafka.max_message_bytes=%d, published as %s",
                         verdict.group_id, self.cfg.kafka.max_message_bytes, verdict.reason[:200])
         try:
             await self.producer.send_and_wait(
-                self.cfg.topics.verdicts, value, key=verdict.group_id.encode(), headers=headers
+                verdicts_topic(self.cfg.topics.verdicts, experiment_id), value, key=group_id.encode(), headers=headers
             )
             sent_at = time.time()
         except Exception as exc:
@@ -531,10 +707,11 @@ class Worker:
             self.telemetry.publish_failures.labels(type(exc).__name__).inc()
             log.error("worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
                       "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc, grace_s)
-            await self.ledger.postpone(verdict.group_id, grace_s)
+            await self.ledger.postpone(decision.group_id, grace_s)
             return None
-        await self.ledger.finish(verdict.group_id)
-        self._tokens.forget_group(verdict.group_id)
+        await self.ledger.finish(decision.group_id)
+        self._tokens.forget_group(decision.group_id)
+        self.telemetry.experiment_verdicts.labels(experiment_id, verdict.status).inc()
         self.telemetry.observe_stages(verdict, sent_at)
         self.telemetry.verdicts.labels(verdict.status, reasons.metric_label(verdict.status, verdict.reason_code)).inc()
         log.info("group=%s verdict=%s code=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
@@ -570,9 +747,10 @@ class Worker:
 
     async def _sweep_group(self, group_id: str) -> None:
         grace_s = self.cfg.worker.republish_grace_s
+        _, experiment = self._served(group_id)
         decision = await self.ledger.decide(
-            group_id, "deadline", worker_id=self.worker_id, scorers=self._scorers_blob,
-            group_timeout_s=self.cfg.worker.group_timeout_s, republish_grace_s=grace_s,
+            group_id, "deadline", worker_id=self.worker_id, scorers=experiment.scorers_blob,
+            group_timeout_s=experiment.group_timeout_s, republish_grace_s=grace_s,
         )
         overdue = decision.outcome == "already_decided" and (
             time.time() * 1000 - decision.decided_at_ms >= grace_s * 1000
@@ -611,8 +789,7 @@ class Worker:
             self.telemetry.dead_lettered.labels(letter.error_class).inc()
             log.warning("dead-lettered %s:%d offset %d: %s: %s", record.topic, record.partition, record.offset,
                         letter.error_class, letter.error_message[:300])
-        group_id = group_id or group_of(record.key)
-        if group_id is not None:
+        if group_id is not None:  # the scoped group its key names
             reason = (f"invalid_member: record {record.topic}:{record.partition}@{record.offset} was dead-lettered "
                       f"({letter.error_class}: {letter.error_message[:200]})")
             await self._decide_and_publish(group_id, "invalid", discard_reason=reason)

@@ -103,6 +103,11 @@ ALERTS: tuple[Alert, ...] = (
         ">", 0, "0m", "warning", "the trainer dropped groups older than trainer.max_policy_lag", (),
         "Trainer dropping stale groups"),
     Alert(
+        "PrmRegistryRecordRefused", 'sum(increase(prm_worker_registry_records_total{outcome="refused"}[10m]))',
+        ">", 0, "0m", "warning",
+        "a worker refused an experiment registry record in the last 10 minutes (see its log)", (),
+        "Experiment registry record refused"),
+    Alert(
         "PrmStatusExporterDown", "min by (part) (prm_pipeline_status_up)", "==", 0, "5m", "warning",
         "prm-pipeline status cannot read {{ $labels.part }}", ("part",), "Status exporter cannot read"),
 )

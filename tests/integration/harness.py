@@ -46,6 +46,7 @@ def isolated_config(name: str, kafka_bootstrap: str, redis_url: str, *, scorers:
         kafka=KafkaConfig(bootstrap=kafka_bootstrap, **{**LOCAL_BROKER_CLIENT, "linger_ms": 1, **(kafka or {})}),
         redis=RedisConfig(url=redis_url, key_prefix=f"prm-test:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
+                            experiments=f"exp.{name}",
                             partitions=partitions),
         worker=WorkerConfig(group_id=f"workers.{name}", **worker),
     )

@@ -67,6 +67,9 @@ CASES = [
     Case("PrmTrainerDroppingStale", True, {'prm_trainer_pipeline_total{counter="filter/stale"}': "0 0 2 2"}, "3m"),
     Case("PrmTrainerDroppingStale", False, {'prm_trainer_pipeline_total{counter="filter/stale"}': "0x5",
                                             'prm_trainer_pipeline_total{counter="verdicts/accepted"}': "0+5x5"}, "3m"),
+    Case("PrmRegistryRecordRefused", True, {'prm_worker_registry_records_total{outcome="refused"}': "0 0 1 1"}, "3m"),
+    Case("PrmRegistryRecordRefused", False, {'prm_worker_registry_records_total{outcome="refused"}': "0x5",
+                                             'prm_worker_registry_records_total{outcome="declared"}': "0 1 2 2 2"}, "3m"),
     Case("PrmStatusExporterDown", True, {'prm_pipeline_status_up{part="redis"}': "0x10"}, "6m", {"part": "redis"}),
     Case("PrmStatusExporterDown", False, {'prm_pipeline_status_up{part="redis"}': "1x10"}, "6m"),
 ]

@@ -69,6 +69,7 @@ def _config(stack: LocalStack, name: str, group_timeout_s: float) -> PipelineCon
         kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, linger_ms=5, max_message_bytes=LIMIT),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"faults:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
+                            experiments=f"exp.{name}",
                             partitions=8),
         worker=WorkerConfig(group_id=f"workers.{name}", concurrency=64, group_timeout_s=group_timeout_s,
                             dead_letter_max_bytes=LIMIT, drain_timeout_s=5),

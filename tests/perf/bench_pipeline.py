@@ -60,6 +60,7 @@ def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "
         kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, linger_ms=5, max_message_bytes=8 * 1024 * 1024, compression=compression),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"bench:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
+                            experiments=f"exp.{name}",
                             partitions=8),
         worker=WorkerConfig(group_id=f"workers.{name}", concurrency=concurrency, group_timeout_s=600,
                             verdict_tokens=verdict_tokens),  # type: ignore[arg-type]

@@ -64,6 +64,7 @@ def perf_config(stack: LocalStack, name: str, *, ttl_s: int, dedupe_max_seen: in
         kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, linger_ms=5, max_message_bytes=8 * 1024 * 1024),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"perf:{name}", ttl_s=ttl_s),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
+                            experiments=f"exp.{name}",
                             partitions=8),
         worker=WorkerConfig(group_id=f"workers.{name}", concurrency=concurrency, group_timeout_s=group_timeout_s,
                             dedupe_window_s=dedupe_window_s),

@@ -1,0 +1,113 @@
+"""``prm-pipeline experiment add FILE.yaml | remove ID | list``: the operator's side of the registry.
+
+``add`` checks the file as data (schema, sizes, quotas: :func:`infra.registry.load_spec_file`)
+and, with the operator's own config at hand, as code the way a worker will
+(the scorer modules under ``worker.allowed_scorer_modules`` and the judge URLs under the
+judge host allow-list) — so a typo fails here, in one line, and not on every worker.
+It creates the experiment's two topics, then writes the registry record. Workers apply
+it within about a second (docs/fleet.md); ``list`` shows what the registry holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from infra.config import ConfigError, PipelineConfig, load_config
+from infra.experiments import trajectories_topic, verdicts_topic
+
+
+def check_experiment_file(cfg: PipelineConfig, path: str) -> Any:
+    """The experiment ``path`` declares, checked as data and as code (before any connection)."""
+    from infra.registry import load_spec_file
+
+    spec = load_spec_file(path)
+    _check_as_code(cfg, spec)
+    return spec
+
+
+def _check_as_code(cfg: PipelineConfig, spec: Any) -> None:
+    """Refuse what the workers would refuse, before anything is written."""
+    from scoring_workers.prm.resolve import resolve_scorer_class
+    from scoring_workers.scorers.judge_hosts import config_judge_urls, effective_allow_list
+
+    hosts = effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts)
+    for where, url in config_judge_urls(spec.prm, "prm"):
+        if not hosts.allows(url):
+            raise ConfigError(f"{where}: judge URL host is not in worker.allowed_judge_hosts {hosts.describe()}; "
+                              "workers would refuse this experiment")
+    for i, scorer in enumerate(spec.prm.scorers):
+        try:
+            resolve_scorer_class(scorer.path, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+        except Exception as exc:  # noqa: BLE001 - one line, whatever the import did
+            raise ConfigError(f"prm.scorers[{i}].path: {exc}") from None
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from infra.kafka import ensure_topics
+    from infra.registry import publish_removal, publish_spec, read_registry
+
+    cfg = load_config(args.config)
+    if args.action == "add":
+        spec = check_experiment_file(cfg, args.target)
+        topics = [trajectories_topic(cfg.topics.trajectories, spec.experiment_id),
+                  verdicts_topic(cfg.topics.verdicts, spec.experiment_id), cfg.topics.experiments]
+
+        async def add() -> int:
+            await ensure_topics(cfg.kafka, cfg.topics, topics)
+            return await publish_spec(cfg, spec)
+
+        offset = asyncio.run(add())
+        print(f"experiment {spec.experiment_id} declared (registry offset {offset}): publish to {topics[0]}, "
+              f"verdicts on {topics[1]}")
+        return 0
+    if args.action == "remove":
+        known = asyncio.run(read_registry(cfg))
+        if args.target not in known:
+            print(f"experiment {args.target!r} is not in the registry {cfg.topics.experiments} "
+                  f"(declared: {sorted(known) or 'none'})", file=sys.stderr)
+            return 1
+        offset = asyncio.run(publish_removal(cfg, args.target))
+        print(f"experiment {args.target} removed (registry offset {offset}): workers finish its open groups "
+              "within its group timeout, then stop consuming it")
+        return 0
+    known = asyncio.run(read_registry(cfg))
+    for experiment_id, entry in sorted(known.items()):
+        when = datetime.fromtimestamp(entry.timestamp_ms / 1000, UTC).isoformat(timespec="seconds")
+        if args.json:
+            body = json.loads(msgspec.json.encode(entry.spec)) if entry.spec is not None else None
+            print(json.dumps({"experiment_id": experiment_id, "offset": entry.offset, "declared_at": when,
+                              "spec": body, "error": entry.error or None}))
+        elif entry.error:
+            print(f"{experiment_id}  REFUSED at offset {entry.offset} ({when}): {entry.error}")
+        else:
+            spec = entry.spec
+            assert spec is not None
+            print(f"{experiment_id}  weight={spec.weight:g} max_in_flight={spec.max_in_flight or '-'} "
+                  f"group_timeout_s={spec.group_timeout_s or 'worker default'} "
+                  f"scorers={[s.path for s in spec.prm.scorers]} (offset {entry.offset}, {when})")
+    if not known and not args.json:
+        print(f"no experiments in {cfg.topics.experiments} (the default experiment is the workers' config file)")
+    return 0
+
+
+def add_experiment_parser(sub: Any) -> None:
+    p = sub.add_parser("experiment", help="declare, remove or list experiments in the registry (docs/fleet.md)")
+    p.add_argument("action", choices=["add", "remove", "list"])
+    p.add_argument("target", nargs="?", help="add: the experiment's YAML file; remove: its id")
+    p.add_argument("--json", action="store_true", help="list: one JSON object per experiment")
+    p.set_defaults(func=_checked)
+
+
+def _checked(args: argparse.Namespace) -> int:
+    if args.action in ("add", "remove") and not args.target:
+        what = "FILE.yaml" if args.action == "add" else "ID"
+        print(f"prm-pipeline experiment {args.action} needs {what}", file=sys.stderr)
+        return 2
+    return cmd_experiment(args)

@@ -1,0 +1,219 @@
+"""The experiments one worker serves: its config file's (``default``) and the registry's.
+
+Each experiment has a runtime (:class:`Experiment`): its own scorer runner, group
+timeout, weight, quotas and topics. :class:`Fleet` keeps them and applies the registry
+(:mod:`infra.registry`) as it changes:
+
+* **declared** — the record is checked as code before anything is built: every scorer
+  module must be under the worker's ``worker.allowed_scorer_modules`` (the runner's own
+  import check), every judge URL under the worker's judge host allow-list
+  (:func:`~scoring_workers.scorers.judge_hosts.effective_allow_list`: the explicit
+  ``worker.allowed_judge_hosts``, or exactly the hosts of the worker's own file). A
+  refused record is logged and counted (``prm_worker_registry_records_total{outcome=
+  "refused"}``) and changes nothing: an experiment already running keeps its last good
+  declaration, the others are untouched. A replaced declaration's runner is closed once
+  the records it scores are done.
+* **removed** — the experiment *retires*: its records are still scored for its group
+  timeout (its open groups finish, or time out), then its topic is dropped from the
+  subscription and its runner closed. From then on a record naming it is
+  ``unknown_experiment``.
+
+Building a runner may take a while (a scorer's start-up); the worker applies registry
+records in a background task, so polling never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from infra.config import PipelineConfig
+from infra.experiments import DEFAULT_EXPERIMENT, trajectories_topic, verdicts_topic
+from infra.registry import ExperimentSpec, RegistryRecord
+from infra.schema import ScorerInfo
+from scoring_workers.scorers.judge_hosts import (
+    check_judge_url,
+    config_judge_urls,
+    effective_allow_list,
+    judge_hosts_allowed,
+)
+from scoring_workers.verdicts import encode_scorers
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Experiment", "Fleet"]
+
+
+@dataclass
+class Experiment:
+    """What a worker needs to score one experiment's records."""
+
+    experiment_id: str
+    runner: Any | None
+    scorers_blob: bytes
+    group_timeout_s: float
+    weight: float = 1.0
+    max_in_flight: int | None = None
+    spec: ExperimentSpec | None = None  # None: the worker's own config file
+    trajectories_topic: str = ""
+    verdicts_topic: str = ""
+    retire_at: float | None = None  # monotonic deadline once removed from the registry
+    in_flight: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def state(self) -> str:
+        return "active" if self.retire_at is None else "retiring"
+
+
+def _blob(runner: Any | None) -> bytes:
+    if runner is None:
+        return encode_scorers([])
+    return encode_scorers([ScorerInfo(s.name, s.version) for s in runner.scorer_infos()])
+
+
+class Fleet:
+    """The worker's experiments by id, and which trajectories topic belongs to which."""
+
+    def __init__(self, cfg: PipelineConfig, default_runner: Any | None, *,
+                 on_refused: Callable[[str, str], None] | None = None) -> None:
+        self.cfg = cfg
+        self._on_refused = on_refused or (lambda experiment_id, why: None)
+        default = Experiment(DEFAULT_EXPERIMENT, default_runner, _blob(default_runner), cfg.worker.group_timeout_s,
+                             trajectories_topic=cfg.topics.trajectories, verdicts_topic=cfg.topics.verdicts)
+        self._experiments: dict[str, Experiment] = {DEFAULT_EXPERIMENT: default}
+        self._by_topic: dict[str, Experiment] = {default.trajectories_topic: default}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._hosts = effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts)
+
+    # ------------------------------------------------------------------ lookups
+    def get(self, experiment_id: str) -> Experiment | None:
+        """The runtime of ``experiment_id``; None when this worker does not serve it."""
+        return self._experiments.get(experiment_id)
+
+    def of_topic(self, topic: str) -> Experiment | None:
+        return self._by_topic.get(topic)
+
+    def experiment_of(self, topic: str, named: str | None) -> str:
+        """A record's experiment: the one it names, else its topic's."""
+        if named is not None:
+            return named
+        owner = self._by_topic.get(topic)
+        return owner.experiment_id if owner is not None else DEFAULT_EXPERIMENT
+
+    def topics(self) -> list[str]:
+        """The trajectories topics to consume (sorted; the default experiment's first)."""
+        default = self._experiments[DEFAULT_EXPERIMENT].trajectories_topic
+        return [default] + sorted(t for t in self._by_topic if t != default)
+
+    def __iter__(self) -> Any:
+        return iter(list(self._experiments.values()))
+
+    def states(self) -> dict[str, int]:
+        counts = {"active": 0, "retiring": 0}
+        for e in self._experiments.values():
+            counts[e.state] += 1
+        return counts
+
+    # ------------------------------------------------------------------ registry
+    async def apply(self, record: RegistryRecord) -> bool:
+        """Apply one registry record; True when the set of topics changed."""
+        if record.error:
+            self._refuse(record.experiment_id, record.error)
+            return False
+        if record.spec is None:
+            return self._retire(record.experiment_id)
+        return await self._declare(record.spec)
+
+    async def _declare(self, spec: ExperimentSpec) -> bool:
+        experiment_id = spec.experiment_id
+        try:
+            with judge_hosts_allowed(self._hosts):  # every URL, before anything is built
+                for where, url in config_judge_urls(spec.prm, f"experiment {experiment_id!r} prm"):
+                    check_judge_url(url, what=f"{where}: judge URL")
+            runner = await self._build(spec)
+        except Exception as exc:  # noqa: BLE001 - a refused declaration must never stop the worker
+            self._refuse(experiment_id, f"{type(exc).__name__}: {exc}")
+            return False
+        old = self._experiments.get(experiment_id)
+        new = Experiment(
+            experiment_id, runner, _blob(runner),
+            spec.group_timeout_s or self.cfg.worker.group_timeout_s, weight=spec.weight,
+            max_in_flight=spec.max_in_flight, spec=spec,
+            trajectories_topic=trajectories_topic(self.cfg.topics.trajectories, experiment_id),
+            verdicts_topic=verdicts_topic(self.cfg.topics.verdicts, experiment_id),
+        )
+        self._experiments[experiment_id] = new
+        self._by_topic[new.trajectories_topic] = new
+        if old is not None:
+            new.in_flight = old.in_flight  # slots in use stay counted; the old runner finishes them
+            self._close_later(old)
+        log.info("experiment %s %s: %d scorer(s) %s, weight %g, max_in_flight %s, group_timeout_s %g, topic %s",
+                 experiment_id, "replaced" if old is not None else "declared", len(spec.prm.scorers),
+                 [s.path for s in spec.prm.scorers], new.weight, new.max_in_flight, new.group_timeout_s,
+                 new.trajectories_topic)
+        return old is None
+
+    async def _build(self, spec: ExperimentSpec) -> Any:
+        from scoring_workers.prm import PRMRunner
+
+        quota: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if spec.judge_quota is not None:  # every judge client the scorers build takes this experiment's quota
+            from scoring_workers.scorers.judge_limits import JudgeQuota, judge_quota
+
+            quota = judge_quota(JudgeQuota(spec.experiment_id, spec.judge_quota.max_in_flight, spec.judge_quota.rps))
+        with judge_hosts_allowed(self._hosts), quota:
+            return await PRMRunner.create(spec.prm, allowed_prefixes=self.cfg.worker.allowed_scorer_modules)
+
+    def _refuse(self, experiment_id: str, why: str) -> None:
+        kept = self._experiments.get(experiment_id)
+        log.error("experiment registry: record for %r refused (%s); %s", experiment_id, why[:500],
+                  "it keeps its previous declaration" if kept is not None else "it is not served")
+        self._on_refused(experiment_id, why)
+
+    def _retire(self, experiment_id: str) -> bool:
+        experiment = self._experiments.get(experiment_id)
+        if experiment is None or experiment_id == DEFAULT_EXPERIMENT or experiment.retire_at is not None:
+            return False
+        experiment.retire_at = time.monotonic() + experiment.group_timeout_s
+        log.info("experiment %s removed: its records are scored for %gs more (open groups finish or time out), "
+                 "then it stops", experiment_id, experiment.group_timeout_s)
+        return False
+
+    def expire(self, now: float | None = None) -> bool:
+        """Drop retired experiments whose time is up; True when the topics changed."""
+        now = time.monotonic() if now is None else now
+        gone = [e for e in self._experiments.values() if e.retire_at is not None and e.retire_at <= now]
+        for experiment in gone:
+            del self._experiments[experiment.experiment_id]
+            self._by_topic.pop(experiment.trajectories_topic, None)
+            self._close_later(experiment)
+            log.info("experiment %s stopped: no longer served", experiment.experiment_id)
+        return bool(gone)
+
+    def _close_later(self, experiment: Experiment) -> None:
+        """Close ``experiment``'s runner once the records it is scoring are done."""
+        if experiment.runner is None or experiment.spec is None:
+            return
+        pending = [t for t in experiment.in_flight if not t.done()]
+
+        async def close() -> None:
+            if pending:
+                await asyncio.wait(pending)
+            with contextlib.suppress(Exception):
+                await experiment.runner.aclose()
+
+        task = asyncio.create_task(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def aclose(self) -> None:
+        """Close every registry experiment's runner (the default one belongs to the worker)."""
+        for experiment in list(self._experiments.values()):
+            self._close_later(experiment)
+        if self._closing:
+            await asyncio.wait(list(self._closing))

@@ -1,0 +1,171 @@
+"""One worker fleet, many experiments: the registry followed live, group ids scoped, fair slots, quotas.
+
+Real broker, real Redis, an in-process worker; experiments are declared through the
+registry topic exactly as ``prm-pipeline experiment add`` writes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+import pytest
+
+from infra.config import PipelineConfig, PRMConfig, PRMScorerConfig
+from infra.experiments import trajectories_topic, verdicts_topic
+from infra.kafka import ensure_topics
+from infra.registry import ExperimentSpec, publish_removal, publish_spec
+from infra.schema import GroupVerdict, decode_verdict
+from prm_pipeline.demo.synthetic import make_group
+from producers.publisher import TrajectoryPublisher
+from tests.integration.harness import read_topic, running_worker, with_scorers
+
+pytestmark = pytest.mark.integration
+
+LENGTH = PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 32})
+
+
+def _slow(delay_s: float) -> PRMScorerConfig:
+    return PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": delay_s})
+
+
+def _spec(experiment_id: str, *scorers: PRMScorerConfig, **fields) -> ExperimentSpec:
+    return ExperimentSpec(experiment_id=experiment_id, prm=PRMConfig(scorers=list(scorers)), **fields)
+
+
+async def _declare(cfg: PipelineConfig, spec: ExperimentSpec) -> None:
+    """What ``experiment add`` does: the experiment's topics, then the registry record."""
+    await ensure_topics(cfg.kafka, cfg.topics, [trajectories_topic(cfg.topics.trajectories, spec.experiment_id),
+                                                 verdicts_topic(cfg.topics.verdicts, spec.experiment_id)])
+    await publish_spec(cfg, spec)
+
+
+async def _serving(worker, experiment_id: str, *, present: bool = True, timeout_s: float = 15) -> None:
+    """Wait until the worker serves (or stopped serving) ``experiment_id`` and its topic's partitions
+    are assigned to it (a subscription change rebalances the worker group)."""
+    deadline = time.monotonic() + timeout_s
+    topic = trajectories_topic(worker.cfg.topics.trajectories, experiment_id)
+    while time.monotonic() < deadline:
+        served = worker.fleet.get(experiment_id) is not None
+        assigned = any(tp.topic == topic for tp in worker.consumer.assignment())
+        if served == present and assigned == present:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"worker {'never served' if present else 'still serves'} {experiment_id!r}")
+
+
+async def _publish(cfg: PipelineConfig, experiment_id: str | None, messages, *, topic_of: str | None = None) -> None:
+    """Publish ``messages`` stamped with ``experiment_id`` to that experiment's topic (or ``topic_of``'s)."""
+    stamped = [msgspec.structs.replace(m, experiment_id=experiment_id) for m in messages] if experiment_id else messages
+    topic = trajectories_topic(cfg.topics.trajectories, topic_of or experiment_id or "default")
+    async with TrajectoryPublisher(cfg.kafka, msgspec.structs.replace(cfg.topics, trajectories=topic)) as pub:
+        await pub.publish_many(stamped)
+
+
+async def _verdicts(cfg: PipelineConfig, experiment_id: str, groups: set[str], timeout_s: float = 30,
+                    ) -> dict[str, GroupVerdict]:
+    topic = verdicts_topic(cfg.topics.verdicts, experiment_id)
+    records = await read_topic(cfg, topic, until=time.monotonic() + timeout_s,
+                               stop_when=lambda rs: groups <= {r.key.decode() for r in rs})
+    out = {v.group_id: v for v in (decode_verdict(r.value, r.headers) for r in records) if v.group_id in groups}
+    assert set(out) == groups, f"no verdict on {topic} within {timeout_s}s for {sorted(groups - set(out))}"
+    return out
+
+
+async def test_hot_added_experiment_is_scored_with_its_own_scorers_and_same_group_ids_stay_apart(
+        pipeline_config) -> None:
+    cfg = with_scorers(pipeline_config, LENGTH)
+    gid = f"same-{uuid.uuid4().hex[:6]}"
+    async with running_worker(cfg, "w-fleet-add") as worker:
+        await _declare(cfg, _spec("exp-a", _slow(0.0)))
+        await _serving(worker, "exp-a")  # no restart: the worker follows the registry
+        await _publish(cfg, None, make_group(gid, 2))
+        await _publish(cfg, "exp-a", make_group(gid, 2))
+        default = (await _verdicts(cfg, "default", {gid}))[gid]
+        scoped = (await _verdicts(cfg, "exp-a", {gid}))[gid]
+    assert default.status == scoped.status == "accepted"
+    assert default.experiment_id == "default" and scoped.experiment_id == "exp-a"
+    assert [s.name for s in default.scorers] == ["length_budget"]
+    assert [s.name for s in scoped.scorers] == ["slow"]  # the experiment's own stack
+    assert len(default.sessions) == len(scoped.sessions) == 2  # one group each, never merged
+
+
+async def test_a_record_of_an_unknown_experiment_rejects_its_group(pipeline_config) -> None:
+    cfg = with_scorers(pipeline_config, LENGTH)
+    gid = f"lost-{uuid.uuid4().hex[:6]}"
+    async with running_worker(cfg, "w-fleet-unknown"):
+        await _publish(cfg, "never-declared", make_group(gid, 2)[:1], topic_of="default")
+        verdict = (await _verdicts(cfg, "default", {gid}))[gid]
+    assert (verdict.status, verdict.reason_code, verdict.experiment_id) == \
+        ("rejected", "unknown_experiment", "never-declared")
+    assert "never-declared" in verdict.reason
+    assert [s.failure_code for s in verdict.sessions] == ["unknown_experiment"]
+
+
+async def test_removing_an_experiment_lets_its_open_group_finish_then_stops_serving_it(pipeline_config) -> None:
+    cfg = with_scorers(pipeline_config, LENGTH)
+    gid, late = f"open-{uuid.uuid4().hex[:6]}", f"late-{uuid.uuid4().hex[:6]}"
+    first, second = make_group(gid, 2)
+    async with running_worker(cfg, "w-fleet-remove") as worker:
+        await _declare(cfg, _spec("exp-r", LENGTH, group_timeout_s=8.0))
+        await _serving(worker, "exp-r")
+        await _publish(cfg, "exp-r", [first])
+        await publish_removal(cfg, "exp-r")
+        deadline = time.monotonic() + 10
+        while worker.fleet.get("exp-r").retire_at is None:  # removed, retiring
+            assert time.monotonic() < deadline, "the removal never reached the worker"
+            await asyncio.sleep(0.05)
+        await _publish(cfg, "exp-r", [second])  # the open group's last member is still scored
+        finished = (await _verdicts(cfg, "exp-r", {gid}))[gid]
+        await _serving(worker, "exp-r", present=False)  # after its group timeout: no longer served
+        await _publish(cfg, "exp-r", make_group(late, 1), topic_of="default")
+        refused = (await _verdicts(cfg, "default", {late}))[late]
+    assert finished.status == "accepted" and len(finished.sessions) == 2, finished.reason
+    assert refused.reason_code == "unknown_experiment"
+
+
+async def test_a_flooded_experiment_does_not_stall_another(pipeline_config) -> None:
+    """A holds every slot with a backlog; B's records, published then, take the slots A frees
+    first (B is under its fair share, A over it). Counted in records A started while B was
+    being served, not in seconds: without fair sharing A wins most freed slots (its four
+    partitions against B's one) and started 27 in a run here, 8 with it."""
+    cfg = with_scorers(pipeline_config, _slow(0.2), concurrency=8)
+
+    def started(worker, experiment_id: str) -> float:
+        return worker.telemetry.experiment_records.labels(experiment_id, "ready")._value.get()
+
+    async with running_worker(cfg, "w-fleet-fair") as worker:
+        await _declare(cfg, _spec("exp-flood", _slow(0.2)))
+        await _declare(cfg, _spec("exp-calm", _slow(0.2)))
+        await _serving(worker, "exp-flood")
+        await _serving(worker, "exp-calm")
+        flood = [m for g in range(80) for m in make_group(f"flood-{g}-{uuid.uuid4().hex[:4]}", 1)]
+        calm = [m for g in range(5) for m in make_group(f"calm-{g}-{uuid.uuid4().hex[:4]}", 1)]
+        await _publish(cfg, "exp-flood", flood)
+        deadline = time.monotonic() + 20
+        while len(worker.fleet.get("exp-flood").in_flight) < 6:  # A holds the worker (all but the reserve)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        before = started(worker, "exp-flood")
+        await _publish(cfg, "exp-calm", calm)
+        await _verdicts(cfg, "exp-calm", {m.group_id for m in calm})
+        meanwhile = started(worker, "exp-flood") - before
+    assert meanwhile <= 15, f"A started {meanwhile:.0f} records while B's 5 waited for slots"
+
+
+async def test_an_experiments_quota_caps_its_records_in_flight(pipeline_config) -> None:
+    cfg = with_scorers(pipeline_config, LENGTH, concurrency=16)
+    async with running_worker(cfg, "w-fleet-quota") as worker:
+        await _declare(cfg, _spec("exp-capped", _slow(0.03), max_in_flight=2))
+        await _serving(worker, "exp-capped")
+        groups = [m for g in range(30) for m in make_group(f"cap-{g}-{uuid.uuid4().hex[:4]}", 1)]
+        await _publish(cfg, "exp-capped", groups)
+        capped = worker.fleet.get("exp-capped")
+        most, done = 0, asyncio.create_task(_verdicts(cfg, "exp-capped", {m.group_id for m in groups}))
+        while not done.done():
+            most = max(most, len(capped.in_flight))
+            await asyncio.sleep(0.005)
+        await done
+    assert 1 <= most <= 2
