@@ -254,3 +254,19 @@ def test_status_of_an_experiment_reads_its_topics_and_its_trainer_group() -> Non
     assert _roles(cfg) == [("workers", "prm-scoring-workers", "prm.trajectories"), ("trainer", "prm-trainer", "prm.verdicts")]
     assert _roles(cfg, "exp-a") == [("workers", "prm-scoring-workers", "prm.trajectories.exp-a"),
                                     ("trainer", "prm-trainer.exp-a", "prm.verdicts.exp-a")]
+
+
+def test_status_reads_what_the_workers_telemetry_exports() -> None:
+    """The names and labels status looks for are the worker's own (scoring_workers/telemetry.py)."""
+    from prometheus_client import generate_latest
+
+    from scoring_workers.telemetry import WorkerTelemetry
+
+    t = WorkerTelemetry()
+    t.experiment_records.labels("exp-a", "ready").inc(3)
+    t.experiment_verdicts.labels("exp-a", "accepted").inc()
+    t.experiment_in_flight.labels("exp-a").set(2)
+    t.experiment_slots.labels("exp-a").set(8)
+    fleet = experiment_metrics([generate_latest(t.registry).decode()], "exp-a")
+    assert (fleet.present, fleet.records, fleet.verdicts, fleet.in_flight, fleet.slots) == (
+        True, {"ready": 3.0}, {"accepted": 1.0}, 2.0, 8.0)
