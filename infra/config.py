@@ -33,6 +33,7 @@ import yaml
 
 from infra.areal_keys import AREAL_ACTOR_KEYS, AREAL_AGENT_KEYS, AREAL_ROLLOUT_KEYS, AREAL_TOP_LEVEL_KEYS
 from infra.errors import ConfigurationError
+from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id
 
 # Shaping modes, their coefficients and the trainer recipes come from the one registry.
 from infra.modes import (
@@ -294,7 +295,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fr
     recipe: Literal[RECIPES] = "grpo"  # type: ignore[valid-type]
     # OpenClaw-RL's OPD trains no turn without an accepted hint: mask them (opd_scorer's results)
     drop_unhinted_turns: bool = False
-    # Bound of the verdict consumer's in-memory dedupe set ((group_id, verdict_version)
+    # Bound of the verdict consumer's in-memory dedupe set ((experiment_id, group_id, verdict_version)
     # keys, oldest evicted first; ~180 B each). Duplicates older than this many groups
     # are caught only by a durable --dedupe-store. See docs/trainer.md.
     dedupe_max_seen: Positive = 1_000_000
@@ -302,8 +303,16 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fr
     # more than this many versions behind the trainer's current policy is dropped and counted
     # (pipeline/filter/stale). AReaL's max_head_offpolicyness. docs/trainer.md, "Staleness bound"
     max_policy_lag: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # The experiment this trainer learns from (docs/fleet.md): its verdicts are read from
+    # prm.verdicts.<experiment> (the default experiment keeps prm.verdicts), and the
+    # RewardClient-based integrations and the gateway publish to and wait on its topics.
+    experiment: str = DEFAULT_EXPERIMENT
 
     def __post_init__(self) -> None:
+        try:
+            check_experiment_id(self.experiment)
+        except ValueError as exc:
+            raise ConfigError(f"trainer.experiment: {exc}") from None
         if self.recipe not in RECIPES:
             raise ConfigError(f"trainer.recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
         combined = None
@@ -323,6 +332,13 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fr
                 f"trainer.recipe {self.recipe!r} defines the whole advantage; it cannot be combined with "
                 f"trainer.combined_mode {self.combined_mode!r} (use one of them)"
             )
+
+    @property
+    def consumer_group(self) -> str:
+        """The verdict consumer's Kafka group: ``group_id`` for the default experiment,
+        ``<group_id>.<experiment>`` otherwise, so trainers of different experiments never
+        share a group (a trainer joining one experiment must not rebalance another's)."""
+        return self.group_id if self.experiment == DEFAULT_EXPERIMENT else f"{self.group_id}.{self.experiment}"
 
 
 class LocalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 
 from infra.errors import WireError
+from infra.experiments import DEFAULT_EXPERIMENT
 from infra.schema import (
     DiscardGroup,
     GroupVerdict,
@@ -74,12 +75,14 @@ class _JReady(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="rea
     is_eval: bool = False
     policy_version: int | None = None
     created_at: float = 0.0
+    experiment_id: str | None = None
 
 
 class _JDiscard(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="discard", tag_field="kind"):
     group_id: _Id
     reason: str = ""
     requested_at: float = 0.0
+    experiment_id: str | None = None
 
 
 _JLine = _JReady | _JDiscard
@@ -178,7 +181,8 @@ def _interaction(j: _JInteraction, where: str) -> Interaction:
 def _to_wire(j: _JReady | _JDiscard) -> TrajectoryMessage:
     if isinstance(j, _JDiscard):
         try:
-            return DiscardGroup(group_id=j.group_id, reason=j.reason, requested_at=j.requested_at)
+            return DiscardGroup(group_id=j.group_id, reason=j.reason, requested_at=j.requested_at,
+                                experiment_id=_experiment(j.experiment_id))
         except ValueError as exc:
             raise JsonlError(str(exc)) from None
     interactions = [_interaction(ji, f"interactions[{i}]") for i, ji in enumerate(j.interactions)]
@@ -193,9 +197,15 @@ def _to_wire(j: _JReady | _JDiscard) -> TrajectoryMessage:
             is_eval=j.is_eval,
             policy_version=j.policy_version,
             created_at=j.created_at,
+            experiment_id=_experiment(j.experiment_id),
         )
-    except ValueError as exc:  # schema rules: finite reward, non-empty, tree shape
+    except ValueError as exc:  # schema rules: finite reward, non-empty, tree shape, experiment id
         raise JsonlError(str(exc)) from None
+
+
+def _experiment(experiment_id: str | None) -> str | msgspec.UnsetType:
+    """A line's ``experiment_id`` as the wire struct holds it (absent: left out, the default)."""
+    return msgspec.UNSET if experiment_id is None else experiment_id
 
 
 def parse(obj: Any) -> TrajectoryMessage:
@@ -261,6 +271,8 @@ def dump(message: TrajectoryMessage) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": "discard", "group_id": message.group_id, "reason": message.reason}
         if message.requested_at:
             out["requested_at"] = message.requested_at
+        if message.experiment_id is not msgspec.UNSET:
+            out["experiment_id"] = message.experiment_id
         return out
     if not isinstance(message, ReadyTrajectory):
         raise TypeError(f"cannot dump {type(message).__name__} as a JSONL trajectory record")
@@ -277,6 +289,8 @@ def dump(message: TrajectoryMessage) -> dict[str, Any]:
         out["policy_version"] = message.policy_version
     if message.created_at:
         out["created_at"] = message.created_at
+    if message.experiment_id is not msgspec.UNSET:
+        out["experiment_id"] = message.experiment_id
     out["interactions"] = [_dump_interaction(i) for i in message.interactions]
     return out
 
@@ -341,7 +355,7 @@ def dump_verdict(verdict: GroupVerdict, *, include_tokens: bool = False) -> dict
         if include_tokens:
             entry["interactions"] = [_dump_interaction(i) for i in expand_turns(s.turns)]
         sessions.append(entry)
-    return {
+    out: dict[str, Any] = {
         "group_id": verdict.group_id,
         "status": verdict.status,
         "reason_code": verdict.reason_code,
@@ -354,6 +368,9 @@ def dump_verdict(verdict: GroupVerdict, *, include_tokens: bool = False) -> dict
         "decided_at": verdict.decided_at,
         "timings": verdict.timings,
     }
+    if verdict.experiment_id != DEFAULT_EXPERIMENT:  # left out for the default one, as on the wire
+        out["experiment_id"] = verdict.experiment_id
+    return out
 
 
 def write(path: str | os.PathLike[str], messages: Iterable[TrajectoryMessage]) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
 from infra.startup import Service, ServiceUnavailable, wait_for_services
+from prm_pipeline.experiment_option import add_experiment_option, experiment_of
 
 log = logging.getLogger("prm_pipeline")
 
@@ -142,26 +143,29 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from producers.publisher import TrajectoryPublisher
 
     cfg = _load(args)
+    publisher = TrajectoryPublisher(cfg.kafka, cfg.topics, experiment=experiment_of(args, cfg))
 
     async def main(on_progress: Any) -> dict[str, int]:
-        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+        async with publisher as pub:
             return await pub.publish_jsonl(args.file, on_progress=on_progress)
 
     try:
         with publish_progress(args.file, enabled=progress_enabled(args.quiet)) as on_progress:
             counts = asyncio.run(main(on_progress))
-    except (JsonlError, MessageTooLarge) as exc:  # one line, nothing sent: every line is checked first
+    except (JsonlError, MessageTooLarge, ValueError) as exc:  # one line, nothing sent: every line is checked first
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"published {counts['ready']} ready trajectories and {counts['discard']} discards to {cfg.topics.trajectories}")
+    print(f"published {counts['ready']} ready trajectories and {counts['discard']} discards to {publisher.topic}")
     return 0
 
 
 def cmd_verdicts(args: argparse.Namespace) -> int:
     from prm_pipeline.verdict_dump import dump_verdicts
 
-    return dump_verdicts(_load(args), from_beginning=args.from_beginning, max_count=args.max,
-                         timeout_s=args.timeout, out=args.out, since_ms=args.since, tokens=args.tokens)
+    cfg = _load(args)
+    return dump_verdicts(cfg, from_beginning=args.from_beginning, max_count=args.max,
+                         timeout_s=args.timeout, out=args.out, since_ms=args.since, tokens=args.tokens,
+                         experiment=experiment_of(args, cfg))
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
@@ -198,7 +202,10 @@ def add_trainer_parser(subparsers: Any) -> None:
     p.add_argument("--combined-mode", choices=[*COMBINED_MODES, "none"], default=None,
                    help="PRM + OPD token signal from the judge and OPD scorer channels; none = summed token "
                         "rewards (default: trainer.combined_mode)")
+    add_experiment_option(p, "train on this experiment's verdicts (prm.verdicts.ID, consumer group "
+                             "<trainer.group_id>.ID; default: trainer.experiment)")
     p.set_defaults(func=cmd_trainer)
+
 
 
 
@@ -276,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("publish", help="publish ready trajectories and discards from a JSONL file")
     p.add_argument("file", help="JSONL file (docs/jsonl.md)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none either when stdout is not a terminal)")
+    add_experiment_option(p, "publish to this experiment's topic (prm.trajectories.ID), stamping experiment_id "
+                             "on lines that name none (default: trainer.experiment)")
     p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("verdicts", help="print verdicts as JSON lines")
@@ -287,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only verdicts timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
     p.add_argument("--tokens", action="store_true",
                    help="keep each member's token ids (interactions): the form `inspect --verdicts` reads")
+    add_experiment_option(p, "read this experiment's verdicts (prm.verdicts.ID; default: trainer.experiment)")
     p.set_defaults(func=cmd_verdicts)
 
     add_trainer_parser(sub)

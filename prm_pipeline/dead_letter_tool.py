@@ -14,6 +14,11 @@ dead-lettered again), or its trajectory was already chosen earlier in the same r
 Across runs, workers make a redrive idempotent by ``trajectory_id``: their ledger
 acknowledges a trajectory it has already parked or whose group it has decided.
 
+Experiments (docs/fleet.md): a dead letter belongs to the experiment its payload names
+(or, for a chunk or an undecodable payload, whose trajectories topic it came from);
+``--experiment ID`` keeps only that experiment's letters, in the listing and in a
+redrive, and a redrive republishes each record to its own experiment's topic.
+
 A republished record keeps its payload, key and original headers, plus
 ``prm-redriven-from`` (the dead letter's coordinates) and ``prm-redriven-source`` (the
 original record's), so a record dead-lettered again shows its history. The tool needs
@@ -36,8 +41,10 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 from infra.config import PipelineConfig
+from infra.experiments import DEFAULT_EXPERIMENT, EXPERIMENT_ID_PATTERN, trajectories_topic
 from infra.schema import (
     DeadLetter,
+    DiscardGroup,
     ReadyTrajectory,
     SchemaError,
     TrajectoryMessage,
@@ -92,7 +99,16 @@ class LetterRecord:
         except SchemaError as exc:
             return exc
 
-    def to_json(self, *, payload: bool = False) -> dict[str, Any]:
+    def experiment(self, trajectories_base: str) -> str | None:
+        """The experiment of this letter: the one its payload names, else the one whose
+        trajectories topic (``trajectories_base`` or ``<trajectories_base>.<id>``) it came
+        from; ``None`` when neither says."""
+        message = self.decoded()
+        if isinstance(message, (ReadyTrajectory, DiscardGroup)):
+            return message.experiment
+        return experiment_of_topic(trajectories_base, self.letter.source_topic)
+
+    def to_json(self, *, payload: bool = False, trajectories_base: str | None = None) -> dict[str, Any]:
         """The JSON line ``dead-letters`` prints (docs/faults.md)."""
         d = self.letter
         out: dict[str, Any] = {
@@ -117,9 +133,23 @@ class LetterRecord:
             out["group_id"] = message.group_id
             if isinstance(message, ReadyTrajectory):
                 out["trajectory_id"] = message.trajectory_id
+        if trajectories_base is not None:
+            experiment = self.experiment(trajectories_base)
+            if experiment is not None and experiment != DEFAULT_EXPERIMENT:
+                out["experiment_id"] = experiment
         if payload:
             out["payload_base64"] = base64.b64encode(d.payload).decode()
         return out
+
+
+def experiment_of_topic(trajectories_base: str, topic: str) -> str | None:
+    """The experiment whose trajectories topic ``topic`` is (infra.experiments.trajectories_topic), or None."""
+    if topic == trajectories_base:
+        return DEFAULT_EXPERIMENT
+    prefix = f"{trajectories_base}."
+    if topic.startswith(prefix) and EXPERIMENT_ID_PATTERN.fullmatch(topic[len(prefix):]):
+        return topic[len(prefix):]
+    return None
 
 
 def _iso(ms: int) -> str:
@@ -136,9 +166,13 @@ class Selection:
     trajectories: frozenset[str] = frozenset()
     groups: frozenset[str] = frozenset()
     reasons: frozenset[str] = frozenset()
+    experiment: str | None = None  # only this experiment's letters (LetterRecord.experiment)
+    trajectories_base: str = "prm.trajectories"  # topics.trajectories, to tell a letter's experiment
 
     def matches(self, rec: LetterRecord, message: TrajectoryMessage | SchemaError) -> bool:
         if self.offsets and (rec.partition, rec.offset) not in self.offsets:
+            return False
+        if self.experiment is not None and rec.experiment(self.trajectories_base) != self.experiment:
             return False
         if self.reasons and rec.letter.error_class not in self.reasons:
             return False
@@ -160,11 +194,14 @@ class PlanEntry:
     group_id: str | None = None
     trajectory_id: str | None = None
     note: str = ""
+    experiment: str | None = None  # its experiment: the redrive goes to that experiment's topic
 
     def describe(self) -> str:
         rec, d = self.record, self.record.letter
         what = (f"trajectory {self.trajectory_id} of group {self.group_id}" if self.trajectory_id
                 else f"discard of group {self.group_id}" if self.group_id else "undecodable record")
+        if self.experiment not in (None, DEFAULT_EXPERIMENT):
+            what += f" (experiment {self.experiment})"
         why = f"dead-lettered from {rec.source} by {d.worker_id or '?'} after {d.attempt} attempt(s): " \
               f"{d.error_class}: {d.error_message[:300]}"
         head = f"redrive {rec.coordinates}" if self.redrive else f"skip    {rec.coordinates}"
@@ -193,12 +230,14 @@ def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[
             continue
         traj = message.trajectory_id if isinstance(message, ReadyTrajectory) else None
         ident = traj if traj is not None else f"discard:{message.group_id}"
+        ident = f"{rec.experiment(selection.trajectories_base)}/{ident}"  # ids are per experiment
         if ident in chosen:
             entries.append(PlanEntry(rec, False, f"already redriven from {chosen[ident]} in this run",
                                      message.group_id, traj))
             continue
         chosen[ident] = rec.coordinates
-        entries.append(PlanEntry(rec, True, "", message.group_id, traj, _rejection_note(rec, message)))
+        entries.append(PlanEntry(rec, True, "", message.group_id, traj, _rejection_note(rec, message),
+                                 rec.experiment(selection.trajectories_base)))
     return entries
 
 
@@ -269,7 +308,7 @@ class RedriveResult:
 
 
 async def redrive(cfg: PipelineConfig, entries: Sequence[PlanEntry], *, out: IO[str]) -> RedriveResult:
-    """Republish the plan's chosen records to the trajectories topic, one line each."""
+    """Republish the plan's chosen records to their experiments' trajectories topics, one line each."""
     from infra.kafka import make_producer
 
     result = RedriveResult(skipped=[e for e in entries if not e.redrive])
@@ -284,7 +323,8 @@ async def redrive(cfg: PipelineConfig, entries: Sequence[PlanEntry], *, out: IO[
             headers = [*rec.original_headers(), (REDRIVEN_FROM_HEADER, rec.coordinates.encode()),
                        (REDRIVEN_SOURCE_HEADER, rec.source.encode())]
             key = rec.key if rec.key is not None else (entry.group_id or "").encode() or None
-            meta = await producer.send_and_wait(cfg.topics.trajectories, rec.letter.payload, key=key, headers=headers)
+            topic = trajectories_topic(cfg.topics.trajectories, entry.experiment or DEFAULT_EXPERIMENT)
+            meta = await producer.send_and_wait(topic, rec.letter.payload, key=key, headers=headers)
             where = f"{meta.topic}:{meta.partition}@{meta.offset}"
             result.sent.append((entry, where))
             line = (f"redriven {rec.coordinates} (originally {rec.source}, {rec.letter.error_class}) -> {where}: "
@@ -326,7 +366,8 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     selection = Selection(
         offsets=frozenset(o for spec in args.offsets or () for o in spec),
         trajectories=frozenset(args.trajectory or ()), groups=frozenset(args.group or ()),
-        reasons=frozenset(args.reason or ()),
+        reasons=frozenset(args.reason or ()), experiment=args.experiment,
+        trajectories_base=cfg.topics.trajectories,
     )
     records = asyncio.run(read_letters(cfg, since_ms=args.since))
     entries = plan_redrive(records, selection)
@@ -335,7 +376,8 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         print(entry.describe(), file=out)
     chosen = sum(e.redrive for e in entries)
     skipped = len(entries) - chosen
-    topic = cfg.topics.trajectories
+    topic = (trajectories_topic(cfg.topics.trajectories, args.experiment) if args.experiment
+             else f"{cfg.topics.trajectories} (each record to its experiment's topic)")
     if not args.yes:
         print(f"dry run: would redrive {chosen} of {len(entries)} chosen dead letters ({len(records)} read) to "
               f"{topic}, {skipped} skipped; nothing was published. Rerun with --yes to republish.", file=out)
@@ -352,7 +394,10 @@ def _list(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
     def emit(rec: LetterRecord) -> None:
         nonlocal count
-        fh.write(json.dumps(rec.to_json(payload=args.payload), ensure_ascii=False) + "\n")
+        if args.experiment is not None and rec.experiment(cfg.topics.trajectories) != args.experiment:
+            return
+        fh.write(json.dumps(rec.to_json(payload=args.payload, trajectories_base=cfg.topics.trajectories),
+                            ensure_ascii=False) + "\n")
         fh.flush()
         count += 1
 
@@ -369,7 +414,8 @@ def _list(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     finally:
         if args.out:
             fh.close()
-    print(f"{count} dead letters in {cfg.topics.dead_letters}", file=sys.stderr)
+    which = f" of experiment {args.experiment}" if args.experiment is not None else ""
+    print(f"{count} dead letters{which} in {cfg.topics.dead_letters}", file=sys.stderr)
     return 0
 
 
@@ -394,5 +440,9 @@ def add_dead_letters_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--group", action="append", metavar="ID", help="with --redrive: only records of this group")
     p.add_argument("--reason", action="append", metavar="CLASS",
                    help="with --redrive: only dead letters of this error class (e.g. UnknownSchemaVersion)")
+    from prm_pipeline.experiment_option import add_experiment_option
+
+    add_experiment_option(p, "only this experiment's dead letters (the experiment the payload names, else the "
+                             "trajectories topic it came from); default: every experiment's")
     p.set_defaults(func=cmd_dead_letters)
     return p

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from infra.config import PipelineConfig
+from infra.experiments import DEFAULT_EXPERIMENT, verdicts_topic
 from infra.kafka import assign_from_start, make_consumer
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
 
@@ -14,11 +15,13 @@ class VerdictTail:
     """Records each group's first verdict and its arrival time (``time.perf_counter``).
 
     Reads with no consumer group from the beginning, so it never disturbs anyone's
-    offsets and sees verdicts published before it started.
+    offsets and sees verdicts published before it started. ``experiment`` picks the
+    verdicts topic (docs/fleet.md); decoded verdicts of another experiment are ignored.
     """
 
-    def __init__(self, cfg: PipelineConfig, *, decode: bool = True) -> None:
+    def __init__(self, cfg: PipelineConfig, *, decode: bool = True, experiment: str = DEFAULT_EXPERIMENT) -> None:
         self.cfg = cfg
+        self.experiment = experiment
         self.decode = decode  # False: arrival times only (keys), no CPU spent decoding verdicts
         self.arrivals: dict[str, float] = {}
         self.verdicts: dict[str, GroupVerdict] = {}
@@ -29,7 +32,7 @@ class VerdictTail:
     async def start(self) -> None:
         self.consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=10)
         await self.consumer.start()
-        await assign_from_start(self.consumer, self.cfg.topics.verdicts)
+        await assign_from_start(self.consumer, verdicts_topic(self.cfg.topics.verdicts, self.experiment))
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
@@ -45,6 +48,8 @@ class VerdictTail:
                     try:
                         verdict = decode_verdict(r.value, r.headers)
                     except SchemaError:
+                        continue
+                    if verdict.experiment_id != self.experiment:
                         continue
                     if verdict.group_id not in self.arrivals:
                         self.arrivals[verdict.group_id] = now

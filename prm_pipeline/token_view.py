@@ -361,7 +361,7 @@ async def _verdict_from_topic(args: argparse.Namespace) -> dict[str, Any] | None
     from prm_pipeline.observe import VerdictTail
 
     cfg = load_config(args.config)
-    tail = VerdictTail(cfg)
+    tail = VerdictTail(cfg, experiment=getattr(args, "experiment", None) or cfg.trainer.experiment)
     await tail.start()
     try:
         await tail.wait_for({args.group}, timeout_s=args.timeout)
@@ -391,6 +391,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         verdicts = _verdicts_from_file(args.verdicts)
         if args.group:
             verdicts = [v for v in verdicts if v.get("group_id") == args.group]
+        if getattr(args, "experiment", None):  # a file may hold several experiments' verdicts
+            verdicts = [v for v in verdicts if v.get("experiment_id", "default") == args.experiment]
     else:
         found = asyncio.run(_verdict_from_topic(args))
         verdicts = [found] if found else []
@@ -437,5 +439,9 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--html", default=None, help="also write the token view as a self-contained HTML file")
     p.add_argument("--no-terminal", action="store_true", help="no terminal view")
     p.add_argument("--timeout", type=float, default=30.0, help="--group: seconds to wait for the verdict")
+    from prm_pipeline.experiment_option import add_experiment_option
+
+    add_experiment_option(p, "--group: read this experiment's verdicts topic (default: trainer.experiment); "
+                             "--verdicts: only this experiment's lines")
     p.set_defaults(func=cmd_inspect)
     return p

@@ -10,6 +10,10 @@ wrong end offsets, and timestamps work the same on every broker.
 look the time up (``offsets_for_times``) reading starts there; the timestamp filter
 still applies, so a broker that answers wrongly (the embedded one returns offset 0 for
 future times) only costs a longer read, never a wrong answer.
+
+``--experiment ID`` reads that experiment's topic (``prm.verdicts.ID``; docs/fleet.md);
+a verdict there that names another experiment was published to the wrong topic: it is
+not printed, and the summary counts it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import IO, Any
 import msgspec
 
 from infra.config import PipelineConfig
+from infra.experiments import DEFAULT_EXPERIMENT, verdicts_topic
 from infra.jsonl import dump_verdict
 from infra.kafka import assign_from_start, make_consumer
 from infra.readback import VerdictTokens, needs_tokens
@@ -81,32 +86,37 @@ def since_arg(text: str) -> int:
 @dataclass
 class DumpCounts:
     """What a dump printed: ``verdicts`` lines, of ``groups`` distinct groups; ``repeats``
-    are verdicts of a ``(group_id, verdict_version)`` printed before (a re-publish after a
-    worker crash or a retried send), which the trainer's dedupe drops."""
+    are verdicts of an ``(experiment_id, group_id, verdict_version)`` printed before (a
+    re-publish after a worker crash or a retried send), which the trainer's dedupe drops;
+    ``other_experiment`` verdicts named another experiment than the topic's and were not printed."""
 
     verdicts: int = 0
     groups: int = 0
     repeats: int = 0
+    other_experiment: int = 0
 
     def summary(self) -> str:
+        other = (f"; {self.other_experiment} verdicts of another experiment on this topic were skipped"
+                 if self.other_experiment else "")
         if not self.repeats:
-            return f"{self.verdicts} verdicts"
-        return (f"{self.verdicts} verdicts of {self.groups} groups: {self.repeats} repeated a (group_id, "
-                "verdict_version) already printed (a re-published verdict; the trainer keeps the first)")
+            return f"{self.verdicts} verdicts{other}"
+        return (f"{self.verdicts} verdicts of {self.groups} groups: {self.repeats} repeated an (experiment_id, "
+                f"group_id, verdict_version) already printed (a re-published verdict; the trainer keeps the first)"
+                f"{other}")
 
 
 async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_count: int | None,
                 timeout_s: float | None, since_ms: int | None = None, tokens: bool = False,
-                counts: DumpCounts | None = None) -> int:
+                counts: DumpCounts | None = None, experiment: str = DEFAULT_EXPERIMENT) -> int:
     counts = counts if counts is not None else DumpCounts()
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[str, str, int]] = set()
     start_ms = since_ms if since_ms is not None else (0 if from_beginning else int(time.time() * 1000))
     consumer = make_consumer(cfg.kafka, group_id=None)
     await consumer.start()
     readback = VerdictTokens(cfg)  # verdicts published with worker.verdict_tokens: reference
     count = 0
     try:
-        tps = await assign_from_start(consumer, cfg.topics.verdicts)
+        tps = await assign_from_start(consumer, verdicts_topic(cfg.topics.verdicts, experiment))
         if since_ms is not None:
             await seek_to_time(consumer, tps, since_ms)
         last_new = time.monotonic()
@@ -121,16 +131,21 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
                 if record.timestamp < start_ms:
                     continue
                 try:
-                    verdicts.append(decode_verdict(record.value, record.headers))
+                    verdict = decode_verdict(record.value, record.headers)
                 except SchemaError as exc:
                     print(f"skipping undecodable verdict at {record.partition}:{record.offset}: {exc}", file=sys.stderr)
+                    continue
+                if verdict.experiment_id != experiment:
+                    counts.other_experiment += 1
+                    continue
+                verdicts.append(verdict)
             if any(needs_tokens(v) for v in verdicts):  # the turns (and the status) the trainer sees
                 verdicts = await readback.resolve(verdicts)
             for verdict in verdicts:
                 line = verdict_record(verdict) if tokens else dump_verdict(verdict)
                 out.write(encoder.encode(line).decode() + "\n")
                 count += 1
-                key = (verdict.group_id, verdict.verdict_version)
+                key = (verdict.experiment_id, verdict.group_id, verdict.verdict_version)
                 if key in seen:
                     counts.repeats += 1
                 else:
@@ -162,17 +177,18 @@ async def seek_to_time(consumer: Any, tps: Any, since_ms: int) -> None:
 
 
 def dump_verdicts(cfg: PipelineConfig, *, from_beginning: bool, max_count: int | None, timeout_s: float | None,
-                  out: str | None, since_ms: int | None = None, tokens: bool = False) -> int:
+                  out: str | None, since_ms: int | None = None, tokens: bool = False,
+                  experiment: str = DEFAULT_EXPERIMENT) -> int:
     """Print (or write to ``out``) verdict JSON lines; the summary line goes to stderr.
 
     ``tokens`` keeps each member's token ids (``interactions``, plus ``policy_version``):
-    the form ``prm-pipeline inspect --verdicts`` reads.
+    the form ``prm-pipeline inspect --verdicts`` reads. ``experiment`` picks the topic.
     """
     fh = open(out, "w") if out else sys.stdout
     counts = DumpCounts()
     try:
         asyncio.run(_dump(cfg, fh, from_beginning=from_beginning, max_count=max_count, timeout_s=timeout_s,
-                          since_ms=since_ms, tokens=tokens, counts=counts))
+                          since_ms=since_ms, tokens=tokens, counts=counts, experiment=experiment))
     except KeyboardInterrupt:
         return 130
     finally:

@@ -11,6 +11,14 @@ parent, schema version 2), and one too large for a record is split into chunk re
 square of its turns. Only a session over :data:`infra.schema.MAX_CHUNKS` records is
 refused, with :class:`infra.kafka.MessageTooLarge` naming it.
 
+One publisher serves one experiment (docs/fleet.md): it stamps ``experiment_id`` on
+every ready trajectory and discard that names none, and sends to that experiment's
+topic, ``<topics.trajectories>.<experiment>``. The default experiment stamps nothing and
+keeps ``topics.trajectories``, so its records are byte for byte what they were before
+experiments existed. A message that names another experiment is refused (``ValueError``)
+before anything is sent: a record on the wrong topic would be scored under the wrong
+experiment or rejected as ``unknown_experiment``.
+
 Retries are bounded: the client retries retriable send errors (leader changes,
 disconnects) with backoff until ``kafka.request_timeout_ms`` runs out, then the delivery
 fails. ``publish_ready``/``discard_group`` return once the record is queued; ``flush()``
@@ -34,6 +42,7 @@ from infra import jsonl
 from infra.chunks import Record, to_records
 from infra.config import KafkaConfig, TopicsConfig
 from infra.errors import ServiceError
+from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id, trajectories_topic
 from infra.kafka import make_producer
 from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage
 
@@ -45,9 +54,11 @@ class PublishError(ServiceError, RuntimeError):
 class TrajectoryPublisher:
     """Async context manager publishing :class:`ReadyTrajectory` and :class:`DiscardGroup`."""
 
-    def __init__(self, kafka: KafkaConfig, topics: TopicsConfig, *, max_pending: int = 10_000) -> None:
+    def __init__(self, kafka: KafkaConfig, topics: TopicsConfig, *, max_pending: int = 10_000,
+                 experiment: str = DEFAULT_EXPERIMENT) -> None:
         self.kafka = kafka
-        self.topic = topics.trajectories
+        self.experiment = check_experiment_id(experiment)
+        self.topic = trajectories_topic(topics.trajectories, experiment)
         self._producer: AIOKafkaProducer | None = None
         self._pending: set[asyncio.Future[Any]] = set()
         self._errors: list[BaseException] = []
@@ -79,10 +90,29 @@ class TrajectoryPublisher:
     def records(self, message: TrajectoryMessage) -> list[Record]:
         """The Kafka records (``(value, headers)``, key = ``group_id``) that carry ``message``:
         compact, chunked when large, each checked against ``kafka.max_message_bytes``.
-        Raises :class:`infra.kafka.MessageTooLarge` with a one-line reason."""
+        Raises :class:`infra.kafka.MessageTooLarge` with a one-line reason, ``ValueError``
+        for a message of another experiment."""
+        message = self.stamped(message)
         if isinstance(message, ReadyTrajectory) and not message.created_at:
             message = msgspec.structs.replace(message, created_at=time.time())
         return to_records(message, self.kafka.max_message_bytes)
+
+    def stamped(self, message: TrajectoryMessage) -> TrajectoryMessage:
+        """``message`` as this publisher sends it: naming :attr:`experiment` (left out for the
+        default one, so default records keep their bytes). A chunked trajectory carries the
+        stamp inside its reassembled value. ``ValueError`` if it names another experiment."""
+        if not isinstance(message, (ReadyTrajectory, DiscardGroup)):
+            return message
+        if message.experiment != self.experiment and message.experiment_id is not msgspec.UNSET:
+            what = f"trajectory {message.trajectory_id!r}" if isinstance(message, ReadyTrajectory) \
+                else f"discard of group {message.group_id!r}"
+            raise ValueError(f"{what} names experiment {message.experiment!r}, but this publisher publishes "
+                             f"experiment {self.experiment!r} to {self.topic}; publish it with experiment "
+                             f"{message.experiment!r} (prm-pipeline publish --experiment {message.experiment})")
+        wanted = msgspec.UNSET if self.experiment == DEFAULT_EXPERIMENT else self.experiment
+        if message.experiment_id is wanted or message.experiment_id == wanted:
+            return message
+        return msgspec.structs.replace(message, experiment_id=wanted)
 
     async def publish(self, message: TrajectoryMessage) -> None:
         """Queue one message (validated: it is a wire struct, so it was checked on construction)."""
@@ -107,6 +137,7 @@ class TrajectoryPublisher:
         await self.publish(trajectory)
 
     async def discard_group(self, group_id: str, reason: str = "") -> None:
+        """Discard ``group_id`` of this publisher's experiment."""
         await self.publish(DiscardGroup(group_id=group_id, reason=reason, requested_at=time.time()))
 
     async def publish_many(self, messages: Iterable[TrajectoryMessage]) -> int:

@@ -8,8 +8,9 @@ Long on purpose: dedupe, filtering, commit-after-acknowledge and batching share 
         async for batch in consumer:       # asking for the next batch acknowledges this one
             train_step(batch.to(device))
 
-Per record: decode (an undecodable record is logged and counted, never fatal) ->
-dedupe on ``(group_id, verdict_version)`` -> an accepted verdict published with
+Per record: decode (an undecodable record is logged and counted, never fatal) -> a
+verdict of another experiment is skipped (below) -> dedupe on
+``(experiment_id, group_id, verdict_version)`` -> an accepted verdict published with
 ``worker.verdict_tokens: reference`` gets its members' token turns read back from the
 trajectories topic (:mod:`infra.readback`, the worker's own read-back and its
 ``tokens_unavailable`` rule; outages are retried with backoff) -> count its metrics -> rejected and
@@ -17,6 +18,15 @@ discarded groups stop here -> an accepted group is exported to concat rows
 (:func:`shaper.batch.export_group`; a :class:`~shaper.batch.ConcatExportError` drops
 the group and is counted) -> the configured group filter judges the complete group ->
 kept groups wait in a buffer until ``batch_groups`` of them make a batch.
+
+Experiments (docs/fleet.md). A consumer trains one experiment, ``trainer.experiment``:
+it reads that experiment's verdicts topic (``prm.verdicts.<experiment>``; the default
+experiment keeps ``prm.verdicts``) in the group :attr:`infra.config.TrainerConfig.consumer_group`.
+Two experiments may use the same group ids: the dedupe key names the experiment, so
+neither hides the other's verdicts. A verdict on this topic that names another
+experiment was published to the wrong topic; it is skipped, counted
+(``pipeline/verdicts/wrong_experiment``) and warned about at most once a minute with its
+coordinates, never trained on.
 
 Commit discipline (docs/architecture.md, "Commit discipline"). A record's offset is committed only when nothing
 derived from it is still owed to the caller: records that produce no rows
@@ -61,11 +71,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
 
+import msgspec
 import torch
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.config import PipelineConfig
+from infra.experiments import check_experiment_id, scoped_group, trajectories_topic, verdicts_topic
 from infra.kafka import backoff_delay, is_retriable, make_consumer
 from infra.offsets import OffsetCommitter
 from infra.readback import VerdictTokens, needs_tokens
@@ -80,8 +92,12 @@ __all__ = ["DedupeKey", "DedupeStore", "SqliteDedupeStore", "VerdictConsumer"]
 
 log = logging.getLogger(__name__)
 
-DedupeKey = tuple[str, int]
-"""``(group_id, verdict_version)``: the identity of a verdict (docs/architecture.md, "Guarantees")."""
+DedupeKey = tuple[str, str, int]
+"""``(experiment_id, group_id, verdict_version)``: the identity of a verdict (docs/architecture.md,
+"Guarantees"); two experiments may use the same group ids."""
+
+WRONG_EXPERIMENT_WARN_EVERY_S = 60.0
+"""At most one warning per this many seconds about verdicts of another experiment (each is counted)."""
 
 _FROM_CONFIG: Final[Any] = object()
 
@@ -100,6 +116,10 @@ class DedupeStore(Protocol):
 
 class SqliteDedupeStore:
     """A :class:`DedupeStore` in one sqlite file (stdlib, no server, survives restarts).
+
+    The ``group_id`` column holds the scoped group (:func:`infra.experiments.scoped_group`):
+    the bare id for the default experiment, so a file written before experiments existed
+    keeps deduplicating the same verdicts.
 
     Each acknowledgement is one transaction, so a crash leaves either all or none of a
     batch's keys. Entries older than ``retention_s`` are pruned when the store is
@@ -134,8 +154,10 @@ class SqliteDedupeStore:
         self._pruned_at = now
 
     def contains(self, key: DedupeKey) -> bool:
+        experiment_id, group_id, version = key
         row = self._db.execute(
-            "SELECT 1 FROM acknowledged WHERE group_id = ? AND verdict_version = ?", key
+            "SELECT 1 FROM acknowledged WHERE group_id = ? AND verdict_version = ?",
+            (scoped_group(experiment_id, group_id), version),
         ).fetchone()
         return row is not None
 
@@ -145,7 +167,7 @@ class SqliteDedupeStore:
         now = time.time()
         if now - self._pruned_at >= self.PRUNE_INTERVAL_S:
             self._prune()
-        rows = [(g, v, now) for g, v in keys]
+        rows = [(scoped_group(e, g), v, now) for e, g, v in keys]
         if not rows:
             return
         self._db.execute("BEGIN")
@@ -196,15 +218,18 @@ def _oldest_policy_version(verdict: GroupVerdict) -> int | None:
 
 # --------------------------------------------------------------------------- consumer
 class VerdictConsumer:
-    """Consume ``cfg.topics.verdicts`` in the trainer's group; yield deduplicated batches.
+    """Consume the experiment's verdicts topic in the trainer's group; yield deduplicated batches.
 
     Args:
         cfg: the pipeline config (Kafka settings, ``topics.verdicts``, ``trainer.*``).
+        experiment: the experiment trained on; default ``cfg.trainer.experiment``. Its
+            verdicts topic is read (:func:`infra.experiments.verdicts_topic`).
         batch_groups: accepted (and kept) groups per batch; default
             ``cfg.trainer.batch_groups``.
         group_filter: a name in :data:`shaper.filters.FILTERS`, a filter callable, or
             ``None`` for none; default ``cfg.trainer.filter``.
-        group_id: the consumer group; default ``cfg.trainer.group_id``.
+        group_id: the consumer group; default ``cfg.trainer.group_id`` for the default
+            experiment, ``<cfg.trainer.group_id>.<experiment>`` for another.
         dedupe_store: a path (opened as :class:`SqliteDedupeStore`) or a
             :class:`DedupeStore` for dedupe across restarts; ``None`` = in-memory only.
         device: where batches are delivered; default ``cfg.trainer.device``
@@ -246,10 +271,15 @@ class VerdictConsumer:
         max_seen: int | None = None,
         max_policy_lag: int | None | Any = _FROM_CONFIG,
         consumer_overrides: dict[str, Any] | None = None,
+        experiment: str | None = None,
     ) -> None:
         self.cfg = cfg
-        self.topic = cfg.topics.verdicts
-        self.group_id = group_id or cfg.trainer.group_id
+        trainer = cfg.trainer if experiment is None else msgspec.structs.replace(cfg.trainer, experiment=experiment)
+        self.experiment = check_experiment_id(trainer.experiment)
+        self.topic = verdicts_topic(cfg.topics.verdicts, self.experiment)
+        self.group_id = group_id or trainer.consumer_group
+        self._wrong_experiment_warning = Every(WRONG_EXPERIMENT_WARN_EVERY_S)
+        self.wrong_experiment = 0  # verdicts of another experiment skipped (also pipeline/verdicts/wrong_experiment)
         self.batch_groups = int(batch_groups if batch_groups is not None else cfg.trainer.batch_groups)
         if self.batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1, got {self.batch_groups}")
@@ -463,7 +493,7 @@ class VerdictConsumer:
             if self._too_old(ticket.policy_version):
                 self.metrics.count("filter/stale")
                 log.info("group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
-                         ticket.key[0], ticket.policy_version, self.max_policy_lag, self.policy_version)
+                         ticket.key[1], ticket.policy_version, self.max_policy_lag, self.policy_version)
                 if self._committer is not None:
                     self._committer.tracker.finish(ticket.tp, ticket.offset)
                 self._to_store.append(ticket.key)
@@ -533,7 +563,8 @@ class VerdictConsumer:
         Only those can become rows; a broker outage is retried with backoff (the records
         are not begun yet, so a stop meanwhile leaves them for redelivery)."""
         todo = [i for i, (_, _, v) in enumerate(decoded) if v is not None and v.status == "accepted"
-                and needs_tokens(v) and not self._is_duplicate((v.group_id, v.verdict_version))]
+                and needs_tokens(v) and v.experiment_id == self.experiment
+                and not self._is_duplicate((v.experiment_id, v.group_id, v.verdict_version))]
         if not todo:
             return
         attempt = 0
@@ -547,7 +578,8 @@ class VerdictConsumer:
                     raise
                 delay = backoff_delay(attempt)
                 log.warning("reading members' tokens back from %s failed (%s: %s); retrying in %.1fs",
-                            self.cfg.topics.trajectories, type(exc).__name__, exc, delay)
+                            trajectories_topic(self.cfg.topics.trajectories, self.experiment), type(exc).__name__,
+                            exc, delay)
                 await asyncio.sleep(delay)
         for i, verdict in zip(todo, resolved):
             decoded[i] = (decoded[i][0], decoded[i][1], verdict)
@@ -555,11 +587,20 @@ class VerdictConsumer:
     def _handle(self, verdict: GroupVerdict, record: ConsumerRecord, tp: TopicPartition) -> bool:
         """Process one decoded verdict; True when its group was buffered (offset stays pending)."""
         m = self.metrics
-        key: DedupeKey = (verdict.group_id, verdict.verdict_version)
+        if verdict.experiment_id != self.experiment:
+            m.count("verdicts/wrong_experiment")
+            self.wrong_experiment += 1
+            if self._wrong_experiment_warning.due():
+                log.warning("verdict of group %s of experiment %r at %s:%d offset %d skipped: this trainer trains "
+                            "experiment %r (it was published to the wrong topic; %d such verdicts so far)",
+                            verdict.group_id, verdict.experiment_id, record.topic, record.partition, record.offset,
+                            self.experiment, self.wrong_experiment)
+            return False
+        key: DedupeKey = (verdict.experiment_id, verdict.group_id, verdict.verdict_version)
         if self._is_duplicate(key):
             m.count("verdicts/duplicate")
             log.debug("group %s v%d: duplicate verdict at %s:%d offset %d skipped",
-                      key[0], key[1], record.topic, record.partition, record.offset)
+                      key[1], key[2], record.topic, record.partition, record.offset)
             return False
         self._remember(key)
         m.observe(verdict)

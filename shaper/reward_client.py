@@ -12,6 +12,13 @@ with verdicts. :class:`RewardClient` does the translation both ways and nothing 
   status and reason, the raw outcome, process rewards laid out on the sample's response
   tokens (0 on tokens the model did not generate) and one value per turn.
 
+One client serves one experiment (docs/fleet.md): ``experiment=`` or
+``trainer.experiment``. It publishes to that experiment's trajectories topic (stamping
+``experiment_id``) and waits on its verdicts topic; verdicts are matched by scoped group
+(:func:`infra.experiments.scoped_group`), so two experiments' clients using the same
+group ids never see each other's verdicts. The default experiment's topics and records
+are exactly those of a client written before experiments existed.
+
 A missing verdict is ``status="timeout"`` and a rejected or discarded group says so with
 its ``reason_code`` (:mod:`infra.reasons`) and reason text: never a silent 0. No trainer is imported here; the verl adapter, the reward
 gateway and the other adapters are thin layers over this module.
@@ -33,6 +40,7 @@ import msgspec
 import numpy as np
 
 from infra.config import PipelineConfig
+from infra.experiments import check_experiment_id, scoped_group, verdicts_topic
 from infra.kafka import backoff_delay, is_retriable, make_consumer, partitions_of
 from infra.readback import VerdictTokens, needs_tokens
 from infra.schema import (
@@ -133,17 +141,24 @@ class VerdictWaiter:
     turns read back from the trajectories topic before anyone sees it
     (:mod:`infra.readback`: the worker's read-back and its ``tokens_unavailable`` rule),
     so its status is the one the trainer sees.
+
+    ``experiment`` (default ``trainer.experiment``) picks the verdicts topic; ``recent``,
+    ``arrivals`` and :meth:`expect` key groups by their scoped id, and a verdict of
+    another experiment (published to the wrong topic) is never handed to a waiter.
     """
 
     def __init__(self, cfg: PipelineConfig, *, from_beginning: bool = False, since: float | None = None,
-                 keep_recent: int = 10_000, keep: Callable[[GroupVerdict], GroupVerdict] | None = None) -> None:
+                 keep_recent: int = 10_000, keep: Callable[[GroupVerdict], GroupVerdict] | None = None,
+                 experiment: str | None = None) -> None:
         self.cfg = cfg
+        self.experiment = check_experiment_id(experiment or cfg.trainer.experiment)
+        self.topic = verdicts_topic(cfg.topics.verdicts, self.experiment)
         self.from_beginning = from_beginning
         self.since = since
         self.keep = keep
         self.keep_recent = keep_recent
-        self.recent: OrderedDict[str, GroupVerdict] = OrderedDict()
-        self.arrivals: dict[str, float] = {}  # group id -> time.perf_counter() of its first verdict
+        self.recent: OrderedDict[str, GroupVerdict] = OrderedDict()  # scoped group id -> verdict
+        self.arrivals: dict[str, float] = {}  # scoped group id -> time.perf_counter() of its first verdict
         self._waiting: dict[str, asyncio.Future[GroupVerdict]] = {}
         self._task: asyncio.Task[None] | None = None
         self._consumer: Any = None
@@ -153,7 +168,7 @@ class VerdictWaiter:
         self._consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=50)
         try:
             await self._consumer.start()  # a broker that is down fails here: close the client all the same
-            tps = await partitions_of(self._consumer, self.cfg.topics.verdicts)
+            tps = await partitions_of(self._consumer, self.topic)
             self._consumer.assign(tps)
             if self.from_beginning:
                 await self._consumer.seek_to_beginning(*tps)
@@ -186,19 +201,20 @@ class VerdictWaiter:
         await self._tokens.aclose()
 
     def expect(self, group_id: str) -> asyncio.Future[GroupVerdict]:
-        """Register interest in ``group_id`` (call before publishing its members)."""
+        """Register interest in ``group_id`` of this waiter's experiment (call before publishing its members)."""
         if self._task is None:
             raise RuntimeError("VerdictWaiter is not started")
         if self._task.done() and not self._task.cancelled():
             raise RuntimeError("the verdict waiter stopped") from self._task.exception()
-        fut = self._waiting.get(group_id)
+        key = scoped_group(self.experiment, group_id)
+        fut = self._waiting.get(key)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
-            verdict = self.recent.get(group_id)
+            verdict = self.recent.get(key)
             if verdict is not None:
                 fut.set_result(verdict)
             else:  # members of one group in this process share the future
-                self._waiting[group_id] = fut
+                self._waiting[key] = fut
         return fut
 
     async def wait(self, group_id: str, timeout_s: float) -> GroupVerdict | None:
@@ -252,14 +268,19 @@ class VerdictWaiter:
                 await asyncio.sleep(delay)
 
     def _on_verdict(self, verdict: GroupVerdict) -> None:
-        self.arrivals.setdefault(verdict.group_id, time.perf_counter())
+        if verdict.experiment_id != self.experiment:  # published to the wrong topic: not ours to hand out
+            log.debug("verdict of group %s of experiment %r on %s ignored (this waiter waits for %r)",
+                      verdict.group_id, verdict.experiment_id, self.topic, self.experiment)
+            return
+        key = scoped_group(verdict.experiment_id, verdict.group_id)
+        self.arrivals.setdefault(key, time.perf_counter())
         if self.keep is not None:
             verdict = self.keep(verdict)
-        self.recent[verdict.group_id] = verdict
-        self.recent.move_to_end(verdict.group_id)
+        self.recent[key] = verdict
+        self.recent.move_to_end(key)
         while len(self.recent) > self.keep_recent:
             self.recent.popitem(last=False)
-        fut = self._waiting.pop(verdict.group_id, None)
+        fut = self._waiting.pop(key, None)
         if fut is not None and not fut.done():
             fut.set_result(verdict)
 
@@ -274,8 +295,10 @@ class BlockingVerdicts:
     ``keep_recent`` groups.
     """
 
-    def __init__(self, cfg: PipelineConfig, *, lookback_s: float = 3600.0, keep_recent: int = 4096) -> None:
+    def __init__(self, cfg: PipelineConfig, *, lookback_s: float = 3600.0, keep_recent: int = 4096,
+                 experiment: str | None = None) -> None:
         self.cfg = cfg
+        self.experiment = check_experiment_id(experiment or cfg.trainer.experiment)
         self.lookback_s = float(lookback_s)
         self.keep_recent = keep_recent
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -295,7 +318,7 @@ class BlockingVerdicts:
                 thread = threading.Thread(target=loop.run_forever, name="prm-verdicts", daemon=True)
                 thread.start()
                 waiter = VerdictWaiter(self.cfg, since=time.time() - self.lookback_s, keep_recent=self.keep_recent,
-                                       keep=self._slim)
+                                       keep=self._slim, experiment=self.experiment)
                 try:
                     asyncio.run_coroutine_threadsafe(waiter.start(), loop).result(timeout=60)
                 except BaseException:
@@ -343,11 +366,13 @@ class RewardClient:
             by the workers before the client gives up.
         decode: token ids -> text, to give scorers that read text (a judge) each turn's
             words; without it turns carry tokens only.
+        experiment: the experiment scored (docs/fleet.md); default ``trainer.experiment``.
     """
 
     def __init__(self, cfg: PipelineConfig, *, verdict_timeout_s: float | None = None,
-                 decode: Callable[[np.ndarray], str] | None = None) -> None:
+                 decode: Callable[[np.ndarray], str] | None = None, experiment: str | None = None) -> None:
         self.cfg = cfg
+        self.experiment = check_experiment_id(experiment or cfg.trainer.experiment)
         self.verdict_timeout_s = float(verdict_timeout_s if verdict_timeout_s is not None
                                        else cfg.worker.group_timeout_s + 30)
         self.decode = decode
@@ -360,9 +385,9 @@ class RewardClient:
         async with self._starting:
             if self._waiter is not None:
                 return
-            waiter = VerdictWaiter(self.cfg)
+            waiter = VerdictWaiter(self.cfg, experiment=self.experiment)
             await waiter.start()
-            publisher = TrajectoryPublisher(self.cfg.kafka, self.cfg.topics)
+            publisher = TrajectoryPublisher(self.cfg.kafka, self.cfg.topics, experiment=self.experiment)
             try:
                 await publisher.start()
             except BaseException:

@@ -363,7 +363,8 @@ async def _stop_when(stop: asyncio.Event, consumer: VerdictConsumer) -> None:
 def _configure(args: argparse.Namespace) -> PipelineConfig:
     cfg = load_config(getattr(args, "config", None))
     changes: dict[str, Any] = {
-        name: getattr(args, name) for name in ("batch_groups", "device", "filter", "exclude_neutral_turns")
+        name: getattr(args, name) for name in ("batch_groups", "device", "filter", "exclude_neutral_turns",
+                                               "experiment")
         if getattr(args, name, None) is not None
     }
     combined = getattr(args, "combined_mode", None)

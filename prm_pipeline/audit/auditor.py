@@ -6,6 +6,13 @@ concurrency (:func:`~prm_pipeline.audit.rescoring.rescore`) and keeps only the
 comparisons; :meth:`Auditor.finish` turns them into an :class:`AuditReport`. It is
 fed records by :func:`~prm_pipeline.audit.run.audit`, but takes plain bytes and
 headers, so it runs without a broker.
+
+Experiments (docs/fleet.md): two experiments may use the same group and trajectory
+ids, so groups are kept by their scoped id (:func:`infra.experiments.scoped_group`) and
+a verdict member is matched only with a trajectory of the verdict's own experiment. An
+auditor for one experiment (``experiment=``, what ``audit --experiment`` builds) counts
+and skips records that name another (``other_experiment_verdicts``,
+``other_experiment_trajectories``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from infra.chunks import ChunkAssembler, reassembled
+from infra.experiments import DEFAULT_EXPERIMENT, scoped_group, split_scoped
 from infra.schema import (
     DiscardGroup,
     GroupVerdict,
@@ -69,7 +77,12 @@ class AuditReport:
         return 1 if self.counts["differs"] else 0
 
     def by_group(self) -> dict[str, GroupFinding]:
+        """Findings by group id (an audit of one experiment; see :meth:`by_scoped_group` for several)."""
         return {f.group_id: f for f in self.findings}
+
+    def by_scoped_group(self) -> dict[str, GroupFinding]:
+        """Findings by scoped group id (:func:`infra.experiments.scoped_group`)."""
+        return {scoped_group(f.experiment_id, f.group_id): f for f in self.findings}
 
 
 class Auditor:
@@ -80,6 +93,9 @@ class Auditor:
     re-scored once (the first record of a ``trajectory_id`` wins, as in the worker) and
     compared at once against every distinct verdict listing it, so trajectories are not
     kept in memory. :meth:`finish` waits for re-scoring and returns the report.
+
+    ``experiment``: only this experiment's records are audited (``None``: every
+    experiment's, each matched within its own).
     """
 
     def __init__(
@@ -94,19 +110,22 @@ class Auditor:
         max_differences: int = 100,
         on_rescored: Callable[[int], None] | None = None,
         keep_channels: bool = False,
+        experiment: str | None = DEFAULT_EXPERIMENT,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
+        self.experiment = experiment
         self.scope, self.runner, self.tol = scope, runner, tol
         self.groups = frozenset(groups) if groups else None
         self.timeout_s, self.concurrency, self.max_differences = timeout_s, concurrency, max_differences
         self.on_rescored = on_rescored
         self.keep_channels = keep_channels  # as the workers ran (worker.keep_scorer_channels)
         self.counts: Counter[str] = Counter()
+        # Groups are keyed by scoped id, trajectories by (experiment, trajectory id).
         self._variants: dict[str, list[list[Any]]] = {}  # group -> [[verdict, copies]]
-        self._refs: dict[str, list[tuple[str, int, int]]] = {}  # trajectory id -> (group, variant, session idx)
+        self._refs: dict[tuple[str, str], list[tuple[str, int, int]]] = {}  # trajectory -> (group, variant, session)
         self._results: dict[tuple[str, int, int], SessionComparison] = {}
-        self._rescored: dict[str, bytes] = {}  # trajectory id -> digest of the record re-scored
+        self._rescored: dict[tuple[str, str], bytes] = {}  # trajectory -> digest of the record re-scored
         self._seen: dict[str, set[str]] = {}  # group -> trajectory ids on the topic
         self._discards: set[str] = set()
         self._notes: dict[str, list[str]] = {}
@@ -117,6 +136,13 @@ class Auditor:
     # ------------------------------------------------------------------ verdicts
     def wanted(self, group_id: str) -> bool:
         return self.groups is None or group_id in self.groups
+
+    def _ours(self, experiment_id: str, kind: str) -> bool:
+        """True when a record of ``experiment_id`` is audited here; else counted as another experiment's."""
+        if self.experiment is None or experiment_id == self.experiment:
+            return True
+        self.counts[f"other_experiment_{kind}"] += 1
+        return False
 
     def feed_verdict(self, value: bytes | None, headers: Any) -> GroupVerdict | None:
         """Decode and register one verdict record (skipped when filtered or undecodable)."""
@@ -136,12 +162,13 @@ class Auditor:
         except SchemaError:
             self.counts["undecodable_verdicts"] += 1
             return None
-        if not self.wanted(verdict.group_id):
+        if not self._ours(verdict.experiment_id, "verdicts") or not self.wanted(verdict.group_id):
             return None
         return verdict
 
     def add_verdict(self, verdict: GroupVerdict) -> None:
-        variants = self._variants.setdefault(verdict.group_id, [])
+        group = scoped_group(verdict.experiment_id, verdict.group_id)
+        variants = self._variants.setdefault(group, [])
         for entry in variants:
             if entry[0] == verdict:
                 entry[1] += 1
@@ -150,7 +177,7 @@ class Auditor:
         v = len(variants) - 1
         for j, session in enumerate(verdict.sessions):
             if session.status in ("scored", "failed"):
-                self._refs.setdefault(session.trajectory_id, []).append((verdict.group_id, v, j))
+                self._refs.setdefault((verdict.experiment_id, session.trajectory_id), []).append((group, v, j))
 
     @property
     def sessions_to_rescore(self) -> int:
@@ -183,21 +210,22 @@ class Auditor:
         await self._feed(message, value)
 
     async def _feed(self, message: ReadyTrajectory | DiscardGroup, value: bytes | None) -> None:
-        if not self.wanted(message.group_id):
+        if not self._ours(message.experiment, "trajectories") or not self.wanted(message.group_id):
             return
+        group = scoped_group(message.experiment, message.group_id)
         if isinstance(message, DiscardGroup):
-            self._discards.add(message.group_id)
+            self._discards.add(group)
             return
         self.add_trajectory_seen(message)
-        tid = message.trajectory_id
+        tid = (message.experiment, message.trajectory_id)
         if tid not in self._refs:
             return
         digest = hashlib.blake2b(value or b"", digest_size=16).digest()
         first = self._rescored.get(tid)
         if first is not None:
             if first != digest:
-                self._notes.setdefault(message.group_id, []).append(
-                    f"trajectory {tid!r} was published again with a different payload; the first record "
+                self._notes.setdefault(group, []).append(
+                    f"trajectory {tid[1]!r} was published again with a different payload; the first record "
                     "(the one the worker scored) was audited"
                 )
             return
@@ -209,7 +237,7 @@ class Auditor:
         self._tasks.add(task)
 
     def add_trajectory_seen(self, traj: ReadyTrajectory) -> None:
-        self._seen.setdefault(traj.group_id, set()).add(traj.trajectory_id)
+        self._seen.setdefault(scoped_group(traj.experiment, traj.group_id), set()).add(traj.trajectory_id)
 
     def _reap(self) -> None:
         for task in [t for t in self._tasks if t.done()]:
@@ -218,7 +246,7 @@ class Auditor:
 
     async def _rescore_and_compare(self, traj: ReadyTrajectory) -> None:
         result = await rescore(self.runner, traj, timeout_s=self.timeout_s, keep_channels=self.keep_channels)
-        for group_id, v, j in self._refs[traj.trajectory_id]:
+        for group_id, v, j in self._refs[(traj.experiment, traj.trajectory_id)]:
             recorded = self._variants[group_id][v][0].sessions[j]
             self._results[(group_id, v, j)] = compare_session(recorded, result, scope=self.scope, tol=self.tol)
         if self.on_rescored is not None:
@@ -235,7 +263,7 @@ class Auditor:
                 task.cancel()
             raise
         findings: list[GroupFinding] = []
-        for group_id, variants in self._variants.items():
+        for group_id, variants in self._variants.items():  # scoped ids; findings name the experiment apart
             comparisons = [
                 [
                     self._results.get((group_id, v, j))
@@ -244,17 +272,21 @@ class Auditor:
                 ]
                 for v, (verdict, _copies) in enumerate(variants)
             ]
-            findings.append(summarize_group(
-                group_id, [(verdict, copies) for verdict, copies in variants], comparisons, scope=self.scope,
+            experiment_id, bare = split_scoped(group_id)
+            finding = summarize_group(
+                bare, [(verdict, copies) for verdict, copies in variants], comparisons, scope=self.scope,
                 trajectories_seen=self._seen.get(group_id, ()), discard_seen=group_id in self._discards,
                 max_differences=self.max_differences, notes=self._notes.get(group_id, ()),
-            ))
+            )
+            finding.experiment_id = experiment_id
+            findings.append(finding)
         for group_id in sorted((set(self._seen) | self._discards) - set(self._variants)):
+            experiment_id, bare = split_scoped(group_id)
             findings.append(GroupFinding(
-                group_id=group_id, outcome="trajectory_without_verdict",
+                group_id=bare, experiment_id=experiment_id, outcome="trajectory_without_verdict",
                 trajectories=sorted(self._seen.get(group_id, ())),
                 notes=["a DiscardGroup record but no verdict"] if group_id in self._discards else [],
             ))
-        findings.sort(key=lambda f: f.group_id)
+        findings.sort(key=lambda f: (f.experiment_id, f.group_id))
         return AuditReport(findings=findings, scope=self.scope, records=dict(self.counts),
                            resume_offsets=resume_offsets)

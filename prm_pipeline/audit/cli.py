@@ -16,9 +16,11 @@ import time
 from typing import Any
 
 from infra.config import PipelineConfig
+from infra.experiments import trajectories_topic, verdicts_topic
 from prm_pipeline.audit.compare import ATOL, RTOL, Tolerance
 from prm_pipeline.audit.replay import parse_offsets
 from prm_pipeline.audit.run import AuditOptions, run_audit
+from prm_pipeline.experiment_option import add_experiment_option, experiment_of
 
 
 # =========================================================================== command line
@@ -67,12 +69,16 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=10, metavar="N", help="differing groups listed in the summary (10)")
     p.add_argument("--no-progress", "-q", "--quiet", dest="progress", action="store_const", const=False, default=None,
                    help="no progress bar (default: shown when stderr is a terminal)")
+    add_experiment_option(p, "audit this experiment: read prm.trajectories.ID and prm.verdicts.ID, match its "
+                             "records only (default: trainer.experiment)")
     p.set_defaults(func=cmd_audit)
     return p
 
 
 def options_from_args(args: argparse.Namespace, cfg: PipelineConfig) -> AuditOptions:
-    aliases = {"trajectories": cfg.topics.trajectories, "verdicts": cfg.topics.verdicts}
+    experiment = experiment_of(args, cfg)
+    aliases = {"trajectories": trajectories_topic(cfg.topics.trajectories, experiment),
+               "verdicts": verdicts_topic(cfg.topics.verdicts, experiment)}
     groups = None
     if args.groups:
         groups = [g for item in args.groups for g in item.split(",") if g]
@@ -87,6 +93,7 @@ def options_from_args(args: argparse.Namespace, cfg: PipelineConfig) -> AuditOpt
         max_differences=args.max_differences,
         progress=args.progress,
         show=args.show,
+        experiment=experiment,
     )
 
 

@@ -173,6 +173,7 @@ class GroupFinding(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     group_id: str
     outcome: GroupOutcome
+    experiment_id: str = "default"  # the group's experiment (left out of the line when "default")
     status: str = ""
     reason: str = ""
     verdict_versions: list[int] = msgspec.field(default_factory=list)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from infra.config import PipelineConfig
+from infra.experiments import DEFAULT_EXPERIMENT, trajectories_topic, verdicts_topic
 from infra.readback import VerdictTokens, needs_tokens
 from infra.schema import GroupVerdict
 from prm_pipeline.audit.auditor import Auditor, AuditReport
@@ -42,6 +43,15 @@ class AuditOptions:
     max_differences: int = 100
     progress: bool | None = None  # None: when stderr is a terminal
     show: int = 10  # differing groups listed in the summary
+    experiment: str = DEFAULT_EXPERIMENT  # whose topics are read and whose records audited (docs/fleet.md)
+
+@dataclass(frozen=True)
+class _ExperimentTopics:
+    """The two topics one audit reads: its experiment's (infra.experiments)."""
+
+    trajectories: str
+    verdicts: str
+
 
 READBACK_BATCH = 512  # referenced verdicts whose members' turns are read back together
 
@@ -56,11 +66,13 @@ async def audit(
     """Run one audit: read both topics, re-score, compare, write ``--out`` and the summary.
 
     Returns the :class:`AuditReport`; its ``exit_code`` is 1 when anything differs.
+    ``options.experiment`` picks the two topics (the experiment's own) and the records audited.
     """
     options = options or AuditOptions()
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    topics = cfg.topics
+    topics = _ExperimentTopics(trajectories_topic(cfg.topics.trajectories, options.experiment),
+                               verdicts_topic(cfg.topics.verdicts, options.experiment))
     offsets = {k: dict(v) for k, v in (options.from_offsets or {}).items()}
     stray = sorted(set(offsets) - {topics.trajectories, topics.verdicts})
     if stray:
@@ -79,7 +91,7 @@ async def audit(
                 scope=scope, runner=runner, tol=options.tolerance, groups=options.groups, timeout_s=timeout_s,
                 concurrency=options.concurrency, max_differences=options.max_differences,
                 on_rescored=lambda n: progress.advance(rescore_task, n),
-                keep_channels=cfg.worker.keep_scorer_channels,
+                keep_channels=cfg.worker.keep_scorer_channels, experiment=options.experiment,
             )
 
             def grow(task: Any) -> Callable[[int], None]:

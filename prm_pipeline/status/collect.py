@@ -9,6 +9,13 @@ Offsets: a partition's end is the high watermark of a fetch (a group-less consum
 seeks each partition to the group's committed offset and fetches once), not
 ``end_offsets`` (wrong on the embedded broker); committed offsets come from the admin
 client with the partitions named (the embedded broker cannot list them all at once).
+
+With ``experiment`` (``status --experiment ID``, docs/fleet.md) every part is about that
+experiment: the workers' lag on its trajectories topic, its trainer group's
+(:attr:`infra.config.TrainerConfig.consumer_group`) on its verdicts topic, its verdicts,
+the dead letters that came from its topic, the ledger's groups of its scope; and, from
+the workers' ``/metrics`` URLs given, its records, verdicts, in-flight records and slots
+(:mod:`prm_pipeline.status.worker_metrics`).
 """
 
 from __future__ import annotations
@@ -16,12 +23,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from aiokafka.structs import TopicPartition
 
 from infra.config import PipelineConfig
+from infra.experiments import DEFAULT_EXPERIMENT, split_scoped, trajectories_topic, verdicts_topic
 from infra.kafka import make_admin, make_consumer, partitions_of
 from infra.schema import SchemaError, decode_verdict
 from prm_pipeline.status.report import (
@@ -59,9 +69,12 @@ def _small_consumer(cfg: PipelineConfig) -> Any:
                          max_partition_fetch_bytes=max(65_536, cfg.kafka.max_message_bytes))
 
 
-def _roles(cfg: PipelineConfig) -> list[tuple[str, str, str]]:
-    return [("workers", cfg.worker.group_id, cfg.topics.trajectories),
-            ("trainer", cfg.trainer.group_id, cfg.topics.verdicts)]
+def _roles(cfg: PipelineConfig, experiment: str | None = None) -> list[tuple[str, str, str]]:
+    """``(role, consumer group, topic)`` of the workers and the trainer (of ``experiment``'s topics)."""
+    exp = experiment or DEFAULT_EXPERIMENT
+    trainer = msgspec.structs.replace(cfg.trainer, experiment=exp).consumer_group
+    return [("workers", cfg.worker.group_id, trajectories_topic(cfg.topics.trajectories, exp)),
+            ("trainer", trainer, verdicts_topic(cfg.topics.verdicts, exp))]
 
 
 async def _members(admin: Any, groups: list[str]) -> dict[str, tuple[int | None, str]]:
@@ -102,14 +115,14 @@ async def _watermarks(cfg: PipelineConfig, start: dict[TopicPartition, int], tim
         await consumer.stop()
 
 
-async def sample_lag(cfg: PipelineConfig, *, timeout_s: float = 10.0) -> LagSample:
+async def sample_lag(cfg: PipelineConfig, *, timeout_s: float = 10.0, experiment: str | None = None) -> LagSample:
     """Committed offsets, ends and members of the workers' and the trainer's groups."""
     admin = make_admin(cfg.kafka)
     await admin.start()
     probe = _small_consumer(cfg)
     await probe.start()
     try:
-        roles = _roles(cfg)
+        roles = _roles(cfg, experiment)
         members = await _members(admin, [g for _, g, _ in roles])
         committed: dict[tuple[str, str], dict[TopicPartition, tuple[int | None, int]]] = {}
         start: dict[TopicPartition, int] = {}
@@ -139,10 +152,11 @@ def _lag(end: int, committed: int | None, first: int) -> int:
     return max(0, end - (committed if committed is not None else first))
 
 
-def lag_report(cfg: PipelineConfig, now: LagSample, before: LagSample | None) -> list[GroupLag]:
+def lag_report(cfg: PipelineConfig, now: LagSample, before: LagSample | None,
+               experiment: str | None = None) -> list[GroupLag]:
     """Per-group lag from ``now``; growth and produced records against ``before``."""
     out = []
-    for role, group, topic in _roles(cfg):
+    for role, group, topic in _roles(cfg, experiment):
         per = now.offsets.get((role, group), {})
         parts = [PartitionLag(p, end, c, _lag(end, c, first)) for p, (end, c, first) in sorted(per.items())]
         members, state = now.members.get(group, (None, "unknown"))
@@ -157,8 +171,12 @@ def lag_report(cfg: PipelineConfig, now: LagSample, before: LagSample | None) ->
     return out
 
 
-async def ledger_summary(cfg: PipelineConfig, *, now_ms: int | None = None) -> tuple[LedgerSummary, WorkersSummary]:
-    """The ledger's unfinished groups and Redis memory, and the workers' heartbeats."""
+async def ledger_summary(cfg: PipelineConfig, *, now_ms: int | None = None,
+                         experiment: str | None = None) -> tuple[LedgerSummary, WorkersSummary]:
+    """The ledger's unfinished groups and Redis memory, and the workers' heartbeats.
+
+    With ``experiment``, only that experiment's groups (by their scoped ids) of the
+    sampled ones count; ``indexed`` stays the whole ledger's."""
     from scoring_workers.heartbeat import ALIVE_S
     from scoring_workers.ledger import GroupLedger
 
@@ -173,6 +191,8 @@ async def ledger_summary(cfg: PipelineConfig, *, now_ms: int | None = None) -> t
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     ages = sorted((WorkerBeat(w, max(0.0, (now_ms - ms) / 1000)) for w, ms in beats), key=lambda b: b.age_s)
     workers = WorkersSummary(ALIVE_S, [b for b in ages if b.age_s < ALIVE_S], [b for b in ages if b.age_s >= ALIVE_S])
+    if experiment is not None:
+        groups = [g for g in groups if split_scoped(g.group_id)[0] == experiment]
     open_groups = [g for g in groups if g.status == "open"]
     decided = [g for g in groups if g.status == "decided"]
     summary = LedgerSummary(indexed=total, sampled=len(groups), open=len(open_groups), decided=len(decided),
@@ -225,17 +245,26 @@ async def _read_since(cfg: PipelineConfig, topic: str, since_ms: int, cap: int, 
         await consumer.stop()
 
 
-async def dead_letter_summary(cfg: PipelineConfig, window_s: float, timeout_s: float) -> DeadLetterSummary:
+async def dead_letter_summary(cfg: PipelineConfig, window_s: float, timeout_s: float,
+                              experiment: str | None = None) -> DeadLetterSummary:
+    """Dead letters of the last ``window_s`` by error class (with ``experiment``: those that
+    came from its trajectories topic)."""
     since_ms = int((time.time() - window_s) * 1000)
     records, truncated = await _read_since(cfg, cfg.topics.dead_letters, since_ms, MAX_DEAD_LETTERS, timeout_s)
+    source = trajectories_topic(cfg.topics.trajectories, experiment).encode() if experiment is not None else None
     reasons: Counter[str] = Counter()
+    count = 0
     for r in records:
         headers = {k: v for k, v in (r.headers or ())}
+        if source is not None and headers.get("prm-dl-source-topic") != source:
+            continue
+        count += 1
         reasons[(headers.get("prm-dl-error-class") or b"unknown").decode(errors="replace")] += 1
-    return DeadLetterSummary(window_s, len(records), reasons.most_common(5), truncated)
+    return DeadLetterSummary(window_s, count, reasons.most_common(5), truncated)
 
 
-async def verdict_summary(cfg: PipelineConfig, window_s: float, timeout_s: float) -> VerdictSummary:
+async def verdict_summary(cfg: PipelineConfig, window_s: float, timeout_s: float,
+                          experiment: str | None = None) -> VerdictSummary:
     """Rate, statuses and latency of the verdicts published in the last ``window_s``.
 
     Latency per member: its trajectory's ``created_at`` to the verdict record's timestamp;
@@ -243,7 +272,8 @@ async def verdict_summary(cfg: PipelineConfig, window_s: float, timeout_s: float
     from shaper.metrics import reason_key
 
     since_ms = int((time.time() - window_s) * 1000)
-    records, truncated = await _read_since(cfg, cfg.topics.verdicts, since_ms, MAX_VERDICTS, timeout_s)
+    topic = verdicts_topic(cfg.topics.verdicts, experiment or DEFAULT_EXPERIMENT)
+    records, truncated = await _read_since(cfg, topic, since_ms, MAX_VERDICTS, timeout_s)
     statuses: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     latency: list[float] = []
@@ -292,28 +322,41 @@ async def _bounded(report: StatusReport, part: str, coro: Any, timeout_s: float)
 
 async def collect(cfg: PipelineConfig, *, previous: LagSample | None = None, sample_s: float = 2.0,
                   dead_letter_window_s: float = 600.0, verdict_window_s: float = 60.0,
-                  timeout_s: float = 10.0) -> tuple[StatusReport, LagSample | None]:
+                  timeout_s: float = 10.0, experiment: str | None = None,
+                  worker_metrics: Sequence[str] = ()) -> tuple[StatusReport, LagSample | None]:
     """One status report, and the lag sample to compare the next one with.
 
     Without ``previous`` the lag is sampled twice, ``sample_s`` apart, so that a growing
     lag shows in a single run; with it (``--watch``) once, against ``previous``.
+    ``experiment`` scopes every part (module docstring); ``worker_metrics`` are the
+    workers' ``/metrics`` URLs its fleet share is read from (needs ``experiment``).
     """
-    report = StatusReport(at=time.time())
+    report = StatusReport(at=time.time(), experiment=experiment)
     first = previous
     if first is None:
-        first = await _bounded(report, "kafka", sample_lag(cfg, timeout_s=timeout_s), timeout_s * 2)
+        first = await _bounded(report, "kafka", sample_lag(cfg, timeout_s=timeout_s, experiment=experiment),
+                               timeout_s * 2)
         if first is not None:
             await asyncio.sleep(sample_s)
-    ledger_task = asyncio.ensure_future(_bounded(report, "redis", ledger_summary(cfg), timeout_s))
+    ledger_task = asyncio.ensure_future(_bounded(report, "redis", ledger_summary(cfg, experiment=experiment),
+                                                 timeout_s))
+    fleet_task = None
+    if experiment is not None and worker_metrics:
+        from prm_pipeline.status.worker_metrics import scrape
+
+        fleet_task = asyncio.ensure_future(scrape(worker_metrics, experiment, timeout_s=timeout_s))
     latest = None
     if "kafka" not in report.errors:
-        latest = await _bounded(report, "kafka", sample_lag(cfg, timeout_s=timeout_s), timeout_s * 2)
+        latest = await _bounded(report, "kafka", sample_lag(cfg, timeout_s=timeout_s, experiment=experiment),
+                                timeout_s * 2)
     if latest is not None:
-        report.lags = lag_report(cfg, latest, first if first is not latest else None)
+        report.lags = lag_report(cfg, latest, first if first is not latest else None, experiment)
         report.dead_letters = await _bounded(report, "dead_letters", dead_letter_summary(
-            cfg, dead_letter_window_s, timeout_s), timeout_s * 2)
-        report.verdicts = await _bounded(report, "verdicts", verdict_summary(cfg, verdict_window_s, timeout_s),
-                                         timeout_s * 2)
+            cfg, dead_letter_window_s, timeout_s, experiment), timeout_s * 2)
+        report.verdicts = await _bounded(report, "verdicts", verdict_summary(
+            cfg, verdict_window_s, timeout_s, experiment), timeout_s * 2)
+    if fleet_task is not None:
+        report.fleet = await fleet_task  # each endpoint bounded by timeout_s; failures are listed, not raised
     redis_part = await ledger_task
     if redis_part is not None:
         report.ledger, report.workers = redis_part

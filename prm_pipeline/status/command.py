@@ -31,6 +31,13 @@ def add_status_parser(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="bound of each read (default 10)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
                    help="with --watch: serve the latest report as Prometheus gauges on P (/metrics)")
+    from prm_pipeline.experiment_option import add_experiment_option
+
+    add_experiment_option(p, "report on this experiment: lag on its topics, its trainer group, verdicts, dead "
+                             "letters and open groups (default: the default experiment's topics, the whole ledger)")
+    p.add_argument("--worker-metrics", action="append", default=None, metavar="URL",
+                   help="with --experiment: a worker's /metrics URL (repeatable); the experiment's records, "
+                        "verdicts, in-flight records and slots are summed over them")
     p.set_defaults(func=cmd_status)
 
 
@@ -40,6 +47,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 2
     if args.watch is not None and args.watch <= 0:
         print("error: --watch must be > 0 seconds", file=sys.stderr)
+        return 2
+    if args.worker_metrics and args.experiment is None:
+        print("error: --worker-metrics needs --experiment ID (it reads that experiment's series)", file=sys.stderr)
+        return 2
+    bad = [u for u in args.worker_metrics or () if not u.startswith(("http://", "https://"))]
+    if bad:
+        print(f"error: --worker-metrics {bad[0]!r}: expected an http:// or https:// URL of a worker's /metrics",
+              file=sys.stderr)
         return 2
     cfg = load_config(getattr(args, "config", None))
     try:
@@ -56,7 +71,8 @@ async def _run(cfg: Any, args: argparse.Namespace) -> int:
     from prm_pipeline.status.render import render
 
     opts = {"dead_letter_window_s": args.dead_letter_window * 60, "verdict_window_s": args.verdict_window,
-            "timeout_s": args.timeout, "sample_s": args.sample}
+            "timeout_s": args.timeout, "sample_s": args.sample, "experiment": args.experiment,
+            "worker_metrics": tuple(args.worker_metrics or ())}
     console = Console()
     if args.watch is None:
         report, _ = await collect(cfg, **opts)

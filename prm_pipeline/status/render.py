@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from prm_pipeline.status.report import StatusReport
+from prm_pipeline.status.report import ExperimentSummary, StatusReport
 
 
 def _seconds(value: float | None) -> str:
@@ -26,10 +26,23 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
+def fleet_line(fleet: ExperimentSummary) -> str:
+    """One line of the experiment's series summed over the workers read."""
+    read = f"{fleet.sources} worker(s) read" + (f", {len(fleet.unreachable)} unreachable" if fleet.unreachable else "")
+    if not fleet.present:
+        return f"fleet ({read}): no series of experiment {fleet.experiment}"
+    records = ", ".join(f"{k} {v:.0f}" for k, v in sorted(fleet.records.items())) or "none"
+    verdicts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(fleet.verdicts.items())) or "none"
+    in_flight = "-" if fleet.in_flight is None else f"{fleet.in_flight:.0f}"
+    slots = "-" if fleet.slots is None else f"{fleet.slots:.0f}"
+    return (f"fleet ({read}): records {records}; verdicts {verdicts}; in flight {in_flight} of {slots} slots")
+
+
 def render(report: StatusReport) -> Group:
     """The report as a header line, a lag table, and ledger / verdict / dead-letter lines."""
     when = time.strftime("%H:%M:%S", time.localtime(report.at))
-    head = Text(f"prm-pipeline status at {when}: ")
+    about = f" of experiment {report.experiment}" if report.experiment is not None else ""
+    head = Text(f"prm-pipeline status{about} at {when}: ")
     head.append("HEALTHY" if report.healthy else "UNHEALTHY", style="bold green" if report.healthy else "bold red")
     parts: list[object] = [head]
     if report.lags:
@@ -66,6 +79,9 @@ def render(report: StatusReport) -> Group:
         parts.append(Text(f"verdicts (last {v.window_s:.0f}s): {v.count} = {v.per_second:.1f}/s ({statuses})"
                           f"{'; top reasons ' + reasons if reasons else ''}; latency p50 {_seconds(v.latency_p50_s)} "
                           f"p99 {_seconds(v.latency_p99_s)}{'; stage p50 ' + stages if stages else ''}"))
+    fleet = report.fleet
+    if fleet is not None:
+        parts.append(Text(fleet_line(fleet)))
     dl = report.dead_letters
     if dl is not None:
         top = ", ".join(f"{r} x{n}" for r, n in dl.top)

@@ -9,7 +9,8 @@ heartbeat younger than ``ALIVE_S``; without Redis, no consumer-group member), a 
 group's lag growing over the sampling window, the oldest open group past
 :data:`NEAR_TIMEOUT_SHARE` of ``worker.group_timeout_s``. Warnings (shown, exit code 0):
 workers that stopped beating without leaving, dead letters in the window, decided groups whose verdict is overdue, Redis memory near
-``maxmemory``, a trainer group that is not consuming.
+``maxmemory``, a trainer group that is not consuming; with ``--experiment``, worker metrics
+endpoints that did not answer and an experiment no worker exports series for.
 """
 
 from __future__ import annotations
@@ -125,6 +126,21 @@ class VerdictSummary:
 
 
 @dataclass
+class ExperimentSummary:
+    """One experiment's share of the fleet (``status --experiment``), summed over the workers'
+    ``/metrics`` read (:mod:`prm_pipeline.status.worker_metrics`)."""
+
+    experiment: str
+    sources: int = 0  # worker endpoints read
+    present: bool = False  # some worker exported a series of this experiment
+    records: dict[str, float] = field(default_factory=dict)  # kind -> records consumed
+    verdicts: dict[str, float] = field(default_factory=dict)  # status -> verdicts published
+    in_flight: float | None = None  # records being scored now
+    slots: float | None = None  # in-flight slots its share gives it
+    unreachable: list[str] = field(default_factory=list)  # "url: why" of endpoints that did not answer
+
+
+@dataclass
 class Problem:
     severity: Severity
     check: str  # stable name: kafka_unreachable, no_live_worker, lag_growing, group_near_timeout, ...
@@ -139,6 +155,8 @@ class StatusReport:
     workers: WorkersSummary | None = None
     dead_letters: DeadLetterSummary | None = None
     verdicts: VerdictSummary | None = None
+    experiment: str | None = None  # status --experiment: the report is about this experiment's topics and groups
+    fleet: ExperimentSummary | None = None  # its series from the workers' /metrics (--worker-metrics)
     errors: dict[str, str] = field(default_factory=dict)  # part ("kafka", "redis", ...) -> why it could not be read
     problems: list[Problem] = field(default_factory=list)
 
@@ -209,6 +227,16 @@ def assess(report: StatusReport) -> list[Problem]:
         problems.append(Problem("warning", "dead_letters",
                                 f"{dl.count}{'+' if dl.truncated else ''} dead letter(s) in the last "
                                 f"{dl.window_s / 60:g} min: {top}"))
+    fleet = report.fleet
+    if fleet is not None and fleet.unreachable:
+        problems.append(Problem("warning", "worker_metrics_unreachable",
+                                f"{len(fleet.unreachable)} worker metrics endpoint(s) did not answer: "
+                                + "; ".join(fleet.unreachable[:3])))
+    if fleet is not None and fleet.sources and not fleet.present:
+        problems.append(Problem("warning", "experiment_not_served",
+                                f"none of the {fleet.sources} worker(s) read exports a series of experiment "
+                                f"{fleet.experiment!r} (not registered, removed, or workers without per-experiment "
+                                "metrics)"))
     trainer = report.group("trainer")
     if trainer is not None and not trainer.active and trainer.total:
         problems.append(Problem("warning", "trainer_idle",

@@ -189,7 +189,7 @@ async def test_durable_store_dedupes_across_restarts(pipeline_config, unique_nam
         assert groups_of(await collect(consumer, 1)) == ["g1"]
     # Leaving the block normally acknowledged g1: it is in the store.
     store = SqliteDedupeStore(store_path)
-    key: DedupeKey = ("g1", 1)
+    key: DedupeKey = ("default", "g1", 1)
     assert store.contains(key) and len(store) == 1
     store.close()
 
