@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from infra.config import PipelineConfig
+from infra.config import PipelineConfig, PRMConfig
 from infra.experiments import DEFAULT_EXPERIMENT, trajectories_topic, verdicts_topic
 from infra.readback import VerdictTokens, needs_tokens
 from infra.schema import GroupVerdict
@@ -56,6 +56,23 @@ class _ExperimentTopics:
 READBACK_BATCH = 512  # referenced verdicts whose members' turns are read back together
 
 
+async def _scorers_of(cfg: PipelineConfig, experiment: str) -> tuple[PRMConfig, Any]:
+    """The scorer stack the workers score ``experiment`` with, and the judge hosts it may call:
+    the config file's for the default experiment, the registry's declaration otherwise (under
+    the same allow-lists a worker applies, docs/security.md)."""
+    if experiment == DEFAULT_EXPERIMENT:
+        return cfg.prm, cfg.worker.allowed_judge_hosts
+    from infra.registry import read_registry
+    from scoring_workers.scorers.judge_hosts import effective_allow_list
+
+    entry = (await read_registry(cfg)).get(experiment)
+    if entry is None or entry.spec is None:
+        why = entry.error if entry is not None else "not declared"
+        raise AuditError(f"experiment {experiment!r} has no declaration in {cfg.topics.experiments} to re-score "
+                         f"with ({why}); `prm-pipeline experiment list` shows what it holds")
+    return entry.spec.prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts)
+
+
 async def audit(
     cfg: PipelineConfig,
     options: AuditOptions | None = None,
@@ -79,8 +96,9 @@ async def audit(
         raise AuditError(f"--from-offsets names {stray}; only {topics.trajectories!r} and {topics.verdicts!r} "
                          "are audited")
     timeout_s = options.timeout_s if options.timeout_s is not None else cfg.worker.scorer_timeout_s
-    with judge_hosts_allowed(cfg.worker.allowed_judge_hosts):  # re-scoring calls judges too
-        scope, runner, owned = await build_runners(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+    prm, hosts = await _scorers_of(cfg, options.experiment)
+    with judge_hosts_allowed(hosts):  # re-scoring calls judges too
+        scope, runner, owned = await build_runners(prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
     try:
         progress = _progress(stderr, options.progress)
         with progress:

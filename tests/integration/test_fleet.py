@@ -7,6 +7,7 @@ registry topic exactly as ``prm-pipeline experiment add`` writes them.
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 import uuid
 
@@ -15,9 +16,10 @@ import pytest
 
 from infra.config import PipelineConfig, PRMConfig, PRMScorerConfig
 from infra.experiments import trajectories_topic, verdicts_topic
-from infra.kafka import ensure_topics
+from infra.kafka import ensure_topics, make_producer
 from infra.registry import ExperimentSpec, publish_removal, publish_spec
-from infra.schema import GroupVerdict, decode_verdict
+from infra.schema import GroupVerdict, decode_verdict, encode
+from prm_pipeline.audit.run import AuditOptions, audit
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from tests.integration.harness import read_topic, running_worker, with_scorers
@@ -57,11 +59,21 @@ async def _serving(worker, experiment_id: str, *, present: bool = True, timeout_
 
 
 async def _publish(cfg: PipelineConfig, experiment_id: str | None, messages, *, topic_of: str | None = None) -> None:
-    """Publish ``messages`` stamped with ``experiment_id`` to that experiment's topic (or ``topic_of``'s)."""
-    stamped = [msgspec.structs.replace(m, experiment_id=experiment_id) for m in messages] if experiment_id else messages
-    topic = trajectories_topic(cfg.topics.trajectories, topic_of or experiment_id or "default")
-    async with TrajectoryPublisher(cfg.kafka, msgspec.structs.replace(cfg.topics, trajectories=topic)) as pub:
-        await pub.publish_many(stamped)
+    """Publish ``messages`` of ``experiment_id`` to its topic as a producer does, or — ``topic_of`` —
+    stamped with it onto another experiment's topic, as a misconfigured producer would."""
+    if topic_of is None:
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics, experiment=experiment_id or "default") as pub:
+            await pub.publish_many(messages)
+        return
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        for m in messages:
+            value, headers = encode(msgspec.structs.replace(m, experiment_id=experiment_id))
+            await producer.send_and_wait(trajectories_topic(cfg.topics.trajectories, topic_of), value,
+                                         key=m.group_id.encode(), headers=headers)
+    finally:
+        await producer.stop()
 
 
 async def _verdicts(cfg: PipelineConfig, experiment_id: str, groups: set[str], timeout_s: float = 30,
@@ -90,6 +102,11 @@ async def test_hot_added_experiment_is_scored_with_its_own_scorers_and_same_grou
     assert [s.name for s in default.scorers] == ["length_budget"]
     assert [s.name for s in scoped.scorers] == ["slow"]  # the experiment's own stack
     assert len(default.sessions) == len(scoped.sessions) == 2  # one group each, never merged
+    # the audit of the experiment re-scores with the registry's stack and finds the verdict right
+    report = await audit(cfg, AuditOptions(experiment="exp-a", groups=[gid], progress=False), stdout=io.StringIO(),
+                         stderr=io.StringIO())
+    assert [s.name for s in report.scope.scorers] == ["slow"]
+    assert (report.counts["identical"], report.exit_code) == (1, 0), report.counts
 
 
 async def test_a_record_of_an_unknown_experiment_rejects_its_group(pipeline_config) -> None:
