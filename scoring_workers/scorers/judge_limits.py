@@ -415,21 +415,17 @@ _QUOTAS: dict[tuple[str, str], QuotaLimits] = {}
 
 def acquire_quota(quota: JudgeQuota | None, base_url: str) -> QuotaLimits | None:
     """Take a reference to ``quota``'s limits on ``base_url`` (``None`` when there is
-    nothing to limit). Every client of one scope must carry the same quota: a different
-    one for a scope that is still registered is a :class:`ValueError`."""
+    nothing to limit). Clients of one scope share its limits; a *different* quota for the
+    scope (an experiment re-declared with new quotas) registers new limits that clients
+    built from now on share, while the clients still open keep the old ones until they
+    close (the old runner finishes its records under the quota it started with)."""
     if quota is None or quota.unlimited:
         return None
     key = (quota.scope, _registry_key(base_url))
     with _REGISTRY_LOCK:
         limits = _QUOTAS.get(key)
-        if limits is None:
+        if limits is None or limits.quota != quota:
             limits = _QUOTAS[key] = QuotaLimits(quota, key[1])
-        elif limits.quota != quota:
-            raise ValueError(
-                f"judge quota of experiment {quota.scope!r} on {key[1]} is already registered as "
-                f"max_in_flight={limits.quota.max_in_flight}, rps={limits.quota.rps} by clients still open; "
-                f"close them before changing it to max_in_flight={quota.max_in_flight}, rps={quota.rps}"
-            )
         limits.refs += 1
         return limits
 

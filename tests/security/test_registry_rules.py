@@ -70,7 +70,7 @@ async def test_a_record_naming_code_or_hosts_outside_the_workers_lists_is_refuse
     cfg = with_scorers(pipeline_config, LENGTH)  # allowed: scoring_workers.scorers, tests.scorers; no judge hosts
     evil = _spec("exp-evil", PRMScorerConfig("tests.security.registry_payload.Payload"))
     judge = _spec("exp-judge", PRMScorerConfig(
-        "scoring_workers.scorers.openclaw.OpenClawPRMScorer",
+        "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
         kwargs={"base_url": "http://exfiltrate.example:8000/v1", "model": "judge"}))
     gid = f"evil-{uuid.uuid4().hex[:6]}"
     async with running_worker(cfg, "w-registry-rules") as worker:
@@ -104,7 +104,7 @@ def test_experiment_add_refuses_a_file_outside_the_allow_lists_before_connecting
     config.write_text(yaml.safe_dump({"kafka": {"bootstrap": "127.0.0.1:1", "startup_timeout_s": 30}}))
     for name, scorer, needle in [
         ("code", {"path": "tests.security.registry_payload.Payload"}, "not under the allowed prefixes"),
-        ("host", {"path": "scoring_workers.scorers.openclaw.OpenClawPRMScorer",
+        ("host", {"path": "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
                   "kwargs": {"base_url": "http://exfiltrate.example:8000/v1", "model": "judge"}},
          "worker.allowed_judge_hosts"),
     ]:

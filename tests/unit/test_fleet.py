@@ -62,3 +62,25 @@ async def test_the_default_experiment_cannot_be_removed() -> None:
     fleet = _fleet()
     await fleet.apply(RegistryRecord("default", None, 0))
     assert fleet.get("default") is not None and fleet.get("default").retire_at is None
+
+
+async def test_a_declared_judge_quota_reaches_the_experiments_judge_clients_and_a_new_one_replaces_it() -> None:
+    from infra.registry import JudgeQuotaSpec
+    from scoring_workers.scorers.judge_limits import all_quotas
+
+    cfg = PipelineConfig(worker=WorkerConfig(allowed_scorer_modules=["scoring_workers.scorers"],
+                                             allowed_judge_hosts=["127.0.0.1"]))
+    fleet = Fleet(cfg, None)
+    judge = PRMScorerConfig("scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+                            kwargs={"base_url": "http://127.0.0.1:9/v1", "model": "judge"})
+
+    def spec(quota: JudgeQuotaSpec) -> ExperimentSpec:
+        return ExperimentSpec(experiment_id="exp-q", prm=PRMConfig(scorers=[judge]), judge_quota=quota)
+
+    await fleet.apply(RegistryRecord("exp-q", spec(JudgeQuotaSpec(max_in_flight=3, rps=50)), 0))
+    (quota,) = [q for q in all_quotas() if q.scope == "exp-q"]
+    assert (quota.quota.max_in_flight, quota.quota.rps) == (3, 50)
+    await fleet.apply(RegistryRecord("exp-q", spec(JudgeQuotaSpec(max_in_flight=1)), 1))  # re-declared
+    assert fleet.get("exp-q").spec.judge_quota.max_in_flight == 1
+    await fleet.aclose()
+    assert not [q for q in all_quotas() if q.scope == "exp-q"]  # released with the runners

@@ -96,14 +96,15 @@ async def test_clients_of_one_scope_share_its_quota_per_endpoint_and_release_it(
             qa, qb = first.endpoint_quotas
             assert qa is not None and qb is not None and qa is not qb  # one quota per endpoint of the pool
             assert second.endpoint_quotas == (qa,) and qa.refs == 2 and qb.refs == 1
-            with pytest.raises(ValueError, match="already registered as max_in_flight=1"):
-                _client(a.base_url, JudgeQuota("share", max_in_flight=5))
-            assert qa.refs == 2  # the refused client took nothing
+            redeclared = _client(a.base_url, JudgeQuota("share", max_in_flight=5))  # the experiment re-declared
+            (qn,) = redeclared.endpoint_quotas
+            assert qn is not qa and qn.quota.max_in_flight == 5  # new clients take the new quota ...
+            assert qa.refs == 2 and qa.quota.max_in_flight == 1  # ... open ones keep theirs until they close
+            redeclared.discard()
         finally:
             first.discard()
             second.discard()
         assert not [q for q in all_quotas() if q.scope == "share"]
-        _client(a.base_url, JudgeQuota("share", max_in_flight=5)).discard()  # free to change once released
 
 
 # --------------------------------------------------------------------------- caps
