@@ -4,10 +4,12 @@ A worker scores at most ``worker.concurrency`` records at once. With several
 experiments, one experiment's backlog must not take every slot: each *busy*
 experiment (one with records in flight) gets a share of the slots proportional to its
 weight, capped by its own ``max_in_flight`` quota; what a capped experiment cannot use
-goes to the others (water-filling), so a lone experiment still uses the whole worker.
-Every *idle* experiment keeps one slot in reserve — its next record must find a free
-slot to be fetched at all, and once it is in flight the experiment is busy and gets
-its full share at the next poll. The worker pauses the partitions of every experiment
+goes to the others (water-filling). One slot stays in reserve for the *idle* experiments
+together (not one each: a worker serving twenty experiments must not idle twenty slots)
+— the next record of any idle experiment finds it free, and once that record is in
+flight its experiment is busy and gets its full share at the next poll; the busy
+experiments, over their new shares, are paused until they are under them. So a lone
+busy experiment uses every slot but one. The worker pauses the partitions of every experiment
 at or over its share (:meth:`scoring_workers.worker.Worker._apply_backpressure`), which
 is how one experiment's backlog waits in Kafka instead of in the worker.
 
@@ -32,14 +34,15 @@ def slot_caps(concurrency: int, weights: Mapping[str, float], in_flight: Mapping
     ``weights`` names every experiment the worker serves (weight > 0); ``in_flight``
     their records in flight now (missing = 0); ``quotas`` their ``max_in_flight``
     (missing or None = no quota). Caps of busy experiments sum to at most
-    ``concurrency`` minus the idle experiments' reserve; an idle experiment's cap is 1
-    (0 when its quota is 0 — never: quotas are >= 1).
+    ``concurrency`` minus the one reserved slot (when some experiment is idle); an idle
+    experiment's cap is 1 (the shared reserve: whichever idle experiment's record comes
+    first takes it; the worker's overall ``concurrency`` bound still holds).
     """
     quotas = quotas or {}
     idle = [e for e in weights if in_flight.get(e, 0) <= 0]
     busy = [e for e in weights if in_flight.get(e, 0) > 0]
     caps = {e: 1 for e in idle}
-    free = max(len(busy), concurrency - len(idle))  # a busy experiment always keeps at least one slot
+    free = max(len(busy), concurrency - (1 if idle else 0))  # a busy experiment always keeps at least one slot
     open_ = {e: float(quotas.get(e) or concurrency) for e in busy}
     shares: dict[str, float] = {}
     while open_:  # water-filling: hand out by weight, give what a quota cannot use to the others

@@ -27,9 +27,11 @@ def test_more_experiments_than_slots_still_gives_each_busy_one_a_slot() -> None:
     assert all(c >= 1 for c in caps.values())
 
 
-def test_caps_of_busy_experiments_never_exceed_what_the_idle_reserve_leaves() -> None:
+def test_idle_experiments_share_one_reserved_slot_however_many_they_are() -> None:
     weights = {"a": 1, "b": 2, "c": 5, "d": 1}
     caps = slot_caps(64, weights, {"a": 10, "b": 3})
     assert caps["c"] == caps["d"] == 1
-    assert caps["a"] + caps["b"] <= 64 - 2
+    assert caps["a"] + caps["b"] == 64 - 1
     assert caps["b"] >= 2 * caps["a"] - 1
+    twenty = slot_caps(32, {f"e{i}": 1 for i in range(20)}, {"e0": 40})
+    assert twenty["e0"] == 31 and all(twenty[f"e{i}"] == 1 for i in range(1, 20))
