@@ -220,8 +220,10 @@ async def test_trailers_are_not_headers_of_the_answer():
             await transport.aclose()
 
 
-async def test_answer_to_the_end_of_the_connection_in_pieces():
-    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n"
+@pytest.mark.parametrize("framing", [b"Content-Type: application/json", b"Transfer-Encoding: chunked, identity"])
+async def test_answer_to_the_end_of_the_connection_in_pieces(framing):
+    # no length, and chunked not the last coding: the body ends with the connection
+    head = b"HTTP/1.1 200 OK\r\n" + framing + b"\r\n\r\n"
     async with Scripted([[head, b'{"ok"', b": true}", CLOSE]]) as srv:
         transport = HttpTransport()
         try:
