@@ -1,13 +1,22 @@
-"""HTTP/1.1 for the judge client: keep-alive connections on asyncio protocols, nothing more.
+"""HTTP/1.1 for the judge client: keep-alive connections on asyncio protocols, answers parsed by llhttp.
 
-Why not an HTTP library: a judge call is a small JSON POST and a small JSON answer, and
-at a worker's rates (thousands of calls per second, C = 128 in flight) the library's
-per-request machinery was the cost. aiohttp spent ≈ 220 µs of CPU per call in its
-request and response objects, connector and stream readers — three times a bare
-asyncio-streams exchange (``prm-pipeline bench judge`` measures both). An
-:class:`HttpTransport` sends the same bytes at close to the bare cost: one
-:class:`asyncio.Protocol` per connection, a request head built once per URL, a response
-parsed from the bytes the socket delivered.
+Why a transport of our own rather than an HTTP client library: a judge call is a small
+JSON POST and a small JSON answer, and at a worker's rates (thousands of calls per
+second, C = 128 in flight) a client library's per-request machinery was the cost.
+aiohttp spent ≈ 220 µs of CPU per call in its request and response objects, connector
+and stream readers — three times a bare asyncio-streams exchange (``prm-pipeline bench
+judge`` measures both). An :class:`HttpTransport` sends the same bytes at close to the
+bare cost: one :class:`asyncio.Protocol` per connection, a request head built once per
+URL, the answer fed straight from ``data_received`` to a parser.
+
+The parsing is not ours: each connection owns an :class:`httptools.HttpResponseParser`
+(llhttp, Node.js's HTTP parser, as uvicorn uses it), strict by default — status line,
+headers, ``Content-Length``, chunked encoding with extensions and trailers, keep-alive
+rules. Its callbacks only keep what the client needs (status, body, ``Retry-After``)
+and enforce the size limits. What httptools does not expose is the end of the
+connection as the end of an answer (llhttp's ``finish``): an answer framed by neither
+``Content-Length`` nor chunked encoding is complete when the connection ends, which
+the protocol's ``eof_received`` / ``connection_lost`` decide from the headers seen.
 
 What it speaks — what judges (SGLang, vLLM, any OpenAI-compatible server) answer:
 
@@ -16,8 +25,11 @@ What it speaks — what judges (SGLang, vLLM, any OpenAI-compatible server) answ
   (its ``connection_lost`` arrives first), one idle longer than ``idle_timeout_s`` is
   closed rather than reused (servers drop idle connections after a few seconds).
 * Answers with ``Content-Length``, ``Transfer-Encoding: chunked`` or neither (read to
-  the end of the connection); ``1xx`` interim answers skipped; ``Connection: close``
-  and HTTP/1.0 honoured. No compression is asked for (no ``Accept-Encoding``), no
+  the end of the connection); ``1xx`` interim answers skipped (a ``101`` upgrade, never
+  asked for, is an error); ``Connection: close`` and HTTP/1.0 honoured. What llhttp
+  refuses — a bad status line, ``Content-Length`` together with chunked encoding, two
+  different lengths — fails the exchange with llhttp's reason; bytes after the answer
+  close the connection (out of step) once the answer is delivered. No compression is asked for (no ``Accept-Encoding``), no
   redirect is followed (a 3xx is an answer like any other).
 * ``http`` and ``https`` (verified TLS, the system's CA bundle). User info in the URL
   becomes ``Authorization: Basic``, as other clients do.
@@ -43,10 +55,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
+import httptools
+
 __all__ = ["AiohttpTransport", "HttpTransport", "Transport", "TransportError", "check_headers"]
 
 _MAX_HEAD = 64 * 1024  # status line + headers; a judge's are a few hundred bytes
 _MAX_BODY = 256 * 1024 * 1024  # a teacher's log-probs of a long context are a few MB
+_MAX_WIRE = 2 * _MAX_BODY  # an answer's bytes, framing and trailers included
 _SMALL = 16 * 1024  # bodies up to this size are sent in one write with the head
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -101,10 +116,16 @@ def check_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 # --------------------------------------------------------------------------- one connection
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection: sends a request, parses its answer, one at a time."""
+    """One keep-alive connection: sends a request, reads its answer, one at a time.
 
-    __slots__ = ("_body", "_buf", "_chunk_left", "_chunked", "_got_bytes", "_keep_alive", "_length", "_owner",
-                 "_retry_after", "_status", "_waiter", "idle_since", "open", "origin", "transport")
+    The answer's bytes go to an llhttp parser (one per connection, kept across answers)
+    whose callbacks are the ``on_*`` methods below; they only collect what the client
+    needs and enforce the size limits. A callback's :class:`ValueError` stops parsing and
+    fails the exchange with its message."""
+
+    __slots__ = ("_body", "_body_size", "_got_bytes", "_has_length", "_head_left", "_keep_alive", "_owner",
+                 "_parser", "_retry_after", "_status", "_te_chunked", "_to_eof", "_waiter", "_wire_left", "idle_since",
+                 "open", "origin", "transport")
 
     def __init__(self, owner: HttpTransport, origin: tuple[str, str, int]) -> None:
         self._owner = owner
@@ -113,18 +134,24 @@ class _Connection(asyncio.Protocol):
         self.open = False
         self.idle_since = 0.0
         self._waiter: asyncio.Future[Result] | None = None
+        self._parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self._buf = b""
-        self._status = 0  # 0: the head is not parsed yet
-        self._length = -1  # Content-Length, -1: none
-        self._chunked = False
-        self._chunk_left = -1  # bytes of the current chunk still to read (+2 for its CRLF); -1: a size line next
-        self._body = bytearray()
+        self._status = 0  # of the final answer; 0: its head is not parsed yet
+        self._head_left = _MAX_HEAD  # bytes the heads (interim answers' too), later the trailers, may still take
+        self._wire_left = _MAX_WIRE  # bounds what llhttp skips or buffers unseen (chunk extensions, a trailer)
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._to_eof = False  # the body ends with the connection (no Content-Length, not chunked)
         self._keep_alive = True
-        self._retry_after: str | None = None
         self._got_bytes = False
+        self._message_reset()
+
+    def _message_reset(self) -> None:
+        self._retry_after: str | None = None
+        self._has_length = False
+        self._te_chunked: bool | None = None  # None: no Transfer-Encoding
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -139,10 +166,22 @@ class _Connection(asyncio.Protocol):
             return
         self._got_bytes = True
         try:
-            self._feed(data)
-        except ValueError as exc:
-            self._fail(TransportError(f"malformed HTTP answer: {exc}"))
-            self.close()
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._malformed("101 Switching Protocols, an upgrade the client never asked for")
+            return
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__  # what one of our callbacks refused, else llhttp's own reason
+            self._malformed(str(cause) if isinstance(cause, ValueError) else str(exc) or type(exc).__name__)
+            return
+        if not self._status:  # the final answer's head is still incomplete
+            self._head_left -= len(data)
+            if self._head_left < 0:
+                self._malformed(f"head longer than {_MAX_HEAD} bytes")
+        elif self._waiter is not None:
+            self._wire_left -= len(data)
+            if self._wire_left < 0:
+                self._malformed(f"answer longer than {_MAX_WIRE} bytes")
 
     def eof_received(self) -> bool:
         self._closed("the server closed the connection")
@@ -151,6 +190,53 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed(f"connection lost: {exc}" if exc else "the server closed the connection")
         self._owner._conns.discard(self)
+
+    # -- llhttp's callbacks
+    def on_message_begin(self) -> None:
+        if self._waiter is None:  # a message after the answer, in the same read: out of step
+            self._keep_alive = False
+            raise ValueError("bytes after the answer")
+        self._message_reset()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._status:  # a trailer after a chunked body: only its size matters
+            self._head_left -= len(name) + len(value) + 4
+            if self._head_left < 0:
+                raise ValueError(f"trailers longer than {_MAX_HEAD} bytes")
+            return
+        key = name.lower()
+        if key == b"content-length":  # llhttp checked the digits and refuses a second, different one
+            self._has_length = True
+            if int(value) > _MAX_BODY:
+                raise ValueError(f"body of {int(value)} bytes, larger than {_MAX_BODY}")
+        elif key == b"transfer-encoding":  # chunked only as the last coding, as llhttp frames it
+            self._te_chunked = value.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+        elif key == b"retry-after":
+            self._retry_after = value.strip().decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            raise ValueError(f"an HTTP/{version} answer on an HTTP/1.1 connection")
+        status = parser.get_status_code()
+        if status < 200:
+            return  # an interim answer (llhttp completes it without a body): the final one follows
+        self._status = status
+        te_chunked = self._te_chunked
+        self._to_eof = not te_chunked if te_chunked is not None else not self._has_length
+
+    def on_body(self, chunk: bytes) -> None:
+        self._body_size += len(chunk)
+        if self._body_size > _MAX_BODY:
+            raise ValueError(f"body larger than {_MAX_BODY} bytes")
+        self._body.append(chunk)
+
+    def on_message_complete(self) -> None:
+        if not self._status:
+            return  # the end of an interim answer
+        self._keep_alive = self._keep_alive and self._parser.should_keep_alive()
+        self._done()
 
     # -- requests
     def exchange(self, request: bytes, body: bytes | None) -> asyncio.Future[Result]:
@@ -178,11 +264,15 @@ class _Connection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
-        if self._status and self._length < 0 and not self._chunked:
+        if self._status and self._to_eof:
             self._keep_alive = False
             self._done()  # an answer delimited by the end of the connection
             return
         self._fail(TransportError(why, silent=not self._got_bytes))
+
+    def _malformed(self, why: str) -> None:
+        self._fail(TransportError(f"malformed HTTP answer: {why}"))
+        self.close()
 
     def _fail(self, error: TransportError) -> None:
         waiter, self._waiter = self._waiter, None
@@ -190,140 +280,11 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_exception(error)
 
-    def _done(self, body: bytes | None = None) -> None:
+    def _done(self) -> None:
         waiter, self._waiter = self._waiter, None
+        body = self._body
         if waiter is not None and not waiter.done():
-            waiter.set_result((self._status, bytes(self._body) if body is None else body, self._retry_after))
-
-    # -- parsing
-    def _feed(self, data: bytes) -> None:
-        if not self._status:
-            buf = self._buf + data if self._buf else data
-            while True:  # 1xx interim answers come before the final one
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(buf) > _MAX_HEAD:
-                        raise ValueError(f"head longer than {_MAX_HEAD} bytes")
-                    self._buf = buf
-                    return
-                self._head(buf[:end])
-                buf = buf[end + 4:]
-                if self._status >= 200:
-                    break
-                self._status = 0
-            self._buf = b""
-            if self._status in (204, 304):
-                self._length = 0
-            data = buf
-        if self._chunked:
-            self._feed_chunks(data)
-            return
-        body = self._body
-        length = self._length
-        if not body and len(data) >= length >= 0:  # the whole body in one read: no copy
-            if len(data) > length:
-                data = data[:length]
-                self._keep_alive = False  # bytes past the answer: out of step, do not reuse
-            self._done(data)
-            return
-        if data:
-            body += data
-        if length >= 0:
-            if len(body) >= self._length:
-                if len(body) > self._length:
-                    del body[self._length:]
-                    self._keep_alive = False  # bytes past the answer: out of step, do not reuse
-                self._done()
-        elif len(body) > _MAX_BODY:
-            raise ValueError(f"body larger than {_MAX_BODY} bytes")
-
-    def _head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
-            raise ValueError(f"bad status line {lines[0][:80]!r}")
-        self._status = int(parts[1])
-        keep_alive = parts[0] != b"HTTP/1.0"
-        self._length = -1
-        self._chunked = False
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise ValueError(f"bad header line {line[:80]!r}")
-            key = name.strip().lower()
-            if key == b"content-length":
-                length = value.strip()
-                if not length.isdigit():
-                    raise ValueError(f"bad Content-Length {length[:40]!r}")
-                self._length = int(length)
-                if self._length > _MAX_BODY:
-                    raise ValueError(f"body of {self._length} bytes, larger than {_MAX_BODY}")
-            elif key == b"transfer-encoding":
-                if value.strip().lower().endswith(b"chunked"):
-                    self._chunked = True
-            elif key == b"connection":
-                tokens = value.lower()
-                if b"close" in tokens:
-                    keep_alive = False
-                elif b"keep-alive" in tokens:
-                    keep_alive = True
-            elif key == b"retry-after":
-                self._retry_after = value.strip().decode("latin-1")
-        if self._chunked:
-            self._length = -1
-        self._keep_alive = self._keep_alive and keep_alive
-
-    def _feed_chunks(self, data: bytes) -> None:
-        buf = self._buf + data if self._buf else data
-        body = self._body
-        pos = 0
-        while True:
-            left = self._chunk_left
-            if left == -2:  # after the last chunk: trailers up to an empty line
-                if buf.startswith(b"\r\n", pos):
-                    if len(buf) > pos + 2:
-                        self._keep_alive = False
-                    self._buf = b""
-                    self._done()
-                    return
-                end = buf.find(b"\r\n\r\n", pos)
-                if end < 0:
-                    break
-                if len(buf) > end + 4:
-                    self._keep_alive = False
-                self._buf = b""
-                self._done()
-                return
-            if left < 0:  # a size line
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                size_text = buf[pos:end].split(b";", 1)[0].strip()
-                try:
-                    size = int(size_text, 16)
-                except ValueError:
-                    raise ValueError(f"bad chunk size {size_text[:40]!r}") from None
-                if size < 0 or len(body) + size > _MAX_BODY:
-                    raise ValueError(f"body larger than {_MAX_BODY} bytes")
-                pos = end + 2
-                self._chunk_left = -2 if size == 0 else size + 2
-                continue
-            if len(buf) - pos < left:
-                if left > 2:  # take what there is of the chunk's data, keep the rest pending
-                    take = min(len(buf) - pos, left - 2)
-                    body += buf[pos:pos + take]
-                    pos += take
-                    self._chunk_left = left - take
-                break
-            if left > 2:
-                body += buf[pos:pos + left - 2]
-            if buf[pos + left - 2:pos + left] != b"\r\n":
-                raise ValueError("chunk not followed by CRLF")
-            pos += left
-            self._chunk_left = -1
-        self._buf = buf[pos:]
-        if len(self._buf) > _MAX_HEAD:
-            raise ValueError("chunk size line or trailers too long")
+            waiter.set_result((self._status, body[0] if len(body) == 1 else b"".join(body), self._retry_after))
 
 
 def _expire(waiter: asyncio.Future[Result]) -> None:

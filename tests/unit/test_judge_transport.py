@@ -197,6 +197,63 @@ async def test_malformed_answer_is_a_transport_error():
     assert not info.value.connect
 
 
+
+async def test_interim_answer_in_the_same_read_as_the_final_one_and_its_headers_are_not_the_answers():
+    interim = b"HTTP/1.1 100 Continue\r\nRetry-After: 9\r\n\r\n"
+    async with Scripted([interim + _answer(OK), _answer(b"{}")]) as srv:
+        transport = HttpTransport()
+        try:
+            assert await _post(transport, srv.url) == (200, OK, None)  # not the interim answer's Retry-After
+            assert await _post(transport, srv.url) == (200, b"{}", None)
+        finally:
+            await transport.aclose()
+    assert srv.connections == 1
+
+
+async def test_trailers_are_not_headers_of_the_answer():
+    chunked = b"HTTP/1.1 429 Too Many\r\nRetry-After: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nRetry-After: 7\r\n\r\n"
+    async with Scripted([chunked]) as srv:
+        transport = HttpTransport()
+        try:
+            assert await _post(transport, srv.url) == (429, b"{}", "2")
+        finally:
+            await transport.aclose()
+
+
+@pytest.mark.parametrize("framing", [b"Content-Type: application/json", b"Transfer-Encoding: chunked, identity"])
+async def test_answer_to_the_end_of_the_connection_in_pieces(framing):
+    # no length, and chunked not the last coding: the body ends with the connection
+    head = b"HTTP/1.1 200 OK\r\n" + framing + b"\r\n\r\n"
+    async with Scripted([[head, b'{"ok"', b": true}", CLOSE]]) as srv:
+        transport = HttpTransport()
+        try:
+            assert await _post(transport, srv.url) == (200, OK, None)
+        finally:
+            await transport.aclose()
+
+
+@pytest.mark.parametrize("answer, message", [
+    (b"HTTP/1.1 2x0 OK\r\n\r\n", "Invalid status code"),
+    (b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", "HTTP/2.0 answer"),
+    # framings an old parser resolved silently (chunked won; the last length won; 101 was skipped)
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+     "Transfer-Encoding can't be present with Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", "Duplicate Content-Length"),
+    (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n" + _answer(OK),
+     "an upgrade the client never asked for"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 999999999999\r\n\r\n", "larger than"),
+    ([b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 70_000, b"\r\n\r\n"], "head longer than 65536 bytes"),
+])
+async def test_answers_llhttp_refuses_are_clear_transport_errors(answer, message):
+    async with Scripted([answer]) as srv:
+        transport = HttpTransport()
+        try:
+            with pytest.raises(TransportError, match=f"^malformed HTTP answer: .*{message}") as info:
+                await _post(transport, srv.url)
+        finally:
+            await transport.aclose()
+    assert not info.value.connect and not info.value.silent and transport.open_connections == 0
+
 # --------------------------------------------------------------------------- connections
 async def test_a_reused_connection_dropped_silently_is_retried_once_on_a_new_one():
     # Request 2 arrives on the kept-alive connection and the server closes it without a
