@@ -52,7 +52,8 @@ def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
 
 def _config(tmp_path: Path, **kafka: object) -> Path:
     cfg = PipelineConfig(kafka=KafkaConfig(request_timeout_ms=5000, **kafka), topics=TopicsConfig(
-        trajectories=f"t.{tmp_path.name}", verdicts=f"v.{tmp_path.name}", dead_letters=f"d.{tmp_path.name}"))
+        trajectories=f"t.{tmp_path.name}", verdicts=f"v.{tmp_path.name}", dead_letters=f"d.{tmp_path.name}",
+        experiments=f"e.{tmp_path.name}"))
     return write_config(cfg, tmp_path / "config.yaml")
 
 
@@ -75,7 +76,7 @@ def test_kafka_trusted_certificate_works(tls_kafka, pki, tmp_path: Path) -> None
     before = proxy.handshakes
     proc = _cli(_config(tmp_path, bootstrap=bootstrap, security_protocol="SSL", ssl_cafile=str(pki.ca)),
                 "topics", "create")
-    assert proc.returncode == 0 and proc.stdout.count("created") == 3, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.count("created") == 4, proc.stdout + proc.stderr
     assert proxy.handshakes > before
 
 
