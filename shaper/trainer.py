@@ -55,6 +55,7 @@ from infra.config import (
     load_config,
     validate,
 )
+from infra.experiments import DEFAULT_EXPERIMENT
 from infra.modes import combined_mode
 
 from .batch import TrainingBatch, resolve_device
@@ -374,6 +375,8 @@ def _configure(args: argparse.Namespace) -> PipelineConfig:
         cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, **changes))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.trainer.experiment != DEFAULT_EXPERIMENT:
+        cfg = _declared_shaping(cfg)
     if args.mode is not None:
         cfg = _replace_shaping_mode(cfg, args.mode)
     if cfg.trainer.filter is not None:
@@ -383,6 +386,24 @@ def _configure(args: argparse.Namespace) -> PipelineConfig:
             raise ConfigError(f"trainer.filter: {exc}") from None
     validate(cfg)  # e.g. process_weighted with mask_no_eos_with_zero: ConfigError -> exit 2
     return cfg
+
+
+def _declared_shaping(cfg: PipelineConfig) -> PipelineConfig:
+    """``cfg`` shaping as the experiment's registry declaration says (its ``prm.advantage_shaping``):
+    the workers score an experiment with the stack it declares, and its trainer shapes with
+    the settings declared next to it. ``--mode`` still overrides the mode."""
+    from infra.registry import read_registry
+
+    experiment = cfg.trainer.experiment
+    entry = asyncio.run(read_registry(cfg)).get(experiment)
+    if entry is None or entry.spec is None:
+        why = entry.error if entry is not None else "not declared"
+        raise ConfigError(f"trainer.experiment {experiment!r} has no declaration in {cfg.topics.experiments} ({why}); "
+                          f"declare it first (prm-pipeline experiment add FILE.yaml)")
+    shaping = entry.spec.prm.advantage_shaping
+    log.info("experiment %s: shaping as declared in the registry: %s", experiment, shaping)
+    agent = msgspec.structs.replace(cfg.rollout.agent, prm=msgspec.structs.replace(cfg.prm, advantage_shaping=shaping))
+    return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, agent=agent))
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:

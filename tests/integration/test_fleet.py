@@ -6,6 +6,7 @@ registry topic exactly as ``prm-pipeline experiment add`` writes them.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import time
@@ -186,3 +187,27 @@ async def test_an_experiments_quota_caps_its_records_in_flight(pipeline_config) 
             await asyncio.sleep(0.005)
         await done
     assert 1 <= most <= 2
+
+
+async def test_an_experiments_trainer_shapes_as_its_declaration_says(pipeline_config, tmp_path) -> None:
+    from infra.config import ConfigError, PRMAdvantageShapingConfig
+    from prm_pipeline.demo.processes import write_config
+    from shaper.trainer import _configure
+
+    cfg = with_scorers(pipeline_config, LENGTH)
+    config = write_config(cfg, tmp_path / "config.yaml")
+    shaping = PRMAdvantageShapingConfig(mode="gvpo", negative_scale=0.5)
+    await _declare(cfg, ExperimentSpec(experiment_id="exp-shaped",
+                                       prm=PRMConfig(scorers=[LENGTH], advantage_shaping=shaping)))
+
+    def args(experiment: str, mode: str | None = None) -> argparse.Namespace:
+        return argparse.Namespace(config=str(config), experiment=experiment, mode=mode, batch_groups=None,
+                                  device=None, filter=None, exclude_neutral_turns=None, combined_mode=None)
+
+    loaded = await asyncio.to_thread(_configure, args("exp-shaped"))
+    assert loaded.prm.advantage_shaping == shaping and loaded.trainer.experiment == "exp-shaped"
+    overridden = await asyncio.to_thread(_configure, args("exp-shaped", "additive"))
+    assert overridden.prm.advantage_shaping.mode == "additive"
+    assert overridden.prm.advantage_shaping.negative_scale == 0.5  # the declared coefficients stay
+    with pytest.raises(ConfigError, match="no declaration"):
+        await asyncio.to_thread(_configure, args("exp-undeclared"))
