@@ -69,6 +69,10 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("Verdicts by status", "short", (
         _q("sum by (status) (increase(prm_worker_verdicts_total[5m]))", "{{status}}", "status"),
     ), "Outcomes"),
+    PanelSpec("Verdicts per second by experiment", "ops", (
+        _q("sum by (experiment, status) (rate(prm_worker_experiment_verdicts_total[1m]))",
+           "{{experiment}} {{status}}", "experiment", "status"),
+    ), "Outcomes", "One scoring fleet, many experiments (docs/fleet.md): each experiment's verdict rate."),
     PanelSpec("Top reject and discard reasons (1h)", "short", (
         _q('topk(10, sum by (status, reason) (increase(prm_worker_verdicts_total{status!="accepted"}[1h])))',
            "{{status}} {{reason}}", "status", "reason"),
