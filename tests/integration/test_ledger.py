@@ -200,7 +200,7 @@ async def test_finished_groups_are_remembered_for_the_dedupe_window_only(redis_u
         assert await ledger.probe_many([(g, "a"), (g, "late")]) == ["done", "done"]
         outcome, _ = await ledger.park(_member("late"), group_id=g, group_size=1, **ARGS)
         assert outcome == "done"  # a late member does not re-open the group
-        assert not await ledger.redis.exists(*ledger.keys(g)[:2])  # the group's own keys are gone
+        assert not await ledger.redis.exists(ledger.group_key(g))  # the group's own hash is gone
         deadline = finished + 4 * window_s + 2
         while await ledger.probe_many([(g, "a")]) == ["done"]:  # poll until the window has passed
             assert time.monotonic() < deadline, "the finished group was never forgotten"
