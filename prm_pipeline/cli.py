@@ -209,7 +209,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "pool", "faults", "soak", "capacity", "sessions")
+BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "pool", "faults", "soak", "capacity", "sessions",
+              "ledger")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
