@@ -1,20 +1,26 @@
 """The group ledger: the only code that talks to Redis.
 
-Redis carries scores, not tokens. Per group ``G`` (its keys share the ``{G}`` hash tag,
-so Redis Cluster keeps them in one slot and every transition is one atomic Lua call):
+Redis carries scores, not tokens. Per group ``G``, one hash (its key carries the ``{G}``
+hash tag, so Redis Cluster keeps it in one slot with the group's dedupe bucket and every
+transition is one atomic Lua step), ``<prefix>:{G}:group``:
 
-* ``<prefix>:{G}:state``   hash — ``status`` (``open`` | ``decided``), ``group_size``,
+* state fields — ``status`` (``open`` | ``decided``), ``group_size``,
   ``first_seen``/``deadline`` (ms), ``size_mismatch``; once decided also ``decision``
   (``complete`` | ``failed`` | ``deadline`` | ``discard`` | ``invalid``),
   ``discard_reason`` (the reason of a discard or of an ``invalid`` decision),
   ``decided_at``, ``decided_by``, ``scorers``. Read back as one typed
-  :class:`GroupState`.
-* ``<prefix>:{G}:members`` hash — ``trajectory_id`` -> msgpack :class:`ParkedMember`:
-  what scoring produced (rewards — per turn when uniform, dense only when not —, turn
-  results, stats, status, stage timestamps) and the member's record coordinates in the
-  trajectories topic. Token ids and log-probs stay in Kafka: the deciding worker takes
-  them from its own memory or reads them at those coordinates
+  :class:`GroupState`;
+* ``n``, the number of parked members, and per member ``m:<trajectory_id>`` -> msgpack
+  :class:`ParkedMember`: what scoring produced (rewards — per turn when uniform, dense
+  only when not —, turn results, stats, status, stage timestamps) and the member's record
+  coordinates in the trajectories topic. Token ids and log-probs stay in Kafka: the
+  deciding worker takes them from its own memory or reads them at those coordinates
   (:mod:`scoring_workers.tokens`), so any worker still builds the identical verdict.
+
+One hash rather than a state and a members key, so that a park is one ``HMGET`` (the
+state, the count and whether this member is parked) and one ``HSET`` (the member, the
+count and, when it completes the group, the decision), a decision one ``HGETALL``, the
+group's TTL one ``EXPIRE`` and finishing it one ``DEL``.
 
 Finished groups are remembered for ``worker.dedupe_window_s`` in time-bucketed sets of
 12-byte group fingerprints, ``<prefix>:done:<slot>:<bucket>`` (``<prefix>:{<tag>}:done:
@@ -38,10 +44,15 @@ One global sorted set, ``<prefix>:deadlines``, lists unfinished groups by the ti
 sweeper must look at them (deadline, or a re-publish grace for decided groups). It is
 only an index: every decision is re-checked atomically on the group's own keys.
 
-Round trips: probes of one poll batch are one script call (per slot on Redis Cluster);
-parks (which decide a group when its last member lands) and finishes are gathered from
-all in-flight records into one call while the previous one is on the wire
-(:class:`_GroupCommit`), so Redis sees one round trip per batch, not per record.
+Round trips: every transition — park (which decides a group when its last member lands),
+decide, finish — of all in-flight records goes into one script call while the previous
+one is on the wire (:class:`_GroupCommit`; one call per slot on Redis Cluster), and the
+probes of a poll go in the same round trip as plain reads (a probe is advice: the park
+re-checks atomically). Two kinds of work wait briefly for company instead of costing a
+round trip of their own: a park whose group has other members this worker probed and
+is still scoring (up to ``PARK_LINGER_S``; the park that decides never waits), and a
+finish (up to ``FINISH_LINGER_S``; its verdict is already out). At low rates Redis's CPU
+goes mostly to waking up per round trip, so these are what it pays for.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The group ledger's Lua script (see :mod:`scoring_workers.ledger` for the keys it uses).
 
 Kept apart so that the ledger module reads as Python. One script carries every group
-transition — probe, park, decide, finish — so the transitions that queue while a call is
-on the wire, whatever their kind, go out together as one ``EVALSHA``. Each item is atomic
-on one group's keys (one cluster slot) and safe to repeat.
+transition — park, decide, finish — so the transitions that queue while a call is on
+the wire, whatever their kind, go out together as one ``EVALSHA`` (probes are plain
+reads beside it). Each item is atomic on one group's keys (one cluster slot) and safe to
+repeat.
 
 Call shape: ``KEYS`` = the deadlines index when ``ARGV[2]`` is ``1`` (standalone Redis;
 on Redis Cluster it lives in another slot, so the caller pipelines its index commands
@@ -20,11 +21,10 @@ Why it is shaped this way (each ``redis.call`` is a command Redis counts and run
   ``EXPIRE`` per group;
 * a group with a hash is not finished (finishing deletes it in the same step that
   records the group as done), so the dedupe buckets are read only for a group without
-  one, once per call however many of its members the call probes, and a park reads only
-  the buckets written since its own worker's probe found the group neither open nor done
-  (``ndone`` per park item; the caller knows);
-* the deadlines index entry is added when a park creates the group, and removed when
-  the group finishes, inside the same atomic step (standalone).
+  one, and a park reads only the buckets written since its own worker's probe found the
+  group neither open nor done (``ndone`` per park item; the caller knows);
+* the deadlines index entry is added when a park creates the group, moved by a decide
+  and removed when the group finishes, inside the same atomic step (standalone).
 """
 
 # op code -> number of ARGV values per item, the op code included
