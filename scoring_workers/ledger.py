@@ -48,11 +48,10 @@ Round trips: every transition — park (which decides a group when its last memb
 decide, finish — of all in-flight records goes into one script call while the previous
 one is on the wire (:class:`_GroupCommit`; one call per slot on Redis Cluster), and the
 probes of a poll go in the same round trip as plain reads (a probe is advice: the park
-re-checks atomically). Two kinds of work wait briefly for company instead of costing a
-round trip of their own: a park whose group has other members this worker probed and
-is still scoring (up to ``PARK_LINGER_S``; the park that decides never waits), and a
-finish (up to ``FINISH_LINGER_S``; its verdict is already out). At low rates Redis's CPU
-goes mostly to waking up per round trip, so these are what it pays for.
+re-checks atomically). A park whose group has other members this worker probed and is
+still scoring waits briefly for them (up to ``PARK_LINGER_S``; the park that decides
+never waits), so that the members share a round trip: at low rates Redis's CPU goes
+mostly to waking up per round trip.
 """
 
 from __future__ import annotations
@@ -83,7 +82,6 @@ WORKERS_REMEMBERED_S = 3600.0  # a worker silent this long leaves the heartbeat 
 DONE_SKEW_S = 10.0  # clocks of the workers agree within this (a finish may file its group this much earlier)
 FRESH_GROUPS = 65_536  # bound of the probe memos (cleared past it: a park then reads every bucket, or lingers less)
 PARK_LINGER_S = 0.01  # a park whose group has members this worker probed and has not parked waits this long for them
-FINISH_LINGER_S = 0.25  # a finish waits this long for other work to ride along with (its verdict is out)
 
 
 Probe = Literal["new", "duplicate", "decided", "done"]
@@ -568,13 +566,14 @@ class GroupLedger:
     async def finish(self, group_id: str) -> None:
         """After the verdict is acknowledged by Kafka: drop the group's hash and its index
         entry, and remember the group as finished for the dedupe window. Concurrent
-        finishes share one call; a finish waits up to ``FINISH_LINGER_S`` for other
-        transitions to ride along with (the verdict is out already: only the record's
-        commit waits)."""
+        finishes share one call (with whatever other transitions queued meanwhile).
+
+        A finish does not wait for company: its caller holds a record (and a slot of
+        ``worker.concurrency``) until it returns, and a worker whose slots are all held
+        by finishes would poll nothing that could bring company."""
         self._fresh.pop(group_id, None)
         self._awaited.pop(group_id, None)
-        await self._ops.submit(_Op(group_id, "f", (fingerprint(group_id), self._done_ttl(group_id), group_id)),
-                               linger_s=FINISH_LINGER_S)
+        await self._ops.submit(_Op(group_id, "f", (fingerprint(group_id), self._done_ttl(group_id), group_id)))
 
     def _done_ttl(self, group_id: str) -> int:
         """The TTL to set on the group's newest done set with this finish, or 0 when this

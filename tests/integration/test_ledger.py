@@ -202,24 +202,6 @@ async def test_a_park_waits_for_its_siblings_and_the_deciding_park_does_not(redi
         await led.aclose()
 
 
-async def test_a_finish_rides_along_with_the_next_call(redis_url: str, monkeypatch) -> None:
-    """A finish waits (up to ``FINISH_LINGER_S``) for other work and goes out with it."""
-    monkeypatch.setattr(ledger_module, "FINISH_LINGER_S", 600.0)  # only company can end the wait
-    cfg = RedisConfig(url=redis_url, key_prefix=f"ride-{uuid.uuid4().hex[:6]}", ttl_s=60)
-    led = GroupLedger.from_config(cfg)
-    try:
-        g = f"r-{uuid.uuid4().hex[:6]}"
-        await led.park(_member("a"), group_id=g, group_size=1, **ARGS)
-        finishing = asyncio.create_task(led.finish(g))
-        await asyncio.sleep(0)
-        assert not finishing.done()
-        # the probe goes at once and takes the finish along (sent first: the probe sees it)
-        assert await asyncio.wait_for(led.probe_many([(g, "a")]), 30) == ["done"]
-        await asyncio.wait_for(finishing, 30)
-    finally:
-        await led.aclose()
-
-
 async def test_a_group_finished_between_probe_and_park_is_not_reopened(redis_url: str) -> None:
     """The park that would open a group reads only the dedupe buckets written since its
     worker's probe; a finish by another worker in between is among them."""
