@@ -187,6 +187,11 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def _wake_up(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class _GroupCommit(Generic[T, R]):
     """Gathers items submitted by concurrent tasks into batches: while one batch is on the
     wire, new items queue; the next batch takes them all (one call, one round trip).
@@ -200,7 +205,7 @@ class _GroupCommit(Generic[T, R]):
         self._run = run
         self._pending: list[tuple[T, asyncio.Future[R], float]] = []
         self._task: asyncio.Task[None] | None = None
-        self._urgent: asyncio.Event | None = None
+        self._wake: asyncio.Future[None] | None = None  # set while every pending item lingers
 
     async def submit(self, item: T, *, linger_s: float = 0.0) -> R:
         (result,) = await self.submit_many([item], linger_s=linger_s)
@@ -212,23 +217,24 @@ class _GroupCommit(Generic[T, R]):
         futs: list[asyncio.Future[R]] = [loop.create_future() for _ in items]
         due = loop.time() + linger_s
         self._pending += ((item, fut, due) for item, fut in zip(items, futs))
-        if self._urgent is None:
-            self._urgent = asyncio.Event()
-        if linger_s <= 0:
-            self._urgent.set()
+        if linger_s <= 0 and self._wake is not None:
+            _wake_up(self._wake)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
         return list(await asyncio.gather(*futs))
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
-        assert self._urgent is not None
         while self._pending:
             wait = min(due for _, _, due in self._pending) - loop.time()
             if wait > 0:  # every pending item lingers: until the first is due, or urgent work comes
-                self._urgent.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._urgent.wait(), wait)
+                self._wake = wake = loop.create_future()
+                timer = loop.call_later(wait, _wake_up, wake)
+                try:
+                    await wake
+                finally:
+                    timer.cancel()
+                    self._wake = None
             batch, self._pending = self._pending, []
             try:
                 results = await self._run([item for item, _, _ in batch])

@@ -17,7 +17,9 @@ Counted by the server (``INFO commandstats``, ``INFO cpu``), per trajectory:
   commands (ZADD, ZREM, ZRANGEBYSCORE — also counted when a script ran them, so an
   overestimate there);
 * server CPU µs: ``used_cpu_user + used_cpu_sys`` of the Redis process, I/O and
-  background work included (what sizing needs; noisy on a shared box).
+  background work included (what sizing needs; noisy on a shared box);
+* client CPU µs: this process's CPU (the two worker-shaped clients and the simulation
+  around them, the same for both ledgers), for what the ledger costs the workers.
 
 ``--compare REF`` runs the same workload, in the same run and on the same server, with
 the ledger of git revision ``REF`` too (old, then new, ``--repeat`` times), so the two
@@ -172,11 +174,11 @@ async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int,
         await ledgers[0].probe_many([("warm", "up")])
         await ledgers[1].probe_many([("warm", "up")])
         await meter.reset()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loops = [asyncio.create_task(c) for c in (*(poller(w) for w in range(WORKERS)),
                                                    *(background(w) for w in range(WORKERS)), publisher())]
         await all_done.wait()
-        elapsed = time.perf_counter() - t0
+        elapsed, client_s = time.perf_counter() - t0, time.process_time() - c0
         stats, cpu_s = await meter.read()
         for t in (*loops, *tasks):
             t.cancel()
@@ -188,7 +190,7 @@ async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int,
     n = groups * group_size
     return {"rate": n / elapsed, "commands": sum(c for c, _ in stats.values()) / n,
             "command_us": sum(stats.get(k, (0, 0))[1] for k in ("evalsha", *INDEX)) / n,
-            "cpu_us": cpu_s * 1e6 / n, "by_command": {k: c / n for k, (c, _) in sorted(stats.items())},
+            "cpu_us": cpu_s * 1e6 / n, "client_us": client_s * 1e6 / n, "by_command": {k: c / n for k, (c, _) in sorted(stats.items())},
             "usec_per_call": {k: u / max(c, 1) for k, (c, u) in sorted(stats.items())}}
 
 
@@ -220,10 +222,11 @@ async def _main(a: argparse.Namespace) -> int:
     pace = f"paced at {a.rate:g}/s" if a.rate else f"as fast as it goes ({a.inflight} groups in flight)"
     print(f"{a.groups} groups of {a.group_size}, {pace}, scoring 0-{a.score_ms:g} ms, members spread over "
           f"{a.spread_ms:g} ms; median (min-max) of {a.repeat} runs, per trajectory:")
-    print(f"{'ledger':16} {'traj/s':>22} {'commands':>22} {'in-command us':>22} {'server CPU us':>22}")
+    print(f"{'ledger':16} {'traj/s':>22} {'commands':>22} {'in-command us':>22} {'server CPU us':>22} "
+          f"{'client CPU us':>22}")
     for name, runs in results.items():
         print(f"{name[:16]:16} {_fmt(runs, 'rate'):>22} {_fmt(runs, 'commands'):>22} "
-              f"{_fmt(runs, 'command_us'):>22} {_fmt(runs, 'cpu_us'):>22}")
+              f"{_fmt(runs, 'command_us'):>22} {_fmt(runs, 'cpu_us'):>22} {_fmt(runs, 'client_us'):>22}")
         last = runs[-1]["by_command"]
         print("  calls: " + ", ".join(f"{k} {v:.2f}" for k, v in last.items()))
         if a.verbose:
