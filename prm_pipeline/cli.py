@@ -217,7 +217,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "pool", "faults", "soak", "capacity", "sessions",
-              "fleet")
+              "fleet", "ledger")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

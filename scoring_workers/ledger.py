@@ -1,20 +1,26 @@
 """The group ledger: the only code that talks to Redis.
 
-Redis carries scores, not tokens. Per group ``G`` (its keys share the ``{G}`` hash tag,
-so Redis Cluster keeps them in one slot and every transition is one atomic Lua call):
+Redis carries scores, not tokens. Per group ``G``, one hash (its key carries the ``{G}``
+hash tag, so Redis Cluster keeps it in one slot with the group's dedupe bucket and every
+transition is one atomic Lua step), ``<prefix>:{G}:group``:
 
-* ``<prefix>:{G}:state``   hash — ``status`` (``open`` | ``decided``), ``group_size``,
+* state fields — ``status`` (``open`` | ``decided``), ``group_size``,
   ``first_seen``/``deadline`` (ms), ``size_mismatch``; once decided also ``decision``
   (``complete`` | ``failed`` | ``deadline`` | ``discard`` | ``invalid``),
   ``discard_reason`` (the reason of a discard or of an ``invalid`` decision),
   ``decided_at``, ``decided_by``, ``scorers``. Read back as one typed
-  :class:`GroupState`.
-* ``<prefix>:{G}:members`` hash — ``trajectory_id`` -> msgpack :class:`ParkedMember`:
-  what scoring produced (rewards — per turn when uniform, dense only when not —, turn
-  results, stats, status, stage timestamps) and the member's record coordinates in the
-  trajectories topic. Token ids and log-probs stay in Kafka: the deciding worker takes
-  them from its own memory or reads them at those coordinates
+  :class:`GroupState`;
+* ``n``, the number of parked members, and per member ``m:<trajectory_id>`` -> msgpack
+  :class:`ParkedMember`: what scoring produced (rewards — per turn when uniform, dense
+  only when not —, turn results, stats, status, stage timestamps) and the member's record
+  coordinates in the trajectories topic. Token ids and log-probs stay in Kafka: the
+  deciding worker takes them from its own memory or reads them at those coordinates
   (:mod:`scoring_workers.tokens`), so any worker still builds the identical verdict.
+
+One hash rather than a state and a members key, so that a park is one ``HMGET`` (the
+state, the count and whether this member is parked) and one ``HSET`` (the member, the
+count and, when it completes the group, the decision), a decision one ``HGETALL``, the
+group's TTL one ``EXPIRE`` and finishing it one ``DEL``.
 
 Finished groups are remembered for ``worker.dedupe_window_s`` in time-bucketed sets of
 12-byte group fingerprints, ``<prefix>:done:<slot>:<bucket>`` (``<prefix>:{<tag>}:done:
@@ -38,10 +44,14 @@ One global sorted set, ``<prefix>:deadlines``, lists unfinished groups by the ti
 sweeper must look at them (deadline, or a re-publish grace for decided groups). It is
 only an index: every decision is re-checked atomically on the group's own keys.
 
-Round trips: probes of one poll batch are one script call (per slot on Redis Cluster);
-parks (which decide a group when its last member lands) and finishes are gathered from
-all in-flight records into one call while the previous one is on the wire
-(:class:`_GroupCommit`), so Redis sees one round trip per batch, not per record.
+Round trips: every transition — park (which decides a group when its last member lands),
+decide, finish — of all in-flight records goes into one script call while the previous
+one is on the wire (:class:`_GroupCommit`; one call per slot on Redis Cluster), and the
+probes of a poll go in the same round trip as plain reads (a probe is advice: the park
+re-checks atomically). A park whose group has other members this worker probed and is
+still scoring waits briefly for them (up to ``PARK_LINGER_S``; the park that decides
+never waits), so that the members share a round trip: at low rates Redis's CPU goes
+mostly to waking up per round trip.
 """
 
 from __future__ import annotations
@@ -63,12 +73,15 @@ from redis.exceptions import NoScriptError
 from infra.config import RedisConfig
 from infra.redis import make_redis
 from infra.schema import SessionResult
-from scoring_workers.ledger_scripts import DECIDE, FINISH, PARK, PROBE
+from scoring_workers.ledger_scripts import LEDGER
 
 TTL_REFRESH_S = 60.0  # a TTL this instance set is not set again for this long (it is that much longer)
 DONE_TTL_KEYS = 65_536  # bound of the done-set TTL memo (expired entries are dropped past it)
 DEDUPE_BUCKETS = 2  # a window is this many buckets; a probe checks one more (the window's edge)
 WORKERS_REMEMBERED_S = 3600.0  # a worker silent this long leaves the heartbeat set
+DONE_SKEW_S = 10.0  # clocks of the workers agree within this (a finish may file its group this much earlier)
+FRESH_GROUPS = 65_536  # bound of the probe memos (cleared past it: a park then reads every bucket, or lingers less)
+PARK_LINGER_S = 0.01  # a park whose group has members this worker probed and has not parked waits this long for them
 
 
 Probe = Literal["new", "duplicate", "decided", "done"]
@@ -174,35 +187,65 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def _wake_up(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class _GroupCommit(Generic[T, R]):
     """Gathers items submitted by concurrent tasks into batches: while one batch is on the
-    wire, new items queue; the next batch takes them all (one call, one round trip)."""
+    wire, new items queue; the next batch takes them all (one call, one round trip).
+
+    An item may *linger*: it waits up to that long for company (the next item that does
+    not linger, or the end of its wait, sends every item pending), so that work which is
+    not urgent rides along with work that is instead of costing a round trip of its own.
+    """
 
     def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]]) -> None:
         self._run = run
-        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._pending: list[tuple[T, asyncio.Future[R], float]] = []
         self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Future[None] | None = None  # set while every pending item lingers
 
-    async def submit(self, item: T) -> R:
-        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._pending.append((item, fut))
+    async def submit(self, item: T, *, linger_s: float = 0.0) -> R:
+        (result,) = await self.submit_many([item], linger_s=linger_s)
+        return result
+
+    async def submit_many(self, items: Sequence[T], *, linger_s: float = 0.0) -> list[R]:
+        """Several items at once: they go in the same batch."""
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future[R]] = [loop.create_future() for _ in items]
+        due = loop.time() + linger_s
+        self._pending += ((item, fut, due) for item, fut in zip(items, futs))
+        if linger_s <= 0 and self._wake is not None:
+            _wake_up(self._wake)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
-        return await fut
+        return list(await asyncio.gather(*futs))
 
     async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._pending:
+            wait = min(due for _, _, due in self._pending) - loop.time()
+            if wait > 0:  # every pending item lingers: until the first is due, or urgent work comes
+                self._wake = wake = loop.create_future()
+                timer = loop.call_later(wait, _wake_up, wake)
+                try:
+                    await wake
+                finally:
+                    timer.cancel()
+                    self._wake = None
             batch, self._pending = self._pending, []
             try:
-                results = await self._run([item for item, _ in batch])
+                results = await self._run([item for item, _, _ in batch])
             except BaseException as exc:  # every submitter sees the failure (and retries)
-                for _, fut in batch:
+                for _, fut, _ in batch:
                     if not fut.done():
                         fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError(repr(exc)))
                 if not isinstance(exc, Exception):
                     raise
                 continue
-            for (_, fut), result in zip(batch, results):
+            for (_, fut, _), result in zip(batch, results):
                 if not fut.done():
                     fut.set_result(result)
 
@@ -211,11 +254,14 @@ class _GroupCommit(Generic[T, R]):
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
+        pending, self._pending = self._pending, []
+        for _, fut, _ in pending:  # never sent: their submitters must not wait forever
+            if not fut.done():
+                fut.set_exception(ConnectionError("the ledger was closed"))
 
 
 @dataclass(frozen=True)
 class _Park:
-    group_id: str
     trajectory_id: str
     blob: bytes
     group_size: int
@@ -223,6 +269,20 @@ class _Park:
     worker_id: str
     scorers: bytes
     failed: bool
+    ttl_s: int
+    since_bucket: int | None  # the oldest dedupe bucket a finish could have written since this worker's probe
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One group transition for the ledger script: its op code (``p`` probe, ``k`` park,
+    ``d`` decide, ``f`` finish) and its arguments after the op code (a park's are built
+    when its batch goes out: they carry that moment's time)."""
+
+    group_id: str
+    op: Literal["p", "k", "d", "f"]
+    args: tuple[Any, ...] = ()
+    park: _Park | None = None
 
 
 _SLOT_TAGS: list[str] | None = None
@@ -248,12 +308,10 @@ def _slot_tags() -> list[str]:
 class GroupLedger:
     """Atomic, TTL'd group state in Redis. One instance per worker process.
 
-    Scripts are loaded once (``SCRIPT LOAD``) and called with ``EVALSHA``; after a Redis
-    restart (``NOSCRIPT``) they are reloaded and the call is repeated — every script is
+    The script is loaded once (``SCRIPT LOAD``) and called with ``EVALSHA``; after a Redis
+    restart (``NOSCRIPT``) it is reloaded and the call is repeated — every transition is
     safe to repeat.
     """
-
-    _SCRIPTS = {"probe": PROBE, "park": PARK, "decide": DECIDE, "finish": FINISH}
 
     def __init__(self, client: aioredis.Redis, cfg: RedisConfig, *, dedupe_window_s: float = 3600.0) -> None:
         self.redis = client
@@ -272,104 +330,177 @@ class GroupLedger:
         # A done set's TTL is refreshed at most this often (it lives that much longer): never
         # more than a bucket, so a short dedupe window keeps its sets' lifetime (and key count).
         self.ttl_refresh_s = min(TTL_REFRESH_S, self.bucket_s)
-        self._sha: dict[str, str] = {}
+        self._sha = ""
         # TTLs this instance set lately (one EXPIRE per key per TTL_REFRESH_S, not per call):
         # the deadlines index, and each done set (its TTL covers the refresh interval too)
         self._deadlines_ttl_at = 0.0
         self._done_ttl_at: dict[str, float] = {}
-        self._parks: _GroupCommit[_Park, tuple[str, list[Any] | None, int]] = _GroupCommit(self._park_batch)
-        self._finishes: _GroupCommit[str, None] = _GroupCommit(self._finish_batch)
+        # Groups this instance probed as neither open nor done: group -> the oldest bucket a
+        # finish since the probe could have written (the probe read every bucket up to then).
+        self._fresh: dict[str, int] = {}
+        # Members this instance probed (not duplicates) and has not parked yet, per group: a
+        # park of a member whose siblings are still being scored here lingers for them.
+        self._awaited: dict[str, set[str]] = {}
+        self._ops: _GroupCommit[_Op, Any] = _GroupCommit(self._run)
 
     @classmethod
     def from_config(cls, cfg: RedisConfig, *, dedupe_window_s: float = 3600.0) -> GroupLedger:
         return cls(make_redis(cfg), cfg, dedupe_window_s=dedupe_window_s)
 
     async def aclose(self) -> None:
-        await self._parks.aclose()
-        await self._finishes.aclose()
+        await self._ops.aclose()
         await self.redis.aclose()
 
-    def keys(self, group_id: str) -> list[str]:
-        """The group's state and members keys, then its dedupe buckets (newest first)."""
-        tag = f"{self.prefix}:{{{group_id}}}"
+    def group_key(self, group_id: str) -> str:
+        """The group's hash: its state, its parked members (``m:<trajectory_id>``) and their count."""
+        return f"{self.prefix}:{{{group_id}}}:group"
+
+    def keys(self, group_id: str, bucket: int | None = None) -> list[str]:
+        """The group's hash, then its dedupe buckets (newest first)."""
         slot = self._slot(group_id)
-        bucket = int(time.time() // self.bucket_s)
+        bucket = self._bucket() if bucket is None else bucket
         base = f"{self.prefix}:{{{_slot_tags()[slot]}}}:done" if self.cluster else f"{self.prefix}:done:{slot}"
-        return [f"{tag}:state", f"{tag}:members", *(f"{base}:{bucket - i}" for i in range(DEDUPE_BUCKETS + 1))]
+        return [self.group_key(group_id), *(f"{base}:{bucket - i}" for i in range(DEDUPE_BUCKETS + 1))]
+
+    def _bucket(self, at: float | None = None) -> int:
+        return int((time.time() if at is None else at) // self.bucket_s)
 
     def _slot(self, group_id: str) -> int:
         """The cluster slot of the group's keys (their hash tag decides it)."""
-        return key_slot(f"{self.prefix}:{{{group_id}}}:state".encode())
+        return key_slot(self.group_key(group_id).encode())
 
     def _state_ttl(self, group_timeout_s: float) -> int:
         return int(group_timeout_s) + self.cfg.ttl_s
 
-    async def _load_scripts(self) -> None:
-        for name, body in self._SCRIPTS.items():
-            self._sha[name] = await self.redis.script_load(body)
+    async def _load_script(self) -> None:
+        self._sha = await self.redis.script_load(LEDGER)
 
-    async def _scripts(self, script: str, items: Sequence[tuple[str, list[Any]]],
-                       extra: Sequence[tuple[str, tuple[Any, ...], dict[str, Any]]] = ()) -> tuple[list[Any], list[Any]]:
-        """Run ``script`` over ``items`` (``(group_id, argv)``) in one call — one per slot on
-        Redis Cluster — plus plain ``extra`` commands, in one round trip. Returns the
-        per-item results in order and the extra commands' results."""
+    def _argv(self, op: _Op, now: int, bucket: int) -> list[Any]:
+        if op.park is None:
+            return [op.op, *op.args]
+        p, nd = op.park, DEDUPE_BUCKETS + 1
+        ndone = nd if p.since_bucket is None else max(1, min(nd, bucket - p.since_bucket + 1))
+        return ["k", fingerprint(op.group_id), p.trajectory_id, p.blob, p.group_size, now,
+                now + int(p.group_timeout_s * 1000), p.ttl_s, p.worker_id, p.scorers,
+                "failed" if p.failed else "complete", ndone, op.group_id]
+
+    async def _run(self, ops: list[_Op]) -> list[Any]:
+        """``ops`` in one round trip: the transitions as one ``EVALSHA`` (one per slot on
+        Redis Cluster, concurrently), the probes as plain reads beside it (a probe is advice:
+        every transition re-checks atomically), and the index commands that go with them.
+        One result per op, in order."""
         if not self._sha:
-            await self._load_scripts()
-        if self.cluster:  # the cluster client refuses scripts in pipelines: one call per slot, concurrently
+            await self._load_script()
+        now, bucket = _now_ms(), self._bucket()
+        plain: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        # probes: per group, its status and whether each probed member is parked (one HMGET),
+        # and whether it is in a dedupe bucket
+        probed: dict[str, list[int]] = {}
+        for i, op in enumerate(ops):
+            if op.op == "p":
+                probed.setdefault(op.group_id, []).append(i)
+        for group_id, idx in probed.items():
+            keys = self.keys(group_id, bucket)
+            plain.append(("hmget", (keys[0], "status", *(f"m:{ops[i].args[0]}" for i in idx)), {}))
+            fp = fingerprint(group_id)
+            plain += (("sismember", (k, fp), {}) for k in keys[1:])
+        n_reads = len(plain)
+        parks = [op.park for op in ops if op.park is not None]
+        if parks and time.monotonic() >= self._deadlines_ttl_at:
+            ttl = max(p.ttl_s for p in parks)
+            plain.append(("expire", (self.deadlines_key, ttl + int(TTL_REFRESH_S)), {}))
+            self._deadlines_ttl_at = time.monotonic() + TTL_REFRESH_S
+        scripted = [i for i, op in enumerate(ops) if op.op != "p"]
+        head = [DEDUPE_BUCKETS + 1, 0 if self.cluster else 1]
+        calls: list[tuple[list[int], list[str], list[Any]]] = []  # (op indexes, keys, argv)
+        if self.cluster:  # the index lives in another slot: its commands go beside the calls
+            index = {op.group_id: now + int(op.park.group_timeout_s * 1000) for op in ops if op.park is not None}
+            if index:
+                plain.append(("zadd", (self.deadlines_key, index), {"nx": True}))
+            if finished := [op.group_id for op in ops if op.op == "f"]:
+                plain.append(("zrem", (self.deadlines_key, *finished), {}))
             by_slot: dict[int, list[int]] = {}
-            for i, (group_id, _) in enumerate(items):
-                by_slot.setdefault(self._slot(group_id), []).append(i)
-            calls = [self._call([items[i] for i in idx]) for idx in by_slot.values()]
-            for attempt in (1, 2):
-                try:  # every command here is safe to repeat
-                    done = await asyncio.gather(
-                        *(self.redis.evalsha(self._sha[script], len(keys), *keys, *argv) for keys, argv in calls),
-                        *(getattr(self.redis, n)(*a, **kw) for n, a, kw in extra))
-                    break
-                except NoScriptError:
-                    if attempt == 2:
-                        raise
-                    await self._load_scripts()
-            out: list[Any] = [None] * len(items)
-            for idx, res in zip(by_slot.values(), done):
-                for i, r in zip(idx, res):
-                    out[i] = r
-            return out, list(done[len(calls):])
+            for i in scripted:
+                by_slot.setdefault(self._slot(ops[i].group_id), []).append(i)
+            groups = list(by_slot.values())
+        else:
+            groups = [scripted] if scripted else []
+        for idx in groups:
+            keys, argv = ([] if self.cluster else [self.deadlines_key]), list(head)
+            for i in idx:
+                keys += self.keys(ops[i].group_id, bucket)
+                argv += self._argv(ops[i], now, bucket)
+            calls.append((idx, keys, argv))
         for attempt in (1, 2):
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    if items:
-                        keys, argv = self._call(items)
-                        pipe.evalsha(self._sha[script], len(keys), *keys, *argv)
-                    for name, args, kw in extra:
-                        getattr(pipe, name)(*args, **kw)
-                    res = await pipe.execute()
-                return (list(res[0]) if items else []), list(res[1:] if items else res)
+            try:  # every command here is safe to repeat
+                if self.cluster:  # the cluster client refuses scripts in pipelines: one call per slot, concurrently
+                    async def reads() -> list[Any]:
+                        if not plain:
+                            return []
+                        async with self.redis.pipeline(transaction=False) as pipe:
+                            for name, args, kw in plain:
+                                getattr(pipe, name)(*args, **kw)
+                            return list(await pipe.execute())
+                    *results, read = await asyncio.gather(
+                        *(self.redis.evalsha(self._sha, len(keys), *keys, *argv) for _, keys, argv in calls), reads())
+                else:
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for _, keys, argv in calls:
+                            pipe.evalsha(self._sha, len(keys), *keys, *argv)
+                        for name, args, kw in plain:
+                            getattr(pipe, name)(*args, **kw)
+                        res = await pipe.execute()
+                    results, read = res[:len(calls)], res[len(calls):]
+                break
             except NoScriptError:
                 if attempt == 2:
                     raise
-                await self._load_scripts()  # Redis restarted and lost its script cache
-        raise AssertionError("unreachable")
-
-    def _call(self, items: Sequence[tuple[str, list[Any]]]) -> tuple[list[str], list[Any]]:
-        keys: list[str] = []
-        argv: list[Any] = [DEDUPE_BUCKETS + 1]
-        for group_id, args in items:
-            keys += self.keys(group_id)
-            argv += args
-        return keys, argv
+                await self._load_script()  # Redis restarted and lost its script cache
+        out: list[Any] = [None] * len(ops)
+        for (idx, _, _), res in zip(calls, results):
+            for i, r in zip(idx, res):
+                out[i] = r
+        pos, nd = 0, DEDUPE_BUCKETS + 1
+        for idx in probed.values():
+            status, *parked = read[pos]
+            done = any(read[pos + 1:pos + 1 + nd])
+            pos += 1 + nd
+            for i, member in zip(idx, parked):
+                if status is None:
+                    out[i] = "done" if done else "new"
+                elif status == b"decided":
+                    out[i] = "decided"
+                else:
+                    out[i] = "open" if member is None else "duplicate"
+        assert pos == n_reads
+        return out
 
     # ---------------------------------------------------------------- reads
     async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Probe]:
         """Batched pre-check for one poll: ``(group_id, trajectory_id)`` -> what is known.
 
-        One script call for the whole poll (per slot on Redis Cluster), so duplicates
-        and members of decided groups are acknowledged without scoring.
+        One round trip for the whole poll (with whatever transitions queued meanwhile), so
+        duplicates and members of decided groups are acknowledged without scoring: per
+        group, one ``HMGET`` (its status and which of the probed members are parked) and
+        one ``SISMEMBER`` per dedupe bucket, however many of its members the poll holds.
         """
         if not items:
             return []
-        res, _ = await self._scripts("probe", [(g, [t, fingerprint(g)]) for g, t in items])
-        return [r.decode() if isinstance(r, bytes) else r for r in res]
+        since = self._bucket(time.time() - DONE_SKEW_S)  # taken before Redis reads the buckets
+        res = await self._ops.submit_many([_Op(g, "p", (t, fingerprint(g))) for g, t in items])
+        out: list[Probe] = []
+        for (group_id, trajectory_id), r in zip(items, res):
+            probe = r.decode() if isinstance(r, bytes) else r
+            if probe == "new":  # neither open nor done: the park need not read older buckets again
+                if len(self._fresh) >= FRESH_GROUPS:
+                    self._fresh.clear()  # forgetting only costs a park the full read
+                self._fresh[group_id] = since
+            if probe in ("new", "open"):
+                if len(self._awaited) >= FRESH_GROUPS:
+                    self._awaited.clear()  # forgetting only costs a park its company
+                self._awaited.setdefault(group_id, set()).add(trajectory_id)
+            out.append("new" if probe == "open" else probe)
+        return out
 
     # ---------------------------------------------------------------- transitions
     async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
@@ -381,72 +512,79 @@ class GroupLedger:
 
         Returns ``(outcome, decision)``; ``decision`` is set when the group was decided in
         this step (``decided_now`` for the caller that must publish). Parks of concurrent
-        records share one round trip, with the deadline index entries (``ZADD NX``).
+        records share one call; the park that creates the group adds its deadline index entry.
+        While other members of the group that this worker probed are still unparked (being
+        scored), a park that cannot decide waits up to ``PARK_LINGER_S`` for them, so the
+        group's members share a call; the last one (or a failed one) never waits.
         """
         member = ParkedMember(msgspec.structs.replace(result, turns=[]), partition, offset)
-        outcome, raw, now = await self._parks.submit(_Park(
-            group_id, result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers,
-            result.status == "failed"))
-        if raw is None:
+        failed = result.status == "failed"
+        awaited = self._awaited.get(group_id, set())
+        awaited.discard(result.trajectory_id)
+        if not awaited:
+            self._awaited.pop(group_id, None)
+        raw = await self._ops.submit(_Op(group_id, "k", park=_Park(
+            result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers,
+            failed, self._state_ttl(group_timeout_s), self._fresh.pop(group_id, None))),
+            linger_s=PARK_LINGER_S if awaited and not failed else 0.0)
+        outcome = raw[0].decode()
+        if len(raw) < 3:
             return outcome, None  # type: ignore[return-value]
-        return outcome, self._decision(group_id, raw)  # type: ignore[return-value]
-
-    async def _park_batch(self, parks: list[_Park]) -> list[tuple[str, list[Any] | None, int]]:
-        now = _now_ms()
-        items, index = [], {}
-        for p in parks:
-            deadline = now + int(p.group_timeout_s * 1000)
-            ttl = self._state_ttl(p.group_timeout_s)
-            items.append((p.group_id, [fingerprint(p.group_id), p.trajectory_id, p.blob, p.group_size, now, deadline,
-                                       ttl, p.worker_id, p.scorers, "failed" if p.failed else "complete"]))
-            index.setdefault(p.group_id, deadline)
-        ttl = max(self._state_ttl(p.group_timeout_s) for p in parks)
-        extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [("zadd", (self.deadlines_key, index), {"nx": True})]
-        if time.monotonic() >= self._deadlines_ttl_at:
-            extra.append(("expire", (self.deadlines_key, ttl + int(TTL_REFRESH_S)), {}))
-            self._deadlines_ttl_at = time.monotonic() + TTL_REFRESH_S
-        res, _ = await self._scripts("park", items, extra)
-        return [(r[0].decode(), r[2] if len(r) >= 3 else None, now) for r in res]
+        return outcome, self._decision(group_id, "decided_now", raw[2])  # type: ignore[return-value]
 
     async def decide(self, group_id: str, kind: DecisionKind, *,
                      worker_id: str, scorers: bytes, discard_reason: str = "",
                      group_timeout_s: float, republish_grace_s: float) -> Decision:
-        """Record the group's decision unless one exists; return the stored one either way."""
+        """Record the group's decision unless one exists; return the stored one either way.
+
+        A decision made here moves the group's index entry to ``now + republish_grace_s``:
+        until finish() removes it, the sweeper re-publishes after the grace period in case
+        this worker dies between deciding and publishing. (A decision made by a park needs
+        no such step: its last member stays uncommitted until the verdict is out, and
+        whoever gets it again nudges the group.)
+        """
+        self._awaited.pop(group_id, None)
         now = _now_ms()
-        (raw,), _ = await self._scripts("decide", [(group_id, [
-            fingerprint(group_id), kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s)])])
-        decision = self._decision(group_id, raw)
-        if decision.outcome == "decided_now":
-            # Until finish() removes it, the sweeper re-publishes after the grace period
-            # in case this worker dies between deciding and publishing. (A decision made
-            # by a park needs no such step: its last member stays uncommitted until the
-            # verdict is out, and whoever gets it again nudges the group.)
-            await self.redis.zadd(self.deadlines_key, {group_id: now + int(republish_grace_s * 1000)})
+        republish_at = now + int(republish_grace_s * 1000)
+        raw = await self._ops.submit(_Op(group_id, "d", (
+            fingerprint(group_id), kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s),
+            republish_at, group_id)))
+        outcome = raw[0].decode()
+        decision = self._decision(group_id, outcome, raw[1] if len(raw) > 1 else [])
+        if outcome == "decided_now" and self.cluster:  # standalone: the script moved the entry
+            await self.redis.zadd(self.deadlines_key, {group_id: republish_at})
         return decision
 
     @staticmethod
-    def _decision(group_id: str, raw: list[Any]) -> Decision:
-        outcome = raw[0].decode()
+    def _decision(group_id: str, outcome: str, flat: Sequence[bytes]) -> Decision:
+        """The group hash as ``HGETALL`` returned it -> its state and its parked members."""
         if outcome not in ("decided_now", "already_decided"):
             return Decision(outcome, group_id, GroupState(), [])  # type: ignore[arg-type]
-        flat_members = raw[2]
-        members = [decode_parked(flat_members[i + 1]) for i in range(0, len(flat_members), 2)]
-        return Decision(outcome, group_id, decode_state(raw[1]), members)  # type: ignore[arg-type]
+        state: list[bytes] = []
+        members: list[ParkedMember] = []
+        for name, value in zip(flat[::2], flat[1::2]):
+            if name.startswith(b"m:"):
+                members.append(decode_parked(value))
+            else:
+                state += (name, value)
+        return Decision(outcome, group_id, decode_state(state), members)  # type: ignore[arg-type]
 
     async def finish(self, group_id: str) -> None:
-        """After the verdict is acknowledged by Kafka: drop the group's state and remember
-        it as finished for the dedupe window. Concurrent finishes share one round trip."""
-        await self._finishes.submit(group_id)
+        """After the verdict is acknowledged by Kafka: drop the group's hash and its index
+        entry, and remember the group as finished for the dedupe window. Concurrent
+        finishes share one call (with whatever other transitions queued meanwhile).
 
-    async def _finish_batch(self, groups: list[str]) -> list[None]:
-        await self._scripts("finish", [(g, [fingerprint(g), self._done_ttl(g)]) for g in groups],
-                            [("zrem", (self.deadlines_key, *groups), {})])
-        return [None] * len(groups)
+        A finish does not wait for company: its caller holds a record (and a slot of
+        ``worker.concurrency``) until it returns, and a worker whose slots are all held
+        by finishes would poll nothing that could bring company."""
+        self._fresh.pop(group_id, None)
+        self._awaited.pop(group_id, None)
+        await self._ops.submit(_Op(group_id, "f", (fingerprint(group_id), self._done_ttl(group_id), group_id)))
 
     def _done_ttl(self, group_id: str) -> int:
         """The TTL to set on the group's newest done set with this finish, or 0 when this
         instance set it less than ``ttl_refresh_s`` ago (the TTL covers that much more)."""
-        key, now = self.keys(group_id)[2], time.monotonic()
+        key, now = self.keys(group_id)[1], time.monotonic()
         if self._done_ttl_at.get(key, 0.0) > now:
             return 0
         if len(self._done_ttl_at) > DONE_TTL_KEYS:
@@ -513,13 +651,18 @@ class GroupLedger:
             return total, []
         async with self.redis.pipeline(transaction=False) as pipe:
             for group, _ in entries:
-                pipe.hmget(f"{self.prefix}:{{{group.decode()}}}:state", "status", "first_seen", "deadline", "decided_at")
+                pipe.hmget(self.group_key(group.decode()), "status", "first_seen", "deadline", "decided_at")
             states = await pipe.execute()
         out = []
         for (group, due), (status, first_seen, deadline, decided_at) in zip(entries, states):
             out.append(UnfinishedGroup(group.decode(), status.decode() if status else "gone", int(due),
                                        int(first_seen or 0), int(deadline or 0), int(decided_at or 0)))
         return total, out
+
+    async def parked_blobs(self, group_id: str) -> dict[str, bytes]:
+        """``trajectory_id`` -> the parked member's stored blob (:func:`decode_parked`), of an open group."""
+        flat = await self.redis.hgetall(self.group_key(group_id))
+        return {name[2:].decode(): blob for name, blob in flat.items() if name.startswith(b"m:")}
 
     async def memory(self) -> list[tuple[str, int, int]]:
         """``(node, used_memory, maxmemory)`` of each Redis node holding the ledger (one on a

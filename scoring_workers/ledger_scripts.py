@@ -1,142 +1,146 @@
-"""The group ledger's Lua scripts (see :mod:`scoring_workers.ledger` for the keys they use).
+"""The group ledger's Lua script (see :mod:`scoring_workers.ledger` for the keys it uses).
 
-Kept apart so that the ledger module reads as Python; each script is atomic on one
-group's keys (one cluster slot) and safe to repeat.
+Kept apart so that the ledger module reads as Python. One script carries every group
+transition — park, decide, finish — so the transitions that queue while a call is on
+the wire, whatever their kind, go out together as one ``EVALSHA`` (probes are plain
+reads beside it). Each item is atomic on one group's keys (one cluster slot) and safe to
+repeat.
+
+Call shape: ``KEYS`` = the deadlines index when ``ARGV[2]`` is ``1`` (standalone Redis;
+on Redis Cluster it lives in another slot, so the caller pipelines its index commands
+beside the call instead and ``ARGV[2]`` is ``0``), then per item the group's hash and its
+``ARGV[1]`` dedupe buckets, newest first. ``ARGV[3]`` onwards: per item an op code and
+its arguments (``ARGS`` per op). One result per item, in order.
+
+Why it is shaped this way (each ``redis.call`` is a command Redis counts and runs):
+
+* a group is one hash — state fields plus one ``m:<trajectory_id>`` field per parked
+  member and a member count ``n`` — so a park is one ``HMGET`` (state, count, and whether
+  this member is parked) and one ``HSET`` (the member, the count and, when it completes
+  or fails the group, the decision), a decision one ``HGETALL``, and the TTL one
+  ``EXPIRE`` per group;
+* a group with a hash is not finished (finishing deletes it in the same step that
+  records the group as done), so the dedupe buckets are read only for a group without
+  one, and a park reads only the buckets written since its own worker's probe found the
+  group neither open nor done (``ndone`` per park item; the caller knows);
+* the deadlines index entry is added when a park creates the group, moved by a decide
+  and removed when the group finishes, inside the same atomic step (standalone).
 """
 
-# Every script takes items of the same shape: KEYS = per item (state, members, done...),
-# ARGV[1] = done keys per item, then per item its ARGV group. They loop over the items
-# and return one result per item, so a batch is one call. A group with a state hash is
-# not finished (finishing deletes it in the same step that records the group as done),
-# so the done sets are only consulted for groups without one.
-HEAD = """
+# op code -> number of ARGV values per item, the op code included
+ARGS = {"k": 13, "d": 10, "f": 4}
+
+LEDGER = """
 local nd = tonumber(ARGV[1])
-local nk = 2 + nd
-local function is_done(k0, fp)
-  for i = 1, nd do
-    if redis.call('SISMEMBER', KEYS[k0 + 2 + i], fp) == 1 then return true end
+local ix = tonumber(ARGV[2])
+local D = KEYS[1]
+local nk = 1 + nd
+local ARGS = {k = 13, d = 10, f = 4}
+
+-- the group's fingerprint in one of its `upto` newest dedupe buckets
+local function is_done(k0, fp, upto)
+  for i = 1, upto do
+    if redis.call('SISMEMBER', KEYS[k0 + 1 + i], fp) == 1 then return true end
   end
   return false
 end
-"""
 
-# per item ARGV: trajectory_id, fingerprint
-PROBE = HEAD + """
-local out = {}
-local n = (#KEYS) / nk
-for j = 0, n - 1 do
-  local k0, a0 = j * nk, 1 + j * 2
-  local r = 'new'
-  local st = redis.call('HGET', KEYS[k0 + 1], 'status')
-  if st == 'decided' then r = 'decided'
-  elseif st then
-    if redis.call('HEXISTS', KEYS[k0 + 2], ARGV[a0 + 1]) == 1 then r = 'duplicate' end
-  elseif is_done(k0, ARGV[a0 + 2]) then r = 'done' end
-  out[#out + 1] = r
+-- the decision's fields, appended to `w` (an HSET argument list)
+local function decision(w, kind, now, worker, scorers, reason)
+  for _, v in ipairs({'status', 'decided', 'decision', kind, 'decided_at', now, 'decided_by', worker,
+                      'scorers', scorers, 'discard_reason', reason}) do w[#w + 1] = v end
 end
-return out
-"""
 
-# Shared by PARK (kind 'complete' when the last member lands, 'failed' when a failed member
-# lands) and DECIDE.
-# kind: complete (all members parked) | failed (a member failed: the group is rejected
-#       anyway) | deadline (sweeper) | discard (DiscardGroup) | invalid (a member was
-#       dead-lettered; ``reason`` names it)
-# ``known`` (from PARK, which has just read and written the state): {status, size, mismatch};
-# the state's TTL was set with the group's first member and outlives the deadline by
-# redis.ttl_s, so a decision made by a park does not touch it (one EXPIRE per key per group).
-DECIDE_FN = """
-local function decide(k0, fp, kind, now, worker, scorers, reason, ttl, known)
-  local S, M = KEYS[k0 + 1], KEYS[k0 + 2]
-  local st, size, mismatch, deadline
-  if known then
-    st, size, mismatch = known[1], known[2], known[3]
-  else
-    st, size, mismatch, deadline = unpack(redis.call('HMGET', S, 'status', 'group_size', 'size_mismatch', 'deadline'))
-  end
-  if not st and is_done(k0, fp) then return {'done'} end
-  local outcome = 'decided_now'
-  if st == 'decided' then
-    outcome = 'already_decided'
-  else
-    if kind == 'deadline' then
-      if not st then return {'gone'} end
-      if tonumber(now) < tonumber(deadline) then return {'not_due'} end
-    elseif kind == 'complete' and not known then  -- PARK decides only a complete (or mismatched) group
-      if not st then return {'gone'} end
-      if not mismatch and redis.call('HLEN', M) < tonumber(size) then
-        return {'incomplete'}
-      end
-    end
-    if not st then
-      redis.call('HSET', S, 'group_size', '0', 'first_seen', now, 'deadline', now)
-    end
-    redis.call('HSET', S, 'status', 'decided', 'decision', kind, 'decided_at', now,
-               'decided_by', worker, 'scorers', scorers, 'discard_reason', reason)
-    if not known then  -- the sweeper, a discard or a dead letter: the decision lives ttl from now
-      redis.call('EXPIRE', S, ttl)
-      redis.call('EXPIRE', M, ttl)
-    end
-  end
-  return {outcome, redis.call('HGETALL', S), redis.call('HGETALL', M)}
-end
-"""
-
-# per item ARGV: fingerprint, trajectory_id, blob, group_size, now_ms, deadline_ms, ttl_s, worker_id, scorers,
-# kind ('complete', or 'failed' for a failed member)
-# per item result: {outcome, decided[, decision]} — the member that completes the group,
-# or a failed member, also decides it in the same atomic step.
-PARK = HEAD + DECIDE_FN + """
+-- park: fingerprint, trajectory_id, blob, group_size, now_ms, deadline_ms, ttl_s, worker_id,
+-- scorers, kind ('complete', or 'failed' for a failed member), ndone (buckets to read when
+-- the group has no hash), group_id -> {outcome, 0} | {outcome, 1, HGETALL}: the member
+-- that completes the group (all members parked, or members disagreeing on group_size), or
+-- a failed member, decides it in the same atomic step.
 local function park(k0, a)
-  local S, M, fp = KEYS[k0 + 1], KEYS[k0 + 2], ARGV[a + 1]
-  local st, size, mismatch = unpack(redis.call('HMGET', S, 'status', 'group_size', 'size_mismatch'))
+  local S = KEYS[k0 + 1]
+  local tid, size_arg, now = ARGV[a + 2], ARGV[a + 4], ARGV[a + 5]
+  local st, size, mismatch, n, mine = unpack(redis.call('HMGET', S, 'status', 'group_size', 'size_mismatch', 'n',
+                                                       'm:' .. tid))
   if st == 'decided' then return {'decided', 0} end
-  if not st and is_done(k0, fp) then return {'done', 0} end
-  local outcome = 'parked'
-  if not st then  -- the group's first member: its keys live until its deadline + redis.ttl_s
-    size = ARGV[a + 4]
-    redis.call('HSET', S, 'status', 'open', 'group_size', size, 'first_seen', ARGV[a + 5],
-               'deadline', ARGV[a + 6])
-    redis.call('HSET', M, ARGV[a + 2], ARGV[a + 3])
+  local w = {}
+  if not st then  -- the group's first member: its hash lives until its deadline + redis.ttl_s
+    if is_done(k0, ARGV[a + 1], tonumber(ARGV[a + 11])) then return {'done', 0} end
+    size, n = size_arg, 0
+    w = {'group_size', size, 'first_seen', now, 'deadline', ARGV[a + 6]}
+  end
+  n = tonumber(n or 0)
+  local outcome, kind = 'parked', ARGV[a + 10]
+  if mine then
+    outcome, kind = 'duplicate', 'complete'  -- the member parked first stands
+  else
+    n = n + 1
+    w[#w + 1], w[#w + 2], w[#w + 3], w[#w + 4] = 'm:' .. tid, ARGV[a + 3], 'n', n
+    if size ~= size_arg then
+      mismatch = size_arg
+      w[#w + 1], w[#w + 2] = 'size_mismatch', mismatch
+    end
+  end
+  local decides = kind == 'failed' or mismatch or n >= tonumber(size)
+  if decides then
+    decision(w, kind, now, ARGV[a + 8], ARGV[a + 9], '')
+  elseif not st then
+    w[#w + 1], w[#w + 2] = 'status', 'open'
+  end
+  if #w > 0 then redis.call('HSET', S, unpack(w)) end
+  if not st then
     redis.call('EXPIRE', S, ARGV[a + 7])
-    redis.call('EXPIRE', M, ARGV[a + 7])
-    st = 'open'
-  elseif redis.call('HSETNX', M, ARGV[a + 2], ARGV[a + 3]) == 0 then  -- keys got their TTL with the first member
-    outcome = 'duplicate'
-  elseif size ~= ARGV[a + 4] then
-    mismatch = ARGV[a + 4]
-    redis.call('HSET', S, 'size_mismatch', mismatch)
+    if ix == 1 then redis.call('ZADD', D, 'NX', ARGV[a + 6], ARGV[a + 12]) end
   end
-  local kind = ARGV[a + 10]
-  if outcome ~= 'parked' then kind = 'complete' end  -- a duplicate: the member parked first stands
-  if kind == 'failed' or mismatch or redis.call('HLEN', M) >= tonumber(size) then
-    return {outcome, 1, decide(k0, fp, kind, ARGV[a + 5], ARGV[a + 8], ARGV[a + 9], '', ARGV[a + 7],
-                               {st, size, mismatch})}
-  end
+  if decides then return {outcome, 1, redis.call('HGETALL', S)} end
   return {outcome, 0}
 end
-local out = {}
-local n = (#KEYS) / nk
-for j = 0, n - 1 do out[#out + 1] = park(j * nk, 1 + j * 10) end
-return out
-"""
 
-# per item ARGV: fingerprint, kind, now_ms, worker_id, scorers_blob, reason, ttl_s (one item)
-DECIDE = HEAD + DECIDE_FN + """
-return {decide(0, ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])}
-"""
+-- decide: fingerprint, kind, now_ms, worker_id, scorers, reason, ttl_s, republish_at_ms,
+-- group_id -> {outcome[, HGETALL]}
+-- kind: complete (all members parked) | deadline (sweeper) | discard (DiscardGroup) |
+--       invalid (a member was dead-lettered; ``reason`` names it)
+local function decide(k0, a)
+  local S = KEYS[k0 + 1]
+  local kind, now = ARGV[a + 2], ARGV[a + 3]
+  local st, size, mismatch, deadline, n = unpack(redis.call('HMGET', S, 'status', 'group_size', 'size_mismatch',
+                                                            'deadline', 'n'))
+  if not st and is_done(k0, ARGV[a + 1], nd) then return {'done'} end
+  if st == 'decided' then return {'already_decided', redis.call('HGETALL', S)} end
+  if kind == 'deadline' then
+    if not st then return {'gone'} end
+    if tonumber(now) < tonumber(deadline) then return {'not_due'} end
+  elseif kind == 'complete' then
+    if not st then return {'gone'} end
+    if not mismatch and tonumber(n or 0) < tonumber(size) then return {'incomplete'} end
+  end
+  local w = {}
+  if not st then w = {'group_size', '0', 'first_seen', now, 'deadline', now, 'n', 0} end
+  decision(w, kind, now, ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
+  redis.call('HSET', S, unpack(w))
+  redis.call('EXPIRE', S, ARGV[a + 7])  -- the decision lives ttl from now
+  -- until the verdict is out, a sweeper re-publishes after the grace period
+  if ix == 1 then redis.call('ZADD', D, ARGV[a + 8], ARGV[a + 9]) end
+  return {'decided_now', redis.call('HGETALL', S)}
+end
 
-# per item ARGV: fingerprint, done-set ttl_s (0: the caller set it recently). Drops the
-# group's state, remembers the group in the newest bucket (the first done key).
-FINISH = HEAD + """
+-- finish: fingerprint, done-set ttl_s (0: the caller set it recently), group_id. Drops
+-- the group's hash, remembers the group in the newest bucket.
+local function finish(k0, a)
+  local S = KEYS[k0 + 1]
+  redis.call('DEL', S)
+  redis.call('SADD', KEYS[k0 + 2], ARGV[a + 1])
+  if ARGV[a + 2] ~= '0' then redis.call('EXPIRE', KEYS[k0 + 2], ARGV[a + 2]) end
+  if ix == 1 then redis.call('ZREM', D, ARGV[a + 3]) end
+  return 1
+end
+
+local OPS = {k = park, d = decide, f = finish}
 local out = {}
-local n = (#KEYS) / nk
-for j = 0, n - 1 do
-  local k0, a0 = j * nk, 1 + j * 2
-  redis.call('DEL', KEYS[k0 + 1], KEYS[k0 + 2])
-  redis.call('SADD', KEYS[k0 + 3], ARGV[a0 + 1])
-  if ARGV[a0 + 2] ~= '0' then redis.call('EXPIRE', KEYS[k0 + 3], ARGV[a0 + 2]) end
-  out[#out + 1] = 1
+local k0, a = ix, 3
+while a <= #ARGV do
+  local op = ARGV[a]
+  out[#out + 1] = OPS[op](k0, a)
+  k0, a = k0 + nk, a + ARGS[op]
 end
 return out
 """

@@ -27,12 +27,12 @@ def _config(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
                                                     kwargs={"max_output_tokens": 24})])
 
 
-async def _parked(cfg: PipelineConfig, group_id: str, n: int, timeout_s: float = 30) -> dict[bytes, bytes]:
-    """The group's members hash once ``n`` members are parked (a poll with a deadline)."""
+async def _parked(cfg: PipelineConfig, group_id: str, n: int, timeout_s: float = 30) -> dict[str, bytes]:
+    """The group's parked members once ``n`` are parked (a poll with a deadline)."""
     ledger = GroupLedger.from_config(cfg.redis)
     try:
         deadline = time.monotonic() + timeout_s
-        while len(members := await ledger.redis.hgetall(ledger.keys(group_id)[1])) < n:
+        while len(members := await ledger.parked_blobs(group_id)) < n:
             assert time.monotonic() < deadline, f"only {len(members)} of {n} members parked"
             await asyncio.sleep(0.05)
         return members
@@ -63,7 +63,7 @@ async def test_parked_hash_holds_no_token_ids_or_logprobs(kafka_bootstrap, redis
             parked = decode_parked(blob)
             assert parked.result.status == "scored" and parked.result.stats and parked.result.branches
             assert parked.result.turns == [] and parked.partition >= 0 and parked.offset >= 0
-            traj = next(t for t in group if t.trajectory_id == tid.decode())
+            traj = next(t for t in group if t.trajectory_id == tid)
             for sample in _token_samples(traj):
                 assert sample not in blob, f"{tid!r}: token bytes found in Redis"
             assert len(blob) < 2048, f"parked blob is {len(blob)} bytes"

@@ -126,6 +126,31 @@ async def test_group_commit_batches_concurrent_submissions() -> None:
     assert batches == [[1], [2, 3, 4]]  # the three that queued meanwhile went as one call
 
 
+async def test_group_commit_lingering_items_wait_for_company_or_their_time() -> None:
+    batches: list[list[int]] = []
+
+    async def run(items: list[int]) -> list[int]:
+        batches.append(items)
+        return [i * 10 for i in items]
+
+    commit: _GroupCommit[int, int] = _GroupCommit(run)
+    waiting = [asyncio.create_task(commit.submit(i, linger_s=600)) for i in (1, 2)]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert batches == [] and not any(t.done() for t in waiting)  # nothing urgent yet: they wait
+    assert await commit.submit(3) == 30  # urgent: goes at once, and takes the waiting ones along
+    assert await asyncio.gather(*waiting) == [10, 20]
+    assert batches == [[1, 2, 3]]
+    # alone, a lingering item goes when its wait is over (here: at once)
+    assert await asyncio.wait_for(commit.submit(4, linger_s=0.001), 30) == 40
+    # closing the ledger fails a lingering item rather than leaving its submitter waiting
+    stranded = asyncio.create_task(commit.submit(5, linger_s=600))
+    await asyncio.sleep(0)
+    await commit.aclose()
+    with pytest.raises(ConnectionError):
+        await stranded
+
+
 async def test_group_commit_fails_every_member_of_a_failed_batch() -> None:
     async def run(items: list[int]) -> list[int]:
         raise ConnectionError("redis down")
