@@ -12,7 +12,7 @@ Per experiment quota (labels ``scope`` — the experiment id — and ``endpoint`
 :class:`~scoring_workers.scorers.judge_limits.JudgeQuota`): attempts admitted, those
 that had to wait for the quota and the seconds they waited, attempts holding a quota
 slot now. Nothing is exported while no judge scorer is configured, and no quota
-series while no client with a quota is open.
+series (only the families' descriptions) while no client with a quota is open.
 """
 
 from __future__ import annotations
@@ -125,11 +125,14 @@ class JudgeCollector(Collector):
             opened.add_metric([label], ep.opened)
         if endpoints:
             yield from (attempts, failed, latency, in_flight, load, ewma, routed, is_open, opened)
-        yield from _quota_families(quota_snapshot())
+        yield from _quota_families(quota_snapshot(), described=bool(endpoints))
 
 
-def _quota_families(quotas: dict[tuple[str, str], _Quota]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-    if not quotas:
+def _quota_families(quotas: dict[tuple[str, str], _Quota], *, described: bool = False,
+                    ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """The quota series; with ``described`` (a judge is configured) the families are exported
+    without series too, so dashboards and the metrics' metadata know them before any quota."""
+    if not quotas and not described:
         return
     labels = ["scope", "endpoint"]
     admitted = CounterMetricFamily("prm_judge_quota_admitted", "Judge attempts an experiment's quota admitted",
