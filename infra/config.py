@@ -194,9 +194,13 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Commands wait this long for the broker at startup (a log line per attempt), then
     # exit with one line naming the address (infra.startup).
     startup_timeout_s: Seconds = 30.0
-    # How long the broker may hold a consumer's fetch when no data is there. Kafka's own
-    # default (500) is a latency floor on brokers that answer only when it runs out.
-    fetch_max_wait_ms: int = 20
+    # How long the broker may hold a consumer's fetch when no data is there: the wait
+    # adapts (infra.kafka.AdaptiveFetchWait) — fetch_min_wait_ms after a fetch that brought
+    # records, doubling with each empty one up to fetch_max_wait_ms. On a broker that
+    # answers only when the wait runs out (the embedded one) the short wait is the latency
+    # floor under load and the long one the cost of idling (docs/capacity.md).
+    fetch_min_wait_ms: Positive = 5
+    fetch_max_wait_ms: Positive = 100
 
     def __repr__(self) -> str:
         return _masked_repr(self, secret_fields=("sasl_password",))
@@ -229,6 +233,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scorer_timeout_s: Seconds = 60.0
     group_timeout_s: Seconds = 600.0
     poll_max_records: Positive = 256
+    # Routine offset commits at most this often (each is a broker request, however few
+    # offsets it carries); a crash redelivers up to this much more work, deduplicated by
+    # the ledger. Commits at a rebalance or at shutdown are never delayed.
+    commit_interval_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.5
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None
     # Scorer classes may be imported only from these module prefixes (configs are code
