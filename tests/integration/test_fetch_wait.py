@@ -30,7 +30,7 @@ class _Recording(AdaptiveFetchWait):
 
 async def test_fetch_wait_grows_while_idle_and_drops_when_records_come(kafka_bootstrap) -> None:
     cfg = KafkaConfig(bootstrap=kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
-                      leave_group_on_stop=False, fetch_min_wait_ms=5, fetch_max_wait_ms=80, linger_ms=0)
+                      leave_group_on_stop=False, fetch_min_wait_ms=5, fetch_max_wait_ms=80)
     topic = f"fetchwait-{uuid.uuid4().hex[:8]}"
     await ensure_topics(cfg, TopicsConfig(partitions=2), [topic])
     consumer = make_consumer(cfg, topic, group_id=f"fw-{uuid.uuid4().hex[:8]}")
