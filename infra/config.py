@@ -181,7 +181,10 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ssl_keyfile: str | None = None
     compression: Literal["zstd", "lz4", "gzip", "none"] = "zstd"
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1_048_576
-    linger_ms: int = 5
+    # Producer batching delay. aiokafka's flush() waits it out, and a worker's verdict waits
+    # it before it is sent, so every produce hop adds it to a verdict's latency; with 0 a
+    # batch goes out at once and records still batch while a request is in flight.
+    linger_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
     request_timeout_ms: int = 30_000
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
@@ -195,9 +198,13 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Commands wait this long for the broker at startup (a log line per attempt), then
     # exit with one line naming the address (infra.startup).
     startup_timeout_s: Seconds = 30.0
-    # How long the broker may hold a consumer's fetch when no data is there. Kafka's own
-    # default (500) is a latency floor on brokers that answer only when it runs out.
-    fetch_max_wait_ms: int = 20
+    # How long the broker may hold a consumer's fetch when no data is there: the wait
+    # adapts (infra.kafka.AdaptiveFetchWait) — fetch_min_wait_ms after a fetch that brought
+    # records, doubling with each empty one up to fetch_max_wait_ms. On a broker that
+    # answers only when the wait runs out (the embedded one) the short wait is the latency
+    # floor under load and the long one the cost of idling (docs/capacity.md).
+    fetch_min_wait_ms: Positive = 5
+    fetch_max_wait_ms: Positive = 20
 
     def __repr__(self) -> str:
         return _masked_repr(self, secret_fields=("sasl_password",))
@@ -231,6 +238,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scorer_timeout_s: Seconds = 60.0
     group_timeout_s: Seconds = 600.0
     poll_max_records: Positive = 256
+    # Routine offset commits at most this often (each is a broker request, however few
+    # offsets it carries); a crash redelivers up to this much more work, deduplicated by
+    # the ledger. Commits at a rebalance or at shutdown are never delayed.
+    commit_interval_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.5
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None
     # Scorer classes may be imported only from these module prefixes (configs are code

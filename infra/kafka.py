@@ -200,8 +200,34 @@ def make_producer(cfg: KafkaConfig, **overrides: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**kwargs)
 
 
+class AdaptiveFetchWait:
+    """The broker-side wait of a consumer's next fetch: short while records flow, long when idle.
+
+    After a fetch that brought records the next one waits ``low_ms``; each fetch that came
+    back empty doubles the wait, up to ``high_ms``. A broker that answers a fetch only when
+    its wait runs out (the embedded tansu broker does, see docs/capacity.md) delays a
+    record by up to the wait in force when it arrives, and costs a request per wait when
+    nothing comes: one fixed wait buys either latency under load or cheap idling, this
+    buys both. On Apache Kafka, which answers as soon as data arrives, it only shortens
+    the waits right after records came.
+    """
+
+    __slots__ = ("low_ms", "high_ms", "wait_ms")
+
+    def __init__(self, low_ms: int, high_ms: int) -> None:
+        self.high_ms = max(1, high_ms)
+        self.low_ms = max(1, min(low_ms, self.high_ms))
+        self.wait_ms = self.low_ms
+
+    def after_fetch(self, got_records: bool) -> int:
+        """The wait for the next fetch, given whether the last one brought records."""
+        self.wait_ms = self.low_ms if got_records else min(self.high_ms, self.wait_ms * 2)
+        return self.wait_ms
+
+
 class PipelineConsumer(AIOKafkaConsumer):
-    """An aiokafka consumer whose polls keep their timeout and that can skip LeaveGroup.
+    """An aiokafka consumer whose polls keep their timeout, that can skip LeaveGroup, and
+    whose fetch wait adapts to the traffic (:class:`AdaptiveFetchWait`).
 
     ``leave_group_on_stop=False``: membership ends by session expiry instead of LeaveGroup
     (see ``KafkaConfig.leave_group_on_stop`` for the broker defect this avoids). aiokafka
@@ -209,9 +235,29 @@ class PipelineConsumer(AIOKafkaConsumer):
     have done afterwards.
     """
 
-    def __init__(self, *topics: str, leave_group_on_stop: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *topics: str, leave_group_on_stop: bool = True,
+                 fetch_wait: AdaptiveFetchWait | None = None, **kwargs: Any) -> None:
+        if fetch_wait is not None:
+            kwargs["fetch_max_wait_ms"] = fetch_wait.wait_ms
         super().__init__(*topics, **kwargs)
         self.leave_group_on_stop = leave_group_on_stop
+        self.fetch_wait = fetch_wait
+
+    async def start(self) -> None:
+        await super().start()
+        fetcher = getattr(self, "_fetcher", None)
+        if self.fetch_wait is None or fetcher is None or not hasattr(fetcher, "_proc_fetch_request"):
+            return
+        # aiokafka builds each fetch request from ``_fetch_max_wait_ms`` and has no public
+        # setter; its fetch step returns True when the response added records.
+        fetch_wait, fetch = self.fetch_wait, fetcher._proc_fetch_request
+
+        async def fetch_and_adapt(*args: Any) -> Any:
+            got = await fetch(*args)
+            fetcher._fetch_max_wait_ms = fetch_wait.after_fetch(bool(got))
+            return got
+
+        fetcher._proc_fetch_request = fetch_and_adapt
 
     async def getmany(self, *partitions: TopicPartition, timeout_ms: int = 0,
                       max_records: int | None = None) -> dict[TopicPartition, list[Any]]:
@@ -246,7 +292,9 @@ class PipelineConsumer(AIOKafkaConsumer):
 
 def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overrides: Any) -> PipelineConsumer:
     """A consumer with manual commits (``enable_auto_commit=False``) reading from the earliest
-    offset; its polls keep their timeout and it honours ``kafka.leave_group_on_stop`` (:class:`PipelineConsumer`)."""
+    offset; its polls keep their timeout, it honours ``kafka.leave_group_on_stop`` and its
+    fetch wait moves between ``kafka.fetch_min_wait_ms`` and ``kafka.fetch_max_wait_ms``
+    with the traffic (:class:`PipelineConsumer`; an override of either bounds it)."""
     kwargs = common_kwargs(cfg)
     kwargs.update(
         group_id=group_id,
@@ -255,12 +303,14 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
         session_timeout_ms=cfg.session_timeout_ms,
         heartbeat_interval_ms=cfg.heartbeat_interval_ms,
         max_poll_interval_ms=cfg.max_poll_interval_ms,
-        fetch_max_wait_ms=cfg.fetch_max_wait_ms,
         fetch_max_bytes=max(52_428_800, cfg.max_message_bytes * 4),
         max_partition_fetch_bytes=max(1_048_576, cfg.max_message_bytes),
     )
+    high_ms = overrides.pop("fetch_max_wait_ms", cfg.fetch_max_wait_ms)
+    low_ms = overrides.pop("fetch_min_wait_ms", cfg.fetch_min_wait_ms)
     kwargs.update(overrides)
-    return PipelineConsumer(*topics, leave_group_on_stop=cfg.leave_group_on_stop, **kwargs)
+    return PipelineConsumer(*topics, leave_group_on_stop=cfg.leave_group_on_stop,
+                            fetch_wait=AdaptiveFetchWait(low_ms, high_ms), **kwargs)
 
 
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 30.0) -> list[TopicPartition]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -90,28 +91,43 @@ class OffsetCommitter:
     """
 
     def __init__(self, consumer: AIOKafkaConsumer, *, owner: str,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 min_interval_s: float = 0.0) -> None:
         self.consumer = consumer
         self.tracker = OffsetTracker()
         self.owner = owner
         self._on_failure = on_failure
         self._lock = asyncio.Lock()
+        # Routine commits at most this often: each is a broker request (client and broker
+        # CPU) whatever it carries, and a later one covers the offsets of the ones skipped.
+        # A crash redelivers at most this much more, deduplicated downstream. Revocation
+        # and shutdown commits are never delayed.
+        self.min_interval_s = min_interval_s
+        self._last_commit = -float("inf")
 
     @property
     def busy(self) -> bool:
         """A commit is in flight (a caller polling in a loop need not queue another)."""
         return self._lock.locked()
 
+    @property
+    def due(self) -> bool:
+        """A routine :meth:`commit` would act now (``min_interval_s`` since the last one)."""
+        return time.monotonic() - self._last_commit >= self.min_interval_s
+
     def committed(self, tp: TopicPartition) -> int | None:
         """The last offset this member committed for ``tp`` (None: nothing yet)."""
         return self.tracker.committed(tp)
 
-    async def commit(self, tps: set[TopicPartition] | None = None) -> None:
+    async def commit(self, tps: set[TopicPartition] | None = None, *, routine: bool = False) -> None:
         """Commit what is safe on ``tps`` (all if None); a refused commit is logged, never raised.
 
         The records whose offsets did not land are redelivered (to us or to the
-        partition's next owner) and deduplicated downstream.
+        partition's next owner) and deduplicated downstream. A ``routine`` commit (a
+        polling loop's) does nothing until ``min_interval_s`` passed since the last one.
         """
+        if routine and not self.due:
+            return
         async with self._lock:
             offsets = self.tracker.committable(tps)
             assigned = self.consumer.assignment()  # no await before the commit call: stays current
@@ -121,6 +137,7 @@ class OffsetCommitter:
                 offsets = {tp: off for tp, off in offsets.items() if tp not in gone}
             if not offsets:
                 return
+            self._last_commit = time.monotonic()
             try:
                 await self.consumer.commit(offsets)
             except KafkaError as exc:  # CommitFailedError, IllegalStateError (revoked meanwhile), ...

@@ -347,6 +347,15 @@ def _experiment(experiment_id: str | msgspec.UnsetType) -> str:
 ObservationScope = Literal["turn", "trajectory"]
 ObservationType = Literal["float", "boolean"]
 _ALLOWED_AGGREGATIONS = {"boolean": ("count", "rate"), "float": ("sum", "mean")}
+_VALID_SPECS: set[tuple[str, str, tuple[str, ...]]] = set()  # (scope, value_type, aggregations) seen valid
+
+
+def _spec_key(scope: object, value_type: object, aggregations: object) -> tuple[str, str, tuple[str, ...]] | None:
+    """The cache key of an observation's shape, or None when it cannot be one (not all strings)."""
+    if type(scope) is str and type(value_type) is str and type(aggregations) is tuple \
+            and all(type(a) is str for a in aggregations):
+        return (scope, value_type, aggregations)
+    return None
 
 
 class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
@@ -365,6 +374,12 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not self.metric_id:
             raise ValueError("metric_id must be a non-empty string")
+        spec = _spec_key(self.scope, self.value_type, self.aggregations)
+        if spec is not None and spec in _VALID_SPECS:
+            # a (scope, type, aggregations) combination already checked: only the value is left
+            # (every scored turn carries observations; the combinations are few)
+            self._check_value()
+            return
         if self.scope not in ("turn", "trajectory"):
             raise ValueError(f"scope must be 'turn' or 'trajectory', got {self.scope!r}")
         if self.value_type not in _ALLOWED_AGGREGATIONS:
@@ -380,6 +395,11 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
                 f"metric {self.metric_id!r}: {self.value_type} observations allow "
                 f"{'/'.join(allowed)}, not {bad}"
             )
+        self._check_value()
+        if spec is not None and len(_VALID_SPECS) < 1024:
+            _VALID_SPECS.add(spec)
+
+    def _check_value(self) -> None:
         if self.value_type == "boolean":
             if not isinstance(self.value, bool):
                 raise ValueError(f"metric {self.metric_id!r}: boolean value must be a bool")

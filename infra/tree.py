@@ -34,7 +34,20 @@ def topological_order(nodes: Sequence[N]) -> list[N]:
 
     Raises :class:`TreeError` for duplicate ids, a parent id that names no node, or a
     cycle (nodes unreachable from any root).
+
+    A single chain already in order (each node's parent is the node before it: every
+    linear session) is recognised in one pass and returned as it is; anything else
+    takes the general walk. Callers check a trajectory's tree several times per record,
+    so the common case must be cheap.
     """
+    previous = None
+    for node in nodes:
+        if node.parent_id != previous:
+            break
+        previous = node.interaction_id
+    else:  # a chain from a root; a repeated id is the only way it can be malformed
+        if len({node.interaction_id for node in nodes}) == len(nodes):
+            return list(nodes)
     by_id: dict[str, N] = {}
     for node in nodes:
         if node.interaction_id in by_id:

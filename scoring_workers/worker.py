@@ -229,7 +229,8 @@ class Worker:
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
         self._committer = OffsetCommitter(self.consumer, owner=f"worker {self.worker_id}",
                                           on_failure=lambda exc: self.telemetry.commit_failures.labels(
-                                              type(exc).__name__).inc())
+                                              type(exc).__name__).inc(),
+                                          min_interval_s=cfg.worker.commit_interval_s)
         await self.producer.start()
         self._registry = RegistryFollower(cfg)
         try:
@@ -276,8 +277,9 @@ class Worker:
                 await self._dispatch(records)
             # Background steps: polling never waits for them, a rebalance may land at any of
             # their awaits, and one that fails is logged and counted and runs again later.
-            if (self._committing is None or self._committing.done()) and not self._committer.busy:
-                self._committing = self._background("commit", self._committer.commit())
+            if (self._committing is None or self._committing.done()) and not self._committer.busy \
+                    and self._committer.due:
+                self._committing = self._background("commit", self._committer.commit(routine=True))
             now = time.monotonic()
             sweep_every = self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
             if now - last_sweep >= sweep_every and (sweeper is None or sweeper.done()):

@@ -57,7 +57,7 @@ def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "
             PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 384}),
         ]))),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, linger_ms=5, max_message_bytes=8 * 1024 * 1024, compression=compression),
+        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, max_message_bytes=8 * 1024 * 1024, compression=compression),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"bench:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             experiments=f"exp.{name}",

@@ -61,7 +61,7 @@ def perf_config(stack: LocalStack, name: str, *, ttl_s: int, dedupe_max_seen: in
             PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 96}),
         ]))),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, linger_ms=5, max_message_bytes=8 * 1024 * 1024),
+        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, max_message_bytes=8 * 1024 * 1024),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"perf:{name}", ttl_s=ttl_s),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             experiments=f"exp.{name}",

@@ -105,3 +105,29 @@ async def test_lag_survives_a_rebalance_at_any_await() -> None:
     assert B not in lag and lag[A] == 10
     consumer.assigned = {A}  # revoked between two lag steps: never asked about again
     assert await committer.lag() == {A: 10}
+
+
+async def test_routine_commits_wait_for_the_interval_but_revocation_does_not() -> None:
+    consumer = _Consumer({A}, {})
+    committer = OffsetCommitter(consumer, owner="test", min_interval_s=3600)  # type: ignore[arg-type]
+    committer.tracker.begin(A, 0)
+    committer.tracker.finish(A, 0)
+    assert committer.due
+    await committer.commit(routine=True)  # the first one goes out
+    assert consumer.commits == [{A: 1}] and not committer.due
+    committer.tracker.begin(A, 1)
+    committer.tracker.finish(A, 1)
+    await committer.commit(routine=True)  # within the interval: one request fewer
+    assert consumer.commits == [{A: 1}]
+    await committer.revoke({A})  # a rebalance never waits
+    assert consumer.commits == [{A: 1}, {A: 2}]
+
+
+async def test_without_an_interval_every_routine_commit_goes_out() -> None:
+    consumer = _Consumer({A}, {})
+    committer = OffsetCommitter(consumer, owner="test")  # type: ignore[arg-type]
+    for offset in (0, 1):
+        committer.tracker.begin(A, offset)
+        committer.tracker.finish(A, offset)
+        await committer.commit(routine=True)
+    assert consumer.commits == [{A: 1}, {A: 2}]

@@ -393,6 +393,23 @@ class TestObservation:
         with pytest.raises(ValueError, match="boolean value must be a bool"):
             observation(value=1.0, value_type="boolean", aggregations=("count",))
 
+    def test_a_shape_seen_valid_still_checks_every_value(self) -> None:
+        # valid (scope, type, aggregations) shapes skip their re-check; values and ids never do
+        observation(value=True, value_type="boolean", aggregations=("count", "rate"))
+        observation(value=2.5)
+        with pytest.raises(ValueError, match="boolean value must be a bool"):
+            observation(value=1.0, value_type="boolean", aggregations=("count", "rate"))
+        with pytest.raises(ValueError, match="must be finite"):
+            observation(value=float("nan"))
+        with pytest.raises(ValueError, match="metric_id must be a non-empty string"):
+            observation(metric_id="")
+        decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(observation(value=3.0)), type=PRMMetricObservation)
+        assert decoded.value == 3.0
+        wire = msgspec.msgpack.encode({"metric_id": "m", "scope": "turn", "target_id": "i1", "value": True,
+                                       "value_type": "float", "aggregations": ["sum"]})
+        with pytest.raises(msgspec.ValidationError, match="float value must be an int or float"):
+            msgspec.msgpack.decode(wire, type=PRMMetricObservation)  # decoding runs the same checks
+
     def test_float_refuses_bool(self) -> None:
         with pytest.raises(ValueError, match="float value must be an int or float"):
             observation(value=True)

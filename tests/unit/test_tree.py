@@ -105,3 +105,15 @@ def test_deep_chain_does_not_recurse() -> None:
 
 def test_tree_error_is_value_error() -> None:
     assert issubclass(TreeError, ValueError)
+
+
+def test_a_chain_in_order_comes_back_as_it_is() -> None:
+    chain = [Node("a"), Node("b", "a"), Node("c", "b")]
+    assert topological_order(chain) == chain and topological_order(chain) is not chain
+
+
+def test_chain_shaped_input_is_still_validated() -> None:
+    with pytest.raises(TreeError, match="duplicate interaction_id 'a'"):
+        topological_order([Node("a"), Node("b", "a"), Node("a", "b")])  # looks like a chain, repeats an id
+    with pytest.raises(TreeError, match="unknown parent_id 'ghost'"):
+        topological_order([Node("a", "ghost"), Node("b", "a")])  # does not start at a root
