@@ -57,6 +57,8 @@ from urllib.parse import quote, unquote, urlsplit
 
 import httptools
 
+from infra.errors import ServiceError
+
 __all__ = ["AiohttpTransport", "HttpTransport", "Transport", "TransportError", "check_headers"]
 
 _MAX_HEAD = 64 * 1024  # status line + headers; a judge's are a few hundred bytes
@@ -66,7 +68,7 @@ _SMALL = 16 * 1024  # bodies up to this size are sent in one write with the head
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-class TransportError(Exception):
+class TransportError(ServiceError):
     """An exchange failed below HTTP. ``connect``: no connection could be opened (nothing
     was sent, a retry is safe); otherwise the connection broke or the answer was not
     HTTP. ``silent``: the connection closed before a single byte of an answer."""
