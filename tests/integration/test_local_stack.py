@@ -28,7 +28,7 @@ async def test_topics_create_is_idempotent(pipeline_config) -> None:
     assert set(first.values()) == {"created"}
     assert set(second.values()) == {"exists"}
     assert set(first) == {pipeline_config.topics.trajectories, pipeline_config.topics.verdicts,
-                          pipeline_config.topics.dead_letters}
+                          pipeline_config.topics.dead_letters, pipeline_config.topics.experiments}
 
 
 async def test_trajectories_round_trip_through_the_broker(pipeline_config) -> None:

@@ -83,4 +83,4 @@ async def test_verdicts_summary_counts_repeated_verdicts(pipeline_config, tmp_pa
     dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "3", "--timeout", "20")
     assert dumped.returncode == 0, dumped.stderr
     assert len(dumped.stdout.splitlines()) == 3
-    assert "3 verdicts of 2 groups: 1 repeated a (group_id, verdict_version) already printed" in dumped.stderr
+    assert "3 verdicts of 2 groups: 1 repeated an (experiment_id, group_id, verdict_version) already printed" in dumped.stderr

@@ -139,7 +139,7 @@ def test_acl_user_stays_inside_the_prefix(acl_redis: AclRedis) -> None:
     user = redis.Redis(port=acl_redis.service.port, username=ACL_USER, password=acl_redis.password)
     try:
         user.execute_command("HSET", "prm:{g1}:state", "status", "open")  # inside: allowed
-        assert user.execute_command("HGET", "prm:{g1}:state", "status") == b"open"
+        assert user.execute_command("HMGET", "prm:{g1}:state", "status") == [b"open"]
         for cmd in (("SET", "other:key", "1"), ("GET", "other:key"), ("HSET", "prmx:{g}:state", "a", "b"),
                     ("KEYS", "*"), ("FLUSHALL",), ("CONFIG", "GET", "*"), ("EVAL", "return 1", "0")):
             with pytest.raises(NoPermissionError):
