@@ -453,7 +453,8 @@ class Worker:
             queue = self._held[experiment_id]
             owner = self.fleet.get(experiment_id)
             while queue and (owner is None or not self._at_cap(owner)):
-                self._spawn(*queue.popleft())
+                held = queue.popleft()  # routed again: its experiment may have been re-declared meanwhile
+                self._spawn(*held._replace(route=self._route(held.record, held.message)))
             if not queue:
                 del self._held[experiment_id]
 
