@@ -54,6 +54,10 @@ __all__ = [
 
 KIND = "experiment"
 """The ``prm-kind`` header of a registry record."""
+IDLE_FETCH_WAIT_MS = 500
+"""The longest a worker's registry reader waits per fetch: a declaration takes effect within
+about this long (plus the worker's next registry step), and an idle registry costs two
+requests a second."""
 MAX_RECORD_BYTES = 65_536
 """A registry record is a small document: anything larger is refused, whatever the broker allows."""
 
@@ -233,7 +237,10 @@ class RegistryFollower:
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
         self.topic = cfg.topics.experiments
-        self._consumer = make_consumer(cfg.kafka, group_id=None, enable_auto_commit=False)
+        # The registry changes rarely: idle, its fetches back off to IDLE_FETCH_WAIT_MS (a worker
+        # must not pay a request every 20 ms for it), and a burst of records is read at once.
+        self._consumer = make_consumer(cfg.kafka, group_id=None, enable_auto_commit=False,
+                                       fetch_max_wait_ms=max(IDLE_FETCH_WAIT_MS, cfg.kafka.fetch_max_wait_ms))
         self._assigned: list[TopicPartition] = []
         self._started = False
         self._next_look = 0.0

@@ -43,12 +43,13 @@ PROCESSES = ("broker", "redis", "worker0", "worker1", "publisher", "trainer")
 
 
 async def _memory_sample(redis: Any, pattern: str, limit: int = 50) -> tuple[float, float]:
-    """(mean ``MEMORY USAGE`` bytes, mean entries) of up to ``limit`` keys matching ``pattern``."""
+    """(mean ``MEMORY USAGE`` bytes, mean parked members) of up to ``limit`` group hashes matching
+    ``pattern``: the ledger keeps a group in one hash, its members as ``m:<trajectory_id>`` fields
+    (the state fields and the key's overhead are charged to the members)."""
     sizes, entries = [], []
     async for key in redis.scan_iter(match=pattern, count=500):
         sizes.append(await redis.memory_usage(key, samples=0) or 0)
-        kind = (await redis.type(key)).decode()
-        entries.append(await redis.hlen(key) if kind == "hash" else 1)
+        entries.append(sum(1 for field in await redis.hkeys(key) if field.startswith(b"m:")))
         if len(sizes) >= limit:
             break
     if not sizes:
@@ -116,7 +117,7 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             children.start("publisher", "--groups", "20", "--members", str(GROUP_SIZE - 1), "--turns", str(args.turns),
                            "--tokens", str(args.tokens), "--run-id", "open", name="open")
             await wait_until(lambda: children.status("open").get("done", False), 60, "the open groups", children, ())
-            pattern = f"{cfg.redis.key_prefix}:{{open-*}}:members"
+            pattern = f"{cfg.redis.key_prefix}:{{open-*}}:group"
             deadline = time.monotonic() + 30
             parked_bytes, parked_entries = await _memory_sample(redis, pattern)
             while not parked_entries >= GROUP_SIZE - 1 and time.monotonic() < deadline:

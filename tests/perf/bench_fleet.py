@@ -110,7 +110,7 @@ class _Fleet:
     async def __aenter__(self) -> _Fleet:
         for e in EXPERIMENTS:
             topics = _topics(self.cfg, e)
-            self.pub[e] = TrajectoryPublisher(self.cfg.kafka, topics)
+            self.pub[e] = TrajectoryPublisher(self.cfg.kafka, self.cfg.topics, experiment=e)
             await self.pub[e].start()
             # B's verdicts are kept raw for the stage breakdown; A's are keys only (no CPU decoding them)
             cfg = msgspec.structs.replace(self.cfg, topics=topics)
