@@ -227,8 +227,8 @@ async def _fairness(args: argparse.Namespace) -> dict[str, Any]:
                       f"weight 1 each", flush=True)
                 print(f"    peak, A alone flooded ({args.peak_records} records): {peak:.1f} verdicts/s "
                       f"(slots / delay: {args.workers * args.concurrency / (args.delay_ms / 1000):.0f}/s; "
-                      f"{args.workers * max(1, args.concurrency - 2) / (args.delay_ms / 1000):.0f}/s without the slot "
-                      "each idle experiment, B and default, keeps in reserve)", flush=True)
+                      f"{args.workers * max(1, args.concurrency - 1) / (args.delay_ms / 1000):.0f}/s without the slot "
+                      "kept in reserve for the idle experiments, B and default)", flush=True)
                 print(f"    B paced at {args.share:.0%} of peak = {rate:.2f}/s for {args.seconds:g} s ({n_b} records); "
                       f"A's backlog {backlog} records ({args.backlog:g}x B's run), published before B starts",
                       flush=True)
