@@ -33,20 +33,16 @@ def check_experiment_file(cfg: PipelineConfig, path: str) -> Any:
 
 
 def _check_as_code(cfg: PipelineConfig, spec: Any) -> None:
-    """Refuse what the workers would refuse, before anything is written."""
-    from scoring_workers.prm.resolve import resolve_scorer_class
-    from scoring_workers.scorers.judge_hosts import config_judge_urls, effective_allow_list
+    """Refuse what the workers would refuse (the worker's own preflight checks, under the
+    allow-lists a registry record is held to), before anything is written."""
+    from scoring_workers.prm.resolve import check_scorer_entries
+    from scoring_workers.scorers.judge_hosts import check_config_judge_hosts, effective_allow_list
 
-    hosts = effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts)
-    for where, url in config_judge_urls(spec.prm, "prm"):
-        if not hosts.allows(url):
-            raise ConfigError(f"{where}: judge URL host is not in worker.allowed_judge_hosts {hosts.describe()}; "
-                              "workers would refuse this experiment")
-    for i, scorer in enumerate(spec.prm.scorers):
-        try:
-            resolve_scorer_class(scorer.path, allowed_prefixes=cfg.worker.allowed_scorer_modules)
-        except Exception as exc:  # noqa: BLE001 - one line, whatever the import did
-            raise ConfigError(f"prm.scorers[{i}].path: {exc}") from None
+    check_config_judge_hosts(spec.prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts), "prm")
+    try:
+        check_scorer_entries(spec.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules, key="prm")
+    except (ImportError, TypeError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:

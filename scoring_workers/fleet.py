@@ -36,12 +36,7 @@ from infra.config import PipelineConfig
 from infra.experiments import DEFAULT_EXPERIMENT, trajectories_topic, verdicts_topic
 from infra.registry import ExperimentSpec, RegistryRecord
 from infra.schema import ScorerInfo
-from scoring_workers.scorers.judge_hosts import (
-    check_judge_url,
-    config_judge_urls,
-    effective_allow_list,
-    judge_hosts_allowed,
-)
+from scoring_workers.scorers.judge_hosts import check_config_judge_hosts, effective_allow_list, judge_hosts_allowed
 from scoring_workers.verdicts import encode_scorers
 
 log = logging.getLogger(__name__)
@@ -139,9 +134,7 @@ class Fleet:
     async def _declare(self, spec: ExperimentSpec) -> bool:
         experiment_id = spec.experiment_id
         try:
-            with judge_hosts_allowed(self._hosts):  # every URL, before anything is built
-                for where, url in config_judge_urls(spec.prm, f"experiment {experiment_id!r} prm"):
-                    check_judge_url(url, what=f"{where}: judge URL")
+            check_config_judge_hosts(spec.prm, self._hosts, f"experiment {experiment_id!r} prm")  # before building
             runner = await self._build(spec)
         except Exception as exc:  # noqa: BLE001 - a refused declaration must never stop the worker
             self._refuse(experiment_id, f"{type(exc).__name__}: {exc}")

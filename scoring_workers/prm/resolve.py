@@ -396,12 +396,12 @@ class ResolvedScorer:
 
 
 def check_scorer_entries(
-    prm: PRMConfig, *, allowed_prefixes: Sequence[str] | None = None
+    prm: PRMConfig, *, allowed_prefixes: Sequence[str] | None = None, key: str = "rollout.agent.prm"
 ) -> list[ResolvedScorer]:
     """Resolve every configured scorer entry and check its ``kwargs``, building nothing.
 
     The checks :func:`build_scorer` makes before it calls a constructor, for the whole
-    block, each error prefixed with the entry's key (``rollout.agent.prm.scorers[1]``):
+    block, each error prefixed with the entry's key (``key``: ``rollout.agent.prm.scorers[1]``):
     commands run this before they wait for Kafka and Redis, so a typo or a missing
     package is reported at once. Scorer instances (built in Python) are skipped.
 
@@ -415,7 +415,7 @@ def check_scorer_entries(
     for index, item in enumerate(prm.scorers):
         if isinstance(item, BaseScorer):
             continue
-        where = f"rollout.agent.prm.scorers[{index}]"
+        where = f"{key}.scorers[{index}]"
         try:
             entry = _entry(item, where)
             cls = resolve_scorer_class(entry.path, allowed_prefixes=allowed_prefixes)

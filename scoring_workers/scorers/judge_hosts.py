@@ -225,17 +225,19 @@ def config_judge_urls(prm: Any, key: str = "rollout.agent.prm") -> list[tuple[st
     return found
 
 
-def check_config_judge_hosts(prm: Any, allowed: Sequence[str] | None) -> None:
-    """Every judge URL a config's scorers name must be allowed by an explicit
-    ``worker.allowed_judge_hosts`` (``None``: the file's own hosts, nothing to check).
+def check_config_judge_hosts(prm: Any, allowed: Sequence[str] | HostAllowList | None,
+                             key: str = "rollout.agent.prm") -> None:
+    """Every judge URL a config's scorers name must be allowed by ``allowed``: an explicit
+    ``worker.allowed_judge_hosts`` (``None``: the file's own hosts, nothing to check), or
+    the :func:`effective_allow_list` a registry record is held to.
 
     Raises:
         ConfigError: a malformed entry, or the first URL outside the list (one line).
     """
     if allowed is None:
         return
-    hosts = HostAllowList(allowed)
-    for where, url in config_judge_urls(prm):
+    hosts = allowed if isinstance(allowed, HostAllowList) else HostAllowList(allowed)
+    for where, url in config_judge_urls(prm, key):
         if not hosts.allows(url):
             raise ConfigError(_refusal(f"{where}: judge URL", url, hosts))
 

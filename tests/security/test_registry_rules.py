@@ -115,6 +115,7 @@ def test_experiment_add_refuses_a_file_outside_the_allow_lists_before_connecting
                                "add", str(spec)], capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert proc.returncode == 2, proc.stderr
         assert needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert "prm.scorers[0]" in proc.stderr and "rollout.agent" not in proc.stderr  # the file's own keys
         assert time.monotonic() - started < 20  # refused before waiting for the (closed) broker
 
 
