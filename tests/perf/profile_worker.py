@@ -99,9 +99,14 @@ async def _run(args: argparse.Namespace) -> None:
             busy_cpu, busy_wall = time.process_time() - c0, time.perf_counter() - t0
             if profiler is not None:
                 profiler.stop()
+            if args.idle_profile:
+                profiler = Profiler(interval=0.0005, async_mode="disabled")
+                profiler.start()
             c1 = time.process_time()
             await asyncio.sleep(args.idle_s)
             idle_cpu = time.process_time() - c1
+            if args.idle_profile:
+                profiler.stop()
             stop.set()
             await task
             await tail.aclose()
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--html", default=None)
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="CPU figures only (no sampling)")
     ap.add_argument("--callers", nargs="*", default=[])
+    ap.add_argument("--idle-profile", action="store_true", help="profile the idle phase instead of the busy one")
     args = ap.parse_args(argv)
     CALLERS[:] = args.callers
     asyncio.run(_run(args))
