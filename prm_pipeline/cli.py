@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from infra import event_loop
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
@@ -110,7 +111,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         finally:
             frozen.cancel()
 
-    asyncio.run(main())
+    logging.getLogger("scoring_workers").info("event loop: %s", event_loop.loop_name())
+    event_loop.run(main())
     return 0
 
 
@@ -254,7 +256,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                     on_ready=lambda port: print(f"listening on http{'s' if cfg.gateway.tls_certfile else ''}://"
                                                 f"{cfg.gateway.host}:{port}", flush=True))
 
-    asyncio.run(main())
+    event_loop.run(main())
     return 0
 
 

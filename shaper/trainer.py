@@ -46,6 +46,7 @@ import msgspec
 import torch
 from torch import Tensor
 
+from infra import event_loop
 from infra.config import (
     ActorConfig,
     ConfigError,
@@ -425,7 +426,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
         )
 
     try:
-        summary = asyncio.run(main())
+        summary = event_loop.run(main())
     except ValueError as exc:  # bad device, unknown filter, out-of-range process rewards
         print(f"trainer: {exc}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import tempfile
 import time
@@ -90,6 +91,9 @@ async def _run(args: argparse.Namespace) -> None:
             profiler = Profiler(interval=0.0005, async_mode="disabled") if args.profile else None
             task = asyncio.create_task(worker.run(stop))
             await worker.ready.wait()
+            gc.collect()
+            gc.freeze()  # as the worker command does once ready (prm_pipeline.cli)
+            print("busy phase starts", flush=True)  # an outside sampler (py-spy --pid) may attach here
             c0, t0 = time.process_time(), time.perf_counter()
             if profiler is not None:
                 profiler.start()

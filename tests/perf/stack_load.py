@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from infra import event_loop
 from infra.config import (
     ActorConfig,
     AgentConfig,
@@ -315,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-id", default=None)
     p.add_argument("--members", type=int, default=None, help="publish only the first N members of each group")
     args = p.parse_args(argv)
-    asyncio.run(_publisher(args) if args.role == "publisher" else _trainer(args))
+    if args.role == "publisher":  # a rollout proxy's loop is its own business
+        asyncio.run(_publisher(args))
+    else:  # the trainer consumer runs on the loop `prm-pipeline trainer` runs on
+        event_loop.run(_trainer(args))
     return 0
 
 
