@@ -438,7 +438,7 @@ class Worker:
         probed: list[tuple[ConsumerRecord, ReadyTrajectory, Routed]] = []
         skipped: list[tuple[ConsumerRecord, ReadyTrajectory, Routed]] = []
         for r, m, route, extra in ready:  # a chunked trajectory is read whole with its last chunk: that one decides
-            needs = self._marks.needs_probe(TopicPartition(r.topic, r.partition), max(r.offset, *extra))
+            needs = self._marks.needs_probe(TopicPartition(r.topic, r.partition), max([r.offset, *extra]))
             (probed if needs else skipped).append((r, m, route))
         probes: dict[int, str] = {id(r): "new" for r, _, _ in skipped}  # new to everyone: the park re-checks
         self.ledger.expect([(route.scoped, m.trajectory_id) for _, m, route in skipped])
