@@ -96,7 +96,7 @@ WORKERS_REMEMBERED_S = 3600.0  # a worker silent this long leaves the heartbeat 
 DONE_SKEW_S = 10.0  # clocks of the workers agree within this (a finish may file its group this much earlier)
 FRESH_GROUPS = 65_536  # bound of the probe memos (cleared past it: a park then reads every bucket, or lingers less)
 PARK_LINGER_S = 0.01  # a park whose group has members this worker probed and has not parked waits this long for them
-FINISH_LINGER_S = 0.08  # a finish after a published verdict waits this long for a call to ride along with
+FINISH_LINGER_S = 0.25  # a finish after a published verdict waits this long for a call to ride along with
 FINISH_BACKOFF_S = (0.05, 5.0)  # a finish that failed transiently is sent again after 50 ms, doubling up to 5 s
 FLUSH_TIMEOUT_S = 10.0  # at close, pending finishes get this long to land (then the sweeper covers them)
 
@@ -223,6 +223,7 @@ class _GroupCommit(Generic[T, R]):
         self._pending: list[tuple[T, asyncio.Future[R], float]] = []
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Future[None] | None = None  # set while every pending item lingers
+        self._wake_at = 0.0  # when the lingering drain wakes up by itself
 
     async def submit(self, item: T, *, linger_s: float = 0.0) -> R:
         (result,) = await self.submit_many([item], linger_s=linger_s)
@@ -234,8 +235,8 @@ class _GroupCommit(Generic[T, R]):
         futs: list[asyncio.Future[R]] = [loop.create_future() for _ in items]
         due = loop.time() + linger_s
         self._pending += ((item, fut, due) for item, fut in zip(items, futs))
-        if linger_s <= 0 and self._wake is not None:
-            _wake_up(self._wake)
+        if self._wake is not None and (linger_s <= 0 or due < self._wake_at):
+            _wake_up(self._wake)  # send now, or wait less: an item that lingers less than the others came
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
         return list(await asyncio.gather(*futs))
@@ -246,12 +247,15 @@ class _GroupCommit(Generic[T, R]):
             wait = min(due for _, _, due in self._pending) - loop.time()
             if wait > 0:  # every pending item lingers: until the first is due, or urgent work comes
                 self._wake = wake = loop.create_future()
+                self._wake_at = loop.time() + wait
                 timer = loop.call_later(wait, _wake_up, wake)
                 try:
                     await wake
                 finally:
                     timer.cancel()
                     self._wake = None
+                if min(due for _, _, due in self._pending) > loop.time():
+                    continue  # woken by an item due sooner than the others, not yet due: wait for it
             batch, self._pending = self._pending, []
             try:
                 results = await self._run([item for item, _, _ in batch])
