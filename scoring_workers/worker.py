@@ -637,8 +637,9 @@ class Worker:
             self.telemetry.deduplicated.inc()  # the group was decided (or finished) while we scored
             if outcome == "decided":
                 await self.ledger.nudge(group, wc.republish_grace_s)
-            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: acknowledged, its group was decided while it "
-                                     "was scored", traj.group_id, traj.trajectory_id)
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged at park, its group is "
+                                     "already decided (a re-published record, or decided while it was scored)",
+                                     traj.group_id, traj.trajectory_id)
         elif decision is not None and decision.outcome == "decided_now":
             await self._publish(decision)  # this member completed (or failed) the group
 
