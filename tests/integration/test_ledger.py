@@ -397,3 +397,27 @@ async def test_a_finish_that_fails_transiently_is_retried_and_counted(redis_url:
         await admin.execute_command("CLIENT", "UNPAUSE")
         await admin.aclose()
         await led.aclose()
+
+
+async def test_a_park_does_not_wait_for_a_pending_finish_longer_than_its_own_linger(redis_url: str,
+                                                                                      monkeypatch) -> None:
+    """A finish lingering far longer than a park does not hold the park back: the park
+    goes after its own ``PARK_LINGER_S`` and takes the finish along."""
+    monkeypatch.setattr(ledger_module, "FINISH_LINGER_S", 600.0)
+    cfg = RedisConfig(url=redis_url, key_prefix=f"rearm-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    led = GroupLedger.from_config(cfg)
+    try:
+        g, h = f"g-{uuid.uuid4().hex[:6]}", f"h-{uuid.uuid4().hex[:6]}"
+        _, decision = await led.park(_member("a"), group_id=g, group_size=1, **ARGS)
+        assert decision is not None
+        led.finish_soon(g)
+        await asyncio.sleep(0.05)  # the finish lingers now
+        led.expect([(h, "a"), (h, "b")])  # b never comes: a's park waits PARK_LINGER_S, not the finish's 600 s
+        assert await asyncio.wait_for(led.park(_member("a"), group_id=h, group_size=2, **ARGS), 5) == ("parked", None)
+        deadline = time.monotonic() + 5
+        while led.pending_finishes:
+            assert time.monotonic() < deadline, "the finish did not go with the park"
+            await asyncio.sleep(0.01)
+        assert await _finished(cfg, g)
+    finally:
+        await led.aclose()
