@@ -48,10 +48,12 @@ Round trips: every transition — park (which decides a group when its last memb
 decide, finish — of all in-flight records goes into one script call while the previous
 one is on the wire (:class:`_GroupCommit`; one call per slot on Redis Cluster), and the
 probes of a poll go in the same round trip as plain reads (a probe is advice: the park
-re-checks atomically). A park whose group has other members this worker probed and is
-still scoring waits briefly for them (up to ``PARK_LINGER_S``; the park that decides
-never waits), so that the members share a round trip: at low rates Redis's CPU goes
-mostly to waking up per round trip.
+re-checks atomically). A park whose group has other members this worker probed (or
+announced with :meth:`GroupLedger.expect`) and is still scoring waits briefly for them
+(up to ``PARK_LINGER_S``; the park that decides never waits), so that the members share
+a round trip, and a finish after a published verdict is cleanup that rides along with the
+next call (:meth:`GroupLedger.finish_soon`, up to ``FINISH_LINGER_S``): at low rates
+Redis's CPU goes mostly to waking up per round trip.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import math
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -68,12 +72,22 @@ from typing import Any, Generic, Literal, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError
+from redis.exceptions import BusyLoadingError, NoScriptError, OutOfMemoryError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.config import RedisConfig
 from infra.redis import make_redis
 from infra.schema import SessionResult
 from scoring_workers.ledger_scripts import LEDGER
+
+log = logging.getLogger(__name__)
+
+# Redis errors that are an outage, worth waiting for: unavailable, loading its AOF after a
+# restart, full (noeviction), or a cluster slot moving.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
+)
 
 TTL_REFRESH_S = 60.0  # a TTL this instance set is not set again for this long (it is that much longer)
 DONE_TTL_KEYS = 65_536  # bound of the done-set TTL memo (expired entries are dropped past it)
@@ -82,6 +96,9 @@ WORKERS_REMEMBERED_S = 3600.0  # a worker silent this long leaves the heartbeat 
 DONE_SKEW_S = 10.0  # clocks of the workers agree within this (a finish may file its group this much earlier)
 FRESH_GROUPS = 65_536  # bound of the probe memos (cleared past it: a park then reads every bucket, or lingers less)
 PARK_LINGER_S = 0.01  # a park whose group has members this worker probed and has not parked waits this long for them
+FINISH_LINGER_S = 0.25  # a finish after a published verdict waits this long for a call to ride along with
+FINISH_BACKOFF_S = (0.05, 5.0)  # a finish that failed transiently is sent again after 50 ms, doubling up to 5 s
+FLUSH_TIMEOUT_S = 10.0  # at close, pending finishes get this long to land (then the sweeper covers them)
 
 
 Probe = Literal["new", "duplicate", "decided", "done"]
@@ -206,6 +223,7 @@ class _GroupCommit(Generic[T, R]):
         self._pending: list[tuple[T, asyncio.Future[R], float]] = []
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Future[None] | None = None  # set while every pending item lingers
+        self._wake_at = 0.0  # when the lingering drain wakes up by itself
 
     async def submit(self, item: T, *, linger_s: float = 0.0) -> R:
         (result,) = await self.submit_many([item], linger_s=linger_s)
@@ -217,8 +235,8 @@ class _GroupCommit(Generic[T, R]):
         futs: list[asyncio.Future[R]] = [loop.create_future() for _ in items]
         due = loop.time() + linger_s
         self._pending += ((item, fut, due) for item, fut in zip(items, futs))
-        if linger_s <= 0 and self._wake is not None:
-            _wake_up(self._wake)
+        if self._wake is not None and (linger_s <= 0 or due < self._wake_at):
+            _wake_up(self._wake)  # send now, or wait less: an item that lingers less than the others came
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
         return list(await asyncio.gather(*futs))
@@ -229,12 +247,15 @@ class _GroupCommit(Generic[T, R]):
             wait = min(due for _, _, due in self._pending) - loop.time()
             if wait > 0:  # every pending item lingers: until the first is due, or urgent work comes
                 self._wake = wake = loop.create_future()
+                self._wake_at = loop.time() + wait
                 timer = loop.call_later(wait, _wake_up, wake)
                 try:
                     await wake
                 finally:
                     timer.cancel()
                     self._wake = None
+                if min(due for _, _, due in self._pending) > loop.time():
+                    continue  # woken by an item due sooner than the others, not yet due: wait for it
             batch, self._pending = self._pending, []
             try:
                 results = await self._run([item for item, _, _ in batch])
@@ -248,6 +269,13 @@ class _GroupCommit(Generic[T, R]):
             for (_, fut, _), result in zip(batch, results):
                 if not fut.done():
                     fut.set_result(result)
+
+    def hurry(self) -> None:
+        """Send what lingers now (at shutdown: nothing must wait for company that will not come)."""
+        now = asyncio.get_running_loop().time()
+        self._pending = [(item, fut, min(due, now)) for item, fut, due in self._pending]
+        if self._wake is not None:
+            _wake_up(self._wake)
 
     async def aclose(self) -> None:
         if self._task is not None and not self._task.done():
@@ -342,12 +370,23 @@ class GroupLedger:
         # park of a member whose siblings are still being scored here lingers for them.
         self._awaited: dict[str, set[str]] = {}
         self._ops: _GroupCommit[_Op, Any] = _GroupCommit(self._run)
+        # Finishes handed over by finish_soon() and not landed yet (each retries until it does).
+        self._finishing: dict[str, asyncio.Task[None]] = {}
+        self._finish_linger_s = FINISH_LINGER_S
+        # Told of every failed finish attempt (the worker counts them); a failure is also logged.
+        self.on_finish_error: Callable[[BaseException], None] | None = None
 
     @classmethod
     def from_config(cls, cfg: RedisConfig, *, dedupe_window_s: float = 3600.0) -> GroupLedger:
         return cls(make_redis(cfg), cfg, dedupe_window_s=dedupe_window_s)
 
-    async def aclose(self) -> None:
+    async def aclose(self, flush_timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Close, after the pending finishes landed (or ``flush_timeout_s`` passed: those
+        left are logged; their groups stay decided and the sweeper finishes them)."""
+        await self.flush(flush_timeout_s)
+        for task in self._finishing.values():
+            task.cancel()
+        await asyncio.gather(*self._finishing.values(), return_exceptions=True)
         await self._ops.aclose()
         await self.redis.aclose()
 
@@ -502,6 +541,17 @@ class GroupLedger:
             out.append("new" if probe == "open" else probe)
         return out
 
+    def expect(self, items: Sequence[tuple[str, str]]) -> None:
+        """``(group_id, trajectory_id)`` of records this worker will score without a probe
+        (no one else can have seen them): what a probe that found them new would remember,
+        without its round trip, so that a park waits for its groupmates here. Their parks
+        read every dedupe bucket (nothing says which were read already) and re-check
+        atomically, as always."""
+        for group_id, trajectory_id in items:
+            if len(self._awaited) >= FRESH_GROUPS:
+                self._awaited.clear()  # forgetting only costs a park its company
+            self._awaited.setdefault(group_id, set()).add(trajectory_id)
+
     # ---------------------------------------------------------------- transitions
     async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
                    worker_id: str, scorers: bytes, partition: int = -1,
@@ -574,12 +624,70 @@ class GroupLedger:
         entry, and remember the group as finished for the dedupe window. Concurrent
         finishes share one call (with whatever other transitions queued meanwhile).
 
-        A finish does not wait for company: its caller holds a record (and a slot of
-        ``worker.concurrency``) until it returns, and a worker whose slots are all held
-        by finishes would poll nothing that could bring company."""
+        This one does not wait for company, and returns once it landed (for callers that
+        need that); the worker uses :meth:`finish_soon`, which does not hold its record."""
         self._fresh.pop(group_id, None)
         self._awaited.pop(group_id, None)
         await self._ops.submit(_Op(group_id, "f", (fingerprint(group_id), self._done_ttl(group_id), group_id)))
+
+    def finish_soon(self, group_id: str) -> None:
+        """:meth:`finish`, without waiting for it: once the verdict is acknowledged by Kafka
+        the group's outcome is durable and finishing it is cleanup, so the caller releases
+        its record now and the finish rides along with the next ledger call (waiting up to
+        ``FINISH_LINGER_S`` for one) instead of costing a round trip of its own.
+
+        A failed attempt is logged, told to ``on_finish_error`` and sent again with backoff
+        (a transient error for as long as it lasts; any other error gives up: the group
+        stays decided and the sweeper re-publishes and finishes it, its repeated verdict
+        dropped by the trainer's dedupe). :meth:`flush` (and :meth:`aclose`) wait for them.
+        """
+        self._fresh.pop(group_id, None)
+        self._awaited.pop(group_id, None)
+        if group_id in self._finishing:  # already on its way (a re-published verdict)
+            return
+        task = asyncio.create_task(self._finish_until_landed(group_id))
+        self._finishing[group_id] = task
+        task.add_done_callback(lambda t, g=group_id: self._finishing.get(g) is t and self._finishing.pop(g))
+
+    @property
+    def pending_finishes(self) -> int:
+        """Finishes handed to :meth:`finish_soon` that have not landed yet."""
+        return len(self._finishing)
+
+    async def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> int:
+        """Send the pending finishes now and wait (up to ``timeout_s``) until they landed;
+        from now on finishes do not linger. Returns how many are still pending (logged)."""
+        self._finish_linger_s = 0.0
+        self._ops.hurry()
+        if self._finishing:
+            await asyncio.wait(list(self._finishing.values()), timeout=timeout_s)
+        if left := len(self._finishing):
+            log.warning("ledger: %d group finishes did not land within %.0fs; their groups stay decided and "
+                        "the sweeper re-publishes and finishes them", left, timeout_s)
+        return left
+
+    async def _finish_until_landed(self, group_id: str) -> None:
+        args = (fingerprint(group_id), self._done_ttl(group_id), group_id)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self._ops.submit(_Op(group_id, "f", args), linger_s=self._finish_linger_s)
+                return
+            except Exception as exc:  # noqa: BLE001 - logged, counted, retried or handed to the sweeper
+                if self.on_finish_error is not None:
+                    self.on_finish_error(exc)
+                if not isinstance(exc, TRANSIENT_ERRORS):
+                    log.error("ledger: finishing group %s failed (%s: %s); it stays decided and the sweeper "
+                              "re-publishes and finishes it", group_id, type(exc).__name__, exc)
+                    return
+                low, high = FINISH_BACKOFF_S
+                delay = min(high, low * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+                log.warning("ledger: finishing group %s failed (%s: %s, attempt %d); again in %.2fs", group_id,
+                            type(exc).__name__, exc, attempt, delay)
+                # the TTL this attempt carried may not have been set: the next one sets it again
+                args = (args[0], self.done_ttl_s + int(math.ceil(self.ttl_refresh_s)), group_id)
+                await asyncio.sleep(delay)
 
     def _done_ttl(self, group_id: str) -> int:
         """The TTL to set on the group's newest done set with this finish, or 0 when this

@@ -40,6 +40,12 @@ class WorkerTelemetry:
                                       "not handle this time; it goes on with the others", ["error"], registry=r)
         self.publish_failures = Counter("prm_worker_publish_failures", "Verdicts Kafka refused for good (they "
                                         "stay decided; the sweeper re-publishes them)", ["error"], registry=r)
+        self.finish_failures = Counter("prm_worker_finish_failures", "Attempts to finish a group (cleanup after "
+                                       "its verdict was acknowledged) that failed; retried with backoff while "
+                                       "transient, else the sweeper finishes it", ["error"], registry=r)
+        self.probes = Counter("prm_worker_probes", "Trajectories checked in the ledger before scoring (probed: a "
+                              "previous owner of the partition may have read them) or not (skipped)", ["kind"],
+                              registry=r)
         self.commit_failures = Counter("prm_worker_commit_failures", "Offset commits Kafka refused (e.g. a "
                                        "rebalance revoked the partition); the records are redelivered", ["error"],
                                        registry=r)

@@ -18,12 +18,16 @@ Per record (see docs/architecture.md):
    limit); when the record's key names its group, the group is rejected at once
    (``invalid_member``) instead of waiting for its deadline;
 2. pre-check the ledger for the whole poll in one round trip — duplicates and members
-   of decided groups are acknowledged without scoring;
+   of decided groups are acknowledged without scoring — but only records a previous
+   owner of their partition may have read (below the partition's highwater as first
+   known after the assignment, :mod:`scoring_workers.probe_marks`); later records go
+   straight to scoring, their park re-checks atomically;
 3. score with :class:`PRMRunner` under ``worker.scorer_timeout_s``; a failure parks a
    failed member, which rejects the group at once — after the group's members consumed
    before it have parked, so they are listed with their stats;
 4. park the result; whoever parks the last member decides the group and publishes
-   the verdict, then the ledger leaves a tombstone. A verdict over
+   the verdict; once Kafka acknowledged it the record is released and the group's
+   finish (drop its hash, remember it as done) rides along with the next ledger call. A verdict over
    ``kafka.max_message_bytes`` is published as ``rejected`` / ``verdict_too_large``
    (stats kept, token turns dropped) — it never blocks. A ``DiscardGroup`` decides its
    group once the members consumed before it have parked, so the discarded verdict
@@ -59,9 +63,6 @@ from typing import Any, NamedTuple
 import msgspec
 from aiokafka import ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
-from redis.exceptions import BusyLoadingError, OutOfMemoryError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra import reasons
 from infra.config import PipelineConfig
@@ -89,7 +90,8 @@ from scoring_workers.dead_letters import ProcessingError, capped_letter, group_o
 from scoring_workers.fair_share import slot_caps
 from scoring_workers.fleet import Experiment, Fleet
 from scoring_workers.heartbeat import Heartbeat
-from scoring_workers.ledger import Decision, DecisionKind, GroupLedger
+from scoring_workers.ledger import TRANSIENT_ERRORS, Decision, DecisionKind, GroupLedger
+from scoring_workers.probe_marks import ProbeMarks
 from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
 from scoring_workers.telemetry import WorkerTelemetry
@@ -101,9 +103,7 @@ log = logging.getLogger(__name__)
 # Retried with backoff for as long as they last (the record stays uncommitted): an
 # outage must delay work, never dead-letter valid records. A full Redis (noeviction)
 # or one loading its AOF after a restart is an outage too.
-REDIS_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
-)
+REDIS_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = TRANSIENT_ERRORS
 LAG_INTERVAL_S = 5.0  # how often the consumer-lag gauge is refreshed
 UNKNOWN_LABEL = "unknown"  # the experiment label of records naming an experiment this worker does not serve
 
@@ -141,6 +141,7 @@ class _Rebalance(ConsumerRebalanceListener):
         self.worker = worker
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self.worker._marks.forget(revoked)  # whoever owns them next learns its own marks
         await self.worker._drain_partitions(set(revoked))
         for tp in revoked:  # no stale lag series for partitions another member now owns
             with contextlib.suppress(KeyError):
@@ -148,6 +149,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.worker.telemetry.ready = True  # joined the group (even with nothing assigned)
+        self.worker._marks.forget(assigned)  # learnt again from the first fetch of this assignment
         log.info("worker %s assigned %s", self.worker.worker_id, sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
 
 
@@ -173,6 +175,7 @@ class Worker:
         self._caps: dict[str, int] = {}
         self._tokens = MemberTokens(cfg)
         self._chunks = WorkerChunks()
+        self._marks = ProbeMarks()
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
         self._duplicates_log = LogThrottle(log, burst=20, window_s=60.0)  # duplicates are normal, but say so
@@ -218,6 +221,7 @@ class Worker:
         self.fleet = Fleet(cfg, self._runner, on_refused=lambda _e, _why: self.telemetry.registry_records.labels(
             "refused").inc())
         self.ledger = GroupLedger.from_config(cfg.redis, dedupe_window_s=cfg.worker.dedupe_window_s)
+        self.ledger.on_finish_error = lambda exc: self.telemetry.finish_failures.labels(type(exc).__name__).inc()
         try:
             await verify_access(self.ledger.redis, cfg.redis)  # wrong credentials / untrusted TLS: stop, clearly
         except BaseException:
@@ -273,6 +277,8 @@ class Worker:
                 timeout_ms=100, max_records=min(room, self.cfg.worker.poll_max_records)
             )
             records = [r for rs in batch.values() for r in rs]
+            # the first highwater known since the assignment: no previous owner read at or past it
+            self._marks.learn(self.consumer.assignment(), self.consumer.highwater)
             if records:
                 await self._dispatch(records)
             # Background steps: polling never waits for them, a rebalance may land at any of
@@ -427,10 +433,20 @@ class Worker:
             else:
                 decoded.append((record, message, []))
         routes = [self._route(r, m) for r, m, _ in decoded]
-        ready = [(r, m, route) for (r, m, _), route in zip(decoded, routes)
+        ready = [(r, m, route, extra) for (r, m, extra), route in zip(decoded, routes)
                  if isinstance(m, ReadyTrajectory) and route.experiment is not None]
-        probes = dict(zip((id(r) for r, _, _ in ready), await self._with_retry(
-            lambda: self.ledger.probe_many([(route.scoped, m.trajectory_id) for _, m, route in ready]), "probe")))
+        probed: list[tuple[ConsumerRecord, ReadyTrajectory, Routed]] = []
+        skipped: list[tuple[ConsumerRecord, ReadyTrajectory, Routed]] = []
+        for r, m, route, extra in ready:  # a chunked trajectory is read whole with its last chunk: that one decides
+            needs = self._marks.needs_probe(TopicPartition(r.topic, r.partition), max([r.offset, *extra]))
+            (probed if needs else skipped).append((r, m, route))
+        probes: dict[int, str] = {id(r): "new" for r, _, _ in skipped}  # new to everyone: the park re-checks
+        self.ledger.expect([(route.scoped, m.trajectory_id) for _, m, route in skipped])
+        if probed:
+            probes.update(zip((id(r) for r, _, _ in probed), await self._with_retry(
+                lambda: self.ledger.probe_many([(route.scoped, m.trajectory_id) for _, m, route in probed]), "probe")))
+        self.telemetry.probes.labels("probed").inc(len(probed))
+        self.telemetry.probes.labels("skipped").inc(len(skipped))
         for (record, message, extra), route in zip(decoded, routes):
             held = _Held(record, message, probes.get(id(record)), route, extra, consumed_at)
             owner = self.fleet.of_topic(record.topic)
@@ -613,12 +629,17 @@ class Worker:
             worker_id=self.worker_id, scorers=experiment.scorers_blob, partition=record.partition,
             offset=record.offset,
         )
-        if outcome in ("done", "decided"):
-            self.telemetry.deduplicated.inc()  # the group was decided while we scored
+        if outcome == "duplicate" and decision is None:  # parked already: a re-sent or redelivered record
+            self.telemetry.deduplicated.inc()
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged at park, already "
+                                     "scored (a re-sent record)", traj.group_id, traj.trajectory_id)
+        elif outcome in ("done", "decided"):
+            self.telemetry.deduplicated.inc()  # the group was decided (or finished) while we scored
             if outcome == "decided":
                 await self.ledger.nudge(group, wc.republish_grace_s)
-            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: acknowledged, its group was decided while it "
-                                     "was scored", traj.group_id, traj.trajectory_id)
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged at park, its group is "
+                                     "already decided (a re-published record, or decided while it was scored)",
+                                     traj.group_id, traj.trajectory_id)
         elif decision is not None and decision.outcome == "decided_now":
             await self._publish(decision)  # this member completed (or failed) the group
 
@@ -713,7 +734,7 @@ class Worker:
                       "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc, grace_s)
             await self.ledger.postpone(decision.group_id, grace_s)
             return None
-        await self.ledger.finish(decision.group_id)
+        self.ledger.finish_soon(decision.group_id)  # cleanup: the verdict is durable, the record is released
         self._tokens.forget_group(decision.group_id)
         self.telemetry.experiment_verdicts.labels(experiment_id, verdict.status).inc()
         self.telemetry.observe_stages(verdict, sent_at)

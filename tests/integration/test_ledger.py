@@ -296,3 +296,128 @@ async def test_finished_groups_are_remembered_for_the_dedupe_window_only(redis_u
         assert time.monotonic() - finished >= window_s  # remembered for the whole window
     finally:
         await ledger.aclose()
+
+
+async def test_expected_members_wait_for_each_other_without_a_probe(redis_url: str, monkeypatch) -> None:
+    """Records scored without a probe (no one else can have read them) are announced with
+    ``expect``: a park still waits for its groupmates, so both share one call, and no
+    probe read reaches Redis."""
+    monkeypatch.setattr(ledger_module, "PARK_LINGER_S", 600.0)  # only company can end the wait
+    cfg = RedisConfig(url=redis_url, key_prefix=f"expect-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    led = GroupLedger.from_config(cfg)
+    try:
+        g = f"e-{uuid.uuid4().hex[:6]}"
+        await led.redis.ping()
+        before = await led.command_calls()
+        led.expect([(g, "a"), (g, "b")])
+        first = asyncio.create_task(led.park(_member("a"), group_id=g, group_size=2, **ARGS))
+        await asyncio.sleep(0)
+        assert not first.done()
+        _, decision = await asyncio.wait_for(led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
+        assert decision is not None and decision.outcome == "decided_now"
+        assert await asyncio.wait_for(first, 30) == ("parked", None)
+        after = await led.command_calls()
+        assert after["evalsha"] - before.get("evalsha", 0) == 1
+        assert after.get("hmget", 0) - before.get("hmget", 0) == 2  # the two parks' own reads, no probe's
+    finally:
+        await led.aclose()
+
+
+async def _finished(cfg: RedisConfig, g: str) -> bool:
+    """Seen by another instance: the group's hash is gone and its fingerprint is in a dedupe bucket."""
+    other = GroupLedger.from_config(cfg)
+    try:
+        return not await other.redis.exists(other.group_key(g)) and await other.probe_many([(g, "x")]) == ["done"]
+    finally:
+        await other.aclose()
+
+
+async def test_a_lazy_finish_rides_along_with_the_next_call(redis_url: str, monkeypatch) -> None:
+    monkeypatch.setattr(ledger_module, "FINISH_LINGER_S", 600.0)  # only company can end the wait
+    cfg = RedisConfig(url=redis_url, key_prefix=f"lazy-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    led = GroupLedger.from_config(cfg)
+    try:
+        g, h = f"g-{uuid.uuid4().hex[:6]}", f"h-{uuid.uuid4().hex[:6]}"
+        _, decision = await led.park(_member("a"), group_id=g, group_size=1, **ARGS)
+        assert decision is not None and decision.outcome == "decided_now"
+        before = await led.command_calls()
+        led.finish_soon(g)  # returns at once: the caller releases its record
+        await asyncio.sleep(0.05)
+        assert led.pending_finishes == 1 and await led.redis.exists(led.group_key(g))
+        assert await led.park(_member("a"), group_id=h, group_size=2, **ARGS) == ("parked", None)
+        deadline = time.monotonic() + 30
+        while led.pending_finishes:
+            assert time.monotonic() < deadline, "the finish never landed"
+            await asyncio.sleep(0.01)
+        assert (await led.command_calls())["evalsha"] - before.get("evalsha", 0) == 1  # the park's call carried it
+        assert await _finished(cfg, g)
+    finally:
+        await led.aclose()
+
+
+async def test_close_flushes_pending_finishes(redis_url: str, monkeypatch) -> None:
+    monkeypatch.setattr(ledger_module, "FINISH_LINGER_S", 600.0)
+    cfg = RedisConfig(url=redis_url, key_prefix=f"flush-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    led = GroupLedger.from_config(cfg)
+    g = f"g-{uuid.uuid4().hex[:6]}"
+    _, decision = await led.park(_member("a"), group_id=g, group_size=1, **ARGS)
+    assert decision is not None
+    led.finish_soon(g)
+    await asyncio.wait_for(led.aclose(), 30)  # long before the linger would have ended
+    assert await _finished(cfg, g)
+
+
+async def test_a_finish_that_fails_transiently_is_retried_and_counted(redis_url: str, monkeypatch) -> None:
+    """Redis pauses writes longer than the client's timeout: the finish fails, is told to
+    ``on_finish_error``, and lands once Redis takes writes again."""
+    import redis.asyncio as aioredis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    monkeypatch.setattr(ledger_module, "FINISH_LINGER_S", 0.0)
+    cfg = RedisConfig(url=redis_url, key_prefix=f"retry-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
+    led = GroupLedger(client, cfg)
+    admin = aioredis.Redis.from_url(redis_url)
+    errors: list[BaseException] = []
+    led.on_finish_error = errors.append
+    try:
+        g = f"g-{uuid.uuid4().hex[:6]}"
+        _, decision = await led.park(_member("a"), group_id=g, group_size=1, **ARGS)
+        assert decision is not None
+        await admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        led.finish_soon(g)
+        deadline = time.monotonic() + 30
+        while led.pending_finishes:
+            assert time.monotonic() < deadline, "the finish never landed"
+            await asyncio.sleep(0.02)
+        assert errors and all(isinstance(e, ledger_module.TRANSIENT_ERRORS) for e in errors)
+        assert await _finished(cfg, g)
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await admin.aclose()
+        await led.aclose()
+
+
+async def test_a_park_does_not_wait_for_a_pending_finish_longer_than_its_own_linger(redis_url: str,
+                                                                                      monkeypatch) -> None:
+    """A finish lingering far longer than a park does not hold the park back: the park
+    goes after its own ``PARK_LINGER_S`` and takes the finish along."""
+    monkeypatch.setattr(ledger_module, "FINISH_LINGER_S", 600.0)
+    cfg = RedisConfig(url=redis_url, key_prefix=f"rearm-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    led = GroupLedger.from_config(cfg)
+    try:
+        g, h = f"g-{uuid.uuid4().hex[:6]}", f"h-{uuid.uuid4().hex[:6]}"
+        _, decision = await led.park(_member("a"), group_id=g, group_size=1, **ARGS)
+        assert decision is not None
+        led.finish_soon(g)
+        await asyncio.sleep(0.05)  # the finish lingers now
+        led.expect([(h, "a"), (h, "b")])  # b never comes: a's park waits PARK_LINGER_S, not the finish's 600 s
+        assert await asyncio.wait_for(led.park(_member("a"), group_id=h, group_size=2, **ARGS), 5) == ("parked", None)
+        deadline = time.monotonic() + 5
+        while led.pending_finishes:
+            assert time.monotonic() < deadline, "the finish did not go with the park"
+            await asyncio.sleep(0.01)
+        assert await _finished(cfg, g)
+    finally:
+        await led.aclose()

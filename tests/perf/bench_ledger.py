@@ -2,10 +2,15 @@
 
 Drives the real :class:`~scoring_workers.ledger.GroupLedger` against a real embedded
 Redis (valkey) the way the workers do, without Kafka or scorers: two worker-shaped
-clients, each polling its share of the groups (one ``probe_many`` per poll of up to
-``worker.poll_max_records`` records), scoring each member for a random time, parking the
-members concurrently (parks in flight together share one call), finishing each group when
-its last member decides it, sweeping every ``worker.sweep_interval_s`` and beating. Groups
+clients, each polling its share of the groups (polls of up to ``worker.poll_max_records``
+records), scoring each member for a random time, parking the members concurrently (parks
+in flight together share one call), finishing each group when its last member decides it,
+sweeping every ``worker.sweep_interval_s`` and beating. A ledger that has ``expect`` (the
+worker probes only records a previous owner of the partition may have read) probes only
+``--probe-fraction`` of the polls (the rest are announced with ``expect``); one without
+probes every poll (``probe_many``). A ledger that has ``finish_soon`` finishes lazily (the
+finish rides along with the next call; the pending ones are flushed before the counters
+are read); one without awaits each ``finish``. Groups
 are published whole (as ``bench capacity``'s publisher does) or, with ``--spread-ms``,
 member by member over that span (members then land in different polls).
 
@@ -16,6 +21,8 @@ Counted by the server (``INFO commandstats``, ``INFO cpu``), per trajectory:
 * in-command µs: the usec of EVALSHA (its scripts' commands included) and of the index
   commands (ZADD, ZREM, ZRANGEBYSCORE — also counted when a script ran them, so an
   overestimate there);
+* round trips: ``total_reads_processed`` (``INFO stats``), the reads from client sockets
+  the server woke up for — one per pipeline or call that arrives on its own;
 * server CPU µs: ``used_cpu_user + used_cpu_sys`` of the Redis process, I/O and
   background work included (what sizing needs; noisy on a shared box);
 * client CPU µs: this process's CPU (the two worker-shaped clients and the simulation
@@ -87,11 +94,16 @@ class _Meter:
         cpu = await self.client.info("cpu")
         return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
+    async def _reads(self) -> int:
+        return int((await self.client.info("stats")).get("total_reads_processed", 0))
+
     async def reset(self) -> None:
         await self.client.config_resetstat()
         self.cpu0 = await self._cpu()
+        self.reads0 = await self._reads()
 
     async def read(self) -> tuple[dict[str, tuple[int, int]], float]:
+        self.reads = await self._reads() - self.reads0
         cpu = await self._cpu() - self.cpu0
         stats = await self.client.info("commandstats")
         calls = {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()}
@@ -99,7 +111,7 @@ class _Meter:
 
 
 async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int, rate: float | None,
-                    score_ms: float, spread_ms: float, inflight: int) -> dict[str, Any]:
+                    score_ms: float, spread_ms: float, inflight: int, probe_fraction: float = 1.0) -> dict[str, Any]:
     """One run: ``groups`` groups through ``WORKERS`` ledgers; returns per-trajectory figures."""
     cfg = RedisConfig(url=url, key_prefix=f"bench-{uuid.uuid4().hex[:6]}", ttl_s=600)
     ledgers = [ledger_cls.from_config(cfg) for _ in range(WORKERS)]
@@ -127,7 +139,10 @@ async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int,
         if decision is not None and decision.outcome == "decided_now":
             assert len(decision.members) == group_size
             await asyncio.sleep(0.001)  # the verdict's produce
-            await led.finish(gid)
+            if hasattr(led, "finish_soon"):
+                led.finish_soon(gid)  # rides along with the next call
+            else:
+                await led.finish(gid)
             finished += 1
             slots.release()
             if finished == groups:
@@ -140,7 +155,11 @@ async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int,
             batch = [first]
             while not q.empty() and len(batch) < POLL_MAX_RECORDS:
                 batch.append(q.get_nowait())
-            probes = await ledgers[w].probe_many(batch)
+            if hasattr(ledgers[w], "expect") and rnd.random() >= probe_fraction:
+                ledgers[w].expect(batch)  # past the partition's mark: no probe
+                probes = ["new"] * len(batch)
+            else:
+                probes = await ledgers[w].probe_many(batch)
             for (gid, tid), probe in zip(batch, probes):
                 t = asyncio.create_task(member(w, gid, tid, probe))
                 tasks.add(t)
@@ -179,6 +198,9 @@ async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int,
                                                    *(background(w) for w in range(WORKERS)), publisher())]
         await all_done.wait()
         elapsed, client_s = time.perf_counter() - t0, time.process_time() - c0
+        for led in ledgers:
+            if hasattr(led, "flush"):
+                await led.flush()  # the finishes still lingering count too
         stats, cpu_s = await meter.read()
         for t in (*loops, *tasks):
             t.cancel()
@@ -188,7 +210,7 @@ async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int,
             await led.aclose()
         await admin.aclose()
     n = groups * group_size
-    return {"rate": n / elapsed, "commands": sum(c for c, _ in stats.values()) / n,
+    return {"rate": n / elapsed, "commands": sum(c for c, _ in stats.values()) / n, "round_trips": meter.reads / n,
             "command_us": sum(stats.get(k, (0, 0))[1] for k in ("evalsha", *INDEX)) / n,
             "cpu_us": cpu_s * 1e6 / n, "client_us": client_s * 1e6 / n, "by_command": {k: c / n for k, (c, _) in sorted(stats.items())},
             "usec_per_call": {k: u / max(c, 1) for k, (c, u) in sorted(stats.items())}}
@@ -216,16 +238,17 @@ async def _main(a: argparse.Namespace) -> int:
                 for name, cls in variants:
                     results[name].append(await _workload(
                         cls, url, groups=a.groups, group_size=a.group_size, rate=a.rate, score_ms=a.score_ms,
-                        spread_ms=a.spread_ms, inflight=a.inflight))
+                        spread_ms=a.spread_ms, inflight=a.inflight, probe_fraction=a.probe_fraction))
         finally:
             svc.stop()
     pace = f"paced at {a.rate:g}/s" if a.rate else f"as fast as it goes ({a.inflight} groups in flight)"
     print(f"{a.groups} groups of {a.group_size}, {pace}, scoring 0-{a.score_ms:g} ms, members spread over "
           f"{a.spread_ms:g} ms; median (min-max) of {a.repeat} runs, per trajectory:")
-    print(f"{'ledger':16} {'traj/s':>22} {'commands':>22} {'in-command us':>22} {'server CPU us':>22} "
-          f"{'client CPU us':>22}")
+    print(f"probes: every poll for a ledger without expect, {a.probe_fraction:.0%} of polls for one with it")
+    print(f"{'ledger':16} {'traj/s':>22} {'commands':>22} {'round trips':>22} {'in-command us':>22} "
+          f"{'server CPU us':>22} {'client CPU us':>22}")
     for name, runs in results.items():
-        print(f"{name[:16]:16} {_fmt(runs, 'rate'):>22} {_fmt(runs, 'commands'):>22} "
+        print(f"{name[:16]:16} {_fmt(runs, 'rate'):>22} {_fmt(runs, 'commands'):>22} {_fmt(runs, 'round_trips'):>22} "
               f"{_fmt(runs, 'command_us'):>22} {_fmt(runs, 'cpu_us'):>22} {_fmt(runs, 'client_us'):>22}")
         last = runs[-1]["by_command"]
         print("  calls: " + ", ".join(f"{k} {v:.2f}" for k, v in last.items()))
@@ -243,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--score-ms", type=float, default=20.0, help="each member scores for 0..this many ms")
     p.add_argument("--spread-ms", type=float, default=0.0,
                    help="a group's members arrive over this span (0: published whole)")
+    p.add_argument("--probe-fraction", type=float, default=0.0,
+                   help="fraction of polls probed by a ledger that has expect (records below a partition's mark, "
+                        "e.g. after a rebalance); one without probes every poll")
     p.add_argument("--compare", metavar="REF", help="also run the ledger of this git revision (e.g. main)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("-v", "--verbose", action="store_true", help="also print the usec per call of each command")

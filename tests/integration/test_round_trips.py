@@ -1,0 +1,141 @@
+"""Round trips the worker spends per trajectory: no probe for records published after it
+took the partition over, and the group's finish riding along after the verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+import pytest
+from aiokafka.structs import TopicPartition
+
+from infra.config import PipelineConfig, PRMScorerConfig
+from prm_pipeline.demo.synthetic import make_group
+from producers.publisher import TrajectoryPublisher
+from scoring_workers.ledger import GroupLedger
+from tests.integration.harness import isolated_config, read_topic, running_worker, wait_for_verdicts
+
+pytestmark = pytest.mark.integration
+
+SCORER = PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer")
+
+
+def _config(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
+    name = f"rt-{uuid.uuid4().hex[:8]}"
+    return isolated_config(name, kafka_bootstrap, redis_url, scorers=[SCORER], partitions=1)
+
+
+def _count(worker, name: str) -> float:
+    return worker.telemetry.snapshot().get(name, 0.0)
+
+
+async def _until(check, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def _marked(worker, cfg: PipelineConfig) -> None:
+    tp = TopicPartition(cfg.topics.trajectories, 0)
+
+    async def known() -> bool:
+        return worker._marks.mark(tp) is not None
+    await _until(known, "the worker never learnt the partition's mark")
+
+
+async def test_records_past_the_mark_skip_the_probe_and_duplicates_are_still_acknowledged(
+        kafka_bootstrap, redis_url) -> None:
+    cfg = _config(kafka_bootstrap, redis_url)
+    gid = f"g-{uuid.uuid4().hex[:6]}"
+    a, b = make_group(gid, 2, turns=1, output_tokens=8)
+    ledger = GroupLedger.from_config(cfg.redis)
+    try:
+        async with running_worker(cfg, "w-rt") as worker, TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await _marked(worker, cfg)
+            await pub.publish_many([a])
+
+            async def parked() -> bool:
+                return a.trajectory_id in await ledger.parked_blobs(gid)
+            await _until(parked, "member a was never parked")
+            await pub.publish_many([a])  # re-sent by its publisher: scored again, acknowledged at park
+
+            async def deduplicated(n: int) -> bool:
+                return _count(worker, "prm_worker_deduplicated_total") >= n
+            await _until(lambda: deduplicated(1), "the re-sent member was not acknowledged as a duplicate")
+            await pub.publish_many([b])
+            (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid]) if v.group_id == gid]
+            assert sorted(s.trajectory_id for s in verdict.sessions) == sorted([a.trajectory_id, b.trajectory_id])
+
+            async def finished() -> bool:
+                return not await ledger.redis.exists(ledger.group_key(gid))
+            await _until(finished, "the group was never finished")
+            await pub.publish_many([a])  # re-sent after the group finished: its park finds it done
+            await _until(lambda: deduplicated(2), "the late member was not acknowledged")
+            assert _count(worker, "prm_worker_probes_total{kind=probed}") == 0
+            assert _count(worker, "prm_worker_probes_total{kind=skipped}") == 4
+        assert await ledger.probe_many([(gid, a.trajectory_id)]) == ["done"]
+        verdicts = await read_topic(cfg, cfg.topics.verdicts)
+        assert [r.key.decode() for r in verdicts] == [gid]  # one verdict, no second one for the duplicates
+    finally:
+        await ledger.aclose()
+
+
+async def test_a_record_redelivered_after_a_restart_is_probed_and_not_scored_again(kafka_bootstrap, redis_url) -> None:
+    """A previous owner parked a member and stopped before committing it: the next owner
+    reads it below its mark, probes it and acknowledges it without scoring; a member
+    published afterwards is scored without a probe and completes the group."""
+    cfg = _config(kafka_bootstrap, redis_url)
+    gid = f"g-{uuid.uuid4().hex[:6]}"
+    a, b = make_group(gid, 2, turns=1, output_tokens=8)
+    ledger = GroupLedger.from_config(cfg.redis)
+    try:
+        async with running_worker(cfg, "w-first") as first, TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_many([a])
+
+            async def parked() -> bool:
+                return bool(await ledger.parked_blobs(gid))
+            await _until(parked, "member a was never parked")
+            assert _count(first, "prm_worker_scored_total") == 1
+        # the first owner's commit never happened (it died before): to the next owner the
+        # record is uncommitted, as it is to a consumer group that has committed nothing
+        cfg = msgspec.structs.replace(cfg, worker=msgspec.structs.replace(
+            cfg.worker, group_id=f"{cfg.worker.group_id}-next"))
+        async with running_worker(cfg, "w-second") as second, TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            async def acknowledged() -> bool:
+                return _count(second, "prm_worker_deduplicated_total") >= 1
+            await _until(acknowledged, "the redelivered member was not acknowledged")
+            await _marked(second, cfg)
+            await pub.publish_many([b])
+            (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid]) if v.group_id == gid]
+            assert len(verdict.sessions) == 2
+            assert _count(second, "prm_worker_probes_total{kind=probed}") == 1
+            assert _count(second, "prm_worker_probes_total{kind=skipped}") == 1
+            assert _count(second, "prm_worker_scored_total") == 1  # b only: a was not scored again
+    finally:
+        await ledger.aclose()
+
+
+async def test_a_graceful_stop_flushes_the_pending_finish(kafka_bootstrap, redis_url, monkeypatch) -> None:
+    """The finish after a verdict lingers for company; a stop does not lose it."""
+    from scoring_workers import ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "FINISH_LINGER_S", 600.0)  # only the stop can send it
+    cfg = _config(kafka_bootstrap, redis_url)
+    gid = f"g-{uuid.uuid4().hex[:6]}"
+    ledger = GroupLedger.from_config(cfg.redis)
+    try:
+        async with running_worker(cfg, "w-flush") as worker, TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_many(make_group(gid, 1, turns=1, output_tokens=8))
+            await wait_for_verdicts(cfg, [gid])
+
+            async def pending() -> bool:
+                return worker.ledger.pending_finishes == 1
+            await _until(pending, "the finish was not handed over")
+            assert await ledger.redis.exists(ledger.group_key(gid))  # decided, not finished yet
+        assert not await ledger.redis.exists(ledger.group_key(gid))
+        assert await ledger.probe_many([(gid, "x")]) == ["done"]
+    finally:
+        await ledger.aclose()
