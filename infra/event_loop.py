@@ -2,8 +2,9 @@
 
 Why: a worker's CPU is mostly the event loop and the Python clients' per-request work, not
 scoring (docs/capacity.md, "Where a worker's CPU goes"). On the same load, uvloop (libuv
-under asyncio's API) measured 7–22 % less CPU per trajectory near peak and 25 % less while
-idle than asyncio's own loop, with the same clients and code. The commands that stay up —
+under asyncio's API) measured 7–22 % less CPU per trajectory near peak and 8 % less while
+idle (a worker process: 4.7 instead of 5.0–5.1 % of a core) than asyncio's own loop,
+with the same clients and code. The commands that stay up —
 ``worker``, ``trainer``, ``gateway`` — run on it; short commands keep ``asyncio.run``.
 
 ``PRM_EVENT_LOOP=asyncio`` forces asyncio's loop (to debug with its debug mode, or where

@@ -96,6 +96,12 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             children.stop("warm")
             await redis.config_resetstat()
             pids = stack_pids(stack, workers, children)
+            # what each process costs with nothing to do: the per-second part of its cost
+            # (polling, heartbeats, sweeps), read apart from the per-trajectory part below
+            idle0, i0 = {k: read_proc(p) for k, p in pids.items()}, time.perf_counter()
+            await asyncio.sleep(args.idle_s)  # a measurement window, not synchronisation
+            idle1, idle_s = {k: read_proc(p) for k, p in pids.items()}, time.perf_counter() - i0
+            idle = {k: (idle1[k].cpu_s - idle0[k].cpu_s) / idle_s for k in PROCESSES if idle0.get(k) and idle1.get(k)}
             n_groups = int(args.rate * args.seconds / GROUP_SIZE)
             children.start("publisher", "--rate", str(args.rate), "--groups", str(n_groups), "--turns",
                            str(args.turns), "--tokens", str(args.tokens), "--run-id", "cap")
@@ -146,6 +152,9 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                      "output_tokens": [args.tokens // 2, args.tokens], "rate": args.rate, "elapsed_s": elapsed,
                      "achieved_rate": trajectories / elapsed},
         "cpu_s_per_1000": cpu,
+        # cores used while idle, and the CPU per 1,000 trajectories net of that idle cost
+        "idle_cores": idle,
+        "cpu_s_per_1000_net_of_idle": {k: v - idle.get(k, 0.0) * elapsed / per_k for k, v in cpu.items()},
         "kafka_record_bytes_per_trajectory": topics,
         "broker_wire_bytes_per_trajectory": {"in": (k1[0] - k0[0]) / trajectories,
                                              "out": (k1[1] - k0[1]) / trajectories},
@@ -170,10 +179,14 @@ def _print(r: dict[str, Any]) -> None:
           f"{w['output_tokens'][0]}-{w['output_tokens'][1]} output tokens/turn; paced at {w['rate']:.0f}/s, "
           f"achieved {w['achieved_rate']:.0f}/s")
     print()
-    print(f"{'process':12} {'CPU-s per 1,000 trajectories':>30}")
+    idle, net = r.get("idle_cores", {}), r.get("cpu_s_per_1000_net_of_idle", {})
+    print(f"{'process':12} {'CPU-s per 1,000 trajectories':>30} {'idle, % of a core':>18} {'net of idle':>12}")
     for k, v in r["cpu_s_per_1000"].items():
-        print(f"{k:12} {v:30.3f}")
-    print(f"{'all workers':12} {sum(v for k, v in r['cpu_s_per_1000'].items() if k.startswith('worker')):30.3f}")
+        print(f"{k:12} {v:30.3f} {idle.get(k, float('nan')) * 100:18.1f} {net.get(k, float('nan')):12.3f}")
+    workers = [k for k in r["cpu_s_per_1000"] if k.startswith("worker")]
+    print(f"{'all workers':12} {sum(r['cpu_s_per_1000'][k] for k in workers):30.3f} "
+          f"{sum(idle.get(k, float('nan')) for k in workers) * 100:18.1f} "
+          f"{sum(net.get(k, float('nan')) for k in workers):12.3f}")
     print()
     t, b = r["kafka_record_bytes_per_trajectory"], r["broker_wire_bytes_per_trajectory"]
     print("Kafka bytes per trajectory")
@@ -239,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench capacity", description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=60.0, help="trajectories/s (keep it well below the machine's peak)")
     p.add_argument("--seconds", type=float, default=60.0, help="length of the measured load")
+    p.add_argument("--idle-s", type=float, default=10.0, help="length of the idle window measured before the load")
     p.add_argument("--turns", type=int, default=8, help="turns per session (bench pipeline's workload)")
     p.add_argument("--tokens", type=int, default=512, help="at most this many output tokens per turn")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
