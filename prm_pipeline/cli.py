@@ -417,6 +417,9 @@ def local_file_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+LONG_RUNNING = ("worker", "trainer", "gateway")  # they run on infra.event_loop's loop
+
+
 def preflight(args: argparse.Namespace) -> None:
     """Checks of local inputs that need no service, run before waiting for any.
 
@@ -424,7 +427,10 @@ def preflight(args: argparse.Namespace) -> None:
     (building nothing): a typo, a missing package or a module outside
     ``worker.allowed_scorer_modules`` is a :class:`ConfigError` at once, and so is a judge
     URL outside ``worker.allowed_judge_hosts``. ``publish`` validates its whole file.
+    The long-running commands check ``PRM_EVENT_LOOP`` (:mod:`infra.event_loop`).
     """
+    if args.command in LONG_RUNNING:
+        event_loop.loop_factory()  # a bad PRM_EVENT_LOOP is a ConfigError now, not after waiting for Kafka
     if args.command in ("worker", "audit"):
         from scoring_workers.prm.resolve import check_scorer_entries
         from scoring_workers.scorers.judge_hosts import check_config_judge_hosts

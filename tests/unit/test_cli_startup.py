@@ -230,3 +230,12 @@ def test_audit_without_kafka_exits_2_not_1_which_means_a_group_differs() -> None
     proc = _run("audit", env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}"})
     _assert_one_line_report(proc, "Kafka", f"127.0.0.1:{port}")
     assert proc.returncode == 2, proc.stderr
+
+
+@pytest.mark.parametrize("command", [["worker"], ["trainer", "--max-steps", "1"], ["gateway"]])
+def test_bad_event_loop_choice_is_a_config_error_before_connecting(command: list[str]) -> None:
+    proc = _run(*command, env={"PRM_EVENT_LOOP": "tokio", "PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}",
+                               "PRM_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0"})
+    _assert_one_line_report(proc, "PRM_EVENT_LOOP='tokio'", "auto, uvloop, asyncio")
+    assert proc.returncode == 2
+    assert "not reachable" not in proc.stderr  # refused before waiting for any service
