@@ -351,7 +351,9 @@ _VALID_SPECS: set[tuple[str, str, tuple[str, ...]]] = set()  # (scope, value_typ
 
 
 def _spec_key(scope: object, value_type: object, aggregations: object) -> tuple[str, str, tuple[str, ...]] | None:
-    """The cache key of an observation's shape, or None when it cannot be one (not all strings)."""
+    """The cache key of a checked observation shape, or None when it cannot be one (not all
+    plain strings): only plain-string tuples are remembered, so a lookup by equality finds
+    exactly the shapes a full check accepted."""
     if type(scope) is str and type(value_type) is str and type(aggregations) is tuple \
             and all(type(a) is str for a in aggregations):
         return (scope, value_type, aggregations)
@@ -374,10 +376,11 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not self.metric_id:
             raise ValueError("metric_id must be a non-empty string")
-        spec = _spec_key(self.scope, self.value_type, self.aggregations)
-        if spec is not None and spec in _VALID_SPECS:
-            # a (scope, type, aggregations) combination already checked: only the value is left
-            # (every scored turn carries observations; the combinations are few)
+        try:  # a (scope, type, aggregations) combination already checked: only the value is left
+            known = (self.scope, self.value_type, self.aggregations) in _VALID_SPECS
+        except TypeError:  # unhashable aggregations (a list): checked in full below
+            known = False
+        if known:  # every scored turn carries observations; the combinations are few
             self._check_value()
             return
         if self.scope not in ("turn", "trajectory"):
@@ -396,7 +399,7 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
                 f"{'/'.join(allowed)}, not {bad}"
             )
         self._check_value()
-        if spec is not None and len(_VALID_SPECS) < 1024:
+        if (spec := _spec_key(self.scope, self.value_type, self.aggregations)) is not None and len(_VALID_SPECS) < 1024:
             _VALID_SPECS.add(spec)
 
     def _check_value(self) -> None:

@@ -229,6 +229,17 @@ def test_observation_aggregations_match_value_type() -> None:
         _obs(aggregations=("count", "count"))
 
 
+def test_observation_shapes_remembered_as_valid_still_check_the_rest() -> None:
+    _obs()  # the shape (turn, boolean, (count, rate)) is now known valid
+    assert _obs(aggregations=["count", "rate"]).value is True  # a list cannot be looked up: checked in full
+    with pytest.raises(ValueError, match="allow count/rate"):
+        _obs(aggregations=["mean"])
+    with pytest.raises(ValueError, match="must be a bool"):
+        _obs(value=1.0)  # a known shape still checks its value
+    with pytest.raises(ValueError, match="metric_id"):
+        _obs(metric_id="")
+
+
 def test_observation_value_matches_value_type() -> None:
     assert _obs(value=False).value is False
     assert _obs(value=3, value_type="float", aggregations=("sum",)).value == 3
