@@ -46,10 +46,7 @@ class ProbeMarks:
     def mark(self, tp: TopicPartition) -> int | None:
         return self._marks.get(tp)
 
-    def forget(self, tps: Iterable[TopicPartition] | None) -> None:
-        """Drop the marks of ``tps`` (all when None): revoked, or assigned anew."""
-        if tps is None:
-            self._marks.clear()
-            return
+    def forget(self, tps: Iterable[TopicPartition]) -> None:
+        """Drop the marks of ``tps``: revoked, or assigned anew."""
         for tp in tps:
             self._marks.pop(tp, None)

@@ -36,5 +36,5 @@ def test_forgotten_on_revoke_and_learnt_again() -> None:
     assert marks.needs_probe(A, 6) and not marks.needs_probe(B, 7)
     marks.learn([A], {A: 9}.get)
     assert marks.needs_probe(A, 8) and not marks.needs_probe(A, 9)
-    marks.forget(None)
+    marks.forget([A, B])
     assert marks.mark(A) is None and marks.mark(B) is None
