@@ -102,6 +102,7 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             await asyncio.sleep(args.idle_s)  # a measurement window, not synchronisation
             idle1, idle_s = {k: read_proc(p) for k, p in pids.items()}, time.perf_counter() - i0
             idle = {k: (idle1[k].cpu_s - idle0[k].cpu_s) / idle_s for k in PROCESSES if idle0.get(k) and idle1.get(k)}
+            idle_wakeups = {k: (idle1[k].wakeups - idle0[k].wakeups) / idle_s for k in idle}
             n_groups = int(args.rate * args.seconds / GROUP_SIZE)
             children.start("publisher", "--rate", str(args.rate), "--groups", str(n_groups), "--turns",
                            str(args.turns), "--tokens", str(args.tokens), "--run-id", "cap")
@@ -134,6 +135,7 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         trajectories = n_groups * GROUP_SIZE
         per_k = trajectories / 1000
         cpu = {k: (after[k].cpu_s - before[k].cpu_s) / per_k for k in PROCESSES if before.get(k) and after.get(k)}
+        wakeups = {k: (after[k].wakeups - before[k].wakeups) / trajectories for k in cpu}
         topics: dict[str, float] = {}
         for label, topic in (("trajectories", cfg.topics.trajectories), ("verdicts", cfg.topics.verdicts)):
             records = await read_topic(cfg, topic, until=time.monotonic() + 120)
@@ -155,6 +157,9 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         # cores used while idle, and the CPU per 1,000 trajectories net of that idle cost
         "idle_cores": idle,
         "cpu_s_per_1000_net_of_idle": {k: v - idle.get(k, 0.0) * elapsed / per_k for k, v in cpu.items()},
+        # times each process blocked and was woken: per trajectory under load, per second idle
+        "wakeups_per_trajectory": wakeups,
+        "idle_wakeups_per_s": idle_wakeups,
         "kafka_record_bytes_per_trajectory": topics,
         "broker_wire_bytes_per_trajectory": {"in": (k1[0] - k0[0]) / trajectories,
                                              "out": (k1[1] - k0[1]) / trajectories},
@@ -180,13 +185,22 @@ def _print(r: dict[str, Any]) -> None:
           f"achieved {w['achieved_rate']:.0f}/s")
     print()
     idle, net = r.get("idle_cores", {}), r.get("cpu_s_per_1000_net_of_idle", {})
-    print(f"{'process':12} {'CPU-s per 1,000 trajectories':>30} {'idle, % of a core':>18} {'net of idle':>12}")
+    wake, idle_wake = r.get("wakeups_per_trajectory", {}), r.get("idle_wakeups_per_s", {})
+    nan = float("nan")
+    print(f"{'process':12} {'CPU-s per 1,000 trajectories':>30} {'idle, % of a core':>18} {'net of idle':>12} "
+          f"{'wake-ups per trajectory':>24} {'idle wake-ups/s':>16} {'idle CPU per wake-up':>21}")
+
+    def row(label: str, cpu: float, idle_cores: float, net_cpu: float, wakes: float, idle_wakes: float) -> None:
+        per_wake = idle_cores / idle_wakes * 1e6 if idle_wakes else nan
+        print(f"{label:12} {cpu:30.3f} {idle_cores * 100:18.1f} {net_cpu:12.3f} {wakes:24.1f} {idle_wakes:16.0f} "
+              f"{per_wake:18.0f} us")
+
     for k, v in r["cpu_s_per_1000"].items():
-        print(f"{k:12} {v:30.3f} {idle.get(k, float('nan')) * 100:18.1f} {net.get(k, float('nan')):12.3f}")
+        row(k, v, idle.get(k, nan), net.get(k, nan), wake.get(k, nan), idle_wake.get(k, nan))
     workers = [k for k in r["cpu_s_per_1000"] if k.startswith("worker")]
-    print(f"{'all workers':12} {sum(r['cpu_s_per_1000'][k] for k in workers):30.3f} "
-          f"{sum(idle.get(k, float('nan')) for k in workers) * 100:18.1f} "
-          f"{sum(net.get(k, float('nan')) for k in workers):12.3f}")
+    row("all workers", sum(r["cpu_s_per_1000"][k] for k in workers), sum(idle.get(k, nan) for k in workers),
+        sum(net.get(k, nan) for k in workers), sum(wake.get(k, nan) for k in workers),
+        sum(idle_wake.get(k, nan) for k in workers))
     print()
     t, b = r["kafka_record_bytes_per_trajectory"], r["broker_wire_bytes_per_trajectory"]
     print("Kafka bytes per trajectory")

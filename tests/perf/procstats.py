@@ -3,7 +3,9 @@
 Every figure comes from the kernel or the server, not from the code under test:
 
 * per process (any pid on this machine): CPU seconds (``utime + stime`` from
-  ``/proc/PID/stat``) and resident memory (``/proc/PID/statm``). Not network bytes:
+  ``/proc/PID/stat``), resident memory (``/proc/PID/statm``) and wake-ups (voluntary
+  context switches of all its threads, ``/proc/PID/task/*/status``: each time it blocked
+  and was woken again — on a VM a wake-up has a fixed CPU cost whatever the work after it). Not network bytes:
   ``/proc/PID/io`` misses ``recvfrom``/``sendto``-style socket calls (the broker's),
   so ``bench capacity`` counts the broker's bytes at a proxy instead;
 * Redis: ``INFO`` (``used_memory``, ``total_net_input_bytes`` / ``output``, its own CPU)
@@ -26,6 +28,7 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 class ProcReading:
     cpu_s: float
     rss_bytes: int
+    wakeups: int = 0
 
 
 def read_proc(pid: int) -> ProcReading | None:
@@ -40,7 +43,26 @@ def read_proc(pid: int) -> ProcReading | None:
     # fields after "(comm)": state is [0], utime [11], stime [12] (man 5 proc, fields 14/15)
     fields = stat[stat.rindex(")") + 2:].split()
     cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return ProcReading(cpu, resident_pages * PAGE_SIZE)
+    return ProcReading(cpu, resident_pages * PAGE_SIZE, _wakeups(pid))
+
+
+def _wakeups(pid: int) -> int:
+    """Voluntary context switches summed over the threads of ``pid`` (0 if unreadable)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            continue  # a thread that ended between the listing and the read
+    return total
 
 
 async def redis_reading(client: Any) -> dict[str, float]:

@@ -42,7 +42,12 @@ def test_a_short_run_only_catches_gross_growth() -> None:
 
 def test_read_proc_of_this_process() -> None:
     import os
+    import time
 
     r = read_proc(os.getpid())
     assert r is not None and r.cpu_s > 0 and r.rss_bytes > 10 * MIB
+    for _ in range(3):
+        time.sleep(0.001)  # each sleep blocks the thread once: a voluntary context switch
+    later = read_proc(os.getpid())
+    assert later is not None and later.wakeups >= r.wakeups + 3
     assert read_proc(2**22 + 12345) is None
