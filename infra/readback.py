@@ -61,6 +61,16 @@ Turns = dict[tuple[int, int, str], list[TokenTurn]]
 SEEK_GAP = 256
 """Skip ahead with a seek when the next wanted offset is this many records past the scan."""
 
+FETCH_BYTES = 65_536
+"""The reader's fetch limits (``fetch_max_bytes`` and ``max_partition_fetch_bytes``: the
+embedded broker honours only the first). A read wants a few records, usually one
+group's batch, at an offset the log has often moved well past: with the consumers' usual
+limit (``kafka.max_message_bytes``, at least 1 MiB) every read fetched up to that much
+from the wanted offset on, near peak six times the trajectory's own bytes. A broker
+returns the first batch whole even when it is larger than the limit (Kafka since fetch
+v3, KIP-74; the embedded broker too), so a small limit costs no correctness, only a
+round trip more when the wanted records span batches."""
+
 
 @dataclass(frozen=True)
 class Wanted:
@@ -146,8 +156,8 @@ class TrajectoryReader:
         self.topic = cfg.topics.trajectories
         self._reader: AIOKafkaConsumer | None = None
         self._lock = asyncio.Lock()
-        self.records_read = 0  # records fetched (wanted or skipped over), for tests and benches
-        self.bytes_read = 0
+        self.records_read = 0  # records scanned (wanted or skipped over), for tests and benches
+        self.bytes_fetched = 0  # value bytes of every record the reader's consumer handed over
 
     def topic_of(self, experiment_id: str) -> str:
         """The trajectories topic that holds ``experiment_id``'s records."""
@@ -165,7 +175,8 @@ class TrajectoryReader:
             return out
         async with self._lock:
             if self._reader is None:
-                self._reader = make_consumer(self.cfg.kafka, group_id=None, enable_auto_commit=False)
+                self._reader = make_consumer(self.cfg.kafka, group_id=None, enable_auto_commit=False,
+                                             fetch_max_bytes=FETCH_BYTES, max_partition_fetch_bytes=FETCH_BYTES)
                 await self._reader.start()
             reader = self._reader
             tps = [TopicPartition(topic, p) for p in sorted(by_partition)]
@@ -215,9 +226,9 @@ class TrajectoryReader:
                 continue
             deadline = time.monotonic() + timeout_s
             fresh, empty_polls = True, 0
+            self.bytes_fetched += sum(len(r.value or b"") for r in records)
             for record in records:
                 self.records_read += 1
-                self.bytes_read += len(record.value or b"")
                 position = record.offset + 1
                 gone = []
                 while i < len(todo) and todo[i] < record.offset:  # passed over: deleted (retention)

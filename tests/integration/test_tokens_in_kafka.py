@@ -8,10 +8,12 @@ import asyncio
 import time
 import uuid
 
+import msgspec
 import pytest
 
 from infra.config import PipelineConfig, PRMScorerConfig
 from infra.kafka import ensure_topics
+from infra.readback import FETCH_BYTES, TrajectoryReader, Wanted
 from infra.schema import ReadyTrajectory, compact_turns
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
@@ -273,3 +275,35 @@ async def test_a_referenced_member_whose_record_is_gone_rejects_its_group_for_ev
         assert await consumer.next_batch(idle_timeout_s=3) is None  # nothing to train on
         totals = consumer.totals()
     assert totals["pipeline/verdicts/rejected/tokens_unavailable"] == 1, totals
+
+
+async def test_a_read_back_fetches_the_batch_it_needs_not_the_log_after_it(kafka_bootstrap, redis_url) -> None:
+    """Reading one group's members back near the start of a long partition fetches about
+    that group's batch: a fetch's byte limit is small, and the broker still returns the
+    first batch whole when it alone is larger than the limit (these batches are)."""
+    cfg = _config(kafka_bootstrap, redis_url)
+    cfg = msgspec.structs.replace(cfg, topics=msgspec.structs.replace(cfg.topics, partitions=1))
+    await ensure_topics(cfg.kafka, cfg.topics)
+    tag = uuid.uuid4().hex[:6]
+    groups = [make_group(f"rb{k}-{tag}", 4, turns=4, output_tokens=(1500, 2000)) for k in range(12)]
+    async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+        for group in groups:  # a batch per group, at offsets 4k .. 4k+3 of the one partition
+            await pub.publish_many(group)
+
+    async def read_back(k: int) -> tuple[TrajectoryReader, dict]:
+        reader = TrajectoryReader(cfg)
+        try:
+            wanted = [Wanted(0, 4 * k + i, t.trajectory_id, t.group_id) for i, t in enumerate(groups[k])]
+            turns = await reader.read(wanted)
+        finally:
+            await reader.aclose()
+        for i, t in enumerate(groups[k]):
+            assert turns[(0, 4 * k + i, t.trajectory_id)] == compact_turns(t.interactions)
+        return reader, turns
+
+    last, _ = await read_back(11)  # nothing after it: what one group's batch weighs
+    group_bytes = last.bytes_fetched
+    assert group_bytes > FETCH_BYTES  # a batch larger than the limit still comes back whole
+    first, _ = await read_back(0)  # eleven groups after it in the log
+    # its own batch (groups differ in size by at most a third here), not the ~2.7 MB after it
+    assert FETCH_BYTES < first.bytes_fetched <= 2 * group_bytes, (first.bytes_fetched, group_bytes)

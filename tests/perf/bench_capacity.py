@@ -86,7 +86,8 @@ def _record_bytes(records: list[Any]) -> int:
 
 async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     name = uuid.uuid4().hex[:8]
-    async with running_stack(workdir, name, counted=True, ttl_s=3600, group_timeout_s=120) as (stack, cfg, workers, children):
+    async with running_stack(workdir, name, counted=True, ttl_s=3600, group_timeout_s=120,
+                             verdict_tokens=args.verdict_tokens) as (stack, cfg, workers, children):
         redis = make_redis(cfg.redis)
         try:
             children.start("trainer")
@@ -152,6 +153,7 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     result = {
         "workload": {"trajectories": trajectories, "group_size": GROUP_SIZE, "turns": args.turns,
                      "output_tokens": [args.tokens // 2, args.tokens], "rate": args.rate, "elapsed_s": elapsed,
+                     "verdict_tokens": args.verdict_tokens,
                      "achieved_rate": trajectories / elapsed},
         "cpu_s_per_1000": cpu,
         # cores used while idle, and the CPU per 1,000 trajectories net of that idle cost
@@ -182,7 +184,7 @@ def _print(r: dict[str, Any]) -> None:
     w = r["workload"]
     print(f"workload: {w['trajectories']} trajectories in groups of {w['group_size']}, {w['turns']} turns, "
           f"{w['output_tokens'][0]}-{w['output_tokens'][1]} output tokens/turn; paced at {w['rate']:.0f}/s, "
-          f"achieved {w['achieved_rate']:.0f}/s")
+          f"achieved {w['achieved_rate']:.0f}/s; verdict token turns {w.get('verdict_tokens', 'inline')}")
     print()
     idle, net = r.get("idle_cores", {}), r.get("cpu_s_per_1000_net_of_idle", {})
     wake, idle_wake = r.get("wakeups_per_trajectory", {}), r.get("idle_wakeups_per_s", {})
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=10.0, help="length of the idle window measured before the load")
     p.add_argument("--turns", type=int, default=8, help="turns per session (bench pipeline's workload)")
     p.add_argument("--tokens", type=int, default=512, help="at most this many output tokens per turn")
+    p.add_argument("--verdict-tokens", choices=("inline", "reference"), default="inline",
+                   help="worker.verdict_tokens for the workers (reference: the trainer reads the turns back)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--from-json", default=None, metavar="FILE", help="print from a previous --json run (no load)")
     g = p.add_argument_group("sizing assumptions (docs/capacity.md)")

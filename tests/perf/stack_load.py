@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def perf_config(stack: LocalStack, name: str, *, ttl_s: int, dedupe_max_seen: int = 1_000_000,
                 concurrency: int = 64, group_timeout_s: float = 120,
-                dedupe_window_s: float = 3600.0) -> PipelineConfig:
+                dedupe_window_s: float = 3600.0, verdict_tokens: str = "inline") -> PipelineConfig:
     """The benchmark pipeline: LengthBudgetScorer (cheap, deterministic), zstd, short group joins."""
     return PipelineConfig(
         rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
@@ -68,7 +68,8 @@ def perf_config(stack: LocalStack, name: str, *, ttl_s: int, dedupe_max_seen: in
                             experiments=f"exp.{name}",
                             partitions=8),
         worker=WorkerConfig(group_id=f"workers.{name}", concurrency=concurrency, group_timeout_s=group_timeout_s,
-                            dedupe_window_s=dedupe_window_s),
+                            dedupe_window_s=dedupe_window_s,
+                            verdict_tokens=verdict_tokens),  # type: ignore[arg-type]
         trainer=TrainerConfig(group_id=f"trainer.{name}", batch_groups=8, device="cpu",
                               dedupe_max_seen=dedupe_max_seen),
     )
