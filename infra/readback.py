@@ -58,8 +58,11 @@ log = logging.getLogger(__name__)
 Turns = dict[tuple[int, int, str], list[TokenTurn]]
 """Compact turns read back, by ``(partition, offset, trajectory_id)``."""
 
-SEEK_GAP = 256
-"""Skip ahead with a seek when the next wanted offset is this many records past the scan."""
+SEEK_GAP = 0
+"""Skip ahead with a seek when the next wanted offset is more than this many records past
+the scan. Every record a poll brought is read before the next one, so the records in a gap
+are not fetched yet: with fetches of at most :data:`FETCH_BYTES`, reading through them
+costs a round trip per batch and their bytes, a seek costs neither."""
 
 FETCH_BYTES = 65_536
 """The reader's fetch limits (``fetch_max_bytes`` and ``max_partition_fetch_bytes``: the

@@ -280,7 +280,8 @@ async def test_a_referenced_member_whose_record_is_gone_rejects_its_group_for_ev
 async def test_a_read_back_fetches_the_batch_it_needs_not_the_log_after_it(kafka_bootstrap, redis_url) -> None:
     """Reading one group's members back near the start of a long partition fetches about
     that group's batch: a fetch's byte limit is small, and the broker still returns the
-    first batch whole when it alone is larger than the limit (these batches are)."""
+    first batch whole when it alone is larger than the limit (these batches are). Records
+    between two wanted groups are skipped with a seek, not fetched."""
     cfg = _config(kafka_bootstrap, redis_url)
     cfg = msgspec.structs.replace(cfg, topics=msgspec.structs.replace(cfg.topics, partitions=1))
     await ensure_topics(cfg.kafka, cfg.topics)
@@ -290,20 +291,23 @@ async def test_a_read_back_fetches_the_batch_it_needs_not_the_log_after_it(kafka
         for group in groups:  # a batch per group, at offsets 4k .. 4k+3 of the one partition
             await pub.publish_many(group)
 
-    async def read_back(k: int) -> tuple[TrajectoryReader, dict]:
+    async def read_back(*ks: int) -> TrajectoryReader:
         reader = TrajectoryReader(cfg)
         try:
-            wanted = [Wanted(0, 4 * k + i, t.trajectory_id, t.group_id) for i, t in enumerate(groups[k])]
-            turns = await reader.read(wanted)
+            turns = await reader.read([Wanted(0, 4 * k + i, t.trajectory_id, t.group_id)
+                                       for k in ks for i, t in enumerate(groups[k])])
         finally:
             await reader.aclose()
-        for i, t in enumerate(groups[k]):
-            assert turns[(0, 4 * k + i, t.trajectory_id)] == compact_turns(t.interactions)
-        return reader, turns
+        for k in ks:
+            for i, t in enumerate(groups[k]):
+                assert turns[(0, 4 * k + i, t.trajectory_id)] == compact_turns(t.interactions)
+        return reader
 
-    last, _ = await read_back(11)  # nothing after it: what one group's batch weighs
-    group_bytes = last.bytes_fetched
+    group_bytes = (await read_back(11)).bytes_fetched  # nothing after it: what one group's batch weighs
     assert group_bytes > FETCH_BYTES  # a batch larger than the limit still comes back whole
-    first, _ = await read_back(0)  # eleven groups after it in the log
+    first = await read_back(0)  # eleven groups after it in the log
     # its own batch (groups differ in size by at most a third here), not the ~2.7 MB after it
     assert FETCH_BYTES < first.bytes_fetched <= 2 * group_bytes, (first.bytes_fetched, group_bytes)
+    # two groups with five between them in one read: the gap is skipped, not read through
+    apart = await read_back(2, 8)
+    assert apart.bytes_fetched <= 3 * group_bytes, (apart.bytes_fetched, group_bytes)
