@@ -58,12 +58,6 @@ log = logging.getLogger(__name__)
 Turns = dict[tuple[int, int, str], list[TokenTurn]]
 """Compact turns read back, by ``(partition, offset, trajectory_id)``."""
 
-SEEK_GAP = 0
-"""Skip ahead with a seek when the next wanted offset is more than this many records past
-the scan. Every record a poll brought is read before the next one, so the records in a gap
-are not fetched yet: with fetches of at most :data:`FETCH_BYTES`, reading through them
-costs a round trip per batch and their bytes, a seek costs neither."""
-
 FETCH_BYTES = 65_536
 """The reader's fetch limits (``fetch_max_bytes`` and ``max_partition_fetch_bytes``: the
 embedded broker honours only the first). A read wants a few records, usually one
@@ -210,7 +204,10 @@ class TrajectoryReader:
             if fresh and high is not None and not chunked and todo[i] >= high:
                 self._gone(tp, [w for o in todo[i:] for w in wanted[o]], f"past the end of the log (@{high})")
                 return
-            if not chunked and todo[i] - position > SEEK_GAP:
+            # Every record a poll brought is read before the next poll, so records between
+            # here and the next wanted one are not fetched yet: a seek skips them for free,
+            # reading through costs a round trip per batch (fetches of at most FETCH_BYTES).
+            if not chunked and todo[i] > position:
                 position = todo[i]
                 reader.seek(tp, position)
             batch = await reader.getmany(tp, timeout_ms=200, max_records=500)
