@@ -201,8 +201,9 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # How long the broker may hold a consumer's fetch when no data is there: the wait
     # adapts (infra.kafka.AdaptiveFetchWait) — fetch_min_wait_ms after a fetch that brought
     # records, doubling with each empty one up to fetch_max_wait_ms. On a broker that
-    # answers only when the wait runs out (the embedded one) the short wait is the latency
-    # floor under load and the long one the cost of idling (docs/capacity.md). Apache Kafka
+    # answers at about half the wait even when records come sooner (the embedded one), the
+    # short wait is the latency floor under load and the long one the cost of idling
+    # (docs/capacity.md). Apache Kafka
     # answers when data arrives: there a long ceiling (the deployment manifests: 500) costs
     # no latency and saves the idle polls.
     fetch_min_wait_ms: Positive = 5

@@ -204,10 +204,10 @@ class AdaptiveFetchWait:
     """The broker-side wait of a consumer's next fetch: short while records flow, long when idle.
 
     After a fetch that brought records the next one waits ``low_ms``; each fetch that came
-    back empty doubles the wait, up to ``high_ms``. A broker that answers a fetch only when
-    its wait runs out (the embedded tansu broker does, see docs/capacity.md) delays a
-    record by up to the wait in force when it arrives, and costs a request per wait when
-    nothing comes: one fixed wait buys either latency under load or cheap idling, this
+    back empty doubles the wait, up to ``high_ms``. A broker that looks for new records
+    only at points within the wait (the embedded tansu broker answers at about half of it,
+    see docs/capacity.md) delays a record by up to half the wait in force when it arrives,
+    and costs a request per wait when nothing comes: one fixed wait buys either latency under load or cheap idling, this
     buys both. On Apache Kafka, which answers as soon as data arrives, it only shortens
     the waits right after records came.
     """
