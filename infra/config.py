@@ -69,12 +69,54 @@ PRM_ERROR_POLICIES = ("reject", "keep_original")
 
 # --------------------------------------------------------------------------- PRM (AReaL names)
 class PRMScorerConfig(msgspec.Struct, kw_only=False, forbid_unknown_fields=True):
-    """One configured scorer: an import path ``module.Class`` built as ``cls(weight=, enabled=, **kwargs)``."""
+    """One configured scorer: an import path ``module.Class`` built as ``cls(weight=, enabled=, **kwargs)``.
 
-    path: str
+    ``profile`` (our extension, instead of ``path``) names an operator's scorer profile
+    (``worker.scorer_profiles``): its path and kwargs, with this entry's kwargs laid on
+    top. In a registry record it is the only way to use operator-only arguments
+    (:mod:`scoring_workers.prm.capabilities`).
+    """
+
+    path: str = ""
     weight: float = 1.0
     enabled: bool = True
     kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    profile: str | None = None
+
+
+def resolve_profile(entry: PRMScorerConfig, profiles: Mapping[str, PRMScorerConfig], where: str,
+                    *, error: type[ConfigError] | None = None) -> PRMScorerConfig:
+    """The profile ``entry`` names (its path and operator kwargs), or ``entry`` itself when it
+    names none. Raises ``error`` (default :class:`ConfigError`) for an unknown profile or an
+    entry that gives both a path and a profile."""
+    kind = error or ConfigError
+    if entry.profile is None:
+        return entry
+    if entry.path:
+        raise kind(f"{where}: give `path` or `profile`, not both (the profile names its scorer)")
+    base = profiles.get(entry.profile)
+    if base is None:
+        match = did_you_mean(entry.profile, list(profiles))
+        hint = f"did you mean `{match}`?" if match else (
+            f"the workers' profiles are {sorted(profiles)}" if profiles else "the workers' config declares none")
+        raise kind(f"{where}.profile: no scorer profile `{entry.profile}` in worker.scorer_profiles; {hint}")
+    return base
+
+
+def expand_profiles(prm: PRMConfig, profiles: Mapping[str, PRMScorerConfig],
+                    key: str = "rollout.agent.prm") -> PRMConfig:
+    """The operator's own ``prm`` block with each ``profile`` entry replaced by the profile
+    (its kwargs, this entry's on top; the entry's weight and enabled). No capability
+    rules apply here: this is the operator's own file."""
+    if not any(isinstance(s, PRMScorerConfig) and s.profile is not None for s in prm.scorers):
+        return prm
+    out: list[Any] = []
+    for i, entry in enumerate(prm.scorers):
+        if isinstance(entry, PRMScorerConfig) and entry.profile is not None:
+            base = resolve_profile(entry, profiles, f"{key}.scorers[{i}]")
+            entry = PRMScorerConfig(base.path, entry.weight, entry.enabled, {**base.kwargs, **entry.kwargs})
+        out.append(entry)
+    return msgspec.structs.replace(prm, scorers=out)
 
 
 class PRMAdvantageShapingConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -254,6 +296,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # null: exactly the hosts this file's scorers name; a list: every judge URL must match
     # it, refused at start-up otherwise. docs/security.md, "Judge endpoints"
     allowed_judge_hosts: list[str] | None = None
+    # Named scorer settings of the operator's own (docs/security.md, "Registry records"):
+    # a registry record names one (`profile: NAME`) to use arguments only the operator may
+    # set (API keys, tokenizers, chat templates, headers); it may tune record-settable ones.
+    scorer_profiles: dict[str, PRMScorerConfig] = msgspec.field(default_factory=dict)
     # Dead letters keep at most this many bytes of the original record (a header says so).
     dead_letter_max_bytes: int = 1_048_576
     # Verdicts also carry each scorer's own weighted token rewards (BranchResult.channels),
@@ -562,6 +608,10 @@ def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | 
         cfg = msgspec.convert(data, PipelineConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid config: {exc}") from None
+    for name, profile in cfg.worker.scorer_profiles.items():
+        if not profile.path or profile.profile is not None:
+            raise ConfigError(f"worker.scorer_profiles.{name}: a profile names its scorer by `path` (not another profile)")
+    cfg.rollout.agent.prm = expand_profiles(cfg.prm, cfg.worker.scorer_profiles)
     validate(cfg)
     return cfg
 
@@ -592,8 +642,8 @@ def validate_prm(prm: PRMConfig, key: str = "rollout.agent.prm") -> None:
         )
     for i, scorer in enumerate(prm.scorers):
         if isinstance(scorer, PRMScorerConfig):
-            if not scorer.path:
-                raise ConfigError(f"{key}.scorers[{i}].path must be a non-empty import path")
+            if not scorer.path and scorer.profile is None:
+                raise ConfigError(f"{key}.scorers[{i}].path must be a non-empty import path (or name a `profile`)")
             if not math.isfinite(scorer.weight):
                 raise ConfigError(f"{key}.scorers[{i}].weight must be finite, got {scorer.weight!r}")
 

@@ -28,7 +28,6 @@ Only the operators' principal may write the topic (Kafka ACLs, docs/security.md)
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ import msgspec
 import yaml
 from aiokafka.structs import TopicPartition
 
+from infra.bounded_json import JSONBoundsError, decode_json
 from infra.config import ConfigError, PipelineConfig, PRMConfig, check_prm_keys, unknown_key_message, validate_prm
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id
 from infra.kafka import check_size, make_consumer, make_producer
@@ -60,6 +60,8 @@ about this long (plus the worker's next registry step), and an idle registry cos
 requests a second."""
 MAX_RECORD_BYTES = 65_536
 """A registry record is a small document: anything larger is refused, whatever the broker allows."""
+MAX_RECORD_DEPTH = 16
+"""A record nests at most 6 levels (spec, prm, scorers, entry, kwargs, a list value): deeper is refused."""
 
 _Weight = Annotated[float, msgspec.Meta(gt=0, le=1000)]
 _Slots = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
@@ -149,7 +151,7 @@ def _spec_from_mapping(data: Any, where: str) -> ExperimentSpec:
             check_prm_keys(data["prm"], f"{where}.prm")
         spec = msgspec.convert(data, ExperimentSpec, strict=False)
         validate_prm(spec.prm, f"{where}.prm")
-    except (msgspec.ValidationError, ValueError) as exc:
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
         raise RegistryError(f"{where}: {exc}") from None
     if not spec.prm.active:
         raise RegistryError(f"{where}: prm has no enabled scorer; an experiment needs at least one")
@@ -172,10 +174,11 @@ def decode_record(key: bytes | None, value: bytes | None) -> ExperimentSpec | No
     if len(value) > MAX_RECORD_BYTES:
         raise RegistryError(f"experiment {experiment_id!r}: record of {len(value)} bytes, over the limit of "
                             f"{MAX_RECORD_BYTES}")
-    try:
-        data = json.loads(value)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RegistryError(f"experiment {experiment_id!r}: the record is not JSON ({exc})") from None
+    try:  # bounded: a record nested 30,000 deep is refused here, not a RecursionError in a worker
+        data = decode_json(value, what=f"experiment {experiment_id!r}: the record", max_bytes=MAX_RECORD_BYTES,
+                           max_depth=MAX_RECORD_DEPTH)
+    except JSONBoundsError as exc:
+        raise RegistryError(str(exc)) from None
     spec = _spec_from_mapping(data, f"experiment {experiment_id!r}")
     if spec.experiment_id != experiment_id:
         raise RegistryError(f"experiment {experiment_id!r}: the record declares {spec.experiment_id!r}; "
@@ -295,11 +298,17 @@ class RegistryFollower:
 
     @staticmethod
     def _decode(record: Any) -> RegistryRecord:
+        """One record, decoded on its own: whatever it holds refuses *it* (with the reason) and
+        never its neighbours in the same fetch, nor the reader."""
         name = (record.key or b"").decode("utf-8", "replace")[:80]
         try:
             spec = decode_record(record.key, record.value)
         except RegistryError as exc:
             return RegistryRecord(name, None, record.offset, error=str(exc), timestamp_ms=record.timestamp)
+        except Exception as exc:
+            log.exception("experiment registry: record %r at offset %d could not be decoded", name, record.offset)
+            return RegistryRecord(name, None, record.offset, error=f"undecodable record ({type(exc).__name__}: "
+                                  f"{str(exc)[:200]})", timestamp_ms=record.timestamp)
         return RegistryRecord(name, spec, record.offset, timestamp_ms=record.timestamp)
 
     async def aclose(self) -> None:

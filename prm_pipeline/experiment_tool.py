@@ -1,9 +1,10 @@
 """``prm-pipeline experiment add FILE.yaml | remove ID | list``: the operator's side of the registry.
 
 ``add`` checks the file as data (schema, sizes, quotas: :func:`infra.registry.load_spec_file`)
-and, with the operator's own config at hand, as code the way a worker will
-(the scorer modules under ``worker.allowed_scorer_modules`` and the judge URLs under the
-judge host allow-list) — so a typo fails here, in one line, and not on every worker.
+and, with the operator's own config at hand, the way a worker will
+(the scorer modules under ``worker.allowed_scorer_modules``, only record-settable
+arguments or the operator's ``worker.scorer_profiles``, the judge URLs under the judge
+host allow-list) — so a typo fails here, in one line, and not on every worker.
 It creates the experiment's two topics, then writes the registry record. Workers apply
 it within about a second (docs/fleet.md); ``list`` shows what the registry holds.
 """
@@ -35,12 +36,16 @@ def check_experiment_file(cfg: PipelineConfig, path: str) -> Any:
 def _check_as_code(cfg: PipelineConfig, spec: Any) -> None:
     """Refuse what the workers would refuse (the worker's own preflight checks, under the
     allow-lists a registry record is held to), before anything is written."""
+    from scoring_workers.prm.capabilities import record_prm
     from scoring_workers.prm.resolve import check_scorer_entries
     from scoring_workers.scorers.judge_hosts import check_config_judge_hosts, effective_allow_list
 
-    check_config_judge_hosts(spec.prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts), "prm")
     try:
-        check_scorer_entries(spec.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules, key="prm")
+        prm = record_prm(spec.prm, cfg.worker.scorer_profiles, allowed_prefixes=cfg.worker.allowed_scorer_modules,
+                         key="prm")
+        check_config_judge_hosts(prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts,
+                                                           cfg.worker.scorer_profiles), "prm")
+        check_scorer_entries(prm, allowed_prefixes=cfg.worker.allowed_scorer_modules, key="prm")
     except (ImportError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
 

@@ -4,9 +4,11 @@ Each experiment has a runtime (:class:`Experiment`): its own scorer runner, grou
 timeout, weight, quotas and topics. :class:`Fleet` keeps them and applies the registry
 (:mod:`infra.registry`) as it changes:
 
-* **declared** — the record is checked as code before anything is built: every scorer
-  module must be under the worker's ``worker.allowed_scorer_modules`` (the runner's own
-  import check), every judge URL under the worker's judge host allow-list
+* **declared** — the record is checked before anything is built: every scorer module
+  must be under the worker's ``worker.allowed_scorer_modules``, every argument it sets
+  must be one the scorer class lets records set (operator-only ones come from the
+  worker's ``worker.scorer_profiles``: :mod:`scoring_workers.prm.capabilities`), every
+  judge URL under the worker's judge host allow-list
   (:func:`~scoring_workers.scorers.judge_hosts.effective_allow_list`: the explicit
   ``worker.allowed_judge_hosts``, or exactly the hosts of the worker's own file). A
   refused record is logged and counted (``prm_worker_registry_records_total{outcome=
@@ -32,10 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra.config import PipelineConfig
+from infra.config import PipelineConfig, PRMConfig
 from infra.experiments import DEFAULT_EXPERIMENT, trajectories_topic, verdicts_topic
 from infra.registry import ExperimentSpec, RegistryRecord
 from infra.schema import ScorerInfo
+from scoring_workers.prm.capabilities import record_prm
 from scoring_workers.scorers.judge_hosts import check_config_judge_hosts, effective_allow_list, judge_hosts_allowed
 from scoring_workers.verdicts import encode_scorers
 
@@ -83,7 +86,7 @@ class Fleet:
         self._experiments: dict[str, Experiment] = {DEFAULT_EXPERIMENT: default}
         self._by_topic: dict[str, Experiment] = {default.trajectories_topic: default}
         self._closing: set[asyncio.Task[None]] = set()
-        self._hosts = effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts)
+        self._hosts = effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts, cfg.worker.scorer_profiles)
 
     # ------------------------------------------------------------------ lookups
     def get(self, experiment_id: str) -> Experiment | None:
@@ -133,9 +136,12 @@ class Fleet:
 
     async def _declare(self, spec: ExperimentSpec) -> bool:
         experiment_id = spec.experiment_id
-        try:
-            check_config_judge_hosts(spec.prm, self._hosts, f"experiment {experiment_id!r} prm")  # before building
-            runner = await self._build(spec)
+        try:  # as data first: capabilities (operator-only arguments, profiles), then judge hosts; then build
+            prm = record_prm(spec.prm, self.cfg.worker.scorer_profiles,
+                             allowed_prefixes=self.cfg.worker.allowed_scorer_modules,
+                             key=f"experiment {experiment_id!r} prm")
+            check_config_judge_hosts(prm, self._hosts, f"experiment {experiment_id!r} prm")
+            runner = await self._build(spec, prm)
         except Exception as exc:  # noqa: BLE001 - a refused declaration must never stop the worker
             self._refuse(experiment_id, f"{type(exc).__name__}: {exc}")
             return False
@@ -158,7 +164,7 @@ class Fleet:
                  new.trajectories_topic)
         return old is None
 
-    async def _build(self, spec: ExperimentSpec) -> Any:
+    async def _build(self, spec: ExperimentSpec, prm: PRMConfig) -> Any:
         from scoring_workers.prm import PRMRunner
 
         quota: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -167,7 +173,7 @@ class Fleet:
 
             quota = judge_quota(JudgeQuota(spec.experiment_id, spec.judge_quota.max_in_flight, spec.judge_quota.rps))
         with judge_hosts_allowed(self._hosts), quota:
-            return await PRMRunner.create(spec.prm, allowed_prefixes=self.cfg.worker.allowed_scorer_modules)
+            return await PRMRunner.create(prm, allowed_prefixes=self.cfg.worker.allowed_scorer_modules)
 
     def _refuse(self, experiment_id: str, why: str) -> None:
         kept = self._experiments.get(experiment_id)

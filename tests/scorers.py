@@ -5,7 +5,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
+
 from scoring_workers.prm import BaseScorer
+from scoring_workers.prm.capabilities import RecordSettings
+
+
+class MarkerSettings(RecordSettings):
+    marker: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class SlowSettings(RecordSettings):
+    delay_s: float | msgspec.UnsetType = msgspec.UNSET
+    hang_marker: str | msgspec.UnsetType = msgspec.UNSET
 
 
 def _conversation_text(ctx: dict[str, Any]) -> str:
@@ -16,6 +28,7 @@ class FailOnMarkerScorer(BaseScorer):
     """Raises for conversations mentioning ``marker``; scores 0.0 otherwise."""
 
     name = "fail_on_marker"
+    record_settings = MarkerSettings
 
     def __init__(self, weight: float = 1.0, enabled: bool = True, marker: str = "FAIL") -> None:
         super().__init__(weight=weight, enabled=enabled)
@@ -31,6 +44,7 @@ class SlowScorer(BaseScorer):
     """Sleeps ``delay_s`` per turn (or forever for conversations mentioning ``hang_marker``)."""
 
     name = "slow"
+    record_settings = SlowSettings
 
     def __init__(self, weight: float = 1.0, enabled: bool = True, delay_s: float = 0.01,
                  hang_marker: str = "HANG") -> None:

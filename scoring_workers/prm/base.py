@@ -87,6 +87,14 @@ class BaseScorer:
     deterministic: ClassVar[bool] = True
     """Same inputs give the same rewards; ``prm-pipeline audit`` re-scores only these
     (set False for sampling judges: the audit checks their recorded results instead)."""
+    record_settings: ClassVar[type[Any] | None] = None
+    """The constructor arguments an experiment-registry record may set: a
+    :class:`~scoring_workers.prm.capabilities.RecordSettings` struct (typed, bounded).
+    ``None``: records may set none (only ``weight``/``enabled``); everything else comes
+    from the operator's own config (our extension; docs/security.md)."""
+    operator_only: ClassVar[Mapping[str, str]] = {}
+    """Why each operator-only argument is one ("loads code", "reads the environment"...),
+    quoted when a record tries to set it."""
 
     def __init__(self, weight: float = 1.0, enabled: bool = True) -> None:
         cls = type(self)

@@ -30,6 +30,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -242,10 +243,12 @@ def check_config_judge_hosts(prm: Any, allowed: Sequence[str] | HostAllowList | 
             raise ConfigError(_refusal(f"{where}: judge URL", url, hosts))
 
 
-def effective_allow_list(prm: Any, allowed: Sequence[str] | None) -> HostAllowList:
+def effective_allow_list(prm: Any, allowed: Sequence[str] | None,
+                         profiles: Mapping[str, Any] | None = None) -> HostAllowList:
     """The hosts a judge URL from *outside* the config file (e.g. a registry record) may
     use: the explicit list, or by default exactly the ``host:port`` pairs the config
-    file's scorers name."""
+    file's scorers and scorer profiles (``worker.scorer_profiles``) name."""
     if allowed is not None:
         return HostAllowList(allowed)
-    return HostAllowList(sorted({endpoint_label(url) for _, url in config_judge_urls(prm)} - {"invalid"}))
+    urls = config_judge_urls(prm) + config_judge_urls(SimpleNamespace(scorers=list((profiles or {}).values())))
+    return HostAllowList(sorted({endpoint_label(url) for _, url in urls} - {"invalid"}))

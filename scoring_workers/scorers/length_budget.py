@@ -16,6 +16,7 @@ import numbers
 from typing import Any
 
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
+from scoring_workers.scorers.record_settings import LengthBudgetRecordSettings
 
 __all__ = ["LengthBudgetScorer"]
 
@@ -27,6 +28,7 @@ class LengthBudgetScorer(BaseScorer):
 
     name = "length_budget"
     version = "1"
+    record_settings = LengthBudgetRecordSettings
 
     def __init__(self, weight: float = 1.0, enabled: bool = True, max_output_tokens: int = 128) -> None:
         super().__init__(weight=weight, enabled=enabled)

@@ -82,6 +82,7 @@ from scoring_workers.scorers.judge_apis import sglang_input_logprobs
 from scoring_workers.scorers.judge_errors import JudgeRequestError
 from scoring_workers.scorers.judge_http import JudgeClient
 from scoring_workers.scorers.openclaw import JudgeScorerBase, JudgeScorerResult, _judge_urls, _obs, _session_key
+from scoring_workers.scorers.record_settings import OPD_OPERATOR_ONLY, OPDRecordSettings
 
 __all__ = ["MissingLogprobsError", "OPDTeacherScorer", "hf_chat_tokenizer"]
 
@@ -90,9 +91,14 @@ class MissingLogprobsError(ScoringError, ValueError):
     """The turn has no ``model_response.output_logprobs``: OPD needs the rollout's log-probs."""
 
 
-def hf_chat_tokenizer(name_or_path: str) -> Callable[[Sequence[Mapping[str, Any]]], list[int]]:
+def hf_chat_tokenizer(name_or_path: str, *, trust_remote_code: bool = False
+                      ) -> Callable[[Sequence[Mapping[str, Any]]], list[int]]:
     """``messages -> prompt token ids`` with a Hugging Face tokenizer's chat template
-    (``add_generation_prompt=True``). Loaded on first use; needs ``transformers``."""
+    (``add_generation_prompt=True``). Loaded on first use; needs ``transformers``.
+
+    ``trust_remote_code`` stays off unless the operator's own config turns it on by name
+    (``trust_remote_code: true`` next to ``tokenizer``; a registry record cannot): a
+    tokenizer whose files name Python code (``auto_map``) is refused instead of run."""
     state: dict[str, Any] = {}
 
     def tokenize(messages: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -102,7 +108,7 @@ def hf_chat_tokenizer(name_or_path: str) -> Callable[[Sequence[Mapping[str, Any]
                 from transformers import AutoTokenizer  # type: ignore[import-not-found]
             except ImportError as exc:
                 raise RuntimeError("tokenizer 'hf:...' needs the transformers package") from exc
-            tok = state["tok"] = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=True)
+            tok = state["tok"] = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         ids = tok.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
@@ -126,6 +132,8 @@ class OPDTeacherScorer(JudgeScorerBase):
 
     name = OPD_SCORER
     version = "1"
+    record_settings = OPDRecordSettings
+    operator_only = OPD_OPERATOR_ONLY
 
     def __init__(
         self,
@@ -136,12 +144,16 @@ class OPDTeacherScorer(JudgeScorerBase):
         teacher_base_urls: Sequence[str] | None = None,
         tokenizer: Any = "remote",
         tokenize_path: str = "/tokenize",
+        trust_remote_code: bool = False,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(trust_remote_code, bool):
+            raise TypeError(f"scorer {self.name!r}: trust_remote_code must be a bool, got {trust_remote_code!r}")
         if not isinstance(tokenize_path, str) or not tokenize_path.startswith("/"):
             raise ValueError(f"scorer {self.name!r}: tokenize_path must start with '/', got {tokenize_path!r}")
         if isinstance(tokenizer, str) and tokenizer.startswith("hf:"):
-            tokenize_fn: Callable[..., Any] | None = hf_chat_tokenizer(tokenizer[3:])
+            tokenize_fn: Callable[..., Any] | None = hf_chat_tokenizer(tokenizer[3:],
+                                                                       trust_remote_code=trust_remote_code)
         elif tokenizer == "remote":
             tokenize_fn = None
         else:

@@ -76,10 +76,11 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from infra.modes import JUDGE_SCORER
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
+from scoring_workers.prm.capabilities import RecordSettings
 from scoring_workers.prm.resolve import resolve_callable
 from scoring_workers.scorers.conversation import (
     NEXT_STATE_RULES,
@@ -100,6 +101,7 @@ from scoring_workers.scorers.judge_apis import JudgeEndpoint
 from scoring_workers.scorers.judge_errors import JudgeRequestError
 from scoring_workers.scorers.judge_http import JudgeClient, normalize_base_urls
 from scoring_workers.scorers.policy_tokenizer import load_policy_decoder
+from scoring_workers.scorers.record_settings import JUDGE_OPERATOR_ONLY, JudgeRecordSettings, OpenClawRecordSettings
 
 __all__ = ["JudgeScorerBase", "JudgeScorerResult", "OpenClawJudgeScorer"]
 
@@ -185,6 +187,9 @@ class JudgeScorerBase(BaseScorer):
     hashing on ``ctx["session_id"]``), spills to the least-loaded one when that is
     overloaded (``spill_in_flight``, ``spill_ratio``), skips replicas whose breaker is
     open and retries a failed call on another replica (docs/judge.md, "Judge pool")."""
+
+    record_settings: ClassVar[type[RecordSettings] | None] = JudgeRecordSettings
+    operator_only: ClassVar[Mapping[str, str]] = JUDGE_OPERATOR_ONLY
 
     def __init__(
         self,
@@ -410,6 +415,7 @@ class OpenClawJudgeScorer(JudgeScorerBase):
 
     name = JUDGE_SCORER
     version = "1"
+    record_settings = OpenClawRecordSettings
 
     def __init__(
         self,

@@ -38,7 +38,7 @@ def _value(data: object) -> bytes:
 
 
 @pytest.mark.parametrize(("key", "value", "needle"), [
-    (b"exp-ok", b"{not json", "not JSON"),
+    (b"exp-ok", b"{not json", "not valid JSON"),
     (b"exp-ok", _value({**GOOD, "weigth": 2}), "did you mean `weight`"),
     (b"exp-ok", _value({**GOOD, "prm": {"scorers": [{"path": "x.Y", "kwarg": {}}]}}), "kwarg"),
     (b"other", _value(GOOD), "the key and experiment_id must agree"),

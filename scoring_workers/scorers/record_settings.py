@@ -1,0 +1,90 @@
+"""What a registry record may set on each built-in scorer (the capability model,
+:mod:`scoring_workers.prm.capabilities`), and why the other arguments are operator-only.
+
+Record-settable: arguments that only tune scoring — sampling, votes, budgets, timeouts,
+retries, pool routing — each typed and bounded here, and judge URLs, which the worker
+still holds to its judge host allow-list. Operator-only: every argument that can load
+code, read the worker's environment or files, or choose what goes where beyond an
+allowed host. docs/security.md prints the table these declarations make (a test keeps
+the two equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated, Final, Literal
+
+from msgspec import UNSET, Meta, UnsetType
+
+from scoring_workers.prm.capabilities import RecordSettings
+
+__all__ = ["JUDGE_OPERATOR_ONLY", "OPD_OPERATOR_ONLY", "JudgeRecordSettings", "LengthBudgetRecordSettings",
+           "OPDRecordSettings", "OpenClawRecordSettings"]
+
+_Url = Annotated[str, Meta(min_length=1, max_length=2048)]
+_Urls = Annotated[list[_Url], Meta(min_length=1, max_length=64)]
+_Seconds = Annotated[float, Meta(gt=0, le=3600)]
+_Count = Annotated[int, Meta(ge=1, le=100_000)]
+
+
+class LengthBudgetRecordSettings(RecordSettings):
+    max_output_tokens: Annotated[int, Meta(ge=1, le=100_000_000)] | UnsetType = UNSET
+
+
+class JudgeRecordSettings(RecordSettings):
+    """The judge scorers' tuning: URLs (held to the worker's judge host allow-list), the
+    judge request, voting and failure policy, time limits, retries, limits and pool routing."""
+
+    base_url: _Url | UnsetType = UNSET
+    base_urls: _Urls | UnsetType = UNSET
+    api: Literal["openai", "sglang"] | UnsetType = UNSET
+    model: Annotated[str, Meta(min_length=1, max_length=256)] | UnsetType = UNSET
+    temperature: Annotated[float, Meta(ge=0, le=10)] | UnsetType = UNSET
+    max_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] | UnsetType = UNSET
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None | UnsetType = UNSET
+    top_k: Annotated[int, Meta(ge=-1, le=1_000_000)] | None | UnsetType = UNSET
+    include_reasoning: bool | UnsetType = UNSET
+    next_state: Literal["last", "first"] | UnsetType = UNSET
+    merge_tool_results: bool | UnsetType = UNSET
+    m: Annotated[int, Meta(ge=1, le=64)] | UnsetType = UNSET
+    on_all_votes_failed: Literal["reject", "neutral"] | UnsetType = UNSET
+    timeout_s: _Seconds | UnsetType = UNSET
+    total_timeout_s: _Seconds | UnsetType = UNSET
+    turn_timeout_s: _Seconds | None | UnsetType = UNSET
+    max_retries: Annotated[int, Meta(ge=0, le=20)] | UnsetType = UNSET
+    backoff_base_s: Annotated[float, Meta(ge=0, le=60)] | UnsetType = UNSET
+    backoff_max_s: Annotated[float, Meta(ge=0, le=600)] | UnsetType = UNSET
+    max_concurrency: _Count | None | UnsetType = UNSET
+    rps: Annotated[float, Meta(gt=0, le=100_000)] | None | UnsetType = UNSET
+    breaker_failure_threshold: Annotated[int, Meta(ge=1, le=10_000)] | None | UnsetType = UNSET
+    breaker_reset_s: _Seconds | None | UnsetType = UNSET
+    spill_in_flight: _Count | UnsetType = UNSET
+    spill_ratio: Annotated[float, Meta(ge=1, le=100)] | UnsetType = UNSET
+
+
+class OpenClawRecordSettings(JudgeRecordSettings):
+    adaptive: bool | UnsetType = UNSET
+    max_votes: Annotated[int, Meta(ge=1, le=1024)] | None | UnsetType = UNSET
+
+
+class OPDRecordSettings(JudgeRecordSettings):
+    teacher_base_url: _Url | UnsetType = UNSET
+    teacher_base_urls: _Urls | UnsetType = UNSET
+
+
+JUDGE_OPERATOR_ONLY: Final[Mapping[str, str]] = MappingProxyType({
+    "api_key_env": "reads a variable of the worker's environment and sends it to the judge",
+    "api_key_file": "reads a file on the worker and sends it to the judge",
+    "headers": "sets request headers (credentials, routing) on every judge call",
+    "chat_template": "imports and runs a callable (module:callable)",
+    "audit_sink": "imports and runs a callable (module:callable)",
+    "policy_tokenizer": "reads a tokenizer file on the worker",
+})
+
+OPD_OPERATOR_ONLY: Final[Mapping[str, str]] = MappingProxyType({
+    **JUDGE_OPERATOR_ONLY,
+    "tokenizer": "loads code: an hf: tokenizer (downloads and reads files) or a module:callable",
+    "trust_remote_code": "lets a Hugging Face tokenizer run the Python code its files name",
+    "tokenize_path": "chooses the URL path the teacher's tokenize requests go to",
+})
