@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import torch
 
 from scoring_workers.prm import (
@@ -48,6 +49,7 @@ from scoring_workers.prm import (
     PRMMetricObservation,
     PRMScorerResult,
 )
+from scoring_workers.prm.capabilities import RecordSettings
 
 
 def _valid_tool_call(message: dict[str, Any]) -> bool:
@@ -102,11 +104,20 @@ class ToolUseScorer(BaseScorer):
         return PRMScorerResult(result, tuple(observations))
 
 
+class LowConfidenceSettings(RecordSettings):
+    """What an experiment-registry record may set on :class:`LowConfidencePenalty` (typed and
+    bounded). A scorer that declares nothing lets records set only ``weight``/``enabled``;
+    anything that could load code, read a file or the environment stays out of here."""
+
+    logprob_threshold: Annotated[float, msgspec.Meta(ge=-100, le=0)] | msgspec.UnsetType = msgspec.UNSET
+
+
 class LowConfidencePenalty(BaseScorer):
     """-1.0 on every output token whose log-probability is below a threshold."""
 
     name = "low_confidence"
     version = "1"
+    record_settings = LowConfidenceSettings
 
     def __init__(self, weight: float = 1.0, enabled: bool = True, logprob_threshold: float = -2.0) -> None:
         super().__init__(weight=weight, enabled=enabled)
