@@ -283,8 +283,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # What a verdict carries of each scored member's tokens: ``inline`` its token turns
     # (the verdicts topic alone reproduces the batches), ``reference`` its record's
     # coordinates in the trajectories topic (readers read the turns from there:
-    # infra/readback.py). docs/wire.md, "Token turns inline or by reference".
-    verdict_tokens: Literal["inline", "reference"] = "inline"
+    # infra/readback.py), ``auto`` inline when the verdict fits kafka.max_message_bytes
+    # and by reference when it does not, decided per verdict (a group of long sessions
+    # is never rejected for its size). docs/wire.md, "Token turns inline or by reference".
+    verdict_tokens: Literal["auto", "inline", "reference"] = "auto"
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
