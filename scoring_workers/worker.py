@@ -240,9 +240,10 @@ class Worker:
         await self.producer.start()
         self._registry = RegistryFollower(cfg)
         try:
-            # Every declared experiment is known before the first trajectory is read.
+            # Every declared experiment is known before the first trajectory is read; one
+            # removed longer ago than its group timeout is not served again (Fleet.settle).
             await self._registry.start()
-            for entry in await self._registry.catch_up():
+            for entry in self.fleet.settle(await self._registry.catch_up()):
                 await self._apply_registry(entry)
             self.fleet.expire()
             self._subscribe()
