@@ -27,6 +27,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import SplitResult, urlsplit
 
 import msgspec
 import yaml
@@ -256,6 +257,8 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # One URL; with ``cluster: true`` also several comma-separated ones, nodes of one cluster
+    # the client may start from (whichever answers first): redis_urls() below.
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False  # Redis Cluster: the URL names any node; keys carry {group_id} hash tags
     key_prefix: str = "prm"
@@ -265,6 +268,34 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __repr__(self) -> str:
         return _masked_repr(self, url_fields=("url",))
+
+
+def redis_urls(cfg: RedisConfig) -> list[SplitResult]:
+    """The URLs ``redis.url`` names: one, or — with ``redis.cluster: true`` — several
+    comma-separated nodes of one cluster, so a client can start while any of them is down
+    (a failover, a rescheduled pod). Credentials, database, TLS and options are the first
+    URL's; the others name a host and port, and may repeat the first one's scheme and
+    credentials but not differ from them.
+
+    Raises:
+        ConfigError: an empty entry, several URLs without ``redis.cluster``, or nodes that
+            disagree on scheme or credentials.
+    """
+    raw = cfg.url.split(",")
+    urls = [urlsplit(u.strip()) for u in raw]
+    if any(not u.strip() for u in raw):
+        raise ConfigError(f"redis.url: an empty entry in {len(raw)} comma-separated URLs")
+    if len(urls) > 1 and not cfg.cluster:
+        raise ConfigError(f"redis.url lists {len(urls)} URLs: several nodes are for Redis Cluster "
+                          "(redis.cluster: true); a standalone Redis has one URL")
+    first = urls[0]
+    for i, u in enumerate(urls[1:], 2):
+        if u.scheme != first.scheme or not u.hostname:
+            raise ConfigError(f"redis.url: URL {i} must be {first.scheme}://host:port like the first one")
+        if (u.username or u.password) and (u.username, u.password) != (first.username, first.password):
+            raise ConfigError(f"redis.url: URL {i} has other credentials than the first one; the cluster "
+                              "client logs in to every node as the first URL says")
+    return urls
 
 
 class TopicsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -329,8 +360,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # What a verdict carries of each scored member's tokens: ``inline`` its token turns
     # (the verdicts topic alone reproduces the batches), ``reference`` its record's
     # coordinates in the trajectories topic (readers read the turns from there:
-    # infra/readback.py). docs/wire.md, "Token turns inline or by reference".
-    verdict_tokens: Literal["inline", "reference"] = "inline"
+    # infra/readback.py), ``auto`` inline when the verdict fits kafka.max_message_bytes
+    # and by reference when it does not, decided per verdict (a group of long sessions
+    # is never rejected for its size). docs/wire.md, "Token turns inline or by reference".
+    verdict_tokens: Literal["auto", "inline", "reference"] = "auto"
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -693,3 +726,4 @@ def validate(cfg: PipelineConfig) -> None:
             f"rollout.agent.prm.advantage_shaping.mode {mode!r} needs process rewards in [0, 1]; "
             f"use one of {[m for m in SHAPING_MODES if not mode_info(m).unit_interval]}"  # type: ignore[union-attr]
         )
+    redis_urls(cfg.redis)

@@ -1,7 +1,8 @@
 """Reading members' token turns back from the trajectories topic: one code path for every reader.
 
 A deciding worker reads back members it did not score itself (a rebalance or a crash
-came between); with ``worker.verdict_tokens: reference`` every verdict reader — the
+came between); for verdicts that name their members' records (``worker.verdict_tokens:
+reference``, or ``auto`` for a verdict too large to carry the tokens) every verdict reader — the
 trainer's :class:`~shaper.consumer.VerdictConsumer`, the verl adapter's
 :class:`~shaper.reward_client.VerdictWaiter`, ``prm-pipeline verdicts``/``inspect`` and
 the audit — reads the turns of each verdict's members from the records the verdict

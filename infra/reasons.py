@@ -99,9 +99,10 @@ MISSING_SESSIONS: Final = _add(
     "fewer members than `group_size` arrived before `worker.group_timeout_s`")
 VERDICT_TOO_LARGE: Final = _add(
     "verdict_too_large", "rejected", False,
-    "the verdict record would exceed `kafka.max_message_bytes`; published with members' token turns "
-    "(and, if needed, branches and turn results) dropped, stats kept; `reason` gives the sizes and the "
-    "original status")
+    "the verdict record would exceed `kafka.max_message_bytes` with members' token turns inline "
+    "(`worker.verdict_tokens: inline`) or even with their records named instead (`auto`, `reference`); "
+    "published with members' token turns (and, if needed, branches and turn results) dropped, stats kept; "
+    "`reason` gives the sizes and the original status")
 
 # --------------------------------------------------------------------------- member failures
 NOT_CONCAT_EXPORT: Final = _add(

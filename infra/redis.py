@@ -2,7 +2,10 @@
 
 ``redis.url`` carries host, port, database and credentials (``redis://user:pass@host/0``
 for ACL users, ``rediss://`` for TLS); ``redis.ssl_ca_certs`` adds a CA bundle;
-``redis.cluster: true`` selects the Redis Cluster client.
+``redis.cluster: true`` selects the Redis Cluster client, and then ``redis.url`` may list
+several nodes, comma-separated (``redis://user:pass@node-0:6379,redis://node-1:6379``):
+the client starts from whichever answers, so a worker starts or restarts while one of
+them is down (:func:`infra.config.redis_urls`).
 """
 
 from __future__ import annotations
@@ -13,25 +16,29 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from infra.config import RedisConfig
+from infra.config import RedisConfig, redis_urls
 from infra.errors import ServiceError
 
 log = logging.getLogger(__name__)
 
 
 def make_redis(cfg: RedisConfig, **overrides: Any) -> aioredis.Redis | RedisCluster:
-    """A standalone client, or a cluster client (``redis.cluster: true``) that follows slot redirects."""
+    """A standalone client, or a cluster client (``redis.cluster: true``) that follows slot
+    redirects and starts from any node ``redis.url`` lists (its ``startup_nodes``)."""
+    first, *others = redis_urls(cfg)
     kwargs: dict[str, Any] = {"decode_responses": False}
-    if cfg.url.startswith("rediss://") and cfg.ssl_ca_certs:
+    if first.scheme == "rediss" and cfg.ssl_ca_certs:
         kwargs["ssl_ca_certs"] = cfg.ssl_ca_certs
     kwargs.update(overrides)
     if cfg.cluster:
-        return RedisCluster.from_url(cfg.url, **kwargs)
-    return aioredis.from_url(cfg.url, health_check_interval=30, **kwargs)
+        if others:  # the first URL's credentials, TLS and options apply to every node
+            kwargs["startup_nodes"] = [ClusterNode(u.hostname, u.port or 6379) for u in others]
+        return RedisCluster.from_url(first.geturl(), **kwargs)
+    return aioredis.from_url(first.geturl(), health_check_interval=30, **kwargs)
 
 
 class RedisAccessError(ServiceError, RuntimeError):
@@ -40,9 +47,10 @@ class RedisAccessError(ServiceError, RuntimeError):
 
 
 def _where(cfg: RedisConfig) -> str:
-    url = urlsplit(cfg.url)
-    user = url.username or "default"
-    return f"Redis at {url.hostname}:{url.port or 6379} as user {user!r} (redis.url / PRM_REDIS_URL)"
+    urls = [urlsplit(u.strip()) for u in cfg.url.split(",")]
+    user = urls[0].username or "default"
+    where = ", ".join(f"{u.hostname}:{u.port or 6379}" for u in urls)
+    return f"Redis at {where} as user {user!r} (redis.url / PRM_REDIS_URL)"
 
 
 def access_refusal(exc: BaseException, cfg: RedisConfig) -> RedisAccessError | None:

@@ -731,7 +731,8 @@ SessionStatus = Literal["scored", "failed", "missing", "discarded", "pending"]
 class TokenRef(msgspec.Struct, frozen=True, kw_only=True):
     """Where a member's token turns are: its record in the trajectories topic.
 
-    A verdict published with ``worker.verdict_tokens: reference`` carries this instead
+    A verdict published with ``worker.verdict_tokens: reference`` (or ``auto``, when the
+    verdict would not fit ``kafka.max_message_bytes`` with the turns) carries this instead
     of the member's :class:`TokenTurn` list. ``offset`` is the ``ready`` record's offset,
     or a chunked trajectory's first chunk's (its other chunks follow it on the same
     partition). Readers turn it back into turns with :mod:`infra.readback`, the code the
@@ -782,7 +783,8 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # verdict record's timestamp (sent) they break a verdict's latency down by stage.
     consumed_at: float = 0.0
     parked_at: float = 0.0
-    # ``worker.verdict_tokens: reference``: the member's record instead of ``turns``
+    # ``worker.verdict_tokens: reference`` (or ``auto``, for a verdict too large with the
+    # turns): the member's record instead of ``turns``
     # (omitted otherwise, so inline verdicts encode as before it existed).
     tokens_at: TokenRef | None = None
 

@@ -48,11 +48,15 @@ class ServiceUnavailable(ServiceError, RuntimeError):
 
 
 def redis_address(url: str) -> str:
-    """``redis://user:secret@host:6379/0`` -> ``redis://host:6379/0`` (no credentials in messages)."""
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"
+    """``redis://user:secret@host:6379/0`` -> ``redis://host:6379/0`` (no credentials in messages);
+    each of several comma-separated cluster nodes alike."""
+    out = []
+    for one in url.split(","):
+        parts = urlsplit(one.strip())
+        host = parts.hostname or "?"
+        port = f":{parts.port}" if parts.port else ""
+        out.append(f"{parts.scheme}://{host}{port}{parts.path}")
+    return ",".join(out)
 
 
 def _describe(exc: BaseException) -> str:

@@ -16,9 +16,15 @@ timeout, weight, quotas and topics. :class:`Fleet` keeps them and applies the re
   declaration, the others are untouched. A replaced declaration's runner is closed once
   the records it scores are done.
 * **removed** — the experiment *retires*: its records are still scored for its group
-  timeout (its open groups finish, or time out), then its topic is dropped from the
-  subscription and its runner closed. From then on a record naming it is
-  ``unknown_experiment``.
+  timeout (its open groups finish, or time out), counted from the removal record's
+  timestamp, then its topic is dropped from the subscription and its runner closed.
+  From then on a record naming it is ``unknown_experiment``.
+
+A worker that starts reads the whole registry (:meth:`Fleet.settle` first): of each
+experiment only its current declaration counts, and one removed longer ago than its
+group timeout is not declared at all — a removed experiment is never served again,
+not subscribed to, not retired once more for a whole group timeout by every worker
+that starts after its removal; one removed more recently retires for the rest of it.
 
 Building a runner may take a while (a scorer's start-up); the worker applies registry
 records in a background task, so polling never waits for it.
@@ -125,13 +131,46 @@ class Fleet:
         return counts
 
     # ------------------------------------------------------------------ registry
+    def settle(self, records: list[RegistryRecord], now: float | None = None) -> list[RegistryRecord]:
+        """The records of a catch-up (the registry read from its beginning) worth applying,
+        in their order: per experiment, its last good record and the refused ones after it
+        (they are reported again). A removal keeps the declaration before it only while
+        its open groups may still need scoring: removed at least its group timeout ago
+        (by the record's timestamp, unix time ``now``), the experiment leaves nothing —
+        no runner built, no topic subscribed, no retirement."""
+        now = time.time() if now is None else now
+        by_experiment: dict[str, list[int]] = {}
+        for i, record in enumerate(records):
+            by_experiment.setdefault(record.experiment_id, []).append(i)
+        keep: set[int] = set()
+        for experiment_id, indices in by_experiment.items():
+            good = [i for i in indices if not records[i].error]
+            keep.update(i for i in indices if not good or i > good[-1])
+            if not good or not records[good[-1]].removal:
+                keep.update(good[-1:])
+                continue
+            declared = [i for i in good if records[i].spec is not None]
+            if not declared:
+                continue  # removed, its declaration compacted away: nothing to serve
+            spec = records[declared[-1]].spec
+            assert spec is not None
+            removal = next(i for i in good if i > declared[-1])  # the first removal after it
+            timeout_s = spec.group_timeout_s or self.cfg.worker.group_timeout_s
+            removed_at_ms = records[removal].timestamp_ms
+            if removed_at_ms > 0 and removed_at_ms / 1000 + timeout_s <= now:
+                log.info("experiment %s was removed %.0fs ago, over its group timeout (%gs): not served",
+                         experiment_id, now - removed_at_ms / 1000, timeout_s)
+                continue
+            keep.update((declared[-1], removal))
+        return [records[i] for i in sorted(keep)]
+
     async def apply(self, record: RegistryRecord) -> bool:
         """Apply one registry record; True when the set of topics changed."""
         if record.error:
             self._refuse(record.experiment_id, record.error)
             return False
         if record.spec is None:
-            return self._retire(record.experiment_id)
+            return self._retire(record.experiment_id, record.timestamp_ms)
         return await self._declare(record.spec)
 
     async def _declare(self, spec: ExperimentSpec) -> bool:
@@ -181,13 +220,18 @@ class Fleet:
                   "it keeps its previous declaration" if kept is not None else "it is not served")
         self._on_refused(experiment_id, why)
 
-    def _retire(self, experiment_id: str) -> bool:
+    def _retire(self, experiment_id: str, removed_at_ms: int = 0) -> bool:
+        """Retire ``experiment_id`` for its group timeout from its removal (``removed_at_ms``,
+        the record's unix timestamp; 0: unknown, now), at most the whole timeout."""
         experiment = self._experiments.get(experiment_id)
         if experiment is None or experiment_id == DEFAULT_EXPERIMENT or experiment.retire_at is not None:
             return False
-        experiment.retire_at = time.monotonic() + experiment.group_timeout_s
+        remaining = experiment.group_timeout_s
+        if removed_at_ms > 0:
+            remaining = min(remaining, max(0.0, removed_at_ms / 1000 + remaining - time.time()))
+        experiment.retire_at = time.monotonic() + remaining
         log.info("experiment %s removed: its records are scored for %gs more (open groups finish or time out), "
-                 "then it stops", experiment_id, experiment.group_timeout_s)
+                 "then it stops", experiment_id, remaining)
         return False
 
     def expire(self, now: float | None = None) -> bool:

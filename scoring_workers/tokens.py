@@ -17,7 +17,9 @@ cannot be trained on: its member is published ``failed`` with ``tokens_unavailab
 The read-back itself lives in :mod:`infra.readback`: verdict readers use the same code
 (and the same ``tokens_unavailable`` rule) for verdicts published with
 ``worker.verdict_tokens: reference``, which carry each member's record coordinates
-instead of its turns — then the worker needs no turns at all to publish.
+instead of its turns — then the worker needs no turns at all to publish. With ``auto``
+(the default) the worker builds the inline verdict and publishes it by reference only
+when it would not fit ``kafka.max_message_bytes`` (:meth:`MemberTokens.references`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import msgspec
 from infra.config import PipelineConfig
 from infra.experiments import DEFAULT_EXPERIMENT
 from infra.readback import TrajectoryReader, Wanted, reference, unavailable
-from infra.schema import SessionResult, TokenTurn
+from infra.schema import SessionResult, TokenRef, TokenTurn
 from scoring_workers.ledger import ParkedMember
 
 
@@ -43,11 +45,14 @@ class MemberTokens:
 
     With ``worker.verdict_tokens: reference`` nothing is remembered or read: members
     are published with their record coordinates (:func:`infra.readback.reference`).
+    With ``auto`` members are remembered and read as with ``inline``; :meth:`references`
+    names their records for a verdict too large to carry them.
     """
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
-        self.inline = cfg.worker.verdict_tokens == "inline"
+        self.inline = cfg.worker.verdict_tokens != "reference"  # inline or auto: the verdict is built with turns
+        self.auto = cfg.worker.verdict_tokens == "auto"
         # token bytes kept in memory (worker.token_cache_bytes); beyond it the oldest are read back from the log
         self.max_bytes = cfg.worker.token_cache_bytes if self.inline else 0
         self._cache: OrderedDict[tuple[str, str], list[TokenTurn]] = OrderedDict()
@@ -87,14 +92,25 @@ class MemberTokens:
                 del self._groups[group_id]
 
     # ------------------------------------------------------------------ members
+    @staticmethod
+    def _located(p: ParkedMember) -> bool:
+        return p.result.status == "scored" and not p.result.turns and p.partition >= 0
+
+    def references(self, parked: Sequence[ParkedMember]) -> dict[str, TokenRef] | None:
+        """The records of the scored members, by trajectory id, when a verdict too large for
+        ``kafka.max_message_bytes`` may name them instead of carrying their turns
+        (``worker.verdict_tokens: auto``); None otherwise."""
+        if not self.auto:
+            return None
+        return {p.result.trajectory_id: TokenRef(partition=p.partition, offset=p.offset)
+                for p in parked if self._located(p)}
+
     async def members(self, group_id: str, parked: Sequence[ParkedMember], *,
                       experiment_id: str = DEFAULT_EXPERIMENT) -> list[SessionResult]:
         """The parked members as verdict sessions: scored ones with their token turns
         (inline) or their record coordinates (reference). ``group_id`` is the scoped key the
         members were remembered under; their records are in ``experiment_id``'s topic."""
-        def located(p: ParkedMember) -> bool:
-            return p.result.status == "scored" and not p.result.turns and p.partition >= 0
-
+        located = self._located
         if not self.inline:
             return [reference(p.result, p.partition, p.offset) if located(p) else p.result for p in parked]
         wanted = [Wanted(p.partition, p.offset, p.result.trajectory_id, group_id) for p in parked

@@ -18,21 +18,25 @@ Rules (each sets ``reason_code`` from :mod:`infra.reasons`; ``reason`` is the te
 * fewer members than ``group_size`` -> ``rejected`` / ``missing_sessions``.
 * otherwise ``accepted``.
 
-:func:`too_large_verdict` is the fallback for a verdict whose record would exceed
-``kafka.max_message_bytes``: ``rejected`` / ``verdict_too_large`` with the sizes in the
-reason, members' stats kept and their token turns dropped — also a pure function.
+:func:`fit_verdict` publishes a verdict whose record would exceed
+``kafka.max_message_bytes`` by reference when it may (``worker.verdict_tokens: auto``,
+the default: :func:`referenced_verdict`, members' record coordinates instead of their
+turns, which every verdict reader reads back), and otherwise — or when even that does
+not fit — as :func:`too_large_verdict`: ``rejected`` / ``verdict_too_large`` with the
+sizes in the reason, members' stats kept and their token turns dropped. All of them are
+pure functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
 from infra import reasons
 from infra.kafka import record_size
 from infra.readback import failed_reason
-from infra.schema import GroupVerdict, ScorerInfo, SessionResult, encode
+from infra.schema import GroupVerdict, ScorerInfo, SessionResult, TokenRef, encode
 from scoring_workers.ledger import GroupState, ParkedMember
 
 VERDICT_VERSION = 1
@@ -111,16 +115,36 @@ def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: in
                                    sessions=[shrink(m) for m in verdict.sessions])
 
 
-def fit_verdict(verdict: GroupVerdict, limit: int) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
-    """``verdict`` encoded as a record, or — when the record would exceed ``limit``
-    (``kafka.max_message_bytes``) — the smallest :func:`too_large_verdict` level that fits.
-    A pure function of the verdict, so every worker that publishes the group sends the
-    same bytes."""
+def referenced_verdict(verdict: GroupVerdict, refs: Mapping[str, TokenRef]) -> GroupVerdict:
+    """``verdict`` with each scored member that carries turns and has a record in ``refs``
+    (by trajectory id) naming that record instead (``tokens_at``): what
+    ``worker.verdict_tokens: reference`` publishes. Everything else is unchanged."""
+    def by_reference(m: SessionResult) -> SessionResult:
+        ref = refs.get(m.trajectory_id)
+        if ref is None or m.status != "scored" or not m.turns:
+            return m
+        return msgspec.structs.replace(m, turns=[], tokens_at=ref)
+
+    return msgspec.structs.replace(verdict, sessions=[by_reference(m) for m in verdict.sessions])
+
+
+def fit_verdict(verdict: GroupVerdict, limit: int, refs: Mapping[str, TokenRef] | None = None,
+                ) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
+    """``verdict`` encoded as a record; when the record would exceed ``limit``
+    (``kafka.max_message_bytes``): with ``refs`` (``worker.verdict_tokens: auto``, the
+    members' record coordinates by trajectory id) the :func:`referenced_verdict` if that
+    fits, else the smallest :func:`too_large_verdict` level that fits. A pure function of
+    its arguments, so every worker that publishes the group sends the same bytes."""
     key = verdict.group_id.encode()
     value, headers = encode(verdict)
     size = record_size(key, value, headers)
     if size <= limit:
         return verdict, value, headers
+    if refs and any(m.turns and m.status == "scored" and m.trajectory_id in refs for m in verdict.sessions):
+        referenced = referenced_verdict(verdict, refs)
+        ref_value, ref_headers = encode(referenced)
+        if record_size(key, ref_value, ref_headers) <= limit:
+            return referenced, ref_value, ref_headers
     for level in (1, 2, 3):
         small = too_large_verdict(verdict, size=size, limit=limit, level=level)
         value, headers = encode(small)

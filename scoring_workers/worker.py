@@ -28,7 +28,9 @@ Per record (see docs/architecture.md):
 4. park the result; whoever parks the last member decides the group and publishes
    the verdict; once Kafka acknowledged it the record is released and the group's
    finish (drop its hash, remember it as done) rides along with the next ledger call. A verdict over
-   ``kafka.max_message_bytes`` is published as ``rejected`` / ``verdict_too_large``
+   ``kafka.max_message_bytes`` names its members' records instead of carrying their
+   token turns (``worker.verdict_tokens: auto``, the default); with ``inline``, or when
+   even that does not fit, it is published as ``rejected`` / ``verdict_too_large``
    (stats kept, token turns dropped) — it never blocks. A ``DiscardGroup`` decides its
    group once the members consumed before it have parked, so the discarded verdict
    lists them.
@@ -238,9 +240,10 @@ class Worker:
         await self.producer.start()
         self._registry = RegistryFollower(cfg)
         try:
-            # Every declared experiment is known before the first trajectory is read.
+            # Every declared experiment is known before the first trajectory is read; one
+            # removed longer ago than its group timeout is not served again (Fleet.settle).
             await self._registry.start()
-            for entry in await self._registry.catch_up():
+            for entry in self.fleet.settle(await self._registry.catch_up()):
                 await self._apply_registry(entry)
             self.fleet.expire()
             self._subscribe()
@@ -716,8 +719,12 @@ class Worker:
         full = assemble_verdict(group_id, decision.state, members)
         if experiment_id != DEFAULT_EXPERIMENT:
             full = msgspec.structs.replace(full, experiment_id=experiment_id)
-        verdict, value, headers = fit_verdict(full, self.cfg.kafka.max_message_bytes)
-        if verdict is not full:
+        limit = self.cfg.kafka.max_message_bytes
+        verdict, value, headers = fit_verdict(full, limit, self._tokens.references(decision.members))
+        if verdict is not full and verdict.reason_code != reasons.VERDICT_TOO_LARGE:
+            log.info("group=%s: verdict over kafka.max_message_bytes=%d with its members' token turns: published "
+                     "with their records' coordinates instead (worker.verdict_tokens: auto)", verdict.group_id, limit)
+        elif verdict is not full:
             log.warning("group=%s: verdict over kafka.max_message_bytes=%d, published as %s",
                         verdict.group_id, self.cfg.kafka.max_message_bytes, verdict.reason[:200])
         try:

@@ -10,8 +10,9 @@ Long on purpose: dedupe, filtering, commit-after-acknowledge and batching share 
 
 Per record: decode (an undecodable record is logged and counted, never fatal) -> a
 verdict of another experiment is skipped (below) -> dedupe on
-``(experiment_id, group_id, verdict_version)`` -> an accepted verdict published with
-``worker.verdict_tokens: reference`` gets its members' token turns read back from the
+``(experiment_id, group_id, verdict_version)`` -> an accepted verdict that names its
+members' records (``worker.verdict_tokens: reference``, or ``auto`` for a verdict too
+large to carry the tokens; decided per verdict) gets its members' token turns read back from the
 trajectories topic (:mod:`infra.readback`, the worker's own read-back and its
 ``tokens_unavailable`` rule; outages are retried with backoff) -> count its metrics -> rejected and
 discarded groups stop here -> an accepted group is exported to concat rows

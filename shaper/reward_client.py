@@ -137,7 +137,8 @@ class VerdictWaiter:
     anyone's offsets. Recent verdicts are kept (bounded) so a caller that asks after the
     verdict passed still gets it; ``keep`` may slim each one before it is kept.
 
-    A verdict published with ``worker.verdict_tokens: reference`` gets its members' token
+    A verdict that names its members' records (``worker.verdict_tokens: reference``, or
+    ``auto`` for a verdict too large to carry the tokens) gets its members' token
     turns read back from the trajectories topic before anyone sees it
     (:mod:`infra.readback`: the worker's read-back and its ``tokens_unavailable`` rule),
     so its status is the one the trainer sees.

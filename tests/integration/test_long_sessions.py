@@ -17,6 +17,7 @@ import uuid
 import msgspec
 import numpy as np
 import pytest
+import torch
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
@@ -226,34 +227,54 @@ async def test_publish_refuses_a_session_over_every_limit_in_one_line_before_sen
     assert await read_topic(cfg, cfg.topics.trajectories) == []  # the small session before it was not sent either
 
 
-async def test_a_group_of_long_sessions_is_accepted_with_reference_verdicts(cfg, worker, kafka_bootstrap,
-                                                                           redis_url) -> None:
-    """Three 100-turn sessions: inline, their turns make the verdict too large to publish
-    (rejected / verdict_too_large); with ``worker.verdict_tokens: reference`` the verdict
-    names their (chunked) records and a reader reads every turn back from the log."""
-    from infra.readback import VerdictTokens
+async def test_a_group_of_long_sessions_is_accepted_on_the_default_config(kafka_bootstrap, redis_url) -> None:
+    """Two 100-turn, 128k-token sessions: with their turns the verdict is over the default
+    1 MiB record limit (``inline`` rejects it: verdict_too_large). On the default config
+    (``worker.verdict_tokens: auto``) it is published ``accepted`` naming the members'
+    (chunked) records, and the trainer's consumer reads every token back; a small group
+    next to it stays inline."""
+    from infra.kafka import record_size
+    from infra.schema import compact_turns, decode_verdict, encode
+    from prm_pipeline.demo.synthetic import make_group
+    from shaper import VerdictConsumer
+    from shaper.batch import collate, export_group
 
-    ref_cfg = isolated_config(f"longref-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, partitions=PARTITIONS,
-                              group_timeout_s=GROUP_TIMEOUT_S * 10, scorer_timeout_s=60, verdict_tokens="reference",
-                              scorers=[PRMScorerConfig("tests.scorers.TokenEchoScorer")])
-    gid = f"many-{uuid.uuid4().hex[:6]}"
-    group = [make_agent_session(trajectory_id=f"{gid}-t{k}", session_id=f"{gid}-s{k}", group_id=gid, group_size=3,
-                                turns=100, context_tokens=128_000, rng=np.random.default_rng(k)) for k in range(3)]
-    for c in (cfg, ref_cfg):
-        async with TrajectoryPublisher(c.kafka, c.topics) as pub:
-            assert len(pub.records(group[0])) >= 2
-            await pub.publish_many(group)
-    (inline,) = [v for v in await wait_for_verdicts(cfg, [gid], timeout_s=120) if v.group_id == gid]
-    assert inline.status == "rejected" and inline.reason.startswith("verdict_too_large"), inline.reason
-    async with running_worker(ref_cfg, "longref-w0"):
-        (verdict,) = [v for v in await wait_for_verdicts(ref_cfg, [gid], timeout_s=120) if v.group_id == gid]
+    auto = isolated_config(f"longauto-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, partitions=PARTITIONS,
+                           group_timeout_s=GROUP_TIMEOUT_S * 10, scorer_timeout_s=60,
+                           scorers=[PRMScorerConfig("tests.scorers.TokenEchoScorer")])
+    assert auto.worker.verdict_tokens == "auto" and auto.kafka.max_message_bytes == 1_048_576  # the defaults
+    gid, small_gid = f"pair-{uuid.uuid4().hex[:6]}", f"small-{uuid.uuid4().hex[:6]}"
+    group = [make_agent_session(trajectory_id=f"{gid}-t{k}", session_id=f"{gid}-s{k}", group_id=gid, group_size=2,
+                                turns=100, context_tokens=128_000, rng=np.random.default_rng(k)) for k in range(2)]
+    small = make_group(small_gid, 2, turns=2, output_tokens=16)
+    originals = {t.trajectory_id: t for t in group + small}
+    async with running_worker(auto, "longauto-w0"):
+        async with TrajectoryPublisher(auto.kafka, auto.topics) as pub:
+            assert len(pub.records(group[0])) >= 2  # each member is chunked
+            await pub.publish_many(group + small)
+        await wait_for_verdicts(auto, [gid, small_gid], timeout_s=120)
+    raw = {v.group_id: (v, len(r.value)) for r in await read_topic(auto, auto.topics.verdicts)
+           for v in [decode_verdict(r.value, r.headers)]}
+    (verdict, size), (small_verdict, _) = raw[gid], raw[small_gid]
     assert verdict.status == "accepted", verdict.reason
-    assert all(s.tokens_at is not None and not s.turns for s in verdict.sessions)
-    tokens = VerdictTokens(ref_cfg)
-    try:
-        resolved = await tokens.resolve_one(verdict)
-    finally:
-        await tokens.aclose()
-    by_id = {t.trajectory_id: t for t in group}
-    for session in resolved.sessions:
-        _check_verdict(msgspec.structs.replace(resolved, sessions=[session]), by_id[session.trajectory_id])
+    assert all(s.status == "scored" and s.tokens_at is not None and not s.turns for s in verdict.sessions)
+    assert size < auto.kafka.max_message_bytes
+    # the same verdict with the turns inline: over the limit (what `inline` rejects)
+    inline = {v.group_id: msgspec.structs.replace(v, sessions=[
+        msgspec.structs.replace(s, turns=compact_turns(originals[s.trajectory_id].interactions), tokens_at=None)
+        for s in v.sessions]) for v in (verdict, small_verdict)}
+    assert record_size(gid.encode(), *encode(inline[gid])) > auto.kafka.max_message_bytes
+    assert small_verdict.status == "accepted", small_verdict.reason  # a group that fits stays inline
+    assert small_verdict == inline[small_gid]
+    # the trainer's consumer reads the long group's tokens back: its batch is the inline verdict's
+    async with VerdictConsumer(auto, batch_groups=1, group_filter=None, device="cpu",
+                               group_id=f"trainer-{gid}") as consumer:
+        batches = [await consumer.next_batch(idle_timeout_s=10) for _ in range(2)]
+    by_group = {b.group_ids[0]: b for b in batches if b is not None}
+    assert set(by_group) == {gid, small_gid}
+    for group_id, batch in by_group.items():
+        expected = collate([export_group(inline[group_id])])
+        assert torch.equal(batch.input_ids, expected.input_ids), group_id
+        assert torch.equal(batch.token_rewards, expected.token_rewards), group_id
+    for session in inline[gid].sessions:  # and the rewards sit on the right tokens
+        _check_verdict(msgspec.structs.replace(inline[gid], sessions=[session]), originals[session.trajectory_id])

@@ -1,7 +1,7 @@
 """Poison messages never block anything (an in-process worker on the real broker and Redis).
 
 * a group whose verdict exceeds ``kafka.max_message_bytes`` (each member fits) is
-  published at once as ``rejected`` / ``verdict_too_large``, and a group published after
+  published at once as ``rejected`` / ``verdict_too_large`` (``worker.verdict_tokens: inline``), and a group published after
   it is still decided by its deadline, promptly;
 * a decision the sweeper cannot publish (a broken entry in Redis) costs that group
   only: the sweeper goes on with the others;
@@ -48,7 +48,8 @@ async def _verdict(cfg: PipelineConfig, gid: str, timeout_s: float) -> GroupVerd
 
 
 async def test_oversized_verdict_is_rejected_and_never_blocks_later_groups(kafka_bootstrap, redis_url) -> None:
-    cfg = _config(kafka_bootstrap, redis_url)
+    # inline: the default (auto) would name the members' records instead (test_long_sessions.py)
+    cfg = _config(kafka_bootstrap, redis_url, verdict_tokens="inline")
     big = make_group(f"big-{uuid.uuid4().hex[:6]}", 3, turns=2, output_tokens=2600)
     sizes = [record_size(m.group_id.encode(), *encode(m)) for m in big]
     assert max(sizes) < LIMIT < sum(sizes), sizes  # each member fits, the verdict cannot

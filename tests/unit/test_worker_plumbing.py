@@ -10,10 +10,10 @@ import pytest
 from aiokafka import errors as kerr
 
 from infra.kafka import backoff_delay, is_permanent, is_retriable, record_size
-from infra.schema import GroupVerdict, SessionResult, compact_turns, encode
+from infra.schema import GroupVerdict, SessionResult, TokenRef, compact_turns, encode
 from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.ledger import GroupState, ParkedMember, _GroupCommit, decode_parked, decode_state, fingerprint
-from scoring_workers.verdicts import assemble_verdict, too_large_verdict
+from scoring_workers.verdicts import assemble_verdict, fit_verdict, too_large_verdict
 
 
 @pytest.mark.parametrize("exc", [kerr.KafkaConnectionError(), kerr.NotLeaderForPartitionError(),
@@ -58,6 +58,25 @@ def test_too_large_verdict_keeps_stats_and_drops_turns_deterministically() -> No
     assert "it was accepted" in small.reason
     assert all(s.turns == [] and s.stats == {"rollout/x": 1.0} for s in small.sessions)
     assert len(encode(small)[0]) < len(encode(verdict)[0]) / 4
+
+
+def test_a_verdict_too_large_with_turns_names_its_members_records_when_refs_are_given() -> None:
+    """``worker.verdict_tokens: auto``: a verdict that fits stays inline (the same bytes as
+    ``inline``); one that does not names each scored member's record, accepted; without refs
+    (``inline``) or when even that does not fit, ``verdict_too_large``."""
+    _, members = _scored_group()
+    verdict = assemble_verdict("g-big", GroupState(group_size=3, decision="complete", decided_at=5), members)
+    refs = {m.trajectory_id: TokenRef(partition=1, offset=10 + i) for i, m in enumerate(members)}
+    size = record_size(b"g-big", *encode(verdict))
+    assert fit_verdict(verdict, size, refs) == fit_verdict(verdict, size) == (verdict, *encode(verdict))  # it fits
+    referenced, value, headers = fit_verdict(verdict, size - 1, refs)
+    assert referenced.status == "accepted" and referenced.reason_code == ""
+    assert [(s.turns, s.tokens_at) for s in referenced.sessions] == [([], refs[m.trajectory_id]) for m in members]
+    assert [s.branches for s in referenced.sessions] == [m.branches for m in members]
+    assert (value, headers) == encode(referenced) and record_size(b"g-big", value, headers) < size / 4
+    assert fit_verdict(verdict, size - 1, refs)[1] == value  # a pure function: every publisher sends these bytes
+    assert fit_verdict(verdict, size - 1)[0].reason_code == "verdict_too_large"  # inline
+    assert fit_verdict(verdict, record_size(b"g-big", value, headers) - 1, refs)[0].reason_code == "verdict_too_large"
 
 
 def test_parked_members_carry_no_turns() -> None:
