@@ -10,7 +10,11 @@ the caller's shape:
   ``{"rewards", "scores", "extra_logs"}`` out;
 * ``POST /slime`` — slime's ``{"prompt", "response", "label"}`` in, ``{"score", ...}`` out;
 * ``POST /v1/score`` — token ids in (one sample or a whole group), per-token rewards out;
-* ``GET /healthz``, ``/readyz``, ``/metrics``.
+* ``GET /healthz``, ``/readyz``, ``/metrics``, ``/openapi.json``.
+
+Every body is decoded straight into a declared msgspec struct (:mod:`prm_pipeline.gateway_api`,
+which also generates the OpenAPI document): a body that is not exactly data of that shape is a
+400 naming the field, and every error (404 and 405 included) is ``{"error": ...}``.
 
 A group that was not accepted is still a 200: its ``status``, its ``reason_code`` (the
 verdict's registered code, :mod:`infra.reasons`, for programs) and its ``reason`` (text
@@ -19,7 +23,9 @@ for people) come with every answer.
 Security (docs/security.md): loopback unless told otherwise; bearer tokens compared in
 constant time; TLS when given a certificate; body size, items per request and in-flight
 requests (per client and in all) are bounded; a slow body times out; requests carry
-samples only, never configuration; neither tokens nor text reach logs or metric labels.
+samples only, never configuration; neither tokens nor text reach logs or metric labels (a
+request aiohttp cannot parse, an oversized header say, is answered 431/400 without repeating any
+of its bytes, in the answer or the log).
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import json
 import logging
 import os
 import ssl
@@ -39,18 +44,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from infra.config import ConfigError, GatewayConfig, PipelineConfig
 from infra.errors import WireError
+from prm_pipeline.gateway_api import (
+    MAX_ITEMS,
+    Error,
+    OpenRLHFRequest,
+    OpenRLHFResponse,
+    ScoredSample,
+    ScoreRequest,
+    ScoreResponse,
+    SlimeRequest,
+    SlimeResponse,
+    openapi_document,
+)
 from shaper.reward_client import RewardClient, Sample, SampleReward
 from shaper.text_rewards import load_tokenizer, openrlhf_answer, reward_summary, samples_from_queries
 
 log = logging.getLogger(__name__)
-
-_MAX_TOKEN_ID = 2**31 - 1
+_ERROR_TEXT = 300  # characters of an error line kept (msgspec quotes an unknown field's name)
 
 
 class BadRequest(WireError, ValueError):
@@ -101,45 +118,43 @@ class _Limits:
 
 
 # --------------------------------------------------------------------------- request parsing
-def _ids(value: Any, field: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise BadRequest(f"{field} must be a list of integer token ids")
-    if value and (min(value) < 0 or max(value) > _MAX_TOKEN_ID):
-        raise BadRequest(f"{field}: token ids must lie in [0, 2^31)")
-    return value
+def decode(raw: bytes, kind: type[msgspec.Struct]) -> Any:
+    """``raw`` as ``kind``, or :class:`BadRequest` whose message names the field (msgspec's path)."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        raise BadRequest(_one_line(message if " - at `$" in message else f"{message} - at `$`")) from None
+    except msgspec.DecodeError as exc:  # not JSON; msgspec says where, never what
+        raise BadRequest(f"body is not valid JSON ({exc})") from None
+    except RecursionError:  # nesting under a field the struct does not declare, or in free-form JSON
+        raise BadRequest("body nests JSON deeper than the gateway decodes - at `$`") from None
 
 
-def _floats(value: Any, field: str, n: int) -> list[float]:
-    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise BadRequest(f"{field} must be a list of numbers")
-    if len(value) != n:
-        raise BadRequest(f"{field} has {len(value)} values for {n} response tokens")
-    if not np.isfinite(np.asarray(value, dtype=np.float64)).all():
-        raise BadRequest(f"{field} must be finite")
-    return value
+def _one_line(message: str) -> str:
+    """An error line of at most ``_ERROR_TEXT`` characters, keeping its end (the path)."""
+    message = " ".join(message.split())
+    if len(message) <= _ERROR_TEXT:
+        return message
+    return f"{message[:_ERROR_TEXT // 2]}…{message[-_ERROR_TEXT // 2:]}"
 
 
-def _list(body: dict[str, Any], field: str, limit: int, *, required: bool = True) -> list[Any] | None:
-    value = body.get(field)
-    if value is None and not required:
-        return None
-    if not isinstance(value, list):
-        raise BadRequest(f"{field} must be a list")
-    if not value:
-        raise BadRequest(f"{field} must not be empty")
-    if len(value) > limit:
-        raise BadRequest(f"{field} has {len(value)} items, over the limit of {limit} (gateway.max_items)")
-    return value
+def _check_items(n: int, field: str, limit: int) -> None:
+    if n > limit:
+        raise BadRequest(f"{field} has {n} items, over the limit of {limit} (gateway.max_items) - at `$.{field}`")
 
 
-def _prompt_text(prompt: Any, field: str) -> tuple[str, list[dict[str, Any]]]:
-    """A prompt as text plus chat messages (slime sends either a string or a message list)."""
+def _prompt_text(prompt: str | list[Any]) -> tuple[str, list[dict[str, Any]]]:
+    """A slime prompt as text plus chat messages (slime sends either a string or a message list)."""
     if isinstance(prompt, str):
         return prompt, [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
-        messages = [{"role": str(m.get("role", "user")), "content": m["content"]} for m in prompt]
-        return "".join(m["content"] for m in messages), messages
-    raise BadRequest(f"{field} must be a string or a list of messages with string 'content'")
+    messages = [{"role": m.role, "content": m.content} for m in prompt]
+    return "".join(m["content"] for m in messages), messages
+
+
+def _json(body: msgspec.Struct, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), status=status, headers=headers,
+                        content_type="application/json")
 
 
 # --------------------------------------------------------------------------- one scalar per sample
@@ -151,11 +166,15 @@ class Gateway:
                  environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
         self.cfg = cfg
         self.gw = cfg.gateway
+        if self.gw.max_items > MAX_ITEMS:
+            raise ConfigError(f"gateway.max_items={self.gw.max_items} is over {MAX_ITEMS}, the most the gateway's "
+                              "published request schema allows (docs/integrations/gateway-openapi.json)")
         self.tokenizer = load_tokenizer(self.gw.tokenizer)
         self._tokens = load_tokens(self.gw, environ)
         self.client = client or RewardClient(cfg, verdict_timeout_s=self.gw.verdict_timeout_s,
                                              decode=self.tokenizer.decode)
         self._limits = _Limits(per_client=Tally())
+        self._openapi = msgspec.json.encode(openapi_document())
         self.ready = False
         r = self.registry = CollectorRegistry()
         self.requests = Counter("prm_gateway_requests", "Requests answered", ["route", "code"], registry=r)
@@ -174,6 +193,7 @@ class Gateway:
         app.add_routes([
             web.post("/openrlhf", self._openrlhf), web.post("/slime", self._slime), web.post("/v1/score", self._score),
             web.get("/healthz", self._healthz), web.get("/readyz", self._readyz), web.get("/metrics", self._metrics),
+            web.get("/openapi.json", self._openapi_json),
         ])
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -205,8 +225,11 @@ class Gateway:
                        route: str) -> web.StreamResponse:
         if self._tokens and not self._authorized(request.headers.get("Authorization", "")):
             return _error(401, "unauthorized", headers={"WWW-Authenticate": "Bearer"})
-        if route == "other":
-            return await handler(request)  # /metrics (authenticated when tokens are set) and 404s
+        if route == "other":  # /metrics, /openapi.json (authenticated when tokens are set), 404s and 405s
+            try:
+                return await handler(request)
+            except web.HTTPException as exc:
+                return _http_error(exc)
         client = request.remote or "?"
         limits = self._limits
         if limits.total >= self.gw.max_in_flight or limits.per_client[client] >= self.gw.max_in_flight_per_client:
@@ -220,6 +243,8 @@ class Gateway:
             return _error(exc.status, str(exc))
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body over gateway.max_body_bytes={self.gw.max_body_bytes}")
+        except web.HTTPException as exc:  # 405: a GET on a POST route
+            return _http_error(exc)
         finally:
             limits.total -= 1
             limits.per_client[client] -= 1
@@ -235,7 +260,8 @@ class Gateway:
             ok |= hmac.compare_digest(given, token)
         return ok
 
-    async def _json(self, request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: web.Request, kind: type[msgspec.Struct]) -> Any:
+        """The request body, bounded in size and time, decoded as ``kind`` (a 400 naming the field if not)."""
         if request.content_length is not None and request.content_length > self.gw.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.gw.max_body_bytes, actual_size=request.content_length)
         try:
@@ -243,13 +269,9 @@ class Gateway:
         except TimeoutError:
             raise SlowBody(f"request body did not arrive within gateway.read_timeout_s={self.gw.read_timeout_s:g}s"
                              ) from None
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise BadRequest("body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequest("body must be a JSON object")
-        return body
+        except HttpProcessingError as exc:  # a broken chunked or compressed body; its text quotes the bytes
+            raise BadRequest(f"request body is malformed ({type(exc).__name__})") from None
+        return decode(raw, kind)
 
     # ------------------------------------------------------------------ scoring
     def _text_sample(self, prompt: str, response: str, messages: list[dict[str, Any]]) -> Sample:
@@ -275,80 +297,49 @@ class Gateway:
 
     # ------------------------------------------------------------------ routes
     async def _openrlhf(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        queries = _list(body, "query", self.gw.max_items)
-        prompts = _list(body, "prompts", self.gw.max_items)
-        assert queries is not None and prompts is not None
-        labels = body.get("labels")
-        if labels is not None and (not isinstance(labels, list) or len(labels) != len(queries)):
-            raise BadRequest("labels must be a list with one item per query")
+        body: OpenRLHFRequest = await self._body(request, OpenRLHFRequest)
+        _check_items(len(body.query), "query", self.gw.max_items)
         try:
-            samples = samples_from_queries(queries, prompts, self.tokenizer)
+            samples = samples_from_queries(body.query, body.prompts, self.tokenizer)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         groups = [samples] if self.gw.grouping == "per_request" else [[s] for s in samples]
         scored = await self._score_groups(groups)
         if isinstance(scored, web.Response):
             return scored
-        return web.json_response(openrlhf_answer([self._summary(r) for rs in scored for r in rs]))
+        answer = openrlhf_answer([self._summary(r) for rs in scored for r in rs])
+        return _json(msgspec.convert(answer, OpenRLHFResponse))
 
     async def _slime(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        prompt, messages = _prompt_text(body.get("prompt"), "prompt")
-        response = body.get("response")
-        if not isinstance(response, str):
-            raise BadRequest("response must be a string")
-        scored = await self._score_groups([[self._text_sample(prompt, response, messages)]])
+        body: SlimeRequest = await self._body(request, SlimeRequest)
+        prompt, messages = _prompt_text(body.prompt)
+        scored = await self._score_groups([[self._text_sample(prompt, body.response, messages)]])
         if isinstance(scored, web.Response):
             return scored
         (reward,) = scored[0]
-        return web.json_response({**self._summary(reward), "token_rewards": reward.token_rewards.tolist(),
-                                  "turn_rewards": reward.turn_rewards})
+        summary = self._summary(reward)
+        return _json(SlimeResponse(
+            score=summary["score"], outcome=summary["outcome"], process=summary["process"], status=reward.status,
+            reason_code=reward.reason_code, reason=reward.reason, group_id=reward.group_id,
+            token_rewards=reward.token_rewards.tolist(), turn_rewards=list(reward.turn_rewards)))
 
     async def _score(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        raw = _list(body, "samples", self.gw.max_items)
-        assert raw is not None
-        samples = []
-        for i, s in enumerate(raw):
-            if not isinstance(s, dict):
-                raise BadRequest(f"samples[{i}] must be an object")
-            unknown = set(s) - {"prompt_ids", "response_ids", "response_logprobs", "response_mask", "outcome_reward",
-                                "messages", "truncated", "policy_version", "is_eval"}
-            if unknown:
-                raise BadRequest(f"samples[{i}]: unknown fields {sorted(unknown)}")
-            prompt_ids = _ids(s.get("prompt_ids"), f"samples[{i}].prompt_ids")
-            response_ids = _ids(s.get("response_ids"), f"samples[{i}].response_ids")
-            n = len(response_ids)
-            logprobs = s.get("response_logprobs")
-            mask = s.get("response_mask")
-            outcome = s.get("outcome_reward", 0.0)
-            if not isinstance(outcome, (int, float)) or isinstance(outcome, bool) or not np.isfinite(outcome):
-                raise BadRequest(f"samples[{i}].outcome_reward must be a finite number")
-            messages = s.get("messages", [])
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise BadRequest(f"samples[{i}].messages must be a list of objects")
-            version = s.get("policy_version")
-            if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-                raise BadRequest(f"samples[{i}].policy_version must be an integer")
-            samples.append(Sample(
-                prompt_ids=prompt_ids, response_ids=response_ids,
-                response_logprobs=None if logprobs is None else _floats(logprobs, f"samples[{i}].response_logprobs", n),
-                response_mask=None if mask is None else [int(v) for v in _floats(mask, f"samples[{i}].response_mask", n)],
-                outcome_reward=float(outcome), messages=messages, truncated=bool(s.get("truncated", False)),
-                policy_version=version, is_eval=bool(s.get("is_eval", False)),
-            ))
+        body: ScoreRequest = await self._body(request, ScoreRequest)
+        _check_items(len(body.samples), "samples", self.gw.max_items)
+        samples = [Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, response_logprobs=s.response_logprobs,
+                          response_mask=s.response_mask, outcome_reward=s.outcome_reward, messages=s.messages,
+                          truncated=s.truncated, policy_version=s.policy_version, is_eval=s.is_eval)
+                   for s in body.samples]
         scored = await self._score_groups([samples])
         if isinstance(scored, web.Response):
             return scored
         rewards = scored[0]
-        return web.json_response({
-            "group_id": rewards[0].group_id, "status": rewards[0].status, "reason_code": rewards[0].reason_code,
-            "reason": rewards[0].reason,
-            "samples": [{"trajectory_id": r.trajectory_id, "status": r.status, "outcome": r.outcome,
-                         "token_rewards": r.token_rewards.tolist(), "turn_rewards": r.turn_rewards}
-                        for r in rewards],
-        })
+        return _json(ScoreResponse(
+            group_id=rewards[0].group_id, status=rewards[0].status, reason_code=rewards[0].reason_code,
+            reason=rewards[0].reason,
+            samples=[ScoredSample(trajectory_id=r.trajectory_id, status=r.status, outcome=r.outcome,
+                                  token_rewards=r.token_rewards.tolist(), turn_rewards=list(r.turn_rewards))
+                     for r in rewards]))
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -359,9 +350,87 @@ class Gateway:
     async def _metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def _openapi_json(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi, content_type="application/json")
+
 
 def _error(status: int, message: str, *, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers)
+    return _json(Error(message), status=status, headers=headers)
+
+
+def _http_error(exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusals (404, 405, ...) as JSON like every other error; the path is not repeated."""
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return _error(405, f"method not allowed on this route; it takes {allowed}", headers={"Allow": allowed})
+    if isinstance(exc, web.HTTPNotFound):
+        return _error(404, "no such route (POST /openrlhf, /slime, /v1/score; GET /healthz, /readyz, /metrics, "
+                           "/openapi.json)")
+    return _error(exc.status, exc.reason)
+
+
+# --------------------------------------------------------------------------- requests aiohttp cannot parse
+_HTTP_LOG = logging.getLogger(f"{__name__}.http")
+
+
+class _NoRequestBytes(logging.Filter):
+    """aiohttp's parse errors quote the raw request (``Got more than 8190 bytes when reading:
+    b'Bearer <token>...'``): on the gateway's protocol logger such a record keeps only the
+    error's class name."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = "refused a malformed HTTP request (%s)", (type(exc).__name__,)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_HTTP_LOG.addFilter(_NoRequestBytes())
+
+
+class _Protocol(web.RequestHandler):
+    """aiohttp's connection handler, answering a request it could not parse (an oversized or
+    malformed header line, too many headers, a bad request line) with a JSON error that repeats
+    none of the request's bytes, and logging only the error's class. aiohttp's own answer is
+    text quoting the offending line, a bearer token included."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp: an answer already started cannot be replaced
+            raise ConnectionError("response already sent; cannot send the error")
+        if status >= 500:  # a bug in a handler (the middleware answers every expected failure)
+            log.error("gateway: unexpected %s while answering a request", type(exc).__name__, exc_info=exc)
+            answer = _error(500, "internal error")
+        else:
+            too_large = isinstance(exc, LineTooLong) or "too many headers" in str(getattr(exc, "message", "")).lower()
+            _HTTP_LOG.info("refused a malformed HTTP request: %s (%d)", type(exc).__name__, 431 if too_large else 400)
+            answer = (_error(431, f"request header fields too large: a request line or header over "
+                                  f"{self.max_field_size} bytes, or over {self.max_headers} headers")
+                      if too_large else _error(400, "malformed HTTP request"))
+        answer.force_close()
+        return answer
+
+
+class _Server(web.Server):
+    """aiohttp's server, whose connections use :class:`_Protocol` (adds no state: the class swap is
+    layout-safe)."""
+
+    def __call__(self) -> web.RequestHandler:
+        protocol = super().__call__()
+        protocol.__class__ = _Protocol
+        return protocol
+
+
+class _Runner(web.AppRunner):
+    """:class:`web.AppRunner` serving through :class:`_Server`."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server
+        return server
 
 
 def ssl_context(gw: GatewayConfig) -> ssl.SSLContext | None:
@@ -393,7 +462,8 @@ async def serve(cfg: PipelineConfig, stop: asyncio.Event, *, allow_unauthenticat
     """Run the gateway until ``stop`` is set."""
     gateway = Gateway(cfg)
     check_exposure(cfg.gateway, authenticated=gateway.authenticated, allow_unauthenticated=allow_unauthenticated)
-    runner = web.AppRunner(gateway.app(), access_log=None)  # access logs would carry client addresses only
+    # access logs would carry client addresses only; parse errors go to a logger that drops the request's bytes
+    runner = _Runner(gateway.app(), access_log=None, logger=_HTTP_LOG)
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.gateway.host, cfg.gateway.port, ssl_context=ssl_context(cfg.gateway))

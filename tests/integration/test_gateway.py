@@ -1,8 +1,9 @@
 """The reward gateway over real HTTP, against the embedded broker and Redis and a real worker.
 
 Every route answers in its caller's shape, and every error path has its status: 400
-naming the field, 413, 429 with Retry-After, 504 naming the group, and a rejected
-group as 200 with its status, reason code and reason.
+naming the field (msgspec's path, ``$.samples[0].response_ids[0]``), 413, 429 with
+Retry-After, 504 naming the group, and a rejected group as 200 with its status, reason
+code and reason.
 """
 
 from __future__ import annotations
@@ -88,21 +89,33 @@ async def test_openrlhf_slime_and_native_routes_return_process_rewards(cfg) -> N
 async def test_bad_input_gets_400_naming_the_field_and_big_bodies_413(cfg) -> None:
     async with gateway(cfg, max_body_bytes=2048, max_items=2) as url:
         cases = [
-            ({"query": "x", "prompts": ["x"]}, "/openrlhf", "query must be a list"),
+            ({"query": "x", "prompts": ["x"]}, "/openrlhf", "Expected `array`, got `str` - at `$.query`"),
             ({"query": ["ab"], "prompts": ["x"]}, "/openrlhf", "query[0] does not start with prompts[0]"),
             ({"query": ["a", "b", "c"], "prompts": ["a", "b", "c"]}, "/openrlhf", "over the limit of 2"),
-            ({"prompt": 5, "response": "x"}, "/slime", "prompt must be"),
-            ({"samples": [{"prompt_ids": [1], "response_ids": [-1]}]}, "/v1/score", "samples[0].response_ids"),
+            ({"query": ["ab", "c"], "prompts": ["a"]}, "/openrlhf", "`prompts` has 1 items for 2 queries"),
+            ({"query": ["ab"], "prompts": ["a"], "labels": []}, "/openrlhf", "`labels` has 0 items for 1 queries"),
+            ({"prompt": 5, "response": "x"}, "/slime", "Expected `str | array`, got `int` - at `$.prompt`"),
+            ({"prompt": [{"role": "user"}], "response": "x"}, "/slime",
+             "Object missing required field `content` - at `$.prompt[0]`"),
+            ({"samples": [{"prompt_ids": [1], "response_ids": [-1]}]}, "/v1/score",
+             "Expected `int` >= 0 - at `$.samples[0].response_ids[0]`"),
+            ({"samples": [{"prompt_ids": [2**31], "response_ids": [1]}]}, "/v1/score",
+             "Expected `int` <= 2147483647 - at `$.samples[0].prompt_ids[0]`"),
             ({"samples": [{"prompt_ids": [1], "response_ids": [2], "response_logprobs": [0.1, 0.2]}]}, "/v1/score",
-             "samples[0].response_logprobs has 2 values for 1"),
+             "`response_logprobs` has 2 values for 1 response tokens"),
             ({"samples": [{"prompt_ids": [1], "response_ids": [2], "scorers": ["evil.Module"]}]}, "/v1/score",
-             "unknown fields ['scorers']"),  # a request never carries configuration
+             "Object contains unknown field `scorers` - at `$.samples[0]`"),  # a request never carries configuration
+            ({"samples": []}, "/v1/score", "Expected `array` of length >= 1 - at `$.samples`"),
+            ([1], "/v1/score", "Expected `object`, got `array` - at `$`"),
         ]
         for body, route, expected in cases:
             status, answer, _ = await post(f"{url}{route}", body)
             assert status == 400 and expected in answer["error"], (route, body, answer)
+        status, answer, _ = await post(f"{url}/v1/score", data=b'{"samples": [{"prompt_ids": [1], "response_ids": [2], '
+                                                             b'"outcome_reward": 1e400}]}')  # not finite
+        assert status == 400 and answer["error"] == "Number out of range - at `$.samples[0].outcome_reward`", answer
         status, answer, _ = await post(f"{url}/slime", data=b"{not json", headers={"Content-Type": "application/json"})
-        assert status == 400 and answer["error"] == "body is not valid JSON"
+        assert status == 400 and answer["error"].startswith("body is not valid JSON (JSON is malformed"), answer
         status, answer, _ = await post(f"{url}/slime", {"prompt": "p", "response": "x" * 4096})
         assert status == 413 and "max_body_bytes=2048" in answer["error"]
 

@@ -1,0 +1,104 @@
+"""The gateway's declared request structs and the OpenAPI document generated from them.
+
+The committed ``docs/integrations/gateway-openapi.json`` must be exactly what the code
+generates (rewrite it with ``python -m prm_pipeline.gateway_api``), so the document a
+client reads never drifts from what the gateway enforces.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from infra.config import ConfigError, GatewayConfig, PipelineConfig
+from prm_pipeline.gateway import BadRequest, Gateway, decode
+from prm_pipeline.gateway_api import (
+    COMMITTED,
+    MAX_DEPTH,
+    MAX_ITEMS,
+    OpenRLHFRequest,
+    ScoreRequest,
+    SlimeRequest,
+    openapi_document,
+    openapi_json,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_committed_openapi_document_is_the_generated_one() -> None:
+    committed = (ROOT / COMMITTED).read_text(encoding="utf-8")
+    assert committed == openapi_json(), (f"{COMMITTED} is stale: run `python -m prm_pipeline.gateway_api` "
+                                         "and commit the result")
+
+
+def test_the_document_is_valid_openapi_3_1_and_declares_every_route_and_error() -> None:
+    validator = pytest.importorskip("openapi_spec_validator")
+    doc = openapi_document()
+    validator.validate(doc)
+    assert doc["openapi"] == "3.1.0"
+    for path in ("/openrlhf", "/slime", "/v1/score"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "408", "413", "429", "431", "504"} <= set(responses), path
+        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
+    schemas = doc["components"]["schemas"]
+    assert schemas["ScoreRequest"]["additionalProperties"] is False  # our API refuses unknown fields ...
+    assert schemas["ScoreSample"]["additionalProperties"] is False
+    assert "additionalProperties" not in schemas["OpenRLHFRequest"]  # ... the frameworks' routes ignore them
+    assert "additionalProperties" not in schemas["SlimeRequest"]
+    mask = schemas["ScoreSample"]["properties"]["response_mask"]["anyOf"][0]
+    assert mask["items"] == {"enum": [0, 1]}
+    ids = schemas["ScoreSample"]["properties"]["prompt_ids"]["items"]
+    assert (ids["minimum"], ids["maximum"]) == (0, 2**31 - 1)
+
+
+@pytest.mark.parametrize(("kind", "body", "error"), [
+    (ScoreRequest, b'{"samples": [{"prompt_ids": [1], "response_ids": [2, 3], "response_mask": [1, 2]}]}',
+     "Invalid enum value 2 - at `$.samples[0].response_mask[1]`"),
+    (ScoreRequest, b'{"samples": [{"prompt_ids": [1], "response_ids": [2]}], "topic": "x"}',
+     "Object contains unknown field `topic` - at `$`"),
+    (ScoreRequest, b'{"samples": [{"prompt_ids": [1], "response_ids": [2], "policy_version": 99999999999999999999}]}',
+     "Expected `int` <= 9223372036854775807 - at `$.samples[0].policy_version`"),
+    (ScoreRequest, b'{"samples": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "Expected `object`, got `array` - at `$.samples[0]`"),
+    (SlimeRequest, b'{"prompt": "p", "response": "r", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "body nests JSON deeper than the gateway decodes - at `$`"),  # msgspec raises RecursionError here
+    (SlimeRequest, b'{"prompt": "p", "response": "r", "label": ' + b"[" * (MAX_DEPTH + 2) + b"]" * (MAX_DEPTH + 2)
+     + b"}", f"`label` nests deeper than {MAX_DEPTH} levels - at `$`"),
+    (OpenRLHFRequest, b'{"query": ["ab"], "prompts": ["a"], "labels": ["x", "y"]}',
+     "`labels` has 2 items for 1 queries (one per query, or null) - at `$`"),
+    (OpenRLHFRequest, b"{not json", "body is not valid JSON (JSON is malformed: object keys must be strings (byte 1))"),
+])
+def test_a_malformed_body_is_a_bad_request_naming_the_field(kind, body, error) -> None:
+    with pytest.raises(BadRequest) as caught:
+        decode(body, kind)
+    assert str(caught.value) == error
+
+
+def test_what_the_frameworks_send_decodes() -> None:
+    # OpenRLHF 0.11.2 (labels may be anything its dataset holds, or null) and slime (a prompt string or messages)
+    openrlhf = decode(b'{"query": ["Q: A: 4"], "prompts": ["Q: A:"], "labels": [{"answer": 4}]}', OpenRLHFRequest)
+    assert openrlhf.labels == [{"answer": 4}]
+    assert decode(b'{"query": ["x"], "prompts": ["x"], "labels": null}', OpenRLHFRequest).labels is None
+    slime = decode(b'{"prompt": [{"role": "system", "content": "s", "name": "n"}, {"content": "u"}], "response": "r",'
+                   b' "label": "4", "metadata": {}}', SlimeRequest)
+    assert [(m.role, m.content) for m in slime.prompt] == [("system", "s"), ("user", "u")]
+
+
+def test_an_unknown_field_name_is_cut_in_the_error() -> None:
+    with pytest.raises(BadRequest) as caught:
+        decode(b'{"samples": [{"prompt_ids": [], "response_ids": []}], "' + b"k" * 100_000 + b'": 1}', ScoreRequest)
+    assert len(str(caught.value)) <= 301 and str(caught.value).endswith("- at `$`")
+
+
+def test_max_items_may_not_exceed_what_the_document_promises() -> None:
+    cfg = PipelineConfig(gateway=GatewayConfig(max_items=MAX_ITEMS + 1))
+    with pytest.raises(ConfigError, match="gateway.max_items"):
+        Gateway(cfg)
+
+
+def test_the_document_is_json_serializable_as_served() -> None:
+    assert json.loads(msgspec.json.encode(openapi_document())) == openapi_document()
