@@ -8,7 +8,8 @@ could not do", or one subtree (as httpx's ``HTTPError`` / ``RequestError`` /
   ``ScorerArgumentError``, ``TokenizerError``);
 * :class:`WireError` — a message, record or file breaks the wire contract
   (``SchemaError`` and its kinds, ``IncompleteTrajectory`` for chunked records,
-  ``JsonlError``, ``TreeError``, ``NotConcatExport``, ``MessageTooLarge``, and the
+  ``JsonlError``, ``TreeError``, ``NotConcatExport``, ``MessageTooLarge``,
+  ``ExperimentMismatch`` (a message for another experiment's publisher), and the
   gateway's ``BadRequest``);
 * :class:`ServiceError` — Kafka, Redis or a local service is unreachable or refuses us
   (``ServiceUnavailable``, ``KafkaUnreachable``, ``KafkaAccessRefused``,

@@ -35,9 +35,15 @@ from infra.schema import (
     expand_turns,
 )
 
-__all__ = ["JsonlError", "parse", "load", "dump", "write", "KINDS"]
+__all__ = ["JsonlError", "parse", "load", "dump", "write", "KINDS", "MAX_NESTING"]
 
 KINDS = ("ready", "discard")
+MAX_NESTING = 128
+"""A line nests arrays and objects at most this deep (its own object is level 1). Only the
+free-form ``messages`` / ``output_message_list`` can go deep; the bound keeps every
+accepted line decodable and re-encodable whatever the caller's stack (a JSON or msgpack
+codec recurses once per level: 100,000 ``[`` would otherwise be a ``RecursionError``)."""
+_MESSAGES_DEPTH = 3  # a message list's level minus one: the line, ``interactions``, the interaction
 
 
 class JsonlError(WireError, ValueError):
@@ -49,6 +55,8 @@ class JsonlError(WireError, ValueError):
 # unknown-key checks, and so ``load`` can decode a line straight into typed structs
 # without an intermediate dict. They are converted to the wire structs right away.
 _Token = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+_MIN_INT, _MAX_INT = -(2**63), 2**64 - 1  # msgpack's integers; msgspec.json decodes any size
+_Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 _Id = Annotated[str, msgspec.Meta(min_length=1)]
 
 
@@ -69,11 +77,11 @@ class _JReady(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="rea
     trajectory_id: _Id
     session_id: _Id
     group_id: _Id
-    group_size: Annotated[int, msgspec.Meta(ge=1)]
+    group_size: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
     outcome_reward: float
     interactions: list[_JInteraction]
     is_eval: bool = False
-    policy_version: int | None = None
+    policy_version: _Int64 | None = None
     created_at: float = 0.0
     experiment_id: str | None = None
 
@@ -133,8 +141,31 @@ def _explain(exc: msgspec.ValidationError, kind: str) -> str:
     return f"{path or '<record>'}: {msg[:1].lower()}{msg[1:]}"
 
 
+def _too_deep(where: str = "") -> JsonlError:
+    return JsonlError(f"{where + ': ' if where else ''}nested more than {MAX_NESTING} arrays/objects deep")
+
+
+def _check_free_form(value: Any, depth: int, where: str = "", *, ints: bool = True) -> None:
+    """Refuse ``value`` (at level ``depth + 1`` when it is a list or an object) when it nests
+    past :data:`MAX_NESTING` or (``ints``) holds an integer msgpack cannot carry (JSON has
+    no bound, the wire has 64 bits). A loop, not recursion: the point is to stay off the stack."""
+    stack: list[tuple[Any, int]] = [(value, depth)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, level = stack.pop()
+        if level >= MAX_NESTING:
+            raise _too_deep(where)
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (dict, list)):
+                stack.append((child, level + 1))
+            elif ints and type(child) is int and not _MIN_INT <= child <= _MAX_INT:
+                raise JsonlError(f"{where + ': ' if where else ''}an integer outside msgpack's range "
+                                 "(-2**63 .. 2**64-1)")
+
+
 # --------------------------------------------------------------------------- JSON -> wire
 def _interaction(j: _JInteraction, where: str) -> Interaction:
+    _check_free_form(j.messages, _MESSAGES_DEPTH, f"{where}.messages")
+    _check_free_form(j.output_message_list, _MESSAGES_DEPTH, f"{where}.output_message_list")
     n_out = len(j.output_tokens)
     logprobs = None
     if j.output_logprobs is not None:
@@ -224,13 +255,15 @@ def parse(obj: Any) -> TrajectoryMessage:
         j = msgspec.convert(obj, _BY_KIND[kind])
     except msgspec.ValidationError as exc:
         raise JsonlError(_explain(exc, kind)) from None
+    except RecursionError:  # msgspec recurses per level: far deeper than MAX_NESTING
+        raise _too_deep() from None
     return _to_wire(j)
 
 
 def _parse_line(line: bytes) -> TrajectoryMessage:
     try:
         j = _LINE_DECODER.decode(line)  # fast path: JSON straight into typed structs
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         pass
     else:
         return _to_wire(j)
@@ -239,6 +272,9 @@ def _parse_line(line: bytes) -> TrajectoryMessage:
         obj = msgspec.json.decode(line)
     except msgspec.DecodeError as exc:
         raise JsonlError(f"invalid JSON: {exc}") from None
+    except RecursionError:  # msgspec recurses per level: far deeper than MAX_NESTING
+        raise _too_deep() from None
+    _check_free_form(obj, 0, ints=False)  # as deep as the stack allowed: refused whatever the caller's stack
     return parse(obj)
 
 

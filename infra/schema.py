@@ -49,6 +49,10 @@ SCHEMA_VERSION = 1
 COMPACT_SCHEMA_VERSION = 2
 """Compact trajectories (an interaction with ``shared_messages``/``shared_tokens``) and chunks."""
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
+MAX_TURN_TOKENS = 1 << 24
+"""A verdict's per-turn token rewards cover at most this many tokens (16,777,216; a turn's
+output is far shorter). The ``uniform`` form states a length without carrying the values,
+so without a bound a 12-byte map could announce 2**64 tokens that no reader can lay out."""
 MAX_CHUNKS = 256
 """At most this many chunk records per trajectory (a reader buffers a trajectory's chunks
 until the last arrives: this bounds that memory at ``MAX_CHUNKS`` x the record limit)."""
@@ -432,8 +436,8 @@ class TokenRewards(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     values_raw: bytes | None = msgspec.field(default=None, name="values")
 
     def __post_init__(self) -> None:
-        if self.length < 0:
-            raise ValueError(f"token rewards: length must be >= 0, got {self.length}")
+        if not 0 <= self.length <= MAX_TURN_TOKENS:
+            raise ValueError(f"token rewards: length must be >= 0 and <= {MAX_TURN_TOKENS}, got {self.length}")
         if (self.uniform is None) == (self.values_raw is None):
             raise ValueError("token rewards need exactly one of 'uniform' and 'values'")
         if self.uniform is not None:
@@ -946,16 +950,35 @@ def _check_headers(headers: Headers | None, expected: Iterable[str]) -> tuple[st
     version = _header(headers, SCHEMA_HEADER)
     if version is None:
         raise UnknownSchemaVersion(f"missing {SCHEMA_HEADER!r} header")
-    if not version.isdigit() or int(version) not in SUPPORTED_SCHEMA_VERSIONS:
+    # ASCII digits only ("²" is a digit to str.isdigit, not to int()), and short: int() refuses
+    # strings over 4,300 digits with a ValueError.
+    number = int(version) if version.isascii() and version.isdigit() and len(version) <= 20 else None
+    if number not in SUPPORTED_SCHEMA_VERSIONS:
         raise UnknownSchemaVersion(
-            f"schema version {version!r} is not supported (this build reads "
+            f"schema version {_clip(version)} is not supported (this build reads "
             f"{sorted(SUPPORTED_SCHEMA_VERSIONS)}); upgrade the worker or re-publish"
         )
     kind = _header(headers, KIND_HEADER)
     expected = tuple(expected)
     if kind not in expected:
-        raise UnknownMessageKind(f"message kind {kind!r} is not one of {list(expected)}")
-    return kind, int(version)
+        raise UnknownMessageKind(f"message kind {_clip(kind)} is not one of {list(expected)}")
+    assert number is not None
+    return kind, number
+
+
+def _clip(text: str | None, limit: int = 80) -> str:
+    """``repr(text)`` for an error message, shortened when a header is long."""
+    return repr(text) if text is None or len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], value: bytes) -> Any:
+    try:
+        return decoder.decode(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidMessage(str(exc)) from None
+    except RecursionError:  # msgspec recurses once per level (free-form messages can nest)
+        raise InvalidMessage("msgpack nested too deeply (arrays/maps inside each other past the recursion limit)") \
+            from None
 
 
 def decode_message(value: bytes | None, headers: Headers | None, *, expand: bool = True) -> TrajectoryMessage:
@@ -968,10 +991,7 @@ def decode_message(value: bytes | None, headers: Headers | None, *, expand: bool
     kind, version = _check_headers(headers, ("ready", "discard", "chunk"))
     if value is None:
         raise InvalidMessage("record has no value (tombstone)")
-    try:
-        message = _MESSAGE_DECODER.decode(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise InvalidMessage(str(exc)) from None
+    message: TrajectoryMessage = _decode(_MESSAGE_DECODER, value)
     if kind_of(message) != kind:
         raise InvalidMessage(f"header says {kind!r} but the payload is {kind_of(message)!r}")
     needed = schema_version_of(message)
@@ -992,10 +1012,8 @@ def decode_verdict(value: bytes | None, headers: Headers | None) -> GroupVerdict
     _check_headers(headers, ("verdict",))  # verdicts are version 1 (any supported version is read)
     if value is None:
         raise InvalidMessage("record has no value (tombstone)")
-    try:
-        return _VERDICT_DECODER.decode(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise InvalidMessage(str(exc)) from None
+    verdict: GroupVerdict = _decode(_VERDICT_DECODER, value)
+    return verdict
 
 
 def dead_letter_headers(letter: DeadLetter) -> list[tuple[str, bytes]]:
@@ -1038,7 +1056,8 @@ def headers_to_dict(headers: Headers | None) -> dict[str, str]:
 
 
 __all__ = [
-    "SCHEMA_VERSION", "COMPACT_SCHEMA_VERSION", "MAX_CHUNKS", "SCHEMA_HEADER", "KIND_HEADER", "SchemaError",
+    "SCHEMA_VERSION", "COMPACT_SCHEMA_VERSION", "MAX_CHUNKS", "MAX_TURN_TOKENS", "SCHEMA_HEADER", "KIND_HEADER",
+    "SchemaError",
     "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
     "DiscardGroup", "TrajectoryChunk", "TrajectoryMessage", "compact_trajectory", "expand_trajectory",
     "check_expandable",

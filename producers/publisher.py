@@ -15,9 +15,9 @@ One publisher serves one experiment (docs/fleet.md): it stamps ``experiment_id``
 every ready trajectory and discard that names none, and sends to that experiment's
 topic, ``<topics.trajectories>.<experiment>``. The default experiment stamps nothing and
 keeps ``topics.trajectories``, so its records are byte for byte what they were before
-experiments existed. A message that names another experiment is refused (``ValueError``)
-before anything is sent: a record on the wrong topic would be scored under the wrong
-experiment or rejected as ``unknown_experiment``.
+experiments existed. A message that names another experiment is refused
+(:class:`ExperimentMismatch`, a ``ValueError``) before anything is sent: a record on the
+wrong topic would be scored under the wrong experiment or rejected as ``unknown_experiment``.
 
 Retries are bounded: the client retries retriable send errors (leader changes,
 disconnects) with backoff until ``kafka.request_timeout_ms`` runs out, then the delivery
@@ -41,7 +41,7 @@ from aiokafka import AIOKafkaProducer
 from infra import jsonl
 from infra.chunks import Record, to_records
 from infra.config import KafkaConfig, TopicsConfig
-from infra.errors import ServiceError
+from infra.errors import ServiceError, WireError
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id, trajectories_topic
 from infra.kafka import make_producer
 from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage
@@ -49,6 +49,10 @@ from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage
 
 class PublishError(ServiceError, RuntimeError):
     """One or more records were not acknowledged by the broker."""
+
+
+class ExperimentMismatch(WireError, ValueError):
+    """A message names another experiment than the one this publisher publishes."""
 
 
 class TrajectoryPublisher:
@@ -90,8 +94,8 @@ class TrajectoryPublisher:
     def records(self, message: TrajectoryMessage) -> list[Record]:
         """The Kafka records (``(value, headers)``, key = ``group_id``) that carry ``message``:
         compact, chunked when large, each checked against ``kafka.max_message_bytes``.
-        Raises :class:`infra.kafka.MessageTooLarge` with a one-line reason, ``ValueError``
-        for a message of another experiment."""
+        Raises :class:`infra.kafka.MessageTooLarge` with a one-line reason,
+        :class:`ExperimentMismatch` (a ``ValueError``) for a message of another experiment."""
         message = self.stamped(message)
         if isinstance(message, ReadyTrajectory) and not message.created_at:
             message = msgspec.structs.replace(message, created_at=time.time())
@@ -100,15 +104,15 @@ class TrajectoryPublisher:
     def stamped(self, message: TrajectoryMessage) -> TrajectoryMessage:
         """``message`` as this publisher sends it: naming :attr:`experiment` (left out for the
         default one, so default records keep their bytes). A chunked trajectory carries the
-        stamp inside its reassembled value. ``ValueError`` if it names another experiment."""
+        stamp inside its reassembled value. :class:`ExperimentMismatch` if it names another experiment."""
         if not isinstance(message, (ReadyTrajectory, DiscardGroup)):
             return message
         if message.experiment != self.experiment and message.experiment_id is not msgspec.UNSET:
             what = f"trajectory {message.trajectory_id!r}" if isinstance(message, ReadyTrajectory) \
                 else f"discard of group {message.group_id!r}"
-            raise ValueError(f"{what} names experiment {message.experiment!r}, but this publisher publishes "
-                             f"experiment {self.experiment!r} to {self.topic}; publish it with experiment "
-                             f"{message.experiment!r} (prm-pipeline publish --experiment {message.experiment})")
+            raise ExperimentMismatch(f"{what} names experiment {message.experiment!r}, but this publisher publishes "
+                                     f"experiment {self.experiment!r} to {self.topic}; publish it with experiment "
+                                     f"{message.experiment!r} (prm-pipeline publish --experiment {message.experiment})")
         wanted = msgspec.UNSET if self.experiment == DEFAULT_EXPERIMENT else self.experiment
         if message.experiment_id is wanted or message.experiment_id == wanted:
             return message
