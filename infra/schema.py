@@ -1035,19 +1035,30 @@ def dead_letter_headers(letter: DeadLetter) -> list[tuple[str, bytes]]:
 
 
 def dead_letter_from_record(value: bytes | None, headers: Headers) -> DeadLetter:
-    """Rebuild a :class:`DeadLetter` from a dead-letter record (for tools and tests)."""
+    """Rebuild a :class:`DeadLetter` from a dead-letter record (for tools and tests).
+
+    Raises:
+        InvalidMessage: a numeric header that is not a decimal integer.
+    """
     h = {k: (v.decode(errors="replace") if isinstance(v, (bytes, bytearray)) else str(v)) for k, v in headers}
+
+    def number(name: str, default: str) -> int:
+        text = h.get(name, default)
+        if not (text.isascii() and text.lstrip("-").isdigit() and len(text) <= 20):
+            raise InvalidMessage(f"dead-letter header {name} is not an integer: {text[:40]!r}")
+        return int(text)
+
     return DeadLetter(
         payload=value or b"",
         error_class=h.get("prm-dl-error-class", ""),
         error_message=h.get("prm-dl-error-message", ""),
         source_topic=h.get("prm-dl-source-topic", ""),
-        source_partition=int(h.get("prm-dl-source-partition", "-1")),
-        source_offset=int(h.get("prm-dl-source-offset", "-1")),
-        attempt=int(h.get("prm-dl-attempt", "1")),
+        source_partition=number("prm-dl-source-partition", "-1"),
+        source_offset=number("prm-dl-source-offset", "-1"),
+        attempt=number("prm-dl-attempt", "1"),
         worker_id=h.get("prm-dl-worker-id", ""),
         original_headers={k[len("prm-dl-orig-"):]: v for k, v in h.items() if k.startswith("prm-dl-orig-")},
-        original_size=int(h.get("prm-dl-original-size", "-1")),
+        original_size=number("prm-dl-original-size", "-1"),
     )
 
 

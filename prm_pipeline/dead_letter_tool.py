@@ -45,6 +45,7 @@ from infra.experiments import DEFAULT_EXPERIMENT, EXPERIMENT_ID_PATTERN, traject
 from infra.schema import (
     DeadLetter,
     DiscardGroup,
+    InvalidMessage,
     ReadyTrajectory,
     SchemaError,
     TrajectoryMessage,
@@ -282,8 +283,12 @@ async def read_letters(cfg: PipelineConfig, *, since_ms: int | None = None, foll
                 last_new = time.monotonic()
                 if since_ms is not None and r.timestamp < since_ms:
                     continue
-                rec = LetterRecord(r.topic, r.partition, r.offset, r.timestamp, r.key,
-                                   dead_letter_from_record(r.value, r.headers or ()))
+                try:
+                    letter = dead_letter_from_record(r.value, r.headers or ())
+                except InvalidMessage as exc:  # a corrupt record is skipped with a word, never stops the tool
+                    print(f"warning: {r.topic}:{r.partition}@{r.offset} skipped: {exc}", file=sys.stderr)
+                    continue
+                rec = LetterRecord(r.topic, r.partition, r.offset, r.timestamp, r.key, letter)
                 out.append(rec)
                 if on_letter is not None:
                     on_letter(rec)

@@ -549,3 +549,12 @@ def test_registry_records_with_a_hostile_value(value: bytes) -> None:
 def test_registry_nested_brackets_are_a_registry_error() -> None:
     with pytest.raises(RegistryError):
         decode_record(b"exp-ok", b"[" * 30_000)
+
+
+def test_a_dead_letter_with_a_corrupt_number_header_is_an_invalid_message() -> None:
+    from infra.schema import InvalidMessage, dead_letter_from_record
+
+    for bad in (b"\xb2", b"9" * 5000, b"1e3", b""):
+        with pytest.raises(InvalidMessage, match="prm-dl-source-offset"):
+            dead_letter_from_record(b"x", [("prm-dl-source-offset", bad)])
+    assert dead_letter_from_record(b"x", [("prm-dl-source-offset", b"-1")]).source_offset == -1
