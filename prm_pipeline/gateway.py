@@ -8,7 +8,9 @@ the caller's shape:
 
 * ``POST /openrlhf`` — OpenRLHF's remote-RM JSON: ``{"query", "prompts", "labels"}`` in,
   ``{"rewards", "scores", "extra_logs"}`` out;
-* ``POST /slime`` — slime's ``{"prompt", "response", "label"}`` in, ``{"score", ...}`` out;
+* ``POST /slime`` — slime's ``{"prompt", "response", "label"}`` in, ``{"score", ...}`` out
+  (these two answer through :mod:`shaper.integrations.core`, as the in-process OpenRLHF
+  and slime hooks do);
 * ``POST /v1/score`` — token ids in (one sample or a whole group), per-token rewards out;
 * ``GET /healthz``, ``/readyz``, ``/metrics``.
 
@@ -32,7 +34,6 @@ import logging
 import os
 import ssl
 import time
-import uuid
 from collections import Counter as Tally
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,8 +46,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from infra.config import ConfigError, GatewayConfig, PipelineConfig
 from infra.errors import WireError
+from shaper.integrations.core import (
+    AdapterSettings,
+    VerdictTimeout,
+    check_late,
+    openrlhf_scores,
+    score_groups,
+    slime_scores,
+)
 from shaper.reward_client import RewardClient, Sample, SampleReward
-from shaper.text_rewards import load_tokenizer, openrlhf_answer, reward_summary, samples_from_queries
+from shaper.text_rewards import load_tokenizer, prompt_messages, samples_from_queries
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +141,6 @@ def _list(body: dict[str, Any], field: str, limit: int, *, required: bool = True
     return value
 
 
-def _prompt_text(prompt: Any, field: str) -> tuple[str, list[dict[str, Any]]]:
-    """A prompt as text plus chat messages (slime sends either a string or a message list)."""
-    if isinstance(prompt, str):
-        return prompt, [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
-        messages = [{"role": str(m.get("role", "user")), "content": m["content"]} for m in prompt]
-        return "".join(m["content"] for m in messages), messages
-    raise BadRequest(f"{field} must be a string or a list of messages with string 'content'")
-
-
-# --------------------------------------------------------------------------- one scalar per sample
 # --------------------------------------------------------------------------- the service
 class Gateway:
     """The HTTP service around one :class:`RewardClient` (one Kafka producer and verdict reader)."""
@@ -252,26 +250,8 @@ class Gateway:
         return body
 
     # ------------------------------------------------------------------ scoring
-    def _text_sample(self, prompt: str, response: str, messages: list[dict[str, Any]]) -> Sample:
-        return Sample(prompt_ids=self.tokenizer.encode(prompt), response_ids=self.tokenizer.encode(response),
-                      messages=messages)
-
-    async def _score_groups(self, groups: list[list[Sample]]) -> list[list[SampleReward]] | web.Response:
-        """Score each list of samples as one group; a 504 naming the group when a verdict does not come."""
-        results = await asyncio.gather(*(self.client.score_group(g, group_id=f"gw-{uuid.uuid4().hex}")
-                                         for g in groups))
-        for rewards in results:
-            for r in rewards:
-                self.samples.labels(r.status).inc()
-        late = next((rs[0].group_id for rs in results if rs[0].status == "timeout"), None)
-        if late is not None:
-            return _error(504, f"no verdict for group {late!r} within gateway.verdict_timeout_s="
-                               f"{self.gw.verdict_timeout_s:g}s (its trajectories are published; the workers may "
-                               "still decide it)")
-        return results
-
-    def _summary(self, reward: SampleReward) -> dict[str, Any]:
-        return reward_summary(reward, self.gw.process_reduction)
+    def _observe(self, reward: SampleReward) -> None:
+        self.samples.labels(reward.status).inc()
 
     # ------------------------------------------------------------------ routes
     async def _openrlhf(self, request: web.Request) -> web.Response:
@@ -286,24 +266,28 @@ class Gateway:
             samples = samples_from_queries(queries, prompts, self.tokenizer)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        groups = [samples] if self.gw.grouping == "per_request" else [[s] for s in samples]
-        scored = await self._score_groups(groups)
-        if isinstance(scored, web.Response):
-            return scored
-        return web.json_response(openrlhf_answer([self._summary(r) for rs in scored for r in rs]))
+        try:
+            return web.json_response(await openrlhf_scores(self.client, self.gw, samples, prefix="gw",
+                                                           observe=self._observe))
+        except VerdictTimeout as exc:
+            return _error(504, str(exc))
 
     async def _slime(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        prompt, messages = _prompt_text(body.get("prompt"), "prompt")
+        try:
+            prompt, messages = prompt_messages(body.get("prompt"), "prompt")
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         response = body.get("response")
         if not isinstance(response, str):
             raise BadRequest("response must be a string")
-        scored = await self._score_groups([[self._text_sample(prompt, response, messages)]])
-        if isinstance(scored, web.Response):
-            return scored
-        (reward,) = scored[0]
-        return web.json_response({**self._summary(reward), "token_rewards": reward.token_rewards.tolist(),
-                                  "turn_rewards": reward.turn_rewards})
+        sample = Sample(prompt_ids=self.tokenizer.encode(prompt), response_ids=self.tokenizer.encode(response),
+                        messages=messages)
+        try:
+            (answer,) = await slime_scores(self.client, self.gw, [sample], prefix="gw", observe=self._observe)
+        except VerdictTimeout as exc:
+            return _error(504, str(exc))
+        return web.json_response(answer)
 
     async def _score(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -338,10 +322,11 @@ class Gateway:
                 outcome_reward=float(outcome), messages=messages, truncated=bool(s.get("truncated", False)),
                 policy_version=version, is_eval=bool(s.get("is_eval", False)),
             ))
-        scored = await self._score_groups([samples])
-        if isinstance(scored, web.Response):
-            return scored
-        rewards = scored[0]
+        (rewards,) = await score_groups(self.client, [samples], prefix="gw", observe=self._observe)
+        try:
+            check_late(rewards, AdapterSettings.from_gateway(self.gw))
+        except VerdictTimeout as exc:
+            return _error(504, str(exc))
         return web.json_response({
             "group_id": rewards[0].group_id, "status": rewards[0].status, "reason_code": rewards[0].reason_code,
             "reason": rewards[0].reason,
