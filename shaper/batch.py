@@ -14,7 +14,7 @@ the ``loss_mask`` and receive the branch's token rewards and the turn's log-prob
 Everything else (the prompt, tool results, padding) is zero and masked out.
 
 The construction is split in two so that the consumer can filter *complete groups*
-before batching (seed: "Apply these filters to complete sample groups"):
+before batching (filters judge complete sample groups):
 
 * :func:`export_group` validates one accepted verdict and builds its rows as unpadded
   numpy arrays (:class:`ExportedGroup`); the group filters of :mod:`shaper.filters`
