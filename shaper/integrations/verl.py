@@ -1,9 +1,6 @@
-"""verl (0.9.1; docs/integrations/verl.md; the only module importing ``verl``): a reward manager and ``prm_grpo``.
-
-The manager ``prm_pipeline`` returns verl's outcome as a float naming the sample's member of its group's verdict
-(:mod:`shaper.reward_tags`); the estimator ``prm_grpo`` restores each row's outcome and process rewards from that
-verdict in the driver, runs verl's GRPO on the outcome and folds the process rewards in (unshifted).
-"""
+"""verl 0.9.1 (docs/integrations/verl.md; the only module importing ``verl``): the reward manager ``prm_pipeline`` returns
+verl's outcome as a float naming the sample's member of its verdict (:mod:`shaper.reward_tags`); the estimator ``prm_grpo``
+restores outcomes and process rewards from the verdicts in the driver, runs verl's GRPO and folds them in (unshifted)."""
 
 from __future__ import annotations
 
@@ -24,7 +21,7 @@ from verl.trainer.ppo import core_algos
 from infra.config import PRMAdvantageShapingConfig, load_config
 from shaper.integrations import core
 from shaper.integrations.core import AdapterSettings, VerdictTimeout, close_verdict_lookups
-from shaper.reward_client import Sample
+from shaper.reward_client import BlockingVerdicts, Sample
 from shaper.reward_tags import MAX_MEMBERS, member_tag, recover_rewards, tag_reward
 from shaper.shaping import apply_shaping
 
@@ -36,9 +33,8 @@ __all__ = ["ESTIMATOR_NAME", "MANAGER_NAME", "PRMRewardManager", "VerdictTimeout
 
 @register(MANAGER_NAME)
 class PRMRewardManager(NaiveRewardManager):
-    """verl Reward Loop manager scoring every sample through the pipeline. Options (``reward.reward_kwargs``):
-    ``prm_config``, ``group_size`` (default ``rollout.n``), ``verdict_timeout_s``, ``on_timeout`` (``outcome_only``
-    or ``raise``). Settings under which process rewards could not reach ``prm_grpo`` are refused here."""
+    """verl Reward Loop manager scoring every sample through the pipeline; ``reward.reward_kwargs``: ``prm_config``, ``group_size``
+    (default ``rollout.n``), ``verdict_timeout_s``, ``on_timeout`` (``outcome_only`` or ``raise``); bad routes refused here."""
 
     def __init__(self, config: Any, tokenizer: Any, compute_score: Any, reward_router_address: Any = None,
                  reward_model_tokenizer: Any = None, **options: Any) -> None:
@@ -110,6 +106,11 @@ def _check_route(config: Any, group_size: int) -> None:
 _seen_tagged = False
 
 
+def _verdicts(config: Any) -> BlockingVerdicts:
+    """The driver's verdict lookup for ``algorithm.prm_config`` (one per config and lookback, started on first use)."""
+    return core.verdict_lookup(core.option(config, "prm_config"), core.option(config, "prm_verdict_lookback_s", 3600.0))
+
+
 def shaping_config(config: Any) -> PRMAdvantageShapingConfig:
     """The YAML's shaping (``algorithm.prm_config`` or ``$PRM_CONFIG``) with ``algorithm.prm_shaping`` overrides."""
     overrides = core.option(config, "prm_shaping", {}) or {}
@@ -133,8 +134,7 @@ def compute_prm_grpo_advantage(token_level_rewards: torch.Tensor, response_mask:
     if core.option(config, "use_kl_in_reward", False):
         raise ValueError("prm_grpo needs algorithm.use_kl_in_reward=false: a KL penalty folded into the token "
                          "rewards would corrupt the member tags (use actor.use_kl_loss instead)")
-    lookup = core.verdict_lookup(core.option(config, "prm_config"), core.option(config, "prm_verdict_lookback_s", 3600.0))
-    outcome, process, tagged = recover_rewards(token_level_rewards, response_mask, index, lookup,
+    outcome, process, tagged = recover_rewards(token_level_rewards, response_mask, index, _verdicts(config),
                                                wait_s=float(core.option(config, "prm_verdict_wait_s", 60.0)))
     why = (f"prm_grpo: none of the {len(index)} samples of this batch names a member of a verdict: every verdict "
            "timed out, or the reward manager is not prm_pipeline (PRMRewardManager)")
