@@ -526,7 +526,35 @@ class TokenTurn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class NotConcatExport(WireError, ValueError):
-    """A turn's input does not start with its parent's input + output."""
+    """A turn's input does not start with its parent's input + output.
+
+    ``reason`` is ``not_prefix`` or ``not_token_backed``, ``interaction_id`` the turn, and
+    ``detail`` says what differs (the message without the turn's name).
+    """
+
+    def __init__(self, interaction_id: str, detail: str, *, reason: str = "not_prefix") -> None:
+        super().__init__(f"interaction {interaction_id!r}: {detail}")
+        self.interaction_id, self.detail, self.reason = interaction_id, detail, reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (a process pool) with its fields
+        return type(self), (self.interaction_id, self.detail), {"reason": self.reason}
+
+
+def _prefix_mismatch(parent_id: str, parent: ModelResponse, child: ModelResponse) -> str:
+    """Why ``child``'s input does not start with ``parent``'s input + output (first differing token)."""
+    p_in, p_out, c_in = parent.input_tokens, parent.output_tokens, child.input_tokens
+    where = f"input does not start with parent {parent_id!r}'s input + output (concat export required)"
+    if c_in.shape[0] < p_in.shape[0] + p_out.shape[0]:
+        return (f"{where}: input has {c_in.shape[0]} tokens, fewer than its parent's input + output "
+                f"({p_in.shape[0]} + {p_out.shape[0]})")
+    for what, expected, start in (("input", p_in, 0), ("output", p_out, p_in.shape[0])):
+        got = c_in[start : start + expected.shape[0]]
+        diff = np.flatnonzero(got != expected)
+        if diff.size:
+            pos = int(diff[0])
+            return (f"{where}: token {start + pos} is {int(got[pos])}, the parent's {what} token {pos} is "
+                    f"{int(expected[pos])} (was the chat template re-applied?)")
+    return where
 
 
 def _turns_of_compact(interactions: Sequence[Interaction]) -> list[TokenTurn] | None:
@@ -573,7 +601,8 @@ def compact_turns(interactions: Sequence[Interaction]) -> list[TokenTurn]:
     for it in topological_order(interactions):
         mr = it.model_response
         if mr is None:
-            raise NotConcatExport(f"interaction {it.interaction_id!r} has no model_response (not token-backed)")
+            raise NotConcatExport(it.interaction_id, "has no model_response (not token-backed)",
+                                  reason="not_token_backed")
         start = 0
         raw = memoryview(mr.input_tokens_raw)
         if it.parent_id is not None:
@@ -582,10 +611,7 @@ def compact_turns(interactions: Sequence[Interaction]) -> list[TokenTurn]:
             start = parent.input_len + parent.output_len
             if mr.input_len < start or not same_bytes(raw[: 4 * parent.input_len], parent.input_tokens_raw) or \
                     not same_bytes(raw[4 * parent.input_len : 4 * start], parent.output_tokens_raw):
-                raise NotConcatExport(
-                    f"interaction {it.interaction_id!r}: input does not start with parent "
-                    f"{it.parent_id!r}'s input + output (concat export required)"
-                )
+                raise NotConcatExport(it.interaction_id, _prefix_mismatch(it.parent_id, parent, mr))
         # An expanded prompt is a view of its chain's buffer: its delta is a view too. A
         # full-form prompt is copied, so the turn does not pin its whole prompt.
         delta = raw[4 * start :] if isinstance(mr.input_tokens_raw, memoryview) else bytes(raw[4 * start :])

@@ -8,7 +8,9 @@ the caller's shape:
 
 * ``POST /openrlhf`` — OpenRLHF's remote-RM JSON: ``{"query", "prompts", "labels"}`` in,
   ``{"rewards", "scores", "extra_logs"}`` out;
-* ``POST /slime`` — slime's ``{"prompt", "response", "label"}`` in, ``{"score", ...}`` out;
+* ``POST /slime`` — slime's ``{"prompt", "response", "label"}`` in, ``{"score", ...}`` out
+  (these two answer through :mod:`shaper.integrations.core`, as the in-process OpenRLHF
+  and slime hooks do);
 * ``POST /v1/score`` — token ids in (one sample or a whole group), per-token rewards out;
 * ``GET /healthz``, ``/readyz``, ``/metrics``, ``/openapi.json``.
 
@@ -37,7 +39,6 @@ import logging
 import os
 import ssl
 import time
-import uuid
 from collections import Counter as Tally
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -63,8 +64,16 @@ from prm_pipeline.gateway_api import (
     SlimeResponse,
     openapi_document,
 )
+from shaper.integrations.core import (
+    AdapterSettings,
+    VerdictTimeout,
+    check_late,
+    openrlhf_scores,
+    score_groups,
+    slime_scores,
+)
 from shaper.reward_client import RewardClient, Sample, SampleReward
-from shaper.text_rewards import load_tokenizer, openrlhf_answer, reward_summary, samples_from_queries
+from shaper.text_rewards import load_tokenizer, prompt_messages, samples_from_queries
 
 log = logging.getLogger(__name__)
 _ERROR_TEXT = 300  # characters of an error line kept (msgspec quotes an unknown field's name)
@@ -144,20 +153,11 @@ def _check_items(n: int, field: str, limit: int) -> None:
         raise BadRequest(f"{field} has {n} items, over the limit of {limit} (gateway.max_items) - at `$.{field}`")
 
 
-def _prompt_text(prompt: str | list[Any]) -> tuple[str, list[dict[str, Any]]]:
-    """A slime prompt as text plus chat messages (slime sends either a string or a message list)."""
-    if isinstance(prompt, str):
-        return prompt, [{"role": "user", "content": prompt}]
-    messages = [{"role": m.role, "content": m.content} for m in prompt]
-    return "".join(m["content"] for m in messages), messages
-
-
 def _json(body: msgspec.Struct, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, headers=headers,
                         content_type="application/json")
 
 
-# --------------------------------------------------------------------------- one scalar per sample
 # --------------------------------------------------------------------------- the service
 class Gateway:
     """The HTTP service around one :class:`RewardClient` (one Kafka producer and verdict reader)."""
@@ -274,26 +274,8 @@ class Gateway:
         return decode(raw, kind)
 
     # ------------------------------------------------------------------ scoring
-    def _text_sample(self, prompt: str, response: str, messages: list[dict[str, Any]]) -> Sample:
-        return Sample(prompt_ids=self.tokenizer.encode(prompt), response_ids=self.tokenizer.encode(response),
-                      messages=messages)
-
-    async def _score_groups(self, groups: list[list[Sample]]) -> list[list[SampleReward]] | web.Response:
-        """Score each list of samples as one group; a 504 naming the group when a verdict does not come."""
-        results = await asyncio.gather(*(self.client.score_group(g, group_id=f"gw-{uuid.uuid4().hex}")
-                                         for g in groups))
-        for rewards in results:
-            for r in rewards:
-                self.samples.labels(r.status).inc()
-        late = next((rs[0].group_id for rs in results if rs[0].status == "timeout"), None)
-        if late is not None:
-            return _error(504, f"no verdict for group {late!r} within gateway.verdict_timeout_s="
-                               f"{self.gw.verdict_timeout_s:g}s (its trajectories are published; the workers may "
-                               "still decide it)")
-        return results
-
-    def _summary(self, reward: SampleReward) -> dict[str, Any]:
-        return reward_summary(reward, self.gw.process_reduction)
+    def _observe(self, reward: SampleReward) -> None:
+        self.samples.labels(reward.status).inc()
 
     # ------------------------------------------------------------------ routes
     async def _openrlhf(self, request: web.Request) -> web.Response:
@@ -303,25 +285,25 @@ class Gateway:
             samples = samples_from_queries(body.query, body.prompts, self.tokenizer)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        groups = [samples] if self.gw.grouping == "per_request" else [[s] for s in samples]
-        scored = await self._score_groups(groups)
-        if isinstance(scored, web.Response):
-            return scored
-        answer = openrlhf_answer([self._summary(r) for rs in scored for r in rs])
+        try:
+            answer = await openrlhf_scores(self.client, self.gw, samples, prefix="gw", observe=self._observe)
+        except VerdictTimeout as exc:
+            return _error(504, str(exc))
         return _json(msgspec.convert(answer, OpenRLHFResponse))
 
     async def _slime(self, request: web.Request) -> web.Response:
         body: SlimeRequest = await self._body(request, SlimeRequest)
-        prompt, messages = _prompt_text(body.prompt)
-        scored = await self._score_groups([[self._text_sample(prompt, body.response, messages)]])
-        if isinstance(scored, web.Response):
-            return scored
-        (reward,) = scored[0]
-        summary = self._summary(reward)
-        return _json(SlimeResponse(
-            score=summary["score"], outcome=summary["outcome"], process=summary["process"], status=reward.status,
-            reason_code=reward.reason_code, reason=reward.reason, group_id=reward.group_id,
-            token_rewards=reward.token_rewards.tolist(), turn_rewards=list(reward.turn_rewards)))
+        try:  # the same rule as the in-process slime hook (the body's shape is already checked)
+            prompt, messages = prompt_messages(msgspec.to_builtins(body.prompt), "prompt")
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        sample = Sample(prompt_ids=self.tokenizer.encode(prompt), response_ids=self.tokenizer.encode(body.response),
+                        messages=messages)
+        try:
+            (answer,) = await slime_scores(self.client, self.gw, [sample], prefix="gw", observe=self._observe)
+        except VerdictTimeout as exc:
+            return _error(504, str(exc))
+        return _json(msgspec.convert(answer, SlimeResponse))
 
     async def _score(self, request: web.Request) -> web.Response:
         body: ScoreRequest = await self._body(request, ScoreRequest)
@@ -330,10 +312,11 @@ class Gateway:
                           response_mask=s.response_mask, outcome_reward=s.outcome_reward, messages=s.messages,
                           truncated=s.truncated, policy_version=s.policy_version, is_eval=s.is_eval)
                    for s in body.samples]
-        scored = await self._score_groups([samples])
-        if isinstance(scored, web.Response):
-            return scored
-        rewards = scored[0]
+        (rewards,) = await score_groups(self.client, [samples], prefix="gw", observe=self._observe)
+        try:
+            check_late(rewards, AdapterSettings.from_gateway(self.gw))
+        except VerdictTimeout as exc:
+            return _error(504, str(exc))
         return _json(ScoreResponse(
             group_id=rewards[0].group_id, status=rewards[0].status, reason_code=rewards[0].reason_code,
             reason=rewards[0].reason,

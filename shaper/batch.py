@@ -14,12 +14,13 @@ the ``loss_mask`` and receive the branch's token rewards and the turn's log-prob
 Everything else (the prompt, tool results, padding) is zero and masked out.
 
 The construction is split in two so that the consumer can filter *complete groups*
-before batching (seed: "Apply these filters to complete sample groups"):
+before batching (filters judge complete sample groups):
 
 * :func:`export_group` validates one accepted verdict and builds its rows as unpadded
-  numpy arrays (:class:`ExportedGroup`); :meth:`ExportedGroup.filter_inputs` gives the
-  ``[G, T]`` tensors :mod:`shaper.filters` expects;
-* :func:`collate` pads many groups into one :class:`TrainingBatch`.
+  numpy arrays (:class:`ExportedGroup`); the group filters of :mod:`shaper.filters`
+  read that group directly (it is also the mapping of ``[G, T]`` tensors a custom
+  filter may index, laid out on demand);
+* :func:`collate` pads the kept groups into one :class:`TrainingBatch`, once.
 
 :func:`build_training_batch` does both for callers that hold verdicts already (replay
 tools, tests). Work is per turn (numpy concatenation and slice assignment), never per
@@ -37,16 +38,16 @@ Anything that cannot be laid out unambiguously is refused with
 :class:`ConcatExportError` naming the group, session and turn — training on misaligned
 tokens would silently attach rewards and log-probs to the wrong positions. The compact
 form cannot express a turn whose input is not its parent's input + output; callers
-holding full interactions convert with :func:`turns_from_interactions`, which checks
-exactly that rule (the scoring workers check it before publishing).
+holding full interactions convert with :func:`turns_from_interactions`, which applies
+:func:`infra.schema.compact_turns`' prefix rule (the one the scoring workers apply).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Final
+from typing import Any, ClassVar, Final
 
 import numpy as np
 import torch
@@ -64,7 +65,7 @@ from infra.schema import (
     TokenTurn,
     compact_turns,
 )
-from infra.tree import TreeError, branches, topological_order
+from infra.tree import TreeError, branches
 
 __all__ = [
     "ConcatExportError",
@@ -142,28 +143,50 @@ class ExportedRow:
 
 
 @dataclass(frozen=True, slots=True)
-class ExportedGroup:
-    """All rows of one accepted verdict (a complete GRPO group), ready to filter and batch."""
+class ExportedGroup(Mapping[str, Tensor]):
+    """All rows of one accepted verdict (a complete GRPO group), ready to filter and batch.
+
+    It is also the read-only mapping a group filter reads (:mod:`shaper.filters`):
+    ``original_rewards`` ``[G]`` (raw outcomes, before any normalisation),
+    ``token_rewards`` / ``loss_mask`` / ``attention_mask`` ``[G, T]`` (unshifted, padded
+    within the group) and ``is_truncated`` ``[G]``. Each is laid out when asked for, so
+    the built-in filters, which read :attr:`rows` directly, pad nothing; a batch is built
+    once, by :func:`collate`, for the groups that are kept.
+    """
 
     group_id: str
     verdict_version: int
     rows: tuple[ExportedRow, ...]
     is_eval: bool = False
 
-    def filter_inputs(self) -> dict[str, Tensor]:
-        """The ``[G, T]`` / ``[G]`` tensors :mod:`shaper.filters` reads, padded within the group.
+    FILTER_KEYS: ClassVar[tuple[str, ...]] = (
+        "original_rewards", "token_rewards", "loss_mask", "attention_mask", "is_truncated",
+    )
 
-        ``original_rewards`` are the raw outcome rewards (filters must judge
-        "all correct" before any normalisation); token rewards are unshifted.
-        """
-        batch = collate([self])
-        return {
-            "original_rewards": batch.rewards,
-            "token_rewards": batch.token_rewards,
-            "loss_mask": batch.loss_mask,
-            "attention_mask": batch.attention_mask,
-            "is_truncated": batch.is_truncated,
-        }
+    def __getitem__(self, key: str) -> Tensor:
+        rows = self.rows
+        if key == "original_rewards":
+            return torch.tensor([row.reward for row in rows], dtype=torch.float32)
+        if key == "is_truncated":
+            return torch.tensor([row.is_truncated for row in rows], dtype=torch.bool)
+        if key == "attention_mask":
+            return torch.from_numpy(_pad(rows, None, np.bool_, True))
+        if key in ("token_rewards", "loss_mask"):
+            return torch.from_numpy(_pad(rows, key, np.float32 if key == "token_rewards" else np.bool_))
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.FILTER_KEYS)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.FILTER_KEYS
+
+    def __len__(self) -> int:
+        return len(self.FILTER_KEYS)
+
+    def filter_inputs(self) -> dict[str, Tensor]:
+        """Every filter tensor at once, as a plain dict (the mapping itself serves filters)."""
+        return dict(self)
 
 
 def turns_from_interactions(
@@ -172,58 +195,20 @@ def turns_from_interactions(
     """Full token-backed interactions -> the verdicts' compact :class:`TokenTurn` form.
 
     For callers that hold whole trajectories (JSONL replay, a
-    :class:`~infra.schema.ReadyTrajectory` scored in-process) rather than verdicts. It
-    enforces the concat rule the compact form relies on — every turn's input starts
-    with its parent's input + output — and raises :class:`ConcatExportError` naming the
-    turn and the first differing token otherwise.
+    :class:`~infra.schema.ReadyTrajectory` scored in-process) rather than verdicts. The
+    concat rule the compact form relies on — every turn's input starts with its parent's
+    input + output — is :func:`infra.schema.compact_turns`' (the workers' own check); a
+    turn that breaks it is a :class:`ConcatExportError` naming the turn and the first
+    differing token.
     """
     try:
-        order = topological_order(interactions)
+        return compact_turns(interactions)
     except TreeError as exc:
         raise ConcatExportError(f"interaction tree is invalid: {exc}", reason="bad_tree",
                                 group_id=group_id, session_id=session_id) from None
-    by_id = {i.interaction_id: i for i in order}
-    for inter in order:
-        if inter.model_response is None:
-            raise ConcatExportError(
-                "has no model_response; concat export needs token-backed interactions",
-                reason="not_token_backed", group_id=group_id, session_id=session_id,
-                interaction_id=inter.interaction_id,
-            )
-        if inter.parent_id is not None:
-            _check_prefix(by_id[inter.parent_id], inter, group_id, session_id)
-    try:
-        return compact_turns(order)
-    except NotConcatExport as exc:  # unreachable after the checks above; keep the contract
-        raise ConcatExportError(str(exc), reason="not_prefix", group_id=group_id, session_id=session_id) from None
-
-
-def _check_prefix(prev: Interaction, turn: Interaction, group_id: str, session_id: str) -> None:
-    """Refuse ``turn`` unless its input starts with ``prev``'s input + output (concat rule)."""
-    p = prev.model_response
-    t = turn.model_response
-    assert p is not None and t is not None
-    p_in, p_out, t_in = p.input_tokens, p.output_tokens, t.input_tokens
-    need = p_in.shape[0] + p_out.shape[0]
-    if t_in.shape[0] < need:
-        raise ConcatExportError(
-            f"input has {t_in.shape[0]} tokens, fewer than its parent {prev.interaction_id!r}'s "
-            f"input + output ({p_in.shape[0]} + {p_out.shape[0]}); the export is not concat",
-            reason="not_prefix", group_id=group_id, session_id=session_id,
-            interaction_id=turn.interaction_id,
-        )
-    for what, expected, start in (("input", p_in, 0), ("output", p_out, p_in.shape[0])):
-        got = t_in[start : start + expected.shape[0]]
-        diff = np.flatnonzero(got != expected)
-        if diff.size:
-            pos = int(diff[0])
-            raise ConcatExportError(
-                f"input does not start with its parent {prev.interaction_id!r}'s input + output: "
-                f"token {start + pos} is {int(got[pos])}, the parent's {what} token {pos} is "
-                f"{int(expected[pos])}; the export is not concat (was the chat template re-applied?)",
-                reason="not_prefix", group_id=group_id, session_id=session_id,
-                interaction_id=turn.interaction_id,
-            )
+    except NotConcatExport as exc:
+        raise ConcatExportError(exc.detail, reason=exc.reason, group_id=group_id, session_id=session_id,
+                                interaction_id=exc.interaction_id) from None
 
 
 def _export_branch(
@@ -484,6 +469,17 @@ class TrainingBatch:
         return dataclasses.replace(self, **moved)
 
 
+def _pad(rows: Sequence[ExportedRow], field: str | None, dtype: type, fill: Any = 0,
+         width: int | None = None) -> np.ndarray:
+    """``[len(rows), width]`` of one row field, right-padded with ``fill`` (``field=None``: the
+    attention mask, ``fill`` on each row's tokens). ``width`` defaults to the longest row."""
+    width = max((row.length for row in rows), default=0) if width is None else width
+    out = np.full((len(rows), width), 0 if field is None else fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, :row.length] = fill if field is None else getattr(row, field)
+    return out
+
+
 def collate(
     groups: Iterable[ExportedGroup],
     *,
@@ -499,39 +495,26 @@ def collate(
     rows: list[ExportedRow] = []
     group_ids: list[str] = []
     for group in groups:
-        for row in group.rows:
-            rows.append(row)
-            group_ids.append(group.group_id)
-    n = len(rows)
+        rows.extend(group.rows)
+        group_ids.extend([group.group_id] * len(group.rows))
     width = max((row.length for row in rows), default=0)
     if pad_to_multiple_of and pad_to_multiple_of > 1 and width % pad_to_multiple_of:
         width += pad_to_multiple_of - width % pad_to_multiple_of
-    input_ids = np.full((n, width), pad_token_id, dtype=np.int64)
-    attention = np.zeros((n, width), dtype=bool)
-    loss_mask = np.zeros((n, width), dtype=bool)
-    logprobs = np.zeros((n, width), dtype=np.float32)
-    token_rewards = np.zeros((n, width), dtype=np.float32)
-    turn_index = np.full((n, width), -1, dtype=np.int64)
     # A channel is batched only if every row has it (see TrainingBatch.channels).
     names = [name for name in (rows[0].channels if rows else {}) if all(name in r.channels for r in rows)]
-    channels = {name: np.zeros((n, width), dtype=np.float32) for name in names}
-    for i, row in enumerate(rows):
-        length = row.length
-        input_ids[i, :length] = row.input_ids
-        attention[i, :length] = True
-        loss_mask[i, :length] = row.loss_mask
-        logprobs[i, :length] = row.logprobs
-        token_rewards[i, :length] = row.token_rewards
-        turn_index[i, :length] = row.turn_index
-        for name, values in channels.items():
-            values[i, :length] = row.channels[name]
+    channels = {}
+    for name in names:
+        values = channels[name] = np.zeros((len(rows), width), dtype=np.float32)
+        for i, row in enumerate(rows):
+            values[i, :row.length] = row.channels[name]
+    tensor = torch.from_numpy
     return TrainingBatch(
-        input_ids=torch.from_numpy(input_ids),
-        attention_mask=torch.from_numpy(attention),
-        loss_mask=torch.from_numpy(loss_mask),
-        logprobs=torch.from_numpy(logprobs),
-        token_rewards=torch.from_numpy(token_rewards),
-        turn_index=torch.from_numpy(turn_index),
+        input_ids=tensor(_pad(rows, "input_ids", np.int64, pad_token_id, width)),
+        attention_mask=tensor(_pad(rows, None, np.bool_, True, width)),
+        loss_mask=tensor(_pad(rows, "loss_mask", np.bool_, False, width)),
+        logprobs=tensor(_pad(rows, "logprobs", np.float32, 0, width)),
+        token_rewards=tensor(_pad(rows, "token_rewards", np.float32, 0, width)),
+        turn_index=tensor(_pad(rows, "turn_index", np.int64, -1, width)),
         rewards=torch.tensor([row.reward for row in rows], dtype=torch.float32),
         is_truncated=torch.tensor([row.is_truncated for row in rows], dtype=torch.bool),
         group_ids=group_ids,
@@ -539,7 +522,7 @@ def collate(
         trajectory_ids=[row.trajectory_id for row in rows],
         leaf_ids=[row.leaf_id for row in rows],
         metrics=dict(metrics or {}),
-        channels={name: torch.from_numpy(values) for name, values in channels.items()},
+        channels={name: tensor(values) for name, values in channels.items()},
         turn_results=[row.turn_results for row in rows],
     )
 

@@ -227,7 +227,8 @@ class VerdictConsumer:
             verdicts topic is read (:func:`infra.experiments.verdicts_topic`).
         batch_groups: accepted (and kept) groups per batch; default
             ``cfg.trainer.batch_groups``.
-        group_filter: a name in :data:`shaper.filters.FILTERS`, a filter callable, or
+        group_filter: a name in :data:`shaper.filters.FILTERS`, a filter callable (it is given the
+            :class:`~shaper.batch.ExportedGroup`, a mapping of the filter tensors), or
             ``None`` for none; default ``cfg.trainer.filter``.
         group_id: the consumer group; default ``cfg.trainer.group_id`` for the default
             experiment, ``<cfg.trainer.group_id>.<experiment>`` for another.
@@ -644,7 +645,7 @@ class VerdictConsumer:
             return None
         if self._filter is not None:
             try:
-                decision = self._filter(group.filter_inputs())
+                decision = self._filter(group)  # the exported group itself: nothing is batched to filter it
             except Exception as exc:  # noqa: BLE001 - filters raise ValueError on bad groups
                 m.count("groups/dropped/filter_error")
                 log.error("dropping group %s: filter %s failed: %s", verdict.group_id, self.filter_name, exc)

@@ -29,7 +29,10 @@ non-tensors, shapes that differ or are not 2-D, and non-finite token rewards are
 truncated rows; ``is_truncated`` wins over attention length == padded width.
 
 Filters must see *complete* groups.  Token rewards are examined *unshifted*
-(aligned with the generated tokens and ``loss_mask``).
+(aligned with the generated tokens and ``loss_mask``). The trainer's consumer hands a
+filter the exported group itself (:class:`shaper.batch.ExportedGroup`): these rules read
+its rows as they are (each row's ``is_truncated`` is the leaf's), and a custom filter may
+index it like the mapping above.
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from .batch import ExportedGroup
 
 __all__ = [
     "FILTERS",
@@ -151,7 +157,20 @@ def _truncated_rows(sample: Mapping[str, Any], mask: Tensor) -> Tensor:
     return (attention != 0).sum(dim=-1) == attention.shape[-1]
 
 
+def _penalized_rows(group: ExportedGroup, *, mask_no_eos: bool) -> bool:
+    """:func:`_penalized` on an exported group's unpadded rows (nothing is padded or batched)."""
+    penalized = False
+    for row in group.rows:
+        if not np.isfinite(row.token_rewards).all():
+            raise ValueError("group['token_rewards'] contains non-finite values")
+        if not (mask_no_eos and row.is_truncated):
+            penalized = penalized or bool(((row.token_rewards < 0) & row.loss_mask).any())
+    return penalized
+
+
 def _penalized(sample: Mapping[str, Any], *, mask_no_eos: bool) -> bool:
+    if isinstance(sample, ExportedGroup):
+        return _penalized_rows(sample, mask_no_eos=mask_no_eos)
     if sample.get("token_rewards") is None or sample.get("loss_mask") is None:
         return False
     token_rewards, mask = _tensor(sample, "token_rewards"), _tensor(sample, "loss_mask")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -40,6 +39,7 @@ import msgspec
 import numpy as np
 
 from infra.config import PipelineConfig
+from infra.event_loop import LoopClient
 from infra.experiments import check_experiment_id, scoped_group, verdicts_topic
 from infra.kafka import backoff_delay, is_retriable, make_consumer, partitions_of
 from infra.readback import VerdictTokens, needs_tokens
@@ -289,7 +289,7 @@ class VerdictWaiter:
 class BlockingVerdicts:
     """Verdicts by group id for synchronous callers (a trainer's advantage step).
 
-    A :class:`VerdictWaiter` on its own event loop in a daemon thread, started on first
+    A :class:`VerdictWaiter` on a :class:`~infra.event_loop.LoopClient`, started on first
     use at the verdicts written ``lookback_s`` before then, so the verdicts of samples
     scored before the caller started are found too. Kept verdicts are slimmed (no token
     tree, no per-turn scorer results: the token rewards stay) and bounded by
@@ -302,57 +302,31 @@ class BlockingVerdicts:
         self.experiment = check_experiment_id(experiment or cfg.trainer.experiment)
         self.lookback_s = float(lookback_s)
         self.keep_recent = keep_recent
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._waiter: VerdictWaiter | None = None
-        self._lock = threading.Lock()
+        self._bridge: LoopClient[VerdictWaiter] = LoopClient(self._start, "prm-verdicts", start_timeout=60)
 
     @staticmethod
     def _slim(verdict: GroupVerdict) -> GroupVerdict:
         sessions = [msgspec.structs.replace(s, turns=[], turn_results=[]) for s in verdict.sessions]
         return msgspec.structs.replace(verdict, sessions=sessions)
 
-    def _started(self) -> tuple[asyncio.AbstractEventLoop, VerdictWaiter]:
-        with self._lock:
-            if self._waiter is None:
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name="prm-verdicts", daemon=True)
-                thread.start()
-                waiter = VerdictWaiter(self.cfg, since=time.time() - self.lookback_s, keep_recent=self.keep_recent,
-                                       keep=self._slim, experiment=self.experiment)
-                try:
-                    asyncio.run_coroutine_threadsafe(waiter.start(), loop).result(timeout=60)
-                except BaseException:
-                    loop.call_soon_threadsafe(loop.stop)
-                    thread.join(timeout=5)
-                    raise
-                self._loop, self._thread, self._waiter = loop, thread, waiter
-            assert self._loop is not None
-            return self._loop, self._waiter
+    async def _start(self) -> VerdictWaiter:
+        waiter = VerdictWaiter(self.cfg, since=time.time() - self.lookback_s, keep_recent=self.keep_recent,
+                               keep=self._slim, experiment=self.experiment)
+        await waiter.start()
+        return waiter
 
     def get(self, group_ids: Iterable[str], timeout_s: float) -> dict[str, GroupVerdict]:
         """The verdicts of ``group_ids`` that arrive within ``timeout_s`` (all waited for together)."""
         ids = list(dict.fromkeys(group_ids))
-        loop, waiter = self._started()
 
-        async def gather() -> dict[str, GroupVerdict]:
+        async def gather(waiter: VerdictWaiter) -> dict[str, GroupVerdict]:
             found = await asyncio.gather(*(waiter.wait(g, timeout_s) for g in ids))
             return {g: v for g, v in zip(ids, found) if v is not None}
 
-        return asyncio.run_coroutine_threadsafe(gather(), loop).result(timeout=timeout_s + 30)
+        return self._bridge.run(gather, timeout=timeout_s + 30)
 
     def close(self) -> None:
-        with self._lock:
-            if self._loop is None or self._waiter is None:
-                return
-            try:
-                asyncio.run_coroutine_threadsafe(self._waiter.aclose(), self._loop).result(timeout=30)
-            finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                if self._thread is not None:
-                    self._thread.join(timeout=5)
-                self._loop.close()
-                self._loop, self._thread, self._waiter = None, None, None
+        self._bridge.close(timeout=30)
 
 
 # --------------------------------------------------------------------------- the client

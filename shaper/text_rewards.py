@@ -4,7 +4,8 @@ OpenRLHF and slime send text (OpenRLHF: ``query`` = prompt + response and ``prom
 slime: ``prompt`` and ``response``) and take one number per sample back. The gateway's
 ``/openrlhf`` and ``/slime`` routes and the in-process adapters
 (:mod:`shaper.integrations.openrlhf_reward`, :mod:`shaper.integrations.slime_rm`) share
-this module, so a trainer gets the same tokens and the same number whichever way it calls.
+this module and the scoring functions of :mod:`shaper.integrations.core`, so a trainer
+gets the same tokens and the same number whichever way it calls.
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ class FileTokenizer:
 def load_tokenizer(spec: str) -> ByteTokenizer | FileTokenizer:
     """``gateway.tokenizer``: ``bytes`` or a ``tokenizer.json`` path."""
     return ByteTokenizer() if spec == "bytes" else FileTokenizer(spec)
+
+
+def prompt_messages(prompt: Any, field: str = "prompt") -> tuple[str, list[dict[str, Any]]]:
+    """A prompt (slime sends a string or a message list) as text plus chat messages.
+
+    Raises ValueError naming ``field`` for anything else.
+    """
+    if isinstance(prompt, str):
+        return prompt, [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
+        messages = [{"role": str(m.get("role", "user")), "content": m["content"]} for m in prompt]
+        return "".join(m["content"] for m in messages), messages
+    raise ValueError(f"{field} must be a string or a list of messages with string 'content'")
 
 
 def samples_from_queries(queries: Sequence[Any], prompts: Sequence[Any], tokenizer: Any) -> list[Sample]:

@@ -1,31 +1,16 @@
-"""AReaL integration: a ``RolloutWorkflow`` wrapper that scores each group's exported episodes through the pipeline.
+"""AReaL (1.0.4; docs/integrations/areal.md; the only module importing ``areal``): a ``RolloutWorkflow`` wrapper.
 
-The only module of the project that imports ``areal`` (tested against AReaL 1.0.4; see
-docs/integrations/areal.md). :class:`PRMRolloutWorkflow` wraps an agent workflow the
-way AReaL's ``GroupedRolloutWorkflow`` does — it runs ``group_size`` episodes of it
-for one data item — but before handing the group to AReaL it
+:class:`PRMRolloutWorkflow` runs ``group_size`` episodes of an agent workflow for one data
+item, as AReaL's ``GroupedRolloutWorkflow`` does, then turns every exported interaction
+(``ArealOpenAI.export_interactions``; ``concat``: the leaves) into one sample (AReaL's own
+``to_tensor_dict()`` ids, log-probs, loss mask), scores the group and writes the verdict
+back: each chain member's ``token_rewards`` where AReaL has that field, else (1.0.4)
+``reward`` = outcome + the reduced process rewards (``tensor_token_rewards=True``: also
+``token_rewards`` ``[1, L]`` in the leaf's tensor dict, unshifted).
 
-1. turns every exported interaction (``ArealOpenAI.export_interactions(...)``: with
-   ``style="concat"`` the leaves, each carrying its whole conversation) into one
-   sample: the token ids, the behaviour log-probs and the loss mask AReaL's own
-   ``to_tensor_dict()`` builds, the reward the workflow set as the outcome;
-2. publishes the group and waits, bounded, for its verdict;
-3. writes the result back where AReaL reads it:
-
-   * AReaL versions whose ``InteractionWithTokenLogpReward`` has a ``token_rewards``
-     field (AReaL's Process Rewards): each interaction on the leaf's chain gets its
-     own output tokens' process rewards there, and ``reward`` stays the outcome —
-     AReaL's actor shapes advantages with them;
-   * AReaL 1.0.4 (``reward`` only): ``reward`` becomes outcome + the reduction
-     (``mean`` by default) of the process rewards, so a stock 1.0.4 trainer learns
-     from them; with ``tensor_token_rewards=True`` the leaf's ``to_tensor_dict()``
-     also carries ``token_rewards`` ``[1, L]`` aligned with ``input_ids`` (0 off the
-     generated tokens, unshifted) for an actor or the project's shaper to read.
-
-A group the workers reject (or discard) is rejected for AReaL too (``None``: AReaL's
-Process Rewards reject a group when a member fails). A verdict that does not come in
-time rejects the group by default (``on_timeout="reject"``); ``outcome_only`` keeps the
-workflow's rewards untouched and ``raise`` stops the rollout — never a silent 0.
+A group the workers reject (or discard) is rejected for AReaL too (``None``). A late
+verdict rejects the group by default (``on_timeout="reject"``); ``outcome_only`` keeps the
+workflow's rewards and ``raise`` stops the rollout (:mod:`shaper.integrations.core`'s policy).
 """
 
 from __future__ import annotations
@@ -33,20 +18,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import uuid
 from collections import Counter
 from collections.abc import Callable
-from os import PathLike
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from areal.api.workflow_api import RolloutWorkflow
 from areal.experimental.openai.types import InteractionWithTokenLogpReward
 
-from infra.config import PipelineConfig, load_config
-from infra.errors import TrainingError
-from shaper.reward_client import ProcessReduction, RewardClient, Sample, SampleReward, reduce_process
+from shaper.integrations import core
+from shaper.integrations.core import AdapterSettings, OnTimeout, VerdictTimeout
+from shaper.reward_client import ProcessReduction, Sample, SampleReward
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +37,6 @@ __all__ = ["HAS_TOKEN_REWARDS_FIELD", "PRMRolloutWorkflow", "VerdictTimeout", "c
 
 HAS_TOKEN_REWARDS_FIELD = "token_rewards" in {f.name for f in dataclasses.fields(InteractionWithTokenLogpReward)}
 """Whether this AReaL's interactions carry per-token process rewards (1.0.4: no)."""
-
-OnTimeout = Literal["reject", "outcome_only", "raise"]
-
-
-class VerdictTimeout(TrainingError, TimeoutError):
-    """A group's verdict did not arrive in time (raised with ``on_timeout="raise"``)."""
 
 
 def chain_of(interaction: InteractionWithTokenLogpReward) -> list[InteractionWithTokenLogpReward]:
@@ -104,40 +81,23 @@ def sample_of(interaction: InteractionWithTokenLogpReward, *, policy_version: in
 class PRMRolloutWorkflow(RolloutWorkflow):
     """``GroupedRolloutWorkflow`` that scores the group through the pipeline before AReaL trains on it.
 
-    Args:
-        workflow: an AReaL workflow whose ``arun_episode`` returns
-            ``ArealOpenAI.export_interactions(...)`` (interactions with token data).
-        group_size: episodes per data item (AReaL's ``gconfig.n_samples``).
-        cfg: the pipeline config or a YAML path (``None``: ``$PRM_CONFIG``).
-        verdict_timeout_s: bound on the wait (default the workers' ``group_timeout_s`` + 30 s).
-        on_timeout: ``reject`` (default), ``outcome_only`` or ``raise``.
-        reduction: process rewards -> the scalar added to ``reward`` where the
-            interaction has no ``token_rewards`` field.
-        tensor_token_rewards: also put ``token_rewards`` into each leaf's tensor dict.
-        decode: token ids -> text, for scorers that read each turn's words (e.g. the
-            tokenizer's ``decode``).
-        version: the policy version the episodes were sampled with (a callable, read
-            per group, e.g. ``engine.get_version``).
+    ``workflow`` returns ``ArealOpenAI.export_interactions(...)``; ``group_size`` is AReaL's
+    ``gconfig.n_samples``; ``on_timeout`` is ``reject`` (default), ``outcome_only`` or ``raise``;
+    ``reduction`` makes the scalar added to ``reward`` where there is no ``token_rewards`` field;
+    ``decode`` (ids -> text) serves scorers that read words; ``version()`` (``engine.get_version``) is per group.
     """
 
-    def __init__(self, workflow: RolloutWorkflow, group_size: int, cfg: PipelineConfig | str | PathLike | None = None,
+    def __init__(self, workflow: RolloutWorkflow, group_size: int, cfg: core.ConfigArg = None,
                  *, verdict_timeout_s: float | None = None, on_timeout: OnTimeout = "reject",
                  reduction: ProcessReduction = "mean", tensor_token_rewards: bool = False,
                  decode: Callable[[np.ndarray], str] | None = None, version: Callable[[], int] | None = None) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
-        if on_timeout not in ("reject", "outcome_only", "raise"):
-            raise ValueError(f"on_timeout must be 'reject', 'outcome_only' or 'raise', got {on_timeout!r}")
-        if reduction not in ("mean", "sum", "last"):
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'last', got {reduction!r}")
-        self.workflow = workflow
-        self.group_size = group_size
-        self.cfg = cfg if isinstance(cfg, PipelineConfig) else load_config(None if cfg is None else str(cfg))
-        self.on_timeout: OnTimeout = on_timeout
-        self.reduction: ProcessReduction = reduction
-        self.tensor_token_rewards = tensor_token_rewards
-        self.version = version
-        self.client = RewardClient(self.cfg, verdict_timeout_s=verdict_timeout_s, decode=decode)
+        self.settings = AdapterSettings.checked(on_timeout=on_timeout, reduction=reduction,
+                                                verdict_timeout_s=verdict_timeout_s)
+        self.workflow, self.group_size, self.cfg = workflow, group_size, core.load_pipeline(cfg)
+        self.tensor_token_rewards, self.version = tensor_token_rewards, version
+        self.client = self.settings.client(self.cfg, decode)
         self.counts: Counter[str] = Counter()
         self.last: dict[str, SampleReward] = {}  # the latest group's results by interaction id
 
@@ -164,20 +124,11 @@ class PRMRolloutWorkflow(RolloutWorkflow):
             return None
         version = None if self.version is None else int(self.version())
         samples = [sample_of(i, policy_version=version) for i in merged.values()]
-        group_id = f"areal-{uuid.uuid4().hex}"
-        rewards = await self.client.score_group(samples, group_id=group_id)
+        (rewards,) = await core.score_groups(self.client, [samples], prefix="areal")
         self.last = dict(zip(merged, rewards))
-        for r in rewards:
-            self.counts[r.status] += 1
-        status, reason = rewards[0].status, rewards[0].reason
-        if status == "timeout":
-            if self.on_timeout == "raise":
-                raise VerdictTimeout(reason)
-            log.warning("PRMRolloutWorkflow: %s (%s)", reason,
-                        "group rejected" if self.on_timeout == "reject" else "the workflow's rewards stand")
-            return None if self.on_timeout == "reject" else merged
-        if status != "accepted":
-            log.info("PRMRolloutWorkflow: group %s %s by the workers (%s): rejected", group_id, status, reason)
+        if core.settle(rewards, self.settings, self.counts, who="PRMRolloutWorkflow"):
+            return None if self.settings.on_timeout == "reject" else merged
+        if not rewards[0].accepted:
             return None
         for interaction, sample, reward in zip(merged.values(), samples, rewards):
             self._write_back(interaction, sample, reward)
@@ -185,16 +136,14 @@ class PRMRolloutWorkflow(RolloutWorkflow):
 
     def _write_back(self, leaf: InteractionWithTokenLogpReward, sample: Sample, reward: SampleReward) -> None:
         """Set ``reward`` (and ``token_rewards`` where this AReaL has it) from the verdict."""
-        sequence_len = len(sample.prompt_ids) + len(sample.response_ids)
-        full = np.zeros(sequence_len, dtype=np.float32)  # process rewards on the leaf's whole sequence
-        full[len(sample.prompt_ids):] = reward.token_rewards
+        full = np.concatenate([np.zeros(len(sample.prompt_ids), np.float32), reward.token_rewards])  # whole sequence
         if HAS_TOKEN_REWARDS_FIELD:
             for member in chain_of(leaf):
                 start = member.model_response.input_len
                 member.token_rewards = torch.from_numpy(full[start:start + member.model_response.output_len].copy())
             leaf.reward = reward.outcome
         else:
-            leaf.reward = reward.outcome + reduce_process(reward, self.reduction)
+            leaf.reward = self.settings.scalar(reward)
         for member in chain_of(leaf):
             member._cache = None  # AReaL caches to_tensor_dict(), reward included
         if self.tensor_token_rewards:

@@ -10,87 +10,49 @@ from the policy's own tokens: no re-tokenization, and ``token_rewards`` line up 
 sample's response tokens for a custom advantage or loss hook. Each run of ``loss_mask``
 ones is one model turn (tool output between turns is masked out). A sample without
 tokens falls back to its text and the configured tokenizer, as the gateway's ``/slime``
-route does.
-
-The answer per sample is the ``/slime`` route's: ``{"score", "outcome", "process",
-"status", "reason_code", "reason", "group_id", "token_rewards", "turn_rewards"}``. The config is
-``args.prm_config`` when slime's args carry one, else ``$PRM_CONFIG``. slime is not
-installable from PyPI; the tests build samples with the attributes slime's ``Sample``
-has (docs/integrations/slime.md).
+route does; both answer through :func:`shaper.integrations.core.slime_scores`:
+``{"score", "outcome", "process", "status", "reason_code", "reason", "group_id",
+"token_rewards", "turn_rewards"}`` per sample. The config is ``args.prm_config`` when
+slime's args carry one, else ``$PRM_CONFIG``. slime is not installable from PyPI; the
+tests build samples with the attributes slime's ``Sample`` has (docs/integrations/slime.md).
 """
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from infra.config import PipelineConfig, load_config
-from infra.errors import TrainingError
-from shaper.reward_client import RewardClient, Sample
-from shaper.text_rewards import ByteTokenizer, FileTokenizer, load_tokenizer, reward_summary
+from infra.config import load_config
+from shaper.integrations.core import PerLoop, TextScorer, VerdictTimeout, slime_scores
+from shaper.reward_client import Sample
+from shaper.text_rewards import ByteTokenizer, FileTokenizer, load_tokenizer, prompt_messages
 
-__all__ = ["VerdictTimeout", "aclose", "reward", "sample_from_slime", "score_samples"]
+__all__ = ["VerdictTimeout", "aclose", "load_tokenizer", "reward", "sample_from_slime", "score_samples"]
 
-
-class VerdictTimeout(TrainingError, TimeoutError):
-    """No verdict within ``gateway.verdict_timeout_s`` (the HTTP route answers 504)."""
-
-
-class _Scorer:
-    """One RewardClient per event loop (its Kafka clients belong to the loop that made them)."""
-
-    def __init__(self, cfg: PipelineConfig) -> None:
-        self.cfg = cfg
-        self.tokenizer: ByteTokenizer | FileTokenizer = load_tokenizer(cfg.gateway.tokenizer)
-        self.client = RewardClient(cfg, verdict_timeout_s=cfg.gateway.verdict_timeout_s,
-                                   decode=self.tokenizer.decode)
-
-
-_scorers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Scorer] = weakref.WeakKeyDictionary()
-
-
-def _prompt_text(prompt: Any) -> tuple[str, list[dict[str, Any]]]:
-    if isinstance(prompt, str):
-        return prompt, [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
-        messages = [{"role": str(m.get("role", "user")), "content": m["content"]} for m in prompt]
-        return "".join(m["content"] for m in messages), messages
-    raise ValueError("sample.prompt must be a string or a list of messages with string 'content'")
+_scorers: PerLoop[TextScorer] = PerLoop()
 
 
 def sample_from_slime(s: Any, tokenizer: ByteTokenizer | FileTokenizer, *, outcome: float = 0.0) -> Sample:
     """A slime ``Sample`` as our :class:`Sample`: its own tokens when it has them, else its text."""
-    prompt_text, messages = _prompt_text(getattr(s, "prompt", ""))
+    prompt_text, messages = prompt_messages(getattr(s, "prompt", ""), "sample.prompt")
     status = getattr(s, "status", None)
     truncated = str(getattr(status, "value", status)).lower() == "truncated"
     tokens = list(getattr(s, "tokens", None) or [])
     n = int(getattr(s, "response_length", 0) or 0)
     if tokens and 0 < n <= len(tokens):
-        response = tokens[len(tokens) - n:]
         logprobs = getattr(s, "rollout_log_probs", None)
         mask = getattr(s, "loss_mask", None)
-        if logprobs is not None and len(logprobs) != n:
-            raise ValueError(f"sample.rollout_log_probs has {len(logprobs)} values for response_length {n}")
-        if mask is not None and len(mask) != n:
-            raise ValueError(f"sample.loss_mask has {len(mask)} values for response_length {n}")
-        return Sample(prompt_ids=tokens[:len(tokens) - n], response_ids=response, response_logprobs=logprobs,
-                      response_mask=mask, outcome_reward=outcome, messages=messages, truncated=truncated)
+        for name, values in (("rollout_log_probs", logprobs), ("loss_mask", mask)):
+            if values is not None and len(values) != n:
+                raise ValueError(f"sample.{name} has {len(values)} values for response_length {n}")
+        return Sample(prompt_ids=tokens[:len(tokens) - n], response_ids=tokens[len(tokens) - n:],
+                      response_logprobs=logprobs, response_mask=mask, outcome_reward=outcome, messages=messages,
+                      truncated=truncated)
     response_text = getattr(s, "response", None)
     if not isinstance(response_text, str):
         raise ValueError("sample.response must be a string (or the sample must carry tokens and response_length)")
     return Sample(prompt_ids=tokenizer.encode(prompt_text), response_ids=tokenizer.encode(response_text),
                   outcome_reward=outcome, messages=messages, truncated=truncated)
-
-
-def _scorer(args: Any) -> _Scorer:
-    loop = asyncio.get_running_loop()
-    scorer = _scorers.get(loop)
-    if scorer is None:
-        scorer = _scorers[loop] = _Scorer(load_config(getattr(args, "prm_config", None)))
-    return scorer
 
 
 async def score_samples(args: Any, samples: Sequence[Any], *, outcomes: Sequence[float] | None = None
@@ -104,15 +66,11 @@ async def score_samples(args: Any, samples: Sequence[Any], *, outcomes: Sequence
         raise ValueError("score_samples needs at least one sample")
     if outcomes is not None and len(outcomes) != len(samples):
         raise ValueError(f"{len(outcomes)} outcomes for {len(samples)} samples")
-    scorer = _scorer(args)
+    path = getattr(args, "prm_config", None)
+    scorer = _scorers.get(path, lambda: TextScorer(load_config(path)))
     ours = [sample_from_slime(s, scorer.tokenizer, outcome=0.0 if outcomes is None else float(outcomes[i]))
             for i, s in enumerate(samples)]
-    rewards = await scorer.client.score_group(ours, group_id=f"slime-{uuid.uuid4().hex}")
-    if rewards[0].status == "timeout":
-        raise VerdictTimeout(rewards[0].reason + " (its trajectories are published; the workers may still decide it)")
-    how = scorer.cfg.gateway.process_reduction
-    return [{**reward_summary(r, how), "token_rewards": r.token_rewards.tolist(), "turn_rewards": r.turn_rewards}
-            for r in rewards]
+    return await slime_scores(scorer.client, scorer.cfg.gateway, ours)
 
 
 async def reward(args: Any, sample_or_samples: Any, **kwargs: Any) -> dict[str, Any] | list[dict[str, Any]]:
@@ -130,6 +88,4 @@ async def reward(args: Any, sample_or_samples: Any, **kwargs: Any) -> dict[str, 
 
 async def aclose() -> None:
     """Close the current loop's Kafka clients (slime never calls this; tests and scripts may)."""
-    scorer = _scorers.pop(asyncio.get_running_loop(), None)
-    if scorer is not None:
-        await scorer.client.aclose()
+    await _scorers.aclose()

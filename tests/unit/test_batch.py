@@ -293,6 +293,41 @@ def test_filter_inputs_feed_the_group_filters() -> None:
     assert (decision.keep, decision.reason) == (True, "penalized_all_wrong")
 
 
+def truncated_session(sid: str, reward: float) -> SessionResult:
+    t = turn(f"{sid}-t0", None, [1, 2], [3, 4, 5], stop="length")
+    return session(sid, [t], [branch([t.interaction_id], {t.interaction_id: rewards(reward, 3)})], outcome=0.0)
+
+
+@pytest.mark.parametrize("sessions", [
+    [simple_session("a", outcome=0.0, reward=-1.0), simple_session("b", outcome=0.0, reward=0.0, out=4)],
+    [simple_session("a", outcome=0.0, reward=0.0), simple_session("b", outcome=0.0, reward=0.0)],
+    [simple_session("a", outcome=1.0), simple_session("b", outcome=0.0)],
+    [simple_session("a", outcome=1.0), simple_session("b", outcome=1.0, reward=-1.0)],
+    [truncated_session("a", -1.0), simple_session("b", outcome=0.0, reward=0.0)],  # penalty in a truncated row
+    [truncated_session("a", -1.0), simple_session("b", outcome=0.0, reward=-0.5)],
+])
+def test_filters_read_the_group_as_they_read_its_padded_tensors(sessions) -> None:
+    from shaper.filters import FILTERS
+
+    group = export_group(verdict("g", sessions))
+    padded = group.filter_inputs()
+    assert set(padded) == set(group.FILTER_KEYS) and "rewards" not in group
+    for name, rule in FILTERS.items():
+        assert rule(group) == rule(padded), name
+
+
+def test_filtering_a_group_builds_no_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shaper import batch as batch_module
+
+    def no_padding(*_args, **_kwargs):
+        raise AssertionError("the filter padded the group")
+
+    monkeypatch.setattr(batch_module, "_pad", no_padding)
+    group = export_group(verdict("g", [simple_session("a", outcome=0.0, reward=-1.0),
+                                       simple_session("b", outcome=0.0, reward=0.0)]))
+    assert filter_mixed_or_penalized_all_wrong_mask_no_eos(group).reason == "penalized_all_wrong"
+
+
 def test_collate_matches_build() -> None:
     v = [accepted_group("g1"), accepted_group("g2", (0.0, 0.0))]
     a = build_training_batch(v)
