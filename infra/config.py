@@ -339,7 +339,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     keep_scorer_channels: bool = False
     # Finished groups are remembered this long (compact time-bucketed sets in Redis): a
     # duplicate or late member within it is acknowledged without work; beyond it, the
-    # trainer's dedupe on (group_id, verdict_version) drops the group's second verdict.
+    # trainer's dedupe on (experiment_id, group_id, verdict_version) drops the group's second verdict.
     # Cover the longest redelivery delay (consumer lag after an outage). docs/architecture.md
     dedupe_window_s: float = 3600.0
     # Tuning (arq keeps the same knobs as worker settings). A record whose processing
@@ -602,8 +602,13 @@ def _accepts_str(section: type[msgspec.Struct], field: str) -> bool:
     )
 
 
-def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
-    """Fold ``PRM_<SECTION>_<FIELD>`` variables into the raw YAML mapping."""
+def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str],
+                        sources: dict[str, str] | None = None) -> dict[str, Any]:
+    """Fold ``PRM_<SECTION>_<FIELD>`` variables into the raw YAML mapping.
+
+    ``sources``, when given, receives ``"$.<section>.<field>"`` -> the variable that set it,
+    so that an error about that value can name the variable rather than a YAML key.
+    """
     out = dict(raw)
     for name, value in sorted(environ.items()):
         if not name.startswith("PRM_"):
@@ -624,7 +629,25 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
             parsed = value  # a password "12345" or a group id "on" stays a string
         sub[field] = parsed
         out[section] = sub
+        if sources is not None:
+            sources[f"$.{section}.{field}"] = name
     return out
+
+
+def _from_env(message: str, sources: Mapping[str, str], environ: Mapping[str, str]) -> str | None:
+    """``message`` (a msgspec error ending ``- at `$.section.field…```) restated for the
+    environment variable that set that value, or None when no variable did."""
+    where = re.search(r" - at `(\$\.[^`]*)`$", message)
+    if where is None:
+        return None
+    path = where.group(1)
+    for key, name in sources.items():
+        inside = path == key or path.startswith((key + ".", key + "["))
+        # a struct's own rule (its __post_init__) is reported at the struct: the message names the key
+        rule = key.startswith(path + ".") and re.search(rf"\b{re.escape(key[2:])}\b", message) is not None
+        if inside or rule:
+            return f"{name}={environ.get(name, '')!r}: {message[: where.start()]} (at `{path[2:]}`)"
+    return None
 
 
 def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | None = None) -> PipelineConfig:
@@ -634,18 +657,27 @@ def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | 
     check_keys(raw)  # before dropping empty sections: a misspelt empty one is a typo too
     # ``worker:`` with every key commented out parses as null: treat it as "all defaults".
     data = {k: v for k, v in raw.items() if v is not None}
-    data = apply_env_overrides(data, os.environ if environ is None else environ)
+    env = os.environ if environ is None else environ
+    sources: dict[str, str] = {}
+    data = apply_env_overrides(data, env, sources)
     known = _keys(PipelineConfig)
     data = {k: v for k, v in data.items() if k in known}  # AReaL's other sections: accepted, not ours
     try:
         cfg = msgspec.convert(data, PipelineConfig, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid config: {exc}") from None
+        raise ConfigError(_from_env(str(exc), sources, env) or f"invalid config: {exc}") from None
     for name, profile in cfg.worker.scorer_profiles.items():
         if not profile.path or profile.profile is not None:
             raise ConfigError(f"worker.scorer_profiles.{name}: a profile names its scorer by `path` (not another profile)")
     cfg.rollout.agent.prm = expand_profiles(cfg.prm, cfg.worker.scorer_profiles)
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as exc:  # a rule broken by a value from the environment: name the variable
+        named = [f"{name}={env.get(name, '')!r}" for key, name in sources.items()
+                 if re.search(rf"\b{re.escape(key[2:])}\b", str(exc))]
+        if not named:
+            raise
+        raise ConfigError(f"{exc} (set by {', '.join(named)})") from None
     return cfg
 
 

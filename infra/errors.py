@@ -5,7 +5,7 @@ could not do", or one subtree (as httpx's ``HTTPError`` / ``RequestError`` /
 ``TransportError``):
 
 * :class:`ConfigurationError` — a setting or config file is wrong (``ConfigError`` and
-  ``ScorerArgumentError``, ``TokenizerError``);
+  ``ScorerArgumentError``, ``TokenizerError``, ``UnknownExperiment``);
 * :class:`WireError` — a message, record or file breaks the wire contract
   (``SchemaError`` and its kinds, ``IncompleteTrajectory`` for chunked records,
   ``JsonlError``, ``TreeError``, ``NotConcatExport``, ``MessageTooLarge``,
@@ -13,7 +13,7 @@ could not do", or one subtree (as httpx's ``HTTPError`` / ``RequestError`` /
   gateway's ``BadRequest``);
 * :class:`ServiceError` — Kafka, Redis or a local service is unreachable or refuses us
   (``ServiceUnavailable``, ``KafkaUnreachable``, ``KafkaAccessRefused``,
-  ``RedisAccessError``, ``LocalStackError``, ``PublishError``);
+  ``RedisAccessError``, ``LocalStackError``, ``PublishError``, ``TopicMissing``);
 * :class:`ScoringError` — scoring a trajectory failed (``JudgeRequestError`` and its
   kinds, ``JudgeFailedError``, ``MissingLogprobsError``, ``RunnerClosedError``,
   ``ProcessingError``);

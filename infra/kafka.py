@@ -93,6 +93,15 @@ class KafkaAccessRefused(ServiceError, RuntimeError):
     ``str()`` is the one-line report naming the setting to fix."""
 
 
+class TopicMissing(ServiceError, RuntimeError):
+    """A topic a command reads does not exist on the broker; ``str()`` is one line with the fix."""
+
+    def __init__(self, topic: str) -> None:
+        super().__init__(f"topic {topic!r} does not exist; `prm-pipeline topics create` creates the configured "
+                         "topics and those of every experiment declared in the registry")
+        self.topic = topic
+
+
 class KafkaAuthError(KafkaAccessRefused):
     """The broker refused our SASL login; the message names the user and the settings to check.
 
@@ -316,12 +325,12 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 30.0) -> list[TopicPartition]:
     """Every partition of ``topic``, waiting up to ``timeout_s`` for its metadata (a topic
     created a moment ago may not be known to the client yet); a topic that never shows
-    up is a clear error, not an endless wait."""
+    up is :class:`TopicMissing` (one line with the fix), not an endless wait."""
     deadline = time.monotonic() + timeout_s
     partitions = consumer.partitions_for_topic(topic)
     while not partitions:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"topic {topic!r} does not exist (create it with `prm-pipeline topics create`)")
+            raise TopicMissing(topic)
         await consumer._client.force_metadata_update()  # aiokafka has no public call for this
         partitions = consumer.partitions_for_topic(topic)
         if not partitions:

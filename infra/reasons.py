@@ -86,7 +86,7 @@ DISCARDED: Final = _add(
 UNKNOWN_EXPERIMENT: Final = _add(
     "unknown_experiment", "rejected", True,
     "the record names an experiment the workers' registry does not hold (never added, removed, or its "
-    "registry record was refused); `reason` names it")
+    "registry record was refused); `reason` names it; the record itself is dead-lettered (`UnknownExperiment`)")
 INVALID_MEMBER: Final = _add(
     "invalid_member", "rejected", False,
     "a record keyed by the group was dead-lettered (undecodable or persistently failing); `reason` names "

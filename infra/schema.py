@@ -878,7 +878,7 @@ VerdictStatus = Literal["accepted", "rejected", "discarded"]
 
 
 class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """The decision for one group; ``(group_id, verdict_version)`` is the trainer's dedupe key.
+    """The decision for one group; ``(experiment_id, group_id, verdict_version)`` is the trainer's dedupe key.
 
     Why, typed: ``reason_code`` is a registered code (:mod:`infra.reasons`; empty when
     accepted) for programs and metric labels, ``reason`` free text for people (a

@@ -22,6 +22,7 @@ from typing import Any
 
 from infra import event_loop
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
+from infra.experiments import UnknownExperiment, declared_experiment
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
 
@@ -78,11 +79,23 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_topics(args: argparse.Namespace) -> int:
+    """The configured topics, then the two topics of every experiment the registry declares."""
+    from infra.experiments import trajectories_topic, verdicts_topic
     from infra.kafka import ensure_topics
+    from infra.registry import read_registry
 
     cfg = _load(args)
-    result = asyncio.run(ensure_topics(cfg.kafka, cfg.topics))
-    for name, state in result.items():
+
+    async def create() -> dict[str, str]:
+        result = await ensure_topics(cfg.kafka, cfg.topics)
+        declared = [e for e, entry in sorted((await read_registry(cfg)).items()) if entry.spec is not None]
+        names = [t for e in declared for t in (trajectories_topic(cfg.topics.trajectories, e),
+                                               verdicts_topic(cfg.topics.verdicts, e))]
+        if names:
+            result.update(await ensure_topics(cfg.kafka, cfg.topics, names))
+        return result
+
+    for name, state in asyncio.run(create()).items():
         print(f"{state:8} {name}")
     return 0
 
@@ -145,6 +158,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from producers.publisher import TrajectoryPublisher
 
     cfg = _load(args)
+    if getattr(args, "raw", False):
+        return _publish_raw(cfg, args)
     publisher = TrajectoryPublisher(cfg.kafka, cfg.topics, experiment=experiment_of(args, cfg))
 
     async def main(on_progress: Any) -> dict[str, int]:
@@ -158,6 +173,32 @@ def cmd_publish(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"published {counts['ready']} ready trajectories and {counts['discard']} discards to {publisher.topic}")
+    return 0
+
+
+def _publish_raw(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    """``publish --raw``: each non-empty line's bytes as one record, unchecked, without a key or
+    headers — what a foreign producer that ignores docs/wire.md sends. Workers dead-letter what
+    they cannot decode, so this is the way to make dead letters to try the tools on
+    (docs/dead-letters.md)."""
+    from infra.experiments import trajectories_topic
+    from infra.kafka import make_producer
+
+    topic = trajectories_topic(cfg.topics.trajectories, experiment_of(args, cfg))
+    lines = [line for line in Path(args.file).read_bytes().splitlines() if line.strip()]
+
+    async def send() -> None:
+        producer = make_producer(cfg.kafka)
+        await producer.start()
+        try:
+            for line in lines:
+                await producer.send(topic, line)
+            await producer.flush()
+        finally:
+            await producer.stop()
+
+    asyncio.run(send())
+    print(f"published {len(lines)} raw records (unchecked, no key, no headers) to {topic}")
     return 0
 
 
@@ -286,8 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("publish", help="publish ready trajectories and discards from a JSONL file")
     p.add_argument("file", help="JSONL file (docs/jsonl.md)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none either when stdout is not a terminal)")
+    p.add_argument("--raw", action="store_true",
+                   help="send each line's bytes unchecked as one record (no key, no headers): workers dead-letter "
+                        "what they cannot decode, a way to try the dead-letter tools (docs/dead-letters.md)")
     add_experiment_option(p, "publish to this experiment's topic (prm.trajectories.ID), stamping experiment_id "
-                             "on lines that name none (default: trainer.experiment)")
+                             "on lines that name none (default: trainer.experiment); it must be declared")
     p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("verdicts", help="print verdicts as JSON lines")
@@ -384,6 +428,18 @@ WRITES: dict[str, tuple[tuple[str, str], ...]] = {
     "trainer": (("dedupe_store", "--dedupe-store"),),
 }
 
+
+def _experiment_to_check(args: argparse.Namespace) -> str | None:
+    """The experiment a command publishes to or waits on, which must be declared
+    (:func:`infra.experiments.declared_experiment`); None when the command does neither.
+    ``trainer`` and ``audit`` check theirs when they read its declaration; ``status``
+    checks in its own command (it reports an unreachable Kafka itself); ``dead-letters``
+    checks none (its letters may name an undeclared experiment)."""
+    if args.command in ("publish", "verdicts") or (args.command == "inspect" and args.group and not args.verdicts):
+        return experiment_of(args, _load(args))
+    return None
+
+
 # Exit status of an error that is not the command's own verdict. ``audit`` keeps 1 for
 # "a group differs", so its errors (config, files, services, crashes) exit 2.
 ERROR_EXIT: dict[str, int] = {"audit": 2}
@@ -446,7 +502,7 @@ def preflight(args: argparse.Namespace) -> None:
         from prm_pipeline.experiment_tool import check_experiment_file
 
         check_experiment_file(_load(args), args.target)
-    elif args.command == "publish":
+    elif args.command == "publish" and not getattr(args, "raw", False):
         from infra.jsonl import load
 
         for _ in load(args.file):  # every line is valid before anything connects
@@ -495,14 +551,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ServiceUnavailable as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return failed
+        if (experiment := _experiment_to_check(args)) is not None:
+            asyncio.run(declared_experiment(_load(args), experiment))
         return int(args.func(args) or 0)
+    except UnknownExperiment as exc:  # nothing would ever read what the command publishes or waits for
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
         from infra.jsonl import JsonlError
+        from infra.kafka import TopicMissing
 
-        if isinstance(exc, JsonlError):
+        if isinstance(exc, (JsonlError, TopicMissing)):
             print(f"error: {exc}", file=sys.stderr)
             return failed
         message = _access_error(args, exc)

@@ -32,6 +32,7 @@ import asyncio
 import base64
 import json
 import logging
+import re
 import signal
 import sys
 import time
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 REDRIVEN_FROM_HEADER = "prm-redriven-from"
 REDRIVEN_SOURCE_HEADER = "prm-redriven-source"
 # Classes a worker gives a record it could not decode (infra.schema's SchemaError family).
+UNKNOWN_EXPERIMENT_CLASS = "UnknownExperiment"  # a record naming an experiment no worker serves (docs/fleet.md)
 SCHEMA_ERROR_CLASSES = frozenset({"SchemaError", "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage"})
 
 
@@ -248,6 +250,10 @@ def _rejection_note(rec: LetterRecord, message: TrajectoryMessage) -> str:
     keyed = rec.key_text is not None
     if not keyed and rec.letter.error_class in SCHEMA_ERROR_CLASSES:
         return ""  # an undecodable record without a key named no group: none was rejected
+    if rec.letter.error_class == UNKNOWN_EXPERIMENT_CLASS:  # rejected without touching the ledger
+        return (f"workers rejected group {message.group_id} (unknown_experiment) without remembering it: once "
+                f"experiment {message.experiment!r} is declared (prm-pipeline experiment add), the redriven record "
+                "is scored; before that it is dead-lettered again")
     return (f"workers rejected group {message.group_id} (invalid_member) when they dead-lettered this record; "
             "while they remember it (worker.dedupe_window_s) they acknowledge the redriven record without a "
             "new verdict")
@@ -343,14 +349,24 @@ async def redrive(cfg: PipelineConfig, entries: Sequence[PlanEntry], *, out: IO[
 
 
 # --------------------------------------------------------------------------- CLI
-def parse_offsets(text: str) -> set[tuple[int, int]]:
-    """``--offsets 0:12,0:13,1:4`` (partition:offset of the dead-letter topic)."""
-    found: set[tuple[int, int]] = set()
+_OFFSET = re.compile(r"(?:(?P<topic>.+):)?(?P<partition>\d+)[:@](?P<offset>\d+)")
+
+
+def parse_offsets(text: str) -> set[tuple[str | None, int, int]]:
+    """``--offsets``: dead letters of the dead-letter topic as ``(topic, partition, offset)``.
+
+    Each comma-separated item is ``PARTITION:OFFSET``, ``PARTITION@OFFSET`` or the
+    ``dead_letter`` field's own form ``TOPIC:PARTITION@OFFSET`` (``prm.dead-letters:3@0``:
+    copied from the listing); ``topic`` is None where the item names none.
+    """
+    found: set[tuple[str | None, int, int]] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
-        p, sep, o = part.partition(":")
-        if not sep or not p.isdigit() or not o.isdigit():
-            raise argparse.ArgumentTypeError(f"expected PARTITION:OFFSET[,PARTITION:OFFSET...], got {part!r}")
-        found.add((int(p), int(o)))
+        match = _OFFSET.fullmatch(part)
+        if match is None:
+            raise argparse.ArgumentTypeError(
+                f"expected PARTITION:OFFSET or TOPIC:PARTITION@OFFSET (the dead_letter field), comma-separated; "
+                f"got {part!r}")
+        found.add((match["topic"], int(match["partition"]), int(match["offset"])))
     return found
 
 
@@ -368,8 +384,14 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         return 2
     if not args.redrive:
         return _list(cfg, args)
+    chosen = [o for spec in args.offsets or () for o in spec]
+    stray = sorted({topic for topic, _, _ in chosen if topic not in (None, cfg.topics.dead_letters)})
+    if stray:
+        print(f"dead-letters: --offsets names {stray}; the dead letters are in {cfg.topics.dead_letters!r}",
+              file=sys.stderr)
+        return 2
     selection = Selection(
-        offsets=frozenset(o for spec in args.offsets or () for o in spec),
+        offsets=frozenset((p, o) for _, p, o in chosen),
         trajectories=frozenset(args.trajectory or ()), groups=frozenset(args.group or ()),
         reasons=frozenset(args.reason or ()), experiment=args.experiment,
         trajectories_base=cfg.topics.trajectories,
@@ -440,7 +462,8 @@ def add_dead_letters_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="republish chosen dead letters to the trajectories topic (a dry run unless --yes)")
     p.add_argument("--yes", action="store_true", help="with --redrive: really republish")
     p.add_argument("--offsets", type=parse_offsets, action="append", metavar="P:O[,P:O...]",
-                   help="with --redrive: only these dead letters (partition:offset in the dead-letter topic)")
+                   help="with --redrive: only these dead letters of the dead-letter topic: PARTITION:OFFSET, or "
+                        "the dead_letter field as printed (prm.dead-letters:3@0)")
     p.add_argument("--trajectory", action="append", metavar="ID", help="with --redrive: only this trajectory id")
     p.add_argument("--group", action="append", metavar="ID", help="with --redrive: only records of this group")
     p.add_argument("--reason", action="append", metavar="CLASS",

@@ -399,6 +399,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not verdicts:
         print(f"inspect: no verdict for group {args.group!r}", file=sys.stderr)
         return 1
+    if args.session:  # filter first: the session may be in any group of the file, not only the first few
+        read = len(verdicts)
+        verdicts = [v for v in verdicts if any(s.get("session_id") == args.session for s in v.get("sessions") or ())]
+        if not verdicts:
+            where = args.verdicts or f"the verdict of group {args.group!r}"
+            print(f"inspect: no session {args.session!r} in {where} ({read} verdict(s) read"
+                  f"{', group ' + repr(args.group) if args.group and args.verdicts else ''})", file=sys.stderr)
+            return 1
     audit = load_audit(args.audit)
     shown = verdicts[: args.max_groups]
     try:
@@ -434,8 +442,10 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "model); default: show raw ids")
     p.add_argument("--ids", action="store_true", help="show raw token ids even with --tokenizer")
     p.add_argument("--audit", default=None, help="judge audit JSON lines (record_judge_audit) to show votes and texts")
-    p.add_argument("--session", default=None, help="only this session")
-    p.add_argument("--max-groups", type=int, default=3, help="groups shown from a --verdicts file (default 3)")
+    p.add_argument("--session", default=None,
+                   help="only this session, looked for in every group read (exit 1 when none holds it)")
+    p.add_argument("--max-groups", type=int, default=3,
+                   help="groups shown from a --verdicts file, after --group/--session/--experiment (default 3)")
     p.add_argument("--html", default=None, help="also write the token view as a self-contained HTML file")
     p.add_argument("--no-terminal", action="store_true", help="no terminal view")
     p.add_argument("--timeout", type=float, default=30.0, help="--group: seconds to wait for the verdict")

@@ -13,7 +13,9 @@ future times) only costs a longer read, never a wrong answer.
 
 ``--experiment ID`` reads that experiment's topic (``prm.verdicts.ID``; docs/fleet.md);
 a verdict there that names another experiment was published to the wrong topic: it is
-not printed, and the summary counts it.
+not printed, and the summary counts it. The default topic also carries the workers'
+``unknown_experiment`` rejections, which name the undeclared experiment: they are counted
+apart, pointing at the dead letters that hold those records.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ from infra.experiments import DEFAULT_EXPERIMENT, verdicts_topic
 from infra.jsonl import dump_verdict
 from infra.kafka import assign_from_start, make_consumer
 from infra.readback import VerdictTokens, needs_tokens
+from infra.reasons import UNKNOWN_EXPERIMENT
 from infra.schema import SchemaError, decode_verdict
 from prm_pipeline.token_view import verdict_record
+
+TOPIC_WAIT_S = 3.0  # how long a topic created a moment ago may take to show in the metadata
 
 _UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0, "w": 604_800.0}
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
@@ -94,10 +99,14 @@ class DumpCounts:
     groups: int = 0
     repeats: int = 0
     other_experiment: int = 0
+    unknown_experiment: int = 0  # of other_experiment: workers' rejections of an undeclared experiment
 
     def summary(self) -> str:
         other = (f"; {self.other_experiment} verdicts of another experiment on this topic were skipped"
                  if self.other_experiment else "")
+        if self.unknown_experiment:
+            other += (f" ({self.unknown_experiment} of them rejections `unknown_experiment` of an undeclared "
+                      "experiment: `prm-pipeline dead-letters` lists their records, error class UnknownExperiment)")
         if not self.repeats:
             return f"{self.verdicts} verdicts{other}"
         return (f"{self.verdicts} verdicts of {self.groups} groups: {self.repeats} repeated an (experiment_id, "
@@ -116,7 +125,9 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
     readback = VerdictTokens(cfg)  # verdicts published with worker.verdict_tokens: reference
     count = 0
     try:
-        tps = await assign_from_start(consumer, verdicts_topic(cfg.topics.verdicts, experiment))
+        # a missing topic is TopicMissing (one line, exit 1) after a short wait for fresh metadata
+        tps = await assign_from_start(consumer, verdicts_topic(cfg.topics.verdicts, experiment),
+                                      timeout_s=TOPIC_WAIT_S)
         if since_ms is not None:
             await seek_to_time(consumer, tps, since_ms)
         last_new = time.monotonic()
@@ -137,6 +148,7 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
                     continue
                 if verdict.experiment_id != experiment:
                     counts.other_experiment += 1
+                    counts.unknown_experiment += verdict.reason_code == UNKNOWN_EXPERIMENT
                     continue
                 verdicts.append(verdict)
             if any(needs_tokens(v) for v in verdicts):  # the turns (and the status) the trainer sees

@@ -32,7 +32,7 @@ two buckets (two windows) after its last write; about 18 bytes per
 finished group while a set is small (listpack), 33–37 once it is large (hash table),
 instead of a 24 h tombstone key per group. A duplicate or late member of a group finished
 longer ago than the window re-opens it, and its second verdict is dropped by the
-trainer's dedupe on ``(group_id, verdict_version)`` — so the window must cover the
+trainer's dedupe on ``(experiment_id, group_id, verdict_version)`` — so the window must cover the
 longest redelivery delay (consumer lag after an outage, producer retries), see
 docs/architecture.md.
 

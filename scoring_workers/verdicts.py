@@ -2,7 +2,7 @@
 
 :func:`assemble_verdict` is a pure function of what the ledger stored, so every worker
 that (re)publishes a group's verdict produces the same bytes — the trainer's dedupe on
-``(group_id, verdict_version)`` then sees one verdict however often it is redelivered.
+``(experiment_id, group_id, verdict_version)`` then sees one verdict however often it is redelivered.
 
 Rules (each sets ``reason_code`` from :mod:`infra.reasons`; ``reason`` is the text):
 * ``discard`` decision -> ``discarded``; members are listed without results.

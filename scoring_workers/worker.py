@@ -68,7 +68,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra import reasons
 from infra.config import PipelineConfig
-from infra.experiments import DEFAULT_EXPERIMENT, scoped_group, split_scoped, verdicts_topic
+from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, scoped_group, split_scoped, verdicts_topic
 from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer
 from infra.offsets import OffsetCommitter
 from infra.redis import verify_access
@@ -553,7 +553,7 @@ class Worker:
                 if isinstance(message, SchemaError):
                     await self._dead_letter(record, message, attempt, group_id=route.scoped)
                 elif route.experiment is None:
-                    await self._reject_unknown(message, route)
+                    await self._reject_unknown(message, route, record, attempt)
                 elif isinstance(message, DiscardGroup):
                     await self._handle_discard(message, route)
                 else:
@@ -664,11 +664,17 @@ class Worker:
         assert route.scoped is not None
         await self._decide_and_publish(route.scoped, "discard", discard_reason=msg.reason or "discarded")
 
-    async def _reject_unknown(self, message: ReadyTrajectory | DiscardGroup, route: Routed) -> None:
-        """A record naming an experiment this worker does not serve: its group is rejected
-        (``unknown_experiment``) on the default verdicts topic, without touching the ledger
-        (ids named by producers must not grow Redis). Every such record says so again;
-        the trainer's dedupe keeps one verdict per group."""
+    async def _reject_unknown(self, message: ReadyTrajectory | DiscardGroup, route: Routed,
+                              record: ConsumerRecord, attempt: int) -> None:
+        """A record naming an experiment this worker does not serve: the record is dead-lettered
+        (``UnknownExperiment``: ``prm-pipeline dead-letters`` shows it, and redrives it once the
+        experiment is declared) and its group is rejected (``unknown_experiment``) on the default
+        verdicts topic, without touching the ledger (ids named by producers must not grow
+        Redis). Every such record says so again; the trainer's dedupe keeps one verdict per group."""
+        await self._dead_letter(record, UnknownExperiment(
+            f"experiment {route.experiment_id!r} is not in the experiment registry of worker {self.worker_id} "
+            "(never added, removed, or its record was refused); declare it (prm-pipeline experiment add), then "
+            "redrive this record"), attempt)
         members = []
         if isinstance(message, ReadyTrajectory):
             members = [SessionResult.failure(

@@ -17,7 +17,9 @@ One client serves one experiment (docs/fleet.md): ``experiment=`` or
 ``experiment_id``) and waits on its verdicts topic; verdicts are matched by scoped group
 (:func:`infra.experiments.scoped_group`), so two experiments' clients using the same
 group ids never see each other's verdicts. The default experiment's topics and records
-are exactly those of a client written before experiments existed.
+are exactly those of a client written before experiments existed. An experiment the
+registry does not declare is refused when the client starts
+(:class:`infra.experiments.UnknownExperiment`), rather than waiting out every timeout.
 
 A missing verdict is ``status="timeout"`` and a rejected or discarded group says so with
 its ``reason_code`` (:mod:`infra.reasons`) and reason text: never a silent 0. No trainer is imported here; the verl adapter, the reward
@@ -40,7 +42,7 @@ import numpy as np
 
 from infra.config import PipelineConfig
 from infra.event_loop import LoopClient
-from infra.experiments import check_experiment_id, scoped_group, verdicts_topic
+from infra.experiments import check_experiment_id, declared_experiment, scoped_group, verdicts_topic
 from infra.kafka import backoff_delay, is_retriable, make_consumer, partitions_of
 from infra.readback import VerdictTokens, needs_tokens
 from infra.schema import (
@@ -356,10 +358,15 @@ class RewardClient:
         self._starting = asyncio.Lock()
 
     async def start(self) -> None:
-        """Create the Kafka clients (idempotent; :meth:`score` calls it on first use)."""
+        """Create the Kafka clients (idempotent; :meth:`score` calls it on first use).
+
+        Raises :class:`infra.experiments.UnknownExperiment` for an experiment the registry
+        does not declare: no worker reads its topic, so every score would wait out its timeout.
+        """
         async with self._starting:
             if self._waiter is not None:
                 return
+            await declared_experiment(self.cfg, self.experiment)
             waiter = VerdictWaiter(self.cfg, experiment=self.experiment)
             await waiter.start()
             publisher = TrajectoryPublisher(self.cfg.kafka, self.cfg.topics, experiment=self.experiment)

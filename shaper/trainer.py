@@ -393,15 +393,11 @@ def _declared_shaping(cfg: PipelineConfig) -> PipelineConfig:
     """``cfg`` shaping as the experiment's registry declaration says (its ``prm.advantage_shaping``):
     the workers score an experiment with the stack it declares, and its trainer shapes with
     the settings declared next to it. ``--mode`` still overrides the mode."""
-    from infra.registry import read_registry
+    from infra.experiments import declared_experiment
 
     experiment = cfg.trainer.experiment
-    entry = asyncio.run(read_registry(cfg)).get(experiment)
-    if entry is None or entry.spec is None:
-        why = entry.error if entry is not None else "not declared"
-        raise ConfigError(f"trainer.experiment {experiment!r} has no declaration in {cfg.topics.experiments} ({why}); "
-                          f"declare it first (prm-pipeline experiment add FILE.yaml)")
-    shaping = entry.spec.prm.advantage_shaping
+    spec = asyncio.run(declared_experiment(cfg, experiment))  # UnknownExperiment: one line, exit 2
+    shaping = spec.prm.advantage_shaping
     log.info("experiment %s: shaping as declared in the registry: %s", experiment, shaping)
     agent = msgspec.structs.replace(cfg.rollout.agent, prm=msgspec.structs.replace(cfg.prm, advantage_shaping=shaping))
     return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, agent=agent))

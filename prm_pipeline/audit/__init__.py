@@ -32,40 +32,75 @@ The package has one module per job, each importing only the ones listed before i
    :func:`options_from_args`, :func:`cmd_audit`).
 
 Every public name is re-exported here, so callers import from ``prm_pipeline.audit``.
+The re-exports are resolved on first use (PEP 562): ``prm-pipeline`` registers the
+``audit`` command on every run, and importing the package must not import the scorer
+runner (torch) for commands that never audit (``status``, ``verdicts``, ...).
 See ``docs/audit.md`` for the rules (tolerance, failed members, non-deterministic
 scorers, duplicate and conflicting verdicts) and the output format.
 """
 
 from __future__ import annotations
 
-from prm_pipeline.audit.auditor import Auditor, AuditReport
-from prm_pipeline.audit.cli import add_audit_parser, cmd_audit
-from prm_pipeline.audit.cli import options_from_args as options_from_args
-from prm_pipeline.audit.compare import (
-    ATOL,
-    RTOL,
-    Difference,
-    GroupFinding,
-    ScoringScope,
-    SessionComparison,
-    Tolerance,
-    compare_group,
-    compare_session,
-    distinct_verdicts,
-    summarize_group,
-)
-from prm_pipeline.audit.compare import DEFAULT_TOLERANCE as DEFAULT_TOLERANCE
-from prm_pipeline.audit.compare import GROUP_OUTCOMES as GROUP_OUTCOMES
-from prm_pipeline.audit.compare import DifferenceKind as DifferenceKind
-from prm_pipeline.audit.compare import GroupOutcome as GroupOutcome
-from prm_pipeline.audit.compare import SessionOutcome as SessionOutcome
-from prm_pipeline.audit.replay import AuditError, parse_offsets, read_snapshot
-from prm_pipeline.audit.report import render_summary as render_summary
-from prm_pipeline.audit.report import write_findings as write_findings
-from prm_pipeline.audit.rescoring import build_runners as build_runners
-from prm_pipeline.audit.rescoring import rescore, scorer_is_deterministic
-from prm_pipeline.audit.run import AuditOptions, audit, run_audit
-from scoring_workers.prm.errors import failure_code as failure_code
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prm_pipeline.audit.auditor import Auditor, AuditReport
+    from prm_pipeline.audit.cli import add_audit_parser, cmd_audit
+    from prm_pipeline.audit.cli import options_from_args as options_from_args
+    from prm_pipeline.audit.compare import (
+        ATOL,
+        RTOL,
+        Difference,
+        GroupFinding,
+        ScoringScope,
+        SessionComparison,
+        Tolerance,
+        compare_group,
+        compare_session,
+        distinct_verdicts,
+        summarize_group,
+    )
+    from prm_pipeline.audit.compare import DEFAULT_TOLERANCE as DEFAULT_TOLERANCE
+    from prm_pipeline.audit.compare import GROUP_OUTCOMES as GROUP_OUTCOMES
+    from prm_pipeline.audit.compare import DifferenceKind as DifferenceKind
+    from prm_pipeline.audit.compare import GroupOutcome as GroupOutcome
+    from prm_pipeline.audit.compare import SessionOutcome as SessionOutcome
+    from prm_pipeline.audit.replay import AuditError, parse_offsets, read_snapshot
+    from prm_pipeline.audit.report import render_summary as render_summary
+    from prm_pipeline.audit.report import write_findings as write_findings
+    from prm_pipeline.audit.rescoring import build_runners as build_runners
+    from prm_pipeline.audit.rescoring import rescore, scorer_is_deterministic
+    from prm_pipeline.audit.run import AuditOptions, audit, run_audit
+    from scoring_workers.prm.errors import failure_code as failure_code
+
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("Auditor", "AuditReport"), "prm_pipeline.audit.auditor"),
+    **dict.fromkeys(("add_audit_parser", "cmd_audit", "options_from_args"), "prm_pipeline.audit.cli"),
+    **dict.fromkeys(("ATOL", "RTOL", "Difference", "GroupFinding", "ScoringScope", "SessionComparison", "Tolerance",
+                     "compare_group", "compare_session", "distinct_verdicts", "summarize_group",
+                     "DEFAULT_TOLERANCE", "GROUP_OUTCOMES", "DifferenceKind", "GroupOutcome", "SessionOutcome"),
+                    "prm_pipeline.audit.compare"),
+    **dict.fromkeys(("AuditError", "parse_offsets", "read_snapshot"), "prm_pipeline.audit.replay"),
+    **dict.fromkeys(("render_summary", "write_findings"), "prm_pipeline.audit.report"),
+    **dict.fromkeys(("build_runners", "rescore", "scorer_is_deterministic"), "prm_pipeline.audit.rescoring"),
+    **dict.fromkeys(("AuditOptions", "audit", "run_audit"), "prm_pipeline.audit.run"),
+    "failure_code": "scoring_workers.prm.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 # ``__all__`` is the former module's, unchanged; the ``X as X`` imports above are the
 # other public names it defined, still importable from here (``build_runners``, ...).

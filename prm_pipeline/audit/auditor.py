@@ -59,6 +59,8 @@ class AuditReport:
     scope: ScoringScope
     records: dict[str, int] = field(default_factory=dict)
     resume_offsets: str = ""
+    requested_groups: list[str] = field(default_factory=list)  # --groups, in the order given
+    missing_groups: list[str] = field(default_factory=list)  # of those, ids no record read named
 
     @property
     def counts(self) -> dict[str, int]:
@@ -74,6 +76,10 @@ class AuditReport:
 
     @property
     def exit_code(self) -> int:
+        """1 when a group differs; 2 when groups were asked for and none was found (nothing
+        was audited: a typo or the wrong range, not a clean audit); else 0."""
+        if self.requested_groups and len(self.missing_groups) == len(self.requested_groups):
+            return 2
         return 1 if self.counts["differs"] else 0
 
     def by_group(self) -> dict[str, GroupFinding]:
@@ -116,7 +122,8 @@ class Auditor:
             raise ValueError("concurrency must be >= 1")
         self.experiment = experiment
         self.scope, self.runner, self.tol = scope, runner, tol
-        self.groups = frozenset(groups) if groups else None
+        self.requested = list(groups or ())
+        self.groups = frozenset(self.requested) if self.requested else None
         self.timeout_s, self.concurrency, self.max_differences = timeout_s, concurrency, max_differences
         self.on_rescored = on_rescored
         self.keep_channels = keep_channels  # as the workers ran (worker.keep_scorer_channels)
@@ -288,5 +295,8 @@ class Auditor:
                 notes=["a DiscardGroup record but no verdict"] if group_id in self._discards else [],
             ))
         findings.sort(key=lambda f: (f.experiment_id, f.group_id))
+        requested = list(dict.fromkeys(self.requested))
+        found = {f.group_id for f in findings}
         return AuditReport(findings=findings, scope=self.scope, records=dict(self.counts),
-                           resume_offsets=resume_offsets)
+                           resume_offsets=resume_offsets, requested_groups=requested,
+                           missing_groups=[g for g in requested if g not in found])

@@ -13,14 +13,16 @@ import argparse
 import math
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infra.config import PipelineConfig
 from infra.experiments import trajectories_topic, verdicts_topic
 from prm_pipeline.audit.compare import ATOL, RTOL, Tolerance
 from prm_pipeline.audit.replay import parse_offsets
-from prm_pipeline.audit.run import AuditOptions, run_audit
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
+
+if TYPE_CHECKING:  # prm_pipeline.audit.run imports the scorer runner (torch): only when auditing
+    from prm_pipeline.audit.run import AuditOptions
 
 
 # =========================================================================== command line
@@ -76,6 +78,8 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def options_from_args(args: argparse.Namespace, cfg: PipelineConfig) -> AuditOptions:
+    from prm_pipeline.audit.run import AuditOptions
+
     experiment = experiment_of(args, cfg)
     aliases = {"trajectories": trajectories_topic(cfg.topics.trajectories, experiment),
                "verdicts": verdicts_topic(cfg.topics.verdicts, experiment)}
@@ -100,6 +104,7 @@ def options_from_args(args: argparse.Namespace, cfg: PipelineConfig) -> AuditOpt
 def cmd_audit(args: argparse.Namespace) -> int:
     """``prm-pipeline audit``: exit 0 when nothing differs, 1 when something does, 2 on errors."""
     from infra.config import load_config
+    from prm_pipeline.audit.run import run_audit
 
     cfg = load_config(getattr(args, "config", None))
     try:

@@ -89,6 +89,15 @@ def render_summary(report: AuditReport, out: IO[str], *, show: int = 10) -> None
                 "" if finding.max_abs_diff is None else f"{finding.max_abs_diff:.6g}",
             )
         console.print(detail)
+    if report.missing_groups:
+        missing = ", ".join(report.missing_groups)
+        if len(report.missing_groups) == len(report.requested_groups):
+            console.print(f"none of the --groups was found (no verdict, trajectory or discard names them in the "
+                          f"range read): {missing}; check the ids (matched exactly) and the range (exit 2)",
+                          style="bold red", soft_wrap=True)
+        else:
+            console.print(f"--groups not found ({len(report.missing_groups)} of {len(report.requested_groups)}; "
+                          f"no record in the range read names them): {missing}", style="yellow", soft_wrap=True)
     if report.resume_offsets:
         console.print(f"next audit from here: --from-offsets {report.resume_offsets}", soft_wrap=True)
 

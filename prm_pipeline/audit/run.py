@@ -62,15 +62,14 @@ async def _scorers_of(cfg: PipelineConfig, experiment: str) -> tuple[PRMConfig, 
     the same allow-lists a worker applies, docs/security.md)."""
     if experiment == DEFAULT_EXPERIMENT:
         return cfg.prm, cfg.worker.allowed_judge_hosts
-    from infra.registry import read_registry
+    from infra.experiments import UnknownExperiment, declared_experiment
     from scoring_workers.scorers.judge_hosts import effective_allow_list
 
-    entry = (await read_registry(cfg)).get(experiment)
-    if entry is None or entry.spec is None:
-        why = entry.error if entry is not None else "not declared"
-        raise AuditError(f"experiment {experiment!r} has no declaration in {cfg.topics.experiments} to re-score "
-                         f"with ({why}); `prm-pipeline experiment list` shows what it holds")
-    return entry.spec.prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts)
+    try:
+        spec = await declared_experiment(cfg, experiment)
+    except UnknownExperiment as exc:
+        raise AuditError(f"nothing to re-score with: {exc}") from None
+    return spec.prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts)
 
 
 async def audit(

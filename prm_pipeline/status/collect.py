@@ -32,7 +32,8 @@ from aiokafka.structs import TopicPartition
 
 from infra.config import PipelineConfig
 from infra.experiments import DEFAULT_EXPERIMENT, split_scoped, trajectories_topic, verdicts_topic
-from infra.kafka import make_admin, make_consumer, partitions_of
+from infra.kafka import TopicMissing, make_admin, make_consumer, partitions_of
+from infra.reasons import metric_label
 from infra.schema import SchemaError, decode_verdict
 from prm_pipeline.status.report import (
     DeadLetterSummary,
@@ -48,6 +49,7 @@ from prm_pipeline.status.report import (
     percentile,
 )
 
+TOPIC_WAIT_S = 2.0  # how long a topic may take to show in fresh metadata before it is reported missing
 MAX_DEAD_LETTERS = 5_000  # read at most this many dead letters per status
 MAX_VERDICTS = 1_000  # and this many recent verdicts (they carry token arrays)
 LEDGER_SAMPLE = 1_000  # unfinished groups whose state is read
@@ -127,7 +129,7 @@ async def sample_lag(cfg: PipelineConfig, *, timeout_s: float = 10.0, experiment
         committed: dict[tuple[str, str], dict[TopicPartition, tuple[int | None, int]]] = {}
         start: dict[TopicPartition, int] = {}
         for role, group, topic in roles:
-            tps = await partitions_of(probe, topic, timeout_s=timeout_s)
+            tps = await partitions_of(probe, topic, timeout_s=min(timeout_s, TOPIC_WAIT_S))
             firsts = await probe.beginning_offsets(tps)
             offsets = await admin.list_consumer_group_offsets(group, partitions=tps)
             per: dict[TopicPartition, tuple[int | None, int]] = {}
@@ -216,7 +218,7 @@ async def _read_since(cfg: PipelineConfig, topic: str, since_ms: int, cap: int, 
     consumer = _small_consumer(cfg)
     await consumer.start()
     try:
-        tps = await partitions_of(consumer, topic, timeout_s=timeout_s)
+        tps = await partitions_of(consumer, topic, timeout_s=min(timeout_s, TOPIC_WAIT_S))
         found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
         # no record at/after since_ms: None (the embedded broker answers timestamp -1 instead)
         starts = {tp: hit.offset for tp, hit in found.items() if hit is not None and hit.timestamp >= 0}
@@ -269,8 +271,6 @@ async def verdict_summary(cfg: PipelineConfig, window_s: float, timeout_s: float
 
     Latency per member: its trajectory's ``created_at`` to the verdict record's timestamp;
     stages as the workers' ``prm_worker_stage_seconds`` (docs/architecture.md)."""
-    from shaper.metrics import reason_key
-
     since_ms = int((time.time() - window_s) * 1000)
     topic = verdicts_topic(cfg.topics.verdicts, experiment or DEFAULT_EXPERIMENT)
     records, truncated = await _read_since(cfg, topic, since_ms, MAX_VERDICTS, timeout_s)
@@ -286,7 +286,7 @@ async def verdict_summary(cfg: PipelineConfig, window_s: float, timeout_s: float
             continue
         statuses[v.status] += 1
         if v.status != "accepted":
-            reasons[reason_key(v)] += 1  # the registered code, never the free text
+            reasons[metric_label(v.status, v.reason_code)] += 1  # the registered code, never the free text
         sent = r.timestamp / 1000
         if v.decided_at:
             stages["send"].append(max(0.0, sent - v.decided_at))
@@ -315,6 +315,8 @@ async def _bounded(report: StatusReport, part: str, coro: Any, timeout_s: float)
         return await asyncio.wait_for(coro, timeout_s)
     except TimeoutError:
         report.errors[part] = f"no answer within {timeout_s:g}s"
+    except TopicMissing as exc:  # Kafka answered: the topic is not there (not "unreachable")
+        report.errors["topics"] = str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure of one part is reported, the others still run
         report.errors[part] = f"{type(exc).__name__}: {exc}"[:300]
     return None
@@ -332,12 +334,6 @@ async def collect(cfg: PipelineConfig, *, previous: LagSample | None = None, sam
     workers' ``/metrics`` URLs its fleet share is read from (needs ``experiment``).
     """
     report = StatusReport(at=time.time(), experiment=experiment)
-    first = previous
-    if first is None:
-        first = await _bounded(report, "kafka", sample_lag(cfg, timeout_s=timeout_s, experiment=experiment),
-                               timeout_s * 2)
-        if first is not None:
-            await asyncio.sleep(sample_s)
     ledger_task = asyncio.ensure_future(_bounded(report, "redis", ledger_summary(cfg, experiment=experiment),
                                                  timeout_s))
     fleet_task = None
@@ -345,16 +341,29 @@ async def collect(cfg: PipelineConfig, *, previous: LagSample | None = None, sam
         from prm_pipeline.status.worker_metrics import scrape
 
         fleet_task = asyncio.ensure_future(scrape(worker_metrics, experiment, timeout_s=timeout_s))
+    first = previous
+    if first is None:
+        first = await _bounded(report, "kafka", sample_lag(cfg, timeout_s=timeout_s, experiment=experiment),
+                               timeout_s * 2)
     latest = None
-    if "kafka" not in report.errors:
+    if first is not None:
+        # The other Kafka reads run while the lag sample waits out its window: a report takes
+        # about --sample seconds plus its slowest read, not the sum of all of them.
+        dead_task = asyncio.ensure_future(_bounded(report, "dead_letters", dead_letter_summary(
+            cfg, dead_letter_window_s, timeout_s, experiment), timeout_s * 2))
+        verdict_task = asyncio.ensure_future(_bounded(report, "verdicts", verdict_summary(
+            cfg, verdict_window_s, timeout_s, experiment), timeout_s * 2))
+        if previous is None:
+            await asyncio.sleep(sample_s)
         latest = await _bounded(report, "kafka", sample_lag(cfg, timeout_s=timeout_s, experiment=experiment),
                                 timeout_s * 2)
-    if latest is not None:
-        report.lags = lag_report(cfg, latest, first if first is not latest else None, experiment)
-        report.dead_letters = await _bounded(report, "dead_letters", dead_letter_summary(
-            cfg, dead_letter_window_s, timeout_s, experiment), timeout_s * 2)
-        report.verdicts = await _bounded(report, "verdicts", verdict_summary(
-            cfg, verdict_window_s, timeout_s, experiment), timeout_s * 2)
+        dead_letters, verdicts = await asyncio.gather(dead_task, verdict_task)
+        if latest is not None:
+            report.lags = lag_report(cfg, latest, first if first is not latest else None, experiment)
+            report.dead_letters, report.verdicts = dead_letters, verdicts
+        else:  # Kafka stopped answering meanwhile: one problem, not one per part
+            for part in ("dead_letters", "verdicts"):
+                report.errors.pop(part, None)
     if fleet_task is not None:
         report.fleet = await fleet_task  # each endpoint bounded by timeout_s; failures are listed, not raised
     redis_part = await ledger_task

@@ -12,6 +12,8 @@ from typing import Any
 
 from infra.config import load_config
 
+PIPED_WIDTH = 100_000  # columns when stdout is not a terminal: lines and table cells are never wrapped or cut
+
 
 def add_status_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -57,10 +59,30 @@ def cmd_status(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     cfg = load_config(getattr(args, "config", None))
+    if args.experiment is not None and (refused := _undeclared(cfg, args.experiment, args.timeout)) is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_run(cfg, args))
     except KeyboardInterrupt:
         return 130
+
+
+def _undeclared(cfg: Any, experiment: str, timeout_s: float) -> str | None:
+    """Why ``experiment`` is refused (:func:`infra.experiments.declared_experiment`), or None.
+    A registry that cannot be read (Kafka down) refuses nothing: the report says Kafka is unreachable."""
+    from infra.experiments import UnknownExperiment, declared_experiment
+
+    async def check() -> None:
+        await asyncio.wait_for(declared_experiment(cfg, experiment), timeout_s)
+
+    try:
+        asyncio.run(check())
+    except UnknownExperiment as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - unreachable or slow: collect() reports the Kafka part
+        return None
+    return None
 
 
 async def _run(cfg: Any, args: argparse.Namespace) -> int:
@@ -73,7 +95,8 @@ async def _run(cfg: Any, args: argparse.Namespace) -> int:
     opts = {"dead_letter_window_s": args.dead_letter_window * 60, "verdict_window_s": args.verdict_window,
             "timeout_s": args.timeout, "sample_s": args.sample, "experiment": args.experiment,
             "worker_metrics": tuple(args.worker_metrics or ())}
-    console = Console()
+    # Piped (a file, grep, a CI log) nothing is wrapped or cut: a line is as long as it needs.
+    console = Console() if Console().is_terminal else Console(width=PIPED_WIDTH, soft_wrap=True)
     if args.watch is None:
         report, _ = await collect(cfg, **opts)
         if args.json:

@@ -4,7 +4,8 @@ Pure data and rules, no I/O: :mod:`prm_pipeline.status.collect` fills a
 :class:`StatusReport` from Kafka and Redis, :func:`assess` turns it into problems. Kept
 apart so the rules (the exit code scripts and probes rely on) are unit-tested on their own.
 
-Critical problems (exit code 1): Kafka or Redis unreachable, no live worker (no Redis
+Critical problems (exit code 1): Kafka or Redis unreachable, a topic it reads missing
+(``topic_missing``: Kafka answered), no live worker (no Redis
 heartbeat younger than ``ALIVE_S``; without Redis, no consumer-group member), a consumer
 group's lag growing over the sampling window, the oldest open group past
 :data:`NEAR_TIMEOUT_SHARE` of ``worker.group_timeout_s``. Warnings (shown, exit code 0):
@@ -186,7 +187,10 @@ def assess(report: StatusReport) -> list[Problem]:
     """The problems ``report`` shows, critical first (see the module docstring)."""
     problems: list[Problem] = []
     for part, why in report.errors.items():
-        problems.append(Problem("critical", f"{part}_unreachable", f"{part}: {why}"))
+        if part == "topics":  # Kafka answered; a topic it reads is not there
+            problems.append(Problem("critical", "topic_missing", why))
+        else:
+            problems.append(Problem("critical", f"{part}_unreachable", f"{part}: {why}"))
     beats, group = report.workers, report.group("workers")
     if beats is not None and not beats.alive:
         silent = ", ".join(f"{w.worker_id} silent for {w.age_s:.0f}s" for w in beats.silent[:5])

@@ -219,6 +219,7 @@ def resolve_import(
     prefixes = _ALLOWED.get() if allowed_prefixes is _CONTEXT else _prefixes(allowed_prefixes)  # type: ignore[arg-type]
     alias = SCORER_ALIASES.get(path)
     if alias is None:
+        _near_alias(what, path, prefixes)
         return _load(what, path, path, prefixes)
     own_module, _ = _split(what, path, path)
     if prefixes is None or _module_allowed(own_module, prefixes):
@@ -235,6 +236,31 @@ def resolve_import(
             f"to use yours, or name {alias!r} to use the built-in"
         )
     return _load(what, path, alias, prefixes)
+
+
+def _near_alias(what: str, path: str, prefixes: tuple[str, ...] | None) -> None:
+    """A path in an aliased module (``examples.prm.scorers``) that is not an alias itself: when
+    that module is not the user's own (not importable, or not allowed and not found), the
+    attribute is a typo of an alias — say which, as :func:`_load` does for any other module,
+    instead of allow-list advice or "not importable" about a module that never existed."""
+    module_name, _, attr = path.rpartition(".")
+    names = {a.rpartition(".")[2]: a for a in SCORER_ALIASES if a.rpartition(".")[0] == module_name}
+    if not names:
+        return
+    allowed = prefixes is None or _module_allowed(module_name, prefixes)
+    if allowed:
+        try:
+            importlib.import_module(module_name)
+            return  # the user's own module: _load names its attributes
+        except ModuleNotFoundError as exc:
+            if not _missing_itself(module_name, exc):
+                return  # it exists, one of its imports is missing: _load says so
+    elif _locate(module_name) is not None:
+        return  # the user's own module, not allowed: _load refuses it with the allow-list advice
+    match = did_you_mean(attr, list(names))
+    hint = f"; did you mean {match!r}?" if match else f"; it provides {sorted(names)}"
+    raise ImportError(f"{what} {path!r}: {module_name!r} (AReaL's example module, provided built in) has no "
+                      f"attribute {attr!r}{hint}", name=module_name)
 
 
 def resolve_callable(spec: Any, what: str) -> Callable[..., Any]:

@@ -18,10 +18,11 @@ import msgspec
 import pytest
 
 from infra import jsonl
-from infra.config import PipelineConfig, PRMConfig
+from infra.config import PipelineConfig, PRMConfig, PRMScorerConfig
 from infra.experiments import trajectories_topic, verdicts_topic
 from infra.kafka import ensure_topics, make_producer
 from infra.readback import reference
+from infra.registry import ExperimentSpec, publish_spec
 from infra.schema import GroupVerdict, decode_message, encode
 from prm_pipeline.audit import rescore
 from prm_pipeline.cli import main
@@ -43,10 +44,14 @@ DEADLINE_S = 30.0
 
 
 async def topics_of(cfg: PipelineConfig, *experiments: str) -> None:
+    """The experiments' topics, and their declarations (publishers and waiters refuse an undeclared one)."""
     names = [cfg.topics.trajectories, cfg.topics.verdicts]
     for exp in experiments:
         names += [trajectories_topic(cfg.topics.trajectories, exp), verdicts_topic(cfg.topics.verdicts, exp)]
     await ensure_topics(cfg.kafka, cfg.topics, names)
+    for exp in experiments:
+        await publish_spec(cfg, ExperimentSpec(experiment_id=exp, prm=PRMConfig(scorers=[
+            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer")])))
 
 
 async def send(cfg: PipelineConfig, topic: str, verdicts: list[GroupVerdict], *, key: str | None = None) -> None:

@@ -190,7 +190,8 @@ async def test_an_experiments_quota_caps_its_records_in_flight(pipeline_config) 
 
 
 async def test_an_experiments_trainer_shapes_as_its_declaration_says(pipeline_config, tmp_path) -> None:
-    from infra.config import ConfigError, PRMAdvantageShapingConfig
+    from infra.config import PRMAdvantageShapingConfig
+    from infra.experiments import UnknownExperiment
     from prm_pipeline.demo.processes import write_config
     from shaper.trainer import _configure
 
@@ -209,5 +210,5 @@ async def test_an_experiments_trainer_shapes_as_its_declaration_says(pipeline_co
     overridden = await asyncio.to_thread(_configure, args("exp-shaped", "additive"))
     assert overridden.prm.advantage_shaping.mode == "additive"
     assert overridden.prm.advantage_shaping.negative_scale == 0.5  # the declared coefficients stay
-    with pytest.raises(ConfigError, match="no declaration"):
+    with pytest.raises(UnknownExperiment, match="no declaration"):
         await asyncio.to_thread(_configure, args("exp-undeclared"))

@@ -399,6 +399,36 @@ async def test_auditor_matches_records_by_trajectory_id() -> None:
     assert report.records["undecodable_verdicts"] == 1 and report.exit_code == 1
 
 
+async def test_groups_asked_for_and_not_found_are_named_and_none_found_exits_2() -> None:
+    """``--groups g-a g-typo``: the audit names ``g-typo``; with only ids that match nothing it
+    audited nothing, which is exit 2, not a clean 0."""
+    import io
+
+    from prm_pipeline.audit import render_summary
+
+    trajs = [_traj("g-a", 0)]
+    recorded = await _scored([LengthBudgetScorer(max_output_tokens=32)], trajs)
+    runner = await PRMRunner.create(PRMConfig(scorers=[LengthBudgetScorer(max_output_tokens=32)]))  # type: ignore[list-item]
+    try:
+        reports = []
+        for groups in (["g-a", "g-typo", "g-a"], ["exmple-math", "g-typo"]):
+            auditor = Auditor(scope=LB, runner=runner, groups=groups)
+            auditor.feed_verdict(*encode(_verdict("g-a", recorded, ["length_budget"])))
+            await auditor.feed_trajectory(*encode(trajs[0]))
+            reports.append(await auditor.finish())
+    finally:
+        await runner.aclose()
+    partial, none = reports
+    assert partial.missing_groups == ["g-typo"] and partial.counts["identical"] == 1 and partial.exit_code == 0
+    assert none.missing_groups == ["exmple-math", "g-typo"] and none.exit_code == 2
+    out = io.StringIO()
+    render_summary(partial, out)
+    assert "--groups not found (1 of 2; no record in the range read names them): g-typo" in out.getvalue()
+    out = io.StringIO()
+    render_summary(none, out)
+    assert "none of the --groups was found" in out.getvalue() and "exmple-math, g-typo" in out.getvalue()
+
+
 # --------------------------------------------------------------------------- argument parsing
 def test_parse_offsets_and_times() -> None:
     aliases = {"trajectories": "prm.trajectories", "verdicts": "prm.verdicts"}

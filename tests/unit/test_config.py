@@ -381,6 +381,24 @@ def test_env_bad_value_refused() -> None:
     refused(areal(), "worker.concurrency", PRM_WORKER_CONCURRENCY="many")
 
 
+@pytest.mark.parametrize(("env", "message"), [
+    ({"PRM_WORKER_SCORER_TIMEOUT_S": "abc"},
+     "PRM_WORKER_SCORER_TIMEOUT_S='abc': Expected `float`, got `str` (at `worker.scorer_timeout_s`)"),
+    ({"PRM_KAFKA_MAX_MESSAGE_BYTES": "5"}, "PRM_KAFKA_MAX_MESSAGE_BYTES='5': Expected `int` >= 1024"),
+    ({"PRM_TRAINER_EXPERIMENT": "a b"}, "PRM_TRAINER_EXPERIMENT='a b': trainer.experiment: experiment_id 'a b'"),
+])
+def test_a_bad_value_from_the_environment_names_its_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build(areal(), **env)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_bad_value_from_the_file_is_not_blamed_on_the_environment() -> None:
+    with pytest.raises(ConfigError) as info:
+        build(areal() | {"worker": {"scorer_timeout_s": "abc"}}, PRM_WORKER_CONCURRENCY="4")
+    assert "PRM_" not in str(info.value) and "worker.scorer_timeout_s" in str(info.value)
+
+
 def test_env_unrelated_prm_variables_ignored() -> None:
     cfg = build(areal(), PRM_TEST_KAFKA="1", PRM_CONFIG="/nowhere.yaml", PRMX_WORKER_FOO="1")
     assert cfg.kafka == PipelineConfig().kafka

@@ -55,6 +55,15 @@ def test_selectors_and_together_and_or_within_a_kind() -> None:
 
 
 def test_offsets_argument() -> None:
-    assert parse_offsets("0:12, 1:4") == {(0, 12), (1, 4)}
+    assert parse_offsets("0:12, 1:4") == {(None, 0, 12), (None, 1, 4)}
     with pytest.raises(argparse.ArgumentTypeError, match="PARTITION:OFFSET"):
         parse_offsets("12")
+
+
+def test_offsets_argument_takes_the_dead_letter_field_as_printed() -> None:
+    """The listing's ``dead_letter`` field (``topic:partition@offset``) is what --offsets takes."""
+    assert parse_offsets("prm.dead-letters:3@0,2@7") == {("prm.dead-letters", 3, 0), (None, 2, 7)}
+    assert parse_offsets("my.dl-topic.v2:0:5") == {("my.dl-topic.v2", 0, 5)}
+    for bad in ("prm.dead-letters:3", "prm.dead-letters@0", "a:b@c", "3@"):
+        with pytest.raises(argparse.ArgumentTypeError, match="TOPIC:PARTITION@OFFSET"):
+            parse_offsets(bad)

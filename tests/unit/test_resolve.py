@@ -178,6 +178,20 @@ def test_an_unimportable_module_is_one_line_with_the_fix():
         resolve_import("scoring_workers.scorers.LengthBudgetScorr", "scorer path")
 
 
+def test_a_typo_in_areals_example_path_is_answered_with_the_closest_class():
+    """``examples.prm.scorers`` is AReaL's example module, provided built in: a misspelt class
+    there is named like any other (not allow-list advice, not "module not importable")."""
+    prm = PRMConfig(scorers=[PRMScorerConfig("examples.prm.scorers.LengthBudgetScorr")])
+    for allowed in (ALLOWED, None):
+        with pytest.raises(ImportError) as info:
+            check_scorer_entries(prm, allowed_prefixes=allowed)
+        message = str(info.value)
+        assert "has no attribute 'LengthBudgetScorr'; did you mean 'LengthBudgetScorer'?" in message, message
+        assert "allowed" not in message and "not importable" not in message
+    with pytest.raises(ImportError, match="it provides \\['LengthBudgetScorer'\\]"):
+        resolve_scorer_class("examples.prm.scorers.Nothing_Like_It", allowed_prefixes=ALLOWED)
+
+
 @pytest.fixture
 def _no_examples_modules(monkeypatch):
     """Hide the ``examples*`` modules during the test and drop the ones it imports after it

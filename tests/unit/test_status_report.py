@@ -106,3 +106,70 @@ def test_exporter_serves_the_latest_report() -> None:
     assert "prm_pipeline_workers_alive 2.0" in text
     assert 'prm_pipeline_unfinished_groups{state="decided"} 1.0' in text
     assert "prm_pipeline_healthy 1.0" in text
+
+
+def test_a_missing_topic_is_named_not_taken_for_an_unreachable_kafka() -> None:
+    import asyncio
+
+    from infra.kafka import TopicMissing
+    from prm_pipeline.status.collect import _bounded
+
+    async def missing() -> None:
+        raise TopicMissing("prm.verdicts.x")
+
+    report = StatusReport(at=0)
+    asyncio.run(_bounded(report, "kafka", missing(), 5))
+    report.problems = assess(report)
+    assert [(p.check, p.severity) for p in report.problems] == [("topic_missing", "critical")]
+    assert "prm.verdicts.x" in report.problems[0].message and "topics create" in report.problems[0].message
+    assert not report.healthy
+
+
+def test_other_kafka_reads_run_while_the_lag_sample_waits(monkeypatch) -> None:
+    """One report costs about --sample seconds plus its slowest read: the dead-letter and
+    verdict reads start before the second lag sample, not after it."""
+    import asyncio
+
+    from prm_pipeline.status import collect as c
+    from prm_pipeline.status.report import DeadLetterSummary, VerdictSummary
+
+    events: list[str] = []
+
+    async def sample_lag(cfg, **_):
+        events.append("lag")
+        return c.LagSample(0.0, {}, {})
+
+    async def ledger_summary(cfg, **_):
+        raise ConnectionError("no redis here")
+
+    async def dead_letters(cfg, window_s, timeout_s, experiment=None):
+        events.append("dead_letters")
+        return DeadLetterSummary(window_s, 0, [], False)
+
+    async def verdicts(cfg, window_s, timeout_s, experiment=None):
+        events.append("verdicts")
+        return VerdictSummary(window_s=window_s, count=0, per_second=0.0, by_status={}, top_reasons=[],
+                              latency_p50_s=None, latency_p99_s=None, stage_p50_s={})
+
+    for name, fake in (("sample_lag", sample_lag), ("ledger_summary", ledger_summary),
+                       ("dead_letter_summary", dead_letters), ("verdict_summary", verdicts)):
+        monkeypatch.setattr(c, name, fake)
+    from infra.config import PipelineConfig
+
+    report, _ = asyncio.run(c.collect(PipelineConfig(), sample_s=0.05))
+    assert events[0] == "lag" and events[-1] == "lag" and sorted(events[1:3]) == ["dead_letters", "verdicts"]
+    assert report.dead_letters is not None and report.verdicts is not None and "redis" in report.errors
+
+
+def test_status_and_the_command_parser_do_not_import_torch() -> None:
+    """Importing torch was most of a status report's CPU (1.5 of 2 s; 42-51 s wall on a loaded
+    box): registering the commands and collecting a report must not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom prm_pipeline.cli import build_parser\nbuild_parser()\n"
+            "import prm_pipeline.status.collect, prm_pipeline.status.command, prm_pipeline.status.render\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
