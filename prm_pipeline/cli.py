@@ -432,8 +432,8 @@ def preflight(args: argparse.Namespace) -> None:
     if args.command in LONG_RUNNING:
         event_loop.loop_factory()  # a bad PRM_EVENT_LOOP is a ConfigError now, not after waiting for Kafka
     if args.command in ("worker", "audit"):
+        from scoring_workers.judge.hosts import check_config_judge_hosts
         from scoring_workers.prm.resolve import check_scorer_entries
-        from scoring_workers.scorers.judge_hosts import check_config_judge_hosts
 
         cfg = _load(args)
         if cfg.prm.active:
