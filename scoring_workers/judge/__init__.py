@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "SpillPolicy": "settings",
     "JudgeClient": "client",
     "JudgeEndpoint": "apis",
-    "JudgeQuota": "limits",
+    "JudgeQuota": "settings",
     "judge_quota": "limits",
     "judge_hosts_allowed": "hosts",
     "CircuitOpenError": "errors",

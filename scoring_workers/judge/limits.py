@@ -13,7 +13,8 @@ server can take.
   immediately instead of piling onto a dead judge; after ``reset_timeout_s`` one probe
   is let through (half-open) — its success closes the breaker, its failure re-opens it.
 
-**Quotas per experiment** (:class:`JudgeQuota`, :func:`judge_quota`): one worker
+**Quotas per experiment** (:class:`~scoring_workers.judge.settings.JudgeQuota`,
+:func:`judge_quota`): one worker
 process may score several experiments against the same judge. An experiment's quota
 caps *its* calls in flight and per second on each endpoint; every client built inside
 ``judge_quota(q)`` shares one :class:`QuotaLimits` per ``(q.scope, endpoint)`` (a second
@@ -38,17 +39,16 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from scoring_workers.judge.errors import JudgeTimeoutError
-from scoring_workers.judge.settings import LimitSettings
+from scoring_workers.judge.settings import JudgeQuota, LimitSettings
 
-__all__ = ["DEFAULT_LIMITS", "LATENCY_BUCKETS_S", "CircuitBreaker", "JudgeQuota", "QuotaLimits", "SharedLimits", "acquire_limits",
-           "acquire_quota", "active_quota", "all_limits", "all_quotas", "judge_quota", "registered_limits",
-           "release_limits", "release_quota"]
+__all__ = ["DEFAULT_LIMITS", "LATENCY_BUCKETS_S", "CircuitBreaker", "JudgeQuota", "QuotaLimits", "SharedLimits",
+           "acquire_limits", "acquire_quota", "active_quota", "all_limits", "all_quotas", "judge_quota",
+           "registered_limits", "release_limits", "release_quota"]
 
 
 class CircuitBreaker:
@@ -222,21 +222,20 @@ class _Limiter:
     :meth:`enter`. ``waited`` / ``wait_s``: how many entries had to wait (for a slot or
     for pacing) and the seconds they waited in total."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int | None, rps: float | None) -> None:
+        self._cap, self._rps = cap, rps
         self.waited = 0
         self.wait_s = 0.0
         self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Gate] = weakref.WeakKeyDictionary()
 
-    def _limits(self) -> tuple[int | None, float | None]:  # pragma: no cover - overridden
-        raise NotImplementedError
-
     def _refusal(self, what: str) -> str:  # pragma: no cover - overridden
+        """What ran out (``slot`` or ``rate``), for the timeout's message."""
         raise NotImplementedError
 
     def gate(self, loop: asyncio.AbstractEventLoop) -> _Gate:
         gate = self._gates.get(loop)
         if gate is None:
-            gate = self._gates[loop] = _Gate(*self._limits())
+            gate = self._gates[loop] = _Gate(self._cap, self._rps)
         return gate
 
     async def enter(self, loop: asyncio.AbstractEventLoop, deadline: float, url: str) -> asyncio.Semaphore | None:
@@ -297,7 +296,7 @@ class SharedLimits(_Limiter):
     """
 
     def __init__(self, key: str, settings: LimitSettings, clock: Callable[[], float]) -> None:
-        super().__init__()
+        super().__init__(settings.max_concurrency, settings.rps)
         self.key = key
         self.settings = settings
         self.breaker = CircuitBreaker(
@@ -314,9 +313,6 @@ class SharedLimits(_Limiter):
         self.failed_attempts = 0  # those the breaker counts as failures (timeouts, connect errors, 5xx)
         self.latency_buckets = [0] * len(LATENCY_BUCKETS_S)  # cumulative counts per upper bound
         self.latency_sum_s = 0.0
-
-    def _limits(self) -> tuple[int | None, float | None]:
-        return self.settings.max_concurrency, self.settings.rps
 
     def _refusal(self, what: str) -> str:
         if what == "slot":
@@ -396,34 +392,6 @@ def release_limits(shared: SharedLimits) -> None:
 
 
 # --------------------------------------------------------------------------- quotas per experiment
-@dataclass(frozen=True, slots=True)
-class JudgeQuota:
-    """One experiment's share of every judge endpoint it calls (module docstring).
-
-    ``scope``: the experiment id (a metric label: keep the set of scopes bounded).
-    ``max_in_flight``: its attempts in flight per endpoint (``None``: no cap);
-    ``rps``: its attempts per second per endpoint (``None``: unpaced). The process-wide
-    limits of each endpoint apply on top.
-    """
-
-    scope: str
-    max_in_flight: int | None = None
-    rps: float | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.scope, str) or not self.scope.strip():
-            raise ValueError(f"judge quota scope must be a non-empty string (the experiment id), got {self.scope!r}")
-        cap: Any = self.max_in_flight
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"judge quota {self.scope!r}: max_in_flight must be an integer >= 1 or None, got {cap!r}")
-        if self.rps is not None and not _positive(self.rps):
-            raise ValueError(f"judge quota {self.scope!r}: rps must be a finite number > 0 or None, got {self.rps!r}")
-
-    @property
-    def unlimited(self) -> bool:
-        return self.max_in_flight is None and self.rps is None
-
-
 _QUOTA: ContextVar[JudgeQuota | None] = ContextVar("prm_judge_quota", default=None)
 
 
@@ -457,7 +425,7 @@ class QuotaLimits(_Limiter):
     """
 
     def __init__(self, quota: JudgeQuota, endpoint: str) -> None:
-        super().__init__()
+        super().__init__(quota.max_in_flight, quota.rps)
         self.quota = quota
         self.scope = quota.scope
         self.endpoint = endpoint  # the registry key of the endpoint's base_url
@@ -465,9 +433,6 @@ class QuotaLimits(_Limiter):
         self.in_flight = 0
         self.peak_in_flight = 0
         self.admitted = 0
-
-    def _limits(self) -> tuple[int | None, float | None]:
-        return self.quota.max_in_flight, self.quota.rps
 
     def _refusal(self, what: str) -> str:
         if what == "slot":

@@ -23,8 +23,8 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 import msgspec
 from msgspec import Meta
 
-__all__ = ["JUDGE_APIS", "ClientSettings", "ConnectionSettings", "JudgeApi", "LimitSettings", "ModelSettings",
-           "RequestSettings", "Seconds", "Settings", "SpillPolicy", "from_values"]
+__all__ = ["JUDGE_APIS", "ClientSettings", "ConnectionSettings", "JudgeApi", "JudgeQuota", "LimitSettings",
+           "ModelSettings", "RequestSettings", "Seconds", "Settings", "SpillPolicy", "from_values"]
 
 JudgeApi = Literal["openai", "sglang"]
 JUDGE_APIS: tuple[str, ...] = get_args(JudgeApi)
@@ -177,6 +177,25 @@ class ClientSettings(Settings):
 _PARTS: dict[str, type[Settings]] = {
     "request": RequestSettings, "limits": LimitSettings, "connection": ConnectionSettings, "spill": SpillPolicy,
 }
+
+
+class JudgeQuota(Settings, kw_only=False):
+    """One experiment's share of every judge endpoint it calls (:func:`~scoring_workers.
+    judge.limits.judge_quota`).
+
+    ``scope``: the experiment id (a metric label: keep the set of scopes bounded).
+    ``max_in_flight``: its attempts in flight per endpoint (``None``: no cap);
+    ``rps``: its attempts per second per endpoint (``None``: unpaced). The process-wide
+    limits of each endpoint apply on top.
+    """
+
+    scope: Annotated[str, Meta(pattern=r"\S")]
+    max_in_flight: _Large | None = None
+    rps: Annotated[float, Meta(gt=0, le=1_000_000_000)] | None = None
+
+    @property
+    def unlimited(self) -> bool:
+        return self.max_in_flight is None and self.rps is None
 
 
 # --------------------------------------------------------------------------- the model
