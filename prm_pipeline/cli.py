@@ -46,7 +46,7 @@ def positive_int(text: str) -> int:
 # --------------------------------------------------------------------------- up / topics
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the embedded broker + Redis in the foreground until SIGINT/SIGTERM."""
-    from infra.local import LocalStack
+    from infra.local import LOCAL_BROKER_ENV, LocalStack
     from prm_pipeline.foreground import StopSignals
 
     cfg = _load(args)
@@ -61,7 +61,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             asyncio.run(ensure_topics(kafka, cfg.topics))
         print(f"PRM_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}", flush=True)
         print(f"PRM_REDIS_URL={stack.redis_url}", flush=True)
-        print("PRM_KAFKA_LEAVE_GROUP_ON_STOP=false", flush=True)  # see KafkaConfig.leave_group_on_stop
+        for name, value in LOCAL_BROKER_ENV.items():  # the embedded broker's workarounds (infra.local)
+            print(f"{name}={value}", flush=True)
         print(f"# logs in {stack.data_dir / 'logs'}; Ctrl-C stops both", file=sys.stderr, flush=True)
 
         def exited() -> int | None:
