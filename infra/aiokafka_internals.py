@@ -37,6 +37,8 @@ from aiokafka.consumer.fetcher import Fetcher
 from aiokafka.consumer.group_coordinator import GroupCoordinator
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
+from infra.errors import ConfigurationError
+
 __all__ = ["SUPPORTED", "AiokafkaInternalsChanged", "adapt_fetch_wait", "explain_scram_errors", "fetch_wait_ms",
            "open_connection", "problems", "record_size", "refresh_metadata", "skip_leave_group", "version"]
 
@@ -67,8 +69,9 @@ _SIGNATURES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
 _COROUTINES = ("Fetcher._proc_fetch_request", "GroupCoordinator._maybe_leave_group")
 
 
-class AiokafkaInternalsChanged(RuntimeError):
-    """aiokafka no longer has an internal this module relies on (an upgrade changed it)."""
+class AiokafkaInternalsChanged(ConfigurationError, RuntimeError):
+    """aiokafka no longer has an internal this module relies on: the installed aiokafka is
+    not one this module was checked with (pin it, or update the module and its test)."""
 
 
 def version() -> tuple[int, int]:

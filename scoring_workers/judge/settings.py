@@ -157,12 +157,20 @@ class ClientSettings(Settings):
     spill: SpillPolicy = SpillPolicy()
 
     @classmethod
+    def flat_fields(cls) -> frozenset[str]:
+        """The names :meth:`from_flat` takes: every field of every part."""
+        return frozenset(name for part in _PARTS.values() for name in part.__struct_fields__)
+
+    @classmethod
     def from_flat(cls, values: Mapping[str, Any], where: str = "") -> ClientSettings:
         """The settings from flat keyword values (a scorer's kwargs: ``timeout_s``,
-        ``max_concurrency``, ``headers``, ``spill_ratio``...); names of no part are
-        ignored, a value outside its bounds is a :class:`ValueError` naming it. Header
-        names and values are taken as text (YAML may read ``X-Priority: 1`` as a number);
-        ``headers: None`` means none."""
+        ``max_concurrency``, ``headers``, ``spill_ratio``...: :meth:`flat_fields`); an
+        unknown name or a value outside its bounds is a :class:`ValueError` naming it.
+        Header names and values are taken as text (YAML may read ``X-Priority: 1`` as a
+        number); ``headers: None`` means none."""
+        unknown = sorted(set(values) - cls.flat_fields())
+        if unknown:
+            raise ValueError(f"{where + ': ' if where else ''}no judge client setting {', '.join(unknown)}")
         values = dict(values)
         headers = values.pop("headers", None)
         if isinstance(headers, Mapping):

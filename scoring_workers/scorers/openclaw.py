@@ -271,7 +271,8 @@ class JudgeScorerBase(BaseScorer):
         self.counters: Counter[str] = Counter()
         """Process-lifetime counters (turns, judge_calls, judge_calls_saved, judge_failed,
         no_next_state, rejected) — handy for a Prometheus exporter."""
-        self.client_settings = ClientSettings.from_flat(given, where)
+        self.client_settings = ClientSettings.from_flat(
+            {k: v for k, v in given.items() if k in ClientSettings.flat_fields()}, where)
         """How this scorer's judge clients are configured (the judge's and the teacher's)."""
         model_settings = from_values(ModelSettings, _pick(ModelSettings, given), where)
         template = None if chat_template is None else resolve_callable(chat_template, "chat_template")

@@ -366,6 +366,7 @@ def test_client_validates_arguments():
     ({"rps": float("nan")}, "at `rps`"),
     ({"headers": {"X-A": None}}, None),  # None becomes the text "None": headers are text
     ({"spill_ratio": 0.5}, "Expected `float` >= 1.0 - at `spill_ratio`"),
+    ({"timeout": 5}, "no judge client setting timeout"),  # a typo is not ignored
 ])
 def test_settings_are_typed_and_bounded(flat, needle):
     if needle is None:
