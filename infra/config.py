@@ -232,6 +232,10 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000
+    # The defaults suit Apache Kafka; the embedded broker's workarounds are the local
+    # stack's settings (infra.local.LOCAL_BROKER_CLIENT: `prm-pipeline up` prints them, the
+    # demo and the test fixtures apply them), never defaults a real deployment inherits.
+    #
     # A stopping group member sends LeaveGroup so its partitions move at once. Set false
     # for tansu 0.6 (the embedded broker): a LeaveGroup from the group's leader while a
     # rebalance is forming leaves the departed member as leader, so no member is ever
@@ -241,16 +245,16 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Commands wait this long for the broker at startup (a log line per attempt), then
     # exit with one line naming the address (infra.startup).
     startup_timeout_s: Seconds = 30.0
-    # How long the broker may hold a consumer's fetch when no data is there: the wait
-    # adapts (infra.kafka.AdaptiveFetchWait) — fetch_min_wait_ms after a fetch that brought
-    # records, doubling with each empty one up to fetch_max_wait_ms. On a broker that
-    # answers at about half the wait even when records come sooner (the embedded one), the
-    # short wait is the latency floor under load and the long one the cost of idling
-    # (docs/capacity.md). Apache Kafka
-    # answers when data arrives: there a long ceiling (the deployment manifests: 500) costs
-    # no latency and saves the idle polls.
-    fetch_min_wait_ms: Positive = 5
-    fetch_max_wait_ms: Positive = 20
+    # How long the broker may hold a consumer's fetch when no data is there. Apache Kafka
+    # answers when data arrives, so a long wait (500, aiokafka's and Kafka's default) costs
+    # no latency and saves idle polls. With fetch_min_wait_ms set the wait adapts
+    # (infra.kafka.AdaptiveFetchWait): fetch_min_wait_ms after a fetch that brought
+    # records, doubling with each empty one up to fetch_max_wait_ms — for a broker that
+    # answers at about half the wait even when records come sooner (the embedded one: the
+    # local stack sets 5 and 20), where the short wait is the latency floor under load and
+    # the long one the cost of idling (docs/capacity.md). null: no adaptation.
+    fetch_min_wait_ms: Positive | None = None
+    fetch_max_wait_ms: Positive = 500
 
     def __repr__(self) -> str:
         return _masked_repr(self, secret_fields=("sasl_password",))

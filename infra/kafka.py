@@ -22,9 +22,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka import errors as kerr
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.helpers import create_ssl_context
-from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import TopicPartition
 
+from infra import aiokafka_internals as internals
 from infra.config import KafkaConfig, TopicsConfig
 from infra.errors import ServiceError, WireError
 
@@ -84,7 +84,7 @@ def backoff_delay(attempt: int, *, base_s: float = 0.1, cap_s: float = 10.0, jit
 def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] | None) -> int:
     """The size the producer checks against ``max_request_size`` (= ``kafka.max_message_bytes``)
     for one record: value, key, headers and the record's own framing."""
-    return DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, list(headers or ()))
+    return internals.record_size(key, value, headers)
 
 
 class KafkaAccessRefused(ServiceError, RuntimeError):
@@ -106,33 +106,16 @@ class KafkaAuthError(KafkaAccessRefused):
     """The broker refused our SASL login; the message names the user and the settings to check.
 
     aiokafka 0.14 turns a SCRAM ``server-final-message`` carrying an error (``e=unknown-user``,
-    ``e=invalid-proof``, ...) into a bare ``KeyError: 'v'``; :func:`_explain_scram_errors`
-    translates it into this error at the one place it happens.
+    ``e=invalid-proof``, ...) into a bare ``KeyError: 'v'``; every client configured for
+    SCRAM (:func:`common_kwargs`) has it translated into this error
+    (:func:`infra.aiokafka_internals.explain_scram_errors`).
     """
 
-
-def _explain_scram_errors() -> None:
-    from aiokafka.conn import ScramAuthenticator
-
-    original = ScramAuthenticator.process_server_final_message
-    if getattr(original, "_prm_explained", False):
-        return
-
-    def process_server_final_message(self: Any, server_final: str) -> None:
-        params = dict(p.split("=", 1) for p in server_final.split(",") if "=" in p)
-        if "e" in params and "v" not in params:
-            mechanism = "SCRAM-" + self._hashname.upper().replace("SHA", "SHA-")
-            raise KafkaAuthError(
-                f"Kafka refused the {mechanism} login of user {self._sasl_plain_username!r}: {params['e']} "
-                "(check kafka.sasl_username / PRM_KAFKA_SASL_USERNAME, kafka.sasl_password / "
-                "PRM_KAFKA_SASL_PASSWORD and kafka.sasl_mechanism)")
-        original(self, server_final)
-
-    process_server_final_message._prm_explained = True  # type: ignore[attr-defined]
-    ScramAuthenticator.process_server_final_message = process_server_final_message  # type: ignore[method-assign]
-
-
-_explain_scram_errors()
+    @classmethod
+    def scram_refused(cls, mechanism: str, user: str, error: str) -> KafkaAuthError:
+        return cls(f"Kafka refused the {mechanism} login of user {user!r}: {error} "
+                   "(check kafka.sasl_username / PRM_KAFKA_SASL_USERNAME, kafka.sasl_password / "
+                   "PRM_KAFKA_SASL_PASSWORD and kafka.sasl_mechanism)")
 
 
 async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
@@ -146,17 +129,16 @@ async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
     """
     import ssl
 
-    from aiokafka.conn import create_conn
     from aiokafka.errors import KafkaConnectionError
 
     host, _, port = cfg.bootstrap.split(",")[0].strip().rpartition(":")
     kw = common_kwargs(cfg)
     where = f"Kafka at {host}:{port} (kafka.bootstrap, security_protocol={cfg.security_protocol})"
     try:
-        conn = await create_conn(host, int(port), ssl_context=kw.get("ssl_context"),
-                                 security_protocol=cfg.security_protocol, sasl_mechanism=kw.get("sasl_mechanism", "PLAIN"),
-                                 sasl_plain_username=cfg.sasl_username, sasl_plain_password=cfg.sasl_password,
-                                 request_timeout_ms=min(cfg.request_timeout_ms, 10_000))
+        conn = await internals.open_connection(
+            host, int(port), ssl_context=kw.get("ssl_context"), security_protocol=cfg.security_protocol,
+            sasl_mechanism=kw.get("sasl_mechanism", "PLAIN"), sasl_plain_username=cfg.sasl_username,
+            sasl_plain_password=cfg.sasl_password, request_timeout_ms=min(cfg.request_timeout_ms, 10_000))
     except ssl.SSLCertVerificationError as exc:
         return KafkaAccessRefused(f"{where}: its TLS certificate is not trusted ({exc.verify_message}); "
                                   f"kafka.ssl_cafile is {cfg.ssl_cafile or 'unset (system trust store)'}")
@@ -192,6 +174,8 @@ def common_kwargs(cfg: KafkaConfig) -> dict[str, Any]:
         kwargs["sasl_mechanism"] = cfg.sasl_mechanism or "PLAIN"
         kwargs["sasl_plain_username"] = cfg.sasl_username
         kwargs["sasl_plain_password"] = cfg.sasl_password
+        if kwargs["sasl_mechanism"].upper().startswith("SCRAM"):
+            internals.explain_scram_errors(KafkaAuthError.scram_refused)
     return kwargs
 
 
@@ -235,13 +219,16 @@ class AdaptiveFetchWait:
 
 
 class PipelineConsumer(AIOKafkaConsumer):
-    """An aiokafka consumer whose polls keep their timeout, that can skip LeaveGroup, and
-    whose fetch wait adapts to the traffic (:class:`AdaptiveFetchWait`).
+    """An aiokafka consumer whose polls keep their timeout and, for brokers that need them
+    (the embedded one: the local stack's settings, ``infra.local.LOCAL_BROKER_CLIENT``),
+    that can skip LeaveGroup and whose fetch wait can adapt to the traffic
+    (:class:`AdaptiveFetchWait`).
 
     ``leave_group_on_stop=False``: membership ends by session expiry instead of LeaveGroup
-    (see ``KafkaConfig.leave_group_on_stop`` for the broker defect this avoids). aiokafka
-    has no switch for it, so the coordinator's leave step is replaced by the reset it would
-    have done afterwards.
+    (see ``KafkaConfig.leave_group_on_stop`` for the broker defect this avoids;
+    :func:`infra.aiokafka_internals.skip_leave_group`). ``fetch_wait`` with a range
+    (``low_ms < high_ms``): the wait of each fetch follows it
+    (:func:`infra.aiokafka_internals.adapt_fetch_wait`).
     """
 
     def __init__(self, *topics: str, leave_group_on_stop: bool = True,
@@ -254,19 +241,9 @@ class PipelineConsumer(AIOKafkaConsumer):
 
     async def start(self) -> None:
         await super().start()
-        fetcher = getattr(self, "_fetcher", None)
-        if self.fetch_wait is None or fetcher is None or not hasattr(fetcher, "_proc_fetch_request"):
-            return
-        # aiokafka builds each fetch request from ``_fetch_max_wait_ms`` and has no public
-        # setter; its fetch step returns True when the response added records.
-        fetch_wait, fetch = self.fetch_wait, fetcher._proc_fetch_request
-
-        async def fetch_and_adapt(*args: Any) -> Any:
-            got = await fetch(*args)
-            fetcher._fetch_max_wait_ms = fetch_wait.after_fetch(bool(got))
-            return got
-
-        fetcher._proc_fetch_request = fetch_and_adapt
+        fetch_wait = self.fetch_wait
+        if fetch_wait is not None and fetch_wait.low_ms < fetch_wait.high_ms:
+            internals.adapt_fetch_wait(self, lambda got_records: self.fetch_wait.after_fetch(got_records))
 
     async def getmany(self, *partitions: TopicPartition, timeout_ms: int = 0,
                       max_records: int | None = None) -> dict[TopicPartition, list[Any]]:
@@ -290,20 +267,17 @@ class PipelineConsumer(AIOKafkaConsumer):
         return fetch.result()
 
     async def stop(self) -> None:
-        coordinator = getattr(self, "_coordinator", None)
-        if not self.leave_group_on_stop and coordinator is not None and hasattr(coordinator, "_maybe_leave_group"):
-            async def forget_membership() -> None:
-                coordinator.reset_generation()
-
-            coordinator._maybe_leave_group = forget_membership
+        if not self.leave_group_on_stop:
+            internals.skip_leave_group(self)
         await super().stop()
 
 
 def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overrides: Any) -> PipelineConsumer:
     """A consumer with manual commits (``enable_auto_commit=False``) reading from the earliest
-    offset; its polls keep their timeout, it honours ``kafka.leave_group_on_stop`` and its
-    fetch wait moves between ``kafka.fetch_min_wait_ms`` and ``kafka.fetch_max_wait_ms``
-    with the traffic (:class:`PipelineConsumer`; an override of either bounds it)."""
+    offset; its polls keep their timeout, it honours ``kafka.leave_group_on_stop`` and,
+    with ``kafka.fetch_min_wait_ms`` set, its fetch wait moves between that and
+    ``kafka.fetch_max_wait_ms`` with the traffic (:class:`PipelineConsumer`; an override of
+    either bounds it); without, every fetch waits ``kafka.fetch_max_wait_ms``."""
     kwargs = common_kwargs(cfg)
     kwargs.update(
         group_id=group_id,
@@ -317,9 +291,9 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
     )
     high_ms = overrides.pop("fetch_max_wait_ms", cfg.fetch_max_wait_ms)
     low_ms = overrides.pop("fetch_min_wait_ms", cfg.fetch_min_wait_ms)
-    kwargs.update(overrides)
-    return PipelineConsumer(*topics, leave_group_on_stop=cfg.leave_group_on_stop,
-                            fetch_wait=AdaptiveFetchWait(low_ms, high_ms), **kwargs)
+    kwargs.update(overrides, fetch_max_wait_ms=high_ms)
+    fetch_wait = None if low_ms is None else AdaptiveFetchWait(low_ms, high_ms)
+    return PipelineConsumer(*topics, leave_group_on_stop=cfg.leave_group_on_stop, fetch_wait=fetch_wait, **kwargs)
 
 
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 30.0) -> list[TopicPartition]:
@@ -331,7 +305,7 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: fl
     while not partitions:
         if time.monotonic() > deadline:
             raise TopicMissing(topic)
-        await consumer._client.force_metadata_update()  # aiokafka has no public call for this
+        await internals.refresh_metadata(consumer)
         partitions = consumer.partitions_for_topic(topic)
         if not partitions:
             await asyncio.sleep(0.05)

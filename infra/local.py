@@ -261,12 +261,25 @@ class LocalService:
 
 MEMORY_STORAGE = "memory://tansu/"
 
-#: ``KafkaConfig`` fields for clients of the embedded broker. tansu 0.6 answers a group
-#: join after half the session timeout, so short sessions keep joins (and rebalances after
-#: a crash) quick; and a LeaveGroup from the group leader mid-rebalance stalls the group
-#: for good there, so members leave by session expiry (``KafkaConfig.leave_group_on_stop``).
+#: ``KafkaConfig`` fields for clients of the embedded broker: its workarounds, which the
+#: product defaults (made for Apache Kafka) do not carry. tansu 0.6 answers a group join
+#: after half the session timeout, so short sessions keep joins (and rebalances after a
+#: crash) quick; a LeaveGroup from the group leader mid-rebalance stalls the group for good
+#: there, so members leave by session expiry (``KafkaConfig.leave_group_on_stop``); and it
+#: answers a fetch at about half its wait even when records came sooner, so the wait adapts
+#: between a short and a long one (``KafkaConfig.fetch_min_wait_ms``, docs/capacity.md).
 LOCAL_BROKER_CLIENT: dict[str, int | bool] = {
     "session_timeout_ms": 2000, "heartbeat_interval_ms": 500, "leave_group_on_stop": False,
+    "fetch_min_wait_ms": 5, "fetch_max_wait_ms": 20,
+}
+
+#: The settings ``prm-pipeline up`` prints for the processes a user starts against its
+#: broker (environment overrides, ``PRM_KAFKA_<FIELD>``): the workarounds of
+#: :data:`LOCAL_BROKER_CLIENT` that a long-running worker needs; the session timeouts stay
+#: the config file's.
+LOCAL_BROKER_ENV: dict[str, str] = {
+    f"PRM_KAFKA_{name.upper()}": str(LOCAL_BROKER_CLIENT[name]).lower()
+    for name in ("leave_group_on_stop", "fetch_min_wait_ms", "fetch_max_wait_ms")
 }
 
 

@@ -39,6 +39,7 @@ import msgspec
 import yaml
 from aiokafka.structs import TopicPartition
 
+from infra import aiokafka_internals
 from infra.bounded_json import JSONBoundsError, decode_json
 from infra.config import ConfigError, PipelineConfig, PRMConfig, check_prm_keys, unknown_key_message, validate_prm
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id
@@ -258,7 +259,7 @@ class RegistryFollower:
         if time.monotonic() < self._next_look:
             return False
         self._next_look = time.monotonic() + 5.0
-        await self._consumer._client.force_metadata_update()  # aiokafka has no public call for this
+        await aiokafka_internals.refresh_metadata(self._consumer)
         partitions = self._consumer.partitions_for_topic(self.topic)
         if not partitions:
             return False

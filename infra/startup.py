@@ -87,7 +87,7 @@ class KafkaUnreachable(ServiceError, ConnectionError):
 
 async def probe_kafka(cfg: KafkaConfig, timeout_s: float) -> None:
     """Fetch cluster metadata once from ``cfg.bootstrap``; raise if no broker answers."""
-    from aiokafka.client import AIOKafkaClient
+    from aiokafka import AIOKafkaClient
     from aiokafka.errors import KafkaConnectionError
 
     from infra.kafka import common_kwargs, diagnose_connection

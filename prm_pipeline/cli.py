@@ -47,7 +47,7 @@ def positive_int(text: str) -> int:
 # --------------------------------------------------------------------------- up / topics
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the embedded broker + Redis in the foreground until SIGINT/SIGTERM."""
-    from infra.local import LocalStack
+    from infra.local import LOCAL_BROKER_ENV, LocalStack
     from prm_pipeline.foreground import StopSignals
 
     cfg = _load(args)
@@ -62,7 +62,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             asyncio.run(ensure_topics(kafka, cfg.topics))
         print(f"PRM_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}", flush=True)
         print(f"PRM_REDIS_URL={stack.redis_url}", flush=True)
-        print("PRM_KAFKA_LEAVE_GROUP_ON_STOP=false", flush=True)  # see KafkaConfig.leave_group_on_stop
+        for name, value in LOCAL_BROKER_ENV.items():  # the embedded broker's workarounds (infra.local)
+            print(f"{name}={value}", flush=True)
         print(f"# logs in {stack.data_dir / 'logs'}; Ctrl-C stops both", file=sys.stderr, flush=True)
 
         def exited() -> int | None:
@@ -488,8 +489,8 @@ def preflight(args: argparse.Namespace) -> None:
     if args.command in LONG_RUNNING:
         event_loop.loop_factory()  # a bad PRM_EVENT_LOOP is a ConfigError now, not after waiting for Kafka
     if args.command in ("worker", "audit"):
+        from scoring_workers.judge.hosts import check_config_judge_hosts
         from scoring_workers.prm.resolve import check_scorer_entries
-        from scoring_workers.scorers.judge_hosts import check_config_judge_hosts
 
         cfg = _load(args)
         if cfg.prm.active:

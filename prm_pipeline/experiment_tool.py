@@ -36,9 +36,9 @@ def check_experiment_file(cfg: PipelineConfig, path: str) -> Any:
 def _check_as_code(cfg: PipelineConfig, spec: Any) -> None:
     """Refuse what the workers would refuse (the worker's own preflight checks, under the
     allow-lists a registry record is held to), before anything is written."""
+    from scoring_workers.judge.hosts import check_config_judge_hosts, effective_allow_list
     from scoring_workers.prm.capabilities import record_prm
     from scoring_workers.prm.resolve import check_scorer_entries
-    from scoring_workers.scorers.judge_hosts import check_config_judge_hosts, effective_allow_list
 
     try:
         prm = record_prm(spec.prm, cfg.worker.scorer_profiles, allowed_prefixes=cfg.worker.allowed_scorer_modules,

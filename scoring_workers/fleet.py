@@ -9,7 +9,7 @@ timeout, weight, quotas and topics. :class:`Fleet` keeps them and applies the re
   must be one the scorer class lets records set (operator-only ones come from the
   worker's ``worker.scorer_profiles``: :mod:`scoring_workers.prm.capabilities`), every
   judge URL under the worker's judge host allow-list
-  (:func:`~scoring_workers.scorers.judge_hosts.effective_allow_list`: the explicit
+  (:func:`~scoring_workers.judge.hosts.effective_allow_list`: the explicit
   ``worker.allowed_judge_hosts``, or exactly the hosts of the worker's own file). A
   refused record is logged and counted (``prm_worker_registry_records_total{outcome=
   "refused"}``) and changes nothing: an experiment already running keeps its last good
@@ -44,8 +44,8 @@ from infra.config import PipelineConfig, PRMConfig
 from infra.experiments import DEFAULT_EXPERIMENT, trajectories_topic, verdicts_topic
 from infra.registry import ExperimentSpec, RegistryRecord
 from infra.schema import ScorerInfo
+from scoring_workers.judge.hosts import check_config_judge_hosts, effective_allow_list, judge_hosts_allowed
 from scoring_workers.prm.capabilities import record_prm
-from scoring_workers.scorers.judge_hosts import check_config_judge_hosts, effective_allow_list, judge_hosts_allowed
 from scoring_workers.verdicts import encode_scorers
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class Fleet:
 
         quota: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if spec.judge_quota is not None:  # every judge client the scorers build takes this experiment's quota
-            from scoring_workers.scorers.judge_limits import JudgeQuota, judge_quota
+            from scoring_workers.judge.limits import JudgeQuota, judge_quota
 
             quota = judge_quota(JudgeQuota(spec.experiment_id, spec.judge_quota.max_in_flight, spec.judge_quota.rps))
         with judge_hosts_allowed(self._hosts), quota:

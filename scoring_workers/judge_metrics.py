@@ -2,14 +2,14 @@
 
 Per judge endpoint (label ``endpoint`` = ``host:port``, never the URL: its path, query
 or user info may carry a secret; two roots on one ``host:port`` are summed), from its
-process-wide limits (:mod:`scoring_workers.scorers.judge_limits`): attempts, attempts
+process-wide limits (:mod:`scoring_workers.judge.limits`): attempts, attempts
 the circuit breaker counts as failures, attempt latency, requests on the wire, the
 load and recent latency a judge pool routes by, how pool calls were routed (``prm_judge_routed``, label
 ``route``: ``affinity`` / ``detour`` / ``spill`` / ``failover`` / ``balanced``, see
-:mod:`scoring_workers.scorers.judge_pool`), and the breaker — its state
+:mod:`scoring_workers.judge.pool`), and the breaker — its state
 (``prm_judge_breaker_open`` is 1 while open or half-open) and how often it opened.
 Per experiment quota (labels ``scope`` — the experiment id — and ``endpoint``; see
-:class:`~scoring_workers.scorers.judge_limits.JudgeQuota`): attempts admitted, those
+:class:`~scoring_workers.judge.limits.JudgeQuota`): attempts admitted, those
 that had to wait for the quota and the seconds they waited, attempts holding a quota
 slot now. Nothing is exported while no judge scorer is configured, and no quota
 series (only the families' descriptions) while no client with a quota is open.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from scoring_workers.scorers.judge_hosts import endpoint_label
-from scoring_workers.scorers.judge_limits import LATENCY_BUCKETS_S, QuotaLimits, SharedLimits, all_limits, all_quotas
+from scoring_workers.judge.hosts import endpoint_label
+from scoring_workers.judge.limits import LATENCY_BUCKETS_S, QuotaLimits, SharedLimits, all_limits, all_quotas
 
 _STATE_RANK = {"closed": 0, "half_open": 1, "open": 2}
 

@@ -214,8 +214,8 @@ class Worker:
     async def _run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
         if self._runner is None and cfg.prm.active:
+            from scoring_workers.judge.hosts import judge_hosts_allowed
             from scoring_workers.prm import PRMRunner
-            from scoring_workers.scorers.judge_hosts import judge_hosts_allowed
 
             with judge_hosts_allowed(cfg.worker.allowed_judge_hosts):  # no judge client outside the list
                 self._runner = await PRMRunner.create(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)

@@ -25,7 +25,7 @@ from prm_pipeline.audit.compare import DEFAULT_TOLERANCE, Tolerance
 from prm_pipeline.audit.replay import AuditError, read_snapshot
 from prm_pipeline.audit.report import _progress, render_summary, write_findings
 from prm_pipeline.audit.rescoring import build_runners
-from scoring_workers.scorers.judge_hosts import judge_hosts_allowed
+from scoring_workers.judge.hosts import judge_hosts_allowed
 
 
 # =========================================================================== running it
@@ -63,7 +63,7 @@ async def _scorers_of(cfg: PipelineConfig, experiment: str) -> tuple[PRMConfig, 
     if experiment == DEFAULT_EXPERIMENT:
         return cfg.prm, cfg.worker.allowed_judge_hosts
     from infra.experiments import UnknownExperiment, declared_experiment
-    from scoring_workers.scorers.judge_hosts import effective_allow_list
+    from scoring_workers.judge.hosts import effective_allow_list
 
     try:
         spec = await declared_experiment(cfg, experiment)

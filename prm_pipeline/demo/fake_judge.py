@@ -64,8 +64,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
 from prm_pipeline.foreground import StopSignals
+from scoring_workers.judge.prompts import HINT_SUFFIX_HEADER
 from scoring_workers.scorers.conversation import render_chatml
-from scoring_workers.scorers.judge import HINT_SUFFIX_HEADER
 
 __all__ = ["FakeJudgeServer", "add_fake_judge_parser", "cmd_fake_judge", "fake_teacher_logprob", "fake_tokenize"]
 

@@ -54,7 +54,7 @@ import msgspec
 
 from infra.config import PipelineConfig, PRMScorerConfig, load_config
 from infra.kafka import ensure_topics
-from infra.local import LocalStack, free_port
+from infra.local import LOCAL_BROKER_CLIENT, LocalStack, free_port
 from prm_pipeline.demo.curves import RUNS, check_run, curves_from_trainer_log, group_id, parse_group_id, verdict_text
 from prm_pipeline.demo.processes import WorkerProcesses, write_config
 from prm_pipeline.observe import VerdictTail
@@ -477,8 +477,8 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"embedded stack: kafka {stack.kafka_bootstrap}, redis {stack.redis_url}")
             cfg = msgspec.structs.replace(
                 cfg,
-                kafka=msgspec.structs.replace(cfg.kafka, bootstrap=stack.kafka_bootstrap, session_timeout_ms=3000,
-                                              heartbeat_interval_ms=1000, leave_group_on_stop=False),
+                kafka=msgspec.structs.replace(cfg.kafka, bootstrap=stack.kafka_bootstrap, **{
+                    **LOCAL_BROKER_CLIENT, "session_timeout_ms": 3000, "heartbeat_interval_ms": 1000}),
                 redis=msgspec.structs.replace(cfg.redis, url=stack.redis_url),
             )
             workdir = Path(tmp) / "workers"

@@ -19,7 +19,7 @@ _EXPORTS: dict[str, str] = {
     "OpenClawJudgeScorer": "scoring_workers.scorers.openclaw",
     "JudgeScorerResult": "scoring_workers.scorers.openclaw",
     "OPDTeacherScorer": "scoring_workers.scorers.opd",
-    "JudgeFailedError": "scoring_workers.scorers.judge",
+    "JudgeFailedError": "scoring_workers.judge.errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 __all__ = [
     "NEXT_STATE_RULES",
     "NextState",
+    "NextStateRule",
     "locate_next_state",
     "message_text",
     "normalize_template_messages",
@@ -118,7 +119,9 @@ def _output_matches(out: Sequence[Mapping[str, Any]], conv: Sequence[Mapping[str
     return all(conv[at + i].get("role") == m.get("role") for i, m in enumerate(out))
 
 
-NEXT_STATE_RULES = ("last", "first")
+NextStateRule = Literal["last", "first"]
+"""Which message answers a turn (:func:`locate_next_state`)."""
+NEXT_STATE_RULES: tuple[str, ...] = get_args(NextStateRule)
 
 
 def locate_next_state(

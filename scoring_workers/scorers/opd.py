@@ -6,7 +6,7 @@ Per turn (OpenClaw-RL's OPD mode):
    OpenClawJudgeScorer` does) and ask the judge ``m`` times (in parallel) with the
    hint prompt; parse each answer into ``(score, hint)``; keep the longest hint of a
    ``\\boxed{1}`` vote that is longer than 10 characters
-   (:func:`~scoring_workers.scorers.judge.select_best_hint`).
+   (:func:`~scoring_workers.judge.prompts.select_best_hint`).
 2. **Teacher.** Append the hint to the turn's last user message
    (``"\\n\\n[user's hint / instruction]\\n<hint>"``), normalize the messages as
    OpenClaw-RL does for its template (``developer`` -> ``system``, list contents
@@ -30,7 +30,7 @@ trainer's ``drop_unhinted_turns`` to leave them out of the loss (shaper/exclusio
 ``model_response.output_logprobs`` is required (checked
 before any call: :class:`MissingLogprobsError`). When every hint vote fails, or the
 teacher/tokenizer call fails after an accepted hint, ``on_all_votes_failed: reject``
-(default) raises :class:`~scoring_workers.scorers.judge.JudgeFailedError` (reason
+(default) raises :class:`~scoring_workers.judge.errors.JudgeFailedError` (reason
 ``judge_failed``); ``neutral`` gives zeros with ``judge_failed`` observed.
 
 Tokenizing the hinted prompt (``tokenizer`` kwarg)
@@ -67,20 +67,18 @@ import torch
 
 from infra.errors import ScoringError
 from infra.modes import OPD_SCORER
-from scoring_workers.prm.resolve import resolve_callable
-from scoring_workers.scorers.conversation import normalize_template_messages
-from scoring_workers.scorers.judge import (
-    JudgeFailedError,
-    Vote,
+from scoring_workers.judge.apis import sglang_input_logprobs
+from scoring_workers.judge.client import JudgeClient
+from scoring_workers.judge.errors import JudgeFailedError, JudgeRequestError
+from scoring_workers.judge.prompts import (
     append_hint_to_messages,
     build_hint_judge_messages,
-    gather_or_cancel,
     parse_hint_judgement,
     select_best_hint,
 )
-from scoring_workers.scorers.judge_apis import sglang_input_logprobs
-from scoring_workers.scorers.judge_errors import JudgeRequestError
-from scoring_workers.scorers.judge_http import JudgeClient
+from scoring_workers.judge.voting import Vote, gather_or_cancel
+from scoring_workers.prm.resolve import resolve_callable
+from scoring_workers.scorers.conversation import normalize_template_messages
 from scoring_workers.scorers.openclaw import JudgeScorerBase, JudgeScorerResult, _judge_urls, _obs, _session_key
 from scoring_workers.scorers.record_settings import OPD_OPERATOR_ONLY, OPDRecordSettings
 
@@ -255,7 +253,7 @@ class OPDTeacherScorer(JudgeScorerBase):
             score, hint = parse_hint_judgement(text)
             return Vote(score, text, None), hint
 
-        judged = await gather_or_cancel([vote(i) for i in range(self.m)])
+        judged = await gather_or_cancel([vote(i) for i in range(self.judging.m)])
         votes = [v for v, _ in judged]
         self.counters["judge_calls"] += len(votes)
         labels = ",".join("error" if v.error else ("invalid" if v.score is None else str(v.score)) for v in votes)
@@ -263,7 +261,7 @@ class OPDTeacherScorer(JudgeScorerBase):
             self.counters["judge_failed"] += 1
             audit = {"hint": "", "votes": labels}
             await self._emit_audit(interaction, ctx, audit)
-            if self.on_all_votes_failed == "reject":
+            if self.judging.on_all_votes_failed == "reject":
                 raise self._failed(interaction, "hint-judge votes", votes)
             return outcome(zeros, has_next=True, accepted=False, failed=True, judge_calls=len(votes),
                            teacher_calls=0, audit=audit)
@@ -285,7 +283,7 @@ class OPDTeacherScorer(JudgeScorerBase):
             self.counters["judge_failed"] += 1
             audit["teacher_error"] = f"{exc.kind}: {exc}"
             await self._emit_audit(interaction, ctx, audit)
-            if self.on_all_votes_failed == "reject":
+            if self.judging.on_all_votes_failed == "reject":
                 self.counters["rejected"] += 1
                 raise JudgeFailedError(
                     f"scorer {self.name!r}: teacher log-probs for interaction {iid!r} failed after an accepted "

@@ -10,13 +10,13 @@ request is negative). ``m`` votes (default 3) are combined by OpenClaw-RL's majo
 rule into ``1.0``, ``0.0`` or ``-1.0``; with ``adaptive: true`` (the default) votes
 are requested only while they can still change the majority (two agreeing votes of
 three settle it) — the score is identical to asking all ``m`` (see
-:mod:`scoring_workers.scorers.judge`).
+:mod:`scoring_workers.judge.voting`).
 
 * A turn with no next state (the branch's last turn, or an assistant message follows)
   scores ``0.0`` and is observed as ``has_next_state = false``; no judge call is made.
 * When **every** vote of a turn fails (transport error, timeout, open breaker or an
   answer without a valid ``\\boxed{}``), ``on_all_votes_failed: reject`` (default)
-  raises :class:`~scoring_workers.scorers.judge.JudgeFailedError` (``reason =
+  raises :class:`~scoring_workers.judge.errors.JudgeFailedError` (``reason =
   "judge_failed"``), which rejects the trajectory; ``neutral`` reproduces
   OpenClaw-RL's ``0.0``. Either way ``judge_failed`` is observed, so a failed judge
   never looks like a real zero.
@@ -72,36 +72,37 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, get_args
+
+from msgspec import Meta
 
 from infra.modes import JUDGE_SCORER
+from scoring_workers.judge.apis import JudgeEndpoint
+from scoring_workers.judge.client import JudgeClient, normalize_base_urls
+from scoring_workers.judge.errors import JudgeFailedError, JudgeRequestError
+from scoring_workers.judge.prompts import build_prm_judge_messages, parse_boxed_score
+from scoring_workers.judge.settings import ClientSettings, ModelSettings, Seconds, Settings, from_values
+from scoring_workers.judge.voting import Vote, VoteResult, run_votes
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
 from scoring_workers.prm.capabilities import RecordSettings
 from scoring_workers.prm.resolve import resolve_callable
 from scoring_workers.scorers.conversation import (
-    NEXT_STATE_RULES,
     NextState,
+    NextStateRule,
     locate_next_state,
     message_text,
     render_response_text,
 )
-from scoring_workers.scorers.judge import (
-    JudgeFailedError,
-    Vote,
-    VoteResult,
-    build_prm_judge_messages,
-    parse_boxed_score,
-    run_votes,
-)
-from scoring_workers.scorers.judge_apis import JudgeEndpoint
-from scoring_workers.scorers.judge_errors import JudgeRequestError
-from scoring_workers.scorers.judge_http import JudgeClient, normalize_base_urls
 from scoring_workers.scorers.policy_tokenizer import load_policy_decoder
-from scoring_workers.scorers.record_settings import JUDGE_OPERATOR_ONLY, JudgeRecordSettings, OpenClawRecordSettings
+from scoring_workers.scorers.record_settings import (
+    JUDGE_OPERATOR_ONLY,
+    FailurePolicy,
+    JudgeRecordSettings,
+    OpenClawRecordSettings,
+)
 
 __all__ = ["JudgeScorerBase", "JudgeScorerResult", "OpenClawJudgeScorer"]
 
@@ -109,7 +110,31 @@ log = logging.getLogger(__name__)
 
 _BOOL = ("count", "rate")
 _FLOAT_SUM = ("sum", "mean")
-FAILURE_POLICIES = ("reject", "neutral")
+FAILURE_POLICIES: tuple[str, ...] = get_args(FailurePolicy)
+
+
+class JudgingSettings(Settings):
+    """The judge scorers' own settings (the judge component's are its client's and
+    model's): which message is the next state, how many votes, what an all-failed turn
+    gives, and the budget of one turn's votes."""
+
+    next_state: NextStateRule = "last"
+    merge_tool_results: bool = False
+    m: Annotated[int, Meta(ge=1)] = 3
+    on_all_votes_failed: FailurePolicy = "reject"
+    turn_timeout_s: Seconds | None = None
+
+    def _check(self) -> None:
+        if self.merge_tool_results and self.next_state != "first":
+            raise ValueError(
+                "merge_tool_results applies to next_state 'first' only (the 'last' rule takes the final message "
+                "before the next assistant turn)"
+            )
+
+
+def _pick(settings: type[Settings], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments in ``given`` that are fields of ``settings``."""
+    return {name: given[name] for name in settings.__struct_fields__ if name in given}
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +202,12 @@ class JudgeScorerBase(BaseScorer):
     :class:`JudgeClient` / :class:`JudgeEndpoint`, next-state lookup, the judged
     response text, failure policy, audit, ``aclose``.
 
+    The keyword arguments stay flat (a YAML entry's ``kwargs``); the constructor turns
+    them into the judge component's settings structs — :attr:`client_settings`
+    (:class:`~scoring_workers.judge.settings.ClientSettings`), the endpoint's
+    :class:`~scoring_workers.judge.settings.ModelSettings` — and its own
+    :attr:`judging` (:class:`JudgingSettings`), each checked against its types and bounds.
+
     ``next_state`` (default ``"last"``, OpenClaw-RL's rule) or ``"first"``: the first
     ``user``/``tool`` message after the output (system/developer skipped). With
     ``"first"``, ``merge_tool_results: true`` joins a run of consecutive ``tool``
@@ -228,61 +259,26 @@ class JudgeScorerBase(BaseScorer):
         spill_in_flight: int = 16,
         spill_ratio: float = 1.5,
     ) -> None:
+        given = dict(locals())  # first: the keyword arguments, for the settings structs
         super().__init__(weight=weight, enabled=enabled)
-        name = self.name
-        urls = _judge_urls(name, "base_url", base_url, base_urls, required=True)
-        if not isinstance(merge_tool_results, bool):
-            raise TypeError(f"scorer {name!r}: merge_tool_results must be a bool, got {merge_tool_results!r}")
-        self.merge_tool_results = merge_tool_results
-        if next_state not in NEXT_STATE_RULES:
-            raise ValueError(f"scorer {name!r}: next_state must be one of {NEXT_STATE_RULES}, got {next_state!r}")
-        if merge_tool_results and next_state != "first":
-            raise ValueError(
-                f"scorer {name!r}: merge_tool_results applies to next_state 'first' only (the 'last' rule "
-                "takes the final message before the next assistant turn)"
-            )
-        self.next_state_rule = next_state
+        where = f"scorer {self.name!r}"
+        urls = _judge_urls(self.name, "base_url", base_url, base_urls, required=True)
+        self.judging = from_values(JudgingSettings, _pick(JudgingSettings, given), where)
         if policy_tokenizer is not None and not isinstance(policy_tokenizer, str):
-            raise TypeError(f"scorer {name!r}: policy_tokenizer must be a path or null, got {policy_tokenizer!r}")
+            raise TypeError(f"{where}: policy_tokenizer must be a path or null, got {policy_tokenizer!r}")
         self._decode = None if policy_tokenizer is None else load_policy_decoder(policy_tokenizer)
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"scorer {name!r}: m must be an integer >= 1, got {m!r}")
-        if on_all_votes_failed not in FAILURE_POLICIES:
-            raise ValueError(
-                f"scorer {name!r}: on_all_votes_failed must be one of {FAILURE_POLICIES}, got {on_all_votes_failed!r}"
-            )
-        if turn_timeout_s is not None and (
-            isinstance(turn_timeout_s, bool)
-            or not isinstance(turn_timeout_s, (int, float))
-            or not math.isfinite(turn_timeout_s)
-            or turn_timeout_s <= 0
-        ):
-            raise ValueError(f"scorer {name!r}: turn_timeout_s must be a number > 0 or null, got {turn_timeout_s!r}")
-        self.m = m
-        self.on_all_votes_failed = on_all_votes_failed
-        self.turn_timeout_s = None if turn_timeout_s is None else float(turn_timeout_s)
         self._audit_sink = None if audit_sink is None else resolve_callable(audit_sink, "audit_sink")
         self.counters: Counter[str] = Counter()
         """Process-lifetime counters (turns, judge_calls, judge_calls_saved, judge_failed,
         no_next_state, rejected) — handy for a Prometheus exporter."""
-        self._client_options: dict[str, Any] = {
-            "timeout_s": timeout_s, "total_timeout_s": total_timeout_s, "max_retries": max_retries,
-            "backoff_base_s": backoff_base_s, "backoff_max_s": backoff_max_s, "max_concurrency": max_concurrency,
-            "rps": rps, "breaker_failure_threshold": breaker_failure_threshold, "breaker_reset_s": breaker_reset_s,
-            "api_key_env": api_key_env, "api_key_file": api_key_file, "headers": headers,
-            "spill_in_flight": spill_in_flight, "spill_ratio": spill_ratio,
-        }
+        self.client_settings = ClientSettings.from_flat(
+            {k: v for k, v in given.items() if k in ClientSettings.flat_fields()}, where)
+        """How this scorer's judge clients are configured (the judge's and the teacher's)."""
+        model_settings = from_values(ModelSettings, _pick(ModelSettings, given), where)
+        template = None if chat_template is None else resolve_callable(chat_template, "chat_template")
         self._clients: list[JudgeClient] = []
-        client = self._new_client(urls)
-        try:
-            self.endpoint = JudgeEndpoint(
-                client, api=api, model=model, temperature=temperature, max_tokens=max_tokens,
-                top_p=top_p, top_k=top_k, include_reasoning=include_reasoning,
-                chat_template=None if chat_template is None else resolve_callable(chat_template, "chat_template"),
-            )
-        except BaseException:
-            self._release_unopened()
-            raise
+        client = self._new_client(urls)  # last but one: nothing after it can fail
+        self.endpoint = JudgeEndpoint(client, model_settings, chat_template=template)
 
     @property
     def deterministic(self) -> bool:  # type: ignore[override]
@@ -296,7 +292,7 @@ class JudgeScorerBase(BaseScorer):
         for client in self._clients:
             if client.base_urls == urls:
                 return client
-        client = JudgeClient(base_url, **self._client_options)
+        client = JudgeClient(base_url, self.client_settings)
         self._clients.append(client)
         return client
 
@@ -325,9 +321,9 @@ class JudgeScorerBase(BaseScorer):
         """``(output_located, next_state)`` of ``interaction`` in the branch conversation."""
         conversation = self._conversation(ctx)
         located, state = locate_next_state(
-            interaction.messages, interaction.output_message_list, conversation, self.next_state_rule
+            interaction.messages, interaction.output_message_list, conversation, self.judging.next_state
         )
-        if state is not None and self.merge_tool_results and state.role == "tool":
+        if state is not None and self.judging.merge_tool_results and state.role == "tool":
             texts = [state.text]
             j = state.index + 1
             while j < len(conversation) and conversation[j].get("role") == "tool":
@@ -347,9 +343,10 @@ class JudgeScorerBase(BaseScorer):
 
     # ------------------------------------------------------------------ helpers
     def _deadline(self) -> float | None:
-        if self.turn_timeout_s is None:
+        budget = self.judging.turn_timeout_s
+        if budget is None:
             return None
-        return asyncio.get_running_loop().time() + self.turn_timeout_s
+        return asyncio.get_running_loop().time() + budget
 
     @staticmethod
     def _conversation(ctx: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
@@ -465,7 +462,7 @@ class OpenClawJudgeScorer(JudgeScorerBase):
             text, error = await self._ask(messages, deadline, session)
             return Vote(None if text is None else parse_boxed_score(text), text, error)
 
-        result = await run_votes(request, self.m, adaptive=self.adaptive, max_votes=self.max_votes)
+        result = await run_votes(request, self.judging.m, adaptive=self.adaptive, max_votes=self.max_votes)
         self.counters["judge_calls"] += result.calls
         self.counters["judge_calls_saved"] += result.saved
         failed = result.all_failed
@@ -473,7 +470,7 @@ class OpenClawJudgeScorer(JudgeScorerBase):
         await self._emit_audit(interaction, ctx, audit)
         if failed:
             self.counters["judge_failed"] += 1
-            if self.on_all_votes_failed == "reject":
+            if self.judging.on_all_votes_failed == "reject":
                 raise self._failed(interaction, "judge votes", result.votes)
         return JudgeScorerResult(
             result.score,

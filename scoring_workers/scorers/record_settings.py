@@ -3,7 +3,11 @@
 
 Record-settable: arguments that only tune scoring — sampling, votes, budgets, timeouts,
 retries, pool routing — each typed and bounded here, and judge URLs, which the worker
-still holds to its judge host allow-list. Operator-only: every argument that can load
+still holds to its judge host allow-list. The bounds here are a record's, tighter than
+what the operator's own file may set (the judge's settings structs,
+:mod:`scoring_workers.judge.settings`, and the scorers' :class:`~scoring_workers.scorers.
+openclaw.JudgingSettings`); the choices (``api``, ``next_state``,
+``on_all_votes_failed``) are the same types. Operator-only: every argument that can load
 code, read the worker's environment or files, or choose what goes where beyond an
 allowed host. docs/security.md prints the table these declarations make (a test keeps
 the two equal).
@@ -17,10 +21,15 @@ from typing import Annotated, Final, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
+from scoring_workers.judge.settings import JudgeApi
 from scoring_workers.prm.capabilities import RecordSettings
+from scoring_workers.scorers.conversation import NextStateRule
 
-__all__ = ["JUDGE_OPERATOR_ONLY", "OPD_OPERATOR_ONLY", "JudgeRecordSettings", "LengthBudgetRecordSettings",
-           "OPDRecordSettings", "OpenClawRecordSettings"]
+__all__ = ["JUDGE_OPERATOR_ONLY", "OPD_OPERATOR_ONLY", "FailurePolicy", "JudgeRecordSettings",
+           "LengthBudgetRecordSettings", "OPDRecordSettings", "OpenClawRecordSettings"]
+
+FailurePolicy = Literal["reject", "neutral"]
+"""What a judge scorer's turn gives when every vote failed (``on_all_votes_failed``)."""
 
 _Url = Annotated[str, Meta(min_length=1, max_length=2048)]
 _Urls = Annotated[list[_Url], Meta(min_length=1, max_length=64)]
@@ -38,17 +47,17 @@ class JudgeRecordSettings(RecordSettings):
 
     base_url: _Url | UnsetType = UNSET
     base_urls: _Urls | UnsetType = UNSET
-    api: Literal["openai", "sglang"] | UnsetType = UNSET
+    api: JudgeApi | UnsetType = UNSET
     model: Annotated[str, Meta(min_length=1, max_length=256)] | UnsetType = UNSET
     temperature: Annotated[float, Meta(ge=0, le=10)] | UnsetType = UNSET
     max_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] | UnsetType = UNSET
     top_p: Annotated[float, Meta(gt=0, le=1)] | None | UnsetType = UNSET
     top_k: Annotated[int, Meta(ge=-1, le=1_000_000)] | None | UnsetType = UNSET
     include_reasoning: bool | UnsetType = UNSET
-    next_state: Literal["last", "first"] | UnsetType = UNSET
+    next_state: NextStateRule | UnsetType = UNSET
     merge_tool_results: bool | UnsetType = UNSET
     m: Annotated[int, Meta(ge=1, le=64)] | UnsetType = UNSET
-    on_all_votes_failed: Literal["reject", "neutral"] | UnsetType = UNSET
+    on_all_votes_failed: FailurePolicy | UnsetType = UNSET
     timeout_s: _Seconds | UnsetType = UNSET
     total_timeout_s: _Seconds | UnsetType = UNSET
     turn_timeout_s: _Seconds | None | UnsetType = UNSET

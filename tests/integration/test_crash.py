@@ -14,6 +14,7 @@ import uuid
 import pytest
 from aiokafka.structs import TopicPartition
 
+from infra.aiokafka_internals import refresh_metadata
 from infra.config import (
     PipelineConfig,
     PRMScorerConfig,
@@ -36,7 +37,7 @@ async def _tail_groups(cfg: PipelineConfig, seen: set[str], stop: asyncio.Event)
     try:
         parts = None
         while not parts:
-            await consumer._client.force_metadata_update()
+            await refresh_metadata(consumer)
             parts = consumer.partitions_for_topic(cfg.topics.verdicts)
         consumer.assign([TopicPartition(cfg.topics.verdicts, p) for p in parts])
         await consumer.seek_to_beginning()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from infra.aiokafka_internals import fetch_wait_ms
 from infra.config import KafkaConfig, TopicsConfig
 from infra.kafka import AdaptiveFetchWait, ensure_topics, make_consumer, make_producer
 
@@ -45,7 +46,7 @@ async def test_fetch_wait_grows_while_idle_and_drops_when_records_come(kafka_boo
         while not (seen and seen[-1] == (False, 80)):  # idle: doubled up to the long wait
             assert time.monotonic() < deadline, f"the wait never reached 80 ms while idle: {seen[-8:]}"
             await consumer.getmany(timeout_ms=100)
-        assert consumer._fetcher._fetch_max_wait_ms == 80  # what the next FetchRequest carries
+        assert fetch_wait_ms(consumer) == 80  # what the next FetchRequest carries
         assert [w for _, w in seen[:4]] == [10, 20, 40, 80]  # a fresh topic: doubling from 5 ms
 
         await producer.send_and_wait(topic, b"x", key=b"k")

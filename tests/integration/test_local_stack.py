@@ -14,7 +14,7 @@ import pytest
 
 from infra.config import load_config
 from infra.kafka import MessageTooLarge, check_size, ensure_topics, make_consumer, make_producer
-from infra.local import LocalStack, LocalStackError
+from infra.local import LOCAL_BROKER_ENV, LocalStack, LocalStackError
 from infra.redis import make_redis
 from infra.schema import decode_message, encode
 from prm_pipeline.demo.synthetic import make_group
@@ -112,9 +112,12 @@ def test_cli_up_prints_endpoints_and_stops_on_sigterm(tmp_path) -> None:
         third = proc.stdout.readline().strip()
         assert first.startswith("PRM_KAFKA_BOOTSTRAP=127.0.0.1:"), diagnosis()
         assert second.startswith("PRM_REDIS_URL=redis://127.0.0.1:") and second.endswith("/0"), diagnosis()
-        # the setting this broker needs, in the form the config loader reads
+        # the settings this broker needs, in the form the config loader reads
+        settings = [third] + [proc.stdout.readline().strip() for _ in range(len(LOCAL_BROKER_ENV) - 1)]
+        assert settings == [f"{k}={v}" for k, v in LOCAL_BROKER_ENV.items()], diagnosis()
         assert third == "PRM_KAFKA_LEAVE_GROUP_ON_STOP=false", diagnosis()
-        assert not load_config(environ=dict([third.split("=", 1)])).kafka.leave_group_on_stop
+        kafka = load_config(environ=dict(line.split("=", 1) for line in settings)).kafka
+        assert not kafka.leave_group_on_stop and (kafka.fetch_min_wait_ms, kafka.fetch_max_wait_ms) == (5, 20)
         port = int(second.rsplit(":", 1)[1].split("/")[0])
         with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
             s.sendall(b"*1\r\n$4\r\nPING\r\n")

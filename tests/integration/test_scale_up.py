@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from infra.config import load_config
+from infra.local import LOCAL_BROKER_ENV
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from tests.integration.harness import read_topic
@@ -59,7 +60,7 @@ def embedded_stack(workdir: Path) -> Iterator[dict[str, str]]:
             lines = out.read_text(errors="replace").splitlines()
             return dict(line.split("=", 1) for line in lines if line.startswith("PRM_") and "=" in line)
 
-        _wait_for(lambda: len(settings()) >= 3 or proc.poll() is not None, 120, "prm-pipeline up",
+        _wait_for(lambda: len(settings()) >= 2 + len(LOCAL_BROKER_ENV) or proc.poll() is not None, 120, "prm-pipeline up",
                   lambda: out.read_text(errors="replace"))
         assert proc.poll() is None, out.read_text(errors="replace")
         yield settings()

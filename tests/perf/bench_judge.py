@@ -42,7 +42,8 @@ from collections.abc import Iterator
 
 from infra.schema import Interaction, ModelResponse
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
-from scoring_workers.scorers.judge_http import JudgeClient
+from scoring_workers.judge.client import JudgeClient
+from scoring_workers.judge.settings import ClientSettings
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 
 LABELS = (1, 0, -1)
@@ -199,8 +200,8 @@ async def _raw_calls(url: str, concurrency: int, calls: int) -> tuple[float, flo
 
 async def _client_calls(url: str, concurrency: int, calls: int) -> tuple[float, float]:
     """``concurrency`` loops of :meth:`JudgeClient.post_json` (the worker's code path)."""
-    async with JudgeClient(url, max_concurrency=concurrency, timeout_s=30,
-                           total_timeout_s=60) as client:
+    settings = ClientSettings.from_flat({"max_concurrency": concurrency, "timeout_s": 30, "total_timeout_s": 60})
+    async with JudgeClient(url, settings) as client:
         left = [concurrency]
 
         async def loop(n: int) -> None:

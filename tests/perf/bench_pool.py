@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from infra.schema import Interaction, ModelResponse
-from scoring_workers.scorers.judge_pool import ROUTES
+from scoring_workers.judge.pool import ROUTES
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -623,6 +623,31 @@ def test_compose_config_loads_and_matches_the_broker() -> None:
             assert host in compose["services"], f"{name}: Redis host {host!r} is not a service"
 
 
+async def test_deployments_inherit_no_embedded_broker_workaround() -> None:
+    """The rule: the product defaults are Apache Kafka's, the embedded broker's workarounds
+    are the local stack's settings (infra.local.LOCAL_BROKER_CLIENT), so a deployment
+    config never has to undo one — and none of them applies one."""
+    from infra.config import KafkaConfig
+    from infra.kafka import make_consumer
+    from infra.local import LOCAL_BROKER_CLIENT
+
+    defaults = KafkaConfig()
+    for name, local in LOCAL_BROKER_CLIENT.items():
+        assert getattr(defaults, name) != local, f"kafka.{name}: the embedded broker's {local!r} is the default"
+    assert defaults.leave_group_on_stop and defaults.fetch_min_wait_ms is None and defaults.fetch_max_wait_ms == 500
+    consumer = make_consumer(defaults, group_id=None)
+    assert consumer.fetch_wait is None  # no adaptive wait: aiokafka's fetcher left as it is
+    await consumer.stop()
+    compose = yaml.safe_load(COMPOSE.read_text())
+    configs = [("configmap", pipeline_config())] + [
+        (name, compose_config(compose, name)) for name, s in compose["services"].items() if "build" in s]
+    for where, cfg in configs:
+        for name, local in LOCAL_BROKER_CLIENT.items():
+            if name in ("session_timeout_ms", "heartbeat_interval_ms"):
+                continue  # timings, not workarounds: a deployment may pick any
+            assert getattr(cfg.kafka, name) != local, f"{where}: kafka.{name} is the embedded broker's {local!r}"
+
+
 # --------------------------------------------------------------------------- Dockerfile
 def dockerfile_instructions() -> list[tuple[str, str]]:
     text = DOCKERFILE.read_text().replace("\\\n", " ")

@@ -74,7 +74,7 @@ def test_modules_without_their_optional_dependency_declare_the_root_too() -> Non
     ("infra.startup.KafkaUnreachable", ConnectionError),
     ("infra.kafka.KafkaAuthError", RuntimeError),
     ("shaper.batch.ConcatExportError", ValueError),
-    ("scoring_workers.scorers.judge.JudgeFailedError", RuntimeError),
+    ("scoring_workers.judge.errors.JudgeFailedError", RuntimeError),
 ])
 def test_existing_except_clauses_still_catch(cls: str, standard: type[BaseException]) -> None:
     module, name = cls.rsplit(".", 1)
@@ -89,7 +89,7 @@ def test_root_and_subtrees_are_exported_where_a_user_looks() -> None:
 
 def test_errors_still_construct_and_pickle() -> None:
     from infra.startup import KafkaUnreachable
-    from scoring_workers.scorers.judge_errors import CircuitOpenError
+    from scoring_workers.judge.errors import CircuitOpenError
 
     refused = KafkaUnreachable("no broker at 127.0.0.1:1")
     assert str(refused) == "no broker at 127.0.0.1:1" and isinstance(refused, OSError)

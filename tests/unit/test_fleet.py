@@ -66,7 +66,7 @@ async def test_the_default_experiment_cannot_be_removed() -> None:
 
 async def test_a_declared_judge_quota_reaches_the_experiments_judge_clients_and_a_new_one_replaces_it() -> None:
     from infra.registry import JudgeQuotaSpec
-    from scoring_workers.scorers.judge_limits import all_quotas
+    from scoring_workers.judge.limits import all_quotas
 
     cfg = PipelineConfig(worker=WorkerConfig(allowed_scorer_modules=["scoring_workers.scorers"],
                                              allowed_judge_hosts=["127.0.0.1"]))

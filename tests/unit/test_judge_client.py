@@ -10,14 +10,22 @@ import asyncio
 import random
 import socket
 import time
+from typing import Any
 
 import pytest
 
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
-from scoring_workers.scorers.judge_apis import openai_chat, sglang_generate_text, sglang_input_logprobs
-from scoring_workers.scorers.judge_errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
-from scoring_workers.scorers.judge_http import JudgeClient
-from scoring_workers.scorers.judge_limits import CircuitBreaker, _Pacer, registered_limits
+from scoring_workers.judge.apis import openai_chat, sglang_generate_text, sglang_input_logprobs
+from scoring_workers.judge.client import JudgeClient
+from scoring_workers.judge.errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
+from scoring_workers.judge.limits import CircuitBreaker, _Pacer, registered_limits
+from scoring_workers.judge.settings import (
+    ClientSettings,
+    ConnectionSettings,
+    LimitSettings,
+    ModelSettings,
+    RequestSettings,
+)
 
 MARGIN_S = 0.5  # scheduling slack on a loaded CI machine; still far below the server latency
 PRM_PROMPT = [{"role": "user", "content": "## Next state [role: user]\nthanks, ok!"}]
@@ -42,15 +50,17 @@ def server():
     srv.stop()
 
 
-def _client(url: str, **kwargs) -> JudgeClient:
-    kwargs.setdefault("backoff_base_s", 0.001)
-    kwargs.setdefault("backoff_max_s", 0.01)
-    kwargs.setdefault("rng", random.Random(0))
-    return JudgeClient(url, **kwargs)
+def _client(url: str, *, clock: Any = time.monotonic, **flat: Any) -> JudgeClient:
+    flat.setdefault("backoff_base_s", 0.001)
+    flat.setdefault("backoff_max_s", 0.01)
+    return JudgeClient(url, ClientSettings.from_flat(flat), rng=random.Random(0), clock=clock)
+
+
+MODEL = ModelSettings(model="judge", temperature=0.6, max_tokens=64)
 
 
 async def _chat(client: JudgeClient, **kwargs) -> str:
-    return await openai_chat(client, PRM_PROMPT, model="judge", temperature=0.6, max_tokens=64, **kwargs)
+    return await openai_chat(client, PRM_PROMPT, MODEL, **kwargs)
 
 
 def _free_port() -> int:
@@ -218,7 +228,7 @@ async def test_rps_limit_is_applied(server):
     async with _client(server.base_url, rps=200.0) as client:
         outs = await asyncio.gather(*[_chat(client) for _ in range(5)])
         assert len(outs) == 5
-        pacer = client.limits.for_loop(asyncio.get_running_loop())[1]
+        pacer = client.limits.gate(asyncio.get_running_loop()).pacer
         assert pacer is not None and pacer.interval == pytest.approx(0.005)
 
 
@@ -327,7 +337,7 @@ async def test_sglang_endpoints(server):
     async with _client(server.base_url + "/v1") as client:  # a trailing /v1 is stripped
         assert client.base_url == server.base_url
         text = await sglang_generate_text(
-            client, "## Next state [role: tool]\nError: no such file", temperature=0.6, max_new_tokens=32
+            client, "## Next state [role: tool]\nError: no such file", ModelSettings(temperature=0.6, max_tokens=32)
         )
         assert text.endswith("\\boxed{-1}")
         rows = await sglang_input_logprobs(client, [65, 66, 67, 68], logprob_start_len=0)
@@ -342,13 +352,53 @@ async def test_sglang_endpoints(server):
 def test_client_validates_arguments():
     with pytest.raises(ValueError):
         JudgeClient("judge:3000")
-    with pytest.raises(ValueError):
-        JudgeClient("http://x", timeout_s=0)
-    with pytest.raises(ValueError):
-        JudgeClient("http://x", max_retries=-1)
-    with pytest.raises(ValueError):
-        JudgeClient("http://x", max_concurrency=0)
+    with pytest.raises(TypeError, match="ClientSettings"):
+        JudgeClient("http://x", {"timeout_s": 1})  # type: ignore[arg-type]
     assert registered_limits("http://x") is None  # failed constructors register nothing
+
+
+@pytest.mark.parametrize(("flat", "needle"), [
+    ({"timeout_s": 0}, "Expected `float` > 0.0 - at `timeout_s`"),
+    ({"total_timeout_s": float("inf")}, "at `total_timeout_s`"),
+    ({"max_retries": -1}, "Expected `int` >= 0 - at `max_retries`"),
+    ({"max_retries": True}, "Expected `int`, got `bool` - at `max_retries`"),
+    ({"max_concurrency": 0}, "at `max_concurrency`"),
+    ({"rps": float("nan")}, "at `rps`"),
+    ({"headers": {"X-A": None}}, None),  # None becomes the text "None": headers are text
+    ({"spill_ratio": 0.5}, "Expected `float` >= 1.0 - at `spill_ratio`"),
+    ({"timeout": 5}, "no judge client setting timeout"),  # a typo is not ignored
+])
+def test_settings_are_typed_and_bounded(flat, needle):
+    if needle is None:
+        assert ClientSettings.from_flat(flat, "judge").connection.headers == {"X-A": "None"}
+        return
+    with pytest.raises(ValueError) as info:
+        ClientSettings.from_flat(flat, "judge")
+    assert str(info.value) == f"judge: {needle}" or needle in str(info.value), str(info.value)
+
+
+def test_settings_built_in_code_are_checked_too():
+    with pytest.raises(ValueError, match="RequestSettings: Expected `float` > 0.0 - at `timeout_s`"):
+        RequestSettings(timeout_s=0)
+    with pytest.raises(ValueError, match="ClientSettings: .* - at `limits.max_concurrency`"):
+        ClientSettings(limits=_unchecked(LimitSettings, max_concurrency=0))  # the whole is checked again
+    with pytest.raises(ValueError, match="top_k must be -1"):
+        ModelSettings(top_k=0)
+    settings = ClientSettings(request=RequestSettings(timeout_s=2), connection=ConnectionSettings(api_key="s3cr3t"))
+    assert settings.request.timeout_s == 2 and "s3cr3t" not in repr(settings)  # a key is never printed
+    with pytest.raises(AttributeError):
+        settings.request.timeout_s = 5  # type: ignore[misc]  # frozen
+
+
+def _unchecked(cls, **values):
+    """A struct that skipped its checks (msgspec.convert with the checks switched off)."""
+    from scoring_workers.judge import settings as module
+
+    token = module._CONVERTING.set(True)
+    try:
+        return cls(**values)
+    finally:
+        module._CONVERTING.reset(token)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -400,14 +450,15 @@ async def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
     key_file = tmp_path / "judge-key"
     key_file.write_text("file-secret\n")
     url = "http://127.0.0.1:9/api-key-test"
-    from_file = JudgeClient(url, api_key_file=str(key_file))
+    from_file = JudgeClient(url, ClientSettings(connection=ConnectionSettings(api_key_file=str(key_file))))
     monkeypatch.setenv("PRM_TEST_JUDGE_KEY", "env-secret")
-    both = JudgeClient(url, api_key_env="PRM_TEST_JUDGE_KEY", api_key_file=str(key_file))
+    env_and_file = ConnectionSettings(api_key_env="PRM_TEST_JUDGE_KEY", api_key_file=str(key_file))
+    both = JudgeClient(url, ClientSettings(connection=env_and_file))
     try:
         assert from_file._headers["Authorization"] == "Bearer file-secret"  # whitespace stripped
         assert both._headers["Authorization"] == "Bearer env-secret"  # the environment variable wins
         with pytest.raises(ValueError, match="api_key_file .*missing.* cannot be read"):
-            JudgeClient(url, api_key_file=str(tmp_path / "missing"))
+            JudgeClient(url, ClientSettings(connection=ConnectionSettings(api_key_file=str(tmp_path / "missing"))))
     finally:
         await from_file.aclose()
         await both.aclose()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from infra.config import ConfigError, PRMConfig, PRMScorerConfig, config_from_mapping
-from scoring_workers.prm import PRMRunner
-from scoring_workers.scorers.judge_hosts import (
+from scoring_workers.judge.client import JudgeClient
+from scoring_workers.judge.hosts import (
     HostAllowList,
     check_config_judge_hosts,
     config_judge_urls,
@@ -14,8 +14,8 @@ from scoring_workers.scorers.judge_hosts import (
     endpoint_label,
     judge_hosts_allowed,
 )
-from scoring_workers.scorers.judge_http import JudgeClient
-from scoring_workers.scorers.judge_limits import registered_limits
+from scoring_workers.judge.limits import registered_limits
+from scoring_workers.prm import PRMRunner
 
 OPENCLAW = "scoring_workers.scorers.openclaw.OpenClawJudgeScorer"
 

@@ -6,6 +6,17 @@ import pickle
 
 import pytest
 
+from scoring_workers.judge.errors import JudgeFailedError
+from scoring_workers.judge.prompts import (
+    HINT_SUFFIX_HEADER,
+    append_hint_to_messages,
+    build_hint_judge_messages,
+    build_prm_judge_messages,
+    parse_boxed_score,
+    parse_hint_judgement,
+    select_best_hint,
+)
+from scoring_workers.judge.voting import majority_vote
 from scoring_workers.prm._frozen import freeze
 from scoring_workers.scorers.conversation import (
     NextState,
@@ -14,17 +25,6 @@ from scoring_workers.scorers.conversation import (
     normalize_template_messages,
     render_chatml,
     render_response_text,
-)
-from scoring_workers.scorers.judge import (
-    HINT_SUFFIX_HEADER,
-    JudgeFailedError,
-    append_hint_to_messages,
-    build_hint_judge_messages,
-    build_prm_judge_messages,
-    majority_vote,
-    parse_boxed_score,
-    parse_hint_judgement,
-    select_best_hint,
 )
 
 

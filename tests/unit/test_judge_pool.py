@@ -16,12 +16,13 @@ from collections import Counter
 import pytest
 
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
+from scoring_workers.judge.apis import openai_chat
+from scoring_workers.judge.client import JudgeClient
+from scoring_workers.judge.errors import CircuitOpenError
+from scoring_workers.judge.limits import registered_limits
+from scoring_workers.judge.pool import SpillPolicy, choose_endpoint, rendezvous_order
+from scoring_workers.judge.settings import ClientSettings, ModelSettings
 from scoring_workers.judge_metrics import JudgeCollector
-from scoring_workers.scorers.judge_apis import openai_chat
-from scoring_workers.scorers.judge_errors import CircuitOpenError
-from scoring_workers.scorers.judge_http import JudgeClient
-from scoring_workers.scorers.judge_limits import registered_limits
-from scoring_workers.scorers.judge_pool import SpillPolicy, choose_endpoint, rendezvous_order
 from scoring_workers.scorers.opd import OPDTeacherScorer
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 from tests.unit.test_judge_scorers import char_tokenizer, ctx_for, obs, three_turns
@@ -46,15 +47,17 @@ def replicas():
         s.stop()
 
 
-def _pool(urls, **kwargs) -> JudgeClient:
-    kwargs.setdefault("backoff_base_s", 0.001)
-    kwargs.setdefault("backoff_max_s", 0.01)
-    kwargs.setdefault("rng", random.Random(0))
-    return JudgeClient(list(urls), **kwargs)
+def _pool(urls, **flat) -> JudgeClient:
+    flat.setdefault("backoff_base_s", 0.001)
+    flat.setdefault("backoff_max_s", 0.01)
+    return JudgeClient(list(urls), ClientSettings.from_flat(flat), rng=random.Random(0))
+
+
+MODEL = ModelSettings(model="judge", temperature=0.6, max_tokens=64)
 
 
 async def _chat(client: JudgeClient, key: str | None) -> str:
-    return await openai_chat(client, PROMPT, model="judge", temperature=0.6, max_tokens=64, affinity=key)
+    return await openai_chat(client, PROMPT, MODEL, affinity=key)
 
 
 def _key_preferring(urls: list[str], index: int, prefix: str = "s") -> str:

@@ -11,19 +11,20 @@ import asyncio
 import pytest
 
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
+from scoring_workers.judge.client import JudgeClient
+from scoring_workers.judge.errors import JudgeRequestError, JudgeTimeoutError
+from scoring_workers.judge.limits import JudgeQuota, active_quota, all_quotas, judge_quota
+from scoring_workers.judge.settings import ClientSettings
 from scoring_workers.judge_metrics import JudgeCollector
-from scoring_workers.scorers.judge_errors import JudgeRequestError, JudgeTimeoutError
-from scoring_workers.scorers.judge_http import JudgeClient
-from scoring_workers.scorers.judge_limits import JudgeQuota, active_quota, all_quotas, judge_quota
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 
 PAYLOAD = {"model": "judge", "messages": [{"role": "user", "content": "## Next state [role: user]\nthanks, ok!"}]}
 PATH = "/v1/chat/completions"
 
 
-def _client(url: str | list[str], quota: JudgeQuota | None, **kwargs) -> JudgeClient:
+def _client(url: str | list[str], quota: JudgeQuota | None, **flat) -> JudgeClient:
     with judge_quota(quota):
-        return JudgeClient(url, **kwargs)
+        return JudgeClient(url, ClientSettings.from_flat(flat))
 
 
 async def _calls(client: JudgeClient, n: int, done: list[str] | None = None, tag: str = "") -> None:
@@ -201,7 +202,7 @@ async def test_quota_released_on_cancel_while_on_the_wire_and_while_waiting():
                 with pytest.raises(asyncio.CancelledError):
                     await task
             assert quota.in_flight == 0 and client.limits.in_flight == 0
-            semaphore, _ = quota.for_loop(asyncio.get_running_loop())
+            semaphore = quota.gate(asyncio.get_running_loop()).semaphore
             assert semaphore is not None and not semaphore.locked()
 
 

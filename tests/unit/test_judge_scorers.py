@@ -15,10 +15,10 @@ from prm_pipeline.demo.fake_judge import (
     fake_teacher_logprob,
     fake_tokenize,
 )
+from scoring_workers.judge.errors import JudgeFailedError
+from scoring_workers.judge.limits import registered_limits
 from scoring_workers.prm import PRMRunner, failure_code
 from scoring_workers.scorers.conversation import render_chatml
-from scoring_workers.scorers.judge import JudgeFailedError
-from scoring_workers.scorers.judge_limits import registered_limits
 from scoring_workers.scorers.opd import MissingLogprobsError, OPDTeacherScorer
 from scoring_workers.scorers.openclaw import JudgeScorerResult, OpenClawJudgeScorer
 
@@ -309,7 +309,7 @@ def test_config_validation(server):
         OpenClawJudgeScorer(base_url=url, api="grpc")
     with pytest.raises(ValueError, match="on_all_votes_failed"):
         OpenClawJudgeScorer(base_url=url, on_all_votes_failed="ignore")
-    with pytest.raises(ValueError, match="m must"):
+    with pytest.raises(ValueError, match="scorer 'openclaw_judge': Expected `int` >= 1 - at `m`"):
         OpenClawJudgeScorer(base_url=url, m=0)
     with pytest.raises(ValueError, match="max_votes"):
         OpenClawJudgeScorer(base_url=url, max_votes=2)

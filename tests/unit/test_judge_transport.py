@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
-from scoring_workers.scorers.judge_errors import JudgeRequestError
-from scoring_workers.scorers.judge_http import JudgeClient
-from scoring_workers.scorers.judge_transport import HttpTransport, TransportError, check_headers
+from scoring_workers.judge.client import JudgeClient
+from scoring_workers.judge.errors import JudgeRequestError
+from scoring_workers.judge.settings import ClientSettings, ConnectionSettings, RequestSettings
+from scoring_workers.judge.transport import HttpTransport, TransportError, check_headers
 from tests.security.tlsproxy import make_pki
 
 OK = b'{"ok": true}'
@@ -381,13 +382,13 @@ def test_bad_headers_are_refused_at_construction(headers, message):
     with pytest.raises(ValueError, match=message):
         check_headers(headers)
     with pytest.raises(ValueError, match=message):
-        JudgeClient("http://judge:30000", headers=headers)
+        JudgeClient("http://judge:30000", ClientSettings.from_flat({"headers": headers}))
 
 
 # --------------------------------------------------------------------------- through JudgeClient
 async def test_judge_client_maps_a_broken_answer_to_a_transport_error():
     async with Scripted([[b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n{", CLOSE]]) as srv:
-        async with JudgeClient(srv.url, max_retries=2) as client:
+        async with JudgeClient(srv.url, ClientSettings(request=RequestSettings(max_retries=2))) as client:
             with pytest.raises(JudgeRequestError) as info:
                 await client.post_json("/v1/chat/completions", {"q": 1})
     assert info.value.kind == "transport" and info.value.attempts == 1  # not retried on one endpoint
@@ -397,7 +398,7 @@ async def test_trust_env_goes_through_aiohttp_and_works(monkeypatch):
     for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     with FakeJudgeServer() as srv:
-        async with JudgeClient(srv.base_url, trust_env=True) as client:
+        async with JudgeClient(srv.base_url, ClientSettings(connection=ConnectionSettings(trust_env=True))) as client:
             data = await client.post_json("/v1/chat/completions", {
                 "model": "judge", "messages": [{"role": "user", "content": "## Next state [role: user]\nok"}]})
             assert type(client._http()).__name__ == "AiohttpTransport"

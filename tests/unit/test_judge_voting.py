@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from scoring_workers.scorers.judge import (
+from scoring_workers.judge.voting import (
     Vote,
     decided_outcome,
     majority_vote,

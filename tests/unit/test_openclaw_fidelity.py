@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from infra.schema import Interaction, ModelResponse
 from prm_pipeline.demo.fake_judge import FakeJudgeServer, fake_teacher_logprob, fake_tokenize
+from scoring_workers.judge.errors import JudgeFailedError
 from scoring_workers.scorers.conversation import render_chatml
-from scoring_workers.scorers.judge import JudgeFailedError
 from scoring_workers.scorers.opd import OPDTeacherScorer
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 from scoring_workers.scorers.policy_tokenizer import load_policy_decoder

@@ -18,7 +18,7 @@ import torch
 from infra.schema import ReadyTrajectory
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from prm_pipeline.demo.policy_update import PolicyUpdate
-from scoring_workers.scorers.judge import append_hint_to_messages
+from scoring_workers.judge.prompts import append_hint_to_messages
 from scoring_workers.scorers.opd import OPDTeacherScorer
 from shaper import shift_token_rewards
 from tests import real_model

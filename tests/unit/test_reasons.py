@@ -16,11 +16,11 @@ import pytest
 from infra import reasons
 from infra.readback import unavailable
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory, SessionResult
+from scoring_workers.judge.errors import JudgeFailedError
 from scoring_workers.ledger import GroupState
 from scoring_workers.prm import PRMConfig, PRMRunner, failure_code, failure_detail
 from scoring_workers.prm.errors import REJECTION_REASONS
 from scoring_workers.scorers import LengthBudgetScorer
-from scoring_workers.scorers.judge import JudgeFailedError
 from scoring_workers.scoring import score_member
 from scoring_workers.verdicts import assemble_verdict, too_large_verdict
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from infra.config import ConfigError, PRMConfig, PRMScorerConfig
+from scoring_workers.judge.limits import registered_limits
 from scoring_workers.prm import BaseScorer
 from scoring_workers.prm.resolve import (
     ScorerArgumentError,
@@ -18,7 +19,6 @@ from scoring_workers.prm.resolve import (
     resolve_import,
     resolve_scorer_class,
 )
-from scoring_workers.scorers.judge_limits import registered_limits
 
 ALLOWED = ["scoring_workers.scorers"]
 URL = "http://127.0.0.1:9"  # never contacted: constructors make no request

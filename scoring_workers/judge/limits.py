@@ -1,6 +1,6 @@
 """Process-wide limits of one judge server: concurrency cap, request pacing, circuit breaker.
 
-Every :class:`~scoring_workers.scorers.judge_http.JudgeClient` with the same
+Every :class:`~scoring_workers.judge.client.JudgeClient` with the same
 ``base_url`` shares one :class:`SharedLimits` (a module-level registry, reference-counted
 by live clients), so all scorer instances of a worker together respect what the judge
 server can take.
@@ -13,7 +13,8 @@ server can take.
   immediately instead of piling onto a dead judge; after ``reset_timeout_s`` one probe
   is let through (half-open) — its success closes the breaker, its failure re-opens it.
 
-**Quotas per experiment** (:class:`JudgeQuota`, :func:`judge_quota`): one worker
+**Quotas per experiment** (:class:`~scoring_workers.judge.settings.JudgeQuota`,
+:func:`judge_quota`): one worker
 process may score several experiments against the same judge. An experiment's quota
 caps *its* calls in flight and per second on each endpoint; every client built inside
 ``judge_quota(q)`` shares one :class:`QuotaLimits` per ``(q.scope, endpoint)`` (a second
@@ -21,6 +22,10 @@ registry, reference-counted like the shared limits). A call takes its quota slot
 and the endpoint's process-wide slot second, so an experiment over its quota waits
 without holding a process-wide slot that another experiment could use; the process-wide
 limits still bound every experiment together.
+
+Both kinds of limits are entered the same one way (:meth:`_Limiter.enter`: a slot, then
+pacing, both by the request's deadline); they differ only in their bounds and in what a
+refusal says.
 """
 
 from __future__ import annotations
@@ -34,12 +39,16 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LATENCY_BUCKETS_S", "CircuitBreaker", "JudgeQuota", "QuotaLimits", "SharedLimits", "acquire_limits",
-           "acquire_quota", "active_quota", "all_limits", "all_quotas", "judge_quota", "registered_limits",
-           "release_limits", "release_quota"]
+import msgspec
+
+from scoring_workers.judge.errors import JudgeTimeoutError
+from scoring_workers.judge.settings import JudgeQuota, LimitSettings
+
+__all__ = ["DEFAULT_LIMITS", "LATENCY_BUCKETS_S", "CircuitBreaker", "JudgeQuota", "QuotaLimits", "SharedLimits",
+           "acquire_limits", "acquire_quota", "active_quota", "all_limits", "all_quotas", "judge_quota",
+           "registered_limits", "release_limits", "release_quota"]
 
 
 class CircuitBreaker:
@@ -174,7 +183,7 @@ class _Ticket:
         self.done = False
 
 
-# --------------------------------------------------------------------------- shared limits
+# --------------------------------------------------------------------------- the one way in
 def _positive(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
@@ -197,34 +206,101 @@ class _Pacer:
         return True
 
 
-@dataclass(frozen=True, slots=True)
-class _LimitSettings:
-    max_concurrency: int
-    rps: float
-    breaker_failure_threshold: int
-    breaker_reset_s: float
+class _Gate:
+    """A concurrency cap (``None``: none) and a pacer (``None``: none) on one event loop."""
+
+    __slots__ = ("pacer", "semaphore")
+
+    def __init__(self, cap: int | None, rps: float | None) -> None:
+        self.semaphore = None if cap is None else asyncio.Semaphore(cap)
+        self.pacer = None if not rps else _Pacer(rps)
 
 
-_DEFAULT_LIMITS = _LimitSettings(max_concurrency=32, rps=0.0, breaker_failure_threshold=5, breaker_reset_s=10.0)
+class _Limiter:
+    """What :class:`SharedLimits` and :class:`QuotaLimits` share: a :class:`_Gate` per event
+    loop (asyncio primitives are bound to one loop) and the one way through it,
+    :meth:`enter`. ``waited`` / ``wait_s``: how many entries had to wait (for a slot or
+    for pacing) and the seconds they waited in total."""
+
+    def __init__(self, cap: int | None, rps: float | None) -> None:
+        self._cap, self._rps = cap, rps
+        self.waited = 0
+        self.wait_s = 0.0
+        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Gate] = weakref.WeakKeyDictionary()
+
+    def _refusal(self, what: str) -> str:  # pragma: no cover - overridden
+        """What ran out (``slot`` or ``rate``), for the timeout's message."""
+        raise NotImplementedError
+
+    def gate(self, loop: asyncio.AbstractEventLoop) -> _Gate:
+        gate = self._gates.get(loop)
+        if gate is None:
+            gate = self._gates[loop] = _Gate(self._cap, self._rps)
+        return gate
+
+    async def enter(self, loop: asyncio.AbstractEventLoop, deadline: float, url: str) -> asyncio.Semaphore | None:
+        """Wait for a slot, then for pacing, both by ``deadline``; returns the semaphore
+        whose slot is now held (release it when the attempt is over), or ``None``.
+
+        Raises:
+            JudgeTimeoutError: ``deadline`` came first (nothing is held then).
+        """
+        gate = self.gate(loop)
+        semaphore, pacer = gate.semaphore, gate.pacer
+        since: float | None = None
+        try:
+            if semaphore is not None:
+                if semaphore.locked():
+                    since = loop.time()
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            await semaphore.acquire()
+                    except TimeoutError:
+                        raise JudgeTimeoutError(f"POST {url}: {self._refusal('slot')} before the total timeout",
+                                                kind="timeout") from None
+                else:
+                    await semaphore.acquire()  # a free slot: no timeout context to set up
+            if pacer is not None:
+                try:
+                    if since is None and pacer.next_at > loop.time():
+                        since = loop.time()
+                    if not await pacer.wait(loop, deadline):
+                        raise JudgeTimeoutError(f"POST {url}: {self._refusal('rate')} before the total timeout",
+                                                kind="timeout")
+                except BaseException:
+                    if semaphore is not None:
+                        semaphore.release()
+                    raise
+        finally:
+            if since is not None:
+                self.waited += 1
+                self.wait_s += loop.time() - since
+        return semaphore
 
 
-class SharedLimits:
+# --------------------------------------------------------------------------- shared limits
+DEFAULT_LIMITS = LimitSettings(max_concurrency=32, rps=0.0, breaker_failure_threshold=5, breaker_reset_s=10.0)
+"""What a judge endpoint's limits are when no client sets them."""
+
+
+class SharedLimits(_Limiter):
     """Process-wide limits of one judge ``base_url`` (see :func:`registered_limits`).
 
     Holds the circuit breaker and, per event loop, the concurrency semaphore and the
-    rate pacer (asyncio primitives are bound to one loop). ``in_flight`` /
-    ``max_in_flight`` count attempts currently on the wire (client side); ``load``
-    counts attempts routed here and not finished (waiting for a slot or pacing, or on
-    the wire) — what a judge pool compares to find the least-loaded endpoint — and
-    ``routed`` how pool requests were routed here (``affinity``, ``detour``, ``spill``,
-    ``failover``, ``balanced``; :mod:`scoring_workers.scorers.judge_pool`).
+    rate pacer. ``in_flight`` / ``max_in_flight`` count attempts currently on the wire
+    (client side); ``load`` counts attempts routed here and not finished (waiting for a
+    slot or pacing, or on the wire) — what a judge pool compares to find the
+    least-loaded endpoint — and ``routed`` how pool requests were routed here
+    (``affinity``, ``detour``, ``spill``, ``failover``, ``balanced``;
+    :mod:`scoring_workers.judge.pool`). ``settings`` has every field set.
     """
 
-    def __init__(self, key: str, settings: _LimitSettings, clock: Callable[[], float]) -> None:
+    def __init__(self, key: str, settings: LimitSettings, clock: Callable[[], float]) -> None:
+        super().__init__(settings.max_concurrency, settings.rps)
         self.key = key
         self.settings = settings
         self.breaker = CircuitBreaker(
-            settings.breaker_failure_threshold, settings.breaker_reset_s, clock=clock
+            settings.breaker_failure_threshold, settings.breaker_reset_s, clock=clock  # type: ignore[arg-type]
         )
         self.refs = 0
         self.in_flight = 0
@@ -237,8 +313,11 @@ class SharedLimits:
         self.failed_attempts = 0  # those the breaker counts as failures (timeouts, connect errors, 5xx)
         self.latency_buckets = [0] * len(LATENCY_BUCKETS_S)  # cumulative counts per upper bound
         self.latency_sum_s = 0.0
-        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[asyncio.Semaphore, _Pacer | None]]
-        self._per_loop = weakref.WeakKeyDictionary()
+
+    def _refusal(self, what: str) -> str:
+        if what == "slot":
+            return f"no free judge slot (max_concurrency={self.settings.max_concurrency})"
+        return f"rate limit ({self.settings.rps} req/s) leaves no slot"
 
     def observe(self, seconds: float, *, failed: bool) -> None:
         """One finished attempt: its duration and whether the breaker counted it as a failure."""
@@ -253,14 +332,6 @@ class SharedLimits:
         """An attempt the server answered (any status below 500): update the latency EWMA."""
         ewma = self.latency_ewma_s
         self.latency_ewma_s = seconds if ewma is None else ewma + _EWMA_ALPHA * (seconds - ewma)
-
-    def for_loop(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Semaphore, _Pacer | None]:
-        entry = self._per_loop.get(loop)
-        if entry is None:
-            pacer = _Pacer(self.settings.rps) if self.settings.rps > 0 else None
-            entry = (asyncio.Semaphore(self.settings.max_concurrency), pacer)
-            self._per_loop[loop] = entry
-        return entry
 
 
 _EWMA_ALPHA = 0.2  # weight of the newest answer: about the last ten answers count
@@ -287,24 +358,20 @@ def all_limits() -> list[SharedLimits]:
         return list(_REGISTRY.values())
 
 
-def acquire_limits(base_url: str, requested: dict[str, Any], clock: Callable[[], float]) -> SharedLimits:
+def acquire_limits(base_url: str, requested: LimitSettings, clock: Callable[[], float]) -> SharedLimits:
     """Take a reference to ``base_url``'s limits, registering them with ``requested``
-    (``None`` values inherit the defaults) or checking ``requested`` against what is
-    registered (a clash is a :class:`ValueError`: limits must agree process-wide)."""
+    (``None`` fields inherit :data:`DEFAULT_LIMITS`) or checking ``requested`` against what
+    is registered (a clash is a :class:`ValueError`: limits must agree process-wide)."""
     key = _registry_key(base_url)
+    asked = {name: value for name, value in msgspec.structs.asdict(requested).items() if value is not None}
     with _REGISTRY_LOCK:
         shared = _REGISTRY.get(key)
         if shared is None:
-            values = {name: getattr(_DEFAULT_LIMITS, name) for name in _LimitSettings.__slots__}
-            values.update({k: v for k, v in requested.items() if v is not None})
-            shared = SharedLimits(key, _LimitSettings(**values), clock)
+            shared = SharedLimits(key, msgspec.structs.replace(DEFAULT_LIMITS, **asked), clock)
             _REGISTRY[key] = shared
         else:
-            clash = {
-                name: (value, getattr(shared.settings, name))
-                for name, value in requested.items()
-                if value is not None and value != getattr(shared.settings, name)
-            }
+            clash = {name: (value, getattr(shared.settings, name)) for name, value in asked.items()
+                     if value != getattr(shared.settings, name)}
             if clash:
                 detail = ", ".join(f"{n}={mine!r} (registered: {theirs!r})" for n, (mine, theirs) in clash.items())
                 raise ValueError(
@@ -325,34 +392,6 @@ def release_limits(shared: SharedLimits) -> None:
 
 
 # --------------------------------------------------------------------------- quotas per experiment
-@dataclass(frozen=True, slots=True)
-class JudgeQuota:
-    """One experiment's share of every judge endpoint it calls (module docstring).
-
-    ``scope``: the experiment id (a metric label: keep the set of scopes bounded).
-    ``max_in_flight``: its attempts in flight per endpoint (``None``: no cap);
-    ``rps``: its attempts per second per endpoint (``None``: unpaced). The process-wide
-    limits of each endpoint apply on top.
-    """
-
-    scope: str
-    max_in_flight: int | None = None
-    rps: float | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.scope, str) or not self.scope.strip():
-            raise ValueError(f"judge quota scope must be a non-empty string (the experiment id), got {self.scope!r}")
-        cap: Any = self.max_in_flight
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"judge quota {self.scope!r}: max_in_flight must be an integer >= 1 or None, got {cap!r}")
-        if self.rps is not None and not _positive(self.rps):
-            raise ValueError(f"judge quota {self.scope!r}: rps must be a finite number > 0 or None, got {self.rps!r}")
-
-    @property
-    def unlimited(self) -> bool:
-        return self.max_in_flight is None and self.rps is None
-
-
 _QUOTA: ContextVar[JudgeQuota | None] = ContextVar("prm_judge_quota", default=None)
 
 
@@ -375,16 +414,18 @@ def active_quota() -> JudgeQuota | None:
     return _QUOTA.get()
 
 
-class QuotaLimits:
+class QuotaLimits(_Limiter):
     """One experiment's limits on one endpoint, shared by its clients in the process.
 
     Per event loop a semaphore (``max_in_flight``) and a pacer (``rps``), as
     :class:`SharedLimits`. Counters for the metrics: ``in_flight`` (attempts holding a
-    quota slot; ``peak_in_flight`` the most at once), ``admitted`` (attempts that passed the quota), ``waited`` (of those,
-    how many had to wait for it) and ``wait_s`` (the seconds they waited in total).
+    quota slot; ``peak_in_flight`` the most at once), ``admitted`` (attempts that passed
+    the quota), ``waited`` (of those, how many had to wait for it) and ``wait_s`` (the
+    seconds they waited in total).
     """
 
     def __init__(self, quota: JudgeQuota, endpoint: str) -> None:
+        super().__init__(quota.max_in_flight, quota.rps)
         self.quota = quota
         self.scope = quota.scope
         self.endpoint = endpoint  # the registry key of the endpoint's base_url
@@ -392,19 +433,12 @@ class QuotaLimits:
         self.in_flight = 0
         self.peak_in_flight = 0
         self.admitted = 0
-        self.waited = 0
-        self.wait_s = 0.0
-        self._per_loop: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, tuple[asyncio.Semaphore | None, _Pacer | None]
-        ] = weakref.WeakKeyDictionary()
 
-    def for_loop(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Semaphore | None, _Pacer | None]:
-        entry = self._per_loop.get(loop)
-        if entry is None:
-            cap, rps = self.quota.max_in_flight, self.quota.rps
-            entry = (None if cap is None else asyncio.Semaphore(cap), None if rps is None else _Pacer(rps))
-            self._per_loop[loop] = entry
-        return entry
+    def _refusal(self, what: str) -> str:
+        if what == "slot":
+            return (f"experiment {self.scope!r} has no free judge slot (quota "
+                    f"max_in_flight={self.quota.max_in_flight} per endpoint)")
+        return f"experiment {self.scope!r}'s quota ({self.quota.rps:g} req/s per endpoint) leaves no slot"
 
     def __repr__(self) -> str:
         return f"QuotaLimits({self.quota!r}, endpoint={self.endpoint!r}, in_flight={self.in_flight})"

@@ -84,7 +84,7 @@ Result = tuple[int, bytes, str | None]
 
 
 class Transport:
-    """What :class:`~scoring_workers.scorers.judge_http.JudgeClient` sends requests through."""
+    """What :class:`~scoring_workers.judge.client.JudgeClient` sends requests through."""
 
     async def post(self, url: str, body: bytes, deadline: float) -> Result:  # pragma: no cover - interface
         """POST ``body`` to ``url``; the answer, or :class:`TimeoutError` at ``deadline``

@@ -16,7 +16,8 @@ behind it is, counted in calls of the endpoint it is compared with.
 2. **Breakers.** An endpoint whose breaker is open (or half-open with its probe out)
    is skipped; the session's next endpoint in rank order takes its calls (``detour``),
    so even a detour is consistent per session.
-3. **Spill-over.** When the preferred endpoint is *overloaded* — its cost exceeds the
+3. **Spill-over.** When the preferred endpoint is *overloaded* (:func:`overloaded`,
+   under a :class:`~scoring_workers.judge.settings.SpillPolicy`) — its cost exceeds the
    cheapest available endpoint's by more than ``spill_in_flight`` of that endpoint's
    calls **and** by a factor above ``spill_ratio`` (the two thresholds of SGLang's
    router, which balances the same trade-off between cache hits and queueing; with
@@ -34,55 +35,34 @@ An endpoint without a latency estimate yet counts as fast as the fastest known o
 so a new or recovered replica gets calls and is measured.
 
 Pure functions over plain numbers: unit-tested exhaustively without HTTP
-(``tests/unit/test_judge_pool.py``); :class:`~scoring_workers.scorers.judge_http.
+(``tests/unit/test_judge_pool.py``); :class:`~scoring_workers.judge.client.
 JudgeClient` applies them.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-__all__ = ["ROUTES", "SpillPolicy", "choose_endpoint", "rendezvous_order"]
+from scoring_workers.judge.settings import SpillPolicy
+
+__all__ = ["ROUTES", "SpillPolicy", "choose_endpoint", "overloaded", "rendezvous_order"]
 
 ROUTES = ("affinity", "detour", "spill", "failover", "balanced")
 """Why a call went where it did (the ``route`` label of ``prm_judge_routed``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class SpillPolicy:
-    """When a session's preferred endpoint counts as overloaded (module docstring, 3).
+_DEFAULT_POLICY = SpillPolicy()
 
-    ``spill_in_flight``: how many more unfinished calls than the least-loaded endpoint
-    it must have; ``spill_ratio``: and how many times as many. Defaults 16 (half the
-    default per-endpoint concurrency cap of 32) and 1.5 (SGLang's router's relative
-    threshold): a replica serving a few more of its sessions' calls than the others
-    keeps them (cache hits are worth a short queue); one that has fallen behind sheds
-    the excess. Loads are counted per worker process, so the thresholds are too.
-    """
 
-    spill_in_flight: int = 16
-    spill_ratio: float = 1.5
-
-    def __post_init__(self) -> None:
-        if isinstance(self.spill_in_flight, bool) or not isinstance(self.spill_in_flight, int) \
-                or self.spill_in_flight < 0:
-            raise ValueError(f"spill_in_flight must be an integer >= 0, got {self.spill_in_flight!r}")
-        ratio: Any = self.spill_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio < 1:
-            raise ValueError(f"spill_ratio must be a finite number >= 1, got {ratio!r}")
-
-    def overloaded(self, cost: float, least_cost: float, least_latency: float, least_load: int, *,
-                   at_cap: bool = False, least_at_cap: bool = False) -> bool:
-        """Whether an endpoint whose next call would cost ``cost`` should shed it to the
-        cheapest one (``least_*``); costs are ``(load + 1) x latency``."""
-        if at_cap and not least_at_cap:
-            return True
-        behind = cost / least_latency - (least_load + 1)  # in calls of the cheapest endpoint
-        return behind > self.spill_in_flight and cost > self.spill_ratio * least_cost
+def overloaded(policy: SpillPolicy, cost: float, least_cost: float, least_latency: float, least_load: int, *,
+               at_cap: bool = False, least_at_cap: bool = False) -> bool:
+    """Whether an endpoint whose next call would cost ``cost`` should shed it to the
+    cheapest one (``least_*``) under ``policy``; costs are ``(load + 1) x latency``."""
+    if at_cap and not least_at_cap:
+        return True
+    behind = cost / least_latency - (least_load + 1)  # in calls of the cheapest endpoint
+    return behind > policy.spill_in_flight and cost > policy.spill_ratio * least_cost
 
 
 def _score(key: str, endpoint: str) -> int:
@@ -103,7 +83,7 @@ def choose_endpoint(
     available: Sequence[bool],
     *,
     order: Sequence[int] | None = None,
-    policy: SpillPolicy = SpillPolicy(),
+    policy: SpillPolicy = _DEFAULT_POLICY,
     caps: Sequence[int] | None = None,
     latencies: Sequence[float | None] | None = None,
     avoid: Collection[int] = (),
@@ -146,8 +126,8 @@ def choose_endpoint(
     if order is None:
         return least, "failover" if failover else "balanced"
     preferred = next(i for i in order if i in candidates)
-    if preferred != least and policy.overloaded(
-        cost[preferred], cost[least], speed[least], loads[least], at_cap=at_cap(preferred),
+    if preferred != least and overloaded(
+        policy, cost[preferred], cost[least], speed[least], loads[least], at_cap=at_cap(preferred),
         least_at_cap=at_cap(least),
     ):
         return least, "failover" if failover else "spill"

@@ -14,13 +14,13 @@ logical request is one or more HTTP *attempts*:
   than 429 (a bug in the request), a read timeout and a broken response are not
   retried. A backoff that would cross the deadline is not slept: the last error is
   raised at once.
-* **Shared limits** (:mod:`scoring_workers.scorers.judge_limits`): the concurrency cap,
+* **Shared limits** (:mod:`scoring_workers.judge.limits`): the concurrency cap,
   pacing and circuit breaker of the ``base_url``. Any HTTP answer below 500 (including
   4xx/429) proves the server is up and counts as a success for the breaker. A client
-  built inside :func:`~scoring_workers.scorers.judge_limits.judge_quota` also takes its
+  built inside :func:`~scoring_workers.judge.limits.judge_quota` also takes its
   experiment's quota on each endpoint, acquired *before* the process-wide slot.
 * **A pool** (several ``base_url`` s, replicas of one judge): every attempt is routed
-  by :func:`~scoring_workers.scorers.judge_pool.choose_endpoint` — the session's
+  by :func:`~scoring_workers.judge.pool.choose_endpoint` — the session's
   rendezvous-preferred endpoint, the least-loaded one when that is overloaded, never
   one whose breaker is open — and each endpoint has its own shared limits. A failed
   attempt moves to another available endpoint at once (no backoff: that server is
@@ -28,7 +28,7 @@ logical request is one or more HTTP *attempts*:
   timeout or a dropped connection is worth a retry too, because another replica may
   answer. So a replica that fails or dies costs no vote while another one works.
 
-Transport: :mod:`~scoring_workers.scorers.judge_transport` — HTTP/1.1 keep-alive
+Transport: :mod:`~scoring_workers.judge.transport` — HTTP/1.1 keep-alive
 connections on asyncio protocols, one pool per client — with bodies encoded and decoded
 by :mod:`msgspec`. It replaced aiohttp (≈ 3.5x the CPU of a bare asyncio-streams
 exchange per call), which replaced httpx (≈ 12x); ``prm-pipeline bench judge`` measures
@@ -44,16 +44,16 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
 import msgspec
 
-from scoring_workers.scorers.judge_errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
-from scoring_workers.scorers.judge_hosts import check_judge_url, endpoint_label
-from scoring_workers.scorers.judge_limits import (
+from scoring_workers.judge.errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
+from scoring_workers.judge.hosts import check_judge_url, endpoint_label
+from scoring_workers.judge.limits import (
     CircuitBreaker,
     JudgeQuota,
     QuotaLimits,
@@ -64,8 +64,9 @@ from scoring_workers.scorers.judge_limits import (
     release_limits,
     release_quota,
 )
-from scoring_workers.scorers.judge_pool import SpillPolicy, choose_endpoint, rendezvous_order
-from scoring_workers.scorers.judge_transport import (
+from scoring_workers.judge.pool import choose_endpoint, rendezvous_order
+from scoring_workers.judge.settings import ClientSettings, ConnectionSettings
+from scoring_workers.judge.transport import (
     AiohttpTransport,
     HttpTransport,
     Transport,
@@ -77,6 +78,9 @@ __all__ = ["JudgeClient", "JudgeClientStats", "normalize_base_urls"]
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
+
+
+_DEFAULTS = ClientSettings()
 
 
 class _Retry(Exception):
@@ -122,20 +126,6 @@ class JudgeClientStats:
     """Retries sent to another endpoint of the pool than the attempt that failed."""
 
 
-def _check_number(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return float(value)
-
-
-def _check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _parse_retry_after(value: str | None) -> float | None:
     if not value:
         return None
@@ -151,99 +141,45 @@ def _snippet(body: bytes, n: int) -> str:
 
 
 class JudgeClient:
-    """An async JSON-over-HTTP client for one judge server, with the hygiene described
-    in the module docstring. It owns its connections (opened lazily inside the running
-    event loop) and releases them and its share of the limits in
-    :meth:`aclose`.
+    """An async JSON-over-HTTP client for one judge server (or a pool of replicas), with
+    the hygiene described in the module docstring. It owns its connections (opened
+    lazily inside the running event loop) and releases them and its share of the limits
+    in :meth:`aclose`.
 
     Args:
         base_url: server root, e.g. ``http://judge:30000`` (a trailing ``/v1`` is
             stripped; paths are absolute: ``/v1/chat/completions``, ``/generate``),
             or a sequence of them: a pool of replicas (module docstring). Every URL
             must pass the enclosing ``worker.allowed_judge_hosts`` check
-            (:func:`~scoring_workers.scorers.judge_hosts.check_judge_url`).
-        timeout_s: bound of one HTTP attempt.
-        total_timeout_s: bound of one logical request, retries included.
-        max_retries: retries after the first attempt (connect errors, 5xx, 429).
-        backoff_base_s, backoff_max_s: backoff before retry ``k`` is drawn uniformly
-            from ``[d/2, d]`` with ``d = min(backoff_max_s, backoff_base_s * 2**(k-1))``.
-        retry_on_timeout: also retry attempts that hit ``timeout_s`` (off: a judge
-            that is too slow rarely gets faster by being asked again).
-        max_concurrency, rps, breaker_failure_threshold, breaker_reset_s: the shared
-            per-``base_url`` limits; ``None`` inherits what is registered (defaults
-            32, unlimited, 5, 10 s). ``rps=0`` means no pacing.
-        headers: extra request headers; ``api_key_env`` (an environment variable),
-            ``api_key_file`` (a file, e.g. a mounted Kubernetes Secret; surrounding
-            whitespace stripped) or ``api_key`` add ``Authorization: Bearer ...``, the
-            first one set winning. Keys never come from a trajectory.
-        trust_env: let the client read proxy settings from the environment (off:
-            judges are cluster-internal and a stray ``HTTP_PROXY`` breaks them).
-        spill_in_flight, spill_ratio: when a pool's preferred endpoint is overloaded
-            (:class:`~scoring_workers.scorers.judge_pool.SpillPolicy`).
-        rng: random source for the jitter (tests pass a seeded one).
+            (:func:`~scoring_workers.judge.hosts.check_judge_url`).
+        settings: timeouts and retries, the endpoints' shared limits, headers and
+            credentials, a pool's spill policy
+            (:class:`~scoring_workers.judge.settings.ClientSettings`). Keys never come
+            from a trajectory.
+        rng: random source for the jitter (tests pass a deterministic one).
         clock: clock of a newly registered circuit breaker (tests pass a fake one).
     """
 
     def __init__(
         self,
         base_url: str | Sequence[str],
+        settings: ClientSettings = _DEFAULTS,
         *,
-        timeout_s: float = 30.0,
-        total_timeout_s: float = 60.0,
-        max_retries: int = 2,
-        backoff_base_s: float = 0.2,
-        backoff_max_s: float = 5.0,
-        retry_on_timeout: bool = False,
-        max_concurrency: int | None = None,
-        rps: float | None = None,
-        breaker_failure_threshold: int | None = None,
-        breaker_reset_s: float | None = None,
-        headers: Mapping[str, str] | None = None,
-        api_key: str | None = None,
-        api_key_env: str | None = None,
-        api_key_file: str | None = None,
-        trust_env: bool = False,
-        spill_in_flight: int = 16,
-        spill_ratio: float = 1.5,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not isinstance(settings, ClientSettings):
+            raise TypeError(f"settings must be a ClientSettings, got {type(settings).__name__}")
         urls = normalize_base_urls(base_url)
         for url in urls:
             check_judge_url(url)
         self.base_urls: tuple[str, ...] = urls
         self.base_url = urls[0]
         """The (first) server root; a pool's others are in :attr:`base_urls`."""
-        self.spill = SpillPolicy(spill_in_flight, spill_ratio)
-        self.timeout_s = _check_number("timeout_s", timeout_s)
-        self.total_timeout_s = _check_number("total_timeout_s", total_timeout_s)
-        self.max_retries = _check_count("max_retries", max_retries, 0)
-        self.backoff_base_s = _check_number("backoff_base_s", backoff_base_s, allow_zero=True)
-        self.backoff_max_s = _check_number("backoff_max_s", backoff_max_s, allow_zero=True)
-        self.retry_on_timeout = bool(retry_on_timeout)
-        requested: dict[str, Any] = {}
-        if max_concurrency is not None:
-            requested["max_concurrency"] = _check_count("max_concurrency", max_concurrency, 1)
-        if rps is not None:
-            requested["rps"] = _check_number("rps", rps, allow_zero=True)
-        if breaker_failure_threshold is not None:
-            requested["breaker_failure_threshold"] = _check_count(
-                "breaker_failure_threshold", breaker_failure_threshold, 1
-            )
-        if breaker_reset_s is not None:
-            requested["breaker_reset_s"] = _check_number("breaker_reset_s", breaker_reset_s)
-        hdrs = check_headers(headers or {})
-        if api_key_file and not (api_key_env and os.environ.get(api_key_env)):
-            try:
-                api_key = Path(api_key_file).read_text().strip() or api_key
-            except OSError as exc:
-                raise ValueError(f"api_key_file {api_key_file!r} cannot be read: {exc.strerror}") from None
-        if api_key_env:
-            api_key = os.environ.get(api_key_env) or api_key
-        if api_key:
-            hdrs["Authorization"] = f"Bearer {api_key}"
-        self._headers = hdrs
-        self._trust_env = bool(trust_env)
+        self.settings = settings
+        self._request = settings.request
+        self.spill = settings.spill
+        self._headers = _headers(settings.connection)
         self._rng = rng or random.Random()
         self.stats = JudgeClientStats()
         self._transport: Transport | None = None
@@ -251,12 +187,12 @@ class JudgeClient:
         self._turn = 0  # round-robin offset of a pool's ties
         quota = active_quota()
         self.quota: JudgeQuota | None = quota
-        """The experiment quota taken at construction (:func:`~scoring_workers.scorers.
-        judge_limits.judge_quota`), or None."""
+        """The experiment quota taken at construction (:func:`~scoring_workers.judge.
+        limits.judge_quota`), or None."""
         endpoints: list[_Endpoint] = []
         try:  # last: nothing else to undo
             for url in urls:
-                endpoints.append(_Endpoint(url, endpoint_label(url), acquire_limits(url, requested, clock)))
+                endpoints.append(_Endpoint(url, endpoint_label(url), acquire_limits(url, settings.limits, clock)))
                 endpoints[-1].quota = acquire_quota(quota, url)
         except BaseException:
             for ep in endpoints:
@@ -288,8 +224,8 @@ class JudgeClient:
         return tuple(ep.quota for ep in self._endpoints)
 
     def _http(self) -> Transport:
-        """The transport, opened on first use inside the running loop: this module's own
-        HTTP/1.1 keep-alive connections (:class:`~scoring_workers.scorers.judge_transport.
+        """The transport, opened on first use inside the running loop: the judge's own
+        HTTP/1.1 keep-alive connections (:class:`~scoring_workers.judge.transport.
         HttpTransport`), or aiohttp when ``trust_env`` asks for the environment's proxies.
         No connection limit of its own: the shared concurrency cap bounds attempts."""
         if self._closed:
@@ -297,7 +233,8 @@ class JudgeClient:
         transport = self._transport
         if transport is None:
             transport = self._transport = (
-                AiohttpTransport(self._headers) if self._trust_env else HttpTransport(self._headers)
+                AiohttpTransport(self._headers) if self.settings.connection.trust_env
+                else HttpTransport(self._headers)
             )
         return transport
 
@@ -332,10 +269,11 @@ class JudgeClient:
         await self.aclose()
 
     def _backoff(self, retry: int, retry_after: float | None) -> float:
-        ceiling = min(self.backoff_max_s, self.backoff_base_s * (2 ** (retry - 1)))
+        request = self._request
+        ceiling = min(request.backoff_max_s, request.backoff_base_s * (2 ** (retry - 1)))
         delay = self._rng.uniform(ceiling / 2, ceiling) if ceiling > 0 else 0.0
         if retry_after is not None:
-            delay = max(delay, min(retry_after, self.backoff_max_s))
+            delay = max(delay, min(retry_after, request.backoff_max_s))
         return delay
 
     async def post_json(
@@ -343,7 +281,8 @@ class JudgeClient:
     ) -> Any:
         """POST ``payload`` as JSON to ``base_url + path`` and return the decoded JSON.
 
-        ``deadline`` is an absolute ``loop.time()`` bound on top of ``total_timeout_s``.
+        ``deadline`` is an absolute ``loop.time()`` bound on top of the settings'
+        ``total_timeout_s``.
         ``affinity`` (a session id) picks a pool's preferred endpoint; calls with the
         same key go to the same replica while it is healthy and not overloaded.
 
@@ -353,7 +292,8 @@ class JudgeClient:
                 pool, the error of the last endpoint tried.
         """
         loop = asyncio.get_running_loop()
-        total_deadline = loop.time() + self.total_timeout_s
+        max_retries = self._request.max_retries
+        total_deadline = loop.time() + self._request.total_timeout_s
         if deadline is not None:
             total_deadline = min(total_deadline, deadline)
         body = _ENCODER.encode(payload)
@@ -375,7 +315,7 @@ class JudgeClient:
                     # A pool endpoint whose breaker closed the door after routing (another
                     # call took its half-open probe) was sent nothing: moving on is free.
                     free = elsewhere and isinstance(error, CircuitOpenError)
-                    if not free and retries >= self.max_retries:
+                    if not free and retries >= max_retries:
                         raise error from None
                     if isinstance(retry, _Failover) and not elsewhere:
                         raise error from None  # only another endpoint could have helped
@@ -426,162 +366,124 @@ class JudgeClient:
         self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, path: str, body: bytes, total_deadline: float,
         attempt: int,
     ) -> Any:
+        """One attempt on ``endpoint``: the experiment's quota first, then the endpoint's
+        process-wide limits — a call waiting for its quota holds no process-wide slot
+        (and adds no load) — both entered the one way (:meth:`~scoring_workers.judge.
+        limits.SharedLimits.enter`)."""
         url = endpoint.base_url + path
         if loop.time() >= total_deadline:
             raise JudgeTimeoutError(f"POST {url}: total timeout before attempt {attempt}", kind="timeout")
-        if endpoint.quota is not None:
-            return await self._under_quota(loop, endpoint.quota, endpoint.limits, url, body, total_deadline)
-        return await self._loaded(loop, endpoint.limits, url, body, total_deadline)
-
-    async def _loaded(
-        self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, url: str, body: bytes, total_deadline: float,
-    ) -> Any:
-        semaphore, pacer = limits.for_loop(loop)
-        limits.load += 1
-        try:
-            return await self._admitted(loop, limits, semaphore, pacer, url, body, total_deadline)
-        finally:
-            limits.load -= 1
-
-    async def _under_quota(
-        self, loop: asyncio.AbstractEventLoop, quota: QuotaLimits, limits: SharedLimits, url: str, body: bytes,
-        total_deadline: float,
-    ) -> Any:
-        """The experiment's quota on this endpoint first, then the process-wide limits:
-        a call waiting for its quota holds no process-wide slot (and adds no load)."""
-        semaphore, pacer = quota.for_loop(loop)
-        waiting_since: float | None = None
-        acquired = False
-        try:
-            if semaphore is not None:
-                if semaphore.locked():
-                    waiting_since = loop.time()
-                    try:
-                        async with asyncio.timeout_at(total_deadline):
-                            await semaphore.acquire()
-                    except TimeoutError:
-                        raise JudgeTimeoutError(
-                            f"POST {url}: experiment {quota.scope!r} has no free judge slot (quota "
-                            f"max_in_flight={quota.quota.max_in_flight} per endpoint) before the total timeout",
-                            kind="timeout",
-                        ) from None
-                else:
-                    await semaphore.acquire()
-                acquired = True
-            if pacer is not None:
-                if waiting_since is None and pacer.next_at > loop.time():
-                    waiting_since = loop.time()
-                if not await pacer.wait(loop, total_deadline):
-                    raise JudgeTimeoutError(
-                        f"POST {url}: experiment {quota.scope!r}'s quota ({quota.quota.rps:g} req/s per endpoint) "
-                        "leaves no slot before the total timeout",
-                        kind="timeout",
-                    )
-        except BaseException:
-            if acquired:
-                semaphore.release()  # type: ignore[union-attr]
-            raise
-        finally:
-            if waiting_since is not None:
-                quota.waited += 1
-                quota.wait_s += loop.time() - waiting_since
+        quota = endpoint.quota
+        if quota is None:
+            return await self._loaded(loop, endpoint.limits, url, body, total_deadline)
+        held = await quota.enter(loop, total_deadline, url)
         quota.admitted += 1
         quota.in_flight += 1
         if quota.in_flight > quota.peak_in_flight:
             quota.peak_in_flight = quota.in_flight
         try:
-            return await self._loaded(loop, limits, url, body, total_deadline)
+            return await self._loaded(loop, endpoint.limits, url, body, total_deadline)
         finally:
             quota.in_flight -= 1
-            if acquired:
-                semaphore.release()  # type: ignore[union-attr]
+            if held is not None:
+                held.release()
 
-    async def _admitted(
-        self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, semaphore: asyncio.Semaphore,
-        pacer: Any, url: str, body: bytes, total_deadline: float,
+    async def _loaded(
+        self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, url: str, body: bytes, total_deadline: float,
     ) -> Any:
-        if semaphore.locked():
-            try:
-                async with asyncio.timeout_at(total_deadline):
-                    await semaphore.acquire()
-            except TimeoutError:
-                raise JudgeTimeoutError(
-                    f"POST {url}: no free judge slot (max_concurrency={limits.settings.max_concurrency}) "
-                    "before the total timeout",
-                    kind="timeout",
-                ) from None
-        else:
-            await semaphore.acquire()  # a free slot: no timeout context to set up
+        limits.load += 1
         try:
-            if pacer is not None and not await pacer.wait(loop, total_deadline):
-                raise JudgeTimeoutError(
-                    f"POST {url}: rate limit ({limits.settings.rps} req/s) leaves no slot before the total timeout",
-                    kind="timeout",
-                )
-            breaker = limits.breaker
-            ticket = breaker.acquire()
-            if ticket is None:
-                raise _Failover(CircuitOpenError(
-                    f"POST {url}: circuit breaker open after {breaker.failure_threshold} consecutive failed "
-                    f"attempts, failing fast (a probe goes through {breaker.reset_timeout_s:g}s after it opened); last error: "
-                    f"{breaker.last_error or 'unknown'}", kind="circuit_open"))
-            verdict: bool | None = None
-            failure: str | None = None
-            started = loop.time()
-            limits.in_flight += 1
-            limits.max_in_flight = max(limits.max_in_flight, limits.in_flight)
-            self.stats.attempts += 1
+            held = await limits.enter(loop, total_deadline, url)
             try:
-                attempt_deadline = min(loop.time() + self.timeout_s, total_deadline)
-                budget = attempt_deadline - loop.time()
-                transport = self._http()
-                try:
-                    status, raw, retry_after = await transport.post(url, body, attempt_deadline)
-                except TimeoutError:
-                    verdict = False
-                    error = JudgeTimeoutError(f"POST {url}: no answer within {budget:.3g}s", kind="timeout")
-                    failure = str(error)
-                    if self.retry_on_timeout:
-                        raise _Retry(error) from None
-                    raise _Failover(error) from None
-                except TransportError as exc:
-                    verdict = False
-                    if exc.connect:
-                        failure = f"POST {url}: cannot connect: {exc}"
-                        raise _Retry(JudgeRequestError(failure, kind="connect")) from None
-                    failure = f"POST {url}: {exc}"
-                    raise _Failover(JudgeRequestError(failure, kind="transport")) from None
-                verdict = status < 500
-                if not verdict:
-                    failure = f"POST {url}: HTTP {status}: {_snippet(raw, 200)}"
-                if status >= 500 or status == 429:
-                    raise _Retry(
-                        JudgeRequestError(
-                            f"POST {url}: HTTP {status}: {_snippet(raw, 200)}", kind="http_status", status=status
-                        ),
-                        _parse_retry_after(retry_after),
-                    )
-                if status >= 400:
-                    raise JudgeRequestError(
-                        f"POST {url}: HTTP {status} (not retried): {_snippet(raw, 500)}",
-                        kind="http_status",
-                        status=status,
-                    )
-                try:
-                    return _DECODER.decode(raw)
-                except msgspec.DecodeError:
-                    raise JudgeRequestError(
-                        f"POST {url}: response is not JSON: {_snippet(raw, 200)}", kind="bad_response"
-                    ) from None
+                return await self._exchange(loop, limits, url, body, total_deadline)
             finally:
-                limits.in_flight -= 1
-                breaker.record(ticket, verdict, failure)
-                took = loop.time() - started
-                limits.observe(took, failed=verdict is False)
-                if verdict:
-                    limits.answered(took)
+                if held is not None:
+                    held.release()
         finally:
-            semaphore.release()
+            limits.load -= 1
+
+    async def _exchange(
+        self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, url: str, body: bytes, total_deadline: float,
+    ) -> Any:
+        """The HTTP exchange of an admitted attempt, under the endpoint's circuit breaker."""
+        breaker = limits.breaker
+        ticket = breaker.acquire()
+        if ticket is None:
+            raise _Failover(CircuitOpenError(
+                f"POST {url}: circuit breaker open after {breaker.failure_threshold} consecutive failed "
+                f"attempts, failing fast (a probe goes through {breaker.reset_timeout_s:g}s after it opened); "
+                f"last error: {breaker.last_error or 'unknown'}", kind="circuit_open"))
+        verdict: bool | None = None
+        failure: str | None = None
+        started = loop.time()
+        limits.in_flight += 1
+        limits.max_in_flight = max(limits.max_in_flight, limits.in_flight)
+        self.stats.attempts += 1
+        try:
+            attempt_deadline = min(loop.time() + self._request.timeout_s, total_deadline)
+            budget = attempt_deadline - loop.time()
+            transport = self._http()
+            try:
+                status, raw, retry_after = await transport.post(url, body, attempt_deadline)
+            except TimeoutError:
+                verdict = False
+                error = JudgeTimeoutError(f"POST {url}: no answer within {budget:.3g}s", kind="timeout")
+                failure = str(error)
+                if self._request.retry_on_timeout:
+                    raise _Retry(error) from None
+                raise _Failover(error) from None
+            except TransportError as exc:
+                verdict = False
+                if exc.connect:
+                    failure = f"POST {url}: cannot connect: {exc}"
+                    raise _Retry(JudgeRequestError(failure, kind="connect")) from None
+                failure = f"POST {url}: {exc}"
+                raise _Failover(JudgeRequestError(failure, kind="transport")) from None
+            verdict = status < 500
+            if not verdict:
+                failure = f"POST {url}: HTTP {status}: {_snippet(raw, 200)}"
+            if status >= 500 or status == 429:
+                raise _Retry(
+                    JudgeRequestError(
+                        f"POST {url}: HTTP {status}: {_snippet(raw, 200)}", kind="http_status", status=status
+                    ),
+                    _parse_retry_after(retry_after),
+                )
+            if status >= 400:
+                raise JudgeRequestError(
+                    f"POST {url}: HTTP {status} (not retried): {_snippet(raw, 500)}",
+                    kind="http_status",
+                    status=status,
+                )
+            try:
+                return _DECODER.decode(raw)
+            except msgspec.DecodeError:
+                raise JudgeRequestError(
+                    f"POST {url}: response is not JSON: {_snippet(raw, 200)}", kind="bad_response"
+                ) from None
+        finally:
+            limits.in_flight -= 1
+            breaker.record(ticket, verdict, failure)
+            took = loop.time() - started
+            limits.observe(took, failed=verdict is False)
+            if verdict:
+                limits.answered(took)
+
+
+def _headers(connection: ConnectionSettings) -> dict[str, str]:
+    """The request headers: the configured ones (checked) and the bearer key, if any."""
+    headers = check_headers(connection.headers)
+    api_key, env, path = connection.api_key, connection.api_key_env, connection.api_key_file
+    if path and not (env and os.environ.get(env)):
+        try:
+            api_key = Path(path).read_text().strip() or api_key
+        except OSError as exc:
+            raise ValueError(f"api_key_file {path!r} cannot be read: {exc.strerror}") from None
+    if env:
+        api_key = os.environ.get(env) or api_key
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
 
 
 def normalize_base_urls(base_url: str | Sequence[str]) -> tuple[str, ...]:

@@ -11,8 +11,8 @@ and with an explicit list every judge URL — the config file's included — mus
   ``*.domain`` (any sub-domain of ``domain``, any port), ``*.domain:port``; IPv6 as
   ``[::1]`` or ``[::1]:8000``. Hosts compare case-insensitively; a URL's port defaults
   to 80 / 443 by scheme.
-* :func:`judge_hosts_allowed` — a context in which every :class:`~scoring_workers.scorers.
-  judge_http.JudgeClient` built checks its URLs (:func:`check_judge_url`); the worker
+* :func:`judge_hosts_allowed` — a context in which every :class:`~scoring_workers.judge.
+  client.JudgeClient` built checks its URLs (:func:`check_judge_url`); the worker
   builds its scorers inside it, so no scorer can reach a host outside the list.
 * :func:`check_config_judge_hosts` — the same rule over a config's scorer ``kwargs``
   without building anything (every ``http(s)://`` string in them), for the CLI's

@@ -1,7 +1,7 @@
 """The judge server APIs: request payloads and answer parsing for OpenAI and SGLang.
 
-Each adapter is one HTTP call through a :class:`~scoring_workers.scorers.judge_http.
-JudgeClient` and knows only its API's wire format:
+Each adapter is one HTTP call through a :class:`~scoring_workers.judge.client.JudgeClient`
+and knows only its API's wire format:
 
 * :func:`openai_chat` — ``/v1/chat/completions`` (the server applies its chat template);
 * :func:`sglang_generate_text` — SGLang ``/generate`` on a rendered prompt, with
@@ -9,8 +9,9 @@ JudgeClient` and knows only its API's wire format:
 * :func:`sglang_input_logprobs` — SGLang ``/generate`` teacher forcing (``max_new_tokens
   = 0``) for the OPD teacher's log-probs.
 
-:class:`JudgeEndpoint` picks one of the first two by ``api`` and carries the sampling
-settings, so the scorers only say "ask the judge these messages".
+:class:`JudgeEndpoint` picks one of the first two by ``api`` and carries the model and
+sampling settings (one :class:`~scoring_workers.judge.settings.ModelSettings`, which the
+first two adapters read too), so the scorers only say "ask the judge these messages".
 
 What text is parsed (as OpenClaw-RL): its SGLang judge parses the raw generation,
 thinking included. An OpenAI-compatible server with a reasoning parser moves the thinking
@@ -21,16 +22,16 @@ that appears only in the thinking still counts and the *last* box still decides.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from scoring_workers.scorers.judge_errors import JudgeRequestError
-from scoring_workers.scorers.judge_http import JudgeClient
+from scoring_workers.judge.client import JudgeClient
+from scoring_workers.judge.errors import JudgeRequestError
+from scoring_workers.judge.settings import JUDGE_APIS, ModelSettings
 
 __all__ = ["JUDGE_APIS", "JudgeEndpoint", "openai_chat", "sglang_generate_text", "sglang_input_logprobs"]
 
-JUDGE_APIS = ("openai", "sglang")
+_DEFAULTS = ModelSettings()
 _REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
@@ -48,34 +49,30 @@ def _answer_text(message: Mapping[str, Any], include_reasoning: bool) -> str:
 async def openai_chat(
     client: JudgeClient,
     messages: Sequence[Mapping[str, Any]],
+    settings: ModelSettings,
     *,
-    model: str,
-    temperature: float,
-    max_tokens: int,
-    top_p: float | None = 1.0,
-    top_k: int | None = -1,
-    include_reasoning: bool = True,
     deadline: float | None = None,
     extra: Mapping[str, Any] | None = None,
     affinity: str | None = None,
 ) -> str:
     """One OpenAI-compatible ``/v1/chat/completions`` call; returns the answer text.
 
-    ``top_p`` / ``top_k`` are sent unless ``None`` (``top_k`` is an extension that vLLM
-    and SGLang accept and OpenAI's own API refuses). The text is the reasoning (when the
-    server split it off and ``include_reasoning``) then the content (module docstring).
+    ``settings``' ``top_p`` / ``top_k`` are sent unless ``None`` (``top_k`` is an
+    extension that vLLM and SGLang accept and OpenAI's own API refuses). The text is the
+    reasoning (when the server split it off and ``include_reasoning``) then the content
+    (module docstring).
     """
     payload: dict[str, Any] = {
-        "model": model,
+        "model": settings.model,
         "messages": [dict(m) for m in messages],
-        "temperature": temperature,
-        "max_tokens": max_tokens,
+        "temperature": settings.temperature,
+        "max_tokens": settings.max_tokens,
         "stream": False,
     }
-    if top_p is not None:
-        payload["top_p"] = top_p
-    if top_k is not None:
-        payload["top_k"] = top_k
+    if settings.top_p is not None:
+        payload["top_p"] = settings.top_p
+    if settings.top_k is not None:
+        payload["top_k"] = settings.top_k
     if extra:
         payload.update(extra)
     data = await client.post_json("/v1/chat/completions", payload, deadline=deadline, affinity=affinity)
@@ -88,26 +85,26 @@ async def openai_chat(
             f"{client.name}/v1/chat/completions: unexpected response shape: {str(data)[:200]!r}",
             kind="bad_response",
         ) from None
-    return _answer_text(message, include_reasoning)
+    return _answer_text(message, settings.include_reasoning)
 
 
 async def sglang_generate_text(
     client: JudgeClient,
     text: str,
+    settings: ModelSettings,
     *,
-    temperature: float,
-    max_new_tokens: int,
     deadline: float | None = None,
     affinity: str | None = None,
 ) -> str:
-    """One SGLang ``/generate`` call on a rendered prompt (OpenClaw-RL's sampling params)."""
+    """One SGLang ``/generate`` call on a rendered prompt: ``settings``' temperature and
+    ``max_tokens``, OpenClaw-RL's other sampling parameters."""
     payload = {
         "text": text,
         "sampling_params": {
-            "temperature": temperature,
+            "temperature": settings.temperature,
             "top_p": 1.0,
             "top_k": -1,
-            "max_new_tokens": max_new_tokens,
+            "max_new_tokens": settings.max_tokens,
             "skip_special_tokens": False,
             "no_stop_trim": True,
             "spaces_between_special_tokens": False,
@@ -164,76 +161,51 @@ class JudgeEndpoint:
     """One judge model behind a :class:`JudgeClient`: turns chat messages into the
     judge's answer text through ``api="openai"`` (``/v1/chat/completions``; the server
     applies its chat template) or ``api="sglang"`` (``/generate`` on a prompt rendered
-    by ``chat_template``, default ChatML as used by Qwen judges).
+    by ``chat_template``, default ChatML as used by Qwen judges), as ``settings`` say.
 
     ``chat_template`` is a callable (resolve import paths from config with
-    :func:`scoring_workers.prm.resolve.resolve_import` first). ``top_p`` / ``top_k`` /
-    ``include_reasoning`` apply to ``api="openai"`` (SGLang always gets OpenClaw-RL's
-    ``top_p = 1``, ``top_k = -1`` and is parsed raw, thinking included).
+    :func:`scoring_workers.prm.resolve.resolve_import` first).
     """
 
     def __init__(
         self,
         client: JudgeClient,
+        settings: ModelSettings = _DEFAULTS,
         *,
-        api: str = "openai",
-        model: str = "default",
-        temperature: float = 0.6,
-        max_tokens: int = 4096,
-        top_p: float | None = 1.0,
-        top_k: int | None = -1,
-        include_reasoning: bool = True,
         chat_template: Callable[[Sequence[Mapping[str, Any]]], str] | None = None,
     ) -> None:
-        if api not in JUDGE_APIS:
-            raise ValueError(f"api must be one of {JUDGE_APIS}, got {api!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            math.isfinite(temperature) and temperature >= 0
-        ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        if not isinstance(model, str) or not model:
-            raise ValueError(f"model must be a non-empty string, got {model!r}")
-        if top_p is not None and (
-            isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
-        ):
-            raise ValueError(f"top_p must be a number in (0, 1] or null, got {top_p!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k == 0 or top_k < -1):
-            raise ValueError(f"top_k must be -1 (off), an integer >= 1, or null (not sent), got {top_k!r}")
-        if not isinstance(include_reasoning, bool):
-            raise TypeError(f"include_reasoning must be a bool, got {include_reasoning!r}")
+        if not isinstance(settings, ModelSettings):
+            raise TypeError(f"settings must be a ModelSettings, got {type(settings).__name__}")
         if chat_template is not None and not callable(chat_template):
             raise TypeError(f"chat_template must be callable, got {chat_template!r}")
         self.client = client
-        self.api = api
-        self.model = model
-        self.temperature = float(temperature)
-        self.max_tokens = max_tokens
-        self.top_p = None if top_p is None else float(top_p)
-        self.top_k = top_k
-        self.include_reasoning = include_reasoning
+        self.settings = settings
         if chat_template is None:
             from scoring_workers.scorers.conversation import render_chatml
 
             chat_template = render_chatml
         self.chat_template = chat_template
 
+    @property
+    def api(self) -> str:
+        return self.settings.api
+
+    @property
+    def model(self) -> str:
+        return self.settings.model
+
+    @property
+    def temperature(self) -> float:
+        return self.settings.temperature
+
     async def complete(
         self, messages: Sequence[Mapping[str, Any]], *, deadline: float | None = None, affinity: str | None = None
     ) -> str:
         """The judge's answer text; ``affinity`` (a session id) keeps one session on one
         replica of a pool (:meth:`JudgeClient.post_json`)."""
-        if self.api == "openai":
-            return await openai_chat(
-                self.client, messages, model=self.model, temperature=self.temperature,
-                max_tokens=self.max_tokens, top_p=self.top_p, top_k=self.top_k,
-                include_reasoning=self.include_reasoning, deadline=deadline, affinity=affinity,
-            )
+        if self.settings.api == "openai":
+            return await openai_chat(self.client, messages, self.settings, deadline=deadline, affinity=affinity)
         text = self.chat_template(messages)
         if not isinstance(text, str):
             raise TypeError(f"chat_template must return a string, got {type(text).__name__}")
-        return await sglang_generate_text(
-            self.client, text, temperature=self.temperature, max_new_tokens=self.max_tokens, deadline=deadline,
-            affinity=affinity,
-        )
+        return await sglang_generate_text(self.client, text, self.settings, deadline=deadline, affinity=affinity)
