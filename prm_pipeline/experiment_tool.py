@@ -92,7 +92,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             assert spec is not None
             print(f"{experiment_id}  weight={spec.weight:g} max_in_flight={spec.max_in_flight or '-'} "
                   f"group_timeout_s={spec.group_timeout_s or 'worker default'} "
-                  f"scorers={[s.path for s in spec.prm.scorers]} (offset {entry.offset}, {when})")
+                  f"scorers={[s.path or f'profile:{s.profile}' for s in spec.prm.scorers]} (offset {entry.offset}, {when})")
     if not known and not args.json:
         print(f"no experiments in {cfg.topics.experiments} (the default experiment is the workers' config file)")
     return 0

@@ -198,8 +198,8 @@ class Fleet:
             new.in_flight = old.in_flight  # slots in use stay counted; the old runner finishes them
             self._close_later(old)
         log.info("experiment %s %s: %d scorer(s) %s, weight %g, max_in_flight %s, group_timeout_s %g, topic %s",
-                 experiment_id, "replaced" if old is not None else "declared", len(spec.prm.scorers),
-                 [s.path for s in spec.prm.scorers], new.weight, new.max_in_flight, new.group_timeout_s,
+                 experiment_id, "replaced" if old is not None else "declared", len(prm.scorers),
+                 [s.path for s in prm.scorers], new.weight, new.max_in_flight, new.group_timeout_s,
                  new.trajectories_topic)
         return old is None
 

@@ -64,12 +64,15 @@ async def _scorers_of(cfg: PipelineConfig, experiment: str) -> tuple[PRMConfig, 
         return cfg.prm, cfg.worker.allowed_judge_hosts
     from infra.experiments import UnknownExperiment, declared_experiment
     from scoring_workers.judge.hosts import effective_allow_list
+    from scoring_workers.prm.capabilities import record_prm
 
     try:
         spec = await declared_experiment(cfg, experiment)
     except UnknownExperiment as exc:
         raise AuditError(f"nothing to re-score with: {exc}") from None
-    return spec.prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts)
+    prm = record_prm(spec.prm, cfg.worker.scorer_profiles, allowed_prefixes=cfg.worker.allowed_scorer_modules,
+                     key=f"experiment {experiment!r} prm")  # what a worker builds: profiles, capabilities
+    return prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts, cfg.worker.scorer_profiles)
 
 
 async def audit(
