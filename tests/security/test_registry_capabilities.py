@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -159,7 +158,7 @@ async def test_a_worker_started_after_a_poison_record_starts_and_applies_the_rec
 def test_experiment_add_refuses_operator_only_arguments_before_connecting(tmp_path: Path) -> None:
     folder, mark = _evil_tokenizer(tmp_path)
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"kafka": {"bootstrap": "127.0.0.1:1", "startup_timeout_s": 30},
+    config.write_text(yaml.safe_dump({"kafka": {"bootstrap": "127.0.0.1:1", "startup_timeout_s": 3600},
                                       "worker": {"allowed_judge_hosts": ["127.0.0.1"]}}))
     for name, kwargs, needle in [
         ("tok", {"base_url": "http://127.0.0.1:9/v1", "tokenizer": f"hf:{folder}"}, "kwargs.tokenizer: operator-only"),
@@ -169,13 +168,11 @@ def test_experiment_add_refuses_operator_only_arguments_before_connecting(tmp_pa
         spec = tmp_path / f"{name}.yaml"
         spec.write_text(yaml.safe_dump({"experiment_id": f"exp-{name}", "prm": {"scorers": [
             {"path": OPD, "kwargs": kwargs}]}}))
-        started = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "experiment",
-                               "add", str(spec)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+                               "add", str(spec)], capture_output=True, text=True, cwd=ROOT, timeout=300)  # waiting for the closed broker would take an hour
         assert proc.returncode == 2, proc.stderr
         assert needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert "prm.scorers[0]" in proc.stderr
-        assert time.monotonic() - started < 20
     assert not mark.exists()
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -101,7 +100,7 @@ async def test_a_record_naming_code_or_hosts_outside_the_workers_lists_is_refuse
 
 def test_experiment_add_refuses_a_file_outside_the_allow_lists_before_connecting(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"kafka": {"bootstrap": "127.0.0.1:1", "startup_timeout_s": 30}}))
+    config.write_text(yaml.safe_dump({"kafka": {"bootstrap": "127.0.0.1:1", "startup_timeout_s": 3600}}))
     for name, scorer, needle in [
         ("code", {"path": "tests.security.registry_payload.Payload"}, "not under the allowed prefixes"),
         ("host", {"path": "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
@@ -110,13 +109,11 @@ def test_experiment_add_refuses_a_file_outside_the_allow_lists_before_connecting
     ]:
         spec = tmp_path / f"{name}.yaml"
         spec.write_text(yaml.safe_dump({"experiment_id": f"exp-{name}", "prm": {"scorers": [scorer]}}))
-        started = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "experiment",
-                               "add", str(spec)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+                               "add", str(spec)], capture_output=True, text=True, cwd=ROOT, timeout=300)  # waiting for the closed broker would take an hour
         assert proc.returncode == 2, proc.stderr
         assert needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert "prm.scorers[0]" in proc.stderr and "rollout.agent" not in proc.stderr  # the file's own keys
-        assert time.monotonic() - started < 20  # refused before waiting for the (closed) broker
 
 
 def test_the_spec_type_names_every_field_the_docs_show() -> None:
