@@ -2,6 +2,13 @@
 
 Each subcommand reads ``--config FILE`` (or ``$PRM_CONFIG``) plus ``PRM_*`` environment
 overrides through :func:`infra.config.load_config`.
+
+Every command is one :class:`Command` in :data:`COMMANDS`: its name, help, flags, the
+services it waits for, the files and inputs checked before it connects, and its exit
+status on errors. ``--help``, the start-up checks and :func:`main` read that table and
+nothing else. Flag names and their one meaning are :data:`prm_pipeline.flags.VOCABULARY`.
+Development commands (``bench``, ``demo``, ``fake-judge``, ``model-server``) load their
+modules only when run: the product imports neither ``tests`` nor ``prm_pipeline.demo``.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +33,15 @@ from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineCon
 from infra.experiments import UnknownExperiment, declared_experiment
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
+from prm_pipeline.flags import deprecated_alias, positive_int, seconds
+
+__all__ = ["COMMANDS", "Command", "add_command", "build_parser", "main", "positive_int"]
 
 log = logging.getLogger("prm_pipeline")
 
 
 def _load(args: argparse.Namespace) -> PipelineConfig:
     return load_config(args.config)
-
-
-def positive_int(text: str) -> int:
-    """argparse type for counts that override a config key constrained to >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
 
 
 # --------------------------------------------------------------------------- up / topics
@@ -208,7 +208,7 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     return dump_verdicts(cfg, from_beginning=args.from_beginning, max_count=args.max,
-                         timeout_s=args.timeout, out=args.out, since_ms=args.since, tokens=args.tokens,
+                         timeout_s=args.idle_timeout, out=args.out, since_ms=args.since, tokens=args.tokens,
                          experiment=experiment_of(args, cfg))
 
 
@@ -218,13 +218,8 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def add_trainer_parser(subparsers: Any) -> None:
-    """``prm-pipeline trainer`` (its options live here so that other commands never import torch)."""
-    p = subparsers.add_parser(
-        "trainer",
-        help="reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
-        description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
-    )
+def _trainer_arguments(p: argparse.ArgumentParser) -> None:
+    """``prm-pipeline trainer``'s flags (they live here so that other commands never import torch)."""
     p.add_argument("--batch-groups", type=positive_int, default=None, metavar="N",
                    help="accepted groups per batch (default: trainer.batch_groups)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
@@ -232,8 +227,8 @@ def add_trainer_parser(subparsers: Any) -> None:
     p.add_argument("--mode", choices=list(SHAPING_MODES), default=None,
                    help="advantage shaping mode (default: rollout.agent.prm.advantage_shaping.mode)")
     p.add_argument("--max-steps", type=int, default=None, metavar="N", help="stop after N steps")
-    p.add_argument("--idle-timeout", type=float, default=None, metavar="S",
-                   help="flush what is buffered and stop after S seconds without a verdict")
+    p.add_argument("--idle-timeout", type=seconds, default=None, metavar="S",
+                   help="flush what is buffered and stop after S seconds without a new verdict")
     p.add_argument("--filter", default=None, metavar="NAME",
                    help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
     p.add_argument("--dedupe-store", default=None, metavar="PATH",
@@ -248,36 +243,46 @@ def add_trainer_parser(subparsers: Any) -> None:
                         "rewards (default: trainer.combined_mode)")
     add_experiment_option(p, "train on this experiment's verdicts (prm.verdicts.ID, consumer group "
                              "<trainer.group_id>.ID; default: trainer.experiment)")
-    p.set_defaults(func=cmd_trainer)
 
 
+def add_trainer_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``prm-pipeline trainer`` on ``subparsers`` (as :func:`build_parser` does)."""
+    return add_command(subparsers, COMMANDS["trainer"])
 
 
-# --------------------------------------------------------------------------- demo / bench
-def cmd_demo(args: argparse.Namespace) -> int:
-    from prm_pipeline.demo.run import run_demo
-
-    return run_demo(args)
-
-
+# --------------------------------------------------------------------------- development commands
 BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "pool", "faults", "soak", "capacity", "sessions",
               "fleet", "ledger")
 
 
+def _source_checkout() -> Path | None:
+    """The root of the source checkout this package runs from, or None when it is installed
+    without one (the benchmarks in tests/perf are not part of the package)."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "tests" / "perf").is_dir() else None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Run a benchmark from tests/perf (needs a checkout of the repository)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        module = importlib.import_module(f"tests.perf.bench_{args.name}")
-    except ModuleNotFoundError as exc:
-        print(f"benchmark {args.name!r} not found ({exc}); run from a checkout of prm-pipeline", file=sys.stderr)
+    """Run a benchmark from tests/perf (needs a source checkout of the repository)."""
+    root = _source_checkout()
+    if root is None or not (root / "tests" / "perf" / f"bench_{args.name}.py").is_file():
+        print(f"bench {args.name}: the benchmarks live in tests/perf of a source checkout of prm-pipeline, and "
+              f"this installation ({Path(__file__).resolve().parent}) has none; clone the repository and run "
+              "`prm-pipeline bench` from it", file=sys.stderr)
         return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    module = importlib.import_module(f"tests.perf.bench_{args.name}")
     from prm_pipeline.progress import progress_enabled, spinner
 
     with spinner(f"bench {args.name}", enabled=progress_enabled(args.quiet)):
         return int(module.main(args.bench_args) or 0)
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help="no spinner (none either when stdout is not a terminal)")
+    p.add_argument("name", choices=BENCHMARKS)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -302,30 +307,23 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- parser
-def build_parser() -> argparse.ArgumentParser:
-    from prm_pipeline.verdict_dump import since_arg
-
-    parser = argparse.ArgumentParser(prog="prm-pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML config file (default: $PRM_CONFIG or built-in defaults)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("up", help="run the embedded Kafka-protocol broker and Redis in the foreground")
+# --------------------------------------------------------------------------- the commands
+def _up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--create-topics", action="store_true", help="also create the configured topics")
-    p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("topics", help="manage the configured topics")
+
+def _topics_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["create"])
-    p.set_defaults(func=cmd_topics)
 
-    p = sub.add_parser("worker", help="run one scoring worker (run several for scale)")
-    p.add_argument("--concurrency", type=positive_int, default=None, help="records in flight (default worker.concurrency)")
+
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
+                   help="records in flight (default worker.concurrency)")
     p.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    p.set_defaults(func=cmd_worker)
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve Prometheus /metrics on P")
 
-    p = sub.add_parser("publish", help="publish ready trajectories and discards from a JSONL file")
+
+def _publish_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="JSONL file (docs/jsonl.md)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none either when stdout is not a terminal)")
     p.add_argument("--raw", action="store_true",
@@ -333,122 +331,268 @@ def build_parser() -> argparse.ArgumentParser:
                         "what they cannot decode, a way to try the dead-letter tools (docs/dead-letters.md)")
     add_experiment_option(p, "publish to this experiment's topic (prm.trajectories.ID), stamping experiment_id "
                              "on lines that name none (default: trainer.experiment); it must be declared")
-    p.set_defaults(func=cmd_publish)
 
-    p = sub.add_parser("verdicts", help="print verdicts as JSON lines")
+
+def _verdicts_arguments(p: argparse.ArgumentParser) -> None:
+    from prm_pipeline.verdict_dump import since_arg
+
     p.add_argument("--from-beginning", action="store_true", help="read the whole topic (default: only new verdicts)")
-    p.add_argument("--max", type=int, default=None, help="stop after N verdicts")
-    p.add_argument("--timeout", type=float, default=None, help="stop after S seconds without a new verdict")
-    p.add_argument("--out", default=None, help="write to FILE instead of stdout")
+    p.add_argument("--max", type=int, default=None, metavar="N", help="stop after N verdicts")
+    idle = p.add_argument("--idle-timeout", type=seconds, default=None, metavar="S",
+                          help="stop after S seconds without a new verdict (default: wait until Ctrl-C or --max)")
+    deprecated_alias(p, "--timeout", idle)
+    p.add_argument("--out", default=None, metavar="FILE", help="write to FILE instead of stdout")
     p.add_argument("--since", type=since_arg, metavar="TIME", default=None,
                    help="only verdicts timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
     p.add_argument("--tokens", action="store_true",
                    help="keep each member's token ids (interactions): the form `inspect --verdicts` reads")
     add_experiment_option(p, "read this experiment's verdicts (prm.verdicts.ID; default: trainer.experiment)")
-    p.set_defaults(func=cmd_verdicts)
 
-    add_trainer_parser(sub)
 
-    p = sub.add_parser("gateway", help="HTTP reward service for OpenRLHF, slime and token-id clients")
+def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="listen address (default gateway.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (default gateway.port; 0 = any free port)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="listen beyond loopback without bearer tokens (only behind a network policy)")
-    p.set_defaults(func=cmd_gateway)
 
-    from prm_pipeline.audit import add_audit_parser
-    from prm_pipeline.dead_letter_tool import add_dead_letters_parser
-    from prm_pipeline.demo.fake_judge import add_fake_judge_parser
-    from prm_pipeline.experiment_tool import add_experiment_parser
 
-    add_experiment_parser(sub)
-    add_dead_letters_parser(sub)
-    add_audit_parser(sub)
-    add_fake_judge_parser(sub)
+# ---- checks of local inputs, run before waiting for any service (Command.checks)
+def _check_event_loop(args: argparse.Namespace) -> None:
+    event_loop.loop_factory()  # a bad PRM_EVENT_LOOP is a ConfigError now, not after waiting for Kafka
 
-    p = sub.add_parser("demo", help="train a tiny LM through the pipeline (closed loop) and write a report")
-    from prm_pipeline.demo.run import add_demo_arguments
 
-    add_demo_arguments(p)
-    p.set_defaults(func=cmd_demo)
+def _check_scorers(args: argparse.Namespace) -> None:
+    """The configured scorers resolve and take their ``kwargs`` (building nothing): a typo, a
+    missing package or a module outside ``worker.allowed_scorer_modules`` is a ConfigError at
+    once, and so is a judge URL outside ``worker.allowed_judge_hosts``."""
+    from scoring_workers.judge.hosts import check_config_judge_hosts
+    from scoring_workers.prm.resolve import check_scorer_entries
 
-    from prm_pipeline.demo.model_server import add_model_server_parser
-    from prm_pipeline.token_view import add_inspect_parser
+    cfg = _load(args)
+    if cfg.prm.active:
+        try:
+            check_scorer_entries(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
+        except (ImportError, TypeError) as exc:
+            raise ConfigError(str(exc)) from None
+        check_config_judge_hosts(cfg.prm, cfg.worker.allowed_judge_hosts)
 
-    add_inspect_parser(sub)
-    add_model_server_parser(sub)
 
-    from prm_pipeline.status.command import add_status_parser
+def _check_experiment_file(args: argparse.Namespace) -> None:
+    if args.action == "add" and args.target:
+        from prm_pipeline.experiment_tool import check_experiment_file
 
-    add_status_parser(sub)
+        check_experiment_file(_load(args), args.target)
 
-    p = sub.add_parser("bench", help=f"run a benchmark from tests/perf ({', '.join(BENCHMARKS)})")
-    p.add_argument("-q", "--quiet", action="store_true", help="no spinner (none either when stdout is not a terminal)")
-    p.add_argument("name", choices=BENCHMARKS)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
-    p.set_defaults(func=cmd_bench)
-    _accept_global_options_after(sub)
+
+def _check_jsonl(args: argparse.Namespace) -> None:
+    if not getattr(args, "raw", False):
+        from infra.jsonl import load
+
+        for _ in load(args.file):  # every line is valid before anything connects
+            pass
+
+
+Arguments = Callable[[argparse.ArgumentParser], None]
+Runner = Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Command:
+    """Everything the CLI knows about one command.
+
+    ``arguments`` adds the command's flags; ``run`` runs it (each a function, or
+    ``"module:function"`` imported only when needed). ``needs``: the services waited for
+    before it starts (infra.startup). ``reads`` / ``writes``: files as (argparse dest, how
+    the user spelt it) that must exist and be readable / whose folder must be writable,
+    checked before the config is used and before any connection. ``checks``: further
+    checks of local inputs, run before waiting for a service. ``experiment``: when it
+    publishes to or waits on ``--experiment``, which must then be declared (``trainer`` and
+    ``audit`` check theirs when they read its declaration, ``status`` in its own command,
+    ``dead-letters`` none). ``error_exit``: exit status of an error that is not the
+    command's own verdict (``audit`` keeps 1 for "a group differs"). ``event_loop``: runs on
+    infra.event_loop's loop (``PRM_EVENT_LOOP`` is checked first). ``all_kafka_logs``: keep
+    aiokafka's connection errors (long-running commands), instead of one line.
+    ``development``: a development command, whose module is imported only when it runs.
+    """
+
+    name: str
+    help: str
+    run: Runner | str
+    arguments: Arguments | str | None = None
+    description: str | None = None
+    needs: tuple[Service, ...] = ()
+    reads: tuple[tuple[str, str], ...] = ()
+    writes: tuple[tuple[str, str], ...] = ()
+    checks: tuple[Callable[[argparse.Namespace], None], ...] = ()
+    experiment: Callable[[argparse.Namespace], bool] | None = None
+    error_exit: int = 1
+    event_loop: bool = False
+    all_kafka_logs: bool = False
+    development: bool = False
+    parser: str | None = None  # "module:add_X_parser" of a development command that builds its own
+
+
+def _resolve(ref: Any) -> Any:
+    if not isinstance(ref, str):
+        return ref
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _always(args: argparse.Namespace) -> bool:
+    return True
+
+
+COMMANDS: dict[str, Command] = {c.name: c for c in (
+    Command("up", "run the embedded Kafka-protocol broker and Redis in the foreground", cmd_up, _up_arguments),
+    Command("topics", "manage the configured topics", cmd_topics, _topics_arguments, needs=("kafka",)),
+    Command("worker", "run one scoring worker (run several for scale)", cmd_worker, _worker_arguments,
+            needs=("kafka", "redis"), checks=(_check_event_loop, _check_scorers), event_loop=True,
+            all_kafka_logs=True),
+    Command("publish", "publish ready trajectories and discards from a JSONL file", cmd_publish, _publish_arguments,
+            needs=("kafka",), reads=(("file", "FILE"),), checks=(_check_jsonl,), experiment=_always),
+    Command("verdicts", "print verdicts as JSON lines", cmd_verdicts, _verdicts_arguments, needs=("kafka",),
+            writes=(("out", "--out"),), experiment=_always),
+    Command("trainer", "reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
+            cmd_trainer, _trainer_arguments,
+            description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
+            needs=("kafka",), writes=(("dedupe_store", "--dedupe-store"),), checks=(_check_event_loop,),
+            event_loop=True, all_kafka_logs=True),
+    Command("gateway", "HTTP reward service for OpenRLHF, slime and token-id clients", cmd_gateway,
+            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop,), event_loop=True),
+    Command("experiment", "declare, remove or list experiments in the registry (docs/fleet.md)",
+            "prm_pipeline.experiment_tool:checked_experiment", "prm_pipeline.experiment_tool:experiment_arguments",
+            needs=("kafka",), checks=(_check_experiment_file,)),
+    Command("dead-letters", "print dead letters with their headers decoded; --redrive republishes chosen ones",
+            "prm_pipeline.dead_letter_tool:cmd_dead_letters", "prm_pipeline.dead_letter_tool:dead_letters_arguments",
+            description="Read the dead-letter topic (JSON lines), or plan and run a redrive to the trajectories "
+                        "topic (a dry run unless --yes). See docs/faults.md.",
+            needs=("kafka",)),
+    Command("audit", "re-score recorded trajectories and compare with the recorded verdicts",
+            "prm_pipeline.audit.cli:cmd_audit", "prm_pipeline.audit.cli:audit_arguments",
+            description="Re-score every trajectory a recorded verdict names with the configured scorers and "
+                        "compare. Reads prm.trajectories and prm.verdicts with group-less consumers (no offsets "
+                        "committed, no Redis). Exit code 1 when anything differs. See docs/audit.md.",
+            needs=("kafka",), writes=(("out", "--out"),), checks=(_check_scorers,), error_exit=2),
+    Command("fake-judge", "serve a scripted LLM judge / teacher on loopback (tests, benchmarks, demos)",
+            "prm_pipeline.demo.fake_judge:cmd_fake_judge", development=True,
+            parser="prm_pipeline.demo.fake_judge:add_fake_judge_parser"),
+    Command("demo", "train a tiny LM through the pipeline (closed loop) and write a report",
+            "prm_pipeline.demo.run:run_demo", "prm_pipeline.demo.run:add_demo_arguments", development=True),
+    Command("inspect", "token view of a verdict: output tokens coloured by process reward",
+            "prm_pipeline.token_view:cmd_inspect", "prm_pipeline.token_view:inspect_arguments",
+            reads=(("verdicts", "--verdicts"), ("audit", "--audit")), writes=(("html", "--html"),),
+            experiment=lambda args: bool(args.group and not args.verdicts)),
+    Command("model-server", "serve the demo's tiny LM over SGLang /generate and OpenAI chat",
+            "prm_pipeline.demo.model_server:cmd_model_server", development=True,
+            parser="prm_pipeline.demo.model_server:add_model_server_parser"),
+    Command("status", "is the pipeline healthy? lag, open groups, workers, verdict latency, dead letters",
+            "prm_pipeline.status.command:cmd_status", "prm_pipeline.status.command:status_arguments",
+            description="One screen of the pipeline's state. Exit code 0 when healthy, 1 when not (Kafka or Redis "
+                        "unreachable, no live worker, lag growing, the oldest open group past 80% of "
+                        "worker.group_timeout_s); warnings do not change it."),
+    Command("bench", f"run a benchmark from tests/perf of a source checkout ({', '.join(BENCHMARKS)})", cmd_bench,
+            _bench_arguments, development=True),
+)}
+
+
+# --------------------------------------------------------------------------- parser
+def _runner(command: Command) -> Runner:
+    def run(args: argparse.Namespace) -> int:
+        return int(_resolve(command.run)(args) or 0)
+
+    run.__name__ = f"run_{command.name.replace('-', '_')}"
+    return run
+
+
+def _build(subparsers: Any, command: Command) -> argparse.ArgumentParser:
+    if command.parser is not None:  # a development command that registers itself
+        p = _resolve(command.parser)(subparsers)
+    else:
+        p = subparsers.add_parser(command.name, help=command.help, description=command.description or None)
+        if command.arguments is not None:
+            _resolve(command.arguments)(p)
+    p.set_defaults(func=_runner(command))
+    return p
+
+
+class _DeferredParser(argparse.ArgumentParser):
+    """A development command's parser, built from its module when the command is used
+    (parsed or its ``--help`` shown), so that listing the commands imports none of them."""
+
+    def __init__(self, command: Command, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.command = command
+        self._real: argparse.ArgumentParser | None = None
+
+    def real(self) -> argparse.ArgumentParser:
+        if self._real is None:
+            scratch = argparse.ArgumentParser(prog=self.prog.rsplit(" ", 1)[0])
+            sub = scratch.add_subparsers()
+            self._real = _build(sub, self.command)
+            _add_global_options(self._real)
+        return self._real
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        return self.real().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        return self.real().format_help()
+
+    def format_usage(self) -> str:
+        return self.real().format_usage()
+
+
+def add_command(subparsers: Any, command: Command) -> argparse.ArgumentParser:
+    """Register ``command`` on an argparse subparsers object (development ones deferred)."""
+    if not command.development or command.arguments is not None and not isinstance(command.arguments, str):
+        return _build(subparsers, command)
+    parser_class = subparsers._parser_class
+    subparsers._parser_class = lambda **kw: _DeferredParser(command, **kw)
+    try:
+        return subparsers.add_parser(command.name, help=command.help)
+    finally:
+        subparsers._parser_class = parser_class
+
+
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The full parser of command ``name`` in ``parser`` (building a deferred one)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.choices[name]
+    return p.real() if isinstance(p, _DeferredParser) else p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prm-pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML config file (default: $PRM_CONFIG or built-in defaults)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS.values():
+        add_command(sub, command)
+    for p in sub.choices.values():
+        if not isinstance(p, _DeferredParser):
+            _add_global_options(p)
     return parser
 
 
-def _accept_global_options_after(sub: argparse._SubParsersAction) -> None:
+def _add_global_options(p: argparse.ArgumentParser) -> None:
     """``prm-pipeline worker --config x.yaml`` works like ``prm-pipeline --config x.yaml worker``.
 
     Each subcommand repeats the global options with ``default=SUPPRESS``: given after the
     subcommand they override the global value, absent they leave it alone.
     """
-    for p in sub.choices.values():
-        known = {s for action in p._actions for s in action.option_strings}
-        if "--config" not in known:
-            p.add_argument("--config", default=argparse.SUPPRESS,
-                           help="YAML config file (also accepted before the subcommand; default: $PRM_CONFIG)")
-        if "--verbose" not in known and "-v" not in known:
-            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
-
-
-# The services each command needs before it starts (infra.startup waits for them).
-NEEDS: dict[str, tuple[Service, ...]] = {
-    "topics": ("kafka",), "worker": ("kafka", "redis"), "publish": ("kafka",),
-    "verdicts": ("kafka",), "trainer": ("kafka",), "audit": ("kafka",), "dead-letters": ("kafka",),
-    "gateway": ("kafka",), "experiment": ("kafka",),
-}
-
-# Files each command reads (they must exist and be readable) and writes (their folder must
-# exist and be writable), as (argparse dest, how the user spelt it). They are checked before
-# the config is used and before any connection: a mistyped path is one line at once, not a
-# wait of kafka.startup_timeout_s followed by a message about Kafka. A new command that
-# takes a file adds it here.
-READS: dict[str, tuple[tuple[str, str], ...]] = {
-    "publish": (("file", "FILE"),),
-    "inspect": (("verdicts", "--verdicts"), ("audit", "--audit")),
-}
-WRITES: dict[str, tuple[tuple[str, str], ...]] = {
-    "verdicts": (("out", "--out"),),
-    "audit": (("out", "--out"),),
-    "inspect": (("html", "--html"),),
-    "trainer": (("dedupe_store", "--dedupe-store"),),
-}
-
-
-def _experiment_to_check(args: argparse.Namespace) -> str | None:
-    """The experiment a command publishes to or waits on, which must be declared
-    (:func:`infra.experiments.declared_experiment`); None when the command does neither.
-    ``trainer`` and ``audit`` check theirs when they read its declaration; ``status``
-    checks in its own command (it reports an unreachable Kafka itself); ``dead-letters``
-    checks none (its letters may name an undeclared experiment)."""
-    if args.command in ("publish", "verdicts") or (args.command == "inspect" and args.group and not args.verdicts):
-        return experiment_of(args, _load(args))
-    return None
-
-
-# Exit status of an error that is not the command's own verdict. ``audit`` keeps 1 for
-# "a group differs", so its errors (config, files, services, crashes) exit 2.
-ERROR_EXIT: dict[str, int] = {"audit": 2}
+    known = {s for action in p._actions for s in action.option_strings}
+    if "--config" not in known:
+        p.add_argument("--config", default=argparse.SUPPRESS,
+                       help="YAML config file (also accepted before the subcommand; default: $PRM_CONFIG)")
+    if "--verbose" not in known and "-v" not in known:
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
 
 
 def local_file_problem(args: argparse.Namespace) -> str | None:
     """One line naming the first input that cannot be read or output that cannot be written."""
-    for dest, flag in READS.get(args.command, ()):
+    command = COMMANDS[args.command]
+    for dest, flag in command.reads:
         path = getattr(args, dest, None)
         if path is None:
             continue
@@ -459,7 +603,7 @@ def local_file_problem(args: argparse.Namespace) -> str | None:
             return f"{args.command} {flag}: {path!r} is a folder, not a file"
         if not os.access(p, os.R_OK):
             return f"{args.command} {flag}: {path!r} is not readable"
-    for dest, flag in WRITES.get(args.command, ()):
+    for dest, flag in command.writes:
         path = getattr(args, dest, None)
         if path is None:
             continue
@@ -474,40 +618,19 @@ def local_file_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-LONG_RUNNING = ("worker", "trainer", "gateway")  # they run on infra.event_loop's loop
-
-
 def preflight(args: argparse.Namespace) -> None:
-    """Checks of local inputs that need no service, run before waiting for any.
+    """The command's checks of local inputs (:attr:`Command.checks`), which need no service."""
+    for check in COMMANDS[args.command].checks:
+        check(args)
 
-    ``worker`` and ``audit`` resolve the configured scorers and check their ``kwargs``
-    (building nothing): a typo, a missing package or a module outside
-    ``worker.allowed_scorer_modules`` is a :class:`ConfigError` at once, and so is a judge
-    URL outside ``worker.allowed_judge_hosts``. ``publish`` validates its whole file.
-    The long-running commands check ``PRM_EVENT_LOOP`` (:mod:`infra.event_loop`).
-    """
-    if args.command in LONG_RUNNING:
-        event_loop.loop_factory()  # a bad PRM_EVENT_LOOP is a ConfigError now, not after waiting for Kafka
-    if args.command in ("worker", "audit"):
-        from scoring_workers.judge.hosts import check_config_judge_hosts
-        from scoring_workers.prm.resolve import check_scorer_entries
 
-        cfg = _load(args)
-        if cfg.prm.active:
-            try:
-                check_scorer_entries(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
-            except (ImportError, TypeError) as exc:
-                raise ConfigError(str(exc)) from None
-            check_config_judge_hosts(cfg.prm, cfg.worker.allowed_judge_hosts)
-    elif args.command == "experiment" and args.action == "add" and args.target:
-        from prm_pipeline.experiment_tool import check_experiment_file
+def _experiment_to_check(args: argparse.Namespace) -> str | None:
+    """The experiment the command publishes to or waits on, which must be declared
+    (:func:`infra.experiments.declared_experiment`); None when it does neither."""
+    when = COMMANDS[args.command].experiment
+    return experiment_of(args, _load(args)) if when is not None and when(args) else None
 
-        check_experiment_file(_load(args), args.target)
-    elif args.command == "publish" and not getattr(args, "raw", False):
-        from infra.jsonl import load
 
-        for _ in load(args.file):  # every line is valid before anything connects
-            pass
 def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
     from aiokafka.errors import KafkaConnectionError
@@ -538,17 +661,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if not args.verbose and args.command not in ("worker", "trainer"):  # long-running: keep every line
+    command = COMMANDS[args.command]
+    if not args.verbose and not command.all_kafka_logs:
         logging.getLogger("aiokafka").addFilter(_QuietBootstrapErrors())
-    failed = ERROR_EXIT.get(args.command, 1)
+    failed = command.error_exit
     if (problem := local_file_problem(args)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         preflight(args)
-        if args.command in NEEDS:
+        if command.needs:
             try:
-                asyncio.run(wait_for_services(_load(args), NEEDS[args.command]))
+                asyncio.run(wait_for_services(_load(args), command.needs))
             except ServiceUnavailable as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return failed

@@ -447,12 +447,15 @@ def _list(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
 
 def add_dead_letters_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from prm_pipeline.cli import COMMANDS, add_command
+
+    return add_command(subparsers, COMMANDS["dead-letters"])
+
+
+def dead_letters_arguments(p: argparse.ArgumentParser) -> None:
+    """``prm-pipeline dead-letters``'s flags (the command is described in prm_pipeline.cli.COMMANDS)."""
     from prm_pipeline.verdict_dump import since_arg
 
-    p = subparsers.add_parser(
-        "dead-letters", help="print dead letters with their headers decoded; --redrive republishes chosen ones",
-        description="Read the dead-letter topic (JSON lines), or plan and run a redrive to the trajectories "
-                    "topic (a dry run unless --yes). See docs/faults.md.")
     p.add_argument("--since", type=since_arg, metavar="TIME", default=None,
                    help="only dead letters timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
     p.add_argument("--follow", action="store_true", help="keep printing new dead letters until Ctrl-C")
@@ -472,5 +475,3 @@ def add_dead_letters_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     add_experiment_option(p, "only this experiment's dead letters (the experiment the payload names, else the "
                              "trajectories topic it came from); default: every experiment's")
-    p.set_defaults(func=cmd_dead_letters)
-    return p

@@ -98,15 +98,20 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_experiment_parser(sub: Any) -> None:
-    p = sub.add_parser("experiment", help="declare, remove or list experiments in the registry (docs/fleet.md)")
+def experiment_arguments(p: argparse.ArgumentParser) -> None:
+    """``prm-pipeline experiment``'s arguments (the command is described in prm_pipeline.cli.COMMANDS)."""
     p.add_argument("action", choices=["add", "remove", "list"])
     p.add_argument("target", nargs="?", help="add: the experiment's YAML file; remove: its id")
     p.add_argument("--json", action="store_true", help="list: one JSON object per experiment")
-    p.set_defaults(func=_checked)
 
 
-def _checked(args: argparse.Namespace) -> int:
+def add_experiment_parser(sub: Any) -> argparse.ArgumentParser:
+    from prm_pipeline.cli import COMMANDS, add_command
+
+    return add_command(sub, COMMANDS["experiment"])
+
+
+def checked_experiment(args: argparse.Namespace) -> int:
     if args.action in ("add", "remove") and not args.target:
         what = "FILE.yaml" if args.action == "add" else "ID"
         print(f"prm-pipeline experiment {args.action} needs {what}", file=sys.stderr)

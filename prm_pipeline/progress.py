@@ -3,7 +3,7 @@ records/s, bytes and ETA, or a spinner with the elapsed time.
 
 Shown only when stdout is a terminal and ``--quiet`` is not given: piped or redirected
 output stays exactly what it was (scripts parse it). ``audit`` draws its own bars on
-stderr (:mod:`prm_pipeline.audit.report`; ``--quiet`` / ``--no-progress``).
+stderr (:mod:`prm_pipeline.audit.report`; ``--quiet``).
 """
 
 from __future__ import annotations

@@ -198,10 +198,18 @@ def raw_ids(ids: Sequence[int]) -> list[str]:
     return [f"[{int(i)}]" for i in ids]
 
 
-def demo_decoder() -> Decoder:
-    """Token ids -> per-token strings with the demo's tiny tokenizer (needs the ``demo`` extra)."""
-    from prm_pipeline.demo.tiny_model import build_tokenizer
+DEMO_TOKENIZER = "prm_pipeline.demo.tiny_model:build_tokenizer"  # resolved only for --tokenizer demo
 
+
+def demo_decoder() -> Decoder:
+    """Token ids -> per-token strings with the demo's tiny tokenizer (needs the ``demo`` extra).
+
+    The demo is a development package: ``inspect`` names its tokenizer by path and imports it
+    only here, so the product never imports ``prm_pipeline.demo``."""
+    import importlib
+
+    module, _, name = DEMO_TOKENIZER.partition(":")
+    build_tokenizer = getattr(importlib.import_module(module), name)
     return _token_decoder(build_tokenizer(), "the demo tokenizer")
 
 
@@ -364,7 +372,7 @@ async def _verdict_from_topic(args: argparse.Namespace) -> dict[str, Any] | None
     tail = VerdictTail(cfg, experiment=getattr(args, "experiment", None) or cfg.trainer.experiment)
     await tail.start()
     try:
-        await tail.wait_for({args.group}, timeout_s=args.timeout)
+        await tail.wait_for({args.group}, timeout_s=args.wait)
     except TimeoutError:
         return None
     finally:
@@ -434,7 +442,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("inspect", help="token view of a verdict: output tokens coloured by process reward")
+    from prm_pipeline.cli import COMMANDS, add_command
+
+    return add_command(subparsers, COMMANDS["inspect"])
+
+
+def inspect_arguments(p: argparse.ArgumentParser) -> None:
+    """``prm-pipeline inspect``'s flags (the command is described in prm_pipeline.cli.COMMANDS)."""
+    from prm_pipeline.flags import deprecated_alias, seconds
+
     p.add_argument("--group", help="this group's verdict: from the verdicts topic, or picked from --verdicts")
     p.add_argument("--verdicts", help="a JSON-lines verdict file with token ids (prm-pipeline verdicts --tokens)")
     p.add_argument("--tokenizer", default=None, metavar="FILE",
@@ -448,10 +464,10 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="groups shown from a --verdicts file, after --group/--session/--experiment (default 3)")
     p.add_argument("--html", default=None, help="also write the token view as a self-contained HTML file")
     p.add_argument("--no-terminal", action="store_true", help="no terminal view")
-    p.add_argument("--timeout", type=float, default=30.0, help="--group: seconds to wait for the verdict")
+    wait = p.add_argument("--wait", type=seconds, default=30.0, metavar="S",
+                          help="--group: seconds to wait for the verdict (default 30)")
+    deprecated_alias(p, "--timeout", wait)
     from prm_pipeline.experiment_option import add_experiment_option
 
     add_experiment_option(p, "--group: read this experiment's verdicts topic (default: trainer.experiment); "
                              "--verdicts: only this experiment's lines")
-    p.set_defaults(func=cmd_inspect)
-    return p

@@ -1,8 +1,8 @@
 """``prm-pipeline audit`` on the command line: the parser, its flags and the command.
 
-:func:`add_audit_parser` registers the subcommand (called by
-:func:`prm_pipeline.cli.build_parser`, so ``prm-pipeline --help`` imports this
-package: keep heavy imports such as torch and rich out of module level);
+:func:`audit_arguments` adds the subcommand's flags (``prm_pipeline.cli.COMMANDS``
+describes the command, so ``prm-pipeline --help`` imports this package: keep heavy
+imports such as torch and rich out of module level);
 :func:`options_from_args` turns the flags into
 :class:`~prm_pipeline.audit.run.AuditOptions`; :func:`cmd_audit` runs it.
 """
@@ -20,19 +20,13 @@ from infra.experiments import trajectories_topic, verdicts_topic
 from prm_pipeline.audit.compare import ATOL, RTOL, Tolerance
 from prm_pipeline.audit.replay import parse_offsets
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
+from prm_pipeline.flags import deprecated_alias, positive_int, seconds
 
 if TYPE_CHECKING:  # prm_pipeline.audit.run imports the scorer runner (torch): only when auditing
     from prm_pipeline.audit.run import AuditOptions
 
 
 # =========================================================================== command line
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _tolerance(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value >= 0):
@@ -42,15 +36,15 @@ def _tolerance(text: str) -> float:
 
 def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``audit`` on the CLI's subparsers; ``func`` takes the Namespace, returns the exit code."""
+    from prm_pipeline.cli import COMMANDS, add_command
+
+    return add_command(subparsers, COMMANDS["audit"])
+
+
+def audit_arguments(p: argparse.ArgumentParser) -> None:
+    """``prm-pipeline audit``'s flags."""
     from prm_pipeline.verdict_dump import since_arg
 
-    p = subparsers.add_parser(
-        "audit",
-        help="re-score recorded trajectories and compare with the recorded verdicts",
-        description="Re-score every trajectory a recorded verdict names with the configured scorers and "
-                    "compare. Reads prm.trajectories and prm.verdicts with group-less consumers (no offsets "
-                    "committed, no Redis). Exit code 1 when anything differs. See docs/audit.md.",
-    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--since", type=since_arg, metavar="TIME", default=None,
                        help="only records timestamped at/after TIME: ISO-8601 (2026-11-30T14:05Z) or an age "
@@ -63,18 +57,18 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", default=None, help="write one JSON line per group to FILE")
     p.add_argument("--rtol", type=_tolerance, default=RTOL, metavar="R", help=f"relative tolerance (default {RTOL:g})")
     p.add_argument("--atol", type=_tolerance, default=ATOL, metavar="A", help=f"absolute tolerance (default {ATOL:g})")
-    p.add_argument("--concurrency", type=_positive_int, default=16, metavar="N", help="trajectories re-scored at once (16)")
-    p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="per-trajectory re-scoring timeout (default worker.scorer_timeout_s)")
-    p.add_argument("--max-differences", type=_positive_int, default=100, metavar="N",
+    p.add_argument("--concurrency", type=positive_int, default=16, metavar="N", help="trajectories re-scored at once (16)")
+    timeout = p.add_argument("--scorer-timeout", type=seconds, default=None, metavar="S",
+                             help="bound of each trajectory's re-scoring in seconds (default worker.scorer_timeout_s)")
+    deprecated_alias(p, "--timeout", timeout)
+    p.add_argument("--max-differences", type=positive_int, default=100, metavar="N",
                    help="differences kept per group in --out (100)")
     p.add_argument("--show", type=int, default=10, metavar="N", help="differing groups listed in the summary (10)")
-    p.add_argument("--no-progress", "-q", "--quiet", dest="progress", action="store_const", const=False, default=None,
-                   help="no progress bar (default: shown when stderr is a terminal)")
+    quiet = p.add_argument("-q", "--quiet", action="store_true",
+                           help="no progress bar (default: shown when stderr is a terminal)")
+    deprecated_alias(p, "--no-progress", quiet)
     add_experiment_option(p, "audit this experiment: read prm.trajectories.ID and prm.verdicts.ID, match its "
                              "records only (default: trainer.experiment)")
-    p.set_defaults(func=cmd_audit)
-    return p
 
 
 def options_from_args(args: argparse.Namespace, cfg: PipelineConfig) -> AuditOptions:
@@ -93,9 +87,9 @@ def options_from_args(args: argparse.Namespace, cfg: PipelineConfig) -> AuditOpt
         out=args.out,
         tolerance=Tolerance(rtol=args.rtol, atol=args.atol),
         concurrency=args.concurrency,
-        timeout_s=args.timeout,
+        timeout_s=args.scorer_timeout,
         max_differences=args.max_differences,
-        progress=args.progress,
+        progress=False if args.quiet else None,
         show=args.show,
         experiment=experiment,
     )

@@ -478,7 +478,7 @@ def compare_session(
     elif recorded.status == "scored":  # re-scoring failed
         if res_code == "scorer_timeout":
             inconclusive = True
-            notes.append("re-scoring timed out (raise --timeout); the verdict recorded a scored member")
+            notes.append("re-scoring timed out (raise --scorer-timeout); the verdict recorded a scored member")
         else:
             diffs.append(Difference(kind="status", recorded="scored", rescored=rescored.error,
                                     scorer=rescored.error_scorer,

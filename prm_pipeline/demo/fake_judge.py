@@ -45,7 +45,7 @@ the next *n* requests with a given status. Counters: :attr:`FakeJudgeServer.requ
 :attr:`~FakeJudgeServer.max_in_flight`, :attr:`~FakeJudgeServer.votes_served`.
 
 It is a test and demo tool, not part of scoring. CLI: ``prm-pipeline fake-judge --port P
-[--latency-ms MS] [--error-rate P] [--outage START:END ...]`` (or ``python -m
+[--latency S] [--error-rate P] [--outage START:END ...]`` (or ``python -m
 prm_pipeline.demo.fake_judge``) — see :func:`add_fake_judge_parser`.
 """
 
@@ -462,7 +462,7 @@ def _rate(text: str) -> float:
 def cmd_fake_judge(args: argparse.Namespace) -> int:
     """Serve the fake judge in the foreground until SIGINT/SIGTERM; exit code 0."""
     server = FakeJudgeServer(
-        args.host, args.port, latency_ms=args.latency_ms, error_rate=args.error_rate,
+        args.host, args.port, latency_ms=args.latency * 1000.0, error_rate=args.error_rate,
         outages=args.outage, outage_mode=args.outage_mode, seed=args.seed,
     )
     with StopSignals() as stop:
@@ -489,7 +489,12 @@ def add_fake_judge_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="delay before every answer")
+    from prm_pipeline.flags import deprecated_alias, seconds
+
+    latency = p.add_argument("--latency", type=seconds, default=0.0, metavar="S",
+                             help="delay before every answer, in seconds")
+    deprecated_alias(p, "--latency-ms", latency, type=seconds, convert=lambda ms: ms / 1000.0,
+                     note=" (seconds; it took milliseconds)")
     p.add_argument("--error-rate", type=_rate, default=0.0, help="fraction of requests answered HTTP 500")
     p.add_argument("--outage", type=_window, action="append", default=[], metavar="START:END",
                    help="outage window in seconds after start (repeatable)")

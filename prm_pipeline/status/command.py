@@ -15,22 +15,31 @@ from infra.config import load_config
 PIPED_WIDTH = 100_000  # columns when stdout is not a terminal: lines and table cells are never wrapped or cut
 
 
-def add_status_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "status", help="is the pipeline healthy? lag, open groups, workers, verdict latency, dead letters",
-        description="One screen of the pipeline's state. Exit code 0 when healthy, 1 when not (Kafka or Redis "
-                    "unreachable, no live worker, lag growing, the oldest open group past 80%% of "
-                    "worker.group_timeout_s); warnings do not change it.")
+def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from prm_pipeline.cli import COMMANDS, add_command
+
+    return add_command(subparsers, COMMANDS["status"])
+
+
+def status_arguments(p: argparse.ArgumentParser) -> None:
+    """``prm-pipeline status``'s flags (the command is described in prm_pipeline.cli.COMMANDS)."""
+    from prm_pipeline.flags import deprecated_alias, seconds
+
     p.add_argument("--json", action="store_true", help="one JSON object per report (for machines)")
-    p.add_argument("--watch", type=float, default=None, metavar="S",
+    p.add_argument("--watch", type=seconds, default=None, metavar="S",
                    help="report every S seconds until interrupted (lag change is measured between reports)")
-    p.add_argument("--sample", type=float, default=2.0, metavar="S",
+    p.add_argument("--sample", type=seconds, default=2.0, metavar="S",
                    help="single report: seconds between the two lag readings that show a growing lag (default 2)")
-    p.add_argument("--dead-letter-window", type=float, default=10.0, metavar="MIN",
-                   help="count dead letters of the last MIN minutes (default 10)")
-    p.add_argument("--verdict-window", type=float, default=60.0, metavar="S",
-                   help="verdict rate and latency over the last S seconds (default 60)")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="bound of each read (default 10)")
+    dead = p.add_argument("--dead-letter-lookback", type=seconds, default=600.0, metavar="S",
+                          help="count dead letters of the last S seconds (default 600)")
+    deprecated_alias(p, "--dead-letter-window", dead, type=seconds, convert=lambda minutes: minutes * 60,
+                     note=" (seconds; it took minutes)")
+    verdicts = p.add_argument("--verdict-lookback", type=seconds, default=60.0, metavar="S",
+                              help="verdict rate and latency over the last S seconds (default 60)")
+    deprecated_alias(p, "--verdict-window", verdicts)
+    read = p.add_argument("--read-timeout", type=seconds, default=10.0, metavar="S",
+                          help="bound of each read in seconds (default 10)")
+    deprecated_alias(p, "--timeout", read)
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
                    help="with --watch: serve the latest report as Prometheus gauges on P (/metrics)")
     from prm_pipeline.experiment_option import add_experiment_option
@@ -40,7 +49,6 @@ def add_status_parser(subparsers: Any) -> None:
     p.add_argument("--worker-metrics", action="append", default=None, metavar="URL",
                    help="with --experiment: a worker's /metrics URL (repeatable); the experiment's records, "
                         "verdicts, in-flight records and slots are summed over them")
-    p.set_defaults(func=cmd_status)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -59,7 +67,7 @@ def cmd_status(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     cfg = load_config(getattr(args, "config", None))
-    if args.experiment is not None and (refused := _undeclared(cfg, args.experiment, args.timeout)) is not None:
+    if args.experiment is not None and (refused := _undeclared(cfg, args.experiment, args.read_timeout)) is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2
     try:
@@ -92,8 +100,8 @@ async def _run(cfg: Any, args: argparse.Namespace) -> int:
     from prm_pipeline.status.collect import collect
     from prm_pipeline.status.render import render
 
-    opts = {"dead_letter_window_s": args.dead_letter_window * 60, "verdict_window_s": args.verdict_window,
-            "timeout_s": args.timeout, "sample_s": args.sample, "experiment": args.experiment,
+    opts = {"dead_letter_window_s": args.dead_letter_lookback, "verdict_window_s": args.verdict_lookback,
+            "timeout_s": args.read_timeout, "sample_s": args.sample, "experiment": args.experiment,
             "worker_metrics": tuple(args.worker_metrics or ())}
     # Piped (a file, grep, a CI log) nothing is wrapped or cut: a line is as long as it needs.
     console = Console() if Console().is_terminal else Console(width=PIPED_WIDTH, soft_wrap=True)

@@ -85,7 +85,7 @@ def render(report: StatusReport) -> Group:
     dl = report.dead_letters
     if dl is not None:
         top = ", ".join(f"{r} x{n}" for r, n in dl.top)
-        parts.append(Text(f"dead letters (last {dl.window_s / 60:g} min): {dl.count}{'+' if dl.truncated else ''}"
+        parts.append(Text(f"dead letters (last {dl.window_s:.0f}s): {dl.count}{'+' if dl.truncated else ''}"
                           f"{' — ' + top if top else ''}"))
     for p in report.problems:
         parts.append(Text(f"{p.severity.upper():8} {p.check}: {p.message}",

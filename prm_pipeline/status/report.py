@@ -230,7 +230,7 @@ def assess(report: StatusReport) -> list[Problem]:
         top = ", ".join(f"{reason} x{n}" for reason, n in dl.top[:3])
         problems.append(Problem("warning", "dead_letters",
                                 f"{dl.count}{'+' if dl.truncated else ''} dead letter(s) in the last "
-                                f"{dl.window_s / 60:g} min: {top}"))
+                                f"{dl.window_s:.0f}s: {top}"))
     fleet = report.fleet
     if fleet is not None and fleet.unreachable:
         problems.append(Problem("warning", "worker_metrics_unreachable",

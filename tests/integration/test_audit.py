@@ -128,7 +128,7 @@ async def test_audit_finds_nothing_then_exactly_the_forged_verdict(cfg, workers,
     # ---- 3. the audit, through its command-line entry point, reports exactly that group
     report_path = tmp_path / "report.jsonl"
     config_path = write_config(cfg, tmp_path / "config.yaml")
-    args = _cli(["--config", str(config_path), "audit", "--out", str(report_path), "--no-progress"])
+    args = _cli(["--config", str(config_path), "audit", "--out", str(report_path), "--quiet"])
     code = await asyncio.to_thread(args.func, args)
     assert code == 1
     lines = [json.loads(line) for line in report_path.read_text().splitlines()]

@@ -55,7 +55,7 @@ async def test_publish_jsonl_then_dump_verdicts(pipeline_config, tmp_path) -> No
     worker = asyncio.create_task(Worker(cfg, worker_id="w-cli").run(stop))
     try:
         dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2",
-                                         "--timeout", "30", timeout=90)
+                                         "--idle-timeout", "30", timeout=90)
     finally:
         stop.set()
         await worker
@@ -104,7 +104,7 @@ async def test_readme_manual_session_with_the_example_file(pipeline_config, tmp_
                                "--worker-id", "w-example"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2",
-                                         "--timeout", "60", timeout=120)
+                                         "--idle-timeout", "60", timeout=120)
     finally:
         worker.send_signal(signal.SIGTERM)
         await asyncio.to_thread(worker.wait, 60)

@@ -45,7 +45,7 @@ async def test_inspect_reads_what_verdicts_writes_with_tokens(pipeline_config, t
     stop = asyncio.Event()
     worker = asyncio.create_task(Worker(cfg, worker_id="w-inspect-cli").run(stop))
     try:
-        dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2", "--timeout",
+        dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2", "--idle-timeout",
                                          "60", "--tokens", "--out", str(out), timeout=120)
     finally:
         stop.set()
@@ -75,7 +75,7 @@ async def test_inspect_reads_what_verdicts_writes_with_tokens(pipeline_config, t
 
     # without --tokens the file says what to do instead of "carries no interactions"
     plain = tmp_path / "plain.jsonl"
-    again = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2", "--timeout", "30",
+    again = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2", "--idle-timeout", "30",
                                     "--out", str(plain))
     assert again.returncode == 0, again.stderr
     refused = await asyncio.to_thread(_cli, str(config), "inspect", "--verdicts", str(plain), "--group",

@@ -78,8 +78,8 @@ async def test_an_undeclared_experiment_is_refused_up_front_by_every_tool(pipeli
                 "declare it first with `prm-pipeline experiment add FILE.yaml`")
 
     for args in (("publish", "--experiment", "nosuch", EXAMPLE), ("trainer", "--experiment", "nosuch"),
-                 ("verdicts", "--experiment", "nosuch", "--timeout", "1"), ("status", "--experiment", "nosuch"),
-                 ("inspect", "--group", "g1", "--experiment", "nosuch", "--timeout", "1")):
+                 ("verdicts", "--experiment", "nosuch", "--idle-timeout", "1"), ("status", "--experiment", "nosuch"),
+                 ("inspect", "--group", "g1", "--experiment", "nosuch", "--wait", "1")):
         proc = await cli(config, *args)
         assert (proc.returncode, one_line(proc)) == (2, expected), args
     assert f"{cfg.topics.trajectories}.nosuch" not in await topics(cfg)  # nothing was published
@@ -107,7 +107,7 @@ async def test_a_missing_topic_is_one_line_with_the_fix_and_topics_create_makes_
     config = write_config(cfg, tmp_path / "config.yaml")
     fix = "`prm-pipeline topics create` creates the configured topics and those of every experiment declared"
 
-    dumped = await cli(config, "verdicts", "--timeout", "1")
+    dumped = await cli(config, "verdicts", "--idle-timeout", "1")
     assert dumped.returncode == 1
     assert one_line(dumped) == f"error: topic {cfg.topics.verdicts!r} does not exist; {fix} in the registry"
 
@@ -173,7 +173,7 @@ async def test_unknown_experiment_records_and_raw_lines_are_dead_letters_the_too
     assert elsewhere.returncode == 2 and "--offsets names ['other.topic']" in one_line(elsewhere)
 
     # the rejection verdict on the default topic is counted by `verdicts`, pointing at the dead letters
-    dumped = await cli(config, "verdicts", "--from-beginning", "--timeout", "1")
+    dumped = await cli(config, "verdicts", "--from-beginning", "--idle-timeout", "1")
     assert dumped.returncode == 0 and dumped.stdout == ""
     assert "1 of them rejections `unknown_experiment` of an undeclared experiment" in dumped.stderr
 

@@ -80,7 +80,7 @@ async def test_verdicts_summary_counts_repeated_verdicts(pipeline_config, tmp_pa
     a = GroupVerdict(group_id="rep-a", status="discarded", reason="r")
     b = GroupVerdict(group_id="rep-b", status="discarded", reason="r")
     await publish(pipeline_config, [a, b, a])  # a re-published verdict, as after a worker crash
-    dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "3", "--timeout", "20")
+    dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "3", "--idle-timeout", "20")
     assert dumped.returncode == 0, dumped.stderr
     assert len(dumped.stdout.splitlines()) == 3
     assert "3 verdicts of 2 groups: 1 repeated an (experiment_id, group_id, verdict_version) already printed" in dumped.stderr

@@ -166,7 +166,7 @@ async def test_real_prometheus_scrapes_the_pipeline(kafka_bootstrap: str, redis_
     procs = [spawn(["--config", str(config), "worker", "--worker-id", f"w{i}", "--metrics-port", str(p)],
                    tmp_path / f"worker{i}.log") for i, p in enumerate(worker_ports)]
     procs.append(spawn(["--config", str(config), "status", "--watch", "1", "--metrics-port", str(status_port),
-                        "--timeout", "5", "--json"], tmp_path / "status.log"))
+                        "--read-timeout", "5", "--json"], tmp_path / "status.log"))
     stop_feed, stop_trainer = asyncio.Event(), asyncio.Event()
     trainer = asyncio.create_task(run_trainer(cfg, batch_groups=1, policy_version=TRAINER_VERSION,
                                               metrics_port=trainer_port, stop=stop_trainer))

@@ -232,9 +232,9 @@ def scenario(tls_kafka: tuple[str, Any], acl_redis: AclRedis, pki: Any,
                                                 stop_when=lambda rs: len(rs) >= 1))
         s.metrics = [httpx.get(f"http://127.0.0.1:{p}/metrics", timeout=5).text for p in ports]
         s.cli_verdicts = _cli(env, s.config_path, "verdicts", "--from-beginning", "--max", str(len(s.expected)),
-                              "--timeout", "20")
+                              "--idle-timeout", "20")
         s.cli_audit = _cli(env, s.config_path, "audit", "--groups", *[g for g, st in s.expected.items()
-                                                                       if st == "accepted"], "--no-progress")
+                                                                       if st == "accepted"], "--quiet")
     finally:
         for p in procs:
             if p.poll() is None:

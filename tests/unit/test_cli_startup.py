@@ -44,7 +44,7 @@ def _assert_one_line_report(proc: subprocess.CompletedProcess[str], *needles: st
     return errors[0]
 
 
-@pytest.mark.parametrize("command", [["topics", "create"], ["worker"]])  # one of each set of needs (cli.NEEDS)
+@pytest.mark.parametrize("command", [["topics", "create"], ["worker"]])  # one of each set of needs (Command.needs)
 def test_command_without_kafka_waits_then_names_address_and_setting(command: list[str]) -> None:
     port = _closed_port()
     proc = _run(*command, env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}",

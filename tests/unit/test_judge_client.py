@@ -409,10 +409,10 @@ def test_fake_judge_parser():
 
     parser = argparse.ArgumentParser()
     add_fake_judge_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["fake-judge", "--port", "0", "--latency-ms", "5", "--error-rate", "0.1",
+    args = parser.parse_args(["fake-judge", "--port", "0", "--latency", "0.005", "--error-rate", "0.1",
                               "--outage", "1:2", "--outage", "3:4.5"])
     assert args.func is cmd_fake_judge and args.outage == [(1.0, 2.0), (3.0, 4.5)]
-    assert (args.port, args.latency_ms, args.error_rate, args.outage_mode) == (0, 5.0, 0.1, "503")
+    assert (args.port, args.latency, args.error_rate, args.outage_mode) == (0, 0.005, 0.1, "503")
     for bad in (["--outage", "5:1"], ["--outage", "x"], ["--error-rate", "2"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["fake-judge", "--port", "0", *bad])
