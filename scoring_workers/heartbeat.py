@@ -4,8 +4,8 @@ Consumer-group membership is a poor liveness signal: a killed worker stays a mem
 until its session times out (and the embedded test broker never expires it), and a
 member says nothing about which worker it is. So a ready worker beats every
 :data:`HEARTBEAT_S` in the ledger's ``<prefix>:workers`` set
-(:meth:`scoring_workers.ledger.GroupLedger.beat`), leaves it when it stops
-(:meth:`~scoring_workers.ledger.GroupLedger.retire`), and ``status`` counts a worker
+(:meth:`scoring_workers.ledger.LedgerView.beat`), leaves it when it stops
+(:meth:`~scoring_workers.ledger.LedgerView.retire`), and ``status`` counts a worker
 alive while its last beat is younger than :data:`ALIVE_S`.
 """
 
@@ -30,6 +30,7 @@ class Heartbeat:
         self._retired = False
 
     async def step(self, ledger: Any | None, *, ready: bool, stopping: bool) -> None:
+        """``ledger``: the :class:`~scoring_workers.ledger.LedgerView` (None before it is open)."""
         if ledger is None or self._retired:
             return
         try:

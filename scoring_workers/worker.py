@@ -202,7 +202,8 @@ class Worker:
             self.telemetry.tick()
             if stop.is_set():
                 self.telemetry.ready = False
-            await beats.step(getattr(self, "ledger", None), ready=self.telemetry.ready, stopping=stop.is_set())
+            ledger = getattr(self, "ledger", None)
+            await beats.step(ledger and ledger.view, ready=self.telemetry.ready, stopping=stop.is_set())
             if stop.is_set():
                 await asyncio.sleep(1.0)
             else:  # wake at stop: leave the heartbeat set while the ledger is still open

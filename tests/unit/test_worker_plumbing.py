@@ -12,7 +12,8 @@ from aiokafka import errors as kerr
 from infra.kafka import backoff_delay, is_permanent, is_retriable, record_size
 from infra.schema import GroupVerdict, SessionResult, compact_turns, encode
 from prm_pipeline.demo.synthetic import make_group
-from scoring_workers.ledger import GroupState, ParkedMember, _GroupCommit, decode_parked, decode_state, fingerprint
+from scoring_workers.batching import Batcher
+from scoring_workers.ledger import GroupState, ParkedMember, decode_parked, decode_state, fingerprint
 from scoring_workers.verdicts import assemble_verdict, too_large_verdict
 
 
@@ -116,7 +117,7 @@ async def test_group_commit_batches_concurrent_submissions() -> None:
         await gate.wait()
         return [i * 10 for i in items]
 
-    commit: _GroupCommit[int, int] = _GroupCommit(run)
+    commit: Batcher[int, int] = Batcher(run)
     first = asyncio.create_task(commit.submit(1))
     await asyncio.sleep(0)  # the first batch is on the wire
     rest = [asyncio.create_task(commit.submit(i)) for i in (2, 3, 4)]
@@ -133,7 +134,7 @@ async def test_group_commit_lingering_items_wait_for_company_or_their_time() -> 
         batches.append(items)
         return [i * 10 for i in items]
 
-    commit: _GroupCommit[int, int] = _GroupCommit(run)
+    commit: Batcher[int, int] = Batcher(run)
     waiting = [asyncio.create_task(commit.submit(i, linger_s=600)) for i in (1, 2)]
     for _ in range(5):
         await asyncio.sleep(0)
@@ -155,7 +156,7 @@ async def test_group_commit_fails_every_member_of_a_failed_batch() -> None:
     async def run(items: list[int]) -> list[int]:
         raise ConnectionError("redis down")
 
-    commit: _GroupCommit[int, int] = _GroupCommit(run)
+    commit: Batcher[int, int] = Batcher(run)
     results = await asyncio.gather(commit.submit(1), commit.submit(2), return_exceptions=True)
     assert all(isinstance(r, ConnectionError) for r in results)
 
