@@ -71,6 +71,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Literal
 
 import msgspec
@@ -106,9 +107,31 @@ FINISH_BACKOFF_S = (0.05, 5.0)  # a finish that failed transiently is sent again
 FLUSH_TIMEOUT_S = 10.0  # at close, pending finishes get this long to land (then the sweeper covers them)
 
 
-Probe = Literal["new", "duplicate", "decided", "done"]
-ParkOutcome = Literal["parked", "duplicate", "decided", "done"]
-DecideOutcome = Literal["decided_now", "already_decided", "done", "gone", "not_due", "incomplete"]
+class Outcome(StrEnum):
+    """What the ledger answered about a group, typed: one enum for probes, parks and decisions.
+
+    A probe says ``NEW`` (score it), ``DUPLICATE`` (this member is parked already),
+    ``DECIDED`` (decided, not finished) or ``DONE`` (finished, in a dedupe bucket). A park
+    says ``PARKED``, ``DUPLICATE``, ``DECIDED`` or ``DONE`` (and ``DECIDED_NOW`` in its
+    :class:`Decision` when it decided the group). A decision says ``DECIDED_NOW`` (this
+    call decided: its caller publishes), ``ALREADY_DECIDED``, ``DONE``, ``GONE`` (no such
+    group), ``NOT_DUE`` (a deadline not yet passed) or ``INCOMPLETE`` (a ``complete``
+    decision with members missing). Equal to the script's strings.
+    """
+
+    NEW = "new"
+    PARKED = "parked"
+    DUPLICATE = "duplicate"
+    DECIDED = "decided"
+    DONE = "done"
+    DECIDED_NOW = "decided_now"
+    ALREADY_DECIDED = "already_decided"
+    GONE = "gone"
+    NOT_DUE = "not_due"
+    INCOMPLETE = "incomplete"
+
+
+Probe = Outcome  # NEW | DUPLICATE | DECIDED | DONE
 
 
 class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
@@ -123,7 +146,14 @@ class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
     offset: int = -1
 
 
-DecisionKind = Literal["complete", "failed", "deadline", "discard", "invalid"]
+class DecisionKind(StrEnum):
+    """Why a group was decided (the state's ``decision``; equal to the stored strings)."""
+
+    COMPLETE = "complete"  # every member parked
+    FAILED = "failed"  # a member failed
+    DEADLINE = "deadline"  # the sweeper
+    DISCARD = "discard"  # a DiscardGroup
+    INVALID = "invalid"  # a member was dead-lettered
 
 
 class GroupState(msgspec.Struct, frozen=True, kw_only=True):
@@ -191,10 +221,15 @@ class Decision:
     ``state`` is the default :class:`GroupState` when nothing was decided (``done``,
     ``gone``, ``not_due``, ``incomplete``)."""
 
-    outcome: DecideOutcome
+    outcome: Outcome
     group_id: str
     state: GroupState
     members: list[ParkedMember]
+
+    @classmethod
+    def bare(cls, outcome: Outcome, group_id: str) -> Decision:
+        """An answer that carries no stored decision (a probe's, or a park that decided nothing)."""
+        return cls(outcome, group_id, GroupState(), [])
 
     @property
     def decided_at_ms(self) -> int:
@@ -445,7 +480,7 @@ class GroupLedger:
         return out
 
     # ---------------------------------------------------------------- reads
-    async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Probe]:
+    async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Outcome]:
         """Batched pre-check for one poll: ``(group_id, trajectory_id)`` -> what is known.
 
         One round trip for the whole poll (with whatever transitions queued meanwhile), so
@@ -457,7 +492,7 @@ class GroupLedger:
             return []
         since = self._bucket(time.time() - DONE_SKEW_S)  # taken before Redis reads the buckets
         res = await self._ops.submit_many([_Op(g, _Probe(t)) for g, t in items])
-        out: list[Probe] = []
+        out: list[Outcome] = []
         for (group_id, trajectory_id), r in zip(items, res):
             probe = r.decode() if isinstance(r, bytes) else r
             if probe == "new":  # neither open nor done: the park need not read older buckets again
@@ -468,7 +503,7 @@ class GroupLedger:
                 if len(self._awaited) >= FRESH_GROUPS:
                     self._awaited.clear()  # forgetting only costs a park its company
                 self._awaited.setdefault(group_id, set()).add(trajectory_id)
-            out.append("new" if probe == "open" else probe)
+            out.append(Outcome.NEW if probe == "open" else Outcome(probe))
         return out
 
     def expect(self, items: Sequence[tuple[str, str]]) -> None:
@@ -485,7 +520,7 @@ class GroupLedger:
     # ---------------------------------------------------------------- transitions
     async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
                    worker_id: str, scorers: bytes, partition: int = -1,
-                   offset: int = -1) -> tuple[ParkOutcome, Decision | None]:
+                   offset: int = -1) -> tuple[Outcome, Decision | None]:
         """Store a member's result (its token turns stay in Kafka at ``partition``/``offset``);
         if it completes the group, or failed (the group is rejected either way), decide the
         group too.
@@ -507,10 +542,10 @@ class GroupLedger:
             result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers,
             failed, self._state_ttl(group_timeout_s), self._fresh.pop(group_id, None))),
             linger_s=PARK_LINGER_S if awaited and not failed else 0.0)
-        outcome = raw[0].decode()
+        outcome = Outcome(raw[0].decode())
         if len(raw) < 3:
-            return outcome, None  # type: ignore[return-value]
-        return outcome, self._decision(group_id, "decided_now", raw[2])  # type: ignore[return-value]
+            return outcome, None
+        return outcome, self._decision(group_id, Outcome.DECIDED_NOW, raw[2])
 
     async def decide(self, group_id: str, kind: DecisionKind, *,
                      worker_id: str, scorers: bytes, discard_reason: str = "",
@@ -529,17 +564,17 @@ class GroupLedger:
         raw = await self._ops.submit(_Op(group_id, DecideArgs(
             fingerprint(group_id), kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s),
             republish_at, group_id)))
-        outcome = raw[0].decode()
+        outcome = Outcome(raw[0].decode())
         decision = self._decision(group_id, outcome, raw[1] if len(raw) > 1 else [])
-        if outcome == "decided_now" and self.cluster:  # standalone: the script moved the entry
+        if outcome is Outcome.DECIDED_NOW and self.cluster:  # standalone: the script moved the entry
             await self.redis.zadd(self.deadlines_key, {group_id: republish_at})
         return decision
 
     @staticmethod
-    def _decision(group_id: str, outcome: str, flat: Sequence[bytes]) -> Decision:
+    def _decision(group_id: str, outcome: Outcome, flat: Sequence[bytes]) -> Decision:
         """The group hash as ``HGETALL`` returned it -> its state and its parked members."""
-        if outcome not in ("decided_now", "already_decided"):
-            return Decision(outcome, group_id, GroupState(), [])  # type: ignore[arg-type]
+        if outcome not in (Outcome.DECIDED_NOW, Outcome.ALREADY_DECIDED):
+            return Decision(outcome, group_id, GroupState(), [])
         state: list[bytes] = []
         members: list[ParkedMember] = []
         for name, value in zip(flat[::2], flat[1::2]):
@@ -547,7 +582,7 @@ class GroupLedger:
                 members.append(decode_parked(value))
             else:
                 state += (name, value)
-        return Decision(outcome, group_id, decode_state(state), members)  # type: ignore[arg-type]
+        return Decision(outcome, group_id, decode_state(state), members)
 
     async def finish(self, group_id: str) -> None:
         """After the verdict is acknowledged by Kafka: drop the group's hash and its index
