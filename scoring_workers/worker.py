@@ -108,6 +108,9 @@ log = logging.getLogger(__name__)
 # or one loading its AOF after a restart is an outage too.
 REDIS_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = TRANSIENT_ERRORS
 LAG_INTERVAL_S = 5.0  # how often the consumer-lag gauge is refreshed
+POLL_TIMEOUT_S = 0.1  # a poll's wait while records are in flight (or held, buffered, paused)
+IDLE_POLL_S = 0.5  # an idle poll waits until the next sweep, at most this long
+REGISTRY_POLL_MS = 2000  # the registry follower's poll (it returns as soon as a record arrives)
 UNKNOWN_LABEL = "unknown"  # the experiment label of records naming an experiment this worker does not serve
 
 
@@ -241,7 +244,7 @@ class Worker:
                 await asyncio.sleep(1.0)
             else:  # wake at stop: leave the heartbeat set while the ledger is still open
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                    await asyncio.wait_for(stop.wait(), beats.wait_s(ready=self.telemetry.ready))
 
     async def _run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
@@ -297,7 +300,7 @@ class Worker:
             log.info("worker %s stopped: %s", self.worker_id, self.telemetry.snapshot())
 
     async def _loop(self, stop: asyncio.Event) -> None:
-        last_sweep = last_lag = 0.0
+        next_sweep = last_lag = 0.0
         sweeper: asyncio.Task[None] | None = None
         lag: asyncio.Task[None] | None = None
         registry: asyncio.Task[None] | None = None
@@ -308,7 +311,7 @@ class Worker:
             self._release_held()
             room = max(1, self.concurrency - len(self._tasks))
             batch = await self.consumer.getmany(
-                timeout_ms=100, max_records=min(room, self.cfg.worker.poll_max_records)
+                timeout_ms=self._poll_timeout_ms(next_sweep), max_records=min(room, self.cfg.worker.poll_max_records)
             )
             records = [r for rs in batch.values() for r in rs]
             # the first highwater known since the assignment: no previous owner read at or past it
@@ -321,10 +324,9 @@ class Worker:
                     and self._committer.due:
                 self._committing = self._background("commit", self._committer.commit(routine=True))
             now = time.monotonic()
-            sweep_every = self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
-            if now - last_sweep >= sweep_every and (sweeper is None or sweeper.done()):
+            if now >= next_sweep and (sweeper is None or sweeper.done()):
                 sweeper = self._background("sweep", self._sweep())
-                last_sweep = now
+                next_sweep = now + self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
                 for record, error, extra in self._chunks.expired(self.cfg.worker.group_timeout_s):
                     self._spawn(self._job(record, error, extra, time.time()))
             if now - last_lag >= LAG_INTERVAL_S and (lag is None or lag.done()):
@@ -338,6 +340,16 @@ class Worker:
         for step in (sweeper, lag):
             if step is not None:
                 await asyncio.wait([step])  # its failure, if any, is already logged and counted
+
+    def _poll_timeout_ms(self, next_sweep: float) -> int:
+        """How long the next poll may wait for records: ``POLL_TIMEOUT_S`` while records are
+        in flight, held or buffered, or partitions paused (their end must be seen soon: a
+        commit, a resume); idle, until the next sweep is due (at most ``IDLE_POLL_S``), so an
+        idle loop wakes for its periodic steps, not ten times a second."""
+        if self._tasks or self._held or len(self._chunks) or self.consumer.paused():
+            return int(POLL_TIMEOUT_S * 1000)
+        wait_s = min(IDLE_POLL_S, next_sweep - time.monotonic())
+        return max(int(POLL_TIMEOUT_S * 1000), int(wait_s * 1000))
 
     def _background(self, step: str, coro: Any) -> asyncio.Task[None]:
         """Run a periodic step as a task whose unexpected failure is logged and counted, never fatal."""
@@ -405,7 +417,7 @@ class Worker:
     async def _follow_registry(self) -> None:
         """Apply what the registry says as it says it; retire removed experiments in time."""
         assert self._registry is not None
-        for entry in await self._registry.poll(timeout_ms=500):
+        for entry in await self._registry.poll(timeout_ms=REGISTRY_POLL_MS):
             await self._apply_registry(entry)
         self.fleet.expire()
         self._subscribe()
