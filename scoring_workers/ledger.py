@@ -102,6 +102,11 @@ WORKERS_REMEMBERED_S = 3600.0  # a worker silent this long leaves the heartbeat 
 DONE_SKEW_S = 10.0  # clocks of the workers agree within this (a finish may file its group this much earlier)
 FRESH_GROUPS = 65_536  # bound of the probe memos (cleared past it: a park then reads every bucket, or lingers less)
 PARK_LINGER_S = 0.01  # a park whose group has members this worker probed and has not parked waits this long for them
+# A park whose group has members this worker has not seen yet waits this long for them: a
+# group's members share a partition and a publisher sends them together, but a produce
+# request in flight splits them (the first alone, the rest in the next), so the rest
+# usually come one fetch later. The park that completes the group never waits.
+PARK_UNSEEN_LINGER_S = 0.025
 FINISH_LINGER_S = 0.25  # a finish after a published verdict waits this long for a call to ride along with
 FINISH_BACKOFF_S = (0.05, 5.0)  # a finish that failed transiently is sent again after 50 ms, doubling up to 5 s
 FLUSH_TIMEOUT_S = 10.0  # at close, pending finishes get this long to land (then the sweeper covers them)
@@ -329,6 +334,9 @@ class GroupLedger:
         # Members this instance probed (not duplicates) and has not parked yet, per group: a
         # park of a member whose siblings are still being scored here lingers for them.
         self._awaited: dict[str, set[str]] = {}
+        # Members of each open group this instance parked: while fewer than its size, a park
+        # waits (up to PARK_UNSEEN_LINGER_S) for the rest, which usually come right after.
+        self._parked_here: dict[str, int] = {}
         self._ops: Batcher[_Op, Any] = Batcher(self._run)
         # Finishes handed over by finish_soon() and not landed yet (each retries until it does).
         self._finishing: dict[str, asyncio.Task[None]] = {}
@@ -538,13 +546,20 @@ class GroupLedger:
         awaited.discard(result.trajectory_id)
         if not awaited:
             self._awaited.pop(group_id, None)
+        if len(self._parked_here) >= FRESH_GROUPS:
+            self._parked_here.clear()  # forgetting only costs a park its company
+        here = self._parked_here[group_id] = self._parked_here.get(group_id, 0) + 1
+        linger_s = 0.0 if failed else PARK_LINGER_S if awaited else PARK_UNSEEN_LINGER_S if here < group_size else 0.0
         raw = await self._ops.submit(_Op(group_id, _Park(
             result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers,
             failed, self._state_ttl(group_timeout_s), self._fresh.pop(group_id, None))),
-            linger_s=PARK_LINGER_S if awaited and not failed else 0.0)
+            linger_s=linger_s)
         outcome = Outcome(raw[0].decode())
         if len(raw) < 3:
+            if outcome is not Outcome.PARKED:  # decided or finished already: no company to wait for
+                self._parked_here.pop(group_id, None)
             return outcome, None
+        self._parked_here.pop(group_id, None)
         return outcome, self._decision(group_id, Outcome.DECIDED_NOW, raw[2])
 
     async def decide(self, group_id: str, kind: DecisionKind, *,
@@ -559,6 +574,7 @@ class GroupLedger:
         whoever gets it again nudges the group.)
         """
         self._awaited.pop(group_id, None)
+        self._parked_here.pop(group_id, None)
         now = _now_ms()
         republish_at = now + int(republish_grace_s * 1000)
         raw = await self._ops.submit(_Op(group_id, DecideArgs(
@@ -593,6 +609,7 @@ class GroupLedger:
         need that); the worker uses :meth:`finish_soon`, which does not hold its record."""
         self._fresh.pop(group_id, None)
         self._awaited.pop(group_id, None)
+        self._parked_here.pop(group_id, None)
         await self._ops.submit(_Op(group_id, FinishArgs(fingerprint(group_id), self._done_ttl(group_id), group_id)))
 
     def finish_soon(self, group_id: str) -> None:
@@ -608,6 +625,7 @@ class GroupLedger:
         """
         self._fresh.pop(group_id, None)
         self._awaited.pop(group_id, None)
+        self._parked_here.pop(group_id, None)
         if group_id in self._finishing:  # already on its way (a re-published verdict)
             return
         task = asyncio.create_task(self._finish_until_landed(group_id))
