@@ -264,13 +264,18 @@ class _Probe:
 
 
 @dataclass(frozen=True)
+class _Due:
+    limit: int
+
+
+@dataclass(frozen=True)
 class _Op:
     """One item of a ledger call on one group: a probe (plain reads beside the script), a
     park (its :class:`ParkArgs` are built when its batch goes out: they carry that
     moment's time), a decision or a finish (their typed arguments)."""
 
     group_id: str
-    item: _Probe | _Park | DecideArgs | FinishArgs
+    item: _Probe | _Due | _Park | DecideArgs | FinishArgs
 
 
 def group_key(prefix: str, group_id: str) -> str:
@@ -417,12 +422,15 @@ class GroupLedger:
             fp = fingerprint(group_id)
             plain += (("sismember", (k, fp), {}) for k in keys[1:])
         n_reads = len(plain)
+        sweeps = [i for i, op in enumerate(ops) if isinstance(op.item, _Due)]  # the sweepers' index reads
+        plain += (("zrangebyscore", (self.deadlines_key, "-inf", now), {"start": 0, "num": ops[i].item.limit})
+                  for i in sweeps)  # type: ignore[union-attr]
         parks = [op.item for op in ops if isinstance(op.item, _Park)]
         if parks and time.monotonic() >= self._deadlines_ttl_at:
             ttl = max(p.ttl_s for p in parks)
             plain.append(("expire", (self.deadlines_key, ttl + int(TTL_REFRESH_S)), {}))
             self._deadlines_ttl_at = time.monotonic() + TTL_REFRESH_S
-        scripted = [i for i, op in enumerate(ops) if not isinstance(op.item, _Probe)]
+        scripted = [i for i, op in enumerate(ops) if not isinstance(op.item, (_Probe, _Due))]
         head = [DEDUPE_BUCKETS + 1, 0 if self.cluster else 1]
         calls: list[tuple[list[int], list[str], list[Any]]] = []  # (op indexes, keys, argv)
         if self.cluster:  # the index lives in another slot: its commands go beside the calls
@@ -485,6 +493,8 @@ class GroupLedger:
                 else:
                     out[i] = "open" if member is None else "duplicate"
         assert pos == n_reads
+        for k, i in enumerate(sweeps):
+            out[i] = read[n_reads + k]
         return out
 
     # ---------------------------------------------------------------- reads
@@ -700,9 +710,13 @@ class GroupLedger:
         """Drop a stale index entry (the group's keys expired or were finished)."""
         await self.redis.zrem(self.deadlines_key, group_id)
 
-    async def due_groups(self, limit: int = 64) -> list[str]:
-        """Groups whose deadline (or re-publish grace) has passed."""
-        raw = await self.redis.zrangebyscore(self.deadlines_key, "-inf", _now_ms(), start=0, num=limit)
+    async def due_groups(self, limit: int = 64, *, linger_s: float = 0.0) -> list[str]:
+        """Groups whose deadline (or re-publish grace) has passed, as of when the read goes out.
+
+        A read of the index beside whatever transitions queue meanwhile; with ``linger_s``
+        it waits up to that long for a call to ride along with (a sweep is not urgent), so
+        that at low rates it costs Redis no wake-up of its own."""
+        raw = await self._ops.submit(_Op("", _Due(limit)), linger_s=linger_s)
         return [g.decode() for g in raw]
 
 

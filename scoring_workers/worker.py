@@ -813,7 +813,7 @@ class Worker:
         (``prm_worker_sweep_failures_total``) and the sweep goes on with the next group.
         """
         try:
-            due = await self.ledger.due_groups()
+            due = await self.ledger.due_groups(linger_s=self.cfg.worker.sweep_interval_s / 2)
         except Exception as exc:  # noqa: BLE001 - Redis down: the next sweep tries again
             self.telemetry.sweep_failures.labels(type(exc).__name__).inc()
             log.warning("worker %s: sweep skipped: %s: %s", self.worker_id, type(exc).__name__, exc)

@@ -55,7 +55,7 @@ class _Ledger:
     async def postpone(self, group_id: str, delay_s: float) -> None:
         self.calls.append(("postpone", group_id, delay_s))
 
-    async def due_groups(self) -> list[str]:
+    async def due_groups(self, **kw: Any) -> list[str]:
         return ["broken"]
 
     async def decide(self, group_id: str, kind: str, **kw: Any) -> Any:
