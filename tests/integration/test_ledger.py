@@ -421,3 +421,33 @@ async def test_a_park_does_not_wait_for_a_pending_finish_longer_than_its_own_lin
         assert await _finished(cfg, g)
     finally:
         await led.aclose()
+
+
+async def test_a_park_waits_for_members_not_yet_seen_and_a_sweep_rides_along(redis_url: str, monkeypatch) -> None:
+    """A group split over two fetches: its first member's park, with no groupmate announced,
+    waits (``PARK_UNSEEN_LINGER_S``) for the members this worker has not seen yet; the
+    park that completes the group sends at once, and a sweeper's index read waiting for
+    company goes in the same round trip."""
+    monkeypatch.setattr(ledger_module, "PARK_UNSEEN_LINGER_S", 600.0)  # only company can end the wait
+    cfg = RedisConfig(url=redis_url, key_prefix=f"unseen-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    led = GroupLedger.from_config(cfg)
+    try:
+        g = f"u-{uuid.uuid4().hex[:6]}"
+        await led.redis.ping()
+        before = await led.view.command_calls()
+        first = asyncio.create_task(led.park(_member("a"), group_id=g, group_size=2, **ARGS))
+        sweep = asyncio.create_task(led.due_groups(linger_s=600.0))
+        await asyncio.sleep(0.05)
+        assert not first.done() and not sweep.done()
+        _, decision = await asyncio.wait_for(led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
+        assert decision is not None and decision.outcome == "decided_now"
+        assert await asyncio.wait_for(first, 30) == ("parked", None)
+        assert await asyncio.wait_for(sweep, 30) == []
+        after = await led.view.command_calls()
+        assert after["evalsha"] - before.get("evalsha", 0) == 1
+        assert after["zrangebyscore"] - before.get("zrangebyscore", 0) == 1
+        # a group of one, or a failed member, never waits
+        _, decision = await asyncio.wait_for(led.park(_member("c"), group_id=f"{g}-1", group_size=1, **ARGS), 30)
+        assert decision is not None and decision.outcome == "decided_now"
+    finally:
+        await led.aclose()

@@ -213,3 +213,13 @@ def test_capped_dead_letter_fits_with_absurd_headers_and_key() -> None:
     assert record_size(key, letter.payload, dead_letter_headers(letter)) <= limit
     assert letter.original_size == 60_000 and letter.payload == b"v" * len(letter.payload)
     assert "dropped" in letter.original_headers and len(key) <= limit // 4
+
+
+def test_the_scripts_argument_table_matches_the_typed_arguments() -> None:
+    """The Lua's per-op ARGV counts are built from the typed argument structs."""
+    from scoring_workers.ledger_scripts import ARGS, LEDGER, DecideArgs, FinishArgs, Op, ParkArgs, argv
+
+    assert ARGS == {"k": 1 + len(ParkArgs.__struct_fields__), "d": 1 + len(DecideArgs.__struct_fields__),
+                    "f": 1 + len(FinishArgs.__struct_fields__)}
+    assert f"local ARGS = {{k = {ARGS['k']}, d = {ARGS['d']}, f = {ARGS['f']}}}" in LEDGER
+    assert argv(Op.FINISH, FinishArgs(b"fp", 0, "g")) == ["f", b"fp", 0, "g"]
