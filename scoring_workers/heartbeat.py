@@ -4,8 +4,8 @@ Consumer-group membership is a poor liveness signal: a killed worker stays a mem
 until its session times out (and the embedded test broker never expires it), and a
 member says nothing about which worker it is. So a ready worker beats every
 :data:`HEARTBEAT_S` in the ledger's ``<prefix>:workers`` set
-(:meth:`scoring_workers.ledger.GroupLedger.beat`), leaves it when it stops
-(:meth:`~scoring_workers.ledger.GroupLedger.retire`), and ``status`` counts a worker
+(:meth:`scoring_workers.ledger.LedgerView.beat`), leaves it when it stops
+(:meth:`~scoring_workers.ledger.LedgerView.retire`), and ``status`` counts a worker
 alive while its last beat is younger than :data:`ALIVE_S`.
 """
 
@@ -22,14 +22,24 @@ ALIVE_S = 3 * HEARTBEAT_S  # two missed beats are tolerated (a Redis blip, a lon
 
 
 class Heartbeat:
-    """Called once a second by the worker's liveness loop; beats at most every :data:`HEARTBEAT_S`."""
+    """Stepped by the worker's liveness loop (every second until the first beat, then as :meth:`wait_s`
+    says); beats at most every :data:`HEARTBEAT_S`."""
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
         self._last = float("-inf")
         self._retired = False
 
+    def wait_s(self, *, ready: bool) -> float:
+        """How long the liveness loop may sleep before its next step: a second until the
+        first beat (readiness must be seen soon), then until the next beat is due (the
+        liveness tick needs no more: ``/healthz`` allows ``LIVENESS_STALE_S``)."""
+        if not ready or self._last == float("-inf"):
+            return 1.0
+        return max(0.05, HEARTBEAT_S - (time.monotonic() - self._last))
+
     async def step(self, ledger: Any | None, *, ready: bool, stopping: bool) -> None:
+        """``ledger``: the :class:`~scoring_workers.ledger.LedgerView` (None before it is open)."""
         if ledger is None or self._retired:
             return
         try:

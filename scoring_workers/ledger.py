@@ -1,5 +1,10 @@
 """The group ledger: the only code that talks to Redis.
 
+Three parts: the atomic transitions (the Lua script and its typed arguments,
+:mod:`scoring_workers.ledger_scripts`, sent by :class:`GroupLedger`), the batching that
+puts concurrent transitions into one call (:class:`~scoring_workers.batching.Batcher`),
+and the read-only operator view with the workers' heartbeats (:class:`LedgerView`).
+
 Redis carries scores, not tokens. Per group ``G``, one hash (its key carries the ``{G}``
 hash tag, so Redis Cluster keeps it in one slot with the group's dedupe bucket and every
 transition is one atomic Lua step), ``<prefix>:{G}:group``:
@@ -46,7 +51,7 @@ only an index: every decision is re-checked atomically on the group's own keys.
 
 Round trips: every transition — park (which decides a group when its last member lands),
 decide, finish — of all in-flight records goes into one script call while the previous
-one is on the wire (:class:`_GroupCommit`; one call per slot on Redis Cluster), and the
+one is on the wire (:class:`~scoring_workers.batching.Batcher`; one call per slot on Redis Cluster), and the
 probes of a poll go in the same round trip as plain reads (a probe is advice: the park
 re-checks atomically). A park whose group has other members this worker probed (or
 announced with :meth:`GroupLedger.expect`) and is still scoring waits briefly for them
@@ -59,15 +64,15 @@ Redis's CPU goes mostly to waking up per round trip.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from enum import StrEnum
+from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
@@ -79,7 +84,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from infra.config import RedisConfig
 from infra.redis import make_redis
 from infra.schema import SessionResult
-from scoring_workers.ledger_scripts import LEDGER
+from scoring_workers.batching import Batcher
+from scoring_workers.ledger_scripts import LEDGER, DecideArgs, FinishArgs, Op, ParkArgs, argv
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +102,41 @@ WORKERS_REMEMBERED_S = 3600.0  # a worker silent this long leaves the heartbeat 
 DONE_SKEW_S = 10.0  # clocks of the workers agree within this (a finish may file its group this much earlier)
 FRESH_GROUPS = 65_536  # bound of the probe memos (cleared past it: a park then reads every bucket, or lingers less)
 PARK_LINGER_S = 0.01  # a park whose group has members this worker probed and has not parked waits this long for them
+# A park whose group has members this worker has not seen yet waits this long for them: a
+# group's members share a partition and a publisher sends them together, but a produce
+# request in flight splits them (the first alone, the rest in the next), so the rest
+# usually come one fetch later. The park that completes the group never waits.
+PARK_UNSEEN_LINGER_S = 0.025
 FINISH_LINGER_S = 0.25  # a finish after a published verdict waits this long for a call to ride along with
 FINISH_BACKOFF_S = (0.05, 5.0)  # a finish that failed transiently is sent again after 50 ms, doubling up to 5 s
 FLUSH_TIMEOUT_S = 10.0  # at close, pending finishes get this long to land (then the sweeper covers them)
 
 
-Probe = Literal["new", "duplicate", "decided", "done"]
-ParkOutcome = Literal["parked", "duplicate", "decided", "done"]
-DecideOutcome = Literal["decided_now", "already_decided", "done", "gone", "not_due", "incomplete"]
+class Outcome(StrEnum):
+    """What the ledger answered about a group, typed: one enum for probes, parks and decisions.
+
+    A probe says ``NEW`` (score it), ``DUPLICATE`` (this member is parked already),
+    ``DECIDED`` (decided, not finished) or ``DONE`` (finished, in a dedupe bucket). A park
+    says ``PARKED``, ``DUPLICATE``, ``DECIDED`` or ``DONE`` (and ``DECIDED_NOW`` in its
+    :class:`Decision` when it decided the group). A decision says ``DECIDED_NOW`` (this
+    call decided: its caller publishes), ``ALREADY_DECIDED``, ``DONE``, ``GONE`` (no such
+    group), ``NOT_DUE`` (a deadline not yet passed) or ``INCOMPLETE`` (a ``complete``
+    decision with members missing). Equal to the script's strings.
+    """
+
+    NEW = "new"
+    PARKED = "parked"
+    DUPLICATE = "duplicate"
+    DECIDED = "decided"
+    DONE = "done"
+    DECIDED_NOW = "decided_now"
+    ALREADY_DECIDED = "already_decided"
+    GONE = "gone"
+    NOT_DUE = "not_due"
+    INCOMPLETE = "incomplete"
+
+
+Probe = Outcome  # NEW | DUPLICATE | DECIDED | DONE
 
 
 class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
@@ -118,7 +151,14 @@ class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
     offset: int = -1
 
 
-DecisionKind = Literal["complete", "failed", "deadline", "discard", "invalid"]
+class DecisionKind(StrEnum):
+    """Why a group was decided (the state's ``decision``; equal to the stored strings)."""
+
+    COMPLETE = "complete"  # every member parked
+    FAILED = "failed"  # a member failed
+    DEADLINE = "deadline"  # the sweeper
+    DISCARD = "discard"  # a DiscardGroup
+    INVALID = "invalid"  # a member was dead-lettered
 
 
 class GroupState(msgspec.Struct, frozen=True, kw_only=True):
@@ -186,10 +226,15 @@ class Decision:
     ``state`` is the default :class:`GroupState` when nothing was decided (``done``,
     ``gone``, ``not_due``, ``incomplete``)."""
 
-    outcome: DecideOutcome
+    outcome: Outcome
     group_id: str
     state: GroupState
     members: list[ParkedMember]
+
+    @classmethod
+    def bare(cls, outcome: Outcome, group_id: str) -> Decision:
+        """An answer that carries no stored decision (a probe's, or a park that decided nothing)."""
+        return cls(outcome, group_id, GroupState(), [])
 
     @property
     def decided_at_ms(self) -> int:
@@ -198,94 +243,6 @@ class Decision:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def _wake_up(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-class _GroupCommit(Generic[T, R]):
-    """Gathers items submitted by concurrent tasks into batches: while one batch is on the
-    wire, new items queue; the next batch takes them all (one call, one round trip).
-
-    An item may *linger*: it waits up to that long for company (the next item that does
-    not linger, or the end of its wait, sends every item pending), so that work which is
-    not urgent rides along with work that is instead of costing a round trip of its own.
-    """
-
-    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]]) -> None:
-        self._run = run
-        self._pending: list[tuple[T, asyncio.Future[R], float]] = []
-        self._task: asyncio.Task[None] | None = None
-        self._wake: asyncio.Future[None] | None = None  # set while every pending item lingers
-        self._wake_at = 0.0  # when the lingering drain wakes up by itself
-
-    async def submit(self, item: T, *, linger_s: float = 0.0) -> R:
-        (result,) = await self.submit_many([item], linger_s=linger_s)
-        return result
-
-    async def submit_many(self, items: Sequence[T], *, linger_s: float = 0.0) -> list[R]:
-        """Several items at once: they go in the same batch."""
-        loop = asyncio.get_running_loop()
-        futs: list[asyncio.Future[R]] = [loop.create_future() for _ in items]
-        due = loop.time() + linger_s
-        self._pending += ((item, fut, due) for item, fut in zip(items, futs))
-        if self._wake is not None and (linger_s <= 0 or due < self._wake_at):
-            _wake_up(self._wake)  # send now, or wait less: an item that lingers less than the others came
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._drain())
-        return list(await asyncio.gather(*futs))
-
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._pending:
-            wait = min(due for _, _, due in self._pending) - loop.time()
-            if wait > 0:  # every pending item lingers: until the first is due, or urgent work comes
-                self._wake = wake = loop.create_future()
-                self._wake_at = loop.time() + wait
-                timer = loop.call_later(wait, _wake_up, wake)
-                try:
-                    await wake
-                finally:
-                    timer.cancel()
-                    self._wake = None
-                if min(due for _, _, due in self._pending) > loop.time():
-                    continue  # woken by an item due sooner than the others, not yet due: wait for it
-            batch, self._pending = self._pending, []
-            try:
-                results = await self._run([item for item, _, _ in batch])
-            except BaseException as exc:  # every submitter sees the failure (and retries)
-                for _, fut, _ in batch:
-                    if not fut.done():
-                        fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError(repr(exc)))
-                if not isinstance(exc, Exception):
-                    raise
-                continue
-            for (_, fut, _), result in zip(batch, results):
-                if not fut.done():
-                    fut.set_result(result)
-
-    def hurry(self) -> None:
-        """Send what lingers now (at shutdown: nothing must wait for company that will not come)."""
-        now = asyncio.get_running_loop().time()
-        self._pending = [(item, fut, min(due, now)) for item, fut, due in self._pending]
-        if self._wake is not None:
-            _wake_up(self._wake)
-
-    async def aclose(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
-        pending, self._pending = self._pending, []
-        for _, fut, _ in pending:  # never sent: their submitters must not wait forever
-            if not fut.done():
-                fut.set_exception(ConnectionError("the ledger was closed"))
 
 
 @dataclass(frozen=True)
@@ -302,15 +259,28 @@ class _Park:
 
 
 @dataclass(frozen=True)
+class _Probe:
+    trajectory_id: str
+
+
+@dataclass(frozen=True)
+class _Due:
+    limit: int
+
+
+@dataclass(frozen=True)
 class _Op:
-    """One group transition for the ledger script: its op code (``p`` probe, ``k`` park,
-    ``d`` decide, ``f`` finish) and its arguments after the op code (a park's are built
-    when its batch goes out: they carry that moment's time)."""
+    """One item of a ledger call on one group: a probe (plain reads beside the script), a
+    park (its :class:`ParkArgs` are built when its batch goes out: they carry that
+    moment's time), a decision or a finish (their typed arguments)."""
 
     group_id: str
-    op: Literal["p", "k", "d", "f"]
-    args: tuple[Any, ...] = ()
-    park: _Park | None = None
+    item: _Probe | _Due | _Park | DecideArgs | FinishArgs
+
+
+def group_key(prefix: str, group_id: str) -> str:
+    """The group's hash: its state, its parked members (``m:<trajectory_id>``) and their count."""
+    return f"{prefix}:{{{group_id}}}:group"
 
 
 _SLOT_TAGS: list[str] | None = None
@@ -369,12 +339,17 @@ class GroupLedger:
         # Members this instance probed (not duplicates) and has not parked yet, per group: a
         # park of a member whose siblings are still being scored here lingers for them.
         self._awaited: dict[str, set[str]] = {}
-        self._ops: _GroupCommit[_Op, Any] = _GroupCommit(self._run)
+        # Members of each open group this instance parked: while fewer than its size, a park
+        # waits (up to PARK_UNSEEN_LINGER_S) for the rest, which usually come right after.
+        self._parked_here: dict[str, int] = {}
+        self._ops: Batcher[_Op, Any] = Batcher(self._run)
         # Finishes handed over by finish_soon() and not landed yet (each retries until it does).
         self._finishing: dict[str, asyncio.Task[None]] = {}
         self._finish_linger_s = FINISH_LINGER_S
         # Told of every failed finish attempt (the worker counts them); a failure is also logged.
         self.on_finish_error: Callable[[BaseException], None] | None = None
+        # Heartbeats and operator reads, on the same client.
+        self.view = LedgerView(client, cfg)
 
     @classmethod
     def from_config(cls, cfg: RedisConfig, *, dedupe_window_s: float = 3600.0) -> GroupLedger:
@@ -391,8 +366,7 @@ class GroupLedger:
         await self.redis.aclose()
 
     def group_key(self, group_id: str) -> str:
-        """The group's hash: its state, its parked members (``m:<trajectory_id>``) and their count."""
-        return f"{self.prefix}:{{{group_id}}}:group"
+        return group_key(self.prefix, group_id)
 
     def keys(self, group_id: str, bucket: int | None = None) -> list[str]:
         """The group's hash, then its dedupe buckets (newest first)."""
@@ -415,13 +389,17 @@ class GroupLedger:
         self._sha = await self.redis.script_load(LEDGER)
 
     def _argv(self, op: _Op, now: int, bucket: int) -> list[Any]:
-        if op.park is None:
-            return [op.op, *op.args]
-        p, nd = op.park, DEDUPE_BUCKETS + 1
+        p = op.item
+        if isinstance(p, DecideArgs):
+            return argv(Op.DECIDE, p)
+        if isinstance(p, FinishArgs):
+            return argv(Op.FINISH, p)
+        assert isinstance(p, _Park)
+        nd = DEDUPE_BUCKETS + 1
         ndone = nd if p.since_bucket is None else max(1, min(nd, bucket - p.since_bucket + 1))
-        return ["k", fingerprint(op.group_id), p.trajectory_id, p.blob, p.group_size, now,
-                now + int(p.group_timeout_s * 1000), p.ttl_s, p.worker_id, p.scorers,
-                "failed" if p.failed else "complete", ndone, op.group_id]
+        return argv(Op.PARK, ParkArgs(
+            fingerprint(op.group_id), p.trajectory_id, p.blob, p.group_size, now, now + int(p.group_timeout_s * 1000),
+            p.ttl_s, p.worker_id, p.scorers, "failed" if p.failed else "complete", ndone, op.group_id))
 
     async def _run(self, ops: list[_Op]) -> list[Any]:
         """``ops`` in one round trip: the transitions as one ``EVALSHA`` (one per slot on
@@ -436,27 +414,30 @@ class GroupLedger:
         # and whether it is in a dedupe bucket
         probed: dict[str, list[int]] = {}
         for i, op in enumerate(ops):
-            if op.op == "p":
+            if isinstance(op.item, _Probe):
                 probed.setdefault(op.group_id, []).append(i)
         for group_id, idx in probed.items():
             keys = self.keys(group_id, bucket)
-            plain.append(("hmget", (keys[0], "status", *(f"m:{ops[i].args[0]}" for i in idx)), {}))
+            plain.append(("hmget", (keys[0], "status", *(f"m:{ops[i].item.trajectory_id}" for i in idx)), {}))
             fp = fingerprint(group_id)
             plain += (("sismember", (k, fp), {}) for k in keys[1:])
         n_reads = len(plain)
-        parks = [op.park for op in ops if op.park is not None]
+        sweeps = [i for i, op in enumerate(ops) if isinstance(op.item, _Due)]  # the sweepers' index reads
+        plain += (("zrangebyscore", (self.deadlines_key, "-inf", now), {"start": 0, "num": ops[i].item.limit})
+                  for i in sweeps)  # type: ignore[union-attr]
+        parks = [op.item for op in ops if isinstance(op.item, _Park)]
         if parks and time.monotonic() >= self._deadlines_ttl_at:
             ttl = max(p.ttl_s for p in parks)
             plain.append(("expire", (self.deadlines_key, ttl + int(TTL_REFRESH_S)), {}))
             self._deadlines_ttl_at = time.monotonic() + TTL_REFRESH_S
-        scripted = [i for i, op in enumerate(ops) if op.op != "p"]
+        scripted = [i for i, op in enumerate(ops) if not isinstance(op.item, (_Probe, _Due))]
         head = [DEDUPE_BUCKETS + 1, 0 if self.cluster else 1]
         calls: list[tuple[list[int], list[str], list[Any]]] = []  # (op indexes, keys, argv)
         if self.cluster:  # the index lives in another slot: its commands go beside the calls
-            index = {op.group_id: now + int(op.park.group_timeout_s * 1000) for op in ops if op.park is not None}
+            index = {op.group_id: now + int(op.item.group_timeout_s * 1000) for op in ops if isinstance(op.item, _Park)}
             if index:
                 plain.append(("zadd", (self.deadlines_key, index), {"nx": True}))
-            if finished := [op.group_id for op in ops if op.op == "f"]:
+            if finished := [op.group_id for op in ops if isinstance(op.item, FinishArgs)]:
                 plain.append(("zrem", (self.deadlines_key, *finished), {}))
             by_slot: dict[int, list[int]] = {}
             for i in scripted:
@@ -512,10 +493,12 @@ class GroupLedger:
                 else:
                     out[i] = "open" if member is None else "duplicate"
         assert pos == n_reads
+        for k, i in enumerate(sweeps):
+            out[i] = read[n_reads + k]
         return out
 
     # ---------------------------------------------------------------- reads
-    async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Probe]:
+    async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Outcome]:
         """Batched pre-check for one poll: ``(group_id, trajectory_id)`` -> what is known.
 
         One round trip for the whole poll (with whatever transitions queued meanwhile), so
@@ -526,8 +509,8 @@ class GroupLedger:
         if not items:
             return []
         since = self._bucket(time.time() - DONE_SKEW_S)  # taken before Redis reads the buckets
-        res = await self._ops.submit_many([_Op(g, "p", (t, fingerprint(g))) for g, t in items])
-        out: list[Probe] = []
+        res = await self._ops.submit_many([_Op(g, _Probe(t)) for g, t in items])
+        out: list[Outcome] = []
         for (group_id, trajectory_id), r in zip(items, res):
             probe = r.decode() if isinstance(r, bytes) else r
             if probe == "new":  # neither open nor done: the park need not read older buckets again
@@ -538,7 +521,7 @@ class GroupLedger:
                 if len(self._awaited) >= FRESH_GROUPS:
                     self._awaited.clear()  # forgetting only costs a park its company
                 self._awaited.setdefault(group_id, set()).add(trajectory_id)
-            out.append("new" if probe == "open" else probe)
+            out.append(Outcome.NEW if probe == "open" else Outcome(probe))
         return out
 
     def expect(self, items: Sequence[tuple[str, str]]) -> None:
@@ -555,7 +538,7 @@ class GroupLedger:
     # ---------------------------------------------------------------- transitions
     async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
                    worker_id: str, scorers: bytes, partition: int = -1,
-                   offset: int = -1) -> tuple[ParkOutcome, Decision | None]:
+                   offset: int = -1) -> tuple[Outcome, Decision | None]:
         """Store a member's result (its token turns stay in Kafka at ``partition``/``offset``);
         if it completes the group, or failed (the group is rejected either way), decide the
         group too.
@@ -573,14 +556,21 @@ class GroupLedger:
         awaited.discard(result.trajectory_id)
         if not awaited:
             self._awaited.pop(group_id, None)
-        raw = await self._ops.submit(_Op(group_id, "k", park=_Park(
+        if len(self._parked_here) >= FRESH_GROUPS:
+            self._parked_here.clear()  # forgetting only costs a park its company
+        here = self._parked_here[group_id] = self._parked_here.get(group_id, 0) + 1
+        linger_s = 0.0 if failed else PARK_LINGER_S if awaited else PARK_UNSEEN_LINGER_S if here < group_size else 0.0
+        raw = await self._ops.submit(_Op(group_id, _Park(
             result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers,
             failed, self._state_ttl(group_timeout_s), self._fresh.pop(group_id, None))),
-            linger_s=PARK_LINGER_S if awaited and not failed else 0.0)
-        outcome = raw[0].decode()
+            linger_s=linger_s)
+        outcome = Outcome(raw[0].decode())
         if len(raw) < 3:
-            return outcome, None  # type: ignore[return-value]
-        return outcome, self._decision(group_id, "decided_now", raw[2])  # type: ignore[return-value]
+            if outcome is not Outcome.PARKED:  # decided or finished already: no company to wait for
+                self._parked_here.pop(group_id, None)
+            return outcome, None
+        self._parked_here.pop(group_id, None)
+        return outcome, self._decision(group_id, Outcome.DECIDED_NOW, raw[2])
 
     async def decide(self, group_id: str, kind: DecisionKind, *,
                      worker_id: str, scorers: bytes, discard_reason: str = "",
@@ -594,22 +584,23 @@ class GroupLedger:
         whoever gets it again nudges the group.)
         """
         self._awaited.pop(group_id, None)
+        self._parked_here.pop(group_id, None)
         now = _now_ms()
         republish_at = now + int(republish_grace_s * 1000)
-        raw = await self._ops.submit(_Op(group_id, "d", (
+        raw = await self._ops.submit(_Op(group_id, DecideArgs(
             fingerprint(group_id), kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s),
             republish_at, group_id)))
-        outcome = raw[0].decode()
+        outcome = Outcome(raw[0].decode())
         decision = self._decision(group_id, outcome, raw[1] if len(raw) > 1 else [])
-        if outcome == "decided_now" and self.cluster:  # standalone: the script moved the entry
+        if outcome is Outcome.DECIDED_NOW and self.cluster:  # standalone: the script moved the entry
             await self.redis.zadd(self.deadlines_key, {group_id: republish_at})
         return decision
 
     @staticmethod
-    def _decision(group_id: str, outcome: str, flat: Sequence[bytes]) -> Decision:
+    def _decision(group_id: str, outcome: Outcome, flat: Sequence[bytes]) -> Decision:
         """The group hash as ``HGETALL`` returned it -> its state and its parked members."""
-        if outcome not in ("decided_now", "already_decided"):
-            return Decision(outcome, group_id, GroupState(), [])  # type: ignore[arg-type]
+        if outcome not in (Outcome.DECIDED_NOW, Outcome.ALREADY_DECIDED):
+            return Decision(outcome, group_id, GroupState(), [])
         state: list[bytes] = []
         members: list[ParkedMember] = []
         for name, value in zip(flat[::2], flat[1::2]):
@@ -617,7 +608,7 @@ class GroupLedger:
                 members.append(decode_parked(value))
             else:
                 state += (name, value)
-        return Decision(outcome, group_id, decode_state(state), members)  # type: ignore[arg-type]
+        return Decision(outcome, group_id, decode_state(state), members)
 
     async def finish(self, group_id: str) -> None:
         """After the verdict is acknowledged by Kafka: drop the group's hash and its index
@@ -628,7 +619,8 @@ class GroupLedger:
         need that); the worker uses :meth:`finish_soon`, which does not hold its record."""
         self._fresh.pop(group_id, None)
         self._awaited.pop(group_id, None)
-        await self._ops.submit(_Op(group_id, "f", (fingerprint(group_id), self._done_ttl(group_id), group_id)))
+        self._parked_here.pop(group_id, None)
+        await self._ops.submit(_Op(group_id, FinishArgs(fingerprint(group_id), self._done_ttl(group_id), group_id)))
 
     def finish_soon(self, group_id: str) -> None:
         """:meth:`finish`, without waiting for it: once the verdict is acknowledged by Kafka
@@ -643,6 +635,7 @@ class GroupLedger:
         """
         self._fresh.pop(group_id, None)
         self._awaited.pop(group_id, None)
+        self._parked_here.pop(group_id, None)
         if group_id in self._finishing:  # already on its way (a re-published verdict)
             return
         task = asyncio.create_task(self._finish_until_landed(group_id))
@@ -667,12 +660,12 @@ class GroupLedger:
         return left
 
     async def _finish_until_landed(self, group_id: str) -> None:
-        args = (fingerprint(group_id), self._done_ttl(group_id), group_id)
+        args = FinishArgs(fingerprint(group_id), self._done_ttl(group_id), group_id)
         attempt = 0
         while True:
             attempt += 1
             try:
-                await self._ops.submit(_Op(group_id, "f", args), linger_s=self._finish_linger_s)
+                await self._ops.submit(_Op(group_id, args), linger_s=self._finish_linger_s)
                 return
             except Exception as exc:  # noqa: BLE001 - logged, counted, retried or handed to the sweeper
                 if self.on_finish_error is not None:
@@ -686,7 +679,7 @@ class GroupLedger:
                 log.warning("ledger: finishing group %s failed (%s: %s, attempt %d); again in %.2fs", group_id,
                             type(exc).__name__, exc, attempt, delay)
                 # the TTL this attempt carried may not have been set: the next one sets it again
-                args = (args[0], self.done_ttl_s + int(math.ceil(self.ttl_refresh_s)), group_id)
+                args = msgspec.structs.replace(args, done_ttl_s=self.done_ttl_s + int(math.ceil(self.ttl_refresh_s)))
                 await asyncio.sleep(delay)
 
     def _done_ttl(self, group_id: str) -> int:
@@ -717,10 +710,38 @@ class GroupLedger:
         """Drop a stale index entry (the group's keys expired or were finished)."""
         await self.redis.zrem(self.deadlines_key, group_id)
 
-    async def due_groups(self, limit: int = 64) -> list[str]:
-        """Groups whose deadline (or re-publish grace) has passed."""
-        raw = await self.redis.zrangebyscore(self.deadlines_key, "-inf", _now_ms(), start=0, num=limit)
+    async def due_groups(self, limit: int = 64, *, linger_s: float = 0.0) -> list[str]:
+        """Groups whose deadline (or re-publish grace) has passed, as of when the read goes out.
+
+        A read of the index beside whatever transitions queue meanwhile; with ``linger_s``
+        it waits up to that long for a call to ride along with (a sweep is not urgent), so
+        that at low rates it costs Redis no wake-up of its own."""
+        raw = await self._ops.submit(_Op("", _Due(limit)), linger_s=linger_s)
         return [g.decode() for g in raw]
+
+
+class LedgerView:
+    """The ledger as operators see it (``prm-pipeline status``), and the workers' heartbeats.
+
+    Kept apart from the transitions (:class:`GroupLedger`): the reads change no key, and
+    the heartbeats touch only ``<prefix>:workers``, never a group's keys.
+    """
+
+    def __init__(self, client: aioredis.Redis, cfg: RedisConfig) -> None:
+        self.redis = client
+        self.prefix = cfg.key_prefix
+        self.cluster = cfg.cluster
+        self.deadlines_key = f"{self.prefix}:deadlines"
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig) -> LedgerView:
+        return cls(make_redis(cfg), cfg)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    def group_key(self, group_id: str) -> str:
+        return group_key(self.prefix, group_id)
 
     # ---------------------------------------------------------------- worker heartbeats (prm-pipeline status)
     # One sorted set, ``<prefix>:workers``: worker id -> last beat (ms). Kept apart from
@@ -791,6 +812,7 @@ class GroupLedger:
                     command = name.removeprefix("cmdstat_")
                     calls[command] = calls.get(command, 0) + int(stats["calls"])
         return calls
+
 
 @dataclass(frozen=True)
 class UnfinishedGroup:

@@ -10,7 +10,8 @@ Call shape: ``KEYS`` = the deadlines index when ``ARGV[2]`` is ``1`` (standalone
 on Redis Cluster it lives in another slot, so the caller pipelines its index commands
 beside the call instead and ``ARGV[2]`` is ``0``), then per item the group's hash and its
 ``ARGV[1]`` dedupe buckets, newest first. ``ARGV[3]`` onwards: per item an op code and
-its arguments (``ARGS`` per op). One result per item, in order.
+its arguments (``ARGS`` per op): :class:`ParkArgs`, :class:`DecideArgs`,
+:class:`FinishArgs`, in field order. One result per item, in order.
 
 Why it is shaped this way (each ``redis.call`` is a command Redis counts and runs):
 
@@ -27,15 +28,84 @@ Why it is shaped this way (each ``redis.call`` is a command Redis counts and run
   and removed when the group finishes, inside the same atomic step (standalone).
 """
 
-# op code -> number of ARGV values per item, the op code included
-ARGS = {"k": 13, "d": 10, "f": 4}
+from __future__ import annotations
+
+from enum import StrEnum
+
+import msgspec
+
+
+class Op(StrEnum):
+    """A transition's op code in the script's ``ARGV`` (probes are plain reads, not in it)."""
+
+    PARK = "k"
+    DECIDE = "d"
+    FINISH = "f"
+
+
+class ParkArgs(msgspec.Struct, frozen=True, array_like=True):
+    """A park's arguments, in the script's order (``ARGV[a + 1]`` onwards).
+
+    ``kind`` is ``complete``, or ``failed`` for a failed member (it decides the group at
+    once); ``ndone`` is how many of the newest dedupe buckets to read when the group has
+    no hash; times are epoch milliseconds."""
+
+    fingerprint: bytes
+    trajectory_id: str
+    blob: bytes
+    group_size: int
+    now_ms: int
+    deadline_ms: int
+    ttl_s: int
+    worker_id: str
+    scorers: bytes
+    kind: str
+    ndone: int
+    group_id: str
+
+
+class DecideArgs(msgspec.Struct, frozen=True, array_like=True):
+    """A decision's arguments, in the script's order: ``kind`` is ``complete``,
+    ``deadline``, ``discard`` or ``invalid`` (``reason`` names the discard or the dead
+    letter); the group's index entry moves to ``republish_at_ms``."""
+
+    fingerprint: bytes
+    kind: str
+    now_ms: int
+    worker_id: str
+    scorers: bytes
+    reason: str
+    ttl_s: int
+    republish_at_ms: int
+    group_id: str
+
+
+class FinishArgs(msgspec.Struct, frozen=True, array_like=True):
+    """A finish's arguments: ``done_ttl_s`` 0 when the caller set the newest done set's TTL lately."""
+
+    fingerprint: bytes
+    done_ttl_s: int
+    group_id: str
+
+
+TransitionArgs = ParkArgs | DecideArgs | FinishArgs
+
+# op code -> number of ARGV values per item, the op code included (the script's table is built from it)
+ARGS = {Op.PARK.value: 1 + len(ParkArgs.__struct_fields__), Op.DECIDE.value: 1 + len(DecideArgs.__struct_fields__),
+        Op.FINISH.value: 1 + len(FinishArgs.__struct_fields__)}
+
+
+def argv(op: Op, args: TransitionArgs) -> list[object]:
+    """One item's ``ARGV`` values: its op code, then its arguments in order."""
+    return [op.value, *msgspec.structs.astuple(args)]
+
 
 LEDGER = """
 local nd = tonumber(ARGV[1])
 local ix = tonumber(ARGV[2])
 local D = KEYS[1]
 local nk = 1 + nd
-local ARGS = {k = 13, d = 10, f = 4}
+local ARGS = {__ARGS__}
 
 -- the group's fingerprint in one of its `upto` newest dedupe buckets
 local function is_done(k0, fp, upto)
@@ -143,4 +213,4 @@ while a <= #ARGV do
   k0, a = k0 + nk, a + ARGS[op]
 end
 return out
-"""
+""".replace("__ARGS__", ", ".join(f"{k} = {n}" for k, n in ARGS.items()))

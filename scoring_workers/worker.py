@@ -60,7 +60,10 @@ import random
 import socket
 import time
 from collections import deque
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
 
 import msgspec
 from aiokafka import ConsumerRebalanceListener
@@ -92,7 +95,7 @@ from scoring_workers.dead_letters import ProcessingError, capped_letter, group_o
 from scoring_workers.fair_share import slot_caps
 from scoring_workers.fleet import Experiment, Fleet
 from scoring_workers.heartbeat import Heartbeat
-from scoring_workers.ledger import TRANSIENT_ERRORS, Decision, DecisionKind, GroupLedger
+from scoring_workers.ledger import TRANSIENT_ERRORS, Decision, DecisionKind, GroupLedger, Outcome
 from scoring_workers.probe_marks import ProbeMarks
 from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
@@ -107,18 +110,10 @@ log = logging.getLogger(__name__)
 # or one loading its AOF after a restart is an outage too.
 REDIS_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = TRANSIENT_ERRORS
 LAG_INTERVAL_S = 5.0  # how often the consumer-lag gauge is refreshed
+POLL_TIMEOUT_S = 0.1  # a poll's wait while records are in flight (or held, buffered, paused)
+IDLE_POLL_S = 0.5  # an idle poll waits until the next sweep, at most this long
+REGISTRY_POLL_MS = 2000  # the registry follower's poll (it returns as soon as a record arrives)
 UNKNOWN_LABEL = "unknown"  # the experiment label of records naming an experiment this worker does not serve
-
-
-class _Held(NamedTuple):
-    """A fetched record waiting for its experiment's free slot: the arguments of ``Worker._spawn``."""
-
-    record: ConsumerRecord
-    message: Any
-    probe: str | None
-    route: Routed
-    extra: list[int]
-    consumed_at: float
 
 
 class Routed(msgspec.Struct, frozen=True):
@@ -127,6 +122,47 @@ class Routed(msgspec.Struct, frozen=True):
     experiment_id: str
     experiment: Experiment | None
     scoped: str | None  # scoped_group(experiment_id, group_id); None when the record names no group
+
+
+class JobKind(Enum):
+    """What a fetched record is: decided once, when its poll is decoded."""
+
+    READY = "ready"  # a ReadyTrajectory (a chunked one with its last chunk)
+    DISCARD = "discard"  # a DiscardGroup
+    INVALID = "invalid"  # did not decode, or broke a schema rule: a dead letter
+
+
+@dataclass(slots=True)
+class Job:
+    """One fetched record, decoded once into what the worker does with it.
+
+    ``extra``: offsets of the other chunks of a chunked trajectory (same partition),
+    finished with it; ``probe``: what the ledger said before scoring (None: ask when it
+    starts); ``earlier``: the in-flight members of its group consumed before it (a failed
+    member waits for them before it parks); ``attempt``: the current attempt."""
+
+    kind: JobKind
+    record: ConsumerRecord
+    message: ReadyTrajectory | DiscardGroup | SchemaError
+    route: Routed
+    extra: list[int]
+    consumed_at: float
+    probe: Outcome | None = None
+    earlier: tuple[asyncio.Task[None], ...] = ()
+    attempt: int = 0
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.record.topic, self.record.partition)
+
+
+class Step(Enum):
+    """Which ledger call an answer came from (:meth:`Worker._settle`)."""
+
+    PROBE = "probe"  # before scoring
+    PARK = "park"  # the member's park
+    DECIDE = "decide"  # a decision (a discard, a dead letter, a redelivered last member)
+    SWEEP = "sweep"  # the sweeper's deadline decision
 
 
 def default_worker_id() -> str:
@@ -173,7 +209,7 @@ class Worker:
         self._registry: RegistryFollower | None = None
         # Fetched records of an experiment at its slot cap wait here (in consumption order,
         # uncommitted) until it has a free slot: a quota caps records *in flight*, not fetches.
-        self._held: dict[str, deque[_Held]] = {}
+        self._held: dict[str, deque[Job]] = {}
         self._caps: dict[str, int] = {}
         self._tokens = MemberTokens(cfg)
         self._chunks = WorkerChunks()
@@ -204,12 +240,13 @@ class Worker:
             self.telemetry.tick()
             if stop.is_set():
                 self.telemetry.ready = False
-            await beats.step(getattr(self, "ledger", None), ready=self.telemetry.ready, stopping=stop.is_set())
+            ledger = getattr(self, "ledger", None)
+            await beats.step(ledger and ledger.view, ready=self.telemetry.ready, stopping=stop.is_set())
             if stop.is_set():
                 await asyncio.sleep(1.0)
             else:  # wake at stop: leave the heartbeat set while the ledger is still open
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                    await asyncio.wait_for(stop.wait(), beats.wait_s(ready=self.telemetry.ready))
 
     async def _run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
@@ -266,7 +303,7 @@ class Worker:
             log.info("worker %s stopped: %s", self.worker_id, self.telemetry.snapshot())
 
     async def _loop(self, stop: asyncio.Event) -> None:
-        last_sweep = last_lag = 0.0
+        next_sweep = last_lag = 0.0
         sweeper: asyncio.Task[None] | None = None
         lag: asyncio.Task[None] | None = None
         registry: asyncio.Task[None] | None = None
@@ -277,7 +314,7 @@ class Worker:
             self._release_held()
             room = max(1, self.concurrency - len(self._tasks))
             batch = await self.consumer.getmany(
-                timeout_ms=100, max_records=min(room, self.cfg.worker.poll_max_records)
+                timeout_ms=self._poll_timeout_ms(next_sweep), max_records=min(room, self.cfg.worker.poll_max_records)
             )
             records = [r for rs in batch.values() for r in rs]
             # the first highwater known since the assignment: no previous owner read at or past it
@@ -290,12 +327,11 @@ class Worker:
                     and self._committer.due:
                 self._committing = self._background("commit", self._committer.commit(routine=True))
             now = time.monotonic()
-            sweep_every = self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
-            if now - last_sweep >= sweep_every and (sweeper is None or sweeper.done()):
+            if now >= next_sweep and (sweeper is None or sweeper.done()):
                 sweeper = self._background("sweep", self._sweep())
-                last_sweep = now
+                next_sweep = now + self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
                 for record, error, extra in self._chunks.expired(self.cfg.worker.group_timeout_s):
-                    self._spawn(record, error, None, extra=extra)
+                    self._spawn(self._job(record, error, extra, time.time()))
             if now - last_lag >= LAG_INTERVAL_S and (lag is None or lag.done()):
                 lag = self._background("lag", self._update_lag())
                 last_lag = now
@@ -307,6 +343,16 @@ class Worker:
         for step in (sweeper, lag):
             if step is not None:
                 await asyncio.wait([step])  # its failure, if any, is already logged and counted
+
+    def _poll_timeout_ms(self, next_sweep: float) -> int:
+        """How long the next poll may wait for records: ``POLL_TIMEOUT_S`` while records are
+        in flight, held or buffered, or partitions paused (their end must be seen soon: a
+        commit, a resume); idle, until the next sweep is due (at most ``IDLE_POLL_S``), so an
+        idle loop wakes for its periodic steps, not ten times a second."""
+        if self._tasks or self._held or len(self._chunks) or self.consumer.paused():
+            return int(POLL_TIMEOUT_S * 1000)
+        wait_s = min(IDLE_POLL_S, next_sweep - time.monotonic())
+        return max(int(POLL_TIMEOUT_S * 1000), int(wait_s * 1000))
 
     def _background(self, step: str, coro: Any) -> asyncio.Task[None]:
         """Run a periodic step as a task whose unexpected failure is logged and counted, never fatal."""
@@ -374,7 +420,7 @@ class Worker:
     async def _follow_registry(self) -> None:
         """Apply what the registry says as it says it; retire removed experiments in time."""
         assert self._registry is not None
-        for entry in await self._registry.poll(timeout_ms=500):
+        for entry in await self._registry.poll(timeout_ms=REGISTRY_POLL_MS):
             await self._apply_registry(entry)
         self.fleet.expire()
         self._subscribe()
@@ -419,45 +465,58 @@ class Worker:
             self.telemetry.lag.labels(tp.topic, str(tp.partition)).set(lag)
 
     # ------------------------------------------------------------------ dispatch
-    async def _dispatch(self, records: list[ConsumerRecord]) -> None:
+    def _decode(self, records: list[ConsumerRecord]) -> list[Job]:
+        """A poll's records, decoded in one pass into typed jobs (in consumption order).
+
+        The wire form stays compact: scoring takes its token turns from it, then expands it
+        once. Chunks are buffered until their trajectory is whole (their offsets are
+        finished with it: the commit stays below its first chunk until then)."""
         consumed_at = time.time()
-        decoded: list[tuple[ConsumerRecord, Any, list[int]]] = []
+        jobs: list[Job] = []
         for record in records:
-            try:  # the wire form: scoring takes its token turns from it, then expands it once
+            try:
                 message: Any = decode_message(record.value, record.headers, expand=False)
                 if isinstance(message, ReadyTrajectory):
                     check_expandable(message)
             except SchemaError as exc:
                 message = exc
             if isinstance(message, TrajectoryChunk):
-                # finished with the whole trajectory: the commit stays below its first chunk until then
                 self._committer.tracker.begin(TopicPartition(record.topic, record.partition), record.offset)
-                decoded += self._chunks.add(record, message)
+                jobs += (self._job(r, m, extra, consumed_at) for r, m, extra in self._chunks.add(record, message))
             else:
-                decoded.append((record, message, []))
-        routes = [self._route(r, m) for r, m, _ in decoded]
-        ready = [(r, m, route, extra) for (r, m, extra), route in zip(decoded, routes)
-                 if isinstance(m, ReadyTrajectory) and route.experiment is not None]
-        probed: list[tuple[ConsumerRecord, ReadyTrajectory, Routed]] = []
-        skipped: list[tuple[ConsumerRecord, ReadyTrajectory, Routed]] = []
-        for r, m, route, extra in ready:  # a chunked trajectory is read whole with its last chunk: that one decides
-            needs = self._marks.needs_probe(TopicPartition(r.topic, r.partition), max([r.offset, *extra]))
-            (probed if needs else skipped).append((r, m, route))
-        probes: dict[int, str] = {id(r): "new" for r, _, _ in skipped}  # new to everyone: the park re-checks
-        self.ledger.expect([(route.scoped, m.trajectory_id) for _, m, route in skipped])
+                jobs.append(self._job(record, message, [], consumed_at))
+        return jobs
+
+    def _job(self, record: ConsumerRecord, message: Any, extra: list[int], consumed_at: float) -> Job:
+        kind = JobKind.READY if isinstance(message, ReadyTrajectory) else JobKind.DISCARD \
+            if isinstance(message, DiscardGroup) else JobKind.INVALID
+        return Job(kind, record, message, self._route(record, message), extra, consumed_at)
+
+    async def _dispatch(self, records: list[ConsumerRecord]) -> None:
+        jobs = self._decode(records)
+        ready = [j for j in jobs if j.kind is JobKind.READY and j.route.experiment is not None]
+        probed: list[Job] = []
+        for job in ready:  # a chunked trajectory is read whole with its last chunk: that one decides
+            if self._marks.needs_probe(job.tp, max([job.record.offset, *job.extra])):
+                probed.append(job)
+            else:
+                job.probe = Outcome.NEW  # new to everyone: the park re-checks
+        self.ledger.expect([(j.route.scoped, j.message.trajectory_id) for j in ready  # type: ignore[union-attr]
+                            if j.probe is Outcome.NEW])
         if probed:
-            probes.update(zip((id(r) for r, _, _ in probed), await self._with_retry(
-                lambda: self.ledger.probe_many([(route.scoped, m.trajectory_id) for _, m, route in probed]), "probe")))
+            answers = await self._with_retry(lambda: self.ledger.probe_many(
+                [(j.route.scoped, j.message.trajectory_id) for j in probed]), "probe")  # type: ignore[union-attr]
+            for job, answer in zip(probed, answers):
+                job.probe = answer
         self.telemetry.probes.labels("probed").inc(len(probed))
-        self.telemetry.probes.labels("skipped").inc(len(skipped))
-        for (record, message, extra), route in zip(decoded, routes):
-            held = _Held(record, message, probes.get(id(record)), route, extra, consumed_at)
-            owner = self.fleet.of_topic(record.topic)
+        self.telemetry.probes.labels("skipped").inc(len(ready) - len(probed))
+        for job in jobs:
+            owner = self.fleet.of_topic(job.record.topic)
             if owner is not None and (owner.experiment_id in self._held or self._at_cap(owner)):
-                self._committer.tracker.begin(TopicPartition(record.topic, record.partition), record.offset)
-                self._held.setdefault(owner.experiment_id, deque()).append(held)
+                self._committer.tracker.begin(job.tp, job.record.offset)
+                self._held.setdefault(owner.experiment_id, deque()).append(job)
             else:
-                self._spawn(*held)
+                self._spawn(job)
         self._release_held()
 
     def _at_cap(self, experiment: Experiment) -> bool:
@@ -472,42 +531,41 @@ class Worker:
             queue = self._held[experiment_id]
             owner = self.fleet.get(experiment_id)
             while queue and (owner is None or not self._at_cap(owner)):
-                held = queue.popleft()  # routed again: its experiment may have been re-declared meanwhile
-                self._spawn(*held._replace(route=self._route(held.record, held.message)))
+                job = queue.popleft()  # routed again: its experiment may have been re-declared meanwhile
+                job.route = self._route(job.record, job.message)
+                self._spawn(job)
             if not queue:
                 del self._held[experiment_id]
 
-    def _spawn(self, record: ConsumerRecord, message: Any, probe: str | None, route: Routed | None = None,
-               extra: list[int] | None = None, consumed_at: float = 0.0) -> None:
-        """Process one record in a task; ``extra`` offsets (the other chunks of a chunked
-        trajectory, same partition) are finished with it."""
-        route = route or self._route(record, message)
-        tp = TopicPartition(record.topic, record.partition)
+    def _spawn(self, job: Job) -> None:
+        """Process one job in a task. The one switch on the record's kind: which handler runs
+        it, and what it waits for — a member for a discard of its group consumed before it;
+        a discard or an invalid member (each decides its group) for the members consumed
+        before it, so that the verdict lists them."""
+        record, tp, scoped = job.record, job.tp, job.route.scoped or ""
         tracker = self._committer.tracker
         tracker.begin(tp, record.offset)
-        barrier: asyncio.Future[Any] | None = None
-        earlier: tuple[asyncio.Task[None], ...] = ()
-        scoped = route.scoped or ""
-        if isinstance(message, ReadyTrajectory):
-            barrier = self._discards.get(scoped)
-            if barrier is not None:
-                probe = None  # stale: the discard ahead of it may decide the group
-            # a failure decides the group at once, but not before these have parked
-            earlier = tuple(self._members.get(scoped, ()))
-        elif members := self._members.get(scoped):
-            # An invalid member (rejected: invalid_member) or a discard decides its group
-            # once the members consumed before it have parked, so its verdict lists them.
-            barrier = asyncio.ensure_future(asyncio.wait(list(members)))
-        task = asyncio.create_task(self._process(record, message, probe, route, after=barrier,
-                                                 consumed_at=consumed_at, earlier=earlier))
-        if isinstance(message, ReadyTrajectory):
-            self._members.setdefault(scoped, set()).add(task)
-            task.add_done_callback(lambda t, g=scoped: self._member_done(g, t))
-        if isinstance(message, DiscardGroup):
-            # Records of a group behind its discard (same partition, later offset)
-            # must see the discard's decision: they wait for it, not for each other.
-            self._discards[scoped] = task
-            task.add_done_callback(lambda t, g=scoped: self._discards.get(g) is t and self._discards.pop(g))
+        members = self._members.get(scoped)
+        served = job.route.experiment is not None
+        match job.kind:
+            case JobKind.READY:
+                discard = self._discards.get(scoped)
+                if discard is not None:
+                    job.probe = None  # stale: the discard ahead of it may decide the group
+                job.earlier = tuple(members or ())  # a failure decides the group, not before these parked
+                task = asyncio.create_task(self._process(
+                    job, self._handle_ready if served else self._reject_unknown, after=discard))
+                self._members.setdefault(scoped, set()).add(task)
+                task.add_done_callback(lambda t, g=scoped: self._member_done(g, t))
+            case JobKind.DISCARD:
+                task = asyncio.create_task(self._process(
+                    job, self._handle_discard if served else self._reject_unknown, after=_all_of(members)))
+                # Records of a group behind its discard (same partition, later offset)
+                # must see the discard's decision: they wait for it, not for each other.
+                self._discards[scoped] = task
+                task.add_done_callback(lambda t, g=scoped: self._discards.get(g) is t and self._discards.pop(g))
+            case JobKind.INVALID:
+                task = asyncio.create_task(self._process(job, self._handle_invalid, after=_all_of(members)))
         self._tasks[task] = tp
         self.telemetry.in_flight.set(len(self._tasks))
         task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
@@ -515,7 +573,7 @@ class Worker:
             owner.in_flight.add(task)
             task.add_done_callback(owner.in_flight.discard)
             task.add_done_callback(self._release_held)
-        for off in extra or ():
+        for off in job.extra:
             task.add_done_callback(lambda t, tp=tp, off=off: t.cancelled() or t.exception() is not None
                                    or tracker.finish(tp, off))
 
@@ -535,48 +593,40 @@ class Worker:
             return  # not marked done: it will be redelivered
         self._committer.tracker.finish(tp, offset)
 
-    async def _process(self, record: ConsumerRecord, message: Any, probe: str | None, route: Routed | None = None,
-                       after: asyncio.Future[Any] | None = None, consumed_at: float = 0.0,
-                       earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
-        route = route or self._route(record, message)
+    async def _process(self, job: Job, handle: Callable[[Job], Awaitable[None]],
+                       after: asyncio.Future[Any] | None = None) -> None:
+        """Run ``handle(job)``: transient errors retried with backoff for as long as they last,
+        others ``worker.max_attempts`` times, then the record is dead-lettered."""
+        record, route = job.record, job.route
         if after is not None:
             await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
-        kind = "invalid" if isinstance(message, SchemaError) else "discard" if isinstance(message, DiscardGroup) \
-            else "ready"
+        label = job.kind.value
         self.telemetry.experiment_records.labels(
-            route.experiment_id if route.experiment is not None else UNKNOWN_LABEL, kind).inc()
-        attempt = 0
+            route.experiment_id if route.experiment is not None else UNKNOWN_LABEL, label).inc()
         while True:
-            attempt += 1
+            job.attempt += 1
             try:
-                self.telemetry.consumed.labels(kind).inc()
-                if isinstance(message, SchemaError):
-                    await self._dead_letter(record, message, attempt, group_id=route.scoped)
-                elif route.experiment is None:
-                    await self._reject_unknown(message, route, record, attempt)
-                elif isinstance(message, DiscardGroup):
-                    await self._handle_discard(message, route)
-                else:
-                    await self._handle_ready(message, probe, record, consumed_at, route, earlier)
+                self.telemetry.consumed.labels(label).inc()
+                await handle(job)
                 return
             except Exception as exc:
                 if is_transient(exc):
                     self.telemetry.retries.labels(type(exc).__name__).inc()
-                    delay = backoff_delay(attempt)
+                    delay = backoff_delay(job.attempt)
                     log.warning("worker %s: transient %s on %s:%d offset %d (attempt %d), retrying in %.2fs",
                                 self.worker_id, type(exc).__name__, record.topic, record.partition, record.offset,
-                                attempt, delay)
-                    probe = None
+                                job.attempt, delay)
+                    job.probe = None
                     await asyncio.sleep(delay)
                     continue
                 # a bug or poison record: retry a little, then dead-letter it
                 log.exception("worker %s: failed processing %s:%d offset %d (attempt %d)",
-                              self.worker_id, record.topic, record.partition, record.offset, attempt)
-                if attempt >= self.cfg.worker.max_attempts:
-                    message = exc if isinstance(exc, SchemaError) else ProcessingError(exc)
-                    await self._dead_letter(record, message, attempt, group_id=route.scoped)
+                              self.worker_id, record.topic, record.partition, record.offset, job.attempt)
+                if job.attempt >= self.cfg.worker.max_attempts:
+                    error = exc if isinstance(exc, SchemaError) else ProcessingError(exc)
+                    await self._dead_letter(record, error, job.attempt, group_id=route.scoped)
                     return
-                probe = None
+                job.probe = None
 
     async def _with_retry(self, op: Any, what: str) -> Any:
         attempt = 0
@@ -594,57 +644,68 @@ class Worker:
                 await asyncio.sleep(delay)
 
     # ------------------------------------------------------------------ handlers
-    async def _handle_ready(self, traj: ReadyTrajectory, probe: str | None, record: ConsumerRecord,
-                            consumed_at: float, route: Routed, earlier: tuple[asyncio.Task[None], ...] = ()) -> None:
-        wc = self.cfg.worker
-        experiment, group = route.experiment, route.scoped
-        assert experiment is not None and group is not None
-        if probe is None:
-            (probe,) = await self.ledger.probe_many([(group, traj.trajectory_id)])
-        if probe in ("done", "decided"):
-            self.telemetry.deduplicated.inc()
-            if probe == "decided":  # decided, not finished: make sure a sweeper publishes soon
-                await self.ledger.nudge(group, wc.republish_grace_s)
-            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, its group is already "
-                                     "decided (a re-published or redriven record)", traj.group_id, traj.trajectory_id)
-            return
-        if probe == "duplicate":
-            # Already parked (a redelivery). If the crash came between parking the last
-            # member and deciding, finish that decision now; the record in hand spares
-            # reading its tokens back from the log.
-            self.telemetry.deduplicated.inc()
-            if self._tokens.inline:
-                with contextlib.suppress(NotConcatExport):
+    async def _handle_ready(self, job: Job) -> None:
+        traj, experiment, group = job.message, job.route.experiment, job.route.scoped
+        assert isinstance(traj, ReadyTrajectory) and experiment is not None and group is not None
+        if job.probe is None:
+            (job.probe,) = await self.ledger.probe_many([(group, traj.trajectory_id)])
+        if job.probe is not Outcome.NEW:  # parked already, or its group decided or finished
+            if job.probe is Outcome.DUPLICATE and self._tokens.inline:
+                with contextlib.suppress(NotConcatExport):  # the record in hand spares reading its tokens back
                     self._tokens.remember(group, traj.trajectory_id, compact_turns(traj.interactions))
-            await self._decide_and_publish(group, "complete")
-            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged, already scored (a "
-                                     "redelivery or a re-published record)", traj.group_id, traj.trajectory_id)
+            await self._settle(Decision.bare(job.probe, group), job, Step.PROBE)
             return
         result = await self._score(traj, experiment)
         self._tokens.remember(group, traj.trajectory_id, result.turns)
-        if result.status == "failed" and (pending := [t for t in earlier if not t.done()]):
+        if result.status == "failed" and (pending := [t for t in job.earlier if not t.done()]):
             # Parking a failed member decides (rejects) the group: the members consumed
             # before it go first, so the verdict lists them with their stats.
             await asyncio.wait(pending)
-        result = msgspec.structs.replace(result, consumed_at=consumed_at, parked_at=time.time())
+        result = msgspec.structs.replace(result, consumed_at=job.consumed_at, parked_at=time.time())
         outcome, decision = await self.ledger.park(
             result, group_id=group, group_size=traj.group_size, group_timeout_s=experiment.group_timeout_s,
-            worker_id=self.worker_id, scorers=experiment.scorers_blob, partition=record.partition,
-            offset=record.offset,
+            worker_id=self.worker_id, scorers=experiment.scorers_blob, partition=job.record.partition,
+            offset=job.record.offset,
         )
-        if outcome == "duplicate" and decision is None:  # parked already: a re-sent or redelivered record
+        await self._settle(decision or Decision.bare(outcome, group), job, Step.PARK)
+
+    async def _settle(self, decision: Decision, job: Job | None = None, step: Step = Step.DECIDE) -> None:
+        """Act on what the ledger answered about a group: the one place that does.
+
+        ``DECIDED_NOW``: this call decided the group, publish its verdict. A group decided
+        and not finished: bring its sweep forward (its decider may have died before
+        publishing) — or, for the sweeper, re-publish it once the grace has passed. A
+        finished (or vanished) group that a decision found: drop its index entry. A member
+        already parked found by the probe (a redelivery): re-run the ``complete`` decision,
+        in case the crash came between parking the last member and deciding. Members of
+        decided or finished groups, and members parked already, are acknowledged (counted
+        as deduplicated) without being scored again.
+        """
+        group, grace_s = decision.group_id, self.cfg.worker.republish_grace_s
+        match decision.outcome:
+            case Outcome.DECIDED_NOW:
+                await self._publish(decision)  # this member completed (or failed) the group, or this decision
+            case Outcome.ALREADY_DECIDED if step is Step.SWEEP:
+                if time.time() * 1000 - decision.decided_at_ms >= grace_s * 1000:
+                    await self._publish(decision)  # its publisher died: re-publish
+            case Outcome.ALREADY_DECIDED | Outcome.DECIDED:
+                await self.ledger.nudge(group, grace_s)
+            case Outcome.DONE | Outcome.GONE if step in (Step.DECIDE, Step.SWEEP):
+                await self.ledger.forget(group)
+            case Outcome.DUPLICATE if step is Step.PROBE:
+                await self._decide(group, DecisionKind.COMPLETE)
+            case _:  # NEW, PARKED, NOT_DUE, INCOMPLETE; DONE or DUPLICATE at a park: nothing to do
+                pass
+        if job is not None and decision.outcome in (Outcome.DECIDED, Outcome.DONE, Outcome.DUPLICATE):
             self.telemetry.deduplicated.inc()
-            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged at park, already "
-                                     "scored (a re-sent record)", traj.group_id, traj.trajectory_id)
-        elif outcome in ("done", "decided"):
-            self.telemetry.deduplicated.inc()  # the group was decided (or finished) while we scored
-            if outcome == "decided":
-                await self.ledger.nudge(group, wc.republish_grace_s)
-            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged at park, its group is "
-                                     "already decided (a re-published record, or decided while it was scored)",
-                                     traj.group_id, traj.trajectory_id)
-        elif decision is not None and decision.outcome == "decided_now":
-            await self._publish(decision)  # this member completed (or failed) the group
+            traj = job.message
+            assert isinstance(traj, ReadyTrajectory)
+            at = " at park" if step is Step.PARK else ""
+            what = ("already scored (a redelivery or a re-published record)" if decision.outcome is Outcome.DUPLICATE
+                    else "its group is already decided (a re-published or redriven record"
+                    + (", or decided while it was scored)" if step is Step.PARK else ")"))
+            self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged%s, %s",
+                                     traj.group_id, traj.trajectory_id, at, what)
 
     async def _score(self, traj: ReadyTrajectory, experiment: Experiment | None = None) -> SessionResult:
         experiment = experiment or self.fleet.get(DEFAULT_EXPERIMENT)
@@ -660,21 +721,27 @@ class Worker:
             self.telemetry.scored.inc()
         return result
 
-    async def _handle_discard(self, msg: DiscardGroup, route: Routed) -> None:
-        assert route.scoped is not None
-        await self._decide_and_publish(route.scoped, "discard", discard_reason=msg.reason or "discarded")
+    async def _handle_discard(self, job: Job) -> None:
+        msg = job.message
+        assert isinstance(msg, DiscardGroup) and job.route.scoped is not None
+        await self._decide(job.route.scoped, DecisionKind.DISCARD, discard_reason=msg.reason or "discarded")
 
-    async def _reject_unknown(self, message: ReadyTrajectory | DiscardGroup, route: Routed,
-                              record: ConsumerRecord, attempt: int) -> None:
+    async def _handle_invalid(self, job: Job) -> None:
+        assert isinstance(job.message, SchemaError)
+        await self._dead_letter(job.record, job.message, job.attempt, group_id=job.route.scoped)
+
+    async def _reject_unknown(self, job: Job) -> None:
         """A record naming an experiment this worker does not serve: the record is dead-lettered
         (``UnknownExperiment``: ``prm-pipeline dead-letters`` shows it, and redrives it once the
         experiment is declared) and its group is rejected (``unknown_experiment``) on the default
         verdicts topic, without touching the ledger (ids named by producers must not grow
         Redis). Every such record says so again; the trainer's dedupe keeps one verdict per group."""
-        await self._dead_letter(record, UnknownExperiment(
+        message, route = job.message, job.route
+        assert isinstance(message, (ReadyTrajectory, DiscardGroup))
+        await self._dead_letter(job.record, UnknownExperiment(
             f"experiment {route.experiment_id!r} is not in the experiment registry of worker {self.worker_id} "
             "(never added, removed, or its record was refused); declare it (prm-pipeline experiment add), then "
-            "redrive this record"), attempt)
+            "redrive this record"), job.attempt)
         members = []
         if isinstance(message, ReadyTrajectory):
             members = [SessionResult.failure(
@@ -695,20 +762,15 @@ class Worker:
         self._duplicates_log.log(logging.WARNING, "group=%s: rejected, unknown experiment %r", message.group_id,
                                  route.experiment_id)
 
-    async def _decide_and_publish(self, group_id: str, kind: DecisionKind, *, discard_reason: str = "") -> None:
-        """Decide the (scoped) group ``group_id`` and publish its verdict if this call decided it."""
+    async def _decide(self, group_id: str, kind: DecisionKind, *, discard_reason: str = "") -> None:
+        """Decide the (scoped) group ``group_id``, then settle what the ledger answered."""
         _, experiment = self._served(group_id)
         decision = await self.ledger.decide(
             group_id, kind, worker_id=self.worker_id, scorers=experiment.scorers_blob,
             discard_reason=discard_reason, group_timeout_s=experiment.group_timeout_s,
             republish_grace_s=self.cfg.worker.republish_grace_s,
         )
-        if decision.outcome == "decided_now":
-            await self._publish(decision)
-        elif decision.outcome == "already_decided":
-            await self.ledger.nudge(group_id, self.cfg.worker.republish_grace_s)
-        elif decision.outcome in ("done", "gone"):
-            await self.ledger.forget(group_id)
+        await self._settle(decision)
 
     async def _publish(self, decision: Decision) -> GroupVerdict | None:
         """Publish the decision's verdict and finish the group; None when Kafka refused it for good.
@@ -763,7 +825,7 @@ class Worker:
         (``prm_worker_sweep_failures_total``) and the sweep goes on with the next group.
         """
         try:
-            due = await self.ledger.due_groups()
+            due = await self.ledger.due_groups(linger_s=self.cfg.worker.sweep_interval_s / 2)
         except Exception as exc:  # noqa: BLE001 - Redis down: the next sweep tries again
             self.telemetry.sweep_failures.labels(type(exc).__name__).inc()
             log.warning("worker %s: sweep skipped: %s: %s", self.worker_id, type(exc).__name__, exc)
@@ -784,19 +846,12 @@ class Worker:
                     await self.ledger.postpone(group_id, backoff_s)
 
     async def _sweep_group(self, group_id: str) -> None:
-        grace_s = self.cfg.worker.republish_grace_s
         _, experiment = self._served(group_id)
         decision = await self.ledger.decide(
-            group_id, "deadline", worker_id=self.worker_id, scorers=experiment.scorers_blob,
-            group_timeout_s=experiment.group_timeout_s, republish_grace_s=grace_s,
+            group_id, DecisionKind.DEADLINE, worker_id=self.worker_id, scorers=experiment.scorers_blob,
+            group_timeout_s=experiment.group_timeout_s, republish_grace_s=self.cfg.worker.republish_grace_s,
         )
-        overdue = decision.outcome == "already_decided" and (
-            time.time() * 1000 - decision.decided_at_ms >= grace_s * 1000
-        )
-        if decision.outcome == "decided_now" or overdue:
-            await self._publish(decision)
-        elif decision.outcome in ("done", "gone"):
-            await self.ledger.forget(group_id)
+        await self._settle(decision, step=Step.SWEEP)
 
     async def _dead_letter(self, record: ConsumerRecord, error: BaseException, attempt: int, *,
                            group_id: str | None = None) -> None:
@@ -830,7 +885,12 @@ class Worker:
         if group_id is not None:  # the scoped group its key names
             reason = (f"invalid_member: record {record.topic}:{record.partition}@{record.offset} was dead-lettered "
                       f"({letter.error_class}: {letter.error_message[:200]})")
-            await self._decide_and_publish(group_id, "invalid", discard_reason=reason)
+            await self._decide(group_id, DecisionKind.INVALID, discard_reason=reason)
+
+
+def _all_of(tasks: set[asyncio.Task[None]] | None) -> asyncio.Future[Any] | None:
+    """A future done when every task in ``tasks`` is (None when there are none)."""
+    return asyncio.ensure_future(asyncio.wait(list(tasks))) if tasks else None
 
 
 async def _unless_stopped(coro: Any, stop: asyncio.Event) -> bool:

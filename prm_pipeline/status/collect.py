@@ -180,9 +180,9 @@ async def ledger_summary(cfg: PipelineConfig, *, now_ms: int | None = None,
     With ``experiment``, only that experiment's groups (by their scoped ids) of the
     sampled ones count; ``indexed`` stays the whole ledger's."""
     from scoring_workers.heartbeat import ALIVE_S
-    from scoring_workers.ledger import GroupLedger
+    from scoring_workers.ledger import LedgerView
 
-    ledger = GroupLedger.from_config(cfg.redis, dedupe_window_s=cfg.worker.dedupe_window_s)
+    ledger = LedgerView.from_config(cfg.redis)
     try:
         total, groups = await ledger.unfinished_groups(LEDGER_SAMPLE)
         memory = await ledger.memory()

@@ -108,9 +108,9 @@ async def test_last_member_decides_once_and_finish_leaves_a_tombstone(ledger) ->
 
 async def _calls(led: GroupLedger, work) -> dict[str, int]:
     """Commands Redis ran for ``work`` (scripts' own commands included), by INFO commandstats."""
-    before = await led.command_calls()
+    before = await led.view.command_calls()
     await work()
-    after = await led.command_calls()
+    after = await led.view.command_calls()
     return {c: n - before.get(c, 0) for c, n in after.items() if n - before.get(c, 0) and c != "info"}
 
 
@@ -183,7 +183,7 @@ async def test_a_park_waits_for_its_siblings_and_the_deciding_park_does_not(redi
     try:
         g = f"l-{uuid.uuid4().hex[:6]}"
         assert await led.probe_many([(g, "a"), (g, "b")]) == ["new", "new"]
-        before = await led.command_calls()
+        before = await led.view.command_calls()
         first = asyncio.create_task(led.park(_member("a"), group_id=g, group_size=2, **ARGS))
         await asyncio.sleep(0)  # submitted: it waits for its sibling
         assert not first.done()
@@ -191,7 +191,7 @@ async def test_a_park_waits_for_its_siblings_and_the_deciding_park_does_not(redi
             led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
         assert outcome == "parked" and decision is not None and decision.outcome == "decided_now"
         assert await asyncio.wait_for(first, 30) == ("parked", None)
-        assert (await led.command_calls())["evalsha"] - before["evalsha"] == 1
+        assert (await led.view.command_calls())["evalsha"] - before["evalsha"] == 1
         # a failed member decides at once too, waiting siblings or not
         f = f"f-{uuid.uuid4().hex[:6]}"
         await led.probe_many([(f, "a"), (f, "b"), (f, "c")])
@@ -308,7 +308,7 @@ async def test_expected_members_wait_for_each_other_without_a_probe(redis_url: s
     try:
         g = f"e-{uuid.uuid4().hex[:6]}"
         await led.redis.ping()
-        before = await led.command_calls()
+        before = await led.view.command_calls()
         led.expect([(g, "a"), (g, "b")])
         first = asyncio.create_task(led.park(_member("a"), group_id=g, group_size=2, **ARGS))
         await asyncio.sleep(0)
@@ -316,7 +316,7 @@ async def test_expected_members_wait_for_each_other_without_a_probe(redis_url: s
         _, decision = await asyncio.wait_for(led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
         assert decision is not None and decision.outcome == "decided_now"
         assert await asyncio.wait_for(first, 30) == ("parked", None)
-        after = await led.command_calls()
+        after = await led.view.command_calls()
         assert after["evalsha"] - before.get("evalsha", 0) == 1
         assert after.get("hmget", 0) - before.get("hmget", 0) == 2  # the two parks' own reads, no probe's
     finally:
@@ -340,7 +340,7 @@ async def test_a_lazy_finish_rides_along_with_the_next_call(redis_url: str, monk
         g, h = f"g-{uuid.uuid4().hex[:6]}", f"h-{uuid.uuid4().hex[:6]}"
         _, decision = await led.park(_member("a"), group_id=g, group_size=1, **ARGS)
         assert decision is not None and decision.outcome == "decided_now"
-        before = await led.command_calls()
+        before = await led.view.command_calls()
         led.finish_soon(g)  # returns at once: the caller releases its record
         await asyncio.sleep(0.05)
         assert led.pending_finishes == 1 and await led.redis.exists(led.group_key(g))
@@ -349,7 +349,7 @@ async def test_a_lazy_finish_rides_along_with_the_next_call(redis_url: str, monk
         while led.pending_finishes:
             assert time.monotonic() < deadline, "the finish never landed"
             await asyncio.sleep(0.01)
-        assert (await led.command_calls())["evalsha"] - before.get("evalsha", 0) == 1  # the park's call carried it
+        assert (await led.view.command_calls())["evalsha"] - before.get("evalsha", 0) == 1  # the park's call carried it
         assert await _finished(cfg, g)
     finally:
         await led.aclose()
@@ -419,5 +419,35 @@ async def test_a_park_does_not_wait_for_a_pending_finish_longer_than_its_own_lin
             assert time.monotonic() < deadline, "the finish did not go with the park"
             await asyncio.sleep(0.01)
         assert await _finished(cfg, g)
+    finally:
+        await led.aclose()
+
+
+async def test_a_park_waits_for_members_not_yet_seen_and_a_sweep_rides_along(redis_url: str, monkeypatch) -> None:
+    """A group split over two fetches: its first member's park, with no groupmate announced,
+    waits (``PARK_UNSEEN_LINGER_S``) for the members this worker has not seen yet; the
+    park that completes the group sends at once, and a sweeper's index read waiting for
+    company goes in the same round trip."""
+    monkeypatch.setattr(ledger_module, "PARK_UNSEEN_LINGER_S", 600.0)  # only company can end the wait
+    cfg = RedisConfig(url=redis_url, key_prefix=f"unseen-{uuid.uuid4().hex[:6]}", ttl_s=60)
+    led = GroupLedger.from_config(cfg)
+    try:
+        g = f"u-{uuid.uuid4().hex[:6]}"
+        await led.redis.ping()
+        before = await led.view.command_calls()
+        first = asyncio.create_task(led.park(_member("a"), group_id=g, group_size=2, **ARGS))
+        sweep = asyncio.create_task(led.due_groups(linger_s=600.0))
+        await asyncio.sleep(0.05)
+        assert not first.done() and not sweep.done()
+        _, decision = await asyncio.wait_for(led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
+        assert decision is not None and decision.outcome == "decided_now"
+        assert await asyncio.wait_for(first, 30) == ("parked", None)
+        assert await asyncio.wait_for(sweep, 30) == []
+        after = await led.view.command_calls()
+        assert after["evalsha"] - before.get("evalsha", 0) == 1
+        assert after["zrangebyscore"] - before.get("zrangebyscore", 0) == 1
+        # a group of one, or a failed member, never waits
+        _, decision = await asyncio.wait_for(led.park(_member("c"), group_id=f"{g}-1", group_size=1, **ARGS), 30)
+        assert decision is not None and decision.outcome == "decided_now"
     finally:
         await led.aclose()

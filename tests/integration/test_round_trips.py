@@ -58,7 +58,7 @@ async def test_records_past_the_mark_skip_the_probe_and_duplicates_are_still_ack
             await pub.publish_many([a])
 
             async def parked() -> bool:
-                return a.trajectory_id in await ledger.parked_blobs(gid)
+                return a.trajectory_id in await ledger.view.parked_blobs(gid)
             await _until(parked, "member a was never parked")
             await pub.publish_many([a])  # re-sent by its publisher: scored again, acknowledged at park
 
@@ -96,7 +96,7 @@ async def test_a_record_redelivered_after_a_restart_is_probed_and_not_scored_aga
             await pub.publish_many([a])
 
             async def parked() -> bool:
-                return bool(await ledger.parked_blobs(gid))
+                return bool(await ledger.view.parked_blobs(gid))
             await _until(parked, "member a was never parked")
             assert _count(first, "prm_worker_scored_total") == 1
         # the first owner's commit never happened (it died before): to the next owner the

@@ -135,9 +135,9 @@ async def test_ledger_view_on_standalone_and_cluster(redis_cfg: RedisConfig, kaf
         decided = await ledger.decide("done", "discard", worker_id="w", scorers=b"", group_timeout_s=600.0,
                                       republish_grace_s=5.0)
         assert decided.outcome == "decided_now"  # decided, its verdict never published
-        await ledger.beat("w-alive")
-        await ledger.beat("w-gone")
-        await ledger.retire("w-gone")
+        await ledger.view.beat("w-alive")
+        await ledger.view.beat("w-gone")
+        await ledger.view.retire("w-gone")
 
         summary, workers = await ledger_summary(cfg)
         assert (summary.indexed, summary.open, summary.decided) == (3, 2, 1)

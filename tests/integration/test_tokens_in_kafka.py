@@ -34,7 +34,7 @@ async def _parked(cfg: PipelineConfig, group_id: str, n: int, timeout_s: float =
     ledger = GroupLedger.from_config(cfg.redis)
     try:
         deadline = time.monotonic() + timeout_s
-        while len(members := await ledger.parked_blobs(group_id)) < n:
+        while len(members := await ledger.view.parked_blobs(group_id)) < n:
             assert time.monotonic() < deadline, f"only {len(members)} of {n} members parked"
             await asyncio.sleep(0.05)
         return members

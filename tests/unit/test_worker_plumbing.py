@@ -12,7 +12,8 @@ from aiokafka import errors as kerr
 from infra.kafka import backoff_delay, is_permanent, is_retriable, record_size
 from infra.schema import GroupVerdict, SessionResult, TokenRef, compact_turns, encode
 from prm_pipeline.demo.synthetic import make_group
-from scoring_workers.ledger import GroupState, ParkedMember, _GroupCommit, decode_parked, decode_state, fingerprint
+from scoring_workers.batching import Batcher
+from scoring_workers.ledger import GroupState, ParkedMember, decode_parked, decode_state, fingerprint
 from scoring_workers.verdicts import assemble_verdict, fit_verdict, too_large_verdict
 
 
@@ -135,7 +136,7 @@ async def test_group_commit_batches_concurrent_submissions() -> None:
         await gate.wait()
         return [i * 10 for i in items]
 
-    commit: _GroupCommit[int, int] = _GroupCommit(run)
+    commit: Batcher[int, int] = Batcher(run)
     first = asyncio.create_task(commit.submit(1))
     await asyncio.sleep(0)  # the first batch is on the wire
     rest = [asyncio.create_task(commit.submit(i)) for i in (2, 3, 4)]
@@ -152,7 +153,7 @@ async def test_group_commit_lingering_items_wait_for_company_or_their_time() -> 
         batches.append(items)
         return [i * 10 for i in items]
 
-    commit: _GroupCommit[int, int] = _GroupCommit(run)
+    commit: Batcher[int, int] = Batcher(run)
     waiting = [asyncio.create_task(commit.submit(i, linger_s=600)) for i in (1, 2)]
     for _ in range(5):
         await asyncio.sleep(0)
@@ -174,7 +175,7 @@ async def test_group_commit_fails_every_member_of_a_failed_batch() -> None:
     async def run(items: list[int]) -> list[int]:
         raise ConnectionError("redis down")
 
-    commit: _GroupCommit[int, int] = _GroupCommit(run)
+    commit: Batcher[int, int] = Batcher(run)
     results = await asyncio.gather(commit.submit(1), commit.submit(2), return_exceptions=True)
     assert all(isinstance(r, ConnectionError) for r in results)
 
@@ -231,3 +232,13 @@ def test_capped_dead_letter_fits_with_absurd_headers_and_key() -> None:
     assert record_size(key, letter.payload, dead_letter_headers(letter)) <= limit
     assert letter.original_size == 60_000 and letter.payload == b"v" * len(letter.payload)
     assert "dropped" in letter.original_headers and len(key) <= limit // 4
+
+
+def test_the_scripts_argument_table_matches_the_typed_arguments() -> None:
+    """The Lua's per-op ARGV counts are built from the typed argument structs."""
+    from scoring_workers.ledger_scripts import ARGS, LEDGER, DecideArgs, FinishArgs, Op, ParkArgs, argv
+
+    assert ARGS == {"k": 1 + len(ParkArgs.__struct_fields__), "d": 1 + len(DecideArgs.__struct_fields__),
+                    "f": 1 + len(FinishArgs.__struct_fields__)}
+    assert f"local ARGS = {{k = {ARGS['k']}, d = {ARGS['d']}, f = {ARGS['f']}}}" in LEDGER
+    assert argv(Op.FINISH, FinishArgs(b"fp", 0, "g")) == ["f", b"fp", 0, "g"]

@@ -15,6 +15,7 @@ from aiokafka.structs import ConsumerRecord
 from infra.config import ConfigError, PipelineConfig, WorkerConfig, config_from_mapping
 from infra.schema import DiscardGroup
 from prm_pipeline.demo.synthetic import make_session
+from scoring_workers.ledger import Outcome
 from scoring_workers.tokens import MemberTokens
 from scoring_workers.worker import Worker
 
@@ -54,7 +55,7 @@ class _Ledger:
     async def postpone(self, group_id: str, delay_s: float) -> None:
         self.calls.append(("postpone", group_id, delay_s))
 
-    async def due_groups(self) -> list[str]:
+    async def due_groups(self, **kw: Any) -> list[str]:
         return ["broken"]
 
     async def decide(self, group_id: str, kind: str, **kw: Any) -> Any:
@@ -74,17 +75,16 @@ async def test_max_attempts_bounds_the_retries_before_a_dead_letter() -> None:
     handled: list[int] = []
     dead: list[int] = []
 
-    async def failing_discard(msg: DiscardGroup, route: Any) -> None:
+    async def failing_discard(job: Any) -> None:
         handled.append(1)
         raise RuntimeError("a bug")
 
     async def dead_letter(record: Any, error: BaseException, attempt: int, **kw: Any) -> None:
         dead.append(attempt)
 
-    worker._handle_discard = failing_discard  # type: ignore[method-assign]
     worker._dead_letter = dead_letter  # type: ignore[method-assign]
     record = ConsumerRecord("traj", 0, 7, 0, 0, b"g", b"", None, 1, 0, [])
-    await worker._process(record, DiscardGroup(group_id="g"), None)
+    await worker._process(worker._job(record, DiscardGroup(group_id="g"), [], 0.0), failing_discard)
     assert (len(handled), dead) == (5, [5])
 
 
@@ -98,7 +98,9 @@ async def test_a_member_of_a_decided_group_nudges_it_by_the_grace() -> None:
     worker, ledger = _worker(republish_grace_s=3.0)
     traj = make_session(trajectory_id="t", session_id="s", group_id="g", group_size=2, turns=1, output_tokens=4)
     record = ConsumerRecord("traj", 0, 7, 0, 0, b"g", b"", None, 1, 0, [])
-    await worker._handle_ready(traj, "decided", record, 0.0, worker._route(record, traj))
+    job = worker._job(record, traj, [], 0.0)
+    job.probe = Outcome.DECIDED
+    await worker._handle_ready(job)
     assert ledger.calls == [("nudge", "g", 3.0)]
 
 
