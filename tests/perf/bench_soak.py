@@ -112,8 +112,9 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
             rows: list[dict[str, float]] = []
             t0 = time.perf_counter()
             prev = t0
+            broker_cpu0 = read_proc(stack.broker.pid)  # the broker's CPU per window: its cost as data accumulates
             header = (f"{'min':>5} {'w0 RSS':>8} {'w1 RSS':>8} {'trainer':>8} {'dedupe':>7} {'broker':>8} "
-                      f"{'redis mem':>9} {'keys':>7} {'p50 ms':>7} {'p99 ms':>7} {'backlog':>7} {'verdicts':>8}")
+                      f"{'redis mem':>9} {'keys':>7} {'p50 ms':>7} {'p99 ms':>7} {'backlog':>7} {'verdicts':>8} {'broker CPU':>10}")
             print(header, flush=True)
             while (now := time.perf_counter()) - t0 < minutes * 60:
                 await asyncio.sleep(min(sample_s, t0 + minutes * 60 - now) if rows else 1.0)
@@ -140,14 +141,16 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
                     "expected_keys": float(sum(1 for t in tail.arrivals.values() if t > now - 2.5 * ttl_s)
                                            + 2 * sum(1 for g in s if g not in tail.arrivals) + 1),
                     "verdicts": float(len(window)),
+                    "broker_cores": ((procs["broker"].cpu_s - broker_cpu0.cpu_s) / (now - prev)
+                                     if procs.get("broker") and broker_cpu0 else float("nan")),
                 }
                 rows.append(row)
-                prev = now
+                prev, broker_cpu0 = now, procs.get("broker")
                 print(f"{row['t'] / 60:5.1f} {row.get('worker0_rss', 0) / 1048576:8.1f} "
                       f"{row.get('worker1_rss', 0) / 1048576:8.1f} {row.get('trainer_rss', 0) / 1048576:8.1f} "
                       f"{row['dedupe']:7.0f} {row.get('broker_rss', 0) / 1048576:8.1f} "
                       f"{row['redis_used'] / 1048576:9.1f} {row['redis_keys']:7.0f} {row['p50']:7.0f} "
-                      f"{row['p99']:7.0f} {row['backlog']:7.0f} {row['verdicts']:8.0f}", flush=True)
+                      f"{row['p99']:7.0f} {row['backlog']:7.0f} {row['verdicts']:8.0f} {row['broker_cores']:9.0%}", flush=True)
             children.stop("publisher")
             s = sent.poll()
             await wait_until(lambda: set(s) <= tail.arrivals.keys(), 300, "the last verdicts")
