@@ -340,8 +340,9 @@ def noida_service(data_dir: str | os.PathLike[str], *, port: int | None = None, 
                   log_name: str = "noida.log") -> LocalService:
     """A noida-db broker (not started): its Kafka service only, on ``port`` (default: a free
     one) of 127.0.0.1, keeping its state in ``data_dir/noida`` (a JSON snapshot rewritten as
-    it changes, so a restart on the same directory finds topics, records and offsets again).
-    It advertises the address it listens on; the control port it also opens is a free one."""
+    it changes: a restart on the same directory finds what the last snapshot held, so a
+    crash loses the last second or two of acknowledged records). It advertises the address
+    it listens on; the control port it also opens is a free one."""
     port = port or free_port()
     data = Path(data_dir).resolve()
     return LocalService(
