@@ -314,6 +314,59 @@ def broker_service(data_dir: str | os.PathLike[str], *, port: int | None = None,
     )
 
 
+#: sha256 of the noida-db 0.2.3 binary (linux x86_64 wheel): the opt-in second broker of
+#: ``bench capacity --broker noida`` and friends (tests/perf), not offered by ``local:``.
+NOIDA_SHA256 = {"d723e9d728b1d2005f0ee74f0c3696ba11aa021c280f869b6d095e6a87e357b7"}
+BROKERS = ("tansu", "noida")
+#: ``KafkaConfig`` fields for clients of noida-db: none. It keeps Kafka's group rules (it
+#: refuses a session timeout under 6 s, ``group.min.session.timeout.ms``), so the product
+#: defaults apply, not :data:`LOCAL_BROKER_CLIENT`'s tansu workarounds.
+NOIDA_BROKER_CLIENT: dict[str, int | bool] = {}
+
+
+def find_noida_binary(explicit: str | None = None) -> Path:
+    """The noida-db binary: explicit path > the ``noida-db`` wheel's (sha-checked) > PATH."""
+    if explicit:
+        path = Path(explicit)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise LocalStackError(f"noida-db binary {explicit!r} is not an executable file")
+        return path
+    try:
+        bundled = Path(str(importlib.resources.files("noida_db").joinpath("noida-db")))
+    except ModuleNotFoundError:
+        bundled = None
+    if bundled is not None and bundled.is_file():
+        digest = _sha256(bundled)
+        if digest not in NOIDA_SHA256:
+            raise LocalStackError(f"{bundled} has sha256 {digest}, not the pinned noida-db 0.2.3 build; "
+                                  "reinstall noida-db==0.2.3")
+        if not os.access(bundled, os.X_OK):
+            bundled.chmod(bundled.stat().st_mode | 0o111)
+        return bundled
+    on_path = shutil.which("noida-db")
+    if on_path:
+        return Path(on_path)
+    raise LocalStackError("noida-db not found: install the 'bench' extra (pip install 'prm-pipeline[bench]')")
+
+
+def noida_service(data_dir: str | os.PathLike[str], *, port: int | None = None, binary: str | None = None,
+                  log_name: str = "noida.log") -> LocalService:
+    """A noida-db broker (not started): its Kafka service only, on ``port`` (default: a free
+    one) of 127.0.0.1, keeping its state in ``data_dir/noida`` (a JSON snapshot rewritten as
+    it changes: a restart on the same directory finds what the last snapshot held, so a
+    crash loses the last second or two of acknowledged records). It advertises the address
+    it listens on; the control port it also opens is a free one."""
+    port = port or free_port()
+    data = Path(data_dir).resolve()
+    return LocalService(
+        "broker",
+        [str(find_noida_binary(binary)), "start", "--data-dir", str(data / "noida"), "--host", "127.0.0.1",
+         "--only", "kafka", "--kafka-port", str(port)],
+        port,
+        data / "logs" / log_name,
+    )
+
+
 def redis_service(data_dir: str | os.PathLike[str], *, port: int | None = None, binary: str | None = None,
                   persistent: bool = False, args: list[str] | None = None,
                   log_name: str = "redis.log") -> LocalService:
@@ -353,12 +406,24 @@ class LocalStack:
         redis_args: list[str] | None = None,
         storage_engine: str = MEMORY_STORAGE,
         broker_env: dict[str, str] | None = None,
+        broker: str = "tansu",
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
-        self.broker = broker_service(self.data_dir, binary=broker_binary, storage_engine=storage_engine,
-                                     env=broker_env)
+        if broker not in BROKERS:
+            raise LocalStackError(f"unknown embedded broker {broker!r}: one of {', '.join(BROKERS)}")
+        self.broker_kind = broker
+        if broker == "noida":  # tests/perf only (bench --broker noida): see docs/capacity.md
+            self.broker = noida_service(self.data_dir)
+        else:
+            self.broker = broker_service(self.data_dir, binary=broker_binary, storage_engine=storage_engine,
+                                         env=broker_env)
         self.redis = redis_service(self.data_dir, binary=redis_binary, args=redis_args)
         self._atexit_registered = False
+
+    @property
+    def client_settings(self) -> dict[str, int | bool]:
+        """``KafkaConfig`` fields for clients of this stack's broker."""
+        return NOIDA_BROKER_CLIENT if self.broker_kind == "noida" else LOCAL_BROKER_CLIENT
 
     @property
     def kafka_bootstrap(self) -> str:

@@ -9,7 +9,8 @@ and reports from the kernel and the servers (:mod:`tests.perf.procstats`):
 * bytes per trajectory on each Kafka path: record bytes (key + value + headers, as
   produced, before compression) per topic, read back from the topics, and the bytes
   actually sent to and from the broker (compressed batches plus protocol), counted by
-  a loopback proxy the broker advertises — so the consumers' fetches are included;
+  a loopback proxy every client goes through (:mod:`tests.perf.kafka_proxy`) — so the
+  consumers' fetches are included;
 * Redis: bytes in and out, CPU and commands per trajectory (``INFO``), and the memory
   of a parked member and of a finished group in the dedupe sets (``MEMORY USAGE``): as
   measured (small sets, key overhead included) and in a scratch set of 3,000
@@ -33,6 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from infra.local import BROKERS
 from infra.redis import make_redis
 from tests.integration.harness import read_topic
 from tests.perf.procstats import read_proc, redis_reading
@@ -86,7 +88,7 @@ def _record_bytes(records: list[Any]) -> int:
 
 async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     name = uuid.uuid4().hex[:8]
-    async with running_stack(workdir, name, counted=True, ttl_s=3600, group_timeout_s=120,
+    async with running_stack(workdir, name, counted=True, broker=args.broker, ttl_s=3600, group_timeout_s=120,
                              verdict_tokens=args.verdict_tokens) as (stack, cfg, workers, children):
         redis = make_redis(cfg.redis)
         try:
@@ -153,7 +155,7 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     result = {
         "workload": {"trajectories": trajectories, "group_size": GROUP_SIZE, "turns": args.turns,
                      "output_tokens": [args.tokens // 2, args.tokens], "rate": args.rate, "elapsed_s": elapsed,
-                     "verdict_tokens": args.verdict_tokens,
+                     "verdict_tokens": args.verdict_tokens, "broker": args.broker,
                      "achieved_rate": trajectories / elapsed},
         "cpu_s_per_1000": cpu,
         # cores used while idle, and the CPU per 1,000 trajectories net of that idle cost
@@ -184,7 +186,8 @@ def _print(r: dict[str, Any]) -> None:
     w = r["workload"]
     print(f"workload: {w['trajectories']} trajectories in groups of {w['group_size']}, {w['turns']} turns, "
           f"{w['output_tokens'][0]}-{w['output_tokens'][1]} output tokens/turn; paced at {w['rate']:.0f}/s, "
-          f"achieved {w['achieved_rate']:.0f}/s; verdict token turns {w.get('verdict_tokens', 'inline')}")
+          f"achieved {w['achieved_rate']:.0f}/s; verdict token turns {w.get('verdict_tokens', 'inline')}; "
+          f"broker {w.get('broker', 'tansu')}")
     print()
     idle, net = r.get("idle_cores", {}), r.get("cpu_s_per_1000_net_of_idle", {})
     wake, idle_wake = r.get("wakeups_per_trajectory", {}), r.get("idle_wakeups_per_s", {})
@@ -273,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=512, help="at most this many output tokens per turn")
     p.add_argument("--verdict-tokens", choices=("inline", "reference"), default="inline",
                    help="worker.verdict_tokens for the workers (reference: the trainer reads the turns back)")
+    p.add_argument("--broker", choices=BROKERS, default="tansu",
+                   help="the embedded broker: tansu (the default stack's) or noida (noida-db, the 'bench' "
+                        "extra), to tell the broker's costs from the pipeline's (docs/capacity.md)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--from-json", default=None, metavar="FILE", help="print from a previous --json run (no load)")
     g = p.add_argument_group("sizing assumptions (docs/capacity.md)")

@@ -41,11 +41,12 @@ from infra.config import (
     WorkerConfig,
 )
 from infra.kafka import assign_from_start, ensure_topics, make_consumer, make_producer, record_size
-from infra.local import LOCAL_BROKER_CLIENT, LocalStack
+from infra.local import BROKERS, LocalStack
 from infra.schema import GroupVerdict, dead_letter_from_record, decode_verdict, encode
 from prm_pipeline.demo.processes import WorkerProcesses, write_config
 from prm_pipeline.demo.synthetic import make_group
 from tests.faults.malformed import READY_HEADERS, Case, Expect, draw_cases
+from tests.perf.stack_load import workers_assigned
 
 LIMIT = 1_048_576  # kafka.max_message_bytes (the default) == worker.dead_letter_max_bytes (the default)
 
@@ -66,7 +67,7 @@ def _config(stack: LocalStack, name: str, group_timeout_s: float) -> PipelineCon
             PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
         ]))),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, linger_ms=5, max_message_bytes=LIMIT),
+        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **stack.client_settings, linger_ms=5, max_message_bytes=LIMIT),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"faults:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             experiments=f"exp.{name}",
@@ -214,11 +215,12 @@ async def _main(args: argparse.Namespace) -> int:
     print(f"batch: {n_bad} bad records in {len(cases)} cases ({len(counts) + 2} classes, "
           f"{sum(c.payload_bytes for c in cases) / 1e6:.1f} MB) + {args.valid_groups} valid groups x 4; "
           f"generated in {gen_s:.1f}s")
-    with tempfile.TemporaryDirectory(prefix="prm-faults-") as tmp, LocalStack(Path(tmp) / "stack") as stack:
+    with tempfile.TemporaryDirectory(prefix="prm-faults-") as tmp, LocalStack(Path(tmp) / "stack", broker=args.broker) as stack:
         cfg = _config(stack, name, args.group_timeout)
         await ensure_topics(cfg.kafka, cfg.topics)
         procs = WorkerProcesses(write_config(cfg, Path(tmp) / "config.yaml"), Path(tmp), n=args.workers)
         procs.start()
+        await workers_assigned(procs)  # the group formed before the first record (noida-db needs it)
         tail = _Tail(cfg)
         tail_task = asyncio.create_task(tail.run())
         died: list[str] = []
@@ -301,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--group-timeout", type=float, default=30.0, help="worker.group_timeout_s")
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting for outcomes after S seconds")
+    p.add_argument("--broker", choices=BROKERS, default="tansu", help="the embedded broker: tansu (the default stack's) or noida (noida-db, the 'bench' extra)")
     return asyncio.run(_main(p.parse_args(argv)))
 
 

@@ -42,12 +42,13 @@ from infra.config import (
     WorkerConfig,
 )
 from infra.kafka import ensure_topics, make_consumer, make_producer
-from infra.local import LOCAL_BROKER_CLIENT, LocalStack
+from infra.local import BROKERS, LocalStack
 from infra.schema import GroupVerdict, ReadyTrajectory, decode_verdict, encode
 from prm_pipeline.demo.processes import WorkerProcesses, write_config
 from prm_pipeline.demo.synthetic import make_group
 from prm_pipeline.observe import VerdictTail
 from producers.publisher import TrajectoryPublisher
+from tests.perf.stack_load import workers_assigned
 
 
 def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "zstd",
@@ -57,7 +58,7 @@ def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "
             PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 384}),
         ]))),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, max_message_bytes=8 * 1024 * 1024, compression=compression),
+        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **stack.client_settings, max_message_bytes=8 * 1024 * 1024, compression=compression),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"bench:{name}", ttl_s=600),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             experiments=f"exp.{name}",
@@ -262,6 +263,7 @@ async def _pipeline(cfg: PipelineConfig, rounds: list[list[list[ReadyTrajectory]
     meter = _RedisMeter(redis_url)
     procs.start()
     try:
+        await workers_assigned(procs)  # the group formed before the first record (noida-db needs it)
         await tail.start()
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             warm = make_group(f"warmup-{uuid.uuid4().hex[:6]}", 1, turns=1, output_tokens=8)
@@ -347,7 +349,8 @@ def _latency_lines(label: str, run: dict[str, Any]) -> list[str]:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="prm-bench-") as tmp, LocalStack(Path(tmp) / "stack") as stack:
+    with tempfile.TemporaryDirectory(prefix="prm-bench-") as tmp, \
+            LocalStack(Path(tmp) / "stack", broker=args.broker) as stack:
         name = uuid.uuid4().hex[:8]
         cfg = _config(stack, name, args.concurrency, args.compression, args.verdict_tokens)
         await ensure_topics(cfg.kafka, cfg.topics)
@@ -359,7 +362,7 @@ async def _main(args: argparse.Namespace) -> int:
         mean_kib = statistics.mean(len(v) for _, v, _ in _payloads(rounds[0])) / 1024
         print(f"workload: {args.groups} groups x {args.group_size} sessions per round, {pairs} rounds, {args.turns} "
               f"turns, <= {args.tokens} output tokens/turn, {mean_kib:.0f} KiB/trajectory on the wire; verdicts "
-              f"carry tokens {args.verdict_tokens}")
+              f"carry tokens {args.verdict_tokens}; broker {args.broker}")
         inproc = await _runner_baseline(cfg, trajectories)
         alone = await _ledger_alone(cfg, trajectories)
         work = Path(tmp) / "workers"
@@ -408,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=5, help="interleaved rounds of (b) raw baseline then (a) pipeline")
     p.add_argument("--verdict-tokens", choices=["inline", "reference"], default="inline",
                    help="worker.verdict_tokens for the workers")
+    p.add_argument("--broker", choices=BROKERS, default="tansu", help="the embedded broker: tansu (the default stack's) or noida (noida-db, the 'bench' extra)")
     return asyncio.run(_main(p.parse_args(argv)))
 
 

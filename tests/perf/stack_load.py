@@ -47,7 +47,7 @@ from infra.config import (
     WorkerConfig,
     load_config,
 )
-from infra.local import LOCAL_BROKER_CLIENT, LocalStack, free_port
+from infra.local import LocalStack, free_port
 from prm_pipeline.demo.processes import WorkerProcesses, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def perf_config(stack: LocalStack, name: str, *, ttl_s: int, dedupe_max_seen: in
             PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 96}),
         ]))),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **LOCAL_BROKER_CLIENT, max_message_bytes=8 * 1024 * 1024),
+        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **stack.client_settings, max_message_bytes=8 * 1024 * 1024),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"perf:{name}", ttl_s=ttl_s),
         topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
                             experiments=f"exp.{name}",
@@ -162,23 +162,26 @@ class Children:
 
 
 @asynccontextmanager
-async def running_stack(workdir: Path, name: str, *, counted: bool = False, **config: Any) -> AsyncIterator[tuple[LocalStack, PipelineConfig, WorkerProcesses, Children]]:
-    """Broker + Redis + topics + two workers; children started by the caller. Stops everything on exit.
+async def running_stack(workdir: Path, name: str, *, counted: bool = False, broker: str = "tansu",
+                        **config: Any) -> AsyncIterator[tuple[LocalStack, PipelineConfig, WorkerProcesses, Children]]:
+    """Broker (``tansu`` or ``noida``) + Redis + topics + two workers; children started by the
+    caller. Stops everything on exit.
 
     ``counted=True`` puts a byte-counting proxy (``stack.proxy``) in front of the broker.
     """
     from infra.kafka import ensure_topics
-    from tests.security.tlsproxy import TlsProxy
+    from tests.perf.kafka_proxy import KafkaCountingProxy
 
-    stack = LocalStack(workdir / "stack")
+    stack = LocalStack(workdir / "stack", broker=broker)
     proxy = None
-    if counted:  # clients reach the broker only through a byte-counting proxy (it advertises the proxy)
+    if counted:  # clients reach the broker only through a byte-counting proxy
         port = free_port()
         argv = stack.broker.argv
-        argv[argv.index("--advertised-listener-url") + 1] = f"tcp://127.0.0.1:{port}"
+        if "--advertised-listener-url" in argv:  # tansu advertises the proxy; noida's answers are rewritten
+            argv[argv.index("--advertised-listener-url") + 1] = f"tcp://127.0.0.1:{port}"
     with stack:
         if counted:
-            proxy = TlsProxy(stack.broker.port, port=port).start()
+            proxy = KafkaCountingProxy(stack.broker.port, port=port).start()
         cfg = perf_config(stack, name, **config)
         if proxy is not None:
             cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap=f"127.0.0.1:{port}"))
@@ -190,6 +193,7 @@ async def running_stack(workdir: Path, name: str, *, counted: bool = False, **co
         children = Children(path, workdir)
         workers.start()
         try:
+            await workers_assigned(workers)
             yield stack, cfg, workers, children
         finally:
             children.stop_all()
@@ -209,6 +213,30 @@ async def wait_until(cond: Any, timeout_s: float, what: str, children: Children 
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def workers_assigned(workers: WorkerProcesses, timeout_s: float = 120) -> None:
+    """Wait until every worker process has logged a non-empty partition assignment: the
+    group has formed with all of them before the first record. noida-db 0.2.3 needs it: a
+    member joining while another commits offsets makes the commits fail (illegal
+    generation) and, in the pipeline, the group never forms again (docs/capacity.md)."""
+    import re
+
+    pattern = re.compile(rb"worker \S+ assigned \[('[^\]]+)\]")
+
+    def done() -> bool:
+        for k, proc in enumerate(workers.procs):
+            if proc is None:
+                continue
+            try:
+                text = (workers.log_dir / f"worker{k}.{workers.starts[k]}.log").read_bytes()
+            except FileNotFoundError:
+                return False
+            if not pattern.search(text):
+                return False
+        return True
+
+    await wait_until(done, timeout_s, "every worker to be assigned partitions")
 
 
 def stack_pids(stack: LocalStack, workers: WorkerProcesses, children: Children) -> dict[str, int]:
