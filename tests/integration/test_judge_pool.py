@@ -67,9 +67,9 @@ class Replica:
 def replicas() -> Iterator[list[Replica]]:
     started: list[Replica] = []
     try:
-        started.append(Replica("normal", "--latency-ms", f"{BASE_LATENCY_MS:g}"))
-        started.append(Replica("slow-10x", "--latency-ms", f"{10 * BASE_LATENCY_MS:g}"))
-        started.append(Replica("failing", "--latency-ms", f"{BASE_LATENCY_MS:g}", "--error-rate", "1"))
+        started.append(Replica("normal", "--latency", f"{BASE_LATENCY_MS / 1000:g}"))
+        started.append(Replica("slow-10x", "--latency", f"{10 * BASE_LATENCY_MS / 1000:g}"))
+        started.append(Replica("failing", "--latency", f"{BASE_LATENCY_MS / 1000:g}", "--error-rate", "1"))
         yield started
     finally:
         for r in started:

@@ -34,7 +34,7 @@ def test_inspect_group_from_the_topic_renders_a_branching_session(pipeline_confi
     out = tmp_path / "view.html"
     args = argparse.Namespace(config=str(write_config(pipeline_config, tmp_path / "config.yaml")), group=gid,
                               verdicts=None, audit=None, session=None, max_groups=3, html=str(out),
-                              no_terminal=False, timeout=30.0)
+                              no_terminal=False, wait=30.0)
     assert cmd_inspect(args) == 0
     terminal = capsys.readouterr().out
     assert "[g-inspect-s0-t1b]" in terminal and "[g-inspect-s0-t1]" in terminal and "[g-inspect-s1-t0]" in terminal
@@ -43,5 +43,5 @@ def test_inspect_group_from_the_topic_renders_a_branching_session(pipeline_confi
     assert "branching session" in page
 
     args.group = "no-such-group"
-    args.timeout = 2.0
+    args.wait = 2.0
     assert cmd_inspect(args) == 1

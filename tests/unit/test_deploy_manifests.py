@@ -12,8 +12,9 @@
 
 from __future__ import annotations
 
-import ast
+import contextlib
 import copy
+import io
 import json
 import re
 import shlex
@@ -464,72 +465,24 @@ def test_pods_run_non_root_read_only_with_resources(key: str) -> None:
 
 
 # --------------------------------------------------------------------------- CLI
-def cli_options() -> dict[str, dict[str, bool]]:
-    """Subcommand ("" = top level) -> {option or positional choice: takes a value}.
+def check_cli_argv(argv: list[str]) -> str:
+    """Parse ``argv`` with the real ``prm-pipeline`` parser (building it imports no torch);
+    return the subcommand. Fails on an unknown or deprecated option."""
+    from prm_pipeline.cli import build_parser
 
-    Read from the ``add_parser`` / ``add_argument`` calls in the CLI's sources instead of
-    building the real parser: that imports ``shaper.trainer`` and so torch, seconds of a
-    unit test that must stay fast. Calls are attributed, in source order, to the variable
-    they are made on (``p = sub.add_parser("worker")`` ... ``p.add_argument(...)``).
-    """
-    out: dict[str, dict[str, bool]] = {}
-    for path in [*sorted((ROOT / "prm_pipeline").rglob("*.py")), ROOT / "shaper" / "trainer.py"]:
-        for fn in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(fn, ast.FunctionDef):
-                continue
-            owner: dict[str, str] = {}
-            calls = sorted((n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.Call))),
-                           key=lambda n: (n.lineno, n.col_offset))
-            for node in calls:
-                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-                    func = node.value.func
-                    name = getattr(func, "attr", getattr(func, "id", ""))
-                    target = getattr(node.targets[0], "id", None)
-                    if name == "add_parser" and isinstance(node.value.args[0], ast.Constant):
-                        owner[target] = node.value.args[0].value
-                    elif name == "ArgumentParser":
-                        owner[target] = ""
-                elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
-                    var = getattr(node.func.value, "id", None)
-                    if var not in owner:
-                        continue
-                    opts = out.setdefault(owner[var], {})
-                    kw = {k.arg: k.value for k in node.keywords}
-                    takes_value = not (isinstance(kw.get("action"), ast.Constant)
-                                       and kw["action"].value in ("store_true", "store_false"))
-                    flags = [a.value for a in node.args if isinstance(a, ast.Constant)]
-                    if flags and flags[0].startswith("-"):
-                        opts.update(dict.fromkeys(flags, takes_value))
-                    elif isinstance(kw.get("choices"), ast.List):
-                        opts.update(dict.fromkeys((e.value for e in kw["choices"].elts), False))
-                    else:
-                        opts["*"] = False  # a free positional (a file name...)
-    for opts in out.values():
-        opts.update({"-h": False, "--help": False})  # argparse adds these to every parser
-    return out
-
-
-def check_cli_argv(argv: list[str], options: dict[str, dict[str, bool]]) -> str:
-    """Walk ``argv`` as argparse would; return the subcommand. Fails on unknown options."""
-    scope, i = "", 0
-    while i < len(argv):
-        token = argv[i]
-        if token.startswith("-"):
-            assert token in options[scope], f"{argv}: {token} is not an option of {scope or 'prm-pipeline'}"
-            i += 2 if options[scope][token] else 1
-        elif scope == "":
-            assert token in options, f"{argv}: unknown subcommand {token!r} (have {sorted(options)})"
-            scope, i = token, i + 1
-        else:
-            assert token in options[scope] or "*" in options[scope], f"{argv}: unexpected argument {token!r} for {scope}"
-            i += 1
-    return scope
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:
+            assert exc.code == 0, f"{argv}: {err.getvalue().strip()}"
+            return "--help"  # printed the help and stopped, as argparse does
+    assert "deprecated" not in err.getvalue(), f"{argv}: {err.getvalue().strip()}"  # manifests use today's flags
+    return args.command
 
 
 def test_cli_accepts_the_manifest_and_compose_commands() -> None:
     """The arguments the manifests and compose.yaml pass are ones prm-pipeline parses."""
-    options = cli_options()
-    assert {"worker", "topics", "trainer"} <= options.keys(), "cli_options() no longer finds the subcommands"
     commands: dict[str, list[str]] = {}
     for key, template in pod_templates().items():
         for c in template["spec"]["containers"]:
@@ -541,7 +494,7 @@ def test_cli_accepts_the_manifest_and_compose_commands() -> None:
             entry = service.get("entrypoint", ["prm-pipeline"])
             assert entry[0] == "prm-pipeline", name
             commands[f"compose/{name}"] = entry[1:] + service["command"]
-    subcommands = {key: check_cli_argv(argv, options) for key, argv in commands.items()}
+    subcommands = {key: check_cli_argv(argv) for key, argv in commands.items()}
     assert {"worker", "trainer", "topics"} <= set(subcommands.values())
     for key, argv in commands.items():
         assert arg_after(argv, "--config") == CONFIG_PATH, key
