@@ -24,9 +24,10 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
-# The inner loop: pure-logic tests only, no broker or Redis (seconds).
+# The inner loop: pure-logic tests only, no broker or Redis, none marked slow (no child Python
+# processes, no kernel compiles); `make test` runs those too.
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests/unit -q
+	$(BIN)/python -m pytest tests/unit -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -162,6 +162,14 @@ class Reading:
     final: dict[str, float]
     first: dict[str, float]
     reached_half: dict[str, int | None]
+    spread: dict[str, float]  # s.d. of the group means over the final window's updates (the bands there)
+
+
+def _sd(values: Sequence[float]) -> float:
+    if not values:
+        return math.nan
+    mu = sum(values) / len(values)
+    return math.sqrt(sum((v - mu) ** 2 for v in values) / len(values))
 
 
 def _reading(curves: Mapping[str, Curve], window: int = 3) -> Reading:
@@ -171,7 +179,8 @@ def _reading(curves: Mapping[str, Curve], window: int = 3) -> Reading:
     final = {run: sum(m[n - w:n]) / w for run, m in means.items()} if n else {}
     first = {run: m[0] for run, m in means.items()} if n else {}
     reached = {run: next((i + 1 for i, x in enumerate(m[:n]) if x >= 0.5), None) for run, m in means.items()}
-    return Reading(updates=n, window=w, final=final, first=first, reached_half=reached)
+    spread = {run: _sd([x for g in c.groups[n - w:n] for x in g.values()]) for run, c in curves.items()} if n else {}
+    return Reading(updates=n, window=w, final=final, first=first, reached_half=reached, spread=spread)
 
 
 def verdict_text(curves: Mapping[str, Curve], shares: Sequence[float] = (), window: int = 3) -> str:
@@ -187,14 +196,20 @@ def verdict_text(curves: Mapping[str, Curve], shares: Sequence[float] = (), wind
         k = r.reached_half[run]
         return f"first reached 0.5 at update {k}" if k is not None else "never reached 0.5"
 
-    if abs(p - o) < 0.05:
-        lead = "The two runs ended level"
+    # a claim either way only when the difference is larger than the spread the curves' bands show
+    spread = max(r.spread["process"], r.spread["outcome"])
+    beyond = abs(p - o) > spread
+    if not beyond:
+        lead = "No difference beyond the spread between groups"
     elif p > o:
         lead = "Process rewards helped"
     else:
         lead = "Process rewards did not help here"
     text = (f"{lead}: with process rewards the mean outcome reached {p:.2f} after {r.updates} updates "
             f"(mean of {span}; {half('process')}); with the outcome alone, {o:.2f} ({half('outcome')}). "
+            f"The difference, {p - o:+.2f}, is {'larger' if beyond else 'not larger'} than the spread between "
+            f"groups over {span} (s.d. {r.spread['process']:.2f} with process rewards, "
+            f"{r.spread['outcome']:.2f} without: the bands). "
             + (f"Both started at {p0:.2f} (same seed: the same first rollouts)." if p0 == o0 else
                f"They started at {p0:.2f} / {o0:.2f}."))
     if shares:

@@ -24,7 +24,8 @@ from typing import Any
 
 from prm_pipeline.demo.curves import RUNS, Curve, reading_dict
 
-__all__ = ["SECTIONS", "DemoRecord", "write_report"]
+__all__ = ["SECTIONS", "STAGES", "DemoRecord", "IterationMarks", "iteration_stages", "latency_figure",
+           "write_report"]
 
 SECTIONS: dict[str, str] = {
     "learning": "Learning curves: outcome only vs with process rewards",
@@ -36,6 +37,52 @@ SECTIONS: dict[str, str] = {
     "training": "Loss, importance ratio and policy version per step",
     "token-views": "Token views",
 }
+
+
+STAGES: tuple[str, ...] = ("reload weights", "rollout", "publish", "scoring (publish -> verdicts)",
+                           "trainer consume", "train step", "publish weights", "hand-off")
+"""The stages of one iteration, in the order they follow each other on the demo's clock."""
+
+
+@dataclass(frozen=True, slots=True)
+class IterationMarks:
+    """One iteration's ``time.perf_counter()`` readings; each but ``start`` ends a stage.
+
+    The trainer runs in the demo's event loop, beside the verdict tail: the two see the
+    iteration's last verdict at different moments, and the tail can see it only after
+    the train step (a synchronous callback) has run. So the marks are not ordered by
+    construction; :func:`iteration_stages` orders them.
+    """
+
+    start: float  # the iteration began (proxies about to reload their weights)
+    reloaded: float  # both proxies hold the newest weights
+    sampled: float  # every group of the iteration is sampled
+    published: float  # every record of the iteration is flushed to the broker
+    last_verdict: float  # the demo's verdict tail saw the last of the iteration's groups
+    batch_in: float  # the trainer's update callback got the batch (verdicts consumed, collated, shaped)
+    trained: float  # the update callback returned: every run stepped and its weights published
+    publish_weights_s: float  # the part of [batch_in, trained] spent writing the runs' weights
+    seen: float  # the demo loop saw the step
+
+
+def iteration_stages(m: IterationMarks) -> dict[str, float]:
+    """Seconds per stage (:data:`STAGES`) of one iteration: consecutive, never negative, summing to its wall time.
+
+    Each stage runs from the end of the one before to its own mark, marks taken in
+    order of :data:`STAGES` and each held at or after the previous one. Scoring ends at
+    the first sighting of the iteration's last verdict: by the tail (``last_verdict``)
+    or, when the trainer got its batch first, at ``batch_in`` (the batch proves every
+    verdict was there). The update callback's window is split into the weight writes it
+    measured and the train step (the rest: PPO-clip, statistics, log lines); ``hand-off``
+    is the demo loop waking up to the finished step.
+    """
+    ends = [m.reloaded, m.sampled, m.published, min(m.last_verdict, m.batch_in), m.batch_in, m.trained, m.seen]
+    bounds = [m.start]
+    for t in ends:
+        bounds.append(max(bounds[-1], t))
+    (reload, rollout, publish, scoring, consume, window, hand_off) = (b - a for a, b in zip(bounds, bounds[1:]))
+    weights = min(max(0.0, m.publish_weights_s), window)
+    return dict(zip(STAGES, (reload, rollout, publish, scoring, consume, window - weights, weights, hand_off)))
 
 
 @dataclass(slots=True)
@@ -82,9 +129,15 @@ def _statuses(rec: DemoRecord) -> bytes:
 
 
 def _latency(rec: DemoRecord) -> bytes:
+    return _png(latency_figure(rec))
+
+
+def latency_figure(rec: DemoRecord) -> Any:
+    """The per-stage latency chart: one stacked bar per iteration (a matplotlib figure)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    # constrained layout keeps the legend (below the axes) and the tick labels inside the figure
+    fig, ax = plt.subplots(figsize=(8, 4.2), layout="constrained")
     names = list(dict.fromkeys(k for s in rec.stages for k in s))
     bottom = [0.0] * len(rec.stages)
     xs = list(range(len(rec.stages)))
@@ -92,11 +145,14 @@ def _latency(rec: DemoRecord) -> bytes:
         vals = [s.get(name, 0.0) for s in rec.stages]
         ax.bar(xs, vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(xs, [f"iter {i}" for i in xs])
+    step = -(-len(xs) // 20) or 1  # plain numbers, at most 20 of them: every iteration up to 20
+    ax.set_xticks(xs[::step], [str(i) for i in xs[::step]])
+    ax.set_xlabel("iteration")
     ax.set_ylabel("seconds")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if names:
+        fig.legend(fontsize=8, loc="outside lower center", ncol=4, frameon=False)
     ax.grid(alpha=0.3, axis="y")
-    return _png(fig)
+    return fig
 
 
 def _rewards(rec: DemoRecord) -> bytes:

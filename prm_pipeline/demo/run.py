@@ -17,9 +17,11 @@ session succeeds only if every turn passed — while the judge marks each answer
    them with their ``policy_version`` (plus one discarded group; the first iteration
    also sends a group whose last member never arrives, rejected at the group deadline,
    and one with a member that is not concat export, rejected by the workers);
-4. one reference trainer consumes the verdicts (both runs' groups form one batch),
-   shapes advantages, and steps each run's own model with PPO-clip
-   (:class:`~prm_pipeline.demo.policy_update.PolicyUpdate`) on its rows — the outcome
+4. one reference trainer consumes the verdicts (both runs' groups of the update form
+   one batch: exactly those, checked), shapes advantages, and steps each run's own model
+   with PPO-clip (:class:`~prm_pipeline.demo.policy_update.PolicyUpdate`) on its rows,
+   ordered by group and session rather than by verdict arrival (:func:`rows_by_run`: the
+   two workers race, and the order would change the minibatches) — the outcome
    advantages for ``outcome``, the shaped ones for ``process`` — then publishes each
    run's new weights (``policy_version + 1``) for its proxy: the loops close;
 5. ``demo-report/index.html``: first the two learning curves (mean outcome per update,
@@ -113,11 +115,11 @@ def demo_config(cfg: PipelineConfig, *, judge_url: str, teacher_url: str, prompt
 class ModelServerProcess:
     """``prm-pipeline model-server`` as a child process; :meth:`wait_url` once it listens."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, seed: int = 0) -> None:
         self.log_path = log_path
         self.port = free_port()  # known up front, so the workers can start while the model loads
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prm_pipeline.cli", "model-server", "--port", str(self.port)],
+        self.proc = subprocess.Popen(  # the teacher: the runs' initial weights (the same seed)
+            [sys.executable, "-m", "prm_pipeline.cli", "model-server", "--port", str(self.port), "--seed", str(seed)],
             stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True)
 
     def wait_url(self) -> str:
@@ -170,27 +172,22 @@ class _Loop:
     """The trainer half of the closed loops: splits each batch by run, steps each run's model,
     publishes its weights, and logs what the report and the checks need."""
 
-    def __init__(self, stores: dict[str, Any], seed: int) -> None:
+    def __init__(self, stores: dict[str, Any], seed: int, prompts: int) -> None:
         self.runs = {name: _Run(name, stores[name], seed) for name in RUNS}
+        self.prompts = prompts
         self.done = asyncio.Event()
         self.records: list[dict[str, float]] = []  # one per run and step
         self.log: list[dict[str, Any]] = []  # trainer-log.jsonl
         self.advantages: list[tuple[float, float]] = []  # (outcome, shaped) of the process run
-        self.timings: list[dict[str, float]] = []
+        self.timings: list[dict[str, float]] = []  # per step: batch_in, trained (perf_counter), publish weights (s)
         self.rng = random.Random(seed)
 
     def __call__(self, batch: Any, shaped: Any) -> dict[str, float]:
+        batch_in = time.perf_counter()
         step = len(self.timings) + 1
-        timing = {"train step": 0.0, "publish weights": 0.0}
+        publish_s = 0.0
         out: dict[str, float] = {}
-        by_run: dict[str, list[int]] = {}
-        for i, gid in enumerate(batch.group_ids):
-            parsed = parse_group_id(gid)
-            if parsed is None:
-                raise RuntimeError(f"the demo trainer got a group outside both runs: {gid!r}")
-            by_run.setdefault(parsed[0], []).append(i)
-        if set(by_run) != set(RUNS):
-            raise RuntimeError(f"step {step}: the batch holds runs {sorted(by_run)}, expected {sorted(RUNS)}")
+        by_run = rows_by_run(batch, update=step - 1, prompts=self.prompts)
         for name, rows in by_run.items():
             run = self.runs[name]
             sub = _rows(batch, rows)
@@ -198,13 +195,11 @@ class _Loop:
             outcome_adv = shaped.outcome_advantages[rows]
             adv = outcome_adv if name == "outcome" else shaped.advantages[rows]
             process = (shaped.advantages[rows] - outcome_adv)[mask].abs()
-            t0 = time.perf_counter()
             stats = run.updater.step(sub, adv, mask)
-            t1 = time.perf_counter()
             run.version += 1
+            t1 = time.perf_counter()
             run.store.publish(run.policy.model, run.version)
-            timing["train step"] += t1 - t0
-            timing["publish weights"] += time.perf_counter() - t1
+            publish_s += time.perf_counter() - t1
             groups: dict[str, dict[str, float]] = {}  # group -> session -> outcome (branch rows repeat it)
             for i in rows:
                 groups.setdefault(batch.group_ids[i], {})[batch.session_ids[i]] = float(batch.rewards[i])
@@ -235,9 +230,32 @@ class _Loop:
             if name == "process":
                 pairs = list(zip(outcome_adv[mask].tolist(), shaped.advantages[rows][mask].tolist()))
                 self.advantages += self.rng.sample(pairs, min(len(pairs), 300))
-        self.timings.append(timing)
+        self.timings.append({"batch_in": batch_in, "trained": time.perf_counter(), "publish weights": publish_s})
         self.done.set()
         return out
+
+
+def rows_by_run(batch: Any, *, update: int, prompts: int) -> dict[str, list[int]]:
+    """Each run's rows of ``batch``, in an order that does not depend on when verdicts arrived.
+
+    The trainer's consumer collates groups in the order their verdicts reached it, and
+    two workers race to publish them; rows in arrival order would change the PPO
+    minibatches (and so the weights) from one run of a seed to the next. Rows are
+    ordered by group, session, trajectory and leaf instead. The batch must hold exactly
+    the ``prompts`` groups of every run sampled for ``update`` (0-based), nothing else.
+    """
+    want = {group_id(name, update, k) for name in RUNS for k in range(prompts)}
+    got = set(batch.group_ids)
+    if got != want:
+        raise RuntimeError(f"update {update + 1}: the batch holds groups {sorted(got - want)} it should not and "
+                           f"lacks {sorted(want - got)}")
+
+    def key(i: int) -> tuple[str, ...]:
+        return tuple(str(getattr(batch, name)[i]) if getattr(batch, name) else ""
+                     for name in ("group_ids", "session_ids", "trajectory_ids", "leaf_ids"))
+
+    order = sorted(range(len(batch.group_ids)), key=key)
+    return {name: [i for i in order if batch.group_ids[i].startswith(f"{name}-")] for name in RUNS}
 
 
 async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: int, prompts: int,
@@ -245,7 +263,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     import torch
 
     from prm_pipeline.demo.fake_judge import FakeJudgeServer
-    from prm_pipeline.demo.report import DemoRecord, write_report
+    from prm_pipeline.demo.report import DemoRecord, IterationMarks, iteration_stages, write_report
     from prm_pipeline.demo.rollout_proxy import RolloutConfig, RolloutProxy
     from prm_pipeline.demo.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
     from prm_pipeline.token_view import AUDIT_ENV, branch_views, demo_decoder, load_audit, render_html, verdict_record
@@ -256,7 +274,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     stage_setup: dict[str, float] = {}
     audit_path = workdir / "judge-audit.jsonl"
     os.environ[AUDIT_ENV] = str(audit_path)  # inherited by the workers (their judge audit sink)
-    server = ModelServerProcess(workdir / "model-server.log")
+    server = ModelServerProcess(workdir / "model-server.log", seed)
     judge = FakeJudgeServer()
     judge.start()
     created = await ensure_topics(cfg.kafka, cfg.topics)
@@ -272,7 +290,7 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
         stores[name].publish(policy.model, 0)
         proxies[name] = RolloutProxy(policy, RolloutConfig(group_size=group_size, seed=seed, min_turns=TURNS,
                                                            max_turns=TURNS), store=stores[name])
-    loop = _Loop(stores, seed)
+    loop = _Loop(stores, seed, prompts)
     if await asyncio.wait_for(asyncio.to_thread(server.wait_url), timeout=120) != teacher_url:
         raise RuntimeError(f"model-server is not listening on {teacher_url}; see {server.log_path}")
     stage_setup["model-server ready"] = time.perf_counter() - t_start
@@ -299,19 +317,16 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     try:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             for it in range(updates):
-                stage: dict[str, float] = {}
-                ts = time.perf_counter()
+                start = time.perf_counter()
                 for proxy in proxies.values():
                     proxy.reload()
-                stage["reload weights"] = time.perf_counter() - ts
-                ts = time.perf_counter()
+                reloaded = time.perf_counter()
                 groups = [proxies[name].group(group_id(name, it, k)) for name in RUNS for k in range(prompts)]
                 first = proxies["outcome"]
                 lost = first.group("it0-lost")[:-1] if it == 0 else []  # its last rollout never finishes
                 broken = _not_concat([first.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False)
                                       for i in range(group_size)]) if it == 0 else []
-                stage["rollout"] = time.perf_counter() - ts
-                ts = time.perf_counter()
+                sampled = time.perf_counter()
                 loop.done.clear()
                 await first.publish(pub, groups)
                 expect.update({g[0].group_id: ("accepted", "") for g in groups})
@@ -324,14 +339,16 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                     await pub.publish_many(broken)
                     expect["it0-broken"] = ("rejected", "not_concat_export")
                 await pub.flush()
-                stage["publish"] = time.perf_counter() - ts
-                ts = time.perf_counter()
-                await _await_verdicts(tail, procs, {g[0].group_id for g in groups}, timeout_s=120)
-                stage["scoring (publish -> verdicts)"] = time.perf_counter() - ts
-                ts = time.perf_counter()
+                published = time.perf_counter()
+                accepted = {g[0].group_id for g in groups}
+                await _await_verdicts(tail, procs, accepted, timeout_s=120)
                 await _wait_step(loop.done, trainer)
-                stage["trainer consume"] = time.perf_counter() - ts - sum(loop.timings[-1].values())
-                stage.update(loop.timings[-1])
+                timing = loop.timings[-1]
+                stage = iteration_stages(IterationMarks(
+                    start=start, reloaded=reloaded, sampled=sampled, published=published,
+                    last_verdict=max(tail.arrivals[g] for g in accepted), batch_in=timing["batch_in"],
+                    trained=timing["trained"], publish_weights_s=timing["publish weights"],
+                    seen=time.perf_counter()))
                 record.stages.append(stage)
                 last = {r["run"]: r for r in loop.records[-len(RUNS):]}
                 n_turns = sum(len(m.interactions) for g in groups for m in g)

@@ -44,6 +44,7 @@ def _assert_one_line_report(proc: subprocess.CompletedProcess[str], *needles: st
     return errors[0]
 
 
+@pytest.mark.slow  # the CLI as a child process
 @pytest.mark.parametrize("command", [["topics", "create"], ["worker"]])  # one of each set of needs (Command.needs)
 def test_command_without_kafka_waits_then_names_address_and_setting(command: list[str]) -> None:
     port = _closed_port()
@@ -55,6 +56,7 @@ def test_command_without_kafka_waits_then_names_address_and_setting(command: lis
     assert "not reachable (attempt 1" in proc.stderr and "not reachable (attempt 2" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # the CLI as a child process
 def test_missing_config_file_is_one_line_before_or_after_the_subcommand(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     for args, env in (
@@ -67,6 +69,7 @@ def test_missing_config_file_is_one_line_before_or_after_the_subcommand(tmp_path
         assert proc.returncode == 2
 
 
+@pytest.mark.slow  # the CLI as a child process
 def test_config_is_read_before_or_after_the_subcommand_and_from_prm_config(tmp_path: Path) -> None:
     """The file's own broker address shows up in the report, so the file was really read."""
     port = _closed_port()
@@ -171,6 +174,7 @@ worker:
 """
 
 
+@pytest.mark.slow  # the CLI as a child process
 @pytest.mark.parametrize(("command", "path", "entry", "kwargs", "needles"), [
     ("worker", "examples.prm.scorers.LengthBudgetScorer", "wieght: 0.5", "{}",
      ("rollout.agent.prm.scorers[0]: unknown key `wieght`; did you mean `weight`?",)),
@@ -193,6 +197,7 @@ def test_config_and_scorer_mistakes_are_one_line_exit_2_before_any_connection(
     assert line.startswith("config error:") and "not reachable" not in proc.stderr  # never waited for Kafka
 
 
+@pytest.mark.slow  # the CLI as a child process
 def test_publish_of_a_missing_file_exits_2_at_once_naming_it(tmp_path: Path) -> None:
     """Before: it waited kafka.startup_timeout_s for a broker, then talked about Kafka."""
     proc = _run("publish", "missing.jsonl", cwd=tmp_path,
@@ -225,6 +230,7 @@ def test_every_file_a_command_takes_is_checked_before_it_connects(tmp_path: Path
     assert problem("worker") is None
 
 
+@pytest.mark.slow  # the CLI as a child process
 def test_audit_without_kafka_exits_2_not_1_which_means_a_group_differs() -> None:
     port = _closed_port()
     proc = _run("audit", env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}"})
@@ -232,6 +238,7 @@ def test_audit_without_kafka_exits_2_not_1_which_means_a_group_differs() -> None
     assert proc.returncode == 2, proc.stderr
 
 
+@pytest.mark.slow  # the CLI as a child process
 @pytest.mark.parametrize("command", [["worker"], ["trainer", "--max-steps", "1"], ["gateway"]])
 def test_bad_event_loop_choice_is_a_config_error_before_connecting(command: list[str]) -> None:
     proc = _run(*command, env={"PRM_EVENT_LOOP": "tokio", "PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}",

@@ -92,13 +92,32 @@ def test_verdict_text_is_computed_from_the_curves() -> None:
     text = verdict_text(curves, [0.2, 0.4], window=2)
     assert text.startswith("Process rewards helped: with process rewards the mean outcome reached 0.62 after 3 "
                            "updates (mean of the last 2 updates; first reached 0.5 at update 2); with the outcome "
-                           "alone, 0.25 (never reached 0.5).")
+                           "alone, 0.25 (never reached 0.5). The difference, +0.38, is larger than the spread "
+                           "between groups over the last 2 updates (s.d. 0.12 with process rewards, 0.00 without")
     assert "Both started at 0.12 (same seed" in text and "30% of the advantage" in text
     swapped = {"outcome": Curve("outcome", curves["process"].groups), "process": Curve("process",
                                                                                         curves["outcome"].groups)}
     assert verdict_text(swapped, window=2).startswith("Process rewards did not help here: with process rewards "
                                                       "the mean outcome reached 0.25")
     assert verdict_text({}) == "Not enough updates in both runs to compare them."
+
+
+def test_verdict_text_claims_a_difference_only_beyond_the_spread_between_groups() -> None:
+    # the last 2 updates: process group means 0.75/0.25 and 0.5/0.5 (mean 0.5, s.d. 0.18);
+    # outcome 0.25/0.25 twice (0.25, s.d. 0): a difference of 0.25, larger than 0.18
+    wide = {"process": Curve("process", [{"a": 0.0}, {"a": 0.75, "b": 0.25}, {"a": 0.5, "b": 0.5}]),
+            "outcome": Curve("outcome", [{"a": 0.0}, {"a": 0.25, "b": 0.25}, {"a": 0.25, "b": 0.25}])}
+    assert verdict_text(wide, window=2).startswith("Process rewards helped")
+    # the same means, but the process run's groups spread wider than the difference (s.d. 0.40 > 0.25)
+    wider = {**wide, "process": Curve("process", [{"a": 0.0}, {"a": 1.0, "b": 0.0}, {"a": 0.75, "b": 0.25}])}
+    text = verdict_text(wider, window=2)
+    assert text.startswith("No difference beyond the spread between groups: with process rewards the mean outcome "
+                           "reached 0.50")
+    assert "The difference, +0.25, is not larger than the spread between groups over the last 2 updates (s.d. 0.40 " \
+           "with process rewards, 0.00 without" in text
+    swapped = {"process": Curve("process", wider["outcome"].groups), "outcome": Curve("outcome",
+                                                                                       wider["process"].groups)}
+    assert verdict_text(swapped, window=2).startswith("No difference beyond the spread")  # symmetric
 
 
 def test_the_task_outcome_is_sparse_and_the_turn_check_is_what_the_environment_answers() -> None:

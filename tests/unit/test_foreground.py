@@ -20,6 +20,7 @@ with StopSignals() as stop:
 """
 
 
+@pytest.mark.slow  # 10 child processes per signal
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_ends_the_wait_with_code_zero(sig: signal.Signals) -> None:
     for _ in range(10):

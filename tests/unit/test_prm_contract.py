@@ -95,6 +95,7 @@ def test_config_types_as_in_the_issue() -> None:
     assert type(scorer) is LengthBudgetScorer and scorer.max_output_tokens == 64
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_import_is_light() -> None:
     code = (
         "import sys, scoring_workers.prm, scoring_workers.scorers, scoring_workers.scorers.length_budget;"

@@ -310,6 +310,7 @@ def _special_inputs(n: int, mode: str) -> tuple[torch.Tensor, torch.Tensor, torc
     return a.view(16, -1), p.view(16, -1), mask.view(16, -1)
 
 
+@pytest.mark.slow  # torch.compile: seconds per mode
 @pytest.mark.parametrize("mode", SHAPING_MODES)
 def test_fused_kernels_match_eager_exactly(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled one-pass kernels give bit-identical results to the eager expressions
