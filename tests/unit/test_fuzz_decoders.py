@@ -66,6 +66,8 @@ from infra.schema import (
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import ExperimentMismatch, TrajectoryPublisher
 
+pytestmark = pytest.mark.slow  # about a minute of fuzzing: `make test` runs it, `make test-unit` does not
+
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "tests" / "vectors"
 
