@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -72,13 +71,6 @@ def is_retriable(exc: BaseException) -> bool:
 def is_permanent(exc: BaseException) -> bool:
     """A Kafka error that retrying cannot fix (the explicit list, or not flagged retriable)."""
     return isinstance(exc, kerr.KafkaError) and not is_retriable(exc)
-
-
-def backoff_delay(attempt: int, *, base_s: float = 0.1, cap_s: float = 10.0, jitter: bool = True) -> float:
-    """Bounded exponential backoff before retry ``attempt`` (1-based): ``min(cap, base * 2**attempt)``,
-    drawn from ``[d/2, d]`` with ``jitter`` so that workers hit by one outage do not retry in step."""
-    delay = min(cap_s, base_s * 2 ** min(attempt, 30))
-    return delay * random.uniform(0.5, 1.0) if jitter else delay
 
 
 def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] | None) -> int:

@@ -25,8 +25,9 @@ from urllib.parse import urlsplit
 
 from infra.config import KafkaConfig, PipelineConfig, RedisConfig
 from infra.errors import ServiceError
-from infra.kafka import KafkaAccessRefused, backoff_delay
+from infra.kafka import KafkaAccessRefused
 from infra.redis import RedisAccessError
+from infra.retry import backoff_delay
 
 log = logging.getLogger(__name__)
 

@@ -67,7 +67,6 @@ import asyncio
 import hashlib
 import logging
 import math
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,6 +82,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.config import RedisConfig
 from infra.redis import make_redis
+from infra.retry import RetryPolicy
 from infra.schema import SessionResult
 from scoring_workers.batching import Batcher
 from scoring_workers.ledger_scripts import LEDGER, DecideArgs, FinishArgs, Op, ParkArgs, argv
@@ -109,6 +109,10 @@ PARK_LINGER_S = 0.01  # a park whose group has members this worker probed and ha
 PARK_UNSEEN_LINGER_S = 0.025
 FINISH_LINGER_S = 0.25  # a finish after a published verdict waits this long for a call to ride along with
 FINISH_BACKOFF_S = (0.05, 5.0)  # a finish that failed transiently is sent again after 50 ms, doubling up to 5 s
+# The first retry waits FINISH_BACKOFF_S[0] (jittered down to half): base_s is half of it,
+# since the policy's pause before retry n is base_s * 2**n.
+FINISH_RETRY = RetryPolicy(retryable=lambda exc: isinstance(exc, TRANSIENT_ERRORS),
+                           base_s=FINISH_BACKOFF_S[0] / 2, cap_s=FINISH_BACKOFF_S[1])
 FLUSH_TIMEOUT_S = 10.0  # at close, pending finishes get this long to land (then the sweeper covers them)
 
 
@@ -661,26 +665,26 @@ class GroupLedger:
 
     async def _finish_until_landed(self, group_id: str) -> None:
         args = FinishArgs(fingerprint(group_id), self._done_ttl(group_id), group_id)
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                await self._ops.submit(_Op(group_id, args), linger_s=self._finish_linger_s)
-                return
-            except Exception as exc:  # noqa: BLE001 - logged, counted, retried or handed to the sweeper
-                if self.on_finish_error is not None:
-                    self.on_finish_error(exc)
-                if not isinstance(exc, TRANSIENT_ERRORS):
-                    log.error("ledger: finishing group %s failed (%s: %s); it stays decided and the sweeper "
-                              "re-publishes and finishes it", group_id, type(exc).__name__, exc)
-                    return
-                low, high = FINISH_BACKOFF_S
-                delay = min(high, low * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-                log.warning("ledger: finishing group %s failed (%s: %s, attempt %d); again in %.2fs", group_id,
-                            type(exc).__name__, exc, attempt, delay)
-                # the TTL this attempt carried may not have been set: the next one sets it again
-                args = msgspec.structs.replace(args, done_ttl_s=self.done_ttl_s + int(math.ceil(self.ttl_refresh_s)))
-                await asyncio.sleep(delay)
+
+        async def send() -> None:  # reads args and the linger anew at each attempt
+            await self._ops.submit(_Op(group_id, args), linger_s=self._finish_linger_s)
+
+        def on_retry(exc: BaseException, attempt: int, delay: float) -> None:
+            nonlocal args
+            if self.on_finish_error is not None:
+                self.on_finish_error(exc)
+            log.warning("ledger: finishing group %s failed (%s: %s, attempt %d); again in %.2fs", group_id,
+                        type(exc).__name__, exc, attempt, delay)
+            # the TTL this attempt carried may not have been set: the next one sets it again
+            args = msgspec.structs.replace(args, done_ttl_s=self.done_ttl_s + int(math.ceil(self.ttl_refresh_s)))
+
+        try:
+            await FINISH_RETRY.run(send, what=f"finishing group {group_id}", on_retry=on_retry)
+        except Exception as exc:  # noqa: BLE001 - logged, counted and handed to the sweeper
+            if self.on_finish_error is not None:
+                self.on_finish_error(exc)
+            log.error("ledger: finishing group %s failed (%s: %s); it stays decided and the sweeper "
+                      "re-publishes and finishes it", group_id, type(exc).__name__, exc)
 
     def _done_ttl(self, group_id: str) -> int:
         """The TTL to set on the group's newest done set with this finish, or 0 when this

@@ -72,10 +72,11 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from infra import reasons
 from infra.config import PipelineConfig
 from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, scoped_group, split_scoped, verdicts_topic
-from infra.kafka import backoff_delay, is_permanent, is_retriable, make_consumer, make_producer
+from infra.kafka import is_permanent, is_retriable, make_consumer, make_producer
 from infra.offsets import OffsetCommitter
 from infra.redis import verify_access
 from infra.registry import RegistryFollower
+from infra.retry import RetryPolicy
 from infra.schema import (
     DiscardGroup,
     GroupVerdict,
@@ -172,6 +173,12 @@ def default_worker_id() -> str:
 def is_transient(exc: BaseException) -> bool:
     """An outage worth waiting for: Redis unavailable/loading/full, or a retriable Kafka or network error."""
     return isinstance(exc, REDIS_TRANSIENT_ERRORS) or is_retriable(exc)
+
+
+# A record's transient errors are retried with jittered backoff (workers hit by one outage
+# do not retry in step); a plumbing call's (:meth:`Worker._with_retry`) without jitter.
+RECORD_RETRY = RetryPolicy(retryable=is_transient)
+CALL_RETRY = RetryPolicy(retryable=is_transient, jitter=False)
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -603,6 +610,10 @@ class Worker:
         label = job.kind.value
         self.telemetry.experiment_records.labels(
             route.experiment_id if route.experiment is not None else UNKNOWN_LABEL, label).inc()
+        # Not RECORD_RETRY.run: this loop also retries permanent errors (up to
+        # worker.max_attempts, then dead-letters the record), counts every attempt as
+        # consumed, keeps the attempt on the job and drops the job's probe before a retry;
+        # it takes only the policy's delays.
         while True:
             job.attempt += 1
             try:
@@ -610,9 +621,9 @@ class Worker:
                 await handle(job)
                 return
             except Exception as exc:
-                if is_transient(exc):
+                if RECORD_RETRY.retryable(exc):
                     self.telemetry.retries.labels(type(exc).__name__).inc()
-                    delay = backoff_delay(job.attempt)
+                    delay = RECORD_RETRY.delay(job.attempt)
                     log.warning("worker %s: transient %s on %s:%d offset %d (attempt %d), retrying in %.2fs",
                                 self.worker_id, type(exc).__name__, record.topic, record.partition, record.offset,
                                 job.attempt, delay)
@@ -629,19 +640,12 @@ class Worker:
                 job.probe = None
 
     async def _with_retry(self, op: Any, what: str) -> Any:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await op()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                self.telemetry.retries.labels(type(exc).__name__).inc()
-                delay = backoff_delay(attempt, jitter=False)
-                log.warning("worker %s: transient %s during %s, retrying in %.2fs", self.worker_id,
-                            type(exc).__name__, what, delay)
-                await asyncio.sleep(delay)
+        """``await op()``, transient errors retried (:data:`CALL_RETRY`), each counted and logged."""
+        def on_retry(exc: BaseException, _attempt: int, delay: float) -> None:
+            self.telemetry.retries.labels(type(exc).__name__).inc()
+            log.warning("worker %s: transient %s during %s, retrying in %.2fs", self.worker_id,
+                        type(exc).__name__, what, delay)
+        return await CALL_RETRY.run(op, what=what, on_retry=on_retry)
 
     # ------------------------------------------------------------------ handlers
     async def _handle_ready(self, job: Job) -> None:

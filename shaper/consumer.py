@@ -62,7 +62,6 @@ redelivered record whose key is unknown to the instance and the store counts aga
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sqlite3
@@ -79,9 +78,10 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.config import PipelineConfig
 from infra.experiments import check_experiment_id, scoped_group, trajectories_topic, verdicts_topic
-from infra.kafka import backoff_delay, is_retriable, make_consumer
+from infra.kafka import is_retriable, make_consumer
 from infra.offsets import OffsetCommitter
 from infra.readback import VerdictTokens, needs_tokens
+from infra.retry import RetryPolicy
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
 from infra.throttle import Every
 
@@ -92,6 +92,9 @@ from .metrics import VerdictMetrics
 __all__ = ["DedupeKey", "DedupeStore", "SqliteDedupeStore", "VerdictConsumer"]
 
 log = logging.getLogger(__name__)
+
+# Reading members' tokens back: a broker outage is waited out with jittered backoff.
+TOKENS_RETRY = RetryPolicy(retryable=is_retriable)
 
 DedupeKey = tuple[str, str, int]
 """``(experiment_id, group_id, verdict_version)``: the identity of a verdict (docs/architecture.md,
@@ -569,20 +572,13 @@ class VerdictConsumer:
                 and not self._is_duplicate((v.experiment_id, v.group_id, v.verdict_version))]
         if not todo:
             return
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                resolved = await self._tokens.resolve([decoded[i][2] for i in todo])  # type: ignore[misc]
-                break
-            except Exception as exc:
-                if not is_retriable(exc):
-                    raise
-                delay = backoff_delay(attempt)
-                log.warning("reading members' tokens back from %s failed (%s: %s); retrying in %.1fs",
-                            trajectories_topic(self.cfg.topics.trajectories, self.experiment), type(exc).__name__,
-                            exc, delay)
-                await asyncio.sleep(delay)
+        def on_retry(exc: BaseException, _attempt: int, delay: float) -> None:
+            log.warning("reading members' tokens back from %s failed (%s: %s); retrying in %.1fs",
+                        trajectories_topic(self.cfg.topics.trajectories, self.experiment), type(exc).__name__,
+                        exc, delay)
+        resolved = await TOKENS_RETRY.run(
+            lambda: self._tokens.resolve([decoded[i][2] for i in todo]),  # type: ignore[misc]
+            what="reading members' tokens back", on_retry=on_retry)
         for i, verdict in zip(todo, resolved):
             decoded[i] = (decoded[i][0], decoded[i][1], verdict)
 

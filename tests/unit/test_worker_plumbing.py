@@ -9,7 +9,8 @@ import msgspec
 import pytest
 from aiokafka import errors as kerr
 
-from infra.kafka import backoff_delay, is_permanent, is_retriable, record_size
+from infra.kafka import is_permanent, is_retriable, record_size
+from infra.retry import backoff_delay
 from infra.schema import GroupVerdict, SessionResult, TokenRef, compact_turns, encode
 from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.batching import Batcher
