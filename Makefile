@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy
-	$(BIN)/python -m pip install -q -e ".[local,dev,demo]"
+	$(BIN)/python -m pip install -q -e ".[local,dev,demo,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -23,7 +23,6 @@ def test_unknown_embedded_broker_is_refused(tmp_path: Path) -> None:
 
 
 async def test_noida_behind_the_counting_proxy(tmp_path: Path) -> None:
-    pytest.importorskip("noida_db", reason="the 'bench' extra (noida-db) is not installed")
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     from tests.perf.kafka_proxy import KafkaCountingProxy
