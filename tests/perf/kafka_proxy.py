@@ -19,88 +19,53 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-import threading
+
+from tests.security.tlsproxy import TlsProxy
 
 HOST = b"127.0.0.1"
 REWRITTEN_APIS = (3, 10)  # Metadata, FindCoordinator
 
 
-class KafkaCountingProxy:
-    """``127.0.0.1:port`` -> ``127.0.0.1:upstream_port``, counting bytes, rewriting advertised ports."""
+class KafkaCountingProxy(TlsProxy):
+    """``127.0.0.1:port`` -> ``127.0.0.1:upstream_port`` (plain TCP), counting bytes, rewriting advertised ports."""
 
     def __init__(self, upstream_port: int, *, port: int = 0) -> None:
-        self.upstream_port, self.port = upstream_port, port
-        self.bytes_in = 0
-        self.bytes_out = 0
+        super().__init__(upstream_port, port=port)
         self.rewrites = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kafka-proxy", daemon=True)
-        self._server: asyncio.base_events.Server | None = None
-        self._conns: set[asyncio.Task[None]] = set()
 
-    def start(self) -> KafkaCountingProxy:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter) -> None:
+        rewrite: set[bytes] = set()  # correlation ids (raw) of requests whose answers name the broker
+        old = HOST + struct.pack(">i", self.upstream_port)
+        new = HOST + struct.pack(">i", self.port)
 
-    async def _start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        async def requests() -> None:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+                while True:
+                    head = await reader.readexactly(4)
+                    frame = await reader.readexactly(struct.unpack(">i", head)[0])
+                    if struct.unpack_from(">h", frame)[0] in REWRITTEN_APIS:
+                        rewrite.add(frame[4:8])
+                    self.bytes_in += 4 + len(frame)
+                    up_w.write(head + frame)
+                    await up_w.drain()
+            with contextlib.suppress(Exception):
+                up_w.close()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._conns.add(task)  # type: ignore[arg-type]
-        try:
-            try:
-                up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-            except OSError:
+        async def responses() -> None:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+                while True:
+                    head = await up_r.readexactly(4)
+                    frame = await up_r.readexactly(struct.unpack(">i", head)[0])
+                    if rewrite and frame[:4] in rewrite:
+                        rewrite.discard(frame[:4])
+                        if old in frame:
+                            frame = frame.replace(old, new)
+                            self.rewrites += 1
+                    self.bytes_out += 4 + len(frame)
+                    writer.write(head + frame)
+                    await writer.drain()
+            with contextlib.suppress(Exception):
                 writer.close()
-                return
-            rewrite: set[bytes] = set()  # correlation ids (raw) of requests whose answers name the broker
-            old = HOST + struct.pack(">i", self.upstream_port)
-            new = HOST + struct.pack(">i", self.port)
 
-            async def requests() -> None:
-                with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-                    while True:
-                        head = await reader.readexactly(4)
-                        frame = await reader.readexactly(struct.unpack(">i", head)[0])
-                        if struct.unpack_from(">h", frame)[0] in REWRITTEN_APIS:
-                            rewrite.add(frame[4:8])
-                        self.bytes_in += 4 + len(frame)
-                        up_w.write(head + frame)
-                        await up_w.drain()
-                with contextlib.suppress(Exception):
-                    up_w.close()
-
-            async def responses() -> None:
-                with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-                    while True:
-                        head = await up_r.readexactly(4)
-                        frame = await up_r.readexactly(struct.unpack(">i", head)[0])
-                        if rewrite and frame[:4] in rewrite:
-                            rewrite.discard(frame[:4])
-                            if old in frame:
-                                frame = frame.replace(old, new)
-                                self.rewrites += 1
-                        self.bytes_out += 4 + len(frame)
-                        writer.write(head + frame)
-                        await writer.drain()
-                with contextlib.suppress(Exception):
-                    writer.close()
-
-            await asyncio.gather(requests(), responses())
-        finally:
-            self._conns.discard(task)  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        async def _stop() -> None:
-            if self._server is not None:
-                self._server.close()
-            for t in list(self._conns):
-                t.cancel()
-
-        if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+        await asyncio.gather(requests(), responses())

@@ -17,6 +17,7 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -115,7 +116,7 @@ class TlsProxy:
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
 
-    def start(self) -> TlsProxy:
+    def start(self) -> Self:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self
@@ -136,22 +137,27 @@ class TlsProxy:
             except OSError:
                 writer.close()
                 return
-
-            async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, inbound: bool) -> None:
-                with contextlib.suppress(OSError, ssl.SSLError, asyncio.IncompleteReadError):
-                    while data := await src.read(65536):
-                        if inbound:
-                            self.bytes_in += len(data)
-                        else:
-                            self.bytes_out += len(data)
-                        dst.write(data)
-                        await dst.drain()
-                with contextlib.suppress(Exception):
-                    dst.close()
-
-            await asyncio.gather(pipe(reader, up_w, True), pipe(up_r, writer, False))
+            await self._relay(reader, writer, up_r, up_w)
         finally:
             self._conns.discard(task)  # type: ignore[arg-type]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter) -> None:
+        """Forward bytes both ways until either side closes (a subclass may read frames instead)."""
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, inbound: bool) -> None:
+            with contextlib.suppress(OSError, ssl.SSLError, asyncio.IncompleteReadError):
+                while data := await src.read(65536):
+                    if inbound:
+                        self.bytes_in += len(data)
+                    else:
+                        self.bytes_out += len(data)
+                    dst.write(data)
+                    await dst.drain()
+            with contextlib.suppress(Exception):
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_w, True), pipe(up_r, writer, False))
 
     def stop(self) -> None:
         async def _stop() -> None:
@@ -165,7 +171,7 @@ class TlsProxy:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
 
-    def __enter__(self) -> TlsProxy:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
