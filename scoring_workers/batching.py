@@ -83,6 +83,11 @@ class Batcher(Generic[T, R]):
                 if not fut.done():
                     fut.set_result(result)
 
+    @property
+    def lingering(self) -> bool:
+        """Whether every pending item is waiting for company (the drain sleeps until one is due)."""
+        return self._wake is not None
+
     def hurry(self) -> None:
         """Send what lingers now (at shutdown: nothing must wait for company that will not come)."""
         now = asyncio.get_running_loop().time()

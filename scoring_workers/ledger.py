@@ -647,6 +647,11 @@ class GroupLedger:
         task.add_done_callback(lambda t, g=group_id: self._finishing.get(g) is t and self._finishing.pop(g))
 
     @property
+    def lingering(self) -> bool:
+        """Whether the ledger's next call is waiting for company (lingering work, no urgent call yet)."""
+        return self._ops.lingering
+
+    @property
     def pending_finishes(self) -> int:
         """Finishes handed to :meth:`finish_soon` that have not landed yet."""
         return len(self._finishing)

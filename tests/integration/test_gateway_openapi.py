@@ -43,7 +43,6 @@ CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conform
 
 async def test_schemathesis_finds_no_5xx_and_no_answer_outside_the_document(kafka_bootstrap, redis_url, unique_name,
                                                                             tmp_path) -> None:
-    pytest.importorskip("schemathesis")
     cfg = isolated_config(unique_name, kafka_bootstrap, redis_url, scorers=[BUDGET])
     async with running_worker(cfg, "w-gw-fuzz"), gateway(cfg, verdict_timeout_s=20.0) as url:
         proc = await asyncio.create_subprocess_exec(

@@ -24,6 +24,14 @@ from scoring_workers.verdicts import assemble_verdict, encode_scorers
 pytestmark = pytest.mark.integration
 
 
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    """Poll ``condition`` (yielding to the loop) until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s"
+        await asyncio.sleep(0.001)
+
+
 def _cluster_cmd(port: int, *args: str) -> bytes:
     payload = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
     with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
@@ -342,7 +350,7 @@ async def test_a_lazy_finish_rides_along_with_the_next_call(redis_url: str, monk
         assert decision is not None and decision.outcome == "decided_now"
         before = await led.view.command_calls()
         led.finish_soon(g)  # returns at once: the caller releases its record
-        await asyncio.sleep(0.05)
+        await _until(lambda: led.lingering)
         assert led.pending_finishes == 1 and await led.redis.exists(led.group_key(g))
         assert await led.park(_member("a"), group_id=h, group_size=2, **ARGS) == ("parked", None)
         deadline = time.monotonic() + 30
@@ -411,7 +419,7 @@ async def test_a_park_does_not_wait_for_a_pending_finish_longer_than_its_own_lin
         _, decision = await led.park(_member("a"), group_id=g, group_size=1, **ARGS)
         assert decision is not None
         led.finish_soon(g)
-        await asyncio.sleep(0.05)  # the finish lingers now
+        await _until(lambda: led.lingering)  # the finish lingers now
         led.expect([(h, "a"), (h, "b")])  # b never comes: a's park waits PARK_LINGER_S, not the finish's 600 s
         assert await asyncio.wait_for(led.park(_member("a"), group_id=h, group_size=2, **ARGS), 5) == ("parked", None)
         deadline = time.monotonic() + 5

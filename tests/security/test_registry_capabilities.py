@@ -115,7 +115,6 @@ def test_the_operators_own_config_uses_profiles_too() -> None:
 
 def test_an_hf_tokenizer_never_runs_its_code_unless_the_operator_trusts_it_by_name(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("transformers")  # the demo extra, installed by `make test`
     from scoring_workers.scorers.opd import hf_chat_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -36,9 +36,10 @@ def test_the_committed_openapi_document_is_the_generated_one() -> None:
 
 
 def test_the_document_is_valid_openapi_3_1_and_declares_every_route_and_error() -> None:
-    validator = pytest.importorskip("openapi_spec_validator")
+    import openapi_spec_validator
+
     doc = openapi_document()
-    validator.validate(doc)
+    openapi_spec_validator.validate(doc)
     assert doc["openapi"] == "3.1.0"
     for path in ("/openrlhf", "/slime", "/v1/score"):
         responses = doc["paths"][path]["post"]["responses"]
