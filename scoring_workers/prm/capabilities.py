@@ -29,7 +29,6 @@ refuse the same records with the same words, before anything is built or sent.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -65,20 +64,11 @@ def settable_fields(cls: type) -> tuple[str, ...]:
 
 def constructor_arguments(cls: type) -> list[str]:
     """Every keyword argument ``cls(...)`` takes beyond ``weight``/``enabled`` (its own and,
-    through ``**kwargs`` handed up, its parents')."""
-    names: list[str] = []
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None or klass is object:
-            continue
-        params = list(inspect.signature(init).parameters.values())[1:]
-        for p in params:
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in names \
-                    and p.name not in ("weight", "enabled"):
-                names.append(p.name)
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            break
-    return names
+    through ``**kwargs`` handed up, its parents'), as the kwargs check reads them."""
+    from scoring_workers.prm.resolve import _arguments
+
+    arguments = _arguments(cls)
+    return [] if arguments is None else [n for n in arguments[0] if n not in ("weight", "enabled")]
 
 
 def _why_operator_only(cls: type, name: str) -> str:
