@@ -50,9 +50,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from infra.bounded_json import json_depth
 from infra.config import ConfigError, GatewayConfig, PipelineConfig
 from infra.errors import WireError
 from prm_pipeline.gateway_api import (
+    MAX_BODY_DEPTH,
     MAX_ITEMS,
     Error,
     OpenRLHFRequest,
@@ -128,7 +130,13 @@ class _Limits:
 
 # --------------------------------------------------------------------------- request parsing
 def decode(raw: bytes, kind: type[msgspec.Struct]) -> Any:
-    """``raw`` as ``kind``, or :class:`BadRequest` whose message names the field (msgspec's path)."""
+    """``raw`` as ``kind``, or :class:`BadRequest` whose message names the field (msgspec's path).
+
+    The body's nesting is bounded before decoding (:func:`infra.bounded_json.json_depth`, the
+    registry's bound too): the decoder recurses per level, so nothing deeper ever reaches it.
+    """
+    if json_depth(raw, MAX_BODY_DEPTH) > MAX_BODY_DEPTH:
+        raise BadRequest(f"body nests JSON deeper than {MAX_BODY_DEPTH} levels - at `$`")
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
@@ -136,8 +144,6 @@ def decode(raw: bytes, kind: type[msgspec.Struct]) -> Any:
         raise BadRequest(_one_line(message if " - at `$" in message else f"{message} - at `$`")) from None
     except msgspec.DecodeError as exc:  # not JSON; msgspec says where, never what
         raise BadRequest(f"body is not valid JSON ({exc})") from None
-    except RecursionError:  # nesting under a field the struct does not declare, or in free-form JSON
-        raise BadRequest("body nests JSON deeper than the gateway decodes - at `$`") from None
 
 
 def _one_line(message: str) -> str:

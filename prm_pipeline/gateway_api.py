@@ -46,6 +46,9 @@ MAX_MESSAGES = 4096
 MAX_DEPTH = 32
 """Nesting of free-form JSON (``labels``, ``label``, a message's fields): decoding deeper
 structures recurses, so they are refused rather than followed."""
+MAX_BODY_DEPTH = 2 * MAX_DEPTH
+"""Nesting of a whole body, checked on its bytes before decoding (the declared structure adds
+at most five levels above a free-form field, whose own bound names the field)."""
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1, description="a token id: int32, non-negative")]
 TokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
