@@ -67,7 +67,8 @@ class Experiment:
     trajectories_topic: str = ""
     verdicts_topic: str = ""
     retire_at: float | None = None  # monotonic deadline once removed from the registry
-    in_flight: set[asyncio.Task[Any]] = field(default_factory=set)
+    # its records being processed -> the task processing each (a poll's batch processes several)
+    in_flight: dict[Any, asyncio.Task[Any]] = field(default_factory=dict)
 
     @property
     def state(self) -> str:
@@ -249,7 +250,7 @@ class Fleet:
         """Close ``experiment``'s runner once the records it is scoring are done."""
         if experiment.runner is None or experiment.spec is None:
             return
-        pending = [t for t in experiment.in_flight if not t.done()]
+        pending = [t for t in set(experiment.in_flight.values()) if not t.done()]
 
         async def close() -> None:
             if pending:

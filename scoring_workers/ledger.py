@@ -282,6 +282,21 @@ class _Op:
     item: _Probe | _Due | _Park | DecideArgs | FinishArgs
 
 
+@dataclass(frozen=True, slots=True)
+class ParkRequest:
+    """One member to park: its result (token turns are dropped: they stay in Kafka at
+    ``partition``/``offset``) and its group's parameters."""
+
+    result: SessionResult
+    group_id: str
+    group_size: int
+    group_timeout_s: float
+    worker_id: str
+    scorers: bytes
+    partition: int = -1
+    offset: int = -1
+
+
 def group_key(prefix: str, group_id: str) -> str:
     """The group's hash: its state, its parked members (``m:<trajectory_id>``) and their count."""
     return f"{prefix}:{{{group_id}}}:group"
@@ -545,29 +560,51 @@ class GroupLedger:
                    offset: int = -1) -> tuple[Outcome, Decision | None]:
         """Store a member's result (its token turns stay in Kafka at ``partition``/``offset``);
         if it completes the group, or failed (the group is rejected either way), decide the
-        group too.
+        group too. One :meth:`park_many` of one member."""
+        (answer,) = await self.park_many([ParkRequest(result, group_id, group_size, group_timeout_s, worker_id,
+                                                      scorers, partition, offset)])
+        return answer
 
-        Returns ``(outcome, decision)``; ``decision`` is set when the group was decided in
-        this step (``decided_now`` for the caller that must publish). Parks of concurrent
-        records share one call; the park that creates the group adds its deadline index entry.
-        While other members of the group that this worker probed are still unparked (being
-        scored), a park that cannot decide waits up to ``PARK_LINGER_S`` for them, so the
-        group's members share a call; the last one (or a failed one) never waits.
+    async def park_many(self, requests: Sequence[ParkRequest]) -> list[tuple[Outcome, Decision | None]]:
+        """Park several members in one call (a worker's poll), in order: a failed member
+        parked after its groupmates of the same call finds them parked.
+
+        Returns one ``(outcome, decision)`` per request; ``decision`` is set when the group
+        was decided in this step (``decided_now`` for the caller that must publish). Parks
+        of concurrent callers share one call; the park that creates the group adds its
+        deadline index entry. While other members of a group that this worker probed are
+        still unparked (being scored), or fewer of its members than its size have come
+        here, the call waits up to ``PARK_LINGER_S`` (``PARK_UNSEEN_LINGER_S``) for them,
+        so the group's members share a call; a call that decides a group (its last member,
+        or a failed one) never waits.
         """
-        member = ParkedMember(msgspec.structs.replace(result, turns=[]), partition, offset)
-        failed = result.status == "failed"
-        awaited = self._awaited.get(group_id, set())
-        awaited.discard(result.trajectory_id)
-        if not awaited:
-            self._awaited.pop(group_id, None)
-        if len(self._parked_here) >= FRESH_GROUPS:
-            self._parked_here.clear()  # forgetting only costs a park its company
-        here = self._parked_here[group_id] = self._parked_here.get(group_id, 0) + 1
-        linger_s = 0.0 if failed else PARK_LINGER_S if awaited else PARK_UNSEEN_LINGER_S if here < group_size else 0.0
-        raw = await self._ops.submit(_Op(group_id, _Park(
-            result.trajectory_id, _ENCODER.encode(member), group_size, group_timeout_s, worker_id, scorers,
-            failed, self._state_ttl(group_timeout_s), self._fresh.pop(group_id, None))),
-            linger_s=linger_s)
+        for r in requests:  # parked together: company, not awaited
+            awaited = self._awaited.get(r.group_id)
+            if awaited is not None:
+                awaited.discard(r.result.trajectory_id)
+                if not awaited:
+                    del self._awaited[r.group_id]
+        ops: list[_Op] = []
+        since: dict[str, int | None] = {}
+        linger_s: float | None = None
+        for r in requests:
+            group_id, failed = r.group_id, r.result.status == "failed"
+            if len(self._parked_here) >= FRESH_GROUPS:
+                self._parked_here.clear()  # forgetting only costs a park its company
+            here = self._parked_here[group_id] = self._parked_here.get(group_id, 0) + 1
+            wait_s = (0.0 if failed else PARK_LINGER_S if group_id in self._awaited
+                      else PARK_UNSEEN_LINGER_S if here < r.group_size else 0.0)
+            linger_s = wait_s if linger_s is None else min(linger_s, wait_s)
+            if group_id not in since:
+                since[group_id] = self._fresh.pop(group_id, None)
+            member = ParkedMember(msgspec.structs.replace(r.result, turns=[]), r.partition, r.offset)
+            ops.append(_Op(group_id, _Park(
+                r.result.trajectory_id, _ENCODER.encode(member), r.group_size, r.group_timeout_s, r.worker_id,
+                r.scorers, failed, self._state_ttl(r.group_timeout_s), since[group_id])))
+        raws = await self._ops.submit_many(ops, linger_s=linger_s or 0.0)
+        return [self._parked(r.group_id, raw) for r, raw in zip(requests, raws)]
+
+    def _parked(self, group_id: str, raw: Sequence[Any]) -> tuple[Outcome, Decision | None]:
         outcome = Outcome(raw[0].decode())
         if len(raw) < 3:
             if outcome is not Outcome.PARKED:  # decided or finished already: no company to wait for

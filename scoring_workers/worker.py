@@ -93,10 +93,11 @@ from infra.schema import (
 from infra.throttle import LogThrottle
 from scoring_workers.chunked import WorkerChunks
 from scoring_workers.dead_letters import ProcessingError, capped_letter, group_of
+from scoring_workers.eager import Resume
 from scoring_workers.fair_share import slot_caps
 from scoring_workers.fleet import Experiment, Fleet
 from scoring_workers.heartbeat import Heartbeat
-from scoring_workers.ledger import TRANSIENT_ERRORS, Decision, DecisionKind, GroupLedger, Outcome
+from scoring_workers.ledger import TRANSIENT_ERRORS, Decision, DecisionKind, GroupLedger, Outcome, ParkRequest
 from scoring_workers.probe_marks import ProbeMarks
 from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
@@ -133,14 +134,16 @@ class JobKind(Enum):
     INVALID = "invalid"  # did not decode, or broke a schema rule: a dead letter
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Job:
     """One fetched record, decoded once into what the worker does with it.
 
     ``extra``: offsets of the other chunks of a chunked trajectory (same partition),
     finished with it; ``probe``: what the ledger said before scoring (None: ask when it
     starts); ``earlier``: the in-flight members of its group consumed before it (a failed
-    member waits for them before it parks); ``attempt``: the current attempt."""
+    member waits for them before it parks); ``attempt``: the current attempt; ``result``:
+    its scoring result once scored (a poll's batch that falls back to this record alone
+    parks it without scoring it again)."""
 
     kind: JobKind
     record: ConsumerRecord
@@ -149,8 +152,11 @@ class Job:
     extra: list[int]
     consumed_at: float
     probe: Outcome | None = None
-    earlier: tuple[asyncio.Task[None], ...] = ()
+    earlier: tuple[asyncio.Future[Any], ...] = ()
     attempt: int = 0
+    result: SessionResult | None = None
+    slots: dict[Any, asyncio.Task[None]] | None = None  # while counted in flight: its experiment's slots
+    counted: bool = False  # counted in the worker's records in flight
 
     @property
     def tp(self) -> TopicPartition:
@@ -210,6 +216,7 @@ class Worker:
         self._runner = runner
         self._owns_runner = runner is None
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
+        self._in_flight = 0  # records in the tasks, until each one's outcome is durable
         self._discards: dict[str, asyncio.Task[None]] = {}  # scoped group -> in-flight DiscardGroup
         self._members: dict[str, set[asyncio.Task[None]]] = {}  # scoped group -> in-flight members
         self.fleet = Fleet(cfg, runner)
@@ -221,6 +228,7 @@ class Worker:
         self._tokens = MemberTokens(cfg)
         self._chunks = WorkerChunks()
         self._marks = ProbeMarks()
+        self._waits: set[str] = set()  # experiments whose scoring waited once: their records take a task each
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
         self._duplicates_log = LogThrottle(log, burst=20, window_s=60.0)  # duplicates are normal, but say so
@@ -319,7 +327,7 @@ class Worker:
         while not stop.is_set():
             self._apply_backpressure()
             self._release_held()
-            room = max(1, self.concurrency - len(self._tasks))
+            room = max(1, self.concurrency - self._in_flight)
             batch = await self.consumer.getmany(
                 timeout_ms=self._poll_timeout_ms(next_sweep), max_records=min(room, self.cfg.worker.poll_max_records)
             )
@@ -344,7 +352,7 @@ class Worker:
                 last_lag = now
             if registry is None or registry.done():
                 registry = self._background("registry", self._follow_registry())
-        log.info("worker %s stopping: draining %d in-flight records", self.worker_id, len(self._tasks))
+        log.info("worker %s stopping: draining %d in-flight records", self.worker_id, self._in_flight)
         if registry is not None:
             registry.cancel()
         for step in (sweeper, lag):
@@ -383,7 +391,7 @@ class Worker:
         last poll): partitions assigned while full are paused too, and only partitions
         still ours are resumed.
         """
-        full = len(self._tasks) >= self.concurrency
+        full = self._in_flight >= self.concurrency
         experiments = list(self.fleet)
         if len(experiments) == 1 or full:
             if len(experiments) == 1:
@@ -500,6 +508,10 @@ class Worker:
         return Job(kind, record, message, self._route(record, message), extra, consumed_at)
 
     async def _dispatch(self, records: list[ConsumerRecord]) -> None:
+        """Decode a poll, probe what needs it in one call, then start its work: per partition,
+        one task for the members that need nothing but scoring and parking
+        (:meth:`_process_batch`), one task per other record (:meth:`_spawn`). Records of an
+        experiment at its slot cap are held, in order, until it has room."""
         jobs = self._decode(records)
         ready = [j for j in jobs if j.kind is JobKind.READY and j.route.experiment is not None]
         probed: list[Job] = []
@@ -517,18 +529,47 @@ class Worker:
                 job.probe = answer
         self.telemetry.probes.labels("probed").inc(len(probed))
         self.telemetry.probes.labels("skipped").inc(len(ready) - len(probed))
+        start: list[Job] = []
+        planned: dict[str, int] = {}  # records of each experiment started by this poll so far
         for job in jobs:
             owner = self.fleet.of_topic(job.record.topic)
-            if owner is not None and (owner.experiment_id in self._held or self._at_cap(owner)):
+            if owner is not None and (owner.experiment_id in self._held or self._at_cap(
+                    owner, planned.get(owner.experiment_id, 0))):
                 self._committer.tracker.begin(job.tp, job.record.offset)
                 self._held.setdefault(owner.experiment_id, deque()).append(job)
-            else:
+                continue
+            if owner is not None:
+                planned[owner.experiment_id] = planned.get(owner.experiment_id, 0) + 1
+            start.append(job)
+        batches: dict[TopicPartition, list[Job]] = {}
+        alone = self._alone(start)
+        for job in start:
+            if job.route.scoped in alone:
                 self._spawn(job)
+            else:
+                batches.setdefault(job.tp, []).append(job)
+        for batch in batches.values():
+            self._spawn_batch(batch)
         self._release_held()
 
-    def _at_cap(self, experiment: Experiment) -> bool:
+    def _alone(self, jobs: list[Job]) -> set[str | None]:
+        """The groups whose records of this poll each take a task of their own: those with a
+        discard, an invalid record, a member already known to the ledger (a redelivery) or
+        an unknown experiment among them, those behind a discard in flight, and those of an
+        experiment whose scoring waits (a judge: its members must not wait for each other
+        to park). The other
+        groups' members only need scoring and parking: a poll's batch does that for them."""
+        alone: set[str | None] = {None}
+        for job in jobs:
+            scoped = job.route.scoped
+            if (job.kind is not JobKind.READY or job.route.experiment is None or job.probe is not Outcome.NEW
+                    or scoped in self._discards or job.route.experiment_id in self._waits):
+                alone.add(scoped)
+        return alone
+
+    def _at_cap(self, experiment: Experiment, planned: int = 0) -> bool:
         cap = self._caps.get(experiment.experiment_id)
-        return cap is not None and len(experiment.in_flight) >= cap
+        return cap is not None and len(experiment.in_flight) + planned >= cap
 
     def _release_held(self, *_: Any) -> None:
         """Start held records of experiments that have a free slot again, in order."""
@@ -549,9 +590,8 @@ class Worker:
         it, and what it waits for — a member for a discard of its group consumed before it;
         a discard or an invalid member (each decides its group) for the members consumed
         before it, so that the verdict lists them."""
-        record, tp, scoped = job.record, job.tp, job.route.scoped or ""
-        tracker = self._committer.tracker
-        tracker.begin(tp, record.offset)
+        scoped = job.route.scoped or ""
+        self._committer.tracker.begin(job.tp, job.record.offset)
         members = self._members.get(scoped)
         served = job.route.experiment is not None
         match job.kind:
@@ -562,8 +602,7 @@ class Worker:
                 job.earlier = tuple(members or ())  # a failure decides the group, not before these parked
                 task = asyncio.create_task(self._process(
                     job, self._handle_ready if served else self._reject_unknown, after=discard))
-                self._members.setdefault(scoped, set()).add(task)
-                task.add_done_callback(lambda t, g=scoped: self._member_done(g, t))
+                self._joins(scoped, task)
             case JobKind.DISCARD:
                 task = asyncio.create_task(self._process(
                     job, self._handle_discard if served else self._reject_unknown, after=_all_of(members)))
@@ -573,16 +612,50 @@ class Worker:
                 task.add_done_callback(lambda t, g=scoped: self._discards.get(g) is t and self._discards.pop(g))
             case JobKind.INVALID:
                 task = asyncio.create_task(self._process(job, self._handle_invalid, after=_all_of(members)))
-        self._tasks[task] = tp
-        self.telemetry.in_flight.set(len(self._tasks))
-        task.add_done_callback(lambda t, tp=tp, off=record.offset: self._done(t, tp, off))
-        if (owner := self.fleet.of_topic(record.topic)) is not None:  # slots are counted per topic's experiment
-            owner.in_flight.add(task)
-            task.add_done_callback(owner.in_flight.discard)
-            task.add_done_callback(self._release_held)
-        for off in job.extra:
-            task.add_done_callback(lambda t, tp=tp, off=off: t.cancelled() or t.exception() is not None
-                                   or tracker.finish(tp, off))
+        self._started(task, [job], finish=True)
+
+    def _spawn_batch(self, jobs: list[Job]) -> None:
+        """Process one partition's members of a poll in one task (:meth:`_process_batch`)."""
+        tracker = self._committer.tracker
+        for job in jobs:
+            tracker.begin(job.tp, job.record.offset)
+            job.earlier = tuple(self._members.get(job.route.scoped or "", ()))
+        task = asyncio.create_task(self._process_batch(jobs))
+        for scoped in {job.route.scoped or "" for job in jobs}:
+            self._joins(scoped, task)
+        self._started(task, jobs, finish=False)
+
+    def _joins(self, scoped: str, task: asyncio.Task[None]) -> None:
+        """``task`` scores members of group ``scoped``: a discard or invalid record of the group waits for it."""
+        self._members.setdefault(scoped, set()).add(task)
+        task.add_done_callback(lambda t, g=scoped: self._member_done(g, t))
+
+    def _started(self, task: asyncio.Task[None], jobs: list[Job], *, finish: bool) -> None:
+        """Count ``task``'s records in flight (in all, and per experiment for the slot caps) until
+        each one's outcome is durable or the task is done; with ``finish``, its records' offsets
+        are finished when it succeeds (a batch finishes each of its records itself, as it lands)."""
+        self._tasks[task] = jobs[0].tp
+        owner = self.fleet.of_topic(jobs[0].tp.topic)  # slots are counted per topic's experiment
+        for job in jobs:
+            job.counted = True
+            if owner is not None:
+                job.slots = owner.in_flight
+                owner.in_flight[job] = task
+        self._in_flight += len(jobs)
+        self.telemetry.in_flight.set(self._in_flight)
+        task.add_done_callback(lambda t: self._done(t, jobs, finish))
+
+    def _release(self, job: Job) -> None:
+        """``job`` no longer counts in flight: its slot is free for the next record."""
+        if not job.counted:
+            return
+        job.counted = False
+        self._in_flight -= 1
+        self.telemetry.in_flight.set(self._in_flight)
+        if job.slots is not None:
+            job.slots.pop(job, None)
+            job.slots = None
+            self._release_held()
 
     def _member_done(self, group_id: str, task: asyncio.Task[None]) -> None:
         members = self._members.get(group_id)
@@ -591,25 +664,37 @@ class Worker:
             if not members:
                 del self._members[group_id]
 
-    def _done(self, task: asyncio.Task[None], tp: TopicPartition, offset: int) -> None:
+    def _done(self, task: asyncio.Task[None], jobs: list[Job], finish: bool) -> None:
         self._tasks.pop(task, None)
-        self.telemetry.in_flight.set(len(self._tasks))
-        if task.cancelled() or task.exception() is not None:
-            if not task.cancelled():
-                log.error("worker %s: record %s:%d not finished: %r", self.worker_id, tp, offset, task.exception())
-            return  # not marked done: it will be redelivered
-        self._committer.tracker.finish(tp, offset)
+        failed = task.cancelled() or task.exception() is not None
+        if failed and not task.cancelled():
+            log.error("worker %s: record %s:%d not finished: %r", self.worker_id, jobs[0].tp, jobs[0].record.offset,
+                      task.exception())
+        for job in jobs:  # a record not finished is redelivered (to the partition's next owner)
+            if finish and not failed:
+                self._finished(job)
+            self._release(job)
+
+    def _finished(self, job: Job) -> None:
+        """``job``'s outcome is durable: its offset (and its other chunks') may be committed."""
+        tracker, tp = self._committer.tracker, job.tp
+        tracker.finish(tp, job.record.offset)
+        for off in job.extra:
+            tracker.finish(tp, off)
+        self._release(job)
 
     async def _process(self, job: Job, handle: Callable[[Job], Awaitable[None]],
-                       after: asyncio.Future[Any] | None = None) -> None:
+                       after: asyncio.Future[Any] | None = None, *, counted: bool = False) -> None:
         """Run ``handle(job)``: transient errors retried with backoff for as long as they last,
-        others ``worker.max_attempts`` times, then the record is dead-lettered."""
+        others ``worker.max_attempts`` times, then the record is dead-lettered. ``counted``:
+        its batch counted the record already (a batch that fell back to it)."""
         record, route = job.record, job.route
         if after is not None:
             await asyncio.wait([after])  # its outcome, success or not, is in the ledger or retried
         label = job.kind.value
-        self.telemetry.experiment_records.labels(
-            route.experiment_id if route.experiment is not None else UNKNOWN_LABEL, label).inc()
+        if not counted:
+            self.telemetry.experiment_records.labels(
+                route.experiment_id if route.experiment is not None else UNKNOWN_LABEL, label).inc()
         # Not RECORD_RETRY.run: this loop also retries permanent errors (up to
         # worker.max_attempts, then dead-letters the record), counts every attempt as
         # consumed, keeps the attempt on the job and drops the job's probe before a retry;
@@ -659,19 +744,143 @@ class Worker:
                     self._tokens.remember(group, traj.trajectory_id, compact_turns(traj.interactions))
             await self._settle(Decision.bare(job.probe, group), job, Step.PROBE)
             return
-        result = await self._score(traj, experiment)
-        self._tokens.remember(group, traj.trajectory_id, result.turns)
-        if result.status == "failed" and (pending := [t for t in job.earlier if not t.done()]):
+        if job.result is None:
+            job.result = await self._score(traj, experiment)
+            self._tokens.remember(group, traj.trajectory_id, job.result.turns)
+        result = job.result
+        if result.status == "failed" and (pending := self._pending_earlier(job)):
             # Parking a failed member decides (rejects) the group: the members consumed
             # before it go first, so the verdict lists them with their stats.
             await asyncio.wait(pending)
-        result = msgspec.structs.replace(result, consumed_at=job.consumed_at, parked_at=time.time())
-        outcome, decision = await self.ledger.park(
-            result, group_id=group, group_size=traj.group_size, group_timeout_s=experiment.group_timeout_s,
-            worker_id=self.worker_id, scorers=experiment.scorers_blob, partition=job.record.partition,
-            offset=job.record.offset,
-        )
+        ((outcome, decision),) = await self.ledger.park_many([self._park_request(job, time.time())])
         await self._settle(decision or Decision.bare(outcome, group), job, Step.PARK)
+
+    def _pending_earlier(self, job: Job) -> list[asyncio.Future[Any]]:
+        """The tasks of ``job``'s groupmates consumed before it that are still running (not its own)."""
+        me = asyncio.current_task()
+        return [t for t in job.earlier if not t.done() and t is not me]
+
+    def _park_request(self, job: Job, parked_at: float) -> ParkRequest:
+        traj, experiment, result = job.message, job.route.experiment, job.result
+        assert isinstance(traj, ReadyTrajectory) and experiment is not None and result is not None
+        assert job.route.scoped is not None
+        return ParkRequest(msgspec.structs.replace(result, consumed_at=job.consumed_at, parked_at=parked_at),
+                           job.route.scoped, traj.group_size, experiment.group_timeout_s, self.worker_id,
+                           experiment.scorers_blob, job.record.partition, job.record.offset)
+
+    async def _process_batch(self, jobs: list[Job]) -> None:
+        """One partition's members of a poll that need only scoring and parking, in one task.
+
+        Scored in turn, each by hand in this task (:mod:`scoring_workers.eager`), parked in
+        one ledger call, the verdicts they decide produced together, each record finished as
+        its outcome lands. A member whose scoring waits (a judge) marks its experiment as one
+        that waits: it is finished here, the rest of the poll goes the per-record way
+        concurrently, and so do its experiment's later records (:meth:`_alone`). Any failure
+        on the way hands the records not yet finished to the per-record path
+        (:meth:`_process`: retries, dead letters), keeping their scores: every ledger step is
+        safe to repeat, so nothing is lost or decided twice."""
+        self.telemetry.consumed.labels(JobKind.READY.value).inc(len(jobs))
+        for experiment_id in {job.route.experiment_id for job in jobs}:
+            self.telemetry.experiment_records.labels(experiment_id, JobKind.READY.value).inc(
+                sum(job.route.experiment_id == experiment_id for job in jobs))
+        scored, waiting, rest = self._score_eagerly(jobs)
+        parked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ahead = {job.route.scoped for job in jobs[:len(jobs) - len(rest)]}
+        for job in rest:  # a failure of a group with members ahead of it here waits for them to park
+            if job.route.scoped in ahead:
+                job.earlier += (parked,)
+        others = asyncio.gather(*(self._alone_process(job) for job in rest)) if rest else None
+        try:
+            if waiting is not None:  # finished at once, in this task: its timeout belongs to this task
+                job, coro, first = waiting
+                job.result = await Resume(coro, first)
+                self._remember(job)
+            await self._park_batch(scored)
+            if waiting is not None:
+                await self._alone_process(waiting[0])
+            parked.set_result(None)
+        except BaseException:
+            if others is not None:
+                others.cancel()
+            raise
+        finally:
+            if not parked.done():
+                parked.cancel()
+            if others is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([others])
+
+    async def _alone_process(self, job: Job) -> None:
+        """``job`` of a batch, the per-record way (its batch counted it already)."""
+        await self._process(job, self._handle_ready, counted=True)
+        self._finished(job)
+
+    def _score_eagerly(self, jobs: list[Job]) -> tuple[list[Job], tuple[Job, Any, Any] | None, list[Job]]:
+        """Score ``jobs`` in turn by hand, each to ``job.result``, while scoring finishes without
+        waiting. Returns (the scored, the first that waited with its coroutine and what it
+        waits for — or None —, the jobs after it, not started)."""
+        for i, job in enumerate(jobs):
+            coro = self._score(job.message, job.route.experiment)  # type: ignore[arg-type]
+            try:
+                first = coro.send(None)
+            except StopIteration as stop:
+                job.result = stop.value
+                self._remember(job)
+                continue
+            self._waits.add(job.route.experiment_id)
+            return jobs[:i], (job, coro, first), jobs[i + 1:]
+        return jobs, None, []
+
+    def _remember(self, job: Job) -> None:
+        assert job.result is not None and isinstance(job.message, ReadyTrajectory) and job.route.scoped
+        self._tokens.remember(job.route.scoped, job.message.trajectory_id, job.result.turns)
+
+    async def _park_batch(self, jobs: list[Job]) -> None:
+        """Park scored ``jobs`` in one ledger call, publish the verdicts they decide together,
+        finish each record as its outcome lands; on a failure, the records left go on one by one."""
+        if not jobs:
+            return
+        for job in jobs:
+            job.attempt = 1
+        landed: set[int] = set()
+
+        def land(job: Job) -> None:
+            self._finished(job)
+            landed.add(id(job))
+
+        try:
+            if pending := [t for job in jobs if job.result.status == "failed"  # type: ignore[union-attr]
+                           for t in self._pending_earlier(job)]:
+                await asyncio.wait(pending)  # a failed member rejects its group: the members before it park first
+            parked_at = time.time()
+            # failed members last: each rejects its group, which then lists the members parked before it
+            order = sorted(jobs, key=lambda job: job.result.status == "failed")  # type: ignore[union-attr]
+            answers = await self.ledger.park_many([self._park_request(job, parked_at) for job in order])
+            decided: list[tuple[Job, Decision]] = []
+            for job, (outcome, decision) in zip(order, answers):
+                if decision is not None and decision.outcome is Outcome.DECIDED_NOW:
+                    decided.append((job, decision))  # finished once its verdict is out
+                    continue
+                if outcome is not Outcome.PARKED:  # a duplicate, or its group decided or finished meanwhile
+                    await self._settle(decision or Decision.bare(outcome, job.route.scoped or ""), job, Step.PARK)
+                land(job)
+            failure: BaseException | None = None
+            for (job, _), sent in zip(decided, await self._publish_many([d for _, d in decided])):
+                if isinstance(sent, BaseException):
+                    failure = failure or sent
+                else:
+                    land(job)
+            if failure is not None:
+                raise failure
+        except Exception as exc:  # noqa: BLE001 - each record left is retried on its own
+            left = [job for job in jobs if id(job) not in landed]
+            self.telemetry.retries.labels(type(exc).__name__).inc()
+            log.warning("worker %s: parking a batch of %d records on %s:%d failed (%s: %s); %d go on one by one",
+                        self.worker_id, len(jobs), jobs[0].record.topic, jobs[0].record.partition,
+                        type(exc).__name__, exc, len(left))
+            for job in left:
+                job.probe = None  # asked again: the batch may have parked it
+                await self._alone_process(job)
 
     async def _settle(self, decision: Decision, job: Job | None = None, step: Step = Step.DECIDE) -> None:
         """Act on what the ledger answered about a group: the one place that does.
@@ -777,12 +986,52 @@ class Worker:
         await self._settle(decision)
 
     async def _publish(self, decision: Decision) -> GroupVerdict | None:
-        """Publish the decision's verdict and finish the group; None when Kafka refused it for good.
+        """Publish the decision's verdict and finish the group (:meth:`_publish_many` of one)."""
+        (sent,) = await self._publish_many([decision])
+        if isinstance(sent, BaseException):
+            raise sent
+        return sent
 
-        A refused verdict (an authorization or topic error: the operator must act) stays
-        decided in Redis, so the sweeper tries again after the re-publish grace — never
-        in a tight loop, and never holding up other records or groups.
-        """
+    async def _publish_many(self, decisions: list[Decision]) -> list[GroupVerdict | None | BaseException]:
+        """Produce the decisions' verdicts together, then finish each group Kafka acknowledged.
+
+        One answer per decision: its verdict once acknowledged; None when Kafka refused it for
+        good (an authorization or topic error: the operator must act) — it stays decided in
+        Redis, so the sweeper tries again after the re-publish grace, never in a tight loop and
+        never holding up other records or groups —; the exception when the error is transient
+        (the caller retries)."""
+        outgoing = [await self._verdict_of(decision) for decision in decisions]
+        acks: list[asyncio.Future[Any] | BaseException] = []
+        for verdict, topic, value, headers in outgoing:
+            try:
+                acks.append(await self.producer.send(topic, value, key=verdict.group_id.encode(), headers=headers))
+            except Exception as exc:  # noqa: BLE001 - answered below, per verdict
+                acks.append(exc)
+        answers: list[GroupVerdict | None | BaseException] = []
+        for decision, (verdict, _, _, _), ack in zip(decisions, outgoing, acks):
+            if not isinstance(ack, BaseException):
+                try:
+                    await ack
+                except Exception as exc:  # noqa: BLE001 - answered below
+                    ack = exc
+            if not isinstance(ack, BaseException):
+                self._published(decision, verdict, time.time())
+                answers.append(verdict)
+            elif is_permanent(ack):
+                grace_s = self.cfg.worker.republish_grace_s
+                self.telemetry.publish_failures.labels(type(ack).__name__).inc()
+                log.error("worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
+                          "re-published after %.0fs", self.worker_id, verdict.group_id, type(ack).__name__, ack,
+                          grace_s)
+                await self.ledger.postpone(decision.group_id, grace_s)
+                answers.append(None)
+            else:
+                answers.append(ack)
+        return answers
+
+    async def _verdict_of(self, decision: Decision) -> tuple[GroupVerdict, str, bytes, list[tuple[str, bytes]]]:
+        """The verdict of ``decision`` as it goes to Kafka: (verdict, topic, value, headers), fitted
+        to ``kafka.max_message_bytes`` (token turns by reference, or ``verdict_too_large``)."""
         experiment_id, group_id = split_scoped(decision.group_id)
         if decision.state.decision == "discard":  # listed without results: no tokens needed
             members = [m.result for m in decision.members]
@@ -798,29 +1047,19 @@ class Worker:
                      "with their records' coordinates instead (worker.verdict_tokens: auto)", verdict.group_id, limit)
         elif verdict is not full:
             log.warning("group=%s: verdict over kafka.max_message_bytes=%d, published as %s",
-                        verdict.group_id, self.cfg.kafka.max_message_bytes, verdict.reason[:200])
-        try:
-            await self.producer.send_and_wait(
-                verdicts_topic(self.cfg.topics.verdicts, experiment_id), value, key=group_id.encode(), headers=headers
-            )
-            sent_at = time.time()
-        except Exception as exc:
-            if not is_permanent(exc):
-                raise
-            grace_s = self.cfg.worker.republish_grace_s
-            self.telemetry.publish_failures.labels(type(exc).__name__).inc()
-            log.error("worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
-                      "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc, grace_s)
-            await self.ledger.postpone(decision.group_id, grace_s)
-            return None
-        self.ledger.finish_soon(decision.group_id)  # cleanup: the verdict is durable, the record is released
+                        verdict.group_id, limit, verdict.reason[:200])
+        return verdict, verdicts_topic(self.cfg.topics.verdicts, experiment_id), value, headers
+
+    def _published(self, decision: Decision, verdict: GroupVerdict, sent_at: float) -> None:
+        """Kafka acknowledged ``verdict``: finish its group (cleanup that rides along with the next ledger call)."""
+        experiment_id, _ = split_scoped(decision.group_id)
+        self.ledger.finish_soon(decision.group_id)
         self._tokens.forget_group(decision.group_id)
         self.telemetry.experiment_verdicts.labels(experiment_id, verdict.status).inc()
         self.telemetry.observe_stages(verdict, sent_at)
         self.telemetry.verdicts.labels(verdict.status, reasons.metric_label(verdict.status, verdict.reason_code)).inc()
         log.info("group=%s verdict=%s code=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
                  verdict.reason_code or "-", verdict.reason, len(verdict.sessions), self.worker_id)
-        return verdict
 
     async def _sweep(self) -> None:
         """Reject overdue groups and re-publish decisions whose publisher died.
