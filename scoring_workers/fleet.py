@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ from infra.registry import ExperimentSpec, RegistryRecord
 from infra.schema import ScorerInfo
 from scoring_workers.judge.hosts import check_config_judge_hosts, effective_allow_list, judge_hosts_allowed
 from scoring_workers.prm.capabilities import record_prm
+from scoring_workers.prm.protocols import ScoringRunner
 from scoring_workers.verdicts import encode_scorers
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class Experiment:
     """What a worker needs to score one experiment's records."""
 
     experiment_id: str
-    runner: Any | None
+    runner: ScoringRunner | None  # None: scoring is off (the config runs no scorer, or a retired experiment's leftovers)
     scorers_blob: bytes
     group_timeout_s: float
     weight: float = 1.0
@@ -75,7 +76,8 @@ class Experiment:
         return "active" if self.retire_at is None else "retiring"
 
 
-def _blob(runner: Any | None) -> bytes:
+def _blob(runner: ScoringRunner | None) -> bytes:
+    """The scorers a verdict names: those ``runner`` runs (none without a runner)."""
     if runner is None:
         return encode_scorers([])
     return encode_scorers([ScorerInfo(s.name, s.version) for s in runner.scorer_infos()])
@@ -84,7 +86,7 @@ def _blob(runner: Any | None) -> bytes:
 class Fleet:
     """The worker's experiments by id, and which trajectories topic belongs to which."""
 
-    def __init__(self, cfg: PipelineConfig, default_runner: Any | None, *,
+    def __init__(self, cfg: PipelineConfig, default_runner: ScoringRunner | None, *,
                  on_refused: Callable[[str, str], None] | None = None) -> None:
         self.cfg = cfg
         self._on_refused = on_refused or (lambda experiment_id, why: None)
@@ -122,7 +124,8 @@ class Fleet:
         default = self._experiments[DEFAULT_EXPERIMENT].trajectories_topic
         return [default] + sorted(t for t in self._by_topic if t != default)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Experiment]:
+        """Every experiment served (a snapshot: the fleet may change while it is iterated)."""
         return iter(list(self._experiments.values()))
 
     def states(self) -> dict[str, int]:
@@ -204,7 +207,7 @@ class Fleet:
                  new.trajectories_topic)
         return old is None
 
-    async def _build(self, spec: ExperimentSpec, prm: PRMConfig) -> Any:
+    async def _build(self, spec: ExperimentSpec, prm: PRMConfig) -> ScoringRunner:
         from scoring_workers.prm import PRMRunner
 
         quota: contextlib.AbstractContextManager[None] = contextlib.nullcontext()

@@ -11,9 +11,12 @@ the built-in alias, or to the user's own module).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from infra.config import PRMConfig
+
+if TYPE_CHECKING:
+    from scoring_workers.prm import ScoringRunner
 
 __all__ = ["describe_scorers", "log_scorers", "no_scorer_reason"]
 
@@ -27,10 +30,11 @@ def no_scorer_reason(prm: PRMConfig) -> str:
     return "every entry of rollout.agent.prm.scorers has enabled: false"
 
 
-def describe_scorers(runner: Any | None, prm: PRMConfig) -> tuple[list[str], str | None]:
+def describe_scorers(runner: ScoringRunner | None, prm: PRMConfig) -> tuple[list[str], str | None]:
     """``(one line per built scorer, a warning when none will run)``.
 
-    ``runner`` is a :class:`~scoring_workers.prm.PRMRunner` (or None when scoring is off).
+    ``runner`` is a :class:`~scoring_workers.prm.PRMRunner` or any
+    :class:`~scoring_workers.prm.ScoringRunner` (None when scoring is off).
     """
     scorers = list(runner.scorers) if runner is not None else []
     lines = []
@@ -46,7 +50,7 @@ def describe_scorers(runner: Any | None, prm: PRMConfig) -> tuple[list[str], str
     return lines, warning
 
 
-def log_scorers(log: logging.Logger, worker_id: str, runner: Any | None, prm: PRMConfig) -> None:
+def log_scorers(log: logging.Logger, worker_id: str, runner: ScoringRunner | None, prm: PRMConfig) -> None:
     """Log :func:`describe_scorers` for a worker starting up."""
     lines, warning = describe_scorers(runner, prm)
     for line in lines:

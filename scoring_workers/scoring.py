@@ -25,7 +25,7 @@ from infra.schema import NotConcatExport, ReadyTrajectory, SessionResult, compac
 from scoring_workers.prm.errors import error_context, failure_code, failure_detail
 
 if TYPE_CHECKING:
-    from scoring_workers.prm import PRMRunner
+    from scoring_workers.prm import ScoringRunner
 
 
 def _failed_scorer(exc: BaseException) -> str | None:
@@ -36,7 +36,7 @@ def _failed_scorer(exc: BaseException) -> str | None:
     return getattr(exc, "scorer_name", None)
 
 
-async def score_member(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None,
+async def score_member(runner: ScoringRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None,
                        keep_channels: bool = False, scored_at: float | None = None) -> SessionResult:
     """Score ``traj`` and return the member result to park (see the module rules).
 

@@ -75,7 +75,7 @@ from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, scoped_grou
 from infra.kafka import is_permanent, is_retriable, make_consumer, make_producer
 from infra.offsets import OffsetCommitter
 from infra.redis import verify_access
-from infra.registry import RegistryFollower
+from infra.registry import RegistryFollower, RegistryRecord
 from infra.retry import RetryPolicy
 from infra.schema import (
     DiscardGroup,
@@ -98,6 +98,7 @@ from scoring_workers.fair_share import slot_caps
 from scoring_workers.fleet import Experiment, Fleet
 from scoring_workers.heartbeat import Heartbeat
 from scoring_workers.ledger import TRANSIENT_ERRORS, Decision, DecisionKind, GroupLedger, Outcome, ParkRequest
+from scoring_workers.prm import ScoringRunner
 from scoring_workers.probe_marks import ProbeMarks
 from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
@@ -208,7 +209,7 @@ class Worker:
     """One scoring worker process. ``await Worker(cfg).run(stop_event)``."""
 
     def __init__(self, cfg: PipelineConfig, *, worker_id: str | None = None,
-                 concurrency: int | None = None, runner: Any | None = None) -> None:
+                 concurrency: int | None = None, runner: ScoringRunner | None = None) -> None:
         self.cfg = cfg
         self.worker_id = worker_id or default_worker_id()
         self.concurrency = concurrency or cfg.worker.concurrency
@@ -427,7 +428,7 @@ class Worker:
         for state, count in self.fleet.states().items():
             self.telemetry.experiments.labels(state).set(count)
 
-    async def _apply_registry(self, entry: Any) -> None:
+    async def _apply_registry(self, entry: RegistryRecord) -> None:
         await self.fleet.apply(entry)
         if not entry.error:
             self.telemetry.registry_records.labels("removed" if entry.removal else "declared").inc()

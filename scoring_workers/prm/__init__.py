@@ -5,6 +5,7 @@ Public API::
     BaseScorer, BaseTrajectoryScorer, PRMScorerResult     # write scorers
     PRMMetricObservation, PRMTurnResult                   # wire types (infra.schema)
     PRMRunner, ScoredTrajectory, ScoredBranch             # score trajectories
+    ScoringRunner                                         # what holders of a runner use of it
     failure_code, failure_detail, PRMErrorContext         # what a failed run() says
     RunnerClosedError                                     # run() after aclose()
     PRMConfig, PRMScorerConfig, PRMAdvantageShapingConfig # config (infra.config)
@@ -21,6 +22,7 @@ from infra.config import PRMAdvantageShapingConfig, PRMConfig, PRMScorerConfig
 from infra.schema import PRMMetricObservation, PRMTurnResult
 from scoring_workers.prm.base import BaseScorer, BaseTrajectoryScorer, PRMScorerResult
 from scoring_workers.prm.errors import REJECTION_REASONS, PRMErrorContext, failure_code, failure_detail
+from scoring_workers.prm.protocols import ScoringRunner
 from scoring_workers.prm.resolve import SCORER_ALIASES, build_scorer, resolve_scorer_class
 from scoring_workers.prm.results import RunnerClosedError, ScoredBranch, ScoredTrajectory, stats_namespace
 from scoring_workers.prm.view import InteractionView
@@ -54,6 +56,7 @@ __all__ = [
     "SCORER_ALIASES",
     "ScoredBranch",
     "ScoredTrajectory",
+    "ScoringRunner",
     "build_scorer",
     "failure_code",
     "failure_detail",

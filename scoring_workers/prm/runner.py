@@ -255,6 +255,106 @@ def _finish(acc: float | torch.Tensor, output_len: int) -> TokenRewards | torch.
     return acc
 
 
+_Staged = tuple[float | torch.Tensor, float, tuple[PRMMetricObservation, ...]]  # (weighted value, turn reward, observations)
+
+
+def _branch_views(path: Sequence[Any], cache: MessageCache) -> list[InteractionView]:
+    """One view per turn of the branch, each chained to its parent's: the branch-local
+    clone scorers read, so a shared ancestor scores independently in every branch and
+    the caller's interactions are never modified."""
+    views: list[InteractionView] = []
+    parent = None
+    for interaction in path:
+        parent = InteractionView(interaction, parent, cache)
+        views.append(parent)
+    return views
+
+
+def _staged(
+    scorer: BaseScorer, views: list[InteractionView], lengths: list[int], outcomes: list[Any], where: dict[str, Any]
+) -> list[_Staged]:
+    """Validate and weight one scorer's results for every turn of a branch, committing
+    nothing: a scorer's results are accepted or refused as a whole (the first bad turn
+    raises, with where)."""
+    staged: list[_Staged] = []
+    for view, output_len, outcome in zip(views, lengths, outcomes):
+        try:
+            value, reward = _weighted(outcome, scorer.weight, output_len)
+        except _Invalid as exc:
+            raise exc.build(
+                f"scorer {scorer.name!r}", f"interaction {view.interaction_id!r}",
+                interaction_id=view.interaction_id, **where,
+            ) from None
+        observations = outcome.observations if isinstance(outcome, PRMScorerResult) else ()
+        if isinstance(observations, (str, bytes)) or not isinstance(observations, Sequence):
+            raise runner_error(
+                TypeError, f"scorer {scorer.name!r}: observations must be a sequence of "
+                f"PRMMetricObservation, got {type(observations).__name__}",
+                "invalid_observation", interaction_id=view.interaction_id, **where,
+            )
+        staged.append((value, reward, tuple(observations)))
+    return staged
+
+
+def _commit(
+    name: str,
+    staged: list[_Staged],
+    views: list[InteractionView],
+    lengths: list[int],
+    acc: list[float | torch.Tensor],
+    turn_results: list[PRMTurnResult],
+    channel: dict[str, TokenRewards | torch.Tensor] | None,
+) -> float:
+    """Add one scorer's validated contributions to the branch: its running token sums
+    (``acc``, in place), its turn results and, with ``keep_channels``, the scorer's
+    channel. Returns the scorer's branch total (the sum of its turn rewards)."""
+    total = 0.0
+    for i, (value, reward, observations) in enumerate(staged):
+        iid = views[i].interaction_id
+        if channel is not None:
+            value = _keep_in_channel(channel, iid, lengths[i], value)
+        acc[i] = _accumulate(acc[i], value)
+        turn_results.append(PRMTurnResult(interaction_id=iid, scorer_name=name, reward=reward, observations=observations))
+        total += reward
+    return total
+
+
+def _keep_in_channel(
+    channel: dict[str, TokenRewards | torch.Tensor], iid: str, output_len: int, value: float | torch.Tensor
+) -> float | torch.Tensor:
+    """Record a turn's weighted contribution in its scorer's channel; return what the
+    running sum may take. :func:`_accumulate` adds in place into its tensors: the
+    channel keeps the original, the running sum gets a copy. Same-named scorers share
+    one channel: a second contribution to a turn is summed there, on copies."""
+    mine = TokenRewards(length=output_len, uniform=value) if isinstance(value, float) else value
+    if iid in channel:
+        prev, add = _dense(channel[iid]), _dense(mine)
+        summed = _accumulate(
+            prev.clone() if isinstance(prev, torch.Tensor) else prev,
+            add.clone() if isinstance(add, torch.Tensor) else add,
+        )
+        mine = TokenRewards(length=output_len, uniform=_to_f32(summed)) if isinstance(summed, float) else summed
+    channel[iid] = mine
+    return value if isinstance(value, float) else value.clone()
+
+
+def _finished(
+    views: list[InteractionView], lengths: list[int], acc: list[float | torch.Tensor], leaf_id: str, trajectory_id: str
+) -> dict[str, TokenRewards | torch.Tensor]:
+    """Every turn's final token rewards, keyed in path order (the branch's ``path``); a
+    sum that overflows float32 is refused, saying which turn."""
+    token_rewards: dict[str, TokenRewards | torch.Tensor] = {}
+    for view, output_len, a in zip(views, lengths, acc):
+        try:
+            token_rewards[view.interaction_id] = _finish(a, output_len)
+        except _Invalid as exc:
+            raise exc.build(
+                f"interaction {view.interaction_id!r}",
+                interaction_id=view.interaction_id, leaf_id=leaf_id, trajectory_id=trajectory_id,
+            ) from None
+    return token_rewards
+
+
 class PRMRunner:
     """Scores ready trajectories with the scorers of one :class:`PRMConfig`.
 
@@ -516,94 +616,38 @@ class PRMRunner:
         trajectory_id: str,
         keep_channels: bool = False,
     ) -> ScoredBranch:
-        views: list[InteractionView] = []
-        parent = None
-        for interaction in path:
-            parent = InteractionView(interaction, parent, cache)
-            views.append(parent)
-        leaf = views[-1]
-        leaf_id = leaf.interaction_id
-        ctx = dict(base_ctx)
-        ctx["leaf_id"] = leaf_id
-        ctx["messages"] = leaf.messages + leaf.output_message_list if self._active else ()
+        """Score one root-to-leaf branch: the active scorers in config order, each one's
+        results validated as a whole (:func:`_staged`, :meth:`_check_observations`)
+        before any of them is committed (:func:`_commit`)."""
+        views = _branch_views(path, cache)
+        leaf_id = views[-1].interaction_id
+        ctx = self._branch_ctx(base_ctx, views[-1])
         lengths = [view.model_response.output_len for view in views]
-        acc: list[float | torch.Tensor] = [0.0] * len(views)
-        existing_checked = False
+        acc: list[float | torch.Tensor] | None = None  # the running sums, once the existing rewards are checked
         turn_results: list[PRMTurnResult] = []
         totals: dict[str, float] = {}
         channels: dict[str, dict[str, TokenRewards | torch.Tensor]] = {}
         for scorer in self._active:
-            where = {"scorer_name": scorer.name, "leaf_id": leaf_id, "trajectory_id": trajectory_id}
+            name = scorer.name
+            where = {"scorer_name": name, "leaf_id": leaf_id, "trajectory_id": trajectory_id}
             if isinstance(scorer, BaseTrajectoryScorer):
                 outcomes = await self._evaluate_branch(scorer, views, ctx, where)
             else:
                 outcomes = await self._evaluate_turns(scorer, views, ctx, where)
-            # Validate everything this scorer produced before committing any of it.
-            staged: list[tuple[float | torch.Tensor, float, tuple[PRMMetricObservation, ...]]] = []
-            for view, output_len, outcome in zip(views, lengths, outcomes):
-                try:
-                    value, reward = _weighted(outcome, scorer.weight, output_len)
-                except _Invalid as exc:
-                    raise exc.build(
-                        f"scorer {scorer.name!r}", f"interaction {view.interaction_id!r}",
-                        interaction_id=view.interaction_id, **where,
-                    ) from None
-                observations = outcome.observations if isinstance(outcome, PRMScorerResult) else ()
-                if isinstance(observations, (str, bytes)) or not isinstance(observations, Sequence):
-                    raise runner_error(
-                        TypeError, f"scorer {scorer.name!r}: observations must be a sequence of "
-                        f"PRMMetricObservation, got {type(observations).__name__}",
-                        "invalid_observation", interaction_id=view.interaction_id, **where,
-                    )
-                staged.append((value, reward, tuple(observations)))
-            schema = self._check_observations(scorer.name, views, staged, pending, where)
-            if not existing_checked:  # AReaL checks pre-existing rewards in the scorer step
+            staged = _staged(scorer, views, lengths, outcomes, where)
+            schema = self._check_observations(name, views, staged, pending, where)
+            if acc is None:  # AReaL checks pre-existing rewards in the scorer step
                 acc = self._existing_rewards(views, lengths, where)
-                existing_checked = True
-            # Commit.
             if schema:
-                pending.setdefault(scorer.name, {}).update(schema)
-            total = 0.0
-            name = scorer.name
+                pending.setdefault(name, {}).update(schema)
             channel: dict[str, TokenRewards | torch.Tensor] | None = channels.get(name, {}) if keep_channels else None
-            for i, (value, reward, observations) in enumerate(staged):
-                if channel is not None:
-                    # _accumulate adds in place into its tensors: the channel keeps the
-                    # original, the running sum gets a copy. Same-named scorers share one.
-                    iid = views[i].interaction_id
-                    mine = TokenRewards(length=lengths[i], uniform=value) if isinstance(value, float) else value
-                    if iid in channel:
-                        prev, add = _dense(channel[iid]), _dense(mine)
-                        summed = _accumulate(
-                            prev.clone() if isinstance(prev, torch.Tensor) else prev,
-                            add.clone() if isinstance(add, torch.Tensor) else add,
-                        )
-                        mine = TokenRewards(length=lengths[i], uniform=_to_f32(summed)) if isinstance(summed, float) else summed
-                    channel[iid] = mine
-                    if not isinstance(value, float):
-                        value = value.clone()
-                acc[i] = _accumulate(acc[i], value)
-                turn_results.append(
-                    PRMTurnResult(
-                        interaction_id=views[i].interaction_id, scorer_name=name, reward=reward,
-                        observations=observations,
-                    )
-                )
-                total += reward
+            total = _commit(name, staged, views, lengths, acc, turn_results, channel)
             totals[name] = totals.get(name, 0.0) + total  # same-named scorers: one total
             if channel is not None:
                 channels[name] = channel
-        if not existing_checked:
+        if acc is None:
             acc = self._existing_rewards(views, lengths, {"leaf_id": leaf_id, "trajectory_id": trajectory_id})
-        token_rewards: dict[str, TokenRewards | torch.Tensor] = {}
-        for view, output_len, a in zip(views, lengths, acc):
-            try:
-                token_rewards[view.interaction_id] = _finish(a, output_len)
-            except _Invalid as exc:
-                raise exc.build(
-                    f"interaction {view.interaction_id!r}",
-                    interaction_id=view.interaction_id, leaf_id=leaf_id, trajectory_id=trajectory_id,
-                ) from None
+        token_rewards = _finished(views, lengths, acc, leaf_id, trajectory_id)
         return ScoredBranch(
             leaf_id=leaf_id,
             path=list(token_rewards),
@@ -612,6 +656,15 @@ class PRMRunner:
             turn_results=turn_results,
             channels=channels,
         )
+
+    def _branch_ctx(self, base_ctx: dict[str, Any], leaf: InteractionView) -> dict[str, Any]:
+        """The ctx this branch's scorer calls each get a copy of: the run's, plus
+        ``leaf_id`` and ``messages`` (the branch's whole conversation, built only when a
+        scorer will run)."""
+        ctx = dict(base_ctx)
+        ctx["leaf_id"] = leaf.interaction_id
+        ctx["messages"] = leaf.messages + leaf.output_message_list if self._active else ()
+        return ctx
 
     @staticmethod
     def _existing_rewards(
@@ -781,7 +834,7 @@ class PRMRunner:
         self,
         scorer_name: str,
         views: list[InteractionView],
-        staged: list[tuple[Any, float, tuple[PRMMetricObservation, ...]]],
+        staged: list[_Staged],
         pending: dict[str, _SchemaTable],
         where: dict[str, Any],
     ) -> _SchemaTable:

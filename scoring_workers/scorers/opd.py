@@ -214,6 +214,9 @@ class OPDTeacherScorer(JudgeScorerBase):
         return None if result is None else result.reward
 
     async def evaluate_result(self, interaction: Any, ctx: dict[str, Any]) -> JudgeScorerResult:
+        """Steps 1-3 of the module docstring for one turn: the teacher's signal once a hint
+        is accepted; zeros without a next state, without an accepted hint, or when every
+        vote failed under ``neutral``."""
         iid = interaction.interaction_id
         response = interaction.model_response
         rollout_lp = None if response is None else response.output_logprobs
@@ -223,39 +226,17 @@ class OPDTeacherScorer(JudgeScorerBase):
                 "the rollout's per-token log-probs (export them with the trajectory)"
             )
         n = response.output_len
-        zeros = torch.zeros(n, dtype=torch.float32)
         _located, state = self.next_state(interaction, ctx)
         self.counters["turns"] += 1
-
-        def outcome(reward: torch.Tensor, *, has_next: bool, accepted: bool, failed: bool, judge_calls: int,
-                    teacher_calls: int, audit: dict[str, str]) -> JudgeScorerResult:
-            observations = [
-                _obs(iid, "has_next_state", has_next), _obs(iid, "hint_accepted", accepted),
-                _obs(iid, "judge_failed", failed), _obs(iid, "judge_calls", judge_calls),
-                _obs(iid, "teacher_calls", teacher_calls),
-            ]
-            if accepted and not failed and n:
-                observations.append(_obs(iid, "opd_signal_mean", float(reward.mean())))
-            return JudgeScorerResult(reward, tuple(observations), audit=audit)
-
         if state is None:
             self.counters["no_next_state"] += 1
-            return outcome(zeros, has_next=False, accepted=False, failed=False, judge_calls=0, teacher_calls=0,
-                           audit={"hint": "", "votes": ""})
+            return _result(iid, n, _zeros(n), has_next=False, accepted=False, failed=False, judge_calls=0,
+                           teacher_calls=0, audit={"hint": "", "votes": ""})
         messages = build_hint_judge_messages(self.response_text(interaction), state.text, state.role)
         deadline = self._deadline()
         session = _session_key(ctx)
-
-        async def vote(_i: int) -> tuple[Vote, str]:
-            text, error = await self._ask(messages, deadline, session)
-            if text is None:
-                return Vote(None, None, error), ""
-            score, hint = parse_hint_judgement(text)
-            return Vote(score, text, None), hint
-
-        judged = await gather_or_cancel([vote(i) for i in range(self.judging.m)])
+        judged = await self._hint_votes(messages, deadline, session)
         votes = [v for v, _ in judged]
-        self.counters["judge_calls"] += len(votes)
         labels = ",".join("error" if v.error else ("invalid" if v.score is None else str(v.score)) for v in votes)
         if all(v.score is None for v in votes):
             self.counters["judge_failed"] += 1
@@ -263,17 +244,48 @@ class OPDTeacherScorer(JudgeScorerBase):
             await self._emit_audit(interaction, ctx, audit)
             if self.judging.on_all_votes_failed == "reject":
                 raise self._failed(interaction, "hint-judge votes", votes)
-            return outcome(zeros, has_next=True, accepted=False, failed=True, judge_calls=len(votes),
+            return _result(iid, n, _zeros(n), has_next=True, accepted=False, failed=True, judge_calls=len(votes),
                            teacher_calls=0, audit=audit)
         hint = select_best_hint([(v.score, h) for v, h in judged])
         if hint is None:
             audit = {"hint": "", "votes": labels}
             await self._emit_audit(interaction, ctx, audit)
-            return outcome(zeros, has_next=True, accepted=False, failed=False, judge_calls=len(votes),
+            return _result(iid, n, _zeros(n), has_next=True, accepted=False, failed=False, judge_calls=len(votes),
                            teacher_calls=0, audit=audit)
         audit = {"hint": hint, "votes": labels}
         chosen = next(i for i, (v, h) in enumerate(judged) if v.score == 1 and h.strip() == hint)
         audit[f"vote_{chosen}"] = votes[chosen].text or ""
+        return await self._taught(interaction, ctx, hint, audit, len(votes), deadline, session)
+
+    async def _hint_votes(
+        self, messages: list[dict[str, Any]], deadline: float | None, session: str | None
+    ) -> list[tuple[Vote, str]]:
+        """Step 1: ask the hint judge ``judging.m`` times in parallel; each answer as its
+        vote and its hint (``""`` when the call failed)."""
+        judged = await gather_or_cancel([self._hint_vote(messages, deadline, session) for _ in range(self.judging.m)])
+        self.counters["judge_calls"] += len(judged)
+        return judged
+
+    async def _hint_vote(
+        self, messages: list[dict[str, Any]], deadline: float | None, session: str | None
+    ) -> tuple[Vote, str]:
+        """One hint-judge call: its vote and its hint; a failed call is an error vote."""
+        text, error = await self._ask(messages, deadline, session)
+        if text is None:
+            return Vote(None, None, error), ""
+        score, hint = parse_hint_judgement(text)
+        return Vote(score, text, None), hint
+
+    async def _taught(
+        self, interaction: Any, ctx: dict[str, Any], hint: str, audit: dict[str, str], judge_calls: int,
+        deadline: float | None, session: str | None,
+    ) -> JudgeScorerResult:
+        """Steps 2-3 once a hint is accepted: the teacher's log-probs of the rollout's own
+        output tokens under the hinted prompt, minus the rollout's. A teacher or
+        tokenizer failure counts as a judge failure (``on_all_votes_failed``)."""
+        iid = interaction.interaction_id
+        response = interaction.model_response
+        n = response.output_len
         try:
             teacher_lp = await self._teacher_logprobs(
                 normalize_template_messages(append_hint_to_messages(interaction.messages, hint)),
@@ -288,11 +300,31 @@ class OPDTeacherScorer(JudgeScorerBase):
                 raise JudgeFailedError(
                     f"scorer {self.name!r}: teacher log-probs for interaction {iid!r} failed after an accepted "
                     f"hint: {exc.kind}: {exc}",
-                    interaction_id=iid, calls=len(votes) + 1, errors=1, last_error=str(exc),
+                    interaction_id=iid, calls=judge_calls + 1, errors=1, last_error=str(exc),
                 ) from exc
-            return outcome(zeros, has_next=True, accepted=True, failed=True, judge_calls=len(votes),
+            return _result(iid, n, _zeros(n), has_next=True, accepted=True, failed=True, judge_calls=judge_calls,
                            teacher_calls=1, audit=audit)
         await self._emit_audit(interaction, ctx, audit)
-        reward = torch.from_numpy(teacher_lp - np.asarray(rollout_lp, dtype=np.float32))
-        return outcome(reward, has_next=True, accepted=True, failed=False, judge_calls=len(votes),
+        reward = torch.from_numpy(teacher_lp - np.asarray(response.output_logprobs, dtype=np.float32))
+        return _result(iid, n, reward, has_next=True, accepted=True, failed=False, judge_calls=judge_calls,
                        teacher_calls=1, audit=audit)
+
+
+def _zeros(n: int) -> torch.Tensor:
+    """The reward of a turn without an OPD signal (OpenClaw-RL does not train it)."""
+    return torch.zeros(n, dtype=torch.float32)
+
+
+def _result(iid: str, n: int, reward: torch.Tensor, *, has_next: bool, accepted: bool, failed: bool,
+            judge_calls: int, teacher_calls: int, audit: dict[str, str]) -> JudgeScorerResult:
+    """Turn ``iid``'s result with its observations (the class docstring's);
+    ``opd_signal_mean`` only for a real signal: an accepted hint, a teacher that
+    answered, ``n`` > 0 output tokens."""
+    observations = [
+        _obs(iid, "has_next_state", has_next), _obs(iid, "hint_accepted", accepted),
+        _obs(iid, "judge_failed", failed), _obs(iid, "judge_calls", judge_calls),
+        _obs(iid, "teacher_calls", teacher_calls),
+    ]
+    if accepted and not failed and n:
+        observations.append(_obs(iid, "opd_signal_mean", float(reward.mean())))
+    return JudgeScorerResult(reward, tuple(observations), audit=audit)
