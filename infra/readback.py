@@ -144,7 +144,7 @@ class TrajectoryReader:
 
     One unassigned consumer (no group, no commits), created on first use and shared by
     sequential reads (a lock keeps them one at a time). Returns compact turns by
-    ``(partition, offset)``; a wanted record that could not be read is absent (the
+    ``(partition, offset, trajectory_id)``; a wanted record that could not be read is absent (the
     caller applies :func:`unavailable`). Broker outages surface as exceptions
     (``TimeoutError`` after ``kafka.request_timeout_ms``): transient for the caller.
     """
@@ -316,7 +316,7 @@ class VerdictTokens:
         self.reader = TrajectoryReader(cfg)
 
     async def resolve(self, verdicts: Sequence[GroupVerdict]) -> list[GroupVerdict]:
-        """``verdicts`` with every referenced member's turns in place (one read for all of them)."""
+        """``verdicts`` with every referenced member's turns in place (one read per experiment's topic)."""
         by_experiment: dict[str, list[Wanted]] = {}
         for v in verdicts:  # an experiment's records are in its own trajectories topic
             by_experiment.setdefault(v.experiment_id, []).extend(

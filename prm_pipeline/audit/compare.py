@@ -211,6 +211,8 @@ def _turn_results_by_key(session: SessionResult) -> dict[tuple[str, str, str], P
 
 
 def _first_turn_difference(recorded: SessionResult, rescored: SessionResult) -> Difference:
+    """The first turn (verdict order, then re-scored-only turns) that differs and which of its fields do;
+    when every turn is equal, the order of the turns differs."""
     rec = {t.interaction_id: t for t in recorded.turns}
     res = {t.interaction_id: t for t in rescored.turns}
     for iid in list(rec) + [i for i in res if i not in rec]:
@@ -226,6 +228,8 @@ def _first_turn_difference(recorded: SessionResult, rescored: SessionResult) -> 
 
 
 def _observation_mismatch(rec: PRMTurnResult, res: PRMTurnResult, tol: Tolerance) -> str | None:
+    """Why two turn results' observations differ (count, shape, or a value: booleans exactly,
+    numbers within ``tol``), or None."""
     if len(rec.observations) != len(res.observations):
         return f"{len(rec.observations)} recorded observations, {len(res.observations)} re-scored"
     for a, b in zip(rec.observations, res.observations):
@@ -452,6 +456,7 @@ def _compare_token_rewards(
 
 def _compare_stats(recorded: Mapping[str, float], rescored: Mapping[str, float], scope: ScoringScope,
                    tol: Tolerance) -> list[Difference]:
+    """A session's stats key by key; keys of scorers that were not re-run are left out."""
     diffs: list[Difference] = []
     for key in sorted(set(recorded) | set(rescored)):
         scorer = _stats_scorer(key)
@@ -595,6 +600,9 @@ def distinct_verdicts(records: Iterable[GroupVerdict]) -> list[tuple[GroupVerdic
 
 
 def _verdict_self_check(verdict: GroupVerdict) -> list[Difference]:
+    """Where a verdict contradicts itself: a trajectory listed twice, an accepted group with an
+    unscored member or the wrong member count, a rejection without a reason, a discarded
+    group with members that are not discarded."""
     diffs: list[Difference] = []
     ids = [s.trajectory_id for s in verdict.sessions]
     if len(set(ids)) != len(ids):

@@ -28,13 +28,13 @@ session succeeds only if every turn passed — while the judge marks each answer
    a band over groups), the process-reward share of the advantage and a verdict
    computed from them; then statuses, latency, rewards per scorer, advantages,
    loss / ratio / version and token views. Beside it ``verdicts.jsonl``,
-   ``trainer-log.jsonl`` and ``learning-curves.json``.
+   ``trainer-log.jsonl``, ``learning-curves.json`` and the judge's ``judge-audit.jsonl``.
 
-Exit status 0 when every step ran, every verdict is what the proxies expected, the
-workers exited cleanly, the first minibatch of every step was on-policy (recomputed
-log-probs equal the behaviour log-probs to float noise), and the report's learning
-curves equal those read back from the verdicts and from the trainer log
-(:func:`prm_pipeline.demo.curves.check_run`).
+Exit status 0 when every step ran, the trainer ended without an error, every verdict is
+what the proxies expected, the workers exited cleanly, the first minibatch of every step
+was on-policy (recomputed log-probs equal the behaviour log-probs to float noise), and
+the report's learning curves equal those read back from the verdicts and from the
+trainer log (:func:`prm_pipeline.demo.curves.check_run`).
 """
 
 from __future__ import annotations
@@ -548,6 +548,7 @@ async def _wait_step(done: asyncio.Event, trainer: asyncio.Task[Any], timeout_s:
 
 
 def _teacher_requests(url: str) -> int:
+    """How many requests the model server (the OPD teacher) answered, from its ``/health``."""
     import httpx
 
     return int(httpx.get(f"{url}/health", timeout=5).json().get("requests", 0))
