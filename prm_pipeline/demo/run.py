@@ -269,8 +269,6 @@ class _Demo:
     cfg: PipelineConfig  # the demo's (demo_config): its scorers, shaping and batch size
     prompts: int
     group_size: int
-    seed: int
-    workdir: Path
     audit_path: Path  # the workers' judge audit sink writes here
     teacher_url: str
     server: ModelServerProcess
@@ -334,9 +332,8 @@ async def _start(cfg: PipelineConfig, workdir: Path, *, prompts: int, group_size
     stage_setup["start-up"] = time.perf_counter() - t_start
     print(f"started 2 scoring workers and the model server in {stage_setup['start-up']:.1f}s (model server "
           f"ready after {stage_setup['model-server ready']:.1f}s; logs in {workdir})")
-    return _Demo(cfg=cfg, prompts=prompts, group_size=group_size, seed=seed, workdir=workdir, audit_path=audit_path,
-                 teacher_url=teacher_url, server=server, judge=judge, procs=procs, proxies=proxies, loop=loop,
-                 tail=tail, stage_setup=stage_setup)
+    return _Demo(cfg=cfg, prompts=prompts, group_size=group_size, audit_path=audit_path, teacher_url=teacher_url,
+                 server=server, judge=judge, procs=procs, proxies=proxies, loop=loop, tail=tail, stage_setup=stage_setup)
 
 
 async def _iterate(demo: _Demo, it: int, pub: TrajectoryPublisher, trainer: asyncio.Task[Any],
