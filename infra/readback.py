@@ -144,7 +144,7 @@ class TrajectoryReader:
 
     One unassigned consumer (no group, no commits), created on first use and shared by
     sequential reads (a lock keeps them one at a time). Returns compact turns by
-    ``(partition, offset)``; a wanted record that could not be read is absent (the
+    ``(partition, offset, trajectory_id)``; a wanted record that could not be read is absent (the
     caller applies :func:`unavailable`). Broker outages surface as exceptions
     (``TimeoutError`` after ``kafka.request_timeout_ms``): transient for the caller.
     """
@@ -249,26 +249,37 @@ class TrajectoryReader:
                         log.error("record %s:%d@%d no longer decodes: %s", tp.topic, tp.partition, record.offset, exc)
                     continue
                 if isinstance(message, TrajectoryChunk):
-                    key = (message.group_id, message.trajectory_id)
-                    if is_wanted and key not in chunked:
-                        chunked[key] = record.offset
-                    elif key not in chunked:
-                        continue
-                    first = chunked[key]
-                    for done in assembler.add(None, message, record.offset):
-                        if done.coords[0] != first:
-                            continue  # a superseded partial copy
-                        del chunked[key]
-                        try:
-                            whole = reassembled(done)
-                        except SchemaError as exc:
-                            log.error("record %s:%d@%d does not reassemble: %s", tp.topic, tp.partition, first, exc)
-                            continue
-                        self._keep(tp, first, wanted[first], whole, out)
+                    self._add_chunk(tp, record.offset, message, is_wanted, chunked, assembler, wanted, out)
                 elif is_wanted:
                     self._keep(tp, record.offset, wanted[record.offset], message, out)
                 if i >= len(todo) and not chunked:
                     break
+
+    def _add_chunk(self, tp: TopicPartition, offset: int, message: TrajectoryChunk, is_wanted: bool,
+                   chunked: dict[tuple[str, str], int], assembler: ChunkAssembler[int],
+                   wanted: dict[int, list[Wanted]], out: Turns) -> None:
+        """Follow a chunked trajectory whose first chunk is wanted; keep it once its last chunk is read.
+
+        ``chunked`` holds the trajectories being followed (key -> first chunk's offset).
+        Chunks of other trajectories interleaved with them are skipped, and a copy that
+        completes without starting at the followed first chunk is a superseded partial copy.
+        """
+        key = (message.group_id, message.trajectory_id)
+        if is_wanted and key not in chunked:
+            chunked[key] = offset
+        elif key not in chunked:
+            return
+        first = chunked[key]
+        for done in assembler.add(None, message, offset):
+            if done.coords[0] != first:
+                continue  # a superseded partial copy
+            del chunked[key]
+            try:
+                whole = reassembled(done)
+            except SchemaError as exc:
+                log.error("record %s:%d@%d does not reassemble: %s", tp.topic, tp.partition, first, exc)
+                continue
+            self._keep(tp, first, wanted[first], whole, out)
 
     @staticmethod
     def _gone(tp: TopicPartition, gone: Sequence[Wanted], why: str) -> None:
@@ -305,7 +316,7 @@ class VerdictTokens:
         self.reader = TrajectoryReader(cfg)
 
     async def resolve(self, verdicts: Sequence[GroupVerdict]) -> list[GroupVerdict]:
-        """``verdicts`` with every referenced member's turns in place (one read for all of them)."""
+        """``verdicts`` with every referenced member's turns in place (one read per experiment's topic)."""
         by_experiment: dict[str, list[Wanted]] = {}
         for v in verdicts:  # an experiment's records are in its own trajectories topic
             by_experiment.setdefault(v.experiment_id, []).extend(

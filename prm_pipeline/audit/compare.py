@@ -25,6 +25,7 @@ import msgspec
 import numpy as np
 
 from infra.schema import (
+    BranchResult,
     GroupVerdict,
     PRMTurnResult,
     ScorerInfo,
@@ -210,6 +211,8 @@ def _turn_results_by_key(session: SessionResult) -> dict[tuple[str, str, str], P
 
 
 def _first_turn_difference(recorded: SessionResult, rescored: SessionResult) -> Difference:
+    """The first turn (verdict order, then re-scored-only turns) that differs and which of its fields do;
+    when every turn is equal, the order of the turns differs."""
     rec = {t.interaction_id: t for t in recorded.turns}
     res = {t.interaction_id: t for t in rescored.turns}
     for iid in list(rec) + [i for i in res if i not in rec]:
@@ -225,6 +228,8 @@ def _first_turn_difference(recorded: SessionResult, rescored: SessionResult) -> 
 
 
 def _observation_mismatch(rec: PRMTurnResult, res: PRMTurnResult, tol: Tolerance) -> str | None:
+    """Why two turn results' observations differ (count, shape, or a value: booleans exactly,
+    numbers within ``tol``), or None."""
     if len(rec.observations) != len(res.observations):
         return f"{len(rec.observations)} recorded observations, {len(res.observations)} re-scored"
     for a, b in zip(rec.observations, res.observations):
@@ -272,7 +277,13 @@ def _attribute(
 def _compare_branches(
     recorded: SessionResult, rescored: SessionResult, scope: ScoringScope, tol: Tolerance
 ) -> list[Difference]:
-    """Branches, turn results, totals and token rewards of two scored sessions."""
+    """Branches, turn results, totals and token rewards of two scored sessions.
+
+    Branch sets first, then per branch both sides hold with the same path: turn results
+    and observations, scorer totals, the non-re-scored scorers' self-consistency, token
+    rewards (in that order: a token difference is attributed to the scorers whose turn
+    result differs on that turn).
+    """
     diffs: list[Difference] = []
     rec_branches = {b.leaf_id: b for b in recorded.branches}
     res_branches = {b.leaf_id: b for b in rescored.branches}
@@ -286,7 +297,6 @@ def _compare_branches(
         diffs.append(Difference(kind="turn_result", detail="the verdict's turn_results do not line up with its branches"))
     if res_tr is None:  # cannot happen for runner output; never compare silently
         diffs.append(Difference(kind="turn_result", detail="re-scored turn_results do not line up with branches"))
-    configured = scope.rescored | scope.not_rescored
     for leaf, rec in rec_branches.items():
         res = res_branches.get(leaf)
         if res is None:
@@ -295,99 +305,158 @@ def _compare_branches(
             diffs.append(Difference(kind="branches", leaf_id=leaf, detail="branch path differs",
                                     recorded=list(rec.path), rescored=list(res.path)))
             continue
-        # ---- turn results and observations, per re-scored scorer
         changed: dict[str, set[str]] = {}  # turn -> scorers whose turn result differs
         if rec_tr is not None and res_tr is not None:
-            for scorer in sorted(scope.rescored):
-                for iid in rec.path:
-                    a, b = rec_tr.get((leaf, iid, scorer)), res_tr.get((leaf, iid, scorer))
-                    if a is None or b is None:
-                        diffs.append(Difference(
-                            kind="turn_result", leaf_id=leaf, turn=iid, scorer=scorer,
-                            detail="turn result missing in the verdict" if a is None else "turn result not re-scored",
-                        ))
-                        changed.setdefault(iid, set()).add(scorer)
-                        continue
-                    if not tol.close(a.reward, b.reward):
-                        diffs.append(Difference(kind="turn_result", leaf_id=leaf, turn=iid, scorer=scorer,
-                                                max_abs_diff=abs(a.reward - b.reward), recorded=a.reward,
-                                                rescored=b.reward))
-                        changed.setdefault(iid, set()).add(scorer)
-                    mismatch = _observation_mismatch(a, b, tol)
-                    if mismatch:
-                        diffs.append(Difference(kind="observations", leaf_id=leaf, turn=iid, scorer=scorer,
-                                                detail=mismatch))
-        # ---- scorer totals
-        for scorer in sorted(scope.rescored):
-            a_total, b_total = rec.scorer_totals.get(scorer), res.scorer_totals.get(scorer)
-            if a_total is None or b_total is None:
-                diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                        detail="missing in the verdict" if a_total is None else "not re-scored"))
-            elif not tol.close(a_total, b_total):
-                diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                        max_abs_diff=abs(a_total - b_total), recorded=a_total, rescored=b_total))
-        for scorer in sorted(set(rec.scorer_totals) - configured):
-            diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                    detail="the verdict has a total for a scorer the config does not run"))
-        if rec_tr is not None:  # non-re-scored scorers: the record must at least agree with itself
-            for scorer in sorted(scope.not_rescored):
-                total = rec.scorer_totals.get(scorer)
-                parts = [rec_tr.get((leaf, iid, scorer)) for iid in rec.path]
-                if total is None or any(p is None for p in parts):
-                    diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                            detail="no recorded total or turn results for this scorer"))
-                    continue
-                summed = sum(p.reward for p in parts)  # type: ignore[union-attr]
-                if not tol.close(total, summed):
-                    diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                            max_abs_diff=abs(total - summed), recorded=total, rescored=summed,
-                                            detail="recorded total != sum of its recorded turn results"))
-        # ---- token rewards
-        for iid in rec.path:
-            a_tok, b_tok = rec.token_rewards.get(iid), res.token_rewards.get(iid)
-            if a_tok is None or b_tok is None:
-                diffs.append(Difference(kind="token_rewards", leaf_id=leaf, turn=iid,
-                                        detail="missing in the verdict" if a_tok is None else "not re-scored"))
-                continue
-            if a_tok.length != b_tok.length:
-                diffs.append(Difference(kind="token_rewards", leaf_id=leaf, turn=iid,
-                                        detail="number of tokens differs", recorded=a_tok.length,
-                                        rescored=b_tok.length))
-                continue
-            a = a_tok.to_numpy().astype(np.float64)
-            b = b_tok.to_numpy().astype(np.float64)
-            if scope.complete:
-                ok = tol.close_arrays(a, b)
-                if bool(ok.all()):
-                    continue
-                index = int(np.argmin(ok))
-                scorer, detail = _attribute(changed.get(iid), rec_tr, leaf, iid, rec.scorer_totals)
+            diffs += _compare_turn_results(leaf, rec.path, rec_tr, res_tr, changed, scope, tol)
+        diffs += _compare_totals(leaf, rec, res, scope, tol)
+        if rec_tr is not None:
+            diffs += _check_recorded_totals(leaf, rec, rec_tr, scope, tol)
+        diffs += _compare_token_rewards(leaf, rec, res, rec_tr, changed, scope, tol)
+    return diffs
+
+
+def _compare_turn_results(
+    leaf: str,
+    path: Sequence[str],
+    rec_tr: Mapping[tuple[str, str, str], PRMTurnResult],
+    res_tr: Mapping[tuple[str, str, str], PRMTurnResult],
+    changed: dict[str, set[str]],
+    scope: ScoringScope,
+    tol: Tolerance,
+) -> list[Difference]:
+    """Each re-scored scorer's turn results and observations along one branch.
+
+    Adds to ``changed`` (turn -> scorers) every turn result that is missing or differs:
+    :func:`_attribute` pins that turn's token-reward differences on those scorers.
+    """
+    diffs: list[Difference] = []
+    for scorer in sorted(scope.rescored):
+        for iid in path:
+            a, b = rec_tr.get((leaf, iid, scorer)), res_tr.get((leaf, iid, scorer))
+            if a is None or b is None:
                 diffs.append(Difference(
-                    kind="token_rewards", leaf_id=leaf, turn=iid, scorer=scorer, index=index,
-                    max_abs_diff=float(np.max(np.abs(a - b))), recorded=float(a[index]), rescored=float(b[index]),
-                    detail=detail,
+                    kind="turn_result", leaf_id=leaf, turn=iid, scorer=scorer,
+                    detail="turn result missing in the verdict" if a is None else "turn result not re-scored",
                 ))
-            elif rec_tr is not None and a.size:
-                # The non-re-scored scorers' share of this turn is recorded - re-scored; its
-                # mean must be the sum of their recorded (weighted, mean) turn rewards.
-                parts = [rec_tr.get((leaf, iid, s)) for s in scope.not_rescored]
-                if any(p is None for p in parts):
-                    continue  # reported above as a missing turn result / total
-                expected = sum(p.reward for p in parts)  # type: ignore[union-attr]
-                residual = float(np.mean(a - b))
-                scale = float(np.max(np.abs(a))) if a.size else 0.0
-                if not tol.close(residual, expected, scale=scale):
-                    diffs.append(Difference(
-                        kind="token_rewards", leaf_id=leaf, turn=iid, scorer=",".join(sorted(scope.not_rescored)),
-                        max_abs_diff=abs(residual - expected), recorded=residual, rescored=expected,
-                        detail="recorded token rewards minus the re-scored scorers' share do not average to the "
-                               "non-re-scored scorers' recorded turn rewards",
-                    ))
+                changed.setdefault(iid, set()).add(scorer)
+                continue
+            if not tol.close(a.reward, b.reward):
+                diffs.append(Difference(kind="turn_result", leaf_id=leaf, turn=iid, scorer=scorer,
+                                        max_abs_diff=abs(a.reward - b.reward), recorded=a.reward,
+                                        rescored=b.reward))
+                changed.setdefault(iid, set()).add(scorer)
+            mismatch = _observation_mismatch(a, b, tol)
+            if mismatch:
+                diffs.append(Difference(kind="observations", leaf_id=leaf, turn=iid, scorer=scorer,
+                                        detail=mismatch))
+    return diffs
+
+
+def _compare_totals(leaf: str, rec: BranchResult, res: BranchResult, scope: ScoringScope, tol: Tolerance) -> list[Difference]:
+    """One branch's per-scorer totals: each re-scored scorer's against re-scoring, and none
+    recorded for a scorer the config does not run."""
+    diffs: list[Difference] = []
+    for scorer in sorted(scope.rescored):
+        a_total, b_total = rec.scorer_totals.get(scorer), res.scorer_totals.get(scorer)
+        if a_total is None or b_total is None:
+            diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
+                                    detail="missing in the verdict" if a_total is None else "not re-scored"))
+        elif not tol.close(a_total, b_total):
+            diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
+                                    max_abs_diff=abs(a_total - b_total), recorded=a_total, rescored=b_total))
+    for scorer in sorted(set(rec.scorer_totals) - (scope.rescored | scope.not_rescored)):
+        diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
+                                detail="the verdict has a total for a scorer the config does not run"))
+    return diffs
+
+
+def _check_recorded_totals(
+    leaf: str, rec: BranchResult, rec_tr: Mapping[tuple[str, str, str], PRMTurnResult], scope: ScoringScope, tol: Tolerance
+) -> list[Difference]:
+    """The non-re-scored scorers' recorded totals on one branch against their recorded turn results.
+
+    Nothing re-ran them, so the record can only be checked against itself: a total is the
+    sum of the scorer's turn results along the branch.
+    """
+    diffs: list[Difference] = []
+    for scorer in sorted(scope.not_rescored):
+        total = rec.scorer_totals.get(scorer)
+        parts = [rec_tr.get((leaf, iid, scorer)) for iid in rec.path]
+        if total is None or any(p is None for p in parts):
+            diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
+                                    detail="no recorded total or turn results for this scorer"))
+            continue
+        summed = sum(p.reward for p in parts)  # type: ignore[union-attr]
+        if not tol.close(total, summed):
+            diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
+                                    max_abs_diff=abs(total - summed), recorded=total, rescored=summed,
+                                    detail="recorded total != sum of its recorded turn results"))
+    return diffs
+
+
+def _compare_token_rewards(
+    leaf: str,
+    rec: BranchResult,
+    res: BranchResult,
+    rec_tr: Mapping[tuple[str, str, str], PRMTurnResult] | None,
+    changed: Mapping[str, set[str]],
+    scope: ScoringScope,
+    tol: Tolerance,
+) -> list[Difference]:
+    """One branch's per-token rewards, turn by turn.
+
+    With every scorer re-run, token by token (the first token outside the tolerance is
+    reported, attributed by :func:`_attribute`). Otherwise the recorded rewards hold the
+    non-re-scored scorers' share too: recorded minus re-scored must average to those
+    scorers' recorded turn rewards.
+    """
+    diffs: list[Difference] = []
+    for iid in rec.path:
+        a_tok, b_tok = rec.token_rewards.get(iid), res.token_rewards.get(iid)
+        if a_tok is None or b_tok is None:
+            diffs.append(Difference(kind="token_rewards", leaf_id=leaf, turn=iid,
+                                    detail="missing in the verdict" if a_tok is None else "not re-scored"))
+            continue
+        if a_tok.length != b_tok.length:
+            diffs.append(Difference(kind="token_rewards", leaf_id=leaf, turn=iid,
+                                    detail="number of tokens differs", recorded=a_tok.length,
+                                    rescored=b_tok.length))
+            continue
+        a = a_tok.to_numpy().astype(np.float64)
+        b = b_tok.to_numpy().astype(np.float64)
+        if scope.complete:
+            ok = tol.close_arrays(a, b)
+            if bool(ok.all()):
+                continue
+            index = int(np.argmin(ok))
+            scorer, detail = _attribute(changed.get(iid), rec_tr, leaf, iid, rec.scorer_totals)
+            diffs.append(Difference(
+                kind="token_rewards", leaf_id=leaf, turn=iid, scorer=scorer, index=index,
+                max_abs_diff=float(np.max(np.abs(a - b))), recorded=float(a[index]), rescored=float(b[index]),
+                detail=detail,
+            ))
+        elif rec_tr is not None and a.size:
+            # The non-re-scored scorers' share of this turn is recorded - re-scored; its
+            # mean must be the sum of their recorded (weighted, mean) turn rewards.
+            parts = [rec_tr.get((leaf, iid, s)) for s in scope.not_rescored]
+            if any(p is None for p in parts):
+                continue  # reported by _check_recorded_totals as a missing turn result / total
+            expected = sum(p.reward for p in parts)  # type: ignore[union-attr]
+            residual = float(np.mean(a - b))
+            scale = float(np.max(np.abs(a))) if a.size else 0.0
+            if not tol.close(residual, expected, scale=scale):
+                diffs.append(Difference(
+                    kind="token_rewards", leaf_id=leaf, turn=iid, scorer=",".join(sorted(scope.not_rescored)),
+                    max_abs_diff=abs(residual - expected), recorded=residual, rescored=expected,
+                    detail="recorded token rewards minus the re-scored scorers' share do not average to the "
+                           "non-re-scored scorers' recorded turn rewards",
+                ))
     return diffs
 
 
 def _compare_stats(recorded: Mapping[str, float], rescored: Mapping[str, float], scope: ScoringScope,
                    tol: Tolerance) -> list[Difference]:
+    """A session's stats key by key; keys of scorers that were not re-run are left out."""
     diffs: list[Difference] = []
     for key in sorted(set(recorded) | set(rescored)):
         scorer = _stats_scorer(key)
@@ -456,8 +525,6 @@ def compare_session(
         if a != b:
             diffs.append(Difference(kind="field", key=name, recorded=a, rescored=b))
     inconclusive = False
-    rec_code = recorded.failure_code if recorded.status == "failed" else None
-    res_code = rescored.failure_code if rescored.status == "failed" else None
     if recorded.status == "scored" and rescored.status == "scored":
         if recorded.turns != rescored.turns:
             diffs.append(_first_turn_difference(recorded, rescored))
@@ -467,37 +534,51 @@ def compare_session(
             inconclusive = True
             notes.append(f"scorers {sorted(scope.not_rescored)} are non-deterministic: checked against the "
                          "verdict's own record, not re-run")
-    elif recorded.status == "failed" and rescored.status == "failed":
-        if rec_code != res_code:
-            if res_code == "scorer_timeout":
-                inconclusive = True
-                notes.append(f"re-scoring timed out; the verdict recorded {rec_code}")
-            else:
-                diffs.append(Difference(kind="status", recorded=recorded.error, rescored=rescored.error,
-                                        detail=f"failed with {rec_code} in the verdict, {res_code} when re-scored"))
-    elif recorded.status == "scored":  # re-scoring failed
-        if res_code == "scorer_timeout":
+    else:
+        difference, why_inconclusive = _failure_mismatch(recorded, rescored, scope)
+        if difference is not None:
+            diffs.append(difference)
+        if why_inconclusive is not None:
             inconclusive = True
-            notes.append("re-scoring timed out (raise --scorer-timeout); the verdict recorded a scored member")
-        else:
-            diffs.append(Difference(kind="status", recorded="scored", rescored=rescored.error,
-                                    scorer=rescored.error_scorer,
-                                    detail="scored in the verdict, rejected when re-scored"))
-    else:  # recorded failed, re-scoring succeeded
-        culprit = recorded.error_scorer
-        if rec_code == "scorer_timeout":
-            inconclusive = True
-            notes.append("the verdict recorded a timeout; re-scoring succeeded (timeouts depend on load)")
-        elif not scope.complete and (culprit is None or culprit in scope.not_rescored):
-            inconclusive = True
-            notes.append(f"the recorded failure ({rec_code}) may come from a non-re-scored scorer "
-                         f"({culprit or 'unknown'}); the re-scored scorers succeeded")
-        else:
-            diffs.append(Difference(kind="status", recorded=recorded.error, rescored="scored", scorer=culprit,
-                                    detail=f"failed with {rec_code} in the verdict, scored when re-scored"))
+            notes.append(why_inconclusive)
     if diffs:
         return SessionComparison(outcome="differs", differences=located(diffs), notes=notes)
     return SessionComparison(outcome="not_rescorable" if inconclusive else "identical", notes=notes)
+
+
+def _failure_mismatch(
+    recorded: SessionResult, rescored: SessionResult, scope: ScoringScope
+) -> tuple[Difference | None, str | None]:
+    """A member that failed on at least one side: ``(difference, None)``, ``(None, why inconclusive)``,
+    or ``(None, None)`` when both failed for the same reason.
+
+    A timeout on either side depends on load, not on the member, and a recorded failure
+    that may come from a scorer the audit did not re-run cannot be reproduced: both are
+    inconclusive rather than differences.
+    """
+    rec_code = recorded.failure_code if recorded.status == "failed" else None
+    res_code = rescored.failure_code if rescored.status == "failed" else None
+    if recorded.status == "failed" and rescored.status == "failed":
+        if rec_code == res_code:
+            return None, None
+        if res_code == "scorer_timeout":
+            return None, f"re-scoring timed out; the verdict recorded {rec_code}"
+        return Difference(kind="status", recorded=recorded.error, rescored=rescored.error,
+                          detail=f"failed with {rec_code} in the verdict, {res_code} when re-scored"), None
+    if recorded.status == "scored":  # re-scoring failed
+        if res_code == "scorer_timeout":
+            return None, "re-scoring timed out (raise --scorer-timeout); the verdict recorded a scored member"
+        return Difference(kind="status", recorded="scored", rescored=rescored.error, scorer=rescored.error_scorer,
+                          detail="scored in the verdict, rejected when re-scored"), None
+    # recorded failed, re-scoring succeeded
+    culprit = recorded.error_scorer
+    if rec_code == "scorer_timeout":
+        return None, "the verdict recorded a timeout; re-scoring succeeded (timeouts depend on load)"
+    if not scope.complete and (culprit is None or culprit in scope.not_rescored):
+        return None, (f"the recorded failure ({rec_code}) may come from a non-re-scored scorer "
+                      f"({culprit or 'unknown'}); the re-scored scorers succeeded")
+    return Difference(kind="status", recorded=recorded.error, rescored="scored", scorer=culprit,
+                      detail=f"failed with {rec_code} in the verdict, scored when re-scored"), None
 
 
 def distinct_verdicts(records: Iterable[GroupVerdict]) -> list[tuple[GroupVerdict, int]]:
@@ -519,6 +600,9 @@ def distinct_verdicts(records: Iterable[GroupVerdict]) -> list[tuple[GroupVerdic
 
 
 def _verdict_self_check(verdict: GroupVerdict) -> list[Difference]:
+    """Where a verdict contradicts itself: a trajectory listed twice, an accepted group with an
+    unscored member or the wrong member count, a rejection without a reason, a discarded
+    group with members that are not discarded."""
     diffs: list[Difference] = []
     ids = [s.trajectory_id for s in verdict.sessions]
     if len(set(ids)) != len(ids):
@@ -536,6 +620,41 @@ def _verdict_self_check(verdict: GroupVerdict) -> list[Difference]:
     elif verdict.status == "discarded" and set(statuses) - {"discarded"}:
         diffs.append(Difference(kind="verdict", detail=f"discarded with member statuses {dict(statuses)}"))
     return diffs
+
+
+def _conflicting_verdicts(group_id: str, variants: Sequence[tuple[GroupVerdict, int]]) -> list[Difference]:
+    """One ``conflicting_verdicts`` difference per verdict version with more than one distinct verdict.
+
+    Redelivered copies were collapsed by :func:`distinct_verdicts`; what is left under one
+    version is two decisions for one group, and the difference names the fields they disagree on.
+    """
+    by_version: dict[int, list[GroupVerdict]] = {}
+    for verdict, _copies in variants:
+        by_version.setdefault(verdict.verdict_version, []).append(verdict)
+    conflicts: list[Difference] = []
+    for version, found in sorted(by_version.items()):
+        if len(found) > 1:
+            head = found[0]
+            fields = sorted({f for other in found[1:] for f in head.__struct_fields__
+                             if getattr(head, f) != getattr(other, f)})
+            conflicts.append(Difference(
+                kind="conflicting_verdicts", verdict_version=version, recorded=len(found),
+                detail=f"{len(found)} different verdicts for ({group_id!r}, version {version}); "
+                       f"fields that differ: {', '.join(fields)}",
+            ))
+    return conflicts
+
+
+def _group_outcome(*, differs: bool, missing: bool, inconclusive: bool) -> GroupOutcome:
+    """The precedence of a group's outcome: a difference outweighs a missing trajectory, which
+    outweighs an inconclusive member; a group with none of them is ``identical``."""
+    if differs:
+        return "differs"
+    if missing:
+        return "verdict_without_trajectory"
+    if inconclusive:
+        return "not_rescorable"
+    return "identical"
 
 
 def summarize_group(
@@ -581,34 +700,13 @@ def summarize_group(
             missing |= comparison.outcome == "missing_trajectory"
             inconclusive |= comparison.outcome == "not_rescorable"
         diffs += [msgspec.structs.replace(d, **tag) for d in local]
-    by_version: dict[int, list[GroupVerdict]] = {}
-    for verdict, _copies in variants:
-        by_version.setdefault(verdict.verdict_version, []).append(verdict)
-    conflicts: list[Difference] = []
-    for version, found in sorted(by_version.items()):
-        if len(found) > 1:
-            head = found[0]
-            fields = sorted({f for other in found[1:] for f in head.__struct_fields__
-                             if getattr(head, f) != getattr(other, f)})
-            conflicts.append(Difference(
-                kind="conflicting_verdicts", verdict_version=version, recorded=len(found),
-                detail=f"{len(found)} different verdicts for ({group_id!r}, version {version}); "
-                       f"fields that differ: {', '.join(fields)}",
-            ))
-    diffs = conflicts + diffs  # group-level first: never cut by max_differences
+    diffs = _conflicting_verdicts(group_id, variants) + diffs  # group-level first: never cut by max_differences
     listed = {s.trajectory_id for verdict, _ in variants for s in verdict.sessions}
     unlisted = sorted(set(trajectories_seen) - listed)
     if unlisted:
         all_notes.append(f"trajectories on the topic but in no verdict of the group (late or extra members): "
                          f"{unlisted[:20]}")
-    if diffs:
-        outcome: GroupOutcome = "differs"
-    elif missing:
-        outcome = "verdict_without_trajectory"
-    elif inconclusive:
-        outcome = "not_rescorable"
-    else:
-        outcome = "identical"
+    outcome = _group_outcome(differs=bool(diffs), missing=missing, inconclusive=inconclusive)
     magnitudes = [d.max_abs_diff for d in diffs if d.max_abs_diff is not None]
     first = variants[0][0] if variants else None
     dedup_notes = list(dict.fromkeys(all_notes))
@@ -617,7 +715,7 @@ def summarize_group(
         outcome=outcome,
         status=first.status if first else "",
         reason=first.reason if first else "",
-        verdict_versions=sorted(by_version),
+        verdict_versions=sorted({verdict.verdict_version for verdict, _ in variants}),
         verdict_records=sum(n for _, n in variants),
         distinct_verdicts=len(variants),
         sessions=dict(sorted(sessions.items())),

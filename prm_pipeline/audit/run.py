@@ -45,6 +45,7 @@ class AuditOptions:
     show: int = 10  # differing groups listed in the summary
     experiment: str = DEFAULT_EXPERIMENT  # whose topics are read and whose records audited (docs/fleet.md)
 
+
 @dataclass(frozen=True)
 class _ExperimentTopics:
     """The two topics one audit reads: its experiment's (infra.experiments)."""
@@ -75,6 +76,58 @@ async def _scorers_of(cfg: PipelineConfig, experiment: str) -> tuple[PRMConfig, 
     return prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts, cfg.worker.scorer_profiles)
 
 
+def _start_offsets(options: AuditOptions, topics: _ExperimentTopics) -> dict[str, dict[int, int]]:
+    """``--from-offsets`` as topic -> partition -> offset; naming any topic but the two audited is an error.
+
+    A topic of another experiment (or a typo) would otherwise be ignored silently and the
+    audit would read its own topics from the start (or ``--since``).
+    """
+    offsets = {k: dict(v) for k, v in (options.from_offsets or {}).items()}
+    stray = sorted(set(offsets) - {topics.trajectories, topics.verdicts})
+    if stray:
+        raise AuditError(f"--from-offsets names {stray}; only {topics.trajectories!r} and {topics.verdicts!r} "
+                         "are audited")
+    return offsets
+
+
+async def _read_verdicts(
+    cfg: PipelineConfig,
+    topic: str,
+    auditor: Auditor,
+    *,
+    start: Mapping[int, int] | None,
+    since_ms: int | None,
+    on_total: Callable[[int], None],
+    on_record: Callable[[], None],
+    ends_out: dict[int, int],
+) -> None:
+    """Add every verdict in the verdicts topic's snapshot to ``auditor``, with its turns.
+
+    Verdicts published with ``worker.verdict_tokens: reference`` carry references instead
+    of turns; their turns are read back :data:`READBACK_BATCH` verdicts at a time, as the
+    trainer does.
+    """
+    tokens = VerdictTokens(cfg)
+    try:
+        referenced: list[GroupVerdict] = []
+        async for record in read_snapshot(cfg, topic, start=start, since_ms=since_ms, on_total=on_total,
+                                          ends_out=ends_out):
+            on_record()
+            verdict = None if record is None else auditor.decode_verdict(record.value, record.headers)
+            if verdict is not None and needs_tokens(verdict):
+                referenced.append(verdict)
+            elif verdict is not None:
+                auditor.add_verdict(verdict)
+            if len(referenced) >= READBACK_BATCH:
+                for v in await tokens.resolve(referenced):
+                    auditor.add_verdict(v)
+                referenced = []
+        for v in await tokens.resolve(referenced):
+            auditor.add_verdict(v)
+    finally:
+        await tokens.aclose()
+
+
 async def audit(
     cfg: PipelineConfig,
     options: AuditOptions | None = None,
@@ -92,11 +145,7 @@ async def audit(
     stderr = stderr or sys.stderr
     topics = _ExperimentTopics(trajectories_topic(cfg.topics.trajectories, options.experiment),
                                verdicts_topic(cfg.topics.verdicts, options.experiment))
-    offsets = {k: dict(v) for k, v in (options.from_offsets or {}).items()}
-    stray = sorted(set(offsets) - {topics.trajectories, topics.verdicts})
-    if stray:
-        raise AuditError(f"--from-offsets names {stray}; only {topics.trajectories!r} and {topics.verdicts!r} "
-                         "are audited")
+    offsets = _start_offsets(options, topics)
     timeout_s = options.timeout_s if options.timeout_s is not None else cfg.worker.scorer_timeout_s
     prm, hosts = await _scorers_of(cfg, options.experiment)
     with judge_hosts_allowed(hosts):  # re-scoring calls judges too
@@ -118,26 +167,9 @@ async def audit(
                 return lambda n: progress.update(task, total=(progress.tasks[task].total or 0) + n)
 
             ends: dict[str, dict[int, int]] = {topics.verdicts: {}, topics.trajectories: {}}
-            tokens = VerdictTokens(cfg)  # verdicts published with worker.verdict_tokens: reference
-            try:
-                referenced: list[GroupVerdict] = []
-                async for record in read_snapshot(cfg, topics.verdicts, start=offsets.get(topics.verdicts),
-                                                  since_ms=options.since_ms, on_total=grow(verdict_task),
-                                                  ends_out=ends[topics.verdicts]):
-                    progress.advance(verdict_task)
-                    verdict = None if record is None else auditor.decode_verdict(record.value, record.headers)
-                    if verdict is not None and needs_tokens(verdict):
-                        referenced.append(verdict)  # its turns are read back in batches, as the trainer does
-                    elif verdict is not None:
-                        auditor.add_verdict(verdict)
-                    if len(referenced) >= READBACK_BATCH:
-                        for v in await tokens.resolve(referenced):
-                            auditor.add_verdict(v)
-                        referenced = []
-                for v in await tokens.resolve(referenced):
-                    auditor.add_verdict(v)
-            finally:
-                await tokens.aclose()
+            await _read_verdicts(cfg, topics.verdicts, auditor, start=offsets.get(topics.verdicts),
+                                 since_ms=options.since_ms, on_total=grow(verdict_task),
+                                 on_record=lambda: progress.advance(verdict_task), ends_out=ends[topics.verdicts])
             progress.update(rescore_task, total=auditor.sessions_to_rescore)
             progress.start_task(rescore_task)
             async for record in read_snapshot(cfg, topics.trajectories, start=offsets.get(topics.trajectories),

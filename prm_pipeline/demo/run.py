@@ -28,13 +28,13 @@ session succeeds only if every turn passed — while the judge marks each answer
    a band over groups), the process-reward share of the advantage and a verdict
    computed from them; then statuses, latency, rewards per scorer, advantages,
    loss / ratio / version and token views. Beside it ``verdicts.jsonl``,
-   ``trainer-log.jsonl`` and ``learning-curves.json``.
+   ``trainer-log.jsonl``, ``learning-curves.json`` and the judge's ``judge-audit.jsonl``.
 
-Exit status 0 when every step ran, every verdict is what the proxies expected, the
-workers exited cleanly, the first minibatch of every step was on-policy (recomputed
-log-probs equal the behaviour log-probs to float noise), and the report's learning
-curves equal those read back from the verdicts and from the trainer log
-(:func:`prm_pipeline.demo.curves.check_run`).
+Exit status 0 when every step ran, the trainer ended without an error, every verdict is
+what the proxies expected, the workers exited cleanly, the first minibatch of every step
+was on-policy (recomputed log-probs equal the behaviour log-probs to float noise), and
+the report's learning curves equal those read back from the verdicts and from the
+trainer log (:func:`prm_pipeline.demo.curves.check_run`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import os
 import random
@@ -50,7 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -61,6 +62,11 @@ from prm_pipeline.demo.curves import RUNS, check_run, curves_from_trainer_log, g
 from prm_pipeline.demo.processes import WorkerProcesses, write_config
 from prm_pipeline.observe import VerdictTail
 from producers.publisher import TrajectoryPublisher
+
+if TYPE_CHECKING:  # the rollout proxy imports torch: the CLI imports this module to build its parser, without it
+    from prm_pipeline.demo.fake_judge import FakeJudgeServer
+    from prm_pipeline.demo.report import DemoRecord
+    from prm_pipeline.demo.rollout_proxy import RolloutProxy
 
 DEMO_GROUP_TIMEOUT_S = 6.0
 ALIGNMENT_TOLERANCE = 1e-4  # the demo's alarm; the tests hold the alignment to 1e-5
@@ -141,8 +147,6 @@ class ModelServerProcess:
 
 def _rows(batch: Any, rows: list[int]) -> Any:
     """The sub-batch of ``rows`` (tensors, channels and per-row lists), for one run's update."""
-    import dataclasses
-
     import torch
 
     index = torch.tensor(rows, dtype=torch.long)
@@ -258,16 +262,37 @@ def rows_by_run(batch: Any, *, update: int, prompts: int) -> dict[str, list[int]
     return {name: [i for i in order if batch.group_ids[i].startswith(f"{name}-")] for name in RUNS}
 
 
-async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: int, prompts: int,
-               group_size: int, seed: int) -> int:
+@dataclasses.dataclass
+class _Demo:
+    """What the demo's start-up left running, for the iterations, the shut-down and the report."""
+
+    cfg: PipelineConfig  # the demo's (demo_config): its scorers, shaping and batch size
+    prompts: int
+    group_size: int
+    audit_path: Path  # the workers' judge audit sink writes here
+    teacher_url: str
+    server: ModelServerProcess
+    judge: FakeJudgeServer
+    procs: WorkerProcesses
+    proxies: dict[str, RolloutProxy]
+    loop: _Loop
+    tail: VerdictTail
+    stage_setup: dict[str, float]  # "model-server ready", "start-up": seconds after the start
+
+
+async def _start(cfg: PipelineConfig, workdir: Path, *, prompts: int, group_size: int, seed: int) -> _Demo:
+    """Start the judge, the model server, the topics, both workers and both runs' proxies, and wait for them.
+
+    The workers start while the model server loads (its port is known up front); a
+    discarded warm-up group whose verdict comes back proves the workers consume, so the
+    first iteration's scoring time is not start-up time.
+    """
     import torch
 
     from prm_pipeline.demo.fake_judge import FakeJudgeServer
-    from prm_pipeline.demo.report import DemoRecord, IterationMarks, iteration_stages, write_report
     from prm_pipeline.demo.rollout_proxy import RolloutConfig, RolloutProxy
     from prm_pipeline.demo.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
-    from prm_pipeline.token_view import AUDIT_ENV, branch_views, demo_decoder, load_audit, render_html, verdict_record
-    from shaper.trainer import run_trainer
+    from prm_pipeline.token_view import AUDIT_ENV
 
     torch.set_num_threads(1)  # two shared cores: one thread each for the proxy and the trainer
     t_start = time.perf_counter()
@@ -307,107 +332,138 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
     stage_setup["start-up"] = time.perf_counter() - t_start
     print(f"started 2 scoring workers and the model server in {stage_setup['start-up']:.1f}s (model server "
           f"ready after {stage_setup['model-server ready']:.1f}s; logs in {workdir})")
+    return _Demo(cfg=cfg, prompts=prompts, group_size=group_size, audit_path=audit_path, teacher_url=teacher_url,
+                 server=server, judge=judge, procs=procs, proxies=proxies, loop=loop, tail=tail, stage_setup=stage_setup)
 
+
+async def _iterate(demo: _Demo, it: int, pub: TrajectoryPublisher, trainer: asyncio.Task[Any],
+                   expect: dict[str, tuple[str, str]], record: DemoRecord) -> None:
+    """One iteration of both loops: sample and publish, wait for the verdicts and the trainer's step, print it.
+
+    Besides the runs' groups it publishes what the workers must turn away (a discarded
+    group every iteration; in the first, a group whose last member never arrives and one
+    that is not concat export) and notes in ``expect`` the status each group must get.
+    """
+    from prm_pipeline.demo.report import IterationMarks, iteration_stages
+
+    proxies, loop, tail = demo.proxies, demo.loop, demo.tail
+    start = time.perf_counter()
+    for proxy in proxies.values():
+        proxy.reload()
+    reloaded = time.perf_counter()
+    groups = [proxies[name].group(group_id(name, it, k)) for name in RUNS for k in range(demo.prompts)]
+    first = proxies["outcome"]
+    lost = first.group("it0-lost")[:-1] if it == 0 else []  # its last rollout never finishes
+    broken = _not_concat([first.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False)
+                          for i in range(demo.group_size)]) if it == 0 else []
+    sampled = time.perf_counter()
+    loop.done.clear()
+    await first.publish(pub, groups)
+    expect.update({g[0].group_id: ("accepted", "") for g in groups})
+    await pub.discard_group(f"it{it}-filtered", "prompt filtered by the proxy")
+    expect[f"it{it}-filtered"] = ("discarded", "discarded")
+    if lost:  # rejected at the group deadline
+        await pub.publish_many(lost)
+        expect["it0-lost"] = ("rejected", "missing_sessions")
+    if broken:  # a member whose last turn was re-templated: refused by the workers
+        await pub.publish_many(broken)
+        expect["it0-broken"] = ("rejected", "not_concat_export")
+    await pub.flush()
+    published = time.perf_counter()
+    accepted = {g[0].group_id for g in groups}
+    await _await_verdicts(tail, demo.procs, accepted, timeout_s=120)
+    await _wait_step(loop.done, trainer)
+    timing = loop.timings[-1]
+    stage = iteration_stages(IterationMarks(
+        start=start, reloaded=reloaded, sampled=sampled, published=published,
+        last_verdict=max(tail.arrivals[g] for g in accepted), batch_in=timing["batch_in"],
+        trained=timing["trained"], publish_weights_s=timing["publish weights"],
+        seen=time.perf_counter()))
+    record.stages.append(stage)
+    last = {r["run"]: r for r in loop.records[-len(RUNS):]}
+    n_turns = sum(len(m.interactions) for g in groups for m in g)
+    print(f"  iter {it}: {len(groups)} groups ({n_turns} turns) sampled in {stage['rollout']:.2f}s, "
+          f"scored in {stage['scoring (publish -> verdicts)']:.2f}s; step {it + 1}: mean outcome "
+          + ", ".join(f"{label} {last[name]['mean_outcome']:.2f}" for name, label in RUNS.items())
+          + f"; process share {last['process']['process_share']:.2f}; align |d|max "
+          f"{max(r['update/alignment_max_abs_diff'] for r in last.values()):.1e}")
+
+
+async def _shut_down(demo: _Demo, trainer: asyncio.Task[Any], stop_trainer: asyncio.Event) -> tuple[bool, list[int | None]]:
+    """Stop the tail, the trainer (gracefully first), the workers, the model server and the judge.
+
+    Runs however the iterations ended. Returns whether the trainer ended without an
+    error (a cancelled one counts as clean) and the workers' exit codes.
+    """
+    await demo.tail.aclose()
+    stop_trainer.set()  # graceful: the consumer commits and leaves its group
+    done, _ = await asyncio.wait([trainer], timeout=30)
+    if not done:
+        trainer.cancel()
+    summary = await asyncio.gather(trainer, return_exceptions=True)
+    trainer_ok = True
+    if isinstance(summary[0], BaseException) and not isinstance(summary[0], asyncio.CancelledError):
+        print(f"  trainer failed: {summary[0]!r}")
+        trainer_ok = False
+    codes = demo.procs.stop()
+    demo.server.stop()
+    demo.judge.stop()
+    return trainer_ok, codes
+
+
+async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: int, prompts: int,
+               group_size: int, seed: int) -> int:
+    """The whole demo: start-up, ``updates`` iterations of both loops, shut-down, then checks and report."""
+    from prm_pipeline.demo.report import DemoRecord
+    from shaper.trainer import run_trainer
+
+    demo = await _start(cfg, workdir, prompts=prompts, group_size=group_size, seed=seed)
+    cfg, loop, tail = demo.cfg, demo.loop, demo.tail
     stop_trainer = asyncio.Event()
     trainer = asyncio.create_task(run_trainer(cfg, update=loop, batch_groups=prompts * len(RUNS), stop=stop_trainer))
     expect: dict[str, tuple[str, str]] = {}  # group -> (status, reason code)
     record = DemoRecord()
     t0 = time.perf_counter()
-    ok = True
     try:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             for it in range(updates):
-                start = time.perf_counter()
-                for proxy in proxies.values():
-                    proxy.reload()
-                reloaded = time.perf_counter()
-                groups = [proxies[name].group(group_id(name, it, k)) for name in RUNS for k in range(prompts)]
-                first = proxies["outcome"]
-                lost = first.group("it0-lost")[:-1] if it == 0 else []  # its last rollout never finishes
-                broken = _not_concat([first.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False)
-                                      for i in range(group_size)]) if it == 0 else []
-                sampled = time.perf_counter()
-                loop.done.clear()
-                await first.publish(pub, groups)
-                expect.update({g[0].group_id: ("accepted", "") for g in groups})
-                await pub.discard_group(f"it{it}-filtered", "prompt filtered by the proxy")
-                expect[f"it{it}-filtered"] = ("discarded", "discarded")
-                if lost:  # rejected at the group deadline
-                    await pub.publish_many(lost)
-                    expect["it0-lost"] = ("rejected", "missing_sessions")
-                if broken:  # a member whose last turn was re-templated: refused by the workers
-                    await pub.publish_many(broken)
-                    expect["it0-broken"] = ("rejected", "not_concat_export")
-                await pub.flush()
-                published = time.perf_counter()
-                accepted = {g[0].group_id for g in groups}
-                await _await_verdicts(tail, procs, accepted, timeout_s=120)
-                await _wait_step(loop.done, trainer)
-                timing = loop.timings[-1]
-                stage = iteration_stages(IterationMarks(
-                    start=start, reloaded=reloaded, sampled=sampled, published=published,
-                    last_verdict=max(tail.arrivals[g] for g in accepted), batch_in=timing["batch_in"],
-                    trained=timing["trained"], publish_weights_s=timing["publish weights"],
-                    seen=time.perf_counter()))
-                record.stages.append(stage)
-                last = {r["run"]: r for r in loop.records[-len(RUNS):]}
-                n_turns = sum(len(m.interactions) for g in groups for m in g)
-                print(f"  iter {it}: {len(groups)} groups ({n_turns} turns) sampled in {stage['rollout']:.2f}s, "
-                      f"scored in {stage['scoring (publish -> verdicts)']:.2f}s; step {it + 1}: mean outcome "
-                      + ", ".join(f"{label} {last[name]['mean_outcome']:.2f}" for name, label in RUNS.items())
-                      + f"; process share {last['process']['process_share']:.2f}; align |d|max "
-                      f"{max(r['update/alignment_max_abs_diff'] for r in last.values()):.1e}")
-            for proxy in proxies.values():
+                await _iterate(demo, it, pub, trainer, expect, record)
+            for proxy in demo.proxies.values():
                 proxy.reload()
-            print("  proxies reloaded policy " + ", ".join(f"{n} v{p.policy.version}" for n, p in proxies.items())
+            print("  proxies reloaded policy " + ", ".join(f"{n} v{p.policy.version}" for n, p in demo.proxies.items())
                   + f" (published after step {len(loop.timings)})")
         await tail.wait_for(set(expect), timeout_s=DEMO_GROUP_TIMEOUT_S + 60)
-        teacher_requests = _teacher_requests(teacher_url)
+        teacher_requests = _teacher_requests(demo.teacher_url)
     finally:
-        await tail.aclose()
-        stop_trainer.set()  # graceful: the consumer commits and leaves its group
-        done, _ = await asyncio.wait([trainer], timeout=30)
-        if not done:
-            trainer.cancel()
-        summary = await asyncio.gather(trainer, return_exceptions=True)
-        if isinstance(summary[0], BaseException) and not isinstance(summary[0], asyncio.CancelledError):
-            print(f"  trainer failed: {summary[0]!r}")
-            ok = False
-        codes = procs.stop()
-        server.stop()
-        judge.stop()
+        trainer_ok, codes = await _shut_down(demo, trainer, stop_trainer)
     loop_s = time.perf_counter() - t0
+    return _check_and_report(demo, record, out_dir, expect=expect, t0=t0, loop_s=loop_s, codes=codes,
+                             teacher_requests=teacher_requests, trainer_ok=trainer_ok, updates=updates)
 
-    # ------------------------------------------------------------------ checks and the report
+
+def _check_and_report(demo: _Demo, record: DemoRecord, out_dir: Path, *, expect: dict[str, tuple[str, str]],
+                      t0: float, loop_s: float, codes: list[int | None], teacher_requests: int, trainer_ok: bool,
+                      updates: int) -> int:
+    """Write the report and the files beside it, print the summary and every failed check; the exit status.
+
+    The checks: every expected group got its status, the workers exited 0, every step
+    ran and was on-policy, and the report's curves are the verdicts' and the trainer log's.
+    """
+    from prm_pipeline.demo.report import write_report
+
+    loop, tail, stage_setup = demo.loop, demo.tail, demo.stage_setup
     verdicts = {g: v for g, v in tail.verdicts.items() if g in expect}
     statuses = collections.Counter(v.status for v in verdicts.values())
     wrong = {g: (want, verdicts[g].status, verdicts[g].reason) for g, want in expect.items()
              if (verdicts[g].status, verdicts[g].reason_code) != want}
     worst = max(s["update/alignment_max_abs_diff"] for s in loop.records)
-    record.verdict_events = [(tail.arrivals[g] - t0, g, v.status) for g, v in verdicts.items()]
-    record.steps = loop.records
-    record.advantages = loop.advantages
-    for v in verdicts.values():
-        for s in v.sessions:
-            for tr in s.turn_results:
-                record.scorer_turn_rewards.setdefault(tr.scorer_name, []).append(tr.reward)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    records = [verdict_record(v) for v in verdicts.values()]
-    (out_dir / "verdicts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (out_dir / "trainer-log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in loop.log))
-    if audit_path.exists():
-        (out_dir / "judge-audit.jsonl").write_bytes(audit_path.read_bytes())
-    record.token_views_html = render_html(_sample_views(records, load_audit(audit_path), branch_views),
-                                          demo_decoder())
-    record.curves = curves_from_trainer_log(loop.log)
-    record.process_share = [line["process_share"] for line in loop.log if line["run"] == "process"]
-    record.learning_verdict = verdict_text(record.curves, record.process_share)
+    _record_run(demo, record, out_dir, verdicts, t0=t0)
     record.summary = [
         record.learning_verdict,
         f"{len(loop.timings)} updates of each run in {loop_s:.1f}s (start-up {stage_setup['start-up']:.1f}s, the "
         f"model server ready after {stage_setup['model-server ready']:.1f}s); policy versions "
-        + ", ".join(f"{n} v{p.policy.version}" for n, p in proxies.items()) + " at the end",
-        f"verdicts: {dict(statuses)}; scripted-judge requests {judge.requests}, teacher (model-server) "
+        + ", ".join(f"{n} v{p.policy.version}" for n, p in demo.proxies.items()) + " at the end",
+        f"verdicts: {dict(statuses)}; scripted-judge requests {demo.judge.requests}, teacher (model-server) "
         f"requests {teacher_requests}",
         f"alignment: max |recomputed - behaviour| log-prob on the first minibatch of each step = {worst:.2e}",
         f"workers exited with {codes}",
@@ -424,11 +480,40 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
         print(f"  ALIGNMENT: recomputed log-probs differ from the behaviour log-probs by {worst:.2e}")
     for line in mismatches:
         print(f"  LEARNING CURVES: {line}")
-    ok = (ok and not wrong and codes == [0, 0] and len(loop.timings) == updates and worst <= ALIGNMENT_TOLERANCE
-          and not mismatches)
+    ok = (trainer_ok and not wrong and codes == [0, 0] and len(loop.timings) == updates
+          and worst <= ALIGNMENT_TOLERANCE and not mismatches)
     print("demo OK" if ok else "demo FAILED")
     print(f"report: {path.resolve()}")
     return 0 if ok else 1
+
+
+def _record_run(demo: _Demo, record: DemoRecord, out_dir: Path, verdicts: dict[str, Any], *, t0: float) -> None:
+    """Fill ``record`` with what the report draws, and write the raw files the checks re-read beside it.
+
+    ``verdicts.jsonl`` and ``trainer-log.jsonl`` are what :func:`check_run` recomputes the
+    learning curves from; ``judge-audit.jsonl`` (when the judge wrote one) backs the token views.
+    """
+    from prm_pipeline.token_view import branch_views, demo_decoder, load_audit, render_html, verdict_record
+
+    loop = demo.loop
+    record.verdict_events = [(demo.tail.arrivals[g] - t0, g, v.status) for g, v in verdicts.items()]
+    record.steps = loop.records
+    record.advantages = loop.advantages
+    for v in verdicts.values():
+        for s in v.sessions:
+            for tr in s.turn_results:
+                record.scorer_turn_rewards.setdefault(tr.scorer_name, []).append(tr.reward)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = [verdict_record(v) for v in verdicts.values()]
+    (out_dir / "verdicts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out_dir / "trainer-log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in loop.log))
+    if demo.audit_path.exists():
+        (out_dir / "judge-audit.jsonl").write_bytes(demo.audit_path.read_bytes())
+    record.token_views_html = render_html(_sample_views(records, load_audit(demo.audit_path), branch_views),
+                                          demo_decoder())
+    record.curves = curves_from_trainer_log(loop.log)
+    record.process_share = [line["process_share"] for line in loop.log if line["run"] == "process"]
+    record.learning_verdict = verdict_text(record.curves, record.process_share)
 
 
 def _not_concat(members: list[Any]) -> list[Any]:
@@ -460,6 +545,7 @@ async def _wait_step(done: asyncio.Event, trainer: asyncio.Task[Any], timeout_s:
 
 
 def _teacher_requests(url: str) -> int:
+    """How many requests the model server (the OPD teacher) answered, from its ``/health``."""
     import httpx
 
     return int(httpx.get(f"{url}/health", timeout=5).json().get("requests", 0))
