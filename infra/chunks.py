@@ -4,8 +4,9 @@ A long agent session (100 turns, 128k tokens of context) does not fit one Kafka 
 even in the compact form: its content alone — the token ids, the output log-probs and
 the message text — is over a megabyte, and the default record limit is 1 MiB
 (``kafka.max_message_bytes``). :func:`to_records` therefore splits such a ``ready``
-message into ``chunk`` records (:class:`infra.schema.TrajectoryChunk`) of at most the
-limit each, and :class:`ChunkAssembler` puts them back together on the reading side
+message into ``chunk`` records (:class:`infra.schema.TrajectoryChunk`) of at most
+:func:`infra.kafka.max_record_size` of the limit each (the batch a broker checks, once
+compressed, stays within it), and :class:`ChunkAssembler` puts them back together on the reading side
 (the worker, its token read-back, the audit).
 
 Delivery stays at-least-once: a worker marks a chunk's offset finished only when the
@@ -25,7 +26,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from infra.kafka import MessageTooLarge, record_size
+from infra.kafka import MessageTooLarge, max_record_size, record_size
 from infra.schema import (
     COMPACT_SCHEMA_VERSION,
     KIND_HEADER,
@@ -76,15 +77,17 @@ def to_records(message: TrajectoryMessage, max_message_bytes: int) -> list[Recor
         message = compact_trajectory(message)
     value, headers = encode(message)
     key = message.group_id.encode()
-    if record_size(key, value, headers) <= max_message_bytes:
+    safe = max_record_size(max_message_bytes)
+    if record_size(key, value, headers) <= safe:
         return [(value, headers)]
     if not isinstance(message, ReadyTrajectory):
-        raise MessageTooLarge(f"{type(message).__name__} for group {message.group_id!r} is {len(value)} bytes, over "
+        raise MessageTooLarge(f"{type(message).__name__} for group {message.group_id!r} is a record of "
+                              f"{record_size(key, value, headers)} bytes, over the {safe} a record may have under "
                               f"kafka.max_message_bytes={max_message_bytes}")
     probe = TrajectoryChunk(group_id=message.group_id, trajectory_id=message.trajectory_id, index=MAX_CHUNKS - 1,
                             count=MAX_CHUNKS, total_bytes=len(value), data=b"x")
     probe_value, chunk_headers = encode(probe)
-    budget = max_message_bytes - record_size(key, probe_value, chunk_headers) - 4 - _SLACK  # bin8 -> bin32 header
+    budget = safe - record_size(key, probe_value, chunk_headers) - 4 - _SLACK  # bin8 -> bin32 header
     count = max(2, math.ceil(len(value) / budget)) if budget > 0 else MAX_CHUNKS + 1
     if count > MAX_CHUNKS:
         raise too_large(message, len(value), max_message_bytes, count)
@@ -94,7 +97,7 @@ def to_records(message: TrajectoryMessage, max_message_bytes: int) -> list[Recor
         chunk = TrajectoryChunk(group_id=message.group_id, trajectory_id=message.trajectory_id, index=i, count=count,
                                 total_bytes=len(value), data=value[i * size : (i + 1) * size])
         chunk_value, chunk_headers = encode(chunk)
-        assert record_size(key, chunk_value, chunk_headers) <= max_message_bytes, "chunk budget miscomputed"
+        assert record_size(key, chunk_value, chunk_headers) <= safe, "chunk budget miscomputed"
         records.append((chunk_value, chunk_headers))
     return records
 

@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 
 
 class MessageTooLarge(WireError, ValueError):
-    """A record is larger than ``kafka.max_message_bytes``.
+    """A record is larger than what ``kafka.max_message_bytes`` lets it be
+    (:func:`max_record_size`).
 
-    Checked client-side because the embedded broker enforces no limit while a real
+    Checked client-side because the embedded tansu broker enforces no limit while a real
     Kafka cluster (1 MiB default) would reject the record at produce time.
     """
 
@@ -75,8 +76,83 @@ def is_permanent(exc: BaseException) -> bool:
 
 def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] | None) -> int:
     """The size the producer checks against ``max_request_size`` (= ``kafka.max_message_bytes``)
-    for one record: value, key, headers and the record's own framing."""
+    for one record: value, key, headers and the record's own framing — an upper bound of
+    the uncompressed record batch that carries it alone (the 61-byte batch header and at
+    most 21 bytes of record framing included). Compare it with :func:`max_record_size`,
+    not with ``kafka.max_message_bytes``: compression can make the batch larger."""
     return internals.record_size(key, value, headers)
+
+
+RECORD_BATCH_HEADER = 61
+"""Bytes of a record batch (format v2, the one aiokafka writes) before its records: base
+offset 8, length 4, leader epoch 4, magic 1, CRC 4, attributes 2, last offset delta 4,
+first and max timestamps 8 + 8, producer id 8, producer epoch 2, base sequence 4, record
+count 4. It is never compressed; the records after it are compressed as one block."""
+
+COMPRESSIONS = ("zstd", "lz4", "gzip", "none")
+"""The codecs ``kafka.compression`` may name. zstd's worst-case expansion is the largest
+of them at every size (``tests/unit/test_kafka_sizes.py``), so it is the default of
+:func:`compress_bound` and :func:`max_record_size`."""
+
+
+def compress_bound(size: int, compression: str = "zstd") -> int:
+    """The most bytes ``size`` bytes can take once compressed with ``compression`` in the
+    frame aiokafka writes (its C record builder sends the compressed block even when it
+    is larger than the input, as it is for random bytes):
+
+    * ``zstd``: ``ZSTD_COMPRESSBOUND`` of zstd.h (single-shot compression, which
+      aiokafka's ``cramjam.zstd.compress`` is): ``size + size/256``, plus up to 64 bytes
+      below 128 KiB;
+    * ``lz4``: ``LZ4F_compressFrameBound`` for the smallest block size (64 KiB, the most
+      block headers), block and content checksums on: a 19-byte frame header, 8 bytes per
+      block (size and checksum; an incompressible block is stored raw), an end mark and
+      the content checksum;
+    * ``gzip``: zlib's ``compressBound`` with the gzip wrapper (18 bytes) instead of
+      zlib's (6);
+    * ``none``: ``size``.
+    """
+    if size < 0:
+        raise ValueError(f"size must be >= 0, not {size}")
+    if compression == "zstd":
+        return size + (size >> 8) + ((((128 << 10) - size) >> 11) if size < (128 << 10) else 0)
+    if compression == "lz4":
+        return 19 + size + 8 * -(-size // (64 << 10)) + 4 + 4
+    if compression == "gzip":
+        return size + (size >> 12) + (size >> 14) + (size >> 25) + 13 - 6 + 18
+    if compression == "none":
+        return size
+    raise ValueError(f"unknown compression {compression!r}: one of {', '.join(COMPRESSIONS)}")
+
+
+def max_record_size(max_message_bytes: int, compression: str = "zstd") -> int:
+    """The largest :func:`record_size` (value + key + headers with their framing) that is
+    safe under ``max_message_bytes`` (a topic's ``max.message.bytes``): every size the
+    project caps or checks a record to (dead letters, verdicts, chunks, registry records).
+
+    A broker checks ``max.message.bytes`` against the whole record batch as written —
+    its 61-byte header (:data:`RECORD_BATCH_HEADER`) plus the records *after
+    compression*. Incompressible bytes (a payload of random bytes, already-compressed
+    data) grow under compression, so a record whose :func:`record_size` is exactly the
+    limit becomes a batch over it, which the broker refuses (``MessageSizeTooLarge``).
+    The answer is the largest ``s`` with
+    ``RECORD_BATCH_HEADER + compress_bound(s - RECORD_BATCH_HEADER) <= max_message_bytes``
+    (:func:`record_size` already counts the header and an upper bound of the record
+    framing). With ``compression="none"`` it is ``max_message_bytes`` itself; the default,
+    zstd, has the largest bound of :data:`COMPRESSIONS`, so its answer is safe whatever
+    ``kafka.compression`` says. For the default 1 MiB limit with zstd: 1,044,497 bytes,
+    4,079 below the limit (the 61-byte header and the record framing are in both figures).
+    """
+    budget = max_message_bytes - RECORD_BATCH_HEADER  # what the compressed records may take
+    if compress_bound(0, compression) > budget:
+        return 0
+    lo, hi = 0, budget  # compress_bound(lo) <= budget < compress_bound(hi + 1); the bound never decreases
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if compress_bound(mid, compression) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return RECORD_BATCH_HEADER + lo
 
 
 class KafkaAccessRefused(ServiceError, RuntimeError):
@@ -172,13 +248,19 @@ def common_kwargs(cfg: KafkaConfig) -> dict[str, Any]:
 
 
 def make_producer(cfg: KafkaConfig, **overrides: Any) -> AIOKafkaProducer:
-    """A producer with acks=all, compression, linger batching and the size limit."""
+    """A producer with acks=all, compression, linger batching and the size limit.
+
+    Its batches hold at most :func:`max_record_size` bytes before compression (aiokafka's
+    16 KiB unless the limit is smaller), so a batch of several records is never over
+    ``kafka.max_message_bytes`` once compressed; a record larger than that travels alone.
+    """
     kwargs = common_kwargs(cfg)
     kwargs.update(
         acks="all",
         compression_type=None if cfg.compression == "none" else cfg.compression,
         linger_ms=cfg.linger_ms,
         max_request_size=cfg.max_message_bytes,
+        max_batch_size=min(16_384, max_record_size(cfg.max_message_bytes, cfg.compression)),
         enable_idempotence=False,  # unsupported by tansu; consumers dedupe instead
     )
     kwargs.update(overrides)
@@ -319,11 +401,15 @@ def make_admin(cfg: KafkaConfig) -> AIOKafkaAdminClient:
     return AIOKafkaAdminClient(**common_kwargs(cfg))
 
 
-def check_size(value: bytes, cfg: KafkaConfig, what: str) -> None:
-    """Raise :class:`MessageTooLarge` before a record that a real broker would refuse is sent."""
-    if len(value) > cfg.max_message_bytes:
+def check_size(value: bytes, cfg: KafkaConfig, what: str, key: bytes | None = None,
+               headers: Sequence[tuple[str, bytes]] | None = None) -> None:
+    """Raise :class:`MessageTooLarge` before a record that a real broker would refuse is
+    sent: one whose :func:`record_size` is over :func:`max_record_size`."""
+    size, safe = record_size(key, value, headers), max_record_size(cfg.max_message_bytes, cfg.compression)
+    if size > safe:
         raise MessageTooLarge(
-            f"{what} is {len(value)} bytes, over kafka.max_message_bytes={cfg.max_message_bytes}; "
+            f"{what} is {size} bytes, over the {safe} a record may have under kafka.max_message_bytes="
+            f"{cfg.max_message_bytes} ({cfg.compression}); "
             "split the trajectory, or raise the limit here and on the broker/topic "
             "(message.max.bytes / max.message.bytes)"
         )

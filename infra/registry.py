@@ -207,7 +207,7 @@ async def _send(cfg: PipelineConfig, key: bytes, value: bytes | None, headers: S
     await producer.start()
     try:
         if value is not None:
-            check_size(value, cfg.kafka, "registry record")
+            check_size(value, cfg.kafka, "registry record", key, headers)
         meta = await producer.send_and_wait(cfg.topics.experiments, value, key=key, headers=list(headers))
         return int(meta.offset)
     finally:

@@ -2,8 +2,9 @@
 
 Records are keyed by ``group_id`` (all members of a group land in one partition, in
 order with the group's discard), sent with ``acks=all`` and compression, and checked
-against ``kafka.max_message_bytes`` before sending — the embedded broker enforces no
-limit, a real cluster would refuse the record after the fact.
+against ``kafka.max_message_bytes`` before sending (:func:`infra.kafka.max_record_size`:
+room left for the batch header and compression's worst case) — the embedded broker
+enforces no limit, a real cluster would refuse the record after the fact.
 
 Trajectories go out in the compact form (each turn carries only what is new since its
 parent, schema version 2), and one too large for a record is split into chunk records

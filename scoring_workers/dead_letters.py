@@ -1,5 +1,6 @@
 """Dead letters that always fit: the payload is capped so that the whole record — payload,
-key and headers — stays within ``kafka.max_message_bytes``."""
+key and headers — stays within what ``kafka.max_message_bytes`` lets a record be once the
+broker counts the record batch around it, compressed (:func:`infra.kafka.max_record_size`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import msgspec
 from aiokafka.structs import ConsumerRecord
 
 from infra.errors import ScoringError
-from infra.kafka import record_size
+from infra.kafka import max_record_size, record_size
 from infra.schema import DeadLetter, dead_letter_headers, headers_to_dict
 
 
@@ -34,11 +35,14 @@ def capped_letter(record: ConsumerRecord, cause: BaseException, attempt: int, *,
     """The dead letter for ``record`` and the key to send it under.
 
     The payload keeps at most ``dead_letter_max_bytes`` and at most what the key and
-    headers leave of ``max_message_bytes`` (``prm-dl-original-size`` then says how long
-    it was). Absurd original headers are replaced by a note and an absurd key is cut, so
-    that the payload keeps room.
+    headers leave of :func:`infra.kafka.max_record_size` of ``max_message_bytes``
+    (``prm-dl-original-size`` then says how long it was): the batch that carries the
+    letter stays within the limit even when compression grows an incompressible payload,
+    so the broker does not refuse it (a refused letter is only logged as POISON). Absurd
+    original headers are replaced by a note and an absurd key is cut, so that the payload
+    keeps room.
     """
-    limit = max_message_bytes
+    limit = max_record_size(max_message_bytes)
     payload = record.value or b""
     key = record.key
     letter = DeadLetter(

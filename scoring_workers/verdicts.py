@@ -19,7 +19,8 @@ Rules (each sets ``reason_code`` from :mod:`infra.reasons`; ``reason`` is the te
 * otherwise ``accepted``.
 
 :func:`fit_verdict` publishes a verdict whose record would exceed
-``kafka.max_message_bytes`` by reference when it may (``worker.verdict_tokens: auto``,
+``kafka.max_message_bytes`` (:func:`infra.kafka.max_record_size`: the record batch, compressed,
+must fit the limit) by reference when it may (``worker.verdict_tokens: auto``,
 the default: :func:`referenced_verdict`, members' record coordinates instead of their
 turns, which every verdict reader reads back), and otherwise — or when even that does
 not fit — as :func:`too_large_verdict`: ``rejected`` / ``verdict_too_large`` with the
@@ -34,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from infra import reasons
-from infra.kafka import record_size
+from infra.kafka import max_record_size, record_size
 from infra.readback import failed_reason
 from infra.schema import GroupVerdict, ScorerInfo, SessionResult, TokenRef, encode
 from scoring_workers.ledger import GroupState, ParkedMember
@@ -101,7 +102,8 @@ def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: in
     was = f"; it was {verdict.status}" + (f" ({verdict.reason_code})" if verdict.reason_code else "")
     what = {1: "token turns", 2: "token turns, branches and turn results",
             3: "token turns, branches, turn results and error details"}[level]
-    reason = (f"verdict_too_large: the verdict is {size} bytes, over kafka.max_message_bytes={limit} "
+    reason = (f"verdict_too_large: the verdict is {size} bytes, over the {max_record_size(limit)} a record may "
+              f"have under kafka.max_message_bytes={limit} "
               f"({len(verdict.sessions)} sessions){was}; {what} dropped, stats kept")
 
     def shrink(m: SessionResult) -> SessionResult:
@@ -130,24 +132,27 @@ def referenced_verdict(verdict: GroupVerdict, refs: Mapping[str, TokenRef]) -> G
 
 def fit_verdict(verdict: GroupVerdict, limit: int, refs: Mapping[str, TokenRef] | None = None,
                 ) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
-    """``verdict`` encoded as a record; when the record would exceed ``limit``
-    (``kafka.max_message_bytes``): with ``refs`` (``worker.verdict_tokens: auto``, the
+    """``verdict`` encoded as a record; when the record would exceed what ``limit``
+    (``kafka.max_message_bytes``) lets a record be (:func:`infra.kafka.max_record_size`:
+    room for the batch framing and compression's worst case, so that the broker does not
+    refuse an incompressible verdict sized to the limit itself): with ``refs`` (``worker.verdict_tokens: auto``, the
     members' record coordinates by trajectory id) the :func:`referenced_verdict` if that
     fits, else the smallest :func:`too_large_verdict` level that fits. A pure function of
     its arguments, so every worker that publishes the group sends the same bytes."""
     key = verdict.group_id.encode()
     value, headers = encode(verdict)
     size = record_size(key, value, headers)
-    if size <= limit:
+    safe = max_record_size(limit)
+    if size <= safe:
         return verdict, value, headers
     if refs and any(m.turns and m.status == "scored" and m.trajectory_id in refs for m in verdict.sessions):
         referenced = referenced_verdict(verdict, refs)
         ref_value, ref_headers = encode(referenced)
-        if record_size(key, ref_value, ref_headers) <= limit:
+        if record_size(key, ref_value, ref_headers) <= safe:
             return referenced, ref_value, ref_headers
     for level in (1, 2, 3):
         small = too_large_verdict(verdict, size=size, limit=limit, level=level)
         value, headers = encode(small)
-        if record_size(key, value, headers) <= limit:
+        if record_size(key, value, headers) <= safe:
             break
     return small, value, headers

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from aiokafka import errors as kerr
 
-from infra.kafka import is_permanent, is_retriable, record_size
+from infra.kafka import is_permanent, is_retriable, max_record_size, record_size
 from infra.retry import backoff_delay
 from infra.schema import GroupVerdict, SessionResult, TokenRef, compact_turns, encode
 from prm_pipeline.demo.synthetic import make_group
@@ -70,15 +70,37 @@ def test_a_verdict_too_large_with_turns_names_its_members_records_when_refs_are_
     verdict = assemble_verdict("g-big", GroupState(group_size=3, decision="complete", decided_at=5), members)
     refs = {m.trajectory_id: TokenRef(partition=1, offset=10 + i) for i, m in enumerate(members)}
     size = record_size(b"g-big", *encode(verdict))
-    assert fit_verdict(verdict, size, refs) == fit_verdict(verdict, size) == (verdict, *encode(verdict))  # it fits
-    referenced, value, headers = fit_verdict(verdict, size - 1, refs)
+    limit = _limit_fitting(size)  # the smallest kafka.max_message_bytes under which the record is safe
+    assert fit_verdict(verdict, limit, refs) == fit_verdict(verdict, limit) == (verdict, *encode(verdict))  # it fits
+    referenced, value, headers = fit_verdict(verdict, limit - 1, refs)
     assert referenced.status == "accepted" and referenced.reason_code == ""
     assert [(s.turns, s.tokens_at) for s in referenced.sessions] == [([], refs[m.trajectory_id]) for m in members]
     assert [s.branches for s in referenced.sessions] == [m.branches for m in members]
     assert (value, headers) == encode(referenced) and record_size(b"g-big", value, headers) < size / 4
-    assert fit_verdict(verdict, size - 1, refs)[1] == value  # a pure function: every publisher sends these bytes
-    assert fit_verdict(verdict, size - 1)[0].reason_code == "verdict_too_large"  # inline
-    assert fit_verdict(verdict, record_size(b"g-big", value, headers) - 1, refs)[0].reason_code == "verdict_too_large"
+    assert fit_verdict(verdict, limit - 1, refs)[1] == value  # a pure function: every publisher sends these bytes
+    assert fit_verdict(verdict, limit - 1)[0].reason_code == "verdict_too_large"  # inline
+    ref_limit = _limit_fitting(record_size(b"g-big", value, headers))
+    assert fit_verdict(verdict, ref_limit - 1, refs)[0].reason_code == "verdict_too_large"
+
+
+def test_a_verdict_sized_to_the_limit_itself_is_not_published_as_is() -> None:
+    """The broker checks the compressed batch: a record of exactly ``kafka.max_message_bytes``
+    can be refused, so :func:`fit_verdict` keeps to :func:`infra.kafka.max_record_size`."""
+    _, members = _scored_group()
+    verdict = assemble_verdict("g-big", GroupState(group_size=3, decision="complete", decided_at=5), members)
+    size = record_size(b"g-big", *encode(verdict))
+    small = fit_verdict(verdict, size)[0]
+    assert small.reason_code == "verdict_too_large"
+    assert f"the verdict is {size} bytes, over the {max_record_size(size)} a record may have under " \
+           f"kafka.max_message_bytes={size}" in small.reason
+
+
+def _limit_fitting(size: int) -> int:
+    """The smallest ``kafka.max_message_bytes`` whose :func:`infra.kafka.max_record_size` is ``size`` or more."""
+    limit = size
+    while max_record_size(limit) < size:
+        limit += 1
+    return limit
 
 
 def test_parked_members_carry_no_turns() -> None:
@@ -230,7 +252,7 @@ def test_capped_dead_letter_fits_with_absurd_headers_and_key() -> None:
     record = ConsumerRecord("traj", 0, 7, 0, 0, b"k" * 30_000, b"v" * 60_000, None, 30_000, 60_000, headers)
     letter, key = capped_letter(record, ValueError("bad"), 1, worker_id="w", max_message_bytes=limit,
                                 dead_letter_max_bytes=limit)
-    assert record_size(key, letter.payload, dead_letter_headers(letter)) <= limit
+    assert record_size(key, letter.payload, dead_letter_headers(letter)) <= max_record_size(limit) < limit
     assert letter.original_size == 60_000 and letter.payload == b"v" * len(letter.payload)
     assert "dropped" in letter.original_headers and len(key) <= limit // 4
 
