@@ -4,8 +4,9 @@ A library user catches :class:`PRMPipelineError` for "anything this package refu
 could not do", or one subtree (as httpx's ``HTTPError`` / ``RequestError`` /
 ``TransportError``):
 
-* :class:`ConfigurationError` — a setting or config file is wrong (``ConfigError`` and
-  ``ScorerArgumentError``, ``TokenizerError``, ``UnknownExperiment``);
+* :class:`ConfigurationError` — a setting, config file or argument is wrong (``ConfigError``,
+  with ``RegistryError``, ``CapabilityError`` and ``ScorerArgumentError``, ``TokenizerError``,
+  ``UnknownExperiment``);
 * :class:`WireError` — a message, record or file breaks the wire contract
   (``SchemaError`` and its kinds, ``IncompleteTrajectory`` for chunked records,
   ``JsonlError``, ``TreeError``, ``NotConcatExport``, ``MessageTooLarge``,
@@ -18,7 +19,8 @@ could not do", or one subtree (as httpx's ``HTTPError`` / ``RequestError`` /
   kinds, ``JudgeFailedError``, ``MissingLogprobsError``, ``RunnerClosedError``,
   ``ProcessingError``);
 * :class:`TrainingError` — the trainer side could not use a verdict (``ConcatExportError``,
-  ``VerdictTimeout``).
+  ``VerdictTimeout``, ``VerdictMismatch``) or was handed a malformed batch
+  (``ShapingInputError``).
 
 ``AuditError`` (an audit could not read the records it was asked to) derives from the
 root directly.
@@ -27,6 +29,14 @@ The existing classes keep their standard bases (``ValueError``, ``RuntimeError``
 ``ConnectionError``, ``TimeoutError``, …): the root is mixed in, so every ``except``
 clause written before it still catches what it caught. Exceptions a scorer raises are
 the scorer's own (AReaL semantics) and are not wrapped.
+
+Argument and input checks of public functions and constructors raise these classes too
+(``ConfigError`` for a setting or argument, ``SchemaError`` for a message's fields,
+``ShapingInputError`` for a trainer's tensors), each a ``ValueError`` or ``RuntimeError``
+as the bare one it replaced. Left bare on purpose: an object used outside its lifecycle
+(before ``start()``, after ``close()``, from its own event loop), which is a bug of the
+calling code; a check whose error is caught and turned into another inside the package;
+and internal assertions of states the code never reaches.
 """
 
 from __future__ import annotations

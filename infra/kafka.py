@@ -445,7 +445,7 @@ async def ensure_topics(
             response = await admin.create_topics(new)
             for name, code, *_ in getattr(response, "topic_errors", []):
                 if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator won)
-                    raise RuntimeError(f"creating topic {name!r} failed with Kafka error code {code}")
+                    raise KafkaAccessRefused(f"creating topic {name!r} failed with Kafka error code {code}")
                 result[name] = "created" if code == 0 else "exists"
         return result
     finally:

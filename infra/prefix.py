@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from infra.tree import TreeError
+
 __all__ = ["Part", "expand_prompts", "expand_messages", "same_bytes", "shared_token_prefix", "shared_list_prefix"]
 
 
@@ -46,14 +48,14 @@ class Part:
 
 def _check_shared(part: Part, parent_ctx_len: int | None, unit: str) -> None:
     if part.shared < 0:
-        raise ValueError(f"turn {part.node_id!r}: shared {unit} must be >= 0, got {part.shared}")
+        raise TreeError(f"turn {part.node_id!r}: shared {unit} must be >= 0, got {part.shared}")
     if part.parent_id is None:
         if part.shared:
-            raise ValueError(f"turn {part.node_id!r}: a root turn shares no {unit} (shared={part.shared})")
+            raise TreeError(f"turn {part.node_id!r}: a root turn shares no {unit} (shared={part.shared})")
         return
     assert parent_ctx_len is not None
     if part.shared > parent_ctx_len:
-        raise ValueError(
+        raise TreeError(
             f"turn {part.node_id!r}: shares {part.shared} {unit} with parent {part.parent_id!r}, whose "
             f"context has only {parent_ctx_len}"
         )

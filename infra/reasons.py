@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from infra.config import ConfigError
+
 __all__ = [
     "CODE_PATTERN", "OTHER", "UNSPECIFIED", "Reason", "ReasonStatus", "get", "is_member_code", "is_registered", "metric_label",
     "register", "registered", "render_markdown", "require",
@@ -68,11 +70,11 @@ _REGISTRY: dict[str, Reason] = {}
 
 def _add(code: str, status: ReasonStatus, member: bool, meaning: str, *, builtin: bool = True) -> str:
     if not isinstance(code, str) or not CODE_PATTERN.fullmatch(code):
-        raise ValueError(f"reason code {code!r} must match {CODE_PATTERN.pattern} (lower case, digits, '_')")
+        raise ConfigError(f"reason code {code!r} must match {CODE_PATTERN.pattern} (lower case, digits, '_')")
     reason = Reason(code, status, member, meaning, builtin)
     known = _REGISTRY.get(code)
     if known is not None and (known.status, known.member) != (status, member):
-        raise ValueError(f"reason code {code!r} is already registered as {known}")
+        raise ConfigError(f"reason code {code!r} is already registered as {known}")
     if known is None:
         _REGISTRY[code] = reason
     return code
@@ -172,8 +174,8 @@ def require(code: str, *, member: bool = False) -> str:
     writers only write registered codes."""
     if not (is_member_code(code) if member else is_registered(code)):
         known = sorted(r.code for r in _REGISTRY.values() if r.member or not member)
-        raise ValueError(f"reason code {code!r} is not registered{' as a member code' if member else ''} "
-                         f"(infra.reasons.register); registered: {known}")
+        raise ConfigError(f"reason code {code!r} is not registered{' as a member code' if member else ''} "
+                          f"(infra.reasons.register); registered: {known}")
     return code
 
 

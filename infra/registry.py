@@ -106,10 +106,10 @@ class ExperimentSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     def __post_init__(self) -> None:
         check_experiment_id(self.experiment_id)
         if self.experiment_id == DEFAULT_EXPERIMENT:
-            raise ValueError(f"experiment {DEFAULT_EXPERIMENT!r} is the workers' own config file's; "
-                             "declare another id")
+            raise RegistryError(f"experiment {DEFAULT_EXPERIMENT!r} is the workers' own config file's; "
+                                "declare another id")
         if len(self.description) > 2000:
-            raise ValueError("description is longer than 2000 characters")
+            raise RegistryError("description is longer than 2000 characters")
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from infra.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -49,9 +51,9 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.base_s <= 0 or self.cap_s < self.base_s:
-            raise ValueError(f"a retry policy needs 0 < base_s <= cap_s, not {self.base_s} and {self.cap_s}")
+            raise ConfigError(f"a retry policy needs 0 < base_s <= cap_s, not {self.base_s} and {self.cap_s}")
         if self.max_attempts is not None and self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1 (or None), not {self.max_attempts}")
+            raise ConfigError(f"max_attempts must be at least 1 (or None), not {self.max_attempts}")
 
     def delay(self, attempt: int) -> float:
         """The pause after failed attempt ``attempt`` (1-based), before the next one."""

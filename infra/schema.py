@@ -89,15 +89,15 @@ def pack_array(values: Any, dtype: np.dtype) -> bytes:
         values = values.detach().cpu().numpy()
     arr = np.asarray(values)
     if arr.ndim != 1:
-        raise ValueError(f"expected a 1-D array, got shape {arr.shape}")
+        raise SchemaError(f"expected a 1-D array, got shape {arr.shape}")
     if dtype == _I32 and arr.size:
         if arr.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+            raise SchemaError(f"token ids must be integers, got dtype {arr.dtype}")
         # astype would silently wrap ids outside int32; refuse them instead.
         if arr.dtype.itemsize > 4 or arr.dtype == np.uint32:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < -(2**31) or hi >= 2**31:
-                raise ValueError(f"token ids must fit in int32, got range [{lo}, {hi}]")
+                raise SchemaError(f"token ids must fit in int32, got range [{lo}, {hi}]")
     return np.ascontiguousarray(arr, dtype=dtype).tobytes()
 
 
@@ -118,7 +118,7 @@ def to_tensor(array: np.ndarray) -> torch.Tensor:
 
 def _check_finite(name: str, value: float) -> None:
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise SchemaError(f"{name} must be finite, got {value!r}")
 
 
 # --------------------------------------------------------------------------- trajectories
@@ -137,13 +137,13 @@ class ModelResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
 
     def __post_init__(self) -> None:
         if len(self.input_tokens_raw) % 4:
-            raise ValueError("input_tokens: byte length is not a multiple of 4 (int32)")
+            raise SchemaError("input_tokens: byte length is not a multiple of 4 (int32)")
         if len(self.output_tokens_raw) % 4:
-            raise ValueError("output_tokens: byte length is not a multiple of 4 (int32)")
+            raise SchemaError("output_tokens: byte length is not a multiple of 4 (int32)")
         if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(
             self.output_tokens_raw
         ):
-            raise ValueError(
+            raise SchemaError(
                 f"output_logprobs: {len(self.output_logprobs_raw) // 4} values for "
                 f"{len(self.output_tokens_raw) // 4} output tokens"
             )
@@ -215,19 +215,19 @@ class Interaction(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
 
     def __post_init__(self) -> None:
         if not self.interaction_id:
-            raise ValueError("interaction_id must be a non-empty string")
+            raise SchemaError("interaction_id must be a non-empty string")
         if self.shared_messages or self.shared_tokens:
             if self.shared_messages < 0 or self.shared_tokens < 0:
-                raise ValueError(f"interaction {self.interaction_id!r}: shared_messages/shared_tokens must be >= 0")
+                raise SchemaError(f"interaction {self.interaction_id!r}: shared_messages/shared_tokens must be >= 0")
             if self.parent_id is None:
-                raise ValueError(f"interaction {self.interaction_id!r}: a root shares nothing with a parent "
-                                 "(shared_messages/shared_tokens must be 0)")
+                raise SchemaError(f"interaction {self.interaction_id!r}: a root shares nothing with a parent "
+                                  "(shared_messages/shared_tokens must be 0)")
             if self.shared_tokens and self.model_response is None:
-                raise ValueError(f"interaction {self.interaction_id!r}: shared_tokens without a model_response")
+                raise SchemaError(f"interaction {self.interaction_id!r}: shared_tokens without a model_response")
         if self.reward is not None:
             _check_finite(f"interaction {self.interaction_id!r}: reward", self.reward)
         if self.token_rewards_raw is not None and len(self.token_rewards_raw) % 4:
-            raise ValueError(
+            raise SchemaError(
                 f"interaction {self.interaction_id!r}: token_rewards byte length is not a multiple of 4 (float32)"
             )
 
@@ -262,17 +262,17 @@ class ReadyTrajectory(msgspec.Struct, frozen=True, kw_only=True, tag="ready", ta
     def __post_init__(self) -> None:
         for name in ("trajectory_id", "session_id", "group_id"):
             if not getattr(self, name):
-                raise ValueError(f"{name} must be a non-empty string")
+                raise SchemaError(f"{name} must be a non-empty string")
         _check_experiment(self.experiment_id)
         if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+            raise SchemaError(f"group_size must be >= 1, got {self.group_size}")
         _check_finite("outcome_reward", self.outcome_reward)
         if not self.interactions:
-            raise ValueError("interactions must not be empty")
+            raise SchemaError("interactions must not be empty")
         try:
             topological_order(self.interactions)
         except TreeError as exc:
-            raise ValueError(f"interactions: {exc}") from None
+            raise SchemaError(f"interactions: {exc}") from None
 
     @property
     def experiment(self) -> str:
@@ -296,7 +296,7 @@ class DiscardGroup(msgspec.Struct, frozen=True, kw_only=True, tag="discard", tag
 
     def __post_init__(self) -> None:
         if not self.group_id:
-            raise ValueError("group_id must be a non-empty string")
+            raise SchemaError("group_id must be a non-empty string")
         _check_experiment(self.experiment_id)
 
     @property
@@ -326,13 +326,13 @@ class TrajectoryChunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", ta
     def __post_init__(self) -> None:
         for name in ("group_id", "trajectory_id"):
             if not getattr(self, name):
-                raise ValueError(f"{name} must be a non-empty string")
+                raise SchemaError(f"{name} must be a non-empty string")
         if not 2 <= self.count <= MAX_CHUNKS:
-            raise ValueError(f"chunk count must be in [2, {MAX_CHUNKS}], got {self.count}")
+            raise SchemaError(f"chunk count must be in [2, {MAX_CHUNKS}], got {self.count}")
         if not 0 <= self.index < self.count:
-            raise ValueError(f"chunk index must be in [0, {self.count - 1}], got {self.index}")
+            raise SchemaError(f"chunk index must be in [0, {self.count - 1}], got {self.index}")
         if not self.data or len(self.data) > self.total_bytes:
-            raise ValueError(f"chunk data must hold 1..total_bytes={self.total_bytes} bytes, got {len(self.data)}")
+            raise SchemaError(f"chunk data must hold 1..total_bytes={self.total_bytes} bytes, got {len(self.data)}")
 
 
 TrajectoryMessage = ReadyTrajectory | DiscardGroup | TrajectoryChunk
@@ -379,7 +379,7 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if not self.metric_id:
-            raise ValueError("metric_id must be a non-empty string")
+            raise SchemaError("metric_id must be a non-empty string")
         try:  # a (scope, type, aggregations) combination already checked: only the value is left
             known = (self.scope, self.value_type, self.aggregations) in _VALID_SPECS
         except TypeError:  # unhashable aggregations (a list): checked in full below
@@ -388,17 +388,17 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
             self._check_value()
             return
         if self.scope not in ("turn", "trajectory"):
-            raise ValueError(f"scope must be 'turn' or 'trajectory', got {self.scope!r}")
+            raise SchemaError(f"scope must be 'turn' or 'trajectory', got {self.scope!r}")
         if self.value_type not in _ALLOWED_AGGREGATIONS:
-            raise ValueError(f"value_type must be 'float' or 'boolean', got {self.value_type!r}")
+            raise SchemaError(f"value_type must be 'float' or 'boolean', got {self.value_type!r}")
         allowed = _ALLOWED_AGGREGATIONS[self.value_type]
         if not self.aggregations:
-            raise ValueError(f"metric {self.metric_id!r}: aggregations must not be empty")
+            raise SchemaError(f"metric {self.metric_id!r}: aggregations must not be empty")
         if len(set(self.aggregations)) != len(self.aggregations):
-            raise ValueError(f"metric {self.metric_id!r}: duplicate aggregations {self.aggregations}")
+            raise SchemaError(f"metric {self.metric_id!r}: duplicate aggregations {self.aggregations}")
         bad = [a for a in self.aggregations if a not in allowed]
         if bad:
-            raise ValueError(
+            raise SchemaError(
                 f"metric {self.metric_id!r}: {self.value_type} observations allow "
                 f"{'/'.join(allowed)}, not {bad}"
             )
@@ -409,10 +409,10 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
     def _check_value(self) -> None:
         if self.value_type == "boolean":
             if not isinstance(self.value, bool):
-                raise ValueError(f"metric {self.metric_id!r}: boolean value must be a bool")
+                raise SchemaError(f"metric {self.metric_id!r}: boolean value must be a bool")
         else:
             if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
-                raise ValueError(f"metric {self.metric_id!r}: float value must be an int or float")
+                raise SchemaError(f"metric {self.metric_id!r}: float value must be an int or float")
             _check_finite(f"metric {self.metric_id!r}: value", float(self.value))
 
 
@@ -437,16 +437,16 @@ class TokenRewards(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
     def __post_init__(self) -> None:
         if not 0 <= self.length <= MAX_TURN_TOKENS:
-            raise ValueError(f"token rewards: length must be >= 0 and <= {MAX_TURN_TOKENS}, got {self.length}")
+            raise SchemaError(f"token rewards: length must be >= 0 and <= {MAX_TURN_TOKENS}, got {self.length}")
         if (self.uniform is None) == (self.values_raw is None):
-            raise ValueError("token rewards need exactly one of 'uniform' and 'values'")
+            raise SchemaError("token rewards need exactly one of 'uniform' and 'values'")
         if self.uniform is not None:
             _check_finite("token rewards: uniform", self.uniform)
         if self.values_raw is not None:
             if len(self.values_raw) != 4 * self.length:
-                raise ValueError(f"token rewards: {len(self.values_raw) // 4} values for length {self.length}")
+                raise SchemaError(f"token rewards: {len(self.values_raw) // 4} values for length {self.length}")
             if not np.isfinite(_view(self.values_raw, _F32)).all():
-                raise ValueError("token rewards: values must be finite")
+                raise SchemaError("token rewards: values must be finite")
 
     @classmethod
     def from_array(cls, values: Any) -> TokenRewards:
@@ -500,9 +500,9 @@ class TokenTurn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         if len(self.prompt_delta_raw) % 4 or len(self.output_tokens_raw) % 4:
-            raise ValueError(f"turn {self.interaction_id!r}: token bytes are not a multiple of 4 (int32)")
+            raise SchemaError(f"turn {self.interaction_id!r}: token bytes are not a multiple of 4 (int32)")
         if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(self.output_tokens_raw):
-            raise ValueError(f"turn {self.interaction_id!r}: output_logprobs length differs from output_tokens")
+            raise SchemaError(f"turn {self.interaction_id!r}: output_logprobs length differs from output_tokens")
 
     @property
     def prompt_delta(self) -> np.ndarray:
@@ -905,8 +905,8 @@ class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     def __post_init__(self) -> None:
         check_experiment_id(self.experiment_id)
         if self.reason_code and not reasons.CODE_PATTERN.fullmatch(self.reason_code):
-            raise ValueError(f"reason_code {self.reason_code[:80]!r} is not a reason code "
-                             f"({reasons.CODE_PATTERN.pattern})")
+            raise SchemaError(f"reason_code {self.reason_code[:80]!r} is not a reason code "
+                              f"({reasons.CODE_PATTERN.pattern})")
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):

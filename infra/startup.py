@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 from urllib.parse import urlsplit
 
-from infra.config import KafkaConfig, PipelineConfig, RedisConfig
+from infra.config import ConfigError, KafkaConfig, PipelineConfig, RedisConfig
 from infra.errors import ServiceError
 from infra.kafka import KafkaAccessRefused
 from infra.redis import RedisAccessError
@@ -170,4 +170,4 @@ async def wait_for_services(cfg: PipelineConfig, services: Iterable[Service]) ->
                 setting="PRM_REDIS_URL (redis.url)", timeout_s=cfg.redis.startup_timeout_s,
             )
         else:
-            raise ValueError(f"unknown service {service!r}")
+            raise ConfigError(f"unknown service {service!r}")

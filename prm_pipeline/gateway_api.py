@@ -34,6 +34,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from infra.schema import SchemaError
+
 # --------------------------------------------------------------------------- static bounds
 MAX_ITEMS = 4096
 """Queries, prompts, labels or samples in one request: the ceiling for ``gateway.max_items``."""
@@ -65,7 +67,7 @@ def check_depth(value: Any, field: str, limit: int = MAX_DEPTH) -> None:
     while stack:
         node, depth = stack.pop()
         if depth > limit:
-            raise ValueError(f"`{field}` nests deeper than {limit} levels")
+            raise SchemaError(f"`{field}` nests deeper than {limit} levels")
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack += [(v, depth + 1) for v in children if isinstance(v, (dict, list))]
 
@@ -83,11 +85,11 @@ class OpenRLHFRequest(msgspec.Struct):
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.query):
-            raise ValueError(f"`prompts` has {len(self.prompts)} items for {len(self.query)} queries (one per query)")
+            raise SchemaError(f"`prompts` has {len(self.prompts)} items for {len(self.query)} queries (one per query)")
         if self.labels is not None:
             if len(self.labels) != len(self.query):
-                raise ValueError(f"`labels` has {len(self.labels)} items for {len(self.query)} queries "
-                                 "(one per query, or null)")
+                raise SchemaError(f"`labels` has {len(self.labels)} items for {len(self.query)} queries "
+                                  "(one per query, or null)")
             check_depth(self.labels, "labels")
 
 
@@ -132,7 +134,7 @@ class ScoreSample(msgspec.Struct, forbid_unknown_fields=True):
         for name in ("response_logprobs", "response_mask"):
             values = getattr(self, name)
             if values is not None and len(values) != n:
-                raise ValueError(f"`{name}` has {len(values)} values for {n} response tokens (one per response_ids)")
+                raise SchemaError(f"`{name}` has {len(values)} values for {n} response tokens (one per response_ids)")
         check_depth(self.messages, "messages")
 
 

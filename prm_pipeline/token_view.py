@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.errors import ConfigurationError
+from infra.schema import SchemaError
 
 __all__ = [
     "BranchView",
@@ -128,7 +129,7 @@ def branch_views(verdict: Mapping[str, Any], audit: AuditIndex | None = None) ->
         if not inters and s.get("status", "scored") != "scored":
             continue  # discarded / failed / missing: nothing scored to show (see group_notes)
         if not inters:
-            raise ValueError(
+            raise SchemaError(
                 f"group {verdict.get('group_id')!r}: session {s.get('session_id')!r} carries no token ids; "
                 "write the verdict file with `prm-pipeline verdicts --tokens --out FILE`"
             )

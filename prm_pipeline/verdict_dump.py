@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import msgspec
 
-from infra.config import PipelineConfig
+from infra.config import ConfigError, PipelineConfig
 from infra.experiments import DEFAULT_EXPERIMENT, verdicts_topic
 from infra.jsonl import dump_verdict
 from infra.kafka import assign_from_start, make_consumer
@@ -62,7 +62,7 @@ def parse_time(text: str, *, now: float | None = None) -> int:
     raw = text.strip()
     now_s = time.time() if now is None else now
     if not raw:
-        raise ValueError("empty time; use ISO-8601 (2026-11-30T14:05:00Z) or an age like 15m, 2h, 1d")
+        raise ConfigError("empty time; use ISO-8601 (2026-11-30T14:05:00Z) or an age like 15m, 2h, 1d")
     compact = raw.replace(" ", "")
     if "".join(m.group(0) for m in _RELATIVE.finditer(compact)) == compact:
         seconds = sum(float(n) * _UNITS_S[u] for n, u in _RELATIVE.findall(compact))
@@ -70,13 +70,13 @@ def parse_time(text: str, *, now: float | None = None) -> int:
     try:
         when = datetime.fromisoformat(raw.replace("z", "Z"))
     except ValueError:
-        raise ValueError(
+        raise ConfigError(
             f"cannot read time {text!r}; use ISO-8601 (2026-11-30T14:05:00Z, 2026-11-30 14:05, "
             "2026-11-30) or an age before now like 90s, 15m, 2h, 1d12h"
         ) from None
     ms = round(when.timestamp() * 1000)  # naive -> local time (datetime's rule)
     if ms > now_s * 1000 + 1000:
-        raise ValueError(f"time {text!r} is in the future; nothing would be selected")
+        raise ConfigError(f"time {text!r} is in the future; nothing would be selected")
     return ms
 
 

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from infra.config import ConfigError
 from infra.errors import TrainingError
 from infra.schema import (
     BranchResult,
@@ -66,6 +67,7 @@ from infra.schema import (
     compact_turns,
 )
 from infra.tree import TreeError, branches
+from shaper.errors import ShapingInputError
 
 __all__ = [
     "ConcatExportError",
@@ -366,7 +368,7 @@ def export_group(verdict: GroupVerdict) -> ExportedGroup:
     not ``accepted`` (rejected and discarded groups are never trained on).
     """
     if verdict.status != "accepted":
-        raise ValueError(
+        raise ShapingInputError(
             f"group {verdict.group_id!r}: only accepted verdicts become training rows, got "
             f"{verdict.status!r} (filter verdicts by status before exporting)"
         )
@@ -553,5 +555,5 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False; use --device cpu or auto")
+        raise ConfigError("device 'cuda' requested but torch.cuda.is_available() is False; use --device cpu or auto")
     return device

@@ -45,6 +45,8 @@ import math
 import torch
 from torch import Tensor
 
+from shaper.errors import ShapingInputError
+
 __all__ = ["openclaw_combine", "prm_gated_opd", "prm_weighted_opd", "turn_scores_from_tokens"]
 
 
@@ -58,7 +60,7 @@ def turn_scores_from_tokens(token_values: Tensor, turn_index: Tensor, num_turns:
     each for sums and counts, no loop.
     """
     if token_values.dim() != 2 or tuple(turn_index.shape) != tuple(token_values.shape):
-        raise ValueError(
+        raise ShapingInputError(
             f"token_values and turn_index must be [B, T] of the same shape; got {tuple(token_values.shape)} "
             f"and {tuple(turn_index.shape)}"
         )
@@ -75,28 +77,28 @@ def turn_scores_from_tokens(token_values: Tensor, turn_index: Tensor, num_turns:
 
 def _check(opd: Tensor, turn_scores: Tensor, turn_index: Tensor, loss_mask: Tensor) -> None:
     if opd.dim() != 2:
-        raise ValueError(f"opd_token_signals must be 2-D [B, T]; got shape {tuple(opd.shape)}")
+        raise ShapingInputError(f"opd_token_signals must be 2-D [B, T]; got shape {tuple(opd.shape)}")
     if not opd.is_floating_point():
-        raise ValueError(f"opd_token_signals must be floating point, got dtype {opd.dtype}")
+        raise ShapingInputError(f"opd_token_signals must be floating point, got dtype {opd.dtype}")
     if tuple(turn_index.shape) != tuple(opd.shape) or tuple(loss_mask.shape) != tuple(opd.shape):
-        raise ValueError(
+        raise ShapingInputError(
             "opd_token_signals, turn_index and loss_mask must have the same [B, T] shape; got "
             f"{tuple(opd.shape)}, {tuple(turn_index.shape)}, {tuple(loss_mask.shape)}"
         )
     if turn_scores.dim() != 2 or turn_scores.shape[0] != opd.shape[0]:
-        raise ValueError(
+        raise ShapingInputError(
             f"turn_scores must be [B, K] with B = {opd.shape[0]}; got shape {tuple(turn_scores.shape)}"
         )
     if turn_index.dtype.is_floating_point or turn_index.dtype == torch.bool or turn_index.is_complex():
-        raise ValueError(f"turn_index must be an integer tensor, got dtype {turn_index.dtype}")
+        raise ShapingInputError(f"turn_index must be an integer tensor, got dtype {turn_index.dtype}")
     devices = {opd.device, turn_scores.device, turn_index.device, loss_mask.device}
     if len(devices) != 1:
-        raise ValueError(f"all inputs must be on the same device; got {sorted(map(str, devices))}")
+        raise ShapingInputError(f"all inputs must be on the same device; got {sorted(map(str, devices))}")
     if turn_index.numel():
         lo, hi = (int(v) for v in turn_index.aminmax())
         k = turn_scores.shape[1]
         if lo < -1 or hi >= k:
-            raise ValueError(
+            raise ShapingInputError(
                 f"turn_index must lie in [-1, K) with K = {k} turns; found values in [{lo}, {hi}]"
             )
 
@@ -152,13 +154,13 @@ def prm_gated_opd(
     """
     _check(opd_token_signals, turn_scores, turn_index, loss_mask)
     if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
-        raise ValueError(f"penalty must be a finite number, got {penalty!r}")
+        raise ShapingInputError(f"penalty must be a finite number, got {penalty!r}")
     b, num_turns = turn_scores.shape
     if turn_mask is None:
         judged = torch.ones_like(turn_scores, dtype=torch.bool)
     else:
         if tuple(turn_mask.shape) != (b, num_turns) or turn_mask.device != turn_scores.device:
-            raise ValueError(
+            raise ShapingInputError(
                 f"turn_mask must be a [B, K] = {(b, num_turns)} tensor on {turn_scores.device}; "
                 f"got {tuple(turn_mask.shape)} on {turn_mask.device}"
             )
@@ -210,9 +212,9 @@ def openclaw_combine(
     _check(opd_token_signals, turn_scores, turn_index, loss_mask)
     for name, value in (("w_opd", w_opd), ("w_rl", w_rl)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
+            raise ShapingInputError(f"{name} must be a finite number, got {value!r}")
     if tuple(hint_accepted.shape) != tuple(turn_scores.shape) or hint_accepted.device != turn_scores.device:
-        raise ValueError(
+        raise ShapingInputError(
             f"hint_accepted must be [B, K] = {tuple(turn_scores.shape)} on {turn_scores.device}; got "
             f"{tuple(hint_accepted.shape)} on {hint_accepted.device}"
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from infra.config import ConfigError
 from infra.modes import JUDGE_SCORER, OPD_SCORER, combined_mode
 
 from .batch import TrainingBatch
@@ -30,7 +31,7 @@ __all__ = [
 def _require_channels(batch: TrainingBatch, mode: str, judge_scorer: str, opd_scorer: str) -> None:
     missing = [name for name in (judge_scorer, opd_scorer) if name not in batch.channels]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"combined_mode {mode!r} needs the per-scorer channels of {judge_scorer!r} (judge) and "
             f"{opd_scorer!r} (OPD); the batch has {sorted(batch.channels) or 'none'}, missing {missing}. Run the "
             "workers with worker.keep_scorer_channels: true and both scorers configured, or set "
@@ -95,6 +96,6 @@ def combined_token_signal(
     """
     info = combined_mode(mode)
     if info.yields != "signal":
-        raise ValueError(f"{mode} yields an advantage and a mask, not a token signal: use shape_batch")
+        raise ConfigError(f"{mode} yields an advantage and a mask, not a token signal: use shape_batch")
     mask = batch.loss_mask if loss_mask is None else loss_mask
     return info.resolve()(batch, mask, judge_scorer=judge_scorer, opd_scorer=opd_scorer, table=table)

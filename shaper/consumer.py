@@ -76,7 +76,7 @@ import torch
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from infra.config import PipelineConfig
+from infra.config import ConfigError, PipelineConfig
 from infra.experiments import check_experiment_id, scoped_group, trajectories_topic, verdicts_topic
 from infra.kafka import is_retriable, make_consumer
 from infra.offsets import OffsetCommitter
@@ -287,7 +287,7 @@ class VerdictConsumer:
         self.wrong_experiment = 0  # verdicts of another experiment skipped (also pipeline/verdicts/wrong_experiment)
         self.batch_groups = int(batch_groups if batch_groups is not None else cfg.trainer.batch_groups)
         if self.batch_groups < 1:
-            raise ValueError(f"batch_groups must be >= 1, got {self.batch_groups}")
+            raise ConfigError(f"batch_groups must be >= 1, got {self.batch_groups}")
         if group_filter is _FROM_CONFIG:
             group_filter = cfg.trainer.filter
         self.filter_name = group_filter if isinstance(group_filter, str) else getattr(group_filter, "__name__", None)
@@ -304,7 +304,7 @@ class VerdictConsumer:
         self._overrides = dict(consumer_overrides or {})
         self.max_policy_lag: int | None = cfg.trainer.max_policy_lag if max_policy_lag is _FROM_CONFIG else max_policy_lag
         if self.max_policy_lag is not None and self.max_policy_lag < 0:
-            raise ValueError(f"max_policy_lag must be >= 0 or None, got {self.max_policy_lag}")
+            raise ConfigError(f"max_policy_lag must be >= 0 or None, got {self.max_policy_lag}")
         self.policy_version: int | None = None  # the trainer's current policy (set_policy_version)
         if isinstance(dedupe_store, (str, os.PathLike)):
             self._store: DedupeStore | None = SqliteDedupeStore(

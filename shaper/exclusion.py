@@ -55,6 +55,7 @@ from torch import Tensor
 
 from infra.modes import JUDGE_SCORER, OPD_SCORER
 from infra.schema import PRMMetricObservation
+from shaper.errors import ShapingInputError
 
 from .batch import TrainingBatch
 
@@ -108,7 +109,7 @@ def judge_turn_table(batch: TrainingBatch, scorer: str = JUDGE_SCORER, *,
     has_next = np.zeros((n, num_turns), dtype=bool)
     judged = np.zeros((n, num_turns), dtype=bool)
     if len(batch.turn_results) != n:
-        raise ValueError(
+        raise ShapingInputError(
             f"batch has {n} rows but turn results for {len(batch.turn_results)}; build it with "
             "shaper.batch.collate / build_training_batch"
         )
@@ -116,7 +117,7 @@ def judge_turn_table(batch: TrainingBatch, scorer: str = JUDGE_SCORER, *,
         results = by_scorer.get(scorer)
         if results is None:
             known = sorted(by_scorer)
-            raise ValueError(
+            raise ShapingInputError(
                 f"row {b} (session {batch.session_ids[b]!r}, leaf {batch.leaf_ids[b]!r}) has no per-turn "
                 f"results of scorer {scorer!r} (it has {known or 'none'}), which {needed_by} needs; set "
                 f"trainer.judge_scorer to the judge's name, configure the judge on the workers, or turn "
@@ -124,7 +125,7 @@ def judge_turn_table(batch: TrainingBatch, scorer: str = JUDGE_SCORER, *,
             )
         k = len(results)
         if k > num_turns:
-            raise ValueError(f"row {b}: {k} judge results but the row has only {num_turns} turns")
+            raise ShapingInputError(f"row {b}: {k} judge results but the row has only {num_turns} turns")
         scores[b, :k] = [tr.reward for tr in results]
         has_next[b, :k] = [_has_next_state(tr.observations) for tr in results]
         judged[b, :k] = True
@@ -174,30 +175,30 @@ def exclude_neutral_turns(
         outside any turn (``turn_index == -1``) keep ``loss_mask``.
     """
     if loss_mask.dim() != 2 or tuple(turn_index.shape) != tuple(loss_mask.shape):
-        raise ValueError(
+        raise ShapingInputError(
             f"loss_mask and turn_index must be [B, T] of the same shape; got {tuple(loss_mask.shape)} "
             f"and {tuple(turn_index.shape)}"
         )
     b = loss_mask.shape[0]
     if turn_index.dtype.is_floating_point or turn_index.dtype == torch.bool:
-        raise ValueError(f"turn_index must be an integer tensor, got dtype {turn_index.dtype}")
+        raise ShapingInputError(f"turn_index must be an integer tensor, got dtype {turn_index.dtype}")
     if turn_scores.dim() != 2 or turn_scores.shape[0] != b or tuple(has_next_state.shape) != tuple(turn_scores.shape):
-        raise ValueError(
+        raise ShapingInputError(
             f"turn_scores and has_next_state must be [B, K] with B = {b}; got {tuple(turn_scores.shape)} "
             f"and {tuple(has_next_state.shape)}"
         )
     if tuple(sessions.shape) != (b,):
-        raise ValueError(f"sessions must be [B] = [{b}], got {tuple(sessions.shape)}")
+        raise ShapingInputError(f"sessions must be [B] = [{b}], got {tuple(sessions.shape)}")
     num_turns = turn_scores.shape[1]
     if judged is None:
         judged = torch.ones_like(has_next_state, dtype=torch.bool)
     elif tuple(judged.shape) != tuple(turn_scores.shape):
-        raise ValueError(f"judged must be [B, K] = {tuple(turn_scores.shape)}, got {tuple(judged.shape)}")
+        raise ShapingInputError(f"judged must be [B, K] = {tuple(turn_scores.shape)}, got {tuple(judged.shape)}")
     mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
     if turn_index.numel():
         lo, hi = (int(v) for v in turn_index.aminmax())  # a bad index must raise, not gather another turn
         if lo < -1 or hi >= num_turns:
-            raise ValueError(f"turn_index must lie in [-1, K) with K = {num_turns}; found values in [{lo}, {hi}]")
+            raise ShapingInputError(f"turn_index must lie in [-1, K) with K = {num_turns}; found values in [{lo}, {hi}]")
     if num_turns == 0 or b == 0:
         return mask.clone()
     device = turn_scores.device
@@ -248,7 +249,7 @@ def turn_flag_table(batch: TrainingBatch, scorer: str, metric: str, *, default: 
     for b, by_scorer in enumerate(batch.turn_results):
         results = by_scorer.get(scorer)
         if results is None:
-            raise ValueError(
+            raise ShapingInputError(
                 f"row {b} (session {batch.session_ids[b]!r}) has no per-turn results of scorer {scorer!r} "
                 f"(it has {sorted(by_scorer) or 'none'})"
             )
@@ -286,13 +287,13 @@ def streaming_turn_keep(
     """
     if turn_scores.dim() != 2 or tuple(has_next_state.shape) != tuple(turn_scores.shape) \
             or tuple(judged.shape) != tuple(turn_scores.shape):
-        raise ValueError(
+        raise ShapingInputError(
             f"turn_scores, has_next_state and judged must be [B, K] of one shape; got {tuple(turn_scores.shape)}, "
             f"{tuple(has_next_state.shape)}, {tuple(judged.shape)}"
         )
     b, num_turns = turn_scores.shape
     if tuple(sessions.shape) != (b,):
-        raise ValueError(f"sessions must be [B] = [{b}], got {tuple(sessions.shape)}")
+        raise ShapingInputError(f"sessions must be [B] = [{b}], got {tuple(sessions.shape)}")
     if b == 0 or num_turns == 0:
         return torch.zeros_like(judged, dtype=torch.bool)
     device = turn_scores.device

@@ -45,6 +45,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from infra.config import ConfigError
+from shaper.errors import ShapingInputError
+
 from .batch import ExportedGroup
 
 __all__ = [
@@ -122,29 +125,29 @@ ROLLOUT_TRACKER: Final[ScalarTracker] = ScalarTracker("rollout")
 def _outcome_rewards(sample: Mapping[str, Any]) -> Tensor:
     rewards = sample.get("original_rewards", sample.get("rewards"))
     if rewards is None:
-        raise ValueError("group filter needs 'original_rewards' or 'rewards' (got None)")
+        raise ShapingInputError("group filter needs 'original_rewards' or 'rewards' (got None)")
     r = (rewards if isinstance(rewards, Tensor) else torch.as_tensor(rewards)).flatten()
     if r.numel() == 0:
-        raise ValueError("group filter got empty rewards; filters need a complete, non-empty group")
+        raise ShapingInputError("group filter got empty rewards; filters need a complete, non-empty group")
     if not bool(torch.isfinite(r.float()).all()):
-        raise ValueError(f"group filter got non-finite rewards: {r.tolist()}")
+        raise ShapingInputError(f"group filter got non-finite rewards: {r.tolist()}")
     return r
 
 
 def _tensor(sample: Mapping[str, Any], key: str) -> Tensor:
     value = sample[key]
     if not isinstance(value, Tensor):
-        raise ValueError(f"group[{key!r}] must be a tensor, got {type(value).__name__}")
+        raise ShapingInputError(f"group[{key!r}] must be a tensor, got {type(value).__name__}")
     return value
 
 
 def _truncated_rows(sample: Mapping[str, Any], mask: Tensor) -> Tensor:
     """``[B]`` bool, AReaL's truncation rule (``attention_mask`` required even with ``is_truncated``)."""
     if sample.get("attention_mask") is None:
-        raise ValueError("filter_mixed_or_penalized_all_wrong_mask_no_eos requires attention_mask")
+        raise ShapingInputError("filter_mixed_or_penalized_all_wrong_mask_no_eos requires attention_mask")
     attention = _tensor(sample, "attention_mask")
     if attention.shape != mask.shape:
-        raise ValueError(
+        raise ShapingInputError(
             f"group['attention_mask'] must have the loss_mask's shape {tuple(mask.shape)}; got {tuple(attention.shape)}"
         )
     flags = sample.get("is_truncated")
@@ -152,7 +155,7 @@ def _truncated_rows(sample: Mapping[str, Any], mask: Tensor) -> Tensor:
         if not isinstance(flags, Tensor):
             raise TypeError(f"group['is_truncated'] must be a tensor, got {type(flags).__name__}")
         if tuple(flags.shape) != (mask.shape[0],):
-            raise ValueError(f"group['is_truncated'] must have shape [{mask.shape[0]}]; got {tuple(flags.shape)}")
+            raise ShapingInputError(f"group['is_truncated'] must have shape [{mask.shape[0]}]; got {tuple(flags.shape)}")
         return flags.bool()
     return (attention != 0).sum(dim=-1) == attention.shape[-1]
 
@@ -162,7 +165,7 @@ def _penalized_rows(group: ExportedGroup, *, mask_no_eos: bool) -> bool:
     penalized = False
     for row in group.rows:
         if not np.isfinite(row.token_rewards).all():
-            raise ValueError("group['token_rewards'] contains non-finite values")
+            raise ShapingInputError("group['token_rewards'] contains non-finite values")
         if not (mask_no_eos and row.is_truncated):
             penalized = penalized or bool(((row.token_rewards < 0) & row.loss_mask).any())
     return penalized
@@ -175,12 +178,12 @@ def _penalized(sample: Mapping[str, Any], *, mask_no_eos: bool) -> bool:
         return False
     token_rewards, mask = _tensor(sample, "token_rewards"), _tensor(sample, "loss_mask")
     if token_rewards.shape != mask.shape or token_rewards.dim() != 2:
-        raise ValueError(
+        raise ShapingInputError(
             "group['token_rewards'] and group['loss_mask'] must be 2-D with the same shape; got "
             f"{tuple(token_rewards.shape)} and {tuple(mask.shape)}"
         )
     if not bool(torch.isfinite(token_rewards).all()):
-        raise ValueError("group['token_rewards'] contains non-finite values")
+        raise ShapingInputError("group['token_rewards'] contains non-finite values")
     valid = mask != 0
     if mask_no_eos:
         valid = valid & ~_truncated_rows(sample, mask).to(valid.device).unsqueeze(-1)
@@ -261,7 +264,7 @@ def get_filter(name: str) -> GroupFilter:
     try:
         return FILTERS[name]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"unknown group filter {name!r}; valid names: {', '.join(sorted(FILTERS))}"
         ) from None
 

@@ -40,7 +40,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from infra.config import PipelineConfig
+from infra.config import ConfigError, PipelineConfig
 from infra.event_loop import LoopClient
 from infra.experiments import check_experiment_id, declared_experiment, scoped_group, verdicts_topic
 from infra.kafka import is_retriable, make_consumer, partitions_of
@@ -56,6 +56,7 @@ from infra.schema import (
     decode_verdict,
 )
 from producers.publisher import TrajectoryPublisher
+from shaper.errors import ShapingInputError, VerdictMismatch
 
 log = logging.getLogger(__name__)
 
@@ -397,9 +398,9 @@ class RewardClient:
         response = np.asarray(sample.response_ids, dtype=np.int32)
         logprobs = None if sample.response_logprobs is None else np.asarray(sample.response_logprobs, np.float32)
         if logprobs is not None and len(logprobs) != len(response):
-            raise ValueError(f"response_logprobs has {len(logprobs)} values for {len(response)} response tokens")
+            raise ShapingInputError(f"response_logprobs has {len(logprobs)} values for {len(response)} response tokens")
         if sample.response_mask is not None and len(sample.response_mask) != len(response):
-            raise ValueError(f"response_mask has {len(sample.response_mask)} values for {len(response)} response tokens")
+            raise ShapingInputError(f"response_mask has {len(sample.response_mask)} values for {len(response)} response tokens")
         spans = turn_spans(sample.response_mask, len(response))
         trajectory_id = trajectory_id or f"{group_id}/{uuid.uuid4().hex}"
         history = [dict(m) for m in sample.messages]
@@ -443,7 +444,7 @@ class RewardClient:
                           timeout_s: float | None = None) -> list[SampleReward]:
         """Publish ``samples`` as one whole group and wait for its verdict."""
         if not samples:
-            raise ValueError("score_group needs at least one sample")
+            raise ShapingInputError("score_group needs at least one sample")
         group_id = group_id or uuid.uuid4().hex
         built = [(*self.trajectory(s, group_id=group_id, group_size=len(samples)), len(s.response_ids))
                  for s in samples]
@@ -476,15 +477,15 @@ def rewards_for(verdict: GroupVerdict | None, trajectory: ReadyTrajectory, spans
         return SampleReward(group_id, trajectory.trajectory_id, verdict.status, verdict.reason, outcome, rewards,
                             [0.0] * len(spans), spans, verdict, reason_code=verdict.reason_code)
     if session is None:
-        raise RuntimeError(f"accepted verdict of group {group_id!r} lacks member {trajectory.trajectory_id!r}")
+        raise VerdictMismatch(f"accepted verdict of group {group_id!r} lacks member {trajectory.trajectory_id!r}")
     turns: list[float] = []
     per_turn = session_turn_rewards(session, group_id=group_id)
     if per_turn:  # none when the workers run with scoring off
         if len(per_turn) != len(spans):
-            raise RuntimeError(f"group {group_id!r}: {len(per_turn)} turns scored for {len(spans)} turns sent")
+            raise VerdictMismatch(f"group {group_id!r}: {len(per_turn)} turns scored for {len(spans)} turns sent")
         for k, ((start, end), values) in enumerate(zip(spans, per_turn)):
             if len(values) != end - start:
-                raise RuntimeError(f"group {group_id!r}: turn t{k} has {len(values)} rewards for {end - start} tokens")
+                raise VerdictMismatch(f"group {group_id!r}: turn t{k} has {len(values)} rewards for {end - start} tokens")
             rewards[start:end] = values
             turns.append(float(values.mean()) if len(values) else 0.0)
     else:
@@ -501,13 +502,13 @@ def session_turn_rewards(session: SessionResult, *, group_id: str) -> list[np.nd
     if not session.branches:
         return []
     if len(session.branches) != 1:
-        raise RuntimeError(f"group {group_id!r}: session {session.trajectory_id!r} has {len(session.branches)} "
-                           "branches; a sample is one chain of turns")
+        raise VerdictMismatch(f"group {group_id!r}: session {session.trajectory_id!r} has {len(session.branches)} "
+                              "branches; a sample is one chain of turns")
     token_rewards = session.branches[0].token_rewards
     try:
         return [token_rewards[f"t{k}"].to_numpy() for k in range(len(token_rewards))]
     except KeyError as exc:
-        raise RuntimeError(f"group {group_id!r}: session {session.trajectory_id!r} lacks turn {exc}") from None
+        raise VerdictMismatch(f"group {group_id!r}: session {session.trajectory_id!r} lacks turn {exc}") from None
 
 
 ProcessReduction = Literal["mean", "sum", "last"]
@@ -521,7 +522,7 @@ def reduce_process(reward: SampleReward, how: ProcessReduction = "mean") -> floa
     reward functions, OpenRLHF, slime) add it to the outcome.
     """
     if how not in ("mean", "sum", "last"):
-        raise ValueError(f"process reduction must be 'mean', 'sum' or 'last', got {how!r}")
+        raise ConfigError(f"process reduction must be 'mean', 'sum' or 'last', got {how!r}")
     if not reward.accepted:
         return 0.0
     values = np.concatenate([reward.token_rewards[s:e] for s, e in reward.turn_spans]) if reward.turn_spans \

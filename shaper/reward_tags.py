@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from infra.schema import GroupVerdict, SessionResult
+from shaper.errors import ShapingInputError, VerdictMismatch
 from shaper.reward_client import session_turn_rewards, turn_spans
 
 TAG_BITS = 8
@@ -54,9 +55,9 @@ def tag_reward(value: float, tag: int) -> float:
     untagged value never reads as a tag.
     """
     if not 0 <= tag <= MAX_MEMBERS:
-        raise ValueError(f"member tag {tag} outside 0..{MAX_MEMBERS}")
+        raise ShapingInputError(f"member tag {tag} outside 0..{MAX_MEMBERS}")
     if not math.isfinite(value) or abs(value) > 1e37:
-        raise ValueError(f"a tagged reward must be finite and below 1e37 in magnitude, got {value!r}")
+        raise ShapingInputError(f"a tagged reward must be finite and below 1e37 in magnitude, got {value!r}")
     bits = _bits(value)
     if tag == 0:
         return _float((bits + (1 << (TAG_BITS - 1))) & ~TAG_MASK & 0xFFFFFFFF)
@@ -83,7 +84,7 @@ def member_tag(verdict: GroupVerdict | None, trajectory_id: str) -> int:
         return 0
     ranked = _ranked(verdict)
     if len(ranked) > MAX_MEMBERS:
-        raise ValueError(f"group {verdict.group_id!r} has {len(ranked)} sessions; member tags name at most {MAX_MEMBERS}")
+        raise ShapingInputError(f"group {verdict.group_id!r} has {len(ranked)} sessions; member tags name at most {MAX_MEMBERS}")
     for rank, session in enumerate(ranked):
         if session.trajectory_id == trajectory_id:
             return rank + 1
@@ -126,18 +127,18 @@ def recover_rewards(token_level_rewards: torch.Tensor, response_mask: torch.Tens
         uid, tag, pos = uids[i], tags[i], last[i]
         value = float(rewards[i, pos])
         if (uid, tag) in owner:
-            raise RuntimeError(f"prm_grpo: rows {owner[uid, tag]} and {i} both carry member {tag} of group {uid!r} "
-                               "(an agent loop returning several outputs per sample is not supported)")
+            raise VerdictMismatch(f"prm_grpo: rows {owner[uid, tag]} and {i} both carry member {tag} of group {uid!r} "
+                                  "(an agent loop returning several outputs per sample is not supported)")
         owner[uid, tag] = i
         verdict = found.get(uid)
         if verdict is None:
-            raise RuntimeError(f"prm_grpo: row {i} carries member tag {tag} of group {uid!r}, but no verdict for that "
-                               f"group arrived within {wait_s:g}s: is the reward manager prm_pipeline, on the same "
-                               "pipeline config (algorithm.prm_config)?")
+            raise VerdictMismatch(f"prm_grpo: row {i} carries member tag {tag} of group {uid!r}, but no verdict for that "
+                                  f"group arrived within {wait_s:g}s: is the reward manager prm_pipeline, on the same "
+                                  "pipeline config (algorithm.prm_config)?")
         session = member_by_tag(verdict, tag)
         if session is None or session.outcome_reward is None or not tagged_matches(value, session.outcome_reward):
-            raise RuntimeError(f"prm_grpo: row {i}'s reward {value!r} does not decode as a member of group {uid!r} "
-                               f"(tag {tag}, {len(verdict.sessions)} sessions in its verdict)")
+            raise VerdictMismatch(f"prm_grpo: row {i}'s reward {value!r} does not decode as a member of group {uid!r} "
+                                  f"(tag {tag}, {len(verdict.sessions)} sessions in its verdict)")
         outcome[i, pos] = float(np.float32(session.outcome_reward))
         if verdict.status != "accepted":
             continue
@@ -147,8 +148,8 @@ def recover_rewards(token_level_rewards: torch.Tensor, response_mask: torch.Tens
         valid = pos + 1
         spans = [(0, valid)] if len(per_turn) == 1 and len(per_turn[0]) == valid else turn_spans(mask[i], valid)
         if [len(v) for v in per_turn] != [e - s for s, e in spans]:
-            raise RuntimeError(f"prm_grpo: row {i} (group {uid!r}) has turns {spans} but its verdict scored turns of "
-                               f"{[len(v) for v in per_turn]} tokens")
+            raise VerdictMismatch(f"prm_grpo: row {i} (group {uid!r}) has turns {spans} but its verdict scored turns of "
+                                  f"{[len(v) for v in per_turn]} tokens")
         for (start, end), values in zip(spans, per_turn):
             process[i, start:end] = torch.from_numpy(np.asarray(values, dtype=np.float32))
     return outcome.to(token_level_rewards), process.to(token_level_rewards), len(tagged)

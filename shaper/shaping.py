@@ -32,6 +32,7 @@ from torch import Tensor
 
 from infra.config import PRMAdvantageShapingConfig
 from infra.modes import COEFFICIENT_DEFAULTS, SHAPING_MODES, Mode, check_coefficient, shaping_mode
+from shaper.errors import ShapingInputError
 
 __all__ = [
     "SHAPING_MODES",
@@ -63,7 +64,7 @@ def shift_token_rewards(token_rewards: Tensor) -> Tensor:
     dims).  Returns a new tensor with the input's dtype and device.
     """
     if token_rewards.dim() < 1:
-        raise ValueError(
+        raise ShapingInputError(
             "token_rewards must have at least one dimension (…, T); got a 0-d tensor"
         )
     out = torch.zeros_like(token_rewards)
@@ -148,18 +149,18 @@ def _run_kernel(mode: Mode, device_type: str, numel: int, tensors: tuple[Tensor,
 def _check_tensors(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor) -> None:
     shapes = (tuple(advantages.shape), tuple(token_rewards.shape), tuple(loss_mask.shape))
     if not (shapes[0] == shapes[1] == shapes[2]):
-        raise ValueError(
+        raise ShapingInputError(
             "advantages, token_rewards and loss_mask must have the same shape; got "
             f"advantages={shapes[0]}, token_rewards={shapes[1]}, loss_mask={shapes[2]}"
         )
     devices = (advantages.device, token_rewards.device, loss_mask.device)
     if not (devices[0] == devices[1] == devices[2]):
-        raise ValueError(
+        raise ShapingInputError(
             "advantages, token_rewards and loss_mask must be on the same device; got "
             f"advantages={devices[0]}, token_rewards={devices[1]}, loss_mask={devices[2]}"
         )
     if not advantages.is_floating_point():
-        raise ValueError(f"advantages must be a floating-point tensor, got dtype {advantages.dtype}")
+        raise ShapingInputError(f"advantages must be a floating-point tensor, got dtype {advantages.dtype}")
 
 
 def _range_error(mode: str, rewards: Tensor, mask: Tensor) -> RuntimeError:
@@ -288,14 +289,14 @@ def _group_index(group_ids: Sequence[str] | Tensor, n: int, device: torch.device
     """Map arbitrary group ids to dense ``0..K-1`` indices on ``device``."""
     if isinstance(group_ids, Tensor):
         if group_ids.dim() != 1 or group_ids.shape[0] != n:
-            raise ValueError(
+            raise ShapingInputError(
                 f"group_ids must have shape ({n},) to match rewards; got {tuple(group_ids.shape)}"
             )
         uniq, inverse = torch.unique(group_ids.to(device), return_inverse=True)
         return inverse, int(uniq.numel())
     ids = list(group_ids)
     if len(ids) != n:
-        raise ValueError(f"group_ids has {len(ids)} entries but rewards has {n}")
+        raise ShapingInputError(f"group_ids has {len(ids)} entries but rewards has {n}")
     if n == 0:
         return torch.zeros(0, dtype=torch.long, device=device), 0
     # Strings cannot live on a device; numpy factorises them without a Python loop.
@@ -332,9 +333,9 @@ def grpo_outcome_advantages(
         ``[N]`` advantages on ``rewards``' device.
     """
     if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
+        raise ShapingInputError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be finite and > 0, got {eps!r}")
+        raise ShapingInputError(f"eps must be finite and > 0, got {eps!r}")
     r = rewards if rewards.is_floating_point() else rewards.to(torch.float32)
     n = r.shape[0]
     index, k = _group_index(group_ids, n, r.device)

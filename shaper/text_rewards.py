@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from infra.config import ConfigError
+from shaper.errors import ShapingInputError
 from shaper.reward_client import Sample, SampleReward, reduce_process
 
 
@@ -72,7 +73,7 @@ def prompt_messages(prompt: Any, field: str = "prompt") -> tuple[str, list[dict[
     if isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
         messages = [{"role": str(m.get("role", "user")), "content": m["content"]} for m in prompt]
         return "".join(m["content"] for m in messages), messages
-    raise ValueError(f"{field} must be a string or a list of messages with string 'content'")
+    raise ShapingInputError(f"{field} must be a string or a list of messages with string 'content'")
 
 
 def samples_from_queries(queries: Sequence[Any], prompts: Sequence[Any], tokenizer: Any) -> list[Sample]:
@@ -81,13 +82,13 @@ def samples_from_queries(queries: Sequence[Any], prompts: Sequence[Any], tokeniz
     Raises ValueError naming the item that breaks OpenRLHF's shape.
     """
     if len(prompts) != len(queries):
-        raise ValueError(f"prompts has {len(prompts)} items for {len(queries)} queries")
+        raise ShapingInputError(f"prompts has {len(prompts)} items for {len(queries)} queries")
     samples = []
     for i, (query, prompt) in enumerate(zip(queries, prompts)):
         if not isinstance(query, str) or not isinstance(prompt, str):
-            raise ValueError(f"query[{i}] and prompts[{i}] must be strings")
+            raise ShapingInputError(f"query[{i}] and prompts[{i}] must be strings")
         if not query.startswith(prompt):
-            raise ValueError(f"query[{i}] does not start with prompts[{i}] (OpenRLHF sends prompt + response)")
+            raise ShapingInputError(f"query[{i}] does not start with prompts[{i}] (OpenRLHF sends prompt + response)")
         samples.append(Sample(prompt_ids=tokenizer.encode(prompt), response_ids=tokenizer.encode(query[len(prompt):]),
                               messages=[{"role": "user", "content": prompt}]))
     return samples

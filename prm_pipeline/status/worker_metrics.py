@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from infra.config import ConfigError
 from prm_pipeline.status.report import ExperimentSummary
 
 RECORDS = "prm_worker_experiment_records_total"
@@ -77,7 +78,7 @@ async def scrape(urls: Iterable[str], experiment: str, *, timeout_s: float = 5.0
     urls = list(urls)
     if any(not u.startswith(("http://", "https://")) for u in urls):
         bad = next(u for u in urls if not u.startswith(("http://", "https://")))
-        raise ValueError(f"--worker-metrics {bad!r}: expected an http:// or https:// URL of a worker's /metrics")
+        raise ConfigError(f"--worker-metrics {bad!r}: expected an http:// or https:// URL of a worker's /metrics")
     results = await asyncio.gather(*(asyncio.to_thread(_get, u, timeout_s) for u in urls), return_exceptions=True)
     texts, unreachable = [], []
     for url, result in zip(urls, results):

@@ -51,6 +51,7 @@ from typing import Any, Self
 
 import msgspec
 
+from infra.config import ConfigError
 from scoring_workers.judge.errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
 from scoring_workers.judge.hosts import check_judge_url, endpoint_label
 from scoring_workers.judge.limits import (
@@ -478,7 +479,7 @@ def _headers(connection: ConnectionSettings) -> dict[str, str]:
         try:
             api_key = Path(path).read_text().strip() or api_key
         except OSError as exc:
-            raise ValueError(f"api_key_file {path!r} cannot be read: {exc.strerror}") from None
+            raise ConfigError(f"api_key_file {path!r} cannot be read: {exc.strerror}") from None
     if env:
         api_key = os.environ.get(env) or api_key
     if api_key:
@@ -494,13 +495,13 @@ def normalize_base_urls(base_url: str | Sequence[str]) -> tuple[str, ...]:
     elif isinstance(base_url, Sequence) and base_url:
         raw = list(base_url)
     else:
-        raise ValueError(f"base_url must be an http(s) URL or a non-empty list of them, got {base_url!r}")
+        raise ConfigError(f"base_url must be an http(s) URL or a non-empty list of them, got {base_url!r}")
     urls: list[str] = []
     for item in raw:
         if not isinstance(item, str) or not item.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must be an http(s) URL, got {item!r}")
+            raise ConfigError(f"base_url must be an http(s) URL, got {item!r}")
         url = item.rstrip("/").removesuffix("/v1")
         if url in urls:
-            raise ValueError(f"judge pool lists {endpoint_label(url)} twice; list each replica once")
+            raise ConfigError(f"judge pool lists {endpoint_label(url)} twice; list each replica once")
         urls.append(url)
     return tuple(urls)

@@ -61,11 +61,11 @@ def split_host_port(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        raise ValueError(f"{_redact(url)!r} is not an http(s) URL with a host")
+        raise ConfigError(f"{_redact(url)!r} is not an http(s) URL with a host")
     try:
         port = parts.port
     except ValueError:
-        raise ValueError(f"{_redact(url)!r} has a malformed port") from None
+        raise ConfigError(f"{_redact(url)!r} has a malformed port") from None
     host = parts.hostname.lower().rstrip(".")
     if ":" in host:
         host = f"[{host}]"

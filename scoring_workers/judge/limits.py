@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from infra.config import ConfigError
 from scoring_workers.judge.errors import JudgeTimeoutError
 from scoring_workers.judge.settings import JudgeQuota, LimitSettings
 
@@ -74,11 +75,11 @@ class CircuitBreaker:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(failure_threshold, bool) or not isinstance(failure_threshold, int) or failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be an integer >= 1, got {failure_threshold!r}")
+            raise ConfigError(f"failure_threshold must be an integer >= 1, got {failure_threshold!r}")
         if not _positive(reset_timeout_s):
-            raise ValueError(f"reset_timeout_s must be a finite number > 0, got {reset_timeout_s!r}")
+            raise ConfigError(f"reset_timeout_s must be a finite number > 0, got {reset_timeout_s!r}")
         if isinstance(half_open_max_calls, bool) or not isinstance(half_open_max_calls, int) or half_open_max_calls < 1:
-            raise ValueError(f"half_open_max_calls must be an integer >= 1, got {half_open_max_calls!r}")
+            raise ConfigError(f"half_open_max_calls must be an integer >= 1, got {half_open_max_calls!r}")
         self.failure_threshold = failure_threshold
         self.reset_timeout_s = float(reset_timeout_s)
         self.half_open_max_calls = half_open_max_calls
@@ -374,7 +375,7 @@ def acquire_limits(base_url: str, requested: LimitSettings, clock: Callable[[], 
                      if value != getattr(shared.settings, name)}
             if clash:
                 detail = ", ".join(f"{n}={mine!r} (registered: {theirs!r})" for n, (mine, theirs) in clash.items())
-                raise ValueError(
+                raise ConfigError(
                     f"judge limits for {key} are shared by every client in the process and are already "
                     f"registered with different values: {detail}. Configure every scorer that calls "
                     "this server with the same limits, or leave them unset to inherit."

@@ -23,6 +23,8 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 import msgspec
 from msgspec import Meta
 
+from infra.config import ConfigError
+
 __all__ = ["JUDGE_APIS", "ClientSettings", "ConnectionSettings", "JudgeApi", "JudgeQuota", "LimitSettings",
            "ModelSettings", "RequestSettings", "Seconds", "Settings", "SpillPolicy", "from_values"]
 
@@ -56,7 +58,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
             try:
                 msgspec.convert(msgspec.to_builtins(self), type(self), strict=True)
             except msgspec.ValidationError as exc:
-                raise ValueError(f"{type(self).__name__}: {_message(exc)}") from None
+                raise ConfigError(f"{type(self).__name__}: {_message(exc)}") from None
             finally:
                 _CONVERTING.reset(token)
         self._check()
@@ -75,7 +77,7 @@ def from_values(cls: type[S], values: Mapping[str, Any], where: str = "") -> S:
     try:
         return msgspec.convert(dict(values), cls, strict=True)
     except msgspec.ValidationError as exc:
-        raise ValueError(f"{where}: {_message(exc)}" if where else _message(exc)) from None
+        raise ConfigError(f"{where}: {_message(exc)}" if where else _message(exc)) from None
     finally:
         _CONVERTING.reset(token)
 
@@ -170,7 +172,7 @@ class ClientSettings(Settings):
         number); ``headers: None`` means none."""
         unknown = sorted(set(values) - cls.flat_fields())
         if unknown:
-            raise ValueError(f"{where + ': ' if where else ''}no judge client setting {', '.join(unknown)}")
+            raise ConfigError(f"{where + ': ' if where else ''}no judge client setting {', '.join(unknown)}")
         values = dict(values)
         headers = values.pop("headers", None)
         if isinstance(headers, Mapping):
@@ -228,4 +230,4 @@ class ModelSettings(Settings):
 
     def _check(self) -> None:
         if self.top_k == 0:
-            raise ValueError("top_k must be -1 (off), an integer >= 1, or null (not sent), got 0")
+            raise ConfigError("top_k must be -1 (off), an integer >= 1, or null (not sent), got 0")

@@ -57,6 +57,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import httptools
 
+from infra.config import ConfigError
 from infra.errors import ServiceError
 
 __all__ = ["AiohttpTransport", "HttpTransport", "Transport", "TransportError", "check_headers"]
@@ -103,15 +104,15 @@ def check_headers(headers: Mapping[str, str]) -> dict[str, str]:
     for name, value in headers.items():
         name, value = str(name), str(value)
         if not name or any(c in name for c in ' \t\r\n:()<>@,;\\"/[]?={}') or not name.isascii():
-            raise ValueError(f"judge header name {name!r} is not a valid HTTP header name")
+            raise ConfigError(f"judge header name {name!r} is not a valid HTTP header name")
         if "\r" in value or "\n" in value or "\0" in value:
-            raise ValueError(f"judge header {name!r}: the value must not contain line breaks")
+            raise ConfigError(f"judge header {name!r}: the value must not contain line breaks")
         try:
             value.encode("latin-1")
         except UnicodeEncodeError:
-            raise ValueError(f"judge header {name!r}: the value must be latin-1 text") from None
+            raise ConfigError(f"judge header {name!r}: the value must be latin-1 text") from None
         if name.lower() in ("content-length", "transfer-encoding"):
-            raise ValueError(f"judge header {name!r} is set by the client itself")
+            raise ConfigError(f"judge header {name!r} is set by the client itself")
         out[name] = value
     return out
 
@@ -342,7 +343,7 @@ class HttpTransport(Transport):
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in _DEFAULT_PORTS or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
+            raise ConfigError(f"not an http(s) URL: {url!r}")
         host = parts.hostname
         port = parts.port or _DEFAULT_PORTS[scheme]
         shown = f"[{host}]" if ":" in host else host
@@ -364,7 +365,7 @@ class HttpTransport(Transport):
         try:
             head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")
         except UnicodeEncodeError:
-            raise ValueError(f"judge request headers for {url!r} must be latin-1 text") from None
+            raise ConfigError(f"judge request headers for {url!r} must be latin-1 text") from None
         target = _Target((scheme, host.lower(), port), host, port, scheme == "https", head)
         self._targets[url] = target
         return target

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from infra.config import ConfigError
+
 __all__ = [
     "Vote",
     "VoteResult",
@@ -209,10 +211,10 @@ async def run_votes(
       ``m``-vote rule (it resolves ties instead of zeroing them).
     """
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ValueError(f"m must be an integer >= 1, got {m!r}")
+        raise ConfigError(f"m must be an integer >= 1, got {m!r}")
     limit = m if max_votes is None else max_votes
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < m:
-        raise ValueError(f"max_votes must be an integer >= m ({m}), got {max_votes!r}")
+        raise ConfigError(f"max_votes must be an integer >= m ({m}), got {max_votes!r}")
 
     votes: list[Vote] = []
 

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from infra.config import ConfigError
 from infra.schema import PRMMetricObservation
 
 if TYPE_CHECKING:
@@ -100,14 +101,14 @@ class BaseScorer:
         cls = type(self)
         name = getattr(cls, "name", None)
         if not isinstance(name, str) or not name.strip():
-            raise ValueError(f"{cls.__qualname__} must set a non-empty class-level `name`")
+            raise ConfigError(f"{cls.__qualname__} must set a non-empty class-level `name`")
         version = getattr(cls, "version", None)
         if not isinstance(version, str) or not version:
-            raise ValueError(f"{cls.__qualname__}.version must be a non-empty string")
+            raise ConfigError(f"{cls.__qualname__}.version must be a non-empty string")
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
             raise TypeError(f"scorer {name!r}: weight must be a number, got {weight!r}")
         if not math.isfinite(float(weight)):
-            raise ValueError(f"scorer {name!r}: weight must be finite, got {weight!r}")
+            raise ConfigError(f"scorer {name!r}: weight must be finite, got {weight!r}")
         if not isinstance(enabled, bool):
             raise TypeError(f"scorer {name!r}: enabled must be a bool, got {enabled!r}")
         self.weight = float(weight)

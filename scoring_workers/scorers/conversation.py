@@ -16,6 +16,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, get_args
 
+from infra.config import ConfigError
+
 __all__ = [
     "NEXT_STATE_RULES",
     "NextState",
@@ -156,7 +158,7 @@ def locate_next_state(
       next message is the next state if its role is ``user`` or ``tool``, else none.
     """
     if rule not in NEXT_STATE_RULES:
-        raise ValueError(f"next-state rule must be one of {NEXT_STATE_RULES}, got {rule!r}")
+        raise ConfigError(f"next-state rule must be one of {NEXT_STATE_RULES}, got {rule!r}")
     conv = list(conversation)
     out = list(output_messages)
     n = len(turn_messages)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+from infra.config import ConfigError
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
 from scoring_workers.scorers.record_settings import LengthBudgetRecordSettings
 
@@ -35,7 +36,7 @@ class LengthBudgetScorer(BaseScorer):
         if isinstance(max_output_tokens, bool) or not isinstance(max_output_tokens, numbers.Integral):
             raise TypeError(f"length_budget: max_output_tokens must be an integer, got {max_output_tokens!r}")
         if max_output_tokens <= 0:
-            raise ValueError(f"length_budget: max_output_tokens must be > 0, got {max_output_tokens}")
+            raise ConfigError(f"length_budget: max_output_tokens must be > 0, got {max_output_tokens}")
         self.max_output_tokens = int(max_output_tokens)
 
     async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> float:

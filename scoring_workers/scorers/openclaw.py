@@ -79,6 +79,7 @@ from typing import Annotated, Any, ClassVar, get_args
 
 from msgspec import Meta
 
+from infra.config import ConfigError
 from infra.modes import JUDGE_SCORER
 from scoring_workers.judge.apis import JudgeEndpoint
 from scoring_workers.judge.client import JudgeClient, normalize_base_urls
@@ -126,7 +127,7 @@ class JudgingSettings(Settings):
 
     def _check(self) -> None:
         if self.merge_tool_results and self.next_state != "first":
-            raise ValueError(
+            raise ConfigError(
                 "merge_tool_results applies to next_state 'first' only (the 'last' rule takes the final message "
                 "before the next assistant turn)"
             )
@@ -174,20 +175,20 @@ def _judge_urls(
     """``<key>`` (one server) or ``<key>s`` (a pool): exactly one of them (or neither
     when not ``required``), checked as the client will use them."""
     if url is not None and urls is not None:
-        raise ValueError(f"scorer {scorer!r}: set {key} (one server) or {key}s (a pool), not both")
+        raise ConfigError(f"scorer {scorer!r}: set {key} (one server) or {key}s (a pool), not both")
     if urls is not None:
         if isinstance(urls, str) or not isinstance(urls, Sequence) or not urls:
-            raise ValueError(f"scorer {scorer!r}: {key}s must be a non-empty list of URLs, got {urls!r}")
+            raise ConfigError(f"scorer {scorer!r}: {key}s must be a non-empty list of URLs, got {urls!r}")
         try:
             return normalize_base_urls(urls)
         except ValueError as exc:
-            raise ValueError(f"scorer {scorer!r}: {key}s: {exc}") from None
+            raise ConfigError(f"scorer {scorer!r}: {key}s: {exc}") from None
     if url is None:
         if required:
             raise TypeError(f"scorer {scorer!r}: needs {key} (one judge server) or {key}s (a pool of replicas)")
         return None
     if not isinstance(url, str):
-        raise ValueError(f"scorer {scorer!r}: {key} must be one URL (a pool goes in {key}s), got {url!r}")
+        raise ConfigError(f"scorer {scorer!r}: {key} must be one URL (a pool goes in {key}s), got {url!r}")
     return url
 
 
@@ -429,7 +430,7 @@ class OpenClawJudgeScorer(JudgeScorerBase):
         if max_votes is not None and (
             isinstance(max_votes, bool) or not isinstance(max_votes, int) or (isinstance(m, int) and max_votes < m)
         ):
-            raise ValueError(f"scorer {self.name!r}: max_votes must be an integer >= m ({m}), got {max_votes!r}")
+            raise ConfigError(f"scorer {self.name!r}: max_votes must be an integer >= m ({m}), got {max_votes!r}")
         super().__init__(weight, enabled, **kwargs)
         self.adaptive = adaptive
         self.max_votes = max_votes

@@ -15,6 +15,8 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
+from infra.config import ConfigError
+
 __all__ = ["load_policy_decoder"]
 
 
@@ -29,7 +31,7 @@ def load_policy_decoder(path: str) -> Callable[[Sequence[int]], str]:
     """
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise ValueError(f"policy_tokenizer {path!r}: no tokenizer.json there")
+        raise ConfigError(f"policy_tokenizer {path!r}: no tokenizer.json there")
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:
@@ -38,7 +40,7 @@ def load_policy_decoder(path: str) -> Callable[[Sequence[int]], str]:
     try:
         tokenizer = Tokenizer.from_file(file)
     except Exception as exc:  # noqa: BLE001 - the Rust side raises a bare Exception
-        raise ValueError(f"policy_tokenizer {path!r}: cannot load {file}: {exc}") from None
+        raise ConfigError(f"policy_tokenizer {path!r}: cannot load {file}: {exc}") from None
 
     def decode(ids: Sequence[int]) -> str:
         return tokenizer.decode([int(t) for t in ids], skip_special_tokens=False)

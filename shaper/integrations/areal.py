@@ -28,7 +28,7 @@ from areal.api.workflow_api import RolloutWorkflow
 from areal.experimental.openai.types import InteractionWithTokenLogpReward
 
 from shaper.integrations import core
-from shaper.integrations.core import AdapterSettings, OnTimeout, VerdictTimeout
+from shaper.integrations.core import AdapterSettings, ConfigError, OnTimeout, ShapingInputError, VerdictTimeout
 from shaper.reward_client import ProcessReduction, Sample, SampleReward
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,13 @@ def _tensor_dict(interaction: InteractionWithTokenLogpReward) -> dict[str, torch
 def sample_of(interaction: InteractionWithTokenLogpReward, *, policy_version: int | None = None) -> Sample:
     """One exported interaction as a :class:`Sample`: prompt = the tokens before the first trained one."""
     if interaction.model_response is None:
-        raise ValueError(f"interaction {interaction.interaction_id!r} has no model_response (token-backed "
-                         "interactions only: export from ArealOpenAI)")
+        raise ShapingInputError(f"interaction {interaction.interaction_id!r} has no model_response (token-backed "
+                                "interactions only: export from ArealOpenAI)")
     td = _tensor_dict(interaction)
     ids = td["input_ids"][0].numpy()
     mask = td["loss_mask"][0].numpy().astype(bool)
     if not mask.any():
-        raise ValueError(f"interaction {interaction.interaction_id!r} has no generated tokens to score")
+        raise ShapingInputError(f"interaction {interaction.interaction_id!r} has no generated tokens to score")
     start = int(np.argmax(mask))
     root = chain_of(interaction)[0]
     return Sample(prompt_ids=ids[:start], response_ids=ids[start:], response_logprobs=td["logprobs"][0].numpy()[start:],
@@ -92,7 +92,7 @@ class PRMRolloutWorkflow(RolloutWorkflow):
                  reduction: ProcessReduction = "mean", tensor_token_rewards: bool = False,
                  decode: Callable[[np.ndarray], str] | None = None, version: Callable[[], int] | None = None) -> None:
         if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
+            raise ConfigError(f"group_size must be >= 1, got {group_size}")
         self.settings = AdapterSettings.checked(on_timeout=on_timeout, reduction=reduction,
                                                 verdict_timeout_s=verdict_timeout_s)
         self.workflow, self.group_size, self.cfg = workflow, group_size, core.load_pipeline(cfg)

@@ -42,12 +42,14 @@ import numpy as np
 from infra.config import ConfigError, GatewayConfig, PipelineConfig, PRMAdvantageShapingConfig, load_config
 from infra.errors import TrainingError
 from infra.event_loop import LoopClient, LoopThread
+from shaper.errors import ShapingInputError, VerdictMismatch
 from shaper.reward_client import BlockingVerdicts, ProcessReduction, RewardClient, Sample, SampleReward, reduce_process
 from shaper.text_rewards import ByteTokenizer, FileTokenizer, load_tokenizer, openrlhf_answer, reward_summary
 
 __all__ = [
-    "DEPRECATED_ON_TIMEOUT", "ON_TIMEOUT", "REDUCTIONS", "AdapterSettings", "ConfigArg", "LoopClient", "LoopThread",
-    "OnTimeout", "PerLoop", "TextScorer", "VerdictTimeout", "check_late", "close_verdict_lookups", "groups_of",
+    "DEPRECATED_ON_TIMEOUT", "ON_TIMEOUT", "REDUCTIONS", "AdapterSettings", "ConfigArg", "ConfigError", "LoopClient",
+    "LoopThread", "OnTimeout", "PerLoop", "ShapingInputError", "TextScorer", "VerdictMismatch", "VerdictTimeout",
+    "check_late", "close_verdict_lookups", "groups_of",
     "load_pipeline", "openrlhf_scores", "option", "resolved", "score_blocks", "score_groups", "settle", "shaping_for",
     "shaping_with", "slime_scores", "status_counts", "status_rates", "token_rows", "verdict_lookup",
 ]
@@ -275,15 +277,15 @@ def groups_of(n: int, group_size: int, keys: Sequence[Any]) -> list[range]:
     one group are not all here — an error, not a silent regroup.
     """
     if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
+        raise ConfigError(f"group_size must be >= 1, got {group_size}")
     if n % group_size:
-        raise ValueError(f"{n} completions do not split into groups of {group_size}: make the per-device batch "
-                         "a multiple of num_generations so every group is scored by one process")
+        raise ConfigError(f"{n} completions do not split into groups of {group_size}: make the per-device batch "
+                          "a multiple of num_generations so every group is scored by one process")
     blocks = [range(i, i + group_size) for i in range(0, n, group_size)]
     for block in blocks:
         if any(keys[i] != keys[block.start] for i in block):
-            raise ValueError(f"rows {block.start}..{block.stop - 1} should be {group_size} completions of one prompt "
-                             "but their prompts differ: TRL's RepeatSampler layout is required")
+            raise ShapingInputError(f"rows {block.start}..{block.stop - 1} should be {group_size} completions of one prompt "
+                                    "but their prompts differ: TRL's RepeatSampler layout is required")
     return blocks
 
 

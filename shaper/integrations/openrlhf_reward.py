@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from infra.config import PipelineConfig, load_config
-from shaper.integrations.core import LoopClient, TextScorer, VerdictTimeout, openrlhf_scores
+from shaper.integrations.core import LoopClient, ShapingInputError, TextScorer, VerdictTimeout, openrlhf_scores
 from shaper.reward_client import RewardClient
 from shaper.text_rewards import samples_from_queries
 
@@ -35,9 +35,9 @@ async def score_queries(client: RewardClient, cfg: PipelineConfig, tokenizer: An
     ``labels`` are accepted and not used (the scorers see the prompt and the response).
     """
     if not queries:
-        raise ValueError("query must not be empty")
+        raise ShapingInputError("query must not be empty")
     if labels is not None and len(labels) != len(queries):
-        raise ValueError("labels must have one item per query")
+        raise ShapingInputError("labels must have one item per query")
     return await openrlhf_scores(client, cfg.gateway, samples_from_queries(queries, prompts, tokenizer))
 
 

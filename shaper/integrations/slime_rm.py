@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from infra.config import load_config
-from shaper.integrations.core import PerLoop, TextScorer, VerdictTimeout, slime_scores
+from shaper.integrations.core import PerLoop, ShapingInputError, TextScorer, VerdictTimeout, slime_scores
 from shaper.reward_client import Sample
 from shaper.text_rewards import ByteTokenizer, FileTokenizer, load_tokenizer, prompt_messages
 
@@ -44,13 +44,13 @@ def sample_from_slime(s: Any, tokenizer: ByteTokenizer | FileTokenizer, *, outco
         mask = getattr(s, "loss_mask", None)
         for name, values in (("rollout_log_probs", logprobs), ("loss_mask", mask)):
             if values is not None and len(values) != n:
-                raise ValueError(f"sample.{name} has {len(values)} values for response_length {n}")
+                raise ShapingInputError(f"sample.{name} has {len(values)} values for response_length {n}")
         return Sample(prompt_ids=tokens[:len(tokens) - n], response_ids=tokens[len(tokens) - n:],
                       response_logprobs=logprobs, response_mask=mask, outcome_reward=outcome, messages=messages,
                       truncated=truncated)
     response_text = getattr(s, "response", None)
     if not isinstance(response_text, str):
-        raise ValueError("sample.response must be a string (or the sample must carry tokens and response_length)")
+        raise ShapingInputError("sample.response must be a string (or the sample must carry tokens and response_length)")
     return Sample(prompt_ids=tokenizer.encode(prompt_text), response_ids=tokenizer.encode(response_text),
                   outcome_reward=outcome, messages=messages, truncated=truncated)
 
@@ -63,9 +63,9 @@ async def score_samples(args: Any, samples: Sequence[Any], *, outcomes: Sequence
     ``await score_samples(args, samples, outcomes=[await my_rule(args, s) for s in samples])``.
     """
     if not samples:
-        raise ValueError("score_samples needs at least one sample")
+        raise ShapingInputError("score_samples needs at least one sample")
     if outcomes is not None and len(outcomes) != len(samples):
-        raise ValueError(f"{len(outcomes)} outcomes for {len(samples)} samples")
+        raise ShapingInputError(f"{len(outcomes)} outcomes for {len(samples)} samples")
     path = getattr(args, "prm_config", None)
     scorer = _scorers.get(path, lambda: TextScorer(load_config(path)))
     ours = [sample_from_slime(s, scorer.tokenizer, outcome=0.0 if outcomes is None else float(outcomes[i]))

@@ -15,7 +15,7 @@ import torch
 from trl import GRPOTrainer
 
 from shaper.integrations import core
-from shaper.integrations.core import AdapterSettings, OnTimeout, VerdictTimeout, groups_of
+from shaper.integrations.core import AdapterSettings, OnTimeout, ShapingInputError, VerdictMismatch, VerdictTimeout, groups_of
 from shaper.reward_client import ProcessReduction, Sample, SampleReward
 from shaper.shaping import shape_advantages
 
@@ -63,7 +63,7 @@ class PRMRewardFunction:
             prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=trainer_state,
             log_metric=log_metric, **columns)))
         if len(outcomes) != n:
-            raise ValueError(f"the outcome function returned {len(outcomes)} values for {n} completions")
+            raise ShapingInputError(f"the outcome function returned {len(outcomes)} values for {n} completions")
         eos = {getattr(self.tokenizer, "eos_token_id", None)} - {None}
         step = getattr(trainer_state, "global_step", None)
         samples = [_sample(p, self.prompt_ids(p), c, o, step, eos) for p, c, o in zip(prompts, completion_ids, outcomes)]
@@ -143,7 +143,7 @@ class PRMGRPOTrainer(GRPOTrainer):
         """``(B, T)`` advantages: the ``(B,)`` outcome advantages shaped by each row's process rewards."""
         advantages, (b, t) = output["advantages"], output["completion_ids"].shape
         if len(rewards) != b:
-            raise RuntimeError(f"{len(rewards)} process-reward rows for a batch of {b}")
+            raise VerdictMismatch(f"{len(rewards)} process-reward rows for a batch of {b}")
         mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
         device = advantages.device
         return shape_advantages(advantages.unsqueeze(1).expand(b, t), torch.from_numpy(core.token_rows(rewards, t)).to(

@@ -62,12 +62,12 @@ def trace_sample(trace: Any, *, outcome: float = 0.0) -> tuple[Sample, list[list
     """
     branches = trace.branches
     if len(branches) != 1:
-        raise ValueError(f"trace {trace.id} has {len(branches)} branches; the PRM reward scores single-branch traces")
+        raise core.ShapingInputError(f"trace {trace.id} has {len(branches)} branches; the PRM reward scores single-branch traces")
     (branch,) = branches
     ids = np.asarray(branch.token_ids, dtype=np.int64)
     mask = np.asarray(branch.sampled_mask, dtype=bool)
     if not mask.any():
-        raise ValueError(f"trace {trace.id} has no sampled tokens (no token ids recorded?)")
+        raise core.ShapingInputError(f"trace {trace.id} has no sampled tokens (no token ids recorded?)")
     start = int(np.argmax(mask))
     positions: list[list[int]] = []  # per sampled node: its sampled tokens' positions in the response
     owner = np.full(len(ids), -1)  # node index (in branch.nodes) of every token

@@ -18,9 +18,9 @@ from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
 from verl.trainer.ppo import core_algos
 
-from infra.config import PRMAdvantageShapingConfig, load_config
+from infra.config import ConfigError, PRMAdvantageShapingConfig, load_config
 from shaper.integrations import core
-from shaper.integrations.core import AdapterSettings, VerdictTimeout, close_verdict_lookups
+from shaper.integrations.core import AdapterSettings, ShapingInputError, VerdictMismatch, VerdictTimeout, close_verdict_lookups
 from shaper.reward_client import BlockingVerdicts, Sample
 from shaper.reward_tags import MAX_MEMBERS, member_tag, recover_rewards, tag_reward
 from shaper.shaping import apply_shaping
@@ -72,7 +72,7 @@ class PRMRewardManager(NaiveRewardManager):
         result = await super().run_single(data)  # verl's outcome score, exactly as its naive manager
         outcome = float(result["reward_score"])
         if not math.isfinite(outcome):
-            raise ValueError(f"prm_pipeline: compute_score returned {outcome!r}; outcomes must be finite")
+            raise ShapingInputError(f"prm_pipeline: compute_score returned {outcome!r}; outcomes must be finite")
         item = data[-1:][0]  # multi-sequence outputs: the last sequence, like verl's managers
         if "uid" not in item.non_tensor_batch:
             raise KeyError("prm_pipeline needs the sample's group id in non_tensor_batch['uid'] (verl sets it for GRPO)")
@@ -90,14 +90,14 @@ class PRMRewardManager(NaiveRewardManager):
 def _check_route(config: Any, group_size: int) -> None:
     """Refuse, at start-up, settings under which the member tags could not reach ``prm_grpo`` intact."""
     if group_size > MAX_MEMBERS:
-        raise ValueError(f"prm_pipeline: groups of {group_size} exceed the {MAX_MEMBERS} members a reward tag can name")
+        raise ConfigError(f"prm_pipeline: groups of {group_size} exceed the {MAX_MEMBERS} members a reward tag can name")
     estimator, algorithm = str(core.option(config, "algorithm.adv_estimator", "")), core.option(config, "algorithm")
     if core.option(algorithm, "use_kl_in_reward", False) and estimator == ESTIMATOR_NAME:
-        raise ValueError("prm_pipeline: algorithm.use_kl_in_reward=true adds a KL penalty to the rewards that carry "
-                         "the member tags; use actor_rollout_ref.actor.use_kl_loss=true with prm_grpo")
+        raise ConfigError("prm_pipeline: algorithm.use_kl_in_reward=true adds a KL penalty to the rewards that carry "
+                          "the member tags; use actor_rollout_ref.actor.use_kl_loss=true with prm_grpo")
     if core.option(algorithm, "filter_groups.enable", False) and core.option(algorithm, "filter_groups.metric") == "reward":
-        raise ValueError("prm_pipeline: algorithm.filter_groups.metric=reward reads rm_scores, whose values carry "
-                         "member tags; use algorithm.filter_groups.metric=prm_outcome (the exact outcome)")
+        raise ConfigError("prm_pipeline: algorithm.filter_groups.metric=reward reads rm_scores, whose values carry "
+                          "member tags; use algorithm.filter_groups.metric=prm_outcome (the exact outcome)")
     if estimator and estimator != ESTIMATOR_NAME:
         log.warning("prm_pipeline: algorithm.adv_estimator=%s, not %s: verdicts are awaited and reported, but "
                     "process rewards are not trained on", estimator, ESTIMATOR_NAME)
@@ -130,16 +130,16 @@ def compute_prm_grpo_advantage(token_level_rewards: torch.Tensor, response_mask:
     """verl's GRPO on the exact outcomes, then the process rewards folded in (options: docs/integrations/verl.md)."""
     global _seen_tagged
     if index is None:
-        raise ValueError("prm_grpo needs the group index: non_tensor_batch['uid'] must be set")
+        raise ShapingInputError("prm_grpo needs the group index: non_tensor_batch['uid'] must be set")
     if core.option(config, "use_kl_in_reward", False):
-        raise ValueError("prm_grpo needs algorithm.use_kl_in_reward=false: a KL penalty folded into the token "
-                         "rewards would corrupt the member tags (use actor.use_kl_loss instead)")
+        raise ConfigError("prm_grpo needs algorithm.use_kl_in_reward=false: a KL penalty folded into the token "
+                          "rewards would corrupt the member tags (use actor.use_kl_loss instead)")
     outcome, process, tagged = recover_rewards(token_level_rewards, response_mask, index, _verdicts(config),
                                                wait_s=float(core.option(config, "prm_verdict_wait_s", 60.0)))
     why = (f"prm_grpo: none of the {len(index)} samples of this batch names a member of a verdict: every verdict "
            "timed out, or the reward manager is not prm_pipeline (PRMRewardManager)")
     if not tagged and not _seen_tagged:
-        raise RuntimeError(why + "; refusing to train plain GRPO from the first batch on")
+        raise VerdictMismatch(why + "; refusing to train plain GRPO from the first batch on")
     if not tagged:
         log.warning("%s; this batch trains on outcomes only", why)
     _seen_tagged = _seen_tagged or tagged > 0

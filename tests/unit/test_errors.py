@@ -95,3 +95,63 @@ def test_errors_still_construct_and_pickle() -> None:
     assert str(refused) == "no broker at 127.0.0.1:1" and isinstance(refused, OSError)
     again = pickle.loads(pickle.dumps(CircuitOpenError("open", kind="circuit_open")))
     assert isinstance(again, errors.ScoringError) and again.kind == "circuit_open"
+
+
+def _entry_points() -> list[object]:
+    """(call, subtree, standard base, message start) for public entry points whose checks
+    raise a typed error in place of a bare ValueError / RuntimeError."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from infra import modes, reasons
+    from infra.experiments import check_experiment_id
+    from infra.retry import RetryPolicy
+    from infra.schema import pack_array
+    from prm_pipeline.verdict_dump import parse_time
+    from scoring_workers.judge.hosts import split_host_port
+    from scoring_workers.judge.limits import CircuitBreaker
+    from scoring_workers.judge.transport import check_headers
+    from shaper.filters import get_filter
+    from shaper.reward_client import session_turn_rewards
+    from shaper.reward_tags import tag_reward
+    from shaper.shaping import grpo_outcome_advantages
+
+    two_branches = types.SimpleNamespace(branches=[object(), object()], trajectory_id="t-1")
+    cases = [
+        (lambda: modes.check_coefficient("alpha", -1.0), errors.ConfigurationError, ValueError, "alpha must be"),
+        (lambda: check_experiment_id("no spaces"), errors.ConfigurationError, ValueError, "experiment_id"),
+        (lambda: RetryPolicy(retryable=bool, base_s=0.0), errors.ConfigurationError, ValueError, "a retry policy"),
+        (lambda: reasons.require("no_such_reason_code"), errors.ConfigurationError, ValueError, "reason code"),
+        (lambda: pack_array(np.zeros((2, 2), dtype=np.int32), np.dtype("<i4")), errors.WireError, ValueError,
+         "expected a 1-D array"),
+        (lambda: parse_time(""), errors.ConfigurationError, ValueError, "empty time"),
+        (lambda: split_host_port("ftp://judge"), errors.ConfigurationError, ValueError, "'ftp://judge'"),
+        (lambda: CircuitBreaker(failure_threshold=0), errors.ConfigurationError, ValueError, "failure_threshold"),
+        (lambda: check_headers({"bad name": "x"}), errors.ConfigurationError, ValueError, "judge header name"),
+        (lambda: get_filter("no_such_filter"), errors.ConfigurationError, ValueError, "unknown group filter"),
+        (lambda: grpo_outcome_advantages(torch.zeros(2, 2), ["g", "g"]), errors.TrainingError, ValueError,
+         "rewards must be 1-D"),
+        (lambda: tag_reward(1.0, 10_000), errors.TrainingError, ValueError, "member tag"),
+        (lambda: session_turn_rewards(two_branches, group_id="g"), errors.TrainingError, RuntimeError,
+         "group 'g': session 't-1' has 2 branches"),
+    ]
+    return [pytest.param(*case, id=str(i)) for i, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize(("call", "subtree", "standard", "start"), _entry_points())
+def test_public_checks_raise_typed_errors_that_old_clauses_still_catch(
+        call: object, subtree: type[Exception], standard: type[Exception], start: str) -> None:
+    with pytest.raises(standard) as caught:
+        call()  # type: ignore[operator]
+    assert isinstance(caught.value, PRMPipelineError) and isinstance(caught.value, subtree)
+    assert str(caught.value).startswith(start), str(caught.value)
+
+
+def test_shaper_errors_sit_under_training_and_keep_their_bases() -> None:
+    from shaper.errors import ShapingInputError, VerdictMismatch
+
+    assert issubclass(ShapingInputError, errors.TrainingError) and issubclass(ShapingInputError, ValueError)
+    assert issubclass(VerdictMismatch, errors.TrainingError) and issubclass(VerdictMismatch, RuntimeError)
+    assert not issubclass(ShapingInputError, RuntimeError) and not issubclass(VerdictMismatch, ValueError)
