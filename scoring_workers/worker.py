@@ -1,13 +1,19 @@
 """The scoring worker: ``prm.trajectories`` in, ``prm.verdicts`` (and dead letters) out.
 
-Long on purpose: the whole consume/score/park/decide/commit loop fits in one readable module, like arq's worker.
+The whole consume/score/park/decide/commit loop is one module, like arq's worker: its
+steps share the commit discipline below.
 
-(Over 500 lines: one record lifecycle — dispatch, retries, handlers, publish, sweep — whose
-steps share the commit discipline below.)
+One asyncio loop per process: poll, decode the poll into typed jobs, start its work,
+commit what is finished, sweep deadlines. Run several processes for scale; they share
+nothing but Kafka and Redis.
 
-One asyncio loop per process, in the spirit of arq: poll, hand each record to a task,
-commit what is finished, sweep deadlines. Run several processes for scale; they
-share nothing but Kafka and Redis.
+Per poll: one partition's members that need only scoring and parking — the common case —
+are one task. They are scored in turn in that task (a scorer that finishes without
+waiting costs no task of its own), parked in one ledger call, and the verdicts they decide
+are produced together; each record is finished as its outcome lands. Every other record
+(a discard, an invalid record, a redelivered member, a member behind a discard, a member
+of an experiment whose scoring waits on a judge) takes a task of its own, and so does
+any record of a batch that fails on the way (it is retried on its own).
 
 Per record (see docs/architecture.md):
 
@@ -24,7 +30,8 @@ Per record (see docs/architecture.md):
    straight to scoring, their park re-checks atomically;
 3. score with :class:`PRMRunner` under ``worker.scorer_timeout_s``; a failure parks a
    failed member, which rejects the group at once — after the group's members consumed
-   before it have parked, so they are listed with their stats;
+   before it have parked (in a poll's batch, after every member of the batch that
+   scored), so they are listed with their stats;
 4. park the result; whoever parks the last member decides the group and publishes
    the verdict; once Kafka acknowledged it the record is released and the group's
    finish (drop its hash, remember it as done) rides along with the next ledger call. A verdict over
@@ -558,8 +565,8 @@ class Worker:
         discard, an invalid record, a member already known to the ledger (a redelivery) or
         an unknown experiment among them, those behind a discard in flight, and those of an
         experiment whose scoring waits (a judge: its members must not wait for each other
-        to park). The other
-        groups' members only need scoring and parking: a poll's batch does that for them."""
+        to park). The other groups' members only need scoring and parking: a poll's batch
+        does that for them."""
         alone: set[str | None] = {None}
         for job in jobs:
             scoped = job.route.scoped
