@@ -297,6 +297,10 @@ class ParkRequest:
     offset: int = -1
 
 
+_Command = tuple[str, tuple[Any, ...], dict[str, Any]]  # a plain Redis command: (method, args, kwargs)
+_Call = tuple[list[int], list[str], list[Any]]  # a script call: (its ops' indexes, keys, argv)
+
+
 def group_key(prefix: str, group_id: str) -> str:
     """The group's hash: its state, its parked members (``m:<trajectory_id>``) and their count."""
     return f"{prefix}:{{{group_id}}}:group"
@@ -428,73 +432,16 @@ class GroupLedger:
         if not self._sha:
             await self._load_script()
         now, bucket = _now_ms(), self._bucket()
-        plain: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        # probes: per group, its status and whether each probed member is parked (one HMGET),
-        # and whether it is in a dedupe bucket
-        probed: dict[str, list[int]] = {}
+        probed: dict[str, list[int]] = {}  # group -> indexes of its probes
+        sweeps: list[int] = []  # indexes of the sweepers' index reads
         for i, op in enumerate(ops):
             if isinstance(op.item, _Probe):
                 probed.setdefault(op.group_id, []).append(i)
-        for group_id, idx in probed.items():
-            keys = self.keys(group_id, bucket)
-            plain.append(("hmget", (keys[0], "status", *(f"m:{ops[i].item.trajectory_id}" for i in idx)), {}))
-            fp = fingerprint(group_id)
-            plain += (("sismember", (k, fp), {}) for k in keys[1:])
-        n_reads = len(plain)
-        sweeps = [i for i, op in enumerate(ops) if isinstance(op.item, _Due)]  # the sweepers' index reads
-        plain += (("zrangebyscore", (self.deadlines_key, "-inf", now), {"start": 0, "num": ops[i].item.limit})
-                  for i in sweeps)  # type: ignore[union-attr]
-        parks = [op.item for op in ops if isinstance(op.item, _Park)]
-        if parks and time.monotonic() >= self._deadlines_ttl_at:
-            ttl = max(p.ttl_s for p in parks)
-            plain.append(("expire", (self.deadlines_key, ttl + int(TTL_REFRESH_S)), {}))
-            self._deadlines_ttl_at = time.monotonic() + TTL_REFRESH_S
-        scripted = [i for i, op in enumerate(ops) if not isinstance(op.item, (_Probe, _Due))]
-        head = [DEDUPE_BUCKETS + 1, 0 if self.cluster else 1]
-        calls: list[tuple[list[int], list[str], list[Any]]] = []  # (op indexes, keys, argv)
-        if self.cluster:  # the index lives in another slot: its commands go beside the calls
-            index = {op.group_id: now + int(op.item.group_timeout_s * 1000) for op in ops if isinstance(op.item, _Park)}
-            if index:
-                plain.append(("zadd", (self.deadlines_key, index), {"nx": True}))
-            if finished := [op.group_id for op in ops if isinstance(op.item, FinishArgs)]:
-                plain.append(("zrem", (self.deadlines_key, *finished), {}))
-            by_slot: dict[int, list[int]] = {}
-            for i in scripted:
-                by_slot.setdefault(self._slot(ops[i].group_id), []).append(i)
-            groups = list(by_slot.values())
-        else:
-            groups = [scripted] if scripted else []
-        for idx in groups:
-            keys, argv = ([] if self.cluster else [self.deadlines_key]), list(head)
-            for i in idx:
-                keys += self.keys(ops[i].group_id, bucket)
-                argv += self._argv(ops[i], now, bucket)
-            calls.append((idx, keys, argv))
-        for attempt in (1, 2):
-            try:  # every command here is safe to repeat
-                if self.cluster:  # the cluster client refuses scripts in pipelines: one call per slot, concurrently
-                    async def reads() -> list[Any]:
-                        if not plain:
-                            return []
-                        async with self.redis.pipeline(transaction=False) as pipe:
-                            for name, args, kw in plain:
-                                getattr(pipe, name)(*args, **kw)
-                            return list(await pipe.execute())
-                    *results, read = await asyncio.gather(
-                        *(self.redis.evalsha(self._sha, len(keys), *keys, *argv) for _, keys, argv in calls), reads())
-                else:
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for _, keys, argv in calls:
-                            pipe.evalsha(self._sha, len(keys), *keys, *argv)
-                        for name, args, kw in plain:
-                            getattr(pipe, name)(*args, **kw)
-                        res = await pipe.execute()
-                    results, read = res[:len(calls)], res[len(calls):]
-                break
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                await self._load_script()  # Redis restarted and lost its script cache
+            elif isinstance(op.item, _Due):
+                sweeps.append(i)
+        plain = self._reads(ops, probed, sweeps, bucket, now)
+        calls = self._calls(ops, bucket, now, plain)
+        results, read = await self._send(calls, plain)
         out: list[Any] = [None] * len(ops)
         for (idx, _, _), res in zip(calls, results):
             for i, r in zip(idx, res):
@@ -511,10 +458,87 @@ class GroupLedger:
                     out[i] = "decided"
                 else:
                     out[i] = "open" if member is None else "duplicate"
-        assert pos == n_reads
         for k, i in enumerate(sweeps):
-            out[i] = read[n_reads + k]
+            out[i] = read[pos + k]
         return out
+
+    def _reads(self, ops: list[_Op], probed: dict[str, list[int]], sweeps: list[int], bucket: int,
+               now: int) -> list[_Command]:
+        """The plain commands of a call, answers first: per probed group its status and whether
+        each probed member is parked (one ``HMGET``) and whether it is in a dedupe bucket (one
+        ``SISMEMBER`` per bucket); then the sweepers' index reads; then the deadline index's TTL
+        refresh when it is due."""
+        plain: list[_Command] = []
+        for group_id, idx in probed.items():
+            keys = self.keys(group_id, bucket)
+            plain.append(("hmget", (keys[0], "status", *(f"m:{ops[i].item.trajectory_id}" for i in idx)), {}))
+            fp = fingerprint(group_id)
+            plain += (("sismember", (k, fp), {}) for k in keys[1:])
+        plain += (("zrangebyscore", (self.deadlines_key, "-inf", now), {"start": 0, "num": ops[i].item.limit})
+                  for i in sweeps)  # type: ignore[union-attr]
+        parks = [op.item for op in ops if isinstance(op.item, _Park)]
+        if parks and time.monotonic() >= self._deadlines_ttl_at:
+            ttl = max(p.ttl_s for p in parks)
+            plain.append(("expire", (self.deadlines_key, ttl + int(TTL_REFRESH_S)), {}))
+            self._deadlines_ttl_at = time.monotonic() + TTL_REFRESH_S
+        return plain
+
+    def _calls(self, ops: list[_Op], bucket: int, now: int, plain: list[_Command]) -> list[_Call]:
+        """The transitions of a call as script calls: one, or on Redis Cluster one per slot, whose
+        deadline index commands (the index lives in another slot) join ``plain``."""
+        scripted = [i for i, op in enumerate(ops) if not isinstance(op.item, (_Probe, _Due))]
+        if self.cluster:
+            index = {op.group_id: now + int(op.item.group_timeout_s * 1000) for op in ops if isinstance(op.item, _Park)}
+            if index:
+                plain.append(("zadd", (self.deadlines_key, index), {"nx": True}))
+            if finished := [op.group_id for op in ops if isinstance(op.item, FinishArgs)]:
+                plain.append(("zrem", (self.deadlines_key, *finished), {}))
+            by_slot: dict[int, list[int]] = {}
+            for i in scripted:
+                by_slot.setdefault(self._slot(ops[i].group_id), []).append(i)
+            groups = list(by_slot.values())
+        else:
+            groups = [scripted] if scripted else []
+        head = [DEDUPE_BUCKETS + 1, 0 if self.cluster else 1]
+        calls: list[_Call] = []
+        for idx in groups:
+            keys, argv = ([] if self.cluster else [self.deadlines_key]), list(head)
+            for i in idx:
+                keys += self.keys(ops[i].group_id, bucket)
+                argv += self._argv(ops[i], now, bucket)
+            calls.append((idx, keys, argv))
+        return calls
+
+    async def _send(self, calls: list[_Call], plain: list[_Command]) -> tuple[list[Any], list[Any]]:
+        """One round trip: (each script call's result, each plain command's). Standalone, one
+        pipeline; on Redis Cluster, whose client refuses scripts in pipelines, the script calls
+        concurrently beside a pipeline of the plain commands. Every command here is safe to
+        repeat: after a Redis restart (``NOSCRIPT``) the script is loaded and all is sent again."""
+        for attempt in (1, 2):
+            try:
+                if self.cluster:
+                    async def reads() -> list[Any]:
+                        if not plain:
+                            return []
+                        async with self.redis.pipeline(transaction=False) as pipe:
+                            for name, args, kw in plain:
+                                getattr(pipe, name)(*args, **kw)
+                            return list(await pipe.execute())
+                    *results, read = await asyncio.gather(
+                        *(self.redis.evalsha(self._sha, len(keys), *keys, *argv) for _, keys, argv in calls), reads())
+                    return results, read
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for _, keys, argv in calls:
+                        pipe.evalsha(self._sha, len(keys), *keys, *argv)
+                    for name, args, kw in plain:
+                        getattr(pipe, name)(*args, **kw)
+                    res = await pipe.execute()
+                return res[:len(calls)], res[len(calls):]
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self._load_script()  # Redis restarted and lost its script cache
+        raise AssertionError("unreachable")
 
     # ---------------------------------------------------------------- reads
     async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Outcome]:

@@ -628,6 +628,7 @@ class Worker:
         for job in jobs:
             tracker.begin(job.tp, job.record.offset)
             job.earlier = tuple(self._members.get(job.route.scoped or "", ()))
+        self.telemetry.batch_records.observe(len(jobs))
         task = asyncio.create_task(self._process_batch(jobs))
         for scoped in {job.route.scoped or "" for job in jobs}:
             self._joins(scoped, task)

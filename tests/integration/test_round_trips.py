@@ -139,3 +139,42 @@ async def test_a_graceful_stop_flushes_the_pending_finish(kafka_bootstrap, redis
         assert await ledger.probe_many([(gid, "x")]) == ["done"]
     finally:
         await ledger.aclose()
+
+
+async def test_a_polls_members_are_scored_in_one_task_and_parked_in_one_call(
+        kafka_bootstrap, redis_url, monkeypatch) -> None:
+    """Two groups already in the topic when the worker starts come in its first polls: each
+    poll's members are one task (no task per record) and their parks one ledger call, which
+    decides the group; each group still gets one verdict listing its four members."""
+    from scoring_workers.worker import Worker
+
+    cfg = _config(kafka_bootstrap, redis_url)
+    groups = [make_group(f"g-{uuid.uuid4().hex[:6]}", 4, turns=1, output_tokens=8) for _ in range(2)]
+    async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+        await pub.publish_many([m for g in groups for m in g])
+    calls: list[list[str]] = []
+    batches: list[int] = []
+    run, process_batch = GroupLedger._run, Worker._process_batch
+
+    async def counted_run(self, ops):  # type: ignore[no-untyped-def]
+        calls.append(sorted(type(op.item).__name__ for op in ops))
+        return await run(self, ops)
+
+    async def counted_batch(self, jobs):  # type: ignore[no-untyped-def]
+        batches.append(len(jobs))
+        return await process_batch(self, jobs)
+
+    monkeypatch.setattr(GroupLedger, "_run", counted_run)
+    monkeypatch.setattr(Worker, "_process_batch", counted_batch)
+    gids = [g[0].group_id for g in groups]
+    async with running_worker(cfg, "w-poll") as worker:
+        verdicts = {v.group_id: v for v in await wait_for_verdicts(cfg, gids)}
+        assert _count(worker, "prm_worker_scored_total") == 8
+    # the broker hands the two published groups over in one or two fetches: a batch each
+    assert sum(batches) == 8 and len(batches) <= 2 and min(batches) >= 4, batches
+    parks = [c.count("_Park") for c in calls if "_Park" in c]  # parks per call (other work may ride along)
+    assert len(parks) <= len(batches) and sum(parks) == 8 and min(parks) >= 4, calls
+    for group in groups:
+        verdict = verdicts[group[0].group_id]
+        assert verdict.status == "accepted"
+        assert sorted(s.trajectory_id for s in verdict.sessions) == sorted(m.trajectory_id for m in group)
