@@ -178,3 +178,35 @@ async def test_a_polls_members_are_scored_in_one_task_and_parked_in_one_call(
         verdict = verdicts[group[0].group_id]
         assert verdict.status == "accepted"
         assert sorted(s.trajectory_id for s in verdict.sessions) == sorted(m.trajectory_id for m in group)
+
+
+async def test_a_batch_whose_park_fails_goes_on_record_by_record_without_scoring_again(
+        kafka_bootstrap, redis_url, monkeypatch) -> None:
+    """The one ledger call of a poll's batch fails (a Redis outage in the middle of it): each
+    record goes on the per-record way with the score it has — probed again, parked, the group
+    decided once — and none is scored twice."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    cfg = _config(kafka_bootstrap, redis_url)
+    group = make_group(f"g-{uuid.uuid4().hex[:6]}", 4, turns=1, output_tokens=8)
+    async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+        await pub.publish_many(group)
+    park_many, calls = GroupLedger.park_many, []
+
+    async def failing_once(self, requests):  # type: ignore[no-untyped-def]
+        calls.append(len(requests))
+        if len(calls) == 1:
+            raise RedisConnectionError("connection reset by peer (injected)")
+        return await park_many(self, requests)
+
+    monkeypatch.setattr(GroupLedger, "park_many", failing_once)
+    gid = group[0].group_id
+    async with running_worker(cfg, "w-fallback") as worker:
+        (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid]) if v.group_id == gid]
+        assert _count(worker, "prm_worker_scored_total") == 4  # the batch's scores were kept
+        assert _count(worker, "prm_worker_retries_total{error=ConnectionError}") >= 1
+    assert calls[0] == 4 and calls[1:] == [1, 1, 1, 1]  # the batch, then each record on its own
+    assert verdict.status == "accepted"
+    assert sorted(s.trajectory_id for s in verdict.sessions) == sorted(m.trajectory_id for m in group)
+    verdicts = await read_topic(cfg, cfg.topics.verdicts)
+    assert [r.key.decode() for r in verdicts] == [gid]  # decided once, one verdict
