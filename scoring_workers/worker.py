@@ -1052,10 +1052,11 @@ class Worker:
         limit = self.cfg.kafka.max_message_bytes
         verdict, value, headers = fit_verdict(full, limit, self._tokens.references(decision.members))
         if verdict is not full and verdict.reason_code != reasons.VERDICT_TOO_LARGE:
-            log.info("group=%s: verdict over kafka.max_message_bytes=%d with its members' token turns: published "
-                     "with their records' coordinates instead (worker.verdict_tokens: auto)", verdict.group_id, limit)
+            log.info("group=%s: verdict too large for kafka.max_message_bytes=%d (as a compressed batch) with its "
+                     "members' token turns: published with their records' coordinates instead "
+                     "(worker.verdict_tokens: auto)", verdict.group_id, limit)
         elif verdict is not full:
-            log.warning("group=%s: verdict over kafka.max_message_bytes=%d, published as %s",
+            log.warning("group=%s: verdict too large for kafka.max_message_bytes=%d (as a compressed batch), published as %s",
                         verdict.group_id, limit, verdict.reason[:200])
         return verdict, verdicts_topic(self.cfg.topics.verdicts, experiment_id), value, headers
 
