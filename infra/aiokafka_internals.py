@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiokafka
+import aiokafka.conn
 from aiokafka.conn import ScramAuthenticator, create_conn
 from aiokafka.consumer.fetcher import Fetcher
 from aiokafka.consumer.group_coordinator import GroupCoordinator
@@ -52,19 +53,20 @@ _SOURCE_NEEDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start, ("self._fetcher", "self._coordinator")),
     ("ScramAuthenticator.__init__", ScramAuthenticator.__init__, ("self._hashname", "self._sasl_plain_username")),
 )
-_SIGNATURES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
-    ("Fetcher._proc_fetch_request", getattr(Fetcher, "_proc_fetch_request", None),
-     ("self", "assignment", "node_id", "request")),
-    ("GroupCoordinator._maybe_leave_group", getattr(GroupCoordinator, "_maybe_leave_group", None), ("self",)),
-    ("GroupCoordinator.reset_generation", getattr(GroupCoordinator, "reset_generation", None), ("self",)),
-    ("AIOKafkaClient.force_metadata_update", getattr(aiokafka.AIOKafkaClient, "force_metadata_update", None),
-     ("self",)),
-    ("ScramAuthenticator.process_server_final_message",
-     getattr(ScramAuthenticator, "process_server_final_message", None), ("self", "server_final")),
-    ("create_conn", create_conn, ("host", "port", "request_timeout_ms", "ssl_context", "security_protocol",
-                                  "sasl_mechanism", "sasl_plain_username", "sasl_plain_password")),
-    ("DefaultRecordBatchBuilder.estimate_size_in_bytes",
-     getattr(DefaultRecordBatchBuilder, "estimate_size_in_bytes", None), ("key", "value", "headers")),
+# (what, its owner, its name there, the parameters relied on): looked up when checked, so a
+# method removed after import is reported too.
+_SIGNATURES: tuple[tuple[str, Any, str, tuple[str, ...]], ...] = (
+    ("Fetcher._proc_fetch_request", Fetcher, "_proc_fetch_request", ("self", "assignment", "node_id", "request")),
+    ("GroupCoordinator._maybe_leave_group", GroupCoordinator, "_maybe_leave_group", ("self",)),
+    ("GroupCoordinator.reset_generation", GroupCoordinator, "reset_generation", ("self",)),
+    ("AIOKafkaClient.force_metadata_update", aiokafka.AIOKafkaClient, "force_metadata_update", ("self",)),
+    ("ScramAuthenticator.process_server_final_message", ScramAuthenticator, "process_server_final_message",
+     ("self", "server_final")),
+    ("create_conn", aiokafka.conn, "create_conn", ("host", "port", "request_timeout_ms", "ssl_context",
+                                                  "security_protocol", "sasl_mechanism", "sasl_plain_username",
+                                                  "sasl_plain_password")),
+    ("DefaultRecordBatchBuilder.estimate_size_in_bytes", DefaultRecordBatchBuilder, "estimate_size_in_bytes",
+     ("key", "value", "headers")),
 )
 _COROUTINES = ("Fetcher._proc_fetch_request", "GroupCoordinator._maybe_leave_group")
 
@@ -93,7 +95,8 @@ def problems() -> list[str]:
             found.append(f"{what}: source not readable")
             continue
         found += [f"{what} no longer sets or reads {name}" for name in names if name not in source]
-    for what, function, params in _SIGNATURES:
+    for what, owner, name, params in _SIGNATURES:
+        function = getattr(owner, name, None)
         if function is None:
             found.append(f"{what} is gone")
             continue

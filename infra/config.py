@@ -638,6 +638,17 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str],
     return out
 
 
+_SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|KEY", re.IGNORECASE)
+
+
+def _env_shown(name: str, environ: Mapping[str, str]) -> str:
+    """``NAME='value'`` for an error message, without secrets: a variable named like a secret
+    is shown as ``***``, passwords inside URLs (``redis://user:pw@host``) as ``***`` too."""
+    value = environ.get(name, "")
+    shown = "***" if value and _SECRET_NAME.search(name) else _URL_PASSWORD.sub(r"\1***@", value)
+    return f"{name}={shown!r}"
+
+
 def _from_env(message: str, sources: Mapping[str, str], environ: Mapping[str, str]) -> str | None:
     """``message`` (a msgspec error ending ``- at `$.section.field…```) restated for the
     environment variable that set that value, or None when no variable did."""
@@ -650,7 +661,7 @@ def _from_env(message: str, sources: Mapping[str, str], environ: Mapping[str, st
         # a struct's own rule (its __post_init__) is reported at the struct: the message names the key
         rule = key.startswith(path + ".") and re.search(rf"\b{re.escape(key[2:])}\b", message) is not None
         if inside or rule:
-            return f"{name}={environ.get(name, '')!r}: {message[: where.start()]} (at `{path[2:]}`)"
+            return f"{_env_shown(name, environ)}: {message[: where.start()]} (at `{path[2:]}`)"
     return None
 
 
@@ -677,7 +688,7 @@ def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | 
     try:
         validate(cfg)
     except ConfigError as exc:  # a rule broken by a value from the environment: name the variable
-        named = [f"{name}={env.get(name, '')!r}" for key, name in sources.items()
+        named = [_env_shown(name, env) for key, name in sources.items()
                  if re.search(rf"\b{re.escape(key[2:])}\b", str(exc))]
         if not named:
             raise

@@ -765,7 +765,8 @@ class Worker:
         await self._settle(decision or Decision.bare(outcome, group), job, Step.PARK)
 
     def _pending_earlier(self, job: Job) -> list[asyncio.Future[Any]]:
-        """The tasks of ``job``'s groupmates consumed before it that are still running (not its own)."""
+        """What ``job`` waits for before a failure of it may park: its groupmates consumed before
+        it that are still running (their tasks, or the parks of its own batch), not its own task."""
         me = asyncio.current_task()
         return [t for t in job.earlier if not t.done() and t is not me]
 
@@ -851,11 +852,11 @@ class Worker:
             return
         for job in jobs:
             job.attempt = 1
-        landed: set[int] = set()
+        landed: set[Job] = set()
 
         def land(job: Job) -> None:
             self._finished(job)
-            landed.add(id(job))
+            landed.add(job)
 
         try:
             if pending := [t for job in jobs if job.result.status == "failed"  # type: ignore[union-attr]
@@ -882,7 +883,7 @@ class Worker:
             if failure is not None:
                 raise failure
         except Exception as exc:  # noqa: BLE001 - each record left is retried on its own
-            left = [job for job in jobs if id(job) not in landed]
+            left = [job for job in jobs if job not in landed]
             self.telemetry.retries.labels(type(exc).__name__).inc()
             log.warning("worker %s: parking a batch of %d records on %s:%d failed (%s: %s); %d go on one by one",
                         self.worker_id, len(jobs), jobs[0].record.topic, jobs[0].record.partition,

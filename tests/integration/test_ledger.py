@@ -445,7 +445,7 @@ async def test_a_park_waits_for_members_not_yet_seen_and_a_sweep_rides_along(red
         before = await led.view.command_calls()
         first = asyncio.create_task(led.park(_member("a"), group_id=g, group_size=2, **ARGS))
         sweep = asyncio.create_task(led.due_groups(linger_s=600.0))
-        await asyncio.sleep(0.05)
+        await _until(lambda: led.lingering and len(led._ops._pending) == 2)  # both wait for company
         assert not first.done() and not sweep.done()
         _, decision = await asyncio.wait_for(led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
         assert decision is not None and decision.outcome == "decided_now"

@@ -182,9 +182,9 @@ async def test_a_polls_members_are_scored_in_one_task_and_parked_in_one_call(
 
 async def test_a_batch_whose_park_fails_goes_on_record_by_record_without_scoring_again(
         kafka_bootstrap, redis_url, monkeypatch) -> None:
-    """The one ledger call of a poll's batch fails (a Redis outage in the middle of it): each
-    record goes on the per-record way with the score it has — probed again, parked, the group
-    decided once — and none is scored twice."""
+    """The one ledger call of a poll's batch fails (an injected ConnectionError, as a Redis
+    outage in the middle of it would raise): each record goes on the per-record way with the
+    score it has — probed again, parked, the group decided once — and none is scored twice."""
     from redis.exceptions import ConnectionError as RedisConnectionError
 
     cfg = _config(kafka_bootstrap, redis_url)

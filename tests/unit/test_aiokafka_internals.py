@@ -38,6 +38,7 @@ def test_a_changed_aiokafka_is_reported(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delattr(Fetcher, "_proc_fetch_request")
     found = internals.problems()
     assert any("0.15.0 is outside the checked range" in p for p in found), found
+    assert "Fetcher._proc_fetch_request is gone" in found, found
 
 
 def test_only_the_internals_module_touches_them() -> None:

@@ -499,3 +499,14 @@ def test_shaping_modes_come_from_one_registry() -> None:
     assert [m for m in SHAPING_MODES if mode_info(m).direct_advantages] == ["gvpo", "process_weighted"]
     assert [m for m in SHAPING_MODES if mode_info(m).unit_interval] == ["process_weighted"]
     assert mode_info("nope") is None
+
+
+def test_an_error_naming_a_variable_never_shows_a_secret() -> None:
+    """The variable is named, but a password (its own, or inside a URL) is never printed."""
+    from infra.config import _env_shown
+
+    with pytest.raises(ConfigError) as info:  # breaks a rule: two URLs without redis.cluster
+        build(areal(), PRM_REDIS_URL="redis://user:s3cret-pw@a:1,redis://b:2")
+    assert "PRM_REDIS_URL='redis://user:***@a:1,redis://b:2'" in str(info.value), str(info.value)
+    assert _env_shown("PRM_KAFKA_SASL_PASSWORD", {"PRM_KAFKA_SASL_PASSWORD": "s3cret-pw"}) \
+        == "PRM_KAFKA_SASL_PASSWORD='***'"

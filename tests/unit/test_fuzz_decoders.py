@@ -506,9 +506,8 @@ def test_verdict_records_with_a_hostile_value(data: st.DataObject) -> None:
 
 
 # --------------------------------------------------------------------------- 3. registry records
-# infra/registry.py documents ``decode_record`` as raising only RegistryError. Its bounded
-# decoding is being rewritten elsewhere: until that lands, 30,000 nested `[` escape as a
-# RecursionError and these tests fail (on purpose: nothing here is skipped).
+# infra/registry.py documents ``decode_record`` as raising only RegistryError: a regression
+# guard for its bounded decoding (30,000 nested `[` once escaped as a RecursionError).
 REGISTRY_GOOD = {
     "experiment_id": "exp-ok",
     "prm": {"scorers": [{"path": "scoring_workers.scorers.LengthBudgetScorer", "kwargs": {"max_output_tokens": 8}}]},
