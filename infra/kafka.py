@@ -161,6 +161,16 @@ class KafkaAccessRefused(ServiceError, RuntimeError):
     ``str()`` is the one-line report naming the setting to fix."""
 
 
+class TopicCreationFailed(ServiceError, RuntimeError):
+    """The broker refused to create a topic for a reason other than authorization (an invalid
+    replication factor or config, a policy); ``str()`` is one line with Kafka's error code."""
+
+    def __init__(self, topic: str, code: int) -> None:
+        super().__init__(f"creating topic {topic!r} failed with Kafka error code {code} (see the broker's log; "
+                         "topics.partitions, topics.replication_factor and topics.retention_ms set what is asked)")
+        self.topic, self.code = topic, code
+
+
 class TopicMissing(ServiceError, RuntimeError):
     """A topic a command reads does not exist on the broker; ``str()`` is one line with the fix."""
 
@@ -444,8 +454,12 @@ async def ensure_topics(
             new = [_new_topic(n, kafka, topics) for n in missing]
             response = await admin.create_topics(new)
             for name, code, *_ in getattr(response, "topic_errors", []):
+                if code in (29, 31):  # TOPIC_ / CLUSTER_AUTHORIZATION_FAILED: the operator must grant it
+                    raise KafkaAccessRefused(
+                        f"the broker refuses to create topic {name!r} (Kafka error code {code}: not authorized); "
+                        "grant CREATE to the principal of kafka.sasl_username, or create the topics beforehand")
                 if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator won)
-                    raise KafkaAccessRefused(f"creating topic {name!r} failed with Kafka error code {code}")
+                    raise TopicCreationFailed(name, code)
                 result[name] = "created" if code == 0 else "exists"
         return result
     finally:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import ssl
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -47,7 +46,7 @@ class RedisAccessError(ServiceError, RuntimeError):
 
 
 def _where(cfg: RedisConfig) -> str:
-    urls = [urlsplit(u.strip()) for u in cfg.url.split(",")]
+    urls = redis_urls(cfg)
     user = urls[0].username or "default"
     where = ", ".join(f"{u.hostname}:{u.port or 6379}" for u in urls)
     return f"Redis at {where} as user {user!r} (redis.url / PRM_REDIS_URL)"

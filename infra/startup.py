@@ -21,9 +21,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
-from urllib.parse import urlsplit
 
-from infra.config import ConfigError, KafkaConfig, PipelineConfig, RedisConfig
+from infra.config import ConfigError, KafkaConfig, PipelineConfig, RedisConfig, redis_urls
 from infra.errors import ServiceError
 from infra.kafka import KafkaAccessRefused
 from infra.redis import RedisAccessError
@@ -48,16 +47,11 @@ class ServiceUnavailable(ServiceError, RuntimeError):
         )
 
 
-def redis_address(url: str) -> str:
+def redis_address(cfg: RedisConfig) -> str:
     """``redis://user:secret@host:6379/0`` -> ``redis://host:6379/0`` (no credentials in messages);
-    each of several comma-separated cluster nodes alike."""
-    out = []
-    for one in url.split(","):
-        parts = urlsplit(one.strip())
-        host = parts.hostname or "?"
-        port = f":{parts.port}" if parts.port else ""
-        out.append(f"{parts.scheme}://{host}{port}{parts.path}")
-    return ",".join(out)
+    each of several cluster nodes (:func:`infra.config.redis_urls`) alike."""
+    return ",".join(f"{u.scheme}://{u.hostname or '?'}{f':{u.port}' if u.port else ''}{u.path}"
+                    for u in redis_urls(cfg))
 
 
 def _describe(exc: BaseException) -> str:
@@ -166,7 +160,7 @@ async def wait_for_services(cfg: PipelineConfig, services: Iterable[Service]) ->
             )
         elif service == "redis":
             await wait_until_reachable(
-                lambda t: probe_redis(cfg.redis, t), what="Redis", address=redis_address(cfg.redis.url),
+                lambda t: probe_redis(cfg.redis, t), what="Redis", address=redis_address(cfg.redis),
                 setting="PRM_REDIS_URL (redis.url)", timeout_s=cfg.redis.startup_timeout_s,
             )
         else:

@@ -687,9 +687,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as exc:
         from infra.jsonl import JsonlError
-        from infra.kafka import TopicMissing
+        from infra.kafka import TopicCreationFailed, TopicMissing
 
-        if isinstance(exc, (JsonlError, TopicMissing)):
+        if isinstance(exc, (JsonlError, TopicMissing, TopicCreationFailed)):
             print(f"error: {exc}", file=sys.stderr)
             return failed
         message = _access_error(args, exc)

@@ -94,8 +94,11 @@ def test_config_after_the_subcommand_overrides_the_one_before() -> None:
 
 
 def test_redis_address_hides_credentials() -> None:
-    assert redis_address("redis://user:s3cret@cache:6380/2") == "redis://cache:6380/2"
-    assert "s3cret" not in str(ServiceUnavailable("Redis", redis_address("rediss://:s3cret@h/0"), "PRM_REDIS_URL", "x", 1))
+    from infra.config import RedisConfig
+
+    assert redis_address(RedisConfig(url="redis://user:s3cret@cache:6380/2")) == "redis://cache:6380/2"
+    address = redis_address(RedisConfig(url="rediss://:s3cret@h/0"))
+    assert "s3cret" not in str(ServiceUnavailable("Redis", address, "PRM_REDIS_URL", "x", 1))
 
 
 async def test_wait_retries_with_a_log_line_per_attempt_until_the_service_answers(caplog) -> None:

@@ -38,6 +38,6 @@ async def test_the_cluster_client_starts_from_every_listed_node_with_the_first_u
 
 def test_messages_name_every_node_and_no_password() -> None:
     cfg = RedisConfig(url=TWO, cluster=True)
-    assert redis_address(cfg.url) == "redis://node-0:7000/0,redis://node-1:7001"
+    assert redis_address(cfg) == "redis://node-0:7000/0,redis://node-1:7001"
     assert _where(cfg).startswith("Redis at node-0:7000, node-1:7001 as user 'prm'")
     assert "s3cret" not in repr(cfg) and "s3cret" not in _where(cfg)
