@@ -33,7 +33,7 @@ import msgspec
 import yaml
 
 from infra.areal_keys import AREAL_ACTOR_KEYS, AREAL_AGENT_KEYS, AREAL_ROLLOUT_KEYS, AREAL_TOP_LEVEL_KEYS
-from infra.errors import ConfigurationError
+from infra.errors import ConfigError
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id
 
 # Shaping modes, their coefficients and the trainer recipes come from the one registry.
@@ -59,10 +59,6 @@ log = logging.getLogger(__name__)
 _MAX_SECONDS = 1e9  # ~31 years: an upper bound so that .inf is refused
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_SECONDS)]
-
-
-class ConfigError(ConfigurationError, ValueError):
-    """The configuration breaks a rule; the message names the key and the fix."""
 
 
 PRM_ERROR_POLICIES = ("reject", "keep_original")

@@ -68,3 +68,8 @@ class ScoringError(PRMPipelineError):
 
 class TrainingError(PRMPipelineError):
     """The trainer side could not use a verdict."""
+
+
+class ConfigError(ConfigurationError, ValueError):
+    """The configuration breaks a rule; the message names the key and the fix (also
+    importable from :mod:`infra.config`, where its rules live)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Final
 
-from infra.errors import ConfigurationError
+from infra.errors import ConfigError, ConfigurationError
 
 if TYPE_CHECKING:
     from infra.config import PipelineConfig
@@ -42,17 +42,10 @@ SCOPE_SEPARATOR: Final = "\x1f"
 It cannot appear in an experiment id, so the split is unambiguous."""
 
 
-def _config_error(message: str) -> ValueError:
-    """A :class:`~infra.config.ConfigError` (a ``ValueError``); imported late: infra.config imports this module."""
-    from infra.config import ConfigError
-
-    return ConfigError(message)
-
-
 def check_experiment_id(experiment_id: str) -> str:
     """``experiment_id`` if it is well formed, else ``ValueError`` saying what is allowed."""
     if not isinstance(experiment_id, str) or not EXPERIMENT_ID_PATTERN.fullmatch(experiment_id):
-        raise _config_error(f"experiment_id {str(experiment_id)[:80]!r} must match {EXPERIMENT_ID_PATTERN.pattern} "
+        raise ConfigError(f"experiment_id {str(experiment_id)[:80]!r} must match {EXPERIMENT_ID_PATTERN.pattern} "
                             "(letters, digits, '.', '_', '-'; at most 64 characters)")
     return experiment_id
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from infra.errors import ConfigError
+
 __all__ = [
     "COEFFICIENT_DEFAULTS",
     "COMBINED_MODES",
@@ -112,13 +114,6 @@ class Mode:
         return fn
 
 
-def _config_error(message: str) -> ValueError:
-    """A :class:`~infra.config.ConfigError` (a ``ValueError``); imported late: infra.config imports this module."""
-    from infra.config import ConfigError
-
-    return ConfigError(message)
-
-
 _REGISTRY: dict[str, Mode] = {}
 _RESOLVED: dict[str, Callable[..., Any]] = {}
 _BUILT_IN: set[str] = set()
@@ -133,21 +128,21 @@ def register(mode: Mode) -> Mode:
     if not isinstance(mode, Mode):
         raise TypeError(f"register() takes a Mode, got {type(mode).__name__}")
     if not mode.name or not mode.name.isidentifier():
-        raise _config_error(f"mode name must be a non-empty identifier, got {mode.name!r}")
+        raise ConfigError(f"mode name must be a non-empty identifier, got {mode.name!r}")
     if mode.name in _REGISTRY:
-        raise _config_error(f"mode {mode.name!r} is already registered ({_REGISTRY[mode.name].family})")
+        raise ConfigError(f"mode {mode.name!r} is already registered ({_REGISTRY[mode.name].family})")
     if mode.family not in ("advantage", "combined"):
-        raise _config_error(f"mode {mode.name!r}: family must be 'advantage' or 'combined', got {mode.family!r}")
+        raise ConfigError(f"mode {mode.name!r}: family must be 'advantage' or 'combined', got {mode.family!r}")
     unknown = [c for c in mode.coefficients if c not in COEFFICIENT_DEFAULTS]
     if unknown:
-        raise _config_error(f"mode {mode.name!r}: unknown coefficients {unknown}; known: {list(COEFFICIENT_DEFAULTS)}")
+        raise ConfigError(f"mode {mode.name!r}: unknown coefficients {unknown}; known: {list(COEFFICIENT_DEFAULTS)}")
     if mode.family == "advantage" and (mode.yields != "signal" or mode.own_turn_selection):
-        raise _config_error(f"mode {mode.name!r}: yields / own_turn_selection apply to combined modes only")
+        raise ConfigError(f"mode {mode.name!r}: yields / own_turn_selection apply to combined modes only")
     if mode.family == "combined" and (mode.coefficients or mode.direct_advantages or mode.unit_interval
                                       or mode.result_dtype != "promoted"):
-        raise _config_error(f"mode {mode.name!r}: coefficients and shaping options apply to advantage modes only")
+        raise ConfigError(f"mode {mode.name!r}: coefficients and shaping options apply to advantage modes only")
     if not (callable(mode.implementation) or ":" in mode.implementation):
-        raise _config_error(f"mode {mode.name!r}: implementation must be a callable or 'module:attribute'")
+        raise ConfigError(f"mode {mode.name!r}: implementation must be a callable or 'module:attribute'")
     _REGISTRY[mode.name] = mode
     return mode
 
@@ -155,7 +150,7 @@ def register(mode: Mode) -> Mode:
 def unregister(name: str) -> None:
     """Remove a mode registered with :func:`register` (built-in modes stay)."""
     if name in _BUILT_IN:
-        raise _config_error(f"built-in mode {name!r} cannot be unregistered")
+        raise ConfigError(f"built-in mode {name!r} cannot be unregistered")
     _REGISTRY.pop(name, None)
 
 
@@ -173,7 +168,7 @@ def _lookup(name: Any, family: Family, what: str) -> Mode:
     mode = _REGISTRY.get(name) if isinstance(name, str) else None
     if mode is None or mode.family != family:
         names = [m.name for m in registered_modes(family)]
-        raise _config_error(f"unknown {what} {name!r}; expected one of {names}")
+        raise ConfigError(f"unknown {what} {name!r}; expected one of {names}")
     return mode
 
 
@@ -190,10 +185,10 @@ def combined_mode(name: Any) -> Mode:
 def check_coefficient(name: str, value: Any) -> float:
     """A coefficient as a float: a real number, finite and ``>= 0`` (else ``ValueError``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _config_error(f"{name} must be a real number, got {value!r}")
+        raise ConfigError(f"{name} must be a real number, got {value!r}")
     value = float(value)
     if not math.isfinite(value) or value < 0.0:
-        raise _config_error(f"{name} must be a finite number >= 0, got {value!r}")
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
     return value
 
 
