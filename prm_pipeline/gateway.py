@@ -50,7 +50,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from infra.bounded_json import json_depth
+from infra.bounded_json import JSONBoundsError, decode_json
 from infra.config import ConfigError, GatewayConfig, PipelineConfig
 from infra.errors import WireError
 from prm_pipeline.gateway_api import (
@@ -93,6 +93,12 @@ class SlowBody(BadRequest):
     status = 408
 
 
+class BodyTooLarge(BadRequest):
+    """The request body is over ``gateway.max_body_bytes`` (413)."""
+
+    status = 413
+
+
 # --------------------------------------------------------------------------- auth and limits
 def load_tokens(cfg: GatewayConfig, environ: dict[str, str] | os._Environ[str] = os.environ) -> list[bytes]:
     """Bearer tokens from ``auth_tokens_env`` (comma-separated) and ``auth_tokens_file`` (one per line)."""
@@ -129,21 +135,35 @@ class _Limits:
 
 
 # --------------------------------------------------------------------------- request parsing
-def decode(raw: bytes, kind: type[msgspec.Struct]) -> Any:
+_MAX_BODY_BYTES = GatewayConfig().max_body_bytes
+""":func:`decode`'s size bound when none is given (the gateway passes ``gateway.max_body_bytes``)."""
+
+
+def decode(raw: bytes, kind: type[msgspec.Struct], *, max_bytes: int = _MAX_BODY_BYTES) -> Any:
     """``raw`` as ``kind``, or :class:`BadRequest` whose message names the field (msgspec's path).
 
-    The body's nesting is bounded before decoding (:func:`infra.bounded_json.json_depth`, the
-    registry's bound too): the decoder recurses per level, so nothing deeper ever reaches it.
+    Decoded by :func:`infra.bounded_json.decode_json` (the registry's decoder too): the size and
+    then the nesting (:data:`MAX_BODY_DEPTH`) are checked on the bytes before decoding, since the
+    decoder recurses per level, so nothing deeper ever reaches it.
     """
-    if json_depth(raw, MAX_BODY_DEPTH) > MAX_BODY_DEPTH:
-        raise BadRequest(f"body nests JSON deeper than {MAX_BODY_DEPTH} levels - at `$`")
     try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as exc:
-        message = str(exc)
-        raise BadRequest(_one_line(message if " - at `$" in message else f"{message} - at `$`")) from None
-    except msgspec.DecodeError as exc:  # not JSON; msgspec says where, never what
-        raise BadRequest(f"body is not valid JSON ({exc})") from None
+        return decode_json(raw, kind, what="body", max_bytes=max_bytes, max_depth=MAX_BODY_DEPTH)
+    except JSONBoundsError as exc:
+        raise _refusal(exc, oversized=len(raw) > max_bytes, max_bytes=max_bytes) from None
+
+
+def _refusal(exc: JSONBoundsError, *, oversized: bool, max_bytes: int) -> BadRequest:
+    """The gateway's answer to a body :func:`decode_json` refused. It raises ``from None``, which
+    keeps the decoder's own error as ``__context__``: none means a check on the bytes refused it."""
+    cause = exc.__context__
+    if isinstance(cause, msgspec.ValidationError):  # the shape: msgspec's message ends with the path
+        message = str(cause)
+        return BadRequest(_one_line(message if " - at `$" in message else f"{message} - at `$`"))
+    if cause is not None:  # msgspec.DecodeError, RecursionError, UnicodeDecodeError: not JSON
+        return BadRequest(f"body is not valid JSON ({cause})")  # msgspec says where, never what
+    if oversized:
+        return BodyTooLarge(f"request body over gateway.max_body_bytes={max_bytes}")
+    return BadRequest(f"body nests JSON deeper than {MAX_BODY_DEPTH} levels - at `$`")
 
 
 def _one_line(message: str) -> str:
@@ -180,6 +200,7 @@ class Gateway:
         self.client = client or RewardClient(cfg, verdict_timeout_s=self.gw.verdict_timeout_s,
                                              decode=self.tokenizer.decode)
         self._limits = _Limits(per_client=Tally())
+        self._settings = AdapterSettings.from_gateway(self.gw)  # /v1/score's late-verdict policy
         self._openapi = msgspec.json.encode(openapi_document())
         self.ready = False
         r = self.registry = CollectorRegistry()
@@ -218,8 +239,11 @@ class Gateway:
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
         route = request.path if request.path in ("/openrlhf", "/slime", "/v1/score") else "other"
-        if request.path in ("/healthz", "/readyz"):
-            return await handler(request)  # probes: no auth, no limits (they hold nothing)
+        if request.path in ("/healthz", "/readyz"):  # probes: no auth, no limits (they hold nothing)
+            try:
+                return await handler(request)
+            except web.HTTPException as exc:  # 405: a POST on a probe
+                return _http_error(exc)
         t0 = time.perf_counter()
         response = await self._guarded(request, handler, route)
         self.requests.labels(route, str(response.status)).inc()
@@ -277,7 +301,7 @@ class Gateway:
                              ) from None
         except HttpProcessingError as exc:  # a broken chunked or compressed body; its text quotes the bytes
             raise BadRequest(f"request body is malformed ({type(exc).__name__})") from None
-        return decode(raw, kind)
+        return decode(raw, kind, max_bytes=self.gw.max_body_bytes)
 
     # ------------------------------------------------------------------ scoring
     def _observe(self, reward: SampleReward) -> None:
@@ -320,7 +344,7 @@ class Gateway:
                    for s in body.samples]
         (rewards,) = await score_groups(self.client, [samples], prefix="gw", observe=self._observe)
         try:
-            check_late(rewards, AdapterSettings.from_gateway(self.gw))
+            check_late(rewards, self._settings)
         except VerdictTimeout as exc:
             return _error(504, str(exc))
         return _json(ScoreResponse(

@@ -3,10 +3,17 @@
 Requests are decoded straight from bytes into these types (``msgspec.json.decode(body,
 type=...)``), so a body is data of a declared shape or it is refused with 400 before any
 of it is read: a field of the wrong type, a token id outside int32, a mask value other
-than 0/1, a list over its bound or a field the route does not know (on ``/v1/score``)
-never reaches the pipeline. msgspec names the offending place in its error
-(``Expected `int` >= 0 - at `$.samples[0].response_ids[3]```); the gateway answers it as
-``{"error": ...}``.
+than 0/1, a list over its bound or (on ``/v1/score``) a field the body or one of its
+samples does not declare never reaches the pipeline. msgspec names the offending place in
+its error (``Expected `int` >= 0 - at `$.samples[0].response_ids[3]```); the gateway
+answers it as ``{"error": ...}``.
+
+Chat messages are data, not declared fields: a ``/v1/score`` sample's ``messages`` are
+free-form chat messages (OpenAI's format: ``role``, ``content``, ``name``, ``tool_calls``,
+``tool_call_id``, ...), whose keys are not checked, so that tool messages and whatever a
+chat format adds keep working. They are bounded (at most :data:`MAX_MESSAGES`, nested at
+most :data:`MAX_DEPTH` levels, within the body's size) and passed on to the scorers as the
+trajectory's messages; nothing in them is read as configuration.
 
 The same types generate the OpenAPI 3.1 document (:func:`openapi_document`), served at
 ``GET /openapi.json`` and committed as ``docs/integrations/gateway-openapi.json`` (a unit
@@ -16,8 +23,9 @@ Bounds here are static: they are the document's promise to every client. The ope
 limits (``gateway.max_items``, ``gateway.max_body_bytes``) are checked on top and can only
 be tighter (``gateway.max_items`` may not exceed :data:`MAX_ITEMS`).
 
-Unknown fields: ``/v1/score`` is this project's own API and refuses them, so a field such
-as ``scorers`` or ``topic`` cannot be mistaken for configuration. ``/openrlhf`` and
+Unknown fields: ``/v1/score`` is this project's own API and refuses them in the body and in
+each sample, so a field such as ``scorers`` or ``topic`` cannot be mistaken for
+configuration (the keys of a chat message, above, are not fields). ``/openrlhf`` and
 ``/slime`` speak other projects' protocols (OpenRLHF's remote reward model, slime's
 ``remote_rm``); those clients are not ours to change, and a release that adds a field to
 its payload would otherwise turn every reward call into a 400, which OpenRLHF retries and
@@ -115,15 +123,20 @@ class SlimeRequest(msgspec.Struct):
 
 
 class ScoreSample(msgspec.Struct, forbid_unknown_fields=True):
-    """One sample as token ids. Unknown fields are refused: a request carries samples, never
-    configuration, and a misspelt field must not be silently dropped."""
+    """One sample as token ids. Unknown fields of the sample are refused: a request carries
+    samples, never configuration, and a misspelt field must not be silently dropped. Its
+    ``messages`` are free-form chat messages (keys not checked; bounded in count and nesting),
+    passed on as data."""
 
     prompt_ids: TokenIds
     response_ids: TokenIds
     response_logprobs: Annotated[list[LogProb], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     response_mask: Annotated[list[Literal[0, 1]], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     outcome_reward: Finite = 0.0
-    messages: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_MESSAGES)] = msgspec.field(
+    messages: Annotated[list[dict[str, Any]], msgspec.Meta(
+        max_length=MAX_MESSAGES,
+        description=f"free-form chat messages (OpenAI format: role, content, name, tool_calls, ...; keys not "
+                    f"checked), nested at most {MAX_DEPTH} levels; passed on to the scorers as data")] = msgspec.field(
         default_factory=list)
     truncated: bool = False
     policy_version: Int64 | None = None
@@ -210,8 +223,8 @@ class Error(msgspec.Struct):
 # --------------------------------------------------------------------------- OpenAPI 3.1
 _REF = "#/components/schemas/{name}"
 _ERRORS = {
-    "400": "bad input: not JSON, a field of the wrong type, range or length, an unknown field (on /v1/score), "
-           "JSON nested too deeply, or a malformed HTTP request",
+    "400": "bad input: not JSON, a field of the wrong type, range or length, an unknown field of the body or "
+           "of a sample (on /v1/score), JSON nested too deeply, or a malformed HTTP request",
     "401": "bearer tokens are configured and the Authorization header is missing or wrong",
     "404": "no such route",
     "405": "the route does not take this method (see the Allow header)",

@@ -153,6 +153,10 @@ async def test_404_and_405_answer_json_and_openapi_is_behind_the_tokens(cfg, tmp
         async with http.get(f"{url}/v1/score", headers=auth) as r:
             assert r.status == 405 and r.content_type == "application/json" and r.headers["Allow"] == "POST"
             assert "takes POST" in (await r.json())["error"]
+        for probe in ("/healthz", "/readyz"):  # the probes (open without a token) answer their 405 as JSON too
+            async with http.post(f"{url}{probe}") as r:
+                assert r.status == 405 and r.content_type == "application/json", (probe, await r.text())
+                assert "GET" in r.headers["Allow"] and "takes GET" in (await r.json())["error"], probe
         async with http.get(f"{url}/nowhere") as r:
             assert r.status == 401  # without a token, not even whether a route exists
         async with http.get(f"{url}/openapi.json") as r:

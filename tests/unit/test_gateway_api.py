@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from infra.config import ConfigError, GatewayConfig, PipelineConfig
-from prm_pipeline.gateway import BadRequest, Gateway, decode
+from prm_pipeline.gateway import BadRequest, BodyTooLarge, Gateway, decode
 from prm_pipeline.gateway_api import (
     COMMITTED,
     MAX_BODY_DEPTH,
@@ -88,6 +88,32 @@ def test_what_the_frameworks_send_decodes() -> None:
     slime = decode(b'{"prompt": [{"role": "system", "content": "s", "name": "n"}, {"content": "u"}], "response": "r",'
                    b' "label": "4", "metadata": {}}', SlimeRequest)
     assert [(m.role, m.content) for m in slime.prompt] == [("system", "s"), ("user", "u")]
+
+
+def test_a_body_over_the_size_bound_is_a_413_and_bytes_that_are_not_utf8_a_400() -> None:
+    with pytest.raises(BodyTooLarge) as caught:
+        decode(b'{"query": ["x"], "prompts": ["x"]}', OpenRLHFRequest, max_bytes=10)
+    assert caught.value.status == 413 and str(caught.value) == "request body over gateway.max_body_bytes=10"
+    with pytest.raises(BadRequest) as caught:
+        decode(b'{"query": ["\xff"], "prompts": ["x"]}', OpenRLHFRequest)
+    assert caught.value.status == 400 and str(caught.value).startswith("body is not valid JSON ("), caught.value
+
+
+def test_score_messages_are_free_form_chat_messages_but_the_samples_fields_are_not() -> None:
+    """A message's keys are not checked (tool calls, names, tool results pass as data); the
+    sample's own fields are, and a message is still bounded in nesting."""
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "name": "calc", "content": "4"}]
+    body = msgspec.json.encode({"samples": [{"prompt_ids": [1], "response_ids": [2], "messages": messages}]})
+    assert decode(body, ScoreRequest).samples[0].messages == messages
+    with pytest.raises(BadRequest) as caught:
+        decode(body.replace(b'"messages"', b'"scorers": [], "messages"'), ScoreRequest)
+    assert str(caught.value) == "Object contains unknown field `scorers` - at `$.samples[0]`"
+    deep = b'{"a": ' * (MAX_DEPTH + 1) + b"1" + b"}" * (MAX_DEPTH + 1)
+    with pytest.raises(BadRequest, match=f"`messages` nests deeper than {MAX_DEPTH} levels"):
+        decode(b'{"samples": [{"prompt_ids": [], "response_ids": [], "messages": [' + deep + b"]}]}", ScoreRequest)
 
 
 def test_an_unknown_field_name_is_cut_in_the_error() -> None:
