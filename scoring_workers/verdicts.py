@@ -18,14 +18,14 @@ Rules (each sets ``reason_code`` from :mod:`infra.reasons`; ``reason`` is the te
 * fewer members than ``group_size`` -> ``rejected`` / ``missing_sessions``.
 * otherwise ``accepted``.
 
-:func:`fit_verdict` publishes a verdict whose record would exceed
-``kafka.max_message_bytes`` (:func:`infra.kafka.max_record_size`: the record batch, compressed,
-must fit the limit) by reference when it may (``worker.verdict_tokens: auto``,
-the default: :func:`referenced_verdict`, members' record coordinates instead of their
-turns, which every verdict reader reads back), and otherwise — or when even that does
-not fit — as :func:`too_large_verdict`: ``rejected`` / ``verdict_too_large`` with the
-sizes in the reason, members' stats kept and their token turns dropped. All of them are
-pure functions.
+:func:`fit_verdict` encodes a verdict and chooses the form its record takes; the worker
+publishes what it returns. A verdict whose record would exceed ``kafka.max_message_bytes``
+(:func:`infra.kafka.max_record_size`: the record batch, compressed, must fit the limit)
+goes by reference when it may (``worker.verdict_tokens: auto``, the default:
+:func:`referenced_verdict`, members' record coordinates instead of their turns, which
+every verdict reader reads back), and otherwise — or when even that does not fit — as
+:func:`too_large_verdict`: ``rejected`` / ``verdict_too_large`` with the sizes in the
+reason, members' stats kept and their token turns dropped. All of them are pure functions.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import msgspec
 
 from infra import reasons
 from infra.kafka import max_record_size, record_size
-from infra.readback import failed_reason
+from infra.readback import failed_reason, reference
 from infra.schema import GroupVerdict, ScorerInfo, SessionResult, TokenRef, encode
 from scoring_workers.ledger import GroupState, ParkedMember
 
@@ -125,7 +125,7 @@ def referenced_verdict(verdict: GroupVerdict, refs: Mapping[str, TokenRef]) -> G
         ref = refs.get(m.trajectory_id)
         if ref is None or m.status != "scored" or not m.turns:
             return m
-        return msgspec.structs.replace(m, turns=[], tokens_at=ref)
+        return reference(m, ref.partition, ref.offset)
 
     return msgspec.structs.replace(verdict, sessions=[by_reference(m) for m in verdict.sessions])
 

@@ -20,44 +20,6 @@ module              what it holds
 
 The scorers that use it (:mod:`scoring_workers.scorers.openclaw`,
 :mod:`scoring_workers.scorers.opd`) keep their flat keyword arguments and build the
-settings from them. Names are exported lazily (PEP 562): importing
-``scoring_workers.judge.hosts`` (the CLI's checks) loads no HTTP code.
+settings from them. Import names from their modules; the package itself imports none, so
+importing ``scoring_workers.judge.hosts`` (the CLI's checks) loads no HTTP code.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_EXPORTS: dict[str, str] = {
-    "ClientSettings": "settings",
-    "ConnectionSettings": "settings",
-    "LimitSettings": "settings",
-    "ModelSettings": "settings",
-    "RequestSettings": "settings",
-    "SpillPolicy": "settings",
-    "JudgeClient": "client",
-    "JudgeEndpoint": "apis",
-    "JudgeQuota": "settings",
-    "judge_quota": "limits",
-    "judge_hosts_allowed": "hosts",
-    "CircuitOpenError": "errors",
-    "JudgeFailedError": "errors",
-    "JudgeRequestError": "errors",
-    "JudgeTimeoutError": "errors",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))

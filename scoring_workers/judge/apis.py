@@ -27,9 +27,9 @@ from typing import Any
 
 from scoring_workers.judge.client import JudgeClient
 from scoring_workers.judge.errors import JudgeRequestError
-from scoring_workers.judge.settings import JUDGE_APIS, ModelSettings
+from scoring_workers.judge.settings import ModelSettings
 
-__all__ = ["JUDGE_APIS", "JudgeEndpoint", "openai_chat", "sglang_generate_text", "sglang_input_logprobs"]
+__all__ = ["JudgeEndpoint", "openai_chat", "sglang_generate_text", "sglang_input_logprobs"]
 
 _DEFAULTS = ModelSettings()
 _REASONING_FIELDS = ("reasoning_content", "reasoning")

@@ -18,18 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
 from infra.config import ConfigError
 
-__all__ = ["JUDGE_APIS", "ClientSettings", "ConnectionSettings", "JudgeApi", "JudgeQuota", "LimitSettings",
+__all__ = ["ClientSettings", "ConnectionSettings", "JudgeApi", "JudgeQuota", "LimitSettings",
            "ModelSettings", "RequestSettings", "Seconds", "Settings", "SpillPolicy", "from_values"]
 
 JudgeApi = Literal["openai", "sglang"]
-JUDGE_APIS: tuple[str, ...] = get_args(JudgeApi)
 
 Seconds = Annotated[float, Meta(gt=0, le=86_400)]
 """A duration: finite, above zero, at most a day."""
@@ -93,7 +92,7 @@ class RequestSettings(Settings):
     """
 
     timeout_s: Seconds = 30.0
-    total_timeout_s: Seconds = 60.0
+    total_timeout_s: Seconds = 45.0
     max_retries: Annotated[int, Meta(ge=0, le=1000)] = 2
     backoff_base_s: _Delay = 0.2
     backoff_max_s: _Delay = 5.0

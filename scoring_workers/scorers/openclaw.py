@@ -75,7 +75,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, get_args
+from typing import Annotated, Any, ClassVar
 
 from msgspec import Meta
 
@@ -111,7 +111,6 @@ log = logging.getLogger(__name__)
 
 _BOOL = ("count", "rate")
 _FLOAT_SUM = ("sum", "mean")
-FAILURE_POLICIES: tuple[str, ...] = get_args(FailurePolicy)
 
 
 class JudgingSettings(Settings):
