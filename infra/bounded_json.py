@@ -37,7 +37,13 @@ class JSONBoundsError(WireError, ValueError):
     """JSON from outside that is too large, too deep, malformed or not the declared type.
 
     A :class:`ValueError` too, so code written against ``json.loads`` keeps catching it.
+    ``reason`` says which (``size``, ``depth``, ``syntax``, ``shape``) and ``detail`` is the
+    decoder's own message (``shape``: msgspec's, ending with the path; ``syntax``: where).
     """
+
+    def __init__(self, message: str, *, reason: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.reason, self.detail = reason, detail
 
 
 def json_depth(data: bytes, limit: int) -> int:
@@ -69,12 +75,12 @@ def decode_json(data: bytes | bytearray | memoryview | str, type: type[T] = Any,
     """
     raw = data.encode() if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
-        raise JSONBoundsError(f"{what}: {len(raw)} bytes, over the limit of {max_bytes}")
+        raise JSONBoundsError(f"{what}: {len(raw)} bytes, over the limit of {max_bytes}", reason="size")
     if json_depth(raw, max_depth) > max_depth:
-        raise JSONBoundsError(f"{what}: nested deeper than {max_depth} levels")
+        raise JSONBoundsError(f"{what}: nested deeper than {max_depth} levels", reason="depth")
     try:
         return msgspec.json.decode(raw, type=type, strict=strict)
     except msgspec.ValidationError as exc:
-        raise JSONBoundsError(f"{what}: {exc}") from None
+        raise JSONBoundsError(f"{what}: {exc}", reason="shape", detail=str(exc)) from None
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise JSONBoundsError(f"{what}: not valid JSON ({exc})") from None
+        raise JSONBoundsError(f"{what}: not valid JSON ({exc})", reason="syntax", detail=str(exc)) from None

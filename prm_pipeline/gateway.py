@@ -149,19 +149,17 @@ def decode(raw: bytes, kind: type[msgspec.Struct], *, max_bytes: int = _MAX_BODY
     try:
         return decode_json(raw, kind, what="body", max_bytes=max_bytes, max_depth=MAX_BODY_DEPTH)
     except JSONBoundsError as exc:
-        raise _refusal(exc, oversized=len(raw) > max_bytes, max_bytes=max_bytes) from None
+        raise _refusal(exc, max_bytes=max_bytes) from None
 
 
-def _refusal(exc: JSONBoundsError, *, oversized: bool, max_bytes: int) -> BadRequest:
-    """The gateway's answer to a body :func:`decode_json` refused. It raises ``from None``, which
-    keeps the decoder's own error as ``__context__``: none means a check on the bytes refused it."""
-    cause = exc.__context__
-    if isinstance(cause, msgspec.ValidationError):  # the shape: msgspec's message ends with the path
-        message = str(cause)
+def _refusal(exc: JSONBoundsError, *, max_bytes: int) -> BadRequest:
+    """The gateway's answer to a body :func:`decode_json` refused, by its ``reason``."""
+    if exc.reason == "shape":  # msgspec's message ends with the path
+        message = exc.detail
         return BadRequest(_one_line(message if " - at `$" in message else f"{message} - at `$`"))
-    if cause is not None:  # msgspec.DecodeError, RecursionError, UnicodeDecodeError: not JSON
-        return BadRequest(f"body is not valid JSON ({cause})")  # msgspec says where, never what
-    if oversized:
+    if exc.reason == "syntax":  # msgspec says where, never what
+        return BadRequest(f"body is not valid JSON ({exc.detail})")
+    if exc.reason == "size":
         return BodyTooLarge(f"request body over gateway.max_body_bytes={max_bytes}")
     return BadRequest(f"body nests JSON deeper than {MAX_BODY_DEPTH} levels - at `$`")
 
