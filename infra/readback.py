@@ -37,7 +37,8 @@ from infra import reasons
 from infra.chunks import ChunkAssembler, reassembled
 from infra.config import PipelineConfig
 from infra.experiments import trajectories_topic
-from infra.kafka import make_consumer
+from infra.kafka import is_retriable, make_consumer
+from infra.retry import RetryPolicy
 from infra.schema import (
     GroupVerdict,
     NotConcatExport,
@@ -51,8 +52,8 @@ from infra.schema import (
     decode_message,
 )
 
-__all__ = ["Wanted", "TrajectoryReader", "VerdictTokens", "unavailable", "failed_reason", "resolve_verdict",
-           "needs_tokens", "reference"]
+__all__ = ["TOKENS_RETRY", "Wanted", "TrajectoryReader", "VerdictTokens", "unavailable", "failed_reason",
+           "resolve_verdict", "needs_tokens", "reference"]
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +308,11 @@ class TrajectoryReader:
         if self._reader is not None:
             await self._reader.stop()
             self._reader = None
+
+
+# Reading members' tokens back (VerdictTokens.resolve, by the trainer's consumer and the
+# reward client): a broker outage is waited out with jittered backoff.
+TOKENS_RETRY = RetryPolicy(retryable=is_retriable)
 
 
 class VerdictTokens:

@@ -67,7 +67,7 @@ class RetryPolicy:
                   on_retry: OnRetry | None = None) -> T:
         """``await op()`` until it succeeds. A retryable error is retried after :meth:`delay`
         (``on_retry`` is told of it first; without one it is logged as a warning naming
-        ``what``); any other error, or the last allowed attempt's, is raised at once.
+        ``what`` and the error); any other error, or the last allowed attempt's, is raised at once.
         Cancellation is never caught."""
         attempt = 0
         while True:
@@ -81,6 +81,6 @@ class RetryPolicy:
                 if on_retry is not None:
                     on_retry(exc, attempt, delay)
                 else:
-                    log.warning("transient %s during %s (attempt %d), retrying in %.2fs",
-                                type(exc).__name__, what, attempt, delay)
+                    log.warning("transient %s during %s (attempt %d: %s), retrying in %.2fs",
+                                type(exc).__name__, what, attempt, exc, delay)
                 await asyncio.sleep(delay)

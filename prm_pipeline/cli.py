@@ -409,8 +409,7 @@ class Command:
     publishes to or waits on ``--experiment``, which must then be declared (``trainer`` and
     ``audit`` check theirs when they read its declaration, ``status`` in its own command,
     ``dead-letters`` none). ``error_exit``: exit status of an error that is not the
-    command's own verdict (``audit`` keeps 1 for "a group differs"). ``event_loop``: runs on
-    infra.event_loop's loop (``PRM_EVENT_LOOP`` is checked first). ``all_kafka_logs``: keep
+    command's own verdict (``audit`` keeps 1 for "a group differs"). ``all_kafka_logs``: keep
     aiokafka's connection errors (long-running commands), instead of one line.
     ``development``: a development command, whose module is imported only when it runs.
     """
@@ -426,7 +425,6 @@ class Command:
     checks: tuple[Callable[[argparse.Namespace], None], ...] = ()
     experiment: Callable[[argparse.Namespace], bool] | None = None
     error_exit: int = 1
-    event_loop: bool = False
     all_kafka_logs: bool = False
     development: bool = False
     parser: str | None = None  # "module:add_X_parser" of a development command that builds its own
@@ -447,7 +445,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("up", "run the embedded Kafka-protocol broker and Redis in the foreground", cmd_up, _up_arguments),
     Command("topics", "manage the configured topics", cmd_topics, _topics_arguments, needs=("kafka",)),
     Command("worker", "run one scoring worker (run several for scale)", cmd_worker, _worker_arguments,
-            needs=("kafka", "redis"), checks=(_check_event_loop, _check_scorers), event_loop=True,
+            needs=("kafka", "redis"), checks=(_check_event_loop, _check_scorers),
             all_kafka_logs=True),
     Command("publish", "publish ready trajectories and discards from a JSONL file", cmd_publish, _publish_arguments,
             needs=("kafka",), reads=(("file", "FILE"),), checks=(_check_jsonl,), experiment=_always),
@@ -457,9 +455,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             cmd_trainer, _trainer_arguments,
             description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
             needs=("kafka",), writes=(("dedupe_store", "--dedupe-store"),), checks=(_check_event_loop,),
-            event_loop=True, all_kafka_logs=True),
+            all_kafka_logs=True),
     Command("gateway", "HTTP reward service for OpenRLHF, slime and token-id clients", cmd_gateway,
-            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop,), event_loop=True),
+            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop,)),
     Command("experiment", "declare, remove or list experiments in the registry (docs/fleet.md)",
             "prm_pipeline.experiment_tool:checked_experiment", "prm_pipeline.experiment_tool:experiment_arguments",
             needs=("kafka",), checks=(_check_experiment_file,)),

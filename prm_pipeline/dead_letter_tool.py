@@ -42,7 +42,7 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 from infra.config import PipelineConfig
-from infra.experiments import DEFAULT_EXPERIMENT, EXPERIMENT_ID_PATTERN, trajectories_topic
+from infra.experiments import DEFAULT_EXPERIMENT, EXPERIMENT_ID_PATTERN, UnknownExperiment, trajectories_topic
 from infra.schema import (
     DeadLetter,
     DiscardGroup,
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 REDRIVEN_FROM_HEADER = "prm-redriven-from"
 REDRIVEN_SOURCE_HEADER = "prm-redriven-source"
 # Classes a worker gives a record it could not decode (infra.schema's SchemaError family).
-UNKNOWN_EXPERIMENT_CLASS = "UnknownExperiment"  # a record naming an experiment no worker serves (docs/fleet.md)
 SCHEMA_ERROR_CLASSES = frozenset({"SchemaError", "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage"})
 
 
@@ -250,7 +249,8 @@ def _rejection_note(rec: LetterRecord, message: TrajectoryMessage) -> str:
     keyed = rec.key_text is not None
     if not keyed and rec.letter.error_class in SCHEMA_ERROR_CLASSES:
         return ""  # an undecodable record without a key named no group: none was rejected
-    if rec.letter.error_class == UNKNOWN_EXPERIMENT_CLASS:  # rejected without touching the ledger
+    # a record naming an experiment no worker serves (docs/fleet.md): rejected without touching the ledger
+    if rec.letter.error_class == UnknownExperiment.__name__:
         return (f"workers rejected group {message.group_id} (unknown_experiment) without remembering it: once "
                 f"experiment {message.experiment!r} is declared (prm-pipeline experiment add), the redriven record "
                 "is scored; before that it is dead-lettered again")
@@ -444,12 +444,6 @@ def _list(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     which = f" of experiment {args.experiment}" if args.experiment is not None else ""
     print(f"{count} dead letters{which} in {cfg.topics.dead_letters}", file=sys.stderr)
     return 0
-
-
-def add_dead_letters_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from prm_pipeline.cli import COMMANDS, add_command
-
-    return add_command(subparsers, COMMANDS["dead-letters"])
 
 
 def dead_letters_arguments(p: argparse.ArgumentParser) -> None:

@@ -105,12 +105,6 @@ def experiment_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="list: one JSON object per experiment")
 
 
-def add_experiment_parser(sub: Any) -> argparse.ArgumentParser:
-    from prm_pipeline.cli import COMMANDS, add_command
-
-    return add_command(sub, COMMANDS["experiment"])
-
-
 def checked_experiment(args: argparse.Namespace) -> int:
     if args.action in ("add", "remove") and not args.target:
         what = "FILE.yaml" if args.action == "add" else "ID"

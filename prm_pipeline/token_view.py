@@ -43,7 +43,6 @@ from infra.schema import SchemaError
 __all__ = [
     "BranchView",
     "TurnView",
-    "add_inspect_parser",
     "branch_views",
     "cmd_inspect",
     "demo_decoder",
@@ -440,12 +439,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                    f"</title></head><body>{extra}{body}</body></html>")
         print(f"token view written to {Path(args.html).resolve()}")
     return 0
-
-
-def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from prm_pipeline.cli import COMMANDS, add_command
-
-    return add_command(subparsers, COMMANDS["inspect"])
 
 
 def inspect_arguments(p: argparse.ArgumentParser) -> None:

@@ -40,7 +40,10 @@ from infra.reasons import UNKNOWN_EXPERIMENT
 from infra.schema import SchemaError, decode_verdict
 from prm_pipeline.token_view import verdict_record
 
-TOPIC_WAIT_S = 3.0  # how long a topic created a moment ago may take to show in the metadata
+# How long a topic may take to show in fresh metadata before it is reported missing (a
+# topic created a moment ago; a real cluster can take a moment to propagate it). Also
+# prm-pipeline status's, under its own read bound.
+TOPIC_WAIT_S = 3.0
 
 _UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0, "w": 604_800.0}
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")

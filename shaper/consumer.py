@@ -78,10 +78,9 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.config import ConfigError, PipelineConfig
 from infra.experiments import check_experiment_id, scoped_group, trajectories_topic, verdicts_topic
-from infra.kafka import is_retriable, make_consumer
+from infra.kafka import make_consumer
 from infra.offsets import OffsetCommitter
-from infra.readback import VerdictTokens, needs_tokens
-from infra.retry import RetryPolicy
+from infra.readback import TOKENS_RETRY, VerdictTokens, needs_tokens
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
 from infra.throttle import Every
 
@@ -92,9 +91,6 @@ from .metrics import VerdictMetrics
 __all__ = ["DedupeKey", "DedupeStore", "SqliteDedupeStore", "VerdictConsumer"]
 
 log = logging.getLogger(__name__)
-
-# Reading members' tokens back: a broker outage is waited out with jittered backoff.
-TOKENS_RETRY = RetryPolicy(retryable=is_retriable)
 
 DedupeKey = tuple[str, str, int]
 """``(experiment_id, group_id, verdict_version)``: the identity of a verdict (docs/architecture.md,

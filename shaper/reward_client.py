@@ -43,9 +43,8 @@ import numpy as np
 from infra.config import ConfigError, PipelineConfig
 from infra.event_loop import LoopClient
 from infra.experiments import check_experiment_id, declared_experiment, scoped_group, verdicts_topic
-from infra.kafka import is_retriable, make_consumer, partitions_of
-from infra.readback import VerdictTokens, needs_tokens
-from infra.retry import RetryPolicy
+from infra.kafka import make_consumer, partitions_of
+from infra.readback import TOKENS_RETRY, VerdictTokens, needs_tokens
 from infra.schema import (
     GroupVerdict,
     Interaction,
@@ -59,9 +58,6 @@ from producers.publisher import TrajectoryPublisher
 from shaper.errors import ShapingInputError, VerdictMismatch
 
 log = logging.getLogger(__name__)
-
-# Reading members' tokens back: a broker outage is waited out with jittered backoff.
-TOKENS_RETRY = RetryPolicy(retryable=is_retriable)
 
 RewardStatus = Literal["accepted", "rejected", "discarded", "timeout"]
 
@@ -262,11 +258,7 @@ class VerdictWaiter:
         """Referenced members' turns read back (a broker outage is retried with backoff)."""
         if not any(needs_tokens(v) for v in verdicts):
             return verdicts
-        def on_retry(exc: BaseException, _attempt: int, delay: float) -> None:
-            log.warning("reading members' tokens back failed (%s: %s); retrying in %.1fs",
-                        type(exc).__name__, exc, delay)
-        return await TOKENS_RETRY.run(lambda: self._tokens.resolve(verdicts),
-                                      what="reading members' tokens back", on_retry=on_retry)
+        return await TOKENS_RETRY.run(lambda: self._tokens.resolve(verdicts), what="reading members' tokens back")
 
     def _on_verdict(self, verdict: GroupVerdict) -> None:
         if verdict.experiment_id != self.experiment:  # published to the wrong topic: not ours to hand out

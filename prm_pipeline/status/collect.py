@@ -48,8 +48,8 @@ from prm_pipeline.status.report import (
     assess,
     percentile,
 )
+from prm_pipeline.verdict_dump import TOPIC_WAIT_S
 
-TOPIC_WAIT_S = 2.0  # how long a topic may take to show in fresh metadata before it is reported missing
 MAX_DEAD_LETTERS = 5_000  # read at most this many dead letters per status
 MAX_VERDICTS = 1_000  # and this many recent verdicts (they carry token arrays)
 LEDGER_SAMPLE = 1_000  # unfinished groups whose state is read

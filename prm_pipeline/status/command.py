@@ -15,12 +15,6 @@ from infra.config import load_config
 PIPED_WIDTH = 100_000  # columns when stdout is not a terminal: lines and table cells are never wrapped or cut
 
 
-def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from prm_pipeline.cli import COMMANDS, add_command
-
-    return add_command(subparsers, COMMANDS["status"])
-
-
 def status_arguments(p: argparse.ArgumentParser) -> None:
     """``prm-pipeline status``'s flags (the command is described in prm_pipeline.cli.COMMANDS)."""
     from prm_pipeline.flags import deprecated_alias, seconds

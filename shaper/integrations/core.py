@@ -41,14 +41,14 @@ import numpy as np
 
 from infra.config import ConfigError, GatewayConfig, PipelineConfig, PRMAdvantageShapingConfig, load_config
 from infra.errors import TrainingError
-from infra.event_loop import LoopClient, LoopThread
+from infra.event_loop import LoopClient
 from shaper.errors import ShapingInputError, VerdictMismatch
 from shaper.reward_client import BlockingVerdicts, ProcessReduction, RewardClient, Sample, SampleReward, reduce_process
 from shaper.text_rewards import ByteTokenizer, FileTokenizer, load_tokenizer, openrlhf_answer, reward_summary
 
 __all__ = [
     "DEPRECATED_ON_TIMEOUT", "ON_TIMEOUT", "REDUCTIONS", "AdapterSettings", "ConfigArg", "ConfigError", "LoopClient",
-    "LoopThread", "OnTimeout", "PerLoop", "ShapingInputError", "TextScorer", "VerdictMismatch", "VerdictTimeout",
+    "OnTimeout", "PerLoop", "ShapingInputError", "TextScorer", "VerdictMismatch", "VerdictTimeout",
     "check_late", "close_verdict_lookups", "groups_of",
     "load_pipeline", "openrlhf_scores", "option", "resolved", "score_blocks", "score_groups", "settle", "shaping_for",
     "shaping_with", "slime_scores", "status_counts", "status_rates", "token_rows", "verdict_lookup",

@@ -125,7 +125,7 @@ def _judge_process(latency_ms: float, in_process: bool) -> Iterator[tuple[str, i
             yield server.base_url, None
         return
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prm_pipeline.demo.fake_judge", "--port", "0", "--latency-ms", str(latency_ms)],
+        [sys.executable, "-m", "prm_pipeline.demo.fake_judge", "--port", "0", "--latency", f"{latency_ms / 1000.0:g}"],
         stdout=subprocess.PIPE, text=True,
     )
     try:

@@ -150,8 +150,8 @@ def _routes(routes: Counter) -> str:
 
 async def _scenario_b(args: argparse.Namespace) -> None:
     lat = args.latency_ms
-    specs = [("normal", ["--latency-ms", f"{lat:g}"]), ("slow 10x", ["--latency-ms", f"{10 * lat:g}"]),
-             ("failing", ["--latency-ms", f"{lat:g}", "--error-rate", "1"])]
+    specs = [("normal", ["--latency", f"{lat / 1000:g}"]), ("slow 10x", ["--latency", f"{10 * lat / 1000:g}"]),
+             ("failing", ["--latency", f"{lat / 1000:g}", "--error-rate", "1"])]
     with _replicas(*specs) as reps:
         r = await _run([u for _, u in reps], args, args.sessions_in_flight, "b")
     total = sum(r["answered"]) or 1
@@ -166,7 +166,7 @@ async def _scenario_b(args: argparse.Namespace) -> None:
 
 async def _scenario_c(args: argparse.Namespace) -> None:
     lat = args.latency_ms
-    specs = [(f"healthy {i}", ["--latency-ms", f"{lat:g}"]) for i in range(3)]
+    specs = [(f"healthy {i}", ["--latency", f"{lat / 1000:g}"]) for i in range(3)]
     print(f"(c) session affinity: three healthy replicas at L = {lat:g} ms, {args.sessions} sessions x "
           f"{args.turns} turns x 3 votes")
     with _replicas(*specs) as reps:

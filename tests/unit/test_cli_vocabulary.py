@@ -134,6 +134,7 @@ def test_every_command_is_described_once_and_listed_in_help() -> None:
     assert COMMANDS["audit"].error_exit == 2 and COMMANDS["worker"].needs == ("kafka", "redis")
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_building_the_cli_imports_neither_tests_nor_the_demo() -> None:
     code = ("import sys\nimport prm_pipeline.cli as cli\ncli.build_parser().format_help()\n"
             "import prm_pipeline.token_view, prm_pipeline.status.command, prm_pipeline.audit.cli\n"

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from prm_pipeline.token_view import verdict_record
 from tests.unit.test_batch import accepted_group
@@ -20,6 +21,7 @@ def _inspect(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120, cwd=REPO)
 
 
+@pytest.mark.slow  # the CLI as a child process
 def test_a_session_beyond_the_first_groups_is_found_and_a_missing_one_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "verdicts.jsonl"
     path.write_bytes(b"".join(msgspec.json.encode(verdict_record(accepted_group(f"g{i}"))) + b"\n"

@@ -20,6 +20,7 @@ import pytest
 
 from infra.config import ConfigError, GatewayConfig, PRMAdvantageShapingConfig
 from infra.errors import TrainingError
+from infra.event_loop import LoopThread
 from shaper.integrations import core, openrlhf_reward, slime_rm
 from shaper.reward_client import Sample, SampleReward
 
@@ -116,7 +117,7 @@ def test_settle_counts_and_applies_the_policy(caplog: pytest.LogCaptureFixture) 
 
 # --------------------------------------------------------------------------- bridges
 def test_loop_thread_runs_coroutines_and_refuses_its_own_loop() -> None:
-    bridge = core.LoopThread("prm-test-bridge")
+    bridge = LoopThread("prm-test-bridge")
     try:
         assert bridge.run(asyncio.sleep(0, result=3)) == 3
 

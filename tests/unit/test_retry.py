@@ -107,3 +107,4 @@ async def test_without_a_callback_each_retry_is_logged(caplog: pytest.LogCapture
         assert await policy.run(Flaky(Transient("a"), Transient("b")), what="reading things") == "ok"
     retries = [r.getMessage() for r in caplog.records if r.name == "infra.retry"]
     assert len(retries) == 2 and all("Transient during reading things" in m for m in retries)
+    assert "(attempt 1: a)" in retries[0] and "(attempt 2: b)" in retries[1]  # the error's own message too

@@ -159,17 +159,3 @@ def test_other_kafka_reads_run_while_the_lag_sample_waits(monkeypatch) -> None:
     report, _ = asyncio.run(c.collect(PipelineConfig(), sample_s=0.05))
     assert events[0] == "lag" and events[-1] == "lag" and sorted(events[1:3]) == ["dead_letters", "verdicts"]
     assert report.dead_letters is not None and report.verdicts is not None and "redis" in report.errors
-
-
-def test_status_and_the_command_parser_do_not_import_torch() -> None:
-    """Importing torch was most of a status report's CPU (1.5 of 2 s; 42-51 s wall on a loaded
-    box): registering the commands and collecting a report must not import it."""
-    import subprocess
-    import sys
-
-    code = ("import sys\nfrom prm_pipeline.cli import build_parser\nbuild_parser()\n"
-            "import prm_pipeline.status.collect, prm_pipeline.status.command, prm_pipeline.status.render\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
