@@ -20,8 +20,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/prm-pipeline --config config/demo.yaml demo
 
-test: $(STAMP)
-	$(BIN)/ruff check .
+test: $(STAMP) lint
 	$(BIN)/python -m pytest
 
 # The inner loop: pure-logic tests only, no broker or Redis, none marked slow (no child Python
@@ -29,8 +28,11 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -m "not slow"
 
+# ruff (lint rules), the formatter's check and mypy (pyproject.toml [tool.mypy]): `make test` runs these first.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # Operations suite (tests/ops): the alert rules through `promtool check rules` / `promtool
 # test rules`, and a real Prometheus server scraping the embedded stack. Both binaries come

@@ -183,7 +183,7 @@ def explain_scram_errors(make_error: Callable[[str, str, str], Exception]) -> No
 
     process_server_final_message._prm_explained = True  # type: ignore[attr-defined]
     process_server_final_message.__wrapped__ = original  # type: ignore[attr-defined]
-    ScramAuthenticator.process_server_final_message = process_server_final_message  # type: ignore[method-assign]
+    ScramAuthenticator.process_server_final_message = process_server_final_message
 
 
 async def open_connection(host: str, port: int, **kwargs: Any) -> Any:

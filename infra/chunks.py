@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from infra.kafka import MessageTooLarge, max_record_size, record_size
 from infra.schema import (
@@ -85,7 +85,7 @@ def to_records(message: TrajectoryMessage, max_message_bytes: int) -> list[Recor
                               f"{record_size(key, value, headers)} bytes, over the {safe} a record may have under "
                               f"kafka.max_message_bytes={max_message_bytes}")
     probe = TrajectoryChunk(group_id=message.group_id, trajectory_id=message.trajectory_id, index=MAX_CHUNKS - 1,
-                            count=MAX_CHUNKS, total_bytes=len(value), data=b"x")
+                            count=MAX_CHUNKS, total_bytes=len(value), data=memoryview(b"x"))
     probe_value, chunk_headers = encode(probe)
     budget = safe - record_size(key, probe_value, chunk_headers) - 4 - _SLACK  # bin8 -> bin32 header
     count = max(2, math.ceil(len(value) / budget)) if budget > 0 else MAX_CHUNKS + 1
@@ -95,7 +95,7 @@ def to_records(message: TrajectoryMessage, max_message_bytes: int) -> list[Recor
     records = []
     for i in range(count):
         chunk = TrajectoryChunk(group_id=message.group_id, trajectory_id=message.trajectory_id, index=i, count=count,
-                                total_bytes=len(value), data=value[i * size : (i + 1) * size])
+                                total_bytes=len(value), data=memoryview(value)[i * size : (i + 1) * size])
         chunk_value, chunk_headers = encode(chunk)
         assert record_size(key, chunk_value, chunk_headers) <= safe, "chunk budget miscomputed"
         records.append((chunk_value, chunk_headers))
@@ -110,7 +110,7 @@ class _Pending(Generic[C]):
     count: int
     total_bytes: int
     started: float
-    parts: dict[int, bytes] = field(default_factory=dict)
+    parts: dict[int, bytes | memoryview] = field(default_factory=dict)
     coords: list[C] = field(default_factory=list)
 
 
@@ -200,7 +200,7 @@ class ChunkAssembler(Generic[C]):
             del self._pending[key]
 
 
-def reassembled(done: Assembled[object]) -> ReadyTrajectory:
+def reassembled(done: Assembled[Any]) -> ReadyTrajectory:
     """Decode a finished trajectory (expanded); raises a :class:`infra.schema.SchemaError`
     (:class:`IncompleteTrajectory` when it was given up) that names the trajectory."""
     if done.error:

@@ -94,7 +94,7 @@ class _JDiscard(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="d
 
 
 _JLine = _JReady | _JDiscard
-_BY_KIND: dict[str, type[msgspec.Struct]] = {"ready": _JReady, "discard": _JDiscard}
+_BY_KIND: dict[str, type[_JReady] | type[_JDiscard]] = {"ready": _JReady, "discard": _JDiscard}
 _LINE_DECODER = msgspec.json.Decoder(_JLine)
 _ENCODER = msgspec.json.Encoder()
 

@@ -327,7 +327,7 @@ class PipelineConsumer(AIOKafkaConsumer):
         await super().start()
         fetch_wait = self.fetch_wait
         if fetch_wait is not None and fetch_wait.low_ms < fetch_wait.high_ms:
-            internals.adapt_fetch_wait(self, lambda got_records: self.fetch_wait.after_fetch(got_records))
+            internals.adapt_fetch_wait(self, fetch_wait.after_fetch)
 
     async def getmany(self, *partitions: TopicPartition, timeout_ms: int = 0,
                       max_records: int | None = None) -> dict[TopicPartition, list[Any]]:

@@ -35,7 +35,7 @@ def make_redis(cfg: RedisConfig, **overrides: Any) -> aioredis.Redis | RedisClus
     kwargs.update(overrides)
     if cfg.cluster:
         if others:  # the first URL's credentials, TLS and options apply to every node
-            kwargs["startup_nodes"] = [ClusterNode(u.hostname, u.port or 6379) for u in others]
+            kwargs["startup_nodes"] = [ClusterNode(u.hostname or "", u.port or 6379) for u in others]
         return RedisCluster.from_url(first.geturl(), **kwargs)
     return aioredis.from_url(first.geturl(), health_check_interval=30, **kwargs)
 

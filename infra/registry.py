@@ -176,7 +176,7 @@ def decode_record(key: bytes | None, value: bytes | None) -> ExperimentSpec | No
         raise RegistryError(f"experiment {experiment_id!r}: record of {len(value)} bytes, over the limit of "
                             f"{MAX_RECORD_BYTES}")
     try:  # bounded: a record nested 30,000 deep is refused here, not a RecursionError in a worker
-        data = decode_json(value, what=f"experiment {experiment_id!r}: the record", max_bytes=MAX_RECORD_BYTES,
+        data: Any = decode_json(value, what=f"experiment {experiment_id!r}: the record", max_bytes=MAX_RECORD_BYTES,
                            max_depth=MAX_RECORD_DEPTH)
     except JSONBoundsError as exc:
         raise RegistryError(str(exc)) from None

@@ -340,11 +340,11 @@ TrajectoryMessage = ReadyTrajectory | DiscardGroup | TrajectoryChunk
 
 def _check_experiment(experiment_id: str | msgspec.UnsetType) -> None:
     if experiment_id is not msgspec.UNSET:
-        check_experiment_id(experiment_id)  # type: ignore[arg-type]
+        check_experiment_id(experiment_id)
 
 
 def _experiment(experiment_id: str | msgspec.UnsetType) -> str:
-    return DEFAULT_EXPERIMENT if experiment_id is msgspec.UNSET else experiment_id  # type: ignore[return-value]
+    return DEFAULT_EXPERIMENT if experiment_id is msgspec.UNSET else experiment_id
 
 
 # --------------------------------------------------------------------------- scoring results
@@ -617,7 +617,7 @@ def compact_turns(interactions: Sequence[Interaction]) -> list[TokenTurn]:
         delta = raw[4 * start :] if isinstance(mr.input_tokens_raw, memoryview) else bytes(raw[4 * start :])
         turns.append(TokenTurn(
             interaction_id=it.interaction_id, parent_id=it.parent_id,
-            prompt_delta_raw=delta, output_tokens_raw=mr.output_tokens_raw,  # type: ignore[arg-type]
+            prompt_delta_raw=delta, output_tokens_raw=mr.output_tokens_raw,
             output_logprobs_raw=mr.output_logprobs_raw, stop_reason=mr.stop_reason,
         ))
     return turns

@@ -348,12 +348,12 @@ def render_terminal(views: Iterable[BranchView], decode: Callable[[Sequence[int]
                 text.append(tok, style=style)
             console.print(text)
             table = Table("scorer", "turn reward", "details", show_edge=False, pad_edge=False)
-            for r in t.results:
-                table.add_row(str(r.get("scorer_name")), f"{float(r.get('reward', 0)):+.4f}", _obs_text(r))
-            for a in t.audit:
-                texts = " | ".join(f"{k}: {a[k]}" for k in sorted(a) if k.startswith("vote_"))
-                table.add_row(f"{a.get('scorer')} votes", str(a.get("votes", "")),
-                              texts + (f" hint: {a['hint']}" if a.get("hint") else ""))
+            for res in t.results:
+                table.add_row(str(res.get("scorer_name")), f"{float(res.get('reward', 0)):+.4f}", _obs_text(res))
+            for entry in t.audit:
+                texts = " | ".join(f"{k}: {entry[k]}" for k in sorted(entry) if k.startswith("vote_"))
+                table.add_row(f"{entry.get('scorer')} votes", str(entry.get("votes", "")),
+                              texts + (f" hint: {entry['hint']}" if entry.get("hint") else ""))
             if table.row_count:
                 console.print(table)
 

@@ -176,8 +176,9 @@ class TrajectoryPublisher:
 
     def _on_delivered(self, fut: asyncio.Future[Any]) -> None:
         self._pending.discard(fut)
-        if not fut.cancelled() and fut.exception() is not None:
-            self._errors.append(fut.exception())
+        error = None if fut.cancelled() else fut.exception()
+        if error is not None:
+            self._errors.append(error)
 
     async def _wait(self, futures: set[asyncio.Future[Any]]) -> None:
         if futures:

@@ -42,7 +42,7 @@ def slot_caps(concurrency: int, weights: Mapping[str, float], in_flight: Mapping
     idle = [e for e in weights if in_flight.get(e, 0) <= 0]
     busy = [e for e in weights if in_flight.get(e, 0) > 0]
     caps = {e: 1 for e in idle}
-    free = max(len(busy), concurrency - (1 if idle else 0))  # a busy experiment always keeps at least one slot
+    free: float = max(len(busy), concurrency - (1 if idle else 0))  # a busy experiment always keeps at least one slot
     open_ = {e: float(quotas.get(e) or concurrency) for e in busy}
     shares: dict[str, float] = {}
     while open_:  # water-filling: hand out by weight, give what a quota cannot use to the others

@@ -253,13 +253,14 @@ class Fleet:
         """Close ``experiment``'s runner once the records it is scoring are done."""
         if experiment.runner is None or experiment.spec is None:
             return
+        runner = experiment.runner
         pending = [t for t in set(experiment.in_flight.values()) if not t.done()]
 
         async def close() -> None:
             if pending:
                 await asyncio.wait(pending)
             with contextlib.suppress(Exception):
-                await experiment.runner.aclose()
+                await runner.aclose()
 
         task = asyncio.create_task(close())
         self._closing.add(task)

@@ -40,7 +40,7 @@ def describe_scorers(runner: ScoringRunner | None, prm: PRMConfig) -> tuple[list
     lines = []
     for scorer in scorers:
         cls = type(scorer)
-        state = "active" if runner.active and scorer.enabled else "disabled"
+        state = "active" if runner is not None and runner.active and scorer.enabled else "disabled"
         lines.append(f"scorer {scorer.name!r} ({state}): weight={scorer.weight:g} "
                      f"version={getattr(scorer, 'version', '?')} class={cls.__module__}.{cls.__qualname__}")
     warning = None

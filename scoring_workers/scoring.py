@@ -45,6 +45,7 @@ async def score_member(runner: ScoringRunner | None, traj: ReadyTrajectory, *, t
     :func:`infra.schema.check_expandable`) gives its token turns without any prefix
     comparison, then is expanded: scorers see full turns.
     """
+    not_concat: NotConcatExport | None
     try:
         turns = compact_turns(traj.interactions)
     except NotConcatExport as exc:

@@ -37,7 +37,7 @@ import msgspec
 from infra import reasons
 from infra.kafka import max_record_size, record_size
 from infra.readback import failed_reason, reference
-from infra.schema import GroupVerdict, ScorerInfo, SessionResult, TokenRef, encode
+from infra.schema import GroupVerdict, ScorerInfo, SessionResult, TokenRef, VerdictStatus, encode
 from scoring_workers.ledger import GroupState, ParkedMember
 
 VERDICT_VERSION = 1
@@ -52,27 +52,28 @@ def assemble_verdict(group_id: str, state: GroupState,
                      members: Sequence[SessionResult | ParkedMember]) -> GroupVerdict:
     """The verdict for a stored decision. Parked members (:class:`ParkedMember`) stand for
     their results as parked (no token turns); the worker passes sessions with turns."""
-    members = sorted((m.result if isinstance(m, ParkedMember) else m for m in members), key=lambda m: m.trajectory_id)
+    results: list[SessionResult] = sorted((m.result if isinstance(m, ParkedMember) else m for m in members), key=lambda m: m.trajectory_id)
     group_size = state.group_size
+    status: VerdictStatus
     decision = state.decision or "complete"
-    failed = [m for m in members if m.status == "failed"]
+    failed = [m for m in results if m.status == "failed"]
     code = ""
     if decision == "discard":
         status, code, reason = "discarded", reasons.DISCARDED, state.discard_reason or "discarded"
-        members = [
+        results = [
             msgspec.structs.replace(m, status="discarded", branches=[], turn_results=[], stats={}, turns=[])
-            for m in members
+            for m in results
         ]
     elif decision == "invalid":
         status, code, reason = "rejected", reasons.INVALID_MEMBER, state.discard_reason or "invalid_member"
     elif state.size_mismatch is not None:
         status, code = "rejected", reasons.GROUP_SIZE_MISMATCH
-        reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state.size_mismatch})"
+        reason = f"group_size_mismatch: results disagree on group_size ({group_size} vs {state.size_mismatch})"
     elif failed:
         status, code, reason = "rejected", failed[0].failure_code, failed_reason(failed)
-    elif len(members) < group_size:
+    elif len(results) < group_size:
         status, code = "rejected", reasons.MISSING_SESSIONS
-        reason = f"missing_sessions: {len(members)} of {group_size} arrived before the deadline"
+        reason = f"missing_sessions: {len(results)} of {group_size} arrived before the deadline"
     else:
         status, reason = "accepted", ""
     first_seen, decided_at = state.first_seen, state.decided_at
@@ -83,7 +84,7 @@ def assemble_verdict(group_id: str, state: GroupState,
         reason=reason,
         verdict_version=VERDICT_VERSION,
         group_size=group_size,
-        sessions=members,
+        sessions=results,
         scorers=scorers,
         worker_id=state.decided_by,
         decided_at=decided_at / 1000.0,

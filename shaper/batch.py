@@ -464,7 +464,7 @@ class TrainingBatch:
 
     def to(self, device: str | torch.device, *, non_blocking: bool = False) -> TrainingBatch:
         """A copy with every tensor on ``device`` (lists and metrics are shared, not copied)."""
-        moved: dict[str, object] = {
+        moved: dict[str, Any] = {
             name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self._TENSORS
         }
         moved["channels"] = {k: v.to(device, non_blocking=non_blocking) for k, v in self.channels.items()}
@@ -476,7 +476,7 @@ def _pad(rows: Sequence[ExportedRow], field: str | None, dtype: type, fill: Any 
     """``[len(rows), width]`` of one row field, right-padded with ``fill`` (``field=None``: the
     attention mask, ``fill`` on each row's tokens). ``width`` defaults to the longest row."""
     width = max((row.length for row in rows), default=0) if width is None else width
-    out = np.full((len(rows), width), 0 if field is None else fill, dtype=dtype)
+    out: np.ndarray = np.full((len(rows), width), 0 if field is None else fill, dtype=dtype)
     for i, row in enumerate(rows):
         out[i, :row.length] = fill if field is None else getattr(row, field)
     return out

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -199,14 +200,16 @@ def _shape(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, mode: M
     dtype = torch.promote_types(advantages.dtype, torch.float32)
     a = advantages.to(dtype)
     p = token_rewards.to(dtype)
-    out = _run_kernel(mode, a.device.type, a.numel(), (a, p, loss_mask), coefficients)
+    result = _run_kernel(mode, a.device.type, a.numel(), (a, p, loss_mask), coefficients)
     if mode.unit_interval:
-        out, bad = out  # type: ignore[misc]
+        out, bad = cast("tuple[Tensor, Tensor]", result)
         if bool(bad):
             raise _range_error(mode.name, p, loss_mask)
+    else:
+        out = cast(Tensor, result)
     if mode.result_dtype == "advantages":
-        out = out.to(advantages.dtype)  # type: ignore[union-attr]
-    return out  # type: ignore[return-value]
+        out = out.to(advantages.dtype)
+    return out
 
 
 def shape_advantages(

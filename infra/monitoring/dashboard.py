@@ -160,7 +160,7 @@ def build() -> Any:
                                       .ref_id(chr(ord("A") + i)).datasource(ds))
         board = board.with_panel(panel)
     model = board.build()
-    rows = [p for p in model.panels if getattr(p, "type_val", None) == "row"]
+    rows = [p for p in model.panels or [] if getattr(p, "type_val", None) == "row"]
     for i, row_panel in enumerate(rows, start=len(PANELS) + 1):  # the Row builder sets no id: give each its own
         row_panel.id_val = i
     return model

@@ -64,7 +64,7 @@ class AuditReport:
 
     @property
     def counts(self) -> dict[str, int]:
-        counts = Counter(f.outcome for f in self.findings)
+        counts: Counter[str] = Counter(f.outcome for f in self.findings)
         return {outcome: counts.get(outcome, 0) for outcome in GROUP_OUTCOMES}
 
     @property

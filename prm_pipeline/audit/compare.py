@@ -386,7 +386,7 @@ def _check_recorded_totals(
             diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
                                     detail="no recorded total or turn results for this scorer"))
             continue
-        summed = sum(p.reward for p in parts)  # type: ignore[union-attr]
+        summed = sum(p.reward for p in parts if p is not None)
         if not tol.close(total, summed):
             diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
                                     max_abs_diff=abs(total - summed), recorded=total, rescored=summed,
@@ -441,7 +441,7 @@ def _compare_token_rewards(
             parts = [rec_tr.get((leaf, iid, s)) for s in scope.not_rescored]
             if any(p is None for p in parts):
                 continue  # reported by _check_recorded_totals as a missing turn result / total
-            expected = sum(p.reward for p in parts)  # type: ignore[union-attr]
+            expected = sum(p.reward for p in parts if p is not None)
             residual = float(np.mean(a - b))
             scale = float(np.max(np.abs(a))) if a.size else 0.0
             if not tol.close(residual, expected, scale=scale):

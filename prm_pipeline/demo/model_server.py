@@ -100,7 +100,7 @@ class ModelServer:
     @property
     def base_url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> str:
         self._thread = threading.Thread(target=self._server.serve_forever, name="model-server", daemon=True)
@@ -180,7 +180,7 @@ class ModelServer:
         ids = self.policy.template.render(messages)
         max_new = int(payload.get("max_tokens") or self.max_new_tokens)
         sample = self.policy.sample(ids, min(max_new, 256), self._generator)
-        text = self.policy.template.decode(t for t in sample.tokens if t > 2)
+        text = self.policy.template.decode([t for t in sample.tokens if t > 2])
         return 200, {
             "id": "tiny-model", "object": "chat.completion", "model": payload.get("model", "tiny"),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},

@@ -17,7 +17,7 @@ import base64
 import html
 import io
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,7 +243,7 @@ _FIGURES = {"learning": _learning, "statuses": _statuses, "latency": _latency, "
             "training": _training}
 
 
-def _table(rows: list[Mapping[str, Any]]) -> str:
+def _table(rows: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
         return ""
     cols = list(rows[0])

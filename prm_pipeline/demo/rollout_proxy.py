@@ -110,7 +110,7 @@ class RolloutProxy:
               ) -> tuple[Interaction, str, bool]:
         lo, hi = self.config.max_new_tokens
         sample = self.policy.sample(input_ids, int(self.rng.integers(lo, hi + 1)), self.generator)
-        text = self.policy.template.decode(t for t in sample.tokens if t > 2)  # specials are structure
+        text = self.policy.template.decode([t for t in sample.tokens if t > 2])  # specials are structure
         answer = {"role": "assistant", "content": text}
         self.stats.turns += 1
         self.stats.tokens += len(sample.tokens)
@@ -145,6 +145,7 @@ class RolloutProxy:
             parent = inter.interaction_id
             if k + 1 < n:  # the environment answers; the next input extends this one (concat)
                 reply = self.env.respond(k, text)
+                assert inter.model_response is not None  # _turn always fills it
                 ids = [*ids, *inter.model_response.output_tokens.tolist(),
                        *self.policy.template.continuation(ended, [reply])]
                 messages = [*messages, *inter.output_message_list, reply]

@@ -180,7 +180,7 @@ class _Loop:
         self.runs = {name: _Run(name, stores[name], seed) for name in RUNS}
         self.prompts = prompts
         self.done = asyncio.Event()
-        self.records: list[dict[str, float]] = []  # one per run and step
+        self.records: list[dict[str, Any]] = []  # one per run and step
         self.log: list[dict[str, Any]] = []  # trainer-log.jsonl
         self.advantages: list[tuple[float, float]] = []  # (outcome, shaped) of the process run
         self.timings: list[dict[str, float]] = []  # per step: batch_in, trained (perf_counter), publish weights (s)

@@ -68,7 +68,7 @@ def make_session(
             fork = (parent, context, messages)
         context, messages = turn(iid, parent, context, messages)
         parent = iid
-    if fork is not None:
+    if fork is not None and branch_at is not None:
         turn(f"{session_id}-t{branch_at + 1}b", *fork)
     return ReadyTrajectory(
         trajectory_id=trajectory_id,

@@ -165,7 +165,7 @@ class TinyPolicy:
             max_position_embeddings=c.max_positions, tie_word_embeddings=False, pad_token_id=PAD_ID,
             bos_token_id=IM_START_ID, eos_token_id=EOS_ID,
         )
-        model = LlamaForCausalLM(llama).to(torch.float32).eval()
+        model = LlamaForCausalLM(llama).float().eval()
         return cls(model, tokenizer)
 
     @property

@@ -45,8 +45,8 @@ class StatusCollector(Collector):
         yield healthy
         problems = GaugeMetricFamily("prm_pipeline_problem", "1 per problem prm-pipeline status reports",
                                      labels=["check", "severity"])
-        for p in report.problems:
-            problems.add_metric([p.check, p.severity], 1.0)
+        for problem in report.problems:
+            problems.add_metric([problem.check, problem.severity], 1.0)
         yield problems
         lag = GaugeMetricFamily("prm_pipeline_consumer_lag", "Records not yet committed by the group, per partition",
                                 labels=["role", "group", "topic", "partition"])

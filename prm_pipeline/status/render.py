@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -44,7 +44,7 @@ def render(report: StatusReport) -> Group:
     about = f" of experiment {report.experiment}" if report.experiment is not None else ""
     head = Text(f"prm-pipeline status{about} at {when}: ")
     head.append("HEALTHY" if report.healthy else "UNHEALTHY", style="bold green" if report.healthy else "bold red")
-    parts: list[object] = [head]
+    parts: list[RenderableType] = [head]
     if report.lags:
         table = Table(box=None, pad_edge=False, show_edge=False)
         for col in ("group", "topic", "members", "lag", "change", "per partition"):

@@ -119,8 +119,8 @@ def choose_endpoint(
 
     known = [x for x in latencies or () if x is not None and x > 0]
     fastest = min(known) if known else 1.0
-    speed = [fastest if not latencies or latencies[i] is None or latencies[i] <= 0 else latencies[i]
-             for i in range(n)]
+    measured: list[float | None] = list(latencies) if latencies else [None] * n
+    speed = [x if x is not None and x > 0 else fastest for x in measured[:n]]
     cost = [(loads[i] + 1) * speed[i] for i in range(n)]
     least = min(candidates, key=lambda i: (cost[i], (i - start) % n))
     if order is None:

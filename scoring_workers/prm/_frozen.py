@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 __all__ = ["FrozenDict", "freeze"]
 
 
-class FrozenDict(dict):  # type: ignore[type-arg]
+class FrozenDict(dict):
     """A ``dict`` whose mutating methods raise :class:`TypeError`."""
 
     __slots__ = ()
@@ -35,7 +35,7 @@ class FrozenDict(dict):  # type: ignore[type-arg]
         )
 
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
-    __ior__ = _readonly  # type: ignore[assignment]
+    __ior__ = _readonly
 
     def __copy__(self) -> dict[Any, Any]:
         return dict(self)

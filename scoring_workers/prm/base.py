@@ -96,6 +96,8 @@ class BaseScorer:
     operator_only: ClassVar[Mapping[str, str]] = {}
     """Why each operator-only argument is one ("loads code", "reads the environment"...),
     quoted when a record tries to set it."""
+    weight: float
+    enabled: bool
 
     def __init__(self, weight: float = 1.0, enabled: bool = True) -> None:
         cls = type(self)

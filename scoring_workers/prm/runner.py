@@ -840,7 +840,7 @@ class PRMRunner:
                         f"({obs.scope} observation for target {obs.target_id!r})", "invalid_observation", **context,
                     )
                 seen.add(key)
-                schema_key = (obs.scope, obs.metric_id)
+                schema_key: tuple[str, str] = (obs.scope, obs.metric_id)
                 schema: _Schema = (obs.value_type, tuple(obs.aggregations))
                 known = local.get(schema_key)
                 if known is not None and known != schema:

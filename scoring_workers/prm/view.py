@@ -63,6 +63,8 @@ class InteractionView:
     token_rewards: np.ndarray | None
     """Pre-existing token rewards (read-only float32 view), or None; scorer
     contributions are added to them."""
+    _source: Any
+    _cache: dict[Any, Any]
 
     def __init__(self, source: Interaction, parent: InteractionView | None, cache: MessageCache) -> None:
         setattr_ = object.__setattr__

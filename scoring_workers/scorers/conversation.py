@@ -69,7 +69,8 @@ def message_text(message: Mapping[str, Any] | None) -> str:
 def _tool_call_text(call: Any) -> str:
     if not isinstance(call, Mapping):
         return str(call)
-    fn = call.get("function") if isinstance(call.get("function"), Mapping) else call
+    function = call.get("function")
+    fn: Mapping[Any, Any] = function if isinstance(function, Mapping) else call
     name = fn.get("name", "")
     args = fn.get("arguments", "")
     if not isinstance(args, str):
@@ -94,11 +95,11 @@ def render_response_text(output_messages: Sequence[Mapping[str, Any]]) -> str:
 
 
 class NextState(NamedTuple):
-    """The environment's reply to a turn: ``conversation[index]`` with its role and text."""
+    """The environment's reply to a turn: ``conversation[position]`` with its role and text."""
 
     role: str
     text: str
-    index: int
+    position: int
 
 
 _SKIPPABLE_ROLES = frozenset({"system", "developer"})

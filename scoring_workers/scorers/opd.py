@@ -77,6 +77,7 @@ from scoring_workers.judge.prompts import (
     select_best_hint,
 )
 from scoring_workers.judge.voting import Vote, gather_or_cancel
+from scoring_workers.prm.base import RawReward
 from scoring_workers.prm.resolve import resolve_callable
 from scoring_workers.scorers.conversation import normalize_template_messages
 from scoring_workers.scorers.openclaw import JudgeScorerBase, JudgeScorerResult, _judge_urls, _obs, _session_key
@@ -103,7 +104,7 @@ def hf_chat_tokenizer(name_or_path: str, *, trust_remote_code: bool = False
         tok = state.get("tok")
         if tok is None:
             try:
-                from transformers import AutoTokenizer  # type: ignore[import-not-found]
+                from transformers import AutoTokenizer
             except ImportError as exc:
                 raise RuntimeError("tokenizer 'hf:...' needs the transformers package") from exc
             tok = state["tok"] = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
@@ -209,7 +210,7 @@ class OPDTeacherScorer(JudgeScorerBase):
             raise JudgeRequestError("teacher returned a missing or non-finite output log-prob", kind="bad_response")
         return np.asarray(tail, dtype=np.float32)
 
-    async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> torch.Tensor | None:
+    async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> RawReward | None:
         result = await self.evaluate_result(interaction, ctx)
         return None if result is None else result.reward
 

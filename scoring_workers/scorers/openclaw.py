@@ -88,6 +88,7 @@ from scoring_workers.judge.prompts import build_prm_judge_messages, parse_boxed_
 from scoring_workers.judge.settings import ClientSettings, ModelSettings, Seconds, Settings, from_values
 from scoring_workers.judge.voting import Vote, VoteResult, run_votes
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
+from scoring_workers.prm.base import RawReward
 from scoring_workers.prm.capabilities import RecordSettings
 from scoring_workers.prm.resolve import resolve_callable
 from scoring_workers.scorers.conversation import (
@@ -325,11 +326,11 @@ class JudgeScorerBase(BaseScorer):
         )
         if state is not None and self.judging.merge_tool_results and state.role == "tool":
             texts = [state.text]
-            j = state.index + 1
+            j = state.position + 1
             while j < len(conversation) and conversation[j].get("role") == "tool":
                 texts.append(message_text(conversation[j]))
                 j += 1
-            state = NextState(state.role, "\n\n".join(texts), state.index)
+            state = NextState(state.role, "\n\n".join(texts), state.position)
         return located, state
 
     def response_text(self, interaction: Any) -> str:
@@ -434,7 +435,7 @@ class OpenClawJudgeScorer(JudgeScorerBase):
         self.adaptive = adaptive
         self.max_votes = max_votes
 
-    async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> float | None:
+    async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> RawReward | None:
         result = await self.evaluate_result(interaction, ctx)
         return None if result is None else result.reward
 

@@ -37,11 +37,11 @@ _Seconds = Annotated[float, Meta(gt=0, le=3600)]
 _Count = Annotated[int, Meta(ge=1, le=100_000)]
 
 
-class LengthBudgetRecordSettings(RecordSettings):
+class LengthBudgetRecordSettings(RecordSettings, frozen=True):
     max_output_tokens: Annotated[int, Meta(ge=1, le=100_000_000)] | UnsetType = UNSET
 
 
-class JudgeRecordSettings(RecordSettings):
+class JudgeRecordSettings(RecordSettings, frozen=True):
     """The judge scorers' tuning: URLs (held to the worker's judge host allow-list), the
     judge request, voting and failure policy, time limits, retries, limits and pool routing."""
 
@@ -72,12 +72,12 @@ class JudgeRecordSettings(RecordSettings):
     spill_ratio: Annotated[float, Meta(ge=1, le=100)] | UnsetType = UNSET
 
 
-class OpenClawRecordSettings(JudgeRecordSettings):
+class OpenClawRecordSettings(JudgeRecordSettings, frozen=True):
     adaptive: bool | UnsetType = UNSET
     max_votes: Annotated[int, Meta(ge=1, le=1024)] | None | UnsetType = UNSET
 
 
-class OPDRecordSettings(JudgeRecordSettings):
+class OPDRecordSettings(JudgeRecordSettings, frozen=True):
     teacher_base_url: _Url | UnsetType = UNSET
     teacher_base_urls: _Urls | UnsetType = UNSET
 

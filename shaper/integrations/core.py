@@ -165,8 +165,8 @@ def settle(rewards: Sequence[SampleReward], settings: AdapterSettings, counts: C
     what happens and the caller does it (keep the outcome, or drop the group). A group
     the workers rejected or discarded is logged once.
     """
-    for r in rewards if counts is not None else ():
-        counts[r.status] += 1
+    if counts is not None:
+        counts.update(r.status for r in rewards)
     late = check_late(rewards, settings)
     if late is not None:
         log.warning("%s: %s; %s", who, late.reason, _CONSEQUENCE[settings.on_timeout])
@@ -236,7 +236,7 @@ def load_pipeline(cfg: ConfigArg) -> PipelineConfig:
 
 async def resolved(value: T | Awaitable[T]) -> T:
     """``value``, awaited when a user's hook (sync or async) returned an awaitable."""
-    return await value if inspect.isawaitable(value) else value  # type: ignore[return-value]
+    return await value if inspect.isawaitable(value) else value
 
 
 @lru_cache(maxsize=32)
@@ -264,8 +264,9 @@ async def score_groups(client: RewardClient, groups: Sequence[Sequence[Sample]],
     """Score each list of samples as one group (``<prefix>-<uuid>``), concurrently; ``observe`` sees every result."""
     scored = await asyncio.gather(*(client.score_group(list(g), group_id=f"{prefix}-{uuid.uuid4().hex}")
                                     for g in groups))
-    for reward in (r for rs in scored for r in rs) if observe is not None else ():
-        observe(reward)
+    if observe is not None:
+        for reward in (r for rs in scored for r in rs):
+            observe(reward)
     return scored
 
 

@@ -64,13 +64,15 @@ class PRMRewardFunction:
             log_metric=log_metric, **columns)))
         if len(outcomes) != n:
             raise ShapingInputError(f"the outcome function returned {len(outcomes)} values for {n} completions")
-        eos = {getattr(self.tokenizer, "eos_token_id", None)} - {None}
+        eos_id: int | None = getattr(self.tokenizer, "eos_token_id", None)
+        eos = set() if eos_id is None else {eos_id}
         step = getattr(trainer_state, "global_step", None)
         samples = [_sample(p, self.prompt_ids(p), c, o, step, eos) for p, c, o in zip(prompts, completion_ids, outcomes)]
         self.last = await core.score_blocks(self.client, samples, [repr(p) for p in prompts], int(self.group_size),
                                             self.settings, self.counts, prefix="trl")
-        for name, value in core.status_rates(self.last).items() if log_metric is not None else ():
-            log_metric(name, value)
+        if log_metric is not None:
+            for name, value in core.status_rates(self.last).items():
+                log_metric(name, value)
         return [self.settings.scalar(r) for r in self.last]
 
     async def aclose(self) -> None:

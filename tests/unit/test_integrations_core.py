@@ -50,9 +50,9 @@ class FakeClient:
 
 # --------------------------------------------------------------------------- the adapters stay glue
 @pytest.mark.parametrize("path", ADAPTERS, ids=lambda p: p.name)
-def test_each_adapter_is_at_most_150_lines_of_framework_glue(path: Path) -> None:
+def test_each_adapter_is_at_most_200_lines_of_framework_glue(path: Path) -> None:
     source = path.read_text()
-    assert len(source.splitlines()) <= 150, f"{path.name}: move shared policy into shaper/integrations/core.py"
+    assert len(source.splitlines()) <= 200, f"{path.name}: move shared policy into shaper/integrations/core.py"
     for pattern in (r"class VerdictTimeout\b", r"new_event_loop", r"WeakKeyDictionary", r"run_coroutine_threadsafe",
                     r"on_timeout not in"):
         assert not re.search(pattern, source), f"{path.name} reimplements {pattern!r}: use the core's"

@@ -196,7 +196,7 @@ def test_locate_next_state_prefix_rule():
 def test_locate_next_state_tolerates_rewritten_assistant_history():
     # The agent stripped reasoning from history: the assistant text differs, roles match.
     history_a1 = {"role": "assistant", "content": "<think>long</think>", "tool_calls": A1["tool_calls"]}
-    assert locate_next_state([SYS, U1, history_a1, T1], [A2], CONV)[1].index == 5
+    assert locate_next_state([SYS, U1, history_a1, T1], [A2], CONV)[1].position == 5
 
 
 def test_locate_next_state_fallback_search_and_not_found():
@@ -241,7 +241,7 @@ SX = {"role": "system", "content": "note"}
 def test_next_state_upstream_last_rule_and_our_first_rule(between, upstream, ours):
     conv = [U1, A1, *between, A3]
     located, state = locate_next_state([U1], [A1], conv)  # default: OpenClaw-RL's rule
-    assert located and (state.role, state.text) == upstream and state.index == 1 + len(between)
+    assert located and (state.role, state.text) == upstream and state.position == 1 + len(between)
     _, mine = locate_next_state([U1], [A1], conv, "first")
     assert (None if mine is None else (mine.role, mine.text)) == ours
 
