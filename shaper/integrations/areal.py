@@ -63,8 +63,10 @@ def _tensor_dict(interaction: InteractionWithTokenLogpReward) -> dict[str, torch
 def sample_of(interaction: InteractionWithTokenLogpReward, *, policy_version: int | None = None) -> Sample:
     """One exported interaction as a :class:`Sample`: prompt = the tokens before the first trained one."""
     if interaction.model_response is None:
-        raise ShapingInputError(f"interaction {interaction.interaction_id!r} has no model_response (token-backed "
-                                "interactions only: export from ArealOpenAI)")
+        raise ShapingInputError(
+            f"interaction {interaction.interaction_id!r} has no model_response (token-backed "
+            "interactions only: export from ArealOpenAI)"
+        )
     td = _tensor_dict(interaction)
     ids = td["input_ids"][0].numpy()
     mask = td["loss_mask"][0].numpy().astype(bool)
@@ -72,10 +74,16 @@ def sample_of(interaction: InteractionWithTokenLogpReward, *, policy_version: in
         raise ShapingInputError(f"interaction {interaction.interaction_id!r} has no generated tokens to score")
     start = int(np.argmax(mask))
     root = chain_of(interaction)[0]
-    return Sample(prompt_ids=ids[:start], response_ids=ids[start:], response_logprobs=td["logprobs"][0].numpy()[start:],
-                  response_mask=mask[start:].astype(np.int8), outcome_reward=float(interaction.reward or 0.0),
-                  messages=list(root.messages or []), policy_version=policy_version,
-                  truncated=interaction.model_response.stop_reason == "length")
+    return Sample(
+        prompt_ids=ids[:start],
+        response_ids=ids[start:],
+        response_logprobs=td["logprobs"][0].numpy()[start:],
+        response_mask=mask[start:].astype(np.int8),
+        outcome_reward=float(interaction.reward or 0.0),
+        messages=list(root.messages or []),
+        policy_version=policy_version,
+        truncated=interaction.model_response.stop_reason == "length",
+    )
 
 
 class PRMRolloutWorkflow(RolloutWorkflow):
@@ -87,14 +95,24 @@ class PRMRolloutWorkflow(RolloutWorkflow):
     ``decode`` (ids -> text) serves scorers that read words; ``version()`` (``engine.get_version``) is per group.
     """
 
-    def __init__(self, workflow: RolloutWorkflow, group_size: int, cfg: core.ConfigArg = None,
-                 *, verdict_timeout_s: float | None = None, on_timeout: OnTimeout = "reject",
-                 reduction: ProcessReduction = "mean", tensor_token_rewards: bool = False,
-                 decode: Callable[[np.ndarray], str] | None = None, version: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        workflow: RolloutWorkflow,
+        group_size: int,
+        cfg: core.ConfigArg = None,
+        *,
+        verdict_timeout_s: float | None = None,
+        on_timeout: OnTimeout = "reject",
+        reduction: ProcessReduction = "mean",
+        tensor_token_rewards: bool = False,
+        decode: Callable[[np.ndarray], str] | None = None,
+        version: Callable[[], int] | None = None,
+    ) -> None:
         if group_size < 1:
             raise ConfigError(f"group_size must be >= 1, got {group_size}")
-        self.settings = AdapterSettings.checked(on_timeout=on_timeout, reduction=reduction,
-                                                verdict_timeout_s=verdict_timeout_s)
+        self.settings = AdapterSettings.checked(
+            on_timeout=on_timeout, reduction=reduction, verdict_timeout_s=verdict_timeout_s
+        )
         self.workflow, self.group_size, self.cfg = workflow, group_size, core.load_pipeline(cfg)
         self.tensor_token_rewards, self.version = tensor_token_rewards, version
         self.client = self.settings.client(self.cfg, decode)
@@ -111,14 +129,20 @@ class PRMRolloutWorkflow(RolloutWorkflow):
         if not valid:
             return None
         if len(valid) < len(results):
-            log.warning("PRMRolloutWorkflow: %d/%d episodes returned None; scoring the rest as the group",
-                        len(results) - len(valid), len(results))
+            log.warning(
+                "PRMRolloutWorkflow: %d/%d episodes returned None; scoring the rest as the group",
+                len(results) - len(valid),
+                len(results),
+            )
         merged: dict[str, InteractionWithTokenLogpReward] = {}
         for result in valid:
-            if not isinstance(result, dict) or not all(isinstance(v, InteractionWithTokenLogpReward)
-                                                        for v in result.values()):
-                raise TypeError("PRMRolloutWorkflow wraps workflows that return ArealOpenAI.export_interactions(...), "
-                                f"got {type(result).__name__}")
+            if not isinstance(result, dict) or not all(
+                isinstance(v, InteractionWithTokenLogpReward) for v in result.values()
+            ):
+                raise TypeError(
+                    "PRMRolloutWorkflow wraps workflows that return ArealOpenAI.export_interactions(...), "
+                    f"got {type(result).__name__}"
+                )
             merged.update(result)
         if not merged:
             return None
@@ -140,7 +164,7 @@ class PRMRolloutWorkflow(RolloutWorkflow):
         if HAS_TOKEN_REWARDS_FIELD:
             for member in chain_of(leaf):
                 start = member.model_response.input_len
-                member.token_rewards = torch.from_numpy(full[start:start + member.model_response.output_len].copy())
+                member.token_rewards = torch.from_numpy(full[start : start + member.model_response.output_len].copy())
             leaf.reward = reward.outcome
         else:
             leaf.reward = self.settings.scalar(reward)

@@ -38,20 +38,47 @@ from typing import Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 import numpy as np
+import torch
 
 from infra.config import ConfigError, GatewayConfig, PipelineConfig, PRMAdvantageShapingConfig, load_config
 from infra.errors import TrainingError
 from infra.event_loop import LoopClient
 from shaper.errors import ShapingInputError, VerdictMismatch
 from shaper.reward_client import BlockingVerdicts, ProcessReduction, RewardClient, Sample, SampleReward, reduce_process
+from shaper.shaping import shape_advantages
 from shaper.text_rewards import ByteTokenizer, FileTokenizer, load_tokenizer, openrlhf_answer, reward_summary
 
 __all__ = [
-    "DEPRECATED_ON_TIMEOUT", "ON_TIMEOUT", "REDUCTIONS", "AdapterSettings", "ConfigArg", "ConfigError", "LoopClient",
-    "OnTimeout", "PerLoop", "ShapingInputError", "TextScorer", "VerdictMismatch", "VerdictTimeout",
-    "check_late", "close_verdict_lookups", "groups_of",
-    "load_pipeline", "openrlhf_scores", "option", "resolved", "score_blocks", "score_groups", "settle", "shaping_for",
-    "shaping_with", "slime_scores", "status_counts", "status_rates", "token_rows", "verdict_lookup",
+    "DEPRECATED_ON_TIMEOUT",
+    "ON_TIMEOUT",
+    "REDUCTIONS",
+    "AdapterSettings",
+    "ConfigArg",
+    "ConfigError",
+    "LoopClient",
+    "OnTimeout",
+    "PerLoop",
+    "ShapingInputError",
+    "TextScorer",
+    "VerdictMismatch",
+    "VerdictTimeout",
+    "check_late",
+    "close_verdict_lookups",
+    "groups_of",
+    "load_pipeline",
+    "openrlhf_scores",
+    "option",
+    "resolved",
+    "score_blocks",
+    "score_groups",
+    "settle",
+    "shaping_for",
+    "shaping_with",
+    "slime_scores",
+    "status_counts",
+    "status_rates",
+    "token_rows",
+    "verdict_lookup",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,8 +98,10 @@ DEPRECATED_ON_TIMEOUT: Final[dict[str, str]] = {"record": "outcome_only"}
 
 REDUCTIONS: Final[tuple[str, ...]] = ("mean", "sum", "last")
 PUBLISHED: Final = " (its trajectories are published; the workers may still decide it)"
-_CONSEQUENCE: Final = {"outcome_only": "the samples keep their outcome and get no process rewards",
-                       "reject": "the group is rejected"}
+_CONSEQUENCE: Final = {
+    "outcome_only": "the samples keep their outcome and get no process rewards",
+    "reject": "the group is rejected",
+}
 
 
 class VerdictTimeout(TrainingError, TimeoutError):
@@ -95,14 +124,21 @@ class AdapterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ConfigError(f"on_timeout must be one of {_choices(ON_TIMEOUT)}, got {self.on_timeout!r}")
         if self.reduction not in REDUCTIONS:
             raise ConfigError(f"reduction must be one of {_choices(REDUCTIONS)}, got {self.reduction!r}")
-        if self.verdict_timeout_s is not None and not (math.isfinite(self.verdict_timeout_s)
-                                                       and self.verdict_timeout_s > 0):
+        if self.verdict_timeout_s is not None and not (
+            math.isfinite(self.verdict_timeout_s) and self.verdict_timeout_s > 0
+        ):
             raise ConfigError(f"verdict_timeout_s must be a positive number, got {self.verdict_timeout_s!r}")
 
     @classmethod
-    def checked(cls, *, on_timeout: str = "outcome_only", reduction: str = "mean",
-                verdict_timeout_s: float | None = None, supports: Sequence[str] = ON_TIMEOUT,
-                key: str = "on_timeout") -> AdapterSettings:
+    def checked(
+        cls,
+        *,
+        on_timeout: str = "outcome_only",
+        reduction: str = "mean",
+        verdict_timeout_s: float | None = None,
+        supports: Sequence[str] = ON_TIMEOUT,
+        key: str = "on_timeout",
+    ) -> AdapterSettings:
         """Settings for an adapter that ``supports`` these policies; a deprecated name maps, with a warning."""
         if on_timeout in DEPRECATED_ON_TIMEOUT:
             new = DEPRECATED_ON_TIMEOUT[on_timeout]
@@ -110,8 +146,11 @@ class AdapterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             on_timeout = new
         if on_timeout not in supports:
             raise ConfigError(f"{key} must be one of {_choices(supports)}, got {on_timeout!r}")
-        return cls(on_timeout=on_timeout, reduction=reduction,  # type: ignore[arg-type]
-                   verdict_timeout_s=None if verdict_timeout_s is None else float(verdict_timeout_s))
+        return cls(
+            on_timeout=on_timeout,
+            reduction=reduction,  # type: ignore[arg-type]
+            verdict_timeout_s=None if verdict_timeout_s is None else float(verdict_timeout_s),
+        )
 
     @classmethod
     def from_gateway(cls, gw: GatewayConfig) -> AdapterSettings:
@@ -138,11 +177,24 @@ def status_rates(rewards: Sequence[SampleReward]) -> dict[str, float]:
 
 
 def token_rows(rewards: Sequence[SampleReward], width: int) -> np.ndarray:
-    """``[len(rewards), width]`` float32: each sample's process rewards from its first response token, cut or 0-padded."""
+    """``[len(rewards), width]`` float32: each sample's process rewards from its first response token, cut or
+    0-padded."""
     out = np.zeros((len(rewards), width), dtype=np.float32)
     for i, r in enumerate(rewards):
-        out[i, :min(len(r.token_rewards), width)] = r.token_rewards[:width]
+        out[i, : min(len(r.token_rewards), width)] = r.token_rewards[:width]
     return out
+
+
+def shape_rows(
+    advantages: torch.Tensor, rewards: Sequence[SampleReward], mask: torch.Tensor, shaping: Mapping[str, Any]
+) -> torch.Tensor:
+    """``(B, T)`` advantages: the ``(B,)`` outcome advantages shaped by each row's process rewards
+    (``mask`` is ``(B, T)``; ``shaping`` is :func:`shape_advantages`' mode and coefficients)."""
+    (b,), t = advantages.shape, mask.shape[-1]
+    if len(rewards) != b:
+        raise VerdictMismatch(f"{len(rewards)} process-reward rows for a batch of {b}")
+    process = torch.from_numpy(token_rows(rewards, t)).to(advantages.device)
+    return shape_advantages(advantages.unsqueeze(1).expand(b, t), process, mask.to(advantages.device), **shaping)
 
 
 def _choices(values: Sequence[str]) -> str:
@@ -157,8 +209,9 @@ def check_late(rewards: Sequence[SampleReward], settings: AdapterSettings) -> Sa
     return late
 
 
-def settle(rewards: Sequence[SampleReward], settings: AdapterSettings, counts: Counter[str] | None = None,
-           *, who: str = "prm") -> bool:
+def settle(
+    rewards: Sequence[SampleReward], settings: AdapterSettings, counts: Counter[str] | None = None, *, who: str = "prm"
+) -> bool:
     """Count the statuses, report, apply the timeout policy; True when a verdict was late.
 
     Under ``raise`` a late verdict is :class:`VerdictTimeout`; otherwise a warning says
@@ -173,8 +226,14 @@ def settle(rewards: Sequence[SampleReward], settings: AdapterSettings, counts: C
         return True
     refused = next((r for r in rewards if r.status in ("rejected", "discarded")), None)
     if refused is not None:
-        log.info("%s: group %s %s (%s: %s): no process rewards", who, refused.group_id, refused.status,
-                 refused.reason_code or "-", refused.reason)
+        log.info(
+            "%s: group %s %s (%s: %s): no process rewards",
+            who,
+            refused.group_id,
+            refused.status,
+            refused.reason_code or "-",
+            refused.reason,
+        )
     return False
 
 
@@ -187,8 +246,9 @@ class PerLoop(Generic[T]):
     """
 
     def __init__(self) -> None:
-        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, T]] = \
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, T]] = (
             weakref.WeakKeyDictionary()
+        )
 
     def get(self, key: Hashable, make: Callable[[], T]) -> T:
         values = self._by_loop.setdefault(asyncio.get_running_loop(), {})
@@ -239,14 +299,31 @@ async def resolved(value: T | Awaitable[T]) -> T:
     return await value if inspect.isawaitable(value) else value
 
 
+async def outcomes_of(
+    outcome: Callable[..., Any] | None,
+    prompts: Sequence[Any],
+    completion_ids: Sequence[Any],
+    columns: Mapping[str, Any],
+) -> list[float]:
+    """One outcome per completion from a user's reward function (sync or async; ``None``: all 0)."""
+    n = len(completion_ids)
+    if outcome is None:
+        return [0.0] * n
+    values = list(await resolved(outcome(prompts=prompts, completion_ids=completion_ids, **columns)))
+    if len(values) != n:
+        raise ShapingInputError(f"the outcome function returned {len(values)} values for {n} completions")
+    return values
+
+
 @lru_cache(maxsize=32)
 def shaping_for(path: str | None, overrides: tuple[tuple[str, Any], ...], key: str) -> PRMAdvantageShapingConfig:
     """:func:`shaping_with` on the YAML at ``path``, checked once per distinct setting (not per batch)."""
     return shaping_with(load_config(path).prm.advantage_shaping, dict(overrides), key)
 
 
-def shaping_with(base: PRMAdvantageShapingConfig, overrides: Mapping[str, Any] | None,
-                 key: str) -> PRMAdvantageShapingConfig:
+def shaping_with(
+    base: PRMAdvantageShapingConfig, overrides: Mapping[str, Any] | None, key: str
+) -> PRMAdvantageShapingConfig:
     """``base`` with ``overrides`` (mode, coefficients), checked as a loaded config is; ``key`` names the option."""
     known = set(base.__struct_fields__)
     unknown = set(overrides or {}) - known
@@ -259,11 +336,17 @@ def shaping_with(base: PRMAdvantageShapingConfig, overrides: Mapping[str, Any] |
 
 
 # --------------------------------------------------------------------------- the text routes
-async def score_groups(client: RewardClient, groups: Sequence[Sequence[Sample]], *, prefix: str,
-                       observe: Callable[[SampleReward], None] | None = None) -> list[list[SampleReward]]:
+async def score_groups(
+    client: RewardClient,
+    groups: Sequence[Sequence[Sample]],
+    *,
+    prefix: str,
+    observe: Callable[[SampleReward], None] | None = None,
+) -> list[list[SampleReward]]:
     """Score each list of samples as one group (``<prefix>-<uuid>``), concurrently; ``observe`` sees every result."""
-    scored = await asyncio.gather(*(client.score_group(list(g), group_id=f"{prefix}-{uuid.uuid4().hex}")
-                                    for g in groups))
+    scored = await asyncio.gather(
+        *(client.score_group(list(g), group_id=f"{prefix}-{uuid.uuid4().hex}") for g in groups)
+    )
     if observe is not None:
         for reward in (r for rs in scored for r in rs):
             observe(reward)
@@ -280,19 +363,30 @@ def groups_of(n: int, group_size: int, keys: Sequence[Any]) -> list[range]:
     if group_size < 1:
         raise ConfigError(f"group_size must be >= 1, got {group_size}")
     if n % group_size:
-        raise ConfigError(f"{n} completions do not split into groups of {group_size}: make the per-device batch "
-                          "a multiple of num_generations so every group is scored by one process")
+        raise ConfigError(
+            f"{n} completions do not split into groups of {group_size}: make the per-device batch "
+            "a multiple of num_generations so every group is scored by one process"
+        )
     blocks = [range(i, i + group_size) for i in range(0, n, group_size)]
     for block in blocks:
         if any(keys[i] != keys[block.start] for i in block):
-            raise ShapingInputError(f"rows {block.start}..{block.stop - 1} should be {group_size} completions of one prompt "
-                                    "but their prompts differ: TRL's RepeatSampler layout is required")
+            raise ShapingInputError(
+                f"rows {block.start}..{block.stop - 1} should be {group_size} completions of one prompt "
+                "but their prompts differ: TRL's RepeatSampler layout is required"
+            )
     return blocks
 
 
-async def score_blocks(client: RewardClient, samples: Sequence[Sample], keys: Sequence[Any], group_size: int,
-                       settings: AdapterSettings, counts: Counter[str] | None = None, *, prefix: str
-                       ) -> list[SampleReward]:
+async def score_blocks(
+    client: RewardClient,
+    samples: Sequence[Sample],
+    keys: Sequence[Any],
+    group_size: int,
+    settings: AdapterSettings,
+    counts: Counter[str] | None = None,
+    *,
+    prefix: str,
+) -> list[SampleReward]:
     """Each block of :func:`groups_of` scored as one group, then settled (:func:`settle`); results in sample order."""
     blocks = groups_of(len(samples), group_size, keys)
     scored = await score_groups(client, [[samples[i] for i in b] for b in blocks], prefix=prefix)
@@ -301,9 +395,14 @@ async def score_blocks(client: RewardClient, samples: Sequence[Sample], keys: Se
     return rewards
 
 
-async def openrlhf_scores(client: RewardClient, gw: GatewayConfig, samples: Sequence[Sample], *,
-                          prefix: str = "openrlhf", observe: Callable[[SampleReward], None] | None = None
-                          ) -> dict[str, Any]:
+async def openrlhf_scores(
+    client: RewardClient,
+    gw: GatewayConfig,
+    samples: Sequence[Sample],
+    *,
+    prefix: str = "openrlhf",
+    observe: Callable[[SampleReward], None] | None = None,
+) -> dict[str, Any]:
     """OpenRLHF's remote-RM answer for its queries (``POST /openrlhf`` and the ``.py`` hook).
 
     Grouping (``gateway.grouping``) and the scalar (``gateway.process_reduction``) are the
@@ -317,16 +416,27 @@ async def openrlhf_scores(client: RewardClient, gw: GatewayConfig, samples: Sequ
     return openrlhf_answer([reward_summary(r, settings.reduction) for rs in scored for r in rs])
 
 
-async def slime_scores(client: RewardClient, gw: GatewayConfig, samples: Sequence[Sample], *,
-                       prefix: str = "slime", observe: Callable[[SampleReward], None] | None = None
-                       ) -> list[dict[str, Any]]:
+async def slime_scores(
+    client: RewardClient,
+    gw: GatewayConfig,
+    samples: Sequence[Sample],
+    *,
+    prefix: str = "slime",
+    observe: Callable[[SampleReward], None] | None = None,
+) -> list[dict[str, Any]]:
     """slime's answers for one group (``POST /slime`` and the custom reward): the summary plus
     ``token_rewards`` and ``turn_rewards`` per sample; no verdict in time is :class:`VerdictTimeout`."""
     settings = AdapterSettings.from_gateway(gw)
     (rewards,) = await score_groups(client, [samples], prefix=prefix, observe=observe)
     check_late(rewards, settings)
-    return [{**reward_summary(r, settings.reduction), "token_rewards": r.token_rewards.tolist(),
-             "turn_rewards": r.turn_rewards} for r in rewards]
+    return [
+        {
+            **reward_summary(r, settings.reduction),
+            "token_rewards": r.token_rewards.tolist(),
+            "turn_rewards": r.turn_rewards,
+        }
+        for r in rewards
+    ]
 
 
 class TextScorer:

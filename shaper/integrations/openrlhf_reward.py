@@ -28,8 +28,14 @@ from shaper.text_rewards import samples_from_queries
 __all__ = ["VerdictTimeout", "close", "configure", "reward_func", "samples_from_queries", "score_queries"]
 
 
-async def score_queries(client: RewardClient, cfg: PipelineConfig, tokenizer: Any, queries: Sequence[Any],
-                        prompts: Sequence[Any], labels: Sequence[Any] | None = None) -> dict[str, Any]:
+async def score_queries(
+    client: RewardClient,
+    cfg: PipelineConfig,
+    tokenizer: Any,
+    queries: Sequence[Any],
+    prompts: Sequence[Any],
+    labels: Sequence[Any] | None = None,
+) -> dict[str, Any]:
     """Score OpenRLHF's lists; the answer has the gateway's ``/openrlhf`` shape.
 
     ``labels`` are accepted and not used (the scorers see the prompt and the response).
@@ -63,8 +69,9 @@ def close() -> None:
     _hook.close(timeout=None)
 
 
-def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any] | None = None,
-                **kwargs: Any) -> dict[str, Any]:
+def reward_func(
+    queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any] | None = None, **kwargs: Any
+) -> dict[str, Any]:
     """OpenRLHF's hook: ``{"rewards", "scores", "extra_logs"}`` (plus ``status``, ``reason_code`` and ``reason``).
 
     ``rewards[i]`` = the query's outcome (0: text carries none) + the configured reduction
@@ -72,8 +79,11 @@ def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence
     answer with ``status`` ``rejected``; no verdict in time raises :class:`VerdictTimeout`
     (OpenRLHF logs it and leaves the reward ``None``, as after its HTTP retries).
     """
-    return _hook.run(lambda s: score_queries(s.client, s.cfg, s.tokenizer, list(queries), list(prompts),
-                                             None if labels is None else list(labels)))
+    return _hook.run(
+        lambda s: score_queries(
+            s.client, s.cfg, s.tokenizer, list(queries), list(prompts), None if labels is None else list(labels)
+        )
+    )
 
 
 atexit.register(close)

@@ -45,18 +45,32 @@ def sample_from_slime(s: Any, tokenizer: ByteTokenizer | FileTokenizer, *, outco
         for name, values in (("rollout_log_probs", logprobs), ("loss_mask", mask)):
             if values is not None and len(values) != n:
                 raise ShapingInputError(f"sample.{name} has {len(values)} values for response_length {n}")
-        return Sample(prompt_ids=tokens[:len(tokens) - n], response_ids=tokens[len(tokens) - n:],
-                      response_logprobs=logprobs, response_mask=mask, outcome_reward=outcome, messages=messages,
-                      truncated=truncated)
+        return Sample(
+            prompt_ids=tokens[: len(tokens) - n],
+            response_ids=tokens[len(tokens) - n :],
+            response_logprobs=logprobs,
+            response_mask=mask,
+            outcome_reward=outcome,
+            messages=messages,
+            truncated=truncated,
+        )
     response_text = getattr(s, "response", None)
     if not isinstance(response_text, str):
-        raise ShapingInputError("sample.response must be a string (or the sample must carry tokens and response_length)")
-    return Sample(prompt_ids=tokenizer.encode(prompt_text), response_ids=tokenizer.encode(response_text),
-                  outcome_reward=outcome, messages=messages, truncated=truncated)
+        raise ShapingInputError(
+            "sample.response must be a string (or the sample must carry tokens and response_length)"
+        )
+    return Sample(
+        prompt_ids=tokenizer.encode(prompt_text),
+        response_ids=tokenizer.encode(response_text),
+        outcome_reward=outcome,
+        messages=messages,
+        truncated=truncated,
+    )
 
 
-async def score_samples(args: Any, samples: Sequence[Any], *, outcomes: Sequence[float] | None = None
-                        ) -> list[dict[str, Any]]:
+async def score_samples(
+    args: Any, samples: Sequence[Any], *, outcomes: Sequence[float] | None = None
+) -> list[dict[str, Any]]:
     """Score ``samples`` as one group; ``outcomes`` (e.g. slime's rule reward) are added to ``score``.
 
     For a custom reward that combines a rule-based outcome with process rewards:
@@ -68,8 +82,10 @@ async def score_samples(args: Any, samples: Sequence[Any], *, outcomes: Sequence
         raise ShapingInputError(f"{len(outcomes)} outcomes for {len(samples)} samples")
     path = getattr(args, "prm_config", None)
     scorer = _scorers.get(path, lambda: TextScorer(load_config(path)))
-    ours = [sample_from_slime(s, scorer.tokenizer, outcome=0.0 if outcomes is None else float(outcomes[i]))
-            for i, s in enumerate(samples)]
+    ours = [
+        sample_from_slime(s, scorer.tokenizer, outcome=0.0 if outcomes is None else float(outcomes[i]))
+        for i, s in enumerate(samples)
+    ]
     return await slime_scores(scorer.client, scorer.cfg.gateway, ours)
 
 

@@ -62,7 +62,9 @@ def trace_sample(trace: Any, *, outcome: float = 0.0) -> tuple[Sample, list[list
     """
     branches = trace.branches
     if len(branches) != 1:
-        raise core.ShapingInputError(f"trace {trace.id} has {len(branches)} branches; the PRM reward scores single-branch traces")
+        raise core.ShapingInputError(
+            f"trace {trace.id} has {len(branches)} branches; the PRM reward scores single-branch traces"
+        )
     (branch,) = branches
     ids = np.asarray(branch.token_ids, dtype=np.int64)
     mask = np.asarray(branch.sampled_mask, dtype=bool)
@@ -75,7 +77,7 @@ def trace_sample(trace: Any, *, outcome: float = 0.0) -> tuple[Sample, list[list
     offset = 0
     for k, node in enumerate(branch.nodes):
         n = len(node.token_ids)
-        owner[offset:offset + n] = k
+        owner[offset : offset + n] = k
         if node.sampled:
             positions.append([offset + i - start for i, m in enumerate(node.mask) if m])
         elif offset + n <= start:
@@ -88,13 +90,22 @@ def trace_sample(trace: Any, *, outcome: float = 0.0) -> tuple[Sample, list[list
     for s, e in turn_spans(response_mask, len(response)):  # each run of sampled tokens, and the gap before it
         for lo, hi, model_turn in ((previous, s, False), (s, e, True)):  # a turn's scaffold is not its text
             if hi > lo:
-                nodes = sorted({int(k) for k in owner[start + lo:start + hi]})
+                nodes = sorted({int(k) for k in owner[start + lo : start + hi]})
                 texts[tuple(response[lo:hi].tolist())] = "".join(
-                    _text(branch.nodes[k].message) for k in nodes if branch.nodes[k].sampled == model_turn)
+                    _text(branch.nodes[k].message) for k in nodes if branch.nodes[k].sampled == model_turn
+                )
         previous = e
-    sample = Sample(prompt_ids=ids[:start], response_ids=response, response_logprobs=np.asarray(branch.logprobs[start:]),
-                    response_mask=response_mask, outcome_reward=float(outcome), messages=prompt_messages,
-                    truncated=bool(trace.is_truncated), session_id=str(trace.id))
+    logprobs = np.asarray(branch.logprobs[start:])
+    sample = Sample(
+        prompt_ids=ids[:start],
+        response_ids=response,
+        response_logprobs=logprobs,
+        response_mask=response_mask,
+        outcome_reward=float(outcome),
+        messages=prompt_messages,
+        truncated=bool(trace.is_truncated),
+        session_id=str(trace.id),
+    )
     return sample, positions, texts
 
 
@@ -125,20 +136,32 @@ class PRMRewardMixin:
 
     @vf.reward
     async def prm_process(self, task: Any, trace: Any) -> dict[str, float]:
-        settings = core.AdapterSettings.checked(on_timeout=self.prm_on_timeout, reduction=self.prm_reduction,
-                                                verdict_timeout_s=self.prm_verdict_timeout_s,
-                                                supports=("outcome_only", "raise"), key="prm_on_timeout")
-        sample, positions, texts = trace_sample(trace, outcome=float(await core.resolved(self.prm_outcome(task, trace))))
+        settings = core.AdapterSettings.checked(
+            on_timeout=self.prm_on_timeout,
+            reduction=self.prm_reduction,
+            verdict_timeout_s=self.prm_verdict_timeout_s,
+            supports=("outcome_only", "raise"),
+            key="prm_on_timeout",
+        )
+        outcome = float(await core.resolved(self.prm_outcome(task, trace)))
+        sample, positions, texts = trace_sample(trace, outcome=outcome)
         group_id, group_size = self.prm_group(task, trace)
         cfg = self.prm_config
-        client = _CLIENTS.get((id(cfg) if isinstance(cfg, PipelineConfig) else cfg, settings.verdict_timeout_s),
-                              lambda: settings.client(core.load_pipeline(cfg), _decode))
+        client = _CLIENTS.get(
+            (id(cfg) if isinstance(cfg, PipelineConfig) else cfg, settings.verdict_timeout_s),
+            lambda: settings.client(core.load_pipeline(cfg), _decode),
+        )
         _TEXTS.set(texts)
         reward: SampleReward = await client.score(sample, group_id=group_id, group_size=group_size)
         scalar = reduce_process(reward, settings.reduction)
-        trace.info["prm"] = {"status": reward.status, "reason_code": reward.reason_code, "reason": reward.reason,
-                             "group_id": reward.group_id, "outcome": reward.outcome,
-                             "process": scalar if reward.accepted else None}
+        trace.info["prm"] = {
+            "status": reward.status,
+            "reason_code": reward.reason_code,
+            "reason": reward.reason,
+            "group_id": reward.group_id,
+            "outcome": reward.outcome,
+            "process": scalar if reward.accepted else None,
+        }
         if not reward.accepted:
             trace.info["turn_rewards"] = [None] * len(positions)
             try:
