@@ -99,16 +99,6 @@ async def test_a_tiny_timeout_of_one_experiment_opens_only_its_own_breaker(pipel
     assert [v.status for v in patient.values()] == ["accepted"] * 2, [v.reason for v in patient.values()]
 
 
-def test_a_record_cannot_set_a_timeout_or_rate_that_is_not_tuning() -> None:
-    from scoring_workers.prm.capabilities import CapabilityError, record_prm
-
-    for kwargs, needle in [({"timeout_s": 1e-300}, "`timeout_s`"), ({"total_timeout_s": 0.001}, "`total_timeout_s`"),
-                           ({"rps": 1e-9}, "`rps`"), ({"breaker_reset_s": 1e-300}, "`breaker_reset_s`")]:
-        with pytest.raises(CapabilityError, match=needle):
-            record_prm(_spec("exp-x", _judge("http://127.0.0.1:1", **kwargs)).prm, {},
-                       allowed_prefixes=["scoring_workers.scorers"])
-
-
 # --------------------------------------------------------------------------- credentials
 async def test_a_record_cannot_send_a_profiles_key_elsewhere_nor_bring_user_info(
         pipeline_config, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
