@@ -114,11 +114,10 @@ class _Endpoint:
     limits: SharedLimits
     quota: QuotaLimits | None = None  # the experiment's quota on this endpoint (judge_quota)
     own: OwnLimits | None = None  # a tenant client's own limits and breaker (judge_quota)
+    origin: str = ""  # scheme://host:port: how messages name the endpoint (redact_url)
 
-    @property
-    def origin(self) -> str:
-        """``scheme://host:port``: how messages name the endpoint (:func:`redact_url`)."""
-        return redact_url(self.base_url)
+    def __post_init__(self) -> None:
+        self.origin = redact_url(self.base_url)
 
     @property
     def breaker(self) -> CircuitBreaker:
