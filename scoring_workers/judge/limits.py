@@ -252,9 +252,11 @@ class _Limiter:
             gate = self._gates[loop] = _Gate(self._cap, self._rps)
         return gate
 
-    async def enter(self, loop: asyncio.AbstractEventLoop, deadline: float, url: str) -> asyncio.Semaphore | None:
+    async def enter(self, loop: asyncio.AbstractEventLoop, deadline: float, origin: str) -> asyncio.Semaphore | None:
         """Wait for a slot, then for pacing, both by ``deadline``; returns the semaphore
         whose slot is now held (release it when the attempt is over), or ``None``.
+        ``origin``: the endpoint as a refusal names it (``scheme://host:port``, :func:`~scoring_workers.
+        judge.hosts.redact_url`).
 
         Raises:
             JudgeTimeoutError: ``deadline`` came first (nothing is held then).
@@ -270,7 +272,7 @@ class _Limiter:
                         async with asyncio.timeout_at(deadline):
                             await semaphore.acquire()
                     except TimeoutError:
-                        raise JudgeTimeoutError(f"POST {url}: {self._refusal('slot')} before the total timeout",
+                        raise JudgeTimeoutError(f"POST {origin}: {self._refusal('slot')} before the total timeout",
                                                 kind="timeout") from None
                 else:
                     await semaphore.acquire()  # a free slot: no timeout context to set up
@@ -279,7 +281,7 @@ class _Limiter:
                     if since is None and pacer.next_at > loop.time():
                         since = loop.time()
                     if not await pacer.wait(loop, deadline):
-                        raise JudgeTimeoutError(f"POST {url}: {self._refusal('rate')} before the total timeout",
+                        raise JudgeTimeoutError(f"POST {origin}: {self._refusal('rate')} before the total timeout",
                                                 kind="timeout")
                 except BaseException:
                     if semaphore is not None:
