@@ -15,7 +15,6 @@ through the registry topic as ``prm-pipeline experiment add`` writes them.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 
 import pytest
@@ -72,11 +71,9 @@ async def test_a_tiny_rps_of_one_experiment_does_not_slow_another(pipeline_confi
             await _declare(cfg, _spec("exp-fast", _judge(judge.base_url)))
             await _serving(worker, "exp-fast")
             slow = await _scored(cfg, "exp-slow", 1)
-            t0 = time.monotonic()
             fast = await _scored(cfg, "exp-fast", 3)
-            took = time.monotonic() - t0
+    # at B's 0.01 req/s, A's calls would find no slot before their deadline and its groups would be rejected
     assert [v.status for v in fast.values()] == ["accepted"] * 3, [v.reason for v in fast.values()]
-    assert took < 30, took  # three groups at 0.01 req/s would take minutes
     # B's own pacing holds B: its second call in 100 s does not fit its 5 s budget
     assert [v.status for v in slow.values()] == ["rejected"], [v.reason for v in slow.values()]
     assert "rate limit (0.01 req/s)" in next(iter(slow.values())).reason
