@@ -66,8 +66,9 @@ MAX_RECORD_DEPTH = 16
 
 _Weight = Annotated[float, msgspec.Meta(gt=0, le=1000)]
 _Slots = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
-_Rate = Annotated[float, msgspec.Meta(gt=0, le=100_000)]
-_Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * 86_400)]
+# a record's rates and durations have floors: below them they are not tuning but a failure of every call
+_Rate = Annotated[float, msgspec.Meta(ge=0.01, le=100_000)]
+_Timeout = Annotated[float, msgspec.Meta(ge=1, le=7 * 86_400)]
 
 
 class RegistryError(ConfigError):

@@ -208,14 +208,14 @@ class Fleet:
         return old is None
 
     async def _build(self, spec: ExperimentSpec, prm: PRMConfig) -> ScoringRunner:
+        from scoring_workers.judge.limits import JudgeQuota, judge_quota
         from scoring_workers.prm import PRMRunner
 
-        quota: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if spec.judge_quota is not None:  # every judge client the scorers build takes this experiment's quota
-            from scoring_workers.judge.limits import JudgeQuota, judge_quota
-
-            quota = judge_quota(JudgeQuota(spec.experiment_id, spec.judge_quota.max_in_flight, spec.judge_quota.rps))
-        with judge_hosts_allowed(self._hosts), quota:
+        # every judge client the scorers build is this tenant's: it takes the experiment's quota (if any)
+        # and sets no process-wide judge limit (its own limits and breaker are its own)
+        asked = spec.judge_quota
+        quota = JudgeQuota(spec.experiment_id, *(() if asked is None else (asked.max_in_flight, asked.rps)))
+        with judge_hosts_allowed(self._hosts), judge_quota(quota):
             return await PRMRunner.create(prm, allowed_prefixes=self.cfg.worker.allowed_scorer_modules)
 
     def _refuse(self, experiment_id: str, why: str) -> None:

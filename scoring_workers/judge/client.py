@@ -17,8 +17,14 @@ logical request is one or more HTTP *attempts*:
 * **Shared limits** (:mod:`scoring_workers.judge.limits`): the concurrency cap,
   pacing and circuit breaker of the ``base_url``. Any HTTP answer below 500 (including
   4xx/429) proves the server is up and counts as a success for the breaker. A client
-  built inside :func:`~scoring_workers.judge.limits.judge_quota` also takes its
-  experiment's quota on each endpoint, acquired *before* the process-wide slot.
+  built inside :func:`~scoring_workers.judge.limits.judge_quota` (a registry
+  experiment's: a tenant) sets none of them: its limit settings become its own
+  narrowing limits and its own breaker (:class:`~scoring_workers.judge.limits.
+  OwnLimits`), entered before its experiment's quota, which is entered before the
+  process-wide slot.
+* **URLs in messages** are rendered by :func:`~scoring_workers.judge.hosts.redact_url`
+  (``scheme://host:port``): a URL's user info, path or query may be a credential, and
+  errors reach verdict reasons and logs.
 * **A pool** (several ``base_url`` s, replicas of one judge): every attempt is routed
   by :func:`~scoring_workers.judge.pool.choose_endpoint` — the session's
   rendezvous-preferred endpoint, the least-loaded one when that is overloaded, never
@@ -53,10 +59,11 @@ import msgspec
 
 from infra.config import ConfigError
 from scoring_workers.judge.errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
-from scoring_workers.judge.hosts import check_judge_url, endpoint_label
+from scoring_workers.judge.hosts import check_judge_url, endpoint_label, redact_url
 from scoring_workers.judge.limits import (
     CircuitBreaker,
     JudgeQuota,
+    OwnLimits,
     QuotaLimits,
     SharedLimits,
     acquire_limits,
@@ -66,7 +73,7 @@ from scoring_workers.judge.limits import (
     release_quota,
 )
 from scoring_workers.judge.pool import choose_endpoint, rendezvous_order
-from scoring_workers.judge.settings import ClientSettings, ConnectionSettings
+from scoring_workers.judge.settings import ClientSettings, ConnectionSettings, LimitSettings
 from scoring_workers.judge.transport import (
     AiohttpTransport,
     HttpTransport,
@@ -82,6 +89,7 @@ _DECODER = msgspec.json.Decoder()
 
 
 _DEFAULTS = ClientSettings()
+_INHERIT = LimitSettings()  # every field unset: the endpoint's registered (operator's) limits
 
 
 class _Retry(Exception):
@@ -105,6 +113,16 @@ class _Endpoint:
     label: str  # host:port, for logs and metrics
     limits: SharedLimits
     quota: QuotaLimits | None = None  # the experiment's quota on this endpoint (judge_quota)
+    own: OwnLimits | None = None  # a tenant client's own limits and breaker (judge_quota)
+    origin: str = ""  # scheme://host:port: how messages name the endpoint (redact_url)
+
+    def __post_init__(self) -> None:
+        self.origin = redact_url(self.base_url)
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The breaker this client's calls consult and count in: its own (a tenant's) or the endpoint's."""
+        return self.limits.breaker if self.own is None else self.own.breaker
 
     def release(self) -> None:
         release_limits(self.limits)
@@ -190,11 +208,15 @@ class JudgeClient:
         self.quota: JudgeQuota | None = quota
         """The experiment quota taken at construction (:func:`~scoring_workers.judge.
         limits.judge_quota`), or None."""
+        # a tenant (inside judge_quota) sets no process-wide limit: it joins what the operator set
+        shared = settings.limits if quota is None else _INHERIT
         endpoints: list[_Endpoint] = []
         try:  # last: nothing else to undo
             for url in urls:
-                endpoints.append(_Endpoint(url, endpoint_label(url), acquire_limits(url, settings.limits, clock)))
+                endpoints.append(_Endpoint(url, endpoint_label(url), acquire_limits(url, shared, clock)))
                 endpoints[-1].quota = acquire_quota(quota, url)
+                if quota is not None:
+                    endpoints[-1].own = OwnLimits(settings.limits, endpoints[-1].limits, clock)
         except BaseException:
             for ep in endpoints:
                 ep.release()
@@ -205,13 +227,15 @@ class JudgeClient:
 
     @property
     def breaker(self) -> CircuitBreaker:
-        return self.limits.breaker
+        """The (first) endpoint's breaker this client's calls consult: a tenant's own, else the endpoint's."""
+        return self._endpoints[0].breaker
 
     @property
     def name(self) -> str:
-        """The server root, or ``pool[host:port, ...]`` for a pool (for messages)."""
+        """``scheme://host:port`` of the server, or ``pool[host:port, ...]`` for a pool
+        (for messages: never a URL's user info, path or query)."""
         if len(self._endpoints) == 1:
-            return self.base_url
+            return self._endpoints[0].origin
         return f"pool[{', '.join(ep.label for ep in self._endpoints)}]"
 
     @property
@@ -347,7 +371,7 @@ class JudgeClient:
         eps = self._endpoints
         self._turn += 1
         choice = choose_endpoint(
-            [ep.limits.load for ep in eps], [ep.limits.breaker.admits() for ep in eps], order=order,
+            [ep.limits.load for ep in eps], [ep.breaker.admits() for ep in eps], order=order,
             policy=self.spill, caps=[ep.limits.settings.max_concurrency for ep in eps],
             latencies=[ep.limits.latency_ewma_s for ep in eps], avoid=failed, start=self._turn,
         )
@@ -361,42 +385,50 @@ class JudgeClient:
 
     def _alternative(self, failed: list[int]) -> bool:
         """Whether an endpoint that has not failed this request admits a call."""
-        return any(i not in failed and ep.limits.breaker.admits() for i, ep in enumerate(self._endpoints))
+        return any(i not in failed and ep.breaker.admits() for i, ep in enumerate(self._endpoints))
 
     async def _attempt(
         self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, path: str, body: bytes, total_deadline: float,
         attempt: int,
     ) -> Any:
-        """One attempt on ``endpoint``: the experiment's quota first, then the endpoint's
-        process-wide limits — a call waiting for its quota holds no process-wide slot
-        (and adds no load) — both entered the one way (:meth:`~scoring_workers.judge.
-        limits.SharedLimits.enter`)."""
+        """One attempt on ``endpoint``: a tenant's own limits first, then the experiment's
+        quota, then the endpoint's process-wide limits — a call waiting for its own
+        limits or its quota holds no process-wide slot (and adds no load) — all entered
+        the one way (:meth:`~scoring_workers.judge.limits.SharedLimits.enter`)."""
         url = endpoint.base_url + path
+        shown = endpoint.origin  # what messages say: never the URL's user info, path or query
         if loop.time() >= total_deadline:
-            raise JudgeTimeoutError(f"POST {url}: total timeout before attempt {attempt}", kind="timeout")
-        quota = endpoint.quota
-        if quota is None:
-            return await self._loaded(loop, endpoint.limits, url, body, total_deadline)
-        held = await quota.enter(loop, total_deadline, url)
-        quota.admitted += 1
-        quota.in_flight += 1
-        if quota.in_flight > quota.peak_in_flight:
-            quota.peak_in_flight = quota.in_flight
+            raise JudgeTimeoutError(f"POST {shown}: total timeout before attempt {attempt}", kind="timeout")
+        own = endpoint.own
+        held_own = None if own is None else await own.enter(loop, total_deadline, shown)
         try:
-            return await self._loaded(loop, endpoint.limits, url, body, total_deadline)
+            quota = endpoint.quota
+            if quota is None:
+                return await self._loaded(loop, endpoint, url, body, total_deadline)
+            held = await quota.enter(loop, total_deadline, shown)
+            quota.admitted += 1
+            quota.in_flight += 1
+            if quota.in_flight > quota.peak_in_flight:
+                quota.peak_in_flight = quota.in_flight
+            try:
+                return await self._loaded(loop, endpoint, url, body, total_deadline)
+            finally:
+                quota.in_flight -= 1
+                if held is not None:
+                    held.release()
         finally:
-            quota.in_flight -= 1
-            if held is not None:
-                held.release()
+            if held_own is not None:
+                held_own.release()
 
     async def _loaded(
-        self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, url: str, body: bytes, total_deadline: float,
+        self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, url: str, body: bytes, total_deadline: float,
     ) -> Any:
+        limits = endpoint.limits
         limits.load += 1
         try:
-            held = await limits.enter(loop, total_deadline, url)
+            held = await limits.enter(loop, total_deadline, endpoint.origin)
             try:
-                return await self._exchange(loop, limits, url, body, total_deadline)
+                return await self._exchange(loop, endpoint, url, body, total_deadline)
             finally:
                 if held is not None:
                     held.release()
@@ -404,14 +436,16 @@ class JudgeClient:
             limits.load -= 1
 
     async def _exchange(
-        self, loop: asyncio.AbstractEventLoop, limits: SharedLimits, url: str, body: bytes, total_deadline: float,
+        self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, url: str, body: bytes, total_deadline: float,
     ) -> Any:
-        """The HTTP exchange of an admitted attempt, under the endpoint's circuit breaker."""
-        breaker = limits.breaker
+        """The HTTP exchange of an admitted attempt, under this client's circuit breaker
+        (:attr:`_Endpoint.breaker`)."""
+        limits, breaker = endpoint.limits, endpoint.breaker
+        shown = endpoint.origin
         ticket = breaker.acquire()
         if ticket is None:
             raise _Failover(CircuitOpenError(
-                f"POST {url}: circuit breaker open after {breaker.failure_threshold} consecutive failed "
+                f"POST {shown}: circuit breaker open after {breaker.failure_threshold} consecutive failed "
                 f"attempts, failing fast (a probe goes through {breaker.reset_timeout_s:g}s after it opened); "
                 f"last error: {breaker.last_error or 'unknown'}", kind="circuit_open"))
         verdict: bool | None = None
@@ -428,7 +462,7 @@ class JudgeClient:
                 status, raw, retry_after = await transport.post(url, body, attempt_deadline)
             except TimeoutError:
                 verdict = False
-                error = JudgeTimeoutError(f"POST {url}: no answer within {budget:.3g}s", kind="timeout")
+                error = JudgeTimeoutError(f"POST {shown}: no answer within {budget:.3g}s", kind="timeout")
                 failure = str(error)
                 if self._request.retry_on_timeout:
                     raise _Retry(error) from None
@@ -436,23 +470,23 @@ class JudgeClient:
             except TransportError as exc:
                 verdict = False
                 if exc.connect:
-                    failure = f"POST {url}: cannot connect: {exc}"
+                    failure = f"POST {shown}: cannot connect: {exc}"
                     raise _Retry(JudgeRequestError(failure, kind="connect")) from None
-                failure = f"POST {url}: {exc}"
+                failure = f"POST {shown}: {exc}"
                 raise _Failover(JudgeRequestError(failure, kind="transport")) from None
             verdict = status < 500
             if not verdict:
-                failure = f"POST {url}: HTTP {status}: {_snippet(raw, 200)}"
+                failure = f"POST {shown}: HTTP {status}: {_snippet(raw, 200)}"
             if status >= 500 or status == 429:
                 raise _Retry(
                     JudgeRequestError(
-                        f"POST {url}: HTTP {status}: {_snippet(raw, 200)}", kind="http_status", status=status
+                        f"POST {shown}: HTTP {status}: {_snippet(raw, 200)}", kind="http_status", status=status
                     ),
                     _parse_retry_after(retry_after),
                 )
             if status >= 400:
                 raise JudgeRequestError(
-                    f"POST {url}: HTTP {status} (not retried): {_snippet(raw, 500)}",
+                    f"POST {shown}: HTTP {status} (not retried): {_snippet(raw, 500)}",
                     kind="http_status",
                     status=status,
                 )
@@ -460,7 +494,7 @@ class JudgeClient:
                 return _DECODER.decode(raw)
             except msgspec.DecodeError:
                 raise JudgeRequestError(
-                    f"POST {url}: response is not JSON: {_snippet(raw, 200)}", kind="bad_response"
+                    f"POST {shown}: response is not JSON: {_snippet(raw, 200)}", kind="bad_response"
                 ) from None
         finally:
             limits.in_flight -= 1

@@ -19,6 +19,13 @@ and with an explicit list every judge URL — the config file's included — mus
   checks before it connects to Kafka and Redis: one line naming the key.
 * :func:`endpoint_label` — ``host:port`` of a URL: the only form of a judge URL that
   goes into a metric label (a URL's path, query or user info may carry a secret).
+* :func:`redact_url` — ``scheme://host:port`` of a URL: the only form of a judge URL
+  that goes into an error, a verdict reason or a log line, for the same reason.
+* :func:`has_user_info` — whether a URL carries ``user:password@``.
+* :func:`check_record_judge_urls` — credentials stay bound: a registry record's judge
+  URL carries no user info (it would become an ``Authorization`` header of the record's
+  choosing), and a record that names an operator profile holding credentials (a key,
+  headers, a URL's user info) cannot send them anywhere but the profile's own URLs.
 
 Pure standard library, no HTTP client: cheap to import from the CLI and the config checks.
 """
@@ -40,10 +47,13 @@ __all__ = [
     "HostAllowList",
     "check_config_judge_hosts",
     "check_judge_url",
+    "check_record_judge_urls",
     "config_judge_urls",
     "effective_allow_list",
     "endpoint_label",
+    "has_user_info",
     "judge_hosts_allowed",
+    "redact_url",
     "split_host_port",
 ]
 
@@ -61,11 +71,12 @@ def split_host_port(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        raise ConfigError(f"{_redact(url)!r} is not an http(s) URL with a host")
+        shown = f"'{parts.scheme}://{parts.hostname}'" if parts.scheme and parts.hostname else "the judge URL"
+        raise ConfigError(f"{shown} is not an http(s) URL with a host")
     try:
         port = parts.port
     except ValueError:
-        raise ConfigError(f"{_redact(url)!r} has a malformed port") from None
+        raise ConfigError(f"judge URL '{scheme}://{parts.hostname}' has a malformed port") from None
     host = parts.hostname.lower().rstrip(".")
     if ":" in host:
         host = f"[{host}]"
@@ -81,11 +92,57 @@ def endpoint_label(url: str) -> str:
     return f"{host}:{port}"
 
 
-def _redact(url: str) -> str:
-    """The URL without user info, path or query: safe to print."""
-    parts = urlsplit(url)
-    netloc = parts.netloc.rpartition("@")[2]
-    return f"{parts.scheme}://{netloc}" if parts.scheme and netloc else url[:60]
+def redact_url(url: str) -> str:
+    """``scheme://host:port`` of ``url`` and nothing else — no user info, path, query or
+    fragment, any of which may carry a credential — the one way a judge URL is rendered
+    in errors, verdict reasons and logs (the port is explicit, its default filled in).
+    Text that is not an http(s) URL with a host renders as ``<not an http(s) URL>``."""
+    try:
+        host, port = split_host_port(url)
+    except ValueError:
+        return "<not an http(s) URL>"
+    return f"{urlsplit(url).scheme.lower()}://{host}:{port}"
+
+
+def has_user_info(url: str) -> bool:
+    """Whether ``url`` carries user info (``user:password@host``)."""
+    authority = url.partition("://")[2]
+    for end in "/?#":
+        authority = authority.partition(end)[0]
+    return "@" in authority
+
+
+CREDENTIAL_KWARGS = ("api_key", "api_key_env", "api_key_file", "headers")
+"""Scorer arguments whose value travels with every judge request (a key, extra headers)."""
+
+
+def _root(url: str) -> str:
+    """A judge URL as the client uses it (``JudgeClient`` strips a trailing ``/`` and ``/v1``)."""
+    return url.strip().rstrip("/").removesuffix("/v1")
+
+
+def check_record_judge_urls(profile: Mapping[str, Any], record: Mapping[str, Any], where: str,
+                            error: type[ConfigError] = ConfigError) -> None:
+    """A registry record's judge URLs (every ``http(s)://`` string in its entry's kwargs,
+    ``record``), checked against the operator ``profile``'s kwargs the entry names
+    (``{}``: none): no URL with user info; and when the profile holds credentials
+    (:data:`CREDENTIAL_KWARGS` set, or user info in one of its URLs), every URL must be
+    one of the profile's own (the record may choose among them, not add to them).
+
+    Raises:
+        ``error``: one line naming the argument (the URL rendered by :func:`redact_url`).
+    """
+    held = [name for name in CREDENTIAL_KWARGS if profile.get(name)]
+    own = {_root(url) for _, url in _urls(profile, "")}
+    if any(has_user_info(url) for url in own):
+        held.append("user info in its URLs")
+    for key, url in _urls(record, f"{where}.kwargs"):
+        if has_user_info(url):
+            raise error(f"{key}: a record's judge URL may not carry user info ({redact_url(url)!r} with "
+                        "'user:password@'): credentials are the operator's, set in a profile")
+        if held and _root(url) not in own:
+            raise error(f"{key}: {redact_url(url)!r} is not one of the profile's own judge URLs; the profile "
+                        f"holds credentials ({', '.join(held)}), which go only where the operator pointed them")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +255,7 @@ def check_judge_url(url: str, what: str = "judge URL") -> None:
 
 def _refusal(what: str, url: str, allowed: HostAllowList) -> str:
     return (
-        f"{what} {_redact(url)!r}: host {endpoint_label(url)!r} is not in {SETTING} {allowed.describe()}; "
+        f"{what} {redact_url(url)!r}: host {endpoint_label(url)!r} is not in {SETTING} {allowed.describe()}; "
         "add it there if the operator trusts it with trajectories"
     )
 

@@ -23,9 +23,21 @@ and the endpoint's process-wide slot second, so an experiment over its quota wai
 without holding a process-wide slot that another experiment could use; the process-wide
 limits still bound every experiment together.
 
-Both kinds of limits are entered the same one way (:meth:`_Limiter.enter`: a slot, then
+**Tenants** (registry experiments). A process-wide limit set by one experiment would be
+a lever on every other one (a tiny ``rps`` starving them all, a tiny ``timeout_s``
+opening everyone's breaker). So the process-wide limits and breaker of an endpoint are
+the *operator's*: set only by clients built outside a tenant scope — the scorers of the
+worker's own config file — or :data:`DEFAULT_LIMITS`. A client built inside
+:func:`judge_quota` (every registry experiment's, :mod:`scoring_workers.fleet`) joins
+the endpoint's limits without setting them, and what its own settings ask —
+``max_concurrency``, ``rps``, ``breaker_*``, whether from an operator profile or the
+record — becomes its :class:`OwnLimits`: a limiter that only narrows, and a circuit
+breaker of its own that its failures (its timeouts included) open and that only its
+calls consult. Nothing an experiment sets slows down, rejects or trips another's call.
+
+Every kind of limit is entered the same one way (:meth:`_Limiter.enter`: a slot, then
 pacing, both by the request's deadline); they differ only in their bounds and in what a
-refusal says.
+refusal says. A call enters its own limits, its experiment's quota, then the endpoint's.
 """
 
 from __future__ import annotations
@@ -47,7 +59,8 @@ from infra.config import ConfigError
 from scoring_workers.judge.errors import JudgeTimeoutError
 from scoring_workers.judge.settings import JudgeQuota, LimitSettings
 
-__all__ = ["DEFAULT_LIMITS", "LATENCY_BUCKETS_S", "CircuitBreaker", "JudgeQuota", "QuotaLimits", "SharedLimits",
+__all__ = ["DEFAULT_LIMITS", "LATENCY_BUCKETS_S", "CircuitBreaker", "JudgeQuota", "OwnLimits", "QuotaLimits",
+           "SharedLimits",
            "acquire_limits", "acquire_quota", "active_quota", "all_limits", "all_quotas", "judge_quota",
            "registered_limits", "release_limits", "release_quota"]
 
@@ -239,9 +252,11 @@ class _Limiter:
             gate = self._gates[loop] = _Gate(self._cap, self._rps)
         return gate
 
-    async def enter(self, loop: asyncio.AbstractEventLoop, deadline: float, url: str) -> asyncio.Semaphore | None:
+    async def enter(self, loop: asyncio.AbstractEventLoop, deadline: float, origin: str) -> asyncio.Semaphore | None:
         """Wait for a slot, then for pacing, both by ``deadline``; returns the semaphore
         whose slot is now held (release it when the attempt is over), or ``None``.
+        ``origin``: the endpoint as a refusal names it (``scheme://host:port``, :func:`~scoring_workers.
+        judge.hosts.redact_url`).
 
         Raises:
             JudgeTimeoutError: ``deadline`` came first (nothing is held then).
@@ -257,7 +272,7 @@ class _Limiter:
                         async with asyncio.timeout_at(deadline):
                             await semaphore.acquire()
                     except TimeoutError:
-                        raise JudgeTimeoutError(f"POST {url}: {self._refusal('slot')} before the total timeout",
+                        raise JudgeTimeoutError(f"POST {origin}: {self._refusal('slot')} before the total timeout",
                                                 kind="timeout") from None
                 else:
                     await semaphore.acquire()  # a free slot: no timeout context to set up
@@ -266,7 +281,7 @@ class _Limiter:
                     if since is None and pacer.next_at > loop.time():
                         since = loop.time()
                     if not await pacer.wait(loop, deadline):
-                        raise JudgeTimeoutError(f"POST {url}: {self._refusal('rate')} before the total timeout",
+                        raise JudgeTimeoutError(f"POST {origin}: {self._refusal('rate')} before the total timeout",
                                                 kind="timeout")
                 except BaseException:
                     if semaphore is not None:
@@ -336,6 +351,30 @@ class SharedLimits(_Limiter):
 
 
 _EWMA_ALPHA = 0.2  # weight of the newest answer: about the last ten answers count
+
+
+class OwnLimits(_Limiter):
+    """A tenant client's own limits on one endpoint (module docstring, "Tenants").
+
+    ``requested``: the client's limit settings; its ``max_concurrency`` and ``rps`` bound
+    only this client's calls (entered before the quota and the endpoint's limits, so they
+    can only narrow), and its circuit breaker — ``breaker_*`` as requested, else the
+    endpoint's operator settings — counts only this client's attempts.
+    """
+
+    def __init__(self, requested: LimitSettings, endpoint: SharedLimits, clock: Callable[[], float]) -> None:
+        super().__init__(requested.max_concurrency, requested.rps or None)
+        self.requested = requested
+        operator = endpoint.settings
+        self.breaker = CircuitBreaker(
+            requested.breaker_failure_threshold or operator.breaker_failure_threshold,  # type: ignore[arg-type]
+            requested.breaker_reset_s or operator.breaker_reset_s, clock=clock,  # type: ignore[arg-type]
+        )
+
+    def _refusal(self, what: str) -> str:
+        if what == "slot":
+            return f"no free slot of the scorer's own (max_concurrency={self.requested.max_concurrency})"
+        return f"the scorer's own rate limit ({self.requested.rps:g} req/s) leaves no slot"
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

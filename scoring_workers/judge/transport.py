@@ -59,6 +59,7 @@ import httptools
 
 from infra.config import ConfigError
 from infra.errors import ServiceError
+from scoring_workers.judge.hosts import redact_url
 
 __all__ = ["AiohttpTransport", "HttpTransport", "Transport", "TransportError", "check_headers"]
 
@@ -343,7 +344,7 @@ class HttpTransport(Transport):
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in _DEFAULT_PORTS or not parts.hostname:
-            raise ConfigError(f"not an http(s) URL: {url!r}")
+            raise ConfigError(f"not an http(s) URL: {redact_url(url)!r}")
         host = parts.hostname
         port = parts.port or _DEFAULT_PORTS[scheme]
         shown = f"[{host}]" if ":" in host else host
@@ -365,7 +366,7 @@ class HttpTransport(Transport):
         try:
             head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")
         except UnicodeEncodeError:
-            raise ConfigError(f"judge request headers for {url!r} must be latin-1 text") from None
+            raise ConfigError(f"judge request headers for {redact_url(url)!r} must be latin-1 text") from None
         target = _Target((scheme, host.lower(), port), host, port, scheme == "https", head)
         self._targets[url] = target
         return target

@@ -19,7 +19,9 @@ path on the judge). So the capability model is:
   operator-only kwargs; a record names the profile (``profile: NAME``) and may tune
   it with record-settable kwargs on top.
 * Judge URLs a record sets (``base_url``...) are record-settable, but only within the
-  worker's judge host allow-list (checked by the caller, :mod:`scoring_workers.fleet`).
+  worker's judge host allow-list (checked by the caller, :mod:`scoring_workers.fleet`),
+  never with user info, and — on a profile that holds credentials — only among the
+  profile's own URLs (:func:`~scoring_workers.judge.hosts.check_record_judge_urls`).
 
 :func:`record_prm` turns a record's ``prm`` block into the block a worker builds, or
 refuses it with one line naming the entry and the argument. The worker
@@ -35,6 +37,7 @@ from typing import Any
 import msgspec
 
 from infra.config import ConfigError, PRMConfig, PRMScorerConfig, did_you_mean, resolve_profile
+from scoring_workers.judge.hosts import check_record_judge_urls
 
 __all__ = ["CapabilityError", "RecordSettings", "constructor_arguments", "record_kwargs", "record_prm",
            "settable_fields"]
@@ -140,6 +143,7 @@ def record_prm(prm: PRMConfig, profiles: Mapping[str, PRMScorerConfig], *,
             message = str(exc)
             raise type(exc)(message if message.startswith(where) else f"{where}: {message}") from None
         tuned = record_kwargs(cls, entry.kwargs or {}, where)
+        check_record_judge_urls(base.kwargs if entry.profile is not None else {}, tuned, where, CapabilityError)
         out.append(PRMScorerConfig(base.path, weight=entry.weight, enabled=entry.enabled,
                                    kwargs={**(base.kwargs or {}), **tuned}))
     return msgspec.structs.replace(prm, scorers=out)

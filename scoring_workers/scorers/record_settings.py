@@ -2,7 +2,9 @@
 :mod:`scoring_workers.prm.capabilities`), and why the other arguments are operator-only.
 
 Record-settable: arguments that only tune scoring — sampling, votes, budgets, timeouts,
-retries, pool routing — each typed and bounded here, and judge URLs, which the worker
+retries, pool routing — each typed and bounded here (durations at least
+:data:`MIN_RECORD_SECONDS`, rates at least :data:`MIN_RECORD_RPS`; a record's limits and
+breaker settings bound only its own experiment's calls, :mod:`scoring_workers.judge.limits`), and judge URLs, which the worker
 still holds to its judge host allow-list. The bounds here are a record's, tighter than
 what the operator's own file may set (the judge's settings structs,
 :mod:`scoring_workers.judge.settings`, and the scorers' :class:`~scoring_workers.scorers.
@@ -25,15 +27,22 @@ from scoring_workers.judge.settings import JudgeApi
 from scoring_workers.prm.capabilities import RecordSettings
 from scoring_workers.scorers.conversation import NextStateRule
 
-__all__ = ["JUDGE_OPERATOR_ONLY", "OPD_OPERATOR_ONLY", "FailurePolicy", "JudgeRecordSettings",
-           "LengthBudgetRecordSettings", "OPDRecordSettings", "OpenClawRecordSettings"]
+__all__ = ["JUDGE_OPERATOR_ONLY", "MIN_RECORD_RPS", "MIN_RECORD_SECONDS", "OPD_OPERATOR_ONLY", "FailurePolicy",
+           "JudgeRecordSettings", "LengthBudgetRecordSettings", "OPDRecordSettings", "OpenClawRecordSettings"]
 
 FailurePolicy = Literal["reject", "neutral"]
 """What a judge scorer's turn gives when every vote failed (``on_all_votes_failed``)."""
 
+MIN_RECORD_SECONDS: Final = 0.1
+"""The shortest duration a record may set: a judge call cannot answer sooner, so anything
+shorter (``timeout_s: 1e-300``) is not tuning but a failure of every call."""
+MIN_RECORD_RPS: Final = 0.01
+"""The lowest rate a record may set (one call per 100 s)."""
+
 _Url = Annotated[str, Meta(min_length=1, max_length=2048)]
 _Urls = Annotated[list[_Url], Meta(min_length=1, max_length=64)]
-_Seconds = Annotated[float, Meta(gt=0, le=3600)]
+_Seconds = Annotated[float, Meta(ge=MIN_RECORD_SECONDS, le=3600)]
+_Rate = Annotated[float, Meta(ge=MIN_RECORD_RPS, le=100_000)]
 _Count = Annotated[int, Meta(ge=1, le=100_000)]
 
 
@@ -65,7 +74,7 @@ class JudgeRecordSettings(RecordSettings, frozen=True):
     backoff_base_s: Annotated[float, Meta(ge=0, le=60)] | UnsetType = UNSET
     backoff_max_s: Annotated[float, Meta(ge=0, le=600)] | UnsetType = UNSET
     max_concurrency: _Count | None | UnsetType = UNSET
-    rps: Annotated[float, Meta(gt=0, le=100_000)] | None | UnsetType = UNSET
+    rps: _Rate | None | UnsetType = UNSET
     breaker_failure_threshold: Annotated[int, Meta(ge=1, le=10_000)] | None | UnsetType = UNSET
     breaker_reset_s: _Seconds | None | UnsetType = UNSET
     spill_in_flight: _Count | UnsetType = UNSET

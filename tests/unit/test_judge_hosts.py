@@ -9,10 +9,13 @@ from scoring_workers.judge.client import JudgeClient
 from scoring_workers.judge.hosts import (
     HostAllowList,
     check_config_judge_hosts,
+    check_record_judge_urls,
     config_judge_urls,
     effective_allow_list,
     endpoint_label,
+    has_user_info,
     judge_hosts_allowed,
+    redact_url,
 )
 from scoring_workers.judge.limits import registered_limits
 from scoring_workers.prm import PRMRunner
@@ -33,6 +36,48 @@ def _prm(**kwargs) -> PRMConfig:
 ])
 def test_endpoint_label_is_host_and_port_only(url: str, label: str) -> None:
     assert endpoint_label(url) == label
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("http://judge:30000", "http://judge:30000"),
+    ("HTTPS://Judge.Example.com/v1", "https://judge.example.com:443"),
+    ("http://user:secret@judge/tenant/token?key=x#frag", "http://judge:80"),
+    ("http://[::1]:8000/p", "http://[::1]:8000"),
+    ("ftp://user:secret@judge/x", "<not an http(s) URL>"),
+    ("http://[::1", "<not an http(s) URL>"),
+])
+def test_redact_url_is_scheme_host_and_port_only(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def test_user_info_is_in_the_authority_only() -> None:
+    assert has_user_info("http://u:p@judge/") and has_user_info("http://u@judge")
+    assert not has_user_info("http://judge/a@b") and not has_user_info("http://judge?x=@")
+
+
+PROFILE = {"base_url": "http://judge-0:30000/v1", "api_key_env": "JUDGE_KEY", "m": 3}
+
+
+@pytest.mark.parametrize(("profile", "record", "needle"), [
+    ({}, {"base_url": "http://mallory:pw@judge-0:30000"}, "kwargs.base_url: a record's judge URL may not carry user"),
+    ({}, {"base_urls": ["http://judge-0", "http://u:p@judge-1"]}, "kwargs.base_urls[1]: a record's judge URL"),
+    (PROFILE, {"base_url": "http://judge-1:30000"}, "kwargs.base_url: 'http://judge-1:30000' is not one of the "
+     "profile's own judge URLs; the profile holds credentials (api_key_env)"),
+    ({"base_url": "http://judge-0", "headers": {"X-Key": "k"}}, {"base_urls": ["http://judge-0", "http://judge-1"]},
+     "kwargs.base_urls[1]: 'http://judge-1:80' is not one of the profile's own judge URLs"),
+    ({"base_url": "http://ops:pw@judge-0"}, {"base_url": "http://judge-1"}, "(user info in its URLs)"),
+])
+def test_a_record_cannot_bring_user_info_or_move_a_profiles_credentials(profile, record, needle) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_record_judge_urls(profile, record, "prm.scorers[0]")
+    assert str(info.value).startswith("prm.scorers[0].") and needle in str(info.value), str(info.value)
+    assert "pw" not in str(info.value) and "mallory" not in str(info.value)
+
+
+def test_a_record_may_choose_among_a_profiles_urls_and_point_an_unkeyed_one_anywhere_allowed() -> None:
+    check_record_judge_urls(PROFILE, {"base_url": "http://judge-0:30000/"}, "e")  # the profile's own URL
+    check_record_judge_urls({"base_url": "http://judge-0:30000"}, {"base_url": "http://judge-1:30000"}, "e")
+    check_record_judge_urls({}, {"base_urls": ["http://judge-0", "http://judge-1"], "m": 3}, "e")
 
 
 def test_allow_list_matching() -> None:

@@ -13,7 +13,7 @@ import pytest
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from scoring_workers.judge.client import JudgeClient
 from scoring_workers.judge.errors import JudgeRequestError, JudgeTimeoutError
-from scoring_workers.judge.limits import JudgeQuota, active_quota, all_quotas, judge_quota
+from scoring_workers.judge.limits import JudgeQuota, active_quota, all_quotas, judge_quota, registered_limits
 from scoring_workers.judge.settings import ClientSettings
 from scoring_workers.judge_metrics import JudgeCollector
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
@@ -223,3 +223,48 @@ async def test_a_scorer_built_in_the_context_takes_the_quota_and_metrics_name_th
         assert samples[("prm_judge_quota_waited_total", "exp-metrics")] == 2
         assert samples[("prm_judge_quota_wait_seconds_total", "exp-metrics")] > 0
         assert not [q for q in all_quotas() if q.scope == "exp-metrics"]  # closed: released
+
+
+# --------------------------------------------------------------------------- tenants
+async def test_a_tenant_sets_no_process_wide_limit_and_its_own_limits_bind_only_its_calls():
+    """The first registrant of an endpoint used to set its pacing for the whole process: a
+    tenant's 0.5 req/s would have been everyone's (or refused as a clash)."""
+    with FakeJudgeServer() as srv:
+        operator = _client(srv.base_url, None, max_concurrency=8)
+        slow = _client(srv.base_url, JudgeQuota("t-slow"), rps=0.5, max_concurrency=1, breaker_failure_threshold=1)
+        fast = _client(srv.base_url, JudgeQuota("t-fast"))
+        try:
+            shared = registered_limits(srv.base_url)
+            assert shared is not None and (shared.settings.max_concurrency, shared.settings.rps) == (8, 0.0)
+            assert shared.breaker.failure_threshold == 5  # the operator's (default), not the tenant's 1
+            slowed = asyncio.create_task(_calls(slow, 2))  # its second call waits 2 s for its own pacing
+            await _until(lambda: srv.requests == 1)
+            await _calls(fast, 5)  # unpaced: done while the slow tenant still waits
+            assert not slowed.done() and srv.requests == 6
+            (own,) = [ep.own for ep in fast._endpoints]
+            assert own is not None and own.waited == 0 and shared.waited == 0
+            await slowed
+            assert slow._endpoints[0].own.waited == 1
+        finally:
+            for c in (operator, slow, fast):
+                await c.aclose()
+
+
+async def test_a_tenants_failures_open_only_its_own_breaker():
+    """A tenant whose tiny timeout fails every call used to open the endpoint's breaker for everyone."""
+    with FakeJudgeServer(latency_ms=200) as srv:
+        operator = _client(srv.base_url, None)
+        hasty = _client(srv.base_url, JudgeQuota("t-hasty"), timeout_s=0.02, max_retries=0)
+        patient = _client(srv.base_url, JudgeQuota("t-patient"))
+        try:
+            for _ in range(5):
+                with pytest.raises(JudgeTimeoutError):
+                    await hasty.post_json(PATH, PAYLOAD)
+            assert hasty.breaker.state == "open"
+            assert hasty.breaker is not patient.breaker and hasty.breaker is not operator.breaker
+            assert await patient.post_json(PATH, PAYLOAD) and await operator.post_json(PATH, PAYLOAD)
+            assert patient.breaker.state == operator.breaker.state == "closed"
+            assert registered_limits(srv.base_url).failed_attempts == 5  # the endpoint's metrics still count them
+        finally:
+            for c in (operator, hasty, patient):
+                await c.aclose()
