@@ -50,8 +50,10 @@ def printable(text: str, *, multiline: bool = False) -> str:
     ``multiline`` keeps newlines and tabs (a prompt or model output shown as a block, a
     traceback's own lines); everything else is escaped as without it.
     """
+    if not multiline and text.isprintable():  # the common case, and the fastest test: every escaped
+        return text  # character is a control, format or separator character, none of which is printable
     pattern = _UNSAFE_BUT_LINES if multiline else _UNSAFE
-    if pattern.search(text) is None:  # the common case: nothing to do, no copy
+    if pattern.search(text) is None:  # nothing to do, no copy
         return text
     return pattern.sub(_escaped, text)
 

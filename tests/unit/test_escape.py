@@ -31,6 +31,8 @@ def test_every_control_separator_and_bidi_character_is_written_as_an_escape(raw:
 def test_ordinary_text_is_returned_as_it_is() -> None:
     text = "grüße 世界 \\n [bold]x[/bold] émoji 🙂 C:\\path"
     assert printable(text) is text  # no copy in the common case
+    other = "no-break\u00a0space, zero\u200dwidth joiner"  # not printable to str.isprintable, nothing to escape
+    assert printable(other) is other
 
 
 def test_hostile_text_becomes_one_line_without_escape_bytes() -> None:
