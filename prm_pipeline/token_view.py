@@ -424,7 +424,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         views = [view for v in shown for view in branch_views(v, audit)]
     except ValueError as exc:
-        print(f"inspect: {exc}", file=sys.stderr)
+        print(printable(f"inspect: {exc}"), file=sys.stderr)
         return 1
     if args.session:
         views = [v for v in views if v.session_id == args.session]
