@@ -60,7 +60,9 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
             continue
         seen.add(id(current))
         yield current
-        todo += [current.__cause__, current.__context__, *getattr(current, "exceptions", ())]
+        todo += [current.__cause__, current.__context__]
+        if isinstance(current, BaseExceptionGroup):
+            todo += current.exceptions
 
 
 def configure_logging(level: int) -> None:
