@@ -75,21 +75,24 @@ async def _log_holds(path: Path, needles: list[str], timeout_s: float) -> str:
         await asyncio.sleep(0.2)
 
 
-async def test_a_worker_logs_a_hostile_group_id_and_payload_kind_as_one_escaped_line(pipeline_config, tmp_path) -> None:
+async def test_a_worker_logs_a_hostile_group_id_payload_kind_and_registry_key_as_one_escaped_line(
+        pipeline_config, tmp_path) -> None:
     cfg = with_scorers(pipeline_config, LENGTH)
     tag = uuid.uuid4().hex[:8]
-    group_tag, kind_tag = f"g-{tag}", f"kind-{tag}"
+    group_tag, kind_tag, key_tag = f"g-{tag}", f"kind-{tag}", f"exp-{tag}"
     (member,) = make_group(_hostile(group_tag), 1, turns=1, output_tokens=3)
     value, headers = encode(member)
     forged_kind = msgspec.msgpack.decode(value)
     forged_kind["kind"] = _hostile(kind_tag)
+    await ensure_topics(cfg.kafka, cfg.topics, [cfg.topics.experiments])
     async with worker_processes(cfg, tmp_path, n=1):
+        await _send(cfg, cfg.topics.experiments, b"{}", _hostile(key_tag).encode())
         await _send(cfg, cfg.topics.trajectories, value, member.group_id.encode(), headers)
         await _send(cfg, cfg.topics.trajectories, msgspec.msgpack.encode(forged_kind), None, headers)
-        log = await _log_holds(tmp_path / "worker0.1.log", [group_tag, kind_tag], timeout_s=60)
-    assert group_tag in log and kind_tag in log, log[-3000:]
+        log = await _log_holds(tmp_path / "worker0.1.log", [group_tag, kind_tag, key_tag], timeout_s=60)
+    assert group_tag in log and kind_tag in log and key_tag in log, log[-3000:]
     _assert_clean(log)
-    for needle in (group_tag, kind_tag):  # each quoted on lines of their own record, escaped
+    for needle in (group_tag, kind_tag, key_tag):  # each quoted on lines of their own record, escaped
         assert any(_escaped(needle) in line for line in log.splitlines()), log[-3000:]
 
 
