@@ -458,6 +458,10 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_in_flight: Positive = 1024  # requests being answered, all clients (429 above)
     max_in_flight_per_client: Positive = 64  # per client address (429 above)
     read_timeout_s: Seconds = 30.0  # a request body must arrive within this (408)
+    # an idle keep-alive connection (none sent, or between requests) is closed after this; above the
+    # clients' own pool expiry (aiohttp 15 s, httpx 5 s) so that a client never reuses one being closed
+    keepalive_timeout_s: Seconds = 20.0
+    max_connections_per_client: Positive = 256  # open connections per client address; one more: 429 and closed
     auth_tokens_env: str | None = None  # name of an env var holding bearer tokens (comma-separated)
     auth_tokens_file: str | None = None  # file with one bearer token per line (rotation: list both)
     tls_certfile: str | None = None  # serve HTTPS with this certificate chain ...

@@ -36,6 +36,7 @@ from aiokafka.structs import TopicPartition
 from infra import reasons
 from infra.chunks import ChunkAssembler, reassembled
 from infra.config import PipelineConfig
+from infra.escape import printable
 from infra.experiments import trajectories_topic
 from infra.kafka import is_retriable, make_consumer
 from infra.retry import RetryPolicy
@@ -98,7 +99,7 @@ def failed_reason(failed: Sequence[SessionResult]) -> str:
     whole message), plus how many others failed. For people; programs read
     ``reason_code``."""
     first = failed[0]
-    detail = (first.error_detail or "").replace("\n", " ")
+    detail = printable(first.error_detail or "")  # a scorer's message may quote the record
     if len(detail) > 1000:
         detail = detail[:997] + "..."
     more = f"; {len(failed) - 1} more member(s) failed" if len(failed) > 1 else ""

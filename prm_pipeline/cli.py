@@ -30,7 +30,9 @@ from typing import Any
 
 from infra import event_loop
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
+from infra.escape import printable
 from infra.experiments import UnknownExperiment, declared_experiment
+from infra.logs import configure_logging
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
 from prm_pipeline.flags import deprecated_alias, positive_int, seconds
@@ -655,10 +657,7 @@ class _QuietBootstrapErrors(logging.Filter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(logging.DEBUG if args.verbose else logging.WARNING)
     command = COMMANDS[args.command]
     if not args.verbose and not command.all_kafka_logs:
         logging.getLogger("aiokafka").addFilter(_QuietBootstrapErrors())
@@ -672,23 +671,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 asyncio.run(wait_for_services(_load(args), command.needs))
             except ServiceUnavailable as exc:
-                print(f"error: {exc}", file=sys.stderr)
+                print(f"error: {printable(str(exc))}", file=sys.stderr)
                 return failed
         if (experiment := _experiment_to_check(args)) is not None:
             asyncio.run(declared_experiment(_load(args), experiment))
         return int(args.func(args) or 0)
     except UnknownExperiment as exc:  # nothing would ever read what the command publishes or waits for
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return 2
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {printable(str(exc))}", file=sys.stderr)
         return 2
     except Exception as exc:
         from infra.jsonl import JsonlError
         from infra.kafka import TopicCreationFailed, TopicMissing
 
         if isinstance(exc, (JsonlError, TopicMissing, TopicCreationFailed)):
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {printable(str(exc))}", file=sys.stderr)
             return failed
         message = _access_error(args, exc)
         if message is None:
@@ -696,7 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             traceback.print_exc()
             return failed
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {printable(message)}", file=sys.stderr)
         return failed
     except KeyboardInterrupt:
         return 130

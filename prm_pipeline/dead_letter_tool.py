@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import json
 import logging
 import re
 import signal
@@ -42,6 +41,7 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 from infra.config import PipelineConfig
+from infra.escape import json_line, printable
 from infra.experiments import DEFAULT_EXPERIMENT, EXPERIMENT_ID_PATTERN, UnknownExperiment, trajectories_topic
 from infra.schema import (
     DeadLetter,
@@ -209,7 +209,7 @@ class PlanEntry:
         head = f"redrive {rec.coordinates}" if self.redrive else f"skip    {rec.coordinates}"
         tail = f"; {self.note}" if self.note and self.redrive else ""
         skipped = f" -- skipped: {self.why_skipped}" if not self.redrive else ""
-        return f"{head}: {what}; {why}{skipped}{tail}"
+        return printable(f"{head}: {what}; {why}{skipped}{tail}")  # ids and messages are the records' text
 
 
 def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[PlanEntry]:
@@ -292,7 +292,7 @@ async def read_letters(cfg: PipelineConfig, *, since_ms: int | None = None, foll
                 try:
                     letter = dead_letter_from_record(r.value, r.headers or ())
                 except InvalidMessage as exc:  # a corrupt record is skipped with a word, never stops the tool
-                    print(f"warning: {r.topic}:{r.partition}@{r.offset} skipped: {exc}", file=sys.stderr)
+                    print(printable(f"warning: {r.topic}:{r.partition}@{r.offset} skipped: {exc}"), file=sys.stderr)
                     continue
                 rec = LetterRecord(r.topic, r.partition, r.offset, r.timestamp, r.key, letter)
                 out.append(rec)
@@ -342,7 +342,7 @@ async def redrive(cfg: PipelineConfig, entries: Sequence[PlanEntry], *, out: IO[
                     f"{'trajectory ' + entry.trajectory_id if entry.trajectory_id else 'discard'} "
                     f"of group {entry.group_id}")
             log.info("%s", line)
-            print(line, file=out, flush=True)
+            print(printable(line), file=out, flush=True)
     finally:
         await producer.stop()
     return result
@@ -423,8 +423,7 @@ def _list(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         nonlocal count
         if args.experiment is not None and rec.experiment(cfg.topics.trajectories) != args.experiment:
             return
-        fh.write(json.dumps(rec.to_json(payload=args.payload, trajectories_base=cfg.topics.trajectories),
-                            ensure_ascii=False) + "\n")
+        fh.write(json_line(rec.to_json(payload=args.payload, trajectories_base=cfg.topics.trajectories)) + "\n")
         fh.flush()
         count += 1
 

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from infra.config import ConfigError, PipelineConfig, load_config
+from infra.escape import printable
 from infra.experiments import trajectories_topic, verdicts_topic
 
 
@@ -71,8 +72,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     if args.action == "remove":
         known = asyncio.run(read_registry(cfg))
         if args.target not in known:
-            print(f"experiment {args.target!r} is not in the registry {cfg.topics.experiments} "
-                  f"(declared: {sorted(known) or 'none'})", file=sys.stderr)
+            print(printable(f"experiment {args.target!r} is not in the registry {cfg.topics.experiments} "
+                            f"(declared: {sorted(known) or 'none'})"), file=sys.stderr)
             return 1
         offset = asyncio.run(publish_removal(cfg, args.target))
         print(f"experiment {args.target} removed (registry offset {offset}): workers finish its open groups "
@@ -85,14 +86,15 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             body = json.loads(msgspec.json.encode(entry.spec)) if entry.spec is not None else None
             print(json.dumps({"experiment_id": experiment_id, "offset": entry.offset, "declared_at": when,
                               "spec": body, "error": entry.error or None}))
-        elif entry.error:
-            print(f"{experiment_id}  REFUSED at offset {entry.offset} ({when}): {entry.error}")
+        elif entry.error:  # a registry key and its error are anyone's text (with Write on the registry)
+            print(printable(f"{experiment_id}  REFUSED at offset {entry.offset} ({when}): {entry.error}"))
         else:
             spec = entry.spec
             assert spec is not None
-            print(f"{experiment_id}  weight={spec.weight:g} max_in_flight={spec.max_in_flight or '-'} "
-                  f"group_timeout_s={spec.group_timeout_s or 'worker default'} "
-                  f"scorers={[s.path or f'profile:{s.profile}' for s in spec.prm.scorers]} (offset {entry.offset}, {when})")
+            print(printable(f"{experiment_id}  weight={spec.weight:g} max_in_flight={spec.max_in_flight or '-'} "
+                            f"group_timeout_s={spec.group_timeout_s or 'worker default'} "
+                            f"scorers={[s.path or f'profile:{s.profile}' for s in spec.prm.scorers]} "
+                            f"(offset {entry.offset}, {when})"))
     if not known and not args.json:
         print(f"no experiments in {cfg.topics.experiments} (the default experiment is the workers' config file)")
     return 0

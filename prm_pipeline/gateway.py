@@ -24,7 +24,8 @@ for people) come with every answer.
 
 Security (docs/security.md): loopback unless told otherwise; bearer tokens compared in
 constant time; TLS when given a certificate; body size, items per request and in-flight
-requests (per client and in all) are bounded; a slow body times out; requests carry
+requests (per client and in all) are bounded; a slow body times out; idle connections close
+(``keepalive_timeout_s``) and open connections per client address are capped; requests carry
 samples only, never configuration; neither tokens nor text reach logs or metric labels (a
 request aiohttp cannot parse, an oversized header say, is answered 431/400 without repeating any
 of its bytes, in the answer or the log).
@@ -43,7 +44,7 @@ from collections import Counter as Tally
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from aiohttp import web
@@ -208,6 +209,9 @@ class Gateway:
                                                       60, 120, 300))
         self.in_flight = Gauge("prm_gateway_in_flight", "Requests being answered", registry=r)
         self.samples = Counter("prm_gateway_samples", "Samples scored, by verdict status", ["status"], registry=r)
+        self.connections = _ConnectionCap(self.gw.max_connections_per_client, Counter(
+            "prm_gateway_connections_refused", "Connections refused: over max_connections_per_client from their address",
+            registry=r))
 
     @property
     def authenticated(self) -> bool:
@@ -400,13 +404,60 @@ class _NoRequestBytes(logging.Filter):
 _HTTP_LOG.addFilter(_NoRequestBytes())
 
 
+class _ConnectionCap:
+    """Open connections per client address (``gateway.max_connections_per_client``): one
+    address cannot hold every socket of the process with idle connections. A connection over
+    the cap is answered 429 before anything is read, and closed."""
+
+    def __init__(self, limit: int, refused: Counter) -> None:
+        self.limit, self.refused = limit, refused
+        self.open: Tally[str | None] = Tally()
+        self._address: dict[web.RequestHandler, str | None] = {}
+        body = msgspec.json.encode(Error(f"too many connections from this address (over {limit}, "
+                                         "gateway.max_connections_per_client); reuse or close idle ones"))
+        self.answer = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                       b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def admit(self, handler: web.RequestHandler, transport: asyncio.BaseTransport) -> bool:
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) else None
+        if self.open[address] >= self.limit:
+            self.refused.inc()
+            return False
+        self.open[address] += 1
+        self._address[handler] = address
+        return True
+
+    def release(self, handler: web.RequestHandler) -> None:
+        if (address := self._address.pop(handler, ...)) is not ...:
+            self.open[address] -= 1
+            if not self.open[address]:
+                del self.open[address]
+
+
 class _Protocol(web.RequestHandler):
     """aiohttp's connection handler, answering a request it could not parse (an oversized or
     malformed header line, too many headers, a bad request line) with a JSON error that repeats
     none of the request's bytes, and logging only the error's class. aiohttp's own answer is
-    text quoting the offending line, a bearer token included."""
+    text quoting the offending line, a bearer token included. A connection over its address's
+    cap (:class:`_ConnectionCap`) is answered 429 and closed before aiohttp starts serving it."""
 
     __slots__ = ()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self._manager
+        assert isinstance(server, _Server)
+        if not server.cap.admit(self, transport):
+            cast(asyncio.Transport, transport).write(server.cap.answer)
+            transport.close()
+            self._manager = None  # aiohttp's connection_lost then has nothing to undo: nothing was started
+            return
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if isinstance(self._manager, _Server):
+            self._manager.cap.release(self)
+        super().connection_lost(exc)
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -426,8 +477,10 @@ class _Protocol(web.RequestHandler):
 
 
 class _Server(web.Server):
-    """aiohttp's server, whose connections use :class:`_Protocol` (adds no state: the class swap is
-    layout-safe)."""
+    """aiohttp's server, whose connections use :class:`_Protocol` (the class swap is layout-safe:
+    ``cap``, set by :class:`_Runner`, is an instance attribute)."""
+
+    cap: _ConnectionCap
 
     def __call__(self) -> web.RequestHandler:
         protocol = super().__call__()
@@ -436,11 +489,16 @@ class _Server(web.Server):
 
 
 class _Runner(web.AppRunner):
-    """:class:`web.AppRunner` serving through :class:`_Server`."""
+    """:class:`web.AppRunner` serving through :class:`_Server`, capping connections with ``cap``."""
+
+    def __init__(self, app: web.Application, *, cap: _ConnectionCap, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._cap = cap
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _Server
+        server.cap = self._cap
         return server
 
 
@@ -474,7 +532,8 @@ async def serve(cfg: PipelineConfig, stop: asyncio.Event, *, allow_unauthenticat
     gateway = Gateway(cfg)
     check_exposure(cfg.gateway, authenticated=gateway.authenticated, allow_unauthenticated=allow_unauthenticated)
     # access logs would carry client addresses only; parse errors go to a logger that drops the request's bytes
-    runner = _Runner(gateway.app(), access_log=None, logger=_HTTP_LOG)
+    runner = _Runner(gateway.app(), cap=gateway.connections, access_log=None, logger=_HTTP_LOG,
+                     keepalive_timeout=cfg.gateway.keepalive_timeout_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.gateway.host, cfg.gateway.port, ssl_context=ssl_context(cfg.gateway))

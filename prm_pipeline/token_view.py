@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.errors import ConfigurationError
+from infra.escape import printable, rich_text
 from infra.schema import SchemaError
 
 __all__ = [
@@ -327,33 +328,45 @@ def render_html(views: Iterable[BranchView], decode: Callable[[Sequence[int]], l
 
 def render_terminal(views: Iterable[BranchView], decode: Callable[[Sequence[int]], list[str]] | None = None,
                     *, console: Any = None) -> None:
-    """The same view with ``rich``: output tokens on a green/red background by reward."""
+    """The same view with ``rich``: output tokens on a green/red background by reward.
+
+    Everything shown is the verdict's (and the model's) text: it reaches rich escaped and as
+    :class:`rich.text.Text`, never as markup (:mod:`infra.escape`)."""
     from rich.console import Console
     from rich.table import Table
-    from rich.text import Text
 
     decode = decode or raw_ids
     console = console or Console()
     for v in views:
         scale = max((abs(r) for t in v.turns for r in t.rewards), default=0.0) or 1.0
-        console.rule(f"{v.group_id} · {v.session_id} · leaf {v.leaf_id} · outcome {v.outcome_reward} · "
-                     f"policy v{v.policy_version}{' · branching' if v.branching else ''}")
+        console.rule(rich_text(f"{v.group_id} · {v.session_id} · leaf {v.leaf_id} · outcome {v.outcome_reward} · "
+                               f"policy v{v.policy_version}{' · branching' if v.branching else ''}"))
         for t in v.turns:
-            text = Text("".join(decode(t.prompt_ids)), style="dim")
-            text.append(f"\n[{t.interaction_id}] ", style="bold")
+            text = rich_text("".join(decode(t.prompt_ids)), style="dim", multiline=True)
+            text.append(f"\n[{printable(t.interaction_id)}] ", style="bold")
             for tok, r in zip(decode(t.output_ids), t.rewards):
                 a = min(1.0, abs(r) / scale)
                 level = int(40 + 140 * a)
                 style = "" if r == 0 else (f"on rgb(0,{level},0)" if r > 0 else f"on rgb({level},0,0)")
-                text.append(tok, style=style)
+                text.append(printable(tok, multiline=True), style=style)
             console.print(text)
             table = Table("scorer", "turn reward", "details", show_edge=False, pad_edge=False)
+<<<<<<< HEAD
             for res in t.results:
                 table.add_row(str(res.get("scorer_name")), f"{float(res.get('reward', 0)):+.4f}", _obs_text(res))
             for entry in t.audit:
                 texts = " | ".join(f"{k}: {entry[k]}" for k in sorted(entry) if k.startswith("vote_"))
                 table.add_row(f"{entry.get('scorer')} votes", str(entry.get("votes", "")),
                               texts + (f" hint: {entry['hint']}" if entry.get("hint") else ""))
+=======
+            for r in t.results:
+                table.add_row(rich_text(str(r.get("scorer_name"))), f"{float(r.get('reward', 0)):+.4f}",
+                              rich_text(_obs_text(r)))
+            for a in t.audit:
+                texts = " | ".join(f"{k}: {a[k]}" for k in sorted(a) if k.startswith("vote_"))
+                table.add_row(rich_text(f"{a.get('scorer')} votes"), rich_text(str(a.get("votes", ""))),
+                              rich_text(texts + (f" hint: {a['hint']}" if a.get("hint") else "")))
+>>>>>>> h/tenant-text
             if table.row_count:
                 console.print(table)
 
@@ -420,13 +433,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         views = [view for v in shown for view in branch_views(v, audit)]
     except ValueError as exc:
-        print(f"inspect: {exc}", file=sys.stderr)
+        print(printable(f"inspect: {exc}"), file=sys.stderr)
         return 1
     if args.session:
         views = [v for v in views if v.session_id == args.session]
     notes = [line for v in shown for line in group_notes(v)]
     for line in notes:
-        print(line)
+        print(printable(line))
     if decode is raw_ids and views:
         print("inspect: token ids shown raw; --tokenizer FILE (the policy's tokenizer.json, or 'demo' for the "
               "demo's model) decodes them", file=sys.stderr)

@@ -32,6 +32,7 @@ from typing import IO, Any
 import msgspec
 
 from infra.config import ConfigError, PipelineConfig
+from infra.escape import printable
 from infra.experiments import DEFAULT_EXPERIMENT, verdicts_topic
 from infra.jsonl import dump_verdict
 from infra.kafka import assign_from_start, make_consumer
@@ -147,7 +148,8 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
                 try:
                     verdict = decode_verdict(record.value, record.headers)
                 except SchemaError as exc:
-                    print(f"skipping undecodable verdict at {record.partition}:{record.offset}: {exc}", file=sys.stderr)
+                    print(printable(f"skipping undecodable verdict at {record.partition}:{record.offset}: {exc}"),
+                          file=sys.stderr)
                     continue
                 if verdict.experiment_id != experiment:
                     counts.other_experiment += 1

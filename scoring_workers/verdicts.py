@@ -18,6 +18,10 @@ Rules (each sets ``reason_code`` from :mod:`infra.reasons`; ``reason`` is the te
 * fewer members than ``group_size`` -> ``rejected`` / ``missing_sessions``.
 * otherwise ``accepted``.
 
+A ``reason`` quoting a record's text (a discard's own reason, a dead letter's error, a failed
+member's error detail) quotes it escaped (:func:`infra.escape.printable`): one line, no
+terminal escapes, for every reader that prints it.
+
 :func:`fit_verdict` encodes a verdict and chooses the form its record takes; the worker
 publishes what it returns. A verdict whose record would exceed ``kafka.max_message_bytes``
 (:func:`infra.kafka.max_record_size`: the record batch, compressed, must fit the limit)
@@ -35,6 +39,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from infra import reasons
+from infra.escape import printable
 from infra.kafka import max_record_size, record_size
 from infra.readback import failed_reason, reference
 from infra.schema import GroupVerdict, ScorerInfo, SessionResult, TokenRef, VerdictStatus, encode
@@ -59,16 +64,16 @@ def assemble_verdict(group_id: str, state: GroupState,
     failed = [m for m in results if m.status == "failed"]
     code = ""
     if decision == "discard":
-        status, code, reason = "discarded", reasons.DISCARDED, state.discard_reason or "discarded"
+        status, code, reason = "discarded", reasons.DISCARDED, printable(state.discard_reason) or "discarded"
         results = [
             msgspec.structs.replace(m, status="discarded", branches=[], turn_results=[], stats={}, turns=[])
             for m in results
         ]
     elif decision == "invalid":
-        status, code, reason = "rejected", reasons.INVALID_MEMBER, state.discard_reason or "invalid_member"
+        status, code, reason = "rejected", reasons.INVALID_MEMBER, printable(state.discard_reason) or "invalid_member"
     elif state.size_mismatch is not None:
         status, code = "rejected", reasons.GROUP_SIZE_MISMATCH
-        reason = f"group_size_mismatch: results disagree on group_size ({group_size} vs {state.size_mismatch})"
+        reason = f"group_size_mismatch: members disagree on group_size ({group_size} vs {state.size_mismatch})"
     elif failed:
         status, code, reason = "rejected", failed[0].failure_code, failed_reason(failed)
     elif len(results) < group_size:

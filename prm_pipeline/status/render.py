@@ -1,5 +1,8 @@
 """``prm-pipeline status`` on a screen: one rich renderable per report (plain text when
-stdout is not a terminal)."""
+stdout is not a terminal).
+
+Group ids, reasons, error classes and problem messages are the records' text: every line
+goes to rich through :func:`infra.escape.rich_text` (escaped, and never read as markup)."""
 
 from __future__ import annotations
 
@@ -7,8 +10,8 @@ import time
 
 from rich.console import Group, RenderableType
 from rich.table import Table
-from rich.text import Text
 
+from infra.escape import rich_text
 from prm_pipeline.status.report import ExperimentSummary, StatusReport
 
 
@@ -42,7 +45,7 @@ def render(report: StatusReport) -> Group:
     """The report as a header line, a lag table, and ledger / verdict / dead-letter lines."""
     when = time.strftime("%H:%M:%S", time.localtime(report.at))
     about = f" of experiment {report.experiment}" if report.experiment is not None else ""
-    head = Text(f"prm-pipeline status{about} at {when}: ")
+    head = rich_text(f"prm-pipeline status{about} at {when}: ")
     head.append("HEALTHY" if report.healthy else "UNHEALTHY", style="bold green" if report.healthy else "bold red")
     parts: list[RenderableType] = [head]
     if report.lags:
@@ -53,13 +56,14 @@ def render(report: StatusReport) -> Group:
             change = "-" if g.growth is None else f"{g.growth:+d} in {g.window_s:.0f}s"
             per = " ".join(f"{p.partition}:{p.lag}" for p in g.partitions)
             members = "?" if g.members is None else str(g.members)
-            table.add_row(f"{g.role} ({g.group})", g.topic, f"{members} [{g.state}]", str(g.total), change, per)
+            table.add_row(*(rich_text(cell) for cell in (f"{g.role} ({g.group})", g.topic, f"{members} [{g.state}]",
+                                                          str(g.total), change, per)))
         parts.append(table)
     beats = report.workers
     if beats is not None:
         alive = ", ".join(f"{b.worker_id} ({b.age_s:.0f}s)" for b in beats.alive) or "none"
         silent = ", ".join(f"{b.worker_id} ({b.age_s:.0f}s)" for b in beats.silent)
-        parts.append(Text(f"workers alive (heartbeat < {beats.alive_s:g}s): {len(beats.alive)}: {alive}"
+        parts.append(rich_text(f"workers alive (heartbeat < {beats.alive_s:g}s): {len(beats.alive)}: {alive}"
                           f"{'; silent: ' + silent if silent else ''}"))
     ledger = report.ledger
     if ledger is not None:
@@ -69,25 +73,25 @@ def render(report: StatusReport) -> Group:
         memory = ", ".join(f"{n.node} {_bytes(n.used_bytes)}" + (f" of {_bytes(n.max_bytes)}" if n.max_bytes else "")
                            for n in ledger.memory)
         more = f" (state read for the {ledger.sampled} due soonest)" if ledger.sampled < ledger.indexed else ""
-        parts.append(Text(f"ledger: {ledger.open} open, {ledger.decided} decided awaiting their verdict{more}; "
+        parts.append(rich_text(f"ledger: {ledger.open} open, {ledger.decided} decided awaiting their verdict{more}; "
                           f"{oldest}; redis memory {memory}"))
     v = report.verdicts
     if v is not None:
         statuses = ", ".join(f"{s} {n}" for s, n in sorted(v.by_status.items())) or "none"
         reasons = ", ".join(f"{r} x{n}" for r, n in v.top_reasons)
         stages = " ".join(f"{s} {_seconds(t)}" for s, t in v.stage_p50_s.items())
-        parts.append(Text(f"verdicts (last {v.window_s:.0f}s): {v.count} = {v.per_second:.1f}/s ({statuses})"
+        parts.append(rich_text(f"verdicts (last {v.window_s:.0f}s): {v.count} = {v.per_second:.1f}/s ({statuses})"
                           f"{'; top reasons ' + reasons if reasons else ''}; latency p50 {_seconds(v.latency_p50_s)} "
                           f"p99 {_seconds(v.latency_p99_s)}{'; stage p50 ' + stages if stages else ''}"))
     fleet = report.fleet
     if fleet is not None:
-        parts.append(Text(fleet_line(fleet)))
+        parts.append(rich_text(fleet_line(fleet)))
     dl = report.dead_letters
     if dl is not None:
         top = ", ".join(f"{r} x{n}" for r, n in dl.top)
-        parts.append(Text(f"dead letters (last {dl.window_s:.0f}s): {dl.count}{'+' if dl.truncated else ''}"
+        parts.append(rich_text(f"dead letters (last {dl.window_s:.0f}s): {dl.count}{'+' if dl.truncated else ''}"
                           f"{' — ' + top if top else ''}"))
     for p in report.problems:
-        parts.append(Text(f"{p.severity.upper():8} {p.check}: {p.message}",
+        parts.append(rich_text(f"{p.severity.upper():8} {p.check}: {p.message}",
                           style="red" if p.severity == "critical" else "yellow"))
     return Group(*parts)

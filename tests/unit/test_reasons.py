@@ -105,6 +105,21 @@ def test_a_discard_keeps_its_text_out_of_the_code() -> None:
     assert (verdict.reason_code, verdict.reason) == ("discarded", "environment crashed before turn 3")
 
 
+
+@pytest.mark.parametrize("state", [
+    GroupState(decision="discard", discard_reason="crashed\n2030-01-01 00:00:00,000 ERROR forged\x1b[31m\u202e"),
+    GroupState(decision="invalid", discard_reason="invalid_member: record t:0@5 was dead-lettered (InvalidMessage: "
+                                                  "Invalid value 'x\n2030-01-01 00:00:00,000 ERROR forged\x1b[31m\u202e')"),
+    GroupState(decision="failed", group_size=1),
+])
+def test_a_reason_quotes_the_records_text_escaped(state) -> None:
+    bad = SessionResult.failure(code="scorer_error", detail="bad\n2030-01-01 00:00:00,000 ERROR forged\x1b[31m\u202e",
+                                session_id="b", trajectory_id="b")
+    verdict = assemble_verdict("g", state, [bad])
+    assert verdict.reason.splitlines() == [verdict.reason]
+    assert "\\n2030-01-01 00:00:00,000 ERROR forged\\x1b[31m\\u202e" in verdict.reason, verdict.reason
+
+
 # --------------------------------------------------------------------------- member failures
 def _traj(output: list[int], *, token_rewards: bytes | None = None, parent_input: list[int] | None = None) -> ReadyTrajectory:
     turns = [Interaction(interaction_id="a", model_response=ModelResponse.from_arrays([1, 2], output),

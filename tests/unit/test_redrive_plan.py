@@ -67,3 +67,14 @@ def test_offsets_argument_takes_the_dead_letter_field_as_printed() -> None:
     for bad in ("prm.dead-letters:3", "prm.dead-letters@0", "a:b@c", "3@"):
         with pytest.raises(argparse.ArgumentTypeError, match="TOPIC:PARTITION@OFFSET"):
             parse_offsets(bad)
+
+
+def test_the_plan_shows_the_records_text_escaped() -> None:
+    hostile = "g-1\n2030-01-01 00:00:00,000 ERROR forged\x1b[31m\u202e"
+    (member,) = make_group(hostile, 1, turns=1, output_tokens=2)
+    plan = plan_redrive([_letter(0, member, key=hostile.encode()), _letter(1, None, error_class="InvalidMessage")],
+                        Selection())
+    for entry in plan:
+        line = entry.describe()
+        assert line.splitlines() == [line] and "\x1b" not in line and "\u202e" not in line
+    assert "group g-1\\n2030-01-01 00:00:00,000 ERROR forged\\x1b[31m\\u202e" in plan[0].describe()

@@ -1,0 +1,30 @@
+"""``prm-pipeline inspect`` on a terminal: a verdict's ids, the model's tokens and the scorers'
+text reach the screen escaped, and rich reads no markup in them."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from prm_pipeline.token_view import BranchView, TurnView, render_terminal
+
+HOSTILE = "g-1\n2030-01-01 00:00:00,000 ERROR forged\x1b[31m\u202e[bold red]loud[/bold red]"
+ESCAPED = "g-1\\n2030-01-01 00:00:00,000 ERROR forged\\x1b[31m\\u202e[bold red]loud[/bold red]"
+
+
+def test_ids_tokens_and_scorer_text_are_shown_escaped_and_without_markup() -> None:
+    turn = TurnView(interaction_id=HOSTILE, prompt_ids=[1], output_ids=[2, 3], rewards=[0.5, -0.5],
+                    results=[{"scorer_name": HOSTILE, "reward": 0.5, "observations": [{"metric_id": "m", "value": HOSTILE}]}],
+                    audit=[{"scorer": HOSTILE, "votes": 1, "vote_0": HOSTILE}])
+    view = BranchView(HOSTILE, "s", "t", "leaf", 1.0, 0, turns=[turn])
+    tokens = {1: "prompt line one\nline two", 2: "[bold]out[/bold]", 3: "\x1b]8;;http://evil\x07link\r"}
+    out = io.StringIO()
+    render_terminal([view], lambda ids: [tokens[i] for i in ids],
+                    console=Console(file=out, force_terminal=False, width=2000))
+    screen = out.getvalue()
+    assert "\x1b" not in screen and "\x07" not in screen and "\r" not in screen and "\u202e" not in screen
+    assert not any(line.startswith("2030-01-01") for line in screen.splitlines()), screen
+    assert screen.count(ESCAPED) >= 5, screen  # the rule, the turn's id, the scorer, its observation, the votes
+    assert "prompt line one\nline two" in screen  # the model's own line breaks stay
+    assert "[bold]out[/bold]\\x1b]8;;http://evil\\x07link\\r" in screen
