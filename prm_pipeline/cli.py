@@ -30,7 +30,7 @@ from typing import Any
 
 from infra import event_loop
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
-from infra.experiments import UnknownExperiment, declared_experiment
+from infra.experiments import UnknownExperiment, declared_experiment, recorded_experiment, removed_note
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
 from prm_pipeline.flags import deprecated_alias, positive_int, seconds
@@ -408,7 +408,8 @@ class Command:
     checks of local inputs, run before waiting for a service. ``experiment``: when it
     publishes to or waits on ``--experiment``, which must then be declared (``trainer`` and
     ``audit`` check theirs when they read its declaration, ``status`` in its own command,
-    ``dead-letters`` none). ``error_exit``: exit status of an error that is not the
+    ``dead-letters`` when it filters by one); ``reads_removed``: the command only reads its
+    topics, so a removed experiment is read too, with a note (docs/fleet.md). ``error_exit``: exit status of an error that is not the
     command's own verdict (``audit`` keeps 1 for "a group differs"). ``all_kafka_logs``: keep
     aiokafka's connection errors (long-running commands), instead of one line.
     ``development``: a development command, whose module is imported only when it runs.
@@ -424,6 +425,7 @@ class Command:
     writes: tuple[tuple[str, str], ...] = ()
     checks: tuple[Callable[[argparse.Namespace], None], ...] = ()
     experiment: Callable[[argparse.Namespace], bool] | None = None
+    reads_removed: bool = False  # it only reads the experiment's topics: a removed one is read, with a note
     error_exit: int = 1
     all_kafka_logs: bool = False
     development: bool = False
@@ -450,7 +452,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("publish", "publish ready trajectories and discards from a JSONL file", cmd_publish, _publish_arguments,
             needs=("kafka",), reads=(("file", "FILE"),), checks=(_check_jsonl,), experiment=_always),
     Command("verdicts", "print verdicts as JSON lines", cmd_verdicts, _verdicts_arguments, needs=("kafka",),
-            writes=(("out", "--out"),), experiment=_always),
+            writes=(("out", "--out"),), experiment=_always, reads_removed=True),
     Command("trainer", "reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
             cmd_trainer, _trainer_arguments,
             description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
@@ -464,8 +466,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("dead-letters", "print dead letters with their headers decoded; --redrive republishes chosen ones",
             "prm_pipeline.dead_letter_tool:cmd_dead_letters", "prm_pipeline.dead_letter_tool:dead_letters_arguments",
             description="Read the dead-letter topic (JSON lines), or plan and run a redrive to the trajectories "
-                        "topic (a dry run unless --yes). See docs/faults.md.",
-            needs=("kafka",)),
+                        "topic (a dry run unless --yes). See docs/dead-letters.md.",
+            needs=("kafka",), writes=(("out", "--out"),)),
     Command("audit", "re-score recorded trajectories and compare with the recorded verdicts",
             "prm_pipeline.audit.cli:cmd_audit", "prm_pipeline.audit.cli:audit_arguments",
             description="Re-score every trajectory a recorded verdict names with the configured scorers and "
@@ -480,7 +482,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("inspect", "token view of a verdict: output tokens coloured by process reward",
             "prm_pipeline.token_view:cmd_inspect", "prm_pipeline.token_view:inspect_arguments",
             reads=(("verdicts", "--verdicts"), ("audit", "--audit")), writes=(("html", "--html"),),
-            experiment=lambda args: bool(args.group and not args.verdicts)),
+            experiment=lambda args: bool(args.group and not args.verdicts), reads_removed=True),
     Command("model-server", "serve the demo's tiny LM over SGLang /generate and OpenAI chat",
             "prm_pipeline.demo.model_server:cmd_model_server", development=True,
             parser="prm_pipeline.demo.model_server:add_model_server_parser"),
@@ -675,7 +677,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 return failed
         if (experiment := _experiment_to_check(args)) is not None:
-            asyncio.run(declared_experiment(_load(args), experiment))
+            if command.reads_removed:
+                if (recorded := asyncio.run(recorded_experiment(_load(args), experiment))).removed:
+                    print(removed_note(_load(args), recorded), file=sys.stderr)
+            else:
+                asyncio.run(declared_experiment(_load(args), experiment))
         return int(args.func(args) or 0)
     except UnknownExperiment as exc:  # nothing would ever read what the command publishes or waits for
         print(f"error: {exc}", file=sys.stderr)

@@ -74,9 +74,11 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             print(f"experiment {args.target!r} is not in the registry {cfg.topics.experiments} "
                   f"(declared: {sorted(known) or 'none'})", file=sys.stderr)
             return 1
-        offset = asyncio.run(publish_removal(cfg, args.target))
+        # the removal keeps the declaration: `audit` re-scores the experiment's topics with it
+        offset = asyncio.run(publish_removal(cfg, args.target, keep=known[args.target].spec))
         print(f"experiment {args.target} removed (registry offset {offset}): workers finish its open groups "
-              "within its group timeout, then stop consuming it")
+              "within its group timeout, then stop consuming it; its topics stay readable (verdicts, inspect, "
+              "audit, dead-letters)")
         return 0
     known = asyncio.run(read_registry(cfg))
     for experiment_id, entry in sorted(known.items()):
