@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_EXPERIMENT", "EXPERIMENT_ID_PATTERN", "SCOPE_SEPARATOR", "RecordedExperiment", "UnknownExperiment",
-    "check_experiment_id", "declared_experiment", "recorded_experiment", "removed_note", "scoped_group", "split_scoped", "trajectories_topic", "verdicts_topic",
+    "check_experiment_id", "declared_experiment", "recorded_experiment", "removed_note", "scoped_group",
+    "split_scoped", "trajectories_topic", "verdicts_topic",
 ]
 
 DEFAULT_EXPERIMENT: Final = "default"

@@ -15,7 +15,6 @@ should never be silently dropped. See ``docs/jsonl.md`` for the format.
 from __future__ import annotations
 
 import codecs
-
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -37,7 +36,7 @@ from infra.schema import (
     expand_turns,
 )
 
-__all__ = ["JsonlError", "parse", "load", "dump", "write", "KINDS", "MAX_NESTING"]
+__all__ = ["JsonlError", "parse", "load", "load_lines", "dump", "write", "KINDS", "MAX_NESTING"]
 
 KINDS = ("ready", "discard")
 MAX_NESTING = 128

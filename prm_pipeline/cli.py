@@ -557,16 +557,57 @@ def add_command(subparsers: Any, command: Command) -> argparse.ArgumentParser:
 
 def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     """The full parser of command ``name`` in ``parser`` (building a deferred one)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    p = sub.choices[name]
+    p = _subparsers(parser).choices[name]
     return p.real() if isinstance(p, _DeferredParser) else p
 
 
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: a mistyped flag is named with its closest match, and in the
+    usage of the command it was given to (argparse reports it in the top-level usage, and an
+    unknown option before the command as "invalid choice" of the word after it)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        sub = _subparsers(self)
+        for word in argv:  # the options before the command
+            if word in sub.choices or word == "--":
+                break
+            if word.startswith("-") and not self._option_known(word):
+                self.error(f"unrecognized option {word.split('=', 1)[0]}{_did_you_mean(word, self)}")
+        parsed, extras = super().parse_known_args(argv, namespace)
+        if extras:
+            target = command_parser(self, parsed.command) if getattr(parsed, "command", None) in sub.choices else self
+            flags = [w for w in extras if w.startswith("-")]
+            hints = "".join(_did_you_mean(w, target) for w in flags)
+            target.error(f"unrecognized arguments: {' '.join(extras)}{hints}")
+        return parsed, []
+
+    def _option_known(self, word: str) -> bool:
+        name = word.split("=", 1)[0]
+        options = [s for a in self._actions for s in a.option_strings]
+        return name in options or (self.allow_abbrev and name.startswith("--")
+                                   and any(o.startswith(name) for o in options))
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:  # type: ignore[type-arg]
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def _did_you_mean(word: str, parser: argparse.ArgumentParser) -> str:
+    """``" (did you mean --x?)"`` for a mistyped flag of ``parser``, or "" when none is close."""
+    import difflib
+
+    options = [s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings
+               if s.startswith("--")]
+    match = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.7)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prm-pipeline", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="prm-pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML config file (default: $PRM_CONFIG or built-in defaults)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser)
     for command in COMMANDS.values():
         add_command(sub, command)
     for p in sub.choices.values():

@@ -100,10 +100,20 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Target(argparse.Action):
+    """``target``, refused after ``list`` (which takes none) as a usage error, before any connection."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if values is not None and namespace.action == "list":
+            parser.error(f"experiment list takes no argument, got {values!r} (add FILE.yaml | remove ID | list)")
+        setattr(namespace, self.dest, values)
+
+
 def experiment_arguments(p: argparse.ArgumentParser) -> None:
     """``prm-pipeline experiment``'s arguments (the command is described in prm_pipeline.cli.COMMANDS)."""
     p.add_argument("action", choices=["add", "remove", "list"])
-    p.add_argument("target", nargs="?", help="add: the experiment's YAML file; remove: its id")
+    p.add_argument("target", nargs="?", action=_Target, help="add: the experiment's YAML file; remove: its id")
     p.add_argument("--json", action="store_true", help="list: one JSON object per experiment")
 
 
