@@ -71,7 +71,8 @@ def test_the_invocation_check_catches_a_mistyped_flag_and_command() -> None:
     assert _problems(["bench", "capacity", "--broker", "noida"]) == [] and _problems(["bench", "nope"])
 
 
-_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\w)(?![\w./<{*-])" % "|".join(map(re.escape, TOP_FOLDERS)))
+_FOLDERS = "|".join(map(re.escape, TOP_FOLDERS))
+_PATH = re.compile(rf"(?<![\w./-])((?:{_FOLDERS})/[\w./-]*\w)(?![\w./<{{*-])")
 """A path of the tree; not one with a placeholder (``tests/ecosystem/test_<name>.py``)."""
 
 
@@ -128,7 +129,7 @@ def dotted_problem(name: str) -> str | None:
 
 
 def test_every_dotted_name_of_the_project_in_the_docs_exists() -> None:
-    pattern = re.compile(r"`((?:%s)(?:\.\w+)+)" % "|".join(PACKAGES))
+    pattern = re.compile(rf"`((?:{'|'.join(PACKAGES)})(?:\.\w+)+)")
     wrong = sorted({f"{page.relative_to(ROOT)}: {m.group(1)}: {why}" for page in PAGES
                     for m in pattern.finditer(page.read_text()) if (why := dotted_problem(m.group(1)))})
     assert wrong == [], "\n".join(wrong)
