@@ -583,10 +583,13 @@ class _Parser(argparse.ArgumentParser):
         return parsed, []
 
     def _option_known(self, word: str) -> bool:
+        """A top-level option as argparse reads it: whole, abbreviated (``--conf``) or, for a
+        short one, with its value or other short flags attached (``-vv``)."""
         name = word.split("=", 1)[0]
         options = [s for a in self._actions for s in a.option_strings]
-        return name in options or (self.allow_abbrev and name.startswith("--")
-                                   and any(o.startswith(name) for o in options))
+        if not name.startswith("--"):
+            return name[:2] in options
+        return name in options or (self.allow_abbrev and any(o.startswith(name) for o in options))
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:  # type: ignore[type-arg]
