@@ -6,9 +6,10 @@ id, value = the :class:`ExperimentSpec` as JSON; removing it writes ``{"removed"
 a removal that keeps the last declaration: the experiment's topics stay readable and
 auditable (``verdicts``, ``inspect``, ``audit`` and ``dead-letters`` read them and say it
 is removed; ``audit`` re-scores with that declaration). A tombstone (no value) is a
-removal that kept nothing (what earlier versions wrote). Every worker reads the topic from its beginning and keeps following it, so the
-latest record per key is the experiment's current declaration — the topic is the
-source of truth, replayable like the others, and compaction keeps it small.
+removal that kept nothing (what earlier versions wrote). Every worker reads the topic
+from its beginning and keeps following it, so the latest record per key is the
+experiment's current declaration — the topic is the source of truth, replayable like
+the others, and compaction keeps it small.
 
 Why JSON and not msgpack like the trajectory records: these are a handful of small
 operator-written documents; a person reading the topic (``kafka-console-consumer``,
