@@ -460,7 +460,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             all_kafka_logs=True),
     Command("gateway", "HTTP reward service for OpenRLHF, slime and token-id clients", cmd_gateway,
             _gateway_arguments, needs=("kafka",), checks=(_check_event_loop,)),
-    Command("experiment", "declare, remove or list experiments in the registry (docs/fleet.md)",
+    Command("experiment", "declare, remove, forget or list experiments in the registry (docs/fleet.md)",
             "prm_pipeline.experiment_tool:checked_experiment", "prm_pipeline.experiment_tool:experiment_arguments",
             needs=("kafka",), checks=(_check_experiment_file,)),
     Command("dead-letters", "print dead letters with their headers decoded; --redrive republishes chosen ones",

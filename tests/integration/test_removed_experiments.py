@@ -1,6 +1,7 @@
 """A removed experiment stays readable and auditable: ``experiment remove`` keeps its last
 declaration in the registry, and ``verdicts``, ``inspect --group``, ``audit`` and
 ``dead-letters`` read its topics and say it is removed, while ``publish`` still refuses it.
+``experiment forget`` drops the declaration only once its topics are deleted.
 
 Real broker, real Redis, an in-process worker; the commands run in-process through
 :func:`prm_pipeline.cli.main` as a user types them.
@@ -14,6 +15,8 @@ import uuid
 
 import pytest
 
+from infra.experiments import trajectories_topic, verdicts_topic
+from infra.kafka import make_admin
 from infra.registry import read_registry
 from prm_pipeline.cli import main
 from prm_pipeline.demo.processes import write_config
@@ -70,3 +73,18 @@ async def test_a_removed_experiment_is_read_inspected_audited_and_listed_with_a_
     code, out, err = await _cli(capsys, "--config", config, "publish", "--experiment", "exp-gone",
                                 "examples/trajectories.jsonl")
     assert code == 2 and "'exp-gone' has no declaration" in err and "removed at offset" in err, err
+
+    code, out, err = await _cli(capsys, "--config", config, "experiment", "forget", "exp-gone")
+    assert code == 1 and "still hold its records" in err, err  # its topics are there: the declaration stays
+    assert (await read_registry(cfg, removed=True))["exp-gone"].kept == spec
+    admin = make_admin(cfg.kafka)
+    await admin.start()
+    try:
+        await admin.delete_topics([trajectories_topic(cfg.topics.trajectories, "exp-gone"),
+                                   verdicts_topic(cfg.topics.verdicts, "exp-gone")])
+    finally:
+        await admin.close()
+    code, out, err = await _cli(capsys, "--config", config, "experiment", "forget", "exp-gone")
+    assert code == 0 and "experiment exp-gone forgotten" in out, err
+    entry = (await read_registry(cfg, removed=True))["exp-gone"]
+    assert entry.removal and entry.kept is None  # a tombstone: compaction drops the key in time
