@@ -42,7 +42,7 @@ def _problems(words: list[str]) -> list[str]:
     if command not in COMMANDS:
         return [f"no command {command!r}"]
     if command == "bench":  # the flags after NAME are the benchmark's own (tests/perf)
-        name = next((w for w in words[1:] if not w.startswith("-")), None)
+        name = next((w for w in words[1:] if not w.lstrip("[").startswith("-")), None)
         return [] if name in (None, "NAME") or name in BENCHMARKS else [f"no benchmark {name!r}"]
     parser = command_parser(build_parser(), command)
     known = {s for action in parser._actions for s in action.option_strings}
@@ -59,6 +59,21 @@ def test_every_prm_pipeline_invocation_in_the_docs_names_a_command_and_its_flags
                 count += 1
                 wrong += [f"{page.relative_to(ROOT)}: `prm-pipeline {' '.join(words)}`: {p}" for p in _problems(words)]
     assert count > 50  # the extraction finds the docs' commands
+    assert wrong == []
+
+
+def test_every_command_in_the_readme_table_takes_the_flags_it_lists() -> None:
+    """The README's table of commands (``| `verdicts [--from-beginning] …` | … |``)."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| command | what it does |"):]
+    rows = table[: table.index("\n\n")].splitlines()[2:]
+    wrong = []
+    for row in rows:
+        cell = re.split(r"(?<!\\)\|", row)[1]
+        for usage in re.findall(r"`([^`]+)`", cell):
+            words = usage.replace("\\|", "|").split()
+            wrong += [f"README.md: `{usage}`: {p}" for p in _problems(words)]
+    assert len(rows) >= len(COMMANDS) - 1  # `up` … `bench`: the table lists them (topics create as one)
     assert wrong == []
 
 
