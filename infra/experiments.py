@@ -84,7 +84,9 @@ def verdicts_topic(base: str, experiment_id: str) -> str:
 class UnknownExperiment(ConfigurationError, ValueError):
     """An experiment id the registry holds no declaration for (never added, removed, or its
     record was refused). No worker reads its topics, so nothing published there would ever
-    get a verdict: every tool that publishes or waits for one experiment refuses it up front."""
+    get a verdict: every tool that publishes to one experiment or trains on it refuses it up
+    front (the tools that only read its recorded topics accept a removed one:
+    :func:`recorded_experiment`)."""
 
 
 async def declared_experiment(cfg: PipelineConfig, experiment_id: str) -> Any:
