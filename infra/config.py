@@ -704,9 +704,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[
     if path:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raise ConfigError(f"config file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else "does not exist"))
+        try:  # utf-8-sig: a byte-order mark is not part of the first key
+            raw = yaml.safe_load(p.read_text(encoding="utf-8-sig")) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     return config_from_mapping(raw, environ=env)

@@ -14,6 +14,7 @@ should never be silently dropped. See ``docs/jsonl.md`` for the format.
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -35,7 +36,7 @@ from infra.schema import (
     expand_turns,
 )
 
-__all__ = ["JsonlError", "parse", "load", "dump", "write", "KINDS", "MAX_NESTING"]
+__all__ = ["JsonlError", "parse", "load", "load_lines", "dump", "write", "KINDS", "MAX_NESTING"]
 
 KINDS = ("ready", "discard")
 MAX_NESTING = 128
@@ -279,18 +280,26 @@ def _parse_line(line: bytes) -> TrajectoryMessage:
 
 
 def load(path: str | os.PathLike[str]) -> Iterator[TrajectoryMessage]:
-    """Yield the messages of a JSONL file in order, skipping blank lines.
+    """Yield the messages of a JSONL file in order, skipping blank lines (see :func:`load_lines`)."""
+    return (message for _, message in load_lines(path))
+
+
+def load_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, TrajectoryMessage]]:
+    """Yield ``(line number, message)`` of a JSONL file in order, skipping blank lines.
 
     Errors are :class:`JsonlError` prefixed with ``file:line:``. The file is read line
-    by line, so large workloads stream.
+    by line, so large workloads stream. A UTF-8 byte-order mark (what some Windows
+    editors write) is skipped, not an "invalid character" at byte 0.
     """
     name = os.fspath(path)
     with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, start=1):
+            if lineno == 1:
+                line = line.removeprefix(codecs.BOM_UTF8)
             if not line.strip():
                 continue
             try:
-                yield _parse_line(line)
+                yield lineno, _parse_line(line)
             except JsonlError as exc:
                 raise JsonlError(f"{name}:{lineno}: {exc}") from None
 

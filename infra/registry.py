@@ -2,10 +2,14 @@
 
 An experiment is declared by an operator (``prm-pipeline experiment add FILE.yaml``)
 as one record of ``topics.experiments`` (``prm.experiments``): key = the experiment
-id, value = the :class:`ExperimentSpec` as JSON; removing it writes a tombstone (no
-value). Every worker reads the topic from its beginning and keeps following it, so the
-latest record per key is the experiment's current declaration — the topic is the
-source of truth, replayable like the others, and compaction keeps it small.
+id, value = the :class:`ExperimentSpec` as JSON; removing it writes ``{"removed": SPEC}``,
+a removal that keeps the last declaration: the experiment's topics stay readable and
+auditable (``verdicts``, ``inspect``, ``audit`` and ``dead-letters`` read them and say it
+is removed; ``audit`` re-scores with that declaration). A tombstone (no value) is a
+removal that kept nothing (what earlier versions wrote). Every worker reads the topic
+from its beginning and keeps following it, so the latest record per key is the
+experiment's current declaration — the topic is the source of truth, replayable like
+the others, and compaction keeps it small.
 
 Why JSON and not msgpack like the trajectory records: these are a handful of small
 operator-written documents; a person reading the topic (``kafka-console-consumer``,
@@ -49,8 +53,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "KIND", "MAX_RECORD_BYTES", "ExperimentSpec", "JudgeQuotaSpec", "RegistryError", "RegistryFollower",
-    "RegistryRecord", "decode_record", "encode_spec", "load_spec_file", "publish_removal", "publish_spec",
-    "read_registry",
+    "RegistryRecord", "decode_entry", "decode_record", "encode_spec", "load_spec_file", "publish_removal",
+    "publish_spec", "read_registry",
 ]
 
 KIND = "experiment"
@@ -116,13 +120,16 @@ class ExperimentSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 @dataclass(frozen=True, slots=True)
 class RegistryRecord:
     """One record of the registry topic, decoded: a declaration (``spec``), a removal
-    (``spec is None`` and no ``error``), or a refused record (``error`` says why)."""
+    (``spec is None`` and no ``error``; ``kept``: the declaration it keeps for reading and
+    auditing the experiment's topics, None for a bare tombstone), or a refused record
+    (``error`` says why)."""
 
     experiment_id: str
     spec: ExperimentSpec | None
     offset: int
     error: str = ""
     timestamp_ms: int = 0
+    kept: ExperimentSpec | None = None
 
     @property
     def removal(self) -> bool:
@@ -149,15 +156,28 @@ def _spec_from_mapping(data: Any, where: str) -> ExperimentSpec:
         if key not in known:
             raise RegistryError(unknown_key_message(where, str(key), known))
     try:
-        if isinstance(data.get("prm"), dict):
-            check_prm_keys(data["prm"], f"{where}.prm")
+        if isinstance(data.get("prm"), dict):  # keys relative to the file: the file is named once, below
+            check_prm_keys(data["prm"], "prm")
         spec = msgspec.convert(data, ExperimentSpec, strict=False)
-        validate_prm(spec.prm, f"{where}.prm")
+        validate_prm(spec.prm, "prm")
     except (msgspec.ValidationError, ValueError, TypeError) as exc:
         raise RegistryError(f"{where}: {exc}") from None
     if not spec.prm.active:
         raise RegistryError(f"{where}: prm has no enabled scorer; an experiment needs at least one")
     return spec
+
+
+_REMOVED = "removed"
+"""The one key of a removal record's value: ``{"removed": SPEC}``."""
+
+
+def encode_removal(spec: ExperimentSpec) -> bytes:
+    """The value of the registry record removing ``spec``'s experiment while keeping its declaration."""
+    value = _ENCODER.encode({_REMOVED: spec})
+    if len(value) > MAX_RECORD_BYTES:
+        raise RegistryError(f"experiment {spec.experiment_id!r}: the removal record is {len(value)} bytes, over "
+                            f"the registry's limit of {MAX_RECORD_BYTES}")
+    return value
 
 
 def decode_record(key: bytes | None, value: bytes | None) -> ExperimentSpec | None:
@@ -167,12 +187,22 @@ def decode_record(key: bytes | None, value: bytes | None) -> ExperimentSpec | No
         RegistryError: a key that is not an experiment id, a value too large, not JSON,
             not an experiment, or declaring another id than its key.
     """
+    return decode_entry(key, value)[0]
+
+
+def decode_entry(key: bytes | None, value: bytes | None) -> tuple[ExperimentSpec | None, ExperimentSpec | None]:
+    """``(declaration, kept)`` of a registry record: ``(spec, None)`` for a declaration,
+    ``(None, spec)`` for a removal keeping its last declaration, ``(None, None)`` for a tombstone.
+
+    Raises:
+        RegistryError: as :func:`decode_record`.
+    """
     try:
         experiment_id = check_experiment_id((key or b"").decode("utf-8", "strict"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise RegistryError(f"registry record key: {exc}") from None
     if value is None:
-        return None
+        return None, None
     if len(value) > MAX_RECORD_BYTES:
         raise RegistryError(f"experiment {experiment_id!r}: record of {len(value)} bytes, over the limit of "
                             f"{MAX_RECORD_BYTES}")
@@ -181,20 +211,23 @@ def decode_record(key: bytes | None, value: bytes | None) -> ExperimentSpec | No
                            max_depth=MAX_RECORD_DEPTH)
     except JSONBoundsError as exc:
         raise RegistryError(str(exc)) from None
-    spec = _spec_from_mapping(data, f"experiment {experiment_id!r}")
+    removal = isinstance(data, dict) and list(data) == [_REMOVED]
+    where = f"experiment {experiment_id!r}" + (" (removal)" if removal else "")
+    spec = _spec_from_mapping(data[_REMOVED] if removal else data, where)
     if spec.experiment_id != experiment_id:
-        raise RegistryError(f"experiment {experiment_id!r}: the record declares {spec.experiment_id!r}; "
+        raise RegistryError(f"{where}: the record declares {spec.experiment_id!r}; "
                             "the key and experiment_id must agree")
-    return spec
+    return (None, spec) if removal else (spec, None)
 
 
 def load_spec_file(path: str | Path) -> ExperimentSpec:
     """An experiment declared in a YAML file (the argument of ``experiment add``)."""
     p = Path(path)
     if not p.is_file():
-        raise RegistryError(f"experiment file {str(p)!r} does not exist")
+        raise RegistryError(f"experiment file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else
+                                                             "does not exist"))
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8-sig"))
     except yaml.YAMLError as exc:
         raise RegistryError(f"{p}: not valid YAML: {exc}") from None
     spec = _spec_from_mapping(data, str(p))
@@ -221,10 +254,15 @@ async def publish_spec(cfg: PipelineConfig, spec: ExperimentSpec) -> int:
     return await _send(cfg, key, value, headers)
 
 
-async def publish_removal(cfg: PipelineConfig, experiment_id: str) -> int:
-    """Remove ``experiment_id`` from the registry (a tombstone); returns its offset."""
+async def publish_removal(cfg: PipelineConfig, experiment_id: str, keep: ExperimentSpec | None = None) -> int:
+    """Remove ``experiment_id`` from the registry; returns the record's offset.
+
+    ``keep``: its last declaration, kept in the removal record so that ``audit`` can still
+    re-score its topics; None writes a tombstone (nothing to keep: its latest record was refused).
+    """
     check_experiment_id(experiment_id)
-    return await _send(cfg, experiment_id.encode(), None, [("prm-kind", KIND.encode()), ("prm-schema-version", b"1")])
+    value = None if keep is None else encode_removal(keep)
+    return await _send(cfg, experiment_id.encode(), value, [("prm-kind", KIND.encode()), ("prm-schema-version", b"1")])
 
 
 # --------------------------------------------------------------------------- reading
@@ -304,14 +342,14 @@ class RegistryFollower:
         never its neighbours in the same fetch, nor the reader."""
         name = (record.key or b"").decode("utf-8", "replace")[:80]
         try:
-            spec = decode_record(record.key, record.value)
+            spec, kept = decode_entry(record.key, record.value)
         except RegistryError as exc:
             return RegistryRecord(name, None, record.offset, error=str(exc), timestamp_ms=record.timestamp)
         except Exception as exc:
             log.exception("experiment registry: record %r at offset %d could not be decoded", name, record.offset)
             return RegistryRecord(name, None, record.offset, error=f"undecodable record ({type(exc).__name__}: "
                                   f"{str(exc)[:200]})", timestamp_ms=record.timestamp)
-        return RegistryRecord(name, spec, record.offset, timestamp_ms=record.timestamp)
+        return RegistryRecord(name, spec, record.offset, timestamp_ms=record.timestamp, kept=kept)
 
     async def aclose(self) -> None:
         if self._started:
@@ -319,15 +357,16 @@ class RegistryFollower:
             self._started = False
 
 
-async def read_registry(cfg: PipelineConfig) -> dict[str, RegistryRecord]:
+async def read_registry(cfg: PipelineConfig, *, removed: bool = False) -> dict[str, RegistryRecord]:
     """The registry as it stands: the latest record of each experiment still declared
-    (a refused latest record is kept, with its error, so ``experiment list`` shows it)."""
+    (a refused latest record is kept, with its error, so ``experiment list`` shows it);
+    with ``removed``, also the removal of each removed experiment (``kept``: its declaration)."""
     follower = RegistryFollower(cfg)
     await follower.start()
     try:
         latest: dict[str, RegistryRecord] = {}
         for record in await follower.catch_up():
-            if record.removal:
+            if record.removal and not removed:
                 latest.pop(record.experiment_id, None)
             else:
                 latest[record.experiment_id] = record

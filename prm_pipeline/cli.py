@@ -31,7 +31,7 @@ from typing import Any
 from infra import event_loop
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
 from infra.escape import printable
-from infra.experiments import UnknownExperiment, declared_experiment
+from infra.experiments import UnknownExperiment, declared_experiment, recorded_experiment, removed_note
 from infra.logs import configure_logging
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
@@ -410,7 +410,8 @@ class Command:
     checks of local inputs, run before waiting for a service. ``experiment``: when it
     publishes to or waits on ``--experiment``, which must then be declared (``trainer`` and
     ``audit`` check theirs when they read its declaration, ``status`` in its own command,
-    ``dead-letters`` none). ``error_exit``: exit status of an error that is not the
+    ``dead-letters`` when it filters by one); ``reads_removed``: the command only reads its
+    topics, so a removed experiment is read too, with a note (docs/fleet.md). ``error_exit``: exit status of an error that is not the
     command's own verdict (``audit`` keeps 1 for "a group differs"). ``all_kafka_logs``: keep
     aiokafka's connection errors (long-running commands), instead of one line.
     ``development``: a development command, whose module is imported only when it runs.
@@ -426,6 +427,7 @@ class Command:
     writes: tuple[tuple[str, str], ...] = ()
     checks: tuple[Callable[[argparse.Namespace], None], ...] = ()
     experiment: Callable[[argparse.Namespace], bool] | None = None
+    reads_removed: bool = False  # it only reads the experiment's topics: a removed one is read, with a note
     error_exit: int = 1
     all_kafka_logs: bool = False
     development: bool = False
@@ -452,7 +454,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("publish", "publish ready trajectories and discards from a JSONL file", cmd_publish, _publish_arguments,
             needs=("kafka",), reads=(("file", "FILE"),), checks=(_check_jsonl,), experiment=_always),
     Command("verdicts", "print verdicts as JSON lines", cmd_verdicts, _verdicts_arguments, needs=("kafka",),
-            writes=(("out", "--out"),), experiment=_always),
+            writes=(("out", "--out"),), experiment=_always, reads_removed=True),
     Command("trainer", "reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
             cmd_trainer, _trainer_arguments,
             description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
@@ -460,14 +462,14 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             all_kafka_logs=True),
     Command("gateway", "HTTP reward service for OpenRLHF, slime and token-id clients", cmd_gateway,
             _gateway_arguments, needs=("kafka",), checks=(_check_event_loop,)),
-    Command("experiment", "declare, remove or list experiments in the registry (docs/fleet.md)",
+    Command("experiment", "declare, remove, forget or list experiments in the registry (docs/fleet.md)",
             "prm_pipeline.experiment_tool:checked_experiment", "prm_pipeline.experiment_tool:experiment_arguments",
             needs=("kafka",), checks=(_check_experiment_file,)),
     Command("dead-letters", "print dead letters with their headers decoded; --redrive republishes chosen ones",
             "prm_pipeline.dead_letter_tool:cmd_dead_letters", "prm_pipeline.dead_letter_tool:dead_letters_arguments",
             description="Read the dead-letter topic (JSON lines), or plan and run a redrive to the trajectories "
-                        "topic (a dry run unless --yes). See docs/faults.md.",
-            needs=("kafka",)),
+                        "topic (a dry run unless --yes). See docs/dead-letters.md.",
+            needs=("kafka",), writes=(("out", "--out"),)),
     Command("audit", "re-score recorded trajectories and compare with the recorded verdicts",
             "prm_pipeline.audit.cli:cmd_audit", "prm_pipeline.audit.cli:audit_arguments",
             description="Re-score every trajectory a recorded verdict names with the configured scorers and "
@@ -482,7 +484,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("inspect", "token view of a verdict: output tokens coloured by process reward",
             "prm_pipeline.token_view:cmd_inspect", "prm_pipeline.token_view:inspect_arguments",
             reads=(("verdicts", "--verdicts"), ("audit", "--audit")), writes=(("html", "--html"),),
-            experiment=lambda args: bool(args.group and not args.verdicts)),
+            experiment=lambda args: bool(args.group and not args.verdicts), reads_removed=True),
     Command("model-server", "serve the demo's tiny LM over SGLang /generate and OpenAI chat",
             "prm_pipeline.demo.model_server:cmd_model_server", development=True,
             parser="prm_pipeline.demo.model_server:add_model_server_parser"),
@@ -557,16 +559,60 @@ def add_command(subparsers: Any, command: Command) -> argparse.ArgumentParser:
 
 def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     """The full parser of command ``name`` in ``parser`` (building a deferred one)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    p = sub.choices[name]
+    p = _subparsers(parser).choices[name]
     return p.real() if isinstance(p, _DeferredParser) else p
 
 
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: a mistyped flag is named with its closest match, and in the
+    usage of the command it was given to (argparse reports it in the top-level usage, and an
+    unknown option before the command as "invalid choice" of the word after it)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        sub = _subparsers(self)
+        for word in argv:  # the options before the command
+            if word in sub.choices or word == "--":
+                break
+            if word.startswith("-") and not self._option_known(word):
+                self.error(f"unrecognized option {word.split('=', 1)[0]}{_did_you_mean(word, self)}")
+        parsed, extras = super().parse_known_args(argv, namespace)
+        if extras:
+            target = command_parser(self, parsed.command) if getattr(parsed, "command", None) in sub.choices else self
+            flags = [w for w in extras if w.startswith("-")]
+            hints = "".join(_did_you_mean(w, target) for w in flags)
+            target.error(f"unrecognized arguments: {' '.join(extras)}{hints}")
+        return parsed, []
+
+    def _option_known(self, word: str) -> bool:
+        """A top-level option as argparse reads it: whole, abbreviated (``--conf``) or, for a
+        short one, with its value or other short flags attached (``-vv``)."""
+        name = word.split("=", 1)[0]
+        options = [s for a in self._actions for s in a.option_strings]
+        if not name.startswith("--"):
+            return name[:2] in options
+        return name in options or (self.allow_abbrev and any(o.startswith(name) for o in options))
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:  # type: ignore[type-arg]
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def _did_you_mean(word: str, parser: argparse.ArgumentParser) -> str:
+    """``" (did you mean --x?)"`` for a mistyped flag of ``parser``, or "" when none is close."""
+    import difflib
+
+    options = [s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings
+               if s.startswith("--")]
+    match = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.7)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prm-pipeline", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="prm-pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML config file (default: $PRM_CONFIG or built-in defaults)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser)
     for command in COMMANDS.values():
         add_command(sub, command)
     for p in sub.choices.values():
@@ -674,7 +720,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: {printable(str(exc))}", file=sys.stderr)
                 return failed
         if (experiment := _experiment_to_check(args)) is not None:
-            asyncio.run(declared_experiment(_load(args), experiment))
+            if command.reads_removed:
+                if (recorded := asyncio.run(recorded_experiment(_load(args), experiment))).removed:
+                    print(removed_note(_load(args), recorded), file=sys.stderr)
+            else:
+                asyncio.run(declared_experiment(_load(args), experiment))
         return int(args.func(args) or 0)
     except UnknownExperiment as exc:  # nothing would ever read what the command publishes or waits for
         print(f"error: {printable(str(exc))}", file=sys.stderr)

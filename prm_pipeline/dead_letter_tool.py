@@ -382,6 +382,12 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         print("dead-letters: --offsets/--trajectory/--group/--reason/--yes choose what --redrive republishes; "
               "add --redrive", file=sys.stderr)
         return 2
+    if args.redrive and args.out:
+        print("dead-letters: --out writes the listing; --redrive prints its plan to stdout (redirect it); drop --out",
+              file=sys.stderr)
+        return 2
+    if args.experiment is not None:
+        _note_if_removed(cfg, args.experiment)
     if not args.redrive:
         return _list(cfg, args)
     chosen = [o for spec in args.offsets or () for o in spec]
@@ -398,6 +404,11 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     )
     records = asyncio.run(read_letters(cfg, since_ms=args.since))
     entries = plan_redrive(records, selection)
+    read = {(r.partition, r.offset) for r in records}
+    if unmatched := sorted(selection.offsets - read):
+        print(f"dead-letters: --offsets {', '.join(f'{p}:{o}' for p, o in unmatched)} "
+              f"{'matches' if len(unmatched) == 1 else 'match'} no dead letter read from {cfg.topics.dead_letters} "
+              f"({len(records)} read{', --since' if args.since is not None else ''})", file=sys.stderr)
     out = sys.stdout
     for entry in entries:
         print(entry.describe(), file=out)
@@ -413,6 +424,19 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     print(f"redrove {len(result.sent)} of {len(entries)} chosen dead letters ({len(records)} read) to {topic}, "
           f"{len(result.skipped)} skipped", file=out)
     return 0
+
+
+def _note_if_removed(cfg: PipelineConfig, experiment: str) -> None:
+    """Say so when ``--experiment`` names a removed experiment (its letters are still listed and
+    redriven); an undeclared one is no error here: its records are dead letters too."""
+    from infra.experiments import recorded_experiment, removed_note
+
+    try:
+        recorded = asyncio.run(recorded_experiment(cfg, experiment))
+    except UnknownExperiment:
+        return
+    if recorded.removed:
+        print(removed_note(cfg, recorded), file=sys.stderr)
 
 
 def _list(cfg: PipelineConfig, args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``prm-pipeline experiment add FILE.yaml | remove ID | list``: the operator's side of the registry.
+"""``prm-pipeline experiment add FILE.yaml | remove ID | forget ID | list``: the operator's side of the registry.
 
 ``add`` checks the file as data (schema, sizes, quotas: :func:`infra.registry.load_spec_file`)
 and, with the operator's own config at hand, the way a worker will
@@ -7,6 +7,8 @@ arguments or the operator's ``worker.scorer_profiles``, the judge URLs under the
 host allow-list) — so a typo fails here, in one line, and not on every worker.
 It creates the experiment's two topics, then writes the registry record. Workers apply
 it within about a second (docs/fleet.md); ``list`` shows what the registry holds.
+``remove`` keeps the experiment's declaration in its removal record, so that its topics
+stay auditable; ``forget``, once those topics are deleted, drops it (a tombstone).
 """
 
 from __future__ import annotations
@@ -75,10 +77,14 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             print(printable(f"experiment {args.target!r} is not in the registry {cfg.topics.experiments} "
                             f"(declared: {sorted(known) or 'none'})"), file=sys.stderr)
             return 1
-        offset = asyncio.run(publish_removal(cfg, args.target))
+        # the removal keeps the declaration: `audit` re-scores the experiment's topics with it
+        offset = asyncio.run(publish_removal(cfg, args.target, keep=known[args.target].spec))
         print(f"experiment {args.target} removed (registry offset {offset}): workers finish its open groups "
-              "within its group timeout, then stop consuming it")
+              "within its group timeout, then stop consuming it; its topics stay readable (verdicts, inspect, "
+              "audit, dead-letters)")
         return 0
+    if args.action == "forget":
+        return _forget(cfg, args.target)
     known = asyncio.run(read_registry(cfg))
     for experiment_id, entry in sorted(known.items()):
         when = datetime.fromtimestamp(entry.timestamp_ms / 1000, UTC).isoformat(timespec="seconds")
@@ -100,15 +106,61 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _forget(cfg: PipelineConfig, experiment_id: str) -> int:
+    """Drop a removed experiment's kept declaration, once nothing is left to audit with it."""
+    from infra.kafka import make_admin
+    from infra.registry import publish_removal, read_registry
+
+    entry = asyncio.run(read_registry(cfg, removed=True)).get(experiment_id)
+    if entry is None or not entry.removal:
+        state = "is not in the registry" if entry is None else "is declared: remove it first"
+        print(f"experiment {experiment_id!r} {state} ({cfg.topics.experiments})", file=sys.stderr)
+        return 1
+    if entry.kept is None:
+        print(f"experiment {experiment_id} keeps no declaration (registry offset {entry.offset}): nothing to forget")
+        return 0
+    topics = [trajectories_topic(cfg.topics.trajectories, experiment_id),
+              verdicts_topic(cfg.topics.verdicts, experiment_id)]
+
+    async def existing() -> list[str]:
+        admin = make_admin(cfg.kafka)
+        await admin.start()
+        try:
+            return sorted(set(topics) & set(await admin.list_topics()))
+        finally:
+            await admin.close()
+
+    if left := asyncio.run(existing()):
+        print(f"experiment {experiment_id}: its topics {', '.join(left)} still hold its records, which `audit` "
+              "re-scores with the declaration its removal kept; delete them first, then forget it", file=sys.stderr)
+        return 1
+    offset = asyncio.run(publish_removal(cfg, experiment_id))
+    print(f"experiment {experiment_id} forgotten (registry offset {offset}): its declaration is gone with its topics")
+    return 0
+
+
+class _Target(argparse.Action):
+    """``target``, refused after ``list`` (which takes none) as a usage error, before any connection."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if values is not None and namespace.action == "list":
+            parser.error(f"experiment list takes no argument, got {values!r} "
+                         "(add FILE.yaml | remove ID | forget ID | list)")
+        setattr(namespace, self.dest, values)
+
+
 def experiment_arguments(p: argparse.ArgumentParser) -> None:
     """``prm-pipeline experiment``'s arguments (the command is described in prm_pipeline.cli.COMMANDS)."""
-    p.add_argument("action", choices=["add", "remove", "list"])
-    p.add_argument("target", nargs="?", help="add: the experiment's YAML file; remove: its id")
+    p.add_argument("action", choices=["add", "remove", "forget", "list"])
+    p.add_argument("target", nargs="?", action=_Target,
+                   help="add: the experiment's YAML file; remove: its id; forget: a removed experiment's id, once "
+                        "its topics are deleted (drops the declaration its removal kept for audit)")
     p.add_argument("--json", action="store_true", help="list: one JSON object per experiment")
 
 
 def checked_experiment(args: argparse.Namespace) -> int:
-    if args.action in ("add", "remove") and not args.target:
+    if args.action in ("add", "remove", "forget") and not args.target:
         what = "FILE.yaml" if args.action == "add" else "ID"
         print(f"prm-pipeline experiment {args.action} needs {what}", file=sys.stderr)
         return 2

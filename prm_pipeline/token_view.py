@@ -32,6 +32,7 @@ import html
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +119,11 @@ class BranchView:
     @property
     def branching(self) -> bool:
         return self.session_branches > 1
+
+    @property
+    def policy(self) -> str:
+        """``policy v3``; a trajectory published without a ``policy_version`` says so (not ``vNone``)."""
+        return "policy version unknown" if self.policy_version is None else f"policy v{self.policy_version}"
 
 
 def branch_views(verdict: Mapping[str, Any], audit: AuditIndex | None = None) -> list[BranchView]:
@@ -295,7 +301,7 @@ def render_html(views: Iterable[BranchView], decode: Callable[[Sequence[int]], l
             f'<div class="branch" style="border:1px solid #ccc;border-radius:6px;padding:8px;margin:10px 0">'
             f'<div style="font-weight:bold">group {html.escape(v.group_id)} · session {html.escape(v.session_id)}'
             f' · leaf {html.escape(v.leaf_id)}{" · branching session" if v.branching else ""}'
-            f' · outcome reward {v.outcome_reward} · policy v{v.policy_version}</div>'
+            f' · outcome reward {v.outcome_reward} · {v.policy}</div>'
         )
         for t in v.turns:
             prompt = "".join(_esc(s) for s in decode(t.prompt_ids))
@@ -340,7 +346,7 @@ def render_terminal(views: Iterable[BranchView], decode: Callable[[Sequence[int]
     for v in views:
         scale = max((abs(r) for t in v.turns for r in t.rewards), default=0.0) or 1.0
         console.rule(rich_text(f"{v.group_id} · {v.session_id} · leaf {v.leaf_id} · outcome {v.outcome_reward} · "
-                               f"policy v{v.policy_version}{' · branching' if v.branching else ''}"))
+                               f"{v.policy}{' · branching' if v.branching else ''}"))
         for t in v.turns:
             text = rich_text("".join(decode(t.prompt_ids)), style="dim", multiline=True)
             text.append(f"\n[{printable(t.interaction_id)}] ", style="bold")
@@ -351,22 +357,13 @@ def render_terminal(views: Iterable[BranchView], decode: Callable[[Sequence[int]
                 text.append(printable(tok, multiline=True), style=style)
             console.print(text)
             table = Table("scorer", "turn reward", "details", show_edge=False, pad_edge=False)
-<<<<<<< HEAD
             for res in t.results:
-                table.add_row(str(res.get("scorer_name")), f"{float(res.get('reward', 0)):+.4f}", _obs_text(res))
+                table.add_row(rich_text(str(res.get("scorer_name"))), f"{float(res.get('reward', 0)):+.4f}",
+                              rich_text(_obs_text(res)))
             for entry in t.audit:
                 texts = " | ".join(f"{k}: {entry[k]}" for k in sorted(entry) if k.startswith("vote_"))
-                table.add_row(f"{entry.get('scorer')} votes", str(entry.get("votes", "")),
-                              texts + (f" hint: {entry['hint']}" if entry.get("hint") else ""))
-=======
-            for r in t.results:
-                table.add_row(rich_text(str(r.get("scorer_name"))), f"{float(r.get('reward', 0)):+.4f}",
-                              rich_text(_obs_text(r)))
-            for a in t.audit:
-                texts = " | ".join(f"{k}: {a[k]}" for k in sorted(a) if k.startswith("vote_"))
-                table.add_row(rich_text(f"{a.get('scorer')} votes"), rich_text(str(a.get("votes", ""))),
-                              rich_text(texts + (f" hint: {a['hint']}" if a.get("hint") else "")))
->>>>>>> h/tenant-text
+                table.add_row(rich_text(f"{entry.get('scorer')} votes"), rich_text(str(entry.get("votes", ""))),
+                              rich_text(texts + (f" hint: {entry['hint']}" if entry.get("hint") else "")))
             if table.row_count:
                 console.print(table)
 
@@ -398,6 +395,32 @@ async def _verdict_from_topic(args: argparse.Namespace) -> dict[str, Any] | None
     return verdict_record(verdict)
 
 
+async def _open_group_state(args: argparse.Namespace) -> str:
+    """``"; it is open: …"`` when the ledger holds the group undecided (what ``status`` reads), so
+    "no verdict" is not taken for "lost"; "" when Redis does not know it (or cannot be asked)."""
+    from infra.config import load_config
+    from infra.experiments import scoped_group
+    from scoring_workers.ledger import LedgerView
+
+    cfg = load_config(args.config)
+    view = LedgerView.from_config(cfg.redis)
+    try:
+        state = await asyncio.wait_for(
+            view.group_state(scoped_group(getattr(args, "experiment", None) or cfg.trainer.experiment, args.group)),
+            timeout=5.0)
+    except Exception:  # noqa: BLE001 - advice only: without Redis the plain "no verdict" stands
+        return ""
+    finally:
+        await view.aclose()
+    if state is None:
+        return ""
+    if state.status != "open":
+        return f"; the ledger holds it {state.status}: its verdict is being published"
+    left = max(0.0, state.deadline_ms / 1000 - time.time())
+    return (f"; it is open: {state.parked} of {state.group_size} members parked, decided when the rest arrive "
+            f"or in {left:.0f} s (its deadline)")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     if not args.verdicts and not args.group:
         print("inspect: give --group ID (read from the verdicts topic) and/or --verdicts FILE", file=sys.stderr)
@@ -418,7 +441,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         found = asyncio.run(_verdict_from_topic(args))
         verdicts = [found] if found else []
     if not verdicts:
-        print(f"inspect: no verdict for group {args.group!r}", file=sys.stderr)
+        state = "" if args.verdicts else asyncio.run(_open_group_state(args))
+        print(f"inspect: no verdict for group {args.group!r}{state}", file=sys.stderr)
         return 1
     if args.session:  # filter first: the session may be in any group of the file, not only the first few
         read = len(verdicts)

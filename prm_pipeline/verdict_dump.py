@@ -120,7 +120,9 @@ class DumpCounts:
 
 async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_count: int | None,
                 timeout_s: float | None, since_ms: int | None = None, tokens: bool = False,
-                counts: DumpCounts | None = None, experiment: str = DEFAULT_EXPERIMENT) -> int:
+                counts: DumpCounts | None = None, experiment: str = DEFAULT_EXPERIMENT,
+                waiting: IO[str] | None = None) -> int:
+    """``waiting``: where to say, once, that nothing has arrived yet and the dump waits (a terminal)."""
     counts = counts if counts is not None else DumpCounts()
     seen: set[tuple[str, str, int]] = set()
     start_ms = since_ms if since_ms is not None else (0 if from_beginning else int(time.time() * 1000))
@@ -130,8 +132,8 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
     count = 0
     try:
         # a missing topic is TopicMissing (one line, exit 1) after a short wait for fresh metadata
-        tps = await assign_from_start(consumer, verdicts_topic(cfg.topics.verdicts, experiment),
-                                      timeout_s=TOPIC_WAIT_S)
+        topic = verdicts_topic(cfg.topics.verdicts, experiment)
+        tps = await assign_from_start(consumer, topic, timeout_s=TOPIC_WAIT_S)
         if since_ms is not None:
             await seek_to_time(consumer, tps, since_ms)
         last_new = time.monotonic()
@@ -141,6 +143,9 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
             records = [r for rs in batch.values() for r in rs]
             if not records and timeout_s is not None and time.monotonic() - last_new > timeout_s:
                 break
+            if not records and not count and waiting is not None:  # a silent terminal looks hung
+                print(f"waiting for verdicts on {topic} (Ctrl-C to stop)", file=waiting, flush=True)
+                waiting = None
             verdicts = []
             for record in records:
                 if record.timestamp < start_ms:
@@ -205,7 +210,8 @@ def dump_verdicts(cfg: PipelineConfig, *, from_beginning: bool, max_count: int |
     counts = DumpCounts()
     try:
         asyncio.run(_dump(cfg, fh, from_beginning=from_beginning, max_count=max_count, timeout_s=timeout_s,
-                          since_ms=since_ms, tokens=tokens, counts=counts, experiment=experiment))
+                          since_ms=since_ms, tokens=tokens, counts=counts, experiment=experiment,
+                          waiting=sys.stderr if sys.stderr.isatty() else None))
     except KeyboardInterrupt:
         return 130
     finally:

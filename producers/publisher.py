@@ -163,8 +163,11 @@ class TrajectoryPublisher:
             raise RuntimeError("TrajectoryPublisher is not started; use 'async with TrajectoryPublisher(...)'")
         report = on_progress or (lambda _phase, _n: None)
         prepared = []
-        for message in jsonl.load(path):
-            prepared.append((message, self.records(message)))
+        for lineno, message in jsonl.load_lines(path):
+            try:
+                prepared.append((message, self.records(message)))
+            except ExperimentMismatch as exc:  # FILE:LINE, as a malformed line says
+                raise ExperimentMismatch(f"{os.fspath(path)}:{lineno}: {exc}") from None
             report("validated", 1)
         before = dict(self.published)
         report("publishing", len(prepared))

@@ -7,6 +7,11 @@ member says nothing about which worker it is. So a ready worker beats every
 (:meth:`scoring_workers.ledger.LedgerView.beat`), leaves it when it stops
 (:meth:`~scoring_workers.ledger.LedgerView.retire`), and ``status`` counts a worker
 alive while its last beat is younger than :data:`ALIVE_S`.
+
+Worker ids must be unique: two workers started with the same ``--worker-id`` would count
+as one in ``status`` and sign each other's verdicts (``worker_id``). Each beat reads back
+the beat it replaces; one that this worker did not write, younger than :data:`ALIVE_S`, is
+another live worker's, and the worker logs a warning (once).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class Heartbeat:
         self.worker_id = worker_id
         self._last = float("-inf")
         self._retired = False
+        self._beat_ms: int | None = None  # the last beat this worker wrote (epoch ms)
+        self._warned = False
 
     def wait_s(self, *, ready: bool) -> float:
         """How long the liveness loop may sleep before its next step: a second until the
@@ -47,7 +54,19 @@ class Heartbeat:
                 self._retired = True
                 await ledger.retire(self.worker_id)
             elif ready and time.monotonic() - self._last >= HEARTBEAT_S:
-                await ledger.beat(self.worker_id)
+                now_ms, previous = await ledger.beat(self.worker_id)
                 self._last = time.monotonic()
+                self._check_unique(now_ms, previous)
+                self._beat_ms = now_ms
         except Exception as exc:  # noqa: BLE001 - Redis trouble: the record path retries and counts it
             log.debug("worker %s: heartbeat skipped: %s: %s", self.worker_id, type(exc).__name__, exc)
+
+    def _check_unique(self, now_ms: int, previous_ms: int | None) -> None:
+        """Warn (once) when the beat just replaced is a live one this worker did not write."""
+        if self._warned or previous_ms is None or previous_ms == self._beat_ms or now_ms - previous_ms >= ALIVE_S * 1000:
+            return
+        self._warned = True
+        log.warning("worker id %r is in use by another live worker (it beat %.1f s ago): give each worker its own "
+                    "--worker-id, or status counts them as one and their verdicts name the same worker (a process of "
+                    "this id that was killed less than %g s ago looks the same)",
+                    self.worker_id, (now_ms - previous_ms) / 1000, ALIVE_S)

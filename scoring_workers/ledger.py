@@ -820,14 +820,20 @@ class LedgerView:
     def workers_key(self) -> str:
         return f"{self.prefix}:workers"
 
-    async def beat(self, worker_id: str, *, forget_after_s: float = WORKERS_REMEMBERED_S) -> None:
-        """Record that ``worker_id`` is alive now; forget workers silent for ``forget_after_s``."""
+    async def beat(self, worker_id: str, *, forget_after_s: float = WORKERS_REMEMBERED_S) -> tuple[int, int | None]:
+        """Record that ``worker_id`` is alive now; forget workers silent for ``forget_after_s``.
+
+        Returns ``(this beat, the beat it replaced)`` in epoch ms (None: none remembered), in the
+        same round trip: a replaced beat this worker did not write is another worker's with the same id.
+        """
         now = _now_ms()
         async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zscore(self.workers_key, worker_id)
             pipe.zadd(self.workers_key, {worker_id: now})
             pipe.zremrangebyscore(self.workers_key, "-inf", now - int(forget_after_s * 1000))
             pipe.expire(self.workers_key, int(forget_after_s))
-            await pipe.execute()
+            previous, *_ = await pipe.execute()
+        return now, None if previous is None else int(previous)
 
     async def retire(self, worker_id: str) -> None:
         """A worker that stops cleanly leaves the heartbeat set at once."""
@@ -858,6 +864,15 @@ class LedgerView:
                                        int(first_seen or 0), int(deadline or 0), int(decided_at or 0)))
         return total, out
 
+    async def group_state(self, group_id: str) -> GroupSummary | None:
+        """The state of one unfinished group (``prm-pipeline inspect --group``), None when the
+        ledger does not hold it (never seen, or finished: its verdict is on the topic)."""
+        status, size, deadline, parked = await self.redis.hmget(self.group_key(group_id), "status", "group_size",
+                                                                "deadline", "n")
+        if status is None:
+            return None
+        return GroupSummary(status.decode(), int(size or 0), int(deadline or 0), int(parked or 0))
+
     async def parked_blobs(self, group_id: str) -> dict[str, bytes]:
         """``trajectory_id`` -> the parked member's stored blob (:func:`decode_parked`), of an open group."""
         flat = await self.redis.hgetall(self.group_key(group_id))
@@ -882,6 +897,17 @@ class LedgerView:
                     command = name.removeprefix("cmdstat_")
                     calls[command] = calls.get(command, 0) + int(stats["calls"])
         return calls
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """One group as :meth:`LedgerView.group_state` read it: ``open`` or ``decided``, its size,
+    deadline (epoch ms) and how many members are parked."""
+
+    status: str
+    group_size: int
+    deadline_ms: int
+    parked: int
 
 
 @dataclass(frozen=True)

@@ -63,14 +63,20 @@ async def _scorers_of(cfg: PipelineConfig, experiment: str) -> tuple[PRMConfig, 
     the same allow-lists a worker applies, docs/security.md)."""
     if experiment == DEFAULT_EXPERIMENT:
         return cfg.prm, cfg.worker.allowed_judge_hosts
-    from infra.experiments import UnknownExperiment, declared_experiment
+    from infra.experiments import UnknownExperiment, recorded_experiment, removed_note
     from scoring_workers.judge.hosts import effective_allow_list
     from scoring_workers.prm.capabilities import record_prm
 
     try:
-        spec = await declared_experiment(cfg, experiment)
+        recorded = await recorded_experiment(cfg, experiment)
     except UnknownExperiment as exc:
         raise AuditError(f"nothing to re-score with: {exc}") from None
+    if recorded.removed:  # its last declaration, kept by the removal record: what its verdicts were scored with
+        print(removed_note(cfg, recorded), file=sys.stderr)
+    spec = recorded.spec
+    if spec is None:
+        raise AuditError(f"nothing to re-score with: experiment {experiment!r} was removed by a record that kept "
+                         "no declaration (a tombstone); declare it again with `prm-pipeline experiment add` to audit it")
     prm = record_prm(spec.prm, cfg.worker.scorer_profiles, allowed_prefixes=cfg.worker.allowed_scorer_modules,
                      key=f"experiment {experiment!r} prm")  # what a worker builds: profiles, capabilities
     return prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts, cfg.worker.scorer_profiles)

@@ -510,3 +510,11 @@ def test_an_error_naming_a_variable_never_shows_a_secret() -> None:
     assert "PRM_REDIS_URL='redis://user:***@a:1,redis://b:2'" in str(info.value), str(info.value)
     assert _env_shown("PRM_KAFKA_SASL_PASSWORD", {"PRM_KAFKA_SASL_PASSWORD": "s3cret-pw"}) \
         == "PRM_KAFKA_SASL_PASSWORD='***'"
+
+
+def test_a_config_file_with_a_byte_order_mark_loads_and_a_folder_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "bom.yaml"
+    path.write_bytes(b"\xef\xbb\xbfkafka:\n  bootstrap: broker-1:9092\n")
+    assert load_config(path, environ={}).kafka.bootstrap == "broker-1:9092"
+    with pytest.raises(ConfigError, match=r"is a folder, not a file$"):
+        load_config(tmp_path, environ={})

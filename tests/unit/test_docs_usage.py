@@ -94,3 +94,13 @@ def test_readme_says_when_a_killed_worker_leaves_its_consumer_group() -> None:
     assert f"`kafka.session_timeout_ms` after its last heartbeat ({seconds:g} s by default and in `config/demo.yaml`" \
         in note, note
     assert "stays a member until its session times out" not in text  # the old, unqualified claim
+
+
+def test_architecture_states_what_a_redis_failover_leaves_of_the_decision() -> None:
+    """A group is decided once only while Redis keeps its writes: the page says what a failover
+    leaves (a second verdict with the same dedupe key) and names the test that builds that state."""
+    text = " ".join((DOCS / "architecture.md").read_text().split())
+    assert "it is decided exactly once" not in text
+    assert "A Redis failover can decide a group twice; the trainer still trains on it once." in text
+    assert "`tests/integration/test_ledger_failover.py`" in text
+    assert (ROOT / "tests" / "integration" / "test_ledger_failover.py").is_file()

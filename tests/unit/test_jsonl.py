@@ -22,6 +22,7 @@ from infra.schema import (
     decode_message,
     encode,
 )
+from prm_pipeline.demo.synthetic import make_group
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "jsonl.md"
 
@@ -409,3 +410,12 @@ def test_doc_lists_every_field_of_a_verdict_line() -> None:
     branch_row = next(r for r in rows if r.startswith("| `sessions[].branches[]`"))
     missing += [f"branches[].{k}" for k in line["sessions"][0]["branches"][0] if f"`{k}`" not in branch_row]
     assert missing == []
+
+
+def test_a_file_with_a_utf8_byte_order_mark_loads(tmp_path: Path) -> None:
+    """What some Windows editors write: the mark is skipped, not "invalid character" at byte 0."""
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    jsonl.write(plain, make_group("bom", 2, turns=1, output_tokens=2))
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert list(jsonl.load(marked)) == list(jsonl.load(plain))
+    assert [n for n, _ in jsonl.load_lines(marked)] == [1, 2]

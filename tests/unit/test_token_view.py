@@ -1,5 +1,6 @@
-"""``prm-pipeline inspect`` on a terminal: a verdict's ids, the model's tokens and the scorers'
-text reach the screen escaped, and rich reads no markup in them."""
+"""``prm-pipeline inspect``'s token view (prm_pipeline/token_view.py): a verdict's ids, the model's tokens
+and the scorers' text reach the screen escaped, rich reads no markup in them, and a trajectory published
+without a ``policy_version`` says its version is unknown, never ``policy vNone``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import io
 
 from rich.console import Console
 
-from prm_pipeline.token_view import BranchView, TurnView, render_terminal
+from prm_pipeline.token_view import BranchView, TurnView, branch_views, render_html, render_terminal, verdict_record
+from tests.unit.test_batch import accepted_group
 
 HOSTILE = "g-1\n2030-01-01 00:00:00,000 ERROR forged\x1b[31m\u202e[bold red]loud[/bold red]"
 ESCAPED = "g-1\\n2030-01-01 00:00:00,000 ERROR forged\\x1b[31m\\u202e[bold red]loud[/bold red]"
@@ -28,3 +30,22 @@ def test_ids_tokens_and_scorer_text_are_shown_escaped_and_without_markup() -> No
     assert screen.count(ESCAPED) >= 5, screen  # the rule, the turn's id, the scorer, its observation, the votes
     assert "prompt line one\nline two" in screen  # the model's own line breaks stay
     assert "[bold]out[/bold]\\x1b]8;;http://evil\\x07link\\r" in screen
+
+
+def _views(policy_version: int | None):  # type: ignore[no-untyped-def]
+    record = verdict_record(accepted_group("g1"))
+    for session in record["sessions"]:
+        session["policy_version"] = policy_version
+    return branch_views(record)
+
+
+def test_an_unknown_policy_version_is_said_so() -> None:
+    views = _views(None)
+    assert views and all(v.policy == "policy version unknown" for v in views)
+    console = Console(file=io.StringIO(), width=200)
+    render_terminal(views, console=console)
+    shown = console.file.getvalue()  # type: ignore[attr-defined]
+    html = render_html(views)
+    assert "vNone" not in shown and "vNone" not in html
+    assert "policy version unknown" in shown and "policy version unknown" in html
+    assert "policy v7" in render_html(_views(7))
