@@ -19,16 +19,13 @@ retention and ACLs per experiment, a trainer reads only its own verdicts).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Final
+from typing import Final
 
 from infra.errors import ConfigError, ConfigurationError
 
-if TYPE_CHECKING:
-    from infra.config import PipelineConfig
-
 __all__ = [
     "DEFAULT_EXPERIMENT", "EXPERIMENT_ID_PATTERN", "SCOPE_SEPARATOR", "UnknownExperiment", "check_experiment_id",
-    "declared_experiment", "scoped_group", "split_scoped", "trajectories_topic", "verdicts_topic",
+    "scoped_group", "split_scoped", "trajectories_topic", "verdicts_topic",
 ]
 
 DEFAULT_EXPERIMENT: Final = "default"
@@ -82,32 +79,5 @@ def verdicts_topic(base: str, experiment_id: str) -> str:
 class UnknownExperiment(ConfigurationError, ValueError):
     """An experiment id the registry holds no declaration for (never added, removed, or its
     record was refused). No worker reads its topics, so nothing published there would ever
-    get a verdict: every tool that publishes or waits for one experiment refuses it up front."""
-
-
-async def declared_experiment(cfg: PipelineConfig, experiment_id: str) -> Any:
-    """The registry's declaration (:class:`infra.registry.ExperimentSpec`) of ``experiment_id``;
-    ``None`` for :data:`DEFAULT_EXPERIMENT` (the workers' own config file, never in the registry).
-
-    The one check behind ``publish``, ``verdicts``, ``inspect --group``, ``status``,
-    ``trainer``, ``audit``, :class:`shaper.reward_client.RewardClient` and the gateway
-    (docs/fleet.md). Reads the registry topic (``topics.experiments``) to its end.
-
-    Raises:
-        UnknownExperiment: the registry holds no declaration for it; the message names
-            the registry, what it does hold and the command that declares one.
-    """
-    if experiment_id == DEFAULT_EXPERIMENT:
-        return None
-    from infra.registry import read_registry  # infra.registry imports this module
-
-    registry = await read_registry(cfg)
-    entry = registry.get(experiment_id)
-    if entry is not None and entry.spec is not None:
-        return entry.spec
-    why = f"its latest record was refused: {entry.error[:200]}" if entry is not None else "not declared"
-    declared = sorted(k for k, v in registry.items() if v.spec is not None)
-    raise UnknownExperiment(
-        f"experiment {experiment_id!r} has no declaration in the registry {cfg.topics.experiments} ({why}; "
-        f"declared: {', '.join(declared) or 'none'}): no worker reads its topics, so nothing would ever be scored; "
-        "declare it first with `prm-pipeline experiment add FILE.yaml`")
+    get a verdict: every tool that publishes or waits for one experiment refuses it up front
+    (:func:`infra.registry.declared_experiment`)."""

@@ -42,15 +42,15 @@ from aiokafka.structs import TopicPartition
 from infra import aiokafka_internals
 from infra.bounded_json import JSONBoundsError, decode_json
 from infra.config import ConfigError, PipelineConfig, PRMConfig, check_prm_keys, unknown_key_message, validate_prm
-from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id
+from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, check_experiment_id
 from infra.kafka import check_size, make_consumer, make_producer
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "KIND", "MAX_RECORD_BYTES", "ExperimentSpec", "JudgeQuotaSpec", "RegistryError", "RegistryFollower",
-    "RegistryRecord", "decode_record", "encode_spec", "load_spec_file", "publish_removal", "publish_spec",
-    "read_registry",
+    "RegistryRecord", "declared_experiment", "decode_record", "encode_spec", "load_spec_file", "publish_removal",
+    "publish_spec", "read_registry",
 ]
 
 KIND = "experiment"
@@ -333,3 +333,29 @@ async def read_registry(cfg: PipelineConfig) -> dict[str, RegistryRecord]:
         return latest
     finally:
         await follower.aclose()
+
+
+async def declared_experiment(cfg: PipelineConfig, experiment_id: str) -> ExperimentSpec | None:
+    """The registry's declaration (:class:`ExperimentSpec`) of ``experiment_id``;
+    ``None`` for :data:`DEFAULT_EXPERIMENT` (the workers' own config file, never in the registry).
+
+    The one check behind ``publish``, ``verdicts``, ``inspect --group``, ``status``,
+    ``trainer``, ``audit``, :class:`shaper.reward_client.RewardClient` and the gateway
+    (docs/fleet.md). Reads the registry topic (``topics.experiments``) to its end.
+
+    Raises:
+        UnknownExperiment: the registry holds no declaration for it; the message names
+            the registry, what it does hold and the command that declares one.
+    """
+    if experiment_id == DEFAULT_EXPERIMENT:
+        return None
+    registry = await read_registry(cfg)
+    entry = registry.get(experiment_id)
+    if entry is not None and entry.spec is not None:
+        return entry.spec
+    why = f"its latest record was refused: {entry.error[:200]}" if entry is not None else "not declared"
+    declared = sorted(k for k, v in registry.items() if v.spec is not None)
+    raise UnknownExperiment(
+        f"experiment {experiment_id!r} has no declaration in the registry {cfg.topics.experiments} ({why}; "
+        f"declared: {', '.join(declared) or 'none'}): no worker reads its topics, so nothing would ever be scored; "
+        "declare it first with `prm-pipeline experiment add FILE.yaml`")
