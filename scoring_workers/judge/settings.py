@@ -88,7 +88,7 @@ class RequestSettings(Settings):
     ``timeout_s`` bounds one HTTP attempt, ``total_timeout_s`` the request with its
     retries; ``max_retries`` retries follow a connect error, a 5xx or a 429 (also a
     timeout with ``retry_on_timeout``); the backoff before retry ``k`` is drawn from
-    ``[d/2, d]``, ``d = min(backoff_max_s, backoff_base_s * 2**(k-1))``.
+    ``[d/2, d]``, ``d = min(backoff_max_s, backoff_base_s * 2**(k-1))`` (:class:`infra.retry.RetryPolicy`).
     """
 
     timeout_s: Seconds = 30.0
@@ -97,6 +97,11 @@ class RequestSettings(Settings):
     backoff_base_s: _Delay = 0.2
     backoff_max_s: _Delay = 5.0
     retry_on_timeout: bool = False
+
+    def _check(self) -> None:
+        if self.backoff_base_s > self.backoff_max_s:
+            raise ConfigError(f"backoff_base_s ({self.backoff_base_s}) must not exceed backoff_max_s "
+                              f"({self.backoff_max_s}): the first pause is the smallest")
 
 
 class LimitSettings(Settings):

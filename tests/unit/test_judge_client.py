@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from infra.errors import ConfigError
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from scoring_workers.judge.apis import openai_chat, sglang_generate_text, sglang_input_logprobs
 from scoring_workers.judge.client import JudgeClient
@@ -80,9 +81,16 @@ async def test_5xx_is_retried_then_succeeds(server):
 
 async def test_429_is_retried_honouring_retry_after(server):
     server.fail_next(429, 1, retry_after=0.05)
-    async with _client(server.base_url, max_retries=1) as client:
+    async with _client(server.base_url, max_retries=1, backoff_max_s=0.2) as client:  # backoff_base_s = 1 ms
+        started = time.monotonic()
         assert "\\boxed{1}" in await _chat(client)
+        assert time.monotonic() - started >= 0.05  # Retry-After is a floor under the backoff
     assert server.statuses[429] == 1 and server.requests == 2
+
+
+def test_backoff_base_past_its_cap_is_refused() -> None:
+    with pytest.raises(ConfigError, match="backoff_base_s"):
+        ClientSettings.from_flat({"backoff_base_s": 2.0, "backoff_max_s": 1.0})
 
 
 @pytest.mark.parametrize("status", [400, 401, 404, 422])
