@@ -44,6 +44,7 @@ from infra.bounded_json import JSONBoundsError, decode_json
 from infra.config import ConfigError, PipelineConfig, PRMConfig, check_prm_keys, unknown_key_message, validate_prm
 from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, check_experiment_id
 from infra.kafka import check_size, make_consumer, make_producer
+from infra.types import validating
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +151,12 @@ def _spec_from_mapping(data: Any, where: str) -> ExperimentSpec:
     try:
         if isinstance(data.get("prm"), dict):
             check_prm_keys(data["prm"], f"{where}.prm")
-        spec = msgspec.convert(data, ExperimentSpec, strict=False)
+        with validating(root=ExperimentSpec, error=lambda text: RegistryError(f"{where}: {text}")):
+            spec = msgspec.convert(data, ExperimentSpec, strict=False)
         validate_prm(spec.prm, f"{where}.prm")
-    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+    except RegistryError:
+        raise
+    except (ValueError, TypeError) as exc:
         raise RegistryError(f"{where}: {exc}") from None
     if not spec.prm.active:
         raise RegistryError(f"{where}: prm has no enabled scorer; an experiment needs at least one")

@@ -81,11 +81,12 @@ from msgspec import Meta
 
 from infra.config import ConfigError
 from infra.modes import JUDGE_SCORER
+from infra.types import Seconds
 from scoring_workers.judge.apis import JudgeEndpoint
 from scoring_workers.judge.client import JudgeClient, normalize_base_urls
 from scoring_workers.judge.errors import JudgeFailedError, JudgeRequestError
 from scoring_workers.judge.prompts import build_prm_judge_messages, parse_boxed_score
-from scoring_workers.judge.settings import ClientSettings, ModelSettings, Seconds, Settings, from_values
+from scoring_workers.judge.settings import ClientSettings, ModelSettings, Settings, from_values
 from scoring_workers.judge.voting import Vote, VoteResult, run_votes
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
 from scoring_workers.prm.capabilities import RecordSettings

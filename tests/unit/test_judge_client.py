@@ -366,14 +366,14 @@ def test_client_validates_arguments():
 
 
 @pytest.mark.parametrize(("flat", "needle"), [
-    ({"timeout_s": 0}, "Expected `float` > 0.0 - at `timeout_s`"),
-    ({"total_timeout_s": float("inf")}, "at `total_timeout_s`"),
-    ({"max_retries": -1}, "Expected `int` >= 0 - at `max_retries`"),
-    ({"max_retries": True}, "Expected `int`, got `bool` - at `max_retries`"),
-    ({"max_concurrency": 0}, "at `max_concurrency`"),
-    ({"rps": float("nan")}, "at `rps`"),
+    ({"timeout_s": 0}, "timeout_s: Expected `float` > 0.0 (a duration in seconds, above zero)"),
+    ({"total_timeout_s": float("inf")}, "total_timeout_s: Expected `float` <= 1000000000.0"),
+    ({"max_retries": -1}, "max_retries: Expected `int` >= 0"),
+    ({"max_retries": True}, "max_retries: Expected `int`, got `bool`"),
+    ({"max_concurrency": 0}, "max_concurrency: Expected `int` >= 1"),
+    ({"rps": float("nan")}, "rps: Expected `float` >= 0.0"),
     ({"headers": {"X-A": None}}, None),  # None becomes the text "None": headers are text
-    ({"spill_ratio": 0.5}, "Expected `float` >= 1.0 - at `spill_ratio`"),
+    ({"spill_ratio": 0.5}, "spill_ratio: Expected `float` >= 1.0"),
     ({"timeout": 5}, "no judge client setting timeout"),  # a typo is not ignored
 ])
 def test_settings_are_typed_and_bounded(flat, needle):
@@ -386,9 +386,9 @@ def test_settings_are_typed_and_bounded(flat, needle):
 
 
 def test_settings_built_in_code_are_checked_too():
-    with pytest.raises(ValueError, match="RequestSettings: Expected `float` > 0.0 - at `timeout_s`"):
+    with pytest.raises(ValueError, match="RequestSettings.timeout_s: Expected `float` > 0.0"):
         RequestSettings(timeout_s=0)
-    with pytest.raises(ValueError, match="ClientSettings: .* - at `limits.max_concurrency`"):
+    with pytest.raises(ValueError, match="ClientSettings.limits.max_concurrency: Expected `int` >= 1"):
         ClientSettings(limits=_unchecked(LimitSettings, max_concurrency=0))  # the whole is checked again
     with pytest.raises(ValueError, match="top_k must be -1"):
         ModelSettings(top_k=0)
