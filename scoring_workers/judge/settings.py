@@ -155,6 +155,11 @@ class ClientSettings(Settings):
     spill: SpillPolicy = SpillPolicy()
 
     @classmethod
+    def parts(cls) -> tuple[type[Settings], ...]:
+        """The structs its fields hold: request, limits, connection, spill."""
+        return tuple(_PARTS.values())
+
+    @classmethod
     def flat_fields(cls) -> frozenset[str]:
         """The names :meth:`from_flat` takes: every field of every part."""
         return frozenset(name for part in _PARTS.values() for name in part.__struct_fields__)
