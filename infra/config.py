@@ -54,7 +54,7 @@ from infra.types import Seconds, did_you_mean, validating
 log = logging.getLogger(__name__)
 
 # Declarative constraints, checked by msgspec when a file or the environment is loaded
-# (the message names the key: "worker.concurrency: expected `int` >= 1"; durations are
+# (the message names the key: "worker.concurrency: Expected `int` >= 1"; durations are
 # infra.types.Seconds). Values set from Python skip them; validate_prm keeps hand checks for
 # the PRM block, which the runner also receives built in code.
 Positive = Annotated[int, msgspec.Meta(ge=1)]

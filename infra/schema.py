@@ -1004,7 +1004,7 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], value: bytes) -> Any:
     try:
         with validating(root=decoder.type, error=InvalidMessage):
             return decoder.decode(value)
-    except msgspec.DecodeError as exc:  # not msgpack at all
+    except msgspec.DecodeError as exc:  # not valid msgpack (truncated, malformed)
         raise InvalidMessage(str(exc)) from None
     except RecursionError:  # msgspec recurses once per level (free-form messages can nest)
         raise InvalidMessage("msgpack nested too deeply (arrays/maps inside each other past the recursion limit)") \
