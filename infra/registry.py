@@ -65,6 +65,8 @@ MAX_RECORD_BYTES = 65_536
 MAX_RECORD_DEPTH = 16
 """A record nests at most 6 levels (spec, prm, scorers, entry, kwargs, a list value): deeper is refused."""
 
+# A record is untrusted: its bounds are tighter than the worker config's (a group timeout of at
+# most a week, not infra.types.Seconds's any finite duration).
 _Weight = Annotated[float, msgspec.Meta(gt=0, le=1000)]
 _Slots = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
 _Rate = Annotated[float, msgspec.Meta(gt=0, le=100_000)]
