@@ -22,6 +22,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 
 from infra.errors import WireError
+from infra.types import validating
 
 __all__ = ["DEFAULT_MAX_DEPTH", "JSONBoundsError", "decode_json", "json_depth"]
 
@@ -79,8 +80,8 @@ def decode_json(data: bytes | bytearray | memoryview | str, type: type[T] = Any,
     if json_depth(raw, max_depth) > max_depth:
         raise JSONBoundsError(f"{what}: nested deeper than {max_depth} levels", reason="depth")
     try:
-        return msgspec.json.decode(raw, type=type, strict=strict)
-    except msgspec.ValidationError as exc:
-        raise JSONBoundsError(f"{what}: {exc}", reason="shape", detail=str(exc)) from None
+        with validating(root=type, error=lambda text: JSONBoundsError(f"{what}: {text}", reason="shape",
+                                                                      detail=text.raw)):
+            return msgspec.json.decode(raw, type=type, strict=strict)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
         raise JSONBoundsError(f"{what}: not valid JSON ({exc})", reason="syntax", detail=str(exc)) from None

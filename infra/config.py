@@ -49,16 +49,15 @@ from infra.modes import (
     mode_info,
     shaping_mode,
 )
+from infra.types import Seconds, did_you_mean, validating
 
 log = logging.getLogger(__name__)
 
 # Declarative constraints, checked by msgspec when a file or the environment is loaded
-# (the message names the key: "Expected `int` >= 1 - at `$.worker.concurrency`").
-# Values set from Python skip them; validate_prm keeps hand checks for the PRM block,
-# which the runner also receives built in code.
-_MAX_SECONDS = 1e9  # ~31 years: an upper bound so that .inf is refused
+# (the message names the key: "worker.concurrency: Expected `int` >= 1"; durations are
+# infra.types.Seconds). Values set from Python skip them; validate_prm keeps hand checks for
+# the PRM block, which the runner also receives built in code.
 Positive = Annotated[int, msgspec.Meta(ge=1)]
-Seconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_SECONDS)]
 
 
 PRM_ERROR_POLICIES = ("reject", "keep_original")
@@ -496,13 +495,6 @@ _ENV_SECTIONS: dict[str, type[msgspec.Struct]] = {
 
 
 # --------------------------------------------------------------------------- key checks
-def did_you_mean(word: str, candidates: Iterable[str]) -> str | None:
-    """The candidate closest to ``word`` (difflib), or None when nothing is close."""
-    pool = {c.lower(): c for c in candidates}
-    match = difflib.get_close_matches(word.lower(), list(pool), n=1, cutoff=0.6)
-    return pool[match[0]] if match else None
-
-
 def unknown_key_message(where: str, key: str, candidates: Iterable[str]) -> str:
     """``where: unknown key `x`; did you mean `y`?`` (or the valid keys when none is close)."""
     candidates = sorted(set(candidates))
@@ -649,20 +641,12 @@ def _env_shown(name: str, environ: Mapping[str, str]) -> str:
     return f"{name}={shown!r}"
 
 
-def _from_env(message: str, sources: Mapping[str, str], environ: Mapping[str, str]) -> str | None:
-    """``message`` (a msgspec error ending ``- at `$.section.field…```) restated for the
-    environment variable that set that value, or None when no variable did."""
-    where = re.search(r" - at `(\$\.[^`]*)`$", message)
-    if where is None:
-        return None
-    path = where.group(1)
-    for key, name in sources.items():
-        inside = path == key or path.startswith((key + ".", key + "["))
-        # a struct's own rule (its __post_init__) is reported at the struct: the message names the key
-        rule = key.startswith(path + ".") and re.search(rf"\b{re.escape(key[2:])}\b", message) is not None
-        if inside or rule:
-            return f"{_env_shown(name, environ)}: {message[: where.start()]} (at `{path[2:]}`)"
-    return None
+def _blamed(message: str, sources: Mapping[str, str], environ: Mapping[str, str]) -> str:
+    """``message``, led by the environment variables that set a value it names (the value is
+    refused, or a rule it takes part in is broken), so the reader fixes the right place."""
+    named = [_env_shown(name, environ) for key, name in sources.items()
+             if re.search(rf"(?<![\w.]){re.escape(key[2:])}\b", message)]
+    return f"{', '.join(named)}: {message}" if named else message
 
 
 def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | None = None) -> PipelineConfig:
@@ -677,10 +661,8 @@ def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | 
     data = apply_env_overrides(data, env, sources)
     known = _keys(PipelineConfig)
     data = {k: v for k, v in data.items() if k in known}  # AReaL's other sections: accepted, not ours
-    try:
+    with validating(root=PipelineConfig, error=lambda text: ConfigError(_blamed(text, sources, env))):
         cfg = msgspec.convert(data, PipelineConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_from_env(str(exc), sources, env) or f"invalid config: {exc}") from None
     for name, profile in cfg.worker.scorer_profiles.items():
         if not profile.path or profile.profile is not None:
             raise ConfigError(f"worker.scorer_profiles.{name}: a profile names its scorer by `path` (not another profile)")
@@ -688,11 +670,10 @@ def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | 
     try:
         validate(cfg)
     except ConfigError as exc:  # a rule broken by a value from the environment: name the variable
-        named = [_env_shown(name, env) for key, name in sources.items()
-                 if re.search(rf"\b{re.escape(key[2:])}\b", str(exc))]
-        if not named:
+        blamed = _blamed(str(exc), sources, env)
+        if blamed == str(exc):
             raise
-        raise ConfigError(f"{exc} (set by {', '.join(named)})") from None
+        raise ConfigError(blamed) from None
     return cfg
 
 

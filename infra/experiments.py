@@ -19,18 +19,13 @@ retention and ACLs per experiment, a trainer reads only its own verdicts).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Final
 
 from infra.errors import ConfigError, ConfigurationError
 
-if TYPE_CHECKING:
-    from infra.config import PipelineConfig
-
 __all__ = [
-    "DEFAULT_EXPERIMENT", "EXPERIMENT_ID_PATTERN", "SCOPE_SEPARATOR", "RecordedExperiment", "UnknownExperiment",
-    "check_experiment_id", "declared_experiment", "recorded_experiment", "removed_note", "scoped_group",
-    "split_scoped", "trajectories_topic", "verdicts_topic",
+    "DEFAULT_EXPERIMENT", "EXPERIMENT_ID_PATTERN", "SCOPE_SEPARATOR", "UnknownExperiment", "check_experiment_id",
+    "scoped_group", "split_scoped", "trajectories_topic", "verdicts_topic",
 ]
 
 DEFAULT_EXPERIMENT: Final = "default"
@@ -84,82 +79,5 @@ def verdicts_topic(base: str, experiment_id: str) -> str:
 class UnknownExperiment(ConfigurationError, ValueError):
     """An experiment id the registry holds no declaration for (never added, removed, or its
     record was refused). No worker reads its topics, so nothing published there would ever
-    get a verdict: every tool that publishes to one experiment or trains on it refuses it up
-    front (the tools that only read its recorded topics accept a removed one:
-    :func:`recorded_experiment`)."""
-
-
-async def declared_experiment(cfg: PipelineConfig, experiment_id: str) -> Any:
-    """The registry's declaration (:class:`infra.registry.ExperimentSpec`) of ``experiment_id``;
-    ``None`` for :data:`DEFAULT_EXPERIMENT` (the workers' own config file, never in the registry).
-
-    The one check behind ``publish``, ``verdicts``, ``inspect --group``, ``status``,
-    ``trainer``, ``audit``, :class:`shaper.reward_client.RewardClient` and the gateway
-    (docs/fleet.md). Reads the registry topic (``topics.experiments``) to its end.
-
-    Raises:
-        UnknownExperiment: the registry holds no declaration for it; the message names
-            the registry, what it does hold and the command that declares one.
-    """
-    if experiment_id == DEFAULT_EXPERIMENT:
-        return None
-    from infra.registry import read_registry  # infra.registry imports this module
-
-    return _declaration(cfg, experiment_id, await read_registry(cfg, removed=True))
-
-
-def _declaration(cfg: PipelineConfig, experiment_id: str, registry: dict[str, Any]) -> Any:
-    """:func:`declared_experiment` on a registry read with its removals."""
-    entry = registry.get(experiment_id)
-    if entry is not None and entry.spec is not None:
-        return entry.spec
-    if entry is None:
-        why = "not declared"
-    elif entry.removal:
-        why = f"removed at offset {entry.offset}"
-    else:
-        why = f"its latest record was refused: {entry.error[:200]}"
-    declared = sorted(k for k, v in registry.items() if v.spec is not None)
-    raise UnknownExperiment(
-        f"experiment {experiment_id!r} has no declaration in the registry {cfg.topics.experiments} ({why}; "
-        f"declared: {', '.join(declared) or 'none'}): no worker reads its topics, so nothing would ever be scored; "
-        "declare it first with `prm-pipeline experiment add FILE.yaml`")
-
-
-@dataclass(frozen=True, slots=True)
-class RecordedExperiment:
-    """An experiment whose recorded topics a reading tool may read (:func:`recorded_experiment`).
-
-    ``spec``: its declaration (the last one, kept by its removal, when ``removed``); None for
-    :data:`DEFAULT_EXPERIMENT` and for an experiment removed by a tombstone that kept nothing.
-    """
-
-    experiment_id: str
-    spec: Any
-    removed: bool = False
-    removed_at_offset: int = -1
-
-
-async def recorded_experiment(cfg: PipelineConfig, experiment_id: str) -> RecordedExperiment:
-    """The check behind the tools that only *read* one experiment's topics (``verdicts``,
-    ``inspect --group``, ``audit``, ``dead-letters --experiment``): a declared experiment, or
-    one removed since — its verdicts and trajectories stay readable and auditable.
-
-    Raises:
-        UnknownExperiment: the registry never declared it (or only a refused record).
-    """
-    if experiment_id == DEFAULT_EXPERIMENT:
-        return RecordedExperiment(experiment_id, None)
-    from infra.registry import read_registry
-
-    registry = await read_registry(cfg, removed=True)
-    entry = registry.get(experiment_id)
-    if entry is not None and entry.removal:
-        return RecordedExperiment(experiment_id, entry.kept, removed=True, removed_at_offset=entry.offset)
-    return RecordedExperiment(experiment_id, _declaration(cfg, experiment_id, registry))
-
-
-def removed_note(cfg: PipelineConfig, recorded: RecordedExperiment) -> str:
-    """The one line a reading tool prints (to stderr) about a removed experiment."""
-    return (f"note: experiment {recorded.experiment_id!r} was removed from the registry {cfg.topics.experiments} "
-            f"(offset {recorded.removed_at_offset}); reading its recorded topics, which no worker scores any more")
+    get a verdict: every tool that publishes or waits for one experiment refuses it up front
+    (:func:`infra.registry.declared_experiment`)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import codecs
 import os
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,6 +34,7 @@ from infra.schema import (
     TrajectoryMessage,
     expand_turns,
 )
+from infra.types import Int64, TokenId, validating
 
 __all__ = ["JsonlError", "parse", "load", "load_lines", "dump", "write", "KINDS", "MAX_NESTING"]
 
@@ -55,23 +55,23 @@ class JsonlError(WireError, ValueError):
 # Private mirrors of the JSON layout. They exist so msgspec (in C) does the type and
 # unknown-key checks, and so ``load`` can decode a line straight into typed structs
 # without an intermediate dict. They are converted to the wire structs right away.
-_Token = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+_Tokens = Annotated[list[TokenId], msgspec.Meta(description="a list of token ids (int32, non-negative)")]
+_Numbers = Annotated[list[float], msgspec.Meta(description="a list of numbers")]
 _MIN_INT, _MAX_INT = -(2**63), 2**64 - 1  # msgpack's integers; msgspec.json decodes any size
-_Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 _Id = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class _JInteraction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     interaction_id: _Id
-    input_tokens: list[_Token]
-    output_tokens: list[_Token]
+    input_tokens: _Tokens
+    output_tokens: _Tokens
     parent_id: str | None = None
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     output_message_list: list[dict[str, Any]] = msgspec.field(default_factory=list)
-    output_logprobs: list[float] | None = None
+    output_logprobs: _Numbers | None = None
     stop_reason: str | None = None
     reward: float | None = None
-    token_rewards: list[float] | None = None
+    token_rewards: _Numbers | None = None
 
 
 class _JReady(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="ready", tag_field="kind"):
@@ -82,7 +82,7 @@ class _JReady(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="rea
     outcome_reward: float
     interactions: list[_JInteraction]
     is_eval: bool = False
-    policy_version: _Int64 | None = None
+    policy_version: Int64 | None = None
     created_at: float = 0.0
     experiment_id: str | None = None
 
@@ -100,48 +100,7 @@ _LINE_DECODER = msgspec.json.Decoder(_JLine)
 _ENCODER = msgspec.json.Encoder()
 
 
-def _keys(struct: type[msgspec.Struct]) -> list[str]:
-    return [f.encode_name for f in msgspec.structs.fields(struct)]
-
-
 # --------------------------------------------------------------------------- errors
-_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_ITEM = re.compile(r"^(?P<base>.*\.(?P<field>input_tokens|output_tokens|output_logprobs|token_rewards))\[(?P<i>\d+)\]$")
-_INTERACTION = re.compile(r"^interactions\[\d+\]$")
-_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>.*)`$", re.S)
-_MISSING = re.compile(r"^Object missing required field `(?P<key>.*)`$", re.S)
-_LIST_OF = {
-    "input_tokens": "a list of integers in int32 range",
-    "output_tokens": "a list of integers in int32 range",
-    "output_logprobs": "a list of numbers",
-    "token_rewards": "a list of numbers",
-}
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _explain(exc: msgspec.ValidationError, kind: str) -> str:
-    """Turn msgspec's ``"<msg> - at `$.a[0].b`"`` into ``"a[0].b: <msg>"`` in our words."""
-    m = _AT.match(str(exc))
-    assert m is not None  # the pattern matches any string
-    msg, path = m["msg"], (m["path"] or "").lstrip(".")
-    if unknown := _UNKNOWN.match(msg):
-        struct = _BY_KIND[kind] if not path else _JInteraction if _INTERACTION.match(path) else None
-        allowed = f" (allowed: {', '.join(['kind', *_keys(struct)] if not path else _keys(struct))})" if struct else ""
-        return f"{path or '<record>'}: unknown key {unknown['key']!r}{allowed}"
-    if missing := _MISSING.match(msg):
-        return f"{_join(path, missing['key'])}: missing required field"
-    if item := _ITEM.match(path):
-        return f"{item['base']}: expected {_LIST_OF[item['field']]} (item {item['i']}: {msg})"
-    field = path.rsplit(".", 1)[-1]
-    if field in _LIST_OF and msg.startswith("Expected `array"):
-        got = msg.split("got ", 1)[-1].strip("`") if "got " in msg else "something else"
-        return f"{path}: expected {_LIST_OF[field]}, got {got}"
-    return f"{path or '<record>'}: {msg[:1].lower()}{msg[1:]}"
-
-
 def _too_deep(where: str = "") -> JsonlError:
     return JsonlError(f"{where + ': ' if where else ''}nested more than {MAX_NESTING} arrays/objects deep")
 
@@ -253,9 +212,8 @@ def parse(obj: Any) -> TrajectoryMessage:
     if kind not in KINDS:  # also catches non-string kinds
         raise JsonlError(f"kind: unknown kind {kind!r} (expected one of {list(KINDS)})")
     try:
-        j = msgspec.convert(obj, _BY_KIND[kind])
-    except msgspec.ValidationError as exc:
-        raise JsonlError(_explain(exc, kind)) from None
+        with validating(root=_BY_KIND[kind], error=JsonlError):
+            j = msgspec.convert(obj, _BY_KIND[kind])
     except RecursionError:  # msgspec recurses per level: far deeper than MAX_NESTING
         raise _too_deep() from None
     return _to_wire(j)
@@ -264,7 +222,7 @@ def parse(obj: Any) -> TrajectoryMessage:
 def _parse_line(line: bytes) -> TrajectoryMessage:
     try:
         j = _LINE_DECODER.decode(line)  # fast path: JSON straight into typed structs
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+    except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError: explained below
         pass
     else:
         return _to_wire(j)

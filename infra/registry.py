@@ -46,14 +46,16 @@ from aiokafka.structs import TopicPartition
 from infra import aiokafka_internals
 from infra.bounded_json import JSONBoundsError, decode_json
 from infra.config import ConfigError, PipelineConfig, PRMConfig, check_prm_keys, unknown_key_message, validate_prm
-from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id
+from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, check_experiment_id
 from infra.kafka import check_size, make_consumer, make_producer
+from infra.types import validating
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "KIND", "MAX_RECORD_BYTES", "ExperimentSpec", "JudgeQuotaSpec", "RegistryError", "RegistryFollower",
-    "RegistryRecord", "decode_entry", "decode_record", "encode_spec", "load_spec_file", "publish_removal",
+    "RecordedExperiment", "RegistryRecord", "declared_experiment", "decode_entry", "decode_record", "encode_spec",
+    "load_spec_file", "publish_removal", "recorded_experiment", "removed_note",
     "publish_spec", "read_registry",
 ]
 
@@ -68,6 +70,8 @@ MAX_RECORD_BYTES = 65_536
 MAX_RECORD_DEPTH = 16
 """A record nests at most 6 levels (spec, prm, scorers, entry, kwargs, a list value): deeper is refused."""
 
+# A record is untrusted: its bounds are tighter than the worker config's (a group timeout of at
+# most a week, not infra.types.Seconds's any finite duration).
 _Weight = Annotated[float, msgspec.Meta(gt=0, le=1000)]
 _Slots = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
 # a record's rates and durations have floors: below them they are not tuning but a failure of every call
@@ -158,9 +162,12 @@ def _spec_from_mapping(data: Any, where: str) -> ExperimentSpec:
     try:
         if isinstance(data.get("prm"), dict):  # keys relative to the file: the file is named once, below
             check_prm_keys(data["prm"], "prm")
-        spec = msgspec.convert(data, ExperimentSpec, strict=False)
+        with validating(root=ExperimentSpec, error=lambda text: RegistryError(f"{where}: {text}")):
+            spec = msgspec.convert(data, ExperimentSpec, strict=False)
         validate_prm(spec.prm, "prm")
-    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+    except RegistryError:
+        raise
+    except (ValueError, TypeError) as exc:
         raise RegistryError(f"{where}: {exc}") from None
     if not spec.prm.active:
         raise RegistryError(f"{where}: prm has no enabled scorer; an experiment needs at least one")
@@ -373,3 +380,75 @@ async def read_registry(cfg: PipelineConfig, *, removed: bool = False) -> dict[s
         return latest
     finally:
         await follower.aclose()
+
+
+async def declared_experiment(cfg: PipelineConfig, experiment_id: str) -> ExperimentSpec | None:
+    """The registry's declaration (:class:`ExperimentSpec`) of ``experiment_id``;
+    ``None`` for :data:`DEFAULT_EXPERIMENT` (the workers' own config file, never in the registry).
+
+    The one check behind ``publish``, ``status``, ``trainer``, :class:`shaper.reward_client.RewardClient`
+    and the gateway (docs/fleet.md); the tools that only read recorded topics use
+    :func:`recorded_experiment`. Reads the registry topic (``topics.experiments``) to its end.
+
+    Raises:
+        UnknownExperiment: the registry holds no declaration for it; the message names
+            the registry, what it does hold and the command that declares one.
+    """
+    if experiment_id == DEFAULT_EXPERIMENT:
+        return None
+    return _declaration(cfg, experiment_id, await read_registry(cfg, removed=True))
+
+
+def _declaration(cfg: PipelineConfig, experiment_id: str, registry: dict[str, Any]) -> ExperimentSpec:
+    """:func:`declared_experiment` on a registry read with its removals."""
+    entry = registry.get(experiment_id)
+    if entry is not None and entry.spec is not None:
+        return entry.spec
+    if entry is None:
+        why = "not declared"
+    elif entry.removal:
+        why = f"removed at offset {entry.offset}"
+    else:
+        why = f"its latest record was refused: {entry.error[:200]}"
+    declared = sorted(k for k, v in registry.items() if v.spec is not None)
+    raise UnknownExperiment(
+        f"experiment {experiment_id!r} has no declaration in the registry {cfg.topics.experiments} ({why}; "
+        f"declared: {', '.join(declared) or 'none'}): no worker reads its topics, so nothing would ever be scored; "
+        "declare it first with `prm-pipeline experiment add FILE.yaml`")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedExperiment:
+    """An experiment whose recorded topics a reading tool may read (:func:`recorded_experiment`).
+
+    ``spec``: its declaration (the last one, kept by its removal, when ``removed``); None for
+    :data:`DEFAULT_EXPERIMENT` and for an experiment removed by a tombstone that kept nothing.
+    """
+
+    experiment_id: str
+    spec: ExperimentSpec | None
+    removed: bool = False
+    removed_at_offset: int = -1
+
+
+async def recorded_experiment(cfg: PipelineConfig, experiment_id: str) -> RecordedExperiment:
+    """The check behind the tools that only *read* one experiment's topics (``verdicts``,
+    ``inspect --group``, ``audit``, ``dead-letters --experiment``): a declared experiment, or
+    one removed since — its verdicts and trajectories stay readable and auditable.
+
+    Raises:
+        UnknownExperiment: the registry never declared it (or only a refused record).
+    """
+    if experiment_id == DEFAULT_EXPERIMENT:
+        return RecordedExperiment(experiment_id, None)
+    registry = await read_registry(cfg, removed=True)
+    entry = registry.get(experiment_id)
+    if entry is not None and entry.removal:
+        return RecordedExperiment(experiment_id, entry.kept, removed=True, removed_at_offset=entry.offset)
+    return RecordedExperiment(experiment_id, _declaration(cfg, experiment_id, registry))
+
+
+def removed_note(cfg: PipelineConfig, recorded: RecordedExperiment) -> str:
+    """The one line a reading tool prints (to stderr) about a removed experiment."""
+    return (f"note: experiment {recorded.experiment_id!r} was removed from the registry {cfg.topics.experiments} "
+            f"(offset {recorded.removed_at_offset}); reading its recorded topics, which no worker scores any more")

@@ -40,6 +40,7 @@ from infra.errors import WireError
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id
 from infra.prefix import Part, expand_messages, expand_prompts, same_bytes, shared_list_prefix, shared_token_prefix
 from infra.tree import TreeError, topological_order
+from infra.types import MAX_TOKEN_ID, validating
 
 if TYPE_CHECKING:
     import torch
@@ -93,11 +94,10 @@ def pack_array(values: Any, dtype: np.dtype) -> bytes:
     if dtype == _I32 and arr.size:
         if arr.dtype.kind not in "iu":
             raise SchemaError(f"token ids must be integers, got dtype {arr.dtype}")
-        # astype would silently wrap ids outside int32; refuse them instead.
-        if arr.dtype.itemsize > 4 or arr.dtype == np.uint32:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < -(2**31) or hi >= 2**31:
-                raise SchemaError(f"token ids must fit in int32, got range [{lo}, {hi}]")
+        # astype would silently wrap ids outside int32; refuse them (and negative ones) instead.
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            raise SchemaError(f"token ids must be non-negative int32 (0..{MAX_TOKEN_ID}), got range [{lo}, {hi}]")
     return np.ascontiguousarray(arr, dtype=dtype).tobytes()
 
 
@@ -140,6 +140,9 @@ class ModelResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
             raise SchemaError("input_tokens: byte length is not a multiple of 4 (int32)")
         if len(self.output_tokens_raw) % 4:
             raise SchemaError("output_tokens: byte length is not a multiple of 4 (int32)")
+        for name, raw in (("input_tokens", self.input_tokens_raw), ("output_tokens", self.output_tokens_raw)):
+            if raw and int(_view(raw, _I32).min()) < 0:
+                raise SchemaError(f"{name}: token ids must be non-negative (a vocabulary index)")
         if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(
             self.output_tokens_raw
         ):
@@ -999,8 +1002,9 @@ def _clip(text: str | None, limit: int = 80) -> str:
 
 def _decode(decoder: msgspec.msgpack.Decoder[Any], value: bytes) -> Any:
     try:
-        return decoder.decode(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        with validating(root=decoder.type, error=InvalidMessage):
+            return decoder.decode(value)
+    except msgspec.DecodeError as exc:  # not valid msgpack (truncated, malformed)
         raise InvalidMessage(str(exc)) from None
     except RecursionError:  # msgspec recurses once per level (free-form messages can nest)
         raise InvalidMessage("msgpack nested too deeply (arrays/maps inside each other past the recursion limit)") \

@@ -144,7 +144,7 @@ async def wait_until_reachable(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ServiceUnavailable(what, address, setting, cause, timeout_s)
-        pause = min(backoff_delay(attempt, base_s=_FIRST_DELAY_S / 2, cap_s=_MAX_DELAY_S, jitter=False), remaining)
+        pause = min(backoff_delay(attempt, base_s=_FIRST_DELAY_S, cap_s=_MAX_DELAY_S, jitter=False), remaining)
         log.warning("%s at %s not reachable (attempt %d: %s); retrying in %.1f s, giving up in %.1f s",
                     what, address, attempt, cause, pause, remaining)
         await asyncio.sleep(pause)

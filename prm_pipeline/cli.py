@@ -31,8 +31,9 @@ from typing import Any
 from infra import event_loop
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
 from infra.escape import printable
-from infra.experiments import UnknownExperiment, declared_experiment, recorded_experiment, removed_note
+from infra.experiments import UnknownExperiment
 from infra.logs import configure_logging
+from infra.registry import declared_experiment, recorded_experiment, removed_note
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
 from prm_pipeline.flags import deprecated_alias, positive_int, seconds
@@ -672,7 +673,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 def _experiment_to_check(args: argparse.Namespace) -> str | None:
     """The experiment the command publishes to or waits on, which must be declared
-    (:func:`infra.experiments.declared_experiment`); None when it does neither."""
+    (:func:`infra.registry.declared_experiment`); None when it does neither."""
     when = COMMANDS[args.command].experiment
     return experiment_of(args, _load(args)) if when is not None and when(args) else None
 

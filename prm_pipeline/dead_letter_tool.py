@@ -429,7 +429,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
 def _note_if_removed(cfg: PipelineConfig, experiment: str) -> None:
     """Say so when ``--experiment`` names a removed experiment (its letters are still listed and
     redriven); an undeclared one is no error here: its records are dead letters too."""
-    from infra.experiments import recorded_experiment, removed_note
+    from infra.registry import recorded_experiment, removed_note
 
     try:
         recorded = asyncio.run(recorded_experiment(cfg, experiment))

@@ -43,6 +43,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from infra.schema import SchemaError
+from infra.types import Finite, Int64, TokenId
 
 # --------------------------------------------------------------------------- static bounds
 MAX_ITEMS = 4096
@@ -60,11 +61,8 @@ MAX_BODY_DEPTH = 2 * MAX_DEPTH
 """Nesting of a whole body, checked on its bytes before decoding (the declared structure adds
 at most five levels above a free-form field, whose own bound names the field)."""
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1, description="a token id: int32, non-negative")]
 TokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
 LogProb = Annotated[float, msgspec.Meta(ge=-3.4e38, le=3.4e38, description="finite, float32 range")]
-Finite = Annotated[float, msgspec.Meta(ge=-1e308, le=1e308, description="a finite number")]
-Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Status = Literal["accepted", "rejected", "discarded"]
 

@@ -109,10 +109,8 @@ PARK_LINGER_S = 0.01  # a park whose group has members this worker probed and ha
 PARK_UNSEEN_LINGER_S = 0.025
 FINISH_LINGER_S = 0.25  # a finish after a published verdict waits this long for a call to ride along with
 FINISH_BACKOFF_S = (0.05, 5.0)  # a finish that failed transiently is sent again after 50 ms, doubling up to 5 s
-# The first retry waits FINISH_BACKOFF_S[0] (jittered down to half): base_s is half of it,
-# since the policy's pause before retry n is base_s * 2**n.
 FINISH_RETRY = RetryPolicy(retryable=lambda exc: isinstance(exc, TRANSIENT_ERRORS),
-                           base_s=FINISH_BACKOFF_S[0] / 2, cap_s=FINISH_BACKOFF_S[1])
+                           base_s=FINISH_BACKOFF_S[0], cap_s=FINISH_BACKOFF_S[1])
 FLUSH_TIMEOUT_S = 10.0  # at close, pending finishes get this long to land (then the sweeper covers them)
 
 

@@ -42,9 +42,10 @@ import numpy as np
 
 from infra.config import ConfigError, PipelineConfig
 from infra.event_loop import LoopClient
-from infra.experiments import check_experiment_id, declared_experiment, scoped_group, verdicts_topic
+from infra.experiments import check_experiment_id, scoped_group, verdicts_topic
 from infra.kafka import make_consumer, partitions_of
 from infra.readback import TOKENS_RETRY, VerdictTokens, needs_tokens
+from infra.registry import declared_experiment
 from infra.schema import (
     GroupVerdict,
     Interaction,

@@ -393,7 +393,7 @@ def _declared_shaping(cfg: PipelineConfig) -> PipelineConfig:
     """``cfg`` shaping as the experiment's registry declaration says (its ``prm.advantage_shaping``):
     the workers score an experiment with the stack it declares, and its trainer shapes with
     the settings declared next to it. ``--mode`` still overrides the mode."""
-    from infra.experiments import declared_experiment
+    from infra.registry import declared_experiment
 
     experiment = cfg.trainer.experiment
     spec = asyncio.run(declared_experiment(cfg, experiment))  # UnknownExperiment: one line, exit 2

@@ -63,7 +63,8 @@ async def _scorers_of(cfg: PipelineConfig, experiment: str) -> tuple[PRMConfig, 
     the same allow-lists a worker applies, docs/security.md)."""
     if experiment == DEFAULT_EXPERIMENT:
         return cfg.prm, cfg.worker.allowed_judge_hosts
-    from infra.experiments import UnknownExperiment, recorded_experiment, removed_note
+    from infra.experiments import UnknownExperiment
+    from infra.registry import recorded_experiment, removed_note
     from scoring_workers.judge.hosts import effective_allow_list
     from scoring_workers.prm.capabilities import record_prm
 

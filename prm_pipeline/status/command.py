@@ -71,9 +71,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _undeclared(cfg: Any, experiment: str, timeout_s: float) -> str | None:
-    """Why ``experiment`` is refused (:func:`infra.experiments.declared_experiment`), or None.
+    """Why ``experiment`` is refused (:func:`infra.registry.declared_experiment`), or None.
     A registry that cannot be read (Kafka down) refuses nothing: the report says Kafka is unreachable."""
-    from infra.experiments import UnknownExperiment, declared_experiment
+    from infra.experiments import UnknownExperiment
+    from infra.registry import declared_experiment
 
     async def check() -> None:
         await asyncio.wait_for(declared_experiment(cfg, experiment), timeout_s)

@@ -9,8 +9,9 @@ logical request is one or more HTTP *attempts*:
   by an optional caller ``deadline`` (a scorer's per-turn budget). Nothing ever waits
   longer than its deadline.
 * **Retries** only where a retry can help and cannot double-apply anything: connect
-  errors, HTTP 5xx and HTTP 429, at most ``max_retries`` times, with exponential
-  backoff and jitter (``Retry-After`` is honoured up to ``backoff_max_s``). A 4xx other
+  errors, HTTP 5xx and HTTP 429, at most ``max_retries`` times, with the project's
+  exponential backoff and jitter (:class:`infra.retry.RetryPolicy`: ``backoff_base_s``
+  first, doubling up to ``backoff_max_s``; ``Retry-After`` is a floor, up to ``backoff_max_s``). A 4xx other
   than 429 (a bug in the request), a read timeout and a broken response are not
   retried. A backoff that would cross the deadline is not slept: the last error is
   raised at once.
@@ -58,6 +59,7 @@ from typing import Any, Self
 import msgspec
 
 from infra.config import ConfigError
+from infra.retry import RetryPolicy
 from scoring_workers.judge.errors import CircuitOpenError, JudgeRequestError, JudgeTimeoutError
 from scoring_workers.judge.hosts import check_judge_url, endpoint_label, redact_url
 from scoring_workers.judge.limits import (
@@ -197,6 +199,9 @@ class JudgeClient:
         """The (first) server root; a pool's others are in :attr:`base_urls`."""
         self.settings = settings
         self._request = settings.request
+        request = settings.request
+        self._retry = RetryPolicy(retryable=lambda exc: isinstance(exc, _Retry), base_s=request.backoff_base_s,
+                                  cap_s=request.backoff_max_s, max_attempts=request.max_retries + 1)
         self.spill = settings.spill
         self._headers = _headers(settings.connection)
         self._rng = rng or random.Random()
@@ -293,14 +298,6 @@ class JudgeClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _backoff(self, retry: int, retry_after: float | None) -> float:
-        request = self._request
-        ceiling = min(request.backoff_max_s, request.backoff_base_s * (2 ** (retry - 1)))
-        delay = self._rng.uniform(ceiling / 2, ceiling) if ceiling > 0 else 0.0
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, request.backoff_max_s))
-        return delay
-
     async def post_json(
         self, path: str, payload: Any, *, deadline: float | None = None, affinity: str | None = None
     ) -> Any:
@@ -317,7 +314,6 @@ class JudgeClient:
                 pool, the error of the last endpoint tried.
         """
         loop = asyncio.get_running_loop()
-        max_retries = self._request.max_retries
         total_deadline = loop.time() + self._request.total_timeout_s
         if deadline is not None:
             total_deadline = min(total_deadline, deadline)
@@ -340,11 +336,12 @@ class JudgeClient:
                     # A pool endpoint whose breaker closed the door after routing (another
                     # call took its half-open probe) was sent nothing: moving on is free.
                     free = elsewhere and isinstance(error, CircuitOpenError)
-                    if not free and retries >= max_retries:
+                    if not free and self._retry.gives_up(retries + 1):
                         raise error from None
                     if isinstance(retry, _Failover) and not elsewhere:
                         raise error from None  # only another endpoint could have helped
-                    delay = 0.0 if elsewhere else self._backoff(retries + 1, retry.retry_after)
+                    delay = 0.0 if elsewhere else self._retry.delay(retries + 1, retry_after=retry.retry_after,
+                                                                    rng=self._rng)
                     if loop.time() + delay >= total_deadline:
                         raise error from None  # the deadline leaves no room for another attempt
                     if not free:

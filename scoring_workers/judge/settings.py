@@ -24,23 +24,17 @@ import msgspec
 from msgspec import Meta
 
 from infra.config import ConfigError
+from infra.types import Delay, Seconds, validating
 
 __all__ = ["ClientSettings", "ConnectionSettings", "JudgeApi", "JudgeQuota", "LimitSettings",
-           "ModelSettings", "RequestSettings", "Seconds", "Settings", "SpillPolicy", "from_values"]
+           "ModelSettings", "RequestSettings", "Settings", "SpillPolicy", "from_values"]
 
 JudgeApi = Literal["openai", "sglang"]
 
-Seconds = Annotated[float, Meta(gt=0, le=86_400)]
-"""A duration: finite, above zero, at most a day."""
-_Delay = Annotated[float, Meta(ge=0, le=86_400)]
 _Large = Annotated[int, Meta(ge=1, le=1_000_000_000)]
 
 S = TypeVar("S", bound="Settings")
 _CONVERTING: ContextVar[bool] = ContextVar("prm_judge_settings_converting", default=False)
-
-
-def _message(exc: Exception) -> str:
-    return str(exc).replace("`$.", "`").removesuffix(" - at `$`")
 
 
 class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -55,9 +49,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
         if not _CONVERTING.get():  # built in code: check the types and bounds too
             token = _CONVERTING.set(True)
             try:
-                msgspec.convert(msgspec.to_builtins(self), type(self), strict=True)
-            except msgspec.ValidationError as exc:
-                raise ConfigError(f"{type(self).__name__}: {_message(exc)}") from None
+                with validating(type(self).__name__, root=type(self)):
+                    msgspec.convert(msgspec.to_builtins(self), type(self), strict=True)
             finally:
                 _CONVERTING.reset(token)
         self._check()
@@ -74,9 +67,8 @@ def from_values(cls: type[S], values: Mapping[str, Any], where: str = "") -> S:
     """
     token = _CONVERTING.set(True)
     try:
-        return msgspec.convert(dict(values), cls, strict=True)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{where}: {_message(exc)}" if where else _message(exc)) from None
+        with validating(root=cls, error=lambda text: ConfigError(f"{where}: {text}" if where else text)):
+            return msgspec.convert(dict(values), cls, strict=True)
     finally:
         _CONVERTING.reset(token)
 
@@ -88,15 +80,20 @@ class RequestSettings(Settings):
     ``timeout_s`` bounds one HTTP attempt, ``total_timeout_s`` the request with its
     retries; ``max_retries`` retries follow a connect error, a 5xx or a 429 (also a
     timeout with ``retry_on_timeout``); the backoff before retry ``k`` is drawn from
-    ``[d/2, d]``, ``d = min(backoff_max_s, backoff_base_s * 2**(k-1))``.
+    ``[d/2, d]``, ``d = min(backoff_max_s, backoff_base_s * 2**(k-1))`` (:class:`infra.retry.RetryPolicy`).
     """
 
     timeout_s: Seconds = 30.0
     total_timeout_s: Seconds = 45.0
     max_retries: Annotated[int, Meta(ge=0, le=1000)] = 2
-    backoff_base_s: _Delay = 0.2
-    backoff_max_s: _Delay = 5.0
+    backoff_base_s: Delay = 0.2
+    backoff_max_s: Delay = 5.0
     retry_on_timeout: bool = False
+
+    def _check(self) -> None:
+        if self.backoff_base_s > self.backoff_max_s:
+            raise ConfigError(f"backoff_base_s ({self.backoff_base_s}) must not exceed backoff_max_s "
+                              f"({self.backoff_max_s}): the first pause is the smallest")
 
 
 class LimitSettings(Settings):
@@ -156,6 +153,11 @@ class ClientSettings(Settings):
     limits: LimitSettings = LimitSettings()
     connection: ConnectionSettings = ConnectionSettings()
     spill: SpillPolicy = SpillPolicy()
+
+    @classmethod
+    def parts(cls) -> tuple[type[Settings], ...]:
+        """The structs its fields hold: request, limits, connection, spill."""
+        return tuple(_PARTS.values())
 
     @classmethod
     def flat_fields(cls) -> frozenset[str]:

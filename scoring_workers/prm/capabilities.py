@@ -36,7 +36,8 @@ from typing import Any
 
 import msgspec
 
-from infra.config import ConfigError, PRMConfig, PRMScorerConfig, did_you_mean, resolve_profile
+from infra.config import ConfigError, PRMConfig, PRMScorerConfig, resolve_profile
+from infra.types import did_you_mean, validating
 from scoring_workers.judge.hosts import check_record_judge_urls
 
 __all__ = ["CapabilityError", "RecordSettings", "constructor_arguments", "record_kwargs", "record_prm",
@@ -104,10 +105,8 @@ def record_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -> dict[str,
         raise CapabilityError(f"{where}.kwargs: {cls.__name__} has no record-settable argument `{key}`; {hint}")
     if not kwargs:
         return {}
-    try:
+    with validating(f"{where}.kwargs", root=cls.record_settings, error=CapabilityError):  # type: ignore[attr-defined]
         value = msgspec.convert(dict(kwargs), cls.record_settings, strict=True)  # type: ignore[attr-defined]
-    except msgspec.ValidationError as exc:
-        raise CapabilityError(f"{where}.kwargs: {exc}".replace("`$.", "`")) from None
     return msgspec.to_builtins(value)
 
 

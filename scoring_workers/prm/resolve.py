@@ -49,7 +49,8 @@ from typing import Any
 
 import msgspec
 
-from infra.config import ConfigError, PRMConfig, PRMScorerConfig, check_scorer_entry_keys, did_you_mean
+from infra.config import ConfigError, PRMConfig, PRMScorerConfig, check_scorer_entry_keys
+from infra.types import did_you_mean, validating
 from scoring_workers.prm.base import BaseScorer
 
 __all__ = [
@@ -320,10 +321,8 @@ def _entry(item: Any, where: str) -> PRMScorerConfig:
     if isinstance(item, Mapping):
         raw = dict(item)
         check_scorer_entry_keys(raw, where)
-        try:
+        with validating(root=PRMScorerConfig, error=lambda text: ConfigError(f"invalid {where}: {text}")):
             item = msgspec.convert(raw, PRMScorerConfig, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(f"invalid {where}: {exc}") from None
     if not isinstance(item, PRMScorerConfig):
         raise TypeError(
             f"scorers entries must be BaseScorer instances, PRMScorerConfig or mappings, got "

@@ -50,9 +50,10 @@ import msgspec
 import numpy as np
 import torch
 
-from infra.config import ConfigError, PRMConfig, validate_prm
+from infra.config import PRMConfig, validate_prm
 from infra.schema import PRMMetricObservation, PRMTurnResult, ScorerInfo, TokenRewards
 from infra.tree import TreeError, branches
+from infra.types import validating
 from scoring_workers.eager import Resume
 from scoring_workers.prm.base import BaseScorer, BaseTrajectoryScorer, PRMScorerResult
 from scoring_workers.prm.errors import (
@@ -382,10 +383,8 @@ class PRMRunner:
 
     def _setup(self, config: PRMConfig | Mapping[str, Any], allowed_prefixes: Sequence[str] | None) -> None:
         if isinstance(config, Mapping):
-            try:
+            with validating("prm", root=PRMConfig):
                 config = msgspec.convert(dict(config), PRMConfig, strict=False)
-            except msgspec.ValidationError as exc:
-                raise ConfigError(f"invalid PRM config: {exc}") from None
         if not isinstance(config, PRMConfig):
             raise TypeError(f"config must be a PRMConfig or a mapping, got {type(config).__name__}")
         validate_prm(config)

@@ -77,20 +77,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar
 
+import msgspec
 from msgspec import Meta
 
 from infra.config import ConfigError
 from infra.modes import JUDGE_SCORER
+from infra.types import Seconds, did_you_mean
 from scoring_workers.judge.apis import JudgeEndpoint
 from scoring_workers.judge.client import JudgeClient, normalize_base_urls
 from scoring_workers.judge.errors import JudgeFailedError, JudgeRequestError
 from scoring_workers.judge.prompts import build_prm_judge_messages, parse_boxed_score
-from scoring_workers.judge.settings import ClientSettings, ModelSettings, Seconds, Settings, from_values
+from scoring_workers.judge.settings import ClientSettings, ModelSettings, Settings, from_values
 from scoring_workers.judge.voting import Vote, VoteResult, run_votes
 from scoring_workers.prm import BaseScorer, PRMMetricObservation, PRMScorerResult
 from scoring_workers.prm.base import RawReward
 from scoring_workers.prm.capabilities import RecordSettings
-from scoring_workers.prm.resolve import resolve_callable
+from scoring_workers.prm.resolve import ScorerArgumentError, resolve_callable
 from scoring_workers.scorers.conversation import (
     NextState,
     NextStateRule,
@@ -136,6 +138,31 @@ class JudgingSettings(Settings):
 def _pick(settings: type[Settings], given: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword arguments in ``given`` that are fields of ``settings``."""
     return {name: given[name] for name in settings.__struct_fields__ if name in given}
+
+
+# Settings a judge scorer's YAML does not take: a key (``api_key_env`` / ``api_key_file`` say
+# where it lives instead, so no key sits in a config file or a registry record) and two
+# transport choices made in code (:class:`~scoring_workers.judge.client.JudgeClient`).
+_CODE_ONLY = frozenset({"api_key", "trust_env", "retry_on_timeout"})
+_SETTINGS: tuple[type[Settings], ...] = (JudgingSettings, ModelSettings, *ClientSettings.parts())
+FLAT_SETTINGS: dict[str, type[Settings]] = {
+    name: struct for struct in _SETTINGS for name in struct.__struct_fields__ if name not in _CODE_ONLY}
+"""Each flat keyword argument of a judge scorer (a YAML entry's ``kwargs``) and the settings
+struct it belongs to; its default is that struct's."""
+
+
+def _flat_signature(init: Any) -> inspect.Signature:
+    """``init``'s signature with ``**settings`` spelled out as the :data:`FLAT_SETTINGS`, each
+    with its struct's default: what ``help()``, the config check of a scorer entry's
+    ``kwargs`` (:func:`~scoring_workers.prm.resolve.check_scorer_kwargs`) and the
+    record-settable check read."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    flat = []
+    for name, struct in FLAT_SETTINGS.items():
+        info = next(f for f in msgspec.structs.fields(struct) if f.name == name)
+        default = info.default_factory() if info.default is msgspec.NODEFAULT else info.default
+        flat.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=info.type))
+    return inspect.signature(init).replace(parameters=[*own, *flat])
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,11 +230,14 @@ class JudgeScorerBase(BaseScorer):
     :class:`JudgeClient` / :class:`JudgeEndpoint`, next-state lookup, the judged
     response text, failure policy, audit, ``aclose``.
 
-    The keyword arguments stay flat (a YAML entry's ``kwargs``); the constructor turns
-    them into the judge component's settings structs — :attr:`client_settings`
-    (:class:`~scoring_workers.judge.settings.ClientSettings`), the endpoint's
-    :class:`~scoring_workers.judge.settings.ModelSettings` — and its own
-    :attr:`judging` (:class:`JudgingSettings`), each checked against its types and bounds.
+    The keyword arguments stay flat (a YAML entry's ``kwargs``); the constructor hands
+    each to the settings struct that owns it (:data:`FLAT_SETTINGS`), which holds its
+    default and its bounds: :attr:`client_settings`
+    (:class:`~scoring_workers.judge.settings.ClientSettings`: timeouts and retries, the
+    endpoint's limits, headers and credentials, a pool's spill policy), the endpoint's
+    :class:`~scoring_workers.judge.settings.ModelSettings` (api, model, sampling) and its
+    own :attr:`judging` (:class:`JudgingSettings`: next state, votes, failure policy).
+    The constructor's signature lists them all, with those defaults.
 
     ``next_state`` (default ``"last"``, OpenClaw-RL's rule) or ``"first"``: the first
     ``user``/``tool`` message after the output (system/developer skipped). With
@@ -230,41 +260,20 @@ class JudgeScorerBase(BaseScorer):
         *,
         base_url: str | None = None,
         base_urls: Sequence[str] | None = None,
-        api: str = "openai",
-        model: str = "default",
-        temperature: float = 0.6,
-        max_tokens: int = 4096,
-        top_p: float | None = 1.0,
-        top_k: int | None = -1,
-        include_reasoning: bool = True,
-        next_state: str = "last",
         policy_tokenizer: str | None = None,
-        m: int = 3,
-        on_all_votes_failed: str = "reject",
-        timeout_s: float = 30.0,
-        total_timeout_s: float = 45.0,
-        turn_timeout_s: float | None = None,
-        max_retries: int = 2,
-        backoff_base_s: float = 0.2,
-        backoff_max_s: float = 5.0,
-        max_concurrency: int | None = None,
-        rps: float | None = None,
-        breaker_failure_threshold: int | None = None,
-        breaker_reset_s: float | None = None,
-        api_key_env: str | None = None,
-        api_key_file: str | None = None,
-        headers: Mapping[str, str] | None = None,
         chat_template: Any = None,
         audit_sink: Any = None,
-        merge_tool_results: bool = False,
-        spill_in_flight: int = 16,
-        spill_ratio: float = 1.5,
+        **settings: Any,
     ) -> None:
-        given = dict(locals())  # first: the keyword arguments, for the settings structs
         super().__init__(weight=weight, enabled=enabled)
         where = f"scorer {self.name!r}"
+        unknown = sorted(set(settings) - set(FLAT_SETTINGS))
+        if unknown:
+            match = did_you_mean(unknown[0], FLAT_SETTINGS)
+            raise ScorerArgumentError(f"{where}: unexpected keyword argument `{unknown[0]}`"
+                                      + (f"; did you mean `{match}`?" if match else ""))
         urls = _judge_urls(self.name, "base_url", base_url, base_urls, required=True)
-        self.judging = from_values(JudgingSettings, _pick(JudgingSettings, given), where)
+        self.judging = from_values(JudgingSettings, _pick(JudgingSettings, settings), where)
         if policy_tokenizer is not None and not isinstance(policy_tokenizer, str):
             raise TypeError(f"{where}: policy_tokenizer must be a path or null, got {policy_tokenizer!r}")
         self._decode = None if policy_tokenizer is None else load_policy_decoder(policy_tokenizer)
@@ -273,13 +282,15 @@ class JudgeScorerBase(BaseScorer):
         """Process-lifetime counters (turns, judge_calls, judge_calls_saved, judge_failed,
         no_next_state, rejected) — handy for a Prometheus exporter."""
         self.client_settings = ClientSettings.from_flat(
-            {k: v for k, v in given.items() if k in ClientSettings.flat_fields()}, where)
+            {k: v for k, v in settings.items() if k in ClientSettings.flat_fields()}, where)
         """How this scorer's judge clients are configured (the judge's and the teacher's)."""
-        model_settings = from_values(ModelSettings, _pick(ModelSettings, given), where)
+        model_settings = from_values(ModelSettings, _pick(ModelSettings, settings), where)
         template = None if chat_template is None else resolve_callable(chat_template, "chat_template")
         self._clients: list[JudgeClient] = []
         client = self._new_client(urls)  # last but one: nothing after it can fail
         self.endpoint = JudgeEndpoint(client, model_settings, chat_template=template)
+
+    __init__.__signature__ = _flat_signature(__init__)  # type: ignore[attr-defined]
 
     @property
     def deterministic(self) -> bool:  # type: ignore[override]
@@ -426,12 +437,11 @@ class OpenClawJudgeScorer(JudgeScorerBase):
     ) -> None:
         if not isinstance(adaptive, bool):
             raise TypeError(f"scorer {self.name!r}: adaptive must be a bool, got {adaptive!r}")
-        m = kwargs.get("m", 3)
-        if max_votes is not None and (
-            isinstance(max_votes, bool) or not isinstance(max_votes, int) or (isinstance(m, int) and max_votes < m)
-        ):
-            raise ConfigError(f"scorer {self.name!r}: max_votes must be an integer >= m ({m}), got {max_votes!r}")
         super().__init__(weight, enabled, **kwargs)
+        m = self.judging.m
+        if max_votes is not None and (isinstance(max_votes, bool) or not isinstance(max_votes, int) or max_votes < m):
+            self._release_unopened()
+            raise ConfigError(f"scorer {self.name!r}: max_votes must be an integer >= m ({m}), got {max_votes!r}")
         self.adaptive = adaptive
         self.max_votes = max_votes
 

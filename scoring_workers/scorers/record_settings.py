@@ -41,7 +41,10 @@ MIN_RECORD_RPS: Final = 0.01
 
 _Url = Annotated[str, Meta(min_length=1, max_length=2048)]
 _Urls = Annotated[list[_Url], Meta(min_length=1, max_length=64)]
-_Seconds = Annotated[float, Meta(ge=MIN_RECORD_SECONDS, le=3600)]
+# A record may ask for a judge timeout of at most an hour, tighter than infra.types.Seconds:
+# a record is untrusted, and one slow experiment must not hold a worker's slots for a day.
+_RecordSeconds = Annotated[float, Meta(ge=MIN_RECORD_SECONDS, le=3600,
+                                       description="a duration in seconds, at least 0.1, at most an hour")]
 _Rate = Annotated[float, Meta(ge=MIN_RECORD_RPS, le=100_000)]
 _Count = Annotated[int, Meta(ge=1, le=100_000)]
 
@@ -67,16 +70,16 @@ class JudgeRecordSettings(RecordSettings, frozen=True):
     merge_tool_results: bool | UnsetType = UNSET
     m: Annotated[int, Meta(ge=1, le=64)] | UnsetType = UNSET
     on_all_votes_failed: FailurePolicy | UnsetType = UNSET
-    timeout_s: _Seconds | UnsetType = UNSET
-    total_timeout_s: _Seconds | UnsetType = UNSET
-    turn_timeout_s: _Seconds | None | UnsetType = UNSET
+    timeout_s: _RecordSeconds | UnsetType = UNSET
+    total_timeout_s: _RecordSeconds | UnsetType = UNSET
+    turn_timeout_s: _RecordSeconds | None | UnsetType = UNSET
     max_retries: Annotated[int, Meta(ge=0, le=20)] | UnsetType = UNSET
     backoff_base_s: Annotated[float, Meta(ge=0, le=60)] | UnsetType = UNSET
     backoff_max_s: Annotated[float, Meta(ge=0, le=600)] | UnsetType = UNSET
     max_concurrency: _Count | None | UnsetType = UNSET
     rps: _Rate | None | UnsetType = UNSET
     breaker_failure_threshold: Annotated[int, Meta(ge=1, le=10_000)] | None | UnsetType = UNSET
-    breaker_reset_s: _Seconds | None | UnsetType = UNSET
+    breaker_reset_s: _RecordSeconds | None | UnsetType = UNSET
     spill_in_flight: _Count | UnsetType = UNSET
     spill_ratio: Annotated[float, Meta(ge=1, le=100)] | UnsetType = UNSET
 

@@ -383,8 +383,9 @@ def test_env_bad_value_refused() -> None:
 
 @pytest.mark.parametrize(("env", "message"), [
     ({"PRM_WORKER_SCORER_TIMEOUT_S": "abc"},
-     "PRM_WORKER_SCORER_TIMEOUT_S='abc': Expected `float`, got `str` (at `worker.scorer_timeout_s`)"),
-    ({"PRM_KAFKA_MAX_MESSAGE_BYTES": "5"}, "PRM_KAFKA_MAX_MESSAGE_BYTES='5': Expected `int` >= 1024"),
+     "PRM_WORKER_SCORER_TIMEOUT_S='abc': worker.scorer_timeout_s: Expected `float`, got `str`"),
+    ({"PRM_KAFKA_MAX_MESSAGE_BYTES": "5"},
+     "PRM_KAFKA_MAX_MESSAGE_BYTES='5': kafka.max_message_bytes: Expected `int` >= 1024"),
     ({"PRM_TRAINER_EXPERIMENT": "a b"}, "PRM_TRAINER_EXPERIMENT='a b': trainer.experiment: experiment_id 'a b'"),
 ])
 def test_a_bad_value_from_the_environment_names_its_variable(env: dict[str, str], message: str) -> None:

@@ -122,7 +122,7 @@ def _entry_points() -> list[object]:
     cases = [
         (lambda: modes.check_coefficient("alpha", -1.0), errors.ConfigurationError, ValueError, "alpha must be"),
         (lambda: check_experiment_id("no spaces"), errors.ConfigurationError, ValueError, "experiment_id"),
-        (lambda: RetryPolicy(retryable=bool, base_s=0.0), errors.ConfigurationError, ValueError, "a retry policy"),
+        (lambda: RetryPolicy(retryable=bool, base_s=-1.0), errors.ConfigurationError, ValueError, "a retry policy"),
         (lambda: reasons.require("no_such_reason_code"), errors.ConfigurationError, ValueError, "reason code"),
         (lambda: pack_array(np.zeros((2, 2), dtype=np.int32), np.dtype("<i4")), errors.WireError, ValueError,
          "expected a 1-D array"),

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from infra.errors import ConfigError
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from scoring_workers.judge.apis import openai_chat, sglang_generate_text, sglang_input_logprobs
 from scoring_workers.judge.client import JudgeClient
@@ -80,9 +81,16 @@ async def test_5xx_is_retried_then_succeeds(server):
 
 async def test_429_is_retried_honouring_retry_after(server):
     server.fail_next(429, 1, retry_after=0.05)
-    async with _client(server.base_url, max_retries=1) as client:
+    async with _client(server.base_url, max_retries=1, backoff_max_s=0.2) as client:  # backoff_base_s = 1 ms
+        started = time.monotonic()
         assert "\\boxed{1}" in await _chat(client)
+        assert time.monotonic() - started >= 0.05  # Retry-After is a floor under the backoff
     assert server.statuses[429] == 1 and server.requests == 2
+
+
+def test_backoff_base_past_its_cap_is_refused() -> None:
+    with pytest.raises(ConfigError, match="backoff_base_s"):
+        ClientSettings.from_flat({"backoff_base_s": 2.0, "backoff_max_s": 1.0})
 
 
 @pytest.mark.parametrize("status", [400, 401, 404, 422])
@@ -358,14 +366,14 @@ def test_client_validates_arguments():
 
 
 @pytest.mark.parametrize(("flat", "needle"), [
-    ({"timeout_s": 0}, "Expected `float` > 0.0 - at `timeout_s`"),
-    ({"total_timeout_s": float("inf")}, "at `total_timeout_s`"),
-    ({"max_retries": -1}, "Expected `int` >= 0 - at `max_retries`"),
-    ({"max_retries": True}, "Expected `int`, got `bool` - at `max_retries`"),
-    ({"max_concurrency": 0}, "at `max_concurrency`"),
-    ({"rps": float("nan")}, "at `rps`"),
+    ({"timeout_s": 0}, "timeout_s: Expected `float` > 0.0 (a duration in seconds, above zero)"),
+    ({"total_timeout_s": float("inf")}, "total_timeout_s: Expected `float` <= 1000000000.0"),
+    ({"max_retries": -1}, "max_retries: Expected `int` >= 0"),
+    ({"max_retries": True}, "max_retries: Expected `int`, got `bool`"),
+    ({"max_concurrency": 0}, "max_concurrency: Expected `int` >= 1"),
+    ({"rps": float("nan")}, "rps: Expected `float` >= 0.0"),
     ({"headers": {"X-A": None}}, None),  # None becomes the text "None": headers are text
-    ({"spill_ratio": 0.5}, "Expected `float` >= 1.0 - at `spill_ratio`"),
+    ({"spill_ratio": 0.5}, "spill_ratio: Expected `float` >= 1.0"),
     ({"timeout": 5}, "no judge client setting timeout"),  # a typo is not ignored
 ])
 def test_settings_are_typed_and_bounded(flat, needle):
@@ -378,9 +386,9 @@ def test_settings_are_typed_and_bounded(flat, needle):
 
 
 def test_settings_built_in_code_are_checked_too():
-    with pytest.raises(ValueError, match="RequestSettings: Expected `float` > 0.0 - at `timeout_s`"):
+    with pytest.raises(ValueError, match="RequestSettings.timeout_s: Expected `float` > 0.0"):
         RequestSettings(timeout_s=0)
-    with pytest.raises(ValueError, match="ClientSettings: .* - at `limits.max_concurrency`"):
+    with pytest.raises(ValueError, match="ClientSettings.limits.max_concurrency: Expected `int` >= 1"):
         ClientSettings(limits=_unchecked(LimitSettings, max_concurrency=0))  # the whole is checked again
     with pytest.raises(ValueError, match="top_k must be -1"):
         ModelSettings(top_k=0)

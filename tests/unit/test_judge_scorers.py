@@ -309,7 +309,7 @@ def test_config_validation(server):
         OpenClawJudgeScorer(base_url=url, api="grpc")
     with pytest.raises(ValueError, match="on_all_votes_failed"):
         OpenClawJudgeScorer(base_url=url, on_all_votes_failed="ignore")
-    with pytest.raises(ValueError, match="scorer 'openclaw_judge': Expected `int` >= 1 - at `m`"):
+    with pytest.raises(ValueError, match="scorer 'openclaw_judge': m: Expected `int` >= 1"):
         OpenClawJudgeScorer(base_url=url, m=0)
     with pytest.raises(ValueError, match="max_votes"):
         OpenClawJudgeScorer(base_url=url, max_votes=2)

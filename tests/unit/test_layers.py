@@ -5,11 +5,17 @@
 commands. Demo and test support lives in ``prm_pipeline.demo``: no production module
 imports it, except the command layer (``prm_pipeline/*.py``) lazily, inside the
 function of a demo command, so ``prm-pipeline worker`` never loads it.
+
+No module imports itself through others: inside the product packages the import graph
+has no circle, counting every import (late ones inside functions, ``TYPE_CHECKING``
+ones and relative ones too). A circle is two modules that cannot be understood, tested
+or moved apart; a late import only hides it from the interpreter.
 """
 
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +47,42 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
             out += [(node.module, id(node) in top)]
             out += [(f"{node.module}.{a.name}", id(node) in top) for a in node.names]
     return out
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolved(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (``from .batch import x`` in
+    ``shaper/filters.py``: ``shaper.batch``)."""
+    if node.level == 0:
+        return node.module or ""
+    package = _module(path).split(".")
+    package = package if path.name == "__init__.py" else package[:-1]
+    base = package[: len(package) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the product modules it imports, by any import statement anywhere in it.
+    ``from pkg import name`` counts as importing ``pkg.name`` when that is a module, else ``pkg``."""
+    files = [p for pkg in PRODUCT for p in (ROOT / pkg).rglob("*.py")]
+    modules = {_module(p) for p in files}
+    graph: dict[str, set[str]] = {}
+    for path in files:
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolved(path, node)
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    edges.add(target if target in modules else base)
+        graph[_module(path)] = {m for m in edges if m in modules and m != _module(path)}
+    return graph
 
 
 def _product_files() -> list[Path]:
@@ -78,3 +120,18 @@ def test_demo_modules_live_in_the_demo_package() -> None:
            "prm_pipeline/report.py", "prm_pipeline/processes.py", "producers/tiny_model.py",
            "producers/rollout_proxy.py", "producers/synthetic.py", "shaper/policy_update.py"]
     assert [p for p in old if (ROOT / p).exists()] == []
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    """Break a circle by moving what both sides need into a lower module, not by a late import."""
+    try:
+        TopologicalSorter(_import_graph()).prepare()
+    except CycleError as exc:
+        circle = " imports ".join(reversed(exc.args[1]))  # CycleError lists it importee first
+        raise AssertionError(f"import circle: {circle}") from None
+
+
+def test_the_circle_check_sees_late_and_relative_imports() -> None:
+    graph = _import_graph()
+    assert "shaper.batch" in graph["shaper.filters"]  # from .batch import ExportedGroup
+    assert "infra.registry" in graph["prm_pipeline.status.command"]  # inside a function

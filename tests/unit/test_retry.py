@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -35,14 +36,33 @@ class Flaky:
 
 
 def test_delays_grow_and_cap() -> None:
-    policy = RetryPolicy(retryable=transient, base_s=0.1, cap_s=1.0, jitter=False)
+    policy = RetryPolicy(retryable=transient, base_s=0.2, cap_s=1.0, jitter=False)
     assert [policy.delay(n) for n in range(1, 6)] == pytest.approx([0.2, 0.4, 0.8, 1.0, 1.0])
     assert policy.delay(10_000) == 1.0  # no overflow however long the outage
-    assert policy.delay(3) == backoff_delay(3, base_s=0.1, cap_s=1.0, jitter=False)
+    assert policy.delay(3) == backoff_delay(3, base_s=0.2, cap_s=1.0, jitter=False)
+
+
+def test_base_is_the_first_pause() -> None:
+    """One convention: a caller states the first pause it wants (no halving to fit a formula)."""
+    assert backoff_delay(1, base_s=0.05, cap_s=5.0, jitter=False) == 0.05
+    assert backoff_delay(2, base_s=0.05, cap_s=5.0, jitter=False) == 0.1
+    assert RetryPolicy(retryable=transient, base_s=0.0, cap_s=1.0).delay(7) == 0.0  # retry at once
+
+
+def test_retry_after_is_a_floor_capped_at_the_cap() -> None:
+    policy = RetryPolicy(retryable=transient, base_s=0.1, cap_s=2.0, jitter=False)
+    assert policy.delay(1, retry_after=1.5) == 1.5  # the server asked for longer than the backoff
+    assert policy.delay(1, retry_after=0.01) == 0.1  # shorter: the backoff stands
+    assert policy.delay(1, retry_after=60.0) == 2.0  # never past cap_s
+
+
+def test_jitter_draws_from_the_given_random_source() -> None:
+    policy = RetryPolicy(retryable=transient, base_s=0.1, cap_s=1.0)
+    assert policy.delay(2, rng=random.Random(7)) == policy.delay(2, rng=random.Random(7))
 
 
 def test_jitter_stays_within_half_to_full_delay() -> None:
-    policy = RetryPolicy(retryable=transient, base_s=0.1, cap_s=1.0)
+    policy = RetryPolicy(retryable=transient, base_s=0.2, cap_s=1.0)
     for attempt, full in ((1, 0.2), (2, 0.4), (9, 1.0)):
         draws = [policy.delay(attempt) for _ in range(200)]
         assert all(full / 2 <= d <= full for d in draws)
@@ -51,7 +71,7 @@ def test_jitter_stays_within_half_to_full_delay() -> None:
 
 def test_defaults_match_the_backoff_function() -> None:
     policy = RetryPolicy(retryable=transient, jitter=False)
-    assert (policy.base_s, policy.cap_s, policy.max_attempts) == (0.1, 10.0, None)
+    assert (policy.base_s, policy.cap_s, policy.max_attempts) == (0.2, 10.0, None)
     assert policy.delay(1) == pytest.approx(0.2) and policy.delay(50) == 10.0
 
 
@@ -60,7 +80,7 @@ def test_policy_is_frozen_and_checked() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.base_s = 1.0  # type: ignore[misc]
     with pytest.raises(ValueError):
-        RetryPolicy(retryable=transient, base_s=0.0)
+        RetryPolicy(retryable=transient, base_s=-1.0)
     with pytest.raises(ValueError):
         RetryPolicy(retryable=transient, base_s=2.0, cap_s=1.0)
     with pytest.raises(ValueError):
@@ -68,7 +88,7 @@ def test_policy_is_frozen_and_checked() -> None:
 
 
 async def test_transient_errors_are_retried_and_the_callback_sees_each_retry() -> None:
-    policy = RetryPolicy(retryable=transient, base_s=0.001, cap_s=0.004, jitter=False)
+    policy = RetryPolicy(retryable=transient, base_s=0.002, cap_s=0.004, jitter=False)
     op, seen = Flaky(Transient("a"), Transient("b"), Transient("c")), []
     result = await policy.run(op, what="test", on_retry=lambda exc, n, d: seen.append((str(exc), n, d)))
     assert result == "ok" and op.calls == 4

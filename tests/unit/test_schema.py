@@ -222,13 +222,13 @@ class TestPayload:
             decode_message(value[: len(value) // 2], hdrs)
 
     def test_wrong_type(self) -> None:
-        with pytest.raises(InvalidMessage, match=r"Expected `int`, got `str` - at `\$.group_size`"):
+        with pytest.raises(InvalidMessage, match=r"^group_size: Expected `int`, got `str`$"):
             decode_raw(raw_trajectory(group_size="2"))
 
     def test_tokens_as_list_instead_of_bytes(self) -> None:
         raw = raw_trajectory()
         raw["interactions"][0]["model_response"]["output_tokens"] = [1, 2, 3]
-        with pytest.raises(InvalidMessage, match=r"Expected `bytes`.*interactions\[0\].model_response.output_tokens"):
+        with pytest.raises(InvalidMessage, match=r"^interactions\[0\].model_response.output_tokens: Expected `bytes`"):
             decode_raw(raw)
 
     def test_nan_outcome_reward(self) -> None:
@@ -294,13 +294,19 @@ class TestConstruction:
         with pytest.raises(ValueError, match="must be integers"):
             pack_array([1.5, 2.0], np.dtype("<i4"))
 
-    def test_token_ids_must_fit_int32(self) -> None:
-        with pytest.raises(ValueError, match="fit in int32"):
+    def test_token_ids_are_non_negative_int32(self) -> None:
+        with pytest.raises(ValueError, match="non-negative int32"):
             ModelResponse.from_arrays([1], [2**31])
-        with pytest.raises(ValueError, match="fit in int32"):
-            ModelResponse.from_arrays([1], np.array([-(2**31) - 1]))
-        edge = ModelResponse.from_arrays([1], np.array([2**31 - 1, -(2**31)], dtype=np.int64))
-        assert edge.output_tokens.tolist() == [2**31 - 1, -(2**31)]
+        with pytest.raises(ValueError, match="non-negative int32"):
+            ModelResponse.from_arrays([1], np.array([-1], dtype=np.int32))
+        edge = ModelResponse.from_arrays([1], np.array([2**31 - 1, 0], dtype=np.int64))
+        assert edge.output_tokens.tolist() == [2**31 - 1, 0]
+
+    def test_negative_token_ids_from_the_wire_are_refused(self) -> None:
+        """Packed bytes skip pack_array: the struct checks them itself, as every decoder does."""
+        with pytest.raises(SchemaError, match="output_tokens: token ids must be non-negative"):
+            ModelResponse(input_tokens_raw=np.array([1], np.int32).tobytes(),
+                          output_tokens_raw=np.array([5, -1], np.int32).tobytes())
 
     def test_pack_array_accepts_torch(self) -> None:
         mr = ModelResponse.from_arrays(torch.tensor([1, 2]), torch.tensor([3, 4, 5]), torch.zeros(3))
