@@ -24,7 +24,7 @@ def _record(**kwargs) -> PRMConfig:
     ("rps", 1e-9),
 ])
 def test_a_record_cannot_set_a_duration_or_rate_below_its_floor(field: str, value: float) -> None:
-    with pytest.raises(CapabilityError, match=f"at `{field}`"):
+    with pytest.raises(CapabilityError, match=rf"kwargs\.{field}: Expected `float` >= "):
         record_prm(_record(**{field: value}), {}, allowed_prefixes=["scoring_workers.scorers"])
 
 
