@@ -108,7 +108,8 @@ class FakeLedger:
             group = self.groups[r.group_id] = FakeGroup(r.group_size, now + int(r.group_timeout_s * 1000))
             self.index[r.group_id] = group.deadline
         tid = r.result.trajectory_id
-        outcome, kind = ParkOutcome.PARKED, DecisionKind.FAILED if r.result.status == "failed" else DecisionKind.COMPLETE
+        failed = r.result.status == "failed"
+        outcome, kind = ParkOutcome.PARKED, DecisionKind.FAILED if failed else DecisionKind.COMPLETE
         if tid in group.members:
             outcome, kind = ParkOutcome.DUPLICATE, DecisionKind.COMPLETE  # the member parked first stands
         else:

@@ -88,7 +88,8 @@ class _Producer:
 
 def _worker(**settings: Any) -> tuple[Worker, FakeLedger, _Producer, _Runner]:
     runner, ledger, producer = _Runner(), FakeLedger(), _Producer()
-    worker = Worker(PipelineConfig(worker=WorkerConfig(**settings)), worker_id="w-unit", runner=runner)  # type: ignore[arg-type]
+    cfg = PipelineConfig(worker=WorkerConfig(**settings))
+    worker = Worker(cfg, worker_id="w-unit", runner=runner)  # type: ignore[arg-type]
     worker._attach(ledger, producer)  # type: ignore[arg-type]
     worker._committer = OffsetCommitter(None, owner="w-unit")  # type: ignore[arg-type]  # only its offset tracker
     return worker, ledger, producer, runner
