@@ -16,9 +16,14 @@ another live worker's, and the worker logs a warning (once).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
+
+from scoring_workers.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +75,18 @@ class Heartbeat:
                     "--worker-id, or status counts them as one and their verdicts name the same worker (a process of "
                     "this id that was killed less than %g s ago looks the same)",
                     self.worker_id, (now_ms - previous_ms) / 1000, ALIVE_S)
+
+    async def run(self, stop: asyncio.Event, telemetry: WorkerTelemetry, view: Callable[[], Any | None]) -> None:
+        """The worker's liveness loop. Liveness = the event loop runs (not: Kafka and Redis
+        answer); readiness ends at stop. A ready worker also beats in Redis and leaves at
+        stop. ``view``: the ledger's :class:`~scoring_workers.ledger.LedgerView` once open."""
+        while True:
+            telemetry.tick()
+            if stop.is_set():
+                telemetry.ready = False
+            await self.step(view(), ready=telemetry.ready, stopping=stop.is_set())
+            if stop.is_set():
+                await asyncio.sleep(1.0)
+            else:  # wake at stop: leave the heartbeat set while the ledger is still open
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.wait_s(ready=telemetry.ready))
