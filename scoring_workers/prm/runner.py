@@ -54,7 +54,6 @@ from infra.config import PRMConfig, validate_prm
 from infra.schema import PRMMetricObservation, PRMTurnResult, ScorerInfo, TokenRewards
 from infra.tree import TreeError, branches
 from infra.types import validating
-
 from scoring_workers.prm.base import BaseScorer, BaseTrajectoryScorer, PRMScorerResult
 from scoring_workers.prm.errors import (
     PRMErrorContext,
