@@ -49,6 +49,7 @@ from infra.modes import (
     mode_info,
     shaping_mode,
 )
+from infra.ports import Port
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the ledger. Commits at a rebalance or at shutdown are never delayed.
     commit_interval_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.5
     drain_timeout_s: float = 30.0
-    metrics_port: int | None = None
+    metrics_port: Port | None = None
     # Scorer classes may be imported only from these module prefixes (configs are code
     # execution otherwise; trajectory payloads never name code). Add your own package.
     allowed_scorer_modules: list[str] = msgspec.field(default_factory=lambda: ["scoring_workers.scorers"])
@@ -448,7 +449,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     host: str = "127.0.0.1"  # all interfaces needs auth (or --allow-unauthenticated)
-    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8431
+    port: Port = 8431
     tokenizer: str = "bytes"  # "bytes" (UTF-8 bytes as ids, no files) or a tokenizer.json path
     grouping: Literal["per_query", "per_request"] = "per_query"  # how text queries form GRPO groups
     process_reduction: Literal["mean", "sum", "last"] = "mean"  # token rewards -> the scalar in `rewards`

@@ -33,7 +33,7 @@ from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineCon
 from infra.experiments import UnknownExperiment, declared_experiment
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
-from prm_pipeline.flags import deprecated_alias, positive_int, seconds
+from prm_pipeline.flags import deprecated_alias, port, positive_int, seconds
 
 __all__ = ["COMMANDS", "Command", "add_command", "build_parser", "main", "positive_int"]
 
@@ -233,7 +233,7 @@ def _trainer_arguments(p: argparse.ArgumentParser) -> None:
                    help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
     p.add_argument("--dedupe-store", default=None, metavar="PATH",
                    help="sqlite file remembering acknowledged verdicts across restarts")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+    p.add_argument("--metrics-port", type=port, default=None, metavar="P",
                    help="serve the consumer's counters as Prometheus /metrics on P (shaper/telemetry.py)")
     p.add_argument("--exclude-neutral-turns", action=argparse.BooleanOptionalAction, default=None,
                    help="OpenClaw-RL exclusion: no loss on turns the judge scored 0 or without a next state, "
@@ -320,7 +320,7 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
                    help="records in flight (default worker.concurrency)")
     p.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve Prometheus /metrics on P")
+    p.add_argument("--metrics-port", type=port, default=None, metavar="P", help="serve Prometheus /metrics on P")
 
 
 def _publish_arguments(p: argparse.ArgumentParser) -> None:
@@ -351,7 +351,7 @@ def _verdicts_arguments(p: argparse.ArgumentParser) -> None:
 
 def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="listen address (default gateway.host, 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="listen port (default gateway.port; 0 = any free port)")
+    p.add_argument("--port", type=port, default=None, help="listen port (default gateway.port; 0 = any free port)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="listen beyond loopback without bearer tokens (only behind a network policy)")
 
