@@ -24,7 +24,7 @@ from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
 
 from infra import aiokafka_internals as internals
-from infra.config import KafkaConfig, TopicsConfig
+from infra.config import KafkaConfig, TopicsConfig, bootstrap_servers
 from infra.errors import ServiceError, WireError
 
 log = logging.getLogger(__name__)
@@ -209,12 +209,12 @@ async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
 
     from aiokafka.errors import KafkaConnectionError
 
-    host, _, port = cfg.bootstrap.split(",")[0].strip().rpartition(":")
+    host, port = bootstrap_servers(cfg.bootstrap)[0]
     kw = common_kwargs(cfg)
     where = f"Kafka at {host}:{port} (kafka.bootstrap, security_protocol={cfg.security_protocol})"
     try:
         conn = await internals.open_connection(
-            host, int(port), ssl_context=kw.get("ssl_context"), security_protocol=cfg.security_protocol,
+            host, port, ssl_context=kw.get("ssl_context"), security_protocol=cfg.security_protocol,
             sasl_mechanism=kw.get("sasl_mechanism", "PLAIN"), sasl_plain_username=cfg.sasl_username,
             sasl_plain_password=cfg.sasl_password, request_timeout_ms=min(cfg.request_timeout_ms, 10_000))
     except ssl.SSLCertVerificationError as exc:
