@@ -11,6 +11,9 @@ nowhere else, by a function that names the private attribute it relies on:
   (``KafkaConfig.leave_group_on_stop``);
 * :func:`refresh_metadata` — refresh a consumer's metadata now
   (``AIOKafkaConsumer._client``);
+* :func:`forbid_topic_auto_creation` — make every metadata request say
+  ``allow_auto_topic_creation=false`` (the ``MetadataRequest`` that ``aiokafka.client``
+  and ``aiokafka.admin.client`` build): no client of ours makes a broker create a topic;
 * :func:`explain_scram_errors` — turn a SCRAM login refusal into a readable error instead
   of aiokafka 0.14's bare ``KeyError: 'v'``
   (``ScramAuthenticator.process_server_final_message``), installed when a client uses SCRAM;
@@ -32,6 +35,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiokafka
+import aiokafka.admin.client
+import aiokafka.client
 import aiokafka.conn
 from aiokafka.conn import ScramAuthenticator, create_conn
 from aiokafka.consumer.fetcher import Fetcher
@@ -41,7 +46,8 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from infra.errors import ConfigurationError
 
 __all__ = ["SUPPORTED", "AiokafkaInternalsChanged", "adapt_fetch_wait", "explain_scram_errors", "fetch_wait_ms",
-           "open_connection", "problems", "record_size", "refresh_metadata", "skip_leave_group", "version"]
+           "forbid_topic_auto_creation", "open_connection", "problems", "record_size", "refresh_metadata",
+           "skip_leave_group", "version"]
 
 SUPPORTED = ((0, 14), (0, 15))
 """The aiokafka versions these internals were checked against: ``[low, high)`` by (major, minor)."""
@@ -52,6 +58,10 @@ _SOURCE_NEEDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("AIOKafkaConsumer.__init__", aiokafka.AIOKafkaConsumer.__init__, ("self._client",)),
     ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start, ("self._fetcher", "self._coordinator")),
     ("ScramAuthenticator.__init__", ScramAuthenticator.__init__, ("self._hashname", "self._sasl_plain_username")),
+    ("AIOKafkaClient._metadata_update", aiokafka.AIOKafkaClient._metadata_update, ("MetadataRequest(",)),
+    ("AIOKafkaClient.bootstrap", aiokafka.AIOKafkaClient.bootstrap, ("MetadataRequest(",)),
+    ("AIOKafkaAdminClient._get_cluster_metadata", aiokafka.admin.client.AIOKafkaAdminClient._get_cluster_metadata,
+     ("MetadataRequest(",)),
 )
 # (what, its owner, its name there, the parameters relied on): looked up when checked, so a
 # method removed after import is reported too.
@@ -67,6 +77,9 @@ _SIGNATURES: tuple[tuple[str, Any, str, tuple[str, ...]], ...] = (
                                                   "sasl_plain_password")),
     ("DefaultRecordBatchBuilder.estimate_size_in_bytes", DefaultRecordBatchBuilder, "estimate_size_in_bytes",
      ("key", "value", "headers")),
+    ("aiokafka.client.MetadataRequest", aiokafka.client, "MetadataRequest", ("topics", "allow_auto_topic_creation")),
+    ("aiokafka.admin.client.MetadataRequest", aiokafka.admin.client, "MetadataRequest",
+     ("topics", "allow_auto_topic_creation")),
 )
 _COROUTINES = ("Fetcher._proc_fetch_request", "GroupCoordinator._maybe_leave_group")
 
@@ -161,6 +174,32 @@ def skip_leave_group(consumer: aiokafka.AIOKafkaConsumer) -> None:
 async def refresh_metadata(consumer: aiokafka.AIOKafkaConsumer) -> None:
     """Refresh the consumer's cluster metadata now (a topic created a moment ago)."""
     await _need(consumer, "_client", "an AIOKafkaConsumer").force_metadata_update()
+
+
+def forbid_topic_auto_creation() -> None:
+    """Make every metadata request of aiokafka's clients and admin clients carry
+    ``allow_auto_topic_creation=false`` (idempotent; process-wide).
+
+    aiokafka asks for auto-creation in every metadata request (v4 and later) and has no
+    switch for it, so a producer's first send or a consumer's subscription to a missing
+    topic made the broker create it: the embedded broker with 4 partitions whatever
+    ``topics.partitions`` says (tansu has no setting to turn auto-creation off), Apache
+    Kafka with its ``num.partitions`` unless ``auto.create.topics.enable`` is off. With
+    this, a missing topic stays missing, and the command says so with the fix
+    (:class:`infra.kafka.TopicMissing`): topics are made by ``prm-pipeline topics create``.
+    """
+    for module in (aiokafka.client, aiokafka.admin.client):
+        current = _need(module, "MetadataRequest", module.__name__)
+        if getattr(current, "_prm_no_auto_creation", False):
+            continue
+
+        class MetadataRequestWithoutAutoCreation(current):  # type: ignore[misc, valid-type]
+            _prm_no_auto_creation = True
+
+            def __init__(self, topics: list[str] | None = None, allow_auto_topic_creation: bool | None = False) -> None:
+                super().__init__(topics, allow_auto_topic_creation)
+
+        module.MetadataRequest = MetadataRequestWithoutAutoCreation  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- connections

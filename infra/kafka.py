@@ -15,7 +15,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka import errors as kerr
@@ -237,7 +238,9 @@ async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
 
 
 def common_kwargs(cfg: KafkaConfig) -> dict[str, Any]:
-    """Connection settings shared by every client: bootstrap, client id, SASL, TLS."""
+    """Connection settings shared by every client: bootstrap, client id, SASL, TLS. No client
+    built with them has the broker create a topic (:func:`infra.aiokafka_internals.forbid_topic_auto_creation`)."""
+    internals.forbid_topic_auto_creation()
     kwargs: dict[str, Any] = {
         "bootstrap_servers": cfg.bootstrap,
         "client_id": cfg.client_id,
@@ -429,38 +432,95 @@ def _new_topic(name: str, kafka: KafkaConfig, topics: TopicsConfig) -> NewTopic:
     if name == topics.experiments:  # the registry: one partition (one order), latest record per key kept
         return NewTopic(name=name, num_partitions=1, replication_factor=topics.replication_factor,
                         topic_configs={"cleanup.policy": "compact"})
-    return NewTopic(name=name, num_partitions=topics.partitions, replication_factor=topics.replication_factor,
+    return NewTopic(name=name, num_partitions=wanted_partitions(name, topics), replication_factor=topics.replication_factor,
                     topic_configs={"retention.ms": str(topics.retention_ms),
                                    "max.message.bytes": str(kafka.max_message_bytes)})
 
 
-async def ensure_topics(
-    kafka: KafkaConfig, topics: TopicsConfig, names: Iterable[str] | None = None
-) -> dict[str, str]:
-    """Create the configured topics if missing; returns ``{name: "created" | "exists"}``.
+def wanted_partitions(name: str, topics: TopicsConfig) -> int:
+    """The partitions ``topics create`` gives ``name``: 1 for the registry (one order),
+    ``topics.partitions`` for every other topic."""
+    return 1 if name == topics.experiments else topics.partitions
 
-    Idempotent: an existing topic is reported, not an error (its partition count is
-    left alone — the embedded broker cannot change it, and shrinking is never safe).
-    """
-    wanted = list(names) if names is not None else [topics.trajectories, topics.verdicts, topics.dead_letters,
-                                                    topics.experiments]
+
+@dataclass(frozen=True)
+class TopicState:
+    """What :func:`ensure_topics` found or did for one topic: ``created``, ``exists``, or
+    ``differs`` (it exists with another partition count than the config asks for)."""
+
+    name: str
+    state: Literal["created", "exists", "differs"]
+    partitions: int
+    wanted: int
+
+    def __str__(self) -> str:
+        line = f"{self.state:8} {self.name}"
+        if self.state == "differs":
+            line += (f": {self.partitions} partitions, the config asks for {self.wanted} (topics.partitions); "
+                     "partitions cannot be changed here: delete and recreate the topic while nothing uses it, "
+                     f"or set topics.partitions: {self.partitions}")
+        return line
+
+
+async def topic_partitions(kafka: KafkaConfig, names: Iterable[str]) -> dict[str, int]:
+    """The partition count of each of ``names`` that exists (a missing one is left out).
+
+    One metadata request naming the topics, which never has the broker create one
+    (:func:`infra.aiokafka_internals.forbid_topic_auto_creation`)."""
+    wanted = list(dict.fromkeys(names))
+    if not wanted:
+        return {}
     admin = make_admin(kafka)
     await admin.start()
     try:
-        existing = set(await admin.list_topics())
-        missing = [n for n in wanted if n not in existing]
-        result = {n: "exists" for n in wanted if n in existing}
-        if missing:
-            new = [_new_topic(n, kafka, topics) for n in missing]
-            response = await admin.create_topics(new)
-            for name, code, *_ in getattr(response, "topic_errors", []):
-                if code in (29, 31):  # TOPIC_ / CLUSTER_AUTHORIZATION_FAILED: the operator must grant it
-                    raise KafkaAccessRefused(
-                        f"the broker refuses to create topic {name!r} (Kafka error code {code}: not authorized); "
-                        "grant CREATE to the principal of kafka.sasl_username, or create the topics beforehand")
-                if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator won)
-                    raise TopicCreationFailed(name, code)
-                result[name] = "created" if code == 0 else "exists"
-        return result
+        described = await admin.describe_topics(wanted)
     finally:
         await admin.close()
+    return {t["topic"]: len(t["partitions"]) for t in described if t["error_code"] == 0 and t["partitions"]}
+
+
+async def require_topics(kafka: KafkaConfig, names: Iterable[str]) -> None:
+    """Raise :class:`TopicMissing` (one line with the fix) for the first of ``names`` the
+    broker does not have: checked before a command builds a producer or consumer for them,
+    so a missing topic is reported at once, is not created by accident, and leaves no
+    client behind."""
+    wanted = list(dict.fromkeys(names))
+    have = await topic_partitions(kafka, wanted)
+    for name in wanted:
+        if name not in have:
+            raise TopicMissing(name)
+
+
+async def ensure_topics(
+    kafka: KafkaConfig, topics: TopicsConfig, names: Iterable[str] | None = None
+) -> dict[str, TopicState]:
+    """Create the configured topics if missing; returns each topic's :class:`TopicState`.
+
+    Idempotent: an existing topic is reported, not an error. Its partition count is left
+    alone (the embedded broker cannot change it, and shrinking is never safe), but one
+    that differs from the config's (a topic the broker auto-created, or an older config)
+    is reported as ``differs``.
+    """
+    wanted = list(names) if names is not None else [topics.trajectories, topics.verdicts, topics.dead_letters,
+                                                    topics.experiments]
+    existing = await topic_partitions(kafka, wanted)
+    result = {n: TopicState(n, "exists" if count == wanted_partitions(n, topics) else "differs", count,
+                            wanted_partitions(n, topics)) for n, count in existing.items()}
+    missing = [n for n in wanted if n not in existing]
+    if missing:
+        admin = make_admin(kafka)
+        await admin.start()
+        try:
+            response = await admin.create_topics([_new_topic(n, kafka, topics) for n in missing])
+        finally:
+            await admin.close()
+        for name, code, *_ in getattr(response, "topic_errors", []):
+            if code in (29, 31):  # TOPIC_ / CLUSTER_AUTHORIZATION_FAILED: the operator must grant it
+                raise KafkaAccessRefused(
+                    f"the broker refuses to create topic {name!r} (Kafka error code {code}: not authorized); "
+                    "grant CREATE to the principal of kafka.sasl_username, or create the topics beforehand")
+            if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator won)
+                raise TopicCreationFailed(name, code)
+            count = wanted_partitions(name, topics)
+            result[name] = TopicState(name, "created" if code == 0 else "exists", count, count)
+    return {n: result[n] for n in wanted if n in result}

@@ -30,7 +30,8 @@ from typing import Any
 
 from infra import event_loop
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
-from infra.experiments import UnknownExperiment, declared_experiment
+from infra.experiments import UnknownExperiment, declared_experiment, trajectories_topic, verdicts_topic
+from infra.kafka import require_topics
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
 from prm_pipeline.flags import deprecated_alias, port, positive_int, seconds
@@ -59,7 +60,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             from infra.kafka import ensure_topics
 
             kafka = msgspec.structs.replace(cfg.kafka, bootstrap=stack.kafka_bootstrap)
-            asyncio.run(ensure_topics(kafka, cfg.topics))
+            for state in asyncio.run(ensure_topics(kafka, cfg.topics)).values():
+                print(f"# {state}", file=sys.stderr, flush=True)  # stdout stays the env lines to eval
         print(f"PRM_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}", flush=True)
         print(f"PRM_REDIS_URL={stack.redis_url}", flush=True)
         for name, value in LOCAL_BROKER_ENV.items():  # the embedded broker's workarounds (infra.local)
@@ -82,12 +84,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_topics(args: argparse.Namespace) -> int:
     """The configured topics, then the two topics of every experiment the registry declares."""
     from infra.experiments import trajectories_topic, verdicts_topic
-    from infra.kafka import ensure_topics
+    from infra.kafka import TopicState, ensure_topics
     from infra.registry import read_registry
 
     cfg = _load(args)
 
-    async def create() -> dict[str, str]:
+    async def create() -> dict[str, TopicState]:
         result = await ensure_topics(cfg.kafka, cfg.topics)
         declared = [e for e, entry in sorted((await read_registry(cfg)).items()) if entry.spec is not None]
         names = [t for e in declared for t in (trajectories_topic(cfg.topics.trajectories, e),
@@ -96,8 +98,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
             result.update(await ensure_topics(cfg.kafka, cfg.topics, names))
         return result
 
-    for name, state in asyncio.run(create()).items():
-        print(f"{state:8} {name}")
+    for state in asyncio.run(create()).values():
+        print(state)
     return 0
 
 
@@ -392,8 +394,36 @@ def _check_jsonl(args: argparse.Namespace) -> None:
             pass
 
 
+# ---- the topics a command reads or writes, which must exist before it builds a client (Command.topics)
+def _trajectories(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return [trajectories_topic(cfg.topics.trajectories, experiment_of(args, cfg))]
+
+
+def _verdicts(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return [verdicts_topic(cfg.topics.verdicts, experiment_of(args, cfg))]
+
+
+def _experiment_topics(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return _trajectories(args, cfg) + _verdicts(args, cfg)
+
+
+def _worker_topics(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    """The default experiment's topics and the dead letters (declared experiments' topics
+    are made by ``experiment add``, and a worker serves only those that exist)."""
+    return [cfg.topics.trajectories, cfg.topics.verdicts, cfg.topics.dead_letters]
+
+
+def _dead_letters_topic(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return [cfg.topics.dead_letters]
+
+
+def _inspected_verdicts(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return _verdicts(args, cfg) if args.group and not args.verdicts else []
+
+
 Arguments = Callable[[argparse.ArgumentParser], None]
 Runner = Callable[[argparse.Namespace], int]
+Topics = Callable[[argparse.Namespace, PipelineConfig], list[str]]
 
 
 @dataclass(frozen=True)
@@ -408,7 +438,9 @@ class Command:
     checks of local inputs, run before waiting for a service. ``experiment``: when it
     publishes to or waits on ``--experiment``, which must then be declared (``trainer`` and
     ``audit`` check theirs when they read its declaration, ``status`` in its own command,
-    ``dead-letters`` none). ``error_exit``: exit status of an error that is not the
+    ``dead-letters`` none). ``topics``: the topics it reads or writes, checked to exist
+    (without having the broker create one) before it builds a producer or consumer, so a
+    missing one is one line naming the fix at once. ``error_exit``: exit status of an error that is not the
     command's own verdict (``audit`` keeps 1 for "a group differs"). ``all_kafka_logs``: keep
     aiokafka's connection errors (long-running commands), instead of one line.
     ``development``: a development command, whose module is imported only when it runs.
@@ -424,6 +456,7 @@ class Command:
     writes: tuple[tuple[str, str], ...] = ()
     checks: tuple[Callable[[argparse.Namespace], None], ...] = ()
     experiment: Callable[[argparse.Namespace], bool] | None = None
+    topics: Topics | None = None
     error_exit: int = 1
     all_kafka_logs: bool = False
     development: bool = False
@@ -445,19 +478,20 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("up", "run the embedded Kafka-protocol broker and Redis in the foreground", cmd_up, _up_arguments),
     Command("topics", "manage the configured topics", cmd_topics, _topics_arguments, needs=("kafka",)),
     Command("worker", "run one scoring worker (run several for scale)", cmd_worker, _worker_arguments,
-            needs=("kafka", "redis"), checks=(_check_event_loop, _check_scorers),
+            needs=("kafka", "redis"), checks=(_check_event_loop, _check_scorers), topics=_worker_topics,
             all_kafka_logs=True),
     Command("publish", "publish ready trajectories and discards from a JSONL file", cmd_publish, _publish_arguments,
-            needs=("kafka",), reads=(("file", "FILE"),), checks=(_check_jsonl,), experiment=_always),
+            needs=("kafka",), reads=(("file", "FILE"),), checks=(_check_jsonl,), experiment=_always,
+            topics=_trajectories),
     Command("verdicts", "print verdicts as JSON lines", cmd_verdicts, _verdicts_arguments, needs=("kafka",),
-            writes=(("out", "--out"),), experiment=_always),
+            writes=(("out", "--out"),), experiment=_always, topics=_verdicts),
     Command("trainer", "reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
             cmd_trainer, _trainer_arguments,
             description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
             needs=("kafka",), writes=(("dedupe_store", "--dedupe-store"),), checks=(_check_event_loop,),
-            all_kafka_logs=True),
+            topics=_verdicts, all_kafka_logs=True),
     Command("gateway", "HTTP reward service for OpenRLHF, slime and token-id clients", cmd_gateway,
-            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop,)),
+            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop,), topics=_experiment_topics),
     Command("experiment", "declare, remove or list experiments in the registry (docs/fleet.md)",
             "prm_pipeline.experiment_tool:checked_experiment", "prm_pipeline.experiment_tool:experiment_arguments",
             needs=("kafka",), checks=(_check_experiment_file,)),
@@ -465,13 +499,14 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "prm_pipeline.dead_letter_tool:cmd_dead_letters", "prm_pipeline.dead_letter_tool:dead_letters_arguments",
             description="Read the dead-letter topic (JSON lines), or plan and run a redrive to the trajectories "
                         "topic (a dry run unless --yes). See docs/faults.md.",
-            needs=("kafka",)),
+            needs=("kafka",), topics=_dead_letters_topic),
     Command("audit", "re-score recorded trajectories and compare with the recorded verdicts",
             "prm_pipeline.audit.cli:cmd_audit", "prm_pipeline.audit.cli:audit_arguments",
             description="Re-score every trajectory a recorded verdict names with the configured scorers and "
                         "compare. Reads prm.trajectories and prm.verdicts with group-less consumers (no offsets "
                         "committed, no Redis). Exit code 1 when anything differs. See docs/audit.md.",
-            needs=("kafka",), writes=(("out", "--out"),), checks=(_check_scorers,), error_exit=2),
+            needs=("kafka",), writes=(("out", "--out"),), checks=(_check_scorers,), topics=_experiment_topics,
+            error_exit=2),
     Command("fake-judge", "serve a scripted LLM judge / teacher on loopback (tests, benchmarks, demos)",
             "prm_pipeline.demo.fake_judge:cmd_fake_judge", development=True,
             parser="prm_pipeline.demo.fake_judge:add_fake_judge_parser"),
@@ -480,7 +515,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("inspect", "token view of a verdict: output tokens coloured by process reward",
             "prm_pipeline.token_view:cmd_inspect", "prm_pipeline.token_view:inspect_arguments",
             reads=(("verdicts", "--verdicts"), ("audit", "--audit")), writes=(("html", "--html"),),
-            experiment=lambda args: bool(args.group and not args.verdicts)),
+            experiment=lambda args: bool(args.group and not args.verdicts), topics=_inspected_verdicts),
     Command("model-server", "serve the demo's tiny LM over SGLang /generate and OpenAI chat",
             "prm_pipeline.demo.model_server:cmd_model_server", development=True,
             parser="prm_pipeline.demo.model_server:add_model_server_parser"),
@@ -676,6 +711,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return failed
         if (experiment := _experiment_to_check(args)) is not None:
             asyncio.run(declared_experiment(_load(args), experiment))
+        if command.topics is not None and (topics := command.topics(args, _load(args))):
+            asyncio.run(require_topics(_load(args).kafka, topics))  # TopicMissing: one line with the fix
         return int(args.func(args) or 0)
     except UnknownExperiment as exc:  # nothing would ever read what the command publishes or waits for
         print(f"error: {exc}", file=sys.stderr)
