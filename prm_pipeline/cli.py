@@ -664,6 +664,21 @@ def _experiment_to_check(args: argparse.Namespace) -> str | None:
     return experiment_of(args, _load(args)) if when is not None and when(args) else None
 
 
+def _require_topics(args: argparse.Namespace, topics: list[str]) -> None:
+    """The command's topics exist, else :class:`~infra.kafka.TopicMissing` (one line with the
+    fix). An experiment's topic is missing when the experiment was never declared: then
+    that is the line (``trainer`` and ``audit`` check their declaration only later)."""
+    from infra.kafka import TopicMissing
+
+    cfg = _load(args)
+    try:
+        asyncio.run(require_topics(cfg.kafka, topics))
+    except TopicMissing as exc:
+        if exc.topic not in (cfg.topics.trajectories, cfg.topics.verdicts, cfg.topics.dead_letters):
+            asyncio.run(declared_experiment(cfg, experiment_of(args, cfg)))  # UnknownExperiment: exit 2
+        raise
+
+
 def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
     from aiokafka.errors import KafkaConnectionError
@@ -712,7 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (experiment := _experiment_to_check(args)) is not None:
             asyncio.run(declared_experiment(_load(args), experiment))
         if command.topics is not None and (topics := command.topics(args, _load(args))):
-            asyncio.run(require_topics(_load(args).kafka, topics))  # TopicMissing: one line with the fix
+            _require_topics(args, topics)
         return int(args.func(args) or 0)
     except UnknownExperiment as exc:  # nothing would ever read what the command publishes or waits for
         print(f"error: {exc}", file=sys.stderr)
