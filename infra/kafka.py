@@ -383,10 +383,11 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
     return PipelineConsumer(*topics, leave_group_on_stop=cfg.leave_group_on_stop, fetch_wait=fetch_wait, **kwargs)
 
 
-async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 30.0) -> list[TopicPartition]:
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 5.0) -> list[TopicPartition]:
     """Every partition of ``topic``, waiting up to ``timeout_s`` for its metadata (a topic
     created a moment ago may not be known to the client yet); a topic that never shows
-    up is :class:`TopicMissing` (one line with the fix), not an endless wait."""
+    up is :class:`TopicMissing` (one line with the fix) within that time, not an endless
+    wait (the metadata requests never have the broker create it)."""
     deadline = time.monotonic() + timeout_s
     partitions = consumer.partitions_for_topic(topic)
     while not partitions:
@@ -399,7 +400,7 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: fl
     return [TopicPartition(topic, p) for p in sorted(partitions)]
 
 
-async def assign_from_start(consumer: AIOKafkaConsumer, *topics: str, timeout_s: float = 30.0) -> list[TopicPartition]:
+async def assign_from_start(consumer: AIOKafkaConsumer, *topics: str, timeout_s: float = 5.0) -> list[TopicPartition]:
     """Assign every partition of ``topics`` to a started, group-less consumer and seek each
     to its beginning; returns the partitions (see :func:`partitions_of`)."""
     tps: list[TopicPartition] = []

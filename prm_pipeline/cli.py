@@ -287,16 +287,20 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
 
 
-def cmd_gateway(args: argparse.Namespace) -> int:
-    """The HTTP reward gateway (docs/integrations/gateway.md) until SIGINT/SIGTERM."""
+def _gateway_config(args: argparse.Namespace) -> PipelineConfig:
+    """The config with ``--host`` / ``--port`` laid over ``gateway.host`` / ``gateway.port``."""
     import msgspec
-
-    from prm_pipeline.gateway import serve
 
     cfg = _load(args)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if overrides:
-        cfg = msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, **overrides))
+    return msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, **overrides)) if overrides else cfg
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """The HTTP reward gateway (docs/integrations/gateway.md) until SIGINT/SIGTERM."""
+    from prm_pipeline.gateway import serve
+
+    cfg = _gateway_config(args)
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
 
     async def main() -> None:
@@ -377,6 +381,14 @@ def _check_scorers(args: argparse.Namespace) -> None:
         except (ImportError, TypeError) as exc:
             raise ConfigError(str(exc)) from None
         check_config_judge_hosts(cfg.prm, cfg.worker.allowed_judge_hosts)
+
+
+def _check_gateway_exposure(args: argparse.Namespace) -> None:
+    """Beyond loopback without bearer tokens or --allow-unauthenticated: refused before any connection."""
+    from prm_pipeline.gateway import check_exposure, load_tokens
+
+    gw = _gateway_config(args).gateway
+    check_exposure(gw, authenticated=bool(load_tokens(gw)), allow_unauthenticated=args.allow_unauthenticated)
 
 
 def _check_experiment_file(args: argparse.Namespace) -> None:
@@ -491,7 +503,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             needs=("kafka",), writes=(("dedupe_store", "--dedupe-store"),), checks=(_check_event_loop,),
             topics=_verdicts, all_kafka_logs=True),
     Command("gateway", "HTTP reward service for OpenRLHF, slime and token-id clients", cmd_gateway,
-            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop,), topics=_experiment_topics),
+            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop, _check_gateway_exposure),
+            topics=_experiment_topics),
     Command("experiment", "declare, remove or list experiments in the registry (docs/fleet.md)",
             "prm_pipeline.experiment_tool:checked_experiment", "prm_pipeline.experiment_tool:experiment_arguments",
             needs=("kafka",), checks=(_check_experiment_file,)),

@@ -12,6 +12,7 @@ import pytest
 from aiokafka.structs import TopicPartition
 
 from infra.config import PipelineConfig, PRMScorerConfig
+from infra.kafka import ensure_topics
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.ledger import GroupLedger
@@ -149,6 +150,7 @@ async def test_a_polls_members_are_scored_in_one_task_and_parked_in_one_call(
     from scoring_workers.worker import Worker
 
     cfg = _config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
     groups = [make_group(f"g-{uuid.uuid4().hex[:6]}", 4, turns=1, output_tokens=8) for _ in range(2)]
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         await pub.publish_many([m for g in groups for m in g])
@@ -188,6 +190,7 @@ async def test_a_batch_whose_park_fails_goes_on_record_by_record_without_scoring
     from redis.exceptions import ConnectionError as RedisConnectionError
 
     cfg = _config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
     group = make_group(f"g-{uuid.uuid4().hex[:6]}", 4, turns=1, output_tokens=8)
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         await pub.publish_many(group)
