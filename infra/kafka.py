@@ -457,9 +457,9 @@ class TopicState:
     def __str__(self) -> str:
         line = f"{self.state:8} {self.name}"
         if self.state == "differs":
-            line += (f": {self.partitions} partitions, the config asks for {self.wanted} (topics.partitions); "
-                     "partitions cannot be changed here: delete and recreate the topic while nothing uses it, "
-                     f"or set topics.partitions: {self.partitions}")
+            line += (f": {self.partitions} partitions, the config asks for {self.wanted}; `topics create` changes "
+                     "no existing topic: add partitions on the broker (the embedded one cannot), recreate the topic "
+                     "while nothing uses it, or make topics.partitions match")
         return line
 
 
