@@ -11,6 +11,8 @@ nowhere else, by a function that names the private attribute it relies on:
   (``KafkaConfig.leave_group_on_stop``);
 * :func:`refresh_metadata` — refresh a consumer's metadata now
   (``AIOKafkaConsumer._client``);
+* :func:`report_missing_topics` — start a subscribed consumer without waiting for topics
+  that do not exist (``AIOKafkaConsumer._wait_topics``), reporting them instead;
 * :func:`forbid_topic_auto_creation` — make every metadata request say
   ``allow_auto_topic_creation=false`` (the ``MetadataRequest`` that ``aiokafka.client``
   and ``aiokafka.admin.client`` build): no client of ours makes a broker create a topic;
@@ -46,7 +48,7 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from infra.errors import ConfigurationError
 
 __all__ = ["SUPPORTED", "AiokafkaInternalsChanged", "adapt_fetch_wait", "explain_scram_errors", "fetch_wait_ms",
-           "forbid_topic_auto_creation", "open_connection", "problems", "record_size", "refresh_metadata",
+           "forbid_topic_auto_creation", "open_connection", "report_missing_topics", "problems", "record_size", "refresh_metadata",
            "skip_leave_group", "version"]
 
 SUPPORTED = ((0, 14), (0, 15))
@@ -59,6 +61,9 @@ _SOURCE_NEEDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start, ("self._fetcher", "self._coordinator")),
     ("ScramAuthenticator.__init__", ScramAuthenticator.__init__, ("self._hashname", "self._sasl_plain_username")),
     ("AIOKafkaClient._metadata_update", aiokafka.AIOKafkaClient._metadata_update, ("MetadataRequest(",)),
+    ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start, ("self._wait_topics()",)),
+    ("AIOKafkaConsumer._wait_topics", aiokafka.AIOKafkaConsumer._wait_topics,
+     ("self._subscription.subscription", "self._client._wait_on_metadata")),
     ("AIOKafkaClient.bootstrap", aiokafka.AIOKafkaClient.bootstrap, ("MetadataRequest(",)),
     ("AIOKafkaAdminClient._get_cluster_metadata", aiokafka.admin.client.AIOKafkaAdminClient._get_cluster_metadata,
      ("MetadataRequest(",)),
@@ -174,6 +179,33 @@ def skip_leave_group(consumer: aiokafka.AIOKafkaConsumer) -> None:
 async def refresh_metadata(consumer: aiokafka.AIOKafkaConsumer) -> None:
     """Refresh the consumer's cluster metadata now (a topic created a moment ago)."""
     await _need(consumer, "_client", "an AIOKafkaConsumer").force_metadata_update()
+
+
+def report_missing_topics(consumer: aiokafka.AIOKafkaConsumer, report: Callable[[str], None]) -> None:
+    """Make a subscribed consumer's ``start()`` call ``report(topic)`` for each subscribed
+    topic the broker does not have, and go on with the others, instead of waiting
+    ``request_timeout_ms`` for it and then raising ``UnknownTopicOrPartitionError``.
+
+    With topic auto-creation off (:func:`forbid_topic_auto_creation`) a subscribed topic
+    that does not exist stays missing; one experiment without its topics must not stop a
+    worker that serves others. The group assigns the partitions that exist, and a topic
+    created later joins at the next metadata refresh.
+    """
+    _need(consumer, "_wait_topics", "an AIOKafkaConsumer")
+    subscription = _need(consumer, "_subscription", "an AIOKafkaConsumer")
+    client = _need(consumer, "_client", "an AIOKafkaConsumer")
+
+    async def wait_for_existing_topics() -> None:
+        if subscription.subscription is None:
+            return
+        topics = sorted(subscription.subscription.topics)
+        for topic in topics:
+            await client.add_topic(topic)  # one metadata request naming it (never creating it)
+        for topic in topics:
+            if client.cluster.partitions_for_topic(topic) is None:
+                report(topic)
+
+    consumer._wait_topics = wait_for_existing_topics
 
 
 def forbid_topic_auto_creation() -> None:

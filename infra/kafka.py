@@ -327,6 +327,9 @@ class PipelineConsumer(AIOKafkaConsumer):
         self.fetch_wait = fetch_wait
 
     async def start(self) -> None:
+        # a subscribed topic that does not exist is reported, not waited for (then raised)
+        internals.report_missing_topics(self, lambda topic: log.warning("%s; not consumed until it exists",
+                                                                       TopicMissing(topic)))
         await super().start()
         fetch_wait = self.fetch_wait
         if fetch_wait is not None and fetch_wait.low_ms < fetch_wait.high_ms:
