@@ -48,8 +48,8 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from infra.errors import ConfigurationError
 
 __all__ = ["SUPPORTED", "AiokafkaInternalsChanged", "adapt_fetch_wait", "explain_scram_errors", "fetch_wait_ms",
-           "forbid_topic_auto_creation", "open_connection", "report_missing_topics", "problems", "record_size", "refresh_metadata",
-           "skip_leave_group", "version"]
+           "forbid_topic_auto_creation", "open_connection", "problems", "record_size", "refresh_metadata",
+           "report_missing_topics", "skip_leave_group", "version"]
 
 SUPPORTED = ((0, 14), (0, 15))
 """The aiokafka versions these internals were checked against: ``[low, high)`` by (major, minor)."""
@@ -58,10 +58,10 @@ SUPPORTED = ((0, 14), (0, 15))
 _SOURCE_NEEDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("Fetcher.__init__", Fetcher.__init__, ("self._fetch_max_wait_ms",)),
     ("AIOKafkaConsumer.__init__", aiokafka.AIOKafkaConsumer.__init__, ("self._client",)),
-    ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start, ("self._fetcher", "self._coordinator")),
+    ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start,
+     ("self._fetcher", "self._coordinator", "self._wait_topics()")),
     ("ScramAuthenticator.__init__", ScramAuthenticator.__init__, ("self._hashname", "self._sasl_plain_username")),
     ("AIOKafkaClient._metadata_update", aiokafka.AIOKafkaClient._metadata_update, ("MetadataRequest(",)),
-    ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start, ("self._wait_topics()",)),
     ("AIOKafkaConsumer._wait_topics", aiokafka.AIOKafkaConsumer._wait_topics,
      ("self._subscription.subscription", "self._client._wait_on_metadata")),
     ("AIOKafkaClient.bootstrap", aiokafka.AIOKafkaClient.bootstrap, ("MetadataRequest(",)),
