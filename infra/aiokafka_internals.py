@@ -11,6 +11,11 @@ nowhere else, by a function that names the private attribute it relies on:
   (``KafkaConfig.leave_group_on_stop``);
 * :func:`refresh_metadata` — refresh a consumer's metadata now
   (``AIOKafkaConsumer._client``);
+* :func:`report_missing_topics` — start a subscribed consumer without waiting for topics
+  that do not exist (``AIOKafkaConsumer._wait_topics``), reporting them instead;
+* :func:`forbid_topic_auto_creation` — make every metadata request say
+  ``allow_auto_topic_creation=false`` (the ``MetadataRequest`` that ``aiokafka.client``
+  and ``aiokafka.admin.client`` build): no client of ours makes a broker create a topic;
 * :func:`explain_scram_errors` — turn a SCRAM login refusal into a readable error instead
   of aiokafka 0.14's bare ``KeyError: 'v'``
   (``ScramAuthenticator.process_server_final_message``), installed when a client uses SCRAM;
@@ -32,6 +37,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiokafka
+import aiokafka.admin.client
+import aiokafka.client
 import aiokafka.conn
 from aiokafka.conn import ScramAuthenticator, create_conn
 from aiokafka.consumer.fetcher import Fetcher
@@ -41,7 +48,8 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from infra.errors import ConfigurationError
 
 __all__ = ["SUPPORTED", "AiokafkaInternalsChanged", "adapt_fetch_wait", "explain_scram_errors", "fetch_wait_ms",
-           "open_connection", "problems", "record_size", "refresh_metadata", "skip_leave_group", "version"]
+           "forbid_topic_auto_creation", "open_connection", "problems", "record_size", "refresh_metadata",
+           "report_missing_topics", "skip_leave_group", "version"]
 
 SUPPORTED = ((0, 14), (0, 15))
 """The aiokafka versions these internals were checked against: ``[low, high)`` by (major, minor)."""
@@ -50,8 +58,15 @@ SUPPORTED = ((0, 14), (0, 15))
 _SOURCE_NEEDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("Fetcher.__init__", Fetcher.__init__, ("self._fetch_max_wait_ms",)),
     ("AIOKafkaConsumer.__init__", aiokafka.AIOKafkaConsumer.__init__, ("self._client",)),
-    ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start, ("self._fetcher", "self._coordinator")),
+    ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start,
+     ("self._fetcher", "self._coordinator", "self._wait_topics()")),
     ("ScramAuthenticator.__init__", ScramAuthenticator.__init__, ("self._hashname", "self._sasl_plain_username")),
+    ("AIOKafkaClient._metadata_update", aiokafka.AIOKafkaClient._metadata_update, ("MetadataRequest(",)),
+    ("AIOKafkaConsumer._wait_topics", aiokafka.AIOKafkaConsumer._wait_topics,
+     ("self._subscription.subscription", "self._client._wait_on_metadata")),
+    ("AIOKafkaClient.bootstrap", aiokafka.AIOKafkaClient.bootstrap, ("MetadataRequest(",)),
+    ("AIOKafkaAdminClient._get_cluster_metadata", aiokafka.admin.client.AIOKafkaAdminClient._get_cluster_metadata,
+     ("MetadataRequest(",)),
 )
 # (what, its owner, its name there, the parameters relied on): looked up when checked, so a
 # method removed after import is reported too.
@@ -67,6 +82,9 @@ _SIGNATURES: tuple[tuple[str, Any, str, tuple[str, ...]], ...] = (
                                                   "sasl_plain_password")),
     ("DefaultRecordBatchBuilder.estimate_size_in_bytes", DefaultRecordBatchBuilder, "estimate_size_in_bytes",
      ("key", "value", "headers")),
+    ("aiokafka.client.MetadataRequest", aiokafka.client, "MetadataRequest", ("topics", "allow_auto_topic_creation")),
+    ("aiokafka.admin.client.MetadataRequest", aiokafka.admin.client, "MetadataRequest",
+     ("topics", "allow_auto_topic_creation")),
 )
 _COROUTINES = ("Fetcher._proc_fetch_request", "GroupCoordinator._maybe_leave_group")
 
@@ -161,6 +179,59 @@ def skip_leave_group(consumer: aiokafka.AIOKafkaConsumer) -> None:
 async def refresh_metadata(consumer: aiokafka.AIOKafkaConsumer) -> None:
     """Refresh the consumer's cluster metadata now (a topic created a moment ago)."""
     await _need(consumer, "_client", "an AIOKafkaConsumer").force_metadata_update()
+
+
+def report_missing_topics(consumer: aiokafka.AIOKafkaConsumer, report: Callable[[str], None]) -> None:
+    """Make a subscribed consumer's ``start()`` call ``report(topic)`` for each subscribed
+    topic the broker does not have, and go on with the others, instead of waiting
+    ``request_timeout_ms`` for it and then raising ``UnknownTopicOrPartitionError``.
+
+    With topic auto-creation off (:func:`forbid_topic_auto_creation`) a subscribed topic
+    that does not exist stays missing; one experiment without its topics must not stop a
+    worker that serves others. The group assigns the partitions that exist, and a topic
+    created later joins at the next metadata refresh.
+    """
+    _need(consumer, "_wait_topics", "an AIOKafkaConsumer")
+    subscription = _need(consumer, "_subscription", "an AIOKafkaConsumer")
+    client = _need(consumer, "_client", "an AIOKafkaConsumer")
+
+    async def wait_for_existing_topics() -> None:
+        if subscription.subscription is None:
+            return
+        topics = sorted(subscription.subscription.topics)
+        for topic in topics:
+            await client.add_topic(topic)  # one metadata request naming it (never creating it)
+        for topic in topics:
+            if client.cluster.partitions_for_topic(topic) is None:
+                report(topic)
+
+    consumer._wait_topics = wait_for_existing_topics
+
+
+def forbid_topic_auto_creation() -> None:
+    """Make every metadata request of aiokafka's clients and admin clients carry
+    ``allow_auto_topic_creation=false`` (idempotent; process-wide).
+
+    aiokafka asks for auto-creation in every metadata request (v4 and later) and has no
+    switch for it, so a producer's first send or a consumer's subscription to a missing
+    topic made the broker create it: the embedded broker with 4 partitions whatever
+    ``topics.partitions`` says (tansu has no setting to turn auto-creation off), Apache
+    Kafka with its ``num.partitions`` unless ``auto.create.topics.enable`` is off. With
+    this, a missing topic stays missing, and the command says so with the fix
+    (:class:`infra.kafka.TopicMissing`): topics are made by ``prm-pipeline topics create``.
+    """
+    for module in (aiokafka.client, aiokafka.admin.client):
+        current = _need(module, "MetadataRequest", module.__name__)
+        if getattr(current, "_prm_no_auto_creation", False):
+            continue
+
+        class MetadataRequestWithoutAutoCreation(current):  # type: ignore[misc, valid-type]
+            _prm_no_auto_creation = True
+
+            def __init__(self, topics: list[str] | None = None, allow_auto_topic_creation: bool | None = False) -> None:
+                super().__init__(topics, allow_auto_topic_creation)
+
+        module.MetadataRequest = MetadataRequestWithoutAutoCreation  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- connections

@@ -49,6 +49,7 @@ from infra.modes import (
     mode_info,
     shaping_mode,
 )
+from infra.ports import MAX_PORT, Port
 from infra.types import Seconds, did_you_mean, validating
 
 log = logging.getLogger(__name__)
@@ -276,14 +277,19 @@ def redis_urls(cfg: RedisConfig) -> list[SplitResult]:
     URL's; the others name a host and port, and may repeat the first one's scheme and
     credentials but not differ from them.
 
+    Each URL is checked before any connection (:func:`_redis_url`), so a malformed one is
+    a configuration error at once rather than 30 s of retries as if Redis were down.
+
     Raises:
-        ConfigError: an empty entry, several URLs without ``redis.cluster``, or nodes that
-            disagree on scheme or credentials.
+        ConfigError: an empty or malformed entry, several URLs without ``redis.cluster``, or
+            nodes that disagree on scheme or credentials.
     """
     raw = cfg.url.split(",")
-    urls = [urlsplit(u.strip()) for u in raw]
+    if not cfg.url.strip():
+        raise ConfigError(f"redis.url is empty; expected {_REDIS_URL_FORM}")
     if any(not u.strip() for u in raw):
         raise ConfigError(f"redis.url: an empty entry in {len(raw)} comma-separated URLs")
+    urls = [_redis_url(u.strip()) for u in raw]
     if len(urls) > 1 and not cfg.cluster:
         raise ConfigError(f"redis.url lists {len(urls)} URLs: several nodes are for Redis Cluster "
                           "(redis.cluster: true); a standalone Redis has one URL")
@@ -295,6 +301,58 @@ def redis_urls(cfg: RedisConfig) -> list[SplitResult]:
             raise ConfigError(f"redis.url: URL {i} has other credentials than the first one; the cluster "
                               "client logs in to every node as the first URL says")
     return urls
+
+
+_REDIS_URL_FORM = "redis://host:port/db (rediss:// for TLS, unix:///path/to.sock for a socket)"
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def _redis_url(text: str) -> SplitResult:
+    """One ``redis.url`` entry, parsed: a known scheme, a host (a path for ``unix://``) and
+    a numeric port if any. ``localhost:6379`` parses as scheme ``localhost``: refused
+    with the form to use, never passed on to be shown as ``localhost://?6379``."""
+    shown = _URL_PASSWORD.sub(r"\1***@", text)
+    url = urlsplit(text)
+    if "://" not in text or url.scheme not in _REDIS_SCHEMES:
+        raise ConfigError(f"redis.url {shown!r} has no redis://, rediss:// or unix:// scheme; expected {_REDIS_URL_FORM}")
+    if url.scheme == "unix" and not url.path:
+        raise ConfigError(f"redis.url {shown!r} names no socket path; expected unix:///path/to.sock")
+    if url.scheme != "unix" and not url.hostname:
+        raise ConfigError(f"redis.url {shown!r} names no host; expected {_REDIS_URL_FORM}")
+    try:
+        url.port  # noqa: B018 - urlsplit checks the port only when it is read
+    except ValueError:
+        raise ConfigError(f"redis.url {shown!r} has a malformed port; expected {_REDIS_URL_FORM}") from None
+    return url
+
+
+def bootstrap_servers(bootstrap: str) -> list[tuple[str, int]]:
+    """``kafka.bootstrap`` as ``(host, port)`` pairs: comma-separated ``host:port`` entries
+    (``[::1]:9092`` for IPv6). Checked before any connection, so ``localhost`` (no port), a
+    URL or an empty value is a configuration error at once, not 30 s of retries as if the
+    broker were down.
+
+    Raises:
+        ConfigError: an empty value or entry, a missing or malformed port, or a scheme.
+    """
+    form = "expected host:port (e.g. 127.0.0.1:9092), comma-separated for several brokers"
+    if not bootstrap.strip():
+        raise ConfigError(f"kafka.bootstrap is empty; {form}")
+    servers = []
+    for entry in (e.strip() for e in bootstrap.split(",")):
+        if not entry:
+            raise ConfigError(f"kafka.bootstrap {bootstrap!r}: an empty entry; {form}")
+        if "://" in entry:
+            raise ConfigError(f"kafka.bootstrap {entry!r} is a URL; {form}, without a scheme")
+        host, colon, port = entry.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not colon or not host or ":" in host and not entry.startswith("["):
+            raise ConfigError(f"kafka.bootstrap {entry!r} has no port; {form}")
+        if not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
+            raise ConfigError(f"kafka.bootstrap {entry!r}: the port must be a number from 1 to {MAX_PORT}; {form}")
+        servers.append((host, int(port)))
+    return servers
 
 
 class TopicsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -318,7 +376,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the ledger. Commits at a rebalance or at shutdown are never delayed.
     commit_interval_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.5
     drain_timeout_s: float = 30.0
-    metrics_port: int | None = None
+    metrics_port: Port | None = None
     # Scorer classes may be imported only from these module prefixes (configs are code
     # execution otherwise; trajectory payloads never name code). Add your own package.
     allowed_scorer_modules: list[str] = msgspec.field(default_factory=lambda: ["scoring_workers.scorers"])
@@ -447,7 +505,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     host: str = "127.0.0.1"  # all interfaces needs auth (or --allow-unauthenticated)
-    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8431
+    port: Port = 8431
     tokenizer: str = "bytes"  # "bytes" (UTF-8 bytes as ids, no files) or a tokenizer.json path
     grouping: Literal["per_query", "per_request"] = "per_query"  # how text queries form GRPO groups
     process_reduction: Literal["mean", "sum", "last"] = "mean"  # token rewards -> the scalar in `rewards`
@@ -598,6 +656,14 @@ def _accepts_str(section: type[msgspec.Struct], field: str) -> bool:
     )
 
 
+def _empty(section: type[msgspec.Struct], field: str) -> str | None:
+    """An empty ``PRM_*`` value: null (the default, unset) where the field takes null, else
+    ``""`` for a string field, so that its own rule says what is missing
+    (``kafka.bootstrap is empty``) rather than "Expected `str`, got `null`"."""
+    info = next(f for f in msgspec.structs.fields(section) if f.encode_name == field)
+    return "" if info.type is str else None
+
+
 def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str],
                         sources: dict[str, str] | None = None) -> dict[str, Any]:
     """Fold ``PRM_<SECTION>_<FIELD>`` variables into the raw YAML mapping.
@@ -620,7 +686,12 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str],
             hint = f"did you mean `{match}`?" if match else f"known: {sorted(fields)}"
             raise ConfigError(f"{name}: section {section!r} has no field {field!r}; {hint}")
         sub = dict(out.get(section) or {})
-        parsed = yaml.safe_load(value) if value != "" else None
+        try:
+            parsed = yaml.safe_load(value) if value != "" else _empty(_ENV_SECTIONS[section], field)
+        except yaml.YAMLError:  # `[::1]:9092` is no YAML, but a string field takes it as written
+            if not _accepts_str(_ENV_SECTIONS[section], field):
+                raise ConfigError(f"{_env_shown(name, environ)}: not a valid value for {section}.{field}") from None
+            parsed = value
         if parsed is not None and not isinstance(parsed, str) and _accepts_str(_ENV_SECTIONS[section], field):
             parsed = value  # a password "12345" or a group id "on" stays a string
         sub[field] = parsed
@@ -754,4 +825,5 @@ def validate(cfg: PipelineConfig) -> None:
             f"rollout.agent.prm.advantage_shaping.mode {mode!r} needs process rewards in [0, 1]; "
             f"use one of {[m for m in SHAPING_MODES if not mode_info(m).unit_interval]}"  # type: ignore[union-attr]
         )
+    bootstrap_servers(cfg.kafka.bootstrap)
     redis_urls(cfg.redis)

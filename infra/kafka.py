@@ -15,7 +15,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -23,7 +24,7 @@ from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
 
 from infra import aiokafka_internals as internals
-from infra.config import KafkaConfig, TopicsConfig
+from infra.config import KafkaConfig, TopicsConfig, bootstrap_servers
 from infra.errors import ServiceError, WireError
 
 log = logging.getLogger(__name__)
@@ -173,12 +174,12 @@ async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
 
     from aiokafka.errors import KafkaConnectionError
 
-    host, _, port = cfg.bootstrap.split(",")[0].strip().rpartition(":")
+    host, port = bootstrap_servers(cfg.bootstrap)[0]
     kw = common_kwargs(cfg)
     where = f"Kafka at {host}:{port} (kafka.bootstrap, security_protocol={cfg.security_protocol})"
     try:
         conn = await internals.open_connection(
-            host, int(port), ssl_context=kw.get("ssl_context"), security_protocol=cfg.security_protocol,
+            host, port, ssl_context=kw.get("ssl_context"), security_protocol=cfg.security_protocol,
             sasl_mechanism=kw.get("sasl_mechanism", "PLAIN"), sasl_plain_username=cfg.sasl_username,
             sasl_plain_password=cfg.sasl_password, request_timeout_ms=min(cfg.request_timeout_ms, 10_000))
     except ssl.SSLCertVerificationError as exc:
@@ -201,7 +202,9 @@ async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
 
 
 def common_kwargs(cfg: KafkaConfig) -> dict[str, Any]:
-    """Connection settings shared by every client: bootstrap, client id, SASL, TLS."""
+    """Connection settings shared by every client: bootstrap, client id, SASL, TLS. No client
+    built with them has the broker create a topic (:func:`infra.aiokafka_internals.forbid_topic_auto_creation`)."""
+    internals.forbid_topic_auto_creation()
     kwargs: dict[str, Any] = {
         "bootstrap_servers": cfg.bootstrap,
         "client_id": cfg.client_id,
@@ -288,6 +291,9 @@ class PipelineConsumer(AIOKafkaConsumer):
         self.fetch_wait = fetch_wait
 
     async def start(self) -> None:
+        # a subscribed topic that does not exist is reported, not waited for (then raised)
+        internals.report_missing_topics(self, lambda topic: log.warning("%s; not consumed until it exists",
+                                                                       TopicMissing(topic)))
         await super().start()
         fetch_wait = self.fetch_wait
         if fetch_wait is not None and fetch_wait.low_ms < fetch_wait.high_ms:
@@ -344,10 +350,11 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, **overri
     return PipelineConsumer(*topics, leave_group_on_stop=cfg.leave_group_on_stop, fetch_wait=fetch_wait, **kwargs)
 
 
-async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 30.0) -> list[TopicPartition]:
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: float = 5.0) -> list[TopicPartition]:
     """Every partition of ``topic``, waiting up to ``timeout_s`` for its metadata (a topic
     created a moment ago may not be known to the client yet); a topic that never shows
-    up is :class:`TopicMissing` (one line with the fix), not an endless wait."""
+    up is :class:`TopicMissing` (one line with the fix) within that time, not an endless
+    wait (the metadata requests never have the broker create it)."""
     deadline = time.monotonic() + timeout_s
     partitions = consumer.partitions_for_topic(topic)
     while not partitions:
@@ -360,7 +367,7 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str, *, timeout_s: fl
     return [TopicPartition(topic, p) for p in sorted(partitions)]
 
 
-async def assign_from_start(consumer: AIOKafkaConsumer, *topics: str, timeout_s: float = 30.0) -> list[TopicPartition]:
+async def assign_from_start(consumer: AIOKafkaConsumer, *topics: str, timeout_s: float = 5.0) -> list[TopicPartition]:
     """Assign every partition of ``topics`` to a started, group-less consumer and seek each
     to its beginning; returns the partitions (see :func:`partitions_of`)."""
     tps: list[TopicPartition] = []
@@ -393,38 +400,95 @@ def _new_topic(name: str, kafka: KafkaConfig, topics: TopicsConfig) -> NewTopic:
     if name == topics.experiments:  # the registry: one partition (one order), latest record per key kept
         return NewTopic(name=name, num_partitions=1, replication_factor=topics.replication_factor,
                         topic_configs={"cleanup.policy": "compact"})
-    return NewTopic(name=name, num_partitions=topics.partitions, replication_factor=topics.replication_factor,
+    return NewTopic(name=name, num_partitions=wanted_partitions(name, topics), replication_factor=topics.replication_factor,
                     topic_configs={"retention.ms": str(topics.retention_ms),
                                    "max.message.bytes": str(kafka.max_message_bytes)})
 
 
-async def ensure_topics(
-    kafka: KafkaConfig, topics: TopicsConfig, names: Iterable[str] | None = None
-) -> dict[str, str]:
-    """Create the configured topics if missing; returns ``{name: "created" | "exists"}``.
+def wanted_partitions(name: str, topics: TopicsConfig) -> int:
+    """The partitions ``topics create`` gives ``name``: 1 for the registry (one order),
+    ``topics.partitions`` for every other topic."""
+    return 1 if name == topics.experiments else topics.partitions
 
-    Idempotent: an existing topic is reported, not an error (its partition count is
-    left alone — the embedded broker cannot change it, and shrinking is never safe).
-    """
-    wanted = list(names) if names is not None else [topics.trajectories, topics.verdicts, topics.dead_letters,
-                                                    topics.experiments]
+
+@dataclass(frozen=True)
+class TopicState:
+    """What :func:`ensure_topics` found or did for one topic: ``created``, ``exists``, or
+    ``differs`` (it exists with another partition count than the config asks for)."""
+
+    name: str
+    state: Literal["created", "exists", "differs"]
+    partitions: int
+    wanted: int
+
+    def __str__(self) -> str:
+        line = f"{self.state:8} {self.name}"
+        if self.state == "differs":
+            line += (f": {self.partitions} partitions, the config asks for {self.wanted}; `topics create` changes "
+                     "no existing topic: add partitions on the broker (the embedded one cannot), recreate the topic "
+                     "while nothing uses it, or make topics.partitions match")
+        return line
+
+
+async def topic_partitions(kafka: KafkaConfig, names: Iterable[str]) -> dict[str, int]:
+    """The partition count of each of ``names`` that exists (a missing one is left out).
+
+    One metadata request naming the topics, which never has the broker create one
+    (:func:`infra.aiokafka_internals.forbid_topic_auto_creation`)."""
+    wanted = list(dict.fromkeys(names))
+    if not wanted:
+        return {}
     admin = make_admin(kafka)
     await admin.start()
     try:
-        existing = set(await admin.list_topics())
-        missing = [n for n in wanted if n not in existing]
-        result = {n: "exists" for n in wanted if n in existing}
-        if missing:
-            new = [_new_topic(n, kafka, topics) for n in missing]
-            response = await admin.create_topics(new)
-            for name, code, *_ in getattr(response, "topic_errors", []):
-                if code in (29, 31):  # TOPIC_ / CLUSTER_AUTHORIZATION_FAILED: the operator must grant it
-                    raise KafkaAccessRefused(
-                        f"the broker refuses to create topic {name!r} (Kafka error code {code}: not authorized); "
-                        "grant CREATE to the principal of kafka.sasl_username, or create the topics beforehand")
-                if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator won)
-                    raise TopicCreationFailed(name, code)
-                result[name] = "created" if code == 0 else "exists"
-        return result
+        described = await admin.describe_topics(wanted)
     finally:
         await admin.close()
+    return {t["topic"]: len(t["partitions"]) for t in described if t["error_code"] == 0 and t["partitions"]}
+
+
+async def require_topics(kafka: KafkaConfig, names: Iterable[str]) -> None:
+    """Raise :class:`TopicMissing` (one line with the fix) for the first of ``names`` the
+    broker does not have: checked before a command builds a producer or consumer for them,
+    so a missing topic is reported at once, is not created by accident, and leaves no
+    client behind."""
+    wanted = list(dict.fromkeys(names))
+    have = await topic_partitions(kafka, wanted)
+    for name in wanted:
+        if name not in have:
+            raise TopicMissing(name)
+
+
+async def ensure_topics(
+    kafka: KafkaConfig, topics: TopicsConfig, names: Iterable[str] | None = None
+) -> dict[str, TopicState]:
+    """Create the configured topics if missing; returns each topic's :class:`TopicState`.
+
+    Idempotent: an existing topic is reported, not an error. Its partition count is left
+    alone (the embedded broker cannot change it, and shrinking is never safe), but one
+    that differs from the config's (a topic the broker auto-created, or an older config)
+    is reported as ``differs``.
+    """
+    wanted = list(names) if names is not None else [topics.trajectories, topics.verdicts, topics.dead_letters,
+                                                    topics.experiments]
+    existing = await topic_partitions(kafka, wanted)
+    result = {n: TopicState(n, "exists" if count == wanted_partitions(n, topics) else "differs", count,
+                            wanted_partitions(n, topics)) for n, count in existing.items()}
+    missing = [n for n in wanted if n not in existing]
+    if missing:
+        admin = make_admin(kafka)
+        await admin.start()
+        try:
+            response = await admin.create_topics([_new_topic(n, kafka, topics) for n in missing])
+        finally:
+            await admin.close()
+        for name, code, *_ in getattr(response, "topic_errors", []):
+            if code in (29, 31):  # TOPIC_ / CLUSTER_AUTHORIZATION_FAILED: the operator must grant it
+                raise KafkaAccessRefused(
+                    f"the broker refuses to create topic {name!r} (Kafka error code {code}: not authorized); "
+                    "grant CREATE to the principal of kafka.sasl_username, or create the topics beforehand")
+            if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator won)
+                raise TopicCreationFailed(name, code)
+            count = wanted_partitions(name, topics)
+            result[name] = TopicState(name, "created" if code == 0 else "exists", count, count)
+    return {n: result[n] for n in wanted if n in result}

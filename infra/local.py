@@ -24,7 +24,8 @@ one again on its port.
 Known tansu gaps (measured against tansu 0.6.0) that callers must design around:
 no idempotent producer / transactions, wrong ``end_offsets``/``seek_to_end``, no
 CreatePartitions/AlterConfigs/DeleteRecords, no message size limit, auto-created topics
-get 4 partitions (create topics explicitly), and a group whose leader sends LeaveGroup
+get 4 partitions and no setting turns auto-creation off (our clients never ask for it:
+``infra.aiokafka_internals.forbid_topic_auto_creation``; ``topics create`` makes them), and a group whose leader sends LeaveGroup
 mid-rebalance never forms again (clients use :data:`LOCAL_BROKER_CLIENT`). Security: no
 working TLS listener (``--cert`` with ``--key`` is refused; a combined PEM fails the
 handshake), and with

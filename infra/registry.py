@@ -47,7 +47,7 @@ from infra import aiokafka_internals
 from infra.bounded_json import JSONBoundsError, decode_json
 from infra.config import ConfigError, PipelineConfig, PRMConfig, check_prm_keys, unknown_key_message, validate_prm
 from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, check_experiment_id
-from infra.kafka import check_size, make_consumer, make_producer
+from infra.kafka import check_size, ensure_topics, make_consumer, make_producer
 from infra.types import validating
 
 log = logging.getLogger(__name__)
@@ -244,6 +244,9 @@ def load_spec_file(path: str | Path) -> ExperimentSpec:
 
 # --------------------------------------------------------------------------- writing
 async def _send(cfg: PipelineConfig, key: bytes, value: bytes | None, headers: Sequence[tuple[str, bytes]]) -> int:
+    # The registry's topic, made as it must be (one partition, compacted) when it is not
+    # there yet: a send never has the broker create it (no client of ours asks it to).
+    await ensure_topics(cfg.kafka, cfg.topics, [cfg.topics.experiments])
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:

@@ -50,8 +50,8 @@ class ServiceUnavailable(ServiceError, RuntimeError):
 def redis_address(cfg: RedisConfig) -> str:
     """``redis://user:secret@host:6379/0`` -> ``redis://host:6379/0`` (no credentials in messages);
     each of several cluster nodes (:func:`infra.config.redis_urls`) alike."""
-    return ",".join(f"{u.scheme}://{u.hostname or '?'}{f':{u.port}' if u.port else ''}{u.path}"
-                    for u in redis_urls(cfg))
+    return ",".join(f"unix://{u.path}" if u.scheme == "unix" else
+                    f"{u.scheme}://{u.hostname}{f':{u.port}' if u.port else ''}{u.path}" for u in redis_urls(cfg))
 
 
 def _describe(exc: BaseException) -> str:

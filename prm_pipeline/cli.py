@@ -31,12 +31,13 @@ from typing import Any
 from infra import event_loop
 from infra.config import COMBINED_MODES, SHAPING_MODES, ConfigError, PipelineConfig, load_config
 from infra.escape import printable
-from infra.experiments import UnknownExperiment
+from infra.experiments import UnknownExperiment, trajectories_topic, verdicts_topic
+from infra.kafka import require_topics
 from infra.logs import configure_logging
 from infra.registry import declared_experiment, recorded_experiment, removed_note
 from infra.startup import Service, ServiceUnavailable, wait_for_services
 from prm_pipeline.experiment_option import add_experiment_option, experiment_of
-from prm_pipeline.flags import deprecated_alias, positive_int, seconds
+from prm_pipeline.flags import deprecated_alias, port, positive_int, seconds
 
 __all__ = ["COMMANDS", "Command", "add_command", "build_parser", "main", "positive_int"]
 
@@ -62,7 +63,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             from infra.kafka import ensure_topics
 
             kafka = msgspec.structs.replace(cfg.kafka, bootstrap=stack.kafka_bootstrap)
-            asyncio.run(ensure_topics(kafka, cfg.topics))
+            for state in asyncio.run(ensure_topics(kafka, cfg.topics)).values():
+                print(f"# {state}", file=sys.stderr, flush=True)  # stdout stays the env lines to eval
         print(f"PRM_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}", flush=True)
         print(f"PRM_REDIS_URL={stack.redis_url}", flush=True)
         for name, value in LOCAL_BROKER_ENV.items():  # the embedded broker's workarounds (infra.local)
@@ -85,12 +87,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_topics(args: argparse.Namespace) -> int:
     """The configured topics, then the two topics of every experiment the registry declares."""
     from infra.experiments import trajectories_topic, verdicts_topic
-    from infra.kafka import ensure_topics
+    from infra.kafka import TopicState, ensure_topics
     from infra.registry import read_registry
 
     cfg = _load(args)
 
-    async def create() -> dict[str, str]:
+    async def create() -> dict[str, TopicState]:
         result = await ensure_topics(cfg.kafka, cfg.topics)
         declared = [e for e, entry in sorted((await read_registry(cfg)).items()) if entry.spec is not None]
         names = [t for e in declared for t in (trajectories_topic(cfg.topics.trajectories, e),
@@ -99,8 +101,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
             result.update(await ensure_topics(cfg.kafka, cfg.topics, names))
         return result
 
-    for name, state in asyncio.run(create()).items():
-        print(f"{state:8} {name}")
+    for state in asyncio.run(create()).values():
+        print(state)
     return 0
 
 
@@ -236,7 +238,7 @@ def _trainer_arguments(p: argparse.ArgumentParser) -> None:
                    help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
     p.add_argument("--dedupe-store", default=None, metavar="PATH",
                    help="sqlite file remembering acknowledged verdicts across restarts")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+    p.add_argument("--metrics-port", type=port, default=None, metavar="P",
                    help="serve the consumer's counters as Prometheus /metrics on P (shaper/telemetry.py)")
     p.add_argument("--exclude-neutral-turns", action=argparse.BooleanOptionalAction, default=None,
                    help="OpenClaw-RL exclusion: no loss on turns the judge scored 0 or without a next state, "
@@ -288,16 +290,20 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
 
 
-def cmd_gateway(args: argparse.Namespace) -> int:
-    """The HTTP reward gateway (docs/integrations/gateway.md) until SIGINT/SIGTERM."""
+def _gateway_config(args: argparse.Namespace) -> PipelineConfig:
+    """The config with ``--host`` / ``--port`` laid over ``gateway.host`` / ``gateway.port``."""
     import msgspec
-
-    from prm_pipeline.gateway import serve
 
     cfg = _load(args)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if overrides:
-        cfg = msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, **overrides))
+    return msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, **overrides)) if overrides else cfg
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """The HTTP reward gateway (docs/integrations/gateway.md) until SIGINT/SIGTERM."""
+    from prm_pipeline.gateway import serve
+
+    cfg = _gateway_config(args)
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
 
     async def main() -> None:
@@ -323,7 +329,7 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
                    help="records in flight (default worker.concurrency)")
     p.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve Prometheus /metrics on P")
+    p.add_argument("--metrics-port", type=port, default=None, metavar="P", help="serve Prometheus /metrics on P")
 
 
 def _publish_arguments(p: argparse.ArgumentParser) -> None:
@@ -354,7 +360,7 @@ def _verdicts_arguments(p: argparse.ArgumentParser) -> None:
 
 def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="listen address (default gateway.host, 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="listen port (default gateway.port; 0 = any free port)")
+    p.add_argument("--port", type=port, default=None, help="listen port (default gateway.port; 0 = any free port)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="listen beyond loopback without bearer tokens (only behind a network policy)")
 
@@ -380,6 +386,14 @@ def _check_scorers(args: argparse.Namespace) -> None:
         check_config_judge_hosts(cfg.prm, cfg.worker.allowed_judge_hosts)
 
 
+def _check_gateway_exposure(args: argparse.Namespace) -> None:
+    """Beyond loopback without bearer tokens or --allow-unauthenticated: refused before any connection."""
+    from prm_pipeline.gateway import check_exposure, load_tokens
+
+    gw = _gateway_config(args).gateway
+    check_exposure(gw, authenticated=bool(load_tokens(gw)), allow_unauthenticated=args.allow_unauthenticated)
+
+
 def _check_experiment_file(args: argparse.Namespace) -> None:
     if args.action == "add" and args.target:
         from prm_pipeline.experiment_tool import check_experiment_file
@@ -395,8 +409,36 @@ def _check_jsonl(args: argparse.Namespace) -> None:
             pass
 
 
+# ---- the topics a command reads or writes, which must exist before it builds a client (Command.topics)
+def _trajectories(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return [trajectories_topic(cfg.topics.trajectories, experiment_of(args, cfg))]
+
+
+def _verdicts(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return [verdicts_topic(cfg.topics.verdicts, experiment_of(args, cfg))]
+
+
+def _experiment_topics(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return _trajectories(args, cfg) + _verdicts(args, cfg)
+
+
+def _worker_topics(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    """The default experiment's topics and the dead letters (declared experiments' topics
+    are made by ``experiment add``, and a worker serves only those that exist)."""
+    return [cfg.topics.trajectories, cfg.topics.verdicts, cfg.topics.dead_letters]
+
+
+def _dead_letters_topic(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return [cfg.topics.dead_letters]
+
+
+def _inspected_verdicts(args: argparse.Namespace, cfg: PipelineConfig) -> list[str]:
+    return _verdicts(args, cfg) if args.group and not args.verdicts else []
+
+
 Arguments = Callable[[argparse.ArgumentParser], None]
 Runner = Callable[[argparse.Namespace], int]
+Topics = Callable[[argparse.Namespace, PipelineConfig], list[str]]
 
 
 @dataclass(frozen=True)
@@ -412,7 +454,10 @@ class Command:
     publishes to or waits on ``--experiment``, which must then be declared (``trainer`` and
     ``audit`` check theirs when they read its declaration, ``status`` in its own command,
     ``dead-letters`` when it filters by one); ``reads_removed``: the command only reads its
-    topics, so a removed experiment is read too, with a note (docs/fleet.md). ``error_exit``: exit status of an error that is not the
+    topics, so a removed experiment is read too, with a note (docs/fleet.md). ``topics``: the
+    topics it reads or writes, checked to exist (without having the broker create one) before it
+    builds a producer or consumer, so a missing one is one line naming the fix at once.
+    ``error_exit``: exit status of an error that is not the
     command's own verdict (``audit`` keeps 1 for "a group differs"). ``all_kafka_logs``: keep
     aiokafka's connection errors (long-running commands), instead of one line.
     ``development``: a development command, whose module is imported only when it runs.
@@ -429,6 +474,7 @@ class Command:
     checks: tuple[Callable[[argparse.Namespace], None], ...] = ()
     experiment: Callable[[argparse.Namespace], bool] | None = None
     reads_removed: bool = False  # it only reads the experiment's topics: a removed one is read, with a note
+    topics: Topics | None = None
     error_exit: int = 1
     all_kafka_logs: bool = False
     development: bool = False
@@ -450,19 +496,21 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("up", "run the embedded Kafka-protocol broker and Redis in the foreground", cmd_up, _up_arguments),
     Command("topics", "manage the configured topics", cmd_topics, _topics_arguments, needs=("kafka",)),
     Command("worker", "run one scoring worker (run several for scale)", cmd_worker, _worker_arguments,
-            needs=("kafka", "redis"), checks=(_check_event_loop, _check_scorers),
+            needs=("kafka", "redis"), checks=(_check_event_loop, _check_scorers), topics=_worker_topics,
             all_kafka_logs=True),
     Command("publish", "publish ready trajectories and discards from a JSONL file", cmd_publish, _publish_arguments,
-            needs=("kafka",), reads=(("file", "FILE"),), checks=(_check_jsonl,), experiment=_always),
+            needs=("kafka",), reads=(("file", "FILE"),), checks=(_check_jsonl,), experiment=_always,
+            topics=_trajectories),
     Command("verdicts", "print verdicts as JSON lines", cmd_verdicts, _verdicts_arguments, needs=("kafka",),
-            writes=(("out", "--out"),), experiment=_always, reads_removed=True),
+            writes=(("out", "--out"),), experiment=_always, reads_removed=True, topics=_verdicts),
     Command("trainer", "reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
             cmd_trainer, _trainer_arguments,
             description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
             needs=("kafka",), writes=(("dedupe_store", "--dedupe-store"),), checks=(_check_event_loop,),
-            all_kafka_logs=True),
+            topics=_verdicts, all_kafka_logs=True),
     Command("gateway", "HTTP reward service for OpenRLHF, slime and token-id clients", cmd_gateway,
-            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop,)),
+            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop, _check_gateway_exposure),
+            topics=_experiment_topics),
     Command("experiment", "declare, remove, forget or list experiments in the registry (docs/fleet.md)",
             "prm_pipeline.experiment_tool:checked_experiment", "prm_pipeline.experiment_tool:experiment_arguments",
             needs=("kafka",), checks=(_check_experiment_file,)),
@@ -470,13 +518,14 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "prm_pipeline.dead_letter_tool:cmd_dead_letters", "prm_pipeline.dead_letter_tool:dead_letters_arguments",
             description="Read the dead-letter topic (JSON lines), or plan and run a redrive to the trajectories "
                         "topic (a dry run unless --yes). See docs/dead-letters.md.",
-            needs=("kafka",), writes=(("out", "--out"),)),
+            needs=("kafka",), writes=(("out", "--out"),), topics=_dead_letters_topic),
     Command("audit", "re-score recorded trajectories and compare with the recorded verdicts",
             "prm_pipeline.audit.cli:cmd_audit", "prm_pipeline.audit.cli:audit_arguments",
             description="Re-score every trajectory a recorded verdict names with the configured scorers and "
                         "compare. Reads prm.trajectories and prm.verdicts with group-less consumers (no offsets "
                         "committed, no Redis). Exit code 1 when anything differs. See docs/audit.md.",
-            needs=("kafka",), writes=(("out", "--out"),), checks=(_check_scorers,), error_exit=2),
+            needs=("kafka",), writes=(("out", "--out"),), checks=(_check_scorers,), topics=_experiment_topics,
+            error_exit=2),
     Command("fake-judge", "serve a scripted LLM judge / teacher on loopback (tests, benchmarks, demos)",
             "prm_pipeline.demo.fake_judge:cmd_fake_judge", development=True,
             parser="prm_pipeline.demo.fake_judge:add_fake_judge_parser"),
@@ -485,7 +534,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("inspect", "token view of a verdict: output tokens coloured by process reward",
             "prm_pipeline.token_view:cmd_inspect", "prm_pipeline.token_view:inspect_arguments",
             reads=(("verdicts", "--verdicts"), ("audit", "--audit")), writes=(("html", "--html"),),
-            experiment=lambda args: bool(args.group and not args.verdicts), reads_removed=True),
+            experiment=lambda args: bool(args.group and not args.verdicts), reads_removed=True,
+            topics=_inspected_verdicts),
     Command("model-server", "serve the demo's tiny LM over SGLang /generate and OpenAI chat",
             "prm_pipeline.demo.model_server:cmd_model_server", development=True,
             parser="prm_pipeline.demo.model_server:add_model_server_parser"),
@@ -678,6 +728,21 @@ def _experiment_to_check(args: argparse.Namespace) -> str | None:
     return experiment_of(args, _load(args)) if when is not None and when(args) else None
 
 
+def _require_topics(args: argparse.Namespace, topics: list[str]) -> None:
+    """The command's topics exist, else :class:`~infra.kafka.TopicMissing` (one line with the
+    fix). An experiment's topic is missing when the experiment was never declared: then
+    that is the line (``trainer`` and ``audit`` check their declaration only later)."""
+    from infra.kafka import TopicMissing
+
+    cfg = _load(args)
+    try:
+        asyncio.run(require_topics(cfg.kafka, topics))
+    except TopicMissing as exc:
+        if exc.topic not in (cfg.topics.trajectories, cfg.topics.verdicts, cfg.topics.dead_letters):
+            asyncio.run(declared_experiment(cfg, experiment_of(args, cfg)))  # UnknownExperiment: exit 2
+        raise
+
+
 def _access_error(args: argparse.Namespace, exc: BaseException) -> str | None:
     """One line for a refused Kafka or Redis connection (TLS trust, login, wrong protocol)."""
     from aiokafka.errors import KafkaConnectionError
@@ -726,6 +791,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(removed_note(_load(args), recorded), file=sys.stderr)
             else:
                 asyncio.run(declared_experiment(_load(args), experiment))
+        if command.topics is not None and (topics := command.topics(args, _load(args))):
+            _require_topics(args, topics)
         return int(args.func(args) or 0)
     except UnknownExperiment as exc:  # nothing would ever read what the command publishes or waits for
         print(f"error: {printable(str(exc))}", file=sys.stderr)

@@ -4,7 +4,7 @@
 name a time (README, "Flags"); ``tests/unit/test_cli_vocabulary.py`` walks every
 command's parser and checks that a flag name keeps one destination and one type
 across commands and that the shared ones are listed here. Argument types
-(:func:`positive_int`, :func:`seconds`) live here once, and so does
+(:func:`positive_int`, :func:`seconds`, :func:`port`) live here once, and so does
 :func:`deprecated_alias`, which keeps an old spelling working, hidden from ``--help``,
 with a one-line warning on stderr.
 """
@@ -17,7 +17,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEPRECATED", "VOCABULARY", "deprecated_alias", "positive_int", "seconds"]
+from infra.ports import MAX_PORT
+
+__all__ = ["DEPRECATED", "VOCABULARY", "deprecated_alias", "port", "positive_int", "seconds"]
 
 # flag -> its one meaning (README "Flags" restates this table; a test compares them).
 VOCABULARY: dict[str, str] = {
@@ -76,6 +78,18 @@ def seconds(text: str) -> float:
         value = -1.0
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {text!r}")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type for a listening port: 0 (any free port) to 65535, the bound of
+    :data:`infra.ports.Port` (a larger number would wrap modulo 65536 at the socket)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 (any free port) to {MAX_PORT}, got {text!r}")
     return value
 
 

@@ -54,6 +54,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from infra.bounded_json import JSONBoundsError, decode_json
 from infra.config import ConfigError, GatewayConfig, PipelineConfig
 from infra.errors import WireError
+from infra.ports import port_unavailable
 from prm_pipeline.gateway_api import (
     MAX_BODY_DEPTH,
     MAX_ITEMS,
@@ -537,7 +538,11 @@ async def serve(cfg: PipelineConfig, stop: asyncio.Event, *, allow_unauthenticat
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.gateway.host, cfg.gateway.port, ssl_context=ssl_context(cfg.gateway))
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # one line naming the setting, exit 2 (prm_pipeline.cli), not a traceback
+            raise port_unavailable(exc, cfg.gateway.host, cfg.gateway.port,
+                                   "gateway --host/--port (gateway.host, gateway.port)") from None
         port = runner.addresses[0][1]
         scheme = "https" if cfg.gateway.tls_certfile else "http"
         log.info("gateway listening on %s://%s:%d (tokenizer %s, auth %s)", scheme, cfg.gateway.host, port,

@@ -32,7 +32,11 @@ class VerdictTail:
     async def start(self) -> None:
         self.consumer = make_consumer(self.cfg.kafka, group_id=None, fetch_max_wait_ms=10)
         await self.consumer.start()
-        await assign_from_start(self.consumer, verdicts_topic(self.cfg.topics.verdicts, self.experiment))
+        try:
+            await assign_from_start(self.consumer, verdicts_topic(self.cfg.topics.verdicts, self.experiment))
+        except BaseException:  # a missing topic (TopicMissing): close the consumer, leak nothing
+            await self.consumer.stop()
+            raise
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:

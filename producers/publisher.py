@@ -44,7 +44,7 @@ from infra.chunks import Record, to_records
 from infra.config import KafkaConfig, TopicsConfig
 from infra.errors import ServiceError, WireError
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id, trajectories_topic
-from infra.kafka import make_producer
+from infra.kafka import make_producer, require_topics
 from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage
 
 
@@ -83,6 +83,9 @@ class TrajectoryPublisher:
             await self.aclose()
 
     async def start(self) -> None:
+        """Start the producer once the topic is known to exist: a missing one is
+        :class:`infra.kafka.TopicMissing` (one line with the fix), never created by a send."""
+        await require_topics(self.kafka, [self.topic])
         self._producer = make_producer(self.kafka)
         await self._producer.start()
 

@@ -8,14 +8,18 @@ process (tests, benchmarks) never share counters.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from infra.ports import log_listening, port_unavailable
 from infra.schema import GroupVerdict
 from scoring_workers.judge_metrics import JudgeCollector
+
+log = logging.getLogger(__name__)
 
 LIVENESS_STALE_S = 30.0
 
@@ -132,9 +136,15 @@ class WorkerTelemetry:
             def log_message(self, *args: object) -> None:  # probes every few seconds: keep logs quiet
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:  # one line naming the setting, exit 2 (prm_pipeline.cli), not a traceback
+            raise port_unavailable(exc, host, port, "worker --metrics-port (worker.metrics_port, "
+                                                    "PRM_WORKER_METRICS_PORT)") from None
         threading.Thread(target=self._server.serve_forever, name="prm-telemetry", daemon=True).start()
-        return self._server.server_address[1]
+        bound = self._server.server_address[1]
+        log_listening(log, "metrics", f"http://{host}:{bound}/metrics")
+        return bound
 
     def close(self) -> None:
         if self._server is not None:

@@ -78,7 +78,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.config import ConfigError, PipelineConfig
 from infra.experiments import check_experiment_id, scoped_group, trajectories_topic, verdicts_topic
-from infra.kafka import make_consumer
+from infra.kafka import make_consumer, require_topics
 from infra.offsets import OffsetCommitter
 from infra.readback import TOKENS_RETRY, VerdictTokens, needs_tokens
 from infra.schema import GroupVerdict, SchemaError, decode_verdict
@@ -329,11 +329,14 @@ class VerdictConsumer:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Join the consumer group. May be called again after :meth:`stop` (seen-set kept)."""
+        """Join the consumer group. May be called again after :meth:`stop` (seen-set kept).
+        A verdicts topic that does not exist is :class:`infra.kafka.TopicMissing` at once
+        (a subscription to it would wait in silence)."""
         if self._closed:
             raise RuntimeError("VerdictConsumer was closed; create a new one")
         if self._consumer is not None:
             raise RuntimeError("VerdictConsumer is already started")
+        await require_topics(self.cfg.kafka, [self.topic])
         consumer = make_consumer(self.cfg.kafka, group_id=self.group_id, **self._overrides)
         consumer.subscribe([self.topic], listener=_Rebalance(self))
         self._committer = OffsetCommitter(consumer, owner=f"trainer consumer ({self.group_id})")

@@ -17,6 +17,7 @@ training loop does no extra work per verdict.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,10 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from infra.ports import log_listening, port_unavailable
 from shaper.metrics import COUNT_SUFFIX, PIPELINE_PREFIX
+
+log = logging.getLogger(__name__)
 
 
 class TrainerCollector(Collector):
@@ -68,8 +72,12 @@ class TrainerTelemetry:
         self.port: int | None = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:  # one line naming the flag, exit 2 (prm_pipeline.cli), not a traceback
+            raise port_unavailable(exc, host, port, "trainer --metrics-port") from None
         self.port = int(self._server.server_address[1])
+        log_listening(log, "metrics", f"http://{host}:{self.port}/metrics")
         return self.port
 
     def close(self) -> None:

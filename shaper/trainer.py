@@ -423,6 +423,8 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 
     try:
         summary = event_loop.run(main())
+    except ConfigError:
+        raise  # a setting or flag to change (a taken --metrics-port): one line, exit 2 (prm_pipeline.cli)
     except ValueError as exc:  # bad device, unknown filter, out-of-range process rewards
         print(f"trainer: {exc}", file=sys.stderr)
         return 1

@@ -63,6 +63,7 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
+from infra.ports import port_unavailable
 from prm_pipeline.foreground import StopSignals
 from scoring_workers.judge.prompts import HINT_SUFFIX_HEADER
 from scoring_workers.scorers.conversation import render_chatml
@@ -468,9 +469,8 @@ def cmd_fake_judge(args: argparse.Namespace) -> int:
     with StopSignals() as stop:
         try:
             url = server.start()
-        except OSError as exc:
-            print(f"fake-judge: cannot listen on {args.host}:{args.port}: {exc}", flush=True)
-            return 1
+        except OSError as exc:  # one line naming the flag, exit 2 (prm_pipeline.cli)
+            raise port_unavailable(exc, args.host, args.port, "fake-judge --port") from None
         print(f"PRM_JUDGE_URL={url}", flush=True)
         try:
             stop.wait()
@@ -487,9 +487,10 @@ def add_fake_judge_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="serve a scripted LLM judge / teacher on loopback (tests, benchmarks, demos)",
         description=(__doc__ or "").splitlines()[0],
     )
-    p.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
+    from prm_pipeline.flags import deprecated_alias, port, seconds
+
+    p.add_argument("--port", type=port, required=True, help="TCP port (0 picks a free one)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    from prm_pipeline.flags import deprecated_alias, seconds
 
     latency = p.add_argument("--latency", type=seconds, default=0.0, metavar="S",
                              help="delay before every answer, in seconds")

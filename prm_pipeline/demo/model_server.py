@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
+from infra.ports import port_unavailable
+from prm_pipeline.flags import port
 from prm_pipeline.foreground import StopSignals
 
 __all__ = ["ModelServer", "add_model_server_parser", "cmd_model_server"]
@@ -92,7 +94,10 @@ class ModelServer:
         self.max_new_tokens = max_new_tokens
         self._generator = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
-        self._server = _Server((host, port), _Handler)
+        try:
+            self._server = _Server((host, port), _Handler)
+        except OSError as exc:  # one line naming the flag, exit 2 (prm_pipeline.cli), not a traceback
+            raise port_unavailable(exc, host, port, "model-server --port") from None
         self._server.owner = self
         self._thread: threading.Thread | None = None
         self.requests = 0
@@ -207,7 +212,7 @@ def cmd_model_server(args: argparse.Namespace) -> int:
 def add_model_server_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("model-server", help="serve the demo's tiny LM over SGLang /generate and OpenAI chat")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 = a free port (printed)")
+    p.add_argument("--port", type=port, default=0, help="0 = a free port (printed)")
     p.add_argument("--weights", default=None, help="a weight-store directory to follow (default: seeded init)")
     p.add_argument("--seed", type=int, default=0, help="model seed when no weights are published")
     p.set_defaults(func=cmd_model_server)

@@ -303,7 +303,7 @@ async def _start(cfg: PipelineConfig, workdir: Path, *, prompts: int, group_size
     judge = FakeJudgeServer()
     judge.start()
     created = await ensure_topics(cfg.kafka, cfg.topics)
-    print(f"topics: {', '.join(f'{n} ({s})' for n, s in created.items())}")
+    print(f"topics: {', '.join(f'{n} ({s.state})' for n, s in created.items())}")
     teacher_url = f"http://127.0.0.1:{server.port}"
     cfg = demo_config(cfg, judge_url=judge.base_url, teacher_url=teacher_url, prompts=prompts)
     procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=2)

@@ -6,18 +6,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 from typing import Any
 
 from infra.config import load_config
+from infra.ports import log_listening, port_unavailable
+
+log = logging.getLogger(__name__)
 
 PIPED_WIDTH = 100_000  # columns when stdout is not a terminal: lines and table cells are never wrapped or cut
 
 
 def status_arguments(p: argparse.ArgumentParser) -> None:
     """``prm-pipeline status``'s flags (the command is described in prm_pipeline.cli.COMMANDS)."""
-    from prm_pipeline.flags import deprecated_alias, seconds
+    from prm_pipeline.flags import deprecated_alias, port, seconds
 
     p.add_argument("--json", action="store_true", help="one JSON object per report (for machines)")
     p.add_argument("--watch", type=seconds, default=None, metavar="S",
@@ -34,7 +38,7 @@ def status_arguments(p: argparse.ArgumentParser) -> None:
     read = p.add_argument("--read-timeout", type=seconds, default=10.0, metavar="S",
                           help="bound of each read in seconds (default 10)")
     deprecated_alias(p, "--timeout", read)
-    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+    p.add_argument("--metrics-port", type=port, default=None, metavar="P",
                    help="with --watch: serve the latest report as Prometheus gauges on P (/metrics)")
     from prm_pipeline.experiment_option import add_experiment_option
 
@@ -119,7 +123,12 @@ async def _run(cfg: Any, args: argparse.Namespace) -> int:
         from prm_pipeline.status.exporter import StatusCollector, status_registry
 
         exporter = StatusCollector()
-        start_http_server(args.metrics_port, registry=status_registry(exporter))
+        try:
+            server, _thread = start_http_server(args.metrics_port, registry=status_registry(exporter))
+        except OSError as exc:  # one line naming the flag, exit 2 (prm_pipeline.cli), not a traceback
+            raise port_unavailable(exc, "0.0.0.0", args.metrics_port, "status --metrics-port") from None
+        log.setLevel(logging.INFO)  # the one line saying where (the CLI logs warnings only)
+        log_listening(log, "metrics", f"http://0.0.0.0:{server.server_address[1]}/metrics")
     live = Live(console=console, auto_refresh=False) if console.is_terminal and not args.json else None
     previous = None
     healthy = True

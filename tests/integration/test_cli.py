@@ -9,13 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from infra import jsonl
-from infra.config import PRMScorerConfig
-from infra.kafka import ensure_topics
+from infra.config import PipelineConfig, PRMScorerConfig
+from infra.kafka import ensure_topics, make_admin
 from prm_pipeline.demo.processes import write_config
 from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.worker import Worker
@@ -164,3 +166,91 @@ async def test_publish_shows_progress_on_a_terminal_only(pipeline_config, tmp_pa
     assert code == 0 and "validating" not in quiet and "records/s" not in quiet
     piped = await asyncio.to_thread(_cli, config, "publish", str(tmp_path / "in.jsonl"))
     assert piped.stdout == f"published 40 ready trajectories and 0 discards to {pipeline_config.topics.trajectories}\n"
+
+
+# --------------------------------------------------------------------------- ports, addresses, topics
+FIX = "`prm-pipeline topics create` creates the configured topics"
+
+
+def _timed(config, *args: str, env: dict[str, str] | None = None,
+           timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return proc, time.monotonic() - started
+
+
+def _error_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    assert "Traceback" not in proc.stderr and "Unclosed" not in proc.stderr, proc.stderr
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith(("error:", "config error:"))]
+
+
+async def test_a_missing_topic_is_one_line_with_the_fix_within_5_s_from_every_command_and_never_created(
+        pipeline_config, tmp_path) -> None:
+    cfg = with_scorers(pipeline_config,
+                       PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4}))
+    config = write_config(cfg, tmp_path / "config.yaml")
+    t = cfg.topics
+    example = str(REPO / "examples" / "trajectories.jsonl")
+    for args, topic in [(("publish", example), t.trajectories), (("publish", "--raw", example), t.trajectories),
+                        (("worker",), t.trajectories), (("verdicts", "--idle-timeout", "1"), t.verdicts),
+                        (("dead-letters",), t.dead_letters), (("inspect", "--group", "g1", "--wait", "1"), t.verdicts),
+                        (("audit",), t.trajectories), (("trainer", "--idle-timeout", "1"), t.verdicts),
+                        (("gateway", "--port", "0"), t.trajectories)]:
+        proc, took = await asyncio.to_thread(_timed, config, *args)
+        assert proc.returncode in (1, 2), (args, proc.stderr)
+        (line,) = _error_lines(proc)
+        assert line.startswith(f"error: topic {topic!r} does not exist; {FIX}"), (args, line)
+        assert took < 5, (args, took)
+    admin = make_admin(cfg.kafka)
+    await admin.start()
+    try:
+        assert not {t.trajectories, t.verdicts, t.dead_letters} & set(await admin.list_topics())  # none auto-created
+    finally:
+        await admin.close()
+
+
+async def test_topics_create_reports_an_existing_topic_whose_partitions_differ(pipeline_config, tmp_path) -> None:
+    cfg = pipeline_config
+    two = msgspec.structs.replace(cfg.topics, partitions=2)
+    await ensure_topics(cfg.kafka, two, [cfg.topics.trajectories])  # as an auto-created or older topic would be
+    proc, _ = await asyncio.to_thread(_timed, write_config(cfg, tmp_path / "config.yaml"), "topics", "create")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert f"differs  {cfg.topics.trajectories}: 2 partitions, the config asks for {cfg.topics.partitions}" \
+        in "\n".join(lines), proc.stdout
+    assert f"created  {cfg.topics.verdicts}" in lines
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+async def test_a_taken_port_is_one_line_naming_the_flag_exit_2(pipeline_config, tmp_path, taken_port) -> None:
+    cfg = pipeline_config
+    await ensure_topics(cfg.kafka, cfg.topics)
+    config = write_config(cfg, tmp_path / "config.yaml")
+    for args, flag in [(("gateway", "--port", str(taken_port)), "gateway --host/--port"),
+                       (("worker", "--metrics-port", str(taken_port)), "worker --metrics-port"),
+                       (("status", "--watch", "1", "--metrics-port", str(taken_port)), "status --metrics-port"),
+                       (("fake-judge", "--host", "0.0.0.0", "--port", str(taken_port)), "fake-judge --port")]:
+        proc, _ = await asyncio.to_thread(_timed, config, *args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        (line,) = _error_lines(proc)
+        assert line.startswith(f"config error: {flag}") and f":{taken_port}: the port is already in use" in line, line
+
+
+@pytest.mark.parametrize(("variable", "value"), [("PRM_KAFKA_BOOTSTRAP", "localhost"), ("PRM_KAFKA_BOOTSTRAP", ""),
+                                                 ("PRM_REDIS_URL", "localhost:6379")])
+def test_a_malformed_address_is_a_config_error_at_once_naming_the_variable(variable, value, tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")}
+    env[variable] = value
+    proc, took = _timed(write_config(PipelineConfig(), tmp_path / "config.yaml"), "worker", env=env)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = _error_lines(proc)
+    assert line.startswith("config error:") and f"{variable}={value!r}" in line and "://?" not in line, line
+    assert took < 5 and "not reachable" not in proc.stderr  # never retried as if the service were down

@@ -23,7 +23,7 @@ from infra.schema import GroupVerdict, decode_verdict, encode
 from prm_pipeline.audit.run import AuditOptions, audit
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
-from tests.integration.harness import read_topic, running_worker, with_scorers
+from tests.integration.harness import read_topic, running_worker, wait_for_verdicts, with_scorers
 
 pytestmark = pytest.mark.integration
 
@@ -212,3 +212,33 @@ async def test_an_experiments_trainer_shapes_as_its_declaration_says(pipeline_co
     assert overridden.prm.advantage_shaping.negative_scale == 0.5  # the declared coefficients stay
     with pytest.raises(UnknownExperiment, match="no declaration"):
         await asyncio.to_thread(_configure, args("exp-undeclared"))
+
+
+async def test_an_experiment_without_its_topics_is_reported_and_does_not_stop_the_worker(pipeline_config,
+                                                                                          caplog) -> None:
+    """Topics are never auto-created, so a declaration whose topics are missing (written to the
+    registry without `experiment add`) leaves them missing: the worker says so and serves the rest."""
+    cfg = with_scorers(pipeline_config, LENGTH)
+    await publish_spec(cfg, _spec("exp-bare", LENGTH))  # no topics made for it
+    missing = trajectories_topic(cfg.topics.trajectories, "exp-bare")
+    started = time.monotonic()
+    async with running_worker(cfg, "w-bare") as worker:
+        assert time.monotonic() - started < 15  # not the consumer's 30 s wait, then a crash
+        assert worker.fleet.get("exp-bare") is not None
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            await pub.publish_many(make_group("g-bare", 1, turns=1, output_tokens=2))
+        (verdict,) = await wait_for_verdicts(cfg, ["g-bare"], timeout_s=30)
+        assert verdict.status == "accepted"
+    assert f"topic {missing!r} does not exist" in caplog.text
+    assert missing not in set(await _topic_names(cfg))
+
+
+async def _topic_names(cfg: PipelineConfig) -> list[str]:
+    from infra.kafka import make_admin
+
+    admin = make_admin(cfg.kafka)
+    await admin.start()
+    try:
+        return await admin.list_topics()
+    finally:
+        await admin.close()

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from infra.config import PipelineConfig, PRMScorerConfig
+from infra.kafka import ensure_topics
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.judge_metrics import endpoint_snapshot
 from scoring_workers.worker import Worker
@@ -97,6 +98,7 @@ def _observed(session, metric: str) -> list[float]:
 async def test_three_replicas_one_slow_one_failing_lose_no_vote(kafka_bootstrap: str, redis_url: str) -> None:
     with replicas() as pool:
         cfg = _config(kafka_bootstrap, redis_url, [r.url for r in pool])
+        await ensure_topics(cfg.kafka, cfg.topics)
         worker = Worker(cfg, worker_id="w-pool")
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))

@@ -33,8 +33,8 @@ pytestmark = pytest.mark.integration
 async def test_topics_create_is_idempotent(pipeline_config) -> None:
     first = await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
     second = await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
-    assert set(first.values()) == {"created"}
-    assert set(second.values()) == {"exists"}
+    assert {s.state for s in first.values()} == {"created"}
+    assert {s.state for s in second.values()} == {"exists"}
     assert set(first) == {pipeline_config.topics.trajectories, pipeline_config.topics.verdicts,
                           pipeline_config.topics.dead_letters, pipeline_config.topics.experiments}
 
@@ -110,7 +110,7 @@ def test_cli_up_prints_endpoints_and_stops_on_sigterm(tmp_path) -> None:
     env = {**os.environ, "PRM_LOCAL_DATA_DIR": str(tmp_path)}
     stderr_path = tmp_path / "up.stderr"
     with stderr_path.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "up"], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "up", "--create-topics"], stdout=subprocess.PIPE,
                                 stderr=stderr, text=True, env=env)
 
     def diagnosis() -> str:  # what `up` and the services said, for a failure message
@@ -129,6 +129,9 @@ def test_cli_up_prints_endpoints_and_stops_on_sigterm(tmp_path) -> None:
         assert third == "PRM_KAFKA_LEAVE_GROUP_ON_STOP=false", diagnosis()
         kafka = load_config(environ=dict(line.split("=", 1) for line in settings)).kafka
         assert not kafka.leave_group_on_stop and (kafka.fetch_min_wait_ms, kafka.fetch_max_wait_ms) == (5, 20)
+        said = stderr_path.read_text()  # --create-topics says which topics it created (stdout stays eval-able)
+        for topic in ("prm.trajectories", "prm.verdicts", "prm.dead-letters", "prm.experiments"):
+            assert f"# created  {topic}\n" in said, diagnosis()
         port = int(second.rsplit(":", 1)[1].split("/")[0])
         with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
             s.sendall(b"*1\r\n$4\r\nPING\r\n")

@@ -97,6 +97,7 @@ async def test_an_undeclared_experiment_is_refused_up_front_by_every_tool(pipeli
     with pytest.raises(UnknownExperiment, match="'nosuch' has no declaration"):
         await serve(gateway_cfg, asyncio.Event())
 
+    await ensure_topics(cfg.kafka, cfg.topics, [f"{cfg.topics.trajectories}.exp-ok"])  # as `experiment add` does
     ok = await cli(config, "publish", "-q", "--experiment", "exp-ok", EXAMPLE)  # a declared one is published
     assert ok.returncode == 0 and ok.stdout.strip().endswith(f"to {cfg.topics.trajectories}.exp-ok"), ok.stderr
 

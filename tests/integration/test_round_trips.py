@@ -12,6 +12,7 @@ import pytest
 from aiokafka.structs import TopicPartition
 
 from infra.config import PipelineConfig, PRMScorerConfig
+from infra.kafka import ensure_topics
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.ledger import GroupLedger
@@ -151,6 +152,7 @@ async def test_a_groups_members_are_parked_in_one_ledger_call(kafka_bootstrap, r
     monkeypatch.setattr(ledger_module, "PARK_LINGER_S", 600.0)  # only company (or the deciding park) ends the wait
     monkeypatch.setattr(ledger_module, "PARK_UNSEEN_LINGER_S", 600.0)
     cfg = _config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
     groups = [make_group(f"g-{uuid.uuid4().hex[:6]}", 4, turns=1, output_tokens=8) for _ in range(2)]
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         await pub.publish_many([m for g in groups for m in g])
@@ -181,6 +183,7 @@ async def test_a_park_that_fails_is_retried_without_scoring_again(kafka_bootstra
     from redis.exceptions import ConnectionError as RedisConnectionError
 
     cfg = _config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
     group = make_group(f"g-{uuid.uuid4().hex[:6]}", 4, turns=1, output_tokens=8)
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         await pub.publish_many(group)

@@ -23,6 +23,7 @@ import msgspec
 import pytest
 
 from infra.config import ActorConfig, AgentConfig, ConfigError, PRMConfig, PRMScorerConfig, RolloutConfig
+from infra.kafka import ensure_topics
 from infra.local import free_port
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from prm_pipeline.demo.processes import write_config
@@ -76,6 +77,7 @@ async def test_in_process_worker_refuses_and_the_judge_hears_nothing(pipeline_co
 async def test_the_default_keeps_the_files_own_judges_working(pipeline_config) -> None:
     with FakeJudgeServer() as a, FakeJudgeServer() as b:
         cfg = _with_judge(pipeline_config, [a.base_url, b.base_url], None)
+        await ensure_topics(cfg.kafka, cfg.topics)
         worker = Worker(cfg, worker_id="w-hosts")
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))

@@ -136,7 +136,8 @@ async def test_a_worker_started_after_a_poison_record_starts_and_applies_the_rec
     deep = b'{"experiment_id": "exp-deep", "prm": {"scorers": [' + b"[" * 30_000 + b"]" * 30_000 + b"]}}"
     secret = _spec("exp-secret", PRMScorerConfig(OPENCLAW, kwargs={"base_url": "http://127.0.0.1:9/v1",
                                                                      "api_key_env": "AWS_SECRET_ACCESS_KEY"}))
-    await ensure_topics(cfg.kafka, cfg.topics, [cfg.topics.experiments])
+    await ensure_topics(cfg.kafka, cfg.topics, [cfg.topics.experiments, f"{cfg.topics.trajectories}.exp-good",
+                                                 f"{cfg.topics.verdicts}.exp-good"])  # as `experiment add` does
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:  # the poison records and a good one after them, all on the compacted topic before any worker starts

@@ -97,3 +97,19 @@ def test_a_scram_refusal_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
     auth._hashname, auth._sasl_plain_username = "sha512", "svc"
     with pytest.raises(Refused, match="^SCRAM-SHA-512 svc unknown-user$"):
         auth.process_server_final_message("e=unknown-user")
+
+
+def test_no_metadata_request_asks_the_broker_to_create_a_topic() -> None:
+    import aiokafka.admin.client
+    import aiokafka.client
+    from aiokafka.protocol.metadata import MetadataRequest_v5
+
+    from infra.config import KafkaConfig
+    from infra.kafka import common_kwargs
+
+    common_kwargs(KafkaConfig())  # every client of ours is built with these
+    for module in (aiokafka.client, aiokafka.admin.client):
+        request = module.MetadataRequest(["prm.trajectories"]).build(MetadataRequest_v5)
+        assert request.allow_auto_topic_creation is False, module.__name__
+    internals.forbid_topic_auto_creation()  # idempotent: no second layer
+    assert aiokafka.client.MetadataRequest.__mro__[1].__name__ == "MetadataRequest"

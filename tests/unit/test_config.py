@@ -519,3 +519,28 @@ def test_a_config_file_with_a_byte_order_mark_loads_and_a_folder_is_named(tmp_pa
     assert load_config(path, environ={}).kafka.bootstrap == "broker-1:9092"
     with pytest.raises(ConfigError, match=r"is a folder, not a file$"):
         load_config(tmp_path, environ={})
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("localhost", "'localhost' has no port"), ("", "kafka.bootstrap is empty"),
+    ("kafka://h:9092", "is a URL"), ("h:99999", "port must be a number from 1 to 65535"),
+    ("a:1,,b:2", "an empty entry"), ("::1", "has no port"),
+])
+def test_a_malformed_bootstrap_is_a_config_error_naming_the_variable(value: str, why: str) -> None:
+    refused(areal(), why, f"PRM_KAFKA_BOOTSTRAP={value!r}", PRM_KAFKA_BOOTSTRAP=value)
+
+
+def test_bootstrap_servers_parses_hosts_ports_and_ipv6() -> None:
+    from infra.config import bootstrap_servers
+
+    assert bootstrap_servers(" a:1, [::1]:9092 ") == [("a", 1), ("::1", 9092)]
+    assert build(areal(), PRM_KAFKA_BOOTSTRAP="[::1]:9092").kafka.bootstrap == "[::1]:9092"  # no YAML flow list
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("localhost:6379", "has no redis://, rediss:// or unix:// scheme"), ("", "redis.url is empty"),
+    ("redis://u:pw@h:x/0", "malformed port"), ("redis:///0", "names no host"),
+])
+def test_a_malformed_redis_url_is_a_config_error_naming_the_variable(value: str, why: str) -> None:
+    message = refused(areal(), why, "PRM_REDIS_URL=", PRM_REDIS_URL=value)
+    assert "://?" not in message and "pw@" not in message  # never mangled, never the password

@@ -66,6 +66,10 @@ def _manifests() -> tuple[tuple[Path, dict[str, Any]], ...]:
     return tuple(out)
 
 
+# a Secret's value in a test: of the right form where the loader parses it (addresses)
+PLACEHOLDERS = {"PRM_REDIS_URL": "redis://placeholder:6379/0", "PRM_KAFKA_BOOTSTRAP": "placeholder:9092"}
+
+
 def manifests() -> list[tuple[Path, dict[str, Any]]]:
     return copy.deepcopy(list(_manifests()))
 
@@ -248,7 +252,7 @@ def test_pod_references_exist(key: str) -> None:
             if ref is not None:
                 assert ref["key"] in configmaps[ref["name"]]["data"]
             if env["name"].startswith("PRM_"):
-                environ[env["name"]] = env.get("value", "placeholder")
+                environ[env["name"]] = env.get("value", PLACEHOLDERS.get(env["name"], "placeholder"))
         apply_env_overrides({}, environ)  # raises ConfigError naming an unknown PRM_* field
         config_from_mapping(configmap_raw(), environ=environ)
 
