@@ -369,7 +369,8 @@ def broken_rules(draw: st.DrawFn) -> Template:
             its[0]["model_response"]["input_tokens"] += b"\x01"
         elif rule == "not concat export":
             mr = its[-1]["model_response"]
-            mr["input_tokens"] = bytes(reversed(mr["input_tokens"]))  # no longer starts with the parent's
+            ids = np.frombuffer(mr["input_tokens"], dtype="<i4")  # reversed ids (not bytes: ids stay >= 0)
+            mr["input_tokens"] = ids[::-1].tobytes()  # no longer starts with the parent's
         else:
             del its[-1]["model_response"]
         return raw
