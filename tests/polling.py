@@ -5,6 +5,8 @@ A test never sleeps to let something happen; it asks "has it happened yet?" ever
 :func:`eventually` (async, the check may be sync or async) and :func:`wait_until` (sync, for
 tests that drive child processes) raise ``AssertionError`` at the deadline; :func:`poll_until`
 reports instead, for tests whose assertion is about *whether* or *how fast* something held.
+A check returns the value it read; ``accept`` says which value is the one waited for, so the
+failure message shows what was read last.
 """
 
 from __future__ import annotations
@@ -31,19 +33,24 @@ class Polled(NamedTuple, Generic[T]):
     last: T
 
 
+Between = Callable[[], Awaitable[object]]  # awaited between checks instead of sleeping
+Accept = Callable[[Any], object]  # whether a checked value is the one waited for (default: truthy)
+
+
 @overload
 async def poll_until(check: Callable[[], Awaitable[T]], *, timeout_s: float, interval_s: float = INTERVAL_S,
-                     between: Callable[[], Awaitable[object]] | None = None) -> Polled[T]: ...
+                     accept: Accept | None = None, between: Between | None = None) -> Polled[T]: ...
 @overload
 async def poll_until(check: Callable[[], T], *, timeout_s: float, interval_s: float = INTERVAL_S,
-                     between: Callable[[], Awaitable[object]] | None = None) -> Polled[T]: ...
+                     accept: Accept | None = None, between: Between | None = None) -> Polled[T]: ...
 async def poll_until(check: Callable[[], Any], *, timeout_s: float, interval_s: float = INTERVAL_S,
-                     between: Callable[[], Awaitable[object]] | None = None) -> Polled[Any]:
-    """Call ``check`` (sync or async) until it returns something truthy or ``timeout_s`` passed.
+                     accept: Accept | None = None, between: Between | None = None) -> Polled[Any]:
+    """Call ``check`` (sync or async) until its value is accepted (``accept(value)``, by default
+    the value's truth) or ``timeout_s`` passed; never raises on timeout.
 
-    Between checks it awaits ``between()`` when given (e.g. a consumer's ``getmany`` that must
-    keep running), else sleeps ``interval_s``. The check runs once more after the deadline has
-    passed, so a condition that holds at the deadline counts. Never raises on timeout.
+    Between checks it awaits ``between()`` when given (e.g. reading a consumer that must keep
+    being read), else sleeps ``interval_s``. The check runs once more after the deadline has
+    passed, so a condition that holds at the deadline counts.
     """
     t0 = time.monotonic()
     while True:
@@ -51,7 +58,7 @@ async def poll_until(check: Callable[[], Any], *, timeout_s: float, interval_s: 
         if inspect.isawaitable(last):
             last = await last
         waited = time.monotonic() - t0
-        if last:
+        if accept(last) if accept is not None else last:
             return Polled(True, waited, last)
         if waited > timeout_s:
             return Polled(False, waited, last)
@@ -62,16 +69,16 @@ async def poll_until(check: Callable[[], Any], *, timeout_s: float, interval_s: 
 
 
 @overload
-async def eventually(check: Callable[[], Awaitable[T]], *, timeout_s: float, what: What,
-                     interval_s: float = INTERVAL_S, between: Callable[[], Awaitable[object]] | None = None) -> T: ...
+async def eventually(check: Callable[[], Awaitable[T]], *, timeout_s: float, what: What, interval_s: float = INTERVAL_S,
+                     accept: Accept | None = None, between: Between | None = None) -> T: ...
 @overload
-async def eventually(check: Callable[[], T], *, timeout_s: float, what: What,
-                     interval_s: float = INTERVAL_S, between: Callable[[], Awaitable[object]] | None = None) -> T: ...
+async def eventually(check: Callable[[], T], *, timeout_s: float, what: What, interval_s: float = INTERVAL_S,
+                     accept: Accept | None = None, between: Between | None = None) -> T: ...
 async def eventually(check: Callable[[], Any], *, timeout_s: float, what: What, interval_s: float = INTERVAL_S,
-                     between: Callable[[], Awaitable[object]] | None = None) -> Any:
-    """The first truthy result of ``check`` (sync or async); ``AssertionError`` naming ``what``
-    and the last value if none came within ``timeout_s``."""
-    held, waited, last = await poll_until(check, timeout_s=timeout_s, interval_s=interval_s, between=between)
+                     accept: Accept | None = None, between: Between | None = None) -> Any:
+    """The first accepted value of ``check`` (see :func:`poll_until`); ``AssertionError`` naming
+    ``what`` and the last value if none came within ``timeout_s``."""
+    held, _, last = await poll_until(check, timeout_s=timeout_s, interval_s=interval_s, accept=accept, between=between)
     if not held:
         raise AssertionError(_timed_out(timeout_s, what, last))
     return last

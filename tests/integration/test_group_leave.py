@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
@@ -53,13 +52,6 @@ async def members(admin: AIOKafkaAdminClient, group: str) -> set[str]:
     return {m[0] for m in described[5]}  # (member_id, client_id, host, metadata, assignment)
 
 
-def members_where(admin: AIOKafkaAdminClient, group: str, accept: Callable[[set[str]], bool]) -> Callable[[], Awaitable[bool]]:
-    """A check for :func:`tests.polling.poll_until`: ``accept`` holds for the group's members now."""
-    async def check() -> bool:
-        return accept(await members(admin, group))
-    return check
-
-
 async def test_embedded_broker_stalls_a_group_whose_leader_leaves_mid_rebalance(services) -> None:
     if services.kafka_backend != "embedded":
         pytest.skip("characterizes the embedded broker (tansu 0.6); a real Kafka elects a new leader")
@@ -80,7 +72,7 @@ async def test_embedded_broker_stalls_a_group_whose_leader_leaves_mid_rebalance(
         await member.start()
         leader.send_signal(signal.SIGSTOP)  # it can neither rejoin nor leave by itself now
         joining = asyncio.create_task(joiner.start())
-        joined, _, _ = await poll_until(members_where(admin, group, lambda m: len(m) == 3), timeout_s=20, interval_s=0.1)
+        joined, _, _ = await poll_until(lambda: members(admin, group), accept=lambda m: len(m) == 3, timeout_s=20, interval_s=0.1)
         assert joined, "the joiner's JoinGroup never reached the group"
         # The group is forming with the frozen member as its leader; that leader now leaves.
         await client.bootstrap()
@@ -123,13 +115,13 @@ async def test_leave_group_on_stop_false_ends_membership_by_session_expiry(kafka
         await staying.start()
         await quiet.start()
         # a later generation, so that a leaving member would send LeaveGroup at all
-        both, _, _ = await poll_until(members_where(admin, group, lambda m: len(m) == 2), timeout_s=20, interval_s=0.1)
+        both, _, _ = await poll_until(lambda: members(admin, group), accept=lambda m: len(m) == 2, timeout_s=20, interval_s=0.1)
         assert both
         before = await members(admin, group)
         quiet_id = quiet._coordinator.member_id
         await quiet.stop()
         assert quiet_id in await members(admin, group), "LeaveGroup was sent although leave_group_on_stop=False"
-        expired, waited, _ = await poll_until(members_where(admin, group, lambda m: quiet_id not in m), timeout_s=15,
+        expired, waited, _ = await poll_until(lambda: members(admin, group), accept=lambda m: quiet_id not in m, timeout_s=15,
                                               between=lambda: staying.getmany(timeout_ms=100))
         assert expired, f"the stopped member never expired: {before}"
         assert waited >= 1.0  # by expiry (2 s session), not at once

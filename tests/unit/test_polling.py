@@ -85,3 +85,12 @@ def test_wait_until_returns_the_first_truthy_value() -> None:
 def test_wait_until_names_what_and_the_last_value_on_timeout() -> None:
     with pytest.raises(AssertionError, match=r"waiting for the child \(last value: False\)"):
         wait_until(lambda: False, timeout_s=0.03, what="the child", interval_s=0.01)
+
+
+async def test_accept_picks_the_value_waited_for_and_the_failure_shows_the_last_one() -> None:
+    counter = itertools.count()
+    assert await eventually(lambda: next(counter), accept=lambda n: n >= 3, timeout_s=5, what="3", interval_s=0) == 3
+    with pytest.raises(AssertionError, match=r"waiting for an odd set \(last value: \{2\}\)"):
+        await eventually(lambda: {2}, accept=lambda got: 1 in got, timeout_s=0.02, what="an odd set", interval_s=0.01)
+    polled = await poll_until(lambda: 0, accept=lambda n: n == 0, timeout_s=1)
+    assert polled.held and polled.last == 0  # a falsy value can be the one waited for
