@@ -24,7 +24,7 @@ from infra.schema import decode_verdict
 from prm_pipeline.demo.synthetic import workload
 from producers.publisher import TrajectoryPublisher
 from tests.integration.harness import WorkerProcesses, isolated_config, read_topic, write_config
-from tests.polling import poll_until
+from tests.polling import eventually, poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -36,10 +36,12 @@ async def _tail_groups(cfg: PipelineConfig, seen: set[str], stop: asyncio.Event)
     consumer = make_consumer(cfg.kafka, group_id=None)
     await consumer.start()
     try:
-        parts = None
-        while not parts:
+
+        async def partitions() -> set[int] | None:
             await refresh_metadata(consumer)
-            parts = consumer.partitions_for_topic(cfg.topics.verdicts)
+            return consumer.partitions_for_topic(cfg.topics.verdicts)
+
+        parts = await eventually(partitions, timeout_s=30, interval_s=0, what="the verdicts topic's partitions")
         consumer.assign([TopicPartition(cfg.topics.verdicts, p) for p in parts])
         await consumer.seek_to_beginning()
         while not stop.is_set():
