@@ -56,7 +56,7 @@ count 4. It is never compressed; the records after it are compressed as one bloc
 
 COMPRESSIONS = ("zstd", "lz4", "gzip", "none")
 """The codecs ``kafka.compression`` may name. zstd's worst-case expansion is the largest
-of them at every size (``tests/unit/test_kafka_sizes.py``), so it is the default of
+of them at every size (``tests/unit/test_kafka.py``), so it is the default of
 :func:`compress_bound` and :func:`max_record_size`."""
 
 

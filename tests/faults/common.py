@@ -47,10 +47,11 @@ from infra.schema import (
 )
 from producers.publisher import PublishError, TrajectoryPublisher
 from tests.integration.harness import WorkerProcesses, isolated_config
+from tests.polling import eventually, poll_until
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05  # interval of progress checks (a poll with a deadline, never a sync point)
+POLL_S = 0.05  # pause before reading again after a read error (the broker restarting)
 
 
 def fault_config(name: str, kafka_bootstrap: str, redis_url: str, *, scorers: Sequence[PRMScorerConfig],
@@ -195,7 +196,7 @@ class VerdictTail:
 
     async def __aenter__(self) -> VerdictTail:
         self._task = asyncio.create_task(self._run())
-        await self.wait_for(lambda: self._ready.is_set() or self._task.done(), 30, "the verdict tail to start")
+        await eventually(lambda: self._ready.is_set() or self._task.done(), timeout_s=30, what="the verdict tail to start")
         if self._task.done():
             self._task.result()
         return self
@@ -242,24 +243,6 @@ class VerdictTail:
         times = [wall_start, *(t for t in self.created_times() if wall_start < t < wall_end), wall_end]
         return max(b - a for a, b in itertools.pairwise(times))
 
-    async def wait_for(self, condition: Callable[[], bool], timeout_s: float, what: str) -> float:
-        """Poll ``condition`` until it holds (returns the seconds waited) or fail after ``timeout_s``."""
-        t0 = time.monotonic()
-        while not condition():
-            if time.monotonic() - t0 > timeout_s:
-                raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-            await asyncio.sleep(POLL_S)
-        return time.monotonic() - t0
-
-
-async def poll_until(condition: Callable[[], bool], timeout_s: float) -> tuple[bool, float]:
-    """Poll ``condition`` with a deadline; returns ``(held, seconds waited)`` (no exception)."""
-    t0 = time.monotonic()
-    while not condition():
-        if time.monotonic() - t0 > timeout_s:
-            return False, time.monotonic() - t0
-        await asyncio.sleep(POLL_S)
-    return True, time.monotonic() - t0
 
 
 # --------------------------------------------------------------------------- load
@@ -320,7 +303,7 @@ class PacedLoad:
             self.enough.set()
         await publisher
         expected = self.expected
-        await tail.wait_for(lambda: tail.done(expected) == len(expected), 120, "every group's verdict")
+        await eventually(lambda: tail.done(expected) == len(expected), timeout_s=120, what="every group's verdict")
         return expected
 
     async def run(self) -> None:
@@ -333,9 +316,9 @@ class PacedLoad:
                 next_wave = time.monotonic() + self.min_wave_interval_s
                 chunk = self.order[i:i + self.wave]
                 room = self.max_in_flight - len(chunk)  # groups that may still be open when it goes out
-                await self.tail.wait_for(
+                await eventually(
                     lambda room=room: len(self.in_flight_groups()) <= room or self._enough(),
-                    self.timeout_s, f"room to publish wave {i // self.wave}")
+                    timeout_s=self.timeout_s, what=f"room to publish wave {i // self.wave}")
                 if self._enough():
                     break
                 messages = [m for g in chunk for m in self.groups[g]]
@@ -441,8 +424,8 @@ async def outage(fault: str, *, load: PacedLoad, down: Callable[[], int | None],
     before = client_errors()
     t_down = time.monotonic()
     exit_code = down()
-    noticed, _ = await poll_until(
-        lambda: all(now - was >= min_errors_each for now, was in zip(client_errors(), before)), notice_timeout_s)
+    noticed, _, _ = await poll_until(
+        lambda: all(now - was >= min_errors_each for now, was in zip(client_errors(), before)), timeout_s=notice_timeout_s)
     up()
     down_s, t_up = time.monotonic() - t_down, time.time()
     return {"fault": fault, "exit_code": exit_code, "in_flight_msgs": in_flight, "down_s": round(down_s, 2),

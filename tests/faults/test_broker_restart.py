@@ -34,6 +34,7 @@ from tests.faults.common import (
     report,
 )
 from tests.integration.harness import read_topic, write_config
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -67,10 +68,10 @@ async def test_broker_restart_with_durable_storage_loses_nothing(durable_broker,
             load = PacedLoad(cfg, messages, tail, wave=15, max_in_flight=45, enough=enough)
             publisher = asyncio.create_task(load.run())
             try:
-                await tail.wait_for(procs.all_polling, 60, "both workers polling")
+                await eventually(procs.all_polling, timeout_s=60, what="both workers polling")
                 for new_groups, fault in STEPS:
                     target = len(tail.groups) + new_groups
-                    await tail.wait_for(lambda target=target: len(tail.groups) >= target, 120, f"{new_groups} groups before {fault}")
+                    await eventually(lambda target=target: len(tail.groups) >= target, timeout_s=120, what=f"{new_groups} groups before {fault}")
                     crash = "SIGKILL" in fault
                     events.append(await outage(
                         fault, load=load, client_errors=lambda: procs.count_current_logs(BROKER_ERRORS),
@@ -79,7 +80,7 @@ async def test_broker_restart_with_durable_storage_loses_nothing(durable_broker,
                         down=broker.kill if crash else lambda: broker.stop(timeout_s=20),
                     ))
                 target = len(tail.groups) + AFTER_LAST
-                await tail.wait_for(lambda target=target: len(tail.groups) >= target, 120, "progress after the last restart")
+                await eventually(lambda target=target: len(tail.groups) >= target, timeout_s=120, what="progress after the last restart")
                 expected = await load.finish(publisher, tail)
             finally:
                 if not publisher.done():

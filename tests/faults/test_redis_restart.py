@@ -37,6 +37,7 @@ from tests.faults.common import (
     report,
 )
 from tests.integration.harness import read_topic, write_config
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -93,11 +94,11 @@ async def test_redis_restart_with_aof_loses_and_duplicates_nothing(kafka_bootstr
             load = PacedLoad(cfg, messages, tail, wave=15, max_in_flight=45, enough=enough)
             publisher = asyncio.create_task(load.run())
             try:
-                await tail.wait_for(procs.all_polling, 60, "both workers polling")
+                await eventually(procs.all_polling, timeout_s=60, what="both workers polling")
                 for new_groups, fault in STEPS:
                     target = len(tail.groups) + new_groups
-                    await tail.wait_for(lambda target=target: len(tail.groups) >= target, 120,
-                                        f"{new_groups} groups before {fault}")
+                    await eventually(lambda target=target: len(tail.groups) >= target, timeout_s=120,
+                                     what=f"{new_groups} groups before {fault}")
                     if events:  # the previous restart's NOSCRIPT replies (the counter resets with the server)
                         events[-1]["noscript_replies_after"] = await _noscript_errors(cfg.redis)
                     tombstones_before = await _tombstones(cfg.redis)
@@ -111,8 +112,8 @@ async def test_redis_restart_with_aof_loses_and_duplicates_nothing(kafka_bootstr
                     event["tombstones_after"] = await _tombstones(cfg.redis)
                     events.append(event)
                 target = len(tail.groups) + AFTER_LAST
-                await tail.wait_for(lambda target=target: len(tail.groups) >= target, 120,
-                                    "progress after the last restart")
+                await eventually(lambda target=target: len(tail.groups) >= target, timeout_s=120,
+                                 what="progress after the last restart")
                 events[-1]["noscript_replies_after"] = await _noscript_errors(cfg.redis)
                 expected = await load.finish(publisher, tail)
             finally:

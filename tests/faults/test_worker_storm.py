@@ -27,10 +27,10 @@ from tests.faults.common import (
     check_verdicts,
     fault_config,
     log_dir,
-    poll_until,
     report,
 )
 from tests.integration.harness import read_topic, write_config
+from tests.polling import eventually, poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -79,11 +79,11 @@ async def test_sigkill_and_rebalance_storm_with_three_workers(kafka_bootstrap, r
                     ready = True
                     if wait_ready:
                         # A deadline, not an assertion: progress (below) is what must hold.
-                        ready, _ = await poll_until(procs.all_polling, 30)
+                        ready, _, _ = await poll_until(procs.all_polling, timeout_s=30)
                     target = len(tail.groups) + new_groups
                     try:
-                        await tail.wait_for(lambda target=target: len(tail.groups) >= target or publisher.done(),
-                                            120, f"step {step}: {new_groups} more groups decided")
+                        await eventually(lambda target=target: len(tail.groups) >= target or publisher.done(),
+                                         timeout_s=120, what=f"step {step}: {new_groups} more groups decided")
                     except AssertionError as exc:
                         raise AssertionError(f"{exc}\nsteps so far: {events}\n{procs.diagnosis()}") from None
                     if publisher.done():

@@ -28,6 +28,7 @@ from infra.kafka import assign_from_start, ensure_topics, make_consumer
 from infra.local import LOCAL_BROKER_CLIENT
 from infra.schema import GroupVerdict, decode_verdict
 from prm_pipeline.demo.processes import WorkerProcesses, write_config
+from tests.polling import poll_until
 
 TEST_SCORER_MODULES = ["scoring_workers.scorers", "tests.scorers"]
 
@@ -65,21 +66,21 @@ async def read_topic(cfg: PipelineConfig, topic: str, *, until: float | None = N
     records = []
     try:
         tps = await assign_from_start(consumer, topic)
-        deadline = until if until is not None else time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        async def read_done() -> bool:
             batch = await consumer.getmany(timeout_ms=100)
             for rs in batch.values():
                 records.extend(rs)
             if stop_when is not None:
-                if stop_when(records):
-                    break
-                continue
-            at_end = True
+                return bool(stop_when(records))
             for tp in tps:
                 high = consumer.highwater(tp)
-                at_end = at_end and high is not None and await consumer.position(tp) >= high
-            if at_end:
-                break
+                if high is None or await consumer.position(tp) < high:
+                    return False
+            return True
+
+        deadline = until if until is not None else time.monotonic() + 30
+        await poll_until(read_done, timeout_s=deadline - time.monotonic(), interval_s=0)
         return records
     finally:
         await consumer.stop()

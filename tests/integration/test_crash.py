@@ -24,6 +24,7 @@ from infra.schema import decode_verdict
 from prm_pipeline.demo.synthetic import workload
 from producers.publisher import TrajectoryPublisher
 from tests.integration.harness import WorkerProcesses, isolated_config, read_topic, write_config
+from tests.polling import eventually, poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +36,12 @@ async def _tail_groups(cfg: PipelineConfig, seen: set[str], stop: asyncio.Event)
     consumer = make_consumer(cfg.kafka, group_id=None)
     await consumer.start()
     try:
-        parts = None
-        while not parts:
+
+        async def partitions() -> set[int] | None:
             await refresh_metadata(consumer)
-            parts = consumer.partitions_for_topic(cfg.topics.verdicts)
+            return consumer.partitions_for_topic(cfg.topics.verdicts)
+
+        parts = await eventually(partitions, timeout_s=30, interval_s=0, what="the verdicts topic's partitions")
         consumer.assign([TopicPartition(cfg.topics.verdicts, p) for p in parts])
         await consumer.seek_to_beginning()
         while not stop.is_set():
@@ -69,13 +72,18 @@ async def test_sigkill_during_load_loses_and_duplicates_nothing(kafka_bootstrap,
                 await pub.publish_many(messages[i:i + 100])
                 await pub.flush()
                 await asyncio.sleep(0)  # let the tail task run between waves
-        deadline = time.monotonic() + 180
-        while len(seen & expected) < len(expected) and time.monotonic() < deadline:
+
+        def all_seen() -> bool:  # the progress check, which also kills at the planned points
+            nonlocal kills
+            if len(seen & expected) >= len(expected):
+                return True
             if kills < len(KILL_AT) and len(seen & expected) >= KILL_AT[kills] * len(expected):
                 procs.kill(kills % 2)  # alternate victims; restart at once
                 procs.start(kills % 2)
                 kills += 1
-            await asyncio.sleep(0.05)  # polling interval of the progress check, not a sync point
+            return False
+
+        await poll_until(all_seen, timeout_s=180)
         elapsed = time.monotonic() - t0
     finally:
         stop_tail.set()

@@ -7,12 +7,12 @@ must be the one aiokafka actually puts into its fetch requests.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from infra.aiokafka_internals import fetch_wait_ms
 from infra.config import KafkaConfig, TopicsConfig
 from infra.kafka import AdaptiveFetchWait, ensure_topics, make_consumer, make_producer
+from tests.polling import eventually
 
 
 class _Recording(AdaptiveFetchWait):
@@ -42,18 +42,18 @@ async def test_fetch_wait_grows_while_idle_and_drops_when_records_come(kafka_boo
     await consumer.start()
     await producer.start()
     try:
-        deadline = time.monotonic() + 20
-        while not (seen and seen[-1] == (False, 80)):  # idle: doubled up to the long wait
-            assert time.monotonic() < deadline, f"the wait never reached 80 ms while idle: {seen[-8:]}"
-            await consumer.getmany(timeout_ms=100)
+        await eventually(lambda: bool(seen) and seen[-1] == (False, 80), timeout_s=20,  # idle: doubled up to the long wait
+                         between=lambda: consumer.getmany(timeout_ms=100), what=lambda: f"the wait to reach 80 ms while idle: {seen[-8:]}")
         assert fetch_wait_ms(consumer) == 80  # what the next FetchRequest carries
         assert [w for _, w in seen[:4]] == [10, 20, 40, 80]  # a fresh topic: doubling from 5 ms
 
         await producer.send_and_wait(topic, b"x", key=b"k")
         got: list[object] = []
-        while not got:
-            assert time.monotonic() < deadline + 20, "the record never arrived"
-            got += [r for rs in (await consumer.getmany(timeout_ms=100)).values() for r in rs]
+
+        async def read() -> None:
+            got.extend(r for rs in (await consumer.getmany(timeout_ms=100)).values() for r in rs)
+
+        await eventually(lambda: got, between=read, timeout_s=20, what="the record")
         assert (True, 5) in seen[seen.index((False, 80)):]  # the fetch that brought it reset the wait
     finally:
         await producer.stop()

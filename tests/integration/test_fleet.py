@@ -24,6 +24,7 @@ from prm_pipeline.audit.run import AuditOptions, audit
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from tests.integration.harness import read_topic, running_worker, wait_for_verdicts, with_scorers
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -48,15 +49,14 @@ async def _declare(cfg: PipelineConfig, spec: ExperimentSpec) -> None:
 async def _serving(worker, experiment_id: str, *, present: bool = True, timeout_s: float = 15) -> None:
     """Wait until the worker serves (or stopped serving) ``experiment_id`` and its topic's partitions
     are assigned to it (a subscription change rebalances the worker group)."""
-    deadline = time.monotonic() + timeout_s
     topic = trajectories_topic(worker.cfg.topics.trajectories, experiment_id)
-    while time.monotonic() < deadline:
+
+    def settled() -> bool:
         served = worker.fleet.get(experiment_id) is not None
         assigned = any(tp.topic == topic for tp in worker.consumer.assignment())
-        if served == present and assigned == present:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"worker {'never served' if present else 'still serves'} {experiment_id!r}")
+        return served == present and assigned == present
+
+    await eventually(settled, timeout_s=timeout_s, what=f"the worker to {'serve' if present else 'stop serving'} {experiment_id!r}")
 
 
 async def _publish(cfg: PipelineConfig, experiment_id: str | None, messages, *, topic_of: str | None = None) -> None:
@@ -131,10 +131,8 @@ async def test_removing_an_experiment_lets_its_open_group_finish_then_stops_serv
         await _serving(worker, "exp-r")
         await _publish(cfg, "exp-r", [first])
         await publish_removal(cfg, "exp-r")
-        deadline = time.monotonic() + 10
-        while worker.fleet.get("exp-r").retire_at is None:  # removed, retiring
-            assert time.monotonic() < deadline, "the removal never reached the worker"
-            await asyncio.sleep(0.05)
+        await eventually(lambda: worker.fleet.get("exp-r").retire_at is not None, timeout_s=10,
+                         what="the removal to reach the worker (retiring)")
         await _publish(cfg, "exp-r", [second])  # the open group's last member is still scored
         finished = (await _verdicts(cfg, "exp-r", {gid}))[gid]
         await _serving(worker, "exp-r", present=False)  # after its group timeout: no longer served
@@ -162,10 +160,8 @@ async def test_a_flooded_experiment_does_not_stall_another(pipeline_config) -> N
         flood = [m for g in range(80) for m in make_group(f"flood-{g}-{uuid.uuid4().hex[:4]}", 1)]
         calm = [m for g in range(5) for m in make_group(f"calm-{g}-{uuid.uuid4().hex[:4]}", 1)]
         await _publish(cfg, "exp-flood", flood)
-        deadline = time.monotonic() + 20
-        while len(worker.fleet.get("exp-flood").in_flight) < 6:  # A holds the worker (all but the reserve)
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await eventually(lambda: len(worker.fleet.get("exp-flood").in_flight) >= 6, timeout_s=20, interval_s=0.01,
+                         what="A to hold the worker (all but the reserve)")
         before = started(worker, "exp-flood")
         await _publish(cfg, "exp-calm", calm)
         await _verdicts(cfg, "exp-calm", {m.group_id for m in calm})

@@ -21,6 +21,7 @@ from infra.config import GatewayConfig, PipelineConfig, PRMScorerConfig
 from infra.kafka import ensure_topics
 from prm_pipeline.gateway import serve
 from tests.integration.harness import isolated_config, running_worker
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -125,13 +126,12 @@ async def test_no_verdict_in_time_is_504_naming_the_group_and_busy_is_429(cfg) -
     async with gateway(cfg, verdict_timeout_s=3.0, max_in_flight_per_client=1) as url:
         waiting = asyncio.create_task(post(f"{url}/slime", {"prompt": "p", "response": "r"}))
         async with aiohttp.ClientSession() as http:
-            deadline = asyncio.get_running_loop().time() + 10
-            while True:  # until the first request holds the client's one slot
+
+            async def in_flight() -> bool:  # the first request holds the client's one slot
                 async with http.get(f"{url}/metrics") as r:
-                    if "prm_gateway_in_flight 1.0" in await r.text():
-                        break
-                assert asyncio.get_running_loop().time() < deadline, "first request never got in flight"
-                await asyncio.sleep(0.05)
+                    return "prm_gateway_in_flight 1.0" in await r.text()
+
+            await eventually(in_flight, timeout_s=10, what="the first request to get in flight")
         status, body, headers = await post(f"{url}/slime", {"prompt": "p", "response": "r"})
         assert status == 429 and headers.get("Retry-After") == "1", body
         status, body, _ = await waiting

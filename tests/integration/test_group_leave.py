@@ -26,7 +26,7 @@ from aiokafka.protocol.group import LeaveGroupRequest
 
 from infra.config import KafkaConfig, TopicsConfig
 from infra.kafka import PipelineConsumer, ensure_topics, make_admin, make_consumer
-from tests.faults.common import poll_until
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +72,7 @@ async def test_embedded_broker_stalls_a_group_whose_leader_leaves_mid_rebalance(
         await member.start()
         leader.send_signal(signal.SIGSTOP)  # it can neither rejoin nor leave by itself now
         joining = asyncio.create_task(joiner.start())
-        joined, _ = await poll_until_async(lambda: members(admin, group), lambda m: len(m) == 3, 20)
+        joined, _, _ = await poll_until(lambda: members(admin, group), accept=lambda m: len(m) == 3, timeout_s=20, interval_s=0.1)
         assert joined, "the joiner's JoinGroup never reached the group"
         # The group is forming with the frozen member as its leader; that leader now leaves.
         await client.bootstrap()
@@ -80,7 +80,7 @@ async def test_embedded_broker_stalls_a_group_whose_leader_leaves_mid_rebalance(
         await client.send(coordinator, LeaveGroupRequest(group, leader_id))
         leader.kill()
 
-        formed, waited = await poll_until(lambda: joining.done() and bool(joiner.assignment()), 8)
+        formed, waited, _ = await poll_until(lambda: joining.done() and bool(joiner.assignment()), timeout_s=8)
         assert not formed, f"the group formed after {waited:.1f}s: tansu now elects a new leader"
         assert leader_id not in await members(admin, group)
 
@@ -115,29 +115,16 @@ async def test_leave_group_on_stop_false_ends_membership_by_session_expiry(kafka
         await staying.start()
         await quiet.start()
         # a later generation, so that a leaving member would send LeaveGroup at all
-        both, _ = await poll_until_async(lambda: members(admin, group), lambda m: len(m) == 2, 20)
+        both, _, _ = await poll_until(lambda: members(admin, group), accept=lambda m: len(m) == 2, timeout_s=20, interval_s=0.1)
         assert both
         before = await members(admin, group)
         quiet_id = quiet._coordinator.member_id
         await quiet.stop()
         assert quiet_id in await members(admin, group), "LeaveGroup was sent although leave_group_on_stop=False"
-        expired, waited = await poll_until_async(lambda: members(admin, group), lambda m: quiet_id not in m, 15,
-                                                 while_waiting=lambda: staying.getmany(timeout_ms=100))
+        expired, waited, _ = await poll_until(lambda: members(admin, group), accept=lambda m: quiet_id not in m, timeout_s=15,
+                                              between=lambda: staying.getmany(timeout_ms=100))
         assert expired, f"the stopped member never expired: {before}"
         assert waited >= 1.0  # by expiry (2 s session), not at once
     finally:
         await staying.stop()
         await admin.close()
-
-
-async def poll_until_async(fetch, accept, timeout_s: float, while_waiting=None) -> tuple[bool, float]:
-    """Poll an async ``fetch`` until ``accept(value)`` holds (a deadline, never a sync point)."""
-    t0 = time.monotonic()
-    while not accept(await fetch()):
-        if time.monotonic() - t0 > timeout_s:
-            return False, time.monotonic() - t0
-        if while_waiting is not None:
-            await while_waiting()
-        else:
-            await asyncio.sleep(0.1)
-    return True, time.monotonic() - t0

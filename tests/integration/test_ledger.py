@@ -21,16 +21,9 @@ from infra.schema import SessionResult
 from scoring_workers import ledger as ledger_module
 from scoring_workers.ledger import GroupLedger
 from scoring_workers.verdicts import assemble_verdict, encode_scorers
+from tests.polling import eventually, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-async def _until(condition, timeout_s: float = 10.0) -> None:
-    """Poll ``condition`` (yielding to the loop) until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s"
-        await asyncio.sleep(0.001)
 
 
 def _cluster_cmd(port: int, *args: str) -> bytes:
@@ -66,10 +59,8 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory):
     svc.start()
     try:
         assert _cluster_cmd(port, "CLUSTER", "ADDSLOTSRANGE", "0", "16383").startswith(b"+OK")
-        for _ in range(200):  # poll until the node reports the cluster ready
-            if b"cluster_state:ok" in _cluster_cmd(port, "CLUSTER", "INFO"):
-                break
-            time.sleep(0.02)
+        wait_until(lambda: b"cluster_state:ok" in _cluster_cmd(port, "CLUSTER", "INFO"), timeout_s=4, interval_s=0.02,
+                   what="the node to report the cluster ready")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         svc.stop()
@@ -298,10 +289,8 @@ async def test_finished_groups_are_remembered_for_the_dedupe_window_only(redis_u
         outcome, _ = await ledger.park(_member("late"), group_id=g, group_size=1, **ARGS)
         assert outcome == "done"  # a late member does not re-open the group
         assert not await ledger.redis.exists(ledger.group_key(g))  # the group's own hash is gone
-        deadline = finished + 4 * window_s + 2
-        while await ledger.probe_many([(g, "a")]) == ["done"]:  # poll until the window has passed
-            assert time.monotonic() < deadline, "the finished group was never forgotten"
-            await asyncio.sleep(0.1)
+        await eventually(lambda: ledger.probe_many([(g, "a")]), accept=lambda got: got != ["done"], interval_s=0.1,
+                         timeout_s=finished + 4 * window_s + 2 - time.monotonic(), what="the finished group to be forgotten")
         assert time.monotonic() - finished >= window_s  # remembered for the whole window
     finally:
         await ledger.aclose()
@@ -351,13 +340,10 @@ async def test_a_lazy_finish_rides_along_with_the_next_call(redis_url: str, monk
         assert decision is not None and decision.outcome == "decided_now"
         before = await led.view.command_calls()
         led.finish_soon(g)  # returns at once: the caller releases its record
-        await _until(lambda: led.lingering)
+        await eventually(lambda: led.lingering, timeout_s=10, interval_s=0.001, what="the finish to linger")
         assert led.pending_finishes == 1 and await led.redis.exists(led.group_key(g))
         assert await led.park(_member("a"), group_id=h, group_size=2, **ARGS) == ("parked", None)
-        deadline = time.monotonic() + 30
-        while led.pending_finishes:
-            assert time.monotonic() < deadline, "the finish never landed"
-            await asyncio.sleep(0.01)
+        await eventually(lambda: not led.pending_finishes, timeout_s=30, interval_s=0.01, what="the finish to land")
         assert (await led.view.command_calls())["evalsha"] - before.get("evalsha", 0) == 1  # the park's call carried it
         assert await _finished(cfg, g)
     finally:
@@ -396,10 +382,7 @@ async def test_a_finish_that_fails_transiently_is_retried_and_counted(redis_url:
         assert decision is not None
         await admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
         led.finish_soon(g)
-        deadline = time.monotonic() + 30
-        while led.pending_finishes:
-            assert time.monotonic() < deadline, "the finish never landed"
-            await asyncio.sleep(0.02)
+        await eventually(lambda: not led.pending_finishes, timeout_s=30, interval_s=0.02, what="the finish to land")
         assert errors and all(isinstance(e, REDIS_OUTAGES) for e in errors)
         assert await _finished(cfg, g)
     finally:
@@ -420,13 +403,11 @@ async def test_a_park_does_not_wait_for_a_pending_finish_longer_than_its_own_lin
         _, decision = await led.park(_member("a"), group_id=g, group_size=1, **ARGS)
         assert decision is not None
         led.finish_soon(g)
-        await _until(lambda: led.lingering)  # the finish lingers now
+        await eventually(lambda: led.lingering, timeout_s=10, interval_s=0.001, what="the finish to linger")
         led.expect([(h, "a"), (h, "b")])  # b never comes: a's park waits PARK_LINGER_S, not the finish's 600 s
         assert await asyncio.wait_for(led.park(_member("a"), group_id=h, group_size=2, **ARGS), 5) == ("parked", None)
-        deadline = time.monotonic() + 5
-        while led.pending_finishes:
-            assert time.monotonic() < deadline, "the finish did not go with the park"
-            await asyncio.sleep(0.01)
+        await eventually(lambda: not led.pending_finishes, timeout_s=5, interval_s=0.01,
+                         what="the finish to go with the park")
         assert await _finished(cfg, g)
     finally:
         await led.aclose()
@@ -446,7 +427,8 @@ async def test_a_park_waits_for_members_not_yet_seen_and_a_sweep_rides_along(red
         before = await led.view.command_calls()
         first = asyncio.create_task(led.park(_member("a"), group_id=g, group_size=2, **ARGS))
         sweep = asyncio.create_task(led.due_groups(linger_s=600.0))
-        await _until(lambda: led.lingering and len(led._ops._pending) == 2)  # both wait for company
+        await eventually(lambda: led.lingering and len(led._ops._pending) == 2, timeout_s=10, interval_s=0.001,
+                         what="both to wait for company")
         assert not first.done() and not sweep.done()
         _, decision = await asyncio.wait_for(led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
         assert decision is not None and decision.outcome == "decided_now"

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import msgspec
 import pytest
@@ -26,6 +25,7 @@ from infra.local import LOCAL_BROKER_ENV, LocalStack, LocalStackError
 from infra.redis import make_redis
 from infra.schema import decode_message, encode
 from prm_pipeline.demo.synthetic import make_group
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,10 +56,12 @@ async def test_trajectories_round_trip_through_the_broker(pipeline_config) -> No
     await consumer.start()
     got = []
     try:
-        deadline = time.monotonic() + 20
-        while len(got) < len(sent) and time.monotonic() < deadline:
+
+        async def read() -> None:
             for records in (await consumer.getmany(timeout_ms=200)).values():
-                got += [(r.key, decode_message(r.value, r.headers)) for r in records]
+                got.extend((r.key, decode_message(r.value, r.headers)) for r in records)
+
+        await poll_until(lambda: len(got) >= len(sent), timeout_s=20, between=read)
     finally:
         await consumer.stop()
     assert sorted(t.trajectory_id for _, t in got) == sorted(t.trajectory_id for t in sent)

@@ -11,7 +11,6 @@ trajectory is whole, and chunks that never complete are dead-lettered.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import msgspec
@@ -28,6 +27,7 @@ from infra.schema import ReadyTrajectory, dead_letter_from_record, expand_turns
 from prm_pipeline.demo.synthetic import make_agent_session
 from producers.publisher import TrajectoryPublisher
 from tests.integration.harness import isolated_config, read_topic, running_worker, wait_for_verdicts
+from tests.polling import eventually
 from tests.scorers import token_echo_rewards
 
 pytestmark = pytest.mark.integration
@@ -70,17 +70,9 @@ async def _committed(cfg: PipelineConfig, partition: int) -> int:
 
 
 async def _wait_committed(cfg: PipelineConfig, partition: int, at_least: int, timeout_s: float = 20) -> int:
-    deadline = time.monotonic() + timeout_s
-    while (offset := await _committed(cfg, partition)) < at_least and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)  # poll interval (bounded by the deadline)
-    return offset
-
-
-async def _until(condition, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)  # poll interval (bounded by the deadline)
+    """The partition's committed offset, once it is at least ``at_least``."""
+    return await eventually(lambda: _committed(cfg, partition), accept=lambda offset: offset >= at_least,
+                            timeout_s=timeout_s, interval_s=0.1, what=f"partition {partition}'s commit to reach {at_least}")
 
 
 def _check_verdict(verdict, traj: ReadyTrajectory) -> None:
@@ -133,7 +125,8 @@ async def test_chunks_are_committed_only_when_their_trajectory_is_whole(cfg, wor
         await wait_for_verdicts(cfg, [other])
         # the record behind the first chunk is done and the worker has committed all it may ...
         tp = TopicPartition(cfg.topics.trajectories, part)
-        await _until(lambda: worker._committer.tracker.in_flight({tp}) == 1 and not worker._committer.tracker.committable({tp}))
+        await eventually(lambda: worker._committer.tracker.in_flight({tp}) == 1 and not worker._committer.tracker.committable({tp}),
+                         timeout_s=20, what="the first record in flight and nothing committable")
         # ... which stops at the first chunk: a crash now replays the whole trajectory
         assert await _committed(cfg, part) == sent.offset
         for value, headers in rest:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from infra.local import LocalStack, LocalStackError
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,11 +47,12 @@ async def test_noida_behind_the_counting_proxy(tmp_path: Path) -> None:
             await consumer.start()
             try:
                 got: list[bytes] = []
-                for _ in range(100):
+
+                async def read() -> None:
                     for records in (await consumer.getmany(timeout_ms=100)).values():
-                        got += [r.value for r in records]
-                    if len(got) >= 5:
-                        break
+                        got.extend(r.value for r in records)
+
+                await poll_until(lambda: len(got) >= 5, timeout_s=10, between=read)
                 await consumer.commit()  # through the group coordinator the proxy advertised
             finally:
                 await consumer.stop()

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -21,6 +20,7 @@ from prm_pipeline.demo.processes import write_config
 from prm_pipeline.demo.synthetic import make_group
 from tests.integration.harness import running_worker, wait_for_verdicts, with_scorers
 from tests.integration.test_verdict_consumer import publish
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -48,14 +48,10 @@ async def test_republished_file_is_logged_and_the_trainer_says_what_it_waits_for
         second = await asyncio.to_thread(_cli, config, "publish", str(tmp_path / "in.jsonl"))
         assert second.returncode == 0, second.stderr
         wanted = {t.trajectory_id for t in group}
-        deadline = time.monotonic() + 30
-        while True:
-            logged = {t for r in caplog.records if "duplicate acknowledged" in r.getMessage()
-                      for t in wanted if f"traj={t}:" in r.getMessage()}
-            if logged == wanted:
-                break
-            assert time.monotonic() < deadline, f"duplicates not logged: {sorted(wanted - logged)}"
-            await asyncio.sleep(0.1)
+        await eventually(lambda: {t for r in caplog.records if "duplicate acknowledged" in r.getMessage()
+                                  for t in wanted if f"traj={t}:" in r.getMessage()},
+                         accept=lambda logged: logged == wanted, timeout_s=30, interval_s=0.1,
+                         what=f"duplicates of {sorted(wanted)} to be logged")
 
     # one group buffered, a batch of 8 wanted: the trainer says so, then trains on the partial batch
     waiting = write_config(msgspec.structs.replace(cfg, trainer=TrainerConfig(group_id=f"trainer-a.{cfg.topics.verdicts}",

@@ -3,8 +3,6 @@ took the partition over, and the group's finish riding along after the verdict."
 
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
 
 import msgspec
@@ -17,6 +15,7 @@ from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.ledger import GroupLedger
 from tests.integration.harness import isolated_config, read_topic, running_worker, wait_for_verdicts
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -32,19 +31,12 @@ def _count(worker, name: str) -> float:
     return worker.telemetry.snapshot().get(name, 0.0)
 
 
-async def _until(check, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
-
-
 async def _marked(worker, cfg: PipelineConfig) -> None:
     tp = TopicPartition(cfg.topics.trajectories, 0)
 
     async def known() -> bool:
         return worker._marks.mark(tp) is not None
-    await _until(known, "the worker never learnt the partition's mark")
+    await eventually(known, timeout_s=30, what="the worker to learn the partition's mark")
 
 
 async def test_records_past_the_mark_skip_the_probe_and_duplicates_are_still_acknowledged(
@@ -60,21 +52,21 @@ async def test_records_past_the_mark_skip_the_probe_and_duplicates_are_still_ack
 
             async def parked() -> bool:
                 return a.trajectory_id in await ledger.view.parked_blobs(gid)
-            await _until(parked, "member a was never parked")
+            await eventually(parked, timeout_s=30, what="member a to be parked")
             await pub.publish_many([a])  # re-sent by its publisher: scored again, acknowledged at park
 
             async def deduplicated(n: int) -> bool:
                 return _count(worker, "prm_worker_deduplicated_total") >= n
-            await _until(lambda: deduplicated(1), "the re-sent member was not acknowledged as a duplicate")
+            await eventually(lambda: deduplicated(1), timeout_s=30, what="the re-sent member to be acknowledged as a duplicate")
             await pub.publish_many([b])
             (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid]) if v.group_id == gid]
             assert sorted(s.trajectory_id for s in verdict.sessions) == sorted([a.trajectory_id, b.trajectory_id])
 
             async def finished() -> bool:
                 return not await ledger.redis.exists(ledger.group_key(gid))
-            await _until(finished, "the group was never finished")
+            await eventually(finished, timeout_s=30, what="the group to be finished")
             await pub.publish_many([a])  # re-sent after the group finished: its park finds it done
-            await _until(lambda: deduplicated(2), "the late member was not acknowledged")
+            await eventually(lambda: deduplicated(2), timeout_s=30, what="the late member to be acknowledged")
             assert _count(worker, "prm_worker_probes_total{kind=probed}") == 0
             assert _count(worker, "prm_worker_probes_total{kind=skipped}") == 4
         assert await ledger.probe_many([(gid, a.trajectory_id)]) == ["done"]
@@ -98,7 +90,7 @@ async def test_a_record_redelivered_after_a_restart_is_probed_and_not_scored_aga
 
             async def parked() -> bool:
                 return bool(await ledger.view.parked_blobs(gid))
-            await _until(parked, "member a was never parked")
+            await eventually(parked, timeout_s=30, what="member a to be parked")
             assert _count(first, "prm_worker_scored_total") == 1
         # the first owner's commit never happened (it died before): to the next owner the
         # record is uncommitted, as it is to a consumer group that has committed nothing
@@ -107,7 +99,7 @@ async def test_a_record_redelivered_after_a_restart_is_probed_and_not_scored_aga
         async with running_worker(cfg, "w-second") as second, TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             async def acknowledged() -> bool:
                 return _count(second, "prm_worker_deduplicated_total") >= 1
-            await _until(acknowledged, "the redelivered member was not acknowledged")
+            await eventually(acknowledged, timeout_s=30, what="the redelivered member to be acknowledged")
             await _marked(second, cfg)
             await pub.publish_many([b])
             (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid]) if v.group_id == gid]
@@ -134,7 +126,7 @@ async def test_a_graceful_stop_flushes_the_pending_finish(kafka_bootstrap, redis
 
             async def pending() -> bool:
                 return worker.ledger.pending_finishes == 1
-            await _until(pending, "the finish was not handed over")
+            await eventually(pending, timeout_s=30, what="the finish to be handed over")
             assert await ledger.redis.exists(ledger.group_key(gid))  # decided, not finished yet
         assert not await ledger.redis.exists(ledger.group_key(gid))
         assert await ledger.probe_many([(gid, "x")]) == ["done"]

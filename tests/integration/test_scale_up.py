@@ -22,9 +22,8 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,18 +34,11 @@ from infra.local import LOCAL_BROKER_ENV
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from tests.integration.harness import read_topic
+from tests.polling import eventually, wait_until
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "prm_pipeline.cli"]
-
-
-def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, diagnose: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{diagnose()}")
-        time.sleep(0.2)
 
 
 @contextmanager
@@ -60,8 +52,8 @@ def embedded_stack(workdir: Path) -> Iterator[dict[str, str]]:
             lines = out.read_text(errors="replace").splitlines()
             return dict(line.split("=", 1) for line in lines if line.startswith("PRM_") and "=" in line)
 
-        _wait_for(lambda: len(settings()) >= 2 + len(LOCAL_BROKER_ENV) or proc.poll() is not None, 120, "prm-pipeline up",
-                  lambda: out.read_text(errors="replace"))
+        wait_until(lambda: len(settings()) >= 2 + len(LOCAL_BROKER_ENV) or proc.poll() is not None, timeout_s=120,
+                   interval_s=0.2, what=lambda: f"prm-pipeline up\n{out.read_text(errors='replace')}")
         assert proc.poll() is None, out.read_text(errors="replace")
         yield settings()
     finally:
@@ -88,8 +80,8 @@ class Workers:
         with (self.log_dir / f"{name}.log").open("wb") as log:
             self.procs[name] = subprocess.Popen([*CLI, *argv], cwd=REPO,
                                                 env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        _wait_for(lambda: "polling" in self.log(name) or self.procs[name].poll() is not None, 120,
-                  f"{name} to poll", self.diagnosis)
+        wait_until(lambda: "polling" in self.log(name) or self.procs[name].poll() is not None, timeout_s=120,
+                   interval_s=0.2, what=lambda: f"{name} to poll\n{self.diagnosis()}")
         assert self.procs[name].poll() is None, f"{name} exited at start-up\n{self.diagnosis()}"
 
     def stop(self, name: str) -> int:
@@ -141,17 +133,17 @@ async def test_workers_join_and_leave_one_after_another_as_the_readme_runs_them(
         async def progress(step: str, more: int = 3) -> None:
             """A few groups published after this step get their verdicts (the pool works)."""
             target = len(published) + more
-            deadline = time.monotonic() + 90
-            while True:
+
+            async def progressed() -> bool:
                 done = await verdicts()
                 if len(published) >= target and set(published[:target]) <= done:
-                    return
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{step}: no progress ({len(done)} verdicts, {len(published)} groups)\n"
-                                         f"{workers.diagnosis()}")
+                    return True
                 if died := workers.died():
                     raise AssertionError(f"{step}: workers died: {died}\n{workers.diagnosis()}")
-                await asyncio.sleep(0.5)
+                return False
+
+            await eventually(progressed, timeout_s=90, interval_s=0.5,
+                             what=lambda: f"{step}: progress ({len(published)} groups)\n{workers.diagnosis()}")
 
         publisher = asyncio.create_task(load())
         try:

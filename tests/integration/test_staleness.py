@@ -9,8 +9,6 @@ dropped when it moves; with the bound off nothing is dropped.
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import pytest
 from prometheus_client import generate_latest
@@ -21,6 +19,7 @@ from producers.publisher import TrajectoryPublisher
 from shaper import VerdictConsumer
 from shaper.telemetry import TrainerTelemetry
 from tests.integration.harness import running_worker, wait_for_verdicts
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -43,12 +42,14 @@ def with_trainer(cfg: PipelineConfig, group: str, max_policy_lag: int | None) ->
 async def consume_all(consumer: VerdictConsumer, expected: int) -> set[str]:
     """Every group handed out, until ``expected`` verdicts were counted (deadline-bounded)."""
     got: set[str] = set()
-    deadline = time.monotonic() + 30
-    while sum(v for k, v in consumer.totals().items() if k.startswith("pipeline/verdicts/")) < expected:
-        assert time.monotonic() < deadline, consumer.totals()
+
+    async def read() -> None:
         batch = await consumer.next_batch(idle_timeout_s=0.5)
         if batch is not None:
-            got |= set(batch.group_ids)
+            got.update(batch.group_ids)
+
+    await eventually(lambda: sum(v for k, v in consumer.totals().items() if k.startswith("pipeline/verdicts/")) >= expected,
+                     timeout_s=30, between=read, what=lambda: f"{expected} verdicts counted: {consumer.totals()}")
     return got
 
 
@@ -73,10 +74,12 @@ async def test_groups_behind_the_bound_are_dropped_and_counted(pipeline_config: 
     # buffered first (no version known yet: nothing is stale), then the trainer moves on to v4
     later = with_trainer(cfg, f"trainer2.{unique_name}", max_policy_lag=1)
     async with VerdictConsumer(later, group_filter=None, device="cpu", batch_groups=16) as consumer:
-        deadline = time.monotonic() + 30
-        while consumer.buffered_groups < len(VERSIONS):
-            assert time.monotonic() < deadline, consumer.buffered_groups
+
+        async def read_none() -> None:
             assert await consumer.next_batch(idle_timeout_s=0.5, flush_partial=False) is None
+
+        await eventually(lambda: consumer.buffered_groups >= len(VERSIONS), timeout_s=30, between=read_none,
+                         what=lambda: f"{len(VERSIONS)} groups buffered, not {consumer.buffered_groups}")
         consumer.set_policy_version(4)
         assert consumer.buffered_groups == 2  # v3 and the unversioned group
         assert consumer.totals()["pipeline/filter/stale"] == 3

@@ -35,6 +35,7 @@ from scoring_workers.heartbeat import ALIVE_S
 from scoring_workers.ledger import GroupLedger
 from tests.integration.harness import isolated_config, wait_for_verdicts
 from tests.integration.test_ledger import cluster_url  # noqa: F401 - the one-node Redis Cluster fixture
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -72,12 +73,17 @@ async def test_status_healthy_then_workers_killed_with_growing_lag(kafka_bootstr
     procs.start()
     try:
         await wait_for_verdicts(cfg, await publish(cfg, "ok", 12), timeout_s=90)
-        deadline = time.monotonic() + 30  # both workers beat once ready, and commit what they finished
-        while True:
+
+        async def settled() -> tuple[int, dict, dict]:  # both workers beat once ready, and commit what they finished
             code, report = await asyncio.to_thread(status, config)
             workers = next(g for g in report["lags"] if g["role"] == "workers")
-            if (code == 0 and len(report["workers"]["alive"]) == 2 and workers["total"] == 0) or time.monotonic() > deadline:
-                break
+            return code, report, workers
+
+        def is_settled(got: tuple[int, dict, dict]) -> bool:
+            code, report, workers = got
+            return code == 0 and len(report["workers"]["alive"]) == 2 and workers["total"] == 0
+
+        _, _, (code, report, workers) = await poll_until(settled, timeout_s=30, interval_s=0, accept=is_settled)
         assert code == 0, report["problems"]
         assert report["healthy"] is True and not checks(report) & {"no_live_worker", "lag_growing", "group_near_timeout"}
         assert sorted(w["worker_id"] for w in report["workers"]["alive"]) == ["w0.1", "w1.1"]
@@ -146,9 +152,8 @@ async def test_ledger_view_on_standalone_and_cluster(redis_cfg: RedisConfig, kaf
         assert [w.worker_id for w in workers.alive] == ["w-alive"] and not workers.silent
         assert "group_near_timeout" not in {p.check for p in assess(StatusReport(at=0, ledger=summary, workers=workers))}
 
-        deadline = time.monotonic() + 10
-        while (summary := (await ledger_summary(cfg))[0]).oldest_open_age_s < 1.7 and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        summary = (await poll_until(lambda: ledger_summary(cfg), timeout_s=10, interval_s=0.1,
+                                    accept=lambda got: got[0].oldest_open_age_s >= 1.7)).last[0]
         problems = {p.check: p for p in assess(StatusReport(at=0, ledger=summary, workers=workers))}
         assert "group_near_timeout" in problems and "old" in problems["group_near_timeout"].message
     finally:

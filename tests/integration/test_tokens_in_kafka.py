@@ -5,7 +5,6 @@ is the same whoever decides the group."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import msgspec
@@ -19,6 +18,7 @@ from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.ledger import GroupLedger, decode_parked
 from tests.integration.harness import isolated_config, running_worker, wait_for_verdicts
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -33,11 +33,8 @@ async def _parked(cfg: PipelineConfig, group_id: str, n: int, timeout_s: float =
     """The group's parked members once ``n`` are parked (a poll with a deadline)."""
     ledger = GroupLedger.from_config(cfg.redis)
     try:
-        deadline = time.monotonic() + timeout_s
-        while len(members := await ledger.view.parked_blobs(group_id)) < n:
-            assert time.monotonic() < deadline, f"only {len(members)} of {n} members parked"
-            await asyncio.sleep(0.05)
-        return members
+        return await eventually(lambda: ledger.view.parked_blobs(group_id), accept=lambda members: len(members) >= n,
+                                timeout_s=timeout_s, what=f"{n} members parked")
     finally:
         await ledger.aclose()
 

@@ -7,7 +7,6 @@ deadline"; the only fixed waits are the idle timeouts that prove nothing more co
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import msgspec
@@ -19,6 +18,7 @@ from infra.local import LOCAL_BROKER_CLIENT
 from infra.schema import KIND_HEADER, SCHEMA_HEADER, GroupVerdict, encode
 from shaper import SqliteDedupeStore, TrainingBatch, VerdictConsumer, run_trainer
 from shaper.consumer import DedupeKey
+from tests.polling import eventually
 from tests.unit.test_batch import accepted_group, simple_session, verdict
 
 pytestmark = pytest.mark.integration
@@ -51,22 +51,26 @@ async def publish(cfg: PipelineConfig, records: Sequence[GroupVerdict | tuple[by
 async def collect(consumer: VerdictConsumer, groups: int) -> list[TrainingBatch]:
     """Batches until ``groups`` groups arrived (deadline-bounded)."""
     batches: list[TrainingBatch] = []
-    deadline = time.monotonic() + DEADLINE_S
-    while sum(b.num_groups for b in batches) < groups:
-        assert time.monotonic() < deadline, f"only {[b.group_ids for b in batches]} before the deadline"
+
+    async def read() -> None:
         batch = await consumer.next_batch(idle_timeout_s=1.0)
         if batch is not None:
             batches.append(batch)
+
+    await eventually(lambda: sum(b.num_groups for b in batches) >= groups, between=read, timeout_s=DEADLINE_S,
+                     what=lambda: f"{groups} groups, not only {[b.group_ids for b in batches]}")
     return batches
 
 
 async def drain_until(consumer: VerdictConsumer, counter: str, value: float) -> None:
     """Poll (yielding no batch) until ``pipeline/<counter>`` reaches ``value``."""
-    deadline = time.monotonic() + DEADLINE_S
-    while consumer.totals().get(f"pipeline/{counter}", 0.0) < value:
-        assert time.monotonic() < deadline, f"{counter} stuck at {consumer.totals().get(f'pipeline/{counter}')}"
+
+    async def read_none() -> None:
         batch = await consumer.next_batch(idle_timeout_s=0.5)
         assert batch is None, f"unexpected batch {batch.group_ids}"
+
+    await eventually(lambda: consumer.totals().get(f"pipeline/{counter}", 0.0), accept=lambda total: total >= value,
+                     between=read_none, timeout_s=DEADLINE_S, what=f"{counter} to reach {value}")
 
 
 def groups_of(batches: Sequence[TrainingBatch]) -> list[str]:

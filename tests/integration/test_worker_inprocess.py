@@ -15,6 +15,7 @@ from prm_pipeline.demo.synthetic import make_group, make_session
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.worker import Worker
 from tests.integration.harness import wait_for_verdicts, with_scorers
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -38,25 +39,26 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
     try:
         await asyncio.wait_for(worker.ready.wait(), 30)
         port = worker.metrics_port
-        deadline = asyncio.get_running_loop().time() + 20
-        while (ready := await asyncio.to_thread(_get, port, "/readyz"))[0] != 200:  # until the group is joined
-            assert ready == (503, "starting\n")
-            assert asyncio.get_running_loop().time() < deadline, "never became ready"
-            await asyncio.sleep(0.05)
+
+        async def readyz() -> tuple[int, str]:
+            got = await asyncio.to_thread(_get, port, "/readyz")
+            assert got[0] == 200 or got == (503, "starting\n")
+            return got
+
+        async def metrics() -> str:
+            status, body = await asyncio.to_thread(_get, port, "/metrics")
+            assert status == 200
+            return body
+
+        await eventually(readyz, accept=lambda got: got[0] == 200, timeout_s=20, what="ready (the group joined)")
         assert await asyncio.to_thread(_get, port, "/healthz") == (200, "ok\n")
         gid = f"h-{uuid.uuid4().hex[:6]}"
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_many(make_group(gid, 1, turns=1, output_tokens=8))
         await wait_for_verdicts(cfg, [gid])
         # the verdict is on the topic a moment before the worker counts it: poll the counter
-        deadline = asyncio.get_running_loop().time() + 10
-        while True:
-            status, body = await asyncio.to_thread(_get, port, "/metrics")
-            assert status == 200
-            if 'prm_worker_verdicts_total{reason="",status="accepted"} 1.0' in body:
-                break
-            assert asyncio.get_running_loop().time() < deadline, body
-            await asyncio.sleep(0.05)
+        body = await eventually(metrics, accept=lambda body: 'prm_worker_verdicts_total{reason="",status="accepted"} 1.0' in body,
+                                timeout_s=10, what="the accepted verdict counted")
         assert "prm_worker_scoring_seconds_count 1.0" in body
         # a discard's free text stays in the verdict; the label is its reason code
         dropped = f"d-{uuid.uuid4().hex[:6]}"
@@ -64,18 +66,13 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
             await pub.discard_group(dropped, "environment crashed before turn 3")
         (discarded,) = [v for v in await wait_for_verdicts(cfg, [dropped]) if v.group_id == dropped]
         assert (discarded.reason_code, discarded.reason) == ("discarded", "environment crashed before turn 3")
-        deadline = asyncio.get_running_loop().time() + 10
-        while 'prm_worker_verdicts_total{reason="discarded",status="discarded"} 1.0' not in body:
-            assert asyncio.get_running_loop().time() < deadline, body
-            await asyncio.sleep(0.05)
-            body = (await asyncio.to_thread(_get, port, "/metrics"))[1]
+        body = await eventually(metrics, accept=lambda body: 'prm_worker_verdicts_total{reason="discarded",status="discarded"} 1.0' in body,
+                                timeout_s=10, what="the discarded verdict counted")
         assert "environment" not in body
         assert (await asyncio.to_thread(_get, port, "/nope"))[0] == 404
         stop.set()
-        deadline = asyncio.get_running_loop().time() + 20
-        while (await asyncio.to_thread(_get, port, "/readyz"))[0] == 200:  # not ready once stopping
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.05)
+        await eventually(lambda: asyncio.to_thread(_get, port, "/readyz"), accept=lambda got: got[0] != 200, timeout_s=20,
+                         what="not ready once stopping")
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
@@ -128,11 +125,8 @@ async def test_dead_letter_payloads_are_size_capped(pipeline_config) -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(Worker(cfg, worker_id="w-dlq").run(stop))
     try:
-        deadline = asyncio.get_running_loop().time() + 30
-        records = []
-        while not records:
-            assert asyncio.get_running_loop().time() < deadline, "no dead letter within 30s"
-            records = await read_topic(cfg, cfg.topics.dead_letters)
+        records = await eventually(lambda: read_topic(cfg, cfg.topics.dead_letters), timeout_s=30, interval_s=0,
+                                   what="a dead letter")
         (letter,) = [dead_letter_from_record(r.value, r.headers) for r in records]
         assert len(letter.payload) == 1024 and letter.payload == b"\xc1" * 1024
         assert letter.original_size == 5000 and letter.error_class == "InvalidMessage"

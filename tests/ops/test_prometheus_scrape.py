@@ -19,7 +19,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -44,6 +43,7 @@ from producers.publisher import TrajectoryPublisher
 from shaper.trainer import run_trainer
 from tests.integration.harness import isolated_config
 from tests.integration.test_judge_pipeline import judged_trajectory
+from tests.polling import poll_until, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -80,14 +80,16 @@ def prometheus(tmp: Path, targets: dict[str, list[int]]) -> Iterator[int]:
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def ready() -> bool:
             assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-3000:]
-            with contextlib.suppress(OSError):
+            try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2).close()
-                break
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.2)
+            except OSError:
+                return False
+            return True
+
+        wait_until(ready, timeout_s=60, interval_s=0.2, what="prometheus to become ready")
         yield port
     finally:
         proc.terminate()
@@ -177,12 +179,14 @@ async def test_real_prometheus_scrapes_the_pipeline(kafka_bootstrap: str, redis_
             checks: dict[str, tuple[str, tuple[str, ...]]] = {f"alert {a.name}": (a.query, a.labels) for a in ALERTS}
             checks |= {f"panel '{p.title}' {q.legend}": (q.expr, q.labels) for p in PANELS for q in p.queries}
             pending = dict(checks)
-            deadline = time.monotonic() + DEADLINE_S
-            while pending and time.monotonic() < deadline:
+
+            async def all_answered() -> bool:
                 for name, (expr, _) in list(pending.items()):
                     if await asyncio.to_thread(query, prom, expr):
                         del pending[name]
-                await asyncio.sleep(1.0)
+                return not pending
+
+            await poll_until(all_answered, timeout_s=DEADLINE_S, interval_s=1.0)
             logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(tmp_path.glob("*.log")))
             assert not pending, f"no data from Prometheus for {sorted(pending)}\n{logs}"
             for name, (expr, labels) in checks.items():
@@ -193,10 +197,12 @@ async def test_real_prometheus_scrapes_the_pipeline(kafka_bootstrap: str, redis_
             groups = (await asyncio.to_thread(api, prom, "rules"))["groups"]
             rules = {r["name"]: r for g in groups for r in g["rules"]}
             assert set(rules) == {a.name for a in ALERTS}
-            deadline = time.monotonic() + 30
-            while any(r.get("health") != "ok" for r in rules.values()) and time.monotonic() < deadline:
-                await asyncio.sleep(1.0)
-                rules = {r["name"]: r for g in (await asyncio.to_thread(api, prom, "rules"))["groups"] for r in g["rules"]}
+
+            async def current_rules() -> dict[str, dict]:
+                return {r["name"]: r for g in (await asyncio.to_thread(api, prom, "rules"))["groups"] for r in g["rules"]}
+
+            rules = (await poll_until(current_rules, accept=lambda rules: all(r.get("health") == "ok" for r in rules.values()),
+                                      timeout_s=30, interval_s=1.0)).last
             assert {n: r.get("lastError") for n, r in rules.items() if r.get("health") != "ok"} == {}
 
             # what the checks above saw is what happened

@@ -38,7 +38,8 @@ from infra.local import BROKERS
 from infra.redis import make_redis
 from tests.integration.harness import read_topic
 from tests.perf.procstats import read_proc, redis_reading
-from tests.perf.stack_load import running_stack, stack_pids, wait_until
+from tests.perf.stack_load import running_stack, stack_pids, while_alive
+from tests.polling import eventually, poll_until
 
 GROUP_SIZE = 4
 PROCESSES = ("broker", "redis", "worker0", "worker1", "publisher", "trainer")
@@ -94,8 +95,8 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         try:
             children.start("trainer")
             children.start("publisher", "--groups", "2", "--run-id", "warm", name="warm")
-            await wait_until(lambda: children.status("trainer").get("groups", 0) >= 2, 120,
-                        "the warm-up groups to reach the trainer", children, ("trainer",))
+            await eventually(while_alive(lambda: children.status("trainer").get("groups", 0) >= 2, children, "trainer"),
+                             timeout_s=120, what="the warm-up groups to reach the trainer")
             children.stop("warm")
             await redis.config_resetstat()
             pids = stack_pids(stack, workers, children)
@@ -114,8 +115,8 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             k0 = (stack.proxy.bytes_in, stack.proxy.bytes_out)
             r0 = await redis_reading(redis)
             t0 = time.perf_counter()
-            await wait_until(lambda: children.status("trainer").get("groups", 0) >= 2 + n_groups, args.seconds * 5 + 120,
-                        "every group to reach the trainer", children, ("trainer",))
+            await eventually(while_alive(lambda: children.status("trainer").get("groups", 0) >= 2 + n_groups, children, "trainer"),
+                             timeout_s=args.seconds * 5 + 120, what="every group to reach the trainer")
             elapsed = time.perf_counter() - t0
             after = {k: read_proc(p) for k, p in pids.items()}
             k1 = (stack.proxy.bytes_in, stack.proxy.bytes_out)
@@ -126,13 +127,10 @@ async def _capacity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             # after the measured window: groups that never complete keep their members parked
             children.start("publisher", "--groups", "20", "--members", str(GROUP_SIZE - 1), "--turns", str(args.turns),
                            "--tokens", str(args.tokens), "--run-id", "open", name="open")
-            await wait_until(lambda: children.status("open").get("done", False), 60, "the open groups", children, ())
+            await eventually(lambda: children.status("open").get("done", False), timeout_s=60, what="the open groups")
             pattern = f"{cfg.redis.key_prefix}:{{open-*}}:group"
-            deadline = time.monotonic() + 30
-            parked_bytes, parked_entries = await _memory_sample(redis, pattern)
-            while not parked_entries >= GROUP_SIZE - 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-                parked_bytes, parked_entries = await _memory_sample(redis, pattern)
+            parked_bytes, parked_entries = (await poll_until(lambda: _memory_sample(redis, pattern), timeout_s=30, interval_s=0.2,
+                                                             accept=lambda sample: sample[1] >= GROUP_SIZE - 1)).last
         finally:
             await redis.aclose()
         trajectories = n_groups * GROUP_SIZE

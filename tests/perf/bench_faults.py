@@ -47,6 +47,7 @@ from prm_pipeline.demo.processes import WorkerProcesses, write_config
 from prm_pipeline.demo.synthetic import make_group
 from tests.faults.malformed import READY_HEADERS, Case, Expect, draw_cases
 from tests.perf.stack_load import workers_assigned
+from tests.polling import poll_until
 
 LIMIT = 1_048_576  # kafka.max_message_bytes (the default) == worker.dead_letter_max_bytes (the default)
 
@@ -255,14 +256,14 @@ async def _main(args: argparse.Namespace) -> int:
             valid = [g[0].group_id for g in valid_groups]
             dead_keys = {c.key for c in cases if c.expect.outcome == "dead"}
             verdict_keys = {c.key for c in cases} | set(valid)
-            deadline = time.monotonic() + args.timeout
-            while time.monotonic() < deadline:
+
+            def ended() -> bool:  # every outcome arrived, or a worker died
                 if not all(procs.alive()):
-                    died = [f"worker {i}" for i, a in enumerate(procs.alive()) if not a]
-                    break
-                if dead_keys <= tail.letters.keys() and verdict_keys <= tail.verdicts.keys():
-                    break
-                await asyncio.sleep(0.25)  # polling progress with a deadline
+                    died.extend(f"worker {i}" for i, a in enumerate(procs.alive()) if not a)
+                    return True
+                return dead_keys <= tail.letters.keys() and verdict_keys <= tail.verdicts.keys()
+
+            await poll_until(ended, timeout_s=args.timeout, interval_s=0.25)
             outcomes_s = time.monotonic() - t0
             await asyncio.sleep(1.0)  # a grace for late duplicates before the books close (not a sync point)
         finally:

@@ -50,7 +50,8 @@ from prm_pipeline.observe import VerdictTail
 from producers.publisher import TrajectoryPublisher
 from tests.perf import bench_pool
 from tests.perf.bench_pipeline import STAGES, _paced, _pct, _RawTail
-from tests.perf.stack_load import ROOT, perf_config, wait_until
+from tests.perf.stack_load import ROOT, perf_config
+from tests.polling import eventually
 
 EXPERIMENTS = ("bench-a", "bench-b")
 
@@ -150,8 +151,8 @@ async def _warm_up(fleet: _Fleet, partitions: int) -> None:
     for e in EXPERIMENTS:
         warm = _records(e, f"warm-{e}-{uuid.uuid4().hex[:4]}", 2 * partitions)
         await fleet.burst(e, warm)
-        await wait_until(lambda: {g[0].group_id for g in warm} <= fleet.tail[e].arrivals.keys(), 180,
-                         f"the workers to serve {e}")
+        await eventually(lambda: {g[0].group_id for g in warm} <= fleet.tail[e].arrivals.keys(), timeout_s=180,
+                         what=f"the workers to serve {e}")
 
 
 async def _peak(fleet: _Fleet, n: int) -> float:
@@ -161,7 +162,7 @@ async def _peak(fleet: _Fleet, n: int) -> float:
     groups = _records(a, f"peak-{uuid.uuid4().hex[:4]}", n)
     await fleet.burst(a, groups)
     ids = [g[0].group_id for g in groups]
-    await wait_until(lambda: set(ids) <= fleet.tail[a].arrivals.keys(), 600, "the peak burst's verdicts")
+    await eventually(lambda: set(ids) <= fleet.tail[a].arrivals.keys(), timeout_s=600, what="the peak burst's verdicts")
     times = sorted(fleet.tail[a].arrivals[i] for i in ids)
     return (n - 1) / (times[-1] - times[0])
 
@@ -193,11 +194,11 @@ async def _flooded(fleet: _Fleet, rate: float, n: int, backlog: int, concurrency
     ids = [g[0].group_id for g in flood]
     arrivals = fleet.tail[a].arrivals
     await fleet.burst(a, flood)
-    await wait_until(lambda: sum(i in arrivals for i in ids[:4 * concurrency]) >= concurrency, 120,
-                     "A's flood to reach the workers")
+    await eventually(lambda: sum(i in arrivals for i in ids[:4 * concurrency]) >= concurrency, timeout_s=120,
+                     what="A's flood to reach the workers")
     run = await _b_run(fleet, rate, n, tag)
     start, end = run["window"]
-    await wait_until(lambda: set(ids) <= arrivals.keys(), 600, "A's backlog to drain")
+    await eventually(lambda: set(ids) <= arrivals.keys(), timeout_s=600, what="A's backlog to drain")
     during = sum(1 for i in ids if start <= arrivals[i] <= end)
     run["a_rate"] = during / (end - start)
     run["a_left"] = sum(1 for i in ids if arrivals[i] > end)

@@ -45,7 +45,8 @@ from infra.local import BROKERS
 from infra.redis import make_redis
 from prm_pipeline.observe import VerdictTail
 from tests.perf.procstats import mib, percentile, read_proc, redis_reading, slope
-from tests.perf.stack_load import SentLog, running_stack, stack_pids, wait_until
+from tests.perf.stack_load import SentLog, running_stack, stack_pids, while_alive
+from tests.polling import eventually
 
 GROUP_SIZE = 4
 JUDGED = ("worker0", "worker1", "trainer")
@@ -56,9 +57,10 @@ async def _peak(children: Any, tail: VerdictTail, workdir: Path, groups: int, ar
     sent = SentLog(workdir / "sent-peak.log")
     children.start("publisher", "--sent", str(sent.path), "--rate", "0", "--groups", str(groups),
                    "--turns", str(args.turns), "--tokens", str(args.tokens), "--run-id", "peak", name="peak")
-    await wait_until(lambda: len(sent.poll()) >= groups, 300, "the burst to be published", children, ("peak",))
+    await eventually(while_alive(lambda: len(sent.poll()) >= groups, children, "peak"), timeout_s=300,
+                     what="the burst to be published")
     t0 = min(sent.sent.values())
-    await wait_until(lambda: set(sent.sent) <= tail.arrivals.keys(), 600, "the burst's verdicts")
+    await eventually(lambda: set(sent.sent) <= tail.arrivals.keys(), timeout_s=600, what="the burst's verdicts")
     children.stop("peak")
     return groups * GROUP_SIZE / (max(tail.arrivals[g] for g in sent.sent) - t0)
 
@@ -94,8 +96,8 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
             # warm-up: workers joined and scoring
             warm = SentLog(workdir / "sent-warm.log")
             children.start("publisher", "--sent", str(warm.path), "--groups", "2", "--run-id", "warm", name="warm")
-            await wait_until(lambda: len(warm.poll()) == 2 and set(warm.sent) <= tail.arrivals.keys(), 120,
-                        "the warm-up verdicts (workers joining)")
+            await eventually(lambda: len(warm.poll()) == 2 and set(warm.sent) <= tail.arrivals.keys(), timeout_s=120,
+                             what="the warm-up verdicts (workers joining)")
             children.stop("warm")
             peak = await _peak(children, tail, workdir, args.peak_groups, args)
             rate = peak / 2 if not args.max_rate else min(peak / 2, args.max_rate)
@@ -153,7 +155,7 @@ async def _soak(args: argparse.Namespace, workdir: Path) -> int:
                       f"{row['p99']:7.0f} {row['backlog']:7.0f} {row['verdicts']:8.0f} {row['broker_cores']:9.0%}", flush=True)
             children.stop("publisher")
             s = sent.poll()
-            await wait_until(lambda: set(s) <= tail.arrivals.keys(), 300, "the last verdicts")
+            await eventually(lambda: set(s) <= tail.arrivals.keys(), timeout_s=300, what="the last verdicts")
             st = children.status("trainer")
             published = len(s)
         finally:

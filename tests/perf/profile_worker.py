@@ -29,6 +29,7 @@ from prm_pipeline.observe import VerdictTail
 from producers.publisher import TrajectoryPublisher
 from scoring_workers.worker import Worker
 from tests.perf.bench_pipeline import _config, _groups
+from tests.polling import eventually
 
 CALLERS: list[str] = []  # --callers: print who calls functions whose name contains these
 
@@ -98,8 +99,7 @@ async def _run(args: argparse.Namespace) -> None:
             if profiler is not None:
                 profiler.start()
             want = {g[0].group_id for g in groups}
-            while not want <= tail.arrivals.keys():
-                await asyncio.sleep(0.05)
+            await eventually(lambda: want <= tail.arrivals.keys(), timeout_s=600, what="every group's verdict")
             busy_cpu, busy_wall = time.process_time() - c0, time.perf_counter() - t0
             if profiler is not None:
                 profiler.stop()

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from infra.config import (
 )
 from infra.local import LocalStack, free_port
 from prm_pipeline.demo.processes import WorkerProcesses, write_config
+from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -202,17 +203,16 @@ async def running_stack(workdir: Path, name: str, *, counted: bool = False, brok
                 proxy.stop()
 
 
-async def wait_until(cond: Any, timeout_s: float, what: str, children: Children | None = None,
-                     names: tuple[str, ...] = ()) -> None:
-    """Poll ``cond`` until true (a deadline, not a sleep): fail early if a named child died."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
+def while_alive(cond: Callable[[], object], children: Children, *names: str) -> Callable[[], object]:
+    """``cond`` as a check for :mod:`tests.polling` that, while false, fails at once if a named
+    child exited with an error (instead of waiting out the deadline)."""
+    def check() -> object:
+        if held := cond():
+            return held
         for n in names:
-            assert children is not None
             children.check_alive(n)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.05)
+        return held
+    return check
 
 
 async def workers_assigned(workers: WorkerProcesses, timeout_s: float = 120) -> None:
@@ -236,7 +236,7 @@ async def workers_assigned(workers: WorkerProcesses, timeout_s: float = 120) -> 
                 return False
         return True
 
-    await wait_until(done, timeout_s, "every worker to be assigned partitions")
+    await eventually(done, timeout_s=timeout_s, what="every worker to be assigned partitions")
 
 
 def stack_pids(stack: LocalStack, workers: WorkerProcesses, children: Children) -> dict[str, int]:

@@ -36,6 +36,7 @@ from infra.schema import UnknownSchemaVersion, dead_letter_headers, decode_verdi
 from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.dead_letters import capped_letter
 from tests.integration.harness import read_topic, running_worker, wait_for_verdicts, with_scorers, write_config
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,10 +111,13 @@ async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_p
                                    "--follow", "--since", "1h", "--out", str(out)], cwd=ROOT, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + 60
-            while not (out.exists() and len(out.read_text().splitlines()) == 3):
-                assert time.monotonic() < deadline and follow.poll() is None, "--follow wrote no 3 lines"
-                await asyncio.sleep(0.1)
+
+            def wrote_three() -> bool:
+                done = out.exists() and len(out.read_text().splitlines()) == 3
+                assert done or follow.poll() is None, "--follow exited before writing 3 lines"
+                return done
+
+            await eventually(wrote_three, timeout_s=60, interval_s=0.1, what="--follow to write 3 lines")
         finally:
             follow.send_signal(signal.SIGINT)
             _, err = await asyncio.to_thread(follow.communicate, timeout=30)
@@ -158,11 +162,9 @@ async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_p
         again = await asyncio.to_thread(_cli, config, "dead-letters", "--redrive", "--yes", "--offsets",
                                         _offset_of(rows, 7))
         assert again.returncode == 0 and "redrove 1 of 1" in again.stdout, again.stdout + again.stderr
-        deadline = time.monotonic() + 30
-        while not any("duplicate acknowledged" in r.getMessage() and good.trajectory_id in r.getMessage()
-                      for r in caplog.records):
-            assert time.monotonic() < deadline, "the worker never acknowledged the redriven duplicate"
-            await asyncio.sleep(0.1)
+        await eventually(lambda: any("duplicate acknowledged" in r.getMessage() and good.trajectory_id in r.getMessage()
+                                     for r in caplog.records),
+                         timeout_s=30, interval_s=0.1, what="the worker to acknowledge the redriven duplicate")
     verdicts = [decode_verdict(r.value, r.headers) for r in await read_topic(cfg, cfg.topics.verdicts)]
     assert [v.group_id for v in verdicts].count("dl-ok") == 1
 

@@ -44,6 +44,7 @@ from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from shaper.consumer import VerdictConsumer
 from tests.integration.harness import isolated_config, read_topic, write_config
+from tests.polling import poll_until, wait_until
 from tests.security.conftest import ROOT, AclRedis, allowed_commands
 
 pytestmark = pytest.mark.integration
@@ -96,14 +97,6 @@ def _trajectory_offering_a_key(gid: str, group_size: int, i: int) -> ReadyTrajec
     return ReadyTrajectory(trajectory_id=f"{gid}-traj{i}", session_id=f"{gid}-s{i}", group_id=gid,
                            group_size=group_size, interactions=turns, outcome_reward=float(i % 2),
                            created_at=time.time())
-
-
-def _wait(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def _ready(port: int) -> bool:
@@ -181,8 +174,8 @@ def scenario(tls_kafka: tuple[str, Any], acl_redis: AclRedis, pki: Any,
                  "--worker-id", f"secure{i}", "--metrics-port", str(port)],
                 cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT))
     try:
-        _wait(lambda: all(_ready(p) for p in ports) or any(p.poll() is not None for p in procs), 90,
-              "both workers to join their group")
+        wait_until(lambda: all(_ready(p) for p in ports) or any(p.poll() is not None for p in procs), timeout_s=90,
+                   interval_s=0.1, what="both workers to join their group")
         assert all(p.poll() is None for p in procs), "a worker exited:\n" + "\n".join(f.read_text() for f in logs)
 
         s.expected = {}
@@ -215,12 +208,14 @@ def scenario(tls_kafka: tuple[str, Any], acl_redis: AclRedis, pki: Any,
         async def train() -> set[str]:
             accepted = {g for g, st in s.expected.items() if st == "accepted"}
             got: set[str] = set()
-            deadline = time.monotonic() + 90
             async with VerdictConsumer(cfg, group_filter=None, device="cpu", batch_groups=2) as consumer:
-                while not accepted <= got and time.monotonic() < deadline:
+
+                async def read() -> None:
                     batch = await consumer.next_batch(idle_timeout_s=1.0)
                     if batch is not None:
-                        got |= set(batch.group_ids)
+                        got.update(batch.group_ids)
+
+                await poll_until(lambda: accepted <= got, timeout_s=90, between=read)
             return got
 
         s.trainer_groups = asyncio.run(train())

@@ -27,6 +27,7 @@ from scoring_workers.judge.settings import (
     ModelSettings,
     RequestSettings,
 )
+from tests.polling import eventually
 
 MARGIN_S = 0.5  # scheduling slack on a loaded CI machine; still far below the server latency
 PRM_PROMPT = [{"role": "user", "content": "## Next state [role: user]\nthanks, ok!"}]
@@ -173,8 +174,7 @@ async def test_waiting_for_a_shared_slot_respects_the_total_timeout():
         waiter = _client(srv.base_url, timeout_s=10, total_timeout_s=0.3)  # inherits the shared cap of 1
         try:
             slow = asyncio.ensure_future(_chat(holder))
-            while holder.limits.in_flight == 0:
-                await asyncio.sleep(0.005)
+            await eventually(lambda: holder.limits.in_flight, timeout_s=5, interval_s=0.005, what="the holder's call in flight")
             start = time.monotonic()
             with pytest.raises(JudgeTimeoutError, match="no free judge slot"):
                 await _chat(waiter)

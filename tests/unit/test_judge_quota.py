@@ -17,6 +17,7 @@ from scoring_workers.judge.limits import JudgeQuota, active_quota, all_quotas, j
 from scoring_workers.judge.settings import ClientSettings
 from scoring_workers.judge_metrics import JudgeCollector
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
+from tests.polling import eventually
 
 PAYLOAD = {"model": "judge", "messages": [{"role": "user", "content": "## Next state [role: user]\nthanks, ok!"}]}
 PATH = "/v1/chat/completions"
@@ -34,14 +35,6 @@ async def _calls(client: JudgeClient, n: int, done: list[str] | None = None, tag
             done.append(tag)
 
     await asyncio.gather(*(one() for _ in range(n)))
-
-
-async def _until(predicate, seconds: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
 
 
 # --------------------------------------------------------------------------- the API
@@ -133,7 +126,7 @@ async def test_a_call_waiting_for_its_quota_holds_no_process_wide_slot():
         done: list[str] = []
         async with a, b:
             a_calls = asyncio.ensure_future(_calls(a, 4, done, "a"))
-            await _until(lambda: a.limits.in_flight == 1)
+            await eventually(lambda: a.limits.in_flight == 1, timeout_s=5, interval_s=0.005, what="one of A's calls in flight")
             assert a.limits.load == 1  # the 3 waiting for A's quota add no load on the endpoint
             await asyncio.gather(a_calls, _calls(b, 2, done, "b"))
         assert done.index("b") < done.index("a", 2), done  # old order: B only after all of A's
@@ -144,7 +137,7 @@ async def test_quota_wait_counts_against_the_deadline():
         client = _client(srv.base_url, JudgeQuota("slow", max_in_flight=1), total_timeout_s=10, timeout_s=5)
         async with client:
             first = asyncio.ensure_future(client.post_json(PATH, PAYLOAD))
-            await _until(lambda: client.limits.in_flight == 1)
+            await eventually(lambda: client.limits.in_flight == 1, timeout_s=5, interval_s=0.005, what="the first call in flight")
             deadline = asyncio.get_running_loop().time() + 0.2
             with pytest.raises(JudgeTimeoutError, match="experiment 'slow' has no free judge slot"):
                 await client.post_json(PATH, PAYLOAD, deadline=deadline)
@@ -195,7 +188,8 @@ async def test_quota_released_on_cancel_while_on_the_wire_and_while_waiting():
             assert quota is not None
             on_wire = asyncio.ensure_future(client.post_json(PATH, PAYLOAD))
             waiting = asyncio.ensure_future(client.post_json(PATH, PAYLOAD))
-            await _until(lambda: client.limits.in_flight == 1 and quota.in_flight == 1)
+            await eventually(lambda: client.limits.in_flight == 1 and quota.in_flight == 1, timeout_s=5, interval_s=0.005,
+                             what="one call on the wire, holding the quota")
             waiting.cancel()
             on_wire.cancel()
             for task in (waiting, on_wire):
@@ -238,7 +232,7 @@ async def test_a_tenant_sets_no_process_wide_limit_and_its_own_limits_bind_only_
             assert shared is not None and (shared.settings.max_concurrency, shared.settings.rps) == (8, 0.0)
             assert shared.breaker.failure_threshold == 5  # the operator's (default), not the tenant's 1
             slowed = asyncio.create_task(_calls(slow, 2))  # its second call waits 2 s for its own pacing
-            await _until(lambda: srv.requests == 1)
+            await eventually(lambda: srv.requests == 1, timeout_s=5, interval_s=0.005, what="the slow tenant's first call")
             await _calls(fast, 5)  # unpaced: done while the slow tenant still waits
             assert not slowed.done() and srv.requests == 6
             (own,) = [ep.own for ep in fast._endpoints]

@@ -21,6 +21,7 @@ from scoring_workers.judge.client import JudgeClient
 from scoring_workers.judge.errors import JudgeRequestError
 from scoring_workers.judge.settings import ClientSettings, ConnectionSettings, RequestSettings
 from scoring_workers.judge.transport import HttpTransport, TransportError, check_headers
+from tests.polling import poll_until
 from tests.security.tlsproxy import make_pki
 
 OK = b'{"ok": true}'
@@ -285,10 +286,7 @@ async def test_connection_closed_while_idle_is_dropped_before_sending_on_it():
         transport = HttpTransport()
         try:
             assert await _post(transport, srv.url) == (200, OK, None)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 5
-            while transport.open_connections and loop.time() < deadline:
-                await asyncio.sleep(0.01)
+            await poll_until(lambda: not transport.open_connections, timeout_s=5, interval_s=0.01)
             assert transport.open_connections == 0
             assert await _post(transport, srv.url) == (200, OK, None)
         finally:
@@ -329,9 +327,7 @@ async def test_deadline_cuts_the_exchange_and_closes_the_connection():
             with pytest.raises(TimeoutError):
                 await _post(transport, srv.url, seconds=0.2)
             assert loop.time() - start < 2.0
-            deadline = loop.time() + 5
-            while srv.eofs < 1 and loop.time() < deadline:  # the server sees the connection closed
-                await asyncio.sleep(0.01)
+            await poll_until(lambda: srv.eofs >= 1, timeout_s=5, interval_s=0.01)  # the server sees the connection closed
             assert srv.eofs == 1
         finally:
             await transport.aclose()

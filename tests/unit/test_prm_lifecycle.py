@@ -11,6 +11,7 @@ import pytest
 
 from infra.schema import Interaction, ModelResponse, ReadyTrajectory
 from scoring_workers.prm import BaseScorer, PRMConfig, PRMRunner, PRMScorerConfig, RunnerClosedError
+from tests.polling import eventually
 
 EVENTS: list[tuple[str, ...]] = []
 HOOKS: dict[str, Any] = {}  # per-test behaviour of the scorers below, keyed by label
@@ -360,7 +361,7 @@ async def test_run_refused_once_closing_started() -> None:
     runner = await PRMRunner.create(PRMConfig(scorers=[entry(TrackedA, "a")]))
     assert (await runner.run(traj())).branches
     closer = asyncio.create_task(runner.aclose())
-    await asyncio.sleep(0.01)
+    await eventually(lambda: runner.closing, timeout_s=5, what="the close to start")
     with pytest.raises(RunnerClosedError):
         await runner.run(traj())  # while closing
     gate.set()

@@ -1,11 +1,15 @@
-"""RewardClient's results say why in typed fields: the verdict's ``reason_code`` comes
-with every SampleReward, next to the free-text ``reason`` (pure: no broker)."""
+"""shaper.reward_client (pure: no broker): RewardClient's results say why in typed fields (the
+verdict's ``reason_code`` comes with every SampleReward, next to the free-text ``reason``), and
+``reduce_process`` is the one scalar trainers that take a number per sample get from process rewards."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from infra.config import PipelineConfig
 from infra.schema import GroupVerdict, SessionResult
-from shaper.reward_client import RewardClient, Sample, rewards_for
+from shaper.reward_client import RewardClient, Sample, SampleReward, reduce_process, rewards_for
 
 
 def _trajectory():
@@ -43,3 +47,24 @@ def test_accepted_and_timed_out_carry_no_code() -> None:
     accepted = rewards_for(GroupVerdict(group_id="g", status="accepted", group_size=1, sessions=[scored]),
                            trajectory, spans, 3, group_id="g", timeout_s=1.0)
     assert (accepted.status, accepted.reason_code, accepted.reason) == ("accepted", "", "")
+
+
+def reward(status: str = "accepted") -> SampleReward:
+    # response: turn [0, 2), a tool token at 2 (never the model's), turn [3, 5)
+    tokens = np.array([0.5, -0.25, 9.0, 1.0, 0.25], dtype=np.float32)
+    return SampleReward("g", "g/t", status, "", 1.0, tokens, [0.125, 0.625], [(0, 2), (3, 5)])
+
+
+@pytest.mark.parametrize(("how", "expected"), [("mean", 0.375), ("sum", 1.5), ("last", 0.25)])
+def test_reductions_cover_only_generated_tokens(how: str, expected: float) -> None:
+    assert reduce_process(reward(), how) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("status", ["rejected", "discarded", "timeout"])
+def test_no_process_scalar_without_an_accepted_verdict(status: str) -> None:
+    assert reduce_process(reward(status), "sum") == 0.0
+
+
+def test_unknown_reduction_is_refused() -> None:
+    with pytest.raises(ValueError, match="'mean', 'sum' or 'last'"):
+        reduce_process(reward(), "max")  # type: ignore[arg-type]
