@@ -449,9 +449,9 @@ class Worker:
         self._subscribe()
 
     def _route(self, record: ConsumerRecord, message: Any) -> Routed:
-        """The experiment and scoped group of a record: the experiment it names, else its topic's."""
-        named = getattr(message, "experiment_id", msgspec.UNSET)
-        experiment_id = self.fleet.experiment_of(record.topic, None if named is msgspec.UNSET else named)
+        """The experiment and scoped group of a record: its topic's experiment (:meth:`Fleet.admit`
+        turned a record naming another one into an invalid record)."""
+        experiment_id = self.fleet.experiment_of(record.topic)
         if isinstance(message, (ReadyTrajectory, DiscardGroup)):
             group_id: str | None = message.group_id
         else:  # undecodable: its key names the group, its topic the experiment
@@ -511,6 +511,7 @@ class Worker:
         return jobs
 
     def _job(self, record: ConsumerRecord, message: Any, extra: list[int], consumed_at: float) -> Job:
+        message = self.fleet.admit(record.topic, message)
         kind = JobKind.READY if isinstance(message, ReadyTrajectory) else JobKind.DISCARD \
             if isinstance(message, DiscardGroup) else JobKind.INVALID
         return Job(kind, record, message, self._route(record, message), extra, consumed_at)
