@@ -31,10 +31,10 @@ __all__ = ["ExperimentId", "ID_PATTERN", "MAX_ID_LENGTH", "WireId", "is_wire_id"
 MAX_ID_LENGTH: Final = 256
 """At most this many characters (a UUID is 36; a group id built from a prompt hash and a step is far below)."""
 
-_FORBIDDEN: Final = (
-    "\x00-\x1f\x7f-\x9f"  # C0 (\n, \r, ESC, the scope separator \x1f), DEL, C1 (NEL, CSI)
-    "\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"  # zero-width, bidi marks, line/paragraph separators
-    "\ud800-\udfff"  # lone surrogates
+_FORBIDDEN: Final = (  # regex escapes, not the characters: the pattern shows in msgspec's errors, so in logs
+    r"\x00-\x1f\x7f-\x9f"  # C0 (\n, \r, ESC, the scope separator \x1f), DEL, C1 (NEL, CSI)
+    r"\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"  # zero-width, bidi marks, line/paragraph separators
+    r"\ud800-\udfff"  # lone surrogates
 )
 ID_PATTERN: Final = re.compile(f"^[^{_FORBIDDEN}]+\\Z")
 
