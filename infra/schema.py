@@ -401,7 +401,7 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
 
     metric_id: str
     scope: ObservationScope
-    target_id: WireId
+    target_id: str
     value: bool | float
     value_type: ObservationType
     aggregations: tuple[str, ...]

@@ -123,7 +123,7 @@ LAG_INTERVAL_S = 5.0  # how often the consumer-lag gauge is refreshed
 POLL_TIMEOUT_S = 0.1  # a poll's wait while records are in flight (or held, buffered, paused)
 IDLE_POLL_S = 0.5  # an idle poll waits until the next sweep, at most this long
 REGISTRY_POLL_MS = 2000  # the registry follower's poll (it returns as soon as a record arrives)
-UNKNOWN_LABEL = "unknown"  # the experiment label of records naming an experiment this worker does not serve
+UNKNOWN_LABEL = "unknown"  # the experiment label of records from the topic of an experiment no longer served
 
 
 class Routed(msgspec.Struct, frozen=True):
@@ -955,7 +955,7 @@ class Worker:
         await self._dead_letter(job.record, job.message, job.attempt, group_id=job.route.scoped)
 
     async def _reject_unknown(self, job: Job) -> None:
-        """A record naming an experiment this worker does not serve: the record is dead-lettered
+        """A record read from the topic of an experiment no longer served: the record is dead-lettered
         (``UnknownExperiment``: ``prm-pipeline dead-letters`` shows it, and redrives it once the
         experiment is declared) and its group is rejected (``unknown_experiment``) on the default
         verdicts topic, without touching the ledger (ids named by producers must not grow
