@@ -220,12 +220,12 @@ def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[
                 f"this build still cannot decode it ({type(message).__name__}: {str(message)[:200]}); "
                 "it would be dead-lettered again")))
             continue
+        traj = message.trajectory_id if isinstance(message, ReadyTrajectory) else None
         if rec.letter.error_class == ExperimentMismatch.__name__:
             entries.append(PlanEntry(rec, False, (
                 "it names another experiment than the topic it came from; it would be refused again (only "
-                "its producer may publish it, to its own experiment's topic)"), message.group_id))
+                "its producer may publish it, to its own experiment's topic)"), message.group_id, traj))
             continue
-        traj = message.trajectory_id if isinstance(message, ReadyTrajectory) else None
         ident = traj if traj is not None else f"discard:{message.group_id}"
         ident = f"{rec.experiment(selection.trajectories_base)}/{ident}"  # ids are per experiment
         if ident in chosen:
