@@ -15,6 +15,10 @@ The grammar: 1 to :data:`MAX_ID_LENGTH` characters, none of them a control chara
 zero-width / bidirectional formatting character. Spaces and other printable Unicode
 stay allowed: producers name groups as they like. The pattern is anchored with ``\\Z``
 (msgspec searches, and ``$`` would accept a trailing newline).
+
+Cost: msgspec runs one regex search per id, about 0.3 µs whatever the pattern (the call,
+not the scan): some 10 µs more to decode a 16-turn trajectory (35 ids), no change beyond
+the run-to-run spread in a worker's CPU per trajectory (``bench capacity``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ ExperimentId = Annotated[str, msgspec.Meta(
     pattern=f"^(?:{EXPERIMENT_ID_PATTERN.pattern})\\Z",
     description="an experiment id: letters, digits, '.', '_', '-'; at most 64 characters")]
 """An experiment id on the wire (:data:`infra.experiments.EXPERIMENT_ID_PATTERN`)."""
+
 
 def is_wire_id(text: str) -> bool:
     """True when ``text`` follows the :data:`WireId` grammar (for ids that arrive outside a
