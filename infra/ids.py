@@ -16,9 +16,10 @@ zero-width / bidirectional formatting character. Spaces and other printable Unic
 stay allowed: producers name groups as they like. The pattern is anchored with ``\\Z``
 (msgspec searches, and ``$`` would accept a trailing newline).
 
-Cost: msgspec runs one regex search per id, about 0.3 µs whatever the pattern (the call,
-not the scan): some 10 µs more to decode a 16-turn trajectory (35 ids), no change beyond
-the run-to-run spread in a worker's CPU per trajectory (``bench capacity``).
+Cost: msgspec runs one regex search per id, 0.3-0.5 µs whatever the pattern (the call,
+not the scan): about 10 µs more to decode a 16-turn trajectory, no change beyond the
+run-to-run spread in a worker's CPU per trajectory (``bench capacity``). A parent id is
+not checked again: the tree check makes it one of the trajectory's interaction ids.
 """
 
 from __future__ import annotations

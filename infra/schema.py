@@ -209,7 +209,7 @@ class Interaction(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     """
 
     interaction_id: WireId
-    parent_id: WireId | None = None
+    parent_id: str | None = None  # one of the trajectory's interaction ids (the tree check): their grammar
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     output_message_list: list[dict[str, Any]] = msgspec.field(default_factory=list)
     reward: float | None = None

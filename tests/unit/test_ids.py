@@ -57,6 +57,12 @@ def test_every_id_of_a_trajectory_record_follows_the_grammar(name: str) -> None:
         with pytest.raises(InvalidMessage, match=r"matching regex|length"):
             decode_message(*encode(message))
         assert field  # every field refused, each on its own
+    # a parent is one of the trajectory's interaction ids (the tree check), so it has their grammar
+    value, headers = encode(member)
+    raw = msgspec.msgpack.decode(value)
+    raw["interactions"][1]["parent_id"] = bad
+    with pytest.raises(InvalidMessage, match="unknown parent_id"):
+        decode_message(msgspec.msgpack.encode(raw), headers)
 
 
 def test_verdict_ids_follow_the_grammar() -> None:
