@@ -451,8 +451,8 @@ class PRMTurnResult(msgspec.Struct, frozen=True, kw_only=True):
     ``reward`` is the mean of the scorer's *weighted* token rewards for the turn.
     """
 
-    interaction_id: WireId
-    scorer_name: WireId
+    interaction_id: str  # per-turn ids of results: see BranchResult
+    scorer_name: str
     reward: float
     observations: tuple[PRMMetricObservation, ...] = ()
 
@@ -502,13 +502,21 @@ class BranchResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     signal, :mod:`shaper.combined`) cannot take the sum apart again. The field is
     omitted when empty, so verdicts without channels encode byte for byte as before
     and older readers ignore it.
+
+    Its ids (and those of :class:`PRMTurnResult` and :class:`TokenTurn`, one per turn) are
+    plain strings, not :data:`infra.ids.WireId`: workers write them from interaction ids
+    that passed the grammar when their trajectory was decoded, and only workers write
+    verdicts and parked results (docs/security.md). Checking every turn's ids again cost
+    3 % of a worker's CPU (its ledger reads parked results back) and 8 % of a trainer's
+    per trajectory in a 16-turn ``bench capacity``; the group's, members' and scorers'
+    ids keep the grammar.
     """
 
-    leaf_id: WireId
-    path: list[WireId]
-    token_rewards: dict[WireId, TokenRewards]
-    scorer_totals: dict[WireId, float]
-    channels: dict[WireId, dict[WireId, TokenRewards]] = msgspec.field(default_factory=dict)
+    leaf_id: str
+    path: list[str]
+    token_rewards: dict[str, TokenRewards]
+    scorer_totals: dict[str, float]
+    channels: dict[str, dict[str, TokenRewards]] = msgspec.field(default_factory=dict)
 
 
 class TokenTurn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -520,8 +528,8 @@ class TokenTurn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     every sequence exactly with :func:`expand_turns`.
     """
 
-    interaction_id: WireId
-    parent_id: WireId | None = None
+    interaction_id: str  # as BranchResult's ids
+    parent_id: str | None = None
     prompt_delta_raw: bytes = msgspec.field(default=b"", name="prompt_delta")
     output_tokens_raw: bytes = msgspec.field(default=b"", name="output_tokens")
     output_logprobs_raw: bytes | None = msgspec.field(default=None, name="output_logprobs")
