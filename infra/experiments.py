@@ -8,6 +8,11 @@ ledger's keys and dedupe, the trainer's dedupe, audit — keys it by
 :func:`scoped_group`, which leaves the default experiment's group ids exactly as they
 were (a running deployment's Redis state stays valid across the upgrade).
 
+A record's experiment is the topic it arrives on, never a field it carries: a record
+naming another experiment is refused (:func:`infra.schema.check_channel`), and no
+group id can hold :data:`SCOPE_SEPARATOR` (:mod:`infra.ids`), so a scoped key always
+names the experiment of the topic its record came from.
+
 Topics are derived, never configured per experiment: experiment ``E`` reads
 ``<topics.trajectories>.E`` and writes ``<topics.verdicts>.E``; the default experiment
 keeps the unsuffixed topics. One obvious name per experiment means producers, workers
@@ -25,7 +30,7 @@ from infra.errors import ConfigError, ConfigurationError
 
 __all__ = [
     "DEFAULT_EXPERIMENT", "EXPERIMENT_ID_PATTERN", "SCOPE_SEPARATOR", "UnknownExperiment", "check_experiment_id",
-    "scoped_group", "split_scoped", "trajectories_topic", "verdicts_topic",
+    "experiment_of_topic", "scoped_group", "split_scoped", "trajectories_topic", "verdicts_topic",
 ]
 
 DEFAULT_EXPERIMENT: Final = "default"
@@ -69,6 +74,17 @@ def split_scoped(key: str) -> tuple[str, str]:
 def trajectories_topic(base: str, experiment_id: str) -> str:
     """The topic producers publish ``experiment_id``'s trajectories to (``base`` = ``topics.trajectories``)."""
     return base if experiment_id == DEFAULT_EXPERIMENT else f"{base}.{experiment_id}"
+
+
+def experiment_of_topic(base: str, topic: str) -> str | None:
+    """The experiment whose trajectories topic ``topic`` is (``base`` = ``topics.trajectories``;
+    the inverse of :func:`trajectories_topic`), or None when it is none's."""
+    if topic == base:
+        return DEFAULT_EXPERIMENT
+    prefix = f"{base}."
+    if topic.startswith(prefix) and EXPERIMENT_ID_PATTERN.fullmatch(topic[len(prefix):]):
+        return topic[len(prefix):]
+    return None
 
 
 def verdicts_topic(base: str, experiment_id: str) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 
 from infra.errors import WireError
 from infra.experiments import DEFAULT_EXPERIMENT
+from infra.ids import WireId
 from infra.schema import (
     DiscardGroup,
     GroupVerdict,
@@ -58,14 +59,13 @@ class JsonlError(WireError, ValueError):
 _Tokens = Annotated[list[TokenId], msgspec.Meta(description="a list of token ids (int32, non-negative)")]
 _Numbers = Annotated[list[float], msgspec.Meta(description="a list of numbers")]
 _MIN_INT, _MAX_INT = -(2**63), 2**64 - 1  # msgpack's integers; msgspec.json decodes any size
-_Id = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class _JInteraction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    interaction_id: _Id
+    interaction_id: WireId
     input_tokens: _Tokens
     output_tokens: _Tokens
-    parent_id: str | None = None
+    parent_id: WireId | None = None
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     output_message_list: list[dict[str, Any]] = msgspec.field(default_factory=list)
     output_logprobs: _Numbers | None = None
@@ -75,23 +75,23 @@ class _JInteraction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class _JReady(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="ready", tag_field="kind"):
-    trajectory_id: _Id
-    session_id: _Id
-    group_id: _Id
+    trajectory_id: WireId
+    session_id: WireId
+    group_id: WireId
     group_size: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
     outcome_reward: float
     interactions: list[_JInteraction]
     is_eval: bool = False
     policy_version: Int64 | None = None
     created_at: float = 0.0
-    experiment_id: str | None = None
+    experiment_id: str | None = None  # checked by the wire struct (its message names the grammar)
 
 
 class _JDiscard(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="discard", tag_field="kind"):
-    group_id: _Id
+    group_id: WireId
     reason: str = ""
     requested_at: float = 0.0
-    experiment_id: str | None = None
+    experiment_id: str | None = None  # checked by the wire struct (its message names the grammar)
 
 
 _JLine = _JReady | _JDiscard

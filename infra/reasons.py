@@ -87,8 +87,8 @@ DISCARDED: Final = _add(
     "had none); `sessions` list the members consumed before it, status `discarded`, without results")
 UNKNOWN_EXPERIMENT: Final = _add(
     "unknown_experiment", "rejected", True,
-    "the record names an experiment the workers' registry does not hold (never added, removed, or its "
-    "registry record was refused); `reason` names it; the record itself is dead-lettered (`UnknownExperiment`)")
+    "the record came from the topic of an experiment the worker no longer serves (removed while its records "
+    "were being read); `reason` names it; the record itself is dead-lettered (`UnknownExperiment`)")
 INVALID_MEMBER: Final = _add(
     "invalid_member", "rejected", False,
     "a record keyed by the group was dead-lettered (undecodable or persistently failing); `reason` names "

@@ -38,6 +38,7 @@ import numpy as np
 from infra import reasons
 from infra.errors import WireError
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id
+from infra.ids import ExperimentId, WireId
 from infra.prefix import Part, expand_messages, expand_prompts, same_bytes, shared_list_prefix, shared_token_prefix
 from infra.tree import TreeError, topological_order
 from infra.types import MAX_TOKEN_ID, validating
@@ -79,6 +80,15 @@ class UnknownMessageKind(SchemaError):
 
 class InvalidMessage(SchemaError):
     """The bytes are not valid msgpack, or the decoded message breaks a schema rule."""
+
+
+class ExperimentMismatch(InvalidMessage):
+    """A message names another experiment than the topic it is published to (or arrived on).
+
+    The topic is the tenant: a record's experiment is its topic's, so a producer allowed
+    on one topic can never reach another experiment's groups, verdicts or metrics. The
+    publisher refuses such a message before sending it; a worker dead-letters one that
+    arrives (:func:`check_channel`, the one rule for both)."""
 
 
 # --------------------------------------------------------------------------- arrays
@@ -201,8 +211,8 @@ class Interaction(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     the full form. Readers never see them: :func:`decode_message` expands.
     """
 
-    interaction_id: str
-    parent_id: str | None = None
+    interaction_id: WireId
+    parent_id: str | None = None  # one of the trajectory's interaction ids (the tree check): their grammar
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     output_message_list: list[dict[str, Any]] = msgspec.field(default_factory=list)
     reward: float | None = None
@@ -249,18 +259,20 @@ class ReadyTrajectory(msgspec.Struct, frozen=True, kw_only=True, tag="ready", ta
     ``outcome_reward`` is raw (before any group normalization).
     """
 
-    trajectory_id: str
-    session_id: str
-    group_id: str
+    trajectory_id: WireId
+    session_id: WireId
+    group_id: WireId
     group_size: int
     interactions: list[Interaction]
     outcome_reward: float
     is_eval: bool = False
     policy_version: int | None = None
     created_at: float = 0.0
-    experiment_id: str | msgspec.UnsetType = msgspec.UNSET
+    experiment_id: ExperimentId | msgspec.UnsetType = msgspec.UNSET
     """The experiment the group belongs to (docs/fleet.md); left out of the record for the
-    default experiment, so a default record keeps its version-1 bytes. Read :attr:`experiment`."""
+    default experiment, so a default record keeps its version-1 bytes. Read :attr:`experiment`.
+    Never the record's identity: its experiment is the topic it arrives on, and a record that
+    names another one is refused (:func:`check_channel`)."""
 
     def __post_init__(self) -> None:
         for name in ("trajectory_id", "session_id", "group_id"):
@@ -291,10 +303,10 @@ class ReadyTrajectory(msgspec.Struct, frozen=True, kw_only=True, tag="ready", ta
 class DiscardGroup(msgspec.Struct, frozen=True, kw_only=True, tag="discard", tag_field="kind"):
     """Explicit request to drop a group: its members are not scored, its verdict is ``discarded``."""
 
-    group_id: str
+    group_id: WireId
     reason: str = ""
     requested_at: float = 0.0
-    experiment_id: str | msgspec.UnsetType = msgspec.UNSET
+    experiment_id: ExperimentId | msgspec.UnsetType = msgspec.UNSET
     """As :attr:`ReadyTrajectory.experiment_id`."""
 
     def __post_init__(self) -> None:
@@ -318,8 +330,8 @@ class TrajectoryChunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", ta
     chunks' offsets only then (see :mod:`infra.chunks`).
     """
 
-    group_id: str
-    trajectory_id: str
+    group_id: WireId
+    trajectory_id: WireId
     index: int
     count: int
     total_bytes: int
@@ -348,6 +360,23 @@ def _check_experiment(experiment_id: str | msgspec.UnsetType) -> None:
 
 def _experiment(experiment_id: str | msgspec.UnsetType) -> str:
     return DEFAULT_EXPERIMENT if experiment_id is msgspec.UNSET else experiment_id
+
+
+def check_channel(message: TrajectoryMessage, experiment_id: str, topic: str, *, fix: str = "") -> None:
+    """Raise :class:`ExperimentMismatch` when ``message`` names an experiment other than
+    ``experiment_id``, the experiment whose trajectories topic ``topic`` is.
+
+    A message that names none belongs to its topic's experiment; a chunk names none (its
+    reassembled trajectory is checked). ``fix`` ends the message (what the sender should do;
+    ``{named}`` stands for the experiment the message names)."""
+    named = getattr(message, "experiment_id", msgspec.UNSET)
+    if named is msgspec.UNSET or named == experiment_id:
+        return
+    what = f"trajectory {message.trajectory_id!r}" if isinstance(message, ReadyTrajectory) \
+        else f"discard of group {message.group_id!r}"
+    raise ExperimentMismatch(f"{what} names experiment {named!r}, but {topic} is the topic of experiment "
+                             f"{experiment_id!r}: a record's experiment is the topic it is published to"
+                             f"{fix.format(named=named)}")
 
 
 # --------------------------------------------------------------------------- scoring results
@@ -425,7 +454,7 @@ class PRMTurnResult(msgspec.Struct, frozen=True, kw_only=True):
     ``reward`` is the mean of the scorer's *weighted* token rewards for the turn.
     """
 
-    interaction_id: str
+    interaction_id: str  # per-turn ids of results: see BranchResult
     scorer_name: str
     reward: float
     observations: tuple[PRMMetricObservation, ...] = ()
@@ -476,6 +505,14 @@ class BranchResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     signal, :mod:`shaper.combined`) cannot take the sum apart again. The field is
     omitted when empty, so verdicts without channels encode byte for byte as before
     and older readers ignore it.
+
+    Its ids (and those of :class:`PRMTurnResult` and :class:`TokenTurn`, one per turn) are
+    plain strings, not :data:`infra.ids.WireId`: workers write them from interaction ids
+    that passed the grammar when their trajectory was decoded, and only workers write
+    verdicts and parked results (docs/security.md). Checking every turn's ids again cost
+    3 % of a worker's CPU (its ledger reads parked results back) and 8 % of a trainer's
+    per trajectory in a 16-turn ``bench capacity``; the group's, members' and scorers'
+    ids keep the grammar.
     """
 
     leaf_id: str
@@ -494,7 +531,7 @@ class TokenTurn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     every sequence exactly with :func:`expand_turns`.
     """
 
-    interaction_id: str
+    interaction_id: str  # as BranchResult's ids
     parent_id: str | None = None
     prompt_delta_raw: bytes = msgspec.field(default=b"", name="prompt_delta")
     output_tokens_raw: bytes = msgspec.field(default=b"", name="output_tokens")
@@ -793,8 +830,8 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     encode byte for byte as before they existed, and older readers ignore them.
     """
 
-    session_id: str
-    trajectory_id: str
+    session_id: WireId
+    trajectory_id: WireId
     status: SessionStatus
     outcome_reward: float | None = None
     is_eval: bool = False
@@ -807,7 +844,7 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     created_at: float = 0.0
     scored_at: float = 0.0
     error_code: str | None = None
-    error_scorer: str | None = None
+    error_scorer: WireId | None = None
     error_detail: str | None = None
 
     # Stage timestamps (wall clock, s; 0 = not recorded, omitted on the wire so older
@@ -873,7 +910,7 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
 
 
 class ScorerInfo(msgspec.Struct, frozen=True):
-    name: str
+    name: WireId
     version: str
 
 
@@ -890,7 +927,7 @@ class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     verdict written before it existed decodes with ``""``.
     """
 
-    group_id: str
+    group_id: WireId
     status: VerdictStatus
     reason: str = ""
     verdict_version: int = 1
@@ -901,7 +938,7 @@ class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     decided_at: float = 0.0
     timings: dict[str, float] = msgspec.field(default_factory=dict)
     reason_code: str = ""
-    experiment_id: str = DEFAULT_EXPERIMENT
+    experiment_id: ExperimentId = DEFAULT_EXPERIMENT
     """The experiment of the group (left out when ``"default"``): the trainer's dedupe key is
     ``(experiment_id, group_id, verdict_version)``."""
 
@@ -1099,7 +1136,8 @@ def headers_to_dict(headers: Headers | None) -> dict[str, str]:
 __all__ = [
     "SCHEMA_VERSION", "COMPACT_SCHEMA_VERSION", "MAX_CHUNKS", "MAX_TURN_TOKENS", "SCHEMA_HEADER", "KIND_HEADER",
     "SchemaError",
-    "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", "ModelResponse", "Interaction", "ReadyTrajectory",
+    "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", "ExperimentMismatch", "check_channel",
+    "ModelResponse", "Interaction", "ReadyTrajectory",
     "DiscardGroup", "TrajectoryChunk", "TrajectoryMessage", "compact_trajectory", "expand_trajectory",
     "check_expandable",
     "expand_trajectory_interactions", "schema_version_of", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",

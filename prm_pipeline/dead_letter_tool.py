@@ -14,10 +14,12 @@ dead-lettered again), or its trajectory was already chosen earlier in the same r
 Across runs, workers make a redrive idempotent by ``trajectory_id``: their ledger
 acknowledges a trajectory it has already parked or whose group it has decided.
 
-Experiments (docs/fleet.md): a dead letter belongs to the experiment its payload names
-(or, for a chunk or an undecodable payload, whose trajectories topic it came from);
-``--experiment ID`` keeps only that experiment's letters, in the listing and in a
-redrive, and a redrive republishes each record to its own experiment's topic.
+Experiments (docs/fleet.md): a dead letter belongs to the experiment whose trajectories
+topic it came from, whatever its payload names (the topic is the tenant); ``--experiment
+ID`` keeps only that experiment's letters, in the listing and in a redrive, and a redrive
+republishes each record to the topic it came from. A record that names another
+experiment than its topic's (``ExperimentMismatch``) is never redriven: it would be
+refused again, and only its producer may publish to the experiment it names.
 
 A republished record keeps its payload, key and original headers, plus
 ``prm-redriven-from`` (the dead letter's coordinates) and ``prm-redriven-source`` (the
@@ -42,10 +44,10 @@ from typing import IO, Any
 
 from infra.config import PipelineConfig
 from infra.escape import json_line, printable
-from infra.experiments import DEFAULT_EXPERIMENT, EXPERIMENT_ID_PATTERN, UnknownExperiment, trajectories_topic
+from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, experiment_of_topic, trajectories_topic
 from infra.schema import (
     DeadLetter,
-    DiscardGroup,
+    ExperimentMismatch,
     InvalidMessage,
     ReadyTrajectory,
     SchemaError,
@@ -59,7 +61,8 @@ log = logging.getLogger(__name__)
 REDRIVEN_FROM_HEADER = "prm-redriven-from"
 REDRIVEN_SOURCE_HEADER = "prm-redriven-source"
 # Classes a worker gives a record it could not decode (infra.schema's SchemaError family).
-SCHEMA_ERROR_CLASSES = frozenset({"SchemaError", "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage"})
+SCHEMA_ERROR_CLASSES = frozenset({"SchemaError", "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage",
+                                  ExperimentMismatch.__name__})
 
 
 @dataclass(frozen=True)
@@ -102,12 +105,9 @@ class LetterRecord:
             return exc
 
     def experiment(self, trajectories_base: str) -> str | None:
-        """The experiment of this letter: the one its payload names, else the one whose
-        trajectories topic (``trajectories_base`` or ``<trajectories_base>.<id>``) it came
-        from; ``None`` when neither says."""
-        message = self.decoded()
-        if isinstance(message, (ReadyTrajectory, DiscardGroup)):
-            return message.experiment
+        """The experiment of this letter: the one whose trajectories topic
+        (``trajectories_base`` or ``<trajectories_base>.<id>``) it came from, never the one
+        its payload names; ``None`` when the topic is no experiment's."""
         return experiment_of_topic(trajectories_base, self.letter.source_topic)
 
     def to_json(self, *, payload: bool = False, trajectories_base: str | None = None) -> dict[str, Any]:
@@ -142,16 +142,6 @@ class LetterRecord:
         if payload:
             out["payload_base64"] = base64.b64encode(d.payload).decode()
         return out
-
-
-def experiment_of_topic(trajectories_base: str, topic: str) -> str | None:
-    """The experiment whose trajectories topic ``topic`` is (infra.experiments.trajectories_topic), or None."""
-    if topic == trajectories_base:
-        return DEFAULT_EXPERIMENT
-    prefix = f"{trajectories_base}."
-    if topic.startswith(prefix) and EXPERIMENT_ID_PATTERN.fullmatch(topic[len(prefix):]):
-        return topic[len(prefix):]
-    return None
 
 
 def _iso(ms: int) -> str:
@@ -231,6 +221,11 @@ def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[
                 "it would be dead-lettered again")))
             continue
         traj = message.trajectory_id if isinstance(message, ReadyTrajectory) else None
+        if rec.letter.error_class == ExperimentMismatch.__name__:
+            entries.append(PlanEntry(rec, False, (
+                "it names another experiment than the topic it came from; it would be refused again (only "
+                "its producer may publish it, to its own experiment's topic)"), message.group_id, traj))
+            continue
         ident = traj if traj is not None else f"discard:{message.group_id}"
         ident = f"{rec.experiment(selection.trajectories_base)}/{ident}"  # ids are per experiment
         if ident in chosen:

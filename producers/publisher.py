@@ -17,8 +17,8 @@ every ready trajectory and discard that names none, and sends to that experiment
 topic, ``<topics.trajectories>.<experiment>``. The default experiment stamps nothing and
 keeps ``topics.trajectories``, so its records are byte for byte what they were before
 experiments existed. A message that names another experiment is refused
-(:class:`ExperimentMismatch`, a ``ValueError``) before anything is sent: a record on the
-wrong topic would be scored under the wrong experiment or rejected as ``unknown_experiment``.
+(:class:`infra.schema.ExperimentMismatch`, a ``ValueError``) before anything is sent: the topic is the
+tenant, and a worker dead-letters a record that names another experiment than its topic's.
 
 Retries are bounded: the client retries retriable send errors (leader changes,
 disconnects) with backoff until ``kafka.request_timeout_ms`` runs out, then the delivery
@@ -42,18 +42,14 @@ from aiokafka import AIOKafkaProducer
 from infra import jsonl
 from infra.chunks import Record, to_records
 from infra.config import KafkaConfig, TopicsConfig
-from infra.errors import ServiceError, WireError
+from infra.errors import ServiceError
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id, trajectories_topic
 from infra.kafka import make_producer, require_topics
-from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage
+from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage, check_channel
 
 
 class PublishError(ServiceError, RuntimeError):
     """One or more records were not acknowledged by the broker."""
-
-
-class ExperimentMismatch(WireError, ValueError):
-    """A message names another experiment than the one this publisher publishes."""
 
 
 class TrajectoryPublisher:
@@ -111,12 +107,8 @@ class TrajectoryPublisher:
         stamp inside its reassembled value. :class:`ExperimentMismatch` if it names another experiment."""
         if not isinstance(message, (ReadyTrajectory, DiscardGroup)):
             return message
-        if message.experiment != self.experiment and message.experiment_id is not msgspec.UNSET:
-            what = f"trajectory {message.trajectory_id!r}" if isinstance(message, ReadyTrajectory) \
-                else f"discard of group {message.group_id!r}"
-            raise ExperimentMismatch(f"{what} names experiment {message.experiment!r}, but this publisher publishes "
-                                     f"experiment {self.experiment!r} to {self.topic}; publish it with experiment "
-                                     f"{message.experiment!r} (prm-pipeline publish --experiment {message.experiment})")
+        check_channel(message, self.experiment, self.topic,
+                      fix="; publish it with experiment {named!r} (prm-pipeline publish --experiment {named})")
         wanted = msgspec.UNSET if self.experiment == DEFAULT_EXPERIMENT else self.experiment
         if message.experiment_id is wanted or message.experiment_id == wanted:
             return message

@@ -8,6 +8,7 @@ import msgspec
 from aiokafka.structs import ConsumerRecord
 
 from infra.errors import ScoringError
+from infra.ids import is_wire_id
 from infra.kafka import max_record_size, record_size
 from infra.schema import DeadLetter, dead_letter_headers, headers_to_dict
 
@@ -21,13 +22,17 @@ class ProcessingError(ScoringError):
 
 
 def group_of(key: bytes | None) -> str | None:
-    """The group a record's key names (keys are group ids), when it can name one."""
+    """The group a record's key names (keys are group ids), when it can name one: a key that
+    breaks the id grammar (:mod:`infra.ids`: a control character such as the scope separator,
+    or too long) names none, so an undecodable record can never decide a group of another
+    experiment."""
     if not key:
         return None
     try:
-        return key.decode()
+        group_id = key.decode()
     except UnicodeDecodeError:
         return None
+    return group_id if is_wire_id(group_id) else None
 
 
 def capped_letter(record: ConsumerRecord, cause: BaseException, attempt: int, *, worker_id: str,

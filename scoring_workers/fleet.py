@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infra.config import PipelineConfig, PRMConfig
-from infra.experiments import DEFAULT_EXPERIMENT, trajectories_topic, verdicts_topic
+from infra.experiments import DEFAULT_EXPERIMENT, experiment_of_topic, trajectories_topic, verdicts_topic
 from infra.registry import ExperimentSpec, RegistryRecord
-from infra.schema import ScorerInfo
+from infra.schema import DiscardGroup, ExperimentMismatch, ReadyTrajectory, ScorerInfo, check_channel
 from scoring_workers.judge.hosts import check_config_judge_hosts, effective_allow_list, judge_hosts_allowed
 from scoring_workers.prm.capabilities import record_prm
 from scoring_workers.prm.protocols import ScoringRunner
@@ -112,12 +112,25 @@ class Fleet:
     def of_topic(self, topic: str) -> Experiment | None:
         return self._by_topic.get(topic)
 
-    def experiment_of(self, topic: str, named: str | None) -> str:
-        """A record's experiment: the one it names, else its topic's."""
-        if named is not None:
-            return named
+    def experiment_of(self, topic: str) -> str:
+        """A record's experiment: its topic's, never one the record names (the topic is the
+        tenant: docs/security.md). A topic no longer served (its experiment retired while its
+        records were fetched) still names its experiment, which the worker then does not serve."""
         owner = self._by_topic.get(topic)
-        return owner.experiment_id if owner is not None else DEFAULT_EXPERIMENT
+        if owner is not None:
+            return owner.experiment_id
+        return experiment_of_topic(self.cfg.topics.trajectories, topic) or DEFAULT_EXPERIMENT
+
+    def admit(self, topic: str, message: Any) -> Any:
+        """``message``, or the :class:`~infra.schema.ExperimentMismatch` it is when it names
+        another experiment than ``topic``'s (the worker dead-letters it as an invalid record,
+        as it does a :class:`~infra.schema.SchemaError` from decoding)."""
+        if isinstance(message, (ReadyTrajectory, DiscardGroup)):
+            try:
+                check_channel(message, self.experiment_of(topic), topic)
+            except ExperimentMismatch as exc:
+                return exc
+        return message
 
     def topics(self) -> list[str]:
         """The trajectories topics to consume (sorted; the default experiment's first)."""

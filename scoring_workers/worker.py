@@ -95,7 +95,7 @@ LAG_INTERVAL_S = 5.0  # how often the consumer-lag gauge is refreshed
 POLL_TIMEOUT_S = 0.1  # a poll's wait while records are in flight (or held, buffered, paused)
 IDLE_POLL_S = 0.5  # an idle poll waits until the next sweep, at most this long
 REGISTRY_POLL_MS = 2000  # the registry follower's poll (it returns as soon as a record arrives)
-UNKNOWN_LABEL = "unknown"  # the experiment label of records naming an experiment this worker does not serve
+UNKNOWN_LABEL = "unknown"  # the experiment label of records from the topic of an experiment no longer served
 
 
 def default_worker_id() -> str:
@@ -252,7 +252,7 @@ class Worker:
                 sweeper = self._background("sweep", self.sweeper.sweep())
                 next_sweep = now + self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
                 for record, error, extra in self._chunks.expired(self.cfg.worker.group_timeout_s):
-                    self._spawn(job_of(record, error, self._route(record, error), extra, time.time()))
+                    self._spawn(self._job(record, error, extra, time.time()))
             if now - last_lag >= LAG_INTERVAL_S and (lag is None or lag.done()):
                 lag = self._background("lag", self._update_lag())
                 last_lag = now
@@ -313,9 +313,9 @@ class Worker:
         self._subscribe()
 
     def _route(self, record: ConsumerRecord, message: Any) -> Routed:
-        """The experiment and scoped group of a record: the experiment it names, else its topic's."""
-        named = getattr(message, "experiment_id", msgspec.UNSET)
-        experiment_id = self.fleet.experiment_of(record.topic, None if named is msgspec.UNSET else named)
+        """The experiment and scoped group of a record: its topic's experiment (:meth:`Fleet.admit`
+        turned a record naming another one into an invalid record)."""
+        experiment_id = self.fleet.experiment_of(record.topic)
         if isinstance(message, (ReadyTrajectory, DiscardGroup)):
             group_id: str | None = message.group_id
         else:  # undecodable: its key names the group, its topic the experiment
@@ -364,10 +364,14 @@ class Worker:
             if isinstance(message, TrajectoryChunk):
                 self._committer.tracker.begin(TopicPartition(record.topic, record.partition), record.offset)
                 for first, whole, extra in self._chunks.add(record, message):
-                    jobs.append(job_of(first, whole, self._route(first, whole), extra, consumed_at))
+                    jobs.append(self._job(first, whole, extra, consumed_at))
             else:
-                jobs.append(job_of(record, message, self._route(record, message), [], consumed_at))
+                jobs.append(self._job(record, message, [], consumed_at))
         return jobs
+
+    def _job(self, record: ConsumerRecord, message: Any, extra: list[int], consumed_at: float) -> Job:
+        message = self.fleet.admit(record.topic, message)  # the topic is the tenant: naming another is invalid
+        return job_of(record, message, self._route(record, message), extra, consumed_at)
 
     async def _dispatch(self, records: list[ConsumerRecord]) -> None:
         """Decode a poll, probe what needs it in one call, then start each record in a task

@@ -378,7 +378,7 @@ def broken_rules(draw: st.DrawFn) -> Template:
     expect = {
         "group_size 0": Expect.dead("InvalidMessage", "group_size must be >= 1"),
         "negative group_size": Expect.dead("InvalidMessage", "group_size must be >= 1"),
-        "empty trajectory_id": Expect.dead("InvalidMessage", "non-empty"),
+        "empty trajectory_id": Expect.dead("InvalidMessage", "length >= 1"),
         "no interactions": Expect.dead("InvalidMessage", "must not be empty"),
         "odd token bytes": Expect.dead("InvalidMessage", "multiple of 4"),
         "not concat export": Expect.rejected("not_concat_export"),

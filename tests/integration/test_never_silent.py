@@ -2,8 +2,8 @@
 
 * An experiment the registry does not declare is refused up front, in one line, by every
   tool that would publish to it or wait for its verdicts (no worker reads its topics).
-* A record naming an undeclared experiment that does reach a worker is a dead letter
-  (``UnknownExperiment``) that ``dead-letters`` shows, next to its rejection verdict.
+* A record naming another experiment than its topic's (an undeclared one here) is a dead
+  letter (``ExperimentMismatch``) that ``dead-letters`` shows and never redrives.
 * A topic that does not exist is one line saying so and how to create it (no traceback,
   no ``kafka_unreachable``), and ``topics create`` creates declared experiments' topics.
 * ``publish --raw`` makes a dead letter to try the tools on, and ``--offsets`` takes the
@@ -128,7 +128,7 @@ async def test_a_missing_topic_is_one_line_with_the_fix_and_topics_create_makes_
     assert states[cfg.topics.verdicts] == "exists"
 
 
-async def test_unknown_experiment_records_and_raw_lines_are_dead_letters_the_tools_show(
+async def test_records_naming_another_experiment_and_raw_lines_are_dead_letters_the_tools_show(
         pipeline_config, tmp_path) -> None:
     cfg = with_scorers(pipeline_config, LENGTH)
     config = write_config(cfg, tmp_path / "config.yaml")
@@ -152,31 +152,25 @@ async def test_unknown_experiment_records_and_raw_lines_are_dead_letters_the_too
     assert len(letters) == 2
 
     listed = await cli(config, "dead-letters", "--experiment", "never-declared")
-    assert listed.returncode == 0, listed.stderr
-    (unknown,) = [json.loads(line) for line in listed.stdout.splitlines()]
-    assert (unknown["error_class"], unknown["group_id"], unknown["experiment_id"]) == \
-        ("UnknownExperiment", "lost-g", "never-declared")
-    assert "'never-declared' is not in the experiment registry" in unknown["error_message"]
+    assert listed.returncode == 0 and listed.stdout == "", listed.stdout  # a letter is its topic's experiment's
 
     everything = await cli(config, "dead-letters")
-    (bad,) = [x for x in map(json.loads, everything.stdout.splitlines()) if x["error_class"] != "UnknownExperiment"]
+    (unknown,) = [x for x in map(json.loads, everything.stdout.splitlines()) if x["error_class"] == "ExperimentMismatch"]
+    assert (unknown["group_id"], unknown.get("experiment_id")) == ("lost-g", None)  # the default topic's
+    assert "names experiment 'never-declared'" in unknown["error_message"]
+    (bad,) = [x for x in map(json.loads, everything.stdout.splitlines()) if x["error_class"] != "ExperimentMismatch"]
     assert bad["error_class"] == "UnknownSchemaVersion" and bad["key"] is None
 
     # --offsets takes the dead_letter field exactly as the listing prints it
     plan = await cli(config, "dead-letters", "--redrive", "--offsets", unknown["dead_letter"])
     assert plan.returncode == 0, plan.stderr
-    assert plan.stdout.startswith(f"redrive {unknown['dead_letter']}: trajectory {member.trajectory_id} of group "
-                                  "lost-g (experiment never-declared)")
-    assert "rejected group lost-g (unknown_experiment)" in plan.stdout and "would redrive 1 of 1" in plan.stdout
+    assert plan.stdout.startswith(f"skip    {unknown['dead_letter']}: trajectory {member.trajectory_id} of group "
+                                  "lost-g;")
+    assert "it would be refused again" in plan.stdout and "would redrive 0 of 1" in plan.stdout
     skipped = await cli(config, "dead-letters", "--redrive", "--offsets", bad["dead_letter"])
     assert f"skip    {bad['dead_letter']}" in skipped.stdout and "would redrive 0 of 1" in skipped.stdout
     elsewhere = await cli(config, "dead-letters", "--redrive", "--offsets", "other.topic:0@1")
     assert elsewhere.returncode == 2 and "--offsets names ['other.topic']" in one_line(elsewhere)
-
-    # the rejection verdict on the default topic is counted by `verdicts`, pointing at the dead letters
-    dumped = await cli(config, "verdicts", "--from-beginning", "--idle-timeout", "1")
-    assert dumped.returncode == 0 and dumped.stdout == ""
-    assert "1 of them rejections `unknown_experiment` of an undeclared experiment" in dumped.stderr
 
 
 async def test_audit_of_groups_none_of_which_exist_says_so_and_exits_2(pipeline_config, tmp_path) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import msgspec
@@ -22,11 +21,11 @@ import pytest
 import yaml
 
 from infra.config import PRMConfig, PRMScorerConfig
+from infra.experiments import trajectories_topic
 from infra.kafka import make_producer
 from infra.registry import MAX_RECORD_BYTES, ExperimentSpec, RegistryError, decode_record, encode_spec, publish_spec
-from prm_pipeline.demo.synthetic import make_group
 from tests.integration.harness import running_worker, with_scorers
-from tests.integration.test_fleet import LENGTH, _declare, _publish, _serving, _spec, _verdicts
+from tests.integration.test_fleet import LENGTH, _declare, _serving, _spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"experiment_id": "exp-ok", "prm": {"scorers": [{"path": "examples.prm.scorers.LengthBudgetScorer"}]}}
@@ -71,7 +70,6 @@ async def test_a_record_naming_code_or_hosts_outside_the_workers_lists_is_refuse
     judge = _spec("exp-judge", PRMScorerConfig(
         "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
         kwargs={"base_url": "http://exfiltrate.example:8000/v1", "model": "judge"}))
-    gid = f"evil-{uuid.uuid4().hex[:6]}"
     async with running_worker(cfg, "w-registry-rules") as worker:
         await _declare(cfg, _spec("exp-kept", LENGTH, weight=2.0))
         await _serving(worker, "exp-kept")
@@ -88,14 +86,13 @@ async def test_a_record_naming_code_or_hosts_outside_the_workers_lists_is_refuse
         await _declare(cfg, _spec("exp-after", LENGTH))  # the worker still applies what follows
         await _serving(worker, "exp-after")
         refused = worker.telemetry.registry_records.labels("refused")._value.get()
-        await _publish(cfg, "exp-evil", make_group(gid, 1), topic_of="default")
-        verdict = (await _verdicts(cfg, "default", {gid}))[gid]
+        subscribed = worker.consumer.subscription()
         kept = worker.fleet.get("exp-kept")
     assert refused == 4
     assert "tests.security.registry_payload" not in sys.modules  # refused before anything was imported
     assert worker.fleet.get("exp-evil") is None and worker.fleet.get("exp-judge") is None
     assert kept is not None and kept.weight == 2.0  # its last good declaration
-    assert verdict.reason_code == "unknown_experiment"
+    assert trajectories_topic(cfg.topics.trajectories, "exp-evil") not in subscribed  # no worker reads its topic
 
 
 def test_experiment_add_refuses_a_file_outside_the_allow_lists_before_connecting(tmp_path: Path) -> None:

@@ -10,10 +10,11 @@ import pytest
 
 from infra.chunks import ChunkAssembler, reassembled, to_records
 from infra.config import ConfigError, KafkaConfig, PRMConfig, TopicsConfig, TrainerConfig, config_from_mapping
+from infra.experiments import experiment_of_topic
 from infra.jsonl import JsonlError, dump, dump_verdict, parse
 from infra.schema import DeadLetter, DiscardGroup, GroupVerdict, ReadyTrajectory, decode_message, encode
 from prm_pipeline.audit import Auditor, ScoringScope, rescore
-from prm_pipeline.dead_letter_tool import LetterRecord, Selection, experiment_of_topic, plan_redrive
+from prm_pipeline.dead_letter_tool import LetterRecord, Selection, plan_redrive
 from prm_pipeline.demo.synthetic import make_group, make_session
 from prm_pipeline.status.render import fleet_line
 from prm_pipeline.status.report import ExperimentSummary, StatusReport, assess
@@ -161,7 +162,7 @@ def _letter(offset: int, message: object, source_topic: str) -> LetterRecord:
     return LetterRecord("dlq", 0, offset, 0, None, letter)
 
 
-def test_a_dead_letter_belongs_to_the_experiment_its_payload_or_source_topic_names() -> None:
+def test_a_dead_letter_belongs_to_the_experiment_of_its_source_topic() -> None:
     assert experiment_of_topic("prm.trajectories", "prm.trajectories") == "default"
     assert experiment_of_topic("prm.trajectories", "prm.trajectories.exp-a") == "exp-a"
     assert experiment_of_topic("prm.trajectories", "other") is None
@@ -181,6 +182,18 @@ def test_a_dead_letter_belongs_to_the_experiment_its_payload_or_source_topic_nam
     assert "(experiment exp-b)" in plan[1].describe()
     only_b = plan_redrive([a, same_ids_b, undecodable_b, default], Selection(experiment="exp-b", trajectories_base=base))
     assert [e.record.offset for e in only_b] == [1, 2]
+
+
+def test_a_dead_letter_belongs_to_its_topic_never_to_the_experiment_its_payload_names() -> None:
+    (t,) = make_group("g1", 1, turns=1, output_tokens=2)
+    forged = _letter(4, msgspec.structs.replace(t, experiment_id="exp-a"), "prm.trajectories.exp-b")
+    forged = LetterRecord("dlq", 0, 4, 0, b"g1", msgspec.structs.replace(forged.letter,
+                                                                        error_class="ExperimentMismatch"))
+    assert forged.experiment("prm.trajectories") == "exp-b"
+    assert forged.to_json(trajectories_base="prm.trajectories")["experiment_id"] == "exp-b"
+    (entry,) = plan_redrive([forged], Selection(trajectories_base="prm.trajectories"))
+    assert not entry.redrive and "it would be refused again" in entry.why_skipped  # never laundered into A
+    assert plan_redrive([forged], Selection(experiment="exp-a", trajectories_base="prm.trajectories")) == []
 
 
 # --------------------------------------------------------------------------- status --experiment

@@ -6,6 +6,8 @@ import msgspec
 
 from infra.config import PipelineConfig, PRMConfig, PRMScorerConfig, WorkerConfig
 from infra.registry import ExperimentSpec, RegistryRecord
+from infra.schema import DiscardGroup, ExperimentMismatch, InvalidMessage
+from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.fleet import Fleet
 
 LENGTH = PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer")
@@ -27,9 +29,26 @@ async def test_a_declaration_builds_the_experiments_runner_and_adds_its_topic() 
     assert exp is not None and exp.runner is not None and (exp.weight, exp.group_timeout_s) == (3.0, 5)
     assert fleet.topics() == ["prm.trajectories", "prm.trajectories.exp-a"]
     assert fleet.of_topic("prm.trajectories.exp-a") is exp
-    assert fleet.experiment_of("prm.trajectories.exp-a", None) == "exp-a"
-    assert fleet.experiment_of("prm.trajectories.exp-a", "exp-b") == "exp-b"  # what the record names wins
+    assert fleet.experiment_of("prm.trajectories.exp-a") == "exp-a"
+    assert fleet.experiment_of("prm.trajectories") == "default"
+    assert fleet.experiment_of("prm.trajectories.exp-gone") == "exp-gone"  # no longer served: still its own
     await fleet.aclose()
+
+
+def test_the_topic_is_the_tenant_a_record_naming_another_experiment_is_refused() -> None:
+    fleet = _fleet()
+    (member,) = make_group("g", 1, turns=1, output_tokens=2)
+    discard = DiscardGroup(group_id="g")
+    for message in (member, discard):
+        assert fleet.admit("prm.trajectories", message) is message  # names none: its topic's
+        named_a = msgspec.structs.replace(message, experiment_id="exp-a")
+        assert fleet.admit("prm.trajectories.exp-a", named_a) is named_a  # names its own topic's
+        refused = fleet.admit("prm.trajectories.exp-b", named_a)  # on B's topic, naming A
+        assert isinstance(refused, ExperimentMismatch) and isinstance(refused, InvalidMessage)
+        assert "names experiment 'exp-a', but prm.trajectories.exp-b is the topic of experiment 'exp-b'" \
+            in str(refused)
+        assert isinstance(fleet.admit("prm.trajectories", named_a), ExperimentMismatch)  # the default topic too
+    assert fleet.admit("prm.trajectories", refused) is refused  # what did not decode stays what it was
 
 
 async def test_a_refused_replacement_keeps_the_last_good_declaration() -> None:

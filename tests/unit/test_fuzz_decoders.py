@@ -51,6 +51,7 @@ from infra.schema import (
     MAX_TURN_TOKENS,
     SCHEMA_HEADER,
     DiscardGroup,
+    ExperimentMismatch,
     GroupVerdict,
     InvalidMessage,
     ReadyTrajectory,
@@ -64,7 +65,7 @@ from infra.schema import (
     expand_trajectory,
 )
 from prm_pipeline.demo.synthetic import make_group
-from producers.publisher import ExperimentMismatch, TrajectoryPublisher
+from producers.publisher import TrajectoryPublisher
 
 pytestmark = pytest.mark.slow  # about a minute of fuzzing: `make test` runs it, `make test-unit` does not
 
