@@ -45,7 +45,7 @@ from infra.config import KafkaConfig, TopicsConfig
 from infra.errors import ServiceError
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id, trajectories_topic
 from infra.kafka import make_producer, require_topics
-from infra.schema import DiscardGroup, ReadyTrajectory, TrajectoryMessage, check_channel
+from infra.schema import DiscardGroup, ExperimentMismatch, ReadyTrajectory, TrajectoryMessage, check_channel
 
 
 class PublishError(ServiceError, RuntimeError):

@@ -77,4 +77,4 @@ def test_the_plan_shows_the_records_text_escaped() -> None:
     for entry in plan:
         line = entry.describe()
         assert line.splitlines() == [line] and "\x1b" not in line and "\u202e" not in line
-    assert "group g-1\\n2030-01-01 00:00:00,000 ERROR forged\\x1b[31m\\u202e" in plan[0].describe()
+    assert "undecodable record" in plan[0].describe()  # the id grammar refuses such a group id: it names no group

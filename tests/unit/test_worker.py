@@ -206,13 +206,13 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_group_its_key_name
     assert _committable(worker) == 1
 
 
-async def test_a_record_of_an_unknown_experiment_is_rejected_without_touching_the_ledger() -> None:
-    worker, ledger, producer, runner = _worker()
+async def test_a_record_naming_another_experiment_is_dead_lettered_in_its_topics_experiment() -> None:
+    worker, _, producer, runner = _worker()
     await _poll(worker, [_member("g", "a", experiment_id="nope")])
-    assert ledger.calls == [] and runner.ran == []
-    assert producer.dead_letters() == [b"g"]
+    assert runner.ran == [] and producer.dead_letters() == [b"g"]  # the topic is the tenant: never scored
     (verdict,) = producer.verdicts()
-    assert (verdict.status, verdict.reason_code, verdict.experiment_id) == ("rejected", "unknown_experiment", "nope")
+    assert (verdict.status, verdict.reason_code) == ("rejected", "invalid_member")
+    assert "ExperimentMismatch" in verdict.reason and verdict.experiment_id in (None, "", "default")
 
 
 async def test_a_transient_park_error_is_retried_without_scoring_again() -> None:
