@@ -431,8 +431,7 @@ def streamed_trajectory(turns: Sequence[Interaction], end: SessionEnd) -> ReadyT
             raise InvalidMessage(f"session {end.session_id!r}: turn {turn.interaction_id!r} names parent "
                                  f"{turn.parent_id!r}, which is not an earlier turn of the session")
         if turn.interaction_id in seen:
-            raise InvalidMessage(f"session {end.session_id!r}: turn {turn.interaction_id!r} arrived twice "
-                                 "with different content")
+            raise InvalidMessage(f"session {end.session_id!r}: turn id {turn.interaction_id!r} is repeated")
         seen.add(turn.interaction_id)
     try:
         traj = ReadyTrajectory(
