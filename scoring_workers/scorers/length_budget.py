@@ -30,6 +30,7 @@ class LengthBudgetScorer(BaseScorer):
     name = "length_budget"
     version = "1"
     record_settings = LengthBudgetRecordSettings
+    streamable = True  # the turn's output length, nothing else (stream_key: None)
 
     def __init__(self, weight: float = 1.0, enabled: bool = True, max_output_tokens: int = 128) -> None:
         super().__init__(weight=weight, enabled=enabled)
