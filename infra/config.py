@@ -303,6 +303,9 @@ class TopicsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verdicts: str = "prm.verdicts"
     dead_letters: str = "prm.dead-letters"
     experiments: str = "prm.experiments"  # the experiment registry (compacted; docs/fleet.md)
+    # Judged turns of streamed sessions for online trainers (OpenClaw-RL's mode; docs/trainer.md),
+    # written only by workers with worker.turn_samples on.
+    turn_samples: str = "prm.turn-samples"
     partitions: Positive = 8
     replication_factor: Positive = 1
     retention_ms: int = 7 * 86_400_000

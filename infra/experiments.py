@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_EXPERIMENT", "EXPERIMENT_ID_PATTERN", "SCOPE_SEPARATOR", "UnknownExperiment", "check_experiment_id",
-    "declared_experiment", "scoped_group", "split_scoped", "trajectories_topic", "verdicts_topic",
+    "declared_experiment", "scoped_group", "split_scoped", "trajectories_topic", "verdicts_topic", "turn_samples_topic",
 ]
 
 DEFAULT_EXPERIMENT: Final = "default"
@@ -76,6 +76,11 @@ def trajectories_topic(base: str, experiment_id: str) -> str:
 
 def verdicts_topic(base: str, experiment_id: str) -> str:
     """The topic workers publish ``experiment_id``'s verdicts to (``base`` = ``topics.verdicts``)."""
+    return base if experiment_id == DEFAULT_EXPERIMENT else f"{base}.{experiment_id}"
+
+
+def turn_samples_topic(base: str, experiment_id: str) -> str:
+    """The topic workers publish ``experiment_id``'s online turn samples to (``base`` = ``topics.turn_samples``)."""
     return base if experiment_id == DEFAULT_EXPERIMENT else f"{base}.{experiment_id}"
 
 

@@ -1045,6 +1045,65 @@ class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
                               f"({reasons.CODE_PATTERN.pattern})")
 
 
+class TurnSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One judged turn of a streamed session, for an online trainer (OpenClaw-RL's mode).
+
+    Published on ``topics.turn_samples`` (``prm.turn-samples[.<experiment>]``, key: the
+    ``session_id``, so a session's samples stay in the order they were judged) as soon as
+    the turn's judge result exists — when its next state arrived, long before the session
+    ends, which it need never do. The trainer applies OpenClaw-RL's per-session rules
+    (:mod:`shaper.online`). ``(experiment_id, trajectory_id, interaction_id)`` is the
+    dedupe key: delivery is at-least-once.
+
+    ``score`` is the judge scorer's unweighted turn reward (the vote result, 1/0/-1);
+    ``has_next_state`` False with ``last`` True is the session's last turn, sent at its
+    ``end`` (no next state: OpenClaw-RL submits it excluded and clears the session's
+    count). ``turn`` numbers the session's turns 1, 2, ... in arrival order.
+    """
+
+    session_id: str
+    trajectory_id: str
+    group_id: str
+    interaction_id: str
+    turn: int
+    scorer: str
+    score: float
+    has_next_state: bool
+    prompt_tokens_raw: bytes = msgspec.field(name="prompt_tokens")
+    output_tokens_raw: bytes = msgspec.field(name="output_tokens")
+    output_logprobs_raw: bytes | None = msgspec.field(default=None, name="output_logprobs")
+    last: bool = False
+    judged_at: float = 0.0
+    worker_id: str = ""
+    experiment_id: str = DEFAULT_EXPERIMENT
+
+    def __post_init__(self) -> None:
+        for name in ("session_id", "trajectory_id", "group_id", "interaction_id", "scorer"):
+            if not getattr(self, name):
+                raise SchemaError(f"turn sample: {name} must be a non-empty string")
+        check_experiment_id(self.experiment_id)
+        if self.turn < 1:
+            raise SchemaError(f"turn sample: turn must be >= 1, got {self.turn}")
+        _check_finite("turn sample: score", self.score)
+        if len(self.prompt_tokens_raw) % 4 or len(self.output_tokens_raw) % 4:
+            raise SchemaError("turn sample: token bytes are not a multiple of 4 (int32)")
+        if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(self.output_tokens_raw):
+            raise SchemaError("turn sample: output_logprobs length differs from output_tokens")
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        return _view(self.prompt_tokens_raw, _I32)
+
+    @property
+    def output_tokens(self) -> np.ndarray:
+        return _view(self.output_tokens_raw, _I32)
+
+    @property
+    def output_logprobs(self) -> np.ndarray | None:
+        raw = self.output_logprobs_raw
+        return None if raw is None else _view(raw, _F32)
+
+
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     """A record no worker could process. On the topic, ``payload`` is the record value
     and the other fields are headers (see :func:`dead_letter_headers`)."""
@@ -1067,9 +1126,10 @@ Headers = Sequence[tuple[str, bytes]]
 _ENCODER = msgspec.msgpack.Encoder()
 _MESSAGE_DECODER = msgspec.msgpack.Decoder(TrajectoryMessage)
 _VERDICT_DECODER = msgspec.msgpack.Decoder(GroupVerdict)
+_SAMPLE_DECODER = msgspec.msgpack.Decoder(TurnSample)
 
 
-def kind_of(message: TrajectoryMessage | GroupVerdict) -> str:
+def kind_of(message: TrajectoryMessage | GroupVerdict | TurnSample) -> str:
     if isinstance(message, ReadyTrajectory):
         return "ready"
     if isinstance(message, DiscardGroup):
@@ -1082,10 +1142,12 @@ def kind_of(message: TrajectoryMessage | GroupVerdict) -> str:
         return "end"
     if isinstance(message, GroupVerdict):
         return "verdict"
+    if isinstance(message, TurnSample):
+        return "turn_sample"
     raise TypeError(f"not a wire message: {type(message).__name__}")
 
 
-def schema_version_of(message: TrajectoryMessage | GroupVerdict) -> int:
+def schema_version_of(message: TrajectoryMessage | GroupVerdict | TurnSample) -> int:
     """The lowest schema version that expresses ``message``: 2 for compact trajectories, compact turns and chunks."""
     if isinstance(message, TrajectoryChunk) or (isinstance(message, (ReadyTrajectory, SessionTurn))
                                                 and message.is_compact):
@@ -1093,7 +1155,7 @@ def schema_version_of(message: TrajectoryMessage | GroupVerdict) -> int:
     return SCHEMA_VERSION
 
 
-def encode(message: TrajectoryMessage | GroupVerdict) -> tuple[bytes, list[tuple[str, bytes]]]:
+def encode(message: TrajectoryMessage | GroupVerdict | TurnSample) -> tuple[bytes, list[tuple[str, bytes]]]:
     """Encode a message as ``(value, headers)`` for a Kafka record (as it is: compact
     only if it already is, see :func:`compact_trajectory`)."""
     headers = [
@@ -1190,6 +1252,15 @@ def decode_verdict(value: bytes | None, headers: Headers | None) -> GroupVerdict
     return verdict
 
 
+def decode_turn_sample(value: bytes | None, headers: Headers | None) -> TurnSample:
+    """Decode a ``prm.turn-samples`` record, raising :class:`SchemaError` subclasses."""
+    _check_headers(headers, ("turn_sample",))
+    if value is None:
+        raise InvalidMessage("record has no value (tombstone)")
+    sample: TurnSample = _decode(_SAMPLE_DECODER, value)
+    return sample
+
+
 def dead_letter_headers(letter: DeadLetter) -> list[tuple[str, bytes]]:
     """Headers of a dead-letter record (the value is ``letter.payload``)."""
     fields = {
@@ -1249,7 +1320,7 @@ __all__ = [
     "check_expandable",
     "expand_trajectory_interactions", "schema_version_of", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
     "BranchResult", "TokenTurn", "TokenRef", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
-    "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
+    "ScorerInfo", "GroupVerdict", "TurnSample", "decode_turn_sample", "DeadLetter", "encode",
     "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",
     "headers_to_dict", "pack_array", "to_tensor", "kind_of",
 ]
