@@ -94,6 +94,6 @@ class OnlineTurnRule:
 def sample_advantages(sample: TurnSample, decision: Decision) -> tuple[np.ndarray, np.ndarray]:
     """``(advantages, loss_mask)`` over the sample's response tokens: the score broadcast
     (a group of one, no normalisation), masked out when the sample does not train."""
-    n = len(sample.output_tokens_raw) // 4
+    n = len(sample.output_tokens)
     mask = np.full(n, decision.train, dtype=bool)
     return np.where(mask, np.float32(sample.score), np.float32(0.0)).astype(np.float32), mask
