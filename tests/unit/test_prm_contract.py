@@ -416,7 +416,7 @@ def test_examples_readme_snippet_runs(monkeypatch: pytest.MonkeyPatch, capsys: p
 
 # --------------------------------------------------------------------------- streamed sessions
 def test_only_scorers_that_declare_it_run_before_a_session_ends() -> None:
-    from scoring_workers.scorers import OpenClawJudgeScorer, OPDTeacherScorer
+    from scoring_workers.scorers import OPDTeacherScorer, OpenClawJudgeScorer
 
     class ThirdParty(BaseScorer):
         name = "third_party"
