@@ -18,7 +18,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka import errors as kerr
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
@@ -37,41 +36,6 @@ class MessageTooLarge(WireError, ValueError):
     Checked client-side because the embedded tansu broker enforces no limit while a real
     Kafka cluster (1 MiB default) would reject the record at produce time.
     """
-
-
-# Errors no retry can fix: the record, the topic or the credentials must change first.
-# aiokafka flags all of them non-retriable; they are listed so that the intent is explicit
-# (and survives a change of flags upstream).
-PERMANENT_KAFKA_ERRORS: tuple[type[kerr.KafkaError], ...] = (
-    kerr.MessageSizeTooLargeError, kerr.RecordTooLargeError, kerr.RecordListTooLargeError,
-    kerr.InvalidTopicError, kerr.TopicAuthorizationFailedError, kerr.GroupAuthorizationFailedError,
-    kerr.ClusterAuthorizationFailedError, kerr.TransactionalIdAuthorizationFailed,
-    kerr.AuthenticationFailedError, kerr.SaslAuthenticationFailed, kerr.UnsupportedSaslMechanismError,
-    kerr.UnsupportedVersionError, kerr.UnsupportedForMessageFormatError, kerr.IncompatibleBrokerVersion,
-    kerr.UnsupportedCodecError, kerr.PolicyViolationError, kerr.CorruptRecordException,
-)
-# Outages that aiokafka flags non-retriable although waiting fixes them: a request the
-# broker did not answer within ``request_timeout_ms`` (a restarting broker), or no
-# broker reachable at all.
-OUTAGE_KAFKA_ERRORS: tuple[type[kerr.KafkaError], ...] = (kerr.KafkaTimeoutError, kerr.KafkaUnavailableError)
-
-
-def is_retriable(exc: BaseException) -> bool:
-    """A Kafka error worth retrying with backoff: aiokafka's ``retriable`` flag, or an outage.
-
-    Network errors below the client (``ConnectionError``/``OSError``) count too. Anything
-    else Kafka raises is permanent (:func:`is_permanent`).
-    """
-    if isinstance(exc, PERMANENT_KAFKA_ERRORS):
-        return False
-    if isinstance(exc, kerr.KafkaError):
-        return bool(exc.retriable) or isinstance(exc, OUTAGE_KAFKA_ERRORS)
-    return isinstance(exc, (ConnectionError, OSError))
-
-
-def is_permanent(exc: BaseException) -> bool:
-    """A Kafka error that retrying cannot fix (the explicit list, or not flagged retriable)."""
-    return isinstance(exc, kerr.KafkaError) and not is_retriable(exc)
 
 
 def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] | None) -> int:

@@ -37,8 +37,8 @@ from infra import reasons
 from infra.chunks import ChunkAssembler, reassembled
 from infra.config import PipelineConfig
 from infra.experiments import trajectories_topic
-from infra.kafka import is_retriable, make_consumer
-from infra.retry import RetryPolicy
+from infra.kafka import make_consumer
+from infra.retry import RetryPolicy, is_retriable
 from infra.schema import (
     GroupVerdict,
     NotConcatExport,

@@ -1,4 +1,10 @@
-"""One retry policy: bounded exponential backoff and which errors are worth waiting for.
+"""One retry policy: bounded exponential backoff, and the one place that says which errors are worth waiting for.
+
+Classification (:func:`is_transient`, :func:`is_retriable`, :func:`is_permanent`) lives
+here, beside the policy that uses it: a Redis outage (unavailable, loading its AOF after a
+restart, full, a cluster slot moving), a Kafka error aiokafka flags retriable or a broker
+outage, and a network error below the clients are transient; a Kafka error no retry can
+fix is permanent. Every retry loop in the project asks these, never its own list.
 
 A :class:`RetryPolicy` says how long to wait before each retry (:meth:`RetryPolicy.delay`)
 and which errors a retry can fix (``retryable``). :meth:`RetryPolicy.run` is the common
@@ -20,11 +26,62 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from aiokafka import errors as kerr
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from infra.config import ConfigError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Redis errors that are an outage, worth waiting for: unavailable, loading its AOF after a
+# restart, full (noeviction), or a cluster slot moving. An outage must delay work, never
+# dead-letter valid records.
+REDIS_OUTAGES: tuple[type[BaseException], ...] = (
+    RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
+)
+# Errors no retry can fix: the record, the topic or the credentials must change first.
+# aiokafka flags all of them non-retriable; they are listed so that the intent is explicit
+# (and survives a change of flags upstream).
+PERMANENT_KAFKA_ERRORS: tuple[type[kerr.KafkaError], ...] = (
+    kerr.MessageSizeTooLargeError, kerr.RecordTooLargeError, kerr.RecordListTooLargeError,
+    kerr.InvalidTopicError, kerr.TopicAuthorizationFailedError, kerr.GroupAuthorizationFailedError,
+    kerr.ClusterAuthorizationFailedError, kerr.TransactionalIdAuthorizationFailed,
+    kerr.AuthenticationFailedError, kerr.SaslAuthenticationFailed, kerr.UnsupportedSaslMechanismError,
+    kerr.UnsupportedVersionError, kerr.UnsupportedForMessageFormatError, kerr.IncompatibleBrokerVersion,
+    kerr.UnsupportedCodecError, kerr.PolicyViolationError, kerr.CorruptRecordException,
+)
+# Outages that aiokafka flags non-retriable although waiting fixes them: a request the
+# broker did not answer within ``request_timeout_ms`` (a restarting broker), or no
+# broker reachable at all.
+OUTAGE_KAFKA_ERRORS: tuple[type[kerr.KafkaError], ...] = (kerr.KafkaTimeoutError, kerr.KafkaUnavailableError)
+
+
+def is_retriable(exc: BaseException) -> bool:
+    """A Kafka error worth retrying with backoff: aiokafka's ``retriable`` flag, or an outage.
+
+    Network errors below the client (``ConnectionError``/``OSError``) count too. Anything
+    else Kafka raises is permanent (:func:`is_permanent`).
+    """
+    if isinstance(exc, PERMANENT_KAFKA_ERRORS):
+        return False
+    if isinstance(exc, kerr.KafkaError):
+        return bool(exc.retriable) or isinstance(exc, OUTAGE_KAFKA_ERRORS)
+    return isinstance(exc, (ConnectionError, OSError))
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """A Kafka error that retrying cannot fix (the explicit list, or not flagged retriable)."""
+    return isinstance(exc, kerr.KafkaError) and not is_retriable(exc)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """An outage worth waiting for: Redis unavailable/loading/full, or a retriable Kafka or network error."""
+    return isinstance(exc, REDIS_OUTAGES) or is_retriable(exc)
+
 
 # Told of each retry before its pause: the error, the attempt that failed (1-based), the pause in seconds.
 OnRetry = Callable[[BaseException, int, float], None]

@@ -10,7 +10,7 @@ together (not one each: a worker serving twenty experiments must not idle twenty
 flight its experiment is busy and gets its full share at the next poll; the busy
 experiments, over their new shares, are paused until they are under them. So a lone
 busy experiment uses every slot but one. The worker pauses the partitions of every experiment
-at or over its share (:meth:`scoring_workers.worker.Worker._apply_backpressure`), which
+at or over its share (:meth:`scoring_workers.admission.Admission.apply_backpressure`), which
 is how one experiment's backlog waits in Kafka instead of in the worker.
 
 This is weighted fair queuing at the granularity of a slot: with experiments A and B

@@ -68,7 +68,7 @@ class Experiment:
     trajectories_topic: str = ""
     verdicts_topic: str = ""
     retire_at: float | None = None  # monotonic deadline once removed from the registry
-    # its records being processed -> the task processing each (a poll's batch processes several)
+    # its records being processed -> the task processing each
     in_flight: dict[Any, asyncio.Task[Any]] = field(default_factory=dict)
 
     @property

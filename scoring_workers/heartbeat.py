@@ -11,9 +11,14 @@ alive while its last beat is younger than :data:`ALIVE_S`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
+
+from scoring_workers.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +56,18 @@ class Heartbeat:
                 self._last = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - Redis trouble: the record path retries and counts it
             log.debug("worker %s: heartbeat skipped: %s: %s", self.worker_id, type(exc).__name__, exc)
+
+    async def run(self, stop: asyncio.Event, telemetry: WorkerTelemetry, view: Callable[[], Any | None]) -> None:
+        """The worker's liveness loop. Liveness = the event loop runs (not: Kafka and Redis
+        answer); readiness ends at stop. A ready worker also beats in Redis and leaves at
+        stop. ``view``: the ledger's :class:`~scoring_workers.ledger.LedgerView` once open."""
+        while True:
+            telemetry.tick()
+            if stop.is_set():
+                telemetry.ready = False
+            await self.step(view(), ready=telemetry.ready, stopping=stop.is_set())
+            if stop.is_set():
+                await asyncio.sleep(1.0)
+            else:  # wake at stop: leave the heartbeat set while the ledger is still open
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.wait_s(ready=telemetry.ready))

@@ -71,29 +71,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.crc import key_slot
-from redis.exceptions import BusyLoadingError, NoScriptError, OutOfMemoryError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoScriptError
 
 from infra.config import RedisConfig
 from infra.redis import make_redis
-from infra.retry import RetryPolicy
+from infra.retry import RetryPolicy, is_transient
 from infra.schema import SessionResult
 from scoring_workers.batching import Batcher
 from scoring_workers.ledger_scripts import LEDGER, DecideArgs, FinishArgs, Op, ParkArgs, argv
 
 log = logging.getLogger(__name__)
-
-# Redis errors that are an outage, worth waiting for: unavailable, loading its AOF after a
-# restart, full (noeviction), or a cluster slot moving.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
-)
 
 TTL_REFRESH_S = 60.0  # a TTL this instance set is not set again for this long (it is that much longer)
 DONE_TTL_KEYS = 65_536  # bound of the done-set TTL memo (expired entries are dropped past it)
@@ -111,36 +103,45 @@ FINISH_LINGER_S = 0.25  # a finish after a published verdict waits this long for
 FINISH_BACKOFF_S = (0.05, 5.0)  # a finish that failed transiently is sent again after 50 ms, doubling up to 5 s
 # The first retry waits FINISH_BACKOFF_S[0] (jittered down to half): base_s is half of it,
 # since the policy's pause before retry n is base_s * 2**n.
-FINISH_RETRY = RetryPolicy(retryable=lambda exc: isinstance(exc, TRANSIENT_ERRORS),
+FINISH_RETRY = RetryPolicy(retryable=is_transient,
                            base_s=FINISH_BACKOFF_S[0] / 2, cap_s=FINISH_BACKOFF_S[1])
 FLUSH_TIMEOUT_S = 10.0  # at close, pending finishes get this long to land (then the sweeper covers them)
 
 
-class Outcome(StrEnum):
-    """What the ledger answered about a group, typed: one enum for probes, parks and decisions.
-
-    A probe says ``NEW`` (score it), ``DUPLICATE`` (this member is parked already),
-    ``DECIDED`` (decided, not finished) or ``DONE`` (finished, in a dedupe bucket). A park
-    says ``PARKED``, ``DUPLICATE``, ``DECIDED`` or ``DONE`` (and ``DECIDED_NOW`` in its
-    :class:`Decision` when it decided the group). A decision says ``DECIDED_NOW`` (this
-    call decided: its caller publishes), ``ALREADY_DECIDED``, ``DONE``, ``GONE`` (no such
-    group), ``NOT_DUE`` (a deadline not yet passed) or ``INCOMPLETE`` (a ``complete``
-    decision with members missing). Equal to the script's strings.
-    """
+class ProbeOutcome(StrEnum):
+    """What a probe (:meth:`GroupLedger.probe_many`) found: ``NEW`` (score it), ``DUPLICATE``
+    (this member is parked already), ``DECIDED`` (its group is decided, not finished) or
+    ``DONE`` (finished, in a dedupe bucket). Equal to the script's strings."""
 
     NEW = "new"
+    DUPLICATE = "duplicate"
+    DECIDED = "decided"
+    DONE = "done"
+
+
+class ParkOutcome(StrEnum):
+    """What a park (:meth:`GroupLedger.park_many`) did: ``PARKED``, ``DUPLICATE`` (parked
+    before), ``DECIDED`` (its group was decided meanwhile) or ``DONE`` (finished). A park that
+    decided its group says so in its :class:`Decision` (``DECIDED_NOW``)."""
+
     PARKED = "parked"
     DUPLICATE = "duplicate"
     DECIDED = "decided"
     DONE = "done"
+
+
+class DecideOutcome(StrEnum):
+    """What a decision (:meth:`GroupLedger.decide`) found: ``DECIDED_NOW`` (this call decided:
+    its caller publishes), ``ALREADY_DECIDED``, ``DONE``, ``GONE`` (no such group),
+    ``NOT_DUE`` (a deadline not yet passed) or ``INCOMPLETE`` (a ``complete`` decision with
+    members missing)."""
+
     DECIDED_NOW = "decided_now"
     ALREADY_DECIDED = "already_decided"
+    DONE = "done"
     GONE = "gone"
     NOT_DUE = "not_due"
     INCOMPLETE = "incomplete"
-
-
-Probe = Outcome  # NEW | DUPLICATE | DECIDED | DONE
 
 
 class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
@@ -230,15 +231,10 @@ class Decision:
     ``state`` is the default :class:`GroupState` when nothing was decided (``done``,
     ``gone``, ``not_due``, ``incomplete``)."""
 
-    outcome: Outcome
+    outcome: DecideOutcome
     group_id: str
     state: GroupState
     members: list[ParkedMember]
-
-    @classmethod
-    def bare(cls, outcome: Outcome, group_id: str) -> Decision:
-        """An answer that carries no stored decision (a probe's, or a park that decided nothing)."""
-        return cls(outcome, group_id, GroupState(), [])
 
     @property
     def decided_at_ms(self) -> int:
@@ -295,6 +291,31 @@ class ParkRequest:
     scorers: bytes
     partition: int = -1
     offset: int = -1
+
+
+class Ledger(Protocol):
+    """What the worker asks of the group ledger: every decision it makes about a record rests
+    on these answers. :class:`GroupLedger` is the one implementation (Redis); the unit tests
+    hold an in-memory one, so the worker's decisions are tested without Redis or Kafka."""
+
+    async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[ProbeOutcome]: ...
+
+    def expect(self, items: Sequence[tuple[str, str]]) -> None: ...
+
+    async def park_many(self, requests: Sequence[ParkRequest]) -> list[tuple[ParkOutcome, Decision | None]]: ...
+
+    async def decide(self, group_id: str, kind: DecisionKind, *, worker_id: str, scorers: bytes,
+                     discard_reason: str = "", group_timeout_s: float, republish_grace_s: float) -> Decision: ...
+
+    def finish_soon(self, group_id: str) -> None: ...
+
+    async def nudge(self, group_id: str, republish_grace_s: float) -> None: ...
+
+    async def postpone(self, group_id: str, delay_s: float) -> None: ...
+
+    async def forget(self, group_id: str) -> None: ...
+
+    async def due_groups(self, limit: int = 64, *, linger_s: float = 0.0) -> list[str]: ...
 
 
 _Command = tuple[str, tuple[Any, ...], dict[str, Any]]  # a plain Redis command: (method, args, kwargs)
@@ -541,7 +562,7 @@ class GroupLedger:
         raise AssertionError("unreachable")
 
     # ---------------------------------------------------------------- reads
-    async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[Outcome]:
+    async def probe_many(self, items: Sequence[tuple[str, str]]) -> list[ProbeOutcome]:
         """Batched pre-check for one poll: ``(group_id, trajectory_id)`` -> what is known.
 
         One round trip for the whole poll (with whatever transitions queued meanwhile), so
@@ -553,7 +574,7 @@ class GroupLedger:
             return []
         since = self._bucket(time.time() - DONE_SKEW_S)  # taken before Redis reads the buckets
         res = await self._ops.submit_many([_Op(g, _Probe(t)) for g, t in items])
-        out: list[Outcome] = []
+        out: list[ProbeOutcome] = []
         for (group_id, trajectory_id), r in zip(items, res):
             probe = r.decode() if isinstance(r, bytes) else r
             if probe == "new":  # neither open nor done: the park need not read older buckets again
@@ -564,7 +585,7 @@ class GroupLedger:
                 if len(self._awaited) >= FRESH_GROUPS:
                     self._awaited.clear()  # forgetting only costs a park its company
                 self._awaited.setdefault(group_id, set()).add(trajectory_id)
-            out.append(Outcome.NEW if probe == "open" else Outcome(probe))
+            out.append(ProbeOutcome.NEW if probe == "open" else ProbeOutcome(probe))
         return out
 
     def expect(self, items: Sequence[tuple[str, str]]) -> None:
@@ -581,7 +602,7 @@ class GroupLedger:
     # ---------------------------------------------------------------- transitions
     async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
                    worker_id: str, scorers: bytes, partition: int = -1,
-                   offset: int = -1) -> tuple[Outcome, Decision | None]:
+                   offset: int = -1) -> tuple[ParkOutcome, Decision | None]:
         """Store a member's result (its token turns stay in Kafka at ``partition``/``offset``);
         if it completes the group, or failed (the group is rejected either way), decide the
         group too. One :meth:`park_many` of one member."""
@@ -589,7 +610,7 @@ class GroupLedger:
                                                       scorers, partition, offset)])
         return answer
 
-    async def park_many(self, requests: Sequence[ParkRequest]) -> list[tuple[Outcome, Decision | None]]:
+    async def park_many(self, requests: Sequence[ParkRequest]) -> list[tuple[ParkOutcome, Decision | None]]:
         """Park several members in one call (a worker's poll), in order: a failed member
         parked after its groupmates of the same call finds them parked.
 
@@ -628,14 +649,14 @@ class GroupLedger:
         raws = await self._ops.submit_many(ops, linger_s=linger_s or 0.0)
         return [self._parked(r.group_id, raw) for r, raw in zip(requests, raws)]
 
-    def _parked(self, group_id: str, raw: Sequence[Any]) -> tuple[Outcome, Decision | None]:
-        outcome = Outcome(raw[0].decode())
+    def _parked(self, group_id: str, raw: Sequence[Any]) -> tuple[ParkOutcome, Decision | None]:
+        outcome = ParkOutcome(raw[0].decode())
         if len(raw) < 3:
-            if outcome is not Outcome.PARKED:  # decided or finished already: no company to wait for
+            if outcome is not ParkOutcome.PARKED:  # decided or finished already: no company to wait for
                 self._parked_here.pop(group_id, None)
             return outcome, None
         self._parked_here.pop(group_id, None)
-        return outcome, self._decision(group_id, Outcome.DECIDED_NOW, raw[2])
+        return outcome, self._decision(group_id, DecideOutcome.DECIDED_NOW, raw[2])
 
     async def decide(self, group_id: str, kind: DecisionKind, *,
                      worker_id: str, scorers: bytes, discard_reason: str = "",
@@ -655,16 +676,16 @@ class GroupLedger:
         raw = await self._ops.submit(_Op(group_id, DecideArgs(
             fingerprint(group_id), kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s),
             republish_at, group_id)))
-        outcome = Outcome(raw[0].decode())
+        outcome = DecideOutcome(raw[0].decode())
         decision = self._decision(group_id, outcome, raw[1] if len(raw) > 1 else [])
-        if outcome is Outcome.DECIDED_NOW and self.cluster:  # standalone: the script moved the entry
+        if outcome is DecideOutcome.DECIDED_NOW and self.cluster:  # standalone: the script moved the entry
             await self.redis.zadd(self.deadlines_key, {group_id: republish_at})
         return decision
 
     @staticmethod
-    def _decision(group_id: str, outcome: Outcome, flat: Sequence[bytes]) -> Decision:
+    def _decision(group_id: str, outcome: DecideOutcome, flat: Sequence[bytes]) -> Decision:
         """The group hash as ``HGETALL`` returned it -> its state and its parked members."""
-        if outcome not in (Outcome.DECIDED_NOW, Outcome.ALREADY_DECIDED):
+        if outcome not in (DecideOutcome.DECIDED_NOW, DecideOutcome.ALREADY_DECIDED):
             return Decision(outcome, group_id, GroupState(), [])
         state: list[bytes] = []
         members: list[ParkedMember] = []

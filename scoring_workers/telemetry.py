@@ -62,10 +62,6 @@ class WorkerTelemetry:
             "send (decided -> verdict acknowledged)", ["stage"], registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600),
         )
-        self.batch_records = Histogram(
-            "prm_worker_batch_records", "Records per batch: a partition's members of one poll, scored in one "
-            "task and parked in one ledger call (records that need more take a task each, uncounted here)",
-            registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.in_flight = Gauge("prm_worker_in_flight", "Records being processed", registry=r)
         # Per experiment (docs/fleet.md): the label is an experiment the registry declared (or
         # "default"); a record naming an unknown one is counted under "unknown", never its id.

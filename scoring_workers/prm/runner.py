@@ -13,7 +13,7 @@ What a run does, and why it is shaped this way (AReaL's Process Rewards, "Scorer
    caller's trajectory is never modified.
 3. Enabled scorers run in config order. Per-turn scorers evaluate a branch's turns
    concurrently (judges overlap their I/O), but a scorer that returns without
-   suspending is driven inline, with no task per turn (see :class:`scoring_workers.eager.Resume`).
+   suspending is driven inline, with no task per turn (see :class:`_Resume`).
    Trajectory scorers are called once per branch.
 4. A scorer's results are validated as a whole — reward shape and finiteness,
    observations, metric schema, the interaction's pre-existing token rewards — and
@@ -42,7 +42,7 @@ import logging
 import math
 import numbers
 import struct
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from functools import partial
 from types import CoroutineType
 from typing import Any
@@ -54,7 +54,6 @@ import torch
 from infra.config import ConfigError, PRMConfig, validate_prm
 from infra.schema import PRMMetricObservation, PRMTurnResult, ScorerInfo, TokenRewards
 from infra.tree import TreeError, branches
-from scoring_workers.eager import Resume
 from scoring_workers.prm.base import BaseScorer, BaseTrajectoryScorer, PRMScorerResult
 from scoring_workers.prm.errors import (
     PRMErrorContext,
@@ -762,7 +761,7 @@ class PRMRunner:
             rest = [asyncio.ensure_future(call(views[j])) for j in range(i + 1, n)]
             try:
                 try:
-                    outcomes[i] = await Resume(coro, first)
+                    outcomes[i] = await _Resume(coro, first)
                 except Exception as exc:  # noqa: BLE001 - ranked below by turn order
                     outcomes[i] = exc
                 except asyncio.CancelledError as exc:
@@ -1005,3 +1004,40 @@ class PRMRunner:
     def __repr__(self) -> str:
         names = [s.name for s in self._scorers]
         return f"PRMRunner(scorers={names}, active={[s.name for s in self._active]}, closing={self._closing})"
+
+
+class _Resume:
+    """Await a coroutine whose first step was already run by hand (a scorer that finishes
+    without suspending costs no task: :meth:`PRMRunner._evaluate_turns`).
+
+    A coroutine that did suspend is finished *in the same task* through this object,
+    which forwards every later send/throw exactly as ``await`` would (PEP 380), so
+    ``asyncio.timeout()``, contextvars and cancellation inside the coroutine see one
+    consistent task.
+    """
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
+        self._coro = coro
+        self._first = first
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, value = self._coro, self._first
+        self._first = None
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - forwarded, not handled
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value

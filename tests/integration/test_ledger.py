@@ -16,6 +16,7 @@ import pytest
 
 from infra.config import RedisConfig
 from infra.local import LocalService, find_redis_binary, free_port
+from infra.retry import REDIS_OUTAGES
 from infra.schema import SessionResult
 from scoring_workers import ledger as ledger_module
 from scoring_workers.ledger import GroupLedger
@@ -399,7 +400,7 @@ async def test_a_finish_that_fails_transiently_is_retried_and_counted(redis_url:
         while led.pending_finishes:
             assert time.monotonic() < deadline, "the finish never landed"
             await asyncio.sleep(0.02)
-        assert errors and all(isinstance(e, ledger_module.TRANSIENT_ERRORS) for e in errors)
+        assert errors and all(isinstance(e, REDIS_OUTAGES) for e in errors)
         assert await _finished(cfg, g)
     finally:
         await admin.execute_command("CLIENT", "UNPAUSE")

@@ -141,50 +141,43 @@ async def test_a_graceful_stop_flushes_the_pending_finish(kafka_bootstrap, redis
         await ledger.aclose()
 
 
-async def test_a_polls_members_are_scored_in_one_task_and_parked_in_one_call(
-        kafka_bootstrap, redis_url, monkeypatch) -> None:
-    """Two groups already in the topic when the worker starts come in its first polls: each
-    poll's members are one task (no task per record) and their parks one ledger call, which
-    decides the group; each group still gets one verdict listing its four members."""
-    from scoring_workers.worker import Worker
+async def test_a_groups_members_are_parked_in_one_ledger_call(kafka_bootstrap, redis_url, monkeypatch) -> None:
+    """Two groups already in the topic when the worker starts: each member is its own task,
+    and the ledger's batching puts a group's parks into one call (a park waits for its
+    groupmates; the one that completes the group does not), which decides the group; each
+    group still gets one verdict listing its four members."""
+    from scoring_workers import ledger as ledger_module
 
+    monkeypatch.setattr(ledger_module, "PARK_LINGER_S", 600.0)  # only company (or the deciding park) ends the wait
+    monkeypatch.setattr(ledger_module, "PARK_UNSEEN_LINGER_S", 600.0)
     cfg = _config(kafka_bootstrap, redis_url)
     groups = [make_group(f"g-{uuid.uuid4().hex[:6]}", 4, turns=1, output_tokens=8) for _ in range(2)]
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         await pub.publish_many([m for g in groups for m in g])
     calls: list[list[str]] = []
-    batches: list[int] = []
-    run, process_batch = GroupLedger._run, Worker._process_batch
+    run = GroupLedger._run
 
     async def counted_run(self, ops):  # type: ignore[no-untyped-def]
         calls.append(sorted(type(op.item).__name__ for op in ops))
         return await run(self, ops)
 
-    async def counted_batch(self, jobs):  # type: ignore[no-untyped-def]
-        batches.append(len(jobs))
-        return await process_batch(self, jobs)
-
     monkeypatch.setattr(GroupLedger, "_run", counted_run)
-    monkeypatch.setattr(Worker, "_process_batch", counted_batch)
     gids = [g[0].group_id for g in groups]
     async with running_worker(cfg, "w-poll") as worker:
         verdicts = {v.group_id: v for v in await wait_for_verdicts(cfg, gids)}
         assert _count(worker, "prm_worker_scored_total") == 8
-    # the broker hands the two published groups over in one or two fetches: a batch each
-    assert sum(batches) == 8 and len(batches) <= 2 and min(batches) >= 4, batches
     parks = [c.count("_Park") for c in calls if "_Park" in c]  # parks per call (other work may ride along)
-    assert len(parks) <= len(batches) and sum(parks) == 8 and min(parks) >= 4, calls
+    assert sum(parks) == 8 and len(parks) <= 2 and min(parks) >= 4, calls
     for group in groups:
         verdict = verdicts[group[0].group_id]
         assert verdict.status == "accepted"
         assert sorted(s.trajectory_id for s in verdict.sessions) == sorted(m.trajectory_id for m in group)
 
 
-async def test_a_batch_whose_park_fails_goes_on_record_by_record_without_scoring_again(
-        kafka_bootstrap, redis_url, monkeypatch) -> None:
-    """The one ledger call of a poll's batch fails (an injected ConnectionError, as a Redis
-    outage in the middle of it would raise): each record goes on the per-record way with the
-    score it has — probed again, parked, the group decided once — and none is scored twice."""
+async def test_a_park_that_fails_is_retried_without_scoring_again(kafka_bootstrap, redis_url, monkeypatch) -> None:
+    """A member's park fails (an injected ConnectionError, as a Redis outage in the middle of
+    it would raise): the record is retried with the score it has — probed again, parked, the
+    group decided once — and none is scored twice."""
     from redis.exceptions import ConnectionError as RedisConnectionError
 
     cfg = _config(kafka_bootstrap, redis_url)
@@ -203,9 +196,9 @@ async def test_a_batch_whose_park_fails_goes_on_record_by_record_without_scoring
     gid = group[0].group_id
     async with running_worker(cfg, "w-fallback") as worker:
         (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid]) if v.group_id == gid]
-        assert _count(worker, "prm_worker_scored_total") == 4  # the batch's scores were kept
+        assert _count(worker, "prm_worker_scored_total") == 4  # the failed park's score was kept
         assert _count(worker, "prm_worker_retries_total{error=ConnectionError}") >= 1
-    assert calls[0] == 4 and calls[1:] == [1, 1, 1, 1]  # the batch, then each record on its own
+    assert calls == [1] * 5  # each member parks on its own (the ledger combines them), one of them twice
     assert verdict.status == "accepted"
     assert sorted(s.trajectory_id for s in verdict.sessions) == sorted(m.trajectory_id for m in group)
     verdicts = await read_topic(cfg, cfg.topics.verdicts)

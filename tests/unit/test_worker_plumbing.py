@@ -9,8 +9,8 @@ import msgspec
 import pytest
 from aiokafka import errors as kerr
 
-from infra.kafka import is_permanent, is_retriable, max_record_size, record_size
-from infra.retry import backoff_delay
+from infra.kafka import max_record_size, record_size
+from infra.retry import backoff_delay, is_permanent, is_retriable
 from infra.schema import GroupVerdict, SessionResult, TokenRef, compact_turns, encode
 from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.batching import Batcher
@@ -234,7 +234,7 @@ async def test_a_dead_letter_kafka_refuses_for_good_is_counted_as_poison_not_ret
             raise kerr.TopicAuthorizationFailedError()
 
     worker = Worker(PipelineConfig(), worker_id="w-unit")
-    worker.producer = RefusingProducer()  # type: ignore[assignment]
+    worker._attach(None, RefusingProducer())  # type: ignore[arg-type]
     record = ConsumerRecord("traj", 2, 41, 0, 0, None, b"junk", None, 4, [], [])
     await worker._dead_letter(record, InvalidMessage("truncated"), 1)
     assert RefusingProducer.calls == 1

@@ -15,7 +15,8 @@ from aiokafka.structs import ConsumerRecord
 from infra.config import ConfigError, PipelineConfig, WorkerConfig, config_from_mapping
 from infra.schema import DiscardGroup
 from prm_pipeline.demo.synthetic import make_session
-from scoring_workers.ledger import Outcome
+from scoring_workers.jobs import Job, ReadyJob, job_of
+from scoring_workers.ledger import ProbeOutcome
 from scoring_workers.tokens import MemberTokens
 from scoring_workers.worker import Worker
 
@@ -66,8 +67,13 @@ class _Ledger:
 def _worker(**settings: Any) -> tuple[Worker, _Ledger]:
     worker = Worker(PipelineConfig(worker=WorkerConfig(**settings)), worker_id="w-unit")
     ledger = _Ledger()
-    worker.ledger = ledger  # type: ignore[assignment]
+    worker._attach(ledger, None)  # type: ignore[arg-type]
     return worker, ledger
+
+
+def _job(worker: Worker, message: Any) -> Job:
+    record = ConsumerRecord("traj", 0, 7, 0, 0, b"g", b"", None, 1, 0, [])
+    return job_of(record, message, worker._route(record, message), [], 0.0)
 
 
 async def test_max_attempts_bounds_the_retries_before_a_dead_letter() -> None:
@@ -83,24 +89,24 @@ async def test_max_attempts_bounds_the_retries_before_a_dead_letter() -> None:
         dead.append(attempt)
 
     worker._dead_letter = dead_letter  # type: ignore[method-assign]
-    record = ConsumerRecord("traj", 0, 7, 0, 0, b"g", b"", None, 1, 0, [])
-    await worker._process(worker._job(record, DiscardGroup(group_id="g"), [], 0.0), failing_discard)
+    worker._handle = failing_discard  # type: ignore[method-assign]
+    await worker._process(_job(worker, DiscardGroup(group_id="g")))
     assert (len(handled), dead) == (5, [5])
 
 
 async def test_the_sweeper_uses_the_grace_and_backs_off_by_the_settings() -> None:
     worker, ledger = _worker(republish_grace_s=7.5, sweep_backoff_s=42.0)
-    await worker._sweep()
+    await worker.sweeper.sweep()
     assert ledger.calls == [("decide", "broken", 7.5), ("postpone", "broken", 42.0)]
 
 
 async def test_a_member_of_a_decided_group_nudges_it_by_the_grace() -> None:
     worker, ledger = _worker(republish_grace_s=3.0)
     traj = make_session(trajectory_id="t", session_id="s", group_id="g", group_size=2, turns=1, output_tokens=4)
-    record = ConsumerRecord("traj", 0, 7, 0, 0, b"g", b"", None, 1, 0, [])
-    job = worker._job(record, traj, [], 0.0)
-    job.probe = Outcome.DECIDED
-    await worker._handle_ready(job)
+    job = _job(worker, traj)
+    assert isinstance(job, ReadyJob)
+    job.probe = ProbeOutcome.DECIDED
+    await worker._handle(job)
     assert ledger.calls == [("nudge", "g", 3.0)]
 
 
