@@ -10,7 +10,8 @@ keeps the session in the group's slot), one hash ``<prefix>:{G}:s:<trajectory_id
   ``t:<k>`` -> the turn's ``Interaction`` as received (msgpack, compact);
 * ``r:<interaction_id>:<child_id>`` -> the streamable scorers' results for the turn, as
   computed when that child brought its next state (:mod:`scoring_workers.prm.streamed`);
-* ``last`` — epoch ms of the last record.
+* ``last`` — epoch ms of the last record; ``sid`` and ``size`` — the session id and its
+  group's size (to answer the group if the session goes idle).
 
 A repeated turn (same id, same bytes: a producer retry, a replay) is a duplicate and
 changes nothing; the same id with other bytes is a conflict (the session is not one
@@ -46,7 +47,8 @@ _INTERACTION = msgspec.msgpack.Decoder(Interaction)
 _ENCODER = msgspec.msgpack.Encoder()
 _INDEX_MEMBER = msgspec.msgpack.Decoder(tuple[str, str])
 
-# park a turn: KEYS[1] = the session hash; ARGV = interaction_id, bytes, now_ms, ttl_s, max_turns
+# park a turn: KEYS[1] = the session hash; ARGV = interaction_id, bytes, now_ms, ttl_s, max_turns,
+# session_id, group_size
 _PARK_TURN = """
 local S = KEYS[1]
 local iid, raw = ARGV[1], ARGV[2]
@@ -58,7 +60,7 @@ end
 local n = tonumber(redis.call('HGET', S, 'n') or '0')
 if n >= tonumber(ARGV[5]) then return {'full', n} end
 n = n + 1
-redis.call('HSET', S, 'n', n, 'i:' .. iid, n, 't:' .. n, raw, 'last', ARGV[3])
+redis.call('HSET', S, 'n', n, 'i:' .. iid, n, 't:' .. n, raw, 'last', ARGV[3], 'sid', ARGV[6], 'size', ARGV[7])
 redis.call('EXPIRE', S, ARGV[4])
 return {'parked', n}
 """
@@ -100,12 +102,13 @@ class SessionStore:
     def key(self, group: str, trajectory_id: str) -> str:
         return session_key(self.prefix, group, trajectory_id)
 
-    async def park_turn(self, group: str, trajectory_id: str, turn: Interaction) -> tuple[TurnOutcome, int]:
+    async def park_turn(self, group: str, trajectory_id: str, turn: Interaction, *, session_id: str,
+                        group_size: int) -> tuple[TurnOutcome, int]:
         """Park ``turn`` (as received) unless it is there; ``(outcome, its arrival number)``."""
         now = _now_ms()
         outcome, k = await self._park(keys=[self.key(group, trajectory_id)],
                                       args=[turn.interaction_id, _ENCODER.encode(turn), now, self.ttl_s,
-                                            self.max_turns])
+                                            self.max_turns, session_id, group_size])
         result = TurnOutcome(outcome.decode() if isinstance(outcome, bytes) else outcome)
         if result is TurnOutcome.PARKED:
             await self._index(group, trajectory_id, now)
@@ -154,10 +157,17 @@ class SessionStore:
         raw = await self.redis.zrangebyscore(self.index_key, "-inf", _now_ms(), start=0, num=limit)
         return [_INDEX_MEMBER.decode(m) for m in raw]
 
-    async def idle_since(self, group: str, trajectory_id: str) -> float | None:
-        """Seconds since the session's last record; None when it holds nothing (dropped or expired)."""
-        last = await self.redis.hget(self.key(group, trajectory_id), "last")
-        return None if last is None else max(0.0, (_now_ms() - int(last)) / 1000)
+    async def idle(self, group: str, trajectory_id: str) -> tuple[float, str, int] | None:
+        """``(seconds since the session's last record, its session id, its group's size)``;
+        None when it holds nothing (closed, or expired)."""
+        last, sid, size = await self.redis.hmget(self.key(group, trajectory_id), ["last", "sid", "size"])
+        if last is None:
+            return None
+        return max(0.0, (_now_ms() - int(last)) / 1000), (sid or b"").decode(), int(size or 1)
+
+    async def forget(self, group: str, trajectory_id: str) -> None:
+        """Drop a stale index entry (its session was closed or expired)."""
+        await self.redis.zrem(self.index_key, _ENCODER.encode((group, trajectory_id)))
 
     async def postpone(self, group: str, trajectory_id: str, idle_s: float) -> None:
         """Move the session's index entry to when it goes idle, ``idle_s`` having passed already."""

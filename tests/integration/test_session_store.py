@@ -40,10 +40,10 @@ def compact_turns(turns: int = 4):
 async def test_turns_park_once_and_come_back_in_order_for_another_worker(store: SessionStore, redis_url: str) -> None:
     turns, traj = compact_turns()
     for k, turn in enumerate(turns, 1):
-        assert await store.park_turn("g", "t", turn) == (TurnOutcome.PARKED, k)
-    assert await store.park_turn("g", "t", turns[1]) == (TurnOutcome.DUPLICATE, 2)
+        assert await store.park_turn("g", "t", turn, session_id="s", group_size=2) == (TurnOutcome.PARKED, k)
+    assert await store.park_turn("g", "t", turns[1], session_id="s", group_size=2) == (TurnOutcome.DUPLICATE, 2)
     other = msgspec.structs.replace(turns[1], output_message_list=[{"role": "assistant", "content": "else"}])
-    assert (await store.park_turn("g", "t", other))[0] is TurnOutcome.CONFLICT
+    assert (await store.park_turn("g", "t", other, session_id="s", group_size=2))[0] is TurnOutcome.CONFLICT
     result = StreamedResult(scorer=0, name="j", interaction_id=turns[0].interaction_id, key=b"k", scalar=1.0)
     await store.park_results("g", "t", turns[0].interaction_id, turns[1].interaction_id, [result])
     # another worker's store (another client) reads the same session back
@@ -64,18 +64,19 @@ async def test_turns_park_once_and_come_back_in_order_for_another_worker(store: 
 
 async def test_a_session_holds_at_most_max_turns(store: SessionStore) -> None:
     turns, _ = compact_turns(6)
-    outcomes = [(await store.park_turn("g", "t", t))[0] for t in turns]
+    outcomes = [(await store.park_turn("g", "t", t, session_id="s", group_size=2))[0] for t in turns]
     assert outcomes == [TurnOutcome.PARKED] * 5 + [TurnOutcome.FULL]
 
 
 async def test_idle_sessions_are_indexed_and_dropped_sessions_leave_the_index(store: SessionStore) -> None:
     turns, _ = compact_turns(2)
-    await store.park_turn("g", "a", turns[0])
-    await store.park_turn("g", "b", turns[0])
+    await store.park_turn("g", "a", turns[0], session_id="sa", group_size=2)
+    await store.park_turn("g", "b", turns[0], session_id="sb", group_size=2)
     assert await store.due() == []  # 30 s from now
     await store.postpone("g", "a", idle_s=31.0)  # as if 31 s passed
     assert await store.due() == [("g", "a")]
-    assert 0.0 <= await store.idle_since("g", "a") < 5.0  # its hash says when it really was last seen
+    idle, sid, size = await store.idle("g", "a")  # its hash says when it really was last seen
+    assert 0.0 <= idle < 5.0 and (sid, size) == ("sa", 2)
     assert await store.redis.ttl(store.key("g", "a")) > 30
     await store.drop("g", "a")
-    assert await store.due() == [] and await store.idle_since("g", "a") is None
+    assert await store.due() == [] and await store.idle("g", "a") is None
