@@ -253,7 +253,7 @@ def add_trainer_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 # --------------------------------------------------------------------------- development commands
 BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "pool", "faults", "soak", "capacity", "sessions",
-              "fleet", "ledger")
+              "fleet", "ledger", "streaming")
 
 
 def _source_checkout() -> Path | None:
