@@ -163,8 +163,12 @@ def locate_next_state(
     out = list(output_messages)
     n = len(turn_messages)
     start: int | None = None
+    # ``is`` first: a session's turns share their history's message objects (an expanded
+    # compact session, frozen once per run), which makes checking a long session's every
+    # turn a pointer comparison per message instead of a text comparison.
     if n <= len(conv) and all(
-        _same_message(conv[i], turn_messages[i], strict_assistant=False) for i in range(n)
+        conv[i] is turn_messages[i] or _same_message(conv[i], turn_messages[i], strict_assistant=False)
+        for i in range(n)
     ) and _output_matches(out, conv, n):
         start = n
     elif out:
