@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from infra.schema import Interaction, InvalidMessage, ReadyTrajectory, SessionEnd, SessionTurn, streamed_trajectory
@@ -44,9 +44,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_OPEN = 10_000
 """Open sessions a worker keeps in memory (each: its compact turns and a few token contexts)."""
 
-Judged = Callable[[str, SessionTurn, Interaction, int, list[StreamedResult]], None]
-"""Told of each turn judged while its session streams: (scoped group, the child's record,
-the judged turn in full, its number in the session, the results) — the online samples."""
+Judged = Callable[[str, SessionTurn, Interaction, int, list[StreamedResult]], Awaitable[None]]
+"""Told of each turn judged while its session streams, for its first next state only:
+(scoped group, the child's record, the judged turn in full, its number in the session,
+the results) — the online samples (:mod:`scoring_workers.turn_samples`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -125,6 +126,7 @@ class SessionStreams:
         pair = (parent_id, child.interaction_id)
         if pair in state.judged:
             return
+        first = not any(p == parent_id for p, _ in state.judged)
         state.judged.add(pair)
         parent = state.session.full(parent_id)
         self.judge_started += 1
@@ -134,8 +136,8 @@ class SessionStreams:
                                                               "trajectory_id": turn.trajectory_id})
             state.results += results
             await self.store.park_results(group, turn.trajectory_id, parent_id, child.interaction_id, results)
-            if self.on_judged is not None:
-                self.on_judged(group, turn, parent, state.numbers.get(parent_id, 0), results)
+            if self.on_judged is not None and first:
+                await self.on_judged(group, turn, parent, state.numbers.get(parent_id, 0), results)
 
         task = asyncio.create_task(judge())
         state.running.add(task)
@@ -161,6 +163,15 @@ class SessionStreams:
             raise InvalidMessage(f"session {end.session_id!r} ended without a turn")
         traj = streamed_trajectory(list(state.session.compact.values()), end)
         return traj, Reuse(state.results)
+
+    def last_turns(self, group: str, trajectory_id: str) -> list[tuple[Interaction, int]]:
+        """The leaves of a session held here (full form, with their numbers): its last turns."""
+        state = self._open.get((group, trajectory_id))
+        if state is None:
+            return []
+        parents = {t.parent_id for t in state.session.compact.values()}
+        return [(state.session.full(iid), state.numbers.get(iid, 0)) for iid in state.session.compact
+                if iid not in parents]
 
     async def close(self, group: str, trajectory_id: str) -> None:
         """The session's member is parked: forget it here and in Redis."""

@@ -95,6 +95,7 @@ from scoring_workers.streams import SessionStreams
 from scoring_workers.sweeper import Sweeper
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.tokens import MemberTokens
+from scoring_workers.turn_samples import TurnSamples
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ class Worker:
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
         self._duplicates_log = LogThrottle(log, burst=20, window_s=60.0)  # duplicates are normal, but say so
+        self._samples: TurnSamples | None = None  # online turn samples (worker.turn_samples)
 
     def _attach(self, ledger: Ledger, producer: AIOKafkaProducer, streams: SessionStreams | None = None) -> None:
         """Wire the parts that talk to Redis and Kafka (at start; the unit tests attach fakes).
@@ -201,7 +203,11 @@ class Worker:
             raise
         store = SessionStore(ledger.redis, cfg.redis, idle_s=cfg.worker.session_idle_s,
                              max_turns=cfg.worker.session_max_turns)
-        self._attach(ledger, make_producer(cfg.kafka), SessionStreams(store))
+        producer = make_producer(cfg.kafka)
+        self._samples = TurnSamples(producer, cfg.kafka, cfg.topics, self.worker_id) \
+            if cfg.worker.turn_samples else None
+        self._attach(ledger, producer, SessionStreams(
+            store, on_judged=self._samples.judged if self._samples is not None else None))
         self._view = ledger.view
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
         self._committer = OffsetCommitter(self.consumer, owner=f"worker {self.worker_id}",
@@ -601,6 +607,8 @@ class Worker:
             self._tokens.remember(group, end.trajectory_id, job.result.turns)
         # no record holds a streamed member whole: its token turns come from this worker's memory
         await self._park(job, end.group_size, experiment, -1, -1)
+        if self._samples is not None:
+            await self._samples.ended(group, end, self.streams.last_turns(group, end.trajectory_id))
         await self.streams.close(group, end.trajectory_id)
 
     async def _score(self, traj: ReadyTrajectory, experiment: Experiment | None = None,

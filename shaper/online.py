@@ -26,14 +26,21 @@ Redelivered samples (at-least-once) get the decision they got the first time.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from infra.schema import TurnSample
+from infra.config import PipelineConfig
+from infra.experiments import turn_samples_topic
+from infra.kafka import ensure_topics, make_consumer
+from infra.schema import SchemaError, TurnSample, decode_turn_sample
 
-__all__ = ["OnlineTurnRule", "Decision", "sample_advantages", "DEFAULT_MAX_SESSIONS"]
+__all__ = ["OnlineTurnRule", "Decision", "TurnSampleReader", "sample_advantages", "DEFAULT_MAX_SESSIONS"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SESSIONS = 100_000
 """Open sessions the rule remembers (a counter and the decided turn ids each)."""
@@ -89,6 +96,55 @@ class OnlineTurnRule:
         else:
             session.decided[sample.interaction_id] = decision
         return decision
+
+
+class TurnSampleReader:
+    """One experiment's turn samples, read in a consumer group and decided in arrival order.
+
+    ``await batch()`` returns the samples read so far with their :class:`Decision`;
+    ``await commit()`` after the trainer has taken them (at-least-once: a restart reads
+    from the last commit, and a redelivered sample gets its first decision while the
+    rule remembers its session). The group is ``<trainer consumer group>.turn-samples``;
+    a record that is not a turn sample is logged and skipped (a trainer never stops on
+    one bad record; the workers are the only writers).
+    """
+
+    def __init__(self, cfg: PipelineConfig, *, rule: OnlineTurnRule | None = None) -> None:
+        self.cfg = cfg
+        self.topic = turn_samples_topic(cfg.topics.turn_samples, cfg.trainer.experiment)
+        self.rule = rule or OnlineTurnRule()
+        self.skipped = 0
+        self._consumer: Any = None
+
+    async def start(self) -> None:
+        await ensure_topics(self.cfg.kafka, self.cfg.topics, [self.topic])
+        self._consumer = make_consumer(self.cfg.kafka, self.topic,
+                                       group_id=f"{self.cfg.trainer.consumer_group}.turn-samples")
+        await self._consumer.start()
+
+    async def aclose(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+    async def batch(self, timeout_s: float = 1.0) -> list[tuple[TurnSample, Decision]]:
+        """The samples that arrived within ``timeout_s``, each decided (:meth:`OnlineTurnRule.decide`)."""
+        polled = await self._consumer.getmany(timeout_ms=int(timeout_s * 1000))
+        out = []
+        for records in polled.values():
+            for record in records:
+                try:
+                    sample = decode_turn_sample(record.value, record.headers)
+                except SchemaError as exc:
+                    self.skipped += 1
+                    log.warning("turn sample %s:%d@%d skipped: %s", record.topic, record.partition, record.offset,
+                                exc)
+                    continue
+                out.append((sample, self.rule.decide(sample)))
+        return out
+
+    async def commit(self) -> None:
+        await self._consumer.commit()
 
 
 def sample_advantages(sample: TurnSample, decision: Decision) -> tuple[np.ndarray, np.ndarray]:

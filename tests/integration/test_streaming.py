@@ -55,9 +55,11 @@ def config(kafka_bootstrap: str, redis_url: str, judge: FakeJudgeServer, **worke
 
 
 def session(tid: str, gid: str, size: int, rng: np.random.Generator, *, turns: int | None = None,
-            branch: bool | None = None) -> ReadyTrajectory:
-    """A concat-export agent session with random tool replies (the judge's evidence), maybe branching."""
-    turns = turns or int(rng.integers(1, 9))
+            branch: bool | None = None, replies: list[str] | None = None) -> ReadyTrajectory:
+    """A concat-export agent session with random tool replies (the judge's evidence), maybe
+    branching; ``replies`` scripts them instead (the reply to turn k is ``replies[k]``)."""
+    turns = len(replies) + 1 if replies else turns or int(rng.integers(1, 9))
+    scripted = iter(replies or ())
     branch = bool(rng.random() < 0.4) if branch is None else branch
     interactions: list[Interaction] = []
     fork_at = int(rng.integers(0, turns)) if branch and turns > 1 else None
@@ -66,7 +68,7 @@ def session(tid: str, gid: str, size: int, rng: np.random.Generator, *, turns: i
         if parent is None:
             messages, prompt = [{"role": "user", "content": f"task {tid}"}], rng.integers(1, 999, 5)
         else:
-            reply = {"role": "tool", "content": str(rng.choice(REPLIES))}
+            reply = {"role": "tool", "content": next(scripted, None) or str(rng.choice(REPLIES))}
             pm = parent.model_response
             messages = [*parent.messages, *parent.output_message_list, reply]
             prompt = np.concatenate([pm.input_tokens, pm.output_tokens, rng.integers(1, 999, 3)])
@@ -225,3 +227,46 @@ async def test_bad_and_late_turns(kafka_bootstrap, redis_url, judge) -> None:
     assert "not an earlier turn" in letters[0].error_message
     again = [v for v in await wait_for_verdicts(cfg, ["glate"]) if v.group_id == "glate"]
     assert len(again) == 1  # no second verdict
+
+
+async def test_online_samples_reach_the_trainer_while_the_session_runs(kafka_bootstrap, redis_url, judge) -> None:
+    """OpenClaw-RL's online mode: each turn's sample arrives when its next state did (before
+    the end), decided by the per-session rule: a leading neutral turn is kept (at least
+    one), a later neutral one is not, and the last turn closes the session excluded."""
+    from shaper.online import TurnSampleReader
+
+    cfg = config(kafka_bootstrap, redis_url, judge, turn_samples=True)
+    traj = session("online", "gonline", 1, np.random.default_rng(1), branch=False,
+                   replies=["hmm", "ok, success", "hmm"])  # judged 0, +1, 0; the 4th turn has no next state
+    turns, end = stream_session(traj)
+    reader = TurnSampleReader(cfg)
+    await reader.start()
+    got: list[Any] = []
+    try:
+        async with running_worker(cfg, "w1"):
+            async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+                deadline = time.monotonic() + 60
+                for k, turn in enumerate(turns):  # an agent: the next turn after the judge answered the last
+                    await pub.publish_turn(turn)
+                    await pub.flush()
+                    while len(got) < k:  # turn k brought turn k-1's next state: its sample comes, session open
+                        assert time.monotonic() < deadline, f"only {len(got)} samples after {k + 1} turns"
+                        got += await reader.batch(0.2)
+                await pub.end_session(end)
+            while len(got) < 4:
+                assert time.monotonic() < deadline + 30, "no sample for the last turn"
+                got += await reader.batch(0.2)
+            await reader.commit()
+            (verdict,) = await wait_for_verdicts(cfg, ["gonline"])
+    finally:
+        await reader.aclose()
+    rows = [(s.interaction_id, s.turn, s.score, s.has_next_state, s.last, d.train, d.rescued) for s, d in got]
+    assert rows == [
+        ("online-0", 1, 0.0, True, False, True, True),  # neutral, but the session had nothing yet: kept
+        ("online-1", 2, 1.0, True, False, True, False),
+        ("online-2", 3, 0.0, True, False, False, False),
+        ("online-3", 4, 0.0, False, True, False, False),  # the end: no next state, excluded
+    ]
+    sample = got[1][0]
+    assert bytes(sample.prompt_tokens_raw) == bytes(traj.interactions[1].model_response.input_tokens_raw)
+    assert verdict.status == "accepted"
