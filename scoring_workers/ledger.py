@@ -611,8 +611,9 @@ class GroupLedger:
         return answer
 
     async def park_many(self, requests: Sequence[ParkRequest]) -> list[tuple[ParkOutcome, Decision | None]]:
-        """Park several members in one call (a worker's poll), in order: a failed member
-        parked after its groupmates of the same call finds them parked.
+        """Park several members in one call, in order: a failed member parked after its
+        groupmates of the same call finds them parked. (The worker parks one member at a
+        time: concurrent parks share a call anyway.)
 
         Returns one ``(outcome, decision)`` per request; ``decision`` is set when the group
         was decided in this step (``decided_now`` for the caller that must publish). Parks

@@ -86,8 +86,8 @@ class Publisher:
                      "members' token turns: published with their records' coordinates instead "
                      "(worker.verdict_tokens: auto)", verdict.group_id, limit)
         elif verdict is not full:
-            log.warning("group=%s: verdict too large for kafka.max_message_bytes=%d (as a compressed batch), published as %s",
-                        verdict.group_id, limit, verdict.reason[:200])
+            log.warning("group=%s: verdict too large for kafka.max_message_bytes=%d (as a compressed batch), "
+                        "published as %s", verdict.group_id, limit, verdict.reason[:200])
         return verdict, verdicts_topic(self.cfg.topics.verdicts, experiment_id), value, headers
 
     def _published(self, decision: Decision, verdict: GroupVerdict, sent_at: float) -> None:

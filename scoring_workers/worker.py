@@ -421,7 +421,8 @@ class Worker:
                 message = exc
             if isinstance(message, TrajectoryChunk):
                 self._committer.tracker.begin(TopicPartition(record.topic, record.partition), record.offset)
-                jobs += (job_of(r, m, self._route(r, m), extra, consumed_at) for r, m, extra in self._chunks.add(record, message))
+                for first, whole, extra in self._chunks.add(record, message):
+                    jobs.append(job_of(first, whole, self._route(first, whole), extra, consumed_at))
             else:
                 jobs.append(job_of(record, message, self._route(record, message), [], consumed_at))
         return jobs

@@ -1,0 +1,1 @@
+"""In-memory stand-ins for the unit tests (the integration tests use the real services)."""
