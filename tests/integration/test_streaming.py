@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from infra import jsonl
 from infra.config import PipelineConfig, PRMScorerConfig
 from infra.schema import (
     GroupVerdict,
@@ -27,6 +28,7 @@ from infra.schema import (
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from producers.publisher import TrajectoryPublisher
 from tests.integration.harness import isolated_config, read_topic, running_worker, until, wait_for_verdicts
+from tests.integration.test_gateway import gateway, post
 
 pytestmark = pytest.mark.integration
 
@@ -270,3 +272,22 @@ async def test_online_samples_reach_the_trainer_while_the_session_runs(kafka_boo
     sample = got[1][0]
     assert bytes(sample.prompt_tokens_raw) == bytes(traj.interactions[1].model_response.input_tokens_raw)
     assert verdict.status == "accepted"
+
+
+async def test_the_gateway_streams_a_session(kafka_bootstrap, redis_url, judge) -> None:
+    """``POST /v1/turn`` per turn and ``POST /v1/end`` (JSONL lines): the end answers with the verdict."""
+    cfg = config(kafka_bootstrap, redis_url, judge)
+    turns, end = stream_session(session("http", "ghttp", 1, np.random.default_rng(4), turns=3))
+    async with running_worker(cfg, "w1"), gateway(cfg) as url:
+        for turn in turns:
+            status, body, _ = await post(f"{url}/v1/turn", jsonl.dump(turn))
+            assert status == 200, body
+            assert body == {"published": "turn", "trajectory_id": "http",
+                            "interaction_id": turn.interaction.interaction_id}
+        status, body, _ = await post(f"{url}/v1/turn", {**jsonl.dump(turns[0]), "extra": 1})
+        assert status == 400 and "unknown key 'extra'" in body["error"]
+        status, body, _ = await post(f"{url}/v1/turn", jsonl.dump(end))
+        assert status == 400 and "takes a `turn` line" in body["error"]
+        status, body, _ = await post(f"{url}/v1/end", jsonl.dump(end))
+        assert status == 200, body
+        assert (body["group_id"], body["status"], body["reason_code"]) == ("ghttp", "accepted", "")
