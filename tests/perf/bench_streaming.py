@@ -17,7 +17,9 @@ ready, ...), so both forms see the same machine:
   the last turn (the environment computing the outcome); latency = verdict arrival - the
   moment the ``end`` records' ``flush`` returned.
 
-Also reported per form: the judge's peak requests in flight against their mean over the
+Also reported: the Redis memory an open streamed session holds per parked turn (its
+compact turns and streamed judge results, ``MEMORY USAGE`` of its hash just before its
+end), and per form the judge's peak requests in flight against their mean over the
 form's run (sampled every 10 ms from the judge server): the ready form sends a
 session's whole judge work in one burst at its end, the streamed form spreads it over
 the session. Run with ``--end-after 0`` to see the last judged turn's call inside the
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import redis.asyncio as aioredis
 
 from infra.config import (
     ActorConfig,
@@ -59,6 +62,7 @@ from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from prm_pipeline.demo.synthetic import make_session
 from prm_pipeline.observe import VerdictTail
 from producers.publisher import TrajectoryPublisher
+from scoring_workers.session_store import session_key
 from tests.integration.harness import running_worker
 
 
@@ -130,7 +134,7 @@ async def _ready(pub: TrajectoryPublisher, tail: VerdictTail, members: list[Read
 
 
 async def _streamed(pub: TrajectoryPublisher, tail: VerdictTail, members: list[ReadyTrajectory], gap: float,
-                    end_after: float) -> float:
+                    end_after: float, held: list[float], redis: aioredis.Redis, prefix: str) -> float:
     split = [stream_session(t) for t in members]
     for k in range(max(len(turns) for turns, _ in split)):
         for turns, _ in split:
@@ -139,6 +143,8 @@ async def _streamed(pub: TrajectoryPublisher, tail: VerdictTail, members: list[R
         await pub.flush()
         await asyncio.sleep(gap)
     await asyncio.sleep(end_after)
+    key = session_key(prefix, members[0].group_id, members[0].trajectory_id)  # the default experiment's group key
+    held.append(int(await redis.memory_usage(key, samples=0) or 0) / len(members[0].interactions))
     for _, end in split:
         await pub.end_session(end)
     await pub.flush()
@@ -161,6 +167,7 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
     with tempfile.TemporaryDirectory(prefix="prm-bench-") as tmp, LocalStack(Path(tmp) / "stack") as stack, \
             FakeJudgeServer(latency_ms=args.latency * 1000) as judge:
         cfg = _config(stack, judge, args)
+        redis = aioredis.from_url(stack.redis_url)
         async with running_worker(cfg, "bench-worker"), TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             tail = VerdictTail(cfg)
             await tail.start()
@@ -168,6 +175,7 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
                 await _ready(pub, tail, _group("warm-up", 1, 2, rng))  # clients connected, partitions assigned
                 for turns, n in zip(lengths, groups):
                     lat: dict[str, list[float]] = {"ready": [], "streamed": []}
+                    held: list[float] = []
                     load: dict[str, list[int]] = {"ready": [], "streamed": []}
                     for g in range(n):
                         for form in ("ready", "streamed"):
@@ -176,23 +184,27 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
                                 if form == "ready":
                                     lat[form].append(await _ready(pub, tail, members))
                                 else:
-                                    lat[form].append(await _streamed(pub, tail, members, args.gap, args.end_after))
+                                    lat[form].append(await _streamed(pub, tail, members, args.gap, args.end_after,
+                                                                     held, redis, cfg.redis.key_prefix))
                             load[form] += sampled.samples
                     for form in ("ready", "streamed"):
                         busy = load[form]
                         rows.append({"turns": turns, "form": form, "groups": n, "p50": _pct(lat[form], 0.5),
                                      "p99": _pct(lat[form], 0.99), "peak": max(busy, default=0),
-                                     "mean": statistics.fmean(busy) if busy else 0.0})
+                                     "mean": statistics.fmean(busy) if busy else 0.0,
+                                     "held": statistics.fmean(held) if form == "streamed" else 0.0})
                         print(_line(rows[-1]), flush=True)
             finally:
                 await tail.aclose()
+                await redis.aclose()
     return rows
 
 
 def _line(r: dict[str, object]) -> str:
     ratio = r["peak"] / r["mean"] if r["mean"] else float("nan")  # type: ignore[operator]
+    held = f"{r['held']:>9.0f}" if r["form"] == "streamed" else f"{'':>9}"
     return (f"{r['turns']:>6} {r['form']:>9} {r['groups']:>7} {r['p50']:>8.3f} {r['p99']:>8.3f} "
-            f"{r['peak']:>6} {r['mean']:>7.1f} {ratio:>8.1f}")
+            f"{r['peak']:>6} {r['mean']:>7.1f} {ratio:>9.1f} {held}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_streaming: groups of {args.group_size} sessions, OpenClaw judge m=3 at {args.latency:g} s per "
           f"request, one in-process worker; streamed turns every {args.gap:g} s, end {args.end_after:g} s after "
           "the last turn")
-    print(f"{'turns':>6} {'form':>9} {'groups':>7} {'p50 s':>8} {'p99 s':>8} {'peak':>6} {'mean':>7} {'peak/mean':>8}"
-          "   (end -> verdict; judge requests in flight)")
+    print(f"{'turns':>6} {'form':>9} {'groups':>7} {'p50 s':>8} {'p99 s':>8} {'peak':>6} {'mean':>7} {'peak/mean':>9} "
+          f"{'B/turn':>9}   (end -> verdict; judge requests in flight; Redis bytes per parked turn before the end)")
     rows = asyncio.run(_bench(args))
     for turns in sorted({r["turns"] for r in rows}):  # type: ignore[type-var]
         ready = next(r for r in rows if r["turns"] == turns and r["form"] == "ready")
