@@ -72,7 +72,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--groups", default="5,3,1", help="groups per form for each length (default 5,3,1)")
     parser.add_argument("--group-size", type=int, default=2, help="sessions per group (default 2)")
     parser.add_argument("--latency", type=float, default=0.5, help="judge latency in seconds (default 0.5)")
-    parser.add_argument("--gap", type=float, default=0.05, help="seconds between a session's turns (default 0.05)")
+    parser.add_argument("--gap", type=float, default=0.1, help="seconds between a session's turns (default 0.1)")
     parser.add_argument("--judge-concurrency", type=int, default=64,
                         help="judge requests a worker keeps in flight (the judge's capacity; default 64)")
     parser.add_argument("--end-after", type=float, default=1.0,
