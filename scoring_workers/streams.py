@@ -108,8 +108,16 @@ class SessionStreams:
                                      "with other content")
             return TurnOutcome.DUPLICATE
         full = state.session.add(it)  # InvalidMessage: not the session's next turn; nothing kept
-        outcome, number = await self.store.park_turn(group, turn.trajectory_id, it, session_id=turn.session_id,
-                                                     group_size=turn.group_size)
+        try:
+            outcome, number = await self.store.park_turn(group, turn.trajectory_id, it, session_id=turn.session_id,
+                                                         group_size=turn.group_size)
+        except BaseException:
+            # Not durable: forget the session here, so the retry (or the next record) reloads
+            # what Redis really holds instead of taking this turn for parked.
+            self._open.pop((group, turn.trajectory_id), None)
+            raise
+        if outcome in (TurnOutcome.CONFLICT, TurnOutcome.FULL):
+            self._open.pop((group, turn.trajectory_id), None)  # holds a turn Redis refused
         if outcome is TurnOutcome.CONFLICT:
             raise InvalidMessage(f"session {turn.session_id!r}: turn id {it.interaction_id!r} was parked before "
                                  "with other content")

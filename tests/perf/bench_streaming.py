@@ -26,7 +26,7 @@ the session. Run with ``--end-after 0`` to see the last judged turn's call insid
 streamed latency (the end then arrives while it is still running).
 
 This is a report, not a gate: nothing is asserted. Run:
-``prm-pipeline bench streaming`` (about 3 minutes) or
+``prm-pipeline bench streaming`` (about 5 minutes) or
 ``python -m tests.perf.bench_streaming --lengths 10,100 --groups 3``.
 """
 
