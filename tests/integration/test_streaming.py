@@ -121,10 +121,23 @@ def twin(traj: ReadyTrajectory, suffix: str) -> ReadyTrajectory:
 
 
 async def test_streamed_sessions_get_the_ready_verdict(kafka_bootstrap, redis_url, judge) -> None:
-    cfg = config(kafka_bootstrap, redis_url, judge)
-    rng = np.random.default_rng(7)
+    await compare_forms(config(kafka_bootstrap, redis_url, judge), n_groups=12, seed=7)
+
+
+@pytest.mark.slow
+async def test_a_thousand_streamed_sessions_get_the_ready_verdict(kafka_bootstrap, redis_url, judge) -> None:
+    """The goal's scale: 1,000 sessions of 1 to 8 turns, 40 % branching, in groups of 1 or 2."""
+    sessions = await compare_forms(config(kafka_bootstrap, redis_url, judge, group_timeout_s=600), n_groups=667,
+                                   seed=1000, timeout_s=900)
+    assert sessions >= 1000
+
+
+async def compare_forms(cfg: PipelineConfig, *, n_groups: int, seed: int, timeout_s: float = 90) -> int:
+    """Publish ``n_groups`` random groups twice, whole and streamed, under other group ids;
+    assert every streamed verdict equals its ready twin's; return the number of sessions."""
+    rng = np.random.default_rng(seed)
     groups = []
-    for g in range(12):
+    for g in range(n_groups):
         size = int(rng.integers(1, 3))
         groups.append([session(f"t{g}-{m}", f"g{g}", size, rng) for m in range(size)])
     async with running_worker(cfg, "w1"):
@@ -134,7 +147,7 @@ async def test_streamed_sessions_get_the_ready_verdict(kafka_bootstrap, redis_ur
                     await pub.publish_ready(twin(traj, "@ready"))
                     await stream(pub, twin(traj, "@stream"))
         ids = [m[0].group_id + s for m in groups for s in ("@ready", "@stream")]
-        verdicts = {v.group_id: v for v in await wait_for_verdicts(cfg, ids, timeout_s=90)}
+        verdicts = {v.group_id: v for v in await wait_for_verdicts(cfg, ids, timeout_s=timeout_s)}
     for members in groups:
         gid = members[0].group_id
         ready, streamed = verdicts[gid + "@ready"], verdicts[gid + "@stream"]
@@ -142,6 +155,7 @@ async def test_streamed_sessions_get_the_ready_verdict(kafka_bootstrap, redis_ur
         assert scores(streamed) == scores(ready)
     assert any(len(b.path) > 1 for v in verdicts.values() for s in v.sessions for b in s.branches)
     assert any(len(s.branches) > 1 for v in verdicts.values() for s in v.sessions)  # branching sessions
+    return sum(map(len, groups))
 
 
 async def test_a_group_may_mix_ready_and_streamed_members(kafka_bootstrap, redis_url, judge) -> None:
