@@ -30,8 +30,8 @@ from scoring_workers.telemetry import WorkerTelemetry
 class Admission:
     """The worker's slots: records in flight, per-experiment caps, and the records held back.
 
-    ``start`` starts a held record once its experiment has room (the worker's
-    ``_start_held``)."""
+    ``start`` starts a held record once its experiment has room (the worker's ``_spawn``,
+    which routes it again)."""
 
     def __init__(self, concurrency: int, fleet: Fleet, telemetry: WorkerTelemetry,
                  start: Callable[[Job], None]) -> None:

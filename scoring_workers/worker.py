@@ -80,6 +80,7 @@ from scoring_workers.ledger import (
     DecisionKind,
     GroupLedger,
     Ledger,
+    LedgerView,
     ParkOutcome,
     ParkRequest,
     ProbeOutcome,
@@ -149,7 +150,7 @@ class Worker:
         self.admission = Admission(concurrency or cfg.worker.concurrency, self.fleet, self.telemetry,
                                    functools.partial(self._spawn, reroute=True))
         self._registry: RegistryFollower | None = None
-        self._view: Any = None  # the ledger's LedgerView once open (the heartbeat's)
+        self._view: LedgerView | None = None  # the ledger's read side once open (the heartbeat's)
         self._tokens = MemberTokens(cfg)
         self._chunks = WorkerChunks()
         self._marks = ProbeMarks()
@@ -277,8 +278,7 @@ class Worker:
                 last_lag = now
             if registry is None or registry.done():
                 registry = self._background("registry", self._follow_registry())
-        log.info("worker %s stopping: draining %d in-flight records", self.worker_id,
-                 self.admission.in_flight)
+        log.info("worker %s stopping: draining %d in-flight records", self.worker_id, self.admission.in_flight)
         if registry is not None:
             registry.cancel()
         for step in (sweeper, lag):
