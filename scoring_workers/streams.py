@@ -19,7 +19,8 @@ A worker that did not see the session's earlier turns (a takeover after a crash 
 rebalance) loads them, and the results parked so far, from Redis; a judge call that was
 running on the dead worker is simply made again at the end. Memory: at most
 ``max_open`` sessions are kept here (least recently used first out; a session let go is
-loaded again from Redis when its next record comes).
+loaded again from Redis when its next record comes), each with its compact turns and its
+messages frozen once for the scorers (read-only views, kept across its turns).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from infra.schema import Interaction, InvalidMessage, ReadyTrajectory, SessionEnd, SessionTurn, streamed_trajectory
 from scoring_workers.open_sessions import OpenSession
@@ -56,6 +58,7 @@ class _Open:
     results: list[StreamedResult] = field(default_factory=list)
     judged: set[tuple[str, str]] = field(default_factory=set)  # (turn, child) pairs judged or being judged
     running: set[asyncio.Task[None]] = field(default_factory=set)
+    frozen: dict[str, Any] = field(default_factory=dict)  # the runner's message cache, kept across turns
     numbers: dict[str, int] = field(default_factory=dict)  # turn id -> 1, 2, ... in arrival order
 
 
@@ -141,7 +144,7 @@ class SessionStreams:
 
         async def judge() -> None:
             results = await runner.score_turn(parent, child, {"session_id": turn.session_id,
-                                                              "trajectory_id": turn.trajectory_id})
+                                                              "trajectory_id": turn.trajectory_id}, state.frozen)
             state.results += results
             await self.store.park_results(group, turn.trajectory_id, parent_id, child.interaction_id, results)
             if self.on_judged is not None and first:

@@ -56,8 +56,8 @@ class ScoringRunner(Protocol):
         """Whether a streamed turn has anything to run before its session ends."""
         ...
 
-    async def score_turn(self, turn: Interaction, next_turn: Interaction,
-                         ctx: Mapping[str, Any]) -> list[StreamedResult]:
+    async def score_turn(self, turn: Interaction, next_turn: Interaction, ctx: Mapping[str, Any],
+                         cache: dict[str, Any] | None = None) -> list[StreamedResult]:
         """Run the streamable scorers on a streamed turn (:mod:`scoring_workers.streams`)."""
         ...
 

@@ -531,7 +531,8 @@ class PRMRunner:
         """Whether :meth:`score_turn` has anything to run (an active streamable per-turn scorer)."""
         return any(s.streamable and not isinstance(s, BaseTrajectoryScorer) for s in self._active)
 
-    async def score_turn(self, turn: Any, next_turn: Any, ctx: Mapping[str, Any]) -> list[StreamedResult]:
+    async def score_turn(self, turn: Any, next_turn: Any, ctx: Mapping[str, Any],
+                         cache: MessageCache | None = None) -> list[StreamedResult]:
         """Run the active :attr:`~scoring_workers.prm.BaseScorer.streamable` per-turn
         scorers on ``turn`` of a streamed session, now that ``next_turn`` (a child of it,
         full form) brought its next state.
@@ -543,6 +544,8 @@ class PRMRunner:
         view has no ``parent`` (a streamable scorer reads its turn only). A scorer that
         raises or returns None here is simply called again when the session ends, where
         its failure counts as for a ``ready`` session: only successes are returned.
+        ``cache``: the session's frozen messages, kept by the caller across its turns (a
+        message is then frozen once per session, not once per turn).
         """
         if self._closing:
             raise RunnerClosedError("PRMRunner is closing or closed; score_turn() is no longer accepted")
@@ -552,7 +555,7 @@ class PRMRunner:
             return []
         self._inflight += 1
         try:
-            cache: MessageCache = {}
+            cache = {} if cache is None else cache
             view, child = InteractionView(turn, None, cache), InteractionView(next_turn, None, cache)
             call_ctx = dict(ctx)
             call_ctx.pop("is_eval", None)
