@@ -84,7 +84,12 @@ def _config(stack: LocalStack, judge: FakeJudgeServer, args: argparse.Namespace)
     name = uuid.uuid4().hex[:8]
     scorer = PRMScorerConfig("scoring_workers.scorers.openclaw.OpenClawJudgeScorer", kwargs={
         "base_url": judge.base_url, "model": "fake-judge", "temperature": 0.0, "max_tokens": 64, "m": 3,
-        "adaptive": False, "timeout_s": 30.0, "max_concurrency": args.judge_concurrency})
+        "adaptive": False, "timeout_s": 30.0, "max_concurrency": args.judge_concurrency,
+        # The fake judge shares this process: under the ready form's bursts a connection may
+        # fail; the breaker would then fail the next form's calls fast for its reset time
+        # (streamed turns whose call failed are judged again at the end, which measures the
+        # breaker, not streaming). Retried instead.
+        "max_retries": 5, "breaker_failure_threshold": 1_000_000})
     return PipelineConfig(
         rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[scorer]))),
         actor=ActorConfig(token_rewards_as_adv=True),
