@@ -123,12 +123,6 @@ class SessionStore:
             pipe.expire(key, self.ttl_s)
             await pipe.execute()
 
-    async def touch(self, group: str, trajectory_id: str) -> None:
-        """A record of the session arrived (its ``end``): it is not idle."""
-        now = _now_ms()
-        await self.redis.hset(self.key(group, trajectory_id), "last", now)
-        await self._index(group, trajectory_id, now)
-
     async def load(self, group: str, trajectory_id: str) -> ParkedSession:
         """The session's parked turns (arrival order) and streamed results."""
         raw = await self.redis.hgetall(self.key(group, trajectory_id))

@@ -71,7 +71,6 @@ class SessionStreams:
         self.max_open = max_open
         self.on_judged = on_judged
         self._open: OrderedDict[tuple[str, str], _Open] = OrderedDict()
-        self.judge_started = 0  # streamed judge runs started (telemetry, the benchmark)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -140,7 +139,6 @@ class SessionStreams:
         first = not any(p == parent_id for p, _ in state.judged)
         state.judged.add(pair)
         parent = state.session.full(parent_id)
-        self.judge_started += 1
 
         async def judge() -> None:
             results = await runner.score_turn(parent, child, {"session_id": turn.session_id,
