@@ -360,6 +360,9 @@ class TopicsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verdicts: str = "prm.verdicts"
     dead_letters: str = "prm.dead-letters"
     experiments: str = "prm.experiments"  # the experiment registry (compacted; docs/fleet.md)
+    # Judged turns of streamed sessions for online trainers (OpenClaw-RL's mode; docs/trainer.md),
+    # written only by workers with worker.turn_samples on.
+    turn_samples: str = "prm.turn-samples"
     partitions: Positive = 8
     replication_factor: Positive = 1
     retention_ms: int = 7 * 86_400_000
@@ -421,6 +424,14 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # and by reference when it does not, decided per verdict (a group of long sessions
     # is never rejected for its size). docs/wire.md, "Token turns inline or by reference".
     verdict_tokens: Literal["auto", "inline", "reference"] = "auto"
+    # Streamed sessions (docs/wire.md, "Streamed sessions"): one that receives no record
+    # for this long is answered as a missing member (its group is rejected, session_idle)
+    # and its parked turns expire; at most session_max_turns turns are parked per session.
+    session_idle_s: Seconds = 600.0
+    session_max_turns: Positive = 10_000
+    # Publish every judged turn of a streamed session on topics.turn_samples, for online
+    # trainers (OpenClaw-RL's mode; docs/trainer.md, "Online").
+    turn_samples: bool = False
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

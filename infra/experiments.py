@@ -30,7 +30,8 @@ from infra.errors import ConfigError, ConfigurationError
 
 __all__ = [
     "DEFAULT_EXPERIMENT", "EXPERIMENT_ID_PATTERN", "SCOPE_SEPARATOR", "UnknownExperiment", "check_experiment_id",
-    "experiment_of_topic", "scoped_group", "split_scoped", "trajectories_topic", "verdicts_topic",
+    "experiment_of_topic", "scoped_group", "split_scoped", "trajectories_topic", "turn_samples_topic",
+    "verdicts_topic",
 ]
 
 DEFAULT_EXPERIMENT: Final = "default"
@@ -89,6 +90,11 @@ def experiment_of_topic(base: str, topic: str) -> str | None:
 
 def verdicts_topic(base: str, experiment_id: str) -> str:
     """The topic workers publish ``experiment_id``'s verdicts to (``base`` = ``topics.verdicts``)."""
+    return base if experiment_id == DEFAULT_EXPERIMENT else f"{base}.{experiment_id}"
+
+
+def turn_samples_topic(base: str, experiment_id: str) -> str:
+    """The topic workers publish ``experiment_id``'s online turn samples to (``base`` = ``topics.turn_samples``)."""
     return base if experiment_id == DEFAULT_EXPERIMENT else f"{base}.{experiment_id}"
 
 

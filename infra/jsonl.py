@@ -32,6 +32,8 @@ from infra.schema import (
     Interaction,
     ModelResponse,
     ReadyTrajectory,
+    SessionEnd,
+    SessionTurn,
     TrajectoryMessage,
     expand_turns,
 )
@@ -39,13 +41,14 @@ from infra.types import Int64, TokenId, validating
 
 __all__ = ["JsonlError", "parse", "load", "load_lines", "dump", "write", "KINDS", "MAX_NESTING"]
 
-KINDS = ("ready", "discard")
+KINDS = ("ready", "discard", "turn", "end")
 MAX_NESTING = 128
 """A line nests arrays and objects at most this deep (its own object is level 1). Only the
 free-form ``messages`` / ``output_message_list`` can go deep; the bound keeps every
 accepted line decodable and re-encodable whatever the caller's stack (a JSON or msgpack
 codec recurses once per level: 100,000 ``[`` would otherwise be a ``RecursionError``)."""
 _MESSAGES_DEPTH = 3  # a message list's level minus one: the line, ``interactions``, the interaction
+_TURN_MESSAGES_DEPTH = 2  # in a ``turn`` line: the line, its ``interaction``
 
 
 class JsonlError(WireError, ValueError):
@@ -94,8 +97,33 @@ class _JDiscard(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="d
     experiment_id: str | None = None  # checked by the wire struct (its message names the grammar)
 
 
-_JLine = _JReady | _JDiscard
-_BY_KIND: dict[str, type[_JReady] | type[_JDiscard]] = {"ready": _JReady, "discard": _JDiscard}
+class _JTurn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="turn", tag_field="kind"):
+    trajectory_id: WireId
+    session_id: WireId
+    group_id: WireId
+    group_size: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+    interaction: _JInteraction
+    created_at: float = 0.0
+    experiment_id: str | None = None
+
+
+class _JEnd(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="end", tag_field="kind"):
+    trajectory_id: WireId
+    session_id: WireId
+    group_id: WireId
+    group_size: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+    outcome_reward: float
+    is_eval: bool = False
+    policy_version: Int64 | None = None
+    created_at: float = 0.0
+    turn_count: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] | None = None
+    experiment_id: str | None = None
+
+
+_JLine = _JReady | _JDiscard | _JTurn | _JEnd
+_BY_KIND: dict[str, type[_JReady] | type[_JDiscard] | type[_JTurn] | type[_JEnd]] = {
+    "ready": _JReady, "discard": _JDiscard, "turn": _JTurn, "end": _JEnd,
+}
 _LINE_DECODER = msgspec.json.Decoder(_JLine)
 _ENCODER = msgspec.json.Encoder()
 
@@ -123,9 +151,9 @@ def _check_free_form(value: Any, depth: int, where: str = "", *, ints: bool = Tr
 
 
 # --------------------------------------------------------------------------- JSON -> wire
-def _interaction(j: _JInteraction, where: str) -> Interaction:
-    _check_free_form(j.messages, _MESSAGES_DEPTH, f"{where}.messages")
-    _check_free_form(j.output_message_list, _MESSAGES_DEPTH, f"{where}.output_message_list")
+def _interaction(j: _JInteraction, where: str, depth: int = _MESSAGES_DEPTH) -> Interaction:
+    _check_free_form(j.messages, depth, f"{where}.messages")
+    _check_free_form(j.output_message_list, depth, f"{where}.output_message_list")
     n_out = len(j.output_tokens)
     logprobs = None
     if j.output_logprobs is not None:
@@ -169,11 +197,27 @@ def _interaction(j: _JInteraction, where: str) -> Interaction:
         raise JsonlError(f"{where}: {exc}") from None
 
 
-def _to_wire(j: _JReady | _JDiscard) -> TrajectoryMessage:
+def _to_wire(j: _JReady | _JDiscard | _JTurn | _JEnd) -> TrajectoryMessage:
     if isinstance(j, _JDiscard):
         try:
             return DiscardGroup(group_id=j.group_id, reason=j.reason, requested_at=j.requested_at,
                                 experiment_id=_experiment(j.experiment_id))
+        except ValueError as exc:
+            raise JsonlError(str(exc)) from None
+    if isinstance(j, _JTurn):
+        interaction = _interaction(j.interaction, "interaction", _TURN_MESSAGES_DEPTH)
+        try:
+            return SessionTurn(trajectory_id=j.trajectory_id, session_id=j.session_id, group_id=j.group_id,
+                               group_size=j.group_size, interaction=interaction, created_at=j.created_at,
+                               experiment_id=_experiment(j.experiment_id))
+        except ValueError as exc:
+            raise JsonlError(str(exc)) from None
+    if isinstance(j, _JEnd):
+        try:
+            return SessionEnd(trajectory_id=j.trajectory_id, session_id=j.session_id, group_id=j.group_id,
+                              group_size=j.group_size, outcome_reward=j.outcome_reward, is_eval=j.is_eval,
+                              policy_version=j.policy_version, created_at=j.created_at, turn_count=j.turn_count,
+                              experiment_id=_experiment(j.experiment_id))
         except ValueError as exc:
             raise JsonlError(str(exc)) from None
     interactions = [_interaction(ji, f"interactions[{i}]") for i, ji in enumerate(j.interactions)]
@@ -277,6 +321,23 @@ def dump(message: TrajectoryMessage) -> dict[str, Any]:
         if message.experiment_id is not msgspec.UNSET:
             out["experiment_id"] = message.experiment_id
         return out
+    if isinstance(message, SessionTurn):
+        if message.is_compact:
+            raise JsonlError(f"turn {message.interaction.interaction_id!r} is compact; JSONL carries full turns "
+                             "(expand the session first)")
+        out = {"kind": "turn", **_member(message), "interaction": _dump_interaction(message.interaction)}
+        if message.created_at:
+            out["created_at"] = message.created_at
+        return out
+    if isinstance(message, SessionEnd):
+        out = {"kind": "end", **_member(message), "outcome_reward": message.outcome_reward,
+               "is_eval": message.is_eval}
+        for name in ("policy_version", "turn_count"):
+            if getattr(message, name) is not None:
+                out[name] = getattr(message, name)
+        if message.created_at:
+            out["created_at"] = message.created_at
+        return out
     if not isinstance(message, ReadyTrajectory):
         raise TypeError(f"cannot dump {type(message).__name__} as a JSONL trajectory record")
     out = {
@@ -295,6 +356,14 @@ def dump(message: TrajectoryMessage) -> dict[str, Any]:
     if message.experiment_id is not msgspec.UNSET:
         out["experiment_id"] = message.experiment_id
     out["interactions"] = [_dump_interaction(i) for i in message.interactions]
+    return out
+
+
+def _member(message: SessionTurn | SessionEnd) -> dict[str, Any]:
+    out: dict[str, Any] = {"trajectory_id": message.trajectory_id, "session_id": message.session_id,
+                           "group_id": message.group_id, "group_size": message.group_size}
+    if message.experiment_id is not msgspec.UNSET:
+        out["experiment_id"] = message.experiment_id
     return out
 
 

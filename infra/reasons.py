@@ -32,7 +32,7 @@ __all__ = [
     "register", "registered", "render_markdown", "require",
     "DISCARDED", "UNKNOWN_EXPERIMENT", "INVALID_MEMBER", "GROUP_SIZE_MISMATCH", "MISSING_SESSIONS", "VERDICT_TOO_LARGE",
     "NOT_CONCAT_EXPORT", "TOKENS_UNAVAILABLE", "SCORER_ERROR", "SCORER_TIMEOUT", "SCORER_RETURNED_NONE",
-    "INVALID_REWARD", "INVALID_OBSERVATION", "NOT_TOKEN_BACKED", "INVALID_TRAJECTORY", "JUDGE_FAILED",
+    "INVALID_REWARD", "INVALID_OBSERVATION", "NOT_TOKEN_BACKED", "INVALID_TRAJECTORY", "SESSION_IDLE", "JUDGE_FAILED",
 ]
 
 CODE_PATTERN: Final = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -135,6 +135,10 @@ NOT_TOKEN_BACKED: Final = _add(
 INVALID_TRAJECTORY: Final = _add(
     "invalid_trajectory", "rejected", True,
     "the scoring run found parent links that do not form a forest")
+SESSION_IDLE: Final = _add(
+    "session_idle", "rejected", True,
+    "a streamed session received no record for `worker.session_idle_s` before its `end`: it is answered "
+    "as a missing member instead of keeping its group open")
 JUDGE_FAILED: Final = _add(
     "judge_failed", "rejected", True,
     "every judge vote of a turn failed (request errors or no valid score; the detail carries the last "

@@ -11,7 +11,7 @@ little-endian bytes and are exposed as zero-copy, read-only numpy views, so deco
 a 32k-token trajectory creates no per-token Python objects.
 
 Every Kafka record carries two headers: :data:`SCHEMA_HEADER` (the schema version)
-and :data:`KIND_HEADER` (``ready``, ``discard``, ``chunk``, ``verdict``). Decoding checks
+and :data:`KIND_HEADER` (``ready``, ``discard``, ``chunk``, ``turn``, ``end``, ``verdict``). Decoding checks
 both and raises a :class:`SchemaError` subclass that says what was wrong.
 
 Long sessions travel in the *compact* form (schema version 2): each interaction carries
@@ -275,12 +275,7 @@ class ReadyTrajectory(msgspec.Struct, frozen=True, kw_only=True, tag="ready", ta
     names another one is refused (:func:`check_channel`)."""
 
     def __post_init__(self) -> None:
-        for name in ("trajectory_id", "session_id", "group_id"):
-            if not getattr(self, name):
-                raise SchemaError(f"{name} must be a non-empty string")
-        _check_experiment(self.experiment_id)
-        if self.group_size < 1:
-            raise SchemaError(f"group_size must be >= 1, got {self.group_size}")
+        _check_member(self.trajectory_id, self.session_id, self.group_id, self.group_size, self.experiment_id)
         _check_finite("outcome_reward", self.outcome_reward)
         if not self.interactions:
             raise SchemaError("interactions must not be empty")
@@ -350,7 +345,148 @@ class TrajectoryChunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", ta
             raise SchemaError(f"chunk data must hold 1..total_bytes={self.total_bytes} bytes, got {len(self.data)}")
 
 
-TrajectoryMessage = ReadyTrajectory | DiscardGroup | TrajectoryChunk
+class SessionTurn(msgspec.Struct, frozen=True, kw_only=True, tag="turn", tag_field="kind"):
+    """One interaction of a *streamed* session, sent as soon as the agent produced it.
+
+    A session may arrive whole (``ready``) or as ``turn`` records followed by one
+    ``end`` (:class:`SessionEnd`); both forms describe the same
+    :class:`ReadyTrajectory` (:func:`streamed_trajectory`), and a worker gives both the
+    same verdict. ``interaction`` is exactly one element of a ready trajectory's
+    ``interactions``: its ``parent_id`` names an *earlier* turn of the same session
+    (any one: branching is allowed), and in the compact form (schema version 2) its
+    ``shared_messages`` / ``shared_tokens`` count what it repeats of that parent's
+    context, exactly as inside a compact ``ready`` record. The other fields repeat the
+    session's identity on every record, so each turn is routed on its own; they must
+    agree across the session's records (the worker rejects the session otherwise).
+    """
+
+    trajectory_id: str
+    session_id: str
+    group_id: str
+    group_size: int
+    interaction: Interaction
+    created_at: float = 0.0
+    """Unix seconds when the producer sent the turn (latency accounting only)."""
+    experiment_id: str | msgspec.UnsetType = msgspec.UNSET
+    """As :attr:`ReadyTrajectory.experiment_id`."""
+
+    def __post_init__(self) -> None:
+        _check_member(self.trajectory_id, self.session_id, self.group_id, self.group_size, self.experiment_id)
+
+    @property
+    def experiment(self) -> str:
+        """``experiment_id``, or ``"default"`` when the record names none."""
+        return _experiment(self.experiment_id)
+
+    @property
+    def is_compact(self) -> bool:
+        """True when the interaction stores only its delta (schema version 2 on the wire)."""
+        return bool(self.interaction.shared_messages or self.interaction.shared_tokens)
+
+
+class SessionEnd(msgspec.Struct, frozen=True, kw_only=True, tag="end", tag_field="kind"):
+    """The end of a streamed session: the session-level fields of ``ready``.
+
+    Sent after the session's last ``turn`` (same record key, so it is read after them).
+    ``turn_count``, when given, is the number of distinct turns the session sent: a
+    worker that holds another number rejects the member (``invalid_member``) instead of
+    scoring a session with a lost turn.
+    """
+
+    trajectory_id: str
+    session_id: str
+    group_id: str
+    group_size: int
+    outcome_reward: float
+    is_eval: bool = False
+    policy_version: int | None = None
+    created_at: float = 0.0
+    turn_count: int | None = None
+    experiment_id: str | msgspec.UnsetType = msgspec.UNSET
+    """As :attr:`ReadyTrajectory.experiment_id`."""
+
+    def __post_init__(self) -> None:
+        _check_member(self.trajectory_id, self.session_id, self.group_id, self.group_size, self.experiment_id)
+        _check_finite("outcome_reward", self.outcome_reward)
+        if self.turn_count is not None and self.turn_count < 1:
+            raise SchemaError(f"turn_count must be >= 1, got {self.turn_count}")
+
+    @property
+    def experiment(self) -> str:
+        """``experiment_id``, or ``"default"`` when the record names none."""
+        return _experiment(self.experiment_id)
+
+
+def _check_member(trajectory_id: str, session_id: str, group_id: str, group_size: int,
+                  experiment_id: str | msgspec.UnsetType) -> None:
+    for name, value in (("trajectory_id", trajectory_id), ("session_id", session_id), ("group_id", group_id)):
+        if not value:
+            raise SchemaError(f"{name} must be a non-empty string")
+    _check_experiment(experiment_id)
+    if group_size < 1:
+        raise SchemaError(f"group_size must be >= 1, got {group_size}")
+
+
+def streamed_trajectory(turns: Sequence[Interaction], end: SessionEnd) -> ReadyTrajectory:
+    """The ``ready`` form of a streamed session: its turns in arrival order (compact as
+    they came, expand with :func:`expand_trajectory`) and the ``end``'s session fields.
+
+    This is the one definition of "the same session": a worker scores what this returns,
+    so a streamed session and the ``ready`` record of the same turns get the same
+    verdict. Raises :class:`InvalidMessage` when the turns do not form a session (no
+    turn, a repeated id, a parent that is not an earlier turn, a compact turn sharing
+    more than its parent's context) or their number differs from ``end.turn_count``.
+    """
+    if end.turn_count is not None and end.turn_count != len(turns):
+        raise InvalidMessage(f"session {end.session_id!r}: the end says {end.turn_count} turns, "
+                             f"{len(turns)} arrived")
+    seen: set[str] = set()
+    for turn in turns:
+        if turn.parent_id is not None and turn.parent_id not in seen:
+            raise InvalidMessage(f"session {end.session_id!r}: turn {turn.interaction_id!r} names parent "
+                                 f"{turn.parent_id!r}, which is not an earlier turn of the session")
+        if turn.interaction_id in seen:
+            raise InvalidMessage(f"session {end.session_id!r}: turn id {turn.interaction_id!r} is repeated")
+        seen.add(turn.interaction_id)
+    try:
+        traj = ReadyTrajectory(
+            trajectory_id=end.trajectory_id, session_id=end.session_id, group_id=end.group_id,
+            group_size=end.group_size, interactions=list(turns), outcome_reward=end.outcome_reward,
+            is_eval=end.is_eval, policy_version=end.policy_version, created_at=end.created_at,
+            experiment_id=end.experiment_id,
+        )
+    except SchemaError as exc:
+        raise InvalidMessage(f"session {end.session_id!r}: {exc}") from None
+    check_expandable(traj)
+    return traj
+
+
+def stream_session(traj: ReadyTrajectory) -> tuple[list[SessionTurn], SessionEnd]:
+    """A ready trajectory as a streamed session: one ``turn`` per interaction (full form,
+    parents first: the trajectory's own order when it already is) and its ``end``.
+    The inverse of :func:`streamed_trajectory`, for producers that hold whole sessions
+    and for tests that compare both forms."""
+    seen: set[str] = set()
+    order = traj.interactions
+    for it in order:
+        if it.parent_id is not None and it.parent_id not in seen:
+            order = topological_order(traj.interactions)
+            break
+        seen.add(it.interaction_id)
+    member = {"trajectory_id": traj.trajectory_id, "session_id": traj.session_id, "group_id": traj.group_id,
+              "group_size": traj.group_size, "experiment_id": traj.experiment_id}
+    full = expand_trajectory_interactions(order)
+    turns = [SessionTurn(interaction=it, created_at=traj.created_at, **member) for it in full]
+    end = SessionEnd(outcome_reward=traj.outcome_reward, is_eval=traj.is_eval, policy_version=traj.policy_version,
+                     created_at=traj.created_at, turn_count=len(turns), **member)
+    return turns, end
+
+
+TrajectoryMessage = ReadyTrajectory | DiscardGroup | TrajectoryChunk | SessionTurn | SessionEnd
+TRAJECTORY_KINDS = ("ready", "discard", "chunk")
+"""The kinds every reader of the trajectories topic decodes (:func:`decode_message`'s default)."""
+STREAM_KINDS = ("turn", "end")
+"""The kinds of a streamed session: only readers that park turns ask for them."""
 
 
 def _check_experiment(experiment_id: str | msgspec.UnsetType) -> None:
@@ -372,8 +508,8 @@ def check_channel(message: TrajectoryMessage, experiment_id: str, topic: str, *,
     named = getattr(message, "experiment_id", msgspec.UNSET)
     if named is msgspec.UNSET or named == experiment_id:
         return
-    what = f"trajectory {message.trajectory_id!r}" if isinstance(message, ReadyTrajectory) \
-        else f"discard of group {message.group_id!r}"
+    what = f"discard of group {message.group_id!r}" if isinstance(message, DiscardGroup) \
+        else f"{kind_of(message)} of trajectory {message.trajectory_id!r}"
     raise ExperimentMismatch(f"{what} names experiment {named!r}, but {topic} is the topic of experiment "
                              f"{experiment_id!r}: a record's experiment is the topic it is published to"
                              f"{fix.format(named=named)}")
@@ -949,6 +1085,65 @@ class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
                               f"({reasons.CODE_PATTERN.pattern})")
 
 
+class TurnSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One judged turn of a streamed session, for an online trainer (OpenClaw-RL's mode).
+
+    Published on ``topics.turn_samples`` (``prm.turn-samples[.<experiment>]``, key: the
+    ``session_id``, so a session's samples stay in the order they were judged) as soon as
+    the turn's judge result exists — when its next state arrived, long before the session
+    ends, which it need never do. The trainer applies OpenClaw-RL's per-session rules
+    (:mod:`shaper.online`). ``(experiment_id, trajectory_id, interaction_id)`` is the
+    dedupe key: delivery is at-least-once.
+
+    ``score`` is the judge scorer's unweighted turn reward (the vote result, 1/0/-1);
+    ``has_next_state`` False with ``last`` True is the session's last turn, sent at its
+    ``end`` (no next state: OpenClaw-RL submits it excluded and clears the session's
+    count). ``turn`` numbers the session's turns 1, 2, ... in arrival order.
+    """
+
+    session_id: str
+    trajectory_id: str
+    group_id: str
+    interaction_id: str
+    turn: int
+    scorer: str
+    score: float
+    has_next_state: bool
+    prompt_tokens_raw: bytes = msgspec.field(name="prompt_tokens")
+    output_tokens_raw: bytes = msgspec.field(name="output_tokens")
+    output_logprobs_raw: bytes | None = msgspec.field(default=None, name="output_logprobs")
+    last: bool = False
+    judged_at: float = 0.0
+    worker_id: str = ""
+    experiment_id: str = DEFAULT_EXPERIMENT
+
+    def __post_init__(self) -> None:
+        for name in ("session_id", "trajectory_id", "group_id", "interaction_id", "scorer"):
+            if not getattr(self, name):
+                raise SchemaError(f"turn sample: {name} must be a non-empty string")
+        check_experiment_id(self.experiment_id)
+        if self.turn < 1:
+            raise SchemaError(f"turn sample: turn must be >= 1, got {self.turn}")
+        _check_finite("turn sample: score", self.score)
+        if len(self.prompt_tokens_raw) % 4 or len(self.output_tokens_raw) % 4:
+            raise SchemaError("turn sample: token bytes are not a multiple of 4 (int32)")
+        if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(self.output_tokens_raw):
+            raise SchemaError("turn sample: output_logprobs length differs from output_tokens")
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        return _view(self.prompt_tokens_raw, _I32)
+
+    @property
+    def output_tokens(self) -> np.ndarray:
+        return _view(self.output_tokens_raw, _I32)
+
+    @property
+    def output_logprobs(self) -> np.ndarray | None:
+        raw = self.output_logprobs_raw
+        return None if raw is None else _view(raw, _F32)
+
+
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     """A record no worker could process. On the topic, ``payload`` is the record value
     and the other fields are headers (see :func:`dead_letter_headers`)."""
@@ -971,28 +1166,36 @@ Headers = Sequence[tuple[str, bytes]]
 _ENCODER = msgspec.msgpack.Encoder()
 _MESSAGE_DECODER = msgspec.msgpack.Decoder(TrajectoryMessage)
 _VERDICT_DECODER = msgspec.msgpack.Decoder(GroupVerdict)
+_SAMPLE_DECODER = msgspec.msgpack.Decoder(TurnSample)
 
 
-def kind_of(message: TrajectoryMessage | GroupVerdict) -> str:
+def kind_of(message: TrajectoryMessage | GroupVerdict | TurnSample) -> str:
     if isinstance(message, ReadyTrajectory):
         return "ready"
     if isinstance(message, DiscardGroup):
         return "discard"
     if isinstance(message, TrajectoryChunk):
         return "chunk"
+    if isinstance(message, SessionTurn):
+        return "turn"
+    if isinstance(message, SessionEnd):
+        return "end"
     if isinstance(message, GroupVerdict):
         return "verdict"
+    if isinstance(message, TurnSample):
+        return "turn_sample"
     raise TypeError(f"not a wire message: {type(message).__name__}")
 
 
-def schema_version_of(message: TrajectoryMessage | GroupVerdict) -> int:
-    """The lowest schema version that expresses ``message``: 2 for compact trajectories and chunks."""
-    if isinstance(message, TrajectoryChunk) or (isinstance(message, ReadyTrajectory) and message.is_compact):
+def schema_version_of(message: TrajectoryMessage | GroupVerdict | TurnSample) -> int:
+    """The lowest schema version that expresses ``message``: 2 for compact trajectories, compact turns and chunks."""
+    if isinstance(message, TrajectoryChunk) or (isinstance(message, (ReadyTrajectory, SessionTurn))
+                                                and message.is_compact):
         return COMPACT_SCHEMA_VERSION
     return SCHEMA_VERSION
 
 
-def encode(message: TrajectoryMessage | GroupVerdict) -> tuple[bytes, list[tuple[str, bytes]]]:
+def encode(message: TrajectoryMessage | GroupVerdict | TurnSample) -> tuple[bytes, list[tuple[str, bytes]]]:
     """Encode a message as ``(value, headers)`` for a Kafka record (as it is: compact
     only if it already is, see :func:`compact_trajectory`)."""
     headers = [
@@ -1048,14 +1251,19 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], value: bytes) -> Any:
             from None
 
 
-def decode_message(value: bytes | None, headers: Headers | None, *, expand: bool = True) -> TrajectoryMessage:
+def decode_message(value: bytes | None, headers: Headers | None, *, expand: bool = True,
+                   kinds: Sequence[str] = TRAJECTORY_KINDS) -> TrajectoryMessage:
     """Decode a ``prm.trajectories`` record, raising :class:`SchemaError` subclasses.
 
     A compact ``ready`` record comes back expanded (full interactions) unless
     ``expand=False`` (the wire form, e.g. to re-encode it byte for byte). A ``chunk``
     comes back as it is: :mod:`infra.chunks` reassembles chunks into a ready record.
+    ``kinds`` are the kinds the caller handles (another is :class:`UnknownMessageKind`):
+    the batch kinds by default; a reader that parks streamed sessions adds
+    :data:`STREAM_KINDS`. A compact ``turn`` always comes back as it is: only the
+    session's earlier turns can expand it (:func:`streamed_trajectory`).
     """
-    kind, version = _check_headers(headers, ("ready", "discard", "chunk"))
+    kind, version = _check_headers(headers, kinds)
     if value is None:
         raise InvalidMessage("record has no value (tombstone)")
     message: TrajectoryMessage = _decode(_MESSAGE_DECODER, value)
@@ -1063,7 +1271,9 @@ def decode_message(value: bytes | None, headers: Headers | None, *, expand: bool
         raise InvalidMessage(f"header says {kind!r} but the payload is {kind_of(message)!r}")
     needed = schema_version_of(message)
     if version < needed:
-        what = "a chunk" if isinstance(message, TrajectoryChunk) else "a compact trajectory (shared_messages/shared_tokens)"
+        what = "a chunk" if isinstance(message, TrajectoryChunk) else \
+            "a compact turn (shared_messages/shared_tokens)" if isinstance(message, SessionTurn) else \
+            "a compact trajectory (shared_messages/shared_tokens)"
         raise InvalidMessage(f"{what} needs {SCHEMA_HEADER}: {needed}, the record says {version} "
                              "(a version-1 reader would misread it)")
     if expand and isinstance(message, ReadyTrajectory) and message.is_compact:
@@ -1081,6 +1291,15 @@ def decode_verdict(value: bytes | None, headers: Headers | None) -> GroupVerdict
         raise InvalidMessage("record has no value (tombstone)")
     verdict: GroupVerdict = _decode(_VERDICT_DECODER, value)
     return verdict
+
+
+def decode_turn_sample(value: bytes | None, headers: Headers | None) -> TurnSample:
+    """Decode a ``prm.turn-samples`` record, raising :class:`SchemaError` subclasses."""
+    _check_headers(headers, ("turn_sample",))
+    if value is None:
+        raise InvalidMessage("record has no value (tombstone)")
+    sample: TurnSample = _decode(_SAMPLE_DECODER, value)
+    return sample
 
 
 def dead_letter_headers(letter: DeadLetter) -> list[tuple[str, bytes]]:
@@ -1137,12 +1356,13 @@ __all__ = [
     "SCHEMA_VERSION", "COMPACT_SCHEMA_VERSION", "MAX_CHUNKS", "MAX_TURN_TOKENS", "SCHEMA_HEADER", "KIND_HEADER",
     "SchemaError",
     "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", "ExperimentMismatch", "check_channel",
-    "ModelResponse", "Interaction", "ReadyTrajectory",
-    "DiscardGroup", "TrajectoryChunk", "TrajectoryMessage", "compact_trajectory", "expand_trajectory",
+    "ModelResponse", "Interaction", "ReadyTrajectory", "DiscardGroup", "TrajectoryChunk", "SessionTurn", "SessionEnd",
+    "streamed_trajectory", "stream_session", "TRAJECTORY_KINDS", "STREAM_KINDS", "TrajectoryMessage",
+    "compact_trajectory", "expand_trajectory",
     "check_expandable",
     "expand_trajectory_interactions", "schema_version_of", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
     "BranchResult", "TokenTurn", "TokenRef", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
-    "ScorerInfo", "GroupVerdict", "DeadLetter", "encode",
+    "ScorerInfo", "GroupVerdict", "TurnSample", "decode_turn_sample", "DeadLetter", "encode",
     "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",
     "headers_to_dict", "pack_array", "to_tensor", "kind_of",
 ]

@@ -178,7 +178,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
     except (JsonlError, MessageTooLarge, ValueError) as exc:  # one line, nothing sent: every line is checked first
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"published {counts['ready']} ready trajectories and {counts['discard']} discards to {publisher.topic}")
+    streamed = f", {counts['turn']} turns and {counts['end']} session ends" if counts["turn"] or counts["end"] else ""
+    print(f"published {counts['ready']} ready trajectories and {counts['discard']} discards{streamed} to {publisher.topic}")
     return 0
 
 
@@ -257,7 +258,7 @@ def add_trainer_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 # --------------------------------------------------------------------------- development commands
 BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "pool", "faults", "soak", "capacity", "sessions",
-              "fleet", "ledger")
+              "fleet", "ledger", "streaming")
 
 
 def _source_checkout() -> Path | None:

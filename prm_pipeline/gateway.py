@@ -12,6 +12,8 @@ the caller's shape:
   (these two answer through :mod:`shaper.integrations.core`, as the in-process OpenRLHF
   and slime hooks do);
 * ``POST /v1/score`` — token ids in (one sample or a whole group), per-token rewards out;
+* ``POST /v1/turn`` / ``POST /v1/end`` — a streamed session, turn by turn (one JSONL
+  ``turn`` / ``end`` line each, docs/jsonl.md); ``/v1/end`` answers with the group's verdict;
 * ``GET /healthz``, ``/readyz``, ``/metrics``, ``/openapi.json``.
 
 Every body is decoded straight into a declared msgspec struct (:mod:`prm_pipeline.gateway_api`,
@@ -51,13 +53,16 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from infra import jsonl
 from infra.bounded_json import JSONBoundsError, decode_json
 from infra.config import ConfigError, GatewayConfig, PipelineConfig
 from infra.errors import WireError
 from infra.ports import port_unavailable
+from infra.schema import SessionEnd, SessionTurn
 from prm_pipeline.gateway_api import (
     MAX_BODY_DEPTH,
     MAX_ITEMS,
+    EndResponse,
     Error,
     OpenRLHFRequest,
     OpenRLHFResponse,
@@ -66,6 +71,7 @@ from prm_pipeline.gateway_api import (
     ScoreResponse,
     SlimeRequest,
     SlimeResponse,
+    TurnPublished,
     openapi_document,
 )
 from shaper.integrations.core import (
@@ -222,6 +228,7 @@ class Gateway:
         app = web.Application(client_max_size=self.gw.max_body_bytes, middlewares=[self._guard])
         app.add_routes([
             web.post("/openrlhf", self._openrlhf), web.post("/slime", self._slime), web.post("/v1/score", self._score),
+            web.post("/v1/turn", self._turn), web.post("/v1/end", self._end),
             web.get("/healthz", self._healthz), web.get("/readyz", self._readyz), web.get("/metrics", self._metrics),
             web.get("/openapi.json", self._openapi_json),
         ])
@@ -241,7 +248,8 @@ class Gateway:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
-        route = request.path if request.path in ("/openrlhf", "/slime", "/v1/score") else "other"
+        route = request.path if request.path in ("/openrlhf", "/slime", "/v1/score", "/v1/turn", "/v1/end") \
+            else "other"
         if request.path in ("/healthz", "/readyz"):  # probes: no auth, no limits (they hold nothing)
             try:
                 return await handler(request)
@@ -293,7 +301,7 @@ class Gateway:
             ok |= hmac.compare_digest(given, token)
         return ok
 
-    async def _body(self, request: web.Request, kind: type[msgspec.Struct]) -> Any:
+    async def _body(self, request: web.Request, kind: Any) -> Any:
         """The request body, bounded in size and time, decoded as ``kind`` (a 400 naming the field if not)."""
         if request.content_length is not None and request.content_length > self.gw.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.gw.max_body_bytes, actual_size=request.content_length)
@@ -356,6 +364,39 @@ class Gateway:
             samples=[ScoredSample(trajectory_id=r.trajectory_id, status=r.status, outcome=r.outcome,
                                   token_rewards=r.token_rewards.tolist(), turn_rewards=list(r.turn_rewards))
                      for r in rewards]))
+
+    async def _streamed(self, request: web.Request, kind: type[SessionTurn] | type[SessionEnd]) -> Any:
+        """The body as one JSONL line of ``kind`` (docs/jsonl.md): the same strict rules as
+        ``prm-pipeline publish``, a 400 naming the field otherwise."""
+        try:
+            message = jsonl.parse(await self._body(request, dict[str, Any]))
+        except ValueError as exc:  # JsonlError and the wire structs' rules
+            raise BadRequest(_one_line(str(exc))) from None
+        if not isinstance(message, kind):
+            raise BadRequest(f"kind: this route takes a `{'turn' if kind is SessionTurn else 'end'}` line")
+        return message
+
+    async def _turn(self, request: web.Request) -> web.Response:
+        turn: SessionTurn = await self._streamed(request, SessionTurn)
+        try:
+            await self.client.publish_turn(turn)
+        except ValueError as exc:  # another experiment's, or over the record limit
+            raise BadRequest(_one_line(str(exc))) from None
+        return _json(TurnPublished(published="turn", trajectory_id=turn.trajectory_id,
+                                   interaction_id=turn.interaction.interaction_id))
+
+    async def _end(self, request: web.Request) -> web.Response:
+        end: SessionEnd = await self._streamed(request, SessionEnd)
+        try:
+            await self.client.end_session(end)
+        except ValueError as exc:
+            raise BadRequest(_one_line(str(exc))) from None
+        verdict = await self.client.verdict(end.group_id, self.gw.verdict_timeout_s)
+        if verdict is None:
+            return _error(504, f"no verdict for group {end.group_id!r} within gateway.verdict_timeout_s="
+                               f"{self.gw.verdict_timeout_s:g}s (the session is published)")
+        return _json(EndResponse(group_id=verdict.group_id, status=verdict.status, reason_code=verdict.reason_code,
+                                 reason=verdict.reason))
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok\n")

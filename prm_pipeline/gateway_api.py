@@ -212,6 +212,24 @@ class ScoreResponse(msgspec.Struct):
     samples: list[ScoredSample]
 
 
+class TurnPublished(msgspec.Struct):
+    """``POST /v1/turn``'s answer: the turn is published (acknowledged by the broker)."""
+
+    published: Literal["turn"]
+    trajectory_id: str
+    interaction_id: str
+
+
+class EndResponse(msgspec.Struct):
+    """``POST /v1/end``'s answer: the session's group's verdict, once its last member ended.
+    Per-token rewards of streamed sessions are in the verdict (``prm-pipeline verdicts``)."""
+
+    group_id: str
+    status: Status
+    reason_code: str
+    reason: str
+
+
 class Error(msgspec.Struct):
     """Every error the gateway answers (4xx, 5xx): one line naming the field or setting."""
 
@@ -247,6 +265,17 @@ _POSTS: dict[str, tuple[str, type[msgspec.Struct], type[msgspec.Struct], str]] =
 }
 
 
+_STREAM_POSTS: dict[str, tuple[str, str, type[msgspec.Struct], str]] = {
+    "/v1/turn": ("turn", "turn", TurnPublished,
+                 "One turn of a streamed session, as soon as the agent produced it: the body is one `turn` line of "
+                 "docs/jsonl.md (`kind`, the session's ids, `interaction`); its judge work starts when the next turn "
+                 "(or the end) arrives. Answers once it is published."),
+    "/v1/end": ("end", "end", EndResponse,
+                "The end of a streamed session: the body is one `end` line of docs/jsonl.md (`kind`, the session's "
+                "ids, `outcome_reward`, ...). Answers with the group's verdict once its last member ended."),
+}
+
+
 def _error_responses(codes: tuple[str, ...]) -> dict[str, Any]:
     out = {}
     for code in codes:
@@ -263,7 +292,8 @@ def _text(description: str) -> dict[str, Any]:
 
 def openapi_document() -> dict[str, Any]:
     """The gateway's OpenAPI 3.1 document, generated from the structs above."""
-    structs = [t for _, req, resp, _ in _POSTS.values() for t in (req, resp)] + [Error]
+    structs = [t for _, req, resp, _ in _POSTS.values() for t in (req, resp)] + \
+        [resp for _, _, resp, _ in _STREAM_POSTS.values()] + [Error]
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     paths: dict[str, Any] = {}
     for path, (op_id, request, response, summary) in _POSTS.items():
@@ -275,6 +305,19 @@ def openapi_document() -> dict[str, Any]:
                                   "content": {"application/json": {
                                       "schema": {"$ref": _REF.format(name=response.__name__)}}}},
                           **_error_responses(("400", "401", "408", "413", "429", "431", "504"))},
+        }}
+    for path, (op_id, kind, response, summary) in _STREAM_POSTS.items():
+        paths[path] = {"post": {
+            "operationId": op_id, "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["kind"], "properties": {"kind": {"const": kind}},
+                "description": f"one `{kind}` line of docs/jsonl.md, validated as `prm-pipeline publish` does "
+                               "(unknown fields refused)"}}}},
+            "responses": {"200": {"description": "published" if kind == "turn" else "the group's verdict",
+                                  "content": {"application/json": {
+                                      "schema": {"$ref": _REF.format(name=response.__name__)}}}},
+                          **_error_responses(("400", "401", "408", "413", "429", "431") +
+                                             (("504",) if kind == "end" else ()))},
         }}
     paths["/openapi.json"] = {"get": {
         "operationId": "openapi", "summary": "This document (behind the bearer tokens when they are set).",

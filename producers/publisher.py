@@ -1,7 +1,12 @@
 """``TrajectoryPublisher``: how a rollout proxy hands trajectories to the pipeline.
 
+A session goes out whole (``publish_ready``) or turn by turn as the agent produces it
+(``publish_turn`` for each turn, then ``end_session``): a streamed session's judge work
+starts with its turns instead of after its last one (docs/wire.md, "Streamed sessions").
+
 Records are keyed by ``group_id`` (all members of a group land in one partition, in
-order with the group's discard), sent with ``acks=all`` and compression, and checked
+order with the group's discard; a streamed session's turns and end, being one member's,
+stay in the order they were sent), sent with ``acks=all`` and compression, and checked
 against ``kafka.max_message_bytes`` before sending (:func:`infra.kafka.max_record_size`:
 room left for the batch header and compression's worst case) — the embedded broker
 enforces no limit, a real cluster would refuse the record after the fact.
@@ -45,7 +50,16 @@ from infra.config import KafkaConfig, TopicsConfig
 from infra.errors import ServiceError
 from infra.experiments import DEFAULT_EXPERIMENT, check_experiment_id, trajectories_topic
 from infra.kafka import make_producer, require_topics
-from infra.schema import DiscardGroup, ExperimentMismatch, ReadyTrajectory, TrajectoryMessage, check_channel
+from infra.schema import (
+    DiscardGroup,
+    ExperimentMismatch,
+    ReadyTrajectory,
+    SessionEnd,
+    SessionTurn,
+    TrajectoryMessage,
+    check_channel,
+)
+from infra.turns import TurnCompactor
 
 
 class PublishError(ServiceError, RuntimeError):
@@ -53,7 +67,8 @@ class PublishError(ServiceError, RuntimeError):
 
 
 class TrajectoryPublisher:
-    """Async context manager publishing :class:`ReadyTrajectory` and :class:`DiscardGroup`."""
+    """Async context manager publishing :class:`ReadyTrajectory`, :class:`DiscardGroup` and
+    the :class:`SessionTurn` / :class:`SessionEnd` records of streamed sessions."""
 
     def __init__(self, kafka: KafkaConfig, topics: TopicsConfig, *, max_pending: int = 10_000,
                  experiment: str = DEFAULT_EXPERIMENT) -> None:
@@ -64,7 +79,8 @@ class TrajectoryPublisher:
         self._pending: set[asyncio.Future[Any]] = set()
         self._errors: list[BaseException] = []
         self._max_pending = max_pending
-        self.published = {"ready": 0, "discard": 0}
+        self.published = {"ready": 0, "discard": 0, "turn": 0, "end": 0}
+        self._turns = TurnCompactor()
         self.records_sent = 0  # Kafka records (a chunked trajectory is several)
 
     async def __aenter__(self) -> TrajectoryPublisher:
@@ -94,18 +110,24 @@ class TrajectoryPublisher:
     def records(self, message: TrajectoryMessage) -> list[Record]:
         """The Kafka records (``(value, headers)``, key = ``group_id``) that carry ``message``:
         compact, chunked when large, each checked against ``kafka.max_message_bytes``.
+        A streamed session's turn is compacted against the session's earlier turns, so
+        call this once per message, in the order they are sent.
         Raises :class:`infra.kafka.MessageTooLarge` with a one-line reason,
         :class:`ExperimentMismatch` (a ``ValueError``) for a message of another experiment."""
         message = self.stamped(message)
-        if isinstance(message, ReadyTrajectory) and not message.created_at:
+        if isinstance(message, (ReadyTrajectory, SessionTurn, SessionEnd)) and not message.created_at:
             message = msgspec.structs.replace(message, created_at=time.time())
+        if isinstance(message, SessionTurn):
+            message = self._turns.compact(message)
+        elif isinstance(message, SessionEnd):
+            self._turns.end(message)
         return to_records(message, self.kafka.max_message_bytes)
 
     def stamped(self, message: TrajectoryMessage) -> TrajectoryMessage:
         """``message`` as this publisher sends it: naming :attr:`experiment` (left out for the
         default one, so default records keep their bytes). A chunked trajectory carries the
         stamp inside its reassembled value. :class:`ExperimentMismatch` if it names another experiment."""
-        if not isinstance(message, (ReadyTrajectory, DiscardGroup)):
+        if not isinstance(message, (ReadyTrajectory, DiscardGroup, SessionTurn, SessionEnd)):
             return message
         check_channel(message, self.experiment, self.topic,
                       fix="; publish it with experiment {named!r} (prm-pipeline publish --experiment {named})")
@@ -129,12 +151,26 @@ class TrajectoryPublisher:
             self._pending.add(fut)
             fut.add_done_callback(self._on_delivered)
             self.records_sent += 1
-        self.published["ready" if isinstance(message, ReadyTrajectory) else "discard"] += 1
+        self.published[kind_of(message)] += 1
 
     async def publish_ready(self, trajectory: ReadyTrajectory) -> None:
         if not isinstance(trajectory, ReadyTrajectory):
             raise TypeError(f"publish_ready takes a ReadyTrajectory, got {type(trajectory).__name__}")
         await self.publish(trajectory)
+
+    async def publish_turn(self, turn: SessionTurn) -> None:
+        """Queue one turn of a streamed session (full form; compacted here against the
+        session's earlier turns). Its session's records share the key ``group_id``, so
+        they are read in the order they were queued."""
+        if not isinstance(turn, SessionTurn):
+            raise TypeError(f"publish_turn takes a SessionTurn, got {type(turn).__name__}")
+        await self.publish(turn)
+
+    async def end_session(self, end: SessionEnd) -> None:
+        """Queue the end of a streamed session (after its last turn)."""
+        if not isinstance(end, SessionEnd):
+            raise TypeError(f"end_session takes a SessionEnd, got {type(end).__name__}")
+        await self.publish(end)
 
     async def discard_group(self, group_id: str, reason: str = "") -> None:
         """Discard ``group_id`` of this publisher's experiment."""

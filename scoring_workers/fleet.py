@@ -43,7 +43,15 @@ from typing import Any
 from infra.config import PipelineConfig, PRMConfig
 from infra.experiments import DEFAULT_EXPERIMENT, experiment_of_topic, trajectories_topic, verdicts_topic
 from infra.registry import ExperimentSpec, RegistryRecord
-from infra.schema import DiscardGroup, ExperimentMismatch, ReadyTrajectory, ScorerInfo, check_channel
+from infra.schema import (
+    DiscardGroup,
+    ExperimentMismatch,
+    ReadyTrajectory,
+    ScorerInfo,
+    SessionEnd,
+    SessionTurn,
+    check_channel,
+)
 from scoring_workers.judge.hosts import check_config_judge_hosts, effective_allow_list, judge_hosts_allowed
 from scoring_workers.prm.capabilities import record_prm
 from scoring_workers.prm.protocols import ScoringRunner
@@ -125,7 +133,7 @@ class Fleet:
         """``message``, or the :class:`~infra.schema.ExperimentMismatch` it is when it names
         another experiment than ``topic``'s (the worker dead-letters it as an invalid record,
         as it does a :class:`~infra.schema.SchemaError` from decoding)."""
-        if isinstance(message, (ReadyTrajectory, DiscardGroup)):
+        if isinstance(message, (ReadyTrajectory, DiscardGroup, SessionTurn, SessionEnd)):
             try:
                 check_channel(message, self.experiment_of(topic), topic)
             except ExperimentMismatch as exc:

@@ -4,7 +4,9 @@ One small type per kind of record, so that the worker switches on the type (``ma
 and each handler gets the message it handles, typed: a :class:`ReadyJob` (a
 ``ReadyTrajectory``, a chunked one with its last chunk), a :class:`DiscardJob` (a
 ``DiscardGroup``) or an :class:`InvalidJob` (a record that did not decode or broke a
-schema rule: a dead letter).
+schema rule: a dead letter); a streamed session's records are a :class:`TurnJob` (a
+``SessionTurn``: parked, its parent judged) and an :class:`EndJob` (a ``SessionEnd``: the
+member, scored and parked like a ready one).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import msgspec
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.experiments import scoped_group
-from infra.schema import DiscardGroup, ReadyTrajectory, SchemaError, SessionResult
+from infra.schema import DiscardGroup, ReadyTrajectory, SchemaError, SessionEnd, SessionResult, SessionTurn
 from scoring_workers.fleet import Experiment
 from scoring_workers.ledger import ProbeOutcome
 
@@ -99,10 +101,41 @@ class InvalidJob(_Job):
     error: SchemaError
 
 
-Job = ReadyJob | DiscardJob | InvalidJob
+@dataclass(slots=True, eq=False, kw_only=True)
+class TurnJob(_Job):
+    """One turn of a streamed session: parked with its session, and its parent's streamable
+    scorers started now that the parent's next state is here. It waits for the records of
+    its session (and its group's discards) consumed before it: a session's turns are parked
+    in their order."""
+
+    kind: ClassVar[str] = "turn"
+    message: SessionTurn
+
+    @property
+    def group(self) -> str:
+        return scoped_group(self.route.experiment_id, self.message.group_id)
 
 
-def job_of(record: ConsumerRecord, message: ReadyTrajectory | DiscardGroup | SchemaError, route: Routed,
+@dataclass(slots=True, eq=False, kw_only=True)
+class EndJob(_Job):
+    """The end of a streamed session: the member, rebuilt from its parked turns, scored with
+    what is left and parked like a :class:`ReadyJob` (``probe``, ``result`` as there)."""
+
+    kind: ClassVar[str] = "end"
+    message: SessionEnd
+    probe: ProbeOutcome | None = None
+    result: SessionResult | None = None
+
+    @property
+    def group(self) -> str:
+        return scoped_group(self.route.experiment_id, self.message.group_id)
+
+
+Job = ReadyJob | DiscardJob | InvalidJob | TurnJob | EndJob
+Message = ReadyTrajectory | DiscardGroup | SessionTurn | SessionEnd
+
+
+def job_of(record: ConsumerRecord, message: Message | SchemaError, route: Routed,
            extra: list[int], consumed_at: float) -> Job:
     """The typed job of a decoded record."""
     match message:
@@ -110,6 +143,10 @@ def job_of(record: ConsumerRecord, message: ReadyTrajectory | DiscardGroup | Sch
             return ReadyJob(record=record, route=route, extra=extra, consumed_at=consumed_at, message=message)
         case DiscardGroup():
             return DiscardJob(record=record, route=route, extra=extra, consumed_at=consumed_at, message=message)
+        case SessionTurn():
+            return TurnJob(record=record, route=route, extra=extra, consumed_at=consumed_at, message=message)
+        case SessionEnd():
+            return EndJob(record=record, route=route, extra=extra, consumed_at=consumed_at, message=message)
         case SchemaError():
             return InvalidJob(record=record, route=route, extra=extra, consumed_at=consumed_at, error=message)
 
@@ -121,22 +158,30 @@ class InFlightGroups:
     A discard or an invalid record waits for them at once (each decides its group, and the
     verdict must list those members), a member behind a discard at once too (the discard
     may decide its group: the member must see that decision), any other member only before
-    it parks a failure (which rejects the group). Waiting only on earlier records, none
-    can wait for itself."""
+    it parks a failure (which rejects the group). A streamed session's turn or end waits
+    only for the earlier records of its own session and its group's discards: a session's
+    records are handled in their order, and a turn is never held up by another member's
+    scoring. Waiting only on earlier records, none can wait for itself."""
 
     def __init__(self) -> None:
-        self._groups: dict[str, dict[asyncio.Task[None], bool]] = {}  # scoped group -> task: is it a discard
+        # scoped group -> task -> True for a discard, the trajectory id of a turn or end, else None
+        self._groups: dict[str, dict[asyncio.Task[None], bool | str | None]] = {}
 
     def start(self, job: Job, run: Callable[[Job], Coroutine[Any, Any, None]]) -> asyncio.Task[None]:
         """Set ``job.earlier``, then run ``run(job)`` in a task counted in its group until done."""
         scoped = job.route.scoped or ""
         group = self._groups.get(scoped, {})
-        job.earlier = tuple(group)
-        if isinstance(job, ReadyJob) and any(group.values()):
+        if isinstance(job, (TurnJob, EndJob)):
+            session = job.message.trajectory_id
+            job.earlier = tuple(t for t, tag in group.items() if tag is True or tag == session)
+        else:
+            job.earlier = tuple(group)
+        if isinstance(job, ReadyJob) and any(tag is True for tag in group.values()):
             job.behind_discard, job.probe = True, None  # its probe is stale: the discard ahead may decide the group
         task = asyncio.create_task(run(job))
         if not isinstance(job, InvalidJob):  # an invalid record names no group, or waits as it may
-            self._groups.setdefault(scoped, {})[task] = isinstance(job, DiscardJob)
+            self._groups.setdefault(scoped, {})[task] = True if isinstance(job, DiscardJob) else \
+                job.message.trajectory_id if isinstance(job, (TurnJob, EndJob)) else None
             task.add_done_callback(functools.partial(self._left, scoped))
         return task
 

@@ -1,4 +1,5 @@
-"""The group ledger: the only code that talks to Redis.
+"""The group ledger: the only code that talks to Redis about groups (a streamed session's
+parked turns have their own store, :mod:`scoring_workers.session_store`).
 
 Three parts: the atomic transitions (the Lua script and its typed arguments,
 :mod:`scoring_workers.ledger_scripts`, sent by :class:`GroupLedger`), the batching that

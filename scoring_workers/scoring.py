@@ -26,6 +26,7 @@ from scoring_workers.prm.errors import error_context, failure_code, failure_deta
 
 if TYPE_CHECKING:
     from scoring_workers.prm import ScoringRunner
+    from scoring_workers.prm.streamed import Reuse
 
 
 def _failed_scorer(exc: BaseException) -> str | None:
@@ -37,13 +38,15 @@ def _failed_scorer(exc: BaseException) -> str | None:
 
 
 async def score_member(runner: ScoringRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None,
-                       keep_channels: bool = False, scored_at: float | None = None) -> SessionResult:
+                       keep_channels: bool = False, scored_at: float | None = None,
+                       reuse: Reuse | None = None) -> SessionResult:
     """Score ``traj`` and return the member result to park (see the module rules).
 
     ``scored_at`` defaults to now (the worker); the audit passes 0 (it is not compared).
     A compact trajectory (the worker decodes the wire form and checks it with
     :func:`infra.schema.check_expandable`) gives its token turns without any prefix
-    comparison, then is expanded: scorers see full turns.
+    comparison, then is expanded: scorers see full turns. ``reuse``: a streamed session's
+    turn results computed before it ended (:mod:`scoring_workers.prm.streamed`).
     """
     not_concat: NotConcatExport | None
     try:
@@ -68,8 +71,10 @@ async def score_member(runner: ScoringRunner | None, traj: ReadyTrajectory, *, t
         return SessionResult(status="scored", scored_at=stamp(), **common)
     try:
         async with asyncio.timeout(timeout_s):
-            channels = {"keep_channels": True} if keep_channels else {}
-            scored = await runner.run(traj, is_eval=traj.is_eval, **channels)
+            extra: dict[str, Any] = {"keep_channels": True} if keep_channels else {}
+            if reuse is not None:
+                extra["reuse"] = reuse
+            scored = await runner.run(traj, is_eval=traj.is_eval, **extra)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - the member fails; the group will be rejected

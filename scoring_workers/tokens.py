@@ -14,6 +14,12 @@ The log must therefore keep a trajectory at least as long as its group can stay 
 for outages). A record that is gone anyway (deleted by retention, topic recreated)
 cannot be trained on: its member is published ``failed`` with ``tokens_unavailable``.
 
+A streamed session's member (``turn`` records and an ``end``) is held by no one record:
+it is parked without coordinates, and its turns come from the memory of the worker that
+scored its end — the worker that decides the group, unless a rebalance or a crash came in
+between (then the member is published ``failed`` with ``tokens_unavailable``, never
+without its turns).
+
 The read-back itself lives in :mod:`infra.readback`: verdict readers use the same code
 (and the same ``tokens_unavailable`` rule) for verdicts published with
 ``worker.verdict_tokens: reference``, which carry each member's record coordinates
@@ -120,7 +126,7 @@ class MemberTokens:
         out = []
         for p in parked:
             r = p.result
-            if located(p):
+            if located(p) or self._streamed(p):
                 turns = self._cache.get((group_id, r.trajectory_id)) or read.get((p.partition, p.offset, r.trajectory_id))
                 if turns is None:
                     r = unavailable(r, topic, p.partition, p.offset)
@@ -128,6 +134,12 @@ class MemberTokens:
                     r = msgspec.structs.replace(r, turns=turns)
             out.append(r)
         return out
+
+    @staticmethod
+    def _streamed(p: ParkedMember) -> bool:
+        """A scored streamed member: no one record holds it (parked without coordinates), so
+        its turns come from the memory of the worker that ended it, or not at all."""
+        return p.result.status == "scored" and not p.result.turns and p.partition < 0
 
     async def aclose(self) -> None:
         await self._reader.aclose()

@@ -52,11 +52,16 @@ from infra.redis import verify_access
 from infra.registry import RegistryFollower, RegistryRecord
 from infra.retry import RetryPolicy, is_transient
 from infra.schema import (
+    STREAM_KINDS,
+    TRAJECTORY_KINDS,
     DiscardGroup,
+    InvalidMessage,
     NotConcatExport,
     ReadyTrajectory,
     SchemaError,
+    SessionEnd,
     SessionResult,
+    SessionTurn,
     TrajectoryChunk,
     check_expandable,
     compact_turns,
@@ -68,7 +73,7 @@ from scoring_workers.chunked import WorkerChunks
 from scoring_workers.dead_letters import ProcessingError, group_of
 from scoring_workers.fleet import Experiment, Fleet
 from scoring_workers.heartbeat import Heartbeat
-from scoring_workers.jobs import DiscardJob, InFlightGroups, InvalidJob, Job, ReadyJob, Routed, job_of
+from scoring_workers.jobs import DiscardJob, EndJob, InFlightGroups, InvalidJob, Job, ReadyJob, Routed, TurnJob, job_of
 from scoring_workers.ledger import (
     DecideOutcome,
     Decision,
@@ -81,13 +86,17 @@ from scoring_workers.ledger import (
     ProbeOutcome,
 )
 from scoring_workers.prm import ScoringRunner
+from scoring_workers.prm.streamed import Reuse
 from scoring_workers.probe_marks import ProbeMarks
 from scoring_workers.publishing import Publisher
 from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
+from scoring_workers.session_store import SessionStore, TurnOutcome
+from scoring_workers.streams import SessionStreams
 from scoring_workers.sweeper import Sweeper
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.tokens import MemberTokens
+from scoring_workers.turn_samples import TurnSamples
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +157,14 @@ class Worker:
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
         self._duplicates_log = LogThrottle(log, burst=20, window_s=60.0)  # duplicates are normal, but say so
+        self._samples: TurnSamples | None = None  # online turn samples (worker.turn_samples)
 
-    def _attach(self, ledger: Ledger, producer: AIOKafkaProducer) -> None:
-        """Wire the parts that talk to Redis and Kafka (at start; the unit tests attach fakes)."""
+    def _attach(self, ledger: Ledger, producer: AIOKafkaProducer, streams: SessionStreams | None = None) -> None:
+        """Wire the parts that talk to Redis and Kafka (at start; the unit tests attach fakes).
+        ``streams``: the open streamed sessions (None: ``turn``/``end`` records are refused)."""
         self.ledger = ledger
         self.producer = producer
+        self.streams = streams
         self.publisher = Publisher(self.cfg, producer, ledger, self._tokens, self.telemetry, self.worker_id)
         self.sweeper = Sweeper(self.cfg, ledger, self.publisher, self._served, self.telemetry, self.worker_id)
 
@@ -190,7 +202,13 @@ class Worker:
             if self._owns_runner and self._runner is not None:
                 await self._runner.aclose()
             raise
-        self._attach(ledger, make_producer(cfg.kafka))
+        store = SessionStore(ledger.redis, cfg.redis, idle_s=cfg.worker.session_idle_s,
+                             max_turns=cfg.worker.session_max_turns)
+        producer = make_producer(cfg.kafka)
+        self._samples = TurnSamples(producer, cfg.kafka, cfg.topics, self.worker_id) \
+            if cfg.worker.turn_samples else None
+        self._attach(ledger, producer, SessionStreams(
+            store, on_judged=self._samples.judged if self._samples is not None else None))
         self._view = ledger.view
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
         self._committer = OffsetCommitter(self.consumer, owner=f"worker {self.worker_id}",
@@ -217,6 +235,8 @@ class Worker:
                 await self.consumer.stop()
         finally:
             await self._registry.aclose()
+            if self.streams is not None:
+                await self.streams.aclose()
             await self.fleet.aclose()
             await self.producer.stop()
             await ledger.aclose()
@@ -249,7 +269,7 @@ class Worker:
                 self._committing = self._background("commit", self._committer.commit(routine=True))
             now = time.monotonic()
             if now >= next_sweep and (sweeper is None or sweeper.done()):
-                sweeper = self._background("sweep", self.sweeper.sweep())
+                sweeper = self._background("sweep", self._sweep())
                 next_sweep = now + self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
                 for record, error, extra in self._chunks.expired(self.cfg.worker.group_timeout_s):
                     self._spawn(self._job(record, error, extra, time.time()))
@@ -316,7 +336,7 @@ class Worker:
         """The experiment and scoped group of a record: its topic's experiment (:meth:`Fleet.admit`
         turned a record naming another one into an invalid record)."""
         experiment_id = self.fleet.experiment_of(record.topic)
-        if isinstance(message, (ReadyTrajectory, DiscardGroup)):
+        if isinstance(message, (ReadyTrajectory, DiscardGroup, SessionTurn, SessionEnd)):
             group_id: str | None = message.group_id
         else:  # undecodable: its key names the group, its topic the experiment
             group_id = group_of(record.key)
@@ -340,10 +360,48 @@ class Worker:
         self.admission.forget_held(tps)  # not started: the next owner reads them again
         await self._committer.revoke(tps)  # waits for a background commit in flight first
         self._chunks.drop(tps)  # partial chunked trajectories are replayed from the committed offset
+        if self.streams is not None:
+            self.streams.drop()  # open sessions are loaded again from Redis by whoever reads them next
 
     async def _update_lag(self) -> None:
         for tp, lag in (await self._committer.lag()).items():
             self.telemetry.lag.labels(tp.topic, str(tp.partition)).set(lag)
+
+    @property
+    def _kinds(self) -> tuple[str, ...]:
+        """The record kinds this worker takes (streamed sessions only with their store)."""
+        return TRAJECTORY_KINDS + STREAM_KINDS if self.streams is not None else TRAJECTORY_KINDS
+
+    async def _sweep(self) -> None:
+        """The sweeper's round (overdue groups), then the streamed sessions gone idle."""
+        await self.sweeper.sweep()
+        if self.streams is not None:
+            await self._sweep_sessions()
+
+    async def _sweep_sessions(self) -> None:
+        """Answer the groups of streamed sessions idle past ``worker.session_idle_s``: the
+        member is parked ``failed`` (``session_idle``), which rejects its group at once."""
+        assert self.streams is not None
+        store = self.streams.store
+        for group, trajectory_id in await store.due():
+            seen = await store.idle(group, trajectory_id)
+            if seen is None:  # closed (its member parked) or expired
+                await store.forget(group, trajectory_id)
+                continue
+            idle_s, session_id, group_size = seen
+            if idle_s < store.idle_s:  # a record came since it was indexed
+                await store.postpone(group, trajectory_id, idle_s)
+                continue
+            _, experiment = self._served(group)
+            result = SessionResult.failure(
+                code=reasons.SESSION_IDLE, session_id=session_id or trajectory_id, trajectory_id=trajectory_id,
+                detail=f"streamed session {session_id!r} received no record for {idle_s:.0f}s "
+                       f"(worker.session_idle_s={store.idle_s:g}) and never ended", scored_at=time.time())
+            ((_, decision),) = await self.ledger.park_many([ParkRequest(
+                result, group, group_size, experiment.group_timeout_s, self.worker_id, experiment.scorers_blob)])
+            if decision is not None:
+                await self.publisher.publish(decision)
+            await self.streams.close(group, trajectory_id)
 
     # ------------------------------------------------------------------ dispatch
     def _decode(self, records: list[ConsumerRecord]) -> list[Job]:
@@ -356,7 +414,7 @@ class Worker:
         jobs: list[Job] = []
         for record in records:
             try:
-                message: Any = decode_message(record.value, record.headers, expand=False)
+                message: Any = decode_message(record.value, record.headers, expand=False, kinds=self._kinds)
                 if isinstance(message, ReadyTrajectory):
                     check_expandable(message)
             except SchemaError as exc:
@@ -473,9 +531,16 @@ class Worker:
                 await self._dead_letter(job.record, error, job.attempt, group_id=job.route.scoped)
             case ReadyJob(route=Routed(experiment=Experiment() as experiment)):
                 await self._handle_ready(job, experiment)
+            case TurnJob(route=Routed(experiment=Experiment() as experiment)) if self.streams is not None:
+                await self._handle_turn(job, experiment)
+            case EndJob(route=Routed(experiment=Experiment() as experiment)) if self.streams is not None:
+                await self._handle_end(job, experiment)
+            case TurnJob() | EndJob() if self.streams is None:  # a worker built without Redis (unit tests)
+                await self._dead_letter(job.record, InvalidMessage("this worker does not take streamed sessions"),
+                                        job.attempt, group_id=job.route.scoped)
             case DiscardJob(route=Routed(experiment=Experiment()), message=discard):
                 await self._decide(job.group, DecisionKind.DISCARD, discard_reason=discard.reason or "discarded")
-            case ReadyJob() | DiscardJob():  # names an experiment this worker does not serve
+            case ReadyJob() | DiscardJob() | TurnJob() | EndJob():  # names an experiment this worker does not serve
                 await self.publisher.reject_unknown(job.record, job.message, job.route.experiment_id, job.attempt)
 
     async def _handle_ready(self, job: ReadyJob, experiment: Experiment) -> None:
@@ -488,21 +553,75 @@ class Worker:
         if job.result is None:
             job.result = await self._score(traj, experiment)
             self._tokens.remember(group, traj.trajectory_id, job.result.turns)
+        await self._park(job, traj.group_size, experiment, job.record.partition, job.record.offset)
+
+    async def _park(self, job: ReadyJob | EndJob, group_size: int, experiment: Experiment, partition: int,
+                    offset: int) -> None:
+        """Park ``job.result``, then settle what the ledger answered."""
+        assert job.result is not None
         if job.result.status == "failed":
             # Parking a failed member decides (rejects) the group: the members consumed
             # before it go first, so the verdict lists them with their stats.
             await job.wait_earlier()
         result = msgspec.structs.replace(job.result, consumed_at=job.consumed_at, parked_at=time.time())
         ((outcome, decision),) = await self.ledger.park_many([ParkRequest(
-            result, group, traj.group_size, experiment.group_timeout_s, self.worker_id, experiment.scorers_blob,
-            job.record.partition, job.record.offset)])
+            result, job.group, group_size, experiment.group_timeout_s, self.worker_id, experiment.scorers_blob,
+            partition, offset)])
         await self._settle_park(job, outcome, decision)
 
-    async def _score(self, traj: ReadyTrajectory, experiment: Experiment | None = None) -> SessionResult:
+    async def _handle_turn(self, job: TurnJob, experiment: Experiment) -> None:
+        """Park a streamed turn and start judging its parent; a turn of a member already parked,
+        or of a decided group, is acknowledged as a duplicate. One that does not continue its
+        session is dead-lettered and rejects its group."""
+        turn, group = job.message, job.group
+        (probe,) = await self.ledger.probe_many([(group, turn.trajectory_id)])
+        if probe is not ProbeOutcome.NEW:
+            if probe is ProbeOutcome.DECIDED:
+                await self.ledger.nudge(group, self.cfg.worker.republish_grace_s)
+            self._acknowledged(job, duplicate=probe is ProbeOutcome.DUPLICATE, at_park=False)
+            return
+        assert self.streams is not None
+        try:
+            outcome = await self.streams.add_turn(group, turn, experiment.runner)
+        except InvalidMessage as exc:
+            await self._dead_letter(job.record, exc, job.attempt, group_id=group)
+            return
+        if outcome is TurnOutcome.DUPLICATE:
+            self._acknowledged(job, duplicate=True, at_park=False)
+
+    async def _handle_end(self, job: EndJob, experiment: Experiment) -> None:
+        """Score a streamed session's member once it ends — its streamed turn results reused,
+        only the rest run — and park it exactly as a ``ready`` member."""
+        end, group = job.message, job.group
+        assert self.streams is not None
+        if job.probe is None:
+            (job.probe,) = await self.ledger.probe_many([(group, end.trajectory_id)])
+        if job.probe is not ProbeOutcome.NEW:
+            await self._settle_probe(job, job.probe)
+            if job.probe is ProbeOutcome.DUPLICATE:  # parked before a crash: the session is done
+                await self.streams.close(group, end.trajectory_id)
+            return
+        if job.result is None:
+            try:
+                traj, reuse = await self.streams.ended(group, end)
+            except InvalidMessage as exc:
+                await self._dead_letter(job.record, exc, job.attempt, group_id=group)
+                await self.streams.close(group, end.trajectory_id)
+                return
+            job.result = await self._score(traj, experiment, reuse)
+            self._tokens.remember(group, end.trajectory_id, job.result.turns)
+        # no record holds a streamed member whole: its token turns come from this worker's memory
+        await self._park(job, end.group_size, experiment, -1, -1)
+        if self._samples is not None:
+            await self._samples.ended(group, end, self.streams.last_turns(group, end.trajectory_id))
+        await self.streams.close(group, end.trajectory_id)
+
+    async def _score(self, traj: ReadyTrajectory, experiment: Experiment | None = None,
+                     reuse: Reuse | None = None) -> SessionResult:
         experiment = experiment or self.fleet.get(DEFAULT_EXPERIMENT) or self.fleet.retired(DEFAULT_EXPERIMENT)
         t0 = time.perf_counter()
         result = await score_member(experiment.runner, traj, timeout_s=self.cfg.worker.scorer_timeout_s,
-                                    keep_channels=self.cfg.worker.keep_scorer_channels)
+                                    keep_channels=self.cfg.worker.keep_scorer_channels, reuse=reuse)
         if result.status == "failed":  # the member fails; the group will be rejected
             self.telemetry.member_failures.labels(reasons.metric_label("failed", result.failure_code)).inc()
             log.info("group=%s traj=%s: scoring failed: %s", traj.group_id, traj.trajectory_id, result.error)
@@ -532,14 +651,14 @@ class Worker:
         await self._settle_decision(decision)
 
     # ------------------------------------------------------------------ settling: one per ledger call
-    async def _settle_probe(self, job: ReadyJob, probe: ProbeOutcome) -> None:
+    async def _settle_probe(self, job: ReadyJob | EndJob, probe: ProbeOutcome) -> None:
         """A member the probe found known is acknowledged without scoring. Parked already (a
         redelivery): re-run the ``complete`` decision, in case the crash came between parking
         the last member and deciding. Its group decided and not finished: bring its sweep
         forward (its decider may have died before publishing)."""
         match probe:
             case ProbeOutcome.DUPLICATE:
-                if self._tokens.inline:
+                if self._tokens.inline and isinstance(job, ReadyJob):
                     with contextlib.suppress(NotConcatExport):  # the record in hand spares reading its tokens back
                         self._tokens.remember(job.group, job.message.trajectory_id,
                                               compact_turns(job.message.interactions))
@@ -550,7 +669,7 @@ class Worker:
                 pass
         self._acknowledged(job, duplicate=probe is ProbeOutcome.DUPLICATE, at_park=False)
 
-    async def _settle_park(self, job: ReadyJob, outcome: ParkOutcome, decision: Decision | None) -> None:
+    async def _settle_park(self, job: ReadyJob | EndJob, outcome: ParkOutcome, decision: Decision | None) -> None:
         """This park decided the group (it completed it, or failed): publish its verdict. A
         member of a group decided meanwhile nudges it (as :meth:`_settle_probe`); one parked
         before, or of a finished group, is acknowledged."""
@@ -579,7 +698,7 @@ class Worker:
             case DecideOutcome.NOT_DUE | DecideOutcome.INCOMPLETE:
                 pass
 
-    def _acknowledged(self, job: ReadyJob, *, duplicate: bool, at_park: bool) -> None:
+    def _acknowledged(self, job: ReadyJob | EndJob | TurnJob, *, duplicate: bool, at_park: bool) -> None:
         """``job`` is acknowledged without being scored (again): counted as deduplicated, and said (throttled)."""
         self.telemetry.deduplicated.inc()
         what = ("already scored (a redelivery or a re-published record)" if duplicate

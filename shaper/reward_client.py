@@ -7,6 +7,9 @@ with verdicts. :class:`RewardClient` does the translation both ways and nothing 
 * :meth:`RewardClient.trajectory` turns one :class:`Sample` into a concat-export
   :class:`~infra.schema.ReadyTrajectory` (each run of generated tokens is one turn;
   turn *k*'s prompt is the sample's prompt plus the response before it);
+* :meth:`RewardClient.publish_turn` / :meth:`RewardClient.end_session` stream a session
+  turn by turn as an online proxy produces it, and :meth:`RewardClient.verdict` waits for
+  its group's verdict (docs/wire.md, "Streamed sessions");
 * :meth:`RewardClient.score` / :meth:`RewardClient.score_group` publish and wait —
   bounded — for the group's verdict, and return one :class:`SampleReward` per sample:
   status and reason, the raw outcome, process rewards laid out on the sample's response
@@ -52,7 +55,9 @@ from infra.schema import (
     ModelResponse,
     ReadyTrajectory,
     SchemaError,
+    SessionEnd,
     SessionResult,
+    SessionTurn,
     decode_verdict,
 )
 from producers.publisher import TrajectoryPublisher
@@ -442,6 +447,30 @@ class RewardClient:
         built = [(*self.trajectory(s, group_id=group_id, group_size=len(samples)), len(s.response_ids))
                  for s in samples]
         return await self._publish_and_wait(group_id, built, timeout_s)
+
+    # ------------------------------------------------------------------ streamed sessions
+    async def publish_turn(self, turn: SessionTurn) -> None:
+        """Publish one turn of a streamed session as the agent produced it (docs/wire.md,
+        "Streamed sessions"): its judge work starts when its next state arrives. Returns
+        once the broker acknowledged it; the group's verdict is awaited with :meth:`verdict`."""
+        await self._stream(turn)
+
+    async def end_session(self, end: SessionEnd) -> None:
+        """Publish the end of a streamed session (after its last turn); returns once acknowledged."""
+        await self._stream(end)
+
+    async def verdict(self, group_id: str, timeout_s: float | None = None) -> GroupVerdict | None:
+        """The verdict of ``group_id`` (of this client's experiment), or None when none came in time."""
+        await self.start()
+        assert self._waiter is not None
+        return await self._waiter.wait(group_id, self.verdict_timeout_s if timeout_s is None else timeout_s)
+
+    async def _stream(self, message: SessionTurn | SessionEnd) -> None:
+        await self.start()
+        assert self._publisher is not None and self._waiter is not None
+        self._waiter.expect(message.group_id)  # before publishing: the verdict cannot slip past us
+        await self._publisher.publish(message)
+        await self._publisher.flush()
 
     async def _publish_and_wait(self, group_id: str, built: list[tuple[ReadyTrajectory, list[tuple[int, int]], int]],
                                 timeout_s: float | None) -> list[SampleReward]:

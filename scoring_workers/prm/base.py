@@ -98,6 +98,26 @@ class BaseScorer:
     quoted when a record tries to set it."""
     weight: float
     enabled: bool
+    streamable: ClassVar[bool] = False
+    """Declares that a turn's result depends on nothing but the turn, its next state (as
+    found in ``ctx["messages"]``, see :meth:`stream_key`) and the session's identity
+    (``ctx["session_id"]``, ``ctx["trajectory_id"]``). A worker scoring a *streamed*
+    session (docs/wire.md, "Streamed sessions") may then run it on turn *t* as soon as
+    *t*'s next state has arrived, long before the session ends, with ``ctx["messages"]``
+    the conversation up to and including that next state, ``ctx["leaf_id"]`` the turn
+    that brought it and no ``ctx["is_eval"]`` (not known before the end). False (the
+    default, and every third-party scorer that does not declare it): the scorer runs at
+    the session's end with the whole branch, exactly as for a ``ready`` session. Our
+    extension; AReaL scores whole trajectories only."""
+
+    def stream_key(self, interaction: InteractionView, ctx: dict[str, Any]) -> object:
+        """What a :attr:`streamable` scorer's result for ``interaction`` reads of
+        ``ctx["messages"]``, as a value that compares equal when the result would be the
+        same (None: nothing). A worker reuses a result computed on a streamed turn for a
+        branch of the ended session only when the branch's conversation gives an equal
+        key, and scores the turn again otherwise: so a streamed session's verdict is the
+        ``ready`` form's even when the agent rewrote its history between turns."""
+        return None
 
     def __init__(self, weight: float = 1.0, enabled: bool = True) -> None:
         cls = type(self)

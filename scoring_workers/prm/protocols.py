@@ -10,14 +10,15 @@ the runner (and torch with it) nor takes ``Any``. It is runtime-checkable for te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from infra.config import PRMConfig
-    from infra.schema import ReadyTrajectory, ScorerInfo
+    from infra.schema import Interaction, ReadyTrajectory, ScorerInfo
     from scoring_workers.prm.base import BaseScorer
     from scoring_workers.prm.results import ScoredTrajectory
+    from scoring_workers.prm.streamed import Reuse, StreamedResult
 
 __all__ = ["ScoringRunner"]
 
@@ -46,8 +47,18 @@ class ScoringRunner(Protocol):
         ...
 
     async def run(self, trajectory: ReadyTrajectory, *, is_eval: bool | None = None,
-                  keep_channels: bool = False) -> ScoredTrajectory:
+                  keep_channels: bool = False, reuse: Reuse | None = None) -> ScoredTrajectory:
         """Score every branch of ``trajectory`` (:func:`scoring_workers.scoring.score_member`)."""
+        ...
+
+    @property
+    def streams(self) -> bool:
+        """Whether a streamed turn has anything to run before its session ends."""
+        ...
+
+    async def score_turn(self, turn: Interaction, next_turn: Interaction, ctx: Mapping[str, Any],
+                         cache: dict[str, Any] | None = None) -> list[StreamedResult]:
+        """Run the streamable scorers on a streamed turn (:mod:`scoring_workers.streams`)."""
         ...
 
     async def aclose(self) -> None:

@@ -42,7 +42,8 @@ import logging
 import math
 import numbers
 import struct
-from collections.abc import Coroutine, Generator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
+from functools import partial
 from types import CoroutineType
 from typing import Any
 
@@ -64,6 +65,7 @@ from scoring_workers.prm.errors import (
 )
 from scoring_workers.prm.resolve import build_scorer
 from scoring_workers.prm.results import RunnerClosedError, ScoredBranch, ScoredTrajectory
+from scoring_workers.prm.streamed import Reuse, StreamedResult, stream_key_bytes
 from scoring_workers.prm.view import InteractionView, MessageCache
 
 __all__ = ["PRMRunner"]
@@ -111,6 +113,11 @@ async def _as_coroutine(awaitable: Any, scorer_name: str) -> Any:
 
 def _coroutine(result: Any, scorer_name: str) -> Coroutine[Any, Any, Any]:
     return result if type(result) is CoroutineType else _as_coroutine(result, scorer_name)
+
+
+async def _ready(result: PRMScorerResult) -> PRMScorerResult:
+    """A reused result as the coroutine a scorer call would be (it finishes without waiting)."""
+    return result
 
 
 def _runner_cancelled() -> bool:
@@ -473,6 +480,7 @@ class PRMRunner:
         is_eval: bool | None = None,
         ctx: Mapping[str, Any] | None = None,
         keep_channels: bool = False,
+        reuse: Reuse | None = None,
     ) -> ScoredTrajectory:
         """Score every branch of ``trajectory`` (a :class:`~infra.schema.ReadyTrajectory`).
 
@@ -486,6 +494,10 @@ class PRMRunner:
         the summed rewards cannot be taken apart again by a trainer that combines
         scorers differently. Off by default, because it costs a copy of every tensor
         contribution.
+
+        ``reuse`` (a streamed session's end): turn results computed before the session
+        ended (:meth:`score_turn`), taken instead of calling the scorer again where the
+        branch gives the same stream key (:mod:`scoring_workers.prm.streamed`).
 
         Under ``error_policy: keep_original`` a failure (any ``Exception`` but a closed
         runner) returns the trajectory unscored instead: its original token rewards,
@@ -502,7 +514,7 @@ class PRMRunner:
             raise RunnerClosedError("PRMRunner is closing or closed; run() is no longer accepted")
         self._inflight += 1
         try:
-            return await self._run(trajectory, is_eval, ctx, keep_channels)
+            return await self._run(trajectory, is_eval, ctx, keep_channels, reuse)
         except Exception as exc:
             if self._config.error_policy != "keep_original":
                 raise
@@ -510,6 +522,58 @@ class PRMRunner:
             log.info("trajectory %s: scoring failed, keeping the original: %s",
                      getattr(trajectory, "trajectory_id", "?"), fallback)
             return self._original(trajectory, is_eval, fallback)
+        finally:
+            self._inflight -= 1
+
+    @property
+    def streams(self) -> bool:
+        """Whether :meth:`score_turn` has anything to run (an active streamable per-turn scorer)."""
+        return any(s.streamable and not isinstance(s, BaseTrajectoryScorer) for s in self._active)
+
+    async def score_turn(self, turn: Any, next_turn: Any, ctx: Mapping[str, Any],
+                         cache: MessageCache | None = None) -> list[StreamedResult]:
+        """Run the active :attr:`~scoring_workers.prm.BaseScorer.streamable` per-turn
+        scorers on ``turn`` of a streamed session, now that ``next_turn`` (a child of it,
+        full form) brought its next state.
+
+        Each call gets ``ctx`` (the session's ``session_id`` and ``trajectory_id``) plus
+        ``leaf_id`` = the child's id and ``messages`` = the child's conversation and
+        output: the conversation up to and including ``turn``'s next state, not the whole
+        branch (docs/compatibility.md); ``is_eval`` is not known yet and is left out. The
+        view has no ``parent`` (a streamable scorer reads its turn only). A scorer that
+        raises or returns None here is simply called again when the session ends, where
+        its failure counts as for a ``ready`` session: only successes are returned.
+        ``cache``: the session's frozen messages, kept by the caller across its turns (a
+        message is then frozen once per session, not once per turn).
+        """
+        if self._closing:
+            raise RunnerClosedError("PRMRunner is closing or closed; score_turn() is no longer accepted")
+        targets = [(i, s) for i, s in enumerate(self._active)
+                   if s.streamable and not isinstance(s, BaseTrajectoryScorer)]
+        if not targets or turn.model_response is None:
+            return []
+        self._inflight += 1
+        try:
+            cache = {} if cache is None else cache
+            view, child = InteractionView(turn, None, cache), InteractionView(next_turn, None, cache)
+            call_ctx = dict(ctx)
+            call_ctx.pop("is_eval", None)
+            call_ctx["leaf_id"] = next_turn.interaction_id
+            call_ctx["messages"] = child.messages + child.output_message_list
+            outcomes = await asyncio.gather(
+                *(_coroutine(s.evaluate_result(view, dict(call_ctx)), s.name) for _, s in targets),
+                return_exceptions=True)
+            results = []
+            for (index, scorer), outcome in zip(targets, outcomes):
+                if isinstance(outcome, PRMScorerResult):
+                    results.append(StreamedResult.of(index, scorer.name, turn.interaction_id,
+                                                     stream_key_bytes(scorer, view, call_ctx), outcome))
+                elif isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                    raise outcome  # cancelled: the worker is stopping
+                else:
+                    log.debug("streamed turn %s: scorer %r gave %s; it runs again at the session's end",
+                              turn.interaction_id, scorer.name, type(outcome).__name__)
+            return results
         finally:
             self._inflight -= 1
 
@@ -535,7 +599,8 @@ class PRMRunner:
         )
 
     async def _run(
-        self, trajectory: Any, is_eval: bool | None, ctx: Mapping[str, Any] | None, keep_channels: bool = False
+        self, trajectory: Any, is_eval: bool | None, ctx: Mapping[str, Any] | None, keep_channels: bool = False,
+        reuse: Reuse | None = None,
     ) -> ScoredTrajectory:
         trajectory_id = trajectory.trajectory_id
         if is_eval is None:
@@ -561,7 +626,8 @@ class PRMRunner:
         cache: MessageCache = {}
         pending: dict[str, _SchemaTable] = {}
         scored = [
-            await self._score_branch(path, base_ctx, cache, pending, trajectory_id, keep_channels) for path in paths
+            await self._score_branch(path, base_ctx, cache, pending, trajectory_id, keep_channels, reuse)
+            for path in paths
         ]
         self._bind_schemas(pending, trajectory_id)
         return ScoredTrajectory(
@@ -576,6 +642,7 @@ class PRMRunner:
         pending: dict[str, _SchemaTable],
         trajectory_id: str,
         keep_channels: bool = False,
+        reuse: Reuse | None = None,
     ) -> ScoredBranch:
         """Score one root-to-leaf branch: the active scorers in config order, each one's
         results validated as a whole (:func:`_staged`, :meth:`_check_observations`)
@@ -588,13 +655,14 @@ class PRMRunner:
         turn_results: list[PRMTurnResult] = []
         totals: dict[str, float] = {}
         channels: dict[str, dict[str, TokenRewards | torch.Tensor]] = {}
-        for scorer in self._active:
+        for index, scorer in enumerate(self._active):
             name = scorer.name
             where = {"scorer_name": name, "leaf_id": leaf_id, "trajectory_id": trajectory_id}
             if isinstance(scorer, BaseTrajectoryScorer):
                 outcomes = await self._evaluate_branch(scorer, views, ctx, where)
             else:
-                outcomes = await self._evaluate_turns(scorer, views, ctx, where)
+                reused = None if reuse is None or not scorer.streamable else partial(reuse.lookup, index, scorer)
+                outcomes = await self._evaluate_turns(scorer, views, ctx, where, reused)
             staged = _staged(scorer, views, lengths, outcomes, where)
             schema = self._check_observations(name, views, staged, pending, where)
             if acc is None:  # AReaL checks pre-existing rewards in the scorer step
@@ -655,7 +723,8 @@ class PRMRunner:
         return start
 
     async def _evaluate_turns(
-        self, scorer: BaseScorer, views: list[InteractionView], ctx: dict[str, Any], where: dict[str, Any]
+        self, scorer: BaseScorer, views: list[InteractionView], ctx: dict[str, Any], where: dict[str, Any],
+        reused: Callable[[InteractionView, dict[str, Any]], PRMScorerResult | None] | None = None,
     ) -> list[Any]:
         """Evaluate every turn; return results in turn order or raise.
 
@@ -665,12 +734,20 @@ class PRMRunner:
         still overlap their requests. As in AReaL, every turn is awaited; then the
         first exception in turn order is re-raised as it is, else ``None`` results
         raise ``RuntimeError`` "returned None" (exceptions win over None).
+
+        ``reused`` gives a turn's result computed before a streamed session ended (None:
+        call the scorer): such a turn costs no call and no task.
         """
         n = len(views)
         outcomes: list[Any] = [None] * n
+
+        def call(view: InteractionView) -> Coroutine[Any, Any, Any]:
+            hit = None if reused is None else reused(view, ctx)
+            return _ready(hit) if hit is not None else _coroutine(scorer.evaluate_result(view, dict(ctx)), scorer.name)
+
         i = 0
         while i < n:
-            coro = _coroutine(scorer.evaluate_result(views[i], dict(ctx)), scorer.name)
+            coro = call(views[i])
             try:
                 first = coro.send(None)
             except StopIteration as stop:
@@ -683,10 +760,7 @@ class PRMRunner:
                 if _runner_cancelled():
                     raise
                 raise self._scorer_error(exc, views[i], where)  # noqa: B904 - the original exception, re-raised unchanged (AReaL)
-            rest = [
-                asyncio.ensure_future(_coroutine(scorer.evaluate_result(views[j], dict(ctx)), scorer.name))
-                for j in range(i + 1, n)
-            ]
+            rest = [asyncio.ensure_future(call(views[j])) for j in range(i + 1, n)]
             try:
                 try:
                     outcomes[i] = await _Resume(coro, first)

@@ -20,6 +20,7 @@ its messages, not the square of its turns.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from scoring_workers.prm._frozen import freeze
@@ -81,7 +82,19 @@ class InteractionView:
         entry = self._cache.get(self.interaction_id)
         if entry is None:
             memo = self._cache.setdefault(_SHARED, ({}, None))[0]
-            entry = (_freeze_each(self._source.messages, memo), _freeze_each(self._source.output_message_list, memo))
+            messages, head = self._source.messages, ()
+            # A turn whose conversation starts with its parent's whole context (the same
+            # message objects: an expanded compact session) reuses the parent's frozen
+            # tuples: a long session's views cost C-level copies, not a Python loop per
+            # message per turn.
+            parent = self.parent
+            done = None if parent is None else self._cache.get(parent.interaction_id)
+            if done is not None:
+                shared = (*parent._source.messages, *parent._source.output_message_list)
+                n = len(shared)
+                if n and len(messages) >= n and all(map(operator.is_, messages[:n], shared)):
+                    head, messages = done[0] + done[1], messages[n:]
+            entry = (head + _freeze_each(messages, memo), _freeze_each(self._source.output_message_list, memo))
             self._cache[self.interaction_id] = entry
         return entry
 

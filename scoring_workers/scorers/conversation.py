@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -164,9 +165,13 @@ def locate_next_state(
     out = list(output_messages)
     n = len(turn_messages)
     start: int | None = None
-    if n <= len(conv) and all(
-        _same_message(conv[i], turn_messages[i], strict_assistant=False) for i in range(n)
-    ) and _output_matches(out, conv, n):
+    # The same objects first: a session's turns share their history's message objects (an
+    # expanded compact session, frozen once per run), which makes checking a long
+    # session's every turn one C-level pointer comparison per message.
+    if n <= len(conv) and (all(map(operator.is_, conv[:n], turn_messages)) or all(
+        conv[i] is turn_messages[i] or _same_message(conv[i], turn_messages[i], strict_assistant=False)
+        for i in range(n)
+    )) and _output_matches(out, conv, n):
         start = n
     elif out:
         first_text = message_text(out[0])

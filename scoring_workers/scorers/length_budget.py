@@ -31,6 +31,7 @@ class LengthBudgetScorer(BaseScorer):
     version = "1"
     record_settings = LengthBudgetRecordSettings
     max_output_tokens: int
+    streamable = True  # the turn's output length, nothing else (stream_key: None)
 
     def __init__(self, weight: float = 1.0, enabled: bool = True, max_output_tokens: int = 128) -> None:
         super().__init__(weight=weight, enabled=enabled)

@@ -252,6 +252,7 @@ class JudgeScorerBase(BaseScorer):
 
     record_settings: ClassVar[type[RecordSettings] | None] = JudgeRecordSettings
     operator_only: ClassVar[Mapping[str, str]] = JUDGE_OPERATOR_ONLY
+    streamable: ClassVar[bool] = True  # a turn, its next state, the session id (affinity): nothing else
 
     def __init__(
         self,
@@ -343,6 +344,10 @@ class JudgeScorerBase(BaseScorer):
                 j += 1
             state = NextState(state.role, "\n\n".join(texts), state.position)
         return located, state
+
+    def stream_key(self, interaction: Any, ctx: dict[str, Any]) -> object:
+        """The turn's next state as :meth:`next_state` finds it: all a judge reads of the conversation."""
+        return self.next_state(interaction, ctx)
 
     def response_text(self, interaction: Any) -> str:
         """The turn as the judge sees it: the decoded output tokens with ``policy_tokenizer``

@@ -202,7 +202,7 @@ def test_unknown_discard_key() -> None:
 
 
 def test_unknown_kind() -> None:
-    assert error(ready(kind="redy")) == "kind: unknown kind 'redy' (expected one of ['ready', 'discard'])"
+    assert error(ready(kind="redy")) == "kind: unknown kind 'redy' (expected one of ['ready', 'discard', 'turn', 'end'])"
 
 
 def test_missing_kind() -> None:
@@ -426,3 +426,74 @@ def test_a_file_with_a_utf8_byte_order_mark_loads(tmp_path: Path) -> None:
     marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
     assert list(jsonl.load(marked)) == list(jsonl.load(plain))
     assert [n for n, _ in jsonl.load_lines(marked)] == [1, 2]
+
+
+# --------------------------------------------------------------------------- streamed sessions
+def _doc_stream() -> list[dict[str, Any]]:
+    """The three lines of the doc's streamed-session example, as objects."""
+    text = DOC.read_text().split('### `kind: "turn"` and `kind: "end"`', 1)[1].split("```json\n", 1)[1]
+    block = text.split("```", 1)[0]
+    records, current = [], ""
+    for raw in block.splitlines():
+        current += raw.strip()
+        try:
+            records.append(msgspec.json.decode(current))
+            current = ""
+        except msgspec.DecodeError:
+            continue
+    return records
+
+
+def test_the_doc_stream_example_is_the_ready_form_of_one_session() -> None:
+    from infra.schema import SessionEnd, SessionTurn, expand_trajectory, streamed_trajectory
+
+    first, second, end = (parse(r) for r in _doc_stream())
+    assert isinstance(first, SessionTurn) and isinstance(second, SessionTurn) and isinstance(end, SessionEnd)
+    traj = expand_trajectory(streamed_trajectory([first.interaction, second.interaction], end))
+    assert [i.interaction_id for i in traj.interactions] == ["i1", "i2"]
+    assert traj.interactions[1].model_response.input_tokens.tolist() == [1, 2, 3, 4, 5, 6]
+    assert (traj.trajectory_id, traj.group_size, traj.outcome_reward) == ("t2", 2, 1.0)
+    assert [dump(m) for m in (first, second, end)] == [
+        {**r, "interaction": {"output_message_list": [], "messages": [], **r["interaction"]}} if r["kind"] == "turn"
+        else {**r, "is_eval": False} for r in _doc_stream()]
+
+
+def test_turn_and_end_lines_round_trip_through_dump_and_the_wire(tmp_path: Path) -> None:
+    from infra.schema import STREAM_KINDS, SessionEnd, SessionTurn
+
+    turn = SessionTurn(trajectory_id="t", session_id="s", group_id="g", group_size=3, created_at=5.0,
+                       experiment_id="exp-a", interaction=parse(READY).interactions[0])
+    end = SessionEnd(trajectory_id="t", session_id="s", group_id="g", group_size=3, outcome_reward=-1.5,
+                     is_eval=True, policy_version=7, created_at=6.0, turn_count=1, experiment_id="exp-a")
+    path = tmp_path / "s.jsonl"
+    assert write(path, [turn, end]) == 2
+    assert list(load(path)) == [turn, end]
+    assert [decode_message(*encode(m), kinds=STREAM_KINDS) for m in (turn, end)] == [turn, end]
+
+
+@pytest.mark.parametrize("patch, expected", [
+    ({"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2], "typo": 1}},
+     "interaction: unknown key 'typo' (allowed: interaction_id, input_tokens"),
+    ({"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": ["x"]}},
+     "interaction.output_tokens: expected a list of integers in int32 range"),
+    ({"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2], "output_logprobs": []}},
+     "interaction.output_logprobs: 0 values for 1 output tokens"),
+    ({"group_size": 0}, "group_size"),
+    ({"session_id": ""}, "session_id"),
+    ({"interaction": None}, "interaction"),
+])
+def test_turn_line_errors_name_the_field(patch: dict[str, Any], expected: str) -> None:
+    obj = {"kind": "turn", "trajectory_id": "t", "session_id": "s", "group_id": "g", "group_size": 1,
+           "interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2]}, **patch}
+    assert expected in error(obj)
+
+
+@pytest.mark.parametrize("patch, expected", [
+    ({"turn_count": 0}, "turn_count"), ({"outcome_reward": "1"}, "outcome_reward"),
+    ({"interactions": []}, "unknown key 'interactions'"), ({}, "outcome_reward: missing required field"),
+])
+def test_end_line_errors_name_the_field(patch: dict[str, Any], expected: str) -> None:
+    obj = {"kind": "end", "trajectory_id": "t", "session_id": "s", "group_id": "g", "group_size": 1, **patch}
+    if patch and "outcome_reward" not in patch:
+        obj["outcome_reward"] = 0.0
+    assert expected in error(obj)

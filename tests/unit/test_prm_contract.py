@@ -412,3 +412,37 @@ def test_examples_readme_snippet_runs(monkeypatch: pytest.MonkeyPatch, capsys: p
     printed = capsys.readouterr().out
     assert "rollout/prm_metric/turn/tool_use/valid_tool_call/rate = 0.5" in printed
     assert "rollout/prm_trajectory_reward/final_answer = 1" in printed
+
+
+# --------------------------------------------------------------------------- streamed sessions
+def test_only_scorers_that_declare_it_run_before_a_session_ends() -> None:
+    from scoring_workers.scorers import OPDTeacherScorer, OpenClawJudgeScorer
+
+    class ThirdParty(BaseScorer):
+        name = "third_party"
+
+        async def evaluate(self, interaction: Any, ctx: dict[str, Any]) -> float:
+            return 0.0
+
+    assert not ThirdParty.streamable and not BaseTrajectoryScorer.streamable
+    assert LengthBudgetScorer.streamable and OpenClawJudgeScorer.streamable and OPDTeacherScorer.streamable
+    assert LengthBudgetScorer().stream_key(None, {}) is None  # reads nothing of the conversation
+
+
+def test_a_judge_s_stream_key_is_the_next_state_it_would_judge() -> None:
+    """A turn's key from the conversation up to its next state equals the key from the
+    whole branch, unless the branch rewrote what the judge reads."""
+    from scoring_workers.scorers import OpenClawJudgeScorer
+
+    judge = OpenClawJudgeScorer(base_url="http://judge:30000")
+    user, answer = {"role": "user", "content": "task"}, {"role": "assistant", "content": "step 1"}
+    reply = {"role": "tool", "content": "ok"}
+    first = Interaction(interaction_id="a", messages=[user], output_message_list=[answer])
+    second_out = {"role": "assistant", "content": "step 2"}
+    prefix = [user, answer, reply, second_out]  # the child's messages + output: up to the next state and past it
+    branch = [*prefix, {"role": "user", "content": "thanks"}, {"role": "assistant", "content": "bye"}]
+    key = judge.stream_key(first, {"messages": prefix})
+    assert key is not None and key[1].text == "ok"
+    assert judge.stream_key(first, {"messages": branch}) == key
+    rewritten = [user, answer, {"role": "tool", "content": "changed"}, *branch[3:]]
+    assert judge.stream_key(first, {"messages": rewritten}) != key

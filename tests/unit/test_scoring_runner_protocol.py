@@ -9,9 +9,9 @@ from scoring_workers.prm import PRMConfig, PRMRunner, ScoringRunner
 from scoring_workers.prm.protocols import ScoringRunner as DefinedHere
 from scoring_workers.scorers import LengthBudgetScorer
 
-PROPERTIES = {"config", "scorers", "active"}
+PROPERTIES = {"config", "scorers", "active", "streams"}
 METHODS = {"scorer_infos"}
-COROUTINES = {"run", "aclose"}
+COROUTINES = {"run", "aclose", "score_turn"}
 
 
 def _members(cls: type) -> set[str]:

@@ -36,14 +36,18 @@ from infra.schema import (  # noqa: E402
     PRMTurnResult,
     ReadyTrajectory,
     ScorerInfo,
+    SessionEnd,
     SessionResult,
+    SessionTurn,
     TokenRef,
     TokenRewards,
     TrajectoryChunk,
     compact_trajectory,
     compact_turns,
     encode,
+    stream_session,
 )
+from infra.turns import TurnCompactor  # noqa: E402
 
 # Wire keys whose msgpack ``bin`` value is a packed little-endian array, and its dtype.
 PACKED_KEYS: dict[str, str] = {
@@ -54,7 +58,7 @@ PACKED_KEYS: dict[str, str] = {
     "values": "<f4",
 }
 TOPICS = {"ready": "prm.trajectories", "discard": "prm.trajectories", "chunk": "prm.trajectories",
-          "verdict": "prm.verdicts"}
+          "turn": "prm.trajectories", "end": "prm.trajectories", "verdict": "prm.verdicts"}
 BYTES_KEYS = {"data"}  # msgpack ``bin`` that is not an array: a chunk's slice of a record value
 T0 = 1_764_500_000.0  # a fixed "now" (unix seconds): vectors never depend on the clock
 
@@ -157,6 +161,28 @@ def chunk_1() -> TrajectoryChunk:
     return _chunk(1)
 
 
+def _streamed() -> tuple[list[SessionTurn], SessionEnd]:
+    """``ready_compact_full`` as a streamed session, each turn compacted against its parent."""
+    turns, end = stream_session(ready_compact_full())
+    compactor = TurnCompactor()
+    return [compactor.compact(t) for t in turns], end
+
+
+def turn_root() -> SessionTurn:
+    """The first turn of the streamed twin of ``ready_compact_full`` (a root: full form, version 1)."""
+    return _streamed()[0][0]
+
+
+def turn_compact() -> SessionTurn:
+    """Its turn ``leaf-a``: shares the whole context of its parent ``step`` (version 2)."""
+    return _streamed()[0][2]
+
+
+def end_session() -> SessionEnd:
+    """The end of that streamed session (after its four turns)."""
+    return _streamed()[1]
+
+
 def discard() -> DiscardGroup:
     return DiscardGroup(group_id="g-vec-3", reason="prompt filtered by the proxy", requested_at=T0 + 2)
 
@@ -256,6 +282,9 @@ VECTORS = {
     "chunk_0": chunk_0,
     "chunk_1": chunk_1,
     "discard": discard,
+    "turn_root": turn_root,
+    "turn_compact": turn_compact,
+    "end_session": end_session,
     "verdict_accepted": verdict_accepted,
     "verdict_reference": verdict_reference,
     "verdict_rejected": verdict_rejected,

@@ -18,13 +18,19 @@ import pytest
 from infra.chunks import ChunkAssembler, reassembled
 from infra.schema import (
     SCHEMA_HEADER,
+    STREAM_KINDS,
+    TRAJECTORY_KINDS,
     InvalidMessage,
+    SessionTurn,
     UnknownMessageKind,
     UnknownSchemaVersion,
     decode_message,
     decode_verdict,
     encode,
+    stream_session,
+    streamed_trajectory,
 )
+from scoring_workers.open_sessions import OpenSession
 from tests.vectors.generate import VECTORS, readable, ready_compact_full
 
 HERE = Path(__file__).resolve().parent
@@ -38,7 +44,8 @@ def _load(name: str) -> tuple[bytes, dict]:
 def _decode(value: bytes, headers: list[tuple[str, bytes]]):
     """The wire form (compact trajectories not expanded), to re-encode byte for byte."""
     kind = dict(headers)["prm-kind"].decode()
-    return decode_verdict(value, headers) if kind == "verdict" else decode_message(value, headers, expand=False)
+    return decode_verdict(value, headers) if kind == "verdict" else \
+        decode_message(value, headers, expand=False, kinds=TRAJECTORY_KINDS + STREAM_KINDS)
 
 
 def test_every_kind_and_status_has_a_vector() -> None:
@@ -48,7 +55,7 @@ def test_every_kind_and_status_has_a_vector() -> None:
         kinds.add(twin["headers"]["prm-kind"])
         if twin["headers"]["prm-kind"] == "verdict":
             statuses.add(twin["value"]["status"])
-    assert kinds == {"ready", "discard", "chunk", "verdict"}
+    assert kinds == {"ready", "discard", "chunk", "turn", "end", "verdict"}
     assert statuses == {"accepted", "rejected", "discarded"}
     _, branching = _load("ready_branching")
     parents = [i.get("parent_id") for i in branching["value"]["interactions"]]
@@ -79,9 +86,9 @@ def test_generator_still_writes_the_committed_bytes(name: str) -> None:
 
 
 def test_schema_versions_per_vector() -> None:
-    """Version 2 only where version 1 cannot express the record: compact trajectories and chunks."""
+    """Version 2 only where version 1 cannot express the record: compact trajectories and turns, and chunks."""
     versions = {name: _load(name)[1]["headers"][SCHEMA_HEADER] for name in VECTORS}
-    assert {n for n, v in versions.items() if v == "2"} == {"ready_compact", "chunk_0", "chunk_1"}
+    assert {n for n, v in versions.items() if v == "2"} == {"ready_compact", "chunk_0", "chunk_1", "turn_compact"}
     assert set(versions.values()) == {"1", "2"}
 
 
@@ -159,3 +166,19 @@ def test_missing_required_field_and_wrong_array_type_are_refused() -> None:
     raw["interactions"][0]["model_response"]["output_tokens"] = [7, 8, 9, 2]  # a list, not packed bytes
     with pytest.raises(InvalidMessage, match="Expected `bytes`"):
         decode_message(msgspec.msgpack.encode(raw), headers)
+
+
+def test_the_streamed_vectors_are_the_compact_session() -> None:
+    """``turn_compact`` expands, against the turns before it, to the turn of ``ready_compact_full``."""
+    value, twin = _load("turn_compact")
+    turn = decode_message(value, [(k, v.encode()) for k, v in twin["headers"].items()], kinds=STREAM_KINDS)
+    assert isinstance(turn, SessionTurn) and turn.interaction.shared_tokens == 8
+    full, end = stream_session(ready_compact_full())
+    session = OpenSession("s")
+    for earlier in full[:2]:
+        session.add(earlier.interaction)
+    assert session.add(turn.interaction) == full[2].interaction
+    value, twin = _load("end_session")
+    decoded_end = decode_message(value, [(k, v.encode()) for k, v in twin["headers"].items()], kinds=STREAM_KINDS)
+    assert decoded_end == end
+    assert streamed_trajectory([t.interaction for t in full], end).interactions == ready_compact_full().interactions
