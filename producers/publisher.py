@@ -58,6 +58,7 @@ from infra.schema import (
     SessionTurn,
     TrajectoryMessage,
     check_channel,
+    kind_of,
 )
 from infra.turns import TurnCompactor
 

@@ -473,9 +473,9 @@ def test_turn_and_end_lines_round_trip_through_dump_and_the_wire(tmp_path: Path)
 
 @pytest.mark.parametrize("patch, expected", [
     ({"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2], "typo": 1}},
-     "interaction: unknown key 'typo' (allowed: interaction_id, input_tokens"),
+     "interaction: unknown key `typo`; valid keys: input_tokens, interaction_id"),
     ({"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": ["x"]}},
-     "interaction.output_tokens: expected a list of integers in int32 range"),
+     "interaction.output_tokens[0]: Expected `int`, got `str`"),
     ({"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2], "output_logprobs": []}},
      "interaction.output_logprobs: 0 values for 1 output tokens"),
     ({"group_size": 0}, "group_size"),
@@ -490,7 +490,7 @@ def test_turn_line_errors_name_the_field(patch: dict[str, Any], expected: str) -
 
 @pytest.mark.parametrize("patch, expected", [
     ({"turn_count": 0}, "turn_count"), ({"outcome_reward": "1"}, "outcome_reward"),
-    ({"interactions": []}, "unknown key 'interactions'"), ({}, "outcome_reward: missing required field"),
+    ({"interactions": []}, "unknown key `interactions`"), ({}, "outcome_reward: missing required field"),
 ])
 def test_end_line_errors_name_the_field(patch: dict[str, Any], expected: str) -> None:
     obj = {"kind": "end", "trajectory_id": "t", "session_id": "s", "group_id": "g", "group_size": 1, **patch}
