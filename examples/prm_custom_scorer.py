@@ -150,8 +150,12 @@ class FinalAnswerScorer(BaseTrajectoryScorer):
             reward,
             (
                 PRMMetricObservation(
-                    metric_id="answered", scope="trajectory", target_id=ctx["leaf_id"], value=answered,
-                    value_type="boolean", aggregations=("rate",),
+                    metric_id="answered",
+                    scope="trajectory",
+                    target_id=ctx["leaf_id"],
+                    value=answered,
+                    value_type="boolean",
+                    aggregations=("rate",),
                 ),
             ),
         )

@@ -47,9 +47,21 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from infra.errors import ConfigurationError
 
-__all__ = ["SUPPORTED", "AiokafkaInternalsChanged", "adapt_fetch_wait", "explain_scram_errors", "fetch_wait_ms",
-           "forbid_topic_auto_creation", "open_connection", "problems", "record_size", "refresh_metadata",
-           "report_missing_topics", "skip_leave_group", "version"]
+__all__ = [
+    "SUPPORTED",
+    "AiokafkaInternalsChanged",
+    "adapt_fetch_wait",
+    "explain_scram_errors",
+    "fetch_wait_ms",
+    "forbid_topic_auto_creation",
+    "open_connection",
+    "problems",
+    "record_size",
+    "refresh_metadata",
+    "report_missing_topics",
+    "skip_leave_group",
+    "version",
+]
 
 SUPPORTED = ((0, 14), (0, 15))
 """The aiokafka versions these internals were checked against: ``[low, high)`` by (major, minor)."""
@@ -58,15 +70,24 @@ SUPPORTED = ((0, 14), (0, 15))
 _SOURCE_NEEDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("Fetcher.__init__", Fetcher.__init__, ("self._fetch_max_wait_ms",)),
     ("AIOKafkaConsumer.__init__", aiokafka.AIOKafkaConsumer.__init__, ("self._client",)),
-    ("AIOKafkaConsumer.start", aiokafka.AIOKafkaConsumer.start,
-     ("self._fetcher", "self._coordinator", "self._wait_topics()")),
+    (
+        "AIOKafkaConsumer.start",
+        aiokafka.AIOKafkaConsumer.start,
+        ("self._fetcher", "self._coordinator", "self._wait_topics()"),
+    ),
     ("ScramAuthenticator.__init__", ScramAuthenticator.__init__, ("self._hashname", "self._sasl_plain_username")),
     ("AIOKafkaClient._metadata_update", aiokafka.AIOKafkaClient._metadata_update, ("MetadataRequest(",)),
-    ("AIOKafkaConsumer._wait_topics", aiokafka.AIOKafkaConsumer._wait_topics,
-     ("self._subscription.subscription", "self._client._wait_on_metadata")),
+    (
+        "AIOKafkaConsumer._wait_topics",
+        aiokafka.AIOKafkaConsumer._wait_topics,
+        ("self._subscription.subscription", "self._client._wait_on_metadata"),
+    ),
     ("AIOKafkaClient.bootstrap", aiokafka.AIOKafkaClient.bootstrap, ("MetadataRequest(",)),
-    ("AIOKafkaAdminClient._get_cluster_metadata", aiokafka.admin.client.AIOKafkaAdminClient._get_cluster_metadata,
-     ("MetadataRequest(",)),
+    (
+        "AIOKafkaAdminClient._get_cluster_metadata",
+        aiokafka.admin.client.AIOKafkaAdminClient._get_cluster_metadata,
+        ("MetadataRequest(",),
+    ),
 )
 # (what, its owner, its name there, the parameters relied on): looked up when checked, so a
 # method removed after import is reported too.
@@ -75,16 +96,40 @@ _SIGNATURES: tuple[tuple[str, Any, str, tuple[str, ...]], ...] = (
     ("GroupCoordinator._maybe_leave_group", GroupCoordinator, "_maybe_leave_group", ("self",)),
     ("GroupCoordinator.reset_generation", GroupCoordinator, "reset_generation", ("self",)),
     ("AIOKafkaClient.force_metadata_update", aiokafka.AIOKafkaClient, "force_metadata_update", ("self",)),
-    ("ScramAuthenticator.process_server_final_message", ScramAuthenticator, "process_server_final_message",
-     ("self", "server_final")),
-    ("create_conn", aiokafka.conn, "create_conn", ("host", "port", "request_timeout_ms", "ssl_context",
-                                                  "security_protocol", "sasl_mechanism", "sasl_plain_username",
-                                                  "sasl_plain_password")),
-    ("DefaultRecordBatchBuilder.estimate_size_in_bytes", DefaultRecordBatchBuilder, "estimate_size_in_bytes",
-     ("key", "value", "headers")),
+    (
+        "ScramAuthenticator.process_server_final_message",
+        ScramAuthenticator,
+        "process_server_final_message",
+        ("self", "server_final"),
+    ),
+    (
+        "create_conn",
+        aiokafka.conn,
+        "create_conn",
+        (
+            "host",
+            "port",
+            "request_timeout_ms",
+            "ssl_context",
+            "security_protocol",
+            "sasl_mechanism",
+            "sasl_plain_username",
+            "sasl_plain_password",
+        ),
+    ),
+    (
+        "DefaultRecordBatchBuilder.estimate_size_in_bytes",
+        DefaultRecordBatchBuilder,
+        "estimate_size_in_bytes",
+        ("key", "value", "headers"),
+    ),
     ("aiokafka.client.MetadataRequest", aiokafka.client, "MetadataRequest", ("topics", "allow_auto_topic_creation")),
-    ("aiokafka.admin.client.MetadataRequest", aiokafka.admin.client, "MetadataRequest",
-     ("topics", "allow_auto_topic_creation")),
+    (
+        "aiokafka.admin.client.MetadataRequest",
+        aiokafka.admin.client,
+        "MetadataRequest",
+        ("topics", "allow_auto_topic_creation"),
+    ),
 )
 _COROUTINES = ("Fetcher._proc_fetch_request", "GroupCoordinator._maybe_leave_group")
 
@@ -104,8 +149,10 @@ def problems() -> list[str]:
     found: list[str] = []
     low, high = SUPPORTED
     if not low <= version() < high:
-        found.append(f"aiokafka {aiokafka.__version__} is outside the checked range "
-                     f"[{'.'.join(map(str, low))}, {'.'.join(map(str, high))})")
+        found.append(
+            f"aiokafka {aiokafka.__version__} is outside the checked range "
+            f"[{'.'.join(map(str, low))}, {'.'.join(map(str, high))})"
+        )
     for what, function, names in _SOURCE_NEEDS:
         try:
             source = inspect.getsource(function)
@@ -130,7 +177,8 @@ def _need(obj: Any, attribute: str, what: str) -> Any:
     if value is None:
         raise AiokafkaInternalsChanged(
             f"aiokafka {aiokafka.__version__}: {what} has no {attribute} (infra/aiokafka_internals.py was "
-            f"written for {'.'.join(map(str, SUPPORTED[0]))}); run tests/unit/test_aiokafka_internals.py")
+            f"written for {'.'.join(map(str, SUPPORTED[0]))}); run tests/unit/test_aiokafka_internals.py"
+        )
     return value
 
 

@@ -66,9 +66,15 @@ def json_depth(data: bytes, limit: int) -> int:
     return deepest
 
 
-def decode_json(data: bytes | bytearray | memoryview | str, type: type[T] = Any,  # type: ignore[assignment]
-                *, what: str, max_bytes: int, max_depth: int = DEFAULT_MAX_DEPTH,
-                strict: bool = True) -> T:
+def decode_json(
+    data: bytes | bytearray | memoryview | str,
+    type: type[T] = Any,  # type: ignore[assignment]
+    *,
+    what: str,
+    max_bytes: int,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    strict: bool = True,
+) -> T:
     """``data`` decoded as ``type``, or :class:`JSONBoundsError` naming ``what`` and the cause.
 
     ``strict=False`` lets strings stand for numbers and the like, as YAML-written
@@ -80,8 +86,9 @@ def decode_json(data: bytes | bytearray | memoryview | str, type: type[T] = Any,
     if json_depth(raw, max_depth) > max_depth:
         raise JSONBoundsError(f"{what}: nested deeper than {max_depth} levels", reason="depth")
     try:
-        with validating(root=type, error=lambda text: JSONBoundsError(f"{what}: {text}", reason="shape",
-                                                                      detail=text.raw)):
+        with validating(
+            root=type, error=lambda text: JSONBoundsError(f"{what}: {text}", reason="shape", detail=text.raw)
+        ):
             return msgspec.json.decode(raw, type=type, strict=strict)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
         raise JSONBoundsError(f"{what}: not valid JSON ({exc})", reason="syntax", detail=str(exc)) from None

@@ -42,12 +42,23 @@ from infra.schema import (
     encode,
 )
 
-__all__ = ["IncompleteTrajectory", "Assembled", "ChunkAssembler", "READY_HEADERS", "to_records", "too_large", "reassembled"]
+__all__ = [
+    "IncompleteTrajectory",
+    "Assembled",
+    "ChunkAssembler",
+    "READY_HEADERS",
+    "to_records",
+    "too_large",
+    "reassembled",
+]
 
 Record = tuple[bytes, list[tuple[str, bytes]]]
 """A record's ``(value, headers)``; its key is always the message's ``group_id``."""
 
-READY_HEADERS: list[tuple[str, bytes]] = [(SCHEMA_HEADER, str(COMPACT_SCHEMA_VERSION).encode()), (KIND_HEADER, b"ready")]
+READY_HEADERS: list[tuple[str, bytes]] = [
+    (SCHEMA_HEADER, str(COMPACT_SCHEMA_VERSION).encode()),
+    (KIND_HEADER, b"ready"),
+]
 """The headers a reassembled value is decoded with (chunks carry compact ``ready`` messages)."""
 
 _SLACK = 64  # bytes: varint widths of the record framing grow with the value
@@ -81,11 +92,19 @@ def to_records(message: TrajectoryMessage, max_message_bytes: int) -> list[Recor
     if record_size(key, value, headers) <= safe:
         return [(value, headers)]
     if not isinstance(message, ReadyTrajectory):
-        raise MessageTooLarge(f"{type(message).__name__} for group {message.group_id!r} is a record of "
-                              f"{record_size(key, value, headers)} bytes, over the {safe} a record may have under "
-                              f"kafka.max_message_bytes={max_message_bytes}")
-    probe = TrajectoryChunk(group_id=message.group_id, trajectory_id=message.trajectory_id, index=MAX_CHUNKS - 1,
-                            count=MAX_CHUNKS, total_bytes=len(value), data=memoryview(b"x"))
+        raise MessageTooLarge(
+            f"{type(message).__name__} for group {message.group_id!r} is a record of "
+            f"{record_size(key, value, headers)} bytes, over the {safe} a record may have under "
+            f"kafka.max_message_bytes={max_message_bytes}"
+        )
+    probe = TrajectoryChunk(
+        group_id=message.group_id,
+        trajectory_id=message.trajectory_id,
+        index=MAX_CHUNKS - 1,
+        count=MAX_CHUNKS,
+        total_bytes=len(value),
+        data=memoryview(b"x"),
+    )
     probe_value, chunk_headers = encode(probe)
     budget = safe - record_size(key, probe_value, chunk_headers) - 4 - _SLACK  # bin8 -> bin32 header
     count = max(2, math.ceil(len(value) / budget)) if budget > 0 else MAX_CHUNKS + 1
@@ -94,8 +113,14 @@ def to_records(message: TrajectoryMessage, max_message_bytes: int) -> list[Recor
     size = math.ceil(len(value) / count)
     records = []
     for i in range(count):
-        chunk = TrajectoryChunk(group_id=message.group_id, trajectory_id=message.trajectory_id, index=i, count=count,
-                                total_bytes=len(value), data=memoryview(value)[i * size : (i + 1) * size])
+        chunk = TrajectoryChunk(
+            group_id=message.group_id,
+            trajectory_id=message.trajectory_id,
+            index=i,
+            count=count,
+            total_bytes=len(value),
+            data=memoryview(value)[i * size : (i + 1) * size],
+        )
         chunk_value, chunk_headers = encode(chunk)
         assert record_size(key, chunk_value, chunk_headers) <= safe, "chunk budget miscomputed"
         records.append((chunk_value, chunk_headers))
@@ -160,9 +185,18 @@ class ChunkAssembler(Generic[C]):
         pending = self._pending.get(key)
         if pending is not None and (pending.count, pending.total_bytes) != (chunk.count, chunk.total_bytes):
             del self._pending[key]
-            out.append(Assembled(chunk.trajectory_id, chunk.group_id, b"", pending.coords, error=(
-                f"trajectory {chunk.trajectory_id!r}: {len(pending.parts)} of {pending.count} chunks arrived before "
-                f"a re-publication with a different size superseded them")))
+            out.append(
+                Assembled(
+                    chunk.trajectory_id,
+                    chunk.group_id,
+                    b"",
+                    pending.coords,
+                    error=(
+                        f"trajectory {chunk.trajectory_id!r}: {len(pending.parts)} of {pending.count} chunks "
+                        f"arrived before a re-publication with a different size superseded them"
+                    ),
+                )
+            )
             pending = None
         if pending is None:
             pending = self._pending[key] = _Pending(chunk.count, chunk.total_bytes, self._clock())
@@ -173,9 +207,18 @@ class ChunkAssembler(Generic[C]):
         del self._pending[key]
         value = b"".join(pending.parts[i] for i in range(pending.count))
         if len(value) != pending.total_bytes:
-            out.append(Assembled(chunk.trajectory_id, chunk.group_id, b"", pending.coords, error=(
-                f"trajectory {chunk.trajectory_id!r}: its {pending.count} chunks hold {len(value)} bytes, not the "
-                f"announced {pending.total_bytes}")))
+            out.append(
+                Assembled(
+                    chunk.trajectory_id,
+                    chunk.group_id,
+                    b"",
+                    pending.coords,
+                    error=(
+                        f"trajectory {chunk.trajectory_id!r}: its {pending.count} chunks hold {len(value)} bytes, "
+                        f"not the announced {pending.total_bytes}"
+                    ),
+                )
+            )
         else:
             out.append(Assembled(chunk.trajectory_id, chunk.group_id, value, pending.coords))
         return out
@@ -186,8 +229,18 @@ class ChunkAssembler(Generic[C]):
         out = []
         for key in [k for k, p in self._pending.items() if now - p.started > max_age_s]:
             p = self._pending.pop(key)
-            out.append(Assembled(key[2], key[1], b"", p.coords, error=(
-                f"trajectory {key[2]!r}: only {len(p.parts)} of its {p.count} chunks arrived within {max_age_s:g}s")))
+            out.append(
+                Assembled(
+                    key[2],
+                    key[1],
+                    b"",
+                    p.coords,
+                    error=(
+                        f"trajectory {key[2]!r}: only {len(p.parts)} of its {p.count} chunks arrived within "
+                        f"{max_age_s:g}s"
+                    ),
+                )
+            )
         return out
 
     def drop(self, scopes: Iterable[Hashable] | None = None) -> None:
@@ -208,7 +261,9 @@ def reassembled(done: Assembled[Any]) -> ReadyTrajectory:
     try:
         message = decode_message(done.value, READY_HEADERS)
     except SchemaError as exc:
-        raise type(exc)(f"trajectory {done.trajectory_id!r} reassembled from {len(done.coords)} chunks: {exc}") from None
+        raise type(exc)(
+            f"trajectory {done.trajectory_id!r} reassembled from {len(done.coords)} chunks: {exc}"
+        ) from None
     if not isinstance(message, ReadyTrajectory) or message.trajectory_id != done.trajectory_id:
         raise IncompleteTrajectory(f"the chunks of trajectory {done.trajectory_id!r} reassemble into another message")
     return message

@@ -81,8 +81,13 @@ class PRMScorerConfig(msgspec.Struct, kw_only=False, forbid_unknown_fields=True)
     profile: str | None = None
 
 
-def resolve_profile(entry: PRMScorerConfig, profiles: Mapping[str, PRMScorerConfig], where: str,
-                    *, error: type[ConfigError] | None = None) -> PRMScorerConfig:
+def resolve_profile(
+    entry: PRMScorerConfig,
+    profiles: Mapping[str, PRMScorerConfig],
+    where: str,
+    *,
+    error: type[ConfigError] | None = None,
+) -> PRMScorerConfig:
     """The profile ``entry`` names (its path and operator kwargs), or ``entry`` itself when it
     names none. Raises ``error`` (default :class:`ConfigError`) for an unknown profile or an
     entry that gives both a path and a profile."""
@@ -94,14 +99,18 @@ def resolve_profile(entry: PRMScorerConfig, profiles: Mapping[str, PRMScorerConf
     base = profiles.get(entry.profile)
     if base is None:
         match = did_you_mean(entry.profile, list(profiles))
-        hint = f"did you mean `{match}`?" if match else (
-            f"the workers' profiles are {sorted(profiles)}" if profiles else "the workers' config declares none")
+        hint = (
+            f"did you mean `{match}`?"
+            if match
+            else (f"the workers' profiles are {sorted(profiles)}" if profiles else "the workers' config declares none")
+        )
         raise kind(f"{where}.profile: no scorer profile `{entry.profile}` in worker.scorer_profiles; {hint}")
     return base
 
 
-def expand_profiles(prm: PRMConfig, profiles: Mapping[str, PRMScorerConfig],
-                    key: str = "rollout.agent.prm") -> PRMConfig:
+def expand_profiles(
+    prm: PRMConfig, profiles: Mapping[str, PRMScorerConfig], key: str = "rollout.agent.prm"
+) -> PRMConfig:
     """The operator's own ``prm`` block with each ``profile`` entry replaced by the profile
     (its kwargs, this entry's on top; the entry's weight and enabled). No capability
     rules apply here: this is the operator's own file."""
@@ -151,9 +160,7 @@ class PRMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     enabled: bool = True
     scorers: list[PRMScorerConfig] = msgspec.field(default_factory=list)
-    advantage_shaping: PRMAdvantageShapingConfig = msgspec.field(
-        default_factory=PRMAdvantageShapingConfig
-    )
+    advantage_shaping: PRMAdvantageShapingConfig = msgspec.field(default_factory=PRMAdvantageShapingConfig)
     error_policy: str = "reject"
     """What a scorer failure does to the session (AReaL's ``PRMConfig.error_policy``):
     ``reject`` fails it (its group is rejected); ``keep_original`` keeps the session
@@ -163,8 +170,7 @@ class PRMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.error_policy not in PRM_ERROR_POLICIES:
             raise ConfigError(
-                f"rollout.agent.prm.error_policy must be one of {list(PRM_ERROR_POLICIES)}, "
-                f"got {self.error_policy!r}"
+                f"rollout.agent.prm.error_policy must be one of {list(PRM_ERROR_POLICIES)}, got {self.error_policy!r}"
             )
 
     @property
@@ -291,15 +297,19 @@ def redis_urls(cfg: RedisConfig) -> list[SplitResult]:
         raise ConfigError(f"redis.url: an empty entry in {len(raw)} comma-separated URLs")
     urls = [_redis_url(u.strip()) for u in raw]
     if len(urls) > 1 and not cfg.cluster:
-        raise ConfigError(f"redis.url lists {len(urls)} URLs: several nodes are for Redis Cluster "
-                          "(redis.cluster: true); a standalone Redis has one URL")
+        raise ConfigError(
+            f"redis.url lists {len(urls)} URLs: several nodes are for Redis Cluster "
+            "(redis.cluster: true); a standalone Redis has one URL"
+        )
     first = urls[0]
     for i, u in enumerate(urls[1:], 2):
         if u.scheme != first.scheme or not u.hostname:
             raise ConfigError(f"redis.url: URL {i} must be {first.scheme}://host:port like the first one")
         if (u.username or u.password) and (u.username, u.password) != (first.username, first.password):
-            raise ConfigError(f"redis.url: URL {i} has other credentials than the first one; the cluster "
-                              "client logs in to every node as the first URL says")
+            raise ConfigError(
+                f"redis.url: URL {i} has other credentials than the first one; the cluster "
+                "client logs in to every node as the first URL says"
+            )
     return urls
 
 
@@ -314,7 +324,9 @@ def _redis_url(text: str) -> SplitResult:
     shown = _URL_PASSWORD.sub(r"\1***@", text)
     url = urlsplit(text)
     if "://" not in text or url.scheme not in _REDIS_SCHEMES:
-        raise ConfigError(f"redis.url {shown!r} has no redis://, rediss:// or unix:// scheme; expected {_REDIS_URL_FORM}")
+        raise ConfigError(
+            f"redis.url {shown!r} has no redis://, rediss:// or unix:// scheme; expected {_REDIS_URL_FORM}"
+        )
     if url.scheme == "unix" and not url.path:
         raise ConfigError(f"redis.url {shown!r} names no socket path; expected unix:///path/to.sock")
     if url.scheme != "unix" and not url.hostname:
@@ -484,10 +496,17 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fr
                 raise ConfigError(
                     f"trainer.combined_mode must be one of {list(COMBINED_MODES)} or null, got {self.combined_mode!r}"
                 ) from None
-        if self.exclude_neutral_turns and (self.recipe == "openclaw_turns" or (combined and combined.own_turn_selection)):
-            which = f"trainer.recipe {self.recipe!r}" if self.recipe == "openclaw_turns" \
+        if self.exclude_neutral_turns and (
+            self.recipe == "openclaw_turns" or (combined and combined.own_turn_selection)
+        ):
+            which = (
+                f"trainer.recipe {self.recipe!r}"
+                if self.recipe == "openclaw_turns"
                 else f"trainer.combined_mode {self.combined_mode!r}"
-            raise ConfigError(f"{which} applies OpenClaw-RL's own turn selection; turn trainer.exclude_neutral_turns off")
+            )
+            raise ConfigError(
+                f"{which} applies OpenClaw-RL's own turn selection; turn trainer.exclude_neutral_turns off"
+            )
         if self.recipe != "grpo" and combined is not None:
             raise ConfigError(
                 f"trainer.recipe {self.recipe!r} defines the whole advantage; it cannot be combined with "
@@ -618,8 +637,11 @@ def check_keys(raw: Mapping[str, Any]) -> None:
     for key in raw:
         if key not in ours and key not in AREAL_TOP_LEVEL_KEYS:
             match = did_you_mean(str(key), ours | AREAL_TOP_LEVEL_KEYS)
-            hint = (f"did you mean `{match}`?" if match else
-                    f"prm-pipeline's sections are {', '.join(sorted(ours))}; AReaL's are accepted too")
+            hint = (
+                f"did you mean `{match}`?"
+                if match
+                else f"prm-pipeline's sections are {', '.join(sorted(ours))}; AReaL's are accepted too"
+            )
             raise ConfigError(f"unknown top-level key `{key}`; {hint}")
     for section, struct in _ENV_SECTIONS.items():
         _strict(raw.get(section), struct, section)
@@ -675,8 +697,9 @@ def _empty(section: type[msgspec.Struct], field: str) -> str | None:
     return "" if info.type is str else None
 
 
-def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str],
-                        sources: dict[str, str] | None = None) -> dict[str, Any]:
+def apply_env_overrides(
+    raw: dict[str, Any], environ: Mapping[str, str], sources: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Fold ``PRM_<SECTION>_<FIELD>`` variables into the raw YAML mapping.
 
     ``sources``, when given, receives ``"$.<section>.<field>"`` -> the variable that set it,
@@ -726,8 +749,11 @@ def _env_shown(name: str, environ: Mapping[str, str]) -> str:
 def _blamed(message: str, sources: Mapping[str, str], environ: Mapping[str, str]) -> str:
     """``message``, led by the environment variables that set a value it names (the value is
     refused, or a rule it takes part in is broken), so the reader fixes the right place."""
-    named = [_env_shown(name, environ) for key, name in sources.items()
-             if re.search(rf"(?<![\w.]){re.escape(key[2:])}\b", message)]
+    named = [
+        _env_shown(name, environ)
+        for key, name in sources.items()
+        if re.search(rf"(?<![\w.]){re.escape(key[2:])}\b", message)
+    ]
     return f"{', '.join(named)}: {message}" if named else message
 
 
@@ -747,7 +773,9 @@ def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | 
         cfg = msgspec.convert(data, PipelineConfig, strict=False)
     for name, profile in cfg.worker.scorer_profiles.items():
         if not profile.path or profile.profile is not None:
-            raise ConfigError(f"worker.scorer_profiles.{name}: a profile names its scorer by `path` (not another profile)")
+            raise ConfigError(
+                f"worker.scorer_profiles.{name}: a profile names its scorer by `path` (not another profile)"
+            )
     cfg.rollout.agent.prm = expand_profiles(cfg.prm, cfg.worker.scorer_profiles)
     try:
         validate(cfg)
@@ -759,7 +787,9 @@ def config_from_mapping(raw: Mapping[str, Any], *, environ: Mapping[str, str] | 
     return cfg
 
 
-def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> PipelineConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> PipelineConfig:
     """Load ``path`` (or ``$PRM_CONFIG``, or built-in defaults) and apply ``PRM_*`` overrides."""
     env = os.environ if environ is None else environ
     path = path or env.get("PRM_CONFIG")
@@ -767,7 +797,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[
     if path:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else "does not exist"))
+            raise ConfigError(
+                f"config file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else "does not exist")
+            )
         try:  # utf-8-sig: a byte-order mark is not part of the first key
             raw = yaml.safe_load(p.read_text(encoding="utf-8-sig")) or {}
         except yaml.YAMLError as exc:

@@ -42,7 +42,12 @@ and internal assertions of states the code never reaches.
 from __future__ import annotations
 
 __all__ = [
-    "ConfigurationError", "PRMPipelineError", "ScoringError", "ServiceError", "TrainingError", "WireError",
+    "ConfigurationError",
+    "PRMPipelineError",
+    "ScoringError",
+    "ServiceError",
+    "TrainingError",
+    "WireError",
 ]
 
 

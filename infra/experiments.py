@@ -29,8 +29,16 @@ from typing import Final
 from infra.errors import ConfigError, ConfigurationError
 
 __all__ = [
-    "DEFAULT_EXPERIMENT", "EXPERIMENT_ID_PATTERN", "SCOPE_SEPARATOR", "UnknownExperiment", "check_experiment_id",
-    "experiment_of_topic", "scoped_group", "split_scoped", "trajectories_topic", "turn_samples_topic",
+    "DEFAULT_EXPERIMENT",
+    "EXPERIMENT_ID_PATTERN",
+    "SCOPE_SEPARATOR",
+    "UnknownExperiment",
+    "check_experiment_id",
+    "experiment_of_topic",
+    "scoped_group",
+    "split_scoped",
+    "trajectories_topic",
+    "turn_samples_topic",
     "verdicts_topic",
 ]
 
@@ -48,8 +56,10 @@ It cannot appear in an experiment id, so the split is unambiguous."""
 def check_experiment_id(experiment_id: str) -> str:
     """``experiment_id`` if it is well formed, else ``ValueError`` saying what is allowed."""
     if not isinstance(experiment_id, str) or not EXPERIMENT_ID_PATTERN.fullmatch(experiment_id):
-        raise ConfigError(f"experiment_id {str(experiment_id)[:80]!r} must match {EXPERIMENT_ID_PATTERN.pattern} "
-                            "(letters, digits, '.', '_', '-'; at most 64 characters)")
+        raise ConfigError(
+            f"experiment_id {str(experiment_id)[:80]!r} must match {EXPERIMENT_ID_PATTERN.pattern} "
+            "(letters, digits, '.', '_', '-'; at most 64 characters)"
+        )
     return experiment_id
 
 
@@ -83,8 +93,8 @@ def experiment_of_topic(base: str, topic: str) -> str | None:
     if topic == base:
         return DEFAULT_EXPERIMENT
     prefix = f"{base}."
-    if topic.startswith(prefix) and EXPERIMENT_ID_PATTERN.fullmatch(topic[len(prefix):]):
-        return topic[len(prefix):]
+    if topic.startswith(prefix) and EXPERIMENT_ID_PATTERN.fullmatch(topic[len(prefix) :]):
+        return topic[len(prefix) :]
     return None
 
 

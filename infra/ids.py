@@ -43,14 +43,24 @@ _FORBIDDEN: Final = (  # regex escapes, not the characters: the pattern shows in
 )
 ID_PATTERN: Final = re.compile(f"^[^{_FORBIDDEN}]+\\Z")
 
-WireId = Annotated[str, msgspec.Meta(
-    min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN.pattern,
-    description=f"an id: 1 to {MAX_ID_LENGTH} printable characters, no control or formatting characters")]
+WireId = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=MAX_ID_LENGTH,
+        pattern=ID_PATTERN.pattern,
+        description=f"an id: 1 to {MAX_ID_LENGTH} printable characters, no control or formatting characters",
+    ),
+]
 """A group, session, trajectory, interaction or scorer id on the wire."""
 
-ExperimentId = Annotated[str, msgspec.Meta(
-    pattern=f"^(?:{EXPERIMENT_ID_PATTERN.pattern})\\Z",
-    description="an experiment id: letters, digits, '.', '_', '-'; at most 64 characters")]
+ExperimentId = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=f"^(?:{EXPERIMENT_ID_PATTERN.pattern})\\Z",
+        description="an experiment id: letters, digits, '.', '_', '-'; at most 64 characters",
+    ),
+]
 """An experiment id on the wire (:data:`infra.experiments.EXPERIMENT_ID_PATTERN`)."""
 
 

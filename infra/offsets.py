@@ -90,9 +90,14 @@ class OffsetCommitter:
     owner gets the records again — at-least-once, never a crash).
     """
 
-    def __init__(self, consumer: AIOKafkaConsumer, *, owner: str,
-                 on_failure: Callable[[BaseException], None] | None = None,
-                 min_interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        *,
+        owner: str,
+        on_failure: Callable[[BaseException], None] | None = None,
+        min_interval_s: float = 0.0,
+    ) -> None:
         self.consumer = consumer
         self.tracker = OffsetTracker()
         self.owner = owner
@@ -143,8 +148,13 @@ class OffsetCommitter:
             except KafkaError as exc:  # CommitFailedError, IllegalStateError (revoked meanwhile), ...
                 if self._on_failure is not None:
                     self._on_failure(exc)
-                log.warning("%s: commit of %s failed (%s: %s); those records will be redelivered",
-                            self.owner, _describe(offsets), type(exc).__name__, exc)
+                log.warning(
+                    "%s: commit of %s failed (%s: %s); those records will be redelivered",
+                    self.owner,
+                    _describe(offsets),
+                    type(exc).__name__,
+                    exc,
+                )
                 return
             self.tracker.mark_committed(offsets)
 

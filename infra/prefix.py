@@ -87,8 +87,14 @@ def expand_prompts(parts: Sequence[Part], *, itemsize: int = 4) -> dict[str, mem
         path = [start]
         while True:
             tip = path[-1]
-            nxt = next((c for c in children.get(tip.node_id, ())
-                        if c.node_id not in prompt and c.shared * itemsize == ctx_len[tip.node_id]), None)
+            nxt = next(
+                (
+                    c
+                    for c in children.get(tip.node_id, ())
+                    if c.node_id not in prompt and c.shared * itemsize == ctx_len[tip.node_id]
+                ),
+                None,
+            )
             if nxt is None:
                 break
             path.append(nxt)
@@ -146,8 +152,11 @@ def shared_token_prefix(parent_prompt: Any, parent_output: Any, prompt: Any, *, 
     """
     n_in, n_out = len(parent_prompt), len(parent_output)
     mv = memoryview(prompt)
-    if len(mv) >= n_in + n_out and same_bytes(mv[:n_in], parent_prompt) and \
-            same_bytes(mv[n_in : n_in + n_out], parent_output):
+    if (
+        len(mv) >= n_in + n_out
+        and same_bytes(mv[:n_in], parent_prompt)
+        and same_bytes(mv[n_in : n_in + n_out], parent_output)
+    ):
         return (n_in + n_out) // itemsize
     dtype = np.dtype(f"<i{itemsize}")
     a = np.concatenate([np.frombuffer(parent_prompt, dtype), np.frombuffer(parent_output, dtype)])

@@ -53,8 +53,17 @@ from infra.schema import (
     decode_message,
 )
 
-__all__ = ["TOKENS_RETRY", "Wanted", "TrajectoryReader", "VerdictTokens", "unavailable", "failed_reason",
-           "resolve_verdict", "needs_tokens", "reference"]
+__all__ = [
+    "TOKENS_RETRY",
+    "Wanted",
+    "TrajectoryReader",
+    "VerdictTokens",
+    "unavailable",
+    "failed_reason",
+    "resolve_verdict",
+    "needs_tokens",
+    "reference",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +95,17 @@ def unavailable(result: SessionResult, topic: str, partition: int, offset: int) 
     """``result`` as a ``failed`` member whose record could not be read back (``tokens_unavailable``)."""
     r = result
     return SessionResult.failure(
-        code=reasons.TOKENS_UNAVAILABLE, detail=f"record {topic}:{partition}@{offset} could not be read back",
-        session_id=r.session_id, trajectory_id=r.trajectory_id, outcome_reward=r.outcome_reward, is_eval=r.is_eval,
-        policy_version=r.policy_version, created_at=r.created_at, scored_at=r.scored_at,
-        consumed_at=r.consumed_at, parked_at=r.parked_at,
+        code=reasons.TOKENS_UNAVAILABLE,
+        detail=f"record {topic}:{partition}@{offset} could not be read back",
+        session_id=r.session_id,
+        trajectory_id=r.trajectory_id,
+        outcome_reward=r.outcome_reward,
+        is_eval=r.is_eval,
+        policy_version=r.policy_version,
+        created_at=r.created_at,
+        scored_at=r.scored_at,
+        consumed_at=r.consumed_at,
+        parked_at=r.parked_at,
     )
 
 
@@ -117,7 +133,8 @@ _OUTRANKING = (reasons.INVALID_MEMBER, reasons.GROUP_SIZE_MISMATCH, reasons.VERD
 
 
 def resolve_verdict(verdict: GroupVerdict, turns: Turns, topic: str) -> GroupVerdict:
-    """``verdict`` with each referenced member's turns filled in from ``turns``, or the member failed ``tokens_unavailable`` when absent —
+    """``verdict`` with each referenced member's turns filled in from ``turns``, or the member failed
+    ``tokens_unavailable`` when absent —
     then the group is rejected with the failed-member reason, as the worker rejects an
     inline verdict whose member could not be read back."""
     if not needs_tokens(verdict):
@@ -175,8 +192,13 @@ class TrajectoryReader:
             return out
         async with self._lock:
             if self._reader is None:
-                self._reader = make_consumer(self.cfg.kafka, group_id=None, enable_auto_commit=False,
-                                             fetch_max_bytes=FETCH_BYTES, max_partition_fetch_bytes=FETCH_BYTES)
+                self._reader = make_consumer(
+                    self.cfg.kafka,
+                    group_id=None,
+                    enable_auto_commit=False,
+                    fetch_max_bytes=FETCH_BYTES,
+                    max_partition_fetch_bytes=FETCH_BYTES,
+                )
                 await self._reader.start()
             reader = self._reader
             tps = [TopicPartition(topic, p) for p in sorted(by_partition)]
@@ -190,8 +212,14 @@ class TrajectoryReader:
                 reader.pause(*reader.assignment())
         return out
 
-    async def _scan(self, reader: AIOKafkaConsumer, tp: TopicPartition, wanted: dict[int, list[Wanted]],
-                    out: Turns, timeout_s: float) -> None:
+    async def _scan(
+        self,
+        reader: AIOKafkaConsumer,
+        tp: TopicPartition,
+        wanted: dict[int, list[Wanted]],
+        out: Turns,
+        timeout_s: float,
+    ) -> None:
         """Scan ``tp`` forward over the wanted offsets. The end of the log is the fetch's
         high watermark (``end_offsets`` is wrong on the embedded broker)."""
         todo = sorted(wanted)
@@ -221,8 +249,13 @@ class TrajectoryReader:
                 if high is not None and position >= high and (fresh or empty_polls >= 3):
                     self._gone(tp, [w for o in todo[i:] for w in wanted[o]], f"past the end of the log (@{high})")
                     for key, first in chunked.items():
-                        log.error("trajectory %s: its chunks from %s:%d@%d end incomplete at the end of the log",
-                                  key[1], tp.topic, tp.partition, first)
+                        log.error(
+                            "trajectory %s: its chunks from %s:%d@%d end incomplete at the end of the log",
+                            key[1],
+                            tp.topic,
+                            tp.partition,
+                            first,
+                        )
                     return
                 if time.monotonic() > deadline:  # a broker outage: transient for the caller
                     raise TimeoutError(f"no record of {tp.topic}:{tp.partition} from @{position} in {timeout_s:g}s")
@@ -257,9 +290,17 @@ class TrajectoryReader:
                 if i >= len(todo) and not chunked:
                     break
 
-    def _add_chunk(self, tp: TopicPartition, offset: int, message: TrajectoryChunk, is_wanted: bool,
-                   chunked: dict[tuple[str, str], int], assembler: ChunkAssembler[int],
-                   wanted: dict[int, list[Wanted]], out: Turns) -> None:
+    def _add_chunk(
+        self,
+        tp: TopicPartition,
+        offset: int,
+        message: TrajectoryChunk,
+        is_wanted: bool,
+        chunked: dict[tuple[str, str], int],
+        assembler: ChunkAssembler[int],
+        wanted: dict[int, list[Wanted]],
+        out: Turns,
+    ) -> None:
         """Follow a chunked trajectory whose first chunk is wanted; keep it once its last chunk is read.
 
         ``chunked`` holds the trajectories being followed (key -> first chunk's offset).
@@ -286,22 +327,41 @@ class TrajectoryReader:
     @staticmethod
     def _gone(tp: TopicPartition, gone: Sequence[Wanted], why: str) -> None:
         for w in gone:
-            log.error("group=%s traj=%s: record %s:%d@%d is %s", w.group_id, w.trajectory_id, tp.topic, tp.partition,
-                      w.offset, why)
+            log.error(
+                "group=%s traj=%s: record %s:%d@%d is %s",
+                w.group_id,
+                w.trajectory_id,
+                tp.topic,
+                tp.partition,
+                w.offset,
+                why,
+            )
 
     def _keep(self, tp: TopicPartition, offset: int, wants: list[Wanted], message: object, out: Turns) -> None:
         turns: list[TokenTurn] | None = None
         for want in wants:
             if not isinstance(message, ReadyTrajectory) or message.trajectory_id != want.trajectory_id:
-                log.error("group=%s: record %s:%d@%d is not trajectory %s", want.group_id, tp.topic, tp.partition,
-                          offset, want.trajectory_id)
+                log.error(
+                    "group=%s: record %s:%d@%d is not trajectory %s",
+                    want.group_id,
+                    tp.topic,
+                    tp.partition,
+                    offset,
+                    want.trajectory_id,
+                )
                 continue
             if turns is None:
                 try:
                     turns = compact_turns(message.interactions)
                 except NotConcatExport as exc:
-                    log.error("group=%s: record %s:%d@%d is not concat export: %s", want.group_id, tp.topic,
-                              tp.partition, offset, exc)
+                    log.error(
+                        "group=%s: record %s:%d@%d is not concat export: %s",
+                        want.group_id,
+                        tp.topic,
+                        tp.partition,
+                        offset,
+                        exc,
+                    )
                     return
             out[(tp.partition, offset, want.trajectory_id)] = turns
 
@@ -328,15 +388,18 @@ class VerdictTokens:
         for v in verdicts:  # an experiment's records are in its own trajectories topic
             by_experiment.setdefault(v.experiment_id, []).extend(
                 Wanted(s.tokens_at.partition, s.tokens_at.offset, s.trajectory_id, v.group_id)
-                for s in v.sessions if s.tokens_at is not None)
+                for s in v.sessions
+                if s.tokens_at is not None
+            )
         turns: dict[str, Turns] = {}
         for experiment_id, wanted in by_experiment.items():
             if wanted:
                 turns[experiment_id] = await self.reader.read(wanted, topic=self.reader.topic_of(experiment_id))
         if not turns:
             return list(verdicts)
-        return [resolve_verdict(v, turns.get(v.experiment_id, {}), self.reader.topic_of(v.experiment_id))
-                for v in verdicts]
+        return [
+            resolve_verdict(v, turns.get(v.experiment_id, {}), self.reader.topic_of(v.experiment_id)) for v in verdicts
+        ]
 
     async def resolve_one(self, verdict: GroupVerdict) -> GroupVerdict:
         return (await self.resolve([verdict]))[0]

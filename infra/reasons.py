@@ -28,11 +28,36 @@ from typing import Final, Literal
 from infra.config import ConfigError
 
 __all__ = [
-    "CODE_PATTERN", "OTHER", "UNSPECIFIED", "Reason", "ReasonStatus", "get", "is_member_code", "is_registered", "metric_label",
-    "register", "registered", "render_markdown", "require",
-    "DISCARDED", "UNKNOWN_EXPERIMENT", "INVALID_MEMBER", "GROUP_SIZE_MISMATCH", "MISSING_SESSIONS", "VERDICT_TOO_LARGE",
-    "NOT_CONCAT_EXPORT", "TOKENS_UNAVAILABLE", "SCORER_ERROR", "SCORER_TIMEOUT", "SCORER_RETURNED_NONE",
-    "INVALID_REWARD", "INVALID_OBSERVATION", "NOT_TOKEN_BACKED", "INVALID_TRAJECTORY", "SESSION_IDLE", "JUDGE_FAILED",
+    "CODE_PATTERN",
+    "OTHER",
+    "UNSPECIFIED",
+    "Reason",
+    "ReasonStatus",
+    "get",
+    "is_member_code",
+    "is_registered",
+    "metric_label",
+    "register",
+    "registered",
+    "render_markdown",
+    "require",
+    "DISCARDED",
+    "UNKNOWN_EXPERIMENT",
+    "INVALID_MEMBER",
+    "GROUP_SIZE_MISMATCH",
+    "MISSING_SESSIONS",
+    "VERDICT_TOO_LARGE",
+    "NOT_CONCAT_EXPORT",
+    "TOKENS_UNAVAILABLE",
+    "SCORER_ERROR",
+    "SCORER_TIMEOUT",
+    "SCORER_RETURNED_NONE",
+    "INVALID_REWARD",
+    "INVALID_OBSERVATION",
+    "NOT_TOKEN_BACKED",
+    "INVALID_TRAJECTORY",
+    "SESSION_IDLE",
+    "JUDGE_FAILED",
 ]
 
 CODE_PATTERN: Final = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -82,67 +107,95 @@ def _add(code: str, status: ReasonStatus, member: bool, meaning: str, *, builtin
 
 # --------------------------------------------------------------------------- group decisions
 DISCARDED: Final = _add(
-    "discarded", "discarded", False,
+    "discarded",
+    "discarded",
+    False,
     "a producer's `discard` for the group arrived; `reason` is the discard's own text (`discarded` when it "
-    "had none); `sessions` list the members consumed before it, status `discarded`, without results")
+    "had none); `sessions` list the members consumed before it, status `discarded`, without results",
+)
 UNKNOWN_EXPERIMENT: Final = _add(
-    "unknown_experiment", "rejected", True,
+    "unknown_experiment",
+    "rejected",
+    True,
     "the record came from the topic of an experiment the worker no longer serves (removed while its records "
-    "were being read); `reason` names it; the record itself is dead-lettered (`UnknownExperiment`)")
+    "were being read); `reason` names it; the record itself is dead-lettered (`UnknownExperiment`)",
+)
 INVALID_MEMBER: Final = _add(
-    "invalid_member", "rejected", False,
+    "invalid_member",
+    "rejected",
+    False,
     "a record keyed by the group was dead-lettered (undecodable or persistently failing); `reason` names "
-    "its coordinates `topic:partition@offset` and the error")
+    "its coordinates `topic:partition@offset` and the error",
+)
 GROUP_SIZE_MISMATCH: Final = _add(
-    "group_size_mismatch", "rejected", False,
-    "members announced different `group_size` values")
+    "group_size_mismatch", "rejected", False, "members announced different `group_size` values"
+)
 MISSING_SESSIONS: Final = _add(
-    "missing_sessions", "rejected", False,
-    "fewer members than `group_size` arrived before `worker.group_timeout_s`")
+    "missing_sessions", "rejected", False, "fewer members than `group_size` arrived before `worker.group_timeout_s`"
+)
 VERDICT_TOO_LARGE: Final = _add(
-    "verdict_too_large", "rejected", False,
+    "verdict_too_large",
+    "rejected",
+    False,
     "the verdict record would exceed `kafka.max_message_bytes` with members' token turns inline "
     "(`worker.verdict_tokens: inline`) or even with their records named instead (`auto`, `reference`); "
     "published with members' token turns (and, if needed, branches and turn results) dropped, stats kept; "
-    "`reason` gives the sizes and the original status")
+    "`reason` gives the sizes and the original status",
+)
 
 # --------------------------------------------------------------------------- member failures
 NOT_CONCAT_EXPORT: Final = _add(
-    "not_concat_export", "rejected", True,
-    "a turn has no `model_response`, or its input does not start with its parent's input + output")
+    "not_concat_export",
+    "rejected",
+    True,
+    "a turn has no `model_response`, or its input does not start with its parent's input + output",
+)
 TOKENS_UNAVAILABLE: Final = _add(
-    "tokens_unavailable", "rejected", True,
-    "the member's record could not be read back from the trajectories topic (retention, recreated topic)")
-SCORER_ERROR: Final = _add(
-    "scorer_error", "rejected", True,
-    "a scorer raised (`error_scorer` names it)")
+    "tokens_unavailable",
+    "rejected",
+    True,
+    "the member's record could not be read back from the trajectories topic (retention, recreated topic)",
+)
+SCORER_ERROR: Final = _add("scorer_error", "rejected", True, "a scorer raised (`error_scorer` names it)")
 SCORER_TIMEOUT: Final = _add(
-    "scorer_timeout", "rejected", True,
-    "scoring the member took longer than `worker.scorer_timeout_s`")
+    "scorer_timeout", "rejected", True, "scoring the member took longer than `worker.scorer_timeout_s`"
+)
 SCORER_RETURNED_NONE: Final = _add(
-    "scorer_returned_none", "rejected", True,
-    "a scorer returned no result for at least one turn")
+    "scorer_returned_none", "rejected", True, "a scorer returned no result for at least one turn"
+)
 INVALID_REWARD: Final = _add(
-    "invalid_reward", "rejected", True,
+    "invalid_reward",
+    "rejected",
+    True,
     "a reward of the wrong shape or type, non-finite, for a turn with no output tokens, or pre-existing "
-    "`token_rewards` whose length differs from the turn's output")
+    "`token_rewards` whose length differs from the turn's output",
+)
 INVALID_OBSERVATION: Final = _add(
-    "invalid_observation", "rejected", True,
-    "a metric observation with a wrong target, a duplicate, or a schema that changed")
+    "invalid_observation",
+    "rejected",
+    True,
+    "a metric observation with a wrong target, a duplicate, or a schema that changed",
+)
 NOT_TOKEN_BACKED: Final = _add(
-    "not_token_backed", "rejected", True,
-    "the scoring run met an interaction without a `model_response`")
+    "not_token_backed", "rejected", True, "the scoring run met an interaction without a `model_response`"
+)
 INVALID_TRAJECTORY: Final = _add(
-    "invalid_trajectory", "rejected", True,
-    "the scoring run found parent links that do not form a forest")
+    "invalid_trajectory", "rejected", True, "the scoring run found parent links that do not form a forest"
+)
 SESSION_IDLE: Final = _add(
-    "session_idle", "rejected", True,
+    "session_idle",
+    "rejected",
+    True,
     "a streamed session received no record for `worker.session_idle_s` before its `end`: it is answered "
-    "as a missing member instead of keeping its group open")
+    "as a missing member instead of keeping its group open",
+)
 JUDGE_FAILED: Final = _add(
-    "judge_failed", "rejected", True,
+    "judge_failed",
+    "rejected",
+    True,
     "every judge vote of a turn failed (request errors or no valid score; the detail carries the last "
-    "underlying error), or a teacher request failed")
+    "underlying error), or a teacher request failed",
+)
 
 
 # --------------------------------------------------------------------------- API
@@ -178,8 +231,10 @@ def require(code: str, *, member: bool = False) -> str:
     writers only write registered codes."""
     if not (is_member_code(code) if member else is_registered(code)):
         known = sorted(r.code for r in _REGISTRY.values() if r.member or not member)
-        raise ConfigError(f"reason code {code!r} is not registered{' as a member code' if member else ''} "
-                          f"(infra.reasons.register); registered: {known}")
+        raise ConfigError(
+            f"reason code {code!r} is not registered{' as a member code' if member else ''} "
+            f"(infra.reasons.register); registered: {known}"
+        )
     return code
 
 

@@ -65,7 +65,8 @@ def access_refusal(exc: BaseException, cfg: RedisConfig) -> RedisAccessError | N
         if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
             return RedisAccessError(
                 f"{_where(cfg)}: its TLS certificate is not trusted; "
-                f"redis.ssl_ca_certs is {cfg.ssl_ca_certs or 'unset (system trust store)'}")
+                f"redis.ssl_ca_certs is {cfg.ssl_ca_certs or 'unset (system trust store)'}"
+            )
         if isinstance(cause, ssl.SSLError) or "SSL" in str(exc):
             return RedisAccessError(f"{_where(cfg)}: TLS handshake failed ({exc})")
     return None

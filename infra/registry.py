@@ -53,10 +53,24 @@ from infra.types import validating
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "KIND", "MAX_RECORD_BYTES", "ExperimentSpec", "JudgeQuotaSpec", "RegistryError", "RegistryFollower",
-    "RecordedExperiment", "RegistryRecord", "declared_experiment", "decode_entry", "decode_record", "encode_spec",
-    "load_spec_file", "publish_removal", "recorded_experiment", "removed_note",
-    "publish_spec", "read_registry",
+    "KIND",
+    "MAX_RECORD_BYTES",
+    "ExperimentSpec",
+    "JudgeQuotaSpec",
+    "RegistryError",
+    "RegistryFollower",
+    "RecordedExperiment",
+    "RegistryRecord",
+    "declared_experiment",
+    "decode_entry",
+    "decode_record",
+    "encode_spec",
+    "load_spec_file",
+    "publish_removal",
+    "recorded_experiment",
+    "removed_note",
+    "publish_spec",
+    "read_registry",
 ]
 
 KIND = "experiment"
@@ -115,8 +129,9 @@ class ExperimentSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     def __post_init__(self) -> None:
         check_experiment_id(self.experiment_id)
         if self.experiment_id == DEFAULT_EXPERIMENT:
-            raise RegistryError(f"experiment {DEFAULT_EXPERIMENT!r} is the workers' own config file's; "
-                                "declare another id")
+            raise RegistryError(
+                f"experiment {DEFAULT_EXPERIMENT!r} is the workers' own config file's; declare another id"
+            )
         if len(self.description) > 2000:
             raise RegistryError("description is longer than 2000 characters")
 
@@ -147,8 +162,10 @@ def encode_spec(spec: ExperimentSpec) -> tuple[bytes, bytes, list[tuple[str, byt
     """``(key, value, headers)`` of the registry record declaring ``spec``."""
     value = _ENCODER.encode(spec)
     if len(value) > MAX_RECORD_BYTES:
-        raise RegistryError(f"experiment {spec.experiment_id!r}: the record is {len(value)} bytes, over the "
-                            f"registry's limit of {MAX_RECORD_BYTES}")
+        raise RegistryError(
+            f"experiment {spec.experiment_id!r}: the record is {len(value)} bytes, over the "
+            f"registry's limit of {MAX_RECORD_BYTES}"
+        )
     return spec.experiment_id.encode(), value, [("prm-kind", KIND.encode()), ("prm-schema-version", b"1")]
 
 
@@ -182,8 +199,10 @@ def encode_removal(spec: ExperimentSpec) -> bytes:
     """The value of the registry record removing ``spec``'s experiment while keeping its declaration."""
     value = _ENCODER.encode({_REMOVED: spec})
     if len(value) > MAX_RECORD_BYTES:
-        raise RegistryError(f"experiment {spec.experiment_id!r}: the removal record is {len(value)} bytes, over "
-                            f"the registry's limit of {MAX_RECORD_BYTES}")
+        raise RegistryError(
+            f"experiment {spec.experiment_id!r}: the removal record is {len(value)} bytes, over "
+            f"the registry's limit of {MAX_RECORD_BYTES}"
+        )
     return value
 
 
@@ -211,19 +230,25 @@ def decode_entry(key: bytes | None, value: bytes | None) -> tuple[ExperimentSpec
     if value is None:
         return None, None
     if len(value) > MAX_RECORD_BYTES:
-        raise RegistryError(f"experiment {experiment_id!r}: record of {len(value)} bytes, over the limit of "
-                            f"{MAX_RECORD_BYTES}")
+        raise RegistryError(
+            f"experiment {experiment_id!r}: record of {len(value)} bytes, over the limit of {MAX_RECORD_BYTES}"
+        )
     try:  # bounded: a record nested 30,000 deep is refused here, not a RecursionError in a worker
-        data: Any = decode_json(value, what=f"experiment {experiment_id!r}: the record", max_bytes=MAX_RECORD_BYTES,
-                           max_depth=MAX_RECORD_DEPTH)
+        data: Any = decode_json(
+            value,
+            what=f"experiment {experiment_id!r}: the record",
+            max_bytes=MAX_RECORD_BYTES,
+            max_depth=MAX_RECORD_DEPTH,
+        )
     except JSONBoundsError as exc:
         raise RegistryError(str(exc)) from None
     removal = isinstance(data, dict) and list(data) == [_REMOVED]
     where = f"experiment {experiment_id!r}" + (" (removal)" if removal else "")
     spec = _spec_from_mapping(data[_REMOVED] if removal else data, where)
     if spec.experiment_id != experiment_id:
-        raise RegistryError(f"{where}: the record declares {spec.experiment_id!r}; "
-                            "the key and experiment_id must agree")
+        raise RegistryError(
+            f"{where}: the record declares {spec.experiment_id!r}; the key and experiment_id must agree"
+        )
     return (None, spec) if removal else (spec, None)
 
 
@@ -231,8 +256,9 @@ def load_spec_file(path: str | Path) -> ExperimentSpec:
     """An experiment declared in a YAML file (the argument of ``experiment add``)."""
     p = Path(path)
     if not p.is_file():
-        raise RegistryError(f"experiment file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else
-                                                             "does not exist"))
+        raise RegistryError(
+            f"experiment file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else "does not exist")
+        )
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8-sig"))
     except yaml.YAMLError as exc:
@@ -292,8 +318,12 @@ class RegistryFollower:
         self.topic = cfg.topics.experiments
         # The registry changes rarely: idle, its fetches back off to IDLE_FETCH_WAIT_MS (a worker
         # must not pay a request every 20 ms for it), and a burst of records is read at once.
-        self._consumer = make_consumer(cfg.kafka, group_id=None, enable_auto_commit=False,
-                                       fetch_max_wait_ms=max(IDLE_FETCH_WAIT_MS, cfg.kafka.fetch_max_wait_ms))
+        self._consumer = make_consumer(
+            cfg.kafka,
+            group_id=None,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=max(IDLE_FETCH_WAIT_MS, cfg.kafka.fetch_max_wait_ms),
+        )
         self._assigned: list[TopicPartition] = []
         self._started = False
         self._next_look = 0.0
@@ -357,8 +387,13 @@ class RegistryFollower:
             return RegistryRecord(name, None, record.offset, error=str(exc), timestamp_ms=record.timestamp)
         except Exception as exc:
             log.exception("experiment registry: record %r at offset %d could not be decoded", name, record.offset)
-            return RegistryRecord(name, None, record.offset, error=f"undecodable record ({type(exc).__name__}: "
-                                  f"{str(exc)[:200]})", timestamp_ms=record.timestamp)
+            return RegistryRecord(
+                name,
+                None,
+                record.offset,
+                error=f"undecodable record ({type(exc).__name__}: {str(exc)[:200]})",
+                timestamp_ms=record.timestamp,
+            )
         return RegistryRecord(name, spec, record.offset, timestamp_ms=record.timestamp, kept=kept)
 
     async def aclose(self) -> None:
@@ -417,7 +452,8 @@ def _declaration(cfg: PipelineConfig, experiment_id: str, registry: dict[str, An
     raise UnknownExperiment(
         f"experiment {experiment_id!r} has no declaration in the registry {cfg.topics.experiments} ({why}; "
         f"declared: {', '.join(declared) or 'none'}): no worker reads its topics, so nothing would ever be scored; "
-        "declare it first with `prm-pipeline experiment add FILE.yaml`")
+        "declare it first with `prm-pipeline experiment add FILE.yaml`"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,5 +489,7 @@ async def recorded_experiment(cfg: PipelineConfig, experiment_id: str) -> Record
 
 def removed_note(cfg: PipelineConfig, recorded: RecordedExperiment) -> str:
     """The one line a reading tool prints (to stderr) about a removed experiment."""
-    return (f"note: experiment {recorded.experiment_id!r} was removed from the registry {cfg.topics.experiments} "
-            f"(offset {recorded.removed_at_offset}); reading its recorded topics, which no worker scores any more")
+    return (
+        f"note: experiment {recorded.experiment_id!r} was removed from the registry {cfg.topics.experiments} "
+        f"(offset {recorded.removed_at_offset}); reading its recorded topics, which no worker scores any more"
+    )

@@ -46,18 +46,33 @@ T = TypeVar("T")
 # restart, full (noeviction), or a cluster slot moving. An outage must delay work, never
 # dead-letter valid records.
 REDIS_OUTAGES: tuple[type[BaseException], ...] = (
-    RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError, TryAgainError,
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    OutOfMemoryError,
+    TryAgainError,
 )
 # Errors no retry can fix: the record, the topic or the credentials must change first.
 # aiokafka flags all of them non-retriable; they are listed so that the intent is explicit
 # (and survives a change of flags upstream).
 PERMANENT_KAFKA_ERRORS: tuple[type[kerr.KafkaError], ...] = (
-    kerr.MessageSizeTooLargeError, kerr.RecordTooLargeError, kerr.RecordListTooLargeError,
-    kerr.InvalidTopicError, kerr.TopicAuthorizationFailedError, kerr.GroupAuthorizationFailedError,
-    kerr.ClusterAuthorizationFailedError, kerr.TransactionalIdAuthorizationFailed,
-    kerr.AuthenticationFailedError, kerr.SaslAuthenticationFailed, kerr.UnsupportedSaslMechanismError,
-    kerr.UnsupportedVersionError, kerr.UnsupportedForMessageFormatError, kerr.IncompatibleBrokerVersion,
-    kerr.UnsupportedCodecError, kerr.PolicyViolationError, kerr.CorruptRecordException,
+    kerr.MessageSizeTooLargeError,
+    kerr.RecordTooLargeError,
+    kerr.RecordListTooLargeError,
+    kerr.InvalidTopicError,
+    kerr.TopicAuthorizationFailedError,
+    kerr.GroupAuthorizationFailedError,
+    kerr.ClusterAuthorizationFailedError,
+    kerr.TransactionalIdAuthorizationFailed,
+    kerr.AuthenticationFailedError,
+    kerr.SaslAuthenticationFailed,
+    kerr.UnsupportedSaslMechanismError,
+    kerr.UnsupportedVersionError,
+    kerr.UnsupportedForMessageFormatError,
+    kerr.IncompatibleBrokerVersion,
+    kerr.UnsupportedCodecError,
+    kerr.PolicyViolationError,
+    kerr.CorruptRecordException,
 )
 # Outages that aiokafka flags non-retriable although waiting fixes them: a request the
 # broker did not answer within ``request_timeout_ms`` (a restarting broker), or no
@@ -92,8 +107,9 @@ def is_transient(exc: BaseException) -> bool:
 OnRetry = Callable[[BaseException, int, float], None]
 
 
-def backoff_delay(attempt: int, *, base_s: float = 0.2, cap_s: float = 10.0, jitter: bool = True,
-                  rng: random.Random | None = None) -> float:
+def backoff_delay(
+    attempt: int, *, base_s: float = 0.2, cap_s: float = 10.0, jitter: bool = True, rng: random.Random | None = None
+) -> float:
     """Bounded exponential backoff before retry ``attempt`` (1-based): ``d = min(cap, base * 2**(attempt-1))``
     (``base_s`` is the first pause), drawn from ``[d/2, d]`` with ``jitter`` so that workers hit by one outage
     do not retry in step (``rng``: the random source, for tests; the module's by default)."""
@@ -130,8 +146,9 @@ class RetryPolicy:
         """Whether no attempt follows failed attempt ``attempt`` (``max_attempts`` reached)."""
         return self.max_attempts is not None and attempt >= self.max_attempts
 
-    async def run(self, op: Callable[[], Awaitable[T]], *, what: str = "operation",
-                  on_retry: OnRetry | None = None) -> T:
+    async def run(
+        self, op: Callable[[], Awaitable[T]], *, what: str = "operation", on_retry: OnRetry | None = None
+    ) -> T:
         """``await op()`` until it succeeds. A retryable error is retried after :meth:`delay`
         (``on_retry`` is told of it first; without one it is logged as a warning naming
         ``what`` and the error); any other error, or the last allowed attempt's, is raised at once.
@@ -148,6 +165,12 @@ class RetryPolicy:
                 if on_retry is not None:
                     on_retry(exc, attempt, delay)
                 else:
-                    log.warning("transient %s during %s (attempt %d: %s), retrying in %.2fs",
-                                type(exc).__name__, what, attempt, exc, delay)
+                    log.warning(
+                        "transient %s during %s (attempt %d: %s), retrying in %.2fs",
+                        type(exc).__name__,
+                        what,
+                        attempt,
+                        exc,
+                        delay,
+                    )
                 await asyncio.sleep(delay)

@@ -153,9 +153,7 @@ class ModelResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
         for name, raw in (("input_tokens", self.input_tokens_raw), ("output_tokens", self.output_tokens_raw)):
             if raw and int(_view(raw, _I32).min()) < 0:
                 raise SchemaError(f"{name}: token ids must be non-negative (a vocabulary index)")
-        if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(
-            self.output_tokens_raw
-        ):
+        if self.output_logprobs_raw is not None and len(self.output_logprobs_raw) != len(self.output_tokens_raw):
             raise SchemaError(
                 f"output_logprobs: {len(self.output_logprobs_raw) // 4} values for "
                 f"{len(self.output_tokens_raw) // 4} output tokens"
@@ -172,9 +170,7 @@ class ModelResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
         return cls(
             input_tokens_raw=pack_array(input_tokens, _I32),
             output_tokens_raw=pack_array(output_tokens, _I32),
-            output_logprobs_raw=None
-            if output_logprobs is None
-            else pack_array(output_logprobs, _F32),
+            output_logprobs_raw=None if output_logprobs is None else pack_array(output_logprobs, _F32),
             stop_reason=stop_reason,
         )
 
@@ -233,8 +229,10 @@ class Interaction(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
             if self.shared_messages < 0 or self.shared_tokens < 0:
                 raise SchemaError(f"interaction {self.interaction_id!r}: shared_messages/shared_tokens must be >= 0")
             if self.parent_id is None:
-                raise SchemaError(f"interaction {self.interaction_id!r}: a root shares nothing with a parent "
-                                  "(shared_messages/shared_tokens must be 0)")
+                raise SchemaError(
+                    f"interaction {self.interaction_id!r}: a root shares nothing with a parent "
+                    "(shared_messages/shared_tokens must be 0)"
+                )
             if self.shared_tokens and self.model_response is None:
                 raise SchemaError(f"interaction {self.interaction_id!r}: shared_tokens without a model_response")
         if self.reward is not None:
@@ -417,8 +415,9 @@ class SessionEnd(msgspec.Struct, frozen=True, kw_only=True, tag="end", tag_field
         return _experiment(self.experiment_id)
 
 
-def _check_member(trajectory_id: str, session_id: str, group_id: str, group_size: int,
-                  experiment_id: str | msgspec.UnsetType) -> None:
+def _check_member(
+    trajectory_id: str, session_id: str, group_id: str, group_size: int, experiment_id: str | msgspec.UnsetType
+) -> None:
     for name, value in (("trajectory_id", trajectory_id), ("session_id", session_id), ("group_id", group_id)):
         if not value:
             raise SchemaError(f"{name} must be a non-empty string")
@@ -438,21 +437,28 @@ def streamed_trajectory(turns: Sequence[Interaction], end: SessionEnd) -> ReadyT
     more than its parent's context) or their number differs from ``end.turn_count``.
     """
     if end.turn_count is not None and end.turn_count != len(turns):
-        raise InvalidMessage(f"session {end.session_id!r}: the end says {end.turn_count} turns, "
-                             f"{len(turns)} arrived")
+        raise InvalidMessage(f"session {end.session_id!r}: the end says {end.turn_count} turns, {len(turns)} arrived")
     seen: set[str] = set()
     for turn in turns:
         if turn.parent_id is not None and turn.parent_id not in seen:
-            raise InvalidMessage(f"session {end.session_id!r}: turn {turn.interaction_id!r} names parent "
-                                 f"{turn.parent_id!r}, which is not an earlier turn of the session")
+            raise InvalidMessage(
+                f"session {end.session_id!r}: turn {turn.interaction_id!r} names parent "
+                f"{turn.parent_id!r}, which is not an earlier turn of the session"
+            )
         if turn.interaction_id in seen:
             raise InvalidMessage(f"session {end.session_id!r}: turn id {turn.interaction_id!r} is repeated")
         seen.add(turn.interaction_id)
     try:
         traj = ReadyTrajectory(
-            trajectory_id=end.trajectory_id, session_id=end.session_id, group_id=end.group_id,
-            group_size=end.group_size, interactions=list(turns), outcome_reward=end.outcome_reward,
-            is_eval=end.is_eval, policy_version=end.policy_version, created_at=end.created_at,
+            trajectory_id=end.trajectory_id,
+            session_id=end.session_id,
+            group_id=end.group_id,
+            group_size=end.group_size,
+            interactions=list(turns),
+            outcome_reward=end.outcome_reward,
+            is_eval=end.is_eval,
+            policy_version=end.policy_version,
+            created_at=end.created_at,
             experiment_id=end.experiment_id,
         )
     except SchemaError as exc:
@@ -473,12 +479,23 @@ def stream_session(traj: ReadyTrajectory) -> tuple[list[SessionTurn], SessionEnd
             order = topological_order(traj.interactions)
             break
         seen.add(it.interaction_id)
-    member = {"trajectory_id": traj.trajectory_id, "session_id": traj.session_id, "group_id": traj.group_id,
-              "group_size": traj.group_size, "experiment_id": traj.experiment_id}
+    member = {
+        "trajectory_id": traj.trajectory_id,
+        "session_id": traj.session_id,
+        "group_id": traj.group_id,
+        "group_size": traj.group_size,
+        "experiment_id": traj.experiment_id,
+    }
     full = expand_trajectory_interactions(order)
     turns = [SessionTurn(interaction=it, created_at=traj.created_at, **member) for it in full]
-    end = SessionEnd(outcome_reward=traj.outcome_reward, is_eval=traj.is_eval, policy_version=traj.policy_version,
-                     created_at=traj.created_at, turn_count=len(turns), **member)
+    end = SessionEnd(
+        outcome_reward=traj.outcome_reward,
+        is_eval=traj.is_eval,
+        policy_version=traj.policy_version,
+        created_at=traj.created_at,
+        turn_count=len(turns),
+        **member,
+    )
     return turns, end
 
 
@@ -508,11 +525,16 @@ def check_channel(message: TrajectoryMessage, experiment_id: str, topic: str, *,
     named = getattr(message, "experiment_id", msgspec.UNSET)
     if named is msgspec.UNSET or named == experiment_id:
         return
-    what = f"discard of group {message.group_id!r}" if isinstance(message, DiscardGroup) \
+    what = (
+        f"discard of group {message.group_id!r}"
+        if isinstance(message, DiscardGroup)
         else f"{kind_of(message)} of trajectory {message.trajectory_id!r}"
-    raise ExperimentMismatch(f"{what} names experiment {named!r}, but {topic} is the topic of experiment "
-                             f"{experiment_id!r}: a record's experiment is the topic it is published to"
-                             f"{fix.format(named=named)}")
+    )
+    raise ExperimentMismatch(
+        f"{what} names experiment {named!r}, but {topic} is the topic of experiment "
+        f"{experiment_id!r}: a record's experiment is the topic it is published to"
+        f"{fix.format(named=named)}"
+    )
 
 
 # --------------------------------------------------------------------------- scoring results
@@ -526,8 +548,12 @@ def _spec_key(scope: object, value_type: object, aggregations: object) -> tuple[
     """The cache key of a checked observation shape, or None when it cannot be one (not all
     plain strings): only plain-string tuples are remembered, so a lookup by equality finds
     exactly the shapes a full check accepted."""
-    if type(scope) is str and type(value_type) is str and type(aggregations) is tuple \
-            and all(type(a) is str for a in aggregations):
+    if (
+        type(scope) is str
+        and type(value_type) is str
+        and type(aggregations) is tuple
+        and all(type(a) is str for a in aggregations)
+    ):
         return (scope, value_type, aggregations)
     return None
 
@@ -567,8 +593,7 @@ class PRMMetricObservation(msgspec.Struct, frozen=True, kw_only=True):
         bad = [a for a in self.aggregations if a not in allowed]
         if bad:
             raise SchemaError(
-                f"metric {self.metric_id!r}: {self.value_type} observations allow "
-                f"{'/'.join(allowed)}, not {bad}"
+                f"metric {self.metric_id!r}: {self.value_type} observations allow {'/'.join(allowed)}, not {bad}"
             )
         self._check_value()
         if (spec := _spec_key(self.scope, self.value_type, self.aggregations)) is not None and len(_VALID_SPECS) < 1024:
@@ -618,9 +643,7 @@ class TokenRewards(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
     @classmethod
     def from_array(cls, values: Any) -> TokenRewards:
-        arr = np.ascontiguousarray(
-            values.detach().cpu().numpy() if hasattr(values, "detach") else values, dtype=_F32
-        )
+        arr = np.ascontiguousarray(values.detach().cpu().numpy() if hasattr(values, "detach") else values, dtype=_F32)
         if arr.size and bool((arr == arr[0]).all()):
             return cls(length=int(arr.size), uniform=float(arr[0]))
         return cls(length=int(arr.size), values_raw=arr.tobytes())
@@ -721,15 +744,19 @@ def _prefix_mismatch(parent_id: str, parent: ModelResponse, child: ModelResponse
     p_in, p_out, c_in = parent.input_tokens, parent.output_tokens, child.input_tokens
     where = f"input does not start with parent {parent_id!r}'s input + output (concat export required)"
     if c_in.shape[0] < p_in.shape[0] + p_out.shape[0]:
-        return (f"{where}: input has {c_in.shape[0]} tokens, fewer than its parent's input + output "
-                f"({p_in.shape[0]} + {p_out.shape[0]})")
+        return (
+            f"{where}: input has {c_in.shape[0]} tokens, fewer than its parent's input + output "
+            f"({p_in.shape[0]} + {p_out.shape[0]})"
+        )
     for what, expected, start in (("input", p_in, 0), ("output", p_out, p_in.shape[0])):
         got = c_in[start : start + expected.shape[0]]
         diff = np.flatnonzero(got != expected)
         if diff.size:
             pos = int(diff[0])
-            return (f"{where}: token {start + pos} is {int(got[pos])}, the parent's {what} token {pos} is "
-                    f"{int(expected[pos])} (was the chat template re-applied?)")
+            return (
+                f"{where}: token {start + pos} is {int(got[pos])}, the parent's {what} token {pos} is "
+                f"{int(expected[pos])} (was the chat template re-applied?)"
+            )
     return where
 
 
@@ -752,11 +779,16 @@ def _turns_of_compact(interactions: Sequence[Interaction]) -> list[TokenTurn] | 
         elif it.shared_tokens != ctx[it.parent_id]:
             return None
         ctx[it.interaction_id] = it.shared_tokens + mr.input_len + mr.output_len
-        turns.append(TokenTurn(
-            interaction_id=it.interaction_id, parent_id=it.parent_id,
-            prompt_delta_raw=mr.input_tokens_raw, output_tokens_raw=mr.output_tokens_raw,
-            output_logprobs_raw=mr.output_logprobs_raw, stop_reason=mr.stop_reason,
-        ))
+        turns.append(
+            TokenTurn(
+                interaction_id=it.interaction_id,
+                parent_id=it.parent_id,
+                prompt_delta_raw=mr.input_tokens_raw,
+                output_tokens_raw=mr.output_tokens_raw,
+                output_logprobs_raw=mr.output_logprobs_raw,
+                stop_reason=mr.stop_reason,
+            )
+        )
     return turns
 
 
@@ -777,25 +809,34 @@ def compact_turns(interactions: Sequence[Interaction]) -> list[TokenTurn]:
     for it in topological_order(interactions):
         mr = it.model_response
         if mr is None:
-            raise NotConcatExport(it.interaction_id, "has no model_response (not token-backed)",
-                                  reason="not_token_backed")
+            raise NotConcatExport(
+                it.interaction_id, "has no model_response (not token-backed)", reason="not_token_backed"
+            )
         start = 0
         raw = memoryview(mr.input_tokens_raw)
         if it.parent_id is not None:
             parent = by_id[it.parent_id].model_response
             assert parent is not None  # checked when the parent was visited
             start = parent.input_len + parent.output_len
-            if mr.input_len < start or not same_bytes(raw[: 4 * parent.input_len], parent.input_tokens_raw) or \
-                    not same_bytes(raw[4 * parent.input_len : 4 * start], parent.output_tokens_raw):
+            if (
+                mr.input_len < start
+                or not same_bytes(raw[: 4 * parent.input_len], parent.input_tokens_raw)
+                or not same_bytes(raw[4 * parent.input_len : 4 * start], parent.output_tokens_raw)
+            ):
                 raise NotConcatExport(it.interaction_id, _prefix_mismatch(it.parent_id, parent, mr))
         # An expanded prompt is a view of its chain's buffer: its delta is a view too. A
         # full-form prompt is copied, so the turn does not pin its whole prompt.
         delta = raw[4 * start :] if isinstance(mr.input_tokens_raw, memoryview) else bytes(raw[4 * start :])
-        turns.append(TokenTurn(
-            interaction_id=it.interaction_id, parent_id=it.parent_id,
-            prompt_delta_raw=delta, output_tokens_raw=mr.output_tokens_raw,
-            output_logprobs_raw=mr.output_logprobs_raw, stop_reason=mr.stop_reason,
-        ))
+        turns.append(
+            TokenTurn(
+                interaction_id=it.interaction_id,
+                parent_id=it.parent_id,
+                prompt_delta_raw=delta,
+                output_tokens_raw=mr.output_tokens_raw,
+                output_logprobs_raw=mr.output_logprobs_raw,
+                stop_reason=mr.stop_reason,
+            )
+        )
     return turns
 
 
@@ -816,11 +857,13 @@ def expand_turns(turns: Sequence[TokenTurn]) -> list[Interaction]:
     prompts = expand_prompts(parts)
     return [
         Interaction(
-            interaction_id=t.interaction_id, parent_id=t.parent_id,
+            interaction_id=t.interaction_id,
+            parent_id=t.parent_id,
             model_response=ModelResponse(
                 input_tokens_raw=prompts[t.interaction_id],  # type: ignore[arg-type]  # a read-only view
                 output_tokens_raw=t.output_tokens_raw,
-                output_logprobs_raw=t.output_logprobs_raw, stop_reason=t.stop_reason,
+                output_logprobs_raw=t.output_logprobs_raw,
+                stop_reason=t.stop_reason,
             ),
         )
         for t in order
@@ -837,22 +880,32 @@ def expand_trajectory_interactions(interactions: Sequence[Interaction]) -> list[
     if not any(i.shared_messages or i.shared_tokens for i in interactions):
         return list(interactions)
     order = topological_order(interactions)
-    messages = expand_messages([Part(i.interaction_id, i.parent_id, i.shared_messages, i.messages,
-                                     i.output_message_list) for i in order])
+    messages = expand_messages(
+        [Part(i.interaction_id, i.parent_id, i.shared_messages, i.messages, i.output_message_list) for i in order]
+    )
     empty = b""
-    prompts = expand_prompts([
-        Part(i.interaction_id, i.parent_id, i.shared_tokens,
-             i.model_response.input_tokens_raw if i.model_response is not None else empty,
-             i.model_response.output_tokens_raw if i.model_response is not None else empty)
-        for i in order
-    ])
+    prompts = expand_prompts(
+        [
+            Part(
+                i.interaction_id,
+                i.parent_id,
+                i.shared_tokens,
+                i.model_response.input_tokens_raw if i.model_response is not None else empty,
+                i.model_response.output_tokens_raw if i.model_response is not None else empty,
+            )
+            for i in order
+        ]
+    )
     out = []
     for i in interactions:
         mr = i.model_response
         if mr is not None:
             mr = msgspec.structs.replace(mr, input_tokens_raw=prompts[i.interaction_id])
-        out.append(msgspec.structs.replace(i, messages=messages[i.interaction_id], model_response=mr,
-                                           shared_messages=0, shared_tokens=0))
+        out.append(
+            msgspec.structs.replace(
+                i, messages=messages[i.interaction_id], model_response=mr, shared_messages=0, shared_tokens=0
+            )
+        )
     return out
 
 
@@ -887,11 +940,15 @@ def check_expandable(traj: ReadyTrajectory) -> None:
         n_in = i.shared_tokens + (mr.input_len if mr is not None else 0)
         n_msgs = i.shared_messages + len(i.messages)
         if i.parent_id is not None:
-            for shared, have, unit in ((i.shared_messages, msgs[i.parent_id], "messages"),
-                                       (i.shared_tokens, toks[i.parent_id], "tokens")):
+            for shared, have, unit in (
+                (i.shared_messages, msgs[i.parent_id], "messages"),
+                (i.shared_tokens, toks[i.parent_id], "tokens"),
+            ):
                 if shared > have:
-                    raise InvalidMessage(f"interactions: turn {i.interaction_id!r}: shares {shared} {unit} with "
-                                         f"parent {i.parent_id!r}, whose context has only {have}")
+                    raise InvalidMessage(
+                        f"interactions: turn {i.interaction_id!r}: shares {shared} {unit} with "
+                        f"parent {i.parent_id!r}, whose context has only {have}"
+                    )
         msgs[i.interaction_id] = n_msgs + len(i.output_message_list)
         toks[i.interaction_id] = n_in + (mr.output_len if mr is not None else 0)
 
@@ -926,8 +983,11 @@ def compact_trajectory(traj: ReadyTrajectory) -> ReadyTrajectory:
         if st:
             assert mr is not None
             mr = msgspec.structs.replace(mr, input_tokens_raw=bytes(memoryview(mr.input_tokens_raw)[4 * st :]))
-        out.append(msgspec.structs.replace(it, messages=it.messages[sm:], shared_messages=sm,
-                                           model_response=mr, shared_tokens=st))
+        out.append(
+            msgspec.structs.replace(
+                it, messages=it.messages[sm:], shared_messages=sm, model_response=mr, shared_tokens=st
+            )
+        )
     return msgspec.structs.replace(traj, interactions=out) if changed else traj
 
 
@@ -1003,8 +1063,14 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
         """
         reasons.require(code, member=True)
         detail = detail[:2000]
-        return cls(status="failed", error=f"{code}: {detail}"[:2000], error_code=code, error_scorer=scorer,
-                   error_detail=detail, **fields)
+        return cls(
+            status="failed",
+            error=f"{code}: {detail}"[:2000],
+            error_code=code,
+            error_scorer=scorer,
+            error_detail=detail,
+            **fields,
+        )
 
     @property
     def failure_code(self) -> str:
@@ -1081,8 +1147,9 @@ class GroupVerdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     def __post_init__(self) -> None:
         check_experiment_id(self.experiment_id)
         if self.reason_code and not reasons.CODE_PATTERN.fullmatch(self.reason_code):
-            raise SchemaError(f"reason_code {self.reason_code[:80]!r} is not a reason code "
-                              f"({reasons.CODE_PATTERN.pattern})")
+            raise SchemaError(
+                f"reason_code {self.reason_code[:80]!r} is not a reason code ({reasons.CODE_PATTERN.pattern})"
+            )
 
 
 class TurnSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -1189,8 +1256,9 @@ def kind_of(message: TrajectoryMessage | GroupVerdict | TurnSample) -> str:
 
 def schema_version_of(message: TrajectoryMessage | GroupVerdict | TurnSample) -> int:
     """The lowest schema version that expresses ``message``: 2 for compact trajectories, compact turns and chunks."""
-    if isinstance(message, TrajectoryChunk) or (isinstance(message, (ReadyTrajectory, SessionTurn))
-                                                and message.is_compact):
+    if isinstance(message, TrajectoryChunk) or (
+        isinstance(message, (ReadyTrajectory, SessionTurn)) and message.is_compact
+    ):
         return COMPACT_SCHEMA_VERSION
     return SCHEMA_VERSION
 
@@ -1247,12 +1315,14 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], value: bytes) -> Any:
     except msgspec.DecodeError as exc:  # not valid msgpack (truncated, malformed)
         raise InvalidMessage(str(exc)) from None
     except RecursionError:  # msgspec recurses once per level (free-form messages can nest)
-        raise InvalidMessage("msgpack nested too deeply (arrays/maps inside each other past the recursion limit)") \
-            from None
+        raise InvalidMessage(
+            "msgpack nested too deeply (arrays/maps inside each other past the recursion limit)"
+        ) from None
 
 
-def decode_message(value: bytes | None, headers: Headers | None, *, expand: bool = True,
-                   kinds: Sequence[str] = TRAJECTORY_KINDS) -> TrajectoryMessage:
+def decode_message(
+    value: bytes | None, headers: Headers | None, *, expand: bool = True, kinds: Sequence[str] = TRAJECTORY_KINDS
+) -> TrajectoryMessage:
     """Decode a ``prm.trajectories`` record, raising :class:`SchemaError` subclasses.
 
     A compact ``ready`` record comes back expanded (full interactions) unless
@@ -1271,11 +1341,16 @@ def decode_message(value: bytes | None, headers: Headers | None, *, expand: bool
         raise InvalidMessage(f"header says {kind!r} but the payload is {kind_of(message)!r}")
     needed = schema_version_of(message)
     if version < needed:
-        what = "a chunk" if isinstance(message, TrajectoryChunk) else \
-            "a compact turn (shared_messages/shared_tokens)" if isinstance(message, SessionTurn) else \
-            "a compact trajectory (shared_messages/shared_tokens)"
-        raise InvalidMessage(f"{what} needs {SCHEMA_HEADER}: {needed}, the record says {version} "
-                             "(a version-1 reader would misread it)")
+        what = (
+            "a chunk"
+            if isinstance(message, TrajectoryChunk)
+            else "a compact turn (shared_messages/shared_tokens)"
+            if isinstance(message, SessionTurn)
+            else "a compact trajectory (shared_messages/shared_tokens)"
+        )
+        raise InvalidMessage(
+            f"{what} needs {SCHEMA_HEADER}: {needed}, the record says {version} (a version-1 reader would misread it)"
+        )
     if expand and isinstance(message, ReadyTrajectory) and message.is_compact:
         try:
             message = expand_trajectory(message)
@@ -1343,7 +1418,7 @@ def dead_letter_from_record(value: bytes | None, headers: Headers) -> DeadLetter
         source_offset=number("prm-dl-source-offset", "-1"),
         attempt=number("prm-dl-attempt", "1"),
         worker_id=h.get("prm-dl-worker-id", ""),
-        original_headers={k[len("prm-dl-orig-"):]: v for k, v in h.items() if k.startswith("prm-dl-orig-")},
+        original_headers={k[len("prm-dl-orig-") :]: v for k, v in h.items() if k.startswith("prm-dl-orig-")},
         original_size=number("prm-dl-original-size", "-1"),
     )
 
@@ -1353,16 +1428,57 @@ def headers_to_dict(headers: Headers | None) -> dict[str, str]:
 
 
 __all__ = [
-    "SCHEMA_VERSION", "COMPACT_SCHEMA_VERSION", "MAX_CHUNKS", "MAX_TURN_TOKENS", "SCHEMA_HEADER", "KIND_HEADER",
+    "SCHEMA_VERSION",
+    "COMPACT_SCHEMA_VERSION",
+    "MAX_CHUNKS",
+    "MAX_TURN_TOKENS",
+    "SCHEMA_HEADER",
+    "KIND_HEADER",
     "SchemaError",
-    "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", "ExperimentMismatch", "check_channel",
-    "ModelResponse", "Interaction", "ReadyTrajectory", "DiscardGroup", "TrajectoryChunk", "SessionTurn", "SessionEnd",
-    "streamed_trajectory", "stream_session", "TRAJECTORY_KINDS", "STREAM_KINDS", "TrajectoryMessage",
-    "compact_trajectory", "expand_trajectory",
+    "UnknownSchemaVersion",
+    "UnknownMessageKind",
+    "InvalidMessage",
+    "ExperimentMismatch",
+    "check_channel",
+    "ModelResponse",
+    "Interaction",
+    "ReadyTrajectory",
+    "DiscardGroup",
+    "TrajectoryChunk",
+    "SessionTurn",
+    "SessionEnd",
+    "streamed_trajectory",
+    "stream_session",
+    "TRAJECTORY_KINDS",
+    "STREAM_KINDS",
+    "TrajectoryMessage",
+    "compact_trajectory",
+    "expand_trajectory",
     "check_expandable",
-    "expand_trajectory_interactions", "schema_version_of", "PRMMetricObservation", "PRMTurnResult", "TokenRewards",
-    "BranchResult", "TokenTurn", "TokenRef", "NotConcatExport", "compact_turns", "expand_turns", "SessionResult",
-    "ScorerInfo", "GroupVerdict", "TurnSample", "decode_turn_sample", "DeadLetter", "encode",
-    "decode_message", "decode_verdict", "dead_letter_headers", "dead_letter_from_record",
-    "headers_to_dict", "pack_array", "to_tensor", "kind_of",
+    "expand_trajectory_interactions",
+    "schema_version_of",
+    "PRMMetricObservation",
+    "PRMTurnResult",
+    "TokenRewards",
+    "BranchResult",
+    "TokenTurn",
+    "TokenRef",
+    "NotConcatExport",
+    "compact_turns",
+    "expand_turns",
+    "SessionResult",
+    "ScorerInfo",
+    "GroupVerdict",
+    "TurnSample",
+    "decode_turn_sample",
+    "DeadLetter",
+    "encode",
+    "decode_message",
+    "decode_verdict",
+    "dead_letter_headers",
+    "dead_letter_from_record",
+    "headers_to_dict",
+    "pack_array",
+    "to_tensor",
+    "kind_of",
 ]

@@ -50,15 +50,23 @@ class ServiceUnavailable(ServiceError, RuntimeError):
 def redis_address(cfg: RedisConfig) -> str:
     """``redis://user:secret@host:6379/0`` -> ``redis://host:6379/0`` (no credentials in messages);
     each of several cluster nodes (:func:`infra.config.redis_urls`) alike."""
-    return ",".join(f"unix://{u.path}" if u.scheme == "unix" else
-                    f"{u.scheme}://{u.hostname}{f':{u.port}' if u.port else ''}{u.path}" for u in redis_urls(cfg))
+    return ",".join(
+        f"unix://{u.path}"
+        if u.scheme == "unix"
+        else f"{u.scheme}://{u.hostname}{f':{u.port}' if u.port else ''}{u.path}"
+        for u in redis_urls(cfg)
+    )
 
 
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, TimeoutError):
         return "no answer"
-    return text if isinstance(exc, ConnectionError) and text else (f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+    return (
+        text
+        if isinstance(exc, ConnectionError) and text
+        else (f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+    )
 
 
 class _KafkaConnectLog(logging.Filter):
@@ -123,7 +131,12 @@ async def probe_redis(cfg: RedisConfig, timeout_s: float) -> None:
 
 
 async def wait_until_reachable(
-    probe: Callable[[float], Awaitable[None]], *, what: str, address: str, setting: str, timeout_s: float,
+    probe: Callable[[float], Awaitable[None]],
+    *,
+    what: str,
+    address: str,
+    setting: str,
+    timeout_s: float,
 ) -> None:
     """Run ``probe`` until it succeeds, with growing pauses, for at most ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
@@ -145,8 +158,15 @@ async def wait_until_reachable(
         if remaining <= 0:
             raise ServiceUnavailable(what, address, setting, cause, timeout_s)
         pause = min(backoff_delay(attempt, base_s=_FIRST_DELAY_S, cap_s=_MAX_DELAY_S, jitter=False), remaining)
-        log.warning("%s at %s not reachable (attempt %d: %s); retrying in %.1f s, giving up in %.1f s",
-                    what, address, attempt, cause, pause, remaining)
+        log.warning(
+            "%s at %s not reachable (attempt %d: %s); retrying in %.1f s, giving up in %.1f s",
+            what,
+            address,
+            attempt,
+            cause,
+            pause,
+            remaining,
+        )
         await asyncio.sleep(pause)
 
 
@@ -155,13 +175,19 @@ async def wait_for_services(cfg: PipelineConfig, services: Iterable[Service]) ->
     for service in sorted(set(services)):  # "kafka" < "redis"
         if service == "kafka":
             await wait_until_reachable(
-                lambda t: probe_kafka(cfg.kafka, t), what="Kafka", address=cfg.kafka.bootstrap,
-                setting="PRM_KAFKA_BOOTSTRAP (kafka.bootstrap)", timeout_s=cfg.kafka.startup_timeout_s,
+                lambda t: probe_kafka(cfg.kafka, t),
+                what="Kafka",
+                address=cfg.kafka.bootstrap,
+                setting="PRM_KAFKA_BOOTSTRAP (kafka.bootstrap)",
+                timeout_s=cfg.kafka.startup_timeout_s,
             )
         elif service == "redis":
             await wait_until_reachable(
-                lambda t: probe_redis(cfg.redis, t), what="Redis", address=redis_address(cfg.redis),
-                setting="PRM_REDIS_URL (redis.url)", timeout_s=cfg.redis.startup_timeout_s,
+                lambda t: probe_redis(cfg.redis, t),
+                what="Redis",
+                address=redis_address(cfg.redis),
+                setting="PRM_REDIS_URL (redis.url)",
+                timeout_s=cfg.redis.startup_timeout_s,
             )
         else:
             raise ConfigError(f"unknown service {service!r}")

@@ -19,8 +19,14 @@ class LogThrottle:
     """At most ``burst`` lines per ``window_s`` through :meth:`log`; the lines held back are
     counted and reported with the first line of the next window."""
 
-    def __init__(self, logger: logging.Logger, *, burst: int = 10, window_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        burst: int = 10,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.logger = logger
         self.burst = burst
         self.window_s = window_s
@@ -34,8 +40,12 @@ class LogThrottle:
         now = self._clock()
         if now - self._window_start >= self.window_s:
             if self._held:
-                self.logger.log(level, "(%d more lines like the next held back in the last %.0fs)", self._held,
-                                now - self._window_start)
+                self.logger.log(
+                    level,
+                    "(%d more lines like the next held back in the last %.0fs)",
+                    self._held,
+                    now - self._window_start,
+                )
             self._window_start, self._emitted, self._held = now, 0, 0
         if self._emitted < self.burst:
             self._emitted += 1
@@ -51,8 +61,7 @@ class LogThrottle:
 class Every:
     """True from :meth:`due` at most once per ``interval_s`` (the first call after ``first_s``)."""
 
-    def __init__(self, interval_s: float, *, first_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, interval_s: float, *, first_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s
         self._clock = clock
         self._next = clock() + first_s

@@ -57,9 +57,7 @@ def topological_order(nodes: Sequence[N]) -> list[N]:
     for node in nodes:
         parent = node.parent_id
         if parent is not None and parent not in by_id:
-            raise TreeError(
-                f"interaction {node.interaction_id!r} has unknown parent_id {parent!r}"
-            )
+            raise TreeError(f"interaction {node.interaction_id!r} has unknown parent_id {parent!r}")
         children.setdefault(parent, []).append(node)
     order: list[N] = []
     stack = list(reversed(children.get(None, [])))

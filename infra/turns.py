@@ -89,23 +89,42 @@ class TurnCompactor:
         in_raw = b"" if mr is None else memoryview(mr.input_tokens_raw).cast("B")
         out_raw = b"" if mr is None else memoryview(mr.output_tokens_raw).cast("B")
         full_messages = it.messages + it.output_message_list
-        known[it.interaction_id] = _Context(len(full_messages), _messages_digest(full_messages),
-                                            len(in_raw) + len(out_raw), _digest(in_raw, out_raw))
+        known[it.interaction_id] = _Context(
+            len(full_messages), _messages_digest(full_messages), len(in_raw) + len(out_raw), _digest(in_raw, out_raw)
+        )
         parent = known.get(it.parent_id) if it.parent_id is not None else None
         if parent is None:
             return turn
-        shared_messages = parent.messages if parent.messages and len(it.messages) >= parent.messages and \
-            _messages_digest(it.messages[: parent.messages]) == parent.messages_digest else 0
-        shared_bytes = parent.token_bytes if mr is not None and parent.token_bytes and \
-            len(in_raw) >= parent.token_bytes and _digest(in_raw[: parent.token_bytes]) == parent.tokens_digest else 0
+        shared_messages = (
+            parent.messages
+            if parent.messages
+            and len(it.messages) >= parent.messages
+            and _messages_digest(it.messages[: parent.messages]) == parent.messages_digest
+            else 0
+        )
+        shared_bytes = (
+            parent.token_bytes
+            if mr is not None
+            and parent.token_bytes
+            and len(in_raw) >= parent.token_bytes
+            and _digest(in_raw[: parent.token_bytes]) == parent.tokens_digest
+            else 0
+        )
         if not shared_messages and not shared_bytes:
             return turn
         if shared_bytes:
             assert mr is not None
             mr = msgspec.structs.replace(mr, input_tokens_raw=bytes(in_raw[shared_bytes:]))
-        return msgspec.structs.replace(turn, interaction=msgspec.structs.replace(
-            it, messages=it.messages[shared_messages:], shared_messages=shared_messages,
-            model_response=mr, shared_tokens=shared_bytes // 4))
+        return msgspec.structs.replace(
+            turn,
+            interaction=msgspec.structs.replace(
+                it,
+                messages=it.messages[shared_messages:],
+                shared_messages=shared_messages,
+                model_response=mr,
+                shared_tokens=shared_bytes // 4,
+            ),
+        )
 
     def end(self, end: SessionEnd) -> None:
         """Forget the session ``end`` closes (a later turn of it would travel in full)."""

@@ -27,8 +27,17 @@ import msgspec.inspect as mi
 from infra.errors import ConfigError
 
 __all__ = [
-    "MAX_SECONDS", "MAX_TOKEN_ID", "Delay", "Explanation", "Finite", "Int64", "Seconds", "TokenId", "did_you_mean",
-    "explain", "validating",
+    "MAX_SECONDS",
+    "MAX_TOKEN_ID",
+    "Delay",
+    "Explanation",
+    "Finite",
+    "Int64",
+    "Seconds",
+    "TokenId",
+    "did_you_mean",
+    "explain",
+    "validating",
 ]
 
 MAX_SECONDS = 1e9
@@ -42,8 +51,9 @@ Delay = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS, description="a pause
 """A pause that may be zero (a backoff: zero retries at once)."""
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID, description="a token id: int32, non-negative")]
 """A vocabulary index: non-negative, fits in int32."""
-Finite = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308,
-                                       description="a finite number")]
+Finite = Annotated[
+    float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308, description="a finite number")
+]
 """A float that is neither infinite nor NaN (NaN fails both bounds)."""
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")]
 """An integer msgpack and Kafka headers carry as a signed 64-bit value."""
@@ -131,8 +141,9 @@ def explain(exc: msgspec.ValidationError, root: Any = None, where: str = "") -> 
     if unknown := _UNKNOWN.match(problem):
         key, keys = unknown["key"], _keys(_type_at(root, path)) if root is not None else []
         match = did_you_mean(key, keys)
-        problem = f"unknown key `{key}`" + (f"; did you mean `{match}`?" if match else
-                                            f"; valid keys: {', '.join(sorted(keys))}" if keys else "")
+        problem = f"unknown key `{key}`" + (
+            f"; did you mean `{match}`?" if match else f"; valid keys: {', '.join(sorted(keys))}" if keys else ""
+        )
     elif missing := _MISSING.match(problem):
         path, problem = f"{path}.{missing['key']}", "missing required field"
     else:
@@ -149,8 +160,9 @@ def explain(exc: msgspec.ValidationError, root: Any = None, where: str = "") -> 
 
 
 @contextmanager
-def validating(where: str = "", *, root: Any = None,
-               error: Callable[[Explanation], Exception] = ConfigError) -> Iterator[None]:
+def validating(
+    where: str = "", *, root: Any = None, error: Callable[[Explanation], Exception] = ConfigError
+) -> Iterator[None]:
     """Turn a msgspec ``ValidationError`` raised inside into ``error(explain(...))``.
 
     ``where``: the path of the document being checked (``prm``, ``worker.scorer_profiles.x``),

@@ -55,8 +55,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     from prm_pipeline.foreground import StopSignals
 
     cfg = _load(args)
-    with StopSignals() as stop, LocalStack(cfg.local.data_dir, broker_binary=cfg.local.broker_binary,
-                                           redis_binary=cfg.local.redis_binary) as stack:
+    with (
+        StopSignals() as stop,
+        LocalStack(
+            cfg.local.data_dir, broker_binary=cfg.local.broker_binary, redis_binary=cfg.local.redis_binary
+        ) as stack,
+    ):
         if args.create_topics:
             import msgspec
 
@@ -95,8 +99,11 @@ def cmd_topics(args: argparse.Namespace) -> int:
     async def create() -> dict[str, TopicState]:
         result = await ensure_topics(cfg.kafka, cfg.topics)
         declared = [e for e, entry in sorted((await read_registry(cfg)).items()) if entry.spec is not None]
-        names = [t for e in declared for t in (trajectories_topic(cfg.topics.trajectories, e),
-                                               verdicts_topic(cfg.topics.verdicts, e))]
+        names = [
+            t
+            for e in declared
+            for t in (trajectories_topic(cfg.topics.trajectories, e), verdicts_topic(cfg.topics.verdicts, e))
+        ]
         if names:
             result.update(await ensure_topics(cfg.kafka, cfg.topics, names))
         return result
@@ -179,7 +186,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     streamed = f", {counts['turn']} turns and {counts['end']} session ends" if counts["turn"] or counts["end"] else ""
-    print(f"published {counts['ready']} ready trajectories and {counts['discard']} discards{streamed} to {publisher.topic}")
+    print(
+        f"published {counts['ready']} ready trajectories and {counts['discard']} discards{streamed} to "
+        f"{publisher.topic}"
+    )
     return 0
 
 
@@ -213,9 +223,16 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
     from prm_pipeline.verdict_dump import dump_verdicts
 
     cfg = _load(args)
-    return dump_verdicts(cfg, from_beginning=args.from_beginning, max_count=args.max,
-                         timeout_s=args.idle_timeout, out=args.out, since_ms=args.since, tokens=args.tokens,
-                         experiment=experiment_of(args, cfg))
+    return dump_verdicts(
+        cfg,
+        from_beginning=args.from_beginning,
+        max_count=args.max,
+        timeout_s=args.idle_timeout,
+        out=args.out,
+        since_ms=args.since,
+        tokens=args.tokens,
+        experiment=experiment_of(args, cfg),
+    )
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
@@ -226,29 +243,71 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 
 def _trainer_arguments(p: argparse.ArgumentParser) -> None:
     """``prm-pipeline trainer``'s flags (they live here so that other commands never import torch)."""
-    p.add_argument("--batch-groups", type=positive_int, default=None, metavar="N",
-                   help="accepted groups per batch (default: trainer.batch_groups)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
-                   help="where batches and shaping live (default: trainer.device; auto = cuda if available)")
-    p.add_argument("--mode", choices=list(SHAPING_MODES), default=None,
-                   help="advantage shaping mode (default: rollout.agent.prm.advantage_shaping.mode)")
+    p.add_argument(
+        "--batch-groups",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="accepted groups per batch (default: trainer.batch_groups)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=None,
+        help="where batches and shaping live (default: trainer.device; auto = cuda if available)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=list(SHAPING_MODES),
+        default=None,
+        help="advantage shaping mode (default: rollout.agent.prm.advantage_shaping.mode)",
+    )
     p.add_argument("--max-steps", type=int, default=None, metavar="N", help="stop after N steps")
-    p.add_argument("--idle-timeout", type=seconds, default=None, metavar="S",
-                   help="flush what is buffered and stop after S seconds without a new verdict")
-    p.add_argument("--filter", default=None, metavar="NAME",
-                   help="group filter from shaper.filters.FILTERS (default: trainer.filter)")
-    p.add_argument("--dedupe-store", default=None, metavar="PATH",
-                   help="sqlite file remembering acknowledged verdicts across restarts")
-    p.add_argument("--metrics-port", type=port, default=None, metavar="P",
-                   help="serve the consumer's counters as Prometheus /metrics on P (shaper/telemetry.py)")
-    p.add_argument("--exclude-neutral-turns", action=argparse.BooleanOptionalAction, default=None,
-                   help="OpenClaw-RL exclusion: no loss on turns the judge scored 0 or without a next state, "
-                        "keeping one per session (default: trainer.exclude_neutral_turns)")
-    p.add_argument("--combined-mode", choices=[*COMBINED_MODES, "none"], default=None,
-                   help="PRM + OPD token signal from the judge and OPD scorer channels; none = summed token "
-                        "rewards (default: trainer.combined_mode)")
-    add_experiment_option(p, "train on this experiment's verdicts (prm.verdicts.ID, consumer group "
-                             "<trainer.group_id>.ID; default: trainer.experiment)")
+    p.add_argument(
+        "--idle-timeout",
+        type=seconds,
+        default=None,
+        metavar="S",
+        help="flush what is buffered and stop after S seconds without a new verdict",
+    )
+    p.add_argument(
+        "--filter",
+        default=None,
+        metavar="NAME",
+        help="group filter from shaper.filters.FILTERS (default: trainer.filter)",
+    )
+    p.add_argument(
+        "--dedupe-store",
+        default=None,
+        metavar="PATH",
+        help="sqlite file remembering acknowledged verdicts across restarts",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=port,
+        default=None,
+        metavar="P",
+        help="serve the consumer's counters as Prometheus /metrics on P (shaper/telemetry.py)",
+    )
+    p.add_argument(
+        "--exclude-neutral-turns",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="OpenClaw-RL exclusion: no loss on turns the judge scored 0 or without a next state, "
+        "keeping one per session (default: trainer.exclude_neutral_turns)",
+    )
+    p.add_argument(
+        "--combined-mode",
+        choices=[*COMBINED_MODES, "none"],
+        default=None,
+        help="PRM + OPD token signal from the judge and OPD scorer channels; none = summed token "
+        "rewards (default: trainer.combined_mode)",
+    )
+    add_experiment_option(
+        p,
+        "train on this experiment's verdicts (prm.verdicts.ID, consumer group "
+        "<trainer.group_id>.ID; default: trainer.experiment)",
+    )
 
 
 def add_trainer_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -257,8 +316,21 @@ def add_trainer_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- development commands
-BENCHMARKS = ("schema", "runner", "shaping", "pipeline", "judge", "pool", "faults", "soak", "capacity", "sessions",
-              "fleet", "ledger", "streaming")
+BENCHMARKS = (
+    "schema",
+    "runner",
+    "shaping",
+    "pipeline",
+    "judge",
+    "pool",
+    "faults",
+    "soak",
+    "capacity",
+    "sessions",
+    "fleet",
+    "ledger",
+    "streaming",
+)
 
 
 def _source_checkout() -> Path | None:
@@ -272,9 +344,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Run a benchmark from tests/perf (needs a source checkout of the repository)."""
     root = _source_checkout()
     if root is None or not (root / "tests" / "perf" / f"bench_{args.name}.py").is_file():
-        print(f"bench {args.name}: the benchmarks live in tests/perf of a source checkout of prm-pipeline, and "
-              f"this installation ({Path(__file__).resolve().parent}) has none; clone the repository and run "
-              "`prm-pipeline bench` from it", file=sys.stderr)
+        print(
+            f"bench {args.name}: the benchmarks live in tests/perf of a source checkout of prm-pipeline, and "
+            f"this installation ({Path(__file__).resolve().parent}) has none; clone the repository and run "
+            "`prm-pipeline bench` from it",
+            file=sys.stderr,
+        )
         return 2
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
@@ -309,9 +384,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         stop = _stop_on_signals()
-        await serve(cfg, stop, allow_unauthenticated=args.allow_unauthenticated,
-                    on_ready=lambda port: print(f"listening on http{'s' if cfg.gateway.tls_certfile else ''}://"
-                                                f"{cfg.gateway.host}:{port}", flush=True))
+        await serve(
+            cfg,
+            stop,
+            allow_unauthenticated=args.allow_unauthenticated,
+            on_ready=lambda port: print(
+                f"listening on http{'s' if cfg.gateway.tls_certfile else ''}://{cfg.gateway.host}:{port}", flush=True
+            ),
+        )
 
     event_loop.run(main())
     return 0
@@ -327,20 +407,33 @@ def _topics_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _worker_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
-                   help="records in flight (default worker.concurrency)")
+    p.add_argument(
+        "--concurrency",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="records in flight (default worker.concurrency)",
+    )
     p.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
     p.add_argument("--metrics-port", type=port, default=None, metavar="P", help="serve Prometheus /metrics on P")
 
 
 def _publish_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="JSONL file (docs/jsonl.md)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none either when stdout is not a terminal)")
-    p.add_argument("--raw", action="store_true",
-                   help="send each line's bytes unchecked as one record (no key, no headers): workers dead-letter "
-                        "what they cannot decode, a way to try the dead-letter tools (docs/dead-letters.md)")
-    add_experiment_option(p, "publish to this experiment's topic (prm.trajectories.ID), stamping experiment_id "
-                             "on lines that name none (default: trainer.experiment); it must be declared")
+    p.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar (none either when stdout is not a terminal)"
+    )
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="send each line's bytes unchecked as one record (no key, no headers): workers dead-letter "
+        "what they cannot decode, a way to try the dead-letter tools (docs/dead-letters.md)",
+    )
+    add_experiment_option(
+        p,
+        "publish to this experiment's topic (prm.trajectories.ID), stamping experiment_id "
+        "on lines that name none (default: trainer.experiment); it must be declared",
+    )
 
 
 def _verdicts_arguments(p: argparse.ArgumentParser) -> None:
@@ -348,22 +441,38 @@ def _verdicts_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--from-beginning", action="store_true", help="read the whole topic (default: only new verdicts)")
     p.add_argument("--max", type=int, default=None, metavar="N", help="stop after N verdicts")
-    idle = p.add_argument("--idle-timeout", type=seconds, default=None, metavar="S",
-                          help="stop after S seconds without a new verdict (default: wait until Ctrl-C or --max)")
+    idle = p.add_argument(
+        "--idle-timeout",
+        type=seconds,
+        default=None,
+        metavar="S",
+        help="stop after S seconds without a new verdict (default: wait until Ctrl-C or --max)",
+    )
     deprecated_alias(p, "--timeout", idle)
     p.add_argument("--out", default=None, metavar="FILE", help="write to FILE instead of stdout")
-    p.add_argument("--since", type=since_arg, metavar="TIME", default=None,
-                   help="only verdicts timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
-    p.add_argument("--tokens", action="store_true",
-                   help="keep each member's token ids (interactions): the form `inspect --verdicts` reads")
+    p.add_argument(
+        "--since",
+        type=since_arg,
+        metavar="TIME",
+        default=None,
+        help="only verdicts timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d",
+    )
+    p.add_argument(
+        "--tokens",
+        action="store_true",
+        help="keep each member's token ids (interactions): the form `inspect --verdicts` reads",
+    )
     add_experiment_option(p, "read this experiment's verdicts (prm.verdicts.ID; default: trainer.experiment)")
 
 
 def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="listen address (default gateway.host, 127.0.0.1)")
     p.add_argument("--port", type=port, default=None, help="listen port (default gateway.port; 0 = any free port)")
-    p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="listen beyond loopback without bearer tokens (only behind a network policy)")
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="listen beyond loopback without bearer tokens (only behind a network policy)",
+    )
 
 
 # ---- checks of local inputs, run before waiting for any service (Command.checks)
@@ -493,61 +602,147 @@ def _always(args: argparse.Namespace) -> bool:
     return True
 
 
-COMMANDS: dict[str, Command] = {c.name: c for c in (
-    Command("up", "run the embedded Kafka-protocol broker and Redis in the foreground", cmd_up, _up_arguments),
-    Command("topics", "manage the configured topics", cmd_topics, _topics_arguments, needs=("kafka",)),
-    Command("worker", "run one scoring worker (run several for scale)", cmd_worker, _worker_arguments,
-            needs=("kafka", "redis"), checks=(_check_event_loop, _check_scorers), topics=_worker_topics,
-            all_kafka_logs=True),
-    Command("publish", "publish ready trajectories and discards from a JSONL file", cmd_publish, _publish_arguments,
-            needs=("kafka",), reads=(("file", "FILE"),), checks=(_check_jsonl,), experiment=_always,
-            topics=_trajectories),
-    Command("verdicts", "print verdicts as JSON lines", cmd_verdicts, _verdicts_arguments, needs=("kafka",),
-            writes=(("out", "--out"),), experiment=_always, reads_removed=True, topics=_verdicts),
-    Command("trainer", "reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
-            cmd_trainer, _trainer_arguments,
+COMMANDS: dict[str, Command] = {
+    c.name: c
+    for c in (
+        Command("up", "run the embedded Kafka-protocol broker and Redis in the foreground", cmd_up, _up_arguments),
+        Command("topics", "manage the configured topics", cmd_topics, _topics_arguments, needs=("kafka",)),
+        Command(
+            "worker",
+            "run one scoring worker (run several for scale)",
+            cmd_worker,
+            _worker_arguments,
+            needs=("kafka", "redis"),
+            checks=(_check_event_loop, _check_scorers),
+            topics=_worker_topics,
+            all_kafka_logs=True,
+        ),
+        Command(
+            "publish",
+            "publish ready trajectories and discards from a JSONL file",
+            cmd_publish,
+            _publish_arguments,
+            needs=("kafka",),
+            reads=(("file", "FILE"),),
+            checks=(_check_jsonl,),
+            experiment=_always,
+            topics=_trajectories,
+        ),
+        Command(
+            "verdicts",
+            "print verdicts as JSON lines",
+            cmd_verdicts,
+            _verdicts_arguments,
+            needs=("kafka",),
+            writes=(("out", "--out"),),
+            experiment=_always,
+            reads_removed=True,
+            topics=_verdicts,
+        ),
+        Command(
+            "trainer",
+            "reference trainer loop: consume verdicts, build batches, shape advantages, print metrics",
+            cmd_trainer,
+            _trainer_arguments,
             description="Reference trainer loop over the verdicts topic (see docs/trainer.md).",
-            needs=("kafka",), writes=(("dedupe_store", "--dedupe-store"),), checks=(_check_event_loop,),
-            topics=_verdicts, all_kafka_logs=True),
-    Command("gateway", "HTTP reward service for OpenRLHF, slime and token-id clients", cmd_gateway,
-            _gateway_arguments, needs=("kafka",), checks=(_check_event_loop, _check_gateway_exposure),
-            topics=_experiment_topics),
-    Command("experiment", "declare, remove, forget or list experiments in the registry (docs/fleet.md)",
-            "prm_pipeline.experiment_tool:checked_experiment", "prm_pipeline.experiment_tool:experiment_arguments",
-            needs=("kafka",), checks=(_check_experiment_file,)),
-    Command("dead-letters", "print dead letters with their headers decoded; --redrive republishes chosen ones",
-            "prm_pipeline.dead_letter_tool:cmd_dead_letters", "prm_pipeline.dead_letter_tool:dead_letters_arguments",
+            needs=("kafka",),
+            writes=(("dedupe_store", "--dedupe-store"),),
+            checks=(_check_event_loop,),
+            topics=_verdicts,
+            all_kafka_logs=True,
+        ),
+        Command(
+            "gateway",
+            "HTTP reward service for OpenRLHF, slime and token-id clients",
+            cmd_gateway,
+            _gateway_arguments,
+            needs=("kafka",),
+            checks=(_check_event_loop, _check_gateway_exposure),
+            topics=_experiment_topics,
+        ),
+        Command(
+            "experiment",
+            "declare, remove, forget or list experiments in the registry (docs/fleet.md)",
+            "prm_pipeline.experiment_tool:checked_experiment",
+            "prm_pipeline.experiment_tool:experiment_arguments",
+            needs=("kafka",),
+            checks=(_check_experiment_file,),
+        ),
+        Command(
+            "dead-letters",
+            "print dead letters with their headers decoded; --redrive republishes chosen ones",
+            "prm_pipeline.dead_letter_tool:cmd_dead_letters",
+            "prm_pipeline.dead_letter_tool:dead_letters_arguments",
             description="Read the dead-letter topic (JSON lines), or plan and run a redrive to the trajectories "
-                        "topic (a dry run unless --yes). See docs/dead-letters.md.",
-            needs=("kafka",), writes=(("out", "--out"),), topics=_dead_letters_topic),
-    Command("audit", "re-score recorded trajectories and compare with the recorded verdicts",
-            "prm_pipeline.audit.cli:cmd_audit", "prm_pipeline.audit.cli:audit_arguments",
+            "topic (a dry run unless --yes). See docs/dead-letters.md.",
+            needs=("kafka",),
+            writes=(("out", "--out"),),
+            topics=_dead_letters_topic,
+        ),
+        Command(
+            "audit",
+            "re-score recorded trajectories and compare with the recorded verdicts",
+            "prm_pipeline.audit.cli:cmd_audit",
+            "prm_pipeline.audit.cli:audit_arguments",
             description="Re-score every trajectory a recorded verdict names with the configured scorers and "
-                        "compare. Reads prm.trajectories and prm.verdicts with group-less consumers (no offsets "
-                        "committed, no Redis). Exit code 1 when anything differs. See docs/audit.md.",
-            needs=("kafka",), writes=(("out", "--out"),), checks=(_check_scorers,), topics=_experiment_topics,
-            error_exit=2),
-    Command("fake-judge", "serve a scripted LLM judge / teacher on loopback (tests, benchmarks, demos)",
-            "prm_pipeline.demo.fake_judge:cmd_fake_judge", development=True,
-            parser="prm_pipeline.demo.fake_judge:add_fake_judge_parser"),
-    Command("demo", "train a tiny LM through the pipeline (closed loop) and write a report",
-            "prm_pipeline.demo.run:run_demo", "prm_pipeline.demo.run:add_demo_arguments", development=True),
-    Command("inspect", "token view of a verdict: output tokens coloured by process reward",
-            "prm_pipeline.token_view:cmd_inspect", "prm_pipeline.token_view:inspect_arguments",
-            reads=(("verdicts", "--verdicts"), ("audit", "--audit")), writes=(("html", "--html"),),
-            experiment=lambda args: bool(args.group and not args.verdicts), reads_removed=True,
-            topics=_inspected_verdicts),
-    Command("model-server", "serve the demo's tiny LM over SGLang /generate and OpenAI chat",
-            "prm_pipeline.demo.model_server:cmd_model_server", development=True,
-            parser="prm_pipeline.demo.model_server:add_model_server_parser"),
-    Command("status", "is the pipeline healthy? lag, open groups, workers, verdict latency, dead letters",
-            "prm_pipeline.status.command:cmd_status", "prm_pipeline.status.command:status_arguments",
+            "compare. Reads prm.trajectories and prm.verdicts with group-less consumers (no offsets "
+            "committed, no Redis). Exit code 1 when anything differs. See docs/audit.md.",
+            needs=("kafka",),
+            writes=(("out", "--out"),),
+            checks=(_check_scorers,),
+            topics=_experiment_topics,
+            error_exit=2,
+        ),
+        Command(
+            "fake-judge",
+            "serve a scripted LLM judge / teacher on loopback (tests, benchmarks, demos)",
+            "prm_pipeline.demo.fake_judge:cmd_fake_judge",
+            development=True,
+            parser="prm_pipeline.demo.fake_judge:add_fake_judge_parser",
+        ),
+        Command(
+            "demo",
+            "train a tiny LM through the pipeline (closed loop) and write a report",
+            "prm_pipeline.demo.run:run_demo",
+            "prm_pipeline.demo.run:add_demo_arguments",
+            development=True,
+        ),
+        Command(
+            "inspect",
+            "token view of a verdict: output tokens coloured by process reward",
+            "prm_pipeline.token_view:cmd_inspect",
+            "prm_pipeline.token_view:inspect_arguments",
+            reads=(("verdicts", "--verdicts"), ("audit", "--audit")),
+            writes=(("html", "--html"),),
+            experiment=lambda args: bool(args.group and not args.verdicts),
+            reads_removed=True,
+            topics=_inspected_verdicts,
+        ),
+        Command(
+            "model-server",
+            "serve the demo's tiny LM over SGLang /generate and OpenAI chat",
+            "prm_pipeline.demo.model_server:cmd_model_server",
+            development=True,
+            parser="prm_pipeline.demo.model_server:add_model_server_parser",
+        ),
+        Command(
+            "status",
+            "is the pipeline healthy? lag, open groups, workers, verdict latency, dead letters",
+            "prm_pipeline.status.command:cmd_status",
+            "prm_pipeline.status.command:status_arguments",
             description="One screen of the pipeline's state. Exit code 0 when healthy, 1 when not (Kafka or Redis "
-                        "unreachable, no live worker, lag growing, the oldest open group past 80% of "
-                        "worker.group_timeout_s); warnings do not change it."),
-    Command("bench", f"run a benchmark from tests/perf of a source checkout ({', '.join(BENCHMARKS)})", cmd_bench,
-            _bench_arguments, development=True),
-)}
+            "unreachable, no live worker, lag growing, the oldest open group past 80% of "
+            "worker.group_timeout_s); warnings do not change it.",
+        ),
+        Command(
+            "bench",
+            f"run a benchmark from tests/perf of a source checkout ({', '.join(BENCHMARKS)})",
+            cmd_bench,
+            _bench_arguments,
+            development=True,
+        ),
+    )
+}
 
 
 # --------------------------------------------------------------------------- parser
@@ -654,8 +849,9 @@ def _did_you_mean(word: str, parser: argparse.ArgumentParser) -> str:
     """``" (did you mean --x?)"`` for a mistyped flag of ``parser``, or "" when none is close."""
     import difflib
 
-    options = [s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings
-               if s.startswith("--")]
+    options = [
+        s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings if s.startswith("--")
+    ]
     match = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.7)
     return f" (did you mean {match[0]}?)" if match else ""
 
@@ -681,8 +877,11 @@ def _add_global_options(p: argparse.ArgumentParser) -> None:
     """
     known = {s for action in p._actions for s in action.option_strings}
     if "--config" not in known:
-        p.add_argument("--config", default=argparse.SUPPRESS,
-                       help="YAML config file (also accepted before the subcommand; default: $PRM_CONFIG)")
+        p.add_argument(
+            "--config",
+            default=argparse.SUPPRESS,
+            help="YAML config file (also accepted before the subcommand; default: $PRM_CONFIG)",
+        )
     if "--verbose" not in known and "-v" not in known:
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
 

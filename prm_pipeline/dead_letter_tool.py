@@ -61,8 +61,9 @@ log = logging.getLogger(__name__)
 REDRIVEN_FROM_HEADER = "prm-redriven-from"
 REDRIVEN_SOURCE_HEADER = "prm-redriven-source"
 # Classes a worker gives a record it could not decode (infra.schema's SchemaError family).
-SCHEMA_ERROR_CLASSES = frozenset({"SchemaError", "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage",
-                                  ExperimentMismatch.__name__})
+SCHEMA_ERROR_CLASSES = frozenset(
+    {"SchemaError", "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", ExperimentMismatch.__name__}
+)
 
 
 @dataclass(frozen=True)
@@ -190,12 +191,19 @@ class PlanEntry:
 
     def describe(self) -> str:
         rec, d = self.record, self.record.letter
-        what = (f"trajectory {self.trajectory_id} of group {self.group_id}" if self.trajectory_id
-                else f"discard of group {self.group_id}" if self.group_id else "undecodable record")
+        what = (
+            f"trajectory {self.trajectory_id} of group {self.group_id}"
+            if self.trajectory_id
+            else f"discard of group {self.group_id}"
+            if self.group_id
+            else "undecodable record"
+        )
         if self.experiment not in (None, DEFAULT_EXPERIMENT):
             what += f" (experiment {self.experiment})"
-        why = f"dead-lettered from {rec.source} by {d.worker_id or '?'} after {d.attempt} attempt(s): " \
-              f"{d.error_class}: {d.error_message[:300]}"
+        why = (
+            f"dead-lettered from {rec.source} by {d.worker_id or '?'} after {d.attempt} attempt(s): "
+            f"{d.error_class}: {d.error_message[:300]}"
+        )
         head = f"redrive {rec.coordinates}" if self.redrive else f"skip    {rec.coordinates}"
         tail = f"; {self.note}" if self.note and self.redrive else ""
         skipped = f" -- skipped: {self.why_skipped}" if not self.redrive else ""
@@ -211,30 +219,64 @@ def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[
         if not selection.matches(rec, message):
             continue
         if rec.truncated:
-            entries.append(PlanEntry(rec, False, (
-                f"the payload was cut to {len(rec.letter.payload)} of {rec.letter.original_size} bytes when it was "
-                f"dead-lettered; republish the original from {rec.source} (while the topic retains it)")))
+            entries.append(
+                PlanEntry(
+                    rec,
+                    False,
+                    (
+                        f"the payload was cut to {len(rec.letter.payload)} of {rec.letter.original_size} bytes when "
+                        f"it was "
+                        f"dead-lettered; republish the original from {rec.source} (while the topic retains it)"
+                    ),
+                )
+            )
             continue
         if isinstance(message, SchemaError):
-            entries.append(PlanEntry(rec, False, (
-                f"this build still cannot decode it ({type(message).__name__}: {str(message)[:200]}); "
-                "it would be dead-lettered again")))
+            entries.append(
+                PlanEntry(
+                    rec,
+                    False,
+                    (
+                        f"this build still cannot decode it ({type(message).__name__}: {str(message)[:200]}); "
+                        "it would be dead-lettered again"
+                    ),
+                )
+            )
             continue
         traj = message.trajectory_id if isinstance(message, ReadyTrajectory) else None
         if rec.letter.error_class == ExperimentMismatch.__name__:
-            entries.append(PlanEntry(rec, False, (
-                "it names another experiment than the topic it came from; it would be refused again (only "
-                "its producer may publish it, to its own experiment's topic)"), message.group_id, traj))
+            entries.append(
+                PlanEntry(
+                    rec,
+                    False,
+                    (
+                        "it names another experiment than the topic it came from; it would be refused again (only "
+                        "its producer may publish it, to its own experiment's topic)"
+                    ),
+                    message.group_id,
+                    traj,
+                )
+            )
             continue
         ident = traj if traj is not None else f"discard:{message.group_id}"
         ident = f"{rec.experiment(selection.trajectories_base)}/{ident}"  # ids are per experiment
         if ident in chosen:
-            entries.append(PlanEntry(rec, False, f"already redriven from {chosen[ident]} in this run",
-                                     message.group_id, traj))
+            entries.append(
+                PlanEntry(rec, False, f"already redriven from {chosen[ident]} in this run", message.group_id, traj)
+            )
             continue
         chosen[ident] = rec.coordinates
-        entries.append(PlanEntry(rec, True, "", message.group_id, traj, _rejection_note(rec, message),
-                                 rec.experiment(selection.trajectories_base)))
+        entries.append(
+            PlanEntry(
+                rec,
+                True,
+                "",
+                message.group_id,
+                traj,
+                _rejection_note(rec, message),
+                rec.experiment(selection.trajectories_base),
+            )
+        )
     return entries
 
 
@@ -246,18 +288,28 @@ def _rejection_note(rec: LetterRecord, message: TrajectoryMessage) -> str:
         return ""  # an undecodable record without a key named no group: none was rejected
     # a record naming an experiment no worker serves (docs/fleet.md): rejected without touching the ledger
     if rec.letter.error_class == UnknownExperiment.__name__:
-        return (f"workers rejected group {message.group_id} (unknown_experiment) without remembering it: once "
-                f"experiment {message.experiment!r} is declared (prm-pipeline experiment add), the redriven record "
-                "is scored; before that it is dead-lettered again")
-    return (f"workers rejected group {message.group_id} (invalid_member) when they dead-lettered this record; "
-            "while they remember it (worker.dedupe_window_s) they acknowledge the redriven record without a "
-            "new verdict")
+        return (
+            f"workers rejected group {message.group_id} (unknown_experiment) without remembering it: once "
+            f"experiment {message.experiment!r} is declared (prm-pipeline experiment add), the redriven record "
+            "is scored; before that it is dead-lettered again"
+        )
+    return (
+        f"workers rejected group {message.group_id} (invalid_member) when they dead-lettered this record; "
+        "while they remember it (worker.dedupe_window_s) they acknowledge the redriven record without a "
+        "new verdict"
+    )
 
 
 # --------------------------------------------------------------------------- Kafka
-async def read_letters(cfg: PipelineConfig, *, since_ms: int | None = None, follow: bool = False,
-                       on_letter: Callable[[LetterRecord], None] | None = None,
-                       stop: asyncio.Event | None = None, idle_end_s: float = 3.0) -> list[LetterRecord]:
+async def read_letters(
+    cfg: PipelineConfig,
+    *,
+    since_ms: int | None = None,
+    follow: bool = False,
+    on_letter: Callable[[LetterRecord], None] | None = None,
+    stop: asyncio.Event | None = None,
+    idle_end_s: float = 3.0,
+) -> list[LetterRecord]:
     """Dead letters from the beginning (or ``since_ms``) to the topic's end; with ``follow``,
     keep reading until ``stop`` is set. A throw-away consumer: no group, nothing committed.
 
@@ -326,16 +378,21 @@ async def redrive(cfg: PipelineConfig, entries: Sequence[PlanEntry], *, out: IO[
     try:
         for entry in todo:
             rec = entry.record
-            headers = [*rec.original_headers(), (REDRIVEN_FROM_HEADER, rec.coordinates.encode()),
-                       (REDRIVEN_SOURCE_HEADER, rec.source.encode())]
+            headers = [
+                *rec.original_headers(),
+                (REDRIVEN_FROM_HEADER, rec.coordinates.encode()),
+                (REDRIVEN_SOURCE_HEADER, rec.source.encode()),
+            ]
             key = rec.key if rec.key is not None else (entry.group_id or "").encode() or None
             topic = trajectories_topic(cfg.topics.trajectories, entry.experiment or DEFAULT_EXPERIMENT)
             meta = await producer.send_and_wait(topic, rec.letter.payload, key=key, headers=headers)
             where = f"{meta.topic}:{meta.partition}@{meta.offset}"
             result.sent.append((entry, where))
-            line = (f"redriven {rec.coordinates} (originally {rec.source}, {rec.letter.error_class}) -> {where}: "
-                    f"{'trajectory ' + entry.trajectory_id if entry.trajectory_id else 'discard'} "
-                    f"of group {entry.group_id}")
+            line = (
+                f"redriven {rec.coordinates} (originally {rec.source}, {rec.letter.error_class}) -> {where}: "
+                f"{'trajectory ' + entry.trajectory_id if entry.trajectory_id else 'discard'} "
+                f"of group {entry.group_id}"
+            )
             log.info("%s", line)
             print(printable(line), file=out, flush=True)
     finally:
@@ -360,7 +417,8 @@ def parse_offsets(text: str) -> set[tuple[str | None, int, int]]:
         if match is None:
             raise argparse.ArgumentTypeError(
                 f"expected PARTITION:OFFSET or TOPIC:PARTITION@OFFSET (the dead_letter field), comma-separated; "
-                f"got {part!r}")
+                f"got {part!r}"
+            )
         found.add((match["topic"], int(match["partition"]), int(match["offset"])))
     return found
 
@@ -374,12 +432,17 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         print("dead-letters: --redrive works on what is in the topic now; drop --follow", file=sys.stderr)
         return 2
     if (selectors or args.yes) and not args.redrive:
-        print("dead-letters: --offsets/--trajectory/--group/--reason/--yes choose what --redrive republishes; "
-              "add --redrive", file=sys.stderr)
+        print(
+            "dead-letters: --offsets/--trajectory/--group/--reason/--yes choose what --redrive republishes; "
+            "add --redrive",
+            file=sys.stderr,
+        )
         return 2
     if args.redrive and args.out:
-        print("dead-letters: --out writes the listing; --redrive prints its plan to stdout (redirect it); drop --out",
-              file=sys.stderr)
+        print(
+            "dead-letters: --out writes the listing; --redrive prints its plan to stdout (redirect it); drop --out",
+            file=sys.stderr,
+        )
         return 2
     if args.experiment is not None:
         _note_if_removed(cfg, args.experiment)
@@ -388,36 +451,52 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     chosen = [o for spec in args.offsets or () for o in spec]
     stray = sorted({topic for topic, _, _ in chosen if topic not in (None, cfg.topics.dead_letters)})
     if stray:
-        print(f"dead-letters: --offsets names {stray}; the dead letters are in {cfg.topics.dead_letters!r}",
-              file=sys.stderr)
+        print(
+            f"dead-letters: --offsets names {stray}; the dead letters are in {cfg.topics.dead_letters!r}",
+            file=sys.stderr,
+        )
         return 2
     selection = Selection(
         offsets=frozenset((p, o) for _, p, o in chosen),
-        trajectories=frozenset(args.trajectory or ()), groups=frozenset(args.group or ()),
-        reasons=frozenset(args.reason or ()), experiment=args.experiment,
+        trajectories=frozenset(args.trajectory or ()),
+        groups=frozenset(args.group or ()),
+        reasons=frozenset(args.reason or ()),
+        experiment=args.experiment,
         trajectories_base=cfg.topics.trajectories,
     )
     records = asyncio.run(read_letters(cfg, since_ms=args.since))
     entries = plan_redrive(records, selection)
     read = {(r.partition, r.offset) for r in records}
     if unmatched := sorted(selection.offsets - read):
-        print(f"dead-letters: --offsets {', '.join(f'{p}:{o}' for p, o in unmatched)} "
-              f"{'matches' if len(unmatched) == 1 else 'match'} no dead letter read from {cfg.topics.dead_letters} "
-              f"({len(records)} read{', --since' if args.since is not None else ''})", file=sys.stderr)
+        print(
+            f"dead-letters: --offsets {', '.join(f'{p}:{o}' for p, o in unmatched)} "
+            f"{'matches' if len(unmatched) == 1 else 'match'} no dead letter read from {cfg.topics.dead_letters} "
+            f"({len(records)} read{', --since' if args.since is not None else ''})",
+            file=sys.stderr,
+        )
     out = sys.stdout
     for entry in entries:
         print(entry.describe(), file=out)
     chosen = sum(e.redrive for e in entries)
     skipped = len(entries) - chosen
-    topic = (trajectories_topic(cfg.topics.trajectories, args.experiment) if args.experiment
-             else f"{cfg.topics.trajectories} (each record to its experiment's topic)")
+    topic = (
+        trajectories_topic(cfg.topics.trajectories, args.experiment)
+        if args.experiment
+        else f"{cfg.topics.trajectories} (each record to its experiment's topic)"
+    )
     if not args.yes:
-        print(f"dry run: would redrive {chosen} of {len(entries)} chosen dead letters ({len(records)} read) to "
-              f"{topic}, {skipped} skipped; nothing was published. Rerun with --yes to republish.", file=out)
+        print(
+            f"dry run: would redrive {chosen} of {len(entries)} chosen dead letters ({len(records)} read) to "
+            f"{topic}, {skipped} skipped; nothing was published. Rerun with --yes to republish.",
+            file=out,
+        )
         return 0
     result = asyncio.run(redrive(cfg, entries, out=out))
-    print(f"redrove {len(result.sent)} of {len(entries)} chosen dead letters ({len(records)} read) to {topic}, "
-          f"{len(result.skipped)} skipped", file=out)
+    print(
+        f"redrove {len(result.sent)} of {len(entries)} chosen dead letters ({len(records)} read) to {topic}, "
+        f"{len(result.skipped)} skipped",
+        file=out,
+    )
     return 0
 
 
@@ -468,22 +547,42 @@ def dead_letters_arguments(p: argparse.ArgumentParser) -> None:
     """``prm-pipeline dead-letters``'s flags (the command is described in prm_pipeline.cli.COMMANDS)."""
     from prm_pipeline.verdict_dump import since_arg
 
-    p.add_argument("--since", type=since_arg, metavar="TIME", default=None,
-                   help="only dead letters timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d")
+    p.add_argument(
+        "--since",
+        type=since_arg,
+        metavar="TIME",
+        default=None,
+        help="only dead letters timestamped at/after TIME: ISO-8601 or an age like 15m, 2h, 1d",
+    )
     p.add_argument("--follow", action="store_true", help="keep printing new dead letters until Ctrl-C")
     p.add_argument("--out", default=None, metavar="FILE", help="write the JSON lines to FILE instead of stdout")
     p.add_argument("--payload", action="store_true", help="include each payload (base64) in the JSON lines")
-    p.add_argument("--redrive", action="store_true",
-                   help="republish chosen dead letters to the trajectories topic (a dry run unless --yes)")
+    p.add_argument(
+        "--redrive",
+        action="store_true",
+        help="republish chosen dead letters to the trajectories topic (a dry run unless --yes)",
+    )
     p.add_argument("--yes", action="store_true", help="with --redrive: really republish")
-    p.add_argument("--offsets", type=parse_offsets, action="append", metavar="P:O[,P:O...]",
-                   help="with --redrive: only these dead letters of the dead-letter topic: PARTITION:OFFSET, or "
-                        "the dead_letter field as printed (prm.dead-letters:3@0)")
+    p.add_argument(
+        "--offsets",
+        type=parse_offsets,
+        action="append",
+        metavar="P:O[,P:O...]",
+        help="with --redrive: only these dead letters of the dead-letter topic: PARTITION:OFFSET, or "
+        "the dead_letter field as printed (prm.dead-letters:3@0)",
+    )
     p.add_argument("--trajectory", action="append", metavar="ID", help="with --redrive: only this trajectory id")
     p.add_argument("--group", action="append", metavar="ID", help="with --redrive: only records of this group")
-    p.add_argument("--reason", action="append", metavar="CLASS",
-                   help="with --redrive: only dead letters of this error class (e.g. UnknownSchemaVersion)")
+    p.add_argument(
+        "--reason",
+        action="append",
+        metavar="CLASS",
+        help="with --redrive: only dead letters of this error class (e.g. UnknownSchemaVersion)",
+    )
     from prm_pipeline.experiment_option import add_experiment_option
 
-    add_experiment_option(p, "only this experiment's dead letters (the experiment the payload names, else the "
-                             "trajectories topic it came from); default: every experiment's")
+    add_experiment_option(
+        p,
+        "only this experiment's dead letters (the experiment the payload names, else the "
+        "trajectories topic it came from); default: every experiment's",
+    )

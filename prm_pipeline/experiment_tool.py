@@ -44,10 +44,12 @@ def _check_as_code(cfg: PipelineConfig, spec: Any) -> None:
     from scoring_workers.prm.resolve import check_scorer_entries
 
     try:
-        prm = record_prm(spec.prm, cfg.worker.scorer_profiles, allowed_prefixes=cfg.worker.allowed_scorer_modules,
-                         key="prm")
-        check_config_judge_hosts(prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts,
-                                                           cfg.worker.scorer_profiles), "prm")
+        prm = record_prm(
+            spec.prm, cfg.worker.scorer_profiles, allowed_prefixes=cfg.worker.allowed_scorer_modules, key="prm"
+        )
+        check_config_judge_hosts(
+            prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts, cfg.worker.scorer_profiles), "prm"
+        )
         check_scorer_entries(prm, allowed_prefixes=cfg.worker.allowed_scorer_modules, key="prm")
     except (ImportError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
@@ -60,28 +62,40 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.action == "add":
         spec = check_experiment_file(cfg, args.target)
-        topics = [trajectories_topic(cfg.topics.trajectories, spec.experiment_id),
-                  verdicts_topic(cfg.topics.verdicts, spec.experiment_id), cfg.topics.experiments]
+        topics = [
+            trajectories_topic(cfg.topics.trajectories, spec.experiment_id),
+            verdicts_topic(cfg.topics.verdicts, spec.experiment_id),
+            cfg.topics.experiments,
+        ]
 
         async def add() -> int:
             await ensure_topics(cfg.kafka, cfg.topics, topics)
             return await publish_spec(cfg, spec)
 
         offset = asyncio.run(add())
-        print(f"experiment {spec.experiment_id} declared (registry offset {offset}): publish to {topics[0]}, "
-              f"verdicts on {topics[1]}")
+        print(
+            f"experiment {spec.experiment_id} declared (registry offset {offset}): publish to {topics[0]}, "
+            f"verdicts on {topics[1]}"
+        )
         return 0
     if args.action == "remove":
         known = asyncio.run(read_registry(cfg))
         if args.target not in known:
-            print(printable(f"experiment {args.target!r} is not in the registry {cfg.topics.experiments} "
-                            f"(declared: {sorted(known) or 'none'})"), file=sys.stderr)
+            print(
+                printable(
+                    f"experiment {args.target!r} is not in the registry {cfg.topics.experiments} "
+                    f"(declared: {sorted(known) or 'none'})"
+                ),
+                file=sys.stderr,
+            )
             return 1
         # the removal keeps the declaration: `audit` re-scores the experiment's topics with it
         offset = asyncio.run(publish_removal(cfg, args.target, keep=known[args.target].spec))
-        print(f"experiment {args.target} removed (registry offset {offset}): workers finish its open groups "
-              "within its group timeout, then stop consuming it; its topics stay readable (verdicts, inspect, "
-              "audit, dead-letters)")
+        print(
+            f"experiment {args.target} removed (registry offset {offset}): workers finish its open groups "
+            "within its group timeout, then stop consuming it; its topics stay readable (verdicts, inspect, "
+            "audit, dead-letters)"
+        )
         return 0
     if args.action == "forget":
         return _forget(cfg, args.target)
@@ -90,17 +104,30 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         when = datetime.fromtimestamp(entry.timestamp_ms / 1000, UTC).isoformat(timespec="seconds")
         if args.json:
             body = json.loads(msgspec.json.encode(entry.spec)) if entry.spec is not None else None
-            print(json.dumps({"experiment_id": experiment_id, "offset": entry.offset, "declared_at": when,
-                              "spec": body, "error": entry.error or None}))
+            print(
+                json.dumps(
+                    {
+                        "experiment_id": experiment_id,
+                        "offset": entry.offset,
+                        "declared_at": when,
+                        "spec": body,
+                        "error": entry.error or None,
+                    }
+                )
+            )
         elif entry.error:  # a registry key and its error are anyone's text (with Write on the registry)
             print(printable(f"{experiment_id}  REFUSED at offset {entry.offset} ({when}): {entry.error}"))
         else:
             spec = entry.spec
             assert spec is not None
-            print(printable(f"{experiment_id}  weight={spec.weight:g} max_in_flight={spec.max_in_flight or '-'} "
-                            f"group_timeout_s={spec.group_timeout_s or 'worker default'} "
-                            f"scorers={[s.path or f'profile:{s.profile}' for s in spec.prm.scorers]} "
-                            f"(offset {entry.offset}, {when})"))
+            print(
+                printable(
+                    f"{experiment_id}  weight={spec.weight:g} max_in_flight={spec.max_in_flight or '-'} "
+                    f"group_timeout_s={spec.group_timeout_s or 'worker default'} "
+                    f"scorers={[s.path or f'profile:{s.profile}' for s in spec.prm.scorers]} "
+                    f"(offset {entry.offset}, {when})"
+                )
+            )
     if not known and not args.json:
         print(f"no experiments in {cfg.topics.experiments} (the default experiment is the workers' config file)")
     return 0
@@ -119,8 +146,10 @@ def _forget(cfg: PipelineConfig, experiment_id: str) -> int:
     if entry.kept is None:
         print(f"experiment {experiment_id} keeps no declaration (registry offset {entry.offset}): nothing to forget")
         return 0
-    topics = [trajectories_topic(cfg.topics.trajectories, experiment_id),
-              verdicts_topic(cfg.topics.verdicts, experiment_id)]
+    topics = [
+        trajectories_topic(cfg.topics.trajectories, experiment_id),
+        verdicts_topic(cfg.topics.verdicts, experiment_id),
+    ]
 
     async def existing() -> list[str]:
         admin = make_admin(cfg.kafka)
@@ -131,8 +160,11 @@ def _forget(cfg: PipelineConfig, experiment_id: str) -> int:
             await admin.close()
 
     if left := asyncio.run(existing()):
-        print(f"experiment {experiment_id}: its topics {', '.join(left)} still hold its records, which `audit` "
-              "re-scores with the declaration its removal kept; delete them first, then forget it", file=sys.stderr)
+        print(
+            f"experiment {experiment_id}: its topics {', '.join(left)} still hold its records, which `audit` "
+            "re-scores with the declaration its removal kept; delete them first, then forget it",
+            file=sys.stderr,
+        )
         return 1
     offset = asyncio.run(publish_removal(cfg, experiment_id))
     print(f"experiment {experiment_id} forgotten (registry offset {offset}): its declaration is gone with its topics")
@@ -142,20 +174,30 @@ def _forget(cfg: PipelineConfig, experiment_id: str) -> int:
 class _Target(argparse.Action):
     """``target``, refused after ``list`` (which takes none) as a usage error, before any connection."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         if values is not None and namespace.action == "list":
-            parser.error(f"experiment list takes no argument, got {values!r} "
-                         "(add FILE.yaml | remove ID | forget ID | list)")
+            parser.error(
+                f"experiment list takes no argument, got {values!r} (add FILE.yaml | remove ID | forget ID | list)"
+            )
         setattr(namespace, self.dest, values)
 
 
 def experiment_arguments(p: argparse.ArgumentParser) -> None:
     """``prm-pipeline experiment``'s arguments (the command is described in prm_pipeline.cli.COMMANDS)."""
     p.add_argument("action", choices=["add", "remove", "forget", "list"])
-    p.add_argument("target", nargs="?", action=_Target,
-                   help="add: the experiment's YAML file; remove: its id; forget: a removed experiment's id, once "
-                        "its topics are deleted (drops the declaration its removal kept for audit)")
+    p.add_argument(
+        "target",
+        nargs="?",
+        action=_Target,
+        help="add: the experiment's YAML file; remove: its id; forget: a removed experiment's id, once "
+        "its topics are deleted (drops the declaration its removal kept for audit)",
+    )
     p.add_argument("--json", action="store_true", help="list: one JSON object per experiment")
 
 

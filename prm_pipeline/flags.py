@@ -27,7 +27,7 @@ VOCABULARY: dict[str, str] = {
     "-v, --verbose": "debug logging",
     "-q, --quiet": "no progress bar or spinner (none either when the output is not a terminal)",
     "--experiment ID": "work on this experiment's topics (default `trainer.experiment`; "
-                       "`status`, `dead-letters`: no filter)",
+    "`status`, `dead-letters`: no filter)",
     "--since TIME": "only records timestamped at/after TIME: ISO-8601 or an age (`15m`, `2h`, `1d`)",
     "--out PATH": "write the output there instead of stdout (`demo`: the report folder)",
     "--group ID": "only this group",
@@ -96,27 +96,56 @@ def port(text: str) -> int:
 class _DeprecatedAlias(argparse.Action):
     """An old spelling: sets the new flag's destination (converted) and warns once on stderr."""
 
-    def __init__(self, option_strings: list[str], dest: str, *, new: str, note: str = "",
-                 convert: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        option_strings: list[str],
+        dest: str,
+        *,
+        new: str,
+        note: str = "",
+        convert: Callable[[Any], Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
         self.new, self.note, self.convert = new, note, convert
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         print(f"warning: {option_string} is deprecated, use {self.new}{self.note}", file=sys.stderr)
         value = self.const if self.nargs == 0 else values
         setattr(namespace, self.dest, self.convert(value) if self.convert is not None else value)
 
 
-def deprecated_alias(p: argparse.ArgumentParser, old: str, new: argparse.Action, *, note: str = "",
-                     convert: Callable[[Any], Any] | None = None, type: Callable[[str], Any] | None = None) -> None:
+def deprecated_alias(
+    p: argparse.ArgumentParser,
+    old: str,
+    new: argparse.Action,
+    *,
+    note: str = "",
+    convert: Callable[[Any], Any] | None = None,
+    type: Callable[[str], Any] | None = None,
+) -> None:
     """Keep ``old`` working as a hidden spelling of the flag ``new`` (the action
     ``add_argument`` returned). A flag without a value passes ``const``; one with a value
     reads it with ``type`` (default: ``new``'s) and stores ``convert(value)``."""
     flag = next(s for s in new.option_strings if s.startswith("--"))
     if new.nargs != 0 and new.metavar:
         flag = f"{flag} {new.metavar}"
-    kwargs: dict[str, Any] = {"nargs": 0, "const": new.const} if new.nargs == 0 else {
-        "type": type or new.type, "metavar": new.metavar}
-    p.add_argument(old, action=_DeprecatedAlias, dest=new.dest, new=flag, note=note, convert=convert,
-                   default=argparse.SUPPRESS, **kwargs)
+    kwargs: dict[str, Any] = (
+        {"nargs": 0, "const": new.const} if new.nargs == 0 else {"type": type or new.type, "metavar": new.metavar}
+    )
+    p.add_argument(
+        old,
+        action=_DeprecatedAlias,
+        dest=new.dest,
+        new=flag,
+        note=note,
+        convert=convert,
+        default=argparse.SUPPRESS,
+        **kwargs,
+    )

@@ -177,7 +177,7 @@ def _one_line(message: str) -> str:
     message = " ".join(message.split())
     if len(message) <= _ERROR_TEXT:
         return message
-    return f"{message[:_ERROR_TEXT // 2]}…{message[-_ERROR_TEXT // 2:]}"
+    return f"{message[: _ERROR_TEXT // 2]}…{message[-_ERROR_TEXT // 2 :]}"
 
 
 def _check_items(n: int, field: str, limit: int) -> None:
@@ -186,39 +186,55 @@ def _check_items(n: int, field: str, limit: int) -> None:
 
 
 def _json(body: msgspec.Struct, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=msgspec.json.encode(body), status=status, headers=headers,
-                        content_type="application/json")
+    return web.Response(body=msgspec.json.encode(body), status=status, headers=headers, content_type="application/json")
 
 
 # --------------------------------------------------------------------------- the service
 class Gateway:
     """The HTTP service around one :class:`RewardClient` (one Kafka producer and verdict reader)."""
 
-    def __init__(self, cfg: PipelineConfig, *, client: RewardClient | None = None,
-                 environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        *,
+        client: RewardClient | None = None,
+        environ: dict[str, str] | os._Environ[str] = os.environ,
+    ) -> None:
         self.cfg = cfg
         self.gw = cfg.gateway
         if self.gw.max_items > MAX_ITEMS:
-            raise ConfigError(f"gateway.max_items={self.gw.max_items} is over {MAX_ITEMS}, the most the gateway's "
-                              "published request schema allows (docs/integrations/gateway-openapi.json)")
+            raise ConfigError(
+                f"gateway.max_items={self.gw.max_items} is over {MAX_ITEMS}, the most the gateway's "
+                "published request schema allows (docs/integrations/gateway-openapi.json)"
+            )
         self.tokenizer = load_tokenizer(self.gw.tokenizer)
         self._tokens = load_tokens(self.gw, environ)
-        self.client = client or RewardClient(cfg, verdict_timeout_s=self.gw.verdict_timeout_s,
-                                             decode=self.tokenizer.decode)
+        self.client = client or RewardClient(
+            cfg, verdict_timeout_s=self.gw.verdict_timeout_s, decode=self.tokenizer.decode
+        )
         self._limits = _Limits(per_client=Tally())
         self._settings = AdapterSettings.from_gateway(self.gw)  # /v1/score's late-verdict policy
         self._openapi = msgspec.json.encode(openapi_document())
         self.ready = False
         r = self.registry = CollectorRegistry()
         self.requests = Counter("prm_gateway_requests", "Requests answered", ["route", "code"], registry=r)
-        self.latency = Histogram("prm_gateway_request_seconds", "Request latency (verdict wait included)", ["route"],
-                                 registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
-                                                      60, 120, 300))
+        self.latency = Histogram(
+            "prm_gateway_request_seconds",
+            "Request latency (verdict wait included)",
+            ["route"],
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
         self.in_flight = Gauge("prm_gateway_in_flight", "Requests being answered", registry=r)
         self.samples = Counter("prm_gateway_samples", "Samples scored, by verdict status", ["status"], registry=r)
-        self.connections = _ConnectionCap(self.gw.max_connections_per_client, Counter(
-            "prm_gateway_connections_refused", "Connections refused: over max_connections_per_client from their address",
-            registry=r))
+        self.connections = _ConnectionCap(
+            self.gw.max_connections_per_client,
+            Counter(
+                "prm_gateway_connections_refused",
+                "Connections refused: over max_connections_per_client from their address",
+                registry=r,
+            ),
+        )
 
     @property
     def authenticated(self) -> bool:
@@ -226,12 +242,19 @@ class Gateway:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.gw.max_body_bytes, middlewares=[self._guard])
-        app.add_routes([
-            web.post("/openrlhf", self._openrlhf), web.post("/slime", self._slime), web.post("/v1/score", self._score),
-            web.post("/v1/turn", self._turn), web.post("/v1/end", self._end),
-            web.get("/healthz", self._healthz), web.get("/readyz", self._readyz), web.get("/metrics", self._metrics),
-            web.get("/openapi.json", self._openapi_json),
-        ])
+        app.add_routes(
+            [
+                web.post("/openrlhf", self._openrlhf),
+                web.post("/slime", self._slime),
+                web.post("/v1/score", self._score),
+                web.post("/v1/turn", self._turn),
+                web.post("/v1/end", self._end),
+                web.get("/healthz", self._healthz),
+                web.get("/readyz", self._readyz),
+                web.get("/metrics", self._metrics),
+                web.get("/openapi.json", self._openapi_json),
+            ]
+        )
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -246,10 +269,10 @@ class Gateway:
 
     # ------------------------------------------------------------------ middleware
     @web.middleware
-    async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                     ) -> web.StreamResponse:
-        route = request.path if request.path in ("/openrlhf", "/slime", "/v1/score", "/v1/turn", "/v1/end") \
-            else "other"
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        route = request.path if request.path in ("/openrlhf", "/slime", "/v1/score", "/v1/turn", "/v1/end") else "other"
         if request.path in ("/healthz", "/readyz"):  # probes: no auth, no limits (they hold nothing)
             try:
                 return await handler(request)
@@ -262,8 +285,9 @@ class Gateway:
             self.latency.labels(route).observe(time.perf_counter() - t0)
         return response
 
-    async def _guarded(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                       route: str) -> web.StreamResponse:
+    async def _guarded(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]], route: str
+    ) -> web.StreamResponse:
         if self._tokens and not self._authorized(request.headers.get("Authorization", "")):
             return _error(401, "unauthorized", headers={"WWW-Authenticate": "Bearer"})
         if route == "other":  # /metrics, /openapi.json (authenticated when tokens are set), 404s and 405s
@@ -308,8 +332,9 @@ class Gateway:
         try:
             raw = await asyncio.wait_for(request.read(), self.gw.read_timeout_s)
         except TimeoutError:
-            raise SlowBody(f"request body did not arrive within gateway.read_timeout_s={self.gw.read_timeout_s:g}s"
-                             ) from None
+            raise SlowBody(
+                f"request body did not arrive within gateway.read_timeout_s={self.gw.read_timeout_s:g}s"
+            ) from None
         except HttpProcessingError as exc:  # a broken chunked or compressed body; its text quotes the bytes
             raise BadRequest(f"request body is malformed ({type(exc).__name__})") from None
         return decode(raw, kind, max_bytes=self.gw.max_body_bytes)
@@ -338,8 +363,11 @@ class Gateway:
             prompt, messages = prompt_messages(msgspec.to_builtins(body.prompt), "prompt")
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        sample = Sample(prompt_ids=self.tokenizer.encode(prompt), response_ids=self.tokenizer.encode(body.response),
-                        messages=messages)
+        sample = Sample(
+            prompt_ids=self.tokenizer.encode(prompt),
+            response_ids=self.tokenizer.encode(body.response),
+            messages=messages,
+        )
         try:
             (answer,) = await slime_scores(self.client, self.gw, [sample], prefix="gw", observe=self._observe)
         except VerdictTimeout as exc:
@@ -349,21 +377,43 @@ class Gateway:
     async def _score(self, request: web.Request) -> web.Response:
         body: ScoreRequest = await self._body(request, ScoreRequest)
         _check_items(len(body.samples), "samples", self.gw.max_items)
-        samples = [Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, response_logprobs=s.response_logprobs,
-                          response_mask=s.response_mask, outcome_reward=s.outcome_reward, messages=s.messages,
-                          truncated=s.truncated, policy_version=s.policy_version, is_eval=s.is_eval)
-                   for s in body.samples]
+        samples = [
+            Sample(
+                prompt_ids=s.prompt_ids,
+                response_ids=s.response_ids,
+                response_logprobs=s.response_logprobs,
+                response_mask=s.response_mask,
+                outcome_reward=s.outcome_reward,
+                messages=s.messages,
+                truncated=s.truncated,
+                policy_version=s.policy_version,
+                is_eval=s.is_eval,
+            )
+            for s in body.samples
+        ]
         (rewards,) = await score_groups(self.client, [samples], prefix="gw", observe=self._observe)
         try:
             check_late(rewards, self._settings)
         except VerdictTimeout as exc:
             return _error(504, str(exc))
-        return _json(ScoreResponse(
-            group_id=rewards[0].group_id, status=rewards[0].status, reason_code=rewards[0].reason_code,
-            reason=rewards[0].reason,
-            samples=[ScoredSample(trajectory_id=r.trajectory_id, status=r.status, outcome=r.outcome,
-                                  token_rewards=r.token_rewards.tolist(), turn_rewards=list(r.turn_rewards))
-                     for r in rewards]))
+        return _json(
+            ScoreResponse(
+                group_id=rewards[0].group_id,
+                status=rewards[0].status,
+                reason_code=rewards[0].reason_code,
+                reason=rewards[0].reason,
+                samples=[
+                    ScoredSample(
+                        trajectory_id=r.trajectory_id,
+                        status=r.status,
+                        outcome=r.outcome,
+                        token_rewards=r.token_rewards.tolist(),
+                        turn_rewards=list(r.turn_rewards),
+                    )
+                    for r in rewards
+                ],
+            )
+        )
 
     async def _streamed(self, request: web.Request, kind: type[SessionTurn] | type[SessionEnd]) -> Any:
         """The body as one JSONL line of ``kind`` (docs/jsonl.md): the same strict rules as
@@ -382,8 +432,11 @@ class Gateway:
             await self.client.publish_turn(turn)
         except ValueError as exc:  # another experiment's, or over the record limit
             raise BadRequest(_one_line(str(exc))) from None
-        return _json(TurnPublished(published="turn", trajectory_id=turn.trajectory_id,
-                                   interaction_id=turn.interaction.interaction_id))
+        return _json(
+            TurnPublished(
+                published="turn", trajectory_id=turn.trajectory_id, interaction_id=turn.interaction.interaction_id
+            )
+        )
 
     async def _end(self, request: web.Request) -> web.Response:
         end: SessionEnd = await self._streamed(request, SessionEnd)
@@ -393,10 +446,16 @@ class Gateway:
             raise BadRequest(_one_line(str(exc))) from None
         verdict = await self.client.verdict(end.group_id, self.gw.verdict_timeout_s)
         if verdict is None:
-            return _error(504, f"no verdict for group {end.group_id!r} within gateway.verdict_timeout_s="
-                               f"{self.gw.verdict_timeout_s:g}s (the session is published)")
-        return _json(EndResponse(group_id=verdict.group_id, status=verdict.status, reason_code=verdict.reason_code,
-                                 reason=verdict.reason))
+            return _error(
+                504,
+                f"no verdict for group {end.group_id!r} within gateway.verdict_timeout_s="
+                f"{self.gw.verdict_timeout_s:g}s (the session is published)",
+            )
+        return _json(
+            EndResponse(
+                group_id=verdict.group_id, status=verdict.status, reason_code=verdict.reason_code, reason=verdict.reason
+            )
+        )
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -421,8 +480,9 @@ def _http_error(exc: web.HTTPException) -> web.Response:
         allowed = ", ".join(sorted(exc.allowed_methods))
         return _error(405, f"method not allowed on this route; it takes {allowed}", headers={"Allow": allowed})
     if isinstance(exc, web.HTTPNotFound):
-        return _error(404, "no such route (POST /openrlhf, /slime, /v1/score; GET /healthz, /readyz, /metrics, "
-                           "/openapi.json)")
+        return _error(
+            404, "no such route (POST /openrlhf, /slime, /v1/score; GET /healthz, /readyz, /metrics, /openapi.json)"
+        )
     return _error(exc.status, exc.reason)
 
 
@@ -455,10 +515,16 @@ class _ConnectionCap:
         self.limit, self.refused = limit, refused
         self.open: Tally[str | None] = Tally()
         self._address: dict[web.RequestHandler, str | None] = {}
-        body = msgspec.json.encode(Error(f"too many connections from this address (over {limit}, "
-                                         "gateway.max_connections_per_client); reuse or close idle ones"))
-        self.answer = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                       b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        body = msgspec.json.encode(
+            Error(
+                f"too many connections from this address (over {limit}, "
+                "gateway.max_connections_per_client); reuse or close idle ones"
+            )
+        )
+        self.answer = (
+            b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
 
     def admit(self, handler: web.RequestHandler, transport: asyncio.BaseTransport) -> bool:
         peer = transport.get_extra_info("peername")
@@ -501,8 +567,9 @@ class _Protocol(web.RequestHandler):
             self._manager.cap.release(self)
         super().connection_lost(exc)
 
-    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         if request.writer.output_size > 0:  # as aiohttp: an answer already started cannot be replaced
             raise ConnectionError("response already sent; cannot send the error")
         if status >= 500:  # a bug in a handler (the middleware answers every expected failure)
@@ -511,9 +578,15 @@ class _Protocol(web.RequestHandler):
         else:
             too_large = isinstance(exc, LineTooLong) or "too many headers" in str(getattr(exc, "message", "")).lower()
             _HTTP_LOG.info("refused a malformed HTTP request: %s (%d)", type(exc).__name__, 431 if too_large else 400)
-            answer = (_error(431, f"request header fields too large: a request line or header over "
-                                  f"{self.max_field_size} bytes, or over {self.max_headers} headers")
-                      if too_large else _error(400, "malformed HTTP request"))
+            answer = (
+                _error(
+                    431,
+                    f"request header fields too large: a request line or header over "
+                    f"{self.max_field_size} bytes, or over {self.max_headers} headers",
+                )
+                if too_large
+                else _error(400, "malformed HTTP request")
+            )
         answer.force_close()
         return answer
 
@@ -562,32 +635,54 @@ def check_exposure(gw: GatewayConfig, *, authenticated: bool, allow_unauthentica
     if is_loopback(gw.host) or authenticated:
         return
     if not allow_unauthenticated:
-        raise ConfigError(f"gateway: listening on {gw.host} without authentication; set gateway.auth_tokens_env "
-                          "or auth_tokens_file, or pass --allow-unauthenticated (behind a network policy)")
-    log.warning("gateway listens on %s WITHOUT authentication (--allow-unauthenticated): anything that reaches "
-                "this port can publish trajectories", gw.host)
+        raise ConfigError(
+            f"gateway: listening on {gw.host} without authentication; set gateway.auth_tokens_env "
+            "or auth_tokens_file, or pass --allow-unauthenticated (behind a network policy)"
+        )
+    log.warning(
+        "gateway listens on %s WITHOUT authentication (--allow-unauthenticated): anything that reaches "
+        "this port can publish trajectories",
+        gw.host,
+    )
 
 
-async def serve(cfg: PipelineConfig, stop: asyncio.Event, *, allow_unauthenticated: bool = False,
-                on_ready: Callable[[int], None] | None = None) -> None:
+async def serve(
+    cfg: PipelineConfig,
+    stop: asyncio.Event,
+    *,
+    allow_unauthenticated: bool = False,
+    on_ready: Callable[[int], None] | None = None,
+) -> None:
     """Run the gateway until ``stop`` is set."""
     gateway = Gateway(cfg)
     check_exposure(cfg.gateway, authenticated=gateway.authenticated, allow_unauthenticated=allow_unauthenticated)
     # access logs would carry client addresses only; parse errors go to a logger that drops the request's bytes
-    runner = _Runner(gateway.app(), cap=gateway.connections, access_log=None, logger=_HTTP_LOG,
-                     keepalive_timeout=cfg.gateway.keepalive_timeout_s)
+    runner = _Runner(
+        gateway.app(),
+        cap=gateway.connections,
+        access_log=None,
+        logger=_HTTP_LOG,
+        keepalive_timeout=cfg.gateway.keepalive_timeout_s,
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.gateway.host, cfg.gateway.port, ssl_context=ssl_context(cfg.gateway))
         try:
             await site.start()
         except OSError as exc:  # one line naming the setting, exit 2 (prm_pipeline.cli), not a traceback
-            raise port_unavailable(exc, cfg.gateway.host, cfg.gateway.port,
-                                   "gateway --host/--port (gateway.host, gateway.port)") from None
+            raise port_unavailable(
+                exc, cfg.gateway.host, cfg.gateway.port, "gateway --host/--port (gateway.host, gateway.port)"
+            ) from None
         port = runner.addresses[0][1]
         scheme = "https" if cfg.gateway.tls_certfile else "http"
-        log.info("gateway listening on %s://%s:%d (tokenizer %s, auth %s)", scheme, cfg.gateway.host, port,
-                 gateway.tokenizer.name, "on" if gateway.authenticated else "off")
+        log.info(
+            "gateway listening on %s://%s:%d (tokenizer %s, auth %s)",
+            scheme,
+            cfg.gateway.host,
+            port,
+            gateway.tokenizer.name,
+            "on" if gateway.authenticated else "off",
+        )
         if on_ready is not None:
             on_ready(port)
         await stop.wait()

@@ -94,8 +94,9 @@ class OpenRLHFRequest(msgspec.Struct):
             raise SchemaError(f"`prompts` has {len(self.prompts)} items for {len(self.query)} queries (one per query)")
         if self.labels is not None:
             if len(self.labels) != len(self.query):
-                raise SchemaError(f"`labels` has {len(self.labels)} items for {len(self.query)} queries "
-                                  "(one per query, or null)")
+                raise SchemaError(
+                    f"`labels` has {len(self.labels)} items for {len(self.query)} queries (one per query, or null)"
+                )
             check_depth(self.labels, "labels")
 
 
@@ -131,11 +132,14 @@ class ScoreSample(msgspec.Struct, forbid_unknown_fields=True):
     response_logprobs: Annotated[list[LogProb], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     response_mask: Annotated[list[Literal[0, 1]], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     outcome_reward: Finite = 0.0
-    messages: Annotated[list[dict[str, Any]], msgspec.Meta(
-        max_length=MAX_MESSAGES,
-        description=f"free-form chat messages (OpenAI format: role, content, name, tool_calls, ...; keys not "
-                    f"checked), nested at most {MAX_DEPTH} levels; passed on to the scorers as data")] = msgspec.field(
-        default_factory=list)
+    messages: Annotated[
+        list[dict[str, Any]],
+        msgspec.Meta(
+            max_length=MAX_MESSAGES,
+            description=f"free-form chat messages (OpenAI format: role, content, name, tool_calls, ...; keys not "
+            f"checked), nested at most {MAX_DEPTH} levels; passed on to the scorers as data",
+        ),
+    ] = msgspec.field(default_factory=list)
     truncated: bool = False
     policy_version: Int64 | None = None
     is_eval: bool = False
@@ -240,7 +244,7 @@ class Error(msgspec.Struct):
 _REF = "#/components/schemas/{name}"
 _ERRORS = {
     "400": "bad input: not JSON, a field of the wrong type, range or length, an unknown field of the body or "
-           "of a sample (on /v1/score), JSON nested too deeply, or a malformed HTTP request",
+    "of a sample (on /v1/score), JSON nested too deeply, or a malformed HTTP request",
     "401": "bearer tokens are configured and the Authorization header is missing or wrong",
     "404": "no such route",
     "405": "the route does not take this method (see the Allow header)",
@@ -256,31 +260,53 @@ _HEADERS = {
     "429": {"Retry-After": {"required": True, "schema": {"type": "string"}}},
 }
 _POSTS: dict[str, tuple[str, type[msgspec.Struct], type[msgspec.Struct], str]] = {
-    "/openrlhf": ("openrlhf", OpenRLHFRequest, OpenRLHFResponse,
-                  "OpenRLHF's remote reward model (`--reward.remote_url http://HOST:8431/openrlhf`)."),
-    "/slime": ("slime", SlimeRequest, SlimeResponse,
-               "slime's remote reward model (`--rm-type remote_rm --rm-url http://HOST:8431/slime`)."),
-    "/v1/score": ("score", ScoreRequest, ScoreResponse,
-                  "Token ids in, per-token process rewards out; the samples are scored as one group."),
+    "/openrlhf": (
+        "openrlhf",
+        OpenRLHFRequest,
+        OpenRLHFResponse,
+        "OpenRLHF's remote reward model (`--reward.remote_url http://HOST:8431/openrlhf`).",
+    ),
+    "/slime": (
+        "slime",
+        SlimeRequest,
+        SlimeResponse,
+        "slime's remote reward model (`--rm-type remote_rm --rm-url http://HOST:8431/slime`).",
+    ),
+    "/v1/score": (
+        "score",
+        ScoreRequest,
+        ScoreResponse,
+        "Token ids in, per-token process rewards out; the samples are scored as one group.",
+    ),
 }
 
 
 _STREAM_POSTS: dict[str, tuple[str, str, type[msgspec.Struct], str]] = {
-    "/v1/turn": ("turn", "turn", TurnPublished,
-                 "One turn of a streamed session, as soon as the agent produced it: the body is one `turn` line of "
-                 "docs/jsonl.md (`kind`, the session's ids, `interaction`); its judge work starts when the next turn "
-                 "(or the end) arrives. Answers once it is published."),
-    "/v1/end": ("end", "end", EndResponse,
-                "The end of a streamed session: the body is one `end` line of docs/jsonl.md (`kind`, the session's "
-                "ids, `outcome_reward`, ...). Answers with the group's verdict once its last member ended."),
+    "/v1/turn": (
+        "turn",
+        "turn",
+        TurnPublished,
+        "One turn of a streamed session, as soon as the agent produced it: the body is one `turn` line of "
+        "docs/jsonl.md (`kind`, the session's ids, `interaction`); its judge work starts when the next turn "
+        "(or the end) arrives. Answers once it is published.",
+    ),
+    "/v1/end": (
+        "end",
+        "end",
+        EndResponse,
+        "The end of a streamed session: the body is one `end` line of docs/jsonl.md (`kind`, the session's "
+        "ids, `outcome_reward`, ...). Answers with the group's verdict once its last member ended.",
+    ),
 }
 
 
 def _error_responses(codes: tuple[str, ...]) -> dict[str, Any]:
     out = {}
     for code in codes:
-        out[code] = {"description": _ERRORS[code],
-                     "content": {"application/json": {"schema": {"$ref": _REF.format(name="Error")}}}}
+        out[code] = {
+            "description": _ERRORS[code],
+            "content": {"application/json": {"schema": {"$ref": _REF.format(name="Error")}}},
+        }
         if code in _HEADERS:
             out[code]["headers"] = _HEADERS[code]
     return out
@@ -292,59 +318,123 @@ def _text(description: str) -> dict[str, Any]:
 
 def openapi_document() -> dict[str, Any]:
     """The gateway's OpenAPI 3.1 document, generated from the structs above."""
-    structs = [t for _, req, resp, _ in _POSTS.values() for t in (req, resp)] + \
-        [resp for _, _, resp, _ in _STREAM_POSTS.values()] + [Error]
+    structs = (
+        [t for _, req, resp, _ in _POSTS.values() for t in (req, resp)]
+        + [resp for _, _, resp, _ in _STREAM_POSTS.values()]
+        + [Error]
+    )
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     paths: dict[str, Any] = {}
     for path, (op_id, request, response, summary) in _POSTS.items():
-        paths[path] = {"post": {
-            "operationId": op_id, "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": _REF.format(name=request.__name__)}}}},
-            "responses": {"200": {"description": "the verdict (a group not accepted is still a 200: see `status`)",
-                                  "content": {"application/json": {
-                                      "schema": {"$ref": _REF.format(name=response.__name__)}}}},
-                          **_error_responses(("400", "401", "408", "413", "429", "431", "504"))},
-        }}
+        paths[path] = {
+            "post": {
+                "operationId": op_id,
+                "summary": summary,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": _REF.format(name=request.__name__)}}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "the verdict (a group not accepted is still a 200: see `status`)",
+                        "content": {"application/json": {"schema": {"$ref": _REF.format(name=response.__name__)}}},
+                    },
+                    **_error_responses(("400", "401", "408", "413", "429", "431", "504")),
+                },
+            }
+        }
     for path, (op_id, kind, response, summary) in _STREAM_POSTS.items():
-        paths[path] = {"post": {
-            "operationId": op_id, "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                "type": "object", "required": ["kind"], "properties": {"kind": {"const": kind}},
-                "description": f"one `{kind}` line of docs/jsonl.md, validated as `prm-pipeline publish` does "
-                               "(unknown fields refused)"}}}},
-            "responses": {"200": {"description": "published" if kind == "turn" else "the group's verdict",
-                                  "content": {"application/json": {
-                                      "schema": {"$ref": _REF.format(name=response.__name__)}}}},
-                          **_error_responses(("400", "401", "408", "413", "429", "431") +
-                                             (("504",) if kind == "end" else ()))},
-        }}
-    paths["/openapi.json"] = {"get": {
-        "operationId": "openapi", "summary": "This document (behind the bearer tokens when they are set).",
-        "responses": {"200": {"description": "the OpenAPI document",
-                              "content": {"application/json": {"schema": {"type": "object"}}}},
-                      **_error_responses(("401", "431"))}}}
-    paths["/metrics"] = {"get": {
-        "operationId": "metrics", "summary": "Prometheus metrics (behind the bearer tokens when they are set).",
-        "responses": {"200": _text("Prometheus text format"), **_error_responses(("401", "431"))}}}
-    paths["/healthz"] = {"get": {
-        "operationId": "healthz", "summary": "Liveness probe (no token needed).", "security": [{}],
-        "responses": {"200": _text("`ok`"), **_error_responses(("431",))}}}
-    paths["/readyz"] = {"get": {
-        "operationId": "readyz", "summary": "Readiness probe (no token needed).", "security": [{}],
-        "responses": {"200": _text("`ready`: the Kafka producer and the verdict reader started"),
-                      "503": _text("`starting`"), **_error_responses(("431",))}}}
+        paths[path] = {
+            "post": {
+                "operationId": op_id,
+                "summary": summary,
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["kind"],
+                                "properties": {"kind": {"const": kind}},
+                                "description": f"one `{kind}` line of docs/jsonl.md, validated as `prm-pipeline "
+                                "publish` does "
+                                "(unknown fields refused)",
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": {
+                        "description": "published" if kind == "turn" else "the group's verdict",
+                        "content": {"application/json": {"schema": {"$ref": _REF.format(name=response.__name__)}}},
+                    },
+                    **_error_responses(
+                        ("400", "401", "408", "413", "429", "431") + (("504",) if kind == "end" else ())
+                    ),
+                },
+            }
+        }
+    paths["/openapi.json"] = {
+        "get": {
+            "operationId": "openapi",
+            "summary": "This document (behind the bearer tokens when they are set).",
+            "responses": {
+                "200": {
+                    "description": "the OpenAPI document",
+                    "content": {"application/json": {"schema": {"type": "object"}}},
+                },
+                **_error_responses(("401", "431")),
+            },
+        }
+    }
+    paths["/metrics"] = {
+        "get": {
+            "operationId": "metrics",
+            "summary": "Prometheus metrics (behind the bearer tokens when they are set).",
+            "responses": {"200": _text("Prometheus text format"), **_error_responses(("401", "431"))},
+        }
+    }
+    paths["/healthz"] = {
+        "get": {
+            "operationId": "healthz",
+            "summary": "Liveness probe (no token needed).",
+            "security": [{}],
+            "responses": {"200": _text("`ok`"), **_error_responses(("431",))},
+        }
+    }
+    paths["/readyz"] = {
+        "get": {
+            "operationId": "readyz",
+            "summary": "Readiness probe (no token needed).",
+            "security": [{}],
+            "responses": {
+                "200": _text("`ready`: the Kafka producer and the verdict reader started"),
+                "503": _text("`starting`"),
+                **_error_responses(("431",)),
+            },
+        }
+    }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "prm-pipeline reward gateway", "version": "1",
-                 "description": "Process rewards over HTTP (docs/integrations/gateway.md). Generated from "
-                                "prm_pipeline/gateway_api.py; every error body is `Error`. Unknown fields are "
-                                "refused on /v1/score and ignored on the framework routes /openrlhf and /slime."},
+        "info": {
+            "title": "prm-pipeline reward gateway",
+            "version": "1",
+            "description": "Process rewards over HTTP (docs/integrations/gateway.md). Generated from "
+            "prm_pipeline/gateway_api.py; every error body is `Error`. Unknown fields are "
+            "refused on /v1/score and ignored on the framework routes /openrlhf and /slime.",
+        },
         "paths": paths,
-        "components": {"schemas": components,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                                      "description": "gateway.auth_tokens_env / auth_tokens_file; "
-                                                                     "without them the gateway takes no token"}}},
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "gateway.auth_tokens_env / auth_tokens_file; "
+                    "without them the gateway takes no token",
+                }
+            },
+        },
         "security": [{"bearer": []}, {}],
     }
 

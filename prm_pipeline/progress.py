@@ -39,14 +39,24 @@ def _rate(task: object) -> str:
 
 
 @contextlib.contextmanager
-def publish_progress(path: str | os.PathLike[str], *, enabled: bool,
-                     console: Console | None = None) -> Iterator[Callable[[str, int], None]]:
+def publish_progress(
+    path: str | os.PathLike[str], *, enabled: bool, console: Console | None = None
+) -> Iterator[Callable[[str, int], None]]:
     """``on_progress(phase, n)`` for :meth:`producers.publisher.TrajectoryPublisher.publish_jsonl`:
     one bar while lines are validated (the file's size is known), one while records are sent."""
     size = os.path.getsize(path)
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TaskProgressColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
-                        console=console, disable=not enabled, transient=False)
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
     validate = progress.add_task(f"validating {os.fspath(path)} ({size / 1e6:,.1f} MB)", total=None, rate="")
     publish = progress.add_task("publishing", total=None, rate="", start=False)
 
@@ -70,7 +80,15 @@ def publish_progress(path: str | os.PathLike[str], *, enabled: bool,
 def spinner(description: str, *, enabled: bool, console: Console | None = None) -> Iterator[None]:
     """A spinner with the elapsed time while a command whose length is unknown runs; its
     own prints go through (rich redirects stdout above the spinner)."""
-    with Progress(SpinnerColumn(), TextColumn(description), TimeElapsedColumn(), console=console,
-                  disable=not enabled, transient=True, redirect_stdout=True, redirect_stderr=True) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn(description),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not enabled,
+        transient=True,
+        redirect_stdout=True,
+        redirect_stderr=True,
+    ) as progress:
         progress.add_task(description, total=None)
         yield

@@ -142,9 +142,15 @@ def branch_views(verdict: Mapping[str, Any], audit: AuditIndex | None = None) ->
         results = s.get("turn_results") or []
         pos = 0  # turn_results are flattened branch by branch, scorer by scorer (path order)
         for branch in s.get("branches", []):
-            view = BranchView(verdict["group_id"], s["session_id"], s["trajectory_id"], branch["leaf_id"],
-                              s.get("outcome_reward"), s.get("policy_version"),
-                              session_branches=len(s.get("branches", [])))
+            view = BranchView(
+                verdict["group_id"],
+                s["session_id"],
+                s["trajectory_id"],
+                branch["leaf_id"],
+                s.get("outcome_reward"),
+                s.get("policy_version"),
+                session_branches=len(s.get("branches", [])),
+            )
             block = results[pos : pos + len(branch["path"]) * len(branch.get("scorer_totals") or {})]
             pos += len(block)
             prev_len = 0
@@ -153,12 +159,17 @@ def branch_views(verdict: Mapping[str, Any], audit: AuditIndex | None = None) ->
                 inputs = inter["input_tokens"]
                 outputs = inter["output_tokens"]
                 rewards = branch["token_rewards"].get(iid) or [0.0] * len(outputs)
-                view.turns.append(TurnView(
-                    iid, inputs[prev_len:], outputs, [float(r) for r in rewards],
-                    [r for r in block if r.get("interaction_id") == iid],
-                    audit.get((s["trajectory_id"], branch["leaf_id"], iid), []),
-                    inter.get("stop_reason"),
-                ))
+                view.turns.append(
+                    TurnView(
+                        iid,
+                        inputs[prev_len:],
+                        outputs,
+                        [float(r) for r in rewards],
+                        [r for r in block if r.get("interaction_id") == iid],
+                        audit.get((s["trajectory_id"], branch["leaf_id"], iid), []),
+                        inter.get("stop_reason"),
+                    )
+                )
                 prev_len = len(inputs) + len(outputs)
             views.append(view)
     return views
@@ -175,13 +186,17 @@ def group_notes(verdict: Mapping[str, Any]) -> list[str]:
     notes = []
     if status != "accepted":
         reason = f" ({verdict.get('reason')})" if verdict.get("reason") else ""
-        notes.append(f"group {verdict.get('group_id')}: {status}{reason}; {len(sessions)} of "
-                     f"{verdict.get('group_size', len(sessions))} members listed")
+        notes.append(
+            f"group {verdict.get('group_id')}: {status}{reason}; {len(sessions)} of "
+            f"{verdict.get('group_size', len(sessions))} members listed"
+        )
     for s in sessions:
         if not s.get("interactions") and s.get("status", "scored") != "scored":
             error = f": {s['error']}" if s.get("error") else ""
-            notes.append(f"  session {s.get('session_id')} (trajectory {s.get('trajectory_id')}): "
-                         f"{s.get('status')}{error}; no token view")
+            notes.append(
+                f"  session {s.get('session_id')} (trajectory {s.get('trajectory_id')}): "
+                f"{s.get('status')}{error}; no token view"
+            )
     return notes
 
 
@@ -239,8 +254,9 @@ def load_decoder(spec: str) -> Decoder:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise TokenizerError(f"--tokenizer {spec}: no such file (give a tokenizer.json, a folder holding one, "
-                             "or 'demo')")
+        raise TokenizerError(
+            f"--tokenizer {spec}: no such file (give a tokenizer.json, a folder holding one, or 'demo')"
+        )
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -266,8 +282,11 @@ def _token_decoder(tok: Any, name: str) -> Decoder:
             out.append(f"[{i}?]")
             if not warned:
                 warned.append(True)
-                print(f"inspect: token id {i} is outside {name}'s vocabulary ({size} ids); was this file produced "
-                      "with another tokenizer? (shown as [id?])", file=sys.stderr)
+                print(
+                    f"inspect: token id {i} is outside {name}'s vocabulary ({size} ids); was this file produced "
+                    "with another tokenizer? (shown as [id?])",
+                    file=sys.stderr,
+                )
         return out
 
     return decode
@@ -300,8 +319,8 @@ def render_html(views: Iterable[BranchView], decode: Callable[[Sequence[int]], l
         out.append(
             f'<div class="branch" style="border:1px solid #ccc;border-radius:6px;padding:8px;margin:10px 0">'
             f'<div style="font-weight:bold">group {html.escape(v.group_id)} · session {html.escape(v.session_id)}'
-            f' · leaf {html.escape(v.leaf_id)}{" · branching session" if v.branching else ""}'
-            f' · outcome reward {v.outcome_reward} · {v.policy}</div>'
+            f" · leaf {html.escape(v.leaf_id)}{' · branching session' if v.branching else ''}"
+            f" · outcome reward {v.outcome_reward} · {v.policy}</div>"
         )
         for t in v.turns:
             prompt = "".join(_esc(s) for s in decode(t.prompt_ids))
@@ -311,29 +330,38 @@ def render_html(views: Iterable[BranchView], decode: Callable[[Sequence[int]], l
             out.append(
                 f'<div class="turn" style="margin:6px 0"><div style="color:#888;font-family:monospace;'
                 f'font-size:12px">{prompt}</div><div style="font-family:monospace;font-size:13px">'
-                f'<b>{html.escape(t.interaction_id)}</b> ({len(t.output_ids)} tokens, {t.stop_reason}): '
-                f'{"".join(toks)}</div>'
+                f"<b>{html.escape(t.interaction_id)}</b> ({len(t.output_ids)} tokens, {t.stop_reason}): "
+                f"{''.join(toks)}</div>"
             )
-            rows = [f"<tr><td>{html.escape(str(r.get('scorer_name')))}</td><td>{float(r.get('reward', 0)):+.4f}</td>"
-                    f"<td>{html.escape(_obs_text(r))}</td></tr>" for r in t.results]
+            rows = [
+                f"<tr><td>{html.escape(str(r.get('scorer_name')))}</td><td>{float(r.get('reward', 0)):+.4f}</td>"
+                f"<td>{html.escape(_obs_text(r))}</td></tr>"
+                for r in t.results
+            ]
             for a in t.audit:
                 texts = " | ".join(f"{k}: {a[k]}" for k in sorted(a) if k.startswith("vote_"))
                 extra = f" hint: {a['hint']}" if a.get("hint") else ""
-                rows.append(f"<tr><td>{html.escape(str(a.get('scorer')))} votes</td>"
-                            f"<td>{html.escape(str(a.get('votes', '')))}</td>"
-                            f"<td style='font-size:11px'>{html.escape(texts + extra)}</td></tr>")
+                rows.append(
+                    f"<tr><td>{html.escape(str(a.get('scorer')))} votes</td>"
+                    f"<td>{html.escape(str(a.get('votes', '')))}</td>"
+                    f"<td style='font-size:11px'>{html.escape(texts + extra)}</td></tr>"
+                )
             if rows:
-                out.append('<table class="turn-results" style="font-size:12px;border-collapse:collapse;'
-                           'margin-left:12px"><tr><th>scorer</th><th>turn reward</th><th>details</th></tr>'
-                           + "".join(rows) + "</table>")
+                out.append(
+                    '<table class="turn-results" style="font-size:12px;border-collapse:collapse;'
+                    'margin-left:12px"><tr><th>scorer</th><th>turn reward</th><th>details</th></tr>'
+                    + "".join(rows)
+                    + "</table>"
+                )
             out.append("</div>")
         out.append("</div>")
     out.append("</div>")
     return "\n".join(out)
 
 
-def render_terminal(views: Iterable[BranchView], decode: Callable[[Sequence[int]], list[str]] | None = None,
-                    *, console: Any = None) -> None:
+def render_terminal(
+    views: Iterable[BranchView], decode: Callable[[Sequence[int]], list[str]] | None = None, *, console: Any = None
+) -> None:
     """The same view with ``rich``: output tokens on a green/red background by reward.
 
     Everything shown is the verdict's (and the model's) text: it reaches rich escaped and as
@@ -345,8 +373,12 @@ def render_terminal(views: Iterable[BranchView], decode: Callable[[Sequence[int]
     console = console or Console()
     for v in views:
         scale = max((abs(r) for t in v.turns for r in t.rewards), default=0.0) or 1.0
-        console.rule(rich_text(f"{v.group_id} · {v.session_id} · leaf {v.leaf_id} · outcome {v.outcome_reward} · "
-                               f"{v.policy}{' · branching' if v.branching else ''}"))
+        console.rule(
+            rich_text(
+                f"{v.group_id} · {v.session_id} · leaf {v.leaf_id} · outcome {v.outcome_reward} · "
+                f"{v.policy}{' · branching' if v.branching else ''}"
+            )
+        )
         for t in v.turns:
             text = rich_text("".join(decode(t.prompt_ids)), style="dim", multiline=True)
             text.append(f"\n[{printable(t.interaction_id)}] ", style="bold")
@@ -358,12 +390,18 @@ def render_terminal(views: Iterable[BranchView], decode: Callable[[Sequence[int]
             console.print(text)
             table = Table("scorer", "turn reward", "details", show_edge=False, pad_edge=False)
             for res in t.results:
-                table.add_row(rich_text(str(res.get("scorer_name"))), f"{float(res.get('reward', 0)):+.4f}",
-                              rich_text(_obs_text(res)))
+                table.add_row(
+                    rich_text(str(res.get("scorer_name"))),
+                    f"{float(res.get('reward', 0)):+.4f}",
+                    rich_text(_obs_text(res)),
+                )
             for entry in t.audit:
                 texts = " | ".join(f"{k}: {entry[k]}" for k in sorted(entry) if k.startswith("vote_"))
-                table.add_row(rich_text(f"{entry.get('scorer')} votes"), rich_text(str(entry.get("votes", ""))),
-                              rich_text(texts + (f" hint: {entry['hint']}" if entry.get("hint") else "")))
+                table.add_row(
+                    rich_text(f"{entry.get('scorer')} votes"),
+                    rich_text(str(entry.get("votes", ""))),
+                    rich_text(texts + (f" hint: {entry['hint']}" if entry.get("hint") else "")),
+                )
             if table.row_count:
                 console.print(table)
 
@@ -407,7 +445,8 @@ async def _open_group_state(args: argparse.Namespace) -> str:
     try:
         state = await asyncio.wait_for(
             view.group_state(scoped_group(getattr(args, "experiment", None) or cfg.trainer.experiment, args.group)),
-            timeout=5.0)
+            timeout=5.0,
+        )
     except Exception:  # noqa: BLE001 - advice only: without Redis the plain "no verdict" stands
         return ""
     finally:
@@ -417,8 +456,10 @@ async def _open_group_state(args: argparse.Namespace) -> str:
     if state.status != "open":
         return f"; the ledger holds it {state.status}: its verdict is being published"
     left = max(0.0, state.deadline_ms / 1000 - time.time())
-    return (f"; it is open: {state.parked} of {state.group_size} members parked, decided when the rest arrive "
-            f"or in {left:.0f} s (its deadline)")
+    return (
+        f"; it is open: {state.parked} of {state.group_size} members parked, decided when the rest arrive "
+        f"or in {left:.0f} s (its deadline)"
+    )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -449,8 +490,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         verdicts = [v for v in verdicts if any(s.get("session_id") == args.session for s in v.get("sessions") or ())]
         if not verdicts:
             where = args.verdicts or f"the verdict of group {args.group!r}"
-            print(f"inspect: no session {args.session!r} in {where} ({read} verdict(s) read"
-                  f"{', group ' + repr(args.group) if args.group and args.verdicts else ''})", file=sys.stderr)
+            print(
+                f"inspect: no session {args.session!r} in {where} ({read} verdict(s) read"
+                f"{', group ' + repr(args.group) if args.group and args.verdicts else ''})",
+                file=sys.stderr,
+            )
             return 1
     audit = load_audit(args.audit)
     shown = verdicts[: args.max_groups]
@@ -465,15 +509,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for line in notes:
         print(printable(line))
     if decode is raw_ids and views:
-        print("inspect: token ids shown raw; --tokenizer FILE (the policy's tokenizer.json, or 'demo' for the "
-              "demo's model) decodes them", file=sys.stderr)
+        print(
+            "inspect: token ids shown raw; --tokenizer FILE (the policy's tokenizer.json, or 'demo' for the "
+            "demo's model) decodes them",
+            file=sys.stderr,
+        )
     if not args.no_terminal:
         render_terminal(views, decode)
     if args.html:
         body = render_html(views, decode)
         extra = "".join(f"<p class='group-note'>{html.escape(line)}</p>" for line in notes)
-        Path(args.html).write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>prm-pipeline inspect"
-                                   f"</title></head><body>{extra}{body}</body></html>")
+        Path(args.html).write_text(
+            f"<!doctype html><html><head><meta charset='utf-8'><title>prm-pipeline inspect"
+            f"</title></head><body>{extra}{body}</body></html>"
+        )
         print(f"token view written to {Path(args.html).resolve()}")
     return 0
 
@@ -484,21 +533,34 @@ def inspect_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--group", help="this group's verdict: from the verdicts topic, or picked from --verdicts")
     p.add_argument("--verdicts", help="a JSON-lines verdict file with token ids (prm-pipeline verdicts --tokens)")
-    p.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="decode token ids with this tokenizer.json (or a folder holding one; 'demo' = the demo's "
-                        "model); default: show raw ids")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="decode token ids with this tokenizer.json (or a folder holding one; 'demo' = the demo's "
+        "model); default: show raw ids",
+    )
     p.add_argument("--ids", action="store_true", help="show raw token ids even with --tokenizer")
     p.add_argument("--audit", default=None, help="judge audit JSON lines (record_judge_audit) to show votes and texts")
-    p.add_argument("--session", default=None,
-                   help="only this session, looked for in every group read (exit 1 when none holds it)")
-    p.add_argument("--max-groups", type=int, default=3,
-                   help="groups shown from a --verdicts file, after --group/--session/--experiment (default 3)")
+    p.add_argument(
+        "--session", default=None, help="only this session, looked for in every group read (exit 1 when none holds it)"
+    )
+    p.add_argument(
+        "--max-groups",
+        type=int,
+        default=3,
+        help="groups shown from a --verdicts file, after --group/--session/--experiment (default 3)",
+    )
     p.add_argument("--html", default=None, help="also write the token view as a self-contained HTML file")
     p.add_argument("--no-terminal", action="store_true", help="no terminal view")
-    wait = p.add_argument("--wait", type=seconds, default=30.0, metavar="S",
-                          help="--group: seconds to wait for the verdict (default 30)")
+    wait = p.add_argument(
+        "--wait", type=seconds, default=30.0, metavar="S", help="--group: seconds to wait for the verdict (default 30)"
+    )
     deprecated_alias(p, "--timeout", wait)
     from prm_pipeline.experiment_option import add_experiment_option
 
-    add_experiment_option(p, "--group: read this experiment's verdicts topic (default: trainer.experiment); "
-                             "--verdicts: only this experiment's lines")
+    add_experiment_option(
+        p,
+        "--group: read this experiment's verdicts topic (default: trainer.experiment); "
+        "--verdicts: only this experiment's lines",
+    )

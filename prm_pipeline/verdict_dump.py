@@ -106,22 +106,38 @@ class DumpCounts:
     unknown_experiment: int = 0  # of other_experiment: workers' rejections of an undeclared experiment
 
     def summary(self) -> str:
-        other = (f"; {self.other_experiment} verdicts of another experiment on this topic were skipped"
-                 if self.other_experiment else "")
+        other = (
+            f"; {self.other_experiment} verdicts of another experiment on this topic were skipped"
+            if self.other_experiment
+            else ""
+        )
         if self.unknown_experiment:
-            other += (f" ({self.unknown_experiment} of them rejections `unknown_experiment` of an undeclared "
-                      "experiment: `prm-pipeline dead-letters` lists their records, error class UnknownExperiment)")
+            other += (
+                f" ({self.unknown_experiment} of them rejections `unknown_experiment` of an undeclared "
+                "experiment: `prm-pipeline dead-letters` lists their records, error class UnknownExperiment)"
+            )
         if not self.repeats:
             return f"{self.verdicts} verdicts{other}"
-        return (f"{self.verdicts} verdicts of {self.groups} groups: {self.repeats} repeated an (experiment_id, "
-                f"group_id, verdict_version) already printed (a re-published verdict; the trainer keeps the first)"
-                f"{other}")
+        return (
+            f"{self.verdicts} verdicts of {self.groups} groups: {self.repeats} repeated an (experiment_id, "
+            f"group_id, verdict_version) already printed (a re-published verdict; the trainer keeps the first)"
+            f"{other}"
+        )
 
 
-async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_count: int | None,
-                timeout_s: float | None, since_ms: int | None = None, tokens: bool = False,
-                counts: DumpCounts | None = None, experiment: str = DEFAULT_EXPERIMENT,
-                waiting: IO[str] | None = None) -> int:
+async def _dump(
+    cfg: PipelineConfig,
+    out: IO[str],
+    *,
+    from_beginning: bool,
+    max_count: int | None,
+    timeout_s: float | None,
+    since_ms: int | None = None,
+    tokens: bool = False,
+    counts: DumpCounts | None = None,
+    experiment: str = DEFAULT_EXPERIMENT,
+    waiting: IO[str] | None = None,
+) -> int:
     """``waiting``: where to say, once, that nothing has arrived yet and the dump waits (a terminal)."""
     counts = counts if counts is not None else DumpCounts()
     seen: set[tuple[str, str, int]] = set()
@@ -153,8 +169,10 @@ async def _dump(cfg: PipelineConfig, out: IO[str], *, from_beginning: bool, max_
                 try:
                     verdict = decode_verdict(record.value, record.headers)
                 except SchemaError as exc:
-                    print(printable(f"skipping undecodable verdict at {record.partition}:{record.offset}: {exc}"),
-                          file=sys.stderr)
+                    print(
+                        printable(f"skipping undecodable verdict at {record.partition}:{record.offset}: {exc}"),
+                        file=sys.stderr,
+                    )
                     continue
                 if verdict.experiment_id != experiment:
                     counts.other_experiment += 1
@@ -190,17 +208,26 @@ async def seek_to_time(consumer: Any, tps: Any, since_ms: int) -> None:
     try:
         found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
     except Exception as exc:  # noqa: BLE001 - an optimisation only: an old/partial broker may refuse
-        print(f"offsets_for_times unavailable ({type(exc).__name__}: {exc}); reading from the beginning",
-              file=sys.stderr)
+        print(
+            f"offsets_for_times unavailable ({type(exc).__name__}: {exc}); reading from the beginning", file=sys.stderr
+        )
         return
     for tp, hit in found.items():
         if hit is not None and hit.offset > 0:
             consumer.seek(tp, hit.offset)
 
 
-def dump_verdicts(cfg: PipelineConfig, *, from_beginning: bool, max_count: int | None, timeout_s: float | None,
-                  out: str | None, since_ms: int | None = None, tokens: bool = False,
-                  experiment: str = DEFAULT_EXPERIMENT) -> int:
+def dump_verdicts(
+    cfg: PipelineConfig,
+    *,
+    from_beginning: bool,
+    max_count: int | None,
+    timeout_s: float | None,
+    out: str | None,
+    since_ms: int | None = None,
+    tokens: bool = False,
+    experiment: str = DEFAULT_EXPERIMENT,
+) -> int:
     """Print (or write to ``out``) verdict JSON lines; the summary line goes to stderr.
 
     ``tokens`` keeps each member's token ids (``interactions``, plus ``policy_version``):
@@ -209,9 +236,20 @@ def dump_verdicts(cfg: PipelineConfig, *, from_beginning: bool, max_count: int |
     fh = open(out, "w") if out else sys.stdout
     counts = DumpCounts()
     try:
-        asyncio.run(_dump(cfg, fh, from_beginning=from_beginning, max_count=max_count, timeout_s=timeout_s,
-                          since_ms=since_ms, tokens=tokens, counts=counts, experiment=experiment,
-                          waiting=sys.stderr if sys.stderr.isatty() else None))
+        asyncio.run(
+            _dump(
+                cfg,
+                fh,
+                from_beginning=from_beginning,
+                max_count=max_count,
+                timeout_s=timeout_s,
+                since_ms=since_ms,
+                tokens=tokens,
+                counts=counts,
+                experiment=experiment,
+                waiting=sys.stderr if sys.stderr.isatty() else None,
+            )
+        )
     except KeyboardInterrupt:
         return 130
     finally:

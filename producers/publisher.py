@@ -71,8 +71,14 @@ class TrajectoryPublisher:
     """Async context manager publishing :class:`ReadyTrajectory`, :class:`DiscardGroup` and
     the :class:`SessionTurn` / :class:`SessionEnd` records of streamed sessions."""
 
-    def __init__(self, kafka: KafkaConfig, topics: TopicsConfig, *, max_pending: int = 10_000,
-                 experiment: str = DEFAULT_EXPERIMENT) -> None:
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        topics: TopicsConfig,
+        *,
+        max_pending: int = 10_000,
+        experiment: str = DEFAULT_EXPERIMENT,
+    ) -> None:
         self.kafka = kafka
         self.experiment = check_experiment_id(experiment)
         self.topic = trajectories_topic(topics.trajectories, experiment)
@@ -130,8 +136,12 @@ class TrajectoryPublisher:
         stamp inside its reassembled value. :class:`ExperimentMismatch` if it names another experiment."""
         if not isinstance(message, (ReadyTrajectory, DiscardGroup, SessionTurn, SessionEnd)):
             return message
-        check_channel(message, self.experiment, self.topic,
-                      fix="; publish it with experiment {named!r} (prm-pipeline publish --experiment {named})")
+        check_channel(
+            message,
+            self.experiment,
+            self.topic,
+            fix="; publish it with experiment {named!r} (prm-pipeline publish --experiment {named})",
+        )
         wanted = msgspec.UNSET if self.experiment == DEFAULT_EXPERIMENT else self.experiment
         if message.experiment_id is wanted or message.experiment_id == wanted:
             return message
@@ -184,8 +194,9 @@ class TrajectoryPublisher:
             n += 1
         return n
 
-    async def publish_jsonl(self, path: str | os.PathLike[str], *,
-                            on_progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+    async def publish_jsonl(
+        self, path: str | os.PathLike[str], *, on_progress: Callable[[str, int], None] | None = None
+    ) -> dict[str, int]:
         """Publish every line of a JSONL file (full form; compacted here). Every line is
         validated and size-checked before the first send, so a bad line sends nothing.
 

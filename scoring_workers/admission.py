@@ -33,8 +33,9 @@ class Admission:
     ``start`` starts a held record once its experiment has room (the worker's ``_spawn``,
     which routes it again)."""
 
-    def __init__(self, concurrency: int, fleet: Fleet, telemetry: WorkerTelemetry,
-                 start: Callable[[Job], None]) -> None:
+    def __init__(
+        self, concurrency: int, fleet: Fleet, telemetry: WorkerTelemetry, start: Callable[[Job], None]
+    ) -> None:
         self.concurrency = concurrency
         self.fleet = fleet  # replaced when the worker builds its runners (Worker._run)
         self._telemetry = telemetry
@@ -72,9 +73,12 @@ class Admission:
             elif paused := consumer.paused():
                 consumer.resume(*paused)
             return
-        self._caps = caps = slot_caps(self.concurrency, {e.experiment_id: e.weight for e in experiments},
-                                      {e.experiment_id: len(e.in_flight) for e in experiments},
-                                      {e.experiment_id: e.max_in_flight for e in experiments})
+        self._caps = caps = slot_caps(
+            self.concurrency,
+            {e.experiment_id: e.weight for e in experiments},
+            {e.experiment_id: len(e.in_flight) for e in experiments},
+            {e.experiment_id: e.max_in_flight for e in experiments},
+        )
         over: set[str] = set()
         for e in experiments:
             self._telemetry.experiment_slots.labels(e.experiment_id).set(caps[e.experiment_id])

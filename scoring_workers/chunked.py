@@ -56,6 +56,7 @@ class WorkerChunks:
         except SchemaError as exc:
             where = f"{first.topic}:{first.partition}@{','.join(str(r.offset) for r in done.coords)}"
             setting = "" if max_age_s is None else " (worker.group_timeout_s)"
-            message = type(exc)(f"{exc}{setting}; chunk records {where}") if isinstance(exc, IncompleteTrajectory) \
-                else exc
+            message = (
+                type(exc)(f"{exc}{setting}; chunk records {where}") if isinstance(exc, IncompleteTrajectory) else exc
+            )
         return first, message, extra

@@ -35,8 +35,15 @@ def group_of(key: bytes | None) -> str | None:
     return group_id if is_wire_id(group_id) else None
 
 
-def capped_letter(record: ConsumerRecord, cause: BaseException, attempt: int, *, worker_id: str,
-                  max_message_bytes: int, dead_letter_max_bytes: int) -> tuple[DeadLetter, bytes | None]:
+def capped_letter(
+    record: ConsumerRecord,
+    cause: BaseException,
+    attempt: int,
+    *,
+    worker_id: str,
+    max_message_bytes: int,
+    dead_letter_max_bytes: int,
+) -> tuple[DeadLetter, bytes | None]:
     """The dead letter for ``record`` and the key to send it under.
 
     The payload keeps at most ``dead_letter_max_bytes`` and at most what the key and
@@ -51,14 +58,25 @@ def capped_letter(record: ConsumerRecord, cause: BaseException, attempt: int, *,
     payload = record.value or b""
     key = record.key
     letter = DeadLetter(
-        payload=b"", error_class=type(cause).__name__, error_message=str(cause), source_topic=record.topic,
-        source_partition=record.partition, source_offset=record.offset, attempt=attempt,
-        worker_id=worker_id, original_headers=headers_to_dict(record.headers), original_size=len(payload),
+        payload=b"",
+        error_class=type(cause).__name__,
+        error_message=str(cause),
+        source_topic=record.topic,
+        source_partition=record.partition,
+        source_offset=record.offset,
+        attempt=attempt,
+        worker_id=worker_id,
+        original_headers=headers_to_dict(record.headers),
+        original_size=len(payload),
     )
     overhead = record_size(key, b"", dead_letter_headers(letter))
     if overhead > limit // 2:
-        letter = msgspec.structs.replace(letter, original_headers={
-            "dropped": f"{len(letter.original_headers)} original headers ({overhead} bytes with the key)"})
+        letter = msgspec.structs.replace(
+            letter,
+            original_headers={
+                "dropped": f"{len(letter.original_headers)} original headers ({overhead} bytes with the key)"
+            },
+        )
         if key is not None and len(key) > limit // 4:
             key = key[: limit // 4]
         overhead = record_size(key, b"", dead_letter_headers(letter))

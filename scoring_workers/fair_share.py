@@ -27,8 +27,12 @@ from collections.abc import Mapping
 __all__ = ["slot_caps"]
 
 
-def slot_caps(concurrency: int, weights: Mapping[str, float], in_flight: Mapping[str, int],
-              quotas: Mapping[str, int | None] | None = None) -> dict[str, int]:
+def slot_caps(
+    concurrency: int,
+    weights: Mapping[str, float],
+    in_flight: Mapping[str, int],
+    quotas: Mapping[str, int | None] | None = None,
+) -> dict[str, int]:
     """Each experiment's slot cap: it may fetch while its in-flight count is below it.
 
     ``weights`` names every experiment the worker serves (weight > 0); ``in_flight``

@@ -67,7 +67,9 @@ class Experiment:
     """What a worker needs to score one experiment's records."""
 
     experiment_id: str
-    runner: ScoringRunner | None  # None: scoring is off (the config runs no scorer, or a retired experiment's leftovers)
+    runner: (
+        ScoringRunner | None
+    )  # None: scoring is off (the config runs no scorer, or a retired experiment's leftovers)
     scorers_blob: bytes
     group_timeout_s: float
     weight: float = 1.0
@@ -94,12 +96,23 @@ def _blob(runner: ScoringRunner | None) -> bytes:
 class Fleet:
     """The worker's experiments by id, and which trajectories topic belongs to which."""
 
-    def __init__(self, cfg: PipelineConfig, default_runner: ScoringRunner | None, *,
-                 on_refused: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        default_runner: ScoringRunner | None,
+        *,
+        on_refused: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self._on_refused = on_refused or (lambda experiment_id, why: None)
-        default = Experiment(DEFAULT_EXPERIMENT, default_runner, _blob(default_runner), cfg.worker.group_timeout_s,
-                             trajectories_topic=cfg.topics.trajectories, verdicts_topic=cfg.topics.verdicts)
+        default = Experiment(
+            DEFAULT_EXPERIMENT,
+            default_runner,
+            _blob(default_runner),
+            cfg.worker.group_timeout_s,
+            trajectories_topic=cfg.topics.trajectories,
+            verdicts_topic=cfg.topics.verdicts,
+        )
         self._experiments: dict[str, Experiment] = {DEFAULT_EXPERIMENT: default}
         self._by_topic: dict[str, Experiment] = {default.trajectories_topic: default}
         self._closing: set[asyncio.Task[None]] = set()
@@ -113,9 +126,14 @@ class Fleet:
     def retired(self, experiment_id: str) -> Experiment:
         """Settings for the leftover groups of an experiment no longer served: the worker's group
         timeout, no scorers (its verdicts must not name another experiment's)."""
-        return Experiment(experiment_id, None, _blob(None), self.cfg.worker.group_timeout_s,
-                          trajectories_topic=trajectories_topic(self.cfg.topics.trajectories, experiment_id),
-                          verdicts_topic=verdicts_topic(self.cfg.topics.verdicts, experiment_id))
+        return Experiment(
+            experiment_id,
+            None,
+            _blob(None),
+            self.cfg.worker.group_timeout_s,
+            trajectories_topic=trajectories_topic(self.cfg.topics.trajectories, experiment_id),
+            verdicts_topic=verdicts_topic(self.cfg.topics.verdicts, experiment_id),
+        )
 
     def of_topic(self, topic: str) -> Experiment | None:
         return self._by_topic.get(topic)
@@ -183,8 +201,12 @@ class Fleet:
             timeout_s = spec.group_timeout_s or self.cfg.worker.group_timeout_s
             removed_at_ms = records[removal].timestamp_ms
             if removed_at_ms > 0 and removed_at_ms / 1000 + timeout_s <= now:
-                log.info("experiment %s was removed %.0fs ago, over its group timeout (%gs): not served",
-                         experiment_id, now - removed_at_ms / 1000, timeout_s)
+                log.info(
+                    "experiment %s was removed %.0fs ago, over its group timeout (%gs): not served",
+                    experiment_id,
+                    now - removed_at_ms / 1000,
+                    timeout_s,
+                )
                 continue
             keep.update((declared[-1], removal))
         return [records[i] for i in sorted(keep)]
@@ -201,9 +223,12 @@ class Fleet:
     async def _declare(self, spec: ExperimentSpec) -> bool:
         experiment_id = spec.experiment_id
         try:  # as data first: capabilities (operator-only arguments, profiles), then judge hosts; then build
-            prm = record_prm(spec.prm, self.cfg.worker.scorer_profiles,
-                             allowed_prefixes=self.cfg.worker.allowed_scorer_modules,
-                             key=f"experiment {experiment_id!r} prm")
+            prm = record_prm(
+                spec.prm,
+                self.cfg.worker.scorer_profiles,
+                allowed_prefixes=self.cfg.worker.allowed_scorer_modules,
+                key=f"experiment {experiment_id!r} prm",
+            )
             check_config_judge_hosts(prm, self._hosts, f"experiment {experiment_id!r} prm")
             runner = await self._build(spec, prm)
         except Exception as exc:  # noqa: BLE001 - a refused declaration must never stop the worker
@@ -211,9 +236,13 @@ class Fleet:
             return False
         old = self._experiments.get(experiment_id)
         new = Experiment(
-            experiment_id, runner, _blob(runner),
-            spec.group_timeout_s or self.cfg.worker.group_timeout_s, weight=spec.weight,
-            max_in_flight=spec.max_in_flight, spec=spec,
+            experiment_id,
+            runner,
+            _blob(runner),
+            spec.group_timeout_s or self.cfg.worker.group_timeout_s,
+            weight=spec.weight,
+            max_in_flight=spec.max_in_flight,
+            spec=spec,
             trajectories_topic=trajectories_topic(self.cfg.topics.trajectories, experiment_id),
             verdicts_topic=verdicts_topic(self.cfg.topics.verdicts, experiment_id),
         )
@@ -222,10 +251,17 @@ class Fleet:
         if old is not None:
             new.in_flight = old.in_flight  # slots in use stay counted; the old runner finishes them
             self._close_later(old)
-        log.info("experiment %s %s: %d scorer(s) %s, weight %g, max_in_flight %s, group_timeout_s %g, topic %s",
-                 experiment_id, "replaced" if old is not None else "declared", len(prm.scorers),
-                 [s.path for s in prm.scorers], new.weight, new.max_in_flight, new.group_timeout_s,
-                 new.trajectories_topic)
+        log.info(
+            "experiment %s %s: %d scorer(s) %s, weight %g, max_in_flight %s, group_timeout_s %g, topic %s",
+            experiment_id,
+            "replaced" if old is not None else "declared",
+            len(prm.scorers),
+            [s.path for s in prm.scorers],
+            new.weight,
+            new.max_in_flight,
+            new.group_timeout_s,
+            new.trajectories_topic,
+        )
         return old is None
 
     async def _build(self, spec: ExperimentSpec, prm: PRMConfig) -> ScoringRunner:
@@ -241,8 +277,12 @@ class Fleet:
 
     def _refuse(self, experiment_id: str, why: str) -> None:
         kept = self._experiments.get(experiment_id)
-        log.error("experiment registry: record for %r refused (%s); %s", experiment_id, why[:500],
-                  "it keeps its previous declaration" if kept is not None else "it is not served")
+        log.error(
+            "experiment registry: record for %r refused (%s); %s",
+            experiment_id,
+            why[:500],
+            "it keeps its previous declaration" if kept is not None else "it is not served",
+        )
         self._on_refused(experiment_id, why)
 
     def _retire(self, experiment_id: str, removed_at_ms: int = 0) -> bool:
@@ -255,8 +295,12 @@ class Fleet:
         if removed_at_ms > 0:
             remaining = min(remaining, max(0.0, removed_at_ms / 1000 + remaining - time.time()))
         experiment.retire_at = time.monotonic() + remaining
-        log.info("experiment %s removed: its records are scored for %gs more (open groups finish or time out), "
-                 "then it stops", experiment_id, remaining)
+        log.info(
+            "experiment %s removed: its records are scored for %gs more (open groups finish or time out), "
+            "then it stops",
+            experiment_id,
+            remaining,
+        )
         return False
 
     def expire(self, now: float | None = None) -> bool:

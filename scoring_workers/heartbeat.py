@@ -68,13 +68,22 @@ class Heartbeat:
 
     def _check_unique(self, now_ms: int, previous_ms: int | None) -> None:
         """Warn (once) when the beat just replaced is a live one this worker did not write."""
-        if self._warned or previous_ms is None or previous_ms == self._beat_ms or now_ms - previous_ms >= ALIVE_S * 1000:
+        if (
+            self._warned
+            or previous_ms is None
+            or previous_ms == self._beat_ms
+            or now_ms - previous_ms >= ALIVE_S * 1000
+        ):
             return
         self._warned = True
-        log.warning("worker id %r is in use by another live worker (it beat %.1f s ago): give each worker its own "
-                    "--worker-id, or status counts them as one and their verdicts name the same worker (a process of "
-                    "this id that was killed less than %g s ago looks the same)",
-                    self.worker_id, (now_ms - previous_ms) / 1000, ALIVE_S)
+        log.warning(
+            "worker id %r is in use by another live worker (it beat %.1f s ago): give each worker its own "
+            "--worker-id, or status counts them as one and their verdicts name the same worker (a process of "
+            "this id that was killed less than %g s ago looks the same)",
+            self.worker_id,
+            (now_ms - previous_ms) / 1000,
+            ALIVE_S,
+        )
 
     async def run(self, stop: asyncio.Event, telemetry: WorkerTelemetry, view: Callable[[], Any | None]) -> None:
         """The worker's liveness loop. Liveness = the event loop runs (not: Kafka and Redis

@@ -135,8 +135,9 @@ Job = ReadyJob | DiscardJob | InvalidJob | TurnJob | EndJob
 Message = ReadyTrajectory | DiscardGroup | SessionTurn | SessionEnd
 
 
-def job_of(record: ConsumerRecord, message: Message | SchemaError, route: Routed,
-           extra: list[int], consumed_at: float) -> Job:
+def job_of(
+    record: ConsumerRecord, message: Message | SchemaError, route: Routed, extra: list[int], consumed_at: float
+) -> Job:
     """The typed job of a decoded record."""
     match message:
         case ReadyTrajectory():
@@ -180,8 +181,13 @@ class InFlightGroups:
             job.behind_discard, job.probe = True, None  # its probe is stale: the discard ahead may decide the group
         task = asyncio.create_task(run(job))
         if not isinstance(job, InvalidJob):  # an invalid record names no group, or waits as it may
-            self._groups.setdefault(scoped, {})[task] = True if isinstance(job, DiscardJob) else \
-                job.message.trajectory_id if isinstance(job, (TurnJob, EndJob)) else None
+            self._groups.setdefault(scoped, {})[task] = (
+                True
+                if isinstance(job, DiscardJob)
+                else job.message.trajectory_id
+                if isinstance(job, (TurnJob, EndJob))
+                else None
+            )
             task.add_done_callback(functools.partial(self._left, scoped))
         return task
 

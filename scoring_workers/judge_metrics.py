@@ -93,23 +93,40 @@ class JudgeCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         endpoints = endpoint_snapshot()
         attempts = CounterMetricFamily("prm_judge_attempts", "HTTP attempts to the judge", labels=["endpoint"])
-        failed = CounterMetricFamily("prm_judge_attempt_failures", "Attempts the circuit breaker counts as "
-                                     "failures (timeouts, connection errors, HTTP 5xx)", labels=["endpoint"])
-        latency = HistogramMetricFamily("prm_judge_attempt_seconds", "Duration of one HTTP attempt",
-                                        labels=["endpoint"])
+        failed = CounterMetricFamily(
+            "prm_judge_attempt_failures",
+            "Attempts the circuit breaker counts as failures (timeouts, connection errors, HTTP 5xx)",
+            labels=["endpoint"],
+        )
+        latency = HistogramMetricFamily(
+            "prm_judge_attempt_seconds", "Duration of one HTTP attempt", labels=["endpoint"]
+        )
         in_flight = GaugeMetricFamily("prm_judge_in_flight", "Attempts on the wire", labels=["endpoint"])
-        load = GaugeMetricFamily("prm_judge_load", "Attempts routed to the endpoint and not finished (waiting "
-                                 "for a slot or on the wire): what a judge pool balances", labels=["endpoint"])
-        ewma = GaugeMetricFamily("prm_judge_latency_ewma_seconds", "Recent answer latency (EWMA) a judge pool "
-                                 "weighs the endpoint's load by", labels=["endpoint"])
-        routed = CounterMetricFamily("prm_judge_routed", "Judge pool attempts by endpoint and route (affinity: "
-                                     "the session's replica; detour: its next, the first one's breaker being open; "
-                                     "spill: the least-loaded, the session's being overloaded; failover: a retry "
-                                     "elsewhere; balanced: no session)", labels=["endpoint", "route"])
-        is_open = GaugeMetricFamily("prm_judge_breaker_open", "1 while the circuit breaker is open or half-open",
-                                    labels=["endpoint", "state"])
-        opened = CounterMetricFamily("prm_judge_breaker_opened", "Times the circuit breaker opened",
-                                     labels=["endpoint"])
+        load = GaugeMetricFamily(
+            "prm_judge_load",
+            "Attempts routed to the endpoint and not finished (waiting "
+            "for a slot or on the wire): what a judge pool balances",
+            labels=["endpoint"],
+        )
+        ewma = GaugeMetricFamily(
+            "prm_judge_latency_ewma_seconds",
+            "Recent answer latency (EWMA) a judge pool weighs the endpoint's load by",
+            labels=["endpoint"],
+        )
+        routed = CounterMetricFamily(
+            "prm_judge_routed",
+            "Judge pool attempts by endpoint and route (affinity: "
+            "the session's replica; detour: its next, the first one's breaker being open; "
+            "spill: the least-loaded, the session's being overloaded; failover: a retry "
+            "elsewhere; balanced: no session)",
+            labels=["endpoint", "route"],
+        )
+        is_open = GaugeMetricFamily(
+            "prm_judge_breaker_open", "1 while the circuit breaker is open or half-open", labels=["endpoint", "state"]
+        )
+        opened = CounterMetricFamily(
+            "prm_judge_breaker_opened", "Times the circuit breaker opened", labels=["endpoint"]
+        )
         for label, ep in sorted(endpoints.items()):
             attempts.add_metric([label], ep.attempts)
             failed.add_metric([label], ep.failed)
@@ -128,21 +145,32 @@ class JudgeCollector(Collector):
         yield from _quota_families(quota_snapshot(), described=bool(endpoints))
 
 
-def _quota_families(quotas: dict[tuple[str, str], _Quota], *, described: bool = False,
-                    ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+def _quota_families(
+    quotas: dict[tuple[str, str], _Quota],
+    *,
+    described: bool = False,
+) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
     """The quota series; with ``described`` (a judge is configured) the families are exported
     without series too, so dashboards and the metrics' metadata know them before any quota."""
     if not quotas and not described:
         return
     labels = ["scope", "endpoint"]
-    admitted = CounterMetricFamily("prm_judge_quota_admitted", "Judge attempts an experiment's quota admitted",
-                                   labels=labels)
-    waited = CounterMetricFamily("prm_judge_quota_waited", "Of those, attempts that waited for the experiment's "
-                                 "quota (its max_in_flight or rps on the endpoint)", labels=labels)
-    wait_s = CounterMetricFamily("prm_judge_quota_wait_seconds", "Seconds attempts waited for the experiment's "
-                                 "quota", labels=labels)
-    in_flight = GaugeMetricFamily("prm_judge_quota_in_flight", "Attempts holding a slot of the experiment's quota "
-                                  "(waiting for a process-wide slot or on the wire)", labels=labels)
+    admitted = CounterMetricFamily(
+        "prm_judge_quota_admitted", "Judge attempts an experiment's quota admitted", labels=labels
+    )
+    waited = CounterMetricFamily(
+        "prm_judge_quota_waited",
+        "Of those, attempts that waited for the experiment's quota (its max_in_flight or rps on the endpoint)",
+        labels=labels,
+    )
+    wait_s = CounterMetricFamily(
+        "prm_judge_quota_wait_seconds", "Seconds attempts waited for the experiment's quota", labels=labels
+    )
+    in_flight = GaugeMetricFamily(
+        "prm_judge_quota_in_flight",
+        "Attempts holding a slot of the experiment's quota (waiting for a process-wide slot or on the wire)",
+        labels=labels,
+    )
     for key, q in sorted(quotas.items()):
         admitted.add_metric(list(key), q.admitted)
         waited.add_metric(list(key), q.waited)

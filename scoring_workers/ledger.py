@@ -302,8 +302,17 @@ class Ledger(Protocol):
 
     async def park_many(self, requests: Sequence[ParkRequest]) -> list[tuple[ParkOutcome, Decision | None]]: ...
 
-    async def decide(self, group_id: str, kind: DecisionKind, *, worker_id: str, scorers: bytes,
-                     discard_reason: str = "", group_timeout_s: float, republish_grace_s: float) -> Decision: ...
+    async def decide(
+        self,
+        group_id: str,
+        kind: DecisionKind,
+        *,
+        worker_id: str,
+        scorers: bytes,
+        discard_reason: str = "",
+        group_timeout_s: float,
+        republish_grace_s: float,
+    ) -> Decision: ...
 
     def finish_soon(self, group_id: str) -> None: ...
 
@@ -439,9 +448,23 @@ class GroupLedger:
         assert isinstance(p, _Park)
         nd = DEDUPE_BUCKETS + 1
         ndone = nd if p.since_bucket is None else max(1, min(nd, bucket - p.since_bucket + 1))
-        return argv(Op.PARK, ParkArgs(
-            fingerprint(op.group_id), p.trajectory_id, p.blob, p.group_size, now, now + int(p.group_timeout_s * 1000),
-            p.ttl_s, p.worker_id, p.scorers, "failed" if p.failed else "complete", ndone, op.group_id))
+        return argv(
+            Op.PARK,
+            ParkArgs(
+                fingerprint(op.group_id),
+                p.trajectory_id,
+                p.blob,
+                p.group_size,
+                now,
+                now + int(p.group_timeout_s * 1000),
+                p.ttl_s,
+                p.worker_id,
+                p.scorers,
+                "failed" if p.failed else "complete",
+                ndone,
+                op.group_id,
+            ),
+        )
 
     async def _run(self, ops: list[_Op]) -> list[Any]:
         """``ops`` in one round trip: the transitions as one ``EVALSHA`` (one per slot on
@@ -468,7 +491,7 @@ class GroupLedger:
         pos, nd = 0, DEDUPE_BUCKETS + 1
         for idx in probed.values():
             status, *parked = read[pos]
-            done = any(read[pos + 1:pos + 1 + nd])
+            done = any(read[pos + 1 : pos + 1 + nd])
             pos += 1 + nd
             for i, member in zip(idx, parked):
                 if status is None:
@@ -481,8 +504,9 @@ class GroupLedger:
             out[i] = read[pos + k]
         return out
 
-    def _reads(self, ops: list[_Op], probed: dict[str, list[int]], sweeps: list[int], bucket: int,
-               now: int) -> list[_Command]:
+    def _reads(
+        self, ops: list[_Op], probed: dict[str, list[int]], sweeps: list[int], bucket: int, now: int
+    ) -> list[_Command]:
         """The plain commands of a call, answers first: per probed group its status and whether
         each probed member is parked (one ``HMGET``) and whether it is in a dedupe bucket (one
         ``SISMEMBER`` per bucket); then the sweepers' index reads; then the deadline index's TTL
@@ -493,8 +517,9 @@ class GroupLedger:
             plain.append(("hmget", (keys[0], "status", *(f"m:{ops[i].item.trajectory_id}" for i in idx)), {}))
             fp = fingerprint(group_id)
             plain += (("sismember", (k, fp), {}) for k in keys[1:])
-        plain += (("zrangebyscore", (self.deadlines_key, "-inf", now), {"start": 0, "num": ops[i].item.limit})
-                  for i in sweeps)  # type: ignore[union-attr]
+        plain += (
+            ("zrangebyscore", (self.deadlines_key, "-inf", now), {"start": 0, "num": ops[i].item.limit}) for i in sweeps
+        )  # type: ignore[union-attr]
         parks = [op.item for op in ops if isinstance(op.item, _Park)]
         if parks and time.monotonic() >= self._deadlines_ttl_at:
             ttl = max(p.ttl_s for p in parks)
@@ -536,6 +561,7 @@ class GroupLedger:
         for attempt in (1, 2):
             try:
                 if self.cluster:
+
                     async def reads() -> list[Any]:
                         if not plain:
                             return []
@@ -543,8 +569,10 @@ class GroupLedger:
                             for name, args, kw in plain:
                                 getattr(pipe, name)(*args, **kw)
                             return list(await pipe.execute())
+
                     *results, read = await asyncio.gather(
-                        *(self.redis.evalsha(self._sha, len(keys), *keys, *argv) for _, keys, argv in calls), reads())
+                        *(self.redis.evalsha(self._sha, len(keys), *keys, *argv) for _, keys, argv in calls), reads()
+                    )
                     return results, read
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for _, keys, argv in calls:
@@ -552,7 +580,7 @@ class GroupLedger:
                     for name, args, kw in plain:
                         getattr(pipe, name)(*args, **kw)
                     res = await pipe.execute()
-                return res[:len(calls)], res[len(calls):]
+                return res[: len(calls)], res[len(calls) :]
             except NoScriptError:
                 if attempt == 2:
                     raise
@@ -598,14 +626,24 @@ class GroupLedger:
             self._awaited.setdefault(group_id, set()).add(trajectory_id)
 
     # ---------------------------------------------------------------- transitions
-    async def park(self, result: SessionResult, *, group_id: str, group_size: int, group_timeout_s: float,
-                   worker_id: str, scorers: bytes, partition: int = -1,
-                   offset: int = -1) -> tuple[ParkOutcome, Decision | None]:
+    async def park(
+        self,
+        result: SessionResult,
+        *,
+        group_id: str,
+        group_size: int,
+        group_timeout_s: float,
+        worker_id: str,
+        scorers: bytes,
+        partition: int = -1,
+        offset: int = -1,
+    ) -> tuple[ParkOutcome, Decision | None]:
         """Store a member's result (its token turns stay in Kafka at ``partition``/``offset``);
         if it completes the group, or failed (the group is rejected either way), decide the
         group too. One :meth:`park_many` of one member."""
-        (answer,) = await self.park_many([ParkRequest(result, group_id, group_size, group_timeout_s, worker_id,
-                                                      scorers, partition, offset)])
+        (answer,) = await self.park_many(
+            [ParkRequest(result, group_id, group_size, group_timeout_s, worker_id, scorers, partition, offset)]
+        )
         return answer
 
     async def park_many(self, requests: Sequence[ParkRequest]) -> list[tuple[ParkOutcome, Decision | None]]:
@@ -636,15 +674,35 @@ class GroupLedger:
             if len(self._parked_here) >= FRESH_GROUPS:
                 self._parked_here.clear()  # forgetting only costs a park its company
             here = self._parked_here[group_id] = self._parked_here.get(group_id, 0) + 1
-            wait_s = (0.0 if failed else PARK_LINGER_S if group_id in self._awaited
-                      else PARK_UNSEEN_LINGER_S if here < r.group_size else 0.0)
+            wait_s = (
+                0.0
+                if failed
+                else PARK_LINGER_S
+                if group_id in self._awaited
+                else PARK_UNSEEN_LINGER_S
+                if here < r.group_size
+                else 0.0
+            )
             linger_s = wait_s if linger_s is None else min(linger_s, wait_s)
             if group_id not in since:
                 since[group_id] = self._fresh.pop(group_id, None)
             member = ParkedMember(msgspec.structs.replace(r.result, turns=[]), r.partition, r.offset)
-            ops.append(_Op(group_id, _Park(
-                r.result.trajectory_id, _ENCODER.encode(member), r.group_size, r.group_timeout_s, r.worker_id,
-                r.scorers, failed, self._state_ttl(r.group_timeout_s), since[group_id])))
+            ops.append(
+                _Op(
+                    group_id,
+                    _Park(
+                        r.result.trajectory_id,
+                        _ENCODER.encode(member),
+                        r.group_size,
+                        r.group_timeout_s,
+                        r.worker_id,
+                        r.scorers,
+                        failed,
+                        self._state_ttl(r.group_timeout_s),
+                        since[group_id],
+                    ),
+                )
+            )
         raws = await self._ops.submit_many(ops, linger_s=linger_s or 0.0)
         return [self._parked(r.group_id, raw) for r, raw in zip(requests, raws)]
 
@@ -657,9 +715,17 @@ class GroupLedger:
         self._parked_here.pop(group_id, None)
         return outcome, self._decision(group_id, DecideOutcome.DECIDED_NOW, raw[2])
 
-    async def decide(self, group_id: str, kind: DecisionKind, *,
-                     worker_id: str, scorers: bytes, discard_reason: str = "",
-                     group_timeout_s: float, republish_grace_s: float) -> Decision:
+    async def decide(
+        self,
+        group_id: str,
+        kind: DecisionKind,
+        *,
+        worker_id: str,
+        scorers: bytes,
+        discard_reason: str = "",
+        group_timeout_s: float,
+        republish_grace_s: float,
+    ) -> Decision:
         """Record the group's decision unless one exists; return the stored one either way.
 
         A decision made here moves the group's index entry to ``now + republish_grace_s``:
@@ -672,9 +738,22 @@ class GroupLedger:
         self._parked_here.pop(group_id, None)
         now = _now_ms()
         republish_at = now + int(republish_grace_s * 1000)
-        raw = await self._ops.submit(_Op(group_id, DecideArgs(
-            fingerprint(group_id), kind, now, worker_id, scorers, discard_reason, self._state_ttl(group_timeout_s),
-            republish_at, group_id)))
+        raw = await self._ops.submit(
+            _Op(
+                group_id,
+                DecideArgs(
+                    fingerprint(group_id),
+                    kind,
+                    now,
+                    worker_id,
+                    scorers,
+                    discard_reason,
+                    self._state_ttl(group_timeout_s),
+                    republish_at,
+                    group_id,
+                ),
+            )
+        )
         outcome = DecideOutcome(raw[0].decode())
         decision = self._decision(group_id, outcome, raw[1] if len(raw) > 1 else [])
         if outcome is DecideOutcome.DECIDED_NOW and self.cluster:  # standalone: the script moved the entry
@@ -745,8 +824,12 @@ class GroupLedger:
         if self._finishing:
             await asyncio.wait(list(self._finishing.values()), timeout=timeout_s)
         if left := len(self._finishing):
-            log.warning("ledger: %d group finishes did not land within %.0fs; their groups stay decided and "
-                        "the sweeper re-publishes and finishes them", left, timeout_s)
+            log.warning(
+                "ledger: %d group finishes did not land within %.0fs; their groups stay decided and "
+                "the sweeper re-publishes and finishes them",
+                left,
+                timeout_s,
+            )
         return left
 
     async def _finish_until_landed(self, group_id: str) -> None:
@@ -759,8 +842,14 @@ class GroupLedger:
             nonlocal args
             if self.on_finish_error is not None:
                 self.on_finish_error(exc)
-            log.warning("ledger: finishing group %s failed (%s: %s, attempt %d); again in %.2fs", group_id,
-                        type(exc).__name__, exc, attempt, delay)
+            log.warning(
+                "ledger: finishing group %s failed (%s: %s, attempt %d); again in %.2fs",
+                group_id,
+                type(exc).__name__,
+                exc,
+                attempt,
+                delay,
+            )
             # the TTL this attempt carried may not have been set: the next one sets it again
             args = msgspec.structs.replace(args, done_ttl_s=self.done_ttl_s + int(math.ceil(self.ttl_refresh_s)))
 
@@ -769,8 +858,13 @@ class GroupLedger:
         except Exception as exc:  # noqa: BLE001 - logged, counted and handed to the sweeper
             if self.on_finish_error is not None:
                 self.on_finish_error(exc)
-            log.error("ledger: finishing group %s failed (%s: %s); it stays decided and the sweeper "
-                      "re-publishes and finishes it", group_id, type(exc).__name__, exc)
+            log.error(
+                "ledger: finishing group %s failed (%s: %s); it stays decided and the sweeper "
+                "re-publishes and finishes it",
+                group_id,
+                type(exc).__name__,
+                exc,
+            )
 
     def _done_ttl(self, group_id: str) -> int:
         """The TTL to set on the group's newest done set with this finish, or 0 when this
@@ -789,8 +883,9 @@ class GroupLedger:
         Called whenever a worker finds a group decided but not finished: if its decider
         died before publishing, the sweeper would otherwise wait for the group deadline.
         """
-        await self.redis.zadd(self.deadlines_key, {group_id: _now_ms() + int(republish_grace_s * 1000)},
-                              xx=True, lt=True)
+        await self.redis.zadd(
+            self.deadlines_key, {group_id: _now_ms() + int(republish_grace_s * 1000)}, xx=True, lt=True
+        )
 
     async def postpone(self, group_id: str, delay_s: float) -> None:
         """Move a group's sweep to ``now + delay_s`` (only if it is still indexed)."""
@@ -880,15 +975,24 @@ class LedgerView:
             states = await pipe.execute()
         out = []
         for (group, due), (status, first_seen, deadline, decided_at) in zip(entries, states):
-            out.append(UnfinishedGroup(group.decode(), status.decode() if status else "gone", int(due),
-                                       int(first_seen or 0), int(deadline or 0), int(decided_at or 0)))
+            out.append(
+                UnfinishedGroup(
+                    group.decode(),
+                    status.decode() if status else "gone",
+                    int(due),
+                    int(first_seen or 0),
+                    int(deadline or 0),
+                    int(decided_at or 0),
+                )
+            )
         return total, out
 
     async def group_state(self, group_id: str) -> GroupSummary | None:
         """The state of one unfinished group (``prm-pipeline inspect --group``), None when the
         ledger does not hold it (never seen, or finished: its verdict is on the topic)."""
-        status, size, deadline, parked = await self.redis.hmget(self.group_key(group_id), "status", "group_size",
-                                                                "deadline", "n")
+        status, size, deadline, parked = await self.redis.hmget(
+            self.group_key(group_id), "status", "group_size", "deadline", "n"
+        )
         if status is None:
             return None
         return GroupSummary(status.decode(), int(size or 0), int(deadline or 0), int(parked or 0))
@@ -904,7 +1008,6 @@ class LedgerView:
         info = await self.redis.info("memory")
         per_node = info if self.cluster and all(isinstance(v, dict) for v in info.values()) else {"redis": info}
         return [(str(node), int(v.get("used_memory", 0)), int(v.get("maxmemory", 0))) for node, v in per_node.items()]
-
 
     async def command_calls(self) -> dict[str, int]:
         """Calls per command since each Redis node started (``INFO commandstats``), summed over nodes."""

@@ -91,8 +91,11 @@ class FinishArgs(msgspec.Struct, frozen=True, array_like=True):
 TransitionArgs = ParkArgs | DecideArgs | FinishArgs
 
 # op code -> number of ARGV values per item, the op code included (the script's table is built from it)
-ARGS = {Op.PARK.value: 1 + len(ParkArgs.__struct_fields__), Op.DECIDE.value: 1 + len(DecideArgs.__struct_fields__),
-        Op.FINISH.value: 1 + len(FinishArgs.__struct_fields__)}
+ARGS = {
+    Op.PARK.value: 1 + len(ParkArgs.__struct_fields__),
+    Op.DECIDE.value: 1 + len(DecideArgs.__struct_fields__),
+    Op.FINISH.value: 1 + len(FinishArgs.__struct_fields__),
+}
 
 
 def argv(op: Op, args: TransitionArgs) -> list[object]:

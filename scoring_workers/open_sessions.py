@@ -67,18 +67,25 @@ class OpenSession:
             raise InvalidMessage(f"session {self.session_id!r}: turn id {iid!r} is repeated")
         parent = turn.parent_id
         if parent is not None and parent not in self.compact:
-            raise InvalidMessage(f"session {self.session_id!r}: turn {iid!r} names parent {parent!r}, which is "
-                                 "not an earlier turn of the session")
+            raise InvalidMessage(
+                f"session {self.session_id!r}: turn {iid!r} names parent {parent!r}, which is "
+                "not an earlier turn of the session"
+            )
         messages = self._full_messages(turn)
         mr = turn.model_response
         if mr is not None and turn.shared_tokens:
             head = self._context(parent)  # type: ignore[arg-type]  # shared_tokens > 0 has a parent (schema)
             if turn.shared_tokens * 4 > len(head):
-                raise InvalidMessage(f"session {self.session_id!r}: turn {iid!r} shares {turn.shared_tokens} tokens "
-                                     f"with parent {parent!r}, whose context has only {len(head) // 4}")
+                raise InvalidMessage(
+                    f"session {self.session_id!r}: turn {iid!r} shares {turn.shared_tokens} tokens "
+                    f"with parent {parent!r}, whose context has only {len(head) // 4}"
+                )
             mr = msgspec.structs.replace(mr, input_tokens_raw=head[: turn.shared_tokens * 4] + mr.input_tokens_raw)
-        full = turn if not (turn.shared_messages or turn.shared_tokens) else \
-            msgspec.structs.replace(turn, messages=messages, model_response=mr, shared_messages=0, shared_tokens=0)
+        full = (
+            turn
+            if not (turn.shared_messages or turn.shared_tokens)
+            else msgspec.structs.replace(turn, messages=messages, model_response=mr, shared_messages=0, shared_tokens=0)
+        )
         self.compact[iid] = turn
         self._messages[iid] = messages
         if mr is not None:
@@ -94,8 +101,9 @@ class OpenSession:
         if mr is not None and turn.shared_tokens:
             head = self._context(turn.parent_id)  # type: ignore[arg-type]
             mr = msgspec.structs.replace(mr, input_tokens_raw=head[: turn.shared_tokens * 4] + mr.input_tokens_raw)
-        return msgspec.structs.replace(turn, messages=self._messages[interaction_id], model_response=mr,
-                                       shared_messages=0, shared_tokens=0)
+        return msgspec.structs.replace(
+            turn, messages=self._messages[interaction_id], model_response=mr, shared_messages=0, shared_tokens=0
+        )
 
     def _full_messages(self, turn: Interaction) -> list[Any]:
         if turn.parent_id is None or not turn.shared_messages:
@@ -105,9 +113,11 @@ class OpenSession:
         parent_full = self._messages[turn.parent_id]
         parent_out = self.compact[turn.parent_id].output_message_list
         if turn.shared_messages > len(parent_full) + len(parent_out):
-            raise InvalidMessage(f"session {self.session_id!r}: turn {turn.interaction_id!r} shares "
-                                 f"{turn.shared_messages} messages with parent {turn.parent_id!r}, whose context "
-                                 f"has only {len(parent_full) + len(parent_out)}")
+            raise InvalidMessage(
+                f"session {self.session_id!r}: turn {turn.interaction_id!r} shares "
+                f"{turn.shared_messages} messages with parent {turn.parent_id!r}, whose context "
+                f"has only {len(parent_full) + len(parent_out)}"
+            )
         head = parent_full[: turn.shared_messages]
         if turn.shared_messages > len(parent_full):
             head += parent_out[: turn.shared_messages - len(parent_full)]

@@ -37,8 +37,15 @@ log = logging.getLogger(__name__)
 class Publisher:
     """Produces one worker's verdicts and dead letters."""
 
-    def __init__(self, cfg: PipelineConfig, producer: AIOKafkaProducer, ledger: Ledger, tokens: MemberTokens,
-                 telemetry: WorkerTelemetry, worker_id: str) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        producer: AIOKafkaProducer,
+        ledger: Ledger,
+        tokens: MemberTokens,
+        telemetry: WorkerTelemetry,
+        worker_id: str,
+    ) -> None:
         self.cfg = cfg
         self.producer = producer
         self.ledger = ledger
@@ -61,8 +68,15 @@ class Publisher:
                 raise
             grace_s = self.cfg.worker.republish_grace_s
             self._telemetry.publish_failures.labels(type(exc).__name__).inc()
-            log.error("worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
-                      "re-published after %.0fs", self.worker_id, verdict.group_id, type(exc).__name__, exc, grace_s)
+            log.error(
+                "worker %s: verdict for group %s refused by Kafka (%s: %s); it stays decided and is "
+                "re-published after %.0fs",
+                self.worker_id,
+                verdict.group_id,
+                type(exc).__name__,
+                exc,
+                grace_s,
+            )
             await self.ledger.postpone(decision.group_id, grace_s)
             return None
         self._published(decision, verdict, time.time())
@@ -82,12 +96,20 @@ class Publisher:
         limit = self.cfg.kafka.max_message_bytes
         verdict, value, headers = fit_verdict(full, limit, self._tokens.references(decision.members))
         if verdict is not full and verdict.reason_code != reasons.VERDICT_TOO_LARGE:
-            log.info("group=%s: verdict too large for kafka.max_message_bytes=%d (as a compressed batch) with its "
-                     "members' token turns: published with their records' coordinates instead "
-                     "(worker.verdict_tokens: auto)", verdict.group_id, limit)
+            log.info(
+                "group=%s: verdict too large for kafka.max_message_bytes=%d (as a compressed batch) with its "
+                "members' token turns: published with their records' coordinates instead "
+                "(worker.verdict_tokens: auto)",
+                verdict.group_id,
+                limit,
+            )
         elif verdict is not full:
-            log.warning("group=%s: verdict too large for kafka.max_message_bytes=%d (as a compressed batch), "
-                        "published as %s", verdict.group_id, limit, verdict.reason[:200])
+            log.warning(
+                "group=%s: verdict too large for kafka.max_message_bytes=%d (as a compressed batch), published as %s",
+                verdict.group_id,
+                limit,
+                verdict.reason[:200],
+            )
         return verdict, verdicts_topic(self.cfg.topics.verdicts, experiment_id), value, headers
 
     def _published(self, decision: Decision, verdict: GroupVerdict, sent_at: float) -> None:
@@ -98,39 +120,67 @@ class Publisher:
         self._telemetry.experiment_verdicts.labels(experiment_id, verdict.status).inc()
         self._telemetry.observe_stages(verdict, sent_at)
         self._telemetry.verdicts.labels(verdict.status, reasons.metric_label(verdict.status, verdict.reason_code)).inc()
-        log.info("group=%s verdict=%s code=%s reason=%s sessions=%d by=%s", verdict.group_id, verdict.status,
-                 verdict.reason_code or "-", verdict.reason, len(verdict.sessions), self.worker_id)
+        log.info(
+            "group=%s verdict=%s code=%s reason=%s sessions=%d by=%s",
+            verdict.group_id,
+            verdict.status,
+            verdict.reason_code or "-",
+            verdict.reason,
+            len(verdict.sessions),
+            self.worker_id,
+        )
 
-    async def reject_unknown(self, record: ConsumerRecord, message: ReadyTrajectory | DiscardGroup,
-                             experiment_id: str, attempt: int) -> None:
+    async def reject_unknown(
+        self, record: ConsumerRecord, message: ReadyTrajectory | DiscardGroup, experiment_id: str, attempt: int
+    ) -> None:
         """A record naming an experiment this worker does not serve: the record is dead-lettered
         (``UnknownExperiment``: ``prm-pipeline dead-letters`` shows it, and redrives it once the
         experiment is declared) and its group is rejected (``unknown_experiment``) on the default
         verdicts topic, without touching the ledger (ids named by producers must not grow
         Redis). Every such record says so again; the trainer's dedupe keeps one verdict per group."""
-        await self.dead_letter(record, UnknownExperiment(
-            f"experiment {experiment_id!r} is not in the experiment registry of worker {self.worker_id} "
-            "(never added, removed, or its record was refused); declare it (prm-pipeline experiment add), then "
-            "redrive this record"), attempt)
+        await self.dead_letter(
+            record,
+            UnknownExperiment(
+                f"experiment {experiment_id!r} is not in the experiment registry of worker {self.worker_id} "
+                "(never added, removed, or its record was refused); declare it (prm-pipeline experiment add), then "
+                "redrive this record"
+            ),
+            attempt,
+        )
         members = []
         if isinstance(message, ReadyTrajectory):
-            members = [SessionResult.failure(
-                code=reasons.UNKNOWN_EXPERIMENT, detail=f"experiment {experiment_id!r} is not served",
-                session_id=message.session_id, trajectory_id=message.trajectory_id,
-                outcome_reward=message.outcome_reward, is_eval=message.is_eval,
-                policy_version=message.policy_version, created_at=message.created_at)]
+            members = [
+                SessionResult.failure(
+                    code=reasons.UNKNOWN_EXPERIMENT,
+                    detail=f"experiment {experiment_id!r} is not served",
+                    session_id=message.session_id,
+                    trajectory_id=message.trajectory_id,
+                    outcome_reward=message.outcome_reward,
+                    is_eval=message.is_eval,
+                    policy_version=message.policy_version,
+                    created_at=message.created_at,
+                )
+            ]
         verdict = GroupVerdict(
-            group_id=message.group_id, status="rejected", reason_code=reasons.UNKNOWN_EXPERIMENT,
+            group_id=message.group_id,
+            status="rejected",
+            reason_code=reasons.UNKNOWN_EXPERIMENT,
             reason=f"unknown_experiment: {experiment_id!r} is not in the experiment registry of worker "
-                   f"{self.worker_id} (never added, removed, or its record was refused)",
-            group_size=getattr(message, "group_size", 0), sessions=members, worker_id=self.worker_id,
-            decided_at=time.time(), experiment_id=experiment_id)
+            f"{self.worker_id} (never added, removed, or its record was refused)",
+            group_size=getattr(message, "group_size", 0),
+            sessions=members,
+            worker_id=self.worker_id,
+            decided_at=time.time(),
+            experiment_id=experiment_id,
+        )
         _, value, headers = fit_verdict(verdict, self.cfg.kafka.max_message_bytes)
-        await self.producer.send_and_wait(self.cfg.topics.verdicts, value, key=verdict.group_id.encode(),
-                                          headers=headers)
+        await self.producer.send_and_wait(
+            self.cfg.topics.verdicts, value, key=verdict.group_id.encode(), headers=headers
+        )
         self._telemetry.verdicts.labels("rejected", reasons.UNKNOWN_EXPERIMENT).inc()
-        self._unknown_log.log(logging.WARNING, "group=%s: rejected, unknown experiment %r", message.group_id,
-                              experiment_id)
+        self._unknown_log.log(
+            logging.WARNING, "group=%s: rejected, unknown experiment %r", message.group_id, experiment_id
+        )
 
     async def dead_letter(self, record: ConsumerRecord, error: BaseException, attempt: int) -> DeadLetter:
         """Dead-letter ``record``; the letter as written (or as it would have been).
@@ -141,9 +191,14 @@ class Publisher:
         committed: the source topic still holds it for audit.
         """
         cause = error.cause if isinstance(error, ProcessingError) else error
-        letter, key = capped_letter(record, cause, attempt, worker_id=self.worker_id,
-                                    max_message_bytes=self.cfg.kafka.max_message_bytes,
-                                    dead_letter_max_bytes=self.cfg.worker.dead_letter_max_bytes)
+        letter, key = capped_letter(
+            record,
+            cause,
+            attempt,
+            worker_id=self.worker_id,
+            max_message_bytes=self.cfg.kafka.max_message_bytes,
+            dead_letter_max_bytes=self.cfg.worker.dead_letter_max_bytes,
+        )
         try:
             await self.producer.send_and_wait(
                 self.cfg.topics.dead_letters, letter.payload, key=key, headers=dead_letter_headers(letter)
@@ -152,12 +207,26 @@ class Publisher:
             if not is_permanent(exc):
                 raise
             self._telemetry.poison.inc()
-            log.error("worker %s: POISON record %s:%d offset %d could not be dead-lettered (%s: %s); "
-                      "committed without a dead letter (the source topic keeps it): %s: %s", self.worker_id,
-                      record.topic, record.partition, record.offset, type(exc).__name__, exc,
-                      letter.error_class, letter.error_message[:300])
+            log.error(
+                "worker %s: POISON record %s:%d offset %d could not be dead-lettered (%s: %s); "
+                "committed without a dead letter (the source topic keeps it): %s: %s",
+                self.worker_id,
+                record.topic,
+                record.partition,
+                record.offset,
+                type(exc).__name__,
+                exc,
+                letter.error_class,
+                letter.error_message[:300],
+            )
         else:
             self._telemetry.dead_lettered.labels(letter.error_class).inc()
-            log.warning("dead-lettered %s:%d offset %d: %s: %s", record.topic, record.partition, record.offset,
-                        letter.error_class, letter.error_message[:300])
+            log.warning(
+                "dead-lettered %s:%d offset %d: %s: %s",
+                record.topic,
+                record.partition,
+                record.offset,
+                letter.error_class,
+                letter.error_message[:300],
+            )
         return letter

@@ -41,12 +41,16 @@ def describe_scorers(runner: ScoringRunner | None, prm: PRMConfig) -> tuple[list
     for scorer in scorers:
         cls = type(scorer)
         state = "active" if runner is not None and runner.active and scorer.enabled else "disabled"
-        lines.append(f"scorer {scorer.name!r} ({state}): weight={scorer.weight:g} "
-                     f"version={getattr(scorer, 'version', '?')} class={cls.__module__}.{cls.__qualname__}")
+        lines.append(
+            f"scorer {scorer.name!r} ({state}): weight={scorer.weight:g} "
+            f"version={getattr(scorer, 'version', '?')} class={cls.__module__}.{cls.__qualname__}"
+        )
     warning = None
     if runner is None or not runner.active:
-        warning = (f"NO SCORER IS ACTIVE: {no_scorer_reason(prm)}; every complete group will be "
-                   "accepted with no process rewards")
+        warning = (
+            f"NO SCORER IS ACTIVE: {no_scorer_reason(prm)}; every complete group will be "
+            "accepted with no process rewards"
+        )
     return lines, warning
 
 

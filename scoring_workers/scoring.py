@@ -37,9 +37,15 @@ def _failed_scorer(exc: BaseException) -> str | None:
     return getattr(exc, "scorer_name", None)
 
 
-async def score_member(runner: ScoringRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None,
-                       keep_channels: bool = False, scored_at: float | None = None,
-                       reuse: Reuse | None = None) -> SessionResult:
+async def score_member(
+    runner: ScoringRunner | None,
+    traj: ReadyTrajectory,
+    *,
+    timeout_s: float | None,
+    keep_channels: bool = False,
+    scored_at: float | None = None,
+    reuse: Reuse | None = None,
+) -> SessionResult:
     """Score ``traj`` and return the member result to park (see the module rules).
 
     ``scored_at`` defaults to now (the worker); the audit passes 0 (it is not compared).
@@ -57,8 +63,12 @@ async def score_member(runner: ScoringRunner | None, traj: ReadyTrajectory, *, t
         not_concat = None
     traj = expand_trajectory(traj)
     common: dict[str, Any] = {
-        "session_id": traj.session_id, "trajectory_id": traj.trajectory_id, "outcome_reward": traj.outcome_reward,
-        "is_eval": traj.is_eval, "policy_version": traj.policy_version, "created_at": traj.created_at,
+        "session_id": traj.session_id,
+        "trajectory_id": traj.trajectory_id,
+        "outcome_reward": traj.outcome_reward,
+        "is_eval": traj.is_eval,
+        "policy_version": traj.policy_version,
+        "created_at": traj.created_at,
     }
 
     def stamp() -> float:
@@ -80,8 +90,9 @@ async def score_member(runner: ScoringRunner | None, traj: ReadyTrajectory, *, t
     except Exception as exc:  # noqa: BLE001 - the member fails; the group will be rejected
         common["turns"] = []
         detail = failure_detail(exc)
-        return SessionResult.failure(code=failure_code(exc), detail=detail, scorer=_failed_scorer(exc),
-                                     scored_at=stamp(), **common)
+        return SessionResult.failure(
+            code=failure_code(exc), detail=detail, scorer=_failed_scorer(exc), scored_at=stamp(), **common
+        )
     return SessionResult(
         status="scored",
         branches=scored.to_branch_results(),

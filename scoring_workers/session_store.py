@@ -102,20 +102,23 @@ class SessionStore:
     def key(self, group: str, trajectory_id: str) -> str:
         return session_key(self.prefix, group, trajectory_id)
 
-    async def park_turn(self, group: str, trajectory_id: str, turn: Interaction, *, session_id: str,
-                        group_size: int) -> tuple[TurnOutcome, int]:
+    async def park_turn(
+        self, group: str, trajectory_id: str, turn: Interaction, *, session_id: str, group_size: int
+    ) -> tuple[TurnOutcome, int]:
         """Park ``turn`` (as received) unless it is there; ``(outcome, its arrival number)``."""
         now = _now_ms()
-        outcome, k = await self._park(keys=[self.key(group, trajectory_id)],
-                                      args=[turn.interaction_id, _ENCODER.encode(turn), now, self.ttl_s,
-                                            self.max_turns, session_id, group_size])
+        outcome, k = await self._park(
+            keys=[self.key(group, trajectory_id)],
+            args=[turn.interaction_id, _ENCODER.encode(turn), now, self.ttl_s, self.max_turns, session_id, group_size],
+        )
         result = TurnOutcome(outcome.decode() if isinstance(outcome, bytes) else outcome)
         if result is TurnOutcome.PARKED:
             await self._index(group, trajectory_id, now)
         return result, int(k)
 
-    async def park_results(self, group: str, trajectory_id: str, interaction_id: str, child_id: str,
-                           results: Sequence[StreamedResult]) -> None:
+    async def park_results(
+        self, group: str, trajectory_id: str, interaction_id: str, child_id: str, results: Sequence[StreamedResult]
+    ) -> None:
         """Park the streamed results of ``interaction_id`` computed when ``child_id`` arrived."""
         key = self.key(group, trajectory_id)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -169,7 +172,9 @@ class SessionStore:
         await self.redis.zadd(self.index_key, {_ENCODER.encode((group, trajectory_id)): at})
 
     async def _index(self, group: str, trajectory_id: str, now_ms: int) -> None:
-        await self.redis.zadd(self.index_key, {_ENCODER.encode((group, trajectory_id)): now_ms + int(self.idle_s * 1000)})
+        await self.redis.zadd(
+            self.index_key, {_ENCODER.encode((group, trajectory_id)): now_ms + int(self.idle_s * 1000)}
+        )
 
 
 def _now_ms() -> int:

@@ -65,8 +65,9 @@ class _Open:
 class SessionStreams:
     """The open streamed sessions of one worker process."""
 
-    def __init__(self, store: SessionStore, *, max_open: int = DEFAULT_MAX_OPEN,
-                 on_judged: Judged | None = None) -> None:
+    def __init__(
+        self, store: SessionStore, *, max_open: int = DEFAULT_MAX_OPEN, on_judged: Judged | None = None
+    ) -> None:
         self.store = store
         self.max_open = max_open
         self.on_judged = on_judged
@@ -89,8 +90,12 @@ class SessionStreams:
             except InvalidMessage:  # cannot happen for turns this code parked; start over rather than wedge
                 log.exception("session %s of group %s: parked turns do not form a session", trajectory_id, group)
                 session = OpenSession(session_id)
-            state = _Open(session, list(parked.results), set(parked.judged),
-                          numbers={t.interaction_id: k for k, t in enumerate(parked.turns, 1)})
+            state = _Open(
+                session,
+                list(parked.results),
+                set(parked.judged),
+                numbers={t.interaction_id: k for k, t in enumerate(parked.turns, 1)},
+            )
             self._open[key] = state
             while len(self._open) > self.max_open:
                 self._open.popitem(last=False)  # its judge tasks run on; their results are parked
@@ -106,13 +111,15 @@ class SessionStreams:
         if it.interaction_id in state.session:
             same = state.session.compact[it.interaction_id] == it
             if not same:
-                raise InvalidMessage(f"session {turn.session_id!r}: turn id {it.interaction_id!r} arrived again "
-                                     "with other content")
+                raise InvalidMessage(
+                    f"session {turn.session_id!r}: turn id {it.interaction_id!r} arrived again with other content"
+                )
             return TurnOutcome.DUPLICATE
         full = state.session.add(it)  # InvalidMessage: not the session's next turn; nothing kept
         try:
-            outcome, number = await self.store.park_turn(group, turn.trajectory_id, it, session_id=turn.session_id,
-                                                         group_size=turn.group_size)
+            outcome, number = await self.store.park_turn(
+                group, turn.trajectory_id, it, session_id=turn.session_id, group_size=turn.group_size
+            )
         except BaseException:
             # Not durable: forget the session here, so the retry (or the next record) reloads
             # what Redis really holds instead of taking this turn for parked.
@@ -121,18 +128,21 @@ class SessionStreams:
         if outcome in (TurnOutcome.CONFLICT, TurnOutcome.FULL):
             self._open.pop((group, turn.trajectory_id), None)  # holds a turn Redis refused
         if outcome is TurnOutcome.CONFLICT:
-            raise InvalidMessage(f"session {turn.session_id!r}: turn id {it.interaction_id!r} was parked before "
-                                 "with other content")
+            raise InvalidMessage(
+                f"session {turn.session_id!r}: turn id {it.interaction_id!r} was parked before with other content"
+            )
         if outcome is TurnOutcome.FULL:
-            raise InvalidMessage(f"session {turn.session_id!r}: more than {self.store.max_turns} turns "
-                                 "(worker.session_max_turns)")
+            raise InvalidMessage(
+                f"session {turn.session_id!r}: more than {self.store.max_turns} turns (worker.session_max_turns)"
+            )
         state.numbers[it.interaction_id] = number
         if it.parent_id is not None and runner is not None and runner.streams:
             self._judge(group, turn, state, it.parent_id, full, runner)
         return outcome
 
-    def _judge(self, group: str, turn: SessionTurn, state: _Open, parent_id: str, child: Interaction,
-               runner: ScoringRunner) -> None:
+    def _judge(
+        self, group: str, turn: SessionTurn, state: _Open, parent_id: str, child: Interaction, runner: ScoringRunner
+    ) -> None:
         pair = (parent_id, child.interaction_id)
         if pair in state.judged:
             return
@@ -141,8 +151,9 @@ class SessionStreams:
         parent = state.session.full(parent_id)
 
         async def judge() -> None:
-            results = await runner.score_turn(parent, child, {"session_id": turn.session_id,
-                                                              "trajectory_id": turn.trajectory_id}, state.frozen)
+            results = await runner.score_turn(
+                parent, child, {"session_id": turn.session_id, "trajectory_id": turn.trajectory_id}, state.frozen
+            )
             state.results += results
             await self.store.park_results(group, turn.trajectory_id, parent_id, child.interaction_id, results)
             if self.on_judged is not None and first:
@@ -156,8 +167,13 @@ class SessionStreams:
             if not task.cancelled() and (exc := task.exception()) is not None:
                 # not parked: the end scores the turn itself (an outage here costs time, not results)
                 state.judged.discard(pair)
-                log.warning("session %s: streamed judging of turn %s failed (%s: %s); it is scored at the end",
-                            turn.trajectory_id, parent_id, type(exc).__name__, exc)
+                log.warning(
+                    "session %s: streamed judging of turn %s failed (%s: %s); it is scored at the end",
+                    turn.trajectory_id,
+                    parent_id,
+                    type(exc).__name__,
+                    exc,
+                )
 
         task.add_done_callback(done)
 
@@ -179,8 +195,9 @@ class SessionStreams:
         if state is None:
             return []
         parents = {t.parent_id for t in state.session.compact.values()}
-        return [(state.session.full(iid), state.numbers.get(iid, 0)) for iid in state.session.compact
-                if iid not in parents]
+        return [
+            (state.session.full(iid), state.numbers.get(iid, 0)) for iid in state.session.compact if iid not in parents
+        ]
 
     async def close(self, group: str, trajectory_id: str) -> None:
         """The session's member is parked: forget it here and in Redis."""

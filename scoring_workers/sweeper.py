@@ -33,8 +33,15 @@ log = logging.getLogger(__name__)
 class Sweeper:
     """One worker's sweeps. ``served(group)`` gives a scoped group's experiment and its settings."""
 
-    def __init__(self, cfg: PipelineConfig, ledger: Ledger, publisher: Publisher,
-                 served: Callable[[str], tuple[str, Experiment]], telemetry: WorkerTelemetry, worker_id: str) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        ledger: Ledger,
+        publisher: Publisher,
+        served: Callable[[str], tuple[str, Experiment]],
+        telemetry: WorkerTelemetry,
+        worker_id: str,
+    ) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.publisher = publisher
@@ -56,12 +63,18 @@ class Sweeper:
             except Exception as exc:  # never let one group stop the others, or the sweeper die
                 self._telemetry.sweep_failures.labels(type(exc).__name__).inc()
                 if is_transient(exc):
-                    log.warning("worker %s: sweep skipped for group %s: transient %s: %s", self.worker_id,
-                                group_id, type(exc).__name__, exc)
+                    log.warning(
+                        "worker %s: sweep skipped for group %s: transient %s: %s",
+                        self.worker_id,
+                        group_id,
+                        type(exc).__name__,
+                        exc,
+                    )
                     continue
                 backoff_s = self.cfg.worker.sweep_backoff_s
-                log.exception("worker %s: sweep failed for group %s; next look in %.0fs", self.worker_id,
-                              group_id, backoff_s)
+                log.exception(
+                    "worker %s: sweep failed for group %s; next look in %.0fs", self.worker_id, group_id, backoff_s
+                )
                 with contextlib.suppress(Exception):  # not every sweep: a broken group must not flood the log
                     await self.ledger.postpone(group_id, backoff_s)
 
@@ -69,8 +82,12 @@ class Sweeper:
         _, experiment = self._served(group_id)
         grace_s = self.cfg.worker.republish_grace_s
         decision = await self.ledger.decide(
-            group_id, DecisionKind.DEADLINE, worker_id=self.worker_id, scorers=experiment.scorers_blob,
-            group_timeout_s=experiment.group_timeout_s, republish_grace_s=grace_s,
+            group_id,
+            DecisionKind.DEADLINE,
+            worker_id=self.worker_id,
+            scorers=experiment.scorers_blob,
+            group_timeout_s=experiment.group_timeout_s,
+            republish_grace_s=grace_s,
         )
         match decision.outcome:
             case DecideOutcome.DECIDED_NOW:

@@ -30,62 +30,131 @@ class WorkerTelemetry:
         r = self.registry
         self.consumed = Counter("prm_worker_consumed", "Records consumed", ["kind"], registry=r)
         self.scored = Counter("prm_worker_scored", "Trajectories scored successfully", registry=r)
-        self.member_failures = Counter("prm_worker_member_failures", "Members that failed scoring, by reason code "
-                                       "(infra.reasons)", ["reason"], registry=r)
-        self.deduplicated = Counter("prm_worker_deduplicated",
-                                    "Records acknowledged without work (duplicate or group already decided)", registry=r)
-        self.dead_lettered = Counter("prm_worker_dead_lettered", "Records sent to the dead-letter topic", ["error"], registry=r)
-        self.verdicts = Counter("prm_worker_verdicts", "Verdicts published, by status and reason code (infra.reasons; "
-                                "never the free-text reason)", ["status", "reason"], registry=r)
+        self.member_failures = Counter(
+            "prm_worker_member_failures",
+            "Members that failed scoring, by reason code (infra.reasons)",
+            ["reason"],
+            registry=r,
+        )
+        self.deduplicated = Counter(
+            "prm_worker_deduplicated",
+            "Records acknowledged without work (duplicate or group already decided)",
+            registry=r,
+        )
+        self.dead_lettered = Counter(
+            "prm_worker_dead_lettered", "Records sent to the dead-letter topic", ["error"], registry=r
+        )
+        self.verdicts = Counter(
+            "prm_worker_verdicts",
+            "Verdicts published, by status and reason code (infra.reasons; never the free-text reason)",
+            ["status", "reason"],
+            registry=r,
+        )
         self.retries = Counter("prm_worker_retries", "Transient infrastructure errors retried", ["error"], registry=r)
-        self.poison = Counter("prm_worker_poison", "Records committed without a dead letter: Kafka refused the "
-                              "dead letter for good (the source topic keeps the record)", registry=r)
-        self.sweep_failures = Counter("prm_worker_sweep_failures", "Groups (or whole sweeps) the sweeper could "
-                                      "not handle this time; it goes on with the others", ["error"], registry=r)
-        self.publish_failures = Counter("prm_worker_publish_failures", "Verdicts Kafka refused for good (they "
-                                        "stay decided; the sweeper re-publishes them)", ["error"], registry=r)
-        self.finish_failures = Counter("prm_worker_finish_failures", "Attempts to finish a group (cleanup after "
-                                       "its verdict was acknowledged) that failed; retried with backoff while "
-                                       "transient, else the sweeper finishes it", ["error"], registry=r)
-        self.probes = Counter("prm_worker_probes", "Trajectories checked in the ledger before scoring (probed: a "
-                              "previous owner of the partition may have read them) or not (skipped)", ["kind"],
-                              registry=r)
-        self.commit_failures = Counter("prm_worker_commit_failures", "Offset commits Kafka refused (e.g. a "
-                                       "rebalance revoked the partition); the records are redelivered", ["error"],
-                                       registry=r)
-        self.background_errors = Counter("prm_worker_background_errors", "Unexpected failures of a periodic step "
-                                         "(commit, sweep, lag); the worker goes on and the step runs again",
-                                         ["step", "error"], registry=r)
+        self.poison = Counter(
+            "prm_worker_poison",
+            "Records committed without a dead letter: Kafka refused the "
+            "dead letter for good (the source topic keeps the record)",
+            registry=r,
+        )
+        self.sweep_failures = Counter(
+            "prm_worker_sweep_failures",
+            "Groups (or whole sweeps) the sweeper could not handle this time; it goes on with the others",
+            ["error"],
+            registry=r,
+        )
+        self.publish_failures = Counter(
+            "prm_worker_publish_failures",
+            "Verdicts Kafka refused for good (they stay decided; the sweeper re-publishes them)",
+            ["error"],
+            registry=r,
+        )
+        self.finish_failures = Counter(
+            "prm_worker_finish_failures",
+            "Attempts to finish a group (cleanup after "
+            "its verdict was acknowledged) that failed; retried with backoff while "
+            "transient, else the sweeper finishes it",
+            ["error"],
+            registry=r,
+        )
+        self.probes = Counter(
+            "prm_worker_probes",
+            "Trajectories checked in the ledger before scoring (probed: a "
+            "previous owner of the partition may have read them) or not (skipped)",
+            ["kind"],
+            registry=r,
+        )
+        self.commit_failures = Counter(
+            "prm_worker_commit_failures",
+            "Offset commits Kafka refused (e.g. a rebalance revoked the partition); the records are redelivered",
+            ["error"],
+            registry=r,
+        )
+        self.background_errors = Counter(
+            "prm_worker_background_errors",
+            "Unexpected failures of a periodic step (commit, sweep, lag); the worker goes on and the step runs again",
+            ["step", "error"],
+            registry=r,
+        )
         self.scoring_seconds = Histogram(
-            "prm_worker_scoring_seconds", "PRMRunner.run latency per trajectory", registry=r,
+            "prm_worker_scoring_seconds",
+            "PRMRunner.run latency per trajectory",
+            registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
         self.stage_seconds = Histogram(
-            "prm_worker_stage_seconds", "Verdict latency by stage, per member: queue (published -> consumed), "
+            "prm_worker_stage_seconds",
+            "Verdict latency by stage, per member: queue (published -> consumed), "
             "score (consumed -> scored), park (scored -> parked), wait (parked -> group decided), "
-            "send (decided -> verdict acknowledged)", ["stage"], registry=r,
+            "send (decided -> verdict acknowledged)",
+            ["stage"],
+            registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600),
         )
         self.in_flight = Gauge("prm_worker_in_flight", "Records being processed", registry=r)
         # Per experiment (docs/fleet.md): the label is an experiment the registry declared (or
         # "default"); a record naming an unknown one is counted under "unknown", never its id.
-        self.experiment_records = Counter("prm_worker_experiment_records", "Records consumed, by experiment and kind",
-                                          ["experiment", "kind"], registry=r)
-        self.experiment_verdicts = Counter("prm_worker_experiment_verdicts", "Verdicts published, by experiment and "
-                                           "status", ["experiment", "status"], registry=r)
-        self.experiment_in_flight = Gauge("prm_worker_experiment_in_flight", "Records being processed, by experiment",
-                                          ["experiment"], registry=r)
-        self.experiment_slots = Gauge("prm_worker_experiment_slots", "In-flight slots the experiment may use now "
-                                      "(its fair share, capped by its quota)", ["experiment"], registry=r)
-        self.experiments = Gauge("prm_worker_experiments", "Experiments this worker serves, by state (active: "
-                                 "scored; retiring: removed, open groups still scored)", ["state"], registry=r)
-        self.registry_records = Counter("prm_worker_registry_records", "Experiment registry records applied, by "
-                                        "outcome (declared, removed, refused)", ["outcome"], registry=r)
+        self.experiment_records = Counter(
+            "prm_worker_experiment_records",
+            "Records consumed, by experiment and kind",
+            ["experiment", "kind"],
+            registry=r,
+        )
+        self.experiment_verdicts = Counter(
+            "prm_worker_experiment_verdicts",
+            "Verdicts published, by experiment and status",
+            ["experiment", "status"],
+            registry=r,
+        )
+        self.experiment_in_flight = Gauge(
+            "prm_worker_experiment_in_flight", "Records being processed, by experiment", ["experiment"], registry=r
+        )
+        self.experiment_slots = Gauge(
+            "prm_worker_experiment_slots",
+            "In-flight slots the experiment may use now (its fair share, capped by its quota)",
+            ["experiment"],
+            registry=r,
+        )
+        self.experiments = Gauge(
+            "prm_worker_experiments",
+            "Experiments this worker serves, by state (active: scored; retiring: removed, open groups still scored)",
+            ["state"],
+            registry=r,
+        )
+        self.registry_records = Counter(
+            "prm_worker_registry_records",
+            "Experiment registry records applied, by outcome (declared, removed, refused)",
+            ["outcome"],
+            registry=r,
+        )
         for outcome in ("declared", "removed", "refused"):  # present (at 0) before the first record, for alerts
             self.registry_records.labels(outcome)
         self.lag = Gauge("prm_worker_consumer_lag", "highwater - committed offset", ["topic", "partition"], registry=r)
-        Gauge("prm_worker_ready", "1 once the consumer joined its group and polls (/readyz), 0 before and after",
-              registry=r).set_function(lambda: 1.0 if self.ready else 0.0)
+        Gauge(
+            "prm_worker_ready",
+            "1 once the consumer joined its group and polls (/readyz), 0 before and after",
+            registry=r,
+        ).set_function(lambda: 1.0 if self.ready else 0.0)
         r.register(JudgeCollector())  # the judge servers this process calls (none: nothing exported)
 
         self.last_tick = time.monotonic()
@@ -139,8 +208,9 @@ class WorkerTelemetry:
         try:
             self._server = ThreadingHTTPServer((host, port), Handler)
         except OSError as exc:  # one line naming the setting, exit 2 (prm_pipeline.cli), not a traceback
-            raise port_unavailable(exc, host, port, "worker --metrics-port (worker.metrics_port, "
-                                                    "PRM_WORKER_METRICS_PORT)") from None
+            raise port_unavailable(
+                exc, host, port, "worker --metrics-port (worker.metrics_port, PRM_WORKER_METRICS_PORT)"
+            ) from None
         threading.Thread(target=self._server.serve_forever, name="prm-telemetry", daemon=True).start()
         bound = self._server.server_address[1]
         log_listening(log, "metrics", f"http://{host}:{bound}/metrics")

@@ -108,26 +108,33 @@ class MemberTokens:
         (``worker.verdict_tokens: auto``); None otherwise."""
         if not self.auto:
             return None
-        return {p.result.trajectory_id: TokenRef(partition=p.partition, offset=p.offset)
-                for p in parked if self._located(p)}
+        return {
+            p.result.trajectory_id: TokenRef(partition=p.partition, offset=p.offset) for p in parked if self._located(p)
+        }
 
-    async def members(self, group_id: str, parked: Sequence[ParkedMember], *,
-                      experiment_id: str = DEFAULT_EXPERIMENT) -> list[SessionResult]:
+    async def members(
+        self, group_id: str, parked: Sequence[ParkedMember], *, experiment_id: str = DEFAULT_EXPERIMENT
+    ) -> list[SessionResult]:
         """The parked members as verdict sessions: scored ones with their token turns
         (inline) or their record coordinates (reference). ``group_id`` is the scoped key the
         members were remembered under; their records are in ``experiment_id``'s topic."""
         located = self._located
         if not self.inline:
             return [reference(p.result, p.partition, p.offset) if located(p) else p.result for p in parked]
-        wanted = [Wanted(p.partition, p.offset, p.result.trajectory_id, group_id) for p in parked
-                  if located(p) and (group_id, p.result.trajectory_id) not in self._cache]
+        wanted = [
+            Wanted(p.partition, p.offset, p.result.trajectory_id, group_id)
+            for p in parked
+            if located(p) and (group_id, p.result.trajectory_id) not in self._cache
+        ]
         topic = self._reader.topic_of(experiment_id)
         read = await self._reader.read(wanted, topic=topic) if wanted else {}
         out = []
         for p in parked:
             r = p.result
             if located(p) or self._streamed(p):
-                turns = self._cache.get((group_id, r.trajectory_id)) or read.get((p.partition, p.offset, r.trajectory_id))
+                turns = self._cache.get((group_id, r.trajectory_id)) or read.get(
+                    (p.partition, p.offset, r.trajectory_id)
+                )
                 if turns is None:
                     r = unavailable(r, topic, p.partition, p.offset)
                 else:

@@ -38,8 +38,15 @@ log = logging.getLogger(__name__)
 class TurnSamples:
     """Builds and sends a worker's online turn samples."""
 
-    def __init__(self, producer: AIOKafkaProducer, kafka: KafkaConfig, topics: TopicsConfig, worker_id: str, *,
-                 judge: str = JUDGE_SCORER) -> None:
+    def __init__(
+        self,
+        producer: AIOKafkaProducer,
+        kafka: KafkaConfig,
+        topics: TopicsConfig,
+        worker_id: str,
+        *,
+        judge: str = JUDGE_SCORER,
+    ) -> None:
         self.producer = producer
         self.kafka, self.topics = kafka, topics
         self._created: set[str] = set()  # topics this worker made sure exist
@@ -48,34 +55,75 @@ class TurnSamples:
         self.sent = 0
         self.failed = 0
 
-    async def judged(self, group: str, child: SessionTurn, turn: Interaction, number: int,
-                     results: list[StreamedResult]) -> None:
+    async def judged(
+        self, group: str, child: SessionTurn, turn: Interaction, number: int, results: list[StreamedResult]
+    ) -> None:
         """``turn`` was judged when ``child`` (its next state's turn) arrived."""
         result = next((r for r in results if r.name == self.judge and r.scalar is not None), None)
         if result is None or turn.model_response is None:
             return
         has_next = next((bool(o.value) for o in result.observations if o.metric_id == "has_next_state"), True)
-        await self._send(group, child.session_id, child.trajectory_id, child.group_id, turn, number,
-                         result.scalar or 0.0, has_next, last=False)
+        await self._send(
+            group,
+            child.session_id,
+            child.trajectory_id,
+            child.group_id,
+            turn,
+            number,
+            result.scalar or 0.0,
+            has_next,
+            last=False,
+        )
 
     async def ended(self, group: str, end: SessionEnd, leaves: list[tuple[Interaction, int]]) -> None:
         """The session ended: its last turns (no next state) as excluded samples that close it."""
         for k, (turn, number) in enumerate(leaves):
             if turn.model_response is not None:
-                await self._send(group, end.session_id, end.trajectory_id, end.group_id, turn, number, 0.0, False,
-                                 last=k == len(leaves) - 1)
+                await self._send(
+                    group,
+                    end.session_id,
+                    end.trajectory_id,
+                    end.group_id,
+                    turn,
+                    number,
+                    0.0,
+                    False,
+                    last=k == len(leaves) - 1,
+                )
 
-    async def _send(self, group: str, session_id: str, trajectory_id: str, group_id: str, turn: Interaction,
-                    number: int, score: float, has_next: bool, *, last: bool) -> None:
+    async def _send(
+        self,
+        group: str,
+        session_id: str,
+        trajectory_id: str,
+        group_id: str,
+        turn: Interaction,
+        number: int,
+        score: float,
+        has_next: bool,
+        *,
+        last: bool,
+    ) -> None:
         experiment_id, _ = split_scoped(group)
         mr = turn.model_response
         assert mr is not None
         sample = TurnSample(
-            session_id=session_id, trajectory_id=trajectory_id, group_id=group_id, interaction_id=turn.interaction_id,
-            turn=max(1, number), scorer=self.judge, score=score, has_next_state=has_next,
-            prompt_tokens_raw=bytes(mr.input_tokens_raw), output_tokens_raw=mr.output_tokens_raw,
-            output_logprobs_raw=mr.output_logprobs_raw, last=last, judged_at=time.time(), worker_id=self.worker_id,
-            experiment_id=experiment_id)
+            session_id=session_id,
+            trajectory_id=trajectory_id,
+            group_id=group_id,
+            interaction_id=turn.interaction_id,
+            turn=max(1, number),
+            scorer=self.judge,
+            score=score,
+            has_next_state=has_next,
+            prompt_tokens_raw=bytes(mr.input_tokens_raw),
+            output_tokens_raw=mr.output_tokens_raw,
+            output_logprobs_raw=mr.output_logprobs_raw,
+            last=last,
+            judged_at=time.time(),
+            worker_id=self.worker_id,
+            experiment_id=experiment_id,
+        )
         value, headers = encode(sample)
         topic = turn_samples_topic(self.topics.turn_samples, experiment_id)
         try:
@@ -85,7 +133,12 @@ class TurnSamples:
             await self.producer.send_and_wait(topic, value, key=session_id.encode(), headers=headers)
         except Exception as exc:  # noqa: BLE001 - the verdict does not depend on it: say so, count it
             self.failed += 1
-            log.warning("turn sample of session %r turn %r not sent (%s: %s)", session_id, turn.interaction_id,
-                        type(exc).__name__, exc)
+            log.warning(
+                "turn sample of session %r turn %r not sent (%s: %s)",
+                session_id,
+                turn.interaction_id,
+                type(exc).__name__,
+                exc,
+            )
             return
         self.sent += 1

@@ -53,11 +53,12 @@ def encode_scorers(scorers: list[ScorerInfo]) -> bytes:
     return msgspec.msgpack.encode(scorers)
 
 
-def assemble_verdict(group_id: str, state: GroupState,
-                     members: Sequence[SessionResult | ParkedMember]) -> GroupVerdict:
+def assemble_verdict(group_id: str, state: GroupState, members: Sequence[SessionResult | ParkedMember]) -> GroupVerdict:
     """The verdict for a stored decision. Parked members (:class:`ParkedMember`) stand for
     their results as parked (no token turns); the worker passes sessions with turns."""
-    results: list[SessionResult] = sorted((m.result if isinstance(m, ParkedMember) else m for m in members), key=lambda m: m.trajectory_id)
+    results: list[SessionResult] = sorted(
+        (m.result if isinstance(m, ParkedMember) else m for m in members), key=lambda m: m.trajectory_id
+    )
     group_size = state.group_size
     status: VerdictStatus
     decision = state.decision or "complete"
@@ -106,11 +107,16 @@ def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: in
     always stay, so the trainer sees which group failed and why.
     """
     was = f"; it was {verdict.status}" + (f" ({verdict.reason_code})" if verdict.reason_code else "")
-    what = {1: "token turns", 2: "token turns, branches and turn results",
-            3: "token turns, branches, turn results and error details"}[level]
-    reason = (f"verdict_too_large: the verdict is {size} bytes, over the {max_record_size(limit)} a record may "
-              f"have under kafka.max_message_bytes={limit} "
-              f"({len(verdict.sessions)} sessions){was}; {what} dropped, stats kept")
+    what = {
+        1: "token turns",
+        2: "token turns, branches and turn results",
+        3: "token turns, branches, turn results and error details",
+    }[level]
+    reason = (
+        f"verdict_too_large: the verdict is {size} bytes, over the {max_record_size(limit)} a record may "
+        f"have under kafka.max_message_bytes={limit} "
+        f"({len(verdict.sessions)} sessions){was}; {what} dropped, stats kept"
+    )
 
     def shrink(m: SessionResult) -> SessionResult:
         if level == 1:
@@ -119,14 +125,20 @@ def too_large_verdict(verdict: GroupVerdict, *, size: int, limit: int, level: in
         error = m.error[:200] if level >= 3 and m.error else m.error
         return msgspec.structs.replace(m, turns=[], branches=[], turn_results=[], error=error)
 
-    return msgspec.structs.replace(verdict, status="rejected", reason=reason, reason_code=reasons.VERDICT_TOO_LARGE,
-                                   sessions=[shrink(m) for m in verdict.sessions])
+    return msgspec.structs.replace(
+        verdict,
+        status="rejected",
+        reason=reason,
+        reason_code=reasons.VERDICT_TOO_LARGE,
+        sessions=[shrink(m) for m in verdict.sessions],
+    )
 
 
 def referenced_verdict(verdict: GroupVerdict, refs: Mapping[str, TokenRef]) -> GroupVerdict:
     """``verdict`` with each scored member that carries turns and has a record in ``refs``
     (by trajectory id) naming that record instead (``tokens_at``): what
     ``worker.verdict_tokens: reference`` publishes. Everything else is unchanged."""
+
     def by_reference(m: SessionResult) -> SessionResult:
         ref = refs.get(m.trajectory_id)
         if ref is None or m.status != "scored" or not m.turns:
@@ -136,8 +148,11 @@ def referenced_verdict(verdict: GroupVerdict, refs: Mapping[str, TokenRef]) -> G
     return msgspec.structs.replace(verdict, sessions=[by_reference(m) for m in verdict.sessions])
 
 
-def fit_verdict(verdict: GroupVerdict, limit: int, refs: Mapping[str, TokenRef] | None = None,
-                ) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
+def fit_verdict(
+    verdict: GroupVerdict,
+    limit: int,
+    refs: Mapping[str, TokenRef] | None = None,
+) -> tuple[GroupVerdict, bytes, list[tuple[str, bytes]]]:
     """``verdict`` encoded as a record; when the record would exceed what ``limit``
     (``kafka.max_message_bytes``) lets a record be (:func:`infra.kafka.max_record_size`:
     room for the batch framing and compression's worst case, so that the broker does not

@@ -131,14 +131,22 @@ class _Rebalance(ConsumerRebalanceListener):
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.worker.telemetry.ready = True  # joined the group (even with nothing assigned)
         self.worker._marks.forget(assigned)  # learnt again from the first fetch of this assignment
-        log.info("worker %s assigned %s", self.worker.worker_id, sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+        log.info(
+            "worker %s assigned %s", self.worker.worker_id, sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
+        )
 
 
 class Worker:
     """One scoring worker process. ``await Worker(cfg).run(stop_event)``."""
 
-    def __init__(self, cfg: PipelineConfig, *, worker_id: str | None = None,
-                 concurrency: int | None = None, runner: ScoringRunner | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        *,
+        worker_id: str | None = None,
+        concurrency: int | None = None,
+        runner: ScoringRunner | None = None,
+    ) -> None:
         self.cfg = cfg
         self.worker_id = worker_id or default_worker_id()
         self.telemetry = WorkerTelemetry()
@@ -147,8 +155,12 @@ class Worker:
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
         self._groups = InFlightGroups()
         self.fleet = Fleet(cfg, runner)
-        self.admission = Admission(concurrency or cfg.worker.concurrency, self.fleet, self.telemetry,
-                                   functools.partial(self._spawn, reroute=True))
+        self.admission = Admission(
+            concurrency or cfg.worker.concurrency,
+            self.fleet,
+            self.telemetry,
+            functools.partial(self._spawn, reroute=True),
+        )
         self._registry: RegistryFollower | None = None
         self._view: LedgerView | None = None  # the ledger's read side once open (the heartbeat's)
         self._tokens = MemberTokens(cfg)
@@ -192,7 +204,8 @@ class Worker:
                 self._runner = await PRMRunner.create(cfg.prm, allowed_prefixes=cfg.worker.allowed_scorer_modules)
         log_scorers(log, self.worker_id, self._runner, self._runner.config if self._runner is not None else cfg.prm)
         self.fleet = self.admission.fleet = Fleet(
-            cfg, self._runner, on_refused=lambda _e, _why: self.telemetry.registry_records.labels("refused").inc())
+            cfg, self._runner, on_refused=lambda _e, _why: self.telemetry.registry_records.labels("refused").inc()
+        )
         ledger = GroupLedger.from_config(cfg.redis, dedupe_window_s=cfg.worker.dedupe_window_s)
         ledger.on_finish_error = lambda exc: self.telemetry.finish_failures.labels(type(exc).__name__).inc()
         try:
@@ -202,19 +215,26 @@ class Worker:
             if self._owns_runner and self._runner is not None:
                 await self._runner.aclose()
             raise
-        store = SessionStore(ledger.redis, cfg.redis, idle_s=cfg.worker.session_idle_s,
-                             max_turns=cfg.worker.session_max_turns)
+        store = SessionStore(
+            ledger.redis, cfg.redis, idle_s=cfg.worker.session_idle_s, max_turns=cfg.worker.session_max_turns
+        )
         producer = make_producer(cfg.kafka)
-        self._samples = TurnSamples(producer, cfg.kafka, cfg.topics, self.worker_id) \
-            if cfg.worker.turn_samples else None
-        self._attach(ledger, producer, SessionStreams(
-            store, on_judged=self._samples.judged if self._samples is not None else None))
+        self._samples = (
+            TurnSamples(producer, cfg.kafka, cfg.topics, self.worker_id) if cfg.worker.turn_samples else None
+        )
+        self._attach(
+            ledger,
+            producer,
+            SessionStreams(store, on_judged=self._samples.judged if self._samples is not None else None),
+        )
         self._view = ledger.view
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
-        self._committer = OffsetCommitter(self.consumer, owner=f"worker {self.worker_id}",
-                                          on_failure=lambda exc: self.telemetry.commit_failures.labels(
-                                              type(exc).__name__).inc(),
-                                          min_interval_s=cfg.worker.commit_interval_s)
+        self._committer = OffsetCommitter(
+            self.consumer,
+            owner=f"worker {self.worker_id}",
+            on_failure=lambda exc: self.telemetry.commit_failures.labels(type(exc).__name__).inc(),
+            min_interval_s=cfg.worker.commit_interval_s,
+        )
         await self.producer.start()
         self._registry = RegistryFollower(cfg)
         try:
@@ -255,8 +275,10 @@ class Worker:
         while not stop.is_set():
             self.admission.apply_backpressure(self.consumer)
             self.admission.release_held()
-            batch = await self.consumer.getmany(timeout_ms=self._poll_timeout_ms(next_sweep),
-                                                max_records=min(self.admission.room, self.cfg.worker.poll_max_records))
+            batch = await self.consumer.getmany(
+                timeout_ms=self._poll_timeout_ms(next_sweep),
+                max_records=min(self.admission.room, self.cfg.worker.poll_max_records),
+            )
             records = [r for rs in batch.values() for r in rs]
             # the first highwater known since the assignment: no previous owner read at or past it
             self._marks.learn(self.consumer.assignment(), self.consumer.highwater)
@@ -264,8 +286,11 @@ class Worker:
                 await self._dispatch(records)
             # Background steps: polling never waits for them, a rebalance may land at any of
             # their awaits, and one that fails is logged and counted and runs again later.
-            if (self._committing is None or self._committing.done()) and not self._committer.busy \
-                    and self._committer.due:
+            if (
+                (self._committing is None or self._committing.done())
+                and not self._committer.busy
+                and self._committer.due
+            ):
                 self._committing = self._background("commit", self._committer.commit(routine=True))
             now = time.monotonic()
             if now >= next_sweep and (sweeper is None or sweeper.done()):
@@ -303,8 +328,14 @@ class Worker:
             if task.cancelled() or (exc := task.exception()) is None:
                 return
             self.telemetry.background_errors.labels(step, type(exc).__name__).inc()
-            log.error("worker %s: background step %r failed (%s: %s); the worker goes on and the step runs again",
-                      self.worker_id, step, type(exc).__name__, exc, exc_info=exc)
+            log.error(
+                "worker %s: background step %r failed (%s: %s); the worker goes on and the step runs again",
+                self.worker_id,
+                step,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
 
         task.add_done_callback(done)
         return task
@@ -355,8 +386,11 @@ class Worker:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=self.cfg.worker.drain_timeout_s)
             if pending:
-                log.warning("worker %s: %d records still running after drain timeout; "
-                            "they will be redelivered", self.worker_id, len(pending))
+                log.warning(
+                    "worker %s: %d records still running after drain timeout; they will be redelivered",
+                    self.worker_id,
+                    len(pending),
+                )
         self.admission.forget_held(tps)  # not started: the next owner reads them again
         await self._committer.revoke(tps)  # waits for a background commit in flight first
         self._chunks.drop(tps)  # partial chunked trajectories are replayed from the committed offset
@@ -394,11 +428,20 @@ class Worker:
                 continue
             _, experiment = self._served(group)
             result = SessionResult.failure(
-                code=reasons.SESSION_IDLE, session_id=session_id or trajectory_id, trajectory_id=trajectory_id,
+                code=reasons.SESSION_IDLE,
+                session_id=session_id or trajectory_id,
+                trajectory_id=trajectory_id,
                 detail=f"streamed session {session_id!r} received no record for {idle_s:.0f}s "
-                       f"(worker.session_idle_s={store.idle_s:g}) and never ended", scored_at=time.time())
-            ((_, decision),) = await self.ledger.park_many([ParkRequest(
-                result, group, group_size, experiment.group_timeout_s, self.worker_id, experiment.scorers_blob)])
+                f"(worker.session_idle_s={store.idle_s:g}) and never ended",
+                scored_at=time.time(),
+            )
+            ((_, decision),) = await self.ledger.park_many(
+                [
+                    ParkRequest(
+                        result, group, group_size, experiment.group_timeout_s, self.worker_id, experiment.scorers_blob
+                    )
+                ]
+            )
             if decision is not None:
                 await self.publisher.publish(decision)
             await self.streams.close(group, trajectory_id)
@@ -445,13 +488,18 @@ class Worker:
                 job.probe = ProbeOutcome.NEW  # new to everyone: the park re-checks
         self.ledger.expect([(j.group, j.message.trajectory_id) for j in ready if j.probe is ProbeOutcome.NEW])
         if probed:
+
             def on_retry(exc: BaseException, _attempt: int, delay: float) -> None:
                 self.telemetry.retries.labels(type(exc).__name__).inc()
-                log.warning("worker %s: transient %s during probe, retrying in %.2fs", self.worker_id,
-                            type(exc).__name__, delay)
+                log.warning(
+                    "worker %s: transient %s during probe, retrying in %.2fs", self.worker_id, type(exc).__name__, delay
+                )
 
-            answers = await CALL_RETRY.run(lambda: self.ledger.probe_many(
-                [(j.group, j.message.trajectory_id) for j in probed]), what="probe", on_retry=on_retry)
+            answers = await CALL_RETRY.run(
+                lambda: self.ledger.probe_many([(j.group, j.message.trajectory_id) for j in probed]),
+                what="probe",
+                on_retry=on_retry,
+            )
             for job, answer in zip(probed, answers):
                 job.probe = answer
         self.telemetry.probes.labels("probed").inc(len(probed))
@@ -493,7 +541,8 @@ class Worker:
         if not isinstance(job, ReadyJob) or job.behind_discard:
             await job.wait_earlier()
         self.telemetry.experiment_records.labels(
-            route.experiment_id if route.experiment is not None else UNKNOWN_LABEL, job.kind).inc()
+            route.experiment_id if route.experiment is not None else UNKNOWN_LABEL, job.kind
+        ).inc()
         # Not RECORD_RETRY.run: this loop also retries permanent errors (up to
         # worker.max_attempts, then dead-letters the record), counts every attempt as
         # consumed, keeps the attempt on the job and drops the job's probe before a retry;
@@ -510,14 +559,27 @@ class Worker:
                 if RECORD_RETRY.retryable(exc):
                     self.telemetry.retries.labels(type(exc).__name__).inc()
                     delay = RECORD_RETRY.delay(job.attempt)
-                    log.warning("worker %s: transient %s on %s:%d offset %d (attempt %d), retrying in %.2fs",
-                                self.worker_id, type(exc).__name__, record.topic, record.partition, record.offset,
-                                job.attempt, delay)
+                    log.warning(
+                        "worker %s: transient %s on %s:%d offset %d (attempt %d), retrying in %.2fs",
+                        self.worker_id,
+                        type(exc).__name__,
+                        record.topic,
+                        record.partition,
+                        record.offset,
+                        job.attempt,
+                        delay,
+                    )
                     await asyncio.sleep(delay)
                     continue
                 # a bug or poison record: retry a little, then dead-letter it
-                log.exception("worker %s: failed processing %s:%d offset %d (attempt %d)",
-                              self.worker_id, record.topic, record.partition, record.offset, job.attempt)
+                log.exception(
+                    "worker %s: failed processing %s:%d offset %d (attempt %d)",
+                    self.worker_id,
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                    job.attempt,
+                )
                 if job.attempt >= self.cfg.worker.max_attempts:
                     error = exc if isinstance(exc, SchemaError) else ProcessingError(exc)
                     await self._dead_letter(record, error, job.attempt, group_id=route.scoped)
@@ -536,8 +598,12 @@ class Worker:
             case EndJob(route=Routed(experiment=Experiment() as experiment)) if self.streams is not None:
                 await self._handle_end(job, experiment)
             case TurnJob() | EndJob() if self.streams is None:  # a worker built without Redis (unit tests)
-                await self._dead_letter(job.record, InvalidMessage("this worker does not take streamed sessions"),
-                                        job.attempt, group_id=job.route.scoped)
+                await self._dead_letter(
+                    job.record,
+                    InvalidMessage("this worker does not take streamed sessions"),
+                    job.attempt,
+                    group_id=job.route.scoped,
+                )
             case DiscardJob(route=Routed(experiment=Experiment()), message=discard):
                 await self._decide(job.group, DecisionKind.DISCARD, discard_reason=discard.reason or "discarded")
             case ReadyJob() | DiscardJob() | TurnJob() | EndJob():  # names an experiment this worker does not serve
@@ -555,8 +621,9 @@ class Worker:
             self._tokens.remember(group, traj.trajectory_id, job.result.turns)
         await self._park(job, traj.group_size, experiment, job.record.partition, job.record.offset)
 
-    async def _park(self, job: ReadyJob | EndJob, group_size: int, experiment: Experiment, partition: int,
-                    offset: int) -> None:
+    async def _park(
+        self, job: ReadyJob | EndJob, group_size: int, experiment: Experiment, partition: int, offset: int
+    ) -> None:
         """Park ``job.result``, then settle what the ledger answered."""
         assert job.result is not None
         if job.result.status == "failed":
@@ -564,9 +631,20 @@ class Worker:
             # before it go first, so the verdict lists them with their stats.
             await job.wait_earlier()
         result = msgspec.structs.replace(job.result, consumed_at=job.consumed_at, parked_at=time.time())
-        ((outcome, decision),) = await self.ledger.park_many([ParkRequest(
-            result, job.group, group_size, experiment.group_timeout_s, self.worker_id, experiment.scorers_blob,
-            partition, offset)])
+        ((outcome, decision),) = await self.ledger.park_many(
+            [
+                ParkRequest(
+                    result,
+                    job.group,
+                    group_size,
+                    experiment.group_timeout_s,
+                    self.worker_id,
+                    experiment.scorers_blob,
+                    partition,
+                    offset,
+                )
+            ]
+        )
         await self._settle_park(job, outcome, decision)
 
     async def _handle_turn(self, job: TurnJob, experiment: Experiment) -> None:
@@ -616,12 +694,18 @@ class Worker:
             await self._samples.ended(group, end, self.streams.last_turns(group, end.trajectory_id))
         await self.streams.close(group, end.trajectory_id)
 
-    async def _score(self, traj: ReadyTrajectory, experiment: Experiment | None = None,
-                     reuse: Reuse | None = None) -> SessionResult:
+    async def _score(
+        self, traj: ReadyTrajectory, experiment: Experiment | None = None, reuse: Reuse | None = None
+    ) -> SessionResult:
         experiment = experiment or self.fleet.get(DEFAULT_EXPERIMENT) or self.fleet.retired(DEFAULT_EXPERIMENT)
         t0 = time.perf_counter()
-        result = await score_member(experiment.runner, traj, timeout_s=self.cfg.worker.scorer_timeout_s,
-                                    keep_channels=self.cfg.worker.keep_scorer_channels, reuse=reuse)
+        result = await score_member(
+            experiment.runner,
+            traj,
+            timeout_s=self.cfg.worker.scorer_timeout_s,
+            keep_channels=self.cfg.worker.keep_scorer_channels,
+            reuse=reuse,
+        )
         if result.status == "failed":  # the member fails; the group will be rejected
             self.telemetry.member_failures.labels(reasons.metric_label("failed", result.failure_code)).inc()
             log.info("group=%s traj=%s: scoring failed: %s", traj.group_id, traj.trajectory_id, result.error)
@@ -630,22 +714,29 @@ class Worker:
             self.telemetry.scored.inc()
         return result
 
-    async def _dead_letter(self, record: ConsumerRecord, error: BaseException, attempt: int, *,
-                           group_id: str | None = None) -> None:
+    async def _dead_letter(
+        self, record: ConsumerRecord, error: BaseException, attempt: int, *, group_id: str | None = None
+    ) -> None:
         """Dead-letter ``record`` (:meth:`Publisher.dead_letter`), then reject the (scoped) group
         its key names (``invalid_member``) instead of letting it wait for its deadline."""
         letter = await self.publisher.dead_letter(record, error, attempt)
         if group_id is not None:
-            reason = (f"invalid_member: record {record.topic}:{record.partition}@{record.offset} was dead-lettered "
-                      f"({letter.error_class}: {letter.error_message[:200]})")
+            reason = (
+                f"invalid_member: record {record.topic}:{record.partition}@{record.offset} was dead-lettered "
+                f"({letter.error_class}: {letter.error_message[:200]})"
+            )
             await self._decide(group_id, DecisionKind.INVALID, discard_reason=reason)
 
     async def _decide(self, group_id: str, kind: DecisionKind, *, discard_reason: str = "") -> None:
         """Decide the (scoped) group ``group_id``, then settle what the ledger answered."""
         _, experiment = self._served(group_id)
         decision = await self.ledger.decide(
-            group_id, kind, worker_id=self.worker_id, scorers=experiment.scorers_blob,
-            discard_reason=discard_reason, group_timeout_s=experiment.group_timeout_s,
+            group_id,
+            kind,
+            worker_id=self.worker_id,
+            scorers=experiment.scorers_blob,
+            discard_reason=discard_reason,
+            group_timeout_s=experiment.group_timeout_s,
             republish_grace_s=self.cfg.worker.republish_grace_s,
         )
         await self._settle_decision(decision)
@@ -660,8 +751,9 @@ class Worker:
             case ProbeOutcome.DUPLICATE:
                 if self._tokens.inline and isinstance(job, ReadyJob):
                     with contextlib.suppress(NotConcatExport):  # the record in hand spares reading its tokens back
-                        self._tokens.remember(job.group, job.message.trajectory_id,
-                                              compact_turns(job.message.interactions))
+                        self._tokens.remember(
+                            job.group, job.message.trajectory_id, compact_turns(job.message.interactions)
+                        )
                 await self._decide(job.group, DecisionKind.COMPLETE)
             case ProbeOutcome.DECIDED:
                 await self.ledger.nudge(job.group, self.cfg.worker.republish_grace_s)
@@ -701,11 +793,20 @@ class Worker:
     def _acknowledged(self, job: ReadyJob | EndJob | TurnJob, *, duplicate: bool, at_park: bool) -> None:
         """``job`` is acknowledged without being scored (again): counted as deduplicated, and said (throttled)."""
         self.telemetry.deduplicated.inc()
-        what = ("already scored (a redelivery or a re-published record)" if duplicate
-                else "its group is already decided (a re-published or redriven record"
-                + (", or decided while it was scored)" if at_park else ")"))
-        self._duplicates_log.log(logging.INFO, "group=%s traj=%s: duplicate acknowledged%s, %s",
-                                 job.message.group_id, job.message.trajectory_id, " at park" if at_park else "", what)
+        what = (
+            "already scored (a redelivery or a re-published record)"
+            if duplicate
+            else "its group is already decided (a re-published or redriven record"
+            + (", or decided while it was scored)" if at_park else ")")
+        )
+        self._duplicates_log.log(
+            logging.INFO,
+            "group=%s traj=%s: duplicate acknowledged%s, %s",
+            job.message.group_id,
+            job.message.trajectory_id,
+            " at park" if at_park else "",
+            what,
+        )
 
 
 async def _unless_stopped(coro: Any, stop: asyncio.Event) -> bool:

@@ -162,7 +162,11 @@ class ExportedGroup(Mapping[str, Tensor]):
     is_eval: bool = False
 
     FILTER_KEYS: ClassVar[tuple[str, ...]] = (
-        "original_rewards", "token_rewards", "loss_mask", "attention_mask", "is_truncated",
+        "original_rewards",
+        "token_rewards",
+        "loss_mask",
+        "attention_mask",
+        "is_truncated",
     )
 
     def __getitem__(self, key: str) -> Tensor:
@@ -206,11 +210,13 @@ def turns_from_interactions(
     try:
         return compact_turns(interactions)
     except TreeError as exc:
-        raise ConcatExportError(f"interaction tree is invalid: {exc}", reason="bad_tree",
-                                group_id=group_id, session_id=session_id) from None
+        raise ConcatExportError(
+            f"interaction tree is invalid: {exc}", reason="bad_tree", group_id=group_id, session_id=session_id
+        ) from None
     except NotConcatExport as exc:
-        raise ConcatExportError(exc.detail, reason=exc.reason, group_id=group_id, session_id=session_id,
-                                interaction_id=exc.interaction_id) from None
+        raise ConcatExportError(
+            exc.detail, reason=exc.reason, group_id=group_id, session_id=session_id, interaction_id=exc.interaction_id
+        ) from None
 
 
 def _export_branch(
@@ -257,7 +263,9 @@ def _export_branch(
             if tr.length != stop - start:
                 raise ConcatExportError(
                     f"token rewards have length {tr.length} but the turn generated {stop - start} tokens",
-                    reason="reward_length", group_id=group_id, session_id=sid,
+                    reason="reward_length",
+                    group_id=group_id,
+                    session_id=sid,
                     interaction_id=t.interaction_id,
                 )
             token_rewards[start:stop] = tr.to_numpy()
@@ -271,7 +279,9 @@ def _export_branch(
                     f"channel of scorer {scorer!r} has "
                     + ("no rewards" if tr is None else f"{tr.length} rewards")
                     + f" for a turn that generated {stop - start} tokens",
-                    reason="channel_mismatch", group_id=group_id, session_id=sid,
+                    reason="channel_mismatch",
+                    group_id=group_id,
+                    session_id=sid,
                     interaction_id=t.interaction_id,
                 )
             values[start:stop] = tr.to_numpy()
@@ -306,20 +316,23 @@ def export_session(
     if session.status != "scored":
         raise ConcatExportError(
             f"is {session.status!r} inside an accepted verdict; every member must be scored",
-            reason="session_not_scored", group_id=group_id, session_id=sid,
+            reason="session_not_scored",
+            group_id=group_id,
+            session_id=sid,
         )
     if session.outcome_reward is None:
-        raise ConcatExportError("has no outcome_reward", reason="missing_outcome",
-                                group_id=group_id, session_id=sid)
+        raise ConcatExportError("has no outcome_reward", reason="missing_outcome", group_id=group_id, session_id=sid)
     tree = list(session.turns if turns is None else turns)
     if not tree:
-        raise ConcatExportError("carries no turns to export", reason="no_interactions",
-                                group_id=group_id, session_id=sid)
+        raise ConcatExportError(
+            "carries no turns to export", reason="no_interactions", group_id=group_id, session_id=sid
+        )
     try:
         paths = branches(tree)
     except TreeError as exc:
-        raise ConcatExportError(f"interaction tree is invalid: {exc}", reason="bad_tree",
-                                group_id=group_id, session_id=sid) from None
+        raise ConcatExportError(
+            f"interaction tree is invalid: {exc}", reason="bad_tree", group_id=group_id, session_id=sid
+        ) from None
     outcome = float(session.outcome_reward)
     if not session.branches:  # scoring disabled: every branch, no process rewards
         return [_export_branch(path, {}, session, group_id, outcome) for path in paths]
@@ -331,14 +344,24 @@ def export_session(
     rows: list[ExportedRow] = []
     seen: set[str] = set()
     for i, result in enumerate(session.branches):
-        rows.append(_export_branch(_branch_path(result, by_leaf, seen, group_id, sid),
-                                   result.token_rewards, session, group_id, outcome,
-                                   result.channels, blocks[i] if blocks else None))
+        rows.append(
+            _export_branch(
+                _branch_path(result, by_leaf, seen, group_id, sid),
+                result.token_rewards,
+                session,
+                group_id,
+                outcome,
+                result.channels,
+                blocks[i] if blocks else None,
+            )
+        )
     missing = sorted(set(by_leaf) - seen)
     if missing:
         raise ConcatExportError(
             f"branch results cover leaves {sorted(seen)} but the tree also has leaves {missing}",
-            reason="branch_mismatch", group_id=group_id, session_id=sid,
+            reason="branch_mismatch",
+            group_id=group_id,
+            session_id=sid,
         )
     return rows
 
@@ -352,7 +375,9 @@ def _branch_path(
         raise ConcatExportError(
             f"branch result for leaf {result.leaf_id!r} (path {list(result.path)}) is not a "
             f"root-to-leaf path of the interaction tree, or is listed twice",
-            reason="branch_mismatch", group_id=group_id, session_id=sid,
+            reason="branch_mismatch",
+            group_id=group_id,
+            session_id=sid,
             interaction_id=result.leaf_id,
         )
     seen.add(result.leaf_id)
@@ -437,7 +462,13 @@ class TrainingBatch:
     turn_results: list[Mapping[str, tuple[PRMTurnResult, ...]]] = field(default_factory=list)
 
     _TENSORS: ClassVar[tuple[str, ...]] = (
-        "input_ids", "attention_mask", "loss_mask", "logprobs", "token_rewards", "turn_index", "rewards",
+        "input_ids",
+        "attention_mask",
+        "loss_mask",
+        "logprobs",
+        "token_rewards",
+        "turn_index",
+        "rewards",
         "is_truncated",
     )
 
@@ -471,14 +502,15 @@ class TrainingBatch:
         return dataclasses.replace(self, **moved)
 
 
-def _pad(rows: Sequence[ExportedRow], field: str | None, dtype: type, fill: Any = 0,
-         width: int | None = None) -> np.ndarray:
+def _pad(
+    rows: Sequence[ExportedRow], field: str | None, dtype: type, fill: Any = 0, width: int | None = None
+) -> np.ndarray:
     """``[len(rows), width]`` of one row field, right-padded with ``fill`` (``field=None``: the
     attention mask, ``fill`` on each row's tokens). ``width`` defaults to the longest row."""
     width = max((row.length for row in rows), default=0) if width is None else width
     out: np.ndarray = np.full((len(rows), width), 0 if field is None else fill, dtype=dtype)
     for i, row in enumerate(rows):
-        out[i, :row.length] = fill if field is None else getattr(row, field)
+        out[i, : row.length] = fill if field is None else getattr(row, field)
     return out
 
 
@@ -508,7 +540,7 @@ def collate(
     for name in names:
         values = channels[name] = np.zeros((len(rows), width), dtype=np.float32)
         for i, row in enumerate(rows):
-            values[i, :row.length] = row.channels[name]
+            values[i, : row.length] = row.channels[name]
     tensor = torch.from_numpy
     return TrainingBatch(
         input_ids=tensor(_pad(rows, "input_ids", np.int64, pad_token_id, width)),
@@ -541,8 +573,12 @@ def build_training_batch(
     Raises :class:`ConcatExportError` for a trajectory that breaks the concat layout and
     :class:`ValueError` for a verdict that is not accepted.
     """
-    return collate([export_group(v) for v in verdicts], pad_token_id=pad_token_id,
-                   pad_to_multiple_of=pad_to_multiple_of, metrics=metrics)
+    return collate(
+        [export_group(v) for v in verdicts],
+        pad_token_id=pad_token_id,
+        pad_to_multiple_of=pad_to_multiple_of,
+        metrics=metrics,
+    )
 
 
 def resolve_device(name: str | torch.device | None) -> torch.device:

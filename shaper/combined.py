@@ -98,9 +98,7 @@ def _check(opd: Tensor, turn_scores: Tensor, turn_index: Tensor, loss_mask: Tens
         lo, hi = (int(v) for v in turn_index.aminmax())
         k = turn_scores.shape[1]
         if lo < -1 or hi >= k:
-            raise ShapingInputError(
-                f"turn_index must lie in [-1, K) with K = {k} turns; found values in [{lo}, {hi}]"
-            )
+            raise ShapingInputError(f"turn_index must lie in [-1, K) with K = {k} turns; found values in [{lo}, {hi}]")
 
 
 def _token_turns(turn_scores: Tensor, turn_index: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -110,9 +108,7 @@ def _token_turns(turn_scores: Tensor, turn_index: Tensor, loss_mask: Tensor) -> 
     return active, turn_index.clamp(min=0).to(torch.long)
 
 
-def prm_weighted_opd(
-    opd_token_signals: Tensor, turn_scores: Tensor, turn_index: Tensor, loss_mask: Tensor
-) -> Tensor:
+def prm_weighted_opd(opd_token_signals: Tensor, turn_scores: Tensor, turn_index: Tensor, loss_mask: Tensor) -> Tensor:
     """``turn_scores[b, turn_index[b, t]] * opd_token_signals[b, t]`` on active positions, else 0.
 
     Returns a new ``[B, T]`` tensor with ``opd_token_signals``' dtype and device.

@@ -45,17 +45,18 @@ def _turn_scores(batch: TrainingBatch, judge_scorer: str) -> Tensor:
     return turn_scores_from_tokens(batch.channels[judge_scorer], turn_index, num_turns)
 
 
-def prm_weighted_opd_signal(batch: TrainingBatch, loss_mask: Tensor, *, judge_scorer: str, opd_scorer: str,
-                            table: JudgeTurnTable | None = None) -> Tensor:
+def prm_weighted_opd_signal(
+    batch: TrainingBatch, loss_mask: Tensor, *, judge_scorer: str, opd_scorer: str, table: JudgeTurnTable | None = None
+) -> Tensor:
     """``prm_weighted_opd``: turn score x OPD token signal."""
     del table  # turn scores come from the judge's channel
     _require_channels(batch, "prm_weighted_opd", judge_scorer, opd_scorer)
-    return prm_weighted_opd(batch.channels[opd_scorer], _turn_scores(batch, judge_scorer), batch.turn_index,
-                            loss_mask)
+    return prm_weighted_opd(batch.channels[opd_scorer], _turn_scores(batch, judge_scorer), batch.turn_index, loss_mask)
 
 
-def prm_gated_opd_signal(batch: TrainingBatch, loss_mask: Tensor, *, judge_scorer: str, opd_scorer: str,
-                         table: JudgeTurnTable | None = None) -> Tensor:
+def prm_gated_opd_signal(
+    batch: TrainingBatch, loss_mask: Tensor, *, judge_scorer: str, opd_scorer: str, table: JudgeTurnTable | None = None
+) -> Tensor:
     """``prm_gated_opd``: OPD signals up to the first bad turn, a ``-1`` penalty there, 0 after.
 
     Turns without a next state are unjudged (``turn_mask``), from the judge's
@@ -65,19 +66,26 @@ def prm_gated_opd_signal(batch: TrainingBatch, loss_mask: Tensor, *, judge_score
     _require_channels(batch, "prm_gated_opd", judge_scorer, opd_scorer)
     if table is None:
         table = judge_turn_table(batch, judge_scorer, needed_by="trainer.combined_mode prm_gated_opd")
-    return prm_gated_opd(batch.channels[opd_scorer], _turn_scores(batch, judge_scorer), batch.turn_index,
-                         loss_mask, turn_mask=table.judged & table.has_next_state)
+    return prm_gated_opd(
+        batch.channels[opd_scorer],
+        _turn_scores(batch, judge_scorer),
+        batch.turn_index,
+        loss_mask,
+        turn_mask=table.judged & table.has_next_state,
+    )
 
 
-def openclaw_combine_advantage(batch: TrainingBatch, loss_mask: Tensor, *, judge_scorer: str, opd_scorer: str,
-                               table: JudgeTurnTable | None = None) -> tuple[Tensor, Tensor]:
+def openclaw_combine_advantage(
+    batch: TrainingBatch, loss_mask: Tensor, *, judge_scorer: str, opd_scorer: str, table: JudgeTurnTable | None = None
+) -> tuple[Tensor, Tensor]:
     """``openclaw_combine``: :func:`shaper.combined.openclaw_combine`'s ``(advantages, loss_mask)``;
     the scorers' weights already scale the channels, so they play ``w_rl`` (judge) and ``w_opd`` (OPD)."""
     del table
     _require_channels(batch, "openclaw_combine", judge_scorer, opd_scorer)
     hinted = ~unhinted_turns(batch, opd_scorer)
-    return openclaw_combine(batch.channels[opd_scorer], _turn_scores(batch, judge_scorer), hinted,
-                            batch.turn_index, loss_mask)
+    return openclaw_combine(
+        batch.channels[opd_scorer], _turn_scores(batch, judge_scorer), hinted, batch.turn_index, loss_mask
+    )
 
 
 def combined_token_signal(

@@ -43,7 +43,8 @@ Dedupe guarantees, in layers:
 * **within one instance** (also across :meth:`~VerdictConsumer.stop` /
   :meth:`~VerdictConsumer.start` and rebalances): a group is handed out at most once.
   Every processed key stays in an in-memory seen-set (bounded by
-  ``trainer.dedupe_max_seen``, oldest evicted first) until the instance is dropped; redelivered copies of groups already handed out are
+  ``trainer.dedupe_max_seen``, oldest evicted first) until the instance is dropped; redelivered copies of groups
+  already handed out are
   counted as duplicates and acknowledged.
 * **across restarts**, only with a durable :class:`DedupeStore` (``dedupe_store=`` a
   path, :class:`SqliteDedupeStore`): keys are written to it when their records are
@@ -298,7 +299,9 @@ class VerdictConsumer:
         self.wait_log_every_s = 30.0
         self.max_seen = max(1, int(max_seen if max_seen is not None else cfg.trainer.dedupe_max_seen))
         self._overrides = dict(consumer_overrides or {})
-        self.max_policy_lag: int | None = cfg.trainer.max_policy_lag if max_policy_lag is _FROM_CONFIG else max_policy_lag
+        self.max_policy_lag: int | None = (
+            cfg.trainer.max_policy_lag if max_policy_lag is _FROM_CONFIG else max_policy_lag
+        )
         if self.max_policy_lag is not None and self.max_policy_lag < 0:
             raise ConfigError(f"max_policy_lag must be >= 0 or None, got {self.max_policy_lag}")
         self.policy_version: int | None = None  # the trainer's current policy (set_policy_version)
@@ -439,7 +442,9 @@ class VerdictConsumer:
             remaining = None if idle_timeout_s is None else idle_timeout_s - (time.monotonic() - last_activity)
             if remaining is not None and remaining <= 0:
                 return self._emit(len(self._buffer)) if flush_partial and self._buffer else None
-            timeout_ms = self.poll_timeout_ms if remaining is None else max(1, min(self.poll_timeout_ms, int(remaining * 1000)))
+            timeout_ms = (
+                self.poll_timeout_ms if remaining is None else max(1, min(self.poll_timeout_ms, int(remaining * 1000)))
+            )
             # Fetch no more than the batch still needs: the client prefetches, so this
             # costs no round trips, and each batch's metrics cover the verdicts read for it.
             want = self.batch_groups - len(self._buffer)
@@ -453,10 +458,19 @@ class VerdictConsumer:
     def _log_waiting(self, idle_timeout_s: float | None) -> None:
         """Say why no batch comes yet: a trainer that prints nothing looks hung."""
         need = self.batch_groups - len(self._buffer)
-        then = (f"a partial batch goes after {idle_timeout_s:g}s without a verdict" if idle_timeout_s is not None
-                else "an idle timeout (trainer --idle-timeout S) would train on a partial batch")
-        log.info("waiting for %d more group%s to fill a batch of %d (%d buffered); %s", need,
-                 "" if need == 1 else "s", self.batch_groups, len(self._buffer), then)
+        then = (
+            f"a partial batch goes after {idle_timeout_s:g}s without a verdict"
+            if idle_timeout_s is not None
+            else "an idle timeout (trainer --idle-timeout S) would train on a partial batch"
+        )
+        log.info(
+            "waiting for %d more group%s to fill a batch of %d (%d buffered); %s",
+            need,
+            "" if need == 1 else "s",
+            self.batch_groups,
+            len(self._buffer),
+            then,
+        )
 
     async def batches(
         self,
@@ -496,8 +510,13 @@ class VerdictConsumer:
         for group, ticket in self._buffer:
             if self._too_old(ticket.policy_version):
                 self.metrics.count("filter/stale")
-                log.info("group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
-                         ticket.key[1], ticket.policy_version, self.max_policy_lag, self.policy_version)
+                log.info(
+                    "group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
+                    ticket.key[1],
+                    ticket.policy_version,
+                    self.max_policy_lag,
+                    self.policy_version,
+                )
                 if self._committer is not None:
                     self._committer.tracker.finish(ticket.tp, ticket.offset)
                 self._to_store.append(ticket.key)
@@ -506,8 +525,12 @@ class VerdictConsumer:
         self._buffer = kept
 
     def _too_old(self, version: int | None) -> bool:
-        return (self.max_policy_lag is not None and self.policy_version is not None and version is not None
-                and self.policy_version - version > self.max_policy_lag)
+        return (
+            self.max_policy_lag is not None
+            and self.policy_version is not None
+            and version is not None
+            and self.policy_version - version > self.max_policy_lag
+        )
 
     @property
     def buffered_groups(self) -> int:
@@ -557,8 +580,14 @@ class VerdictConsumer:
             return decode_verdict(record.value, record.headers)
         except SchemaError as exc:
             self.metrics.count("verdicts/undecodable")
-            log.error("undecodable verdict at %s:%d offset %d skipped: %s: %s",
-                      record.topic, record.partition, record.offset, type(exc).__name__, exc)
+            log.error(
+                "undecodable verdict at %s:%d offset %d skipped: %s: %s",
+                record.topic,
+                record.partition,
+                record.offset,
+                type(exc).__name__,
+                exc,
+            )
             return None
 
     async def _read_tokens(self, decoded: list[tuple[ConsumerRecord, TopicPartition, GroupVerdict | None]]) -> None:
@@ -566,18 +595,32 @@ class VerdictConsumer:
 
         Only those can become rows; a broker outage is retried with backoff (the records
         are not begun yet, so a stop meanwhile leaves them for redelivery)."""
-        todo = [i for i, (_, _, v) in enumerate(decoded) if v is not None and v.status == "accepted"
-                and needs_tokens(v) and v.experiment_id == self.experiment
-                and not self._is_duplicate((v.experiment_id, v.group_id, v.verdict_version))]
+        todo = [
+            i
+            for i, (_, _, v) in enumerate(decoded)
+            if v is not None
+            and v.status == "accepted"
+            and needs_tokens(v)
+            and v.experiment_id == self.experiment
+            and not self._is_duplicate((v.experiment_id, v.group_id, v.verdict_version))
+        ]
         if not todo:
             return
+
         def on_retry(exc: BaseException, _attempt: int, delay: float) -> None:
-            log.warning("reading members' tokens back from %s failed (%s: %s); retrying in %.1fs",
-                        trajectories_topic(self.cfg.topics.trajectories, self.experiment), type(exc).__name__,
-                        exc, delay)
+            log.warning(
+                "reading members' tokens back from %s failed (%s: %s); retrying in %.1fs",
+                trajectories_topic(self.cfg.topics.trajectories, self.experiment),
+                type(exc).__name__,
+                exc,
+                delay,
+            )
+
         resolved = await TOKENS_RETRY.run(
             lambda: self._tokens.resolve([decoded[i][2] for i in todo]),  # type: ignore[misc]
-            what="reading members' tokens back", on_retry=on_retry)
+            what="reading members' tokens back",
+            on_retry=on_retry,
+        )
         for i, verdict in zip(todo, resolved):
             decoded[i] = (decoded[i][0], decoded[i][1], verdict)
 
@@ -588,16 +631,29 @@ class VerdictConsumer:
             m.count("verdicts/wrong_experiment")
             self.wrong_experiment += 1
             if self._wrong_experiment_warning.due():
-                log.warning("verdict of group %s of experiment %r at %s:%d offset %d skipped: this trainer trains "
-                            "experiment %r (it was published to the wrong topic; %d such verdicts so far)",
-                            verdict.group_id, verdict.experiment_id, record.topic, record.partition, record.offset,
-                            self.experiment, self.wrong_experiment)
+                log.warning(
+                    "verdict of group %s of experiment %r at %s:%d offset %d skipped: this trainer trains "
+                    "experiment %r (it was published to the wrong topic; %d such verdicts so far)",
+                    verdict.group_id,
+                    verdict.experiment_id,
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                    self.experiment,
+                    self.wrong_experiment,
+                )
             return False
         key: DedupeKey = (verdict.experiment_id, verdict.group_id, verdict.verdict_version)
         if self._is_duplicate(key):
             m.count("verdicts/duplicate")
-            log.debug("group %s v%d: duplicate verdict at %s:%d offset %d skipped",
-                      key[1], key[2], record.topic, record.partition, record.offset)
+            log.debug(
+                "group %s v%d: duplicate verdict at %s:%d offset %d skipped",
+                key[1],
+                key[2],
+                record.topic,
+                record.partition,
+                record.offset,
+            )
             return False
         self._remember(key)
         m.observe(verdict)
@@ -613,13 +669,23 @@ class VerdictConsumer:
         """Export and filter an accepted verdict; None when it contributes no rows."""
         m = self.metrics
         if verdict.status != "accepted":
-            log.info("group %s %s (%s: %s): not trained on", verdict.group_id, verdict.status,
-                     verdict.reason_code or "-", verdict.reason)
+            log.info(
+                "group %s %s (%s: %s): not trained on",
+                verdict.group_id,
+                verdict.status,
+                verdict.reason_code or "-",
+                verdict.reason,
+            )
             return None
         if self._too_old(version):
             m.count("filter/stale")
-            log.info("group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
-                     verdict.group_id, version, self.max_policy_lag, self.policy_version)
+            log.info(
+                "group %s: policy v%s is more than %d versions behind v%d, dropped (stale)",
+                verdict.group_id,
+                version,
+                self.max_policy_lag,
+                self.policy_version,
+            )
             return None
         try:
             group = export_group(verdict)
@@ -694,4 +760,3 @@ class VerdictConsumer:
         self._buffer = kept
         if self._committer is not None:
             await self._committer.revoke(revoked)
-

@@ -90,8 +90,9 @@ class JudgeTurnTable:
         return JudgeTurnTable(self.scores.to(device), self.has_next_state.to(device), self.judged.to(device))
 
 
-def judge_turn_table(batch: TrainingBatch, scorer: str = JUDGE_SCORER, *,
-                     needed_by: str = "trainer.exclude_neutral_turns") -> JudgeTurnTable:
+def judge_turn_table(
+    batch: TrainingBatch, scorer: str = JUDGE_SCORER, *, needed_by: str = "trainer.exclude_neutral_turns"
+) -> JudgeTurnTable:
     """Lay the ``scorer``'s per-turn results of every row of ``batch`` out as ``[B, K]``.
 
     ``needed_by`` names the setting that asked for the table, so the error says which
@@ -198,7 +199,9 @@ def exclude_neutral_turns(
     if turn_index.numel():
         lo, hi = (int(v) for v in turn_index.aminmax())  # a bad index must raise, not gather another turn
         if lo < -1 or hi >= num_turns:
-            raise ShapingInputError(f"turn_index must lie in [-1, K) with K = {num_turns}; found values in [{lo}, {hi}]")
+            raise ShapingInputError(
+                f"turn_index must lie in [-1, K) with K = {num_turns}; found values in [{lo}, {hi}]"
+            )
     if num_turns == 0 or b == 0:
         return mask.clone()
     device = turn_scores.device
@@ -232,8 +235,12 @@ def apply_exclusion(batch: TrainingBatch, scorer: str = JUDGE_SCORER, loss_mask:
     table = judge_turn_table(batch, scorer)
     sessions = session_index(batch.group_ids, batch.session_ids, device=batch.turn_index.device)
     return exclude_neutral_turns(
-        batch.loss_mask if loss_mask is None else loss_mask, batch.turn_index, table.scores,
-        table.has_next_state, sessions, table.judged,
+        batch.loss_mask if loss_mask is None else loss_mask,
+        batch.turn_index,
+        table.scores,
+        table.has_next_state,
+        sessions,
+        table.judged,
     )
 
 
@@ -270,9 +277,7 @@ def unhinted_turns(batch: TrainingBatch, opd_scorer: str = OPD_SCORER) -> Tensor
     return present & (~accepted | failed)
 
 
-def streaming_turn_keep(
-    turn_scores: Tensor, has_next_state: Tensor, judged: Tensor, sessions: Tensor
-) -> Tensor:
+def streaming_turn_keep(turn_scores: Tensor, has_next_state: Tensor, judged: Tensor, sessions: Tensor) -> Tensor:
     """``[B, K]`` bool: the turns OpenClaw-RL's RL recipe trains on, per row.
 
     OpenClaw-RL decides each turn as its judge finishes, in turn order: a turn is
@@ -285,8 +290,11 @@ def streaming_turn_keep(
     last judged turn is dropped (at the end of a session OpenClaw-RL submits it with an
     all-zero loss mask, or not at all).
     """
-    if turn_scores.dim() != 2 or tuple(has_next_state.shape) != tuple(turn_scores.shape) \
-            or tuple(judged.shape) != tuple(turn_scores.shape):
+    if (
+        turn_scores.dim() != 2
+        or tuple(has_next_state.shape) != tuple(turn_scores.shape)
+        or tuple(judged.shape) != tuple(turn_scores.shape)
+    ):
         raise ShapingInputError(
             f"turn_scores, has_next_state and judged must be [B, K] of one shape; got {tuple(turn_scores.shape)}, "
             f"{tuple(has_next_state.shape)}, {tuple(judged.shape)}"

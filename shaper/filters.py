@@ -155,7 +155,9 @@ def _truncated_rows(sample: Mapping[str, Any], mask: Tensor) -> Tensor:
         if not isinstance(flags, Tensor):
             raise TypeError(f"group['is_truncated'] must be a tensor, got {type(flags).__name__}")
         if tuple(flags.shape) != (mask.shape[0],):
-            raise ShapingInputError(f"group['is_truncated'] must have shape [{mask.shape[0]}]; got {tuple(flags.shape)}")
+            raise ShapingInputError(
+                f"group['is_truncated'] must have shape [{mask.shape[0]}]; got {tuple(flags.shape)}"
+            )
         return flags.bool()
     return (attention != 0).sum(dim=-1) == attention.shape[-1]
 
@@ -264,9 +266,7 @@ def get_filter(name: str) -> GroupFilter:
     try:
         return FILTERS[name]
     except KeyError:
-        raise ConfigError(
-            f"unknown group filter {name!r}; valid names: {', '.join(sorted(FILTERS))}"
-        ) from None
+        raise ConfigError(f"unknown group filter {name!r}; valid names: {', '.join(sorted(FILTERS))}") from None
 
 
 # --------------------------------------------------------------------------- #

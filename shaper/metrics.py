@@ -37,7 +37,13 @@ if TYPE_CHECKING:
     from shaper.filters import FilterDecision
 
 __all__ = [
-    "COUNT_SUFFIX", "PIPELINE_PREFIX", "VerdictMetrics", "count_key", "merge_stats", "merge_worker_stats", "reason_key",
+    "COUNT_SUFFIX",
+    "PIPELINE_PREFIX",
+    "VerdictMetrics",
+    "count_key",
+    "merge_stats",
+    "merge_worker_stats",
+    "reason_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -124,8 +130,12 @@ def merge_worker_stats(stats_list: Iterable[Mapping[str, float]]) -> dict[str, f
                 continue
             name = key.removeprefix("rollout/").removeprefix("eval-rollout/")
             parts = name.split("/")
-            if len(parts) == 5 and parts[0] == "prm_metric" and parts[1] in ("turn", "trajectory") \
-                    and parts[4] in _SUM_AGGREGATIONS:
+            if (
+                len(parts) == 5
+                and parts[0] == "prm_metric"
+                and parts[1] in ("turn", "trajectory")
+                and parts[4] in _SUM_AGGREGATIONS
+            ):
                 sums[key] = sums.get(key, 0.0) + value  # the prefix is stripped only to classify
     means = {key: weighted[key] / counts[key] for key in weighted if counts[key] > 0}
     return {**sums, **means}
@@ -183,7 +193,8 @@ class VerdictMetrics:
     def observe(self, verdict: GroupVerdict) -> None:
         """Record one distinct verdict: its status counters and its scored members' stats.
 
-        A member whose stats are non-finite or non-numeric is skipped and counted as ``pipeline/stats_invalid`` instead of failing the
+        A member whose stats are non-finite or non-numeric is skipped and counted as ``pipeline/stats_invalid``
+        instead of failing the
         trainer over a monitoring value.
         """
         self.count(f"verdicts/{verdict.status}")
@@ -200,8 +211,9 @@ class VerdictMetrics:
                 window = merge_stats([self._window, session.stats])
                 total = merge_stats([self._total, session.stats])
             except (ValueError, TypeError) as exc:
-                log.warning("group %s session %s: ignoring invalid stats: %s",
-                            verdict.group_id, session.session_id, exc)
+                log.warning(
+                    "group %s session %s: ignoring invalid stats: %s", verdict.group_id, session.session_id, exc
+                )
                 self.count("stats_invalid")
                 continue
             self._window, self._total = window, total

@@ -118,8 +118,9 @@ class TurnSampleReader:
 
     async def start(self) -> None:
         await ensure_topics(self.cfg.kafka, self.cfg.topics, [self.topic])
-        self._consumer = make_consumer(self.cfg.kafka, self.topic,
-                                       group_id=f"{self.cfg.trainer.consumer_group}.turn-samples")
+        self._consumer = make_consumer(
+            self.cfg.kafka, self.topic, group_id=f"{self.cfg.trainer.consumer_group}.turn-samples"
+        )
         await self._consumer.start()
 
     async def aclose(self) -> None:
@@ -137,8 +138,7 @@ class TurnSampleReader:
                     sample = decode_turn_sample(record.value, record.headers)
                 except SchemaError as exc:
                     self.skipped += 1
-                    log.warning("turn sample %s:%d@%d skipped: %s", record.topic, record.partition, record.offset,
-                                exc)
+                    log.warning("turn sample %s:%d@%d skipped: %s", record.topic, record.partition, record.offset, exc)
                     continue
                 out.append((sample, self.rule.decide(sample)))
         return out

@@ -32,7 +32,6 @@ from .exclusion import judge_turn_table, session_index, streaming_turn_keep
 __all__ = ["RECIPES", "openclaw_turn_advantages", "turn_values_to_tokens"]
 
 
-
 def turn_values_to_tokens(values: Tensor, turn_index: Tensor) -> Tensor:
     """``[B, T]``: ``values[b, turn_index[b, t]]`` on turn tokens, 0 where ``turn_index == -1``."""
     if values.shape[1] == 0:

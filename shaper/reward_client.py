@@ -25,7 +25,8 @@ registry does not declare is refused when the client starts
 (:class:`infra.experiments.UnknownExperiment`), rather than waiting out every timeout.
 
 A missing verdict is ``status="timeout"`` and a rejected or discarded group says so with
-its ``reason_code`` (:mod:`infra.reasons`) and reason text: never a silent 0. No trainer is imported here; the verl adapter, the reward
+its ``reason_code`` (:mod:`infra.reasons`) and reason text: never a silent 0. No trainer is imported here; the verl
+adapter, the reward
 gateway and the other adapters are thin layers over this module.
 """
 
@@ -157,9 +158,16 @@ class VerdictWaiter:
     another experiment (published to the wrong topic) is never handed to a waiter.
     """
 
-    def __init__(self, cfg: PipelineConfig, *, from_beginning: bool = False, since: float | None = None,
-                 keep_recent: int = 10_000, keep: Callable[[GroupVerdict], GroupVerdict] | None = None,
-                 experiment: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        *,
+        from_beginning: bool = False,
+        since: float | None = None,
+        keep_recent: int = 10_000,
+        keep: Callable[[GroupVerdict], GroupVerdict] | None = None,
+        experiment: str | None = None,
+    ) -> None:
         self.cfg = cfg
         self.experiment = check_experiment_id(experiment or cfg.trainer.experiment)
         self.topic = verdicts_topic(cfg.topics.verdicts, self.experiment)
@@ -239,8 +247,9 @@ class VerdictWaiter:
         try:
             while True:
                 batch = await self._consumer.getmany(timeout_ms=200)
-                verdicts = [v for records in batch.values() for record in records
-                            if (v := self._decode(record)) is not None]
+                verdicts = [
+                    v for records in batch.values() for record in records if (v := self._decode(record)) is not None
+                ]
                 for verdict in await self._read_tokens(verdicts):
                     self._on_verdict(verdict)
         except asyncio.CancelledError:
@@ -268,8 +277,13 @@ class VerdictWaiter:
 
     def _on_verdict(self, verdict: GroupVerdict) -> None:
         if verdict.experiment_id != self.experiment:  # published to the wrong topic: not ours to hand out
-            log.debug("verdict of group %s of experiment %r on %s ignored (this waiter waits for %r)",
-                      verdict.group_id, verdict.experiment_id, self.topic, self.experiment)
+            log.debug(
+                "verdict of group %s of experiment %r on %s ignored (this waiter waits for %r)",
+                verdict.group_id,
+                verdict.experiment_id,
+                self.topic,
+                self.experiment,
+            )
             return
         key = scoped_group(verdict.experiment_id, verdict.group_id)
         self.arrivals.setdefault(key, time.perf_counter())
@@ -294,8 +308,9 @@ class BlockingVerdicts:
     ``keep_recent`` groups.
     """
 
-    def __init__(self, cfg: PipelineConfig, *, lookback_s: float = 3600.0, keep_recent: int = 4096,
-                 experiment: str | None = None) -> None:
+    def __init__(
+        self, cfg: PipelineConfig, *, lookback_s: float = 3600.0, keep_recent: int = 4096, experiment: str | None = None
+    ) -> None:
         self.cfg = cfg
         self.experiment = check_experiment_id(experiment or cfg.trainer.experiment)
         self.lookback_s = float(lookback_s)
@@ -308,8 +323,13 @@ class BlockingVerdicts:
         return msgspec.structs.replace(verdict, sessions=sessions)
 
     async def _start(self) -> VerdictWaiter:
-        waiter = VerdictWaiter(self.cfg, since=time.time() - self.lookback_s, keep_recent=self.keep_recent,
-                               keep=self._slim, experiment=self.experiment)
+        waiter = VerdictWaiter(
+            self.cfg,
+            since=time.time() - self.lookback_s,
+            keep_recent=self.keep_recent,
+            keep=self._slim,
+            experiment=self.experiment,
+        )
         await waiter.start()
         return waiter
 
@@ -342,12 +362,19 @@ class RewardClient:
         experiment: the experiment scored (docs/fleet.md); default ``trainer.experiment``.
     """
 
-    def __init__(self, cfg: PipelineConfig, *, verdict_timeout_s: float | None = None,
-                 decode: Callable[[np.ndarray], str] | None = None, experiment: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        *,
+        verdict_timeout_s: float | None = None,
+        decode: Callable[[np.ndarray], str] | None = None,
+        experiment: str | None = None,
+    ) -> None:
         self.cfg = cfg
         self.experiment = check_experiment_id(experiment or cfg.trainer.experiment)
-        self.verdict_timeout_s = float(verdict_timeout_s if verdict_timeout_s is not None
-                                       else cfg.worker.group_timeout_s + 30)
+        self.verdict_timeout_s = float(
+            verdict_timeout_s if verdict_timeout_s is not None else cfg.worker.group_timeout_s + 30
+        )
         self.decode = decode
         self._publisher: TrajectoryPublisher | None = None
         self._waiter: VerdictWaiter | None = None
@@ -389,8 +416,9 @@ class RewardClient:
         await self.aclose()
 
     # ------------------------------------------------------------------ samples -> trajectories
-    def trajectory(self, sample: Sample, *, group_id: str, group_size: int,
-                   trajectory_id: str | None = None) -> tuple[ReadyTrajectory, list[tuple[int, int]]]:
+    def trajectory(
+        self, sample: Sample, *, group_id: str, group_size: int, trajectory_id: str | None = None
+    ) -> tuple[ReadyTrajectory, list[tuple[int, int]]]:
         """One sample as a concat-export trajectory, and its turns' spans on the response."""
         prompt = np.asarray(sample.prompt_ids, dtype=np.int32)
         response = np.asarray(sample.response_ids, dtype=np.int32)
@@ -398,7 +426,9 @@ class RewardClient:
         if logprobs is not None and len(logprobs) != len(response):
             raise ShapingInputError(f"response_logprobs has {len(logprobs)} values for {len(response)} response tokens")
         if sample.response_mask is not None and len(sample.response_mask) != len(response):
-            raise ShapingInputError(f"response_mask has {len(sample.response_mask)} values for {len(response)} response tokens")
+            raise ShapingInputError(
+                f"response_mask has {len(sample.response_mask)} values for {len(response)} response tokens"
+            )
         spans = turn_spans(sample.response_mask, len(response))
         trajectory_id = trajectory_id or f"{group_id}/{uuid.uuid4().hex}"
         history = [dict(m) for m in sample.messages]
@@ -409,26 +439,39 @@ class RewardClient:
                 history.append({"role": "tool", "content": self.decode(response[previous_end:start])})
             answer = [{"role": "assistant", "content": self.decode(response[start:end])}] if self.decode else []
             last = k == len(spans) - 1
-            interactions.append(Interaction(
-                interaction_id=f"t{k}", parent_id=f"t{k - 1}" if k else None,
-                messages=list(history), output_message_list=answer,
-                model_response=ModelResponse.from_arrays(
-                    np.concatenate([prompt, response[:start]]), response[start:end],
-                    None if logprobs is None else logprobs[start:end],
-                    "length" if last and sample.truncated else "stop"),
-            ))
+            interactions.append(
+                Interaction(
+                    interaction_id=f"t{k}",
+                    parent_id=f"t{k - 1}" if k else None,
+                    messages=list(history),
+                    output_message_list=answer,
+                    model_response=ModelResponse.from_arrays(
+                        np.concatenate([prompt, response[:start]]),
+                        response[start:end],
+                        None if logprobs is None else logprobs[start:end],
+                        "length" if last and sample.truncated else "stop",
+                    ),
+                )
+            )
             history.extend(answer)
             previous_end = end
         trajectory = ReadyTrajectory(
-            trajectory_id=trajectory_id, session_id=sample.session_id or trajectory_id, group_id=group_id,
-            group_size=group_size, interactions=interactions, outcome_reward=float(sample.outcome_reward),
-            is_eval=sample.is_eval, policy_version=sample.policy_version, created_at=time.time(),
+            trajectory_id=trajectory_id,
+            session_id=sample.session_id or trajectory_id,
+            group_id=group_id,
+            group_size=group_size,
+            interactions=interactions,
+            outcome_reward=float(sample.outcome_reward),
+            is_eval=sample.is_eval,
+            policy_version=sample.policy_version,
+            created_at=time.time(),
         )
         return trajectory, spans
 
     # ------------------------------------------------------------------ publish and wait
-    async def score(self, sample: Sample, *, group_id: str, group_size: int,
-                    timeout_s: float | None = None) -> SampleReward:
+    async def score(
+        self, sample: Sample, *, group_id: str, group_size: int, timeout_s: float | None = None
+    ) -> SampleReward:
         """Publish one member of ``group_id`` and wait for the group's verdict.
 
         Members of one group may be scored concurrently (from several calls, tasks or
@@ -438,14 +481,16 @@ class RewardClient:
         (reward,) = await self._publish_and_wait(group_id, [(trajectory, spans, len(sample.response_ids))], timeout_s)
         return reward
 
-    async def score_group(self, samples: Sequence[Sample], *, group_id: str | None = None,
-                          timeout_s: float | None = None) -> list[SampleReward]:
+    async def score_group(
+        self, samples: Sequence[Sample], *, group_id: str | None = None, timeout_s: float | None = None
+    ) -> list[SampleReward]:
         """Publish ``samples`` as one whole group and wait for its verdict."""
         if not samples:
             raise ShapingInputError("score_group needs at least one sample")
         group_id = group_id or uuid.uuid4().hex
-        built = [(*self.trajectory(s, group_id=group_id, group_size=len(samples)), len(s.response_ids))
-                 for s in samples]
+        built = [
+            (*self.trajectory(s, group_id=group_id, group_size=len(samples)), len(s.response_ids)) for s in samples
+        ]
         return await self._publish_and_wait(group_id, built, timeout_s)
 
     # ------------------------------------------------------------------ streamed sessions
@@ -472,8 +517,9 @@ class RewardClient:
         await self._publisher.publish(message)
         await self._publisher.flush()
 
-    async def _publish_and_wait(self, group_id: str, built: list[tuple[ReadyTrajectory, list[tuple[int, int]], int]],
-                                timeout_s: float | None) -> list[SampleReward]:
+    async def _publish_and_wait(
+        self, group_id: str, built: list[tuple[ReadyTrajectory, list[tuple[int, int]], int]], timeout_s: float | None
+    ) -> list[SampleReward]:
         await self.start()
         assert self._publisher is not None and self._waiter is not None
         self._waiter.expect(group_id)  # before publishing: the verdict cannot slip past us
@@ -485,19 +531,43 @@ class RewardClient:
         return [rewards_for(verdict, t, spans, n, group_id=group_id, timeout_s=timeout) for t, spans, n in built]
 
 
-def rewards_for(verdict: GroupVerdict | None, trajectory: ReadyTrajectory, spans: list[tuple[int, int]],
-                response_len: int, *, group_id: str, timeout_s: float) -> SampleReward:
+def rewards_for(
+    verdict: GroupVerdict | None,
+    trajectory: ReadyTrajectory,
+    spans: list[tuple[int, int]],
+    response_len: int,
+    *,
+    group_id: str,
+    timeout_s: float,
+) -> SampleReward:
     """One sample's :class:`SampleReward` from its group's verdict (``None``: it never came)."""
     rewards = np.zeros(response_len, dtype=np.float32)
     if verdict is None:
-        return SampleReward(group_id, trajectory.trajectory_id, "timeout",
-                            f"no verdict for group {group_id!r} within {timeout_s:g}s", trajectory.outcome_reward,
-                            rewards, [0.0] * len(spans), spans)
+        return SampleReward(
+            group_id,
+            trajectory.trajectory_id,
+            "timeout",
+            f"no verdict for group {group_id!r} within {timeout_s:g}s",
+            trajectory.outcome_reward,
+            rewards,
+            [0.0] * len(spans),
+            spans,
+        )
     session = next((s for s in verdict.sessions if s.trajectory_id == trajectory.trajectory_id), None)
     outcome = trajectory.outcome_reward if session is None or session.outcome_reward is None else session.outcome_reward
     if verdict.status != "accepted":
-        return SampleReward(group_id, trajectory.trajectory_id, verdict.status, verdict.reason, outcome, rewards,
-                            [0.0] * len(spans), spans, verdict, reason_code=verdict.reason_code)
+        return SampleReward(
+            group_id,
+            trajectory.trajectory_id,
+            verdict.status,
+            verdict.reason,
+            outcome,
+            rewards,
+            [0.0] * len(spans),
+            spans,
+            verdict,
+            reason_code=verdict.reason_code,
+        )
     if session is None:
         raise VerdictMismatch(f"accepted verdict of group {group_id!r} lacks member {trajectory.trajectory_id!r}")
     turns: list[float] = []
@@ -507,13 +577,25 @@ def rewards_for(verdict: GroupVerdict | None, trajectory: ReadyTrajectory, spans
             raise VerdictMismatch(f"group {group_id!r}: {len(per_turn)} turns scored for {len(spans)} turns sent")
         for k, ((start, end), values) in enumerate(zip(spans, per_turn)):
             if len(values) != end - start:
-                raise VerdictMismatch(f"group {group_id!r}: turn t{k} has {len(values)} rewards for {end - start} tokens")
+                raise VerdictMismatch(
+                    f"group {group_id!r}: turn t{k} has {len(values)} rewards for {end - start} tokens"
+                )
             rewards[start:end] = values
             turns.append(float(values.mean()) if len(values) else 0.0)
     else:
         turns = [0.0] * len(spans)
-    return SampleReward(group_id, trajectory.trajectory_id, "accepted", verdict.reason, outcome, rewards, turns,
-                        spans, verdict, reason_code=verdict.reason_code)
+    return SampleReward(
+        group_id,
+        trajectory.trajectory_id,
+        "accepted",
+        verdict.reason,
+        outcome,
+        rewards,
+        turns,
+        spans,
+        verdict,
+        reason_code=verdict.reason_code,
+    )
 
 
 def session_turn_rewards(session: SessionResult, *, group_id: str) -> list[np.ndarray]:
@@ -524,8 +606,10 @@ def session_turn_rewards(session: SessionResult, *, group_id: str) -> list[np.nd
     if not session.branches:
         return []
     if len(session.branches) != 1:
-        raise VerdictMismatch(f"group {group_id!r}: session {session.trajectory_id!r} has {len(session.branches)} "
-                              "branches; a sample is one chain of turns")
+        raise VerdictMismatch(
+            f"group {group_id!r}: session {session.trajectory_id!r} has {len(session.branches)} "
+            "branches; a sample is one chain of turns"
+        )
     token_rewards = session.branches[0].token_rewards
     try:
         return [token_rewards[f"t{k}"].to_numpy() for k in range(len(token_rewards))]
@@ -547,8 +631,11 @@ def reduce_process(reward: SampleReward, how: ProcessReduction = "mean") -> floa
         raise ConfigError(f"process reduction must be 'mean', 'sum' or 'last', got {how!r}")
     if not reward.accepted:
         return 0.0
-    values = np.concatenate([reward.token_rewards[s:e] for s, e in reward.turn_spans]) if reward.turn_spans \
+    values = (
+        np.concatenate([reward.token_rewards[s:e] for s, e in reward.turn_spans])
+        if reward.turn_spans
         else reward.token_rewards
+    )
     if not len(values):
         return 0.0
     return float(values.mean() if how == "mean" else values.sum() if how == "sum" else values[-1])

@@ -35,7 +35,13 @@ TAG_MASK = (1 << TAG_BITS) - 1
 MAX_MEMBERS = TAG_MASK  # tags 1..255; 0 is "no member"
 
 __all__ = [
-    "MAX_MEMBERS", "TAG_BITS", "member_by_tag", "member_tag", "read_tag", "recover_rewards", "tag_reward",
+    "MAX_MEMBERS",
+    "TAG_BITS",
+    "member_by_tag",
+    "member_tag",
+    "read_tag",
+    "recover_rewards",
+    "tag_reward",
     "tagged_matches",
 ]
 
@@ -84,7 +90,9 @@ def member_tag(verdict: GroupVerdict | None, trajectory_id: str) -> int:
         return 0
     ranked = _ranked(verdict)
     if len(ranked) > MAX_MEMBERS:
-        raise ShapingInputError(f"group {verdict.group_id!r} has {len(ranked)} sessions; member tags name at most {MAX_MEMBERS}")
+        raise ShapingInputError(
+            f"group {verdict.group_id!r} has {len(ranked)} sessions; member tags name at most {MAX_MEMBERS}"
+        )
     for rank, session in enumerate(ranked):
         if session.trajectory_id == trajectory_id:
             return rank + 1
@@ -97,8 +105,9 @@ def member_by_tag(verdict: GroupVerdict, tag: int) -> SessionResult | None:
     return ranked[tag - 1] if 1 <= tag <= len(ranked) else None
 
 
-def recover_rewards(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
-                    verdicts: Any, *, wait_s: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+def recover_rewards(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray, verdicts: Any, *, wait_s: float
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(outcome rewards, process rewards, tagged rows)`` of a batch whose rewards carry member tags.
 
     Each row's reward sits at its last valid token (verl puts it there); a nonzero
@@ -127,18 +136,24 @@ def recover_rewards(token_level_rewards: torch.Tensor, response_mask: torch.Tens
         uid, tag, pos = uids[i], tags[i], last[i]
         value = float(rewards[i, pos])
         if (uid, tag) in owner:
-            raise VerdictMismatch(f"prm_grpo: rows {owner[uid, tag]} and {i} both carry member {tag} of group {uid!r} "
-                                  "(an agent loop returning several outputs per sample is not supported)")
+            raise VerdictMismatch(
+                f"prm_grpo: rows {owner[uid, tag]} and {i} both carry member {tag} of group {uid!r} "
+                "(an agent loop returning several outputs per sample is not supported)"
+            )
         owner[uid, tag] = i
         verdict = found.get(uid)
         if verdict is None:
-            raise VerdictMismatch(f"prm_grpo: row {i} carries member tag {tag} of group {uid!r}, but no verdict for that "
-                                  f"group arrived within {wait_s:g}s: is the reward manager prm_pipeline, on the same "
-                                  "pipeline config (algorithm.prm_config)?")
+            raise VerdictMismatch(
+                f"prm_grpo: row {i} carries member tag {tag} of group {uid!r}, but no verdict for that "
+                f"group arrived within {wait_s:g}s: is the reward manager prm_pipeline, on the same "
+                "pipeline config (algorithm.prm_config)?"
+            )
         session = member_by_tag(verdict, tag)
         if session is None or session.outcome_reward is None or not tagged_matches(value, session.outcome_reward):
-            raise VerdictMismatch(f"prm_grpo: row {i}'s reward {value!r} does not decode as a member of group {uid!r} "
-                                  f"(tag {tag}, {len(verdict.sessions)} sessions in its verdict)")
+            raise VerdictMismatch(
+                f"prm_grpo: row {i}'s reward {value!r} does not decode as a member of group {uid!r} "
+                f"(tag {tag}, {len(verdict.sessions)} sessions in its verdict)"
+            )
         outcome[i, pos] = float(np.float32(session.outcome_reward))
         if verdict.status != "accepted":
             continue
@@ -148,8 +163,10 @@ def recover_rewards(token_level_rewards: torch.Tensor, response_mask: torch.Tens
         valid = pos + 1
         spans = [(0, valid)] if len(per_turn) == 1 and len(per_turn[0]) == valid else turn_spans(mask[i], valid)
         if [len(v) for v in per_turn] != [e - s for s, e in spans]:
-            raise VerdictMismatch(f"prm_grpo: row {i} (group {uid!r}) has turns {spans} but its verdict scored turns of "
-                                  f"{[len(v) for v in per_turn]} tokens")
+            raise VerdictMismatch(
+                f"prm_grpo: row {i} (group {uid!r}) has turns {spans} but its verdict scored turns of "
+                f"{[len(v) for v in per_turn]} tokens"
+            )
         for (start, end), values in zip(spans, per_turn):
             process[i, start:end] = torch.from_numpy(np.asarray(values, dtype=np.float32))
     return outcome.to(token_level_rewards), process.to(token_level_rewards), len(tagged)

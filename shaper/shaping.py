@@ -65,9 +65,7 @@ def shift_token_rewards(token_rewards: Tensor) -> Tensor:
     dims).  Returns a new tensor with the input's dtype and device.
     """
     if token_rewards.dim() < 1:
-        raise ShapingInputError(
-            "token_rewards must have at least one dimension (…, T); got a 0-d tensor"
-        )
+        raise ShapingInputError("token_rewards must have at least one dimension (…, T); got a 0-d tensor")
     out = torch.zeros_like(token_rewards)
     if token_rewards.shape[-1] > 1:
         out[..., :-1] = token_rewards[..., 1:]
@@ -94,8 +92,9 @@ def additive_kernel(a: Tensor, p: Tensor, mask: Tensor) -> Tensor:
     return torch.where(_active(mask), a + p, a)
 
 
-def gvpo_kernel(a: Tensor, p: Tensor, mask: Tensor, *, negative_scale: float, zero_penalty: float,
-                zero_eps: float) -> Tensor:
+def gvpo_kernel(
+    a: Tensor, p: Tensor, mask: Tensor, *, negative_scale: float, zero_penalty: float, zero_eps: float
+) -> Tensor:
     """``gvpo``: failed tokens (``P < 0``) reshape ``A``."""
     failed = (p < 0) & _active(mask)
     # Failed tokens: A < -eps -> A*(1+s); A > eps -> 0 (clamp); |A| <= eps -> -penalty.
@@ -122,8 +121,9 @@ def _compile_enabled() -> bool:
     return os.environ.get("PRM_SHAPING_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _run_kernel(mode: Mode, device_type: str, numel: int, tensors: tuple[Tensor, ...],
-                coefficients: tuple[float, ...]) -> object:
+def _run_kernel(
+    mode: Mode, device_type: str, numel: int, tensors: tuple[Tensor, ...], coefficients: tuple[float, ...]
+) -> object:
     """Run ``mode``'s expression: compiled when worth it and possible, else eager.
 
     Coefficients are baked into the compiled kernel as constants (one compilation
@@ -183,7 +183,9 @@ def _range_error(mode: str, rewards: Tensor, mask: Tensor) -> RuntimeError:
     )
 
 
-def apply_shaping(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, shaping: PRMAdvantageShapingConfig) -> Tensor:
+def apply_shaping(
+    advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, shaping: PRMAdvantageShapingConfig
+) -> Tensor:
     """:func:`shape_advantages` with the mode and coefficients of a config struct.
 
     The struct was checked when it was built (registered mode, coefficients finite and
@@ -194,8 +196,9 @@ def apply_shaping(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, 
     return _shape(advantages, token_rewards, loss_mask, mode, tuple(getattr(shaping, n) for n in mode.coefficients))
 
 
-def _shape(advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, mode: Mode,
-           coefficients: tuple[float, ...]) -> Tensor:
+def _shape(
+    advantages: Tensor, token_rewards: Tensor, loss_mask: Tensor, mode: Mode, coefficients: tuple[float, ...]
+) -> Tensor:
     _check_tensors(advantages, token_rewards, loss_mask)
     dtype = torch.promote_types(advantages.dtype, torch.float32)
     a = advantages.to(dtype)
@@ -280,8 +283,10 @@ def shape_advantages(
             at an active position.
     """
     info = shaping_mode(mode)
-    values = {name: check_coefficient(name, value) for name, value in
-              (("negative_scale", negative_scale), ("zero_penalty", zero_penalty), ("zero_eps", zero_eps))}
+    values = {
+        name: check_coefficient(name, value)
+        for name, value in (("negative_scale", negative_scale), ("zero_penalty", zero_penalty), ("zero_eps", zero_eps))
+    }
     return _shape(advantages, token_rewards, loss_mask, info, tuple(values[name] for name in info.coefficients))
 
 
@@ -292,9 +297,7 @@ def _group_index(group_ids: Sequence[str] | Tensor, n: int, device: torch.device
     """Map arbitrary group ids to dense ``0..K-1`` indices on ``device``."""
     if isinstance(group_ids, Tensor):
         if group_ids.dim() != 1 or group_ids.shape[0] != n:
-            raise ShapingInputError(
-                f"group_ids must have shape ({n},) to match rewards; got {tuple(group_ids.shape)}"
-            )
+            raise ShapingInputError(f"group_ids must have shape ({n},) to match rewards; got {tuple(group_ids.shape)}")
         uniq, inverse = torch.unique(group_ids.to(device), return_inverse=True)
         return inverse, int(uniq.numel())
     ids = list(group_ids)

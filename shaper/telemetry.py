@@ -38,12 +38,13 @@ class TrainerCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         c = self.consumer
-        pipeline = CounterMetricFamily("prm_trainer_pipeline", "The trainer consumer's pipeline/<counter> totals",
-                                       labels=["counter"])
+        pipeline = CounterMetricFamily(
+            "prm_trainer_pipeline", "The trainer consumer's pipeline/<counter> totals", labels=["counter"]
+        )
         prefix = PIPELINE_PREFIX + "/"
         for key, value in sorted(c.totals().items()):
             if key.startswith(prefix) and not key.endswith(COUNT_SUFFIX):
-                pipeline.add_metric([key[len(prefix):]], value)
+                pipeline.add_metric([key[len(prefix) :]], value)
         yield pipeline
         steps = CounterMetricFamily("prm_trainer_steps", "Training steps taken")
         steps.add_metric([], float(self.steps))

@@ -44,8 +44,10 @@ class FileTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:  # pragma: no cover - depends on the install
-            raise ConfigError("gateway.tokenizer names a file, which needs the 'tokenizers' package "
-                              "(pip install 'prm-pipeline[tokenizer]')") from None
+            raise ConfigError(
+                "gateway.tokenizer names a file, which needs the 'tokenizers' package "
+                "(pip install 'prm-pipeline[tokenizer]')"
+            ) from None
         if not Path(path).is_file():
             raise ConfigError(f"gateway.tokenizer: {path!r} is not a file (a tokenizer.json, or 'bytes')")
         self.name = Path(path).name
@@ -89,8 +91,13 @@ def samples_from_queries(queries: Sequence[Any], prompts: Sequence[Any], tokeniz
             raise ShapingInputError(f"query[{i}] and prompts[{i}] must be strings")
         if not query.startswith(prompt):
             raise ShapingInputError(f"query[{i}] does not start with prompts[{i}] (OpenRLHF sends prompt + response)")
-        samples.append(Sample(prompt_ids=tokenizer.encode(prompt), response_ids=tokenizer.encode(query[len(prompt):]),
-                              messages=[{"role": "user", "content": prompt}]))
+        samples.append(
+            Sample(
+                prompt_ids=tokenizer.encode(prompt),
+                response_ids=tokenizer.encode(query[len(prompt) :]),
+                messages=[{"role": "user", "content": prompt}],
+            )
+        )
     return samples
 
 
@@ -98,9 +105,15 @@ def reward_summary(reward: SampleReward, how: str) -> dict[str, Any]:
     """``score`` = outcome + the reduced process rewards (0 unless accepted), with the parts, the status
     and why (``reason_code`` for programs, ``reason`` for people)."""
     process = reduce_process(reward, how)  # type: ignore[arg-type]
-    return {"score": reward.outcome + process, "outcome": reward.outcome, "process": process,
-            "status": reward.status, "reason_code": reward.reason_code, "reason": reward.reason,
-            "group_id": reward.group_id}
+    return {
+        "score": reward.outcome + process,
+        "outcome": reward.outcome,
+        "process": process,
+        "status": reward.status,
+        "reason_code": reward.reason_code,
+        "reason": reward.reason,
+        "group_id": reward.group_id,
+    }
 
 
 def openrlhf_answer(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -109,9 +122,11 @@ def openrlhf_answer(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "rewards": [s["score"] for s in summaries],
         "scores": [s["score"] for s in summaries],
-        "extra_logs": {"prm_outcome": [s["outcome"] for s in summaries],
-                       "prm_process": [s["process"] for s in summaries],
-                       "prm_accepted": [float(s["status"] == "accepted") for s in summaries]},
+        "extra_logs": {
+            "prm_outcome": [s["outcome"] for s in summaries],
+            "prm_process": [s["process"] for s in summaries],
+            "prm_accepted": [float(s["status"] == "accepted") for s in summaries],
+        },
         "status": [s["status"] for s in summaries],
         "reason_code": [s["reason_code"] for s in summaries],
         "reason": [s["reason"] for s in summaries],

@@ -170,14 +170,16 @@ def shape_batch(
         advantages, kept = direct
         mask = shift_token_rewards(kept)
         shifted = shift_token_rewards(advantages)
-        return ShapedBatch(loss_mask=mask, token_rewards=shifted, outcome_advantages=torch.zeros_like(shifted),
-                           advantages=shifted)
+        return ShapedBatch(
+            loss_mask=mask, token_rewards=shifted, outcome_advantages=torch.zeros_like(shifted), advantages=shifted
+        )
     table: JudgeTurnTable | None = None
     if trainer.exclude_neutral_turns:
         table = judge_turn_table(batch, trainer.judge_scorer, needed_by="trainer.exclude_neutral_turns")
         sessions = session_index(batch.group_ids, batch.session_ids, device=batch.turn_index.device)
-        loss_mask = _exclude_neutral_turns(loss_mask, batch.turn_index, table.scores, table.has_next_state,
-                                           sessions, table.judged)
+        loss_mask = _exclude_neutral_turns(
+            loss_mask, batch.turn_index, table.scores, table.has_next_state, sessions, table.judged
+        )
     signal = batch.token_rewards if combined is None else combined.resolve()(batch, loss_mask, table=table, **channels)
     outcome_rewards = batch.rewards
     if actor.mask_no_eos_with_zero:
@@ -237,8 +239,7 @@ def format_step(report: StepReport, *, max_metrics: int = 4) -> str:
         f"token_reward={report.mean_token_reward:+.4f}",
     ]
     shown = [
-        (k, v) for k, v in report.metrics.items()
-        if any(p in k for p in _HEADLINE_PARTS) and not k.endswith("__count")
+        (k, v) for k, v in report.metrics.items() if any(p in k for p in _HEADLINE_PARTS) and not k.endswith("__count")
     ][:max_metrics]
     parts += [f"{k}={v:.4f}" for k, v in shown]
     for name in ("verdicts/rejected", "verdicts/duplicate", "groups/dropped/filtered"):
@@ -288,8 +289,9 @@ async def run_trainer(
     shaping, tc = cfg.prm.advantage_shaping, cfg.trainer
     mode = shaping.mode
     dev = resolve_device(device if device is not None else tc.device)
-    summary = TrainerSummary(device=str(dev), mode=mode, combined_mode=tc.combined_mode,
-                             exclude_neutral_turns=tc.exclude_neutral_turns)
+    summary = TrainerSummary(
+        device=str(dev), mode=mode, combined_mode=tc.combined_mode, exclude_neutral_turns=tc.exclude_neutral_turns
+    )
     stop = stop or asyncio.Event()
     kwargs = dict(consumer_kwargs or {})
     consumer = VerdictConsumer(cfg, batch_groups=batch_groups, device=dev, dedupe_store=dedupe_store, **kwargs)
@@ -301,17 +303,41 @@ async def run_trainer(
         telemetry = TrainerTelemetry(consumer)
         telemetry.serve(metrics_port)
     try:
-        return await _train(cfg, consumer, summary, stop, tc, shaping, mode, max_steps, idle_timeout_s, update,
-                            on_step, policy_version, telemetry)
+        return await _train(
+            cfg,
+            consumer,
+            summary,
+            stop,
+            tc,
+            shaping,
+            mode,
+            max_steps,
+            idle_timeout_s,
+            update,
+            on_step,
+            policy_version,
+            telemetry,
+        )
     finally:
         if telemetry is not None:
             telemetry.close()
 
 
-async def _train(cfg: PipelineConfig, consumer: VerdictConsumer, summary: TrainerSummary, stop: asyncio.Event,
-                 tc: Any, shaping: Any, mode: str, max_steps: int | None, idle_timeout_s: float | None,
-                 update: Callable[[TrainingBatch, ShapedBatch], Mapping[str, float]] | None,
-                 on_step: Callable[[StepReport], None] | None, policy_version: int, telemetry: Any) -> TrainerSummary:
+async def _train(
+    cfg: PipelineConfig,
+    consumer: VerdictConsumer,
+    summary: TrainerSummary,
+    stop: asyncio.Event,
+    tc: Any,
+    shaping: Any,
+    mode: str,
+    max_steps: int | None,
+    idle_timeout_s: float | None,
+    update: Callable[[TrainingBatch, ShapedBatch], Mapping[str, float]] | None,
+    on_step: Callable[[StepReport], None] | None,
+    policy_version: int,
+    telemetry: Any,
+) -> TrainerSummary:
     async with consumer:
         watcher = asyncio.create_task(_stop_when(stop, consumer))
         try:
@@ -365,8 +391,8 @@ async def _stop_when(stop: asyncio.Event, consumer: VerdictConsumer) -> None:
 def _configure(args: argparse.Namespace) -> PipelineConfig:
     cfg = load_config(getattr(args, "config", None))
     changes: dict[str, Any] = {
-        name: getattr(args, name) for name in ("batch_groups", "device", "filter", "exclude_neutral_turns",
-                                               "experiment")
+        name: getattr(args, name)
+        for name in ("batch_groups", "device", "filter", "exclude_neutral_turns", "experiment")
         if getattr(args, name, None) is not None
     }
     combined = getattr(args, "combined_mode", None)
@@ -416,8 +442,12 @@ def cmd_trainer(args: argparse.Namespace) -> int:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
         return await run_trainer(
-            cfg, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout, stop=stop,
-            on_step=lambda report: print(format_step(report), flush=True), dedupe_store=args.dedupe_store,
+            cfg,
+            max_steps=args.max_steps,
+            idle_timeout_s=args.idle_timeout,
+            stop=stop,
+            on_step=lambda report: print(format_step(report), flush=True),
+            dedupe_store=args.dedupe_store,
             metrics_port=getattr(args, "metrics_port", None),
         )
 
@@ -428,10 +458,12 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     except ValueError as exc:  # bad device, unknown filter, out-of-range process rewards
         print(f"trainer: {exc}", file=sys.stderr)
         return 1
-    extras = "".join((
-        f" + {summary.combined_mode}" if summary.combined_mode else "",
-        ", neutral turns excluded" if summary.exclude_neutral_turns else "",
-    ))
+    extras = "".join(
+        (
+            f" + {summary.combined_mode}" if summary.combined_mode else "",
+            ", neutral turns excluded" if summary.exclude_neutral_turns else "",
+        )
+    )
     print(
         f"trainer stopped ({summary.stop_reason}): {summary.steps} steps, {summary.groups} groups, "
         f"{summary.rows} rows, {summary.tokens} tokens on {summary.device}, mode {summary.mode}{extras}",
@@ -439,5 +471,5 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     )
     counters = {k: v for k, v in summary.metrics.items() if k.startswith("pipeline/")}
     if counters:
-        print("  " + " ".join(f"{k[len('pipeline/'):]}={int(v)}" for k, v in counters.items()), flush=True)
+        print("  " + " ".join(f"{k[len('pipeline/') :]}={int(v)}" for k, v in counters.items()), flush=True)
     return 0

@@ -38,13 +38,31 @@ Accept = Callable[[Any], object]  # whether a checked value is the one waited fo
 
 
 @overload
-async def poll_until(check: Callable[[], Awaitable[T]], *, timeout_s: float, interval_s: float = INTERVAL_S,
-                     accept: Accept | None = None, between: Between | None = None) -> Polled[T]: ...
+async def poll_until(
+    check: Callable[[], Awaitable[T]],
+    *,
+    timeout_s: float,
+    interval_s: float = INTERVAL_S,
+    accept: Accept | None = None,
+    between: Between | None = None,
+) -> Polled[T]: ...
 @overload
-async def poll_until(check: Callable[[], T], *, timeout_s: float, interval_s: float = INTERVAL_S,
-                     accept: Accept | None = None, between: Between | None = None) -> Polled[T]: ...
-async def poll_until(check: Callable[[], Any], *, timeout_s: float, interval_s: float = INTERVAL_S,
-                     accept: Accept | None = None, between: Between | None = None) -> Polled[Any]:
+async def poll_until(
+    check: Callable[[], T],
+    *,
+    timeout_s: float,
+    interval_s: float = INTERVAL_S,
+    accept: Accept | None = None,
+    between: Between | None = None,
+) -> Polled[T]: ...
+async def poll_until(
+    check: Callable[[], Any],
+    *,
+    timeout_s: float,
+    interval_s: float = INTERVAL_S,
+    accept: Accept | None = None,
+    between: Between | None = None,
+) -> Polled[Any]:
     """Call ``check`` (sync or async) until its value is accepted (``accept(value)``, by default
     the value's truth) or ``timeout_s`` passed; never raises on timeout.
 
@@ -69,13 +87,34 @@ async def poll_until(check: Callable[[], Any], *, timeout_s: float, interval_s: 
 
 
 @overload
-async def eventually(check: Callable[[], Awaitable[T]], *, timeout_s: float, what: What, interval_s: float = INTERVAL_S,
-                     accept: Accept | None = None, between: Between | None = None) -> T: ...
+async def eventually(
+    check: Callable[[], Awaitable[T]],
+    *,
+    timeout_s: float,
+    what: What,
+    interval_s: float = INTERVAL_S,
+    accept: Accept | None = None,
+    between: Between | None = None,
+) -> T: ...
 @overload
-async def eventually(check: Callable[[], T], *, timeout_s: float, what: What, interval_s: float = INTERVAL_S,
-                     accept: Accept | None = None, between: Between | None = None) -> T: ...
-async def eventually(check: Callable[[], Any], *, timeout_s: float, what: What, interval_s: float = INTERVAL_S,
-                     accept: Accept | None = None, between: Between | None = None) -> Any:
+async def eventually(
+    check: Callable[[], T],
+    *,
+    timeout_s: float,
+    what: What,
+    interval_s: float = INTERVAL_S,
+    accept: Accept | None = None,
+    between: Between | None = None,
+) -> T: ...
+async def eventually(
+    check: Callable[[], Any],
+    *,
+    timeout_s: float,
+    what: What,
+    interval_s: float = INTERVAL_S,
+    accept: Accept | None = None,
+    between: Between | None = None,
+) -> Any:
     """The first accepted value of ``check`` (see :func:`poll_until`); ``AssertionError`` naming
     ``what`` and the last value if none came within ``timeout_s``."""
     held, _, last = await poll_until(check, timeout_s=timeout_s, interval_s=interval_s, accept=accept, between=between)

@@ -48,8 +48,9 @@ class TokenIdScorer(BaseScorer):
         return torch.from_numpy(interaction.model_response.output_tokens.astype("float32") + 0.5)
 
 
-async def verdict(group_id: str, sessions: Sequence[ReadyTrajectory],
-                  scorers: Sequence[BaseScorer] | None = None) -> GroupVerdict:
+async def verdict(
+    group_id: str, sessions: Sequence[ReadyTrajectory], scorers: Sequence[BaseScorer] | None = None
+) -> GroupVerdict:
     """The accepted verdict a worker would publish for ``sessions``."""
     scorers = list(scorers or [TokenIdScorer()])
     runner = await PRMRunner.create(PRMConfig(scorers=scorers))  # type: ignore[arg-type]
@@ -58,10 +59,17 @@ async def verdict(group_id: str, sessions: Sequence[ReadyTrajectory],
     finally:
         await runner.aclose()
     assert all(m.status == "scored" for m in members), [m.error for m in members]
-    return GroupVerdict(group_id=group_id, status="accepted", group_size=len(members), sessions=members,
-                        scorers=[ScorerInfo(s.name, s.version) for s in scorers], worker_id="test")
+    return GroupVerdict(
+        group_id=group_id,
+        status="accepted",
+        group_size=len(members),
+        sessions=members,
+        scorers=[ScorerInfo(s.name, s.version) for s in scorers],
+        worker_id="test",
+    )
 
 
-async def batch(group_id: str, sessions: Sequence[ReadyTrajectory],
-                scorers: Sequence[BaseScorer] | None = None) -> TrainingBatch:
+async def batch(
+    group_id: str, sessions: Sequence[ReadyTrajectory], scorers: Sequence[BaseScorer] | None = None
+) -> TrainingBatch:
     return build_training_batch([await verdict(group_id, sessions, scorers)])

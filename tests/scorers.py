@@ -46,8 +46,9 @@ class SlowScorer(BaseScorer):
     name = "slow"
     record_settings = SlowSettings
 
-    def __init__(self, weight: float = 1.0, enabled: bool = True, delay_s: float = 0.01,
-                 hang_marker: str = "HANG") -> None:
+    def __init__(
+        self, weight: float = 1.0, enabled: bool = True, delay_s: float = 0.01, hang_marker: str = "HANG"
+    ) -> None:
         super().__init__(weight=weight, enabled=enabled)
         self.delay_s = delay_s
         self.hang_marker = hang_marker

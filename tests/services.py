@@ -40,8 +40,9 @@ def docker_available() -> bool:
         return False
 
 
-def choose_backend(service: Literal["kafka", "redis"], environ: Mapping[str, str],
-                   docker_probe: Callable[[], bool]) -> Backend:
+def choose_backend(
+    service: Literal["kafka", "redis"], environ: Mapping[str, str], docker_probe: Callable[[], bool]
+) -> Backend:
     if environ.get(f"PRM_TEST_{service.upper()}"):
         return "env"
     if docker_probe():
@@ -59,8 +60,9 @@ class ServiceEndpoints:
 
 
 @contextlib.contextmanager
-def start_test_services(environ: Mapping[str, str], data_dir: str,
-                  docker_probe: Callable[[], bool] = docker_available) -> Iterator[ServiceEndpoints]:
+def start_test_services(
+    environ: Mapping[str, str], data_dir: str, docker_probe: Callable[[], bool] = docker_available
+) -> Iterator[ServiceEndpoints]:
     """Start (or locate) Kafka and Redis for one test session."""
     probe_cache: list[bool] = []
 

@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
     if args.check and stale:
-        print("out of date (run `python -m infra.monitoring`): " + ", ".join(str(p.relative_to(ROOT)) for p in stale),
-              file=sys.stderr)
+        print(
+            "out of date (run `python -m infra.monitoring`): " + ", ".join(str(p.relative_to(ROOT)) for p in stale),
+            file=sys.stderr,
+        )
         return 1
     return 0
 

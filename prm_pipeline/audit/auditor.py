@@ -273,30 +273,43 @@ class Auditor:
         for group_id, variants in self._variants.items():  # scoped ids; findings name the experiment apart
             comparisons = [
                 [
-                    self._results.get((group_id, v, j))
-                    or compare_session(s, None, scope=self.scope, tol=self.tol)
+                    self._results.get((group_id, v, j)) or compare_session(s, None, scope=self.scope, tol=self.tol)
                     for j, s in enumerate(verdict.sessions)
                 ]
                 for v, (verdict, _copies) in enumerate(variants)
             ]
             experiment_id, bare = split_scoped(group_id)
             finding = summarize_group(
-                bare, [(verdict, copies) for verdict, copies in variants], comparisons, scope=self.scope,
-                trajectories_seen=self._seen.get(group_id, ()), discard_seen=group_id in self._discards,
-                max_differences=self.max_differences, notes=self._notes.get(group_id, ()),
+                bare,
+                [(verdict, copies) for verdict, copies in variants],
+                comparisons,
+                scope=self.scope,
+                trajectories_seen=self._seen.get(group_id, ()),
+                discard_seen=group_id in self._discards,
+                max_differences=self.max_differences,
+                notes=self._notes.get(group_id, ()),
             )
             finding.experiment_id = experiment_id
             findings.append(finding)
         for group_id in sorted((set(self._seen) | self._discards) - set(self._variants)):
             experiment_id, bare = split_scoped(group_id)
-            findings.append(GroupFinding(
-                group_id=bare, experiment_id=experiment_id, outcome="trajectory_without_verdict",
-                trajectories=sorted(self._seen.get(group_id, ())),
-                notes=["a DiscardGroup record but no verdict"] if group_id in self._discards else [],
-            ))
+            findings.append(
+                GroupFinding(
+                    group_id=bare,
+                    experiment_id=experiment_id,
+                    outcome="trajectory_without_verdict",
+                    trajectories=sorted(self._seen.get(group_id, ())),
+                    notes=["a DiscardGroup record but no verdict"] if group_id in self._discards else [],
+                )
+            )
         findings.sort(key=lambda f: (f.experiment_id, f.group_id))
         requested = list(dict.fromkeys(self.requested))
         found = {f.group_id for f in findings}
-        return AuditReport(findings=findings, scope=self.scope, records=dict(self.counts),
-                           resume_offsets=resume_offsets, requested_groups=requested,
-                           missing_groups=[g for g in requested if g not in found])
+        return AuditReport(
+            findings=findings,
+            scope=self.scope,
+            records=dict(self.counts),
+            resume_offsets=resume_offsets,
+            requested_groups=requested,
+            missing_groups=[g for g in requested if g not in found],
+        )

@@ -46,37 +46,65 @@ def audit_arguments(p: argparse.ArgumentParser) -> None:
     from prm_pipeline.verdict_dump import since_arg
 
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--since", type=since_arg, metavar="TIME", default=None,
-                       help="only records timestamped at/after TIME: ISO-8601 (2026-11-30T14:05Z) or an age "
-                            "(15m, 2h, 1d)")
-    where.add_argument("--from-offsets", action="append", metavar="TOPIC:PARTITION:OFFSET,...", default=None,
-                       help="start partitions at these offsets (others from the beginning); TOPIC may be "
-                            "'trajectories' or 'verdicts'; repeatable")
-    p.add_argument("--groups", nargs="+", metavar="ID", default=None,
-                   help="audit only these group ids (space- or comma-separated)")
+    where.add_argument(
+        "--since",
+        type=since_arg,
+        metavar="TIME",
+        default=None,
+        help="only records timestamped at/after TIME: ISO-8601 (2026-11-30T14:05Z) or an age (15m, 2h, 1d)",
+    )
+    where.add_argument(
+        "--from-offsets",
+        action="append",
+        metavar="TOPIC:PARTITION:OFFSET,...",
+        default=None,
+        help="start partitions at these offsets (others from the beginning); TOPIC may be "
+        "'trajectories' or 'verdicts'; repeatable",
+    )
+    p.add_argument(
+        "--groups", nargs="+", metavar="ID", default=None, help="audit only these group ids (space- or comma-separated)"
+    )
     p.add_argument("--out", metavar="FILE", default=None, help="write one JSON line per group to FILE")
     p.add_argument("--rtol", type=_tolerance, default=RTOL, metavar="R", help=f"relative tolerance (default {RTOL:g})")
     p.add_argument("--atol", type=_tolerance, default=ATOL, metavar="A", help=f"absolute tolerance (default {ATOL:g})")
-    p.add_argument("--concurrency", type=positive_int, default=16, metavar="N", help="trajectories re-scored at once (16)")
-    timeout = p.add_argument("--scorer-timeout", type=seconds, default=None, metavar="S",
-                             help="bound of each trajectory's re-scoring in seconds (default worker.scorer_timeout_s)")
+    p.add_argument(
+        "--concurrency", type=positive_int, default=16, metavar="N", help="trajectories re-scored at once (16)"
+    )
+    timeout = p.add_argument(
+        "--scorer-timeout",
+        type=seconds,
+        default=None,
+        metavar="S",
+        help="bound of each trajectory's re-scoring in seconds (default worker.scorer_timeout_s)",
+    )
     deprecated_alias(p, "--timeout", timeout)
-    p.add_argument("--max-differences", type=positive_int, default=100, metavar="N",
-                   help="differences kept per group in --out (100)")
+    p.add_argument(
+        "--max-differences",
+        type=positive_int,
+        default=100,
+        metavar="N",
+        help="differences kept per group in --out (100)",
+    )
     p.add_argument("--show", type=int, default=10, metavar="N", help="differing groups listed in the summary (10)")
-    quiet = p.add_argument("-q", "--quiet", action="store_true",
-                           help="no progress bar (default: shown when stderr is a terminal)")
+    quiet = p.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar (default: shown when stderr is a terminal)"
+    )
     deprecated_alias(p, "--no-progress", quiet)
-    add_experiment_option(p, "audit this experiment: read prm.trajectories.ID and prm.verdicts.ID, match its "
-                             "records only (default: trainer.experiment)")
+    add_experiment_option(
+        p,
+        "audit this experiment: read prm.trajectories.ID and prm.verdicts.ID, match its "
+        "records only (default: trainer.experiment)",
+    )
 
 
 def options_from_args(args: argparse.Namespace, cfg: PipelineConfig) -> AuditOptions:
     from prm_pipeline.audit.run import AuditOptions
 
     experiment = experiment_of(args, cfg)
-    aliases = {"trajectories": trajectories_topic(cfg.topics.trajectories, experiment),
-               "verdicts": verdicts_topic(cfg.topics.verdicts, experiment)}
+    aliases = {
+        "trajectories": trajectories_topic(cfg.topics.trajectories, experiment),
+        "verdicts": verdicts_topic(cfg.topics.verdicts, experiment),
+    }
     groups = None
     if args.groups:
         groups = [g for item in args.groups for g in item.split(",") if g]

@@ -131,7 +131,11 @@ GroupOutcome = Literal[
     "identical", "differs", "not_rescorable", "verdict_without_trajectory", "trajectory_without_verdict"
 ]
 GROUP_OUTCOMES: tuple[str, ...] = (
-    "identical", "differs", "not_rescorable", "verdict_without_trajectory", "trajectory_without_verdict",
+    "identical",
+    "differs",
+    "not_rescorable",
+    "verdict_without_trajectory",
+    "trajectory_without_verdict",
 )
 
 
@@ -205,8 +209,12 @@ def _turn_results_by_key(session: SessionResult) -> dict[tuple[str, str, str], P
     blocks = session.turn_result_blocks()
     if blocks is None:
         return None
-    out = {(branch.leaf_id, tr.interaction_id, scorer): tr
-           for branch, block in zip(session.branches, blocks) for scorer, chunk in block.items() for tr in chunk}
+    out = {
+        (branch.leaf_id, tr.interaction_id, scorer): tr
+        for branch, block in zip(session.branches, blocks)
+        for scorer, chunk in block.items()
+        for tr in chunk
+    }
     return out if len(out) == len(session.turn_results) else None
 
 
@@ -234,7 +242,11 @@ def _observation_mismatch(rec: PRMTurnResult, res: PRMTurnResult, tol: Tolerance
         return f"{len(rec.observations)} recorded observations, {len(res.observations)} re-scored"
     for a, b in zip(rec.observations, res.observations):
         same_shape = (a.metric_id, a.scope, a.target_id, a.value_type, a.aggregations) == (
-            b.metric_id, b.scope, b.target_id, b.value_type, b.aggregations
+            b.metric_id,
+            b.scope,
+            b.target_id,
+            b.value_type,
+            b.aggregations,
         )
         if not same_shape:
             return f"observation {a.metric_id!r} vs {b.metric_id!r}: metric, scope, target or aggregations differ"
@@ -269,8 +281,9 @@ def _attribute(
     if len(names) == 1:
         return names[0], ""
     if contributors:
-        return ",".join(contributors), ("every scorer's turn reward matches; attributed to the scorers with a "
-                                        "nonzero share of this turn")
+        return ",".join(contributors), (
+            "every scorer's turn reward matches; attributed to the scorers with a nonzero share of this turn"
+        )
     return None, "every scorer's turn reward matches; the per-token values differ"
 
 
@@ -294,7 +307,9 @@ def _compare_branches(
     rec_tr = _turn_results_by_key(recorded)
     res_tr = _turn_results_by_key(rescored)
     if rec_tr is None:
-        diffs.append(Difference(kind="turn_result", detail="the verdict's turn_results do not line up with its branches"))
+        diffs.append(
+            Difference(kind="turn_result", detail="the verdict's turn_results do not line up with its branches")
+        )
     if res_tr is None:  # cannot happen for runner output; never compare silently
         diffs.append(Difference(kind="turn_result", detail="re-scored turn_results do not line up with branches"))
     for leaf, rec in rec_branches.items():
@@ -302,8 +317,15 @@ def _compare_branches(
         if res is None:
             continue
         if rec.path != res.path:
-            diffs.append(Difference(kind="branches", leaf_id=leaf, detail="branch path differs",
-                                    recorded=list(rec.path), rescored=list(res.path)))
+            diffs.append(
+                Difference(
+                    kind="branches",
+                    leaf_id=leaf,
+                    detail="branch path differs",
+                    recorded=list(rec.path),
+                    rescored=list(res.path),
+                )
+            )
             continue
         changed: dict[str, set[str]] = {}  # turn -> scorers whose turn result differs
         if rec_tr is not None and res_tr is not None:
@@ -334,44 +356,82 @@ def _compare_turn_results(
         for iid in path:
             a, b = rec_tr.get((leaf, iid, scorer)), res_tr.get((leaf, iid, scorer))
             if a is None or b is None:
-                diffs.append(Difference(
-                    kind="turn_result", leaf_id=leaf, turn=iid, scorer=scorer,
-                    detail="turn result missing in the verdict" if a is None else "turn result not re-scored",
-                ))
+                diffs.append(
+                    Difference(
+                        kind="turn_result",
+                        leaf_id=leaf,
+                        turn=iid,
+                        scorer=scorer,
+                        detail="turn result missing in the verdict" if a is None else "turn result not re-scored",
+                    )
+                )
                 changed.setdefault(iid, set()).add(scorer)
                 continue
             if not tol.close(a.reward, b.reward):
-                diffs.append(Difference(kind="turn_result", leaf_id=leaf, turn=iid, scorer=scorer,
-                                        max_abs_diff=abs(a.reward - b.reward), recorded=a.reward,
-                                        rescored=b.reward))
+                diffs.append(
+                    Difference(
+                        kind="turn_result",
+                        leaf_id=leaf,
+                        turn=iid,
+                        scorer=scorer,
+                        max_abs_diff=abs(a.reward - b.reward),
+                        recorded=a.reward,
+                        rescored=b.reward,
+                    )
+                )
                 changed.setdefault(iid, set()).add(scorer)
             mismatch = _observation_mismatch(a, b, tol)
             if mismatch:
-                diffs.append(Difference(kind="observations", leaf_id=leaf, turn=iid, scorer=scorer,
-                                        detail=mismatch))
+                diffs.append(Difference(kind="observations", leaf_id=leaf, turn=iid, scorer=scorer, detail=mismatch))
     return diffs
 
 
-def _compare_totals(leaf: str, rec: BranchResult, res: BranchResult, scope: ScoringScope, tol: Tolerance) -> list[Difference]:
+def _compare_totals(
+    leaf: str, rec: BranchResult, res: BranchResult, scope: ScoringScope, tol: Tolerance
+) -> list[Difference]:
     """One branch's per-scorer totals: each re-scored scorer's against re-scoring, and none
     recorded for a scorer the config does not run."""
     diffs: list[Difference] = []
     for scorer in sorted(scope.rescored):
         a_total, b_total = rec.scorer_totals.get(scorer), res.scorer_totals.get(scorer)
         if a_total is None or b_total is None:
-            diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                    detail="missing in the verdict" if a_total is None else "not re-scored"))
+            diffs.append(
+                Difference(
+                    kind="scorer_total",
+                    leaf_id=leaf,
+                    scorer=scorer,
+                    detail="missing in the verdict" if a_total is None else "not re-scored",
+                )
+            )
         elif not tol.close(a_total, b_total):
-            diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                    max_abs_diff=abs(a_total - b_total), recorded=a_total, rescored=b_total))
+            diffs.append(
+                Difference(
+                    kind="scorer_total",
+                    leaf_id=leaf,
+                    scorer=scorer,
+                    max_abs_diff=abs(a_total - b_total),
+                    recorded=a_total,
+                    rescored=b_total,
+                )
+            )
     for scorer in sorted(set(rec.scorer_totals) - (scope.rescored | scope.not_rescored)):
-        diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                detail="the verdict has a total for a scorer the config does not run"))
+        diffs.append(
+            Difference(
+                kind="scorer_total",
+                leaf_id=leaf,
+                scorer=scorer,
+                detail="the verdict has a total for a scorer the config does not run",
+            )
+        )
     return diffs
 
 
 def _check_recorded_totals(
-    leaf: str, rec: BranchResult, rec_tr: Mapping[tuple[str, str, str], PRMTurnResult], scope: ScoringScope, tol: Tolerance
+    leaf: str,
+    rec: BranchResult,
+    rec_tr: Mapping[tuple[str, str, str], PRMTurnResult],
+    scope: ScoringScope,
+    tol: Tolerance,
 ) -> list[Difference]:
     """The non-re-scored scorers' recorded totals on one branch against their recorded turn results.
 
@@ -383,14 +443,28 @@ def _check_recorded_totals(
         total = rec.scorer_totals.get(scorer)
         parts = [rec_tr.get((leaf, iid, scorer)) for iid in rec.path]
         if total is None or any(p is None for p in parts):
-            diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                    detail="no recorded total or turn results for this scorer"))
+            diffs.append(
+                Difference(
+                    kind="scorer_total",
+                    leaf_id=leaf,
+                    scorer=scorer,
+                    detail="no recorded total or turn results for this scorer",
+                )
+            )
             continue
         summed = sum(p.reward for p in parts if p is not None)
         if not tol.close(total, summed):
-            diffs.append(Difference(kind="scorer_total", leaf_id=leaf, scorer=scorer,
-                                    max_abs_diff=abs(total - summed), recorded=total, rescored=summed,
-                                    detail="recorded total != sum of its recorded turn results"))
+            diffs.append(
+                Difference(
+                    kind="scorer_total",
+                    leaf_id=leaf,
+                    scorer=scorer,
+                    max_abs_diff=abs(total - summed),
+                    recorded=total,
+                    rescored=summed,
+                    detail="recorded total != sum of its recorded turn results",
+                )
+            )
     return diffs
 
 
@@ -414,13 +488,26 @@ def _compare_token_rewards(
     for iid in rec.path:
         a_tok, b_tok = rec.token_rewards.get(iid), res.token_rewards.get(iid)
         if a_tok is None or b_tok is None:
-            diffs.append(Difference(kind="token_rewards", leaf_id=leaf, turn=iid,
-                                    detail="missing in the verdict" if a_tok is None else "not re-scored"))
+            diffs.append(
+                Difference(
+                    kind="token_rewards",
+                    leaf_id=leaf,
+                    turn=iid,
+                    detail="missing in the verdict" if a_tok is None else "not re-scored",
+                )
+            )
             continue
         if a_tok.length != b_tok.length:
-            diffs.append(Difference(kind="token_rewards", leaf_id=leaf, turn=iid,
-                                    detail="number of tokens differs", recorded=a_tok.length,
-                                    rescored=b_tok.length))
+            diffs.append(
+                Difference(
+                    kind="token_rewards",
+                    leaf_id=leaf,
+                    turn=iid,
+                    detail="number of tokens differs",
+                    recorded=a_tok.length,
+                    rescored=b_tok.length,
+                )
+            )
             continue
         a = a_tok.to_numpy().astype(np.float64)
         b = b_tok.to_numpy().astype(np.float64)
@@ -430,11 +517,19 @@ def _compare_token_rewards(
                 continue
             index = int(np.argmin(ok))
             scorer, detail = _attribute(changed.get(iid), rec_tr, leaf, iid, rec.scorer_totals)
-            diffs.append(Difference(
-                kind="token_rewards", leaf_id=leaf, turn=iid, scorer=scorer, index=index,
-                max_abs_diff=float(np.max(np.abs(a - b))), recorded=float(a[index]), rescored=float(b[index]),
-                detail=detail,
-            ))
+            diffs.append(
+                Difference(
+                    kind="token_rewards",
+                    leaf_id=leaf,
+                    turn=iid,
+                    scorer=scorer,
+                    index=index,
+                    max_abs_diff=float(np.max(np.abs(a - b))),
+                    recorded=float(a[index]),
+                    rescored=float(b[index]),
+                    detail=detail,
+                )
+            )
         elif rec_tr is not None and a.size:
             # The non-re-scored scorers' share of this turn is recorded - re-scored; its
             # mean must be the sum of their recorded (weighted, mean) turn rewards.
@@ -445,17 +540,25 @@ def _compare_token_rewards(
             residual = float(np.mean(a - b))
             scale = float(np.max(np.abs(a))) if a.size else 0.0
             if not tol.close(residual, expected, scale=scale):
-                diffs.append(Difference(
-                    kind="token_rewards", leaf_id=leaf, turn=iid, scorer=",".join(sorted(scope.not_rescored)),
-                    max_abs_diff=abs(residual - expected), recorded=residual, rescored=expected,
-                    detail="recorded token rewards minus the re-scored scorers' share do not average to the "
-                           "non-re-scored scorers' recorded turn rewards",
-                ))
+                diffs.append(
+                    Difference(
+                        kind="token_rewards",
+                        leaf_id=leaf,
+                        turn=iid,
+                        scorer=",".join(sorted(scope.not_rescored)),
+                        max_abs_diff=abs(residual - expected),
+                        recorded=residual,
+                        rescored=expected,
+                        detail="recorded token rewards minus the re-scored scorers' share do not average to the "
+                        "non-re-scored scorers' recorded turn rewards",
+                    )
+                )
     return diffs
 
 
-def _compare_stats(recorded: Mapping[str, float], rescored: Mapping[str, float], scope: ScoringScope,
-                   tol: Tolerance) -> list[Difference]:
+def _compare_stats(
+    recorded: Mapping[str, float], rescored: Mapping[str, float], scope: ScoringScope, tol: Tolerance
+) -> list[Difference]:
     """A session's stats key by key; keys of scorers that were not re-run are left out."""
     diffs: list[Difference] = []
     for key in sorted(set(recorded) | set(rescored)):
@@ -464,11 +567,20 @@ def _compare_stats(recorded: Mapping[str, float], rescored: Mapping[str, float],
             continue  # not re-run: nothing to compare with
         a, b = recorded.get(key), rescored.get(key)
         if a is None or b is None:
-            diffs.append(Difference(kind="stats", key=key, scorer=scorer, recorded=a, rescored=b,
-                                    detail="missing in the verdict" if a is None else "not produced by re-scoring"))
+            diffs.append(
+                Difference(
+                    kind="stats",
+                    key=key,
+                    scorer=scorer,
+                    recorded=a,
+                    rescored=b,
+                    detail="missing in the verdict" if a is None else "not produced by re-scoring",
+                )
+            )
         elif not tol.close(a, b):
-            diffs.append(Difference(kind="stats", key=key, scorer=scorer, max_abs_diff=abs(a - b),
-                                    recorded=a, rescored=b))
+            diffs.append(
+                Difference(kind="stats", key=key, scorer=scorer, max_abs_diff=abs(a - b), recorded=a, rescored=b)
+            )
     return diffs
 
 
@@ -508,10 +620,19 @@ def compare_session(
 
     if recorded.status not in ("scored", "failed"):
         if recorded.branches or recorded.turn_results or recorded.stats:
-            return SessionComparison(outcome="differs", differences=located([Difference(
-                kind="field", key="status", recorded=recorded.status,
-                detail=f"a {recorded.status} member carries scoring results",
-            )]))
+            return SessionComparison(
+                outcome="differs",
+                differences=located(
+                    [
+                        Difference(
+                            kind="field",
+                            key="status",
+                            recorded=recorded.status,
+                            detail=f"a {recorded.status} member carries scoring results",
+                        )
+                    ]
+                ),
+            )
         return SessionComparison(outcome="not_compared")
     if rescored is None:
         return SessionComparison(
@@ -532,8 +653,10 @@ def compare_session(
         diffs += _compare_stats(recorded.stats, rescored.stats, scope, tol)
         if not scope.complete:
             inconclusive = True
-            notes.append(f"scorers {sorted(scope.not_rescored)} are non-deterministic: checked against the "
-                         "verdict's own record, not re-run")
+            notes.append(
+                f"scorers {sorted(scope.not_rescored)} are non-deterministic: checked against the "
+                "verdict's own record, not re-run"
+            )
     else:
         difference, why_inconclusive = _failure_mismatch(recorded, rescored, scope)
         if difference is not None:
@@ -563,22 +686,38 @@ def _failure_mismatch(
             return None, None
         if res_code == "scorer_timeout":
             return None, f"re-scoring timed out; the verdict recorded {rec_code}"
-        return Difference(kind="status", recorded=recorded.error, rescored=rescored.error,
-                          detail=f"failed with {rec_code} in the verdict, {res_code} when re-scored"), None
+        return Difference(
+            kind="status",
+            recorded=recorded.error,
+            rescored=rescored.error,
+            detail=f"failed with {rec_code} in the verdict, {res_code} when re-scored",
+        ), None
     if recorded.status == "scored":  # re-scoring failed
         if res_code == "scorer_timeout":
             return None, "re-scoring timed out (raise --scorer-timeout); the verdict recorded a scored member"
-        return Difference(kind="status", recorded="scored", rescored=rescored.error, scorer=rescored.error_scorer,
-                          detail="scored in the verdict, rejected when re-scored"), None
+        return Difference(
+            kind="status",
+            recorded="scored",
+            rescored=rescored.error,
+            scorer=rescored.error_scorer,
+            detail="scored in the verdict, rejected when re-scored",
+        ), None
     # recorded failed, re-scoring succeeded
     culprit = recorded.error_scorer
     if rec_code == "scorer_timeout":
         return None, "the verdict recorded a timeout; re-scoring succeeded (timeouts depend on load)"
     if not scope.complete and (culprit is None or culprit in scope.not_rescored):
-        return None, (f"the recorded failure ({rec_code}) may come from a non-re-scored scorer "
-                      f"({culprit or 'unknown'}); the re-scored scorers succeeded")
-    return Difference(kind="status", recorded=recorded.error, rescored="scored", scorer=culprit,
-                      detail=f"failed with {rec_code} in the verdict, scored when re-scored"), None
+        return None, (
+            f"the recorded failure ({rec_code}) may come from a non-re-scored scorer "
+            f"({culprit or 'unknown'}); the re-scored scorers succeeded"
+        )
+    return Difference(
+        kind="status",
+        recorded=recorded.error,
+        rescored="scored",
+        scorer=culprit,
+        detail=f"failed with {rec_code} in the verdict, scored when re-scored",
+    ), None
 
 
 def distinct_verdicts(records: Iterable[GroupVerdict]) -> list[tuple[GroupVerdict, int]]:
@@ -613,8 +752,14 @@ def _verdict_self_check(verdict: GroupVerdict) -> list[Difference]:
         if set(statuses) - {"scored"}:
             diffs.append(Difference(kind="verdict", detail=f"accepted with member statuses {dict(statuses)}"))
         if len(verdict.sessions) != verdict.group_size:
-            diffs.append(Difference(kind="verdict", recorded=len(verdict.sessions), rescored=verdict.group_size,
-                                    detail="accepted with a member count different from group_size"))
+            diffs.append(
+                Difference(
+                    kind="verdict",
+                    recorded=len(verdict.sessions),
+                    rescored=verdict.group_size,
+                    detail="accepted with a member count different from group_size",
+                )
+            )
     elif verdict.status == "rejected" and not verdict.reason:
         diffs.append(Difference(kind="verdict", detail="rejected without a reason"))
     elif verdict.status == "discarded" and set(statuses) - {"discarded"}:
@@ -635,13 +780,18 @@ def _conflicting_verdicts(group_id: str, variants: Sequence[tuple[GroupVerdict, 
     for version, found in sorted(by_version.items()):
         if len(found) > 1:
             head = found[0]
-            fields = sorted({f for other in found[1:] for f in head.__struct_fields__
-                             if getattr(head, f) != getattr(other, f)})
-            conflicts.append(Difference(
-                kind="conflicting_verdicts", verdict_version=version, recorded=len(found),
-                detail=f"{len(found)} different verdicts for ({group_id!r}, version {version}); "
-                       f"fields that differ: {', '.join(fields)}",
-            ))
+            fields = sorted(
+                {f for other in found[1:] for f in head.__struct_fields__ if getattr(head, f) != getattr(other, f)}
+            )
+            conflicts.append(
+                Difference(
+                    kind="conflicting_verdicts",
+                    verdict_version=version,
+                    recorded=len(found),
+                    detail=f"{len(found)} different verdicts for ({group_id!r}, version {version}); "
+                    f"fields that differ: {', '.join(fields)}",
+                )
+            )
     return conflicts
 
 
@@ -687,9 +837,14 @@ def summarize_group(
         tag = {"verdict_version": version, "variant": index}
         local = _verdict_self_check(verdict)
         if verdict.status != "discarded" and [(s.name, s.version) for s in verdict.scorers] != configured:
-            local.append(Difference(kind="scorers", recorded=[f"{s.name}@{s.version}" for s in verdict.scorers],
-                                    rescored=[f"{n}@{v}" for n, v in configured],
-                                    detail="the verdict was scored by other scorers (names@versions) than configured"))
+            local.append(
+                Difference(
+                    kind="scorers",
+                    recorded=[f"{s.name}@{s.version}" for s in verdict.scorers],
+                    rescored=[f"{n}@{v}" for n, v in configured],
+                    detail="the verdict was scored by other scorers (names@versions) than configured",
+                )
+            )
         if verdict.status == "discarded" and not discard_seen:
             missing = True
             all_notes.append("discarded, but no DiscardGroup record for the group is in the audited range")
@@ -704,8 +859,9 @@ def summarize_group(
     listed = {s.trajectory_id for verdict, _ in variants for s in verdict.sessions}
     unlisted = sorted(set(trajectories_seen) - listed)
     if unlisted:
-        all_notes.append(f"trajectories on the topic but in no verdict of the group (late or extra members): "
-                         f"{unlisted[:20]}")
+        all_notes.append(
+            f"trajectories on the topic but in no verdict of the group (late or extra members): {unlisted[:20]}"
+        )
     outcome = _group_outcome(differs=bool(diffs), missing=missing, inconclusive=inconclusive)
     magnitudes = [d.max_abs_diff for d in diffs if d.max_abs_diff is not None]
     first = variants[0][0] if variants else None
@@ -750,7 +906,11 @@ def compare_group(
         for verdict, _ in variants
     ]
     return summarize_group(
-        records[0].group_id, variants, comparisons, scope=scope,
+        records[0].group_id,
+        variants,
+        comparisons,
+        scope=scope,
         trajectories_seen=rescored.keys() if trajectories_seen is None else trajectories_seen,
-        discard_seen=discard_seen, max_differences=max_differences,
+        discard_seen=discard_seen,
+        max_differences=max_differences,
     )

@@ -91,12 +91,18 @@ async def read_snapshot(
         last_progress = time.monotonic()
         while len(done) < len(tps):
             batch = await consumer.getmany(timeout_ms=200, max_records=1000)
-            if batch or len(ends) < len(tps) and any(consumer.highwater(tp) is not None for tp in tps if tp not in ends):
+            if (
+                batch
+                or len(ends) < len(tps)
+                and any(consumer.highwater(tp) is not None for tp in tps if tp not in ends)
+            ):
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > stall_s:
                 stuck = sorted(tp.partition for tp in tps if tp not in done)
-                raise AuditError(f"no progress reading {topic!r} partitions {stuck} for {stall_s:.0f}s "
-                                 "(broker unreachable, or it reports no high watermark)")
+                raise AuditError(
+                    f"no progress reading {topic!r} partitions {stuck} for {stall_s:.0f}s "
+                    "(broker unreachable, or it reports no high watermark)"
+                )
             for tp in tps:
                 if tp not in ends and (high := consumer.highwater(tp)) is not None:
                     ends[tp] = max(high, first[tp])

@@ -41,8 +41,15 @@ def _progress(stderr: IO[str], enabled: bool | None) -> Any:  # rich types stay 
     if enabled is None:
         enabled = console.is_terminal
     return Progress(
-        TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), RateColumn(),
-        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not enabled,
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        RateColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
         refresh_per_second=5,
     )
 
@@ -68,9 +75,12 @@ def render_summary(report: AuditReport, out: IO[str], *, show: int = 10) -> None
     r = report.records
     console.print(
         f"records read: {r.get('verdict_records', 0)} verdicts, {r.get('trajectory_records', 0)} trajectories"
-        + (f"; undecodable: {r.get('undecodable_verdicts', 0)} verdicts, "
-           f"{r.get('undecodable_trajectories', 0)} trajectories"
-           if r.get("undecodable_verdicts") or r.get("undecodable_trajectories") else "")
+        + (
+            f"; undecodable: {r.get('undecodable_verdicts', 0)} verdicts, "
+            f"{r.get('undecodable_trajectories', 0)} trajectories"
+            if r.get("undecodable_verdicts") or r.get("undecodable_trajectories")
+            else ""
+        )
     )
     if not scope.enabled:
         console.print("scoring is disabled in the config: verdicts are expected to carry no rewards")
@@ -85,19 +95,30 @@ def render_summary(report: AuditReport, out: IO[str], *, show: int = 10) -> None
             located = [d for d in finding.differences if d.session_id or d.turn]
             d = (located or finding.differences or [Difference(kind="verdict")])[0]
             detail.add_row(
-                finding.group_id, d.kind, d.session_id or "", d.turn or "", d.scorer or "",
+                finding.group_id,
+                d.kind,
+                d.session_id or "",
+                d.turn or "",
+                d.scorer or "",
                 "" if finding.max_abs_diff is None else f"{finding.max_abs_diff:.6g}",
             )
         console.print(detail)
     if report.missing_groups:
         missing = ", ".join(report.missing_groups)
         if len(report.missing_groups) == len(report.requested_groups):
-            console.print(f"none of the --groups was found (no verdict, trajectory or discard names them in the "
-                          f"range read): {missing}; check the ids (matched exactly) and the range (exit 2)",
-                          style="bold red", soft_wrap=True)
+            console.print(
+                f"none of the --groups was found (no verdict, trajectory or discard names them in the "
+                f"range read): {missing}; check the ids (matched exactly) and the range (exit 2)",
+                style="bold red",
+                soft_wrap=True,
+            )
         else:
-            console.print(f"--groups not found ({len(report.missing_groups)} of {len(report.requested_groups)}; "
-                          f"no record in the range read names them): {missing}", style="yellow", soft_wrap=True)
+            console.print(
+                f"--groups not found ({len(report.missing_groups)} of {len(report.requested_groups)}; "
+                f"no record in the range read names them): {missing}",
+                style="yellow",
+                soft_wrap=True,
+            )
     if report.resume_offsets:
         console.print(f"next audit from here: --from-offsets {report.resume_offsets}", soft_wrap=True)
 

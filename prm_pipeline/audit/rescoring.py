@@ -35,8 +35,9 @@ def scorer_is_deterministic(scorer: Any) -> bool:
 
 
 # =========================================================================== re-scoring
-async def rescore(runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None,
-                  keep_channels: bool = False) -> SessionResult:
+async def rescore(
+    runner: PRMRunner | None, traj: ReadyTrajectory, *, timeout_s: float | None, keep_channels: bool = False
+) -> SessionResult:
     """Score ``traj`` exactly as the worker does (:func:`score_member`) and return the member
     result it would park; ``scored_at`` is left at 0 (it is not compared)."""
     return await score_member(runner, traj, timeout_s=timeout_s, keep_channels=keep_channels, scored_at=0.0)
@@ -61,8 +62,12 @@ async def build_runners(
         active = [s for s in full.scorers if s.enabled]
         det = [s for s in active if scorer_is_deterministic(s)]
         skipped = [s.name for s in active if not scorer_is_deterministic(s)]
-        scope = ScoringScope(enabled=True, scorers=tuple(full.scorer_infos()),
-                             rescored=frozenset(s.name for s in det), not_rescored=frozenset(skipped))
+        scope = ScoringScope(
+            enabled=True,
+            scorers=tuple(full.scorer_infos()),
+            rescored=frozenset(s.name for s in det),
+            not_rescored=frozenset(skipped),
+        )
         if not skipped:
             return scope, full, [full]
         partial = await PRMRunner.create(

@@ -76,10 +76,16 @@ async def _scorers_of(cfg: PipelineConfig, experiment: str) -> tuple[PRMConfig, 
         print(removed_note(cfg, recorded), file=sys.stderr)
     spec = recorded.spec
     if spec is None:
-        raise AuditError(f"nothing to re-score with: experiment {experiment!r} was removed by a record that kept "
-                         "no declaration (a tombstone); declare it again with `prm-pipeline experiment add` to audit it")
-    prm = record_prm(spec.prm, cfg.worker.scorer_profiles, allowed_prefixes=cfg.worker.allowed_scorer_modules,
-                     key=f"experiment {experiment!r} prm")  # what a worker builds: profiles, capabilities
+        raise AuditError(
+            f"nothing to re-score with: experiment {experiment!r} was removed by a record that kept "
+            "no declaration (a tombstone); declare it again with `prm-pipeline experiment add` to audit it"
+        )
+    prm = record_prm(
+        spec.prm,
+        cfg.worker.scorer_profiles,
+        allowed_prefixes=cfg.worker.allowed_scorer_modules,
+        key=f"experiment {experiment!r} prm",
+    )  # what a worker builds: profiles, capabilities
     return prm, effective_allow_list(cfg.prm, cfg.worker.allowed_judge_hosts, cfg.worker.scorer_profiles)
 
 
@@ -92,8 +98,9 @@ def _start_offsets(options: AuditOptions, topics: _ExperimentTopics) -> dict[str
     offsets = {k: dict(v) for k, v in (options.from_offsets or {}).items()}
     stray = sorted(set(offsets) - {topics.trajectories, topics.verdicts})
     if stray:
-        raise AuditError(f"--from-offsets names {stray}; only {topics.trajectories!r} and {topics.verdicts!r} "
-                         "are audited")
+        raise AuditError(
+            f"--from-offsets names {stray}; only {topics.trajectories!r} and {topics.verdicts!r} are audited"
+        )
     return offsets
 
 
@@ -117,8 +124,9 @@ async def _read_verdicts(
     tokens = VerdictTokens(cfg)
     try:
         referenced: list[GroupVerdict] = []
-        async for record in read_snapshot(cfg, topic, start=start, since_ms=since_ms, on_total=on_total,
-                                          ends_out=ends_out):
+        async for record in read_snapshot(
+            cfg, topic, start=start, since_ms=since_ms, on_total=on_total, ends_out=ends_out
+        ):
             on_record()
             verdict = None if record is None else auditor.decode_verdict(record.value, record.headers)
             if verdict is not None and needs_tokens(verdict):
@@ -150,8 +158,10 @@ async def audit(
     options = options or AuditOptions()
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    topics = _ExperimentTopics(trajectories_topic(cfg.topics.trajectories, options.experiment),
-                               verdicts_topic(cfg.topics.verdicts, options.experiment))
+    topics = _ExperimentTopics(
+        trajectories_topic(cfg.topics.trajectories, options.experiment),
+        verdicts_topic(cfg.topics.verdicts, options.experiment),
+    )
     offsets = _start_offsets(options, topics)
     timeout_s = options.timeout_s if options.timeout_s is not None else cfg.worker.scorer_timeout_s
     prm, hosts = await _scorers_of(cfg, options.experiment)
@@ -164,29 +174,48 @@ async def audit(
             rescore_task = progress.add_task("re-scoring", total=None, start=False)
             traj_task = progress.add_task("reading trajectories", total=0)
             auditor = Auditor(
-                scope=scope, runner=runner, tol=options.tolerance, groups=options.groups, timeout_s=timeout_s,
-                concurrency=options.concurrency, max_differences=options.max_differences,
+                scope=scope,
+                runner=runner,
+                tol=options.tolerance,
+                groups=options.groups,
+                timeout_s=timeout_s,
+                concurrency=options.concurrency,
+                max_differences=options.max_differences,
                 on_rescored=lambda n: progress.advance(rescore_task, n),
-                keep_channels=cfg.worker.keep_scorer_channels, experiment=options.experiment,
+                keep_channels=cfg.worker.keep_scorer_channels,
+                experiment=options.experiment,
             )
 
             def grow(task: Any) -> Callable[[int], None]:
                 return lambda n: progress.update(task, total=(progress.tasks[task].total or 0) + n)
 
             ends: dict[str, dict[int, int]] = {topics.verdicts: {}, topics.trajectories: {}}
-            await _read_verdicts(cfg, topics.verdicts, auditor, start=offsets.get(topics.verdicts),
-                                 since_ms=options.since_ms, on_total=grow(verdict_task),
-                                 on_record=lambda: progress.advance(verdict_task), ends_out=ends[topics.verdicts])
+            await _read_verdicts(
+                cfg,
+                topics.verdicts,
+                auditor,
+                start=offsets.get(topics.verdicts),
+                since_ms=options.since_ms,
+                on_total=grow(verdict_task),
+                on_record=lambda: progress.advance(verdict_task),
+                ends_out=ends[topics.verdicts],
+            )
             progress.update(rescore_task, total=auditor.sessions_to_rescore)
             progress.start_task(rescore_task)
-            async for record in read_snapshot(cfg, topics.trajectories, start=offsets.get(topics.trajectories),
-                                              since_ms=options.since_ms, on_total=grow(traj_task),
-                                              ends_out=ends[topics.trajectories]):
+            async for record in read_snapshot(
+                cfg,
+                topics.trajectories,
+                start=offsets.get(topics.trajectories),
+                since_ms=options.since_ms,
+                on_total=grow(traj_task),
+                ends_out=ends[topics.trajectories],
+            ):
                 progress.advance(traj_task)
                 if record is not None:
                     await auditor.feed_trajectory(record.value, record.headers)
-            resume = ",".join(f"{t}:{p}:{o}" for t in (topics.trajectories, topics.verdicts)
-                              for p, o in sorted(ends[t].items()))
+            resume = ",".join(
+                f"{t}:{p}:{o}" for t in (topics.trajectories, topics.verdicts) for p, o in sorted(ends[t].items())
+            )
             report = await auditor.finish(resume_offsets=resume)
             progress.update(rescore_task, total=progress.tasks[rescore_task].completed)
     finally:

@@ -26,8 +26,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RUNS", "Curve", "check_run", "curves_from_trainer_log", "curves_from_verdicts", "group_id",
-           "parse_group_id", "reading_dict", "verdict_text"]
+__all__ = [
+    "RUNS",
+    "Curve",
+    "check_run",
+    "curves_from_trainer_log",
+    "curves_from_verdicts",
+    "group_id",
+    "parse_group_id",
+    "reading_dict",
+    "verdict_text",
+]
 
 RUNS: dict[str, str] = {"outcome": "outcome only", "process": "with process rewards"}
 """Run name -> the label the report uses."""
@@ -71,8 +80,13 @@ class Curve:
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        return {"run": self.run, "label": RUNS.get(self.run, self.run), "mean": self.mean, "sd": self.sd,
-                "groups": self.groups}
+        return {
+            "run": self.run,
+            "label": RUNS.get(self.run, self.run),
+            "mean": self.mean,
+            "sd": self.sd,
+            "groups": self.groups,
+        }
 
 
 def _curves(per_group: Mapping[str, list[float]]) -> dict[str, Curve]:
@@ -125,14 +139,16 @@ def _diff(name: str, a: Mapping[str, Curve], b: Mapping[str, Any]) -> list[str]:
         if got["groups"] != want["groups"] and not _close_groups(got["groups"], want["groups"]):
             problems.append(f"{name}: run {run!r} per-group outcomes differ")
         if len(got["mean"]) != len(want["mean"]) or any(
-                abs(x - y) > TOLERANCE for x, y in zip(got["mean"], want["mean"])):
+            abs(x - y) > TOLERANCE for x, y in zip(got["mean"], want["mean"])
+        ):
             problems.append(f"{name}: run {run!r} mean outcome {got['mean']} != {want['mean']}")
     return problems
 
 
 def _close_groups(a: Sequence[Mapping[str, float]], b: Sequence[Mapping[str, float]]) -> bool:
     return len(a) == len(b) and all(
-        x.keys() == y.keys() and all(abs(x[k] - y[k]) <= TOLERANCE for k in x) for x, y in zip(a, b))
+        x.keys() == y.keys() and all(abs(x[k] - y[k]) <= TOLERANCE for k in x) for x, y in zip(a, b)
+    )
 
 
 def check_run(out_dir: str | Path) -> list[str]:
@@ -176,10 +192,10 @@ def _reading(curves: Mapping[str, Curve], window: int = 3) -> Reading:
     means = {run: c.mean for run, c in curves.items()}
     n = min((len(m) for m in means.values()), default=0)
     w = max(1, min(window, n))
-    final = {run: sum(m[n - w:n]) / w for run, m in means.items()} if n else {}
+    final = {run: sum(m[n - w : n]) / w for run, m in means.items()} if n else {}
     first = {run: m[0] for run, m in means.items()} if n else {}
     reached = {run: next((i + 1 for i, x in enumerate(m[:n]) if x >= 0.5), None) for run, m in means.items()}
-    spread = {run: _sd([x for g in c.groups[n - w:n] for x in g.values()]) for run, c in curves.items()} if n else {}
+    spread = {run: _sd([x for g in c.groups[n - w : n] for x in g.values()]) for run, c in curves.items()} if n else {}
     return Reading(updates=n, window=w, final=final, first=first, reached_half=reached, spread=spread)
 
 
@@ -205,16 +221,23 @@ def verdict_text(curves: Mapping[str, Curve], shares: Sequence[float] = (), wind
         lead = "Process rewards helped"
     else:
         lead = "Process rewards did not help here"
-    text = (f"{lead}: with process rewards the mean outcome reached {p:.2f} after {r.updates} updates "
-            f"(mean of {span}; {half('process')}); with the outcome alone, {o:.2f} ({half('outcome')}). "
-            f"The difference, {p - o:+.2f}, is {'larger' if beyond else 'not larger'} than the spread between "
-            f"groups over {span} (s.d. {r.spread['process']:.2f} with process rewards, "
-            f"{r.spread['outcome']:.2f} without: the bands). "
-            + (f"Both started at {p0:.2f} (same seed: the same first rollouts)." if p0 == o0 else
-               f"They started at {p0:.2f} / {o0:.2f}."))
+    text = (
+        f"{lead}: with process rewards the mean outcome reached {p:.2f} after {r.updates} updates "
+        f"(mean of {span}; {half('process')}); with the outcome alone, {o:.2f} ({half('outcome')}). "
+        f"The difference, {p - o:+.2f}, is {'larger' if beyond else 'not larger'} than the spread between "
+        f"groups over {span} (s.d. {r.spread['process']:.2f} with process rewards, "
+        f"{r.spread['outcome']:.2f} without: the bands). "
+        + (
+            f"Both started at {p0:.2f} (same seed: the same first rollouts)."
+            if p0 == o0
+            else f"They started at {p0:.2f} / {o0:.2f}."
+        )
+    )
     if shares:
-        text += (f" Process rewards were {100 * sum(shares) / len(shares):.0f}% of the advantage's magnitude "
-                 f"on average (range {100 * min(shares):.0f}–{100 * max(shares):.0f}%).")
+        text += (
+            f" Process rewards were {100 * sum(shares) / len(shares):.0f}% of the advantage's magnitude "
+            f"on average (range {100 * min(shares):.0f}–{100 * max(shares):.0f}%)."
+        )
     return text
 
 

@@ -73,9 +73,7 @@ __all__ = ["FakeJudgeServer", "add_fake_judge_parser", "cmd_fake_judge", "fake_t
 _NEG = re.compile(r"\b(error|wrong)", re.IGNORECASE)
 _POS = re.compile(r"\b(thanks|thank you|ok\b|okay|success)", re.IGNORECASE)
 _VOTES = re.compile(r"\[\[votes:\s*([^\]]*)\]\]", re.IGNORECASE)
-_NEXT_STATE = re.compile(
-    r"## Next state[^\n]*\n(.*?)(?:\n\n(?:First, classify|Now output|Now evaluate)|\Z)", re.DOTALL
-)
+_NEXT_STATE = re.compile(r"## Next state[^\n]*\n(.*?)(?:\n\n(?:First, classify|Now output|Now evaluate)|\Z)", re.DOTALL)
 _HINT_PROMPT = "hindsight hint extraction"
 
 
@@ -247,8 +245,12 @@ class FakeJudgeServer:
         self._server = server
         self._stopping.clear()
         self._started_at = time.monotonic()
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"fake-judge:{server.server_address[1]}", daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"fake-judge:{server.server_address[1]}",
+            daemon=True,
+        )
         self._thread.start()
         return self.base_url
 
@@ -362,12 +364,16 @@ class FakeJudgeServer:
             message = {"role": "assistant", "content": text}
             if self.reasoning:  # a server-side reasoning parser: the verdict is in the thinking only
                 message = {"role": "assistant", "reasoning_content": text, "content": "My verdict is above."}
-            return 200, {
-                "id": "fake-judge",
-                "object": "chat.completion",
-                "model": payload.get("model", self.model),
-                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            }, None
+            return (
+                200,
+                {
+                    "id": "fake-judge",
+                    "object": "chat.completion",
+                    "model": payload.get("model", self.model),
+                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                },
+                None,
+            )
         if route == "/generate":
             if "input_ids" in payload:
                 return self._teacher(payload)
@@ -435,10 +441,14 @@ class FakeJudgeServer:
         ]
         with self._lock:
             self.votes_served["teacher"] += 1
-        return 200, {
-            "text": "",
-            "meta_info": {"prompt_tokens": len(ids), "completion_tokens": 0, "input_token_logprobs": rows},
-        }, None
+        return (
+            200,
+            {
+                "text": "",
+                "meta_info": {"prompt_tokens": len(ids), "completion_tokens": 0, "input_token_logprobs": rows},
+            },
+            None,
+        )
 
 
 # --------------------------------------------------------------------------- CLI
@@ -463,8 +473,13 @@ def _rate(text: str) -> float:
 def cmd_fake_judge(args: argparse.Namespace) -> int:
     """Serve the fake judge in the foreground until SIGINT/SIGTERM; exit code 0."""
     server = FakeJudgeServer(
-        args.host, args.port, latency_ms=args.latency * 1000.0, error_rate=args.error_rate,
-        outages=args.outage, outage_mode=args.outage_mode, seed=args.seed,
+        args.host,
+        args.port,
+        latency_ms=args.latency * 1000.0,
+        error_rate=args.error_rate,
+        outages=args.outage,
+        outage_mode=args.outage_mode,
+        seed=args.seed,
     )
     with StopSignals() as stop:
         try:
@@ -492,15 +507,32 @@ def add_fake_judge_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=port, required=True, help="TCP port (0 picks a free one)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
 
-    latency = p.add_argument("--latency", type=seconds, default=0.0, metavar="S",
-                             help="delay before every answer, in seconds")
-    deprecated_alias(p, "--latency-ms", latency, type=seconds, convert=lambda ms: ms / 1000.0,
-                     note=" (seconds; it took milliseconds)")
+    latency = p.add_argument(
+        "--latency", type=seconds, default=0.0, metavar="S", help="delay before every answer, in seconds"
+    )
+    deprecated_alias(
+        p,
+        "--latency-ms",
+        latency,
+        type=seconds,
+        convert=lambda ms: ms / 1000.0,
+        note=" (seconds; it took milliseconds)",
+    )
     p.add_argument("--error-rate", type=_rate, default=0.0, help="fraction of requests answered HTTP 500")
-    p.add_argument("--outage", type=_window, action="append", default=[], metavar="START:END",
-                   help="outage window in seconds after start (repeatable)")
-    p.add_argument("--outage-mode", choices=("503", "reset"), default="503",
-                   help="during an outage answer 503 or reset the connection")
+    p.add_argument(
+        "--outage",
+        type=_window,
+        action="append",
+        default=[],
+        metavar="START:END",
+        help="outage window in seconds after start (repeatable)",
+    )
+    p.add_argument(
+        "--outage-mode",
+        choices=("503", "reset"),
+        default="503",
+        help="during an outage answer 503 or reset the connection",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the error injection")
     p.set_defaults(func=cmd_fake_judge)
     return p

@@ -83,8 +83,16 @@ class _Server(ThreadingHTTPServer):
 class ModelServer:
     """The HTTP server around a :class:`~prm_pipeline.demo.tiny_model.TinyPolicy` (a background thread)."""
 
-    def __init__(self, policy: Any = None, *, host: str = "127.0.0.1", port: int = 0, weights: str | None = None,
-                 seed: int = 0, max_new_tokens: int = 32) -> None:
+    def __init__(
+        self,
+        policy: Any = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        weights: str | None = None,
+        seed: int = 0,
+        max_new_tokens: int = 32,
+    ) -> None:
         import torch
 
         from prm_pipeline.demo.tiny_model import TinyLMConfig, TinyPolicy, WeightStore
@@ -175,8 +183,7 @@ class ModelServer:
         meta.update(completion_tokens=len(sample.tokens), finish_reason={"type": sample.stop_reason})
         if payload.get("return_logprob"):
             meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(sample.tokens, sample.logprobs)]
-        return 200, {"text": self.policy.template.decode(sample.tokens), "output_ids": sample.tokens,
-                     "meta_info": meta}
+        return 200, {"text": self.policy.template.decode(sample.tokens), "output_ids": sample.tokens, "meta_info": meta}
 
     def _chat(self, payload: Mapping[str, Any]) -> tuple[int, Any]:
         messages = payload.get("messages")
@@ -187,9 +194,12 @@ class ModelServer:
         sample = self.policy.sample(ids, min(max_new, 256), self._generator)
         text = self.policy.template.decode([t for t in sample.tokens if t > 2])
         return 200, {
-            "id": "tiny-model", "object": "chat.completion", "model": payload.get("model", "tiny"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": sample.stop_reason}],
+            "id": "tiny-model",
+            "object": "chat.completion",
+            "model": payload.get("model", "tiny"),
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": sample.stop_reason}
+            ],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(sample.tokens)},
         }
 

@@ -45,8 +45,9 @@ def next_token_logprobs(model: Callable[..., Any], input_ids: Tensor, attention_
     return torch.nn.functional.pad(logp, (0, 1))
 
 
-def ppo_clip_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                  clip_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def ppo_clip_loss(
+    new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss, ratio, clipped)``: the token-mean PPO-clip loss over ``mask``."""
     maskf = mask.to(new_logp.dtype)
     ratio = torch.exp((new_logp - old_logp) * maskf)
@@ -77,8 +78,15 @@ class UpdateStats:
 class PolicyUpdate:
     """PPO-clip on ``model`` with Adam; :meth:`step` consumes one batch and its shaped advantages."""
 
-    def __init__(self, model: torch.nn.Module, *, lr: float = 3e-3, clip_eps: float = 0.2,
-                 minibatches: int = 2, max_grad_norm: float = 1.0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float = 3e-3,
+        clip_eps: float = 0.2,
+        minibatches: int = 2,
+        max_grad_norm: float = 1.0,
+    ) -> None:
         if minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {minibatches}")
         self.model = model
@@ -136,8 +144,12 @@ class PolicyUpdate:
         r = torch.cat(ratios).float().cpu() if ratios else torch.ones(0)
         n = int(mask.sum().item())
         return UpdateStats(
-            loss=sum(losses) / max(1, len(losses)), alignment_max_abs_diff=alignment,
-            ratio_mean=float(r.mean()) if r.numel() else 1.0, ratio_min=float(r.min()) if r.numel() else 1.0,
-            ratio_max=float(r.max()) if r.numel() else 1.0, clip_fraction=clipped / max(1, n), tokens=n,
+            loss=sum(losses) / max(1, len(losses)),
+            alignment_max_abs_diff=alignment,
+            ratio_mean=float(r.mean()) if r.numel() else 1.0,
+            ratio_min=float(r.min()) if r.numel() else 1.0,
+            ratio_max=float(r.max()) if r.numel() else 1.0,
+            clip_fraction=clipped / max(1, n),
+            tokens=n,
             grad_norm=norm,
         )

@@ -26,8 +26,9 @@ def write_config(cfg: PipelineConfig, path: Path) -> Path:
 class WorkerProcesses:
     """N ``prm-pipeline worker`` processes sharing one config file; logs under ``log_dir``."""
 
-    def __init__(self, config_path: Path, log_dir: Path, n: int = 2, concurrency: int | None = None,
-                 cwd: Path | None = None) -> None:
+    def __init__(
+        self, config_path: Path, log_dir: Path, n: int = 2, concurrency: int | None = None, cwd: Path | None = None
+    ) -> None:
         self.config_path, self.log_dir = config_path, log_dir
         # Scorer classes named by import path must be importable by the children:
         # they run in (and have on their path) the caller's working directory.
@@ -43,13 +44,28 @@ class WorkerProcesses:
             self._note_exit(k)  # a slot restarted after its worker died by itself must not hide it
             self.starts[k] += 1
             log = (self.log_dir / f"worker{k}.{self.starts[k]}.log").open("wb")
-            argv = [sys.executable, "-m", "prm_pipeline.cli", "--config", str(self.config_path), "worker",
-                    "--worker-id", f"w{k}.{self.starts[k]}"]
+            argv = [
+                sys.executable,
+                "-m",
+                "prm_pipeline.cli",
+                "--config",
+                str(self.config_path),
+                "worker",
+                "--worker-id",
+                f"w{k}.{self.starts[k]}",
+            ]
             if self.concurrency:
                 argv += ["--concurrency", str(self.concurrency)]
-            self.procs[k] = subprocess.Popen(argv, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
-                                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                                 filter(None, [str(self.cwd), os.environ.get("PYTHONPATH")]))})
+            self.procs[k] = subprocess.Popen(
+                argv,
+                cwd=self.cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(self.cwd), os.environ.get("PYTHONPATH")])),
+                },
+            )
             log.close()
 
     def kill(self, i: int) -> None:
@@ -94,4 +110,6 @@ class WorkerProcesses:
         return codes
 
     def logs(self) -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(self.log_dir.glob("worker*.log")))
+        return "\n".join(
+            f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(self.log_dir.glob("worker*.log"))
+        )

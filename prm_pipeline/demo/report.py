@@ -24,8 +24,7 @@ from typing import Any
 
 from prm_pipeline.demo.curves import RUNS, Curve, reading_dict
 
-__all__ = ["SECTIONS", "STAGES", "DemoRecord", "IterationMarks", "iteration_stages", "latency_figure",
-           "write_report"]
+__all__ = ["SECTIONS", "STAGES", "DemoRecord", "IterationMarks", "iteration_stages", "latency_figure", "write_report"]
 
 SECTIONS: dict[str, str] = {
     "learning": "Learning curves: outcome only vs with process rewards",
@@ -39,8 +38,16 @@ SECTIONS: dict[str, str] = {
 }
 
 
-STAGES: tuple[str, ...] = ("reload weights", "rollout", "publish", "scoring (publish -> verdicts)",
-                           "trainer consume", "train step", "publish weights", "hand-off")
+STAGES: tuple[str, ...] = (
+    "reload weights",
+    "rollout",
+    "publish",
+    "scoring (publish -> verdicts)",
+    "trainer consume",
+    "train step",
+    "publish weights",
+    "hand-off",
+)
 """The stages of one iteration, in the order they follow each other on the demo's clock."""
 
 
@@ -119,8 +126,16 @@ def _statuses(rec: DemoRecord) -> bytes:
         times = [t for t, _, s in events if s == status]
         if times:
             end = max(t for t, _, _ in events)
-            ax.step([0.0, *times, end], [0, *range(1, len(times) + 1), len(times)], where="post", label=status,
-                    color=colour, marker="o", markevery=list(range(1, len(times) + 1)), markersize=3)
+            ax.step(
+                [0.0, *times, end],
+                [0, *range(1, len(times) + 1), len(times)],
+                where="post",
+                label=status,
+                color=colour,
+                marker="o",
+                markevery=list(range(1, len(times) + 1)),
+                markersize=3,
+            )
     ax.set_xlabel("seconds since the first publish")
     ax.set_ylabel("verdicts (cumulative)")
     ax.legend()
@@ -225,8 +240,9 @@ def _training(rec: DemoRecord) -> bytes:
         colour = _COLOURS.get(run)
         axes[0].plot(steps, [s["update/loss"] for s in rows], marker="o", color=colour, label=label)
         axes[1].plot(steps, [s["update/ratio_mean"] for s in rows], marker="o", color=colour, label=label)
-        axes[1].fill_between(steps, [s["update/ratio_min"] for s in rows], [s["update/ratio_max"] for s in rows],
-                             alpha=0.2, color=colour)
+        axes[1].fill_between(
+            steps, [s["update/ratio_min"] for s in rows], [s["update/ratio_max"] for s in rows], alpha=0.2, color=colour
+        )
         axes[2].step(steps, [s["policy_version"] for s in rows], where="post", marker="o", color=colour, label=label)
     axes[0].set_title("PPO-clip loss", fontsize=10)
     axes[1].set_title("importance ratio (mean, min..max)", fontsize=10)
@@ -239,8 +255,14 @@ def _training(rec: DemoRecord) -> bytes:
     return _png(fig)
 
 
-_FIGURES = {"learning": _learning, "statuses": _statuses, "latency": _latency, "rewards": _rewards, "advantages": _advantages,
-            "training": _training}
+_FIGURES = {
+    "learning": _learning,
+    "statuses": _statuses,
+    "latency": _latency,
+    "rewards": _rewards,
+    "advantages": _advantages,
+    "training": _training,
+}
 
 
 def _table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -249,8 +271,12 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> str:
     cols = list(rows[0])
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
     body = "".join(
-        "<tr>" + "".join(f"<td>{v:.4g}</td>" if isinstance(v, float) else f"<td>{html.escape(str(v))}</td>"
-                         for v in (r.get(c, "") for c in cols)) + "</tr>"
+        "<tr>"
+        + "".join(
+            f"<td>{v:.4g}</td>" if isinstance(v, float) else f"<td>{html.escape(str(v))}</td>"
+            for v in (r.get(c, "") for c in cols)
+        )
+        + "</tr>"
         for r in rows
     )
     return f"<div style='overflow-x:auto'><table class='data'><tr>{head}</tr>{body}</table></div>"
@@ -282,24 +308,29 @@ def write_report(rec: DemoRecord, out_dir: str | Path) -> Path:
     parts: dict[str, str] = {
         "summary": "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in rec.summary) + "</ul>",
         "token-views": "<p>Output tokens coloured by their process reward (the weighted sum over scorers: green "
-                       "positive, red negative; hover for the value); grey text is prompt and environment. Under "
-                       "each turn: every scorer's turn result and the judge's votes with their texts.</p>"
-                       + rec.token_views_html,
+        "positive, red negative; hover for the value); grey text is prompt and environment. Under "
+        "each turn: every scorer's turn result and the judge's votes with their texts.</p>" + rec.token_views_html,
     }
     for key, draw in _FIGURES.items():
         png = draw(rec)
         (out / f"{key}.png").write_bytes(png)
         data = base64.b64encode(png).decode()
         parts[key] = f"<img alt='{html.escape(SECTIONS[key])}' src='data:image/png;base64,{data}'>"
-    parts["learning"] = (f"<p class='verdict'>{html.escape(rec.learning_verdict)}</p>" + parts["learning"]
-                         + _table(_curve_rows(rec)))
+    parts["learning"] = (
+        f"<p class='verdict'>{html.escape(rec.learning_verdict)}</p>" + parts["learning"] + _table(_curve_rows(rec))
+    )
     parts["latency"] += _table(rec.stages)
     parts["training"] += _table(rec.steps)
-    curves = {"curves": [c.as_dict() for c in rec.curves.values()], "process_share": rec.process_share,
-              "reading": reading_dict(rec.curves) if rec.curves else {}, "verdict": rec.learning_verdict}
+    curves = {
+        "curves": [c.as_dict() for c in rec.curves.values()],
+        "process_share": rec.process_share,
+        "reading": reading_dict(rec.curves) if rec.curves else {},
+        "verdict": rec.learning_verdict,
+    }
     (out / "learning-curves.json").write_text(json.dumps(curves, indent=1), encoding="utf-8")
-    body = "".join(f"<section id='{key}'><h2>{html.escape(title)}</h2>{parts[key]}</section>"
-                   for key, title in SECTIONS.items())
+    body = "".join(
+        f"<section id='{key}'><h2>{html.escape(title)}</h2>{parts[key]}</section>" for key, title in SECTIONS.items()
+    )
     page = (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'><title>prm-pipeline demo report</title>"
         "<style>body{font-family:sans-serif;max-width:1100px;margin:auto;padding:12px}"

@@ -92,8 +92,14 @@ class RolloutStats:
 class RolloutProxy:
     """Samples sessions with :class:`TinyPolicy` and publishes them with :class:`TrajectoryPublisher`."""
 
-    def __init__(self, policy: TinyPolicy, config: RolloutConfig | None = None, *,
-                 store: WeightStore | None = None, env: Environment | None = None) -> None:
+    def __init__(
+        self,
+        policy: TinyPolicy,
+        config: RolloutConfig | None = None,
+        *,
+        store: WeightStore | None = None,
+        env: Environment | None = None,
+    ) -> None:
         self.policy = policy
         self.config = config or RolloutConfig()
         self.store = store
@@ -106,8 +112,13 @@ class RolloutProxy:
         """Load newer published weights (bumps ``policy.version``); True if it did."""
         return self.store is not None and self.store.reload(self.policy)
 
-    def _turn(self, iid: str, parent: str | None, input_ids: list[int], messages: list[dict[str, str]],
-              ) -> tuple[Interaction, str, bool]:
+    def _turn(
+        self,
+        iid: str,
+        parent: str | None,
+        input_ids: list[int],
+        messages: list[dict[str, str]],
+    ) -> tuple[Interaction, str, bool]:
         lo, hi = self.config.max_new_tokens
         sample = self.policy.sample(input_ids, int(self.rng.integers(lo, hi + 1)), self.generator)
         text = self.policy.template.decode([t for t in sample.tokens if t > 2])  # specials are structure
@@ -115,15 +126,22 @@ class RolloutProxy:
         self.stats.turns += 1
         self.stats.tokens += len(sample.tokens)
         inter = Interaction(
-            interaction_id=iid, parent_id=parent, messages=list(messages), output_message_list=[answer],
-            model_response=ModelResponse.from_arrays(np.asarray(input_ids, np.int32),
-                                                     np.asarray(sample.tokens, np.int32),
-                                                     np.asarray(sample.logprobs, np.float32), sample.stop_reason),
+            interaction_id=iid,
+            parent_id=parent,
+            messages=list(messages),
+            output_message_list=[answer],
+            model_response=ModelResponse.from_arrays(
+                np.asarray(input_ids, np.int32),
+                np.asarray(sample.tokens, np.int32),
+                np.asarray(sample.logprobs, np.float32),
+                sample.stop_reason,
+            ),
         )
         return inter, text, sample.stop_reason == "stop"
 
-    def session(self, group_id: str, index: int, task: str, *, turns: int | None = None,
-                branch: bool | None = None) -> ReadyTrajectory:
+    def session(
+        self, group_id: str, index: int, task: str, *, turns: int | None = None, branch: bool | None = None
+    ) -> ReadyTrajectory:
         """One session of ``turns`` turns (drawn when None); ``branch`` forks its second turn."""
         cfg = self.config
         n = int(turns if turns is not None else self.rng.integers(cfg.min_turns, cfg.max_turns + 1))
@@ -146,8 +164,11 @@ class RolloutProxy:
             if k + 1 < n:  # the environment answers; the next input extends this one (concat)
                 reply = self.env.respond(k, text)
                 assert inter.model_response is not None  # _turn always fills it
-                ids = [*ids, *inter.model_response.output_tokens.tolist(),
-                       *self.policy.template.continuation(ended, [reply])]
+                ids = [
+                    *ids,
+                    *inter.model_response.output_tokens.tolist(),
+                    *self.policy.template.continuation(ended, [reply]),
+                ]
                 messages = [*messages, *inter.output_message_list, reply]
         if fork is not None:
             inter, _, _ = self._turn(f"{sid}-t1b", fork[2], fork[0], fork[1])
@@ -156,9 +177,14 @@ class RolloutProxy:
         outcome = self.env.outcome(texts)
         self.stats.outcomes.append(outcome)
         return ReadyTrajectory(
-            trajectory_id=f"{group_id}-traj{index}", session_id=sid, group_id=group_id,
-            group_size=cfg.group_size, interactions=interactions, outcome_reward=outcome,
-            policy_version=self.policy.version, created_at=time.time(),
+            trajectory_id=f"{group_id}-traj{index}",
+            session_id=sid,
+            group_id=group_id,
+            group_size=cfg.group_size,
+            interactions=interactions,
+            outcome_reward=outcome,
+            policy_version=self.policy.version,
+            created_at=time.time(),
         )
 
     def group(self, group_id: str, task: str | None = None) -> list[ReadyTrajectory]:

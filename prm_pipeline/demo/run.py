@@ -111,9 +111,12 @@ def demo_config(cfg: PipelineConfig, *, judge_url: str, teacher_url: str, prompt
         cfg,
         rollout=msgspec.structs.replace(cfg.rollout, agent=agent),
         # the judge's audit sink (record_judge_audit) is named in config, so it passes the allow-list
-        worker=msgspec.structs.replace(cfg.worker, group_timeout_s=DEMO_GROUP_TIMEOUT_S, keep_scorer_channels=True,
-                                       allowed_scorer_modules=[*cfg.worker.allowed_scorer_modules,
-                                                               AUDIT_SINK.split(":")[0]]),
+        worker=msgspec.structs.replace(
+            cfg.worker,
+            group_timeout_s=DEMO_GROUP_TIMEOUT_S,
+            keep_scorer_channels=True,
+            allowed_scorer_modules=[*cfg.worker.allowed_scorer_modules, AUDIT_SINK.split(":")[0]],
+        ),
         trainer=msgspec.structs.replace(cfg.trainer, batch_groups=prompts * len(RUNS), device="cpu"),
     )
 
@@ -126,7 +129,10 @@ class ModelServerProcess:
         self.port = free_port()  # known up front, so the workers can start while the model loads
         self.proc = subprocess.Popen(  # the teacher: the runs' initial weights (the same seed)
             [sys.executable, "-m", "prm_pipeline.cli", "model-server", "--port", str(self.port), "--seed", str(seed)],
-            stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True)
+            stdout=subprocess.PIPE,
+            stderr=log_path.open("wb"),
+            text=True,
+        )
 
     def wait_url(self) -> str:
         """Block until the server prints its URL (EOF, i.e. a crash, raises)."""
@@ -210,26 +216,47 @@ class _Loop:
             outcome_abs = outcome_adv[mask].abs()
             used = adv[mask]
             # the process rewards' share of the advantage this run trained on (0 for the outcome run)
-            share = 0.0 if name == "outcome" else float(
-                process.sum() / (process.sum() + outcome_abs.sum()).clamp_min(1e-12))
+            share = (
+                0.0
+                if name == "outcome"
+                else float(process.sum() / (process.sum() + outcome_abs.sum()).clamp_min(1e-12))
+            )
             from shaper.shaping import shift_token_rewards
 
-            per_scorer = {f"process_mean_abs/{k}": float(shift_token_rewards(v[rows])[mask].abs().mean())
-                          for k, v in sorted(batch.channels.items())} if mask.any() else {}
+            per_scorer = (
+                {
+                    f"process_mean_abs/{k}": float(shift_token_rewards(v[rows])[mask].abs().mean())
+                    for k, v in sorted(batch.channels.items())
+                }
+                if mask.any()
+                else {}
+            )
             line = {
-                "step": step, "run": name, "policy_version": run.version - 1,
+                "step": step,
+                "run": name,
+                "policy_version": run.version - 1,
                 "groups": {g: list(s.values()) for g, s in sorted(groups.items())},
                 "mean_outcome": sum(sum(s.values()) / len(s) for s in groups.values()) / len(groups),
                 "loss_tokens": int(mask.sum()),
                 "nonzero_advantage_fraction": float((used != 0).float().mean()) if used.numel() else 0.0,
                 "outcome_advantage_mean_abs": float(outcome_abs.mean()) if outcome_abs.numel() else 0.0,
                 "process_mean_abs": float(process.mean()) if process.numel() else 0.0,
-                "process_share": share, **per_scorer, **stats.as_dict(),
+                "process_share": share,
+                **per_scorer,
+                **stats.as_dict(),
             }
             self.log.append(line)
-            self.records.append({"step": float(step), "run": name, "policy_version": float(run.version),
-                                 "rows": float(len(rows)), "mean_outcome": line["mean_outcome"],
-                                 "process_share": share, **stats.as_dict()})
+            self.records.append(
+                {
+                    "step": float(step),
+                    "run": name,
+                    "policy_version": float(run.version),
+                    "rows": float(len(rows)),
+                    "mean_outcome": line["mean_outcome"],
+                    "process_share": share,
+                    **stats.as_dict(),
+                }
+            )
             out.update({f"{name}/{k}": v for k, v in stats.as_dict().items()})
             if name == "process":
                 pairs = list(zip(outcome_adv[mask].tolist(), shaped.advantages[rows][mask].tolist()))
@@ -251,12 +278,16 @@ def rows_by_run(batch: Any, *, update: int, prompts: int) -> dict[str, list[int]
     want = {group_id(name, update, k) for name in RUNS for k in range(prompts)}
     got = set(batch.group_ids)
     if got != want:
-        raise RuntimeError(f"update {update + 1}: the batch holds groups {sorted(got - want)} it should not and "
-                           f"lacks {sorted(want - got)}")
+        raise RuntimeError(
+            f"update {update + 1}: the batch holds groups {sorted(got - want)} it should not and "
+            f"lacks {sorted(want - got)}"
+        )
 
     def key(i: int) -> tuple[str, ...]:
-        return tuple(str(getattr(batch, name)[i]) if getattr(batch, name) else ""
-                     for name in ("group_ids", "session_ids", "trajectory_ids", "leaf_ids"))
+        return tuple(
+            str(getattr(batch, name)[i]) if getattr(batch, name) else ""
+            for name in ("group_ids", "session_ids", "trajectory_ids", "leaf_ids")
+        )
 
     order = sorted(range(len(batch.group_ids)), key=key)
     return {name: [i for i in order if batch.group_ids[i].startswith(f"{name}-")] for name in RUNS}
@@ -313,31 +344,59 @@ async def _start(cfg: PipelineConfig, workdir: Path, *, prompts: int, group_size
     for name in RUNS:  # the same seed: the same initial weights and the same first rollouts
         policy = TinyPolicy.create(TinyLMConfig(seed=seed))
         stores[name].publish(policy.model, 0)
-        proxies[name] = RolloutProxy(policy, RolloutConfig(group_size=group_size, seed=seed, min_turns=TURNS,
-                                                           max_turns=TURNS), store=stores[name])
+        proxies[name] = RolloutProxy(
+            policy,
+            RolloutConfig(group_size=group_size, seed=seed, min_turns=TURNS, max_turns=TURNS),
+            store=stores[name],
+        )
     loop = _Loop(stores, seed, prompts)
     if await asyncio.wait_for(asyncio.to_thread(server.wait_url), timeout=120) != teacher_url:
         raise RuntimeError(f"model-server is not listening on {teacher_url}; see {server.log_path}")
     stage_setup["model-server ready"] = time.perf_counter() - t_start
     n_params = sum(p.numel() for p in policy.model.parameters())
-    print(f"tiny LM: Llama 2 layers, hidden 64, {n_params:,} parameters, vocab {policy.tokenizer.get_vocab_size()}; "
-          f"teacher {teacher_url}; scripted judge {judge.base_url}")
-    print("scorers: " + ", ".join(f"{s.path.rsplit('.', 1)[-1]}(weight={s.weight})" for s in cfg.prm.scorers)
-          + f"; runs: {' vs '.join(RUNS.values())} (shaping {cfg.prm.advantage_shaping.mode}), seed {seed}")
+    print(
+        f"tiny LM: Llama 2 layers, hidden 64, {n_params:,} parameters, vocab {policy.tokenizer.get_vocab_size()}; "
+        f"teacher {teacher_url}; scripted judge {judge.base_url}"
+    )
+    print(
+        "scorers: "
+        + ", ".join(f"{s.path.rsplit('.', 1)[-1]}(weight={s.weight})" for s in cfg.prm.scorers)
+        + f"; runs: {' vs '.join(RUNS.values())} (shaping {cfg.prm.advantage_shaping.mode}), seed {seed}"
+    )
     tail = VerdictTail(cfg)
     await tail.start()
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         await pub.discard_group("demo-warmup", "warm-up probe")
     await _await_verdicts(tail, procs, {"demo-warmup"}, timeout_s=60)
     stage_setup["start-up"] = time.perf_counter() - t_start
-    print(f"started 2 scoring workers and the model server in {stage_setup['start-up']:.1f}s (model server "
-          f"ready after {stage_setup['model-server ready']:.1f}s; logs in {workdir})")
-    return _Demo(cfg=cfg, prompts=prompts, group_size=group_size, audit_path=audit_path, teacher_url=teacher_url,
-                 server=server, judge=judge, procs=procs, proxies=proxies, loop=loop, tail=tail, stage_setup=stage_setup)
+    print(
+        f"started 2 scoring workers and the model server in {stage_setup['start-up']:.1f}s (model server "
+        f"ready after {stage_setup['model-server ready']:.1f}s; logs in {workdir})"
+    )
+    return _Demo(
+        cfg=cfg,
+        prompts=prompts,
+        group_size=group_size,
+        audit_path=audit_path,
+        teacher_url=teacher_url,
+        server=server,
+        judge=judge,
+        procs=procs,
+        proxies=proxies,
+        loop=loop,
+        tail=tail,
+        stage_setup=stage_setup,
+    )
 
 
-async def _iterate(demo: _Demo, it: int, pub: TrajectoryPublisher, trainer: asyncio.Task[Any],
-                   expect: dict[str, tuple[str, str]], record: DemoRecord) -> None:
+async def _iterate(
+    demo: _Demo,
+    it: int,
+    pub: TrajectoryPublisher,
+    trainer: asyncio.Task[Any],
+    expect: dict[str, tuple[str, str]],
+    record: DemoRecord,
+) -> None:
     """One iteration of both loops: sample and publish, wait for the verdicts and the trainer's step, print it.
 
     Besides the runs' groups it publishes what the workers must turn away (a discarded
@@ -354,8 +413,13 @@ async def _iterate(demo: _Demo, it: int, pub: TrajectoryPublisher, trainer: asyn
     groups = [proxies[name].group(group_id(name, it, k)) for name in RUNS for k in range(demo.prompts)]
     first = proxies["outcome"]
     lost = first.group("it0-lost")[:-1] if it == 0 else []  # its last rollout never finishes
-    broken = _not_concat([first.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False)
-                          for i in range(demo.group_size)]) if it == 0 else []
+    broken = (
+        _not_concat(
+            [first.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False) for i in range(demo.group_size)]
+        )
+        if it == 0
+        else []
+    )
     sampled = time.perf_counter()
     loop.done.clear()
     await first.publish(pub, groups)
@@ -374,22 +438,34 @@ async def _iterate(demo: _Demo, it: int, pub: TrajectoryPublisher, trainer: asyn
     await _await_verdicts(tail, demo.procs, accepted, timeout_s=120)
     await _wait_step(loop.done, trainer)
     timing = loop.timings[-1]
-    stage = iteration_stages(IterationMarks(
-        start=start, reloaded=reloaded, sampled=sampled, published=published,
-        last_verdict=max(tail.arrivals[g] for g in accepted), batch_in=timing["batch_in"],
-        trained=timing["trained"], publish_weights_s=timing["publish weights"],
-        seen=time.perf_counter()))
+    stage = iteration_stages(
+        IterationMarks(
+            start=start,
+            reloaded=reloaded,
+            sampled=sampled,
+            published=published,
+            last_verdict=max(tail.arrivals[g] for g in accepted),
+            batch_in=timing["batch_in"],
+            trained=timing["trained"],
+            publish_weights_s=timing["publish weights"],
+            seen=time.perf_counter(),
+        )
+    )
     record.stages.append(stage)
-    last = {r["run"]: r for r in loop.records[-len(RUNS):]}
+    last = {r["run"]: r for r in loop.records[-len(RUNS) :]}
     n_turns = sum(len(m.interactions) for g in groups for m in g)
-    print(f"  iter {it}: {len(groups)} groups ({n_turns} turns) sampled in {stage['rollout']:.2f}s, "
-          f"scored in {stage['scoring (publish -> verdicts)']:.2f}s; step {it + 1}: mean outcome "
-          + ", ".join(f"{label} {last[name]['mean_outcome']:.2f}" for name, label in RUNS.items())
-          + f"; process share {last['process']['process_share']:.2f}; align |d|max "
-          f"{max(r['update/alignment_max_abs_diff'] for r in last.values()):.1e}")
+    print(
+        f"  iter {it}: {len(groups)} groups ({n_turns} turns) sampled in {stage['rollout']:.2f}s, "
+        f"scored in {stage['scoring (publish -> verdicts)']:.2f}s; step {it + 1}: mean outcome "
+        + ", ".join(f"{label} {last[name]['mean_outcome']:.2f}" for name, label in RUNS.items())
+        + f"; process share {last['process']['process_share']:.2f}; align |d|max "
+        f"{max(r['update/alignment_max_abs_diff'] for r in last.values()):.1e}"
+    )
 
 
-async def _shut_down(demo: _Demo, trainer: asyncio.Task[Any], stop_trainer: asyncio.Event) -> tuple[bool, list[int | None]]:
+async def _shut_down(
+    demo: _Demo, trainer: asyncio.Task[Any], stop_trainer: asyncio.Event
+) -> tuple[bool, list[int | None]]:
     """Stop the tail, the trainer (gracefully first), the workers, the model server and the judge.
 
     Runs however the iterations ended. Returns whether the trainer ended without an
@@ -411,8 +487,9 @@ async def _shut_down(demo: _Demo, trainer: asyncio.Task[Any], stop_trainer: asyn
     return trainer_ok, codes
 
 
-async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: int, prompts: int,
-               group_size: int, seed: int) -> int:
+async def _run(
+    cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: int, prompts: int, group_size: int, seed: int
+) -> int:
     """The whole demo: start-up, ``updates`` iterations of both loops, shut-down, then checks and report."""
     from prm_pipeline.demo.report import DemoRecord
     from shaper.trainer import run_trainer
@@ -430,20 +507,43 @@ async def _run(cfg: PipelineConfig, workdir: Path, out_dir: Path, *, updates: in
                 await _iterate(demo, it, pub, trainer, expect, record)
             for proxy in demo.proxies.values():
                 proxy.reload()
-            print("  proxies reloaded policy " + ", ".join(f"{n} v{p.policy.version}" for n, p in demo.proxies.items())
-                  + f" (published after step {len(loop.timings)})")
+            print(
+                "  proxies reloaded policy "
+                + ", ".join(f"{n} v{p.policy.version}" for n, p in demo.proxies.items())
+                + f" (published after step {len(loop.timings)})"
+            )
         await tail.wait_for(set(expect), timeout_s=DEMO_GROUP_TIMEOUT_S + 60)
         teacher_requests = _teacher_requests(demo.teacher_url)
     finally:
         trainer_ok, codes = await _shut_down(demo, trainer, stop_trainer)
     loop_s = time.perf_counter() - t0
-    return _check_and_report(demo, record, out_dir, expect=expect, t0=t0, loop_s=loop_s, codes=codes,
-                             teacher_requests=teacher_requests, trainer_ok=trainer_ok, updates=updates)
+    return _check_and_report(
+        demo,
+        record,
+        out_dir,
+        expect=expect,
+        t0=t0,
+        loop_s=loop_s,
+        codes=codes,
+        teacher_requests=teacher_requests,
+        trainer_ok=trainer_ok,
+        updates=updates,
+    )
 
 
-def _check_and_report(demo: _Demo, record: DemoRecord, out_dir: Path, *, expect: dict[str, tuple[str, str]],
-                      t0: float, loop_s: float, codes: list[int | None], teacher_requests: int, trainer_ok: bool,
-                      updates: int) -> int:
+def _check_and_report(
+    demo: _Demo,
+    record: DemoRecord,
+    out_dir: Path,
+    *,
+    expect: dict[str, tuple[str, str]],
+    t0: float,
+    loop_s: float,
+    codes: list[int | None],
+    teacher_requests: int,
+    trainer_ok: bool,
+    updates: int,
+) -> int:
     """Write the report and the files beside it, print the summary and every failed check; the exit status.
 
     The checks: every expected group got its status, the workers exited 0, every step
@@ -454,15 +554,19 @@ def _check_and_report(demo: _Demo, record: DemoRecord, out_dir: Path, *, expect:
     loop, tail, stage_setup = demo.loop, demo.tail, demo.stage_setup
     verdicts = {g: v for g, v in tail.verdicts.items() if g in expect}
     statuses = collections.Counter(v.status for v in verdicts.values())
-    wrong = {g: (want, verdicts[g].status, verdicts[g].reason) for g, want in expect.items()
-             if (verdicts[g].status, verdicts[g].reason_code) != want}
+    wrong = {
+        g: (want, verdicts[g].status, verdicts[g].reason)
+        for g, want in expect.items()
+        if (verdicts[g].status, verdicts[g].reason_code) != want
+    }
     worst = max(s["update/alignment_max_abs_diff"] for s in loop.records)
     _record_run(demo, record, out_dir, verdicts, t0=t0)
     record.summary = [
         record.learning_verdict,
         f"{len(loop.timings)} updates of each run in {loop_s:.1f}s (start-up {stage_setup['start-up']:.1f}s, the "
         f"model server ready after {stage_setup['model-server ready']:.1f}s); policy versions "
-        + ", ".join(f"{n} v{p.policy.version}" for n, p in demo.proxies.items()) + " at the end",
+        + ", ".join(f"{n} v{p.policy.version}" for n, p in demo.proxies.items())
+        + " at the end",
         f"verdicts: {dict(statuses)}; scripted-judge requests {demo.judge.requests}, teacher (model-server) "
         f"requests {teacher_requests}",
         f"alignment: max |recomputed - behaviour| log-prob on the first minibatch of each step = {worst:.2e}",
@@ -480,8 +584,14 @@ def _check_and_report(demo: _Demo, record: DemoRecord, out_dir: Path, *, expect:
         print(f"  ALIGNMENT: recomputed log-probs differ from the behaviour log-probs by {worst:.2e}")
     for line in mismatches:
         print(f"  LEARNING CURVES: {line}")
-    ok = (trainer_ok and not wrong and codes == [0, 0] and len(loop.timings) == updates
-          and worst <= ALIGNMENT_TOLERANCE and not mismatches)
+    ok = (
+        trainer_ok
+        and not wrong
+        and codes == [0, 0]
+        and len(loop.timings) == updates
+        and worst <= ALIGNMENT_TOLERANCE
+        and not mismatches
+    )
     print("demo OK" if ok else "demo FAILED")
     print(f"report: {path.resolve()}")
     return 0 if ok else 1
@@ -509,8 +619,9 @@ def _record_run(demo: _Demo, record: DemoRecord, out_dir: Path, verdicts: dict[s
     (out_dir / "trainer-log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in loop.log))
     if demo.audit_path.exists():
         (out_dir / "judge-audit.jsonl").write_bytes(demo.audit_path.read_bytes())
-    record.token_views_html = render_html(_sample_views(records, load_audit(demo.audit_path), branch_views),
-                                          demo_decoder())
+    record.token_views_html = render_html(
+        _sample_views(records, load_audit(demo.audit_path), branch_views), demo_decoder()
+    )
     record.curves = curves_from_trainer_log(loop.log)
     record.process_share = [line["process_share"] for line in loop.log if line["run"] == "process"]
     record.learning_verdict = verdict_text(record.curves, record.process_share)
@@ -525,10 +636,13 @@ def _not_concat(members: list[Any]) -> list[Any]:
     mr = turn.model_response
     tokens = mr.input_tokens.copy()
     tokens[0] += 1  # the parent produced this prefix; a re-applied template would change it like this
-    bad = Interaction(interaction_id=turn.interaction_id, parent_id=turn.parent_id, messages=turn.messages,
-                      output_message_list=turn.output_message_list,
-                      model_response=ModelResponse.from_arrays(tokens, mr.output_tokens, mr.output_logprobs,
-                                                               mr.stop_reason))
+    bad = Interaction(
+        interaction_id=turn.interaction_id,
+        parent_id=turn.parent_id,
+        messages=turn.messages,
+        output_message_list=turn.output_message_list,
+        model_response=ModelResponse.from_arrays(tokens, mr.output_tokens, mr.output_logprobs, mr.stop_reason),
+    )
     return [*members[:-1], msgspec.structs.replace(last, interactions=[*last.interactions[:-1], bad])]
 
 
@@ -575,26 +689,43 @@ def run_demo(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     out_dir = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="prm-demo-") as tmp:
-        with LocalStack(Path(tmp) / "stack", broker_binary=cfg.local.broker_binary,
-                        redis_binary=cfg.local.redis_binary) as stack:
+        with LocalStack(
+            Path(tmp) / "stack", broker_binary=cfg.local.broker_binary, redis_binary=cfg.local.redis_binary
+        ) as stack:
             print(f"embedded stack: kafka {stack.kafka_bootstrap}, redis {stack.redis_url}")
             cfg = msgspec.structs.replace(
                 cfg,
-                kafka=msgspec.structs.replace(cfg.kafka, bootstrap=stack.kafka_bootstrap, **{
-                    **LOCAL_BROKER_CLIENT, "session_timeout_ms": 3000, "heartbeat_interval_ms": 1000}),
+                kafka=msgspec.structs.replace(
+                    cfg.kafka,
+                    bootstrap=stack.kafka_bootstrap,
+                    **{**LOCAL_BROKER_CLIENT, "session_timeout_ms": 3000, "heartbeat_interval_ms": 1000},
+                ),
                 redis=msgspec.structs.replace(cfg.redis, url=stack.redis_url),
             )
             workdir = Path(tmp) / "workers"
             workdir.mkdir()
-            return asyncio.run(_run(cfg, workdir, out_dir, updates=args.updates, prompts=args.prompts,
-                                    group_size=args.group_size, seed=args.seed))
+            return asyncio.run(
+                _run(
+                    cfg,
+                    workdir,
+                    out_dir,
+                    updates=args.updates,
+                    prompts=args.prompts,
+                    group_size=args.group_size,
+                    seed=args.seed,
+                )
+            )
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     from prm_pipeline.cli import positive_int
 
-    p.add_argument("--updates", type=positive_int, default=DEFAULT_UPDATES,
-                   help=f"policy updates of each run (default {DEFAULT_UPDATES}); more runs longer")
+    p.add_argument(
+        "--updates",
+        type=positive_int,
+        default=DEFAULT_UPDATES,
+        help=f"policy updates of each run (default {DEFAULT_UPDATES}); more runs longer",
+    )
     p.add_argument("--prompts", type=positive_int, default=4, help="GRPO groups per update and run (default 4)")
     p.add_argument("--group-size", type=positive_int, default=4, help="sessions per group (default 4)")
     p.add_argument("--seed", type=int, default=0, help="one seed for both runs: weights, prompts, sampling")

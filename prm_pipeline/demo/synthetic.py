@@ -43,7 +43,9 @@ def make_session(
     context = rng.integers(1, 32_000, prompt_tokens, dtype=np.int32)
     messages: list[dict[str, str]] = [{"role": "user", "content": f"task for {session_id}"}]
 
-    def turn(iid: str, parent: str | None, ctx: np.ndarray, msgs: list[dict[str, str]]) -> tuple[np.ndarray, list[dict[str, str]]]:
+    def turn(
+        iid: str, parent: str | None, ctx: np.ndarray, msgs: list[dict[str, str]]
+    ) -> tuple[np.ndarray, list[dict[str, str]]]:
         n = out_len()
         out = rng.integers(1, 32_000, n, dtype=np.int32)
         logp = -rng.random(n, dtype=np.float32)
@@ -121,8 +123,13 @@ def workload(
         yield from make_group(gid, group_size, rng=rng, **session_kwargs)
 
 
-_WORDS = np.array([f"{a}{b}" for a in ("ca", "de", "fo", "li", "mu", "ra", "so", "te") for b in
-                   ("b", "ck", "d", "ll", "m", "n", "p", "rs", "st", "t", "x", "z")])
+_WORDS = np.array(
+    [
+        f"{a}{b}"
+        for a in ("ca", "de", "fo", "li", "mu", "ra", "so", "te")
+        for b in ("b", "ck", "d", "ll", "m", "n", "p", "rs", "st", "t", "x", "z")
+    ]
+)
 
 
 def _text(rng: np.random.Generator, n_tokens: int, chars_per_token: float) -> str:
@@ -158,8 +165,9 @@ def make_agent_session(
     new_tokens = per_turn - output_tokens
     interactions: list[Interaction] = []
 
-    def chain(first: int, parent: str | None, ctx: np.ndarray, msgs: list[dict[str, str]], suffix: str) -> tuple[
-            str | None, np.ndarray, list[dict[str, str]]]:
+    def chain(
+        first: int, parent: str | None, ctx: np.ndarray, msgs: list[dict[str, str]], suffix: str
+    ) -> tuple[str | None, np.ndarray, list[dict[str, str]]]:
         for k in range(first, turns):
             iid = f"{session_id}-t{k}{suffix}"
             role = "user" if k == 0 else "tool"
@@ -168,11 +176,17 @@ def make_agent_session(
             msgs = [*msgs, {"role": role, "content": _text(rng, new_tokens, chars_per_token)}]
             out = rng.integers(1, 150_000, output_tokens, dtype=np.int32)
             answer = {"role": "assistant", "content": _text(rng, output_tokens, chars_per_token)}
-            interactions.append(Interaction(
-                interaction_id=iid, parent_id=parent, messages=msgs, output_message_list=[answer],
-                model_response=ModelResponse.from_arrays(ctx, out, -rng.random(output_tokens, dtype=np.float32),
-                                                         "stop"),
-            ))
+            interactions.append(
+                Interaction(
+                    interaction_id=iid,
+                    parent_id=parent,
+                    messages=msgs,
+                    output_message_list=[answer],
+                    model_response=ModelResponse.from_arrays(
+                        ctx, out, -rng.random(output_tokens, dtype=np.float32), "stop"
+                    ),
+                )
+            )
             ctx, msgs, parent = np.concatenate([ctx, out]), [*msgs, answer], iid
             if k == branch_at:
                 forks.append((parent, ctx, msgs))
@@ -182,9 +196,15 @@ def make_agent_session(
     chain(0, None, np.empty(0, np.int32), [], "")
     if forks:
         chain(branch_at + 1, *forks[0], "b")  # type: ignore[operator]
-    return ReadyTrajectory(trajectory_id=trajectory_id, session_id=session_id, group_id=group_id,
-                           group_size=group_size, interactions=interactions, outcome_reward=outcome_reward,
-                           created_at=time.time())
+    return ReadyTrajectory(
+        trajectory_id=trajectory_id,
+        session_id=session_id,
+        group_id=group_id,
+        group_size=group_size,
+        interactions=interactions,
+        outcome_reward=outcome_reward,
+        created_at=time.time(),
+    )
 
 
 def session_content_bytes(traj: ReadyTrajectory) -> int:

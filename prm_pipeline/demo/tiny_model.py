@@ -66,10 +66,20 @@ def corpus(seed: int = 0, lines: int = 600) -> list[str]:
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         op = rng.choice("+-*")
         words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 9)))
-        out.append(rng.choice([
-            f"compute {a} {op} {b}", f"calc({a}{op}{b})", f"result: {a * b}", f"{words} {a} {op} {b}",
-            f"{words}.", f"the answer is {a + b}", f"error: {words}", f"ok thanks {words}",
-        ]))
+        out.append(
+            rng.choice(
+                [
+                    f"compute {a} {op} {b}",
+                    f"calc({a}{op}{b})",
+                    f"result: {a * b}",
+                    f"{words} {a} {op} {b}",
+                    f"{words}.",
+                    f"the answer is {a + b}",
+                    f"error: {words}",
+                    f"ok thanks {words}",
+                ]
+            )
+        )
     return out
 
 
@@ -85,8 +95,13 @@ def build_tokenizer(vocab_size: int = 384, seed: int = 0) -> Any:
     # samples readable nonsense rather than broken UTF-8; the demo's texts are ASCII.
     ascii_bytes = [*range(0x20, 0x7F), 0x0A]
     alphabet = [pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(chr(b))[0][0] for b in ascii_bytes]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, IM_START_ID, EOS_ID]
     return tok
@@ -160,10 +175,17 @@ class TinyPolicy:
         tokenizer = build_tokenizer(c.vocab_size)
         torch.manual_seed(c.seed)
         llama = LlamaConfig(
-            vocab_size=tokenizer.get_vocab_size(), hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_heads,
-            max_position_embeddings=c.max_positions, tie_word_embeddings=False, pad_token_id=PAD_ID,
-            bos_token_id=IM_START_ID, eos_token_id=EOS_ID,
+            vocab_size=tokenizer.get_vocab_size(),
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_heads,
+            max_position_embeddings=c.max_positions,
+            tie_word_embeddings=False,
+            pad_token_id=PAD_ID,
+            bos_token_id=IM_START_ID,
+            eos_token_id=EOS_ID,
         )
         model = LlamaForCausalLM(llama).float().eval()
         return cls(model, tokenizer)

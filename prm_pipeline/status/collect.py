@@ -67,16 +67,22 @@ class LagSample:
 
 def _small_consumer(cfg: PipelineConfig) -> Any:
     """A group-less consumer that fetches little: status only needs watermarks and a few records."""
-    return make_consumer(cfg.kafka, group_id=None, fetch_max_bytes=4 * 1_048_576,
-                         max_partition_fetch_bytes=max(65_536, cfg.kafka.max_message_bytes))
+    return make_consumer(
+        cfg.kafka,
+        group_id=None,
+        fetch_max_bytes=4 * 1_048_576,
+        max_partition_fetch_bytes=max(65_536, cfg.kafka.max_message_bytes),
+    )
 
 
 def _roles(cfg: PipelineConfig, experiment: str | None = None) -> list[tuple[str, str, str]]:
     """``(role, consumer group, topic)`` of the workers and the trainer (of ``experiment``'s topics)."""
     exp = experiment or DEFAULT_EXPERIMENT
     trainer = msgspec.structs.replace(cfg.trainer, experiment=exp).consumer_group
-    return [("workers", cfg.worker.group_id, trajectories_topic(cfg.topics.trajectories, exp)),
-            ("trainer", trainer, verdicts_topic(cfg.topics.verdicts, exp))]
+    return [
+        ("workers", cfg.worker.group_id, trajectories_topic(cfg.topics.trajectories, exp)),
+        ("trainer", trainer, verdicts_topic(cfg.topics.verdicts, exp)),
+    ]
 
 
 async def _members(admin: Any, groups: list[str]) -> dict[str, tuple[int | None, str]]:
@@ -93,7 +99,9 @@ async def _members(admin: Any, groups: list[str]) -> dict[str, tuple[int | None,
     return out
 
 
-async def _watermarks(cfg: PipelineConfig, start: dict[TopicPartition, int], timeout_s: float) -> dict[TopicPartition, int]:
+async def _watermarks(
+    cfg: PipelineConfig, start: dict[TopicPartition, int], timeout_s: float
+) -> dict[TopicPartition, int]:
     """The high watermark of every partition in ``start``, from one fetch at that offset."""
     consumer = _small_consumer(cfg)
     await consumer.start()
@@ -154,8 +162,9 @@ def _lag(end: int, committed: int | None, first: int) -> int:
     return max(0, end - (committed if committed is not None else first))
 
 
-def lag_report(cfg: PipelineConfig, now: LagSample, before: LagSample | None,
-               experiment: str | None = None) -> list[GroupLag]:
+def lag_report(
+    cfg: PipelineConfig, now: LagSample, before: LagSample | None, experiment: str | None = None
+) -> list[GroupLag]:
     """Per-group lag from ``now``; growth and produced records against ``before``."""
     out = []
     for role, group, topic in _roles(cfg, experiment):
@@ -173,8 +182,9 @@ def lag_report(cfg: PipelineConfig, now: LagSample, before: LagSample | None,
     return out
 
 
-async def ledger_summary(cfg: PipelineConfig, *, now_ms: int | None = None,
-                         experiment: str | None = None) -> tuple[LedgerSummary, WorkersSummary]:
+async def ledger_summary(
+    cfg: PipelineConfig, *, now_ms: int | None = None, experiment: str | None = None
+) -> tuple[LedgerSummary, WorkersSummary]:
     """The ledger's unfinished groups and Redis memory, and the workers' heartbeats.
 
     With ``experiment``, only that experiment's groups (by their scoped ids) of the
@@ -197,9 +207,16 @@ async def ledger_summary(cfg: PipelineConfig, *, now_ms: int | None = None,
         groups = [g for g in groups if split_scoped(g.group_id)[0] == experiment]
     open_groups = [g for g in groups if g.status == "open"]
     decided = [g for g in groups if g.status == "decided"]
-    summary = LedgerSummary(indexed=total, sampled=len(groups), open=len(open_groups), decided=len(decided),
-                            gone=sum(g.status == "gone" for g in groups), group_timeout_s=cfg.worker.group_timeout_s,
-                            memory=[RedisNode(n, used, mx) for n, used, mx in memory], redis_commands=commands)
+    summary = LedgerSummary(
+        indexed=total,
+        sampled=len(groups),
+        open=len(open_groups),
+        decided=len(decided),
+        gone=sum(g.status == "gone" for g in groups),
+        group_timeout_s=cfg.worker.group_timeout_s,
+        memory=[RedisNode(n, used, mx) for n, used, mx in memory],
+        redis_commands=commands,
+    )
     if open_groups:
         oldest = min(open_groups, key=lambda g: g.first_seen_ms or now_ms)
         summary.oldest_open_group = oldest.group_id
@@ -211,7 +228,9 @@ async def ledger_summary(cfg: PipelineConfig, *, now_ms: int | None = None,
     return summary, workers
 
 
-async def _read_since(cfg: PipelineConfig, topic: str, since_ms: int, cap: int, timeout_s: float) -> tuple[list[Any], bool]:
+async def _read_since(
+    cfg: PipelineConfig, topic: str, since_ms: int, cap: int, timeout_s: float
+) -> tuple[list[Any], bool]:
     """Records of ``topic`` timestamped at/after ``since_ms`` up to the ends seen at the first
     fetch, at most ``cap`` (then True: truncated). Newest records are preferred: when a
     partition holds more than its share of ``cap``, its oldest are skipped."""
@@ -247,8 +266,9 @@ async def _read_since(cfg: PipelineConfig, topic: str, since_ms: int, cap: int, 
         await consumer.stop()
 
 
-async def dead_letter_summary(cfg: PipelineConfig, window_s: float, timeout_s: float,
-                              experiment: str | None = None) -> DeadLetterSummary:
+async def dead_letter_summary(
+    cfg: PipelineConfig, window_s: float, timeout_s: float, experiment: str | None = None
+) -> DeadLetterSummary:
     """Dead letters of the last ``window_s`` by error class (with ``experiment``: those that
     came from its trajectories topic)."""
     since_ms = int((time.time() - window_s) * 1000)
@@ -265,8 +285,9 @@ async def dead_letter_summary(cfg: PipelineConfig, window_s: float, timeout_s: f
     return DeadLetterSummary(window_s, count, reasons.most_common(5), truncated)
 
 
-async def verdict_summary(cfg: PipelineConfig, window_s: float, timeout_s: float,
-                          experiment: str | None = None) -> VerdictSummary:
+async def verdict_summary(
+    cfg: PipelineConfig, window_s: float, timeout_s: float, experiment: str | None = None
+) -> VerdictSummary:
     """Rate, statuses and latency of the verdicts published in the last ``window_s``.
 
     Latency per member: its trajectory's ``created_at`` to the verdict record's timestamp;
@@ -305,9 +326,15 @@ async def verdict_summary(cfg: PipelineConfig, window_s: float, timeout_s: float
     if truncated and records:
         span = max(1e-3, time.time() - min(r.timestamp for r in records) / 1000)
     return VerdictSummary(
-        window_s=span, count=len(records), per_second=len(records) / span, by_status=dict(statuses),
-        top_reasons=reasons.most_common(5), latency_p50_s=percentile(latency, 50), latency_p99_s=percentile(latency, 99),
-        stage_p50_s={s: p for s, vals in stages.items() if (p := percentile(vals, 50)) is not None})
+        window_s=span,
+        count=len(records),
+        per_second=len(records) / span,
+        by_status=dict(statuses),
+        top_reasons=reasons.most_common(5),
+        latency_p50_s=percentile(latency, 50),
+        latency_p99_s=percentile(latency, 99),
+        stage_p50_s={s: p for s, vals in stages.items() if (p := percentile(vals, 50)) is not None},
+    )
 
 
 async def _bounded(report: StatusReport, part: str, coro: Any, timeout_s: float) -> Any:
@@ -322,10 +349,17 @@ async def _bounded(report: StatusReport, part: str, coro: Any, timeout_s: float)
     return None
 
 
-async def collect(cfg: PipelineConfig, *, previous: LagSample | None = None, sample_s: float = 2.0,
-                  dead_letter_window_s: float = 600.0, verdict_window_s: float = 60.0,
-                  timeout_s: float = 10.0, experiment: str | None = None,
-                  worker_metrics: Sequence[str] = ()) -> tuple[StatusReport, LagSample | None]:
+async def collect(
+    cfg: PipelineConfig,
+    *,
+    previous: LagSample | None = None,
+    sample_s: float = 2.0,
+    dead_letter_window_s: float = 600.0,
+    verdict_window_s: float = 60.0,
+    timeout_s: float = 10.0,
+    experiment: str | None = None,
+    worker_metrics: Sequence[str] = (),
+) -> tuple[StatusReport, LagSample | None]:
     """One status report, and the lag sample to compare the next one with.
 
     Without ``previous`` the lag is sampled twice, ``sample_s`` apart, so that a growing
@@ -334,8 +368,9 @@ async def collect(cfg: PipelineConfig, *, previous: LagSample | None = None, sam
     workers' ``/metrics`` URLs its fleet share is read from (needs ``experiment``).
     """
     report = StatusReport(at=time.time(), experiment=experiment)
-    ledger_task = asyncio.ensure_future(_bounded(report, "redis", ledger_summary(cfg, experiment=experiment),
-                                                 timeout_s))
+    ledger_task = asyncio.ensure_future(
+        _bounded(report, "redis", ledger_summary(cfg, experiment=experiment), timeout_s)
+    )
     fleet_task = None
     if experiment is not None and worker_metrics:
         from prm_pipeline.status.worker_metrics import scrape
@@ -343,20 +378,29 @@ async def collect(cfg: PipelineConfig, *, previous: LagSample | None = None, sam
         fleet_task = asyncio.ensure_future(scrape(worker_metrics, experiment, timeout_s=timeout_s))
     first = previous
     if first is None:
-        first = await _bounded(report, "kafka", sample_lag(cfg, timeout_s=timeout_s, experiment=experiment),
-                               timeout_s * 2)
+        first = await _bounded(
+            report, "kafka", sample_lag(cfg, timeout_s=timeout_s, experiment=experiment), timeout_s * 2
+        )
     latest = None
     if first is not None:
         # The other Kafka reads run while the lag sample waits out its window: a report takes
         # about --sample seconds plus its slowest read, not the sum of all of them.
-        dead_task = asyncio.ensure_future(_bounded(report, "dead_letters", dead_letter_summary(
-            cfg, dead_letter_window_s, timeout_s, experiment), timeout_s * 2))
-        verdict_task = asyncio.ensure_future(_bounded(report, "verdicts", verdict_summary(
-            cfg, verdict_window_s, timeout_s, experiment), timeout_s * 2))
+        dead_task = asyncio.ensure_future(
+            _bounded(
+                report,
+                "dead_letters",
+                dead_letter_summary(cfg, dead_letter_window_s, timeout_s, experiment),
+                timeout_s * 2,
+            )
+        )
+        verdict_task = asyncio.ensure_future(
+            _bounded(report, "verdicts", verdict_summary(cfg, verdict_window_s, timeout_s, experiment), timeout_s * 2)
+        )
         if previous is None:
             await asyncio.sleep(sample_s)
-        latest = await _bounded(report, "kafka", sample_lag(cfg, timeout_s=timeout_s, experiment=experiment),
-                                timeout_s * 2)
+        latest = await _bounded(
+            report, "kafka", sample_lag(cfg, timeout_s=timeout_s, experiment=experiment), timeout_s * 2
+        )
         dead_letters, verdicts = await asyncio.gather(dead_task, verdict_task)
         if latest is not None:
             report.lags = lag_report(cfg, latest, first if first is not latest else None, experiment)

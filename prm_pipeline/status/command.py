@@ -24,29 +24,69 @@ def status_arguments(p: argparse.ArgumentParser) -> None:
     from prm_pipeline.flags import deprecated_alias, port, seconds
 
     p.add_argument("--json", action="store_true", help="one JSON object per report (for machines)")
-    p.add_argument("--watch", type=seconds, default=None, metavar="S",
-                   help="report every S seconds until interrupted (lag change is measured between reports)")
-    p.add_argument("--sample", type=seconds, default=2.0, metavar="S",
-                   help="single report: seconds between the two lag readings that show a growing lag (default 2)")
-    dead = p.add_argument("--dead-letter-lookback", type=seconds, default=600.0, metavar="S",
-                          help="count dead letters of the last S seconds (default 600)")
-    deprecated_alias(p, "--dead-letter-window", dead, type=seconds, convert=lambda minutes: minutes * 60,
-                     note=" (seconds; it took minutes)")
-    verdicts = p.add_argument("--verdict-lookback", type=seconds, default=60.0, metavar="S",
-                              help="verdict rate and latency over the last S seconds (default 60)")
+    p.add_argument(
+        "--watch",
+        type=seconds,
+        default=None,
+        metavar="S",
+        help="report every S seconds until interrupted (lag change is measured between reports)",
+    )
+    p.add_argument(
+        "--sample",
+        type=seconds,
+        default=2.0,
+        metavar="S",
+        help="single report: seconds between the two lag readings that show a growing lag (default 2)",
+    )
+    dead = p.add_argument(
+        "--dead-letter-lookback",
+        type=seconds,
+        default=600.0,
+        metavar="S",
+        help="count dead letters of the last S seconds (default 600)",
+    )
+    deprecated_alias(
+        p,
+        "--dead-letter-window",
+        dead,
+        type=seconds,
+        convert=lambda minutes: minutes * 60,
+        note=" (seconds; it took minutes)",
+    )
+    verdicts = p.add_argument(
+        "--verdict-lookback",
+        type=seconds,
+        default=60.0,
+        metavar="S",
+        help="verdict rate and latency over the last S seconds (default 60)",
+    )
     deprecated_alias(p, "--verdict-window", verdicts)
-    read = p.add_argument("--read-timeout", type=seconds, default=10.0, metavar="S",
-                          help="bound of each read in seconds (default 10)")
+    read = p.add_argument(
+        "--read-timeout", type=seconds, default=10.0, metavar="S", help="bound of each read in seconds (default 10)"
+    )
     deprecated_alias(p, "--timeout", read)
-    p.add_argument("--metrics-port", type=port, default=None, metavar="P",
-                   help="with --watch: serve the latest report as Prometheus gauges on P (/metrics)")
+    p.add_argument(
+        "--metrics-port",
+        type=port,
+        default=None,
+        metavar="P",
+        help="with --watch: serve the latest report as Prometheus gauges on P (/metrics)",
+    )
     from prm_pipeline.experiment_option import add_experiment_option
 
-    add_experiment_option(p, "report on this experiment: lag on its topics, its trainer group, verdicts, dead "
-                             "letters and open groups (default: the default experiment's topics, the whole ledger)")
-    p.add_argument("--worker-metrics", action="append", default=None, metavar="URL",
-                   help="with --experiment: a worker's /metrics URL (repeatable); the experiment's records, "
-                        "verdicts, in-flight records and slots are summed over them")
+    add_experiment_option(
+        p,
+        "report on this experiment: lag on its topics, its trainer group, verdicts, dead "
+        "letters and open groups (default: the default experiment's topics, the whole ledger)",
+    )
+    p.add_argument(
+        "--worker-metrics",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="with --experiment: a worker's /metrics URL (repeatable); the experiment's records, "
+        "verdicts, in-flight records and slots are summed over them",
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -61,8 +101,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 2
     bad = [u for u in args.worker_metrics or () if not u.startswith(("http://", "https://"))]
     if bad:
-        print(f"error: --worker-metrics {bad[0]!r}: expected an http:// or https:// URL of a worker's /metrics",
-              file=sys.stderr)
+        print(
+            f"error: --worker-metrics {bad[0]!r}: expected an http:// or https:// URL of a worker's /metrics",
+            file=sys.stderr,
+        )
         return 2
     cfg = load_config(getattr(args, "config", None))
     if args.experiment is not None and (refused := _undeclared(cfg, args.experiment, args.read_timeout)) is not None:
@@ -99,9 +141,14 @@ async def _run(cfg: Any, args: argparse.Namespace) -> int:
     from prm_pipeline.status.collect import collect
     from prm_pipeline.status.render import render
 
-    opts = {"dead_letter_window_s": args.dead_letter_lookback, "verdict_window_s": args.verdict_lookback,
-            "timeout_s": args.read_timeout, "sample_s": args.sample, "experiment": args.experiment,
-            "worker_metrics": tuple(args.worker_metrics or ())}
+    opts = {
+        "dead_letter_window_s": args.dead_letter_lookback,
+        "verdict_window_s": args.verdict_lookback,
+        "timeout_s": args.read_timeout,
+        "sample_s": args.sample,
+        "experiment": args.experiment,
+        "worker_metrics": tuple(args.worker_metrics or ()),
+    }
     # Piped (a file, grep, a CI log) nothing is wrapped or cut: a line is as long as it needs.
     console = Console() if Console().is_terminal else Console(width=PIPED_WIDTH, soft_wrap=True)
     if args.watch is None:

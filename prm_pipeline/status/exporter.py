@@ -33,8 +33,11 @@ class StatusCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self._lock:
             report = self._report
-        up = GaugeMetricFamily("prm_pipeline_status_up", "1 when the last status read each part (kafka, redis, "
-                               "dead_letters, verdicts) successfully", labels=["part"])
+        up = GaugeMetricFamily(
+            "prm_pipeline_status_up",
+            "1 when the last status read each part (kafka, redis, dead_letters, verdicts) successfully",
+            labels=["part"],
+        )
         for part in ("kafka", "redis", "dead_letters", "verdicts"):
             up.add_metric([part], 0.0 if report is None or part in report.errors else 1.0)
         yield up
@@ -43,15 +46,20 @@ class StatusCollector(Collector):
         healthy = GaugeMetricFamily("prm_pipeline_healthy", "1 when prm-pipeline status finds no critical problem")
         healthy.add_metric([], 1.0 if report.healthy else 0.0)
         yield healthy
-        problems = GaugeMetricFamily("prm_pipeline_problem", "1 per problem prm-pipeline status reports",
-                                     labels=["check", "severity"])
+        problems = GaugeMetricFamily(
+            "prm_pipeline_problem", "1 per problem prm-pipeline status reports", labels=["check", "severity"]
+        )
         for problem in report.problems:
             problems.add_metric([problem.check, problem.severity], 1.0)
         yield problems
-        lag = GaugeMetricFamily("prm_pipeline_consumer_lag", "Records not yet committed by the group, per partition",
-                                labels=["role", "group", "topic", "partition"])
-        members = GaugeMetricFamily("prm_pipeline_consumer_group_members", "Live members of the consumer group",
-                                    labels=["role", "group"])
+        lag = GaugeMetricFamily(
+            "prm_pipeline_consumer_lag",
+            "Records not yet committed by the group, per partition",
+            labels=["role", "group", "topic", "partition"],
+        )
+        members = GaugeMetricFamily(
+            "prm_pipeline_consumer_group_members", "Live members of the consumer group", labels=["role", "group"]
+        )
         for g in report.lags:
             for p in g.partitions:
                 lag.add_metric([g.role, g.group, g.topic, str(p.partition)], float(p.lag))
@@ -65,28 +73,36 @@ class StatusCollector(Collector):
             yield alive
         ledger = report.ledger
         if ledger is not None:
-            groups = GaugeMetricFamily("prm_pipeline_unfinished_groups", "Groups in the Redis ledger not yet finished "
-                                       "(of the sampled soonest-due ones)", labels=["state"])
+            groups = GaugeMetricFamily(
+                "prm_pipeline_unfinished_groups",
+                "Groups in the Redis ledger not yet finished (of the sampled soonest-due ones)",
+                labels=["state"],
+            )
             for state in ("open", "decided"):
                 groups.add_metric([state], float(getattr(ledger, state)))
             yield groups
-            oldest = GaugeMetricFamily("prm_pipeline_oldest_open_group_age_seconds",
-                                       "Age of the oldest open group (0 when none is open)")
+            oldest = GaugeMetricFamily(
+                "prm_pipeline_oldest_open_group_age_seconds", "Age of the oldest open group (0 when none is open)"
+            )
             oldest.add_metric([], ledger.oldest_open_age_s or 0.0)
             yield oldest
             timeout = GaugeMetricFamily("prm_pipeline_group_timeout_seconds", "worker.group_timeout_s")
             timeout.add_metric([], ledger.group_timeout_s)
             yield timeout
             used = GaugeMetricFamily("prm_pipeline_redis_used_memory_bytes", "Redis used_memory", labels=["node"])
-            limit = GaugeMetricFamily("prm_pipeline_redis_maxmemory_bytes", "Redis maxmemory (0: unlimited)",
-                                      labels=["node"])
+            limit = GaugeMetricFamily(
+                "prm_pipeline_redis_maxmemory_bytes", "Redis maxmemory (0: unlimited)", labels=["node"]
+            )
             for node in ledger.memory:
                 used.add_metric([node.node], float(node.used_bytes))
                 limit.add_metric([node.node], float(node.max_bytes))
             yield used
             yield limit
-            commands = CounterMetricFamily("prm_pipeline_redis_commands", "Redis calls per command (INFO "
-                                           "commandstats, every client of that Redis)", labels=["command"])
+            commands = CounterMetricFamily(
+                "prm_pipeline_redis_commands",
+                "Redis calls per command (INFO commandstats, every client of that Redis)",
+                labels=["command"],
+            )
             for command, calls in sorted(ledger.redis_commands.items()):
                 commands.add_metric([command], float(calls))
             yield commands

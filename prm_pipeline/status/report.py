@@ -9,7 +9,8 @@ Critical problems (exit code 1): Kafka or Redis unreachable, a topic it reads mi
 heartbeat younger than ``ALIVE_S``; without Redis, no consumer-group member), a consumer
 group's lag growing over the sampling window, the oldest open group past
 :data:`NEAR_TIMEOUT_SHARE` of ``worker.group_timeout_s``. Warnings (shown, exit code 0):
-workers that stopped beating without leaving, dead letters in the window, decided groups whose verdict is overdue, Redis memory near
+workers that stopped beating without leaving, dead letters in the window, decided groups whose verdict is overdue,
+Redis memory near
 ``maxmemory``, a trainer group that is not consuming; with ``--experiment``, worker metrics
 endpoints that did not answer and an experiment no worker exports series for.
 """
@@ -194,56 +195,107 @@ def assess(report: StatusReport) -> list[Problem]:
     beats, group = report.workers, report.group("workers")
     if beats is not None and not beats.alive:
         silent = ", ".join(f"{w.worker_id} silent for {w.age_s:.0f}s" for w in beats.silent[:5])
-        problems.append(Problem("critical", "no_live_worker",
-                                f"no worker heartbeat within {beats.alive_s:g}s{' (' + silent + ')' if silent else ''}"))
+        problems.append(
+            Problem(
+                "critical",
+                "no_live_worker",
+                f"no worker heartbeat within {beats.alive_s:g}s{' (' + silent + ')' if silent else ''}",
+            )
+        )
     elif beats is None and group is not None and group.members == 0:
-        problems.append(Problem("critical", "no_live_worker",
-                                f"consumer group {group.group} has no live member (state {group.state})"))
+        problems.append(
+            Problem(
+                "critical", "no_live_worker", f"consumer group {group.group} has no live member (state {group.state})"
+            )
+        )
     if beats is not None and beats.alive and beats.silent:
-        problems.append(Problem("warning", "worker_silent", "stopped beating without leaving: " + ", ".join(
-            f"{w.worker_id} ({w.age_s:.0f}s ago)" for w in beats.silent[:5])))
+        problems.append(
+            Problem(
+                "warning",
+                "worker_silent",
+                "stopped beating without leaving: "
+                + ", ".join(f"{w.worker_id} ({w.age_s:.0f}s ago)" for w in beats.silent[:5]),
+            )
+        )
     for g in report.lags:
         if g.growing and (g.role == "workers" or g.active):
-            problems.append(Problem(
-                "critical", "lag_growing",
-                f"{g.role} lag on {g.topic} grew by {g.growth} to {g.total} in {g.window_s:.0f}s "
-                f"({g.produced} records produced)"))
+            problems.append(
+                Problem(
+                    "critical",
+                    "lag_growing",
+                    f"{g.role} lag on {g.topic} grew by {g.growth} to {g.total} in {g.window_s:.0f}s "
+                    f"({g.produced} records produced)",
+                )
+            )
     ledger = report.ledger
     if ledger is not None and ledger.oldest_open_age_s is not None:
         timeout = ledger.oldest_open_timeout_s or ledger.group_timeout_s
         share = ledger.oldest_open_age_s / timeout
         if share >= NEAR_TIMEOUT_SHARE:
-            problems.append(Problem(
-                "critical", "group_near_timeout",
-                f"group {ledger.oldest_open_group} open for {ledger.oldest_open_age_s:.1f}s, {share:.0%} of its "
-                f"{timeout:g}s timeout (worker.group_timeout_s)"))
+            problems.append(
+                Problem(
+                    "critical",
+                    "group_near_timeout",
+                    f"group {ledger.oldest_open_group} open for {ledger.oldest_open_age_s:.1f}s, {share:.0%} of its "
+                    f"{timeout:g}s timeout (worker.group_timeout_s)",
+                )
+            )
     if ledger is not None and (ledger.oldest_decided_age_s or 0) >= DECIDED_OVERDUE_S:
-        problems.append(Problem("warning", "verdict_overdue",
-                                f"{ledger.decided} decided group(s) without a published verdict, oldest decided "
-                                f"{ledger.oldest_decided_age_s:.0f}s ago"))
+        problems.append(
+            Problem(
+                "warning",
+                "verdict_overdue",
+                f"{ledger.decided} decided group(s) without a published verdict, oldest decided "
+                f"{ledger.oldest_decided_age_s:.0f}s ago",
+            )
+        )
     for node in ledger.memory if ledger is not None else []:
         if node.max_bytes and node.used_bytes >= REDIS_MEMORY_SHARE * node.max_bytes:
-            problems.append(Problem("warning", "redis_memory",
-                                    f"Redis {node.node} uses {node.used_bytes / node.max_bytes:.0%} of maxmemory"))
+            problems.append(
+                Problem(
+                    "warning",
+                    "redis_memory",
+                    f"Redis {node.node} uses {node.used_bytes / node.max_bytes:.0%} of maxmemory",
+                )
+            )
     dl = report.dead_letters
     if dl is not None and dl.count:
         top = ", ".join(f"{reason} x{n}" for reason, n in dl.top[:3])
-        problems.append(Problem("warning", "dead_letters",
-                                f"{dl.count}{'+' if dl.truncated else ''} dead letter(s) in the last "
-                                f"{dl.window_s:.0f}s: {top}"))
+        problems.append(
+            Problem(
+                "warning",
+                "dead_letters",
+                f"{dl.count}{'+' if dl.truncated else ''} dead letter(s) in the last {dl.window_s:.0f}s: {top}",
+            )
+        )
     fleet = report.fleet
     if fleet is not None and fleet.unreachable:
-        problems.append(Problem("warning", "worker_metrics_unreachable",
-                                f"{len(fleet.unreachable)} worker metrics endpoint(s) did not answer: "
-                                + "; ".join(fleet.unreachable[:3])))
+        problems.append(
+            Problem(
+                "warning",
+                "worker_metrics_unreachable",
+                f"{len(fleet.unreachable)} worker metrics endpoint(s) did not answer: "
+                + "; ".join(fleet.unreachable[:3]),
+            )
+        )
     if fleet is not None and fleet.sources and not fleet.present:
-        problems.append(Problem("warning", "experiment_not_served",
-                                f"none of the {fleet.sources} worker(s) read exports a series of experiment "
-                                f"{fleet.experiment!r} (not registered, removed, or workers without per-experiment "
-                                "metrics)"))
+        problems.append(
+            Problem(
+                "warning",
+                "experiment_not_served",
+                f"none of the {fleet.sources} worker(s) read exports a series of experiment "
+                f"{fleet.experiment!r} (not registered, removed, or workers without per-experiment "
+                "metrics)",
+            )
+        )
     trainer = report.group("trainer")
     if trainer is not None and not trainer.active and trainer.total:
-        problems.append(Problem("warning", "trainer_idle",
-                                f"trainer group {trainer.group} has no member and no commit; {trainer.total} "
-                                f"verdicts wait on {trainer.topic}"))
+        problems.append(
+            Problem(
+                "warning",
+                "trainer_idle",
+                f"trainer group {trainer.group} has no member and no commit; {trainer.total} "
+                f"verdicts wait on {trainer.topic}",
+            )
+        )
     return sorted(problems, key=lambda p: p.severity != "critical")

@@ -200,8 +200,12 @@ class JudgeClient:
         self.settings = settings
         self._request = settings.request
         request = settings.request
-        self._retry = RetryPolicy(retryable=lambda exc: isinstance(exc, _Retry), base_s=request.backoff_base_s,
-                                  cap_s=request.backoff_max_s, max_attempts=request.max_retries + 1)
+        self._retry = RetryPolicy(
+            retryable=lambda exc: isinstance(exc, _Retry),
+            base_s=request.backoff_base_s,
+            cap_s=request.backoff_max_s,
+            max_attempts=request.max_retries + 1,
+        )
         self.spill = settings.spill
         self._headers = _headers(settings.connection)
         self._rng = rng or random.Random()
@@ -263,8 +267,7 @@ class JudgeClient:
         transport = self._transport
         if transport is None:
             transport = self._transport = (
-                AiohttpTransport(self._headers) if self.settings.connection.trust_env
-                else HttpTransport(self._headers)
+                AiohttpTransport(self._headers) if self.settings.connection.trust_env else HttpTransport(self._headers)
             )
         return transport
 
@@ -340,8 +343,11 @@ class JudgeClient:
                         raise error from None
                     if isinstance(retry, _Failover) and not elsewhere:
                         raise error from None  # only another endpoint could have helped
-                    delay = 0.0 if elsewhere else self._retry.delay(retries + 1, retry_after=retry.retry_after,
-                                                                    rng=self._rng)
+                    delay = (
+                        0.0
+                        if elsewhere
+                        else self._retry.delay(retries + 1, retry_after=retry.retry_after, rng=self._rng)
+                    )
                     if loop.time() + delay >= total_deadline:
                         raise error from None  # the deadline leaves no room for another attempt
                     if not free:
@@ -368,9 +374,14 @@ class JudgeClient:
         eps = self._endpoints
         self._turn += 1
         choice = choose_endpoint(
-            [ep.limits.load for ep in eps], [ep.breaker.admits() for ep in eps], order=order,
-            policy=self.spill, caps=[ep.limits.settings.max_concurrency for ep in eps],
-            latencies=[ep.limits.latency_ewma_s for ep in eps], avoid=failed, start=self._turn,
+            [ep.limits.load for ep in eps],
+            [ep.breaker.admits() for ep in eps],
+            order=order,
+            policy=self.spill,
+            caps=[ep.limits.settings.max_concurrency for ep in eps],
+            latencies=[ep.limits.latency_ewma_s for ep in eps],
+            avoid=failed,
+            start=self._turn,
         )
         if choice is None:
             raise CircuitOpenError(
@@ -385,7 +396,12 @@ class JudgeClient:
         return any(i not in failed and ep.breaker.admits() for i, ep in enumerate(self._endpoints))
 
     async def _attempt(
-        self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, path: str, body: bytes, total_deadline: float,
+        self,
+        loop: asyncio.AbstractEventLoop,
+        endpoint: _Endpoint,
+        path: str,
+        body: bytes,
+        total_deadline: float,
         attempt: int,
     ) -> Any:
         """One attempt on ``endpoint``: a tenant's own limits first, then the experiment's
@@ -418,7 +434,12 @@ class JudgeClient:
                 held_own.release()
 
     async def _loaded(
-        self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, url: str, body: bytes, total_deadline: float,
+        self,
+        loop: asyncio.AbstractEventLoop,
+        endpoint: _Endpoint,
+        url: str,
+        body: bytes,
+        total_deadline: float,
     ) -> Any:
         limits = endpoint.limits
         limits.load += 1
@@ -433,7 +454,12 @@ class JudgeClient:
             limits.load -= 1
 
     async def _exchange(
-        self, loop: asyncio.AbstractEventLoop, endpoint: _Endpoint, url: str, body: bytes, total_deadline: float,
+        self,
+        loop: asyncio.AbstractEventLoop,
+        endpoint: _Endpoint,
+        url: str,
+        body: bytes,
+        total_deadline: float,
     ) -> Any:
         """The HTTP exchange of an admitted attempt, under this client's circuit breaker
         (:attr:`_Endpoint.breaker`)."""
@@ -441,10 +467,14 @@ class JudgeClient:
         shown = endpoint.origin
         ticket = breaker.acquire()
         if ticket is None:
-            raise _Failover(CircuitOpenError(
-                f"POST {shown}: circuit breaker open after {breaker.failure_threshold} consecutive failed "
-                f"attempts, failing fast (a probe goes through {breaker.reset_timeout_s:g}s after it opened); "
-                f"last error: {breaker.last_error or 'unknown'}", kind="circuit_open"))
+            raise _Failover(
+                CircuitOpenError(
+                    f"POST {shown}: circuit breaker open after {breaker.failure_threshold} consecutive failed "
+                    f"attempts, failing fast (a probe goes through {breaker.reset_timeout_s:g}s after it opened); "
+                    f"last error: {breaker.last_error or 'unknown'}",
+                    kind="circuit_open",
+                )
+            )
         verdict: bool | None = None
         failure: str | None = None
         started = loop.time()

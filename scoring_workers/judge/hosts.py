@@ -121,8 +121,9 @@ def _root(url: str) -> str:
     return url.strip().rstrip("/").removesuffix("/v1")
 
 
-def check_record_judge_urls(profile: Mapping[str, Any], record: Mapping[str, Any], where: str,
-                            error: type[ConfigError] = ConfigError) -> None:
+def check_record_judge_urls(
+    profile: Mapping[str, Any], record: Mapping[str, Any], where: str, error: type[ConfigError] = ConfigError
+) -> None:
     """A registry record's judge URLs (every ``http(s)://`` string in its entry's kwargs,
     ``record``), checked against the operator ``profile``'s kwargs the entry names
     (``{}``: none): no URL with user info; and when the profile holds credentials
@@ -138,11 +139,15 @@ def check_record_judge_urls(profile: Mapping[str, Any], record: Mapping[str, Any
         held.append("user info in its URLs")
     for key, url in _urls(record, f"{where}.kwargs"):
         if has_user_info(url):
-            raise error(f"{key}: a record's judge URL may not carry user info ({redact_url(url)!r} with "
-                        "'user:password@'): credentials are the operator's, set in a profile")
+            raise error(
+                f"{key}: a record's judge URL may not carry user info ({redact_url(url)!r} with "
+                "'user:password@'): credentials are the operator's, set in a profile"
+            )
         if held and _root(url) not in own:
-            raise error(f"{key}: {redact_url(url)!r} is not one of the profile's own judge URLs; the profile "
-                        f"holds credentials ({', '.join(held)}), which go only where the operator pointed them")
+            raise error(
+                f"{key}: {redact_url(url)!r} is not one of the profile's own judge URLs; the profile "
+                f"holds credentials ({', '.join(held)}), which go only where the operator pointed them"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +171,7 @@ def _parse_entry(raw: Any) -> _Entry:
         raise ConfigError(f"{SETTING}: entries must be host names like 'judge' or 'judge:30000', got {raw!r}")
     text = raw.strip().lower()
     if "://" in text or "/" in text or "@" in text:
-        raise ConfigError(
-            f"{SETTING}: {raw!r} is not a host; write the host (and optionally :port), not a URL"
-        )
+        raise ConfigError(f"{SETTING}: {raw!r} is not a host; write the host (and optionally :port), not a URL")
     port: int | None = None
     if text.startswith("["):  # [v6] or [v6]:port
         close = text.find("]")
@@ -188,8 +191,7 @@ def _parse_entry(raw: Any) -> _Entry:
     host = host.rstrip(".")
     if not _HOST_RE.match(host) or "*" in host[2:]:
         raise ConfigError(
-            f"{SETTING}: {raw!r} is not a host name, an IP address or '*.domain' (a wildcard covers "
-            "sub-domains only)"
+            f"{SETTING}: {raw!r} is not a host name, an IP address or '*.domain' (a wildcard covers sub-domains only)"
         )
     return _Entry(host, port)
 
@@ -283,8 +285,9 @@ def config_judge_urls(prm: Any, key: str = "rollout.agent.prm") -> list[tuple[st
     return found
 
 
-def check_config_judge_hosts(prm: Any, allowed: Sequence[str] | HostAllowList | None,
-                             key: str = "rollout.agent.prm") -> None:
+def check_config_judge_hosts(
+    prm: Any, allowed: Sequence[str] | HostAllowList | None, key: str = "rollout.agent.prm"
+) -> None:
     """Every judge URL a config's scorers name must be allowed by ``allowed``: an explicit
     ``worker.allowed_judge_hosts`` (``None``: the file's own hosts, nothing to check), or
     the :func:`effective_allow_list` a registry record is held to.
@@ -300,8 +303,9 @@ def check_config_judge_hosts(prm: Any, allowed: Sequence[str] | HostAllowList | 
             raise ConfigError(_refusal(f"{where}: judge URL", url, hosts))
 
 
-def effective_allow_list(prm: Any, allowed: Sequence[str] | None,
-                         profiles: Mapping[str, Any] | None = None) -> HostAllowList:
+def effective_allow_list(
+    prm: Any, allowed: Sequence[str] | None, profiles: Mapping[str, Any] | None = None
+) -> HostAllowList:
     """The hosts a judge URL from *outside* the config file (e.g. a registry record) may
     use: the explicit list, or by default exactly the ``host:port`` pairs the config
     file's scorers and scorer profiles (``worker.scorer_profiles``) name."""

@@ -59,10 +59,24 @@ from infra.config import ConfigError
 from scoring_workers.judge.errors import JudgeTimeoutError
 from scoring_workers.judge.settings import JudgeQuota, LimitSettings
 
-__all__ = ["DEFAULT_LIMITS", "LATENCY_BUCKETS_S", "CircuitBreaker", "JudgeQuota", "OwnLimits", "QuotaLimits",
-           "SharedLimits",
-           "acquire_limits", "acquire_quota", "active_quota", "all_limits", "all_quotas", "judge_quota",
-           "registered_limits", "release_limits", "release_quota"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "LATENCY_BUCKETS_S",
+    "CircuitBreaker",
+    "JudgeQuota",
+    "OwnLimits",
+    "QuotaLimits",
+    "SharedLimits",
+    "acquire_limits",
+    "acquire_quota",
+    "active_quota",
+    "all_limits",
+    "all_quotas",
+    "judge_quota",
+    "registered_limits",
+    "release_limits",
+    "release_quota",
+]
 
 
 class CircuitBreaker:
@@ -272,8 +286,9 @@ class _Limiter:
                         async with asyncio.timeout_at(deadline):
                             await semaphore.acquire()
                     except TimeoutError:
-                        raise JudgeTimeoutError(f"POST {origin}: {self._refusal('slot')} before the total timeout",
-                                                kind="timeout") from None
+                        raise JudgeTimeoutError(
+                            f"POST {origin}: {self._refusal('slot')} before the total timeout", kind="timeout"
+                        ) from None
                 else:
                     await semaphore.acquire()  # a free slot: no timeout context to set up
             if pacer is not None:
@@ -281,8 +296,9 @@ class _Limiter:
                     if since is None and pacer.next_at > loop.time():
                         since = loop.time()
                     if not await pacer.wait(loop, deadline):
-                        raise JudgeTimeoutError(f"POST {origin}: {self._refusal('rate')} before the total timeout",
-                                                kind="timeout")
+                        raise JudgeTimeoutError(
+                            f"POST {origin}: {self._refusal('rate')} before the total timeout", kind="timeout"
+                        )
                 except BaseException:
                     if semaphore is not None:
                         semaphore.release()
@@ -316,7 +332,9 @@ class SharedLimits(_Limiter):
         self.key = key
         self.settings = settings
         self.breaker = CircuitBreaker(
-            settings.breaker_failure_threshold, settings.breaker_reset_s, clock=clock  # type: ignore[arg-type]
+            settings.breaker_failure_threshold,
+            settings.breaker_reset_s,
+            clock=clock,  # type: ignore[arg-type]
         )
         self.refs = 0
         self.in_flight = 0
@@ -368,13 +386,15 @@ class OwnLimits(_Limiter):
         operator = endpoint.settings
         self.breaker = CircuitBreaker(
             requested.breaker_failure_threshold or operator.breaker_failure_threshold,  # type: ignore[arg-type]
-            requested.breaker_reset_s or operator.breaker_reset_s, clock=clock,  # type: ignore[arg-type]
+            requested.breaker_reset_s or operator.breaker_reset_s,
+            clock=clock,  # type: ignore[arg-type]
         )
 
     def _refusal(self, what: str) -> str:
         if what == "slot":
             return f"no free slot of the scorer's own (max_concurrency={self.requested.max_concurrency})"
         return f"the scorer's own rate limit ({self.requested.rps:g} req/s) leaves no slot"
+
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -410,8 +430,11 @@ def acquire_limits(base_url: str, requested: LimitSettings, clock: Callable[[], 
             shared = SharedLimits(key, msgspec.structs.replace(DEFAULT_LIMITS, **asked), clock)
             _REGISTRY[key] = shared
         else:
-            clash = {name: (value, getattr(shared.settings, name)) for name, value in asked.items()
-                     if value != getattr(shared.settings, name)}
+            clash = {
+                name: (value, getattr(shared.settings, name))
+                for name, value in asked.items()
+                if value != getattr(shared.settings, name)
+            }
             if clash:
                 detail = ", ".join(f"{n}={mine!r} (registered: {theirs!r})" for n, (mine, theirs) in clash.items())
                 raise ConfigError(
@@ -476,8 +499,10 @@ class QuotaLimits(_Limiter):
 
     def _refusal(self, what: str) -> str:
         if what == "slot":
-            return (f"experiment {self.scope!r} has no free judge slot (quota "
-                    f"max_in_flight={self.quota.max_in_flight} per endpoint)")
+            return (
+                f"experiment {self.scope!r} has no free judge slot (quota "
+                f"max_in_flight={self.quota.max_in_flight} per endpoint)"
+            )
         return f"experiment {self.scope!r}'s quota ({self.quota.rps:g} req/s per endpoint) leaves no slot"
 
     def __repr__(self) -> str:

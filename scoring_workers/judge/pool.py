@@ -55,8 +55,16 @@ ROUTES = ("affinity", "detour", "spill", "failover", "balanced")
 _DEFAULT_POLICY = SpillPolicy()
 
 
-def overloaded(policy: SpillPolicy, cost: float, least_cost: float, least_latency: float, least_load: int, *,
-               at_cap: bool = False, least_at_cap: bool = False) -> bool:
+def overloaded(
+    policy: SpillPolicy,
+    cost: float,
+    least_cost: float,
+    least_latency: float,
+    least_load: int,
+    *,
+    at_cap: bool = False,
+    least_at_cap: bool = False,
+) -> bool:
     """Whether an endpoint whose next call would cost ``cost`` should shed it to the
     cheapest one (``least_*``) under ``policy``; costs are ``(load + 1) x latency``."""
     if at_cap and not least_at_cap:
@@ -127,7 +135,12 @@ def choose_endpoint(
         return least, "failover" if failover else "balanced"
     preferred = next(i for i in order if i in candidates)
     if preferred != least and overloaded(
-        policy, cost[preferred], cost[least], speed[least], loads[least], at_cap=at_cap(preferred),
+        policy,
+        cost[preferred],
+        cost[least],
+        speed[least],
+        loads[least],
+        at_cap=at_cap(preferred),
         least_at_cap=at_cap(least),
     ):
         return least, "failover" if failover else "spill"

@@ -179,8 +179,9 @@ HINT_JUDGE_SYSTEM = (
 """System prompt of the OPD hint judge (OpenClaw-RL's ``_build_hint_judge_messages``)."""
 
 
-def _judge_messages(system: str, response: tuple[str, str], next_state: tuple[str, str], ask: str
-                    ) -> list[dict[str, str]]:
+def _judge_messages(
+    system: str, response: tuple[str, str], next_state: tuple[str, str], ask: str
+) -> list[dict[str, str]]:
     """``system``, then a user message: each ``(heading, text)`` section, then ``ask``."""
     user = "".join(f"{heading}\n{text}\n\n" for heading, text in (response, next_state)) + ask
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
@@ -191,7 +192,8 @@ def build_prm_judge_messages(
 ) -> list[dict[str, str]]:
     """Chat messages asking the judge to score ``response_text`` given the next state."""
     return _judge_messages(
-        PRM_JUDGE_SYSTEM, ("## Assistant output", response_text),
+        PRM_JUDGE_SYSTEM,
+        ("## Assistant output", response_text),
         (f"## Next state [role: {next_state_role}]", next_state_text),
         "First, classify the next state: is it (a) positive progression, "
         "(b) a correction / redo / change request, or (c) ambiguous? "
@@ -204,7 +206,8 @@ def build_hint_judge_messages(
 ) -> list[dict[str, str]]:
     """Chat messages asking the judge for a hindsight hint (``\\boxed{1}`` + hint block)."""
     return _judge_messages(
-        HINT_JUDGE_SYSTEM, ("## Assistant response (turn t)", response_text),
+        HINT_JUDGE_SYSTEM,
+        ("## Assistant response (turn t)", response_text),
         (f"## Next state (turn t+1) [role: {next_state_role}]", next_state_text),
         "Now output your decision and (if positive) the hint in the required format.",
     )

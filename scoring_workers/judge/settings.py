@@ -26,8 +26,18 @@ from msgspec import Meta
 from infra.config import ConfigError
 from infra.types import Delay, Seconds, validating
 
-__all__ = ["ClientSettings", "ConnectionSettings", "JudgeApi", "JudgeQuota", "LimitSettings",
-           "ModelSettings", "RequestSettings", "Settings", "SpillPolicy", "from_values"]
+__all__ = [
+    "ClientSettings",
+    "ConnectionSettings",
+    "JudgeApi",
+    "JudgeQuota",
+    "LimitSettings",
+    "ModelSettings",
+    "RequestSettings",
+    "Settings",
+    "SpillPolicy",
+    "from_values",
+]
 
 JudgeApi = Literal["openai", "sglang"]
 
@@ -92,8 +102,10 @@ class RequestSettings(Settings):
 
     def _check(self) -> None:
         if self.backoff_base_s > self.backoff_max_s:
-            raise ConfigError(f"backoff_base_s ({self.backoff_base_s}) must not exceed backoff_max_s "
-                              f"({self.backoff_max_s}): the first pause is the smallest")
+            raise ConfigError(
+                f"backoff_base_s ({self.backoff_base_s}) must not exceed backoff_max_s "
+                f"({self.backoff_max_s}): the first pause is the smallest"
+            )
 
 
 class LimitSettings(Settings):
@@ -126,8 +138,10 @@ class ConnectionSettings(Settings):
 
     def __repr__(self) -> str:  # never print a key
         key = None if self.api_key is None else "<redacted>"
-        return (f"ConnectionSettings(headers={sorted(self.headers)!r}, api_key={key}, "
-                f"api_key_env={self.api_key_env!r}, api_key_file={self.api_key_file!r}, trust_env={self.trust_env})")
+        return (
+            f"ConnectionSettings(headers={sorted(self.headers)!r}, api_key={key}, "
+            f"api_key_env={self.api_key_env!r}, api_key_file={self.api_key_file!r}, trust_env={self.trust_env})"
+        )
 
 
 class SpillPolicy(Settings):
@@ -180,13 +194,18 @@ class ClientSettings(Settings):
             values["headers"] = {str(k): str(v) for k, v in headers.items()}
         elif headers is not None:
             values["headers"] = headers  # refused by the type check, with the field named
-        parts = {name: from_values(part, {k: v for k, v in values.items() if k in part.__struct_fields__}, where)
-                 for name, part in _PARTS.items()}
+        parts = {
+            name: from_values(part, {k: v for k, v in values.items() if k in part.__struct_fields__}, where)
+            for name, part in _PARTS.items()
+        }
         return cls(**parts)
 
 
 _PARTS: dict[str, type[Settings]] = {
-    "request": RequestSettings, "limits": LimitSettings, "connection": ConnectionSettings, "spill": SpillPolicy,
+    "request": RequestSettings,
+    "limits": LimitSettings,
+    "connection": ConnectionSettings,
+    "spill": SpillPolicy,
 }
 
 

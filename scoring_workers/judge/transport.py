@@ -29,7 +29,8 @@ What it speaks — what judges (SGLang, vLLM, any OpenAI-compatible server) answ
   asked for, is an error); ``Connection: close`` and HTTP/1.0 honoured. What llhttp
   refuses — a bad status line, ``Content-Length`` together with chunked encoding, two
   different lengths — fails the exchange with llhttp's reason; bytes after the answer
-  close the connection (out of step) once the answer is delivered. No compression is asked for (no ``Accept-Encoding``), no
+  close the connection (out of step) once the answer is delivered. No compression is asked for (no
+  ``Accept-Encoding``), no
   redirect is followed (a 3xx is an answer like any other).
 * ``http`` and ``https`` (verified TLS, the system's CA bundle). User info in the URL
   becomes ``Authorization: Basic``, as other clients do.
@@ -127,9 +128,26 @@ class _Connection(asyncio.Protocol):
     needs and enforce the size limits. A callback's :class:`ValueError` stops parsing and
     fails the exchange with its message."""
 
-    __slots__ = ("_body", "_body_size", "_got_bytes", "_has_length", "_head_left", "_keep_alive", "_owner",
-                 "_parser", "_retry_after", "_status", "_te_chunked", "_to_eof", "_waiter", "_wire_left", "idle_since",
-                 "open", "origin", "transport")
+    __slots__ = (
+        "_body",
+        "_body_size",
+        "_got_bytes",
+        "_has_length",
+        "_head_left",
+        "_keep_alive",
+        "_owner",
+        "_parser",
+        "_retry_after",
+        "_status",
+        "_te_chunked",
+        "_to_eof",
+        "_waiter",
+        "_wire_left",
+        "idle_since",
+        "open",
+        "origin",
+        "transport",
+    )
 
     def __init__(self, owner: HttpTransport, origin: tuple[str, str, int]) -> None:
         self._owner = owner
@@ -354,8 +372,11 @@ class HttpTransport(Transport):
             path += "?" + parts.query
         if not path.isascii() or " " in path:
             path = quote(path, safe="/%?=&;:@!$'()*+,~-._")
-        headers = {"host": ("Host", host_header), "user-agent": ("User-Agent", "prm-pipeline-judge"),
-                   "accept": ("Accept", "application/json")}
+        headers = {
+            "host": ("Host", host_header),
+            "user-agent": ("User-Agent", "prm-pipeline-judge"),
+            "accept": ("Accept", "application/json"),
+        }
         if parts.username is not None:
             user_info = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
             headers["authorization"] = ("Authorization", "Basic " + base64.b64encode(user_info.encode()).decode())
@@ -381,8 +402,11 @@ class HttpTransport(Transport):
         try:
             async with asyncio.timeout_at(deadline):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(self, target.origin), target.host, target.port,
-                    ssl=context, server_hostname=target.host if target.tls else None,
+                    lambda: _Connection(self, target.origin),
+                    target.host,
+                    target.port,
+                    ssl=context,
+                    server_hostname=target.host if target.tls else None,
                 )
         except OSError as exc:
             raise TransportError(
@@ -484,8 +508,10 @@ class AiohttpTransport(Transport):
                 connector=connector, headers=self._headers, trust_env=True, timeout=aiohttp.ClientTimeout(total=None)
             )
         try:
-            async with asyncio.timeout_at(deadline), \
-                    session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+            async with (
+                asyncio.timeout_at(deadline),
+                session.post(url, data=body, headers={"Content-Type": "application/json"}) as response,
+            ):
                 return response.status, await response.read(), response.headers.get("Retry-After")
         except aiohttp.ClientConnectorError as exc:
             raise TransportError(str(exc), connect=True) from None

@@ -67,9 +67,7 @@ def freeze(obj: Any) -> Any:
     if kind is dict or kind is FrozenDict:
         for value in obj.values():
             if type(value) not in _SCALARS:
-                return FrozenDict(
-                    {k: (v if type(v) in _SCALARS else freeze(v)) for k, v in obj.items()}
-                )
+                return FrozenDict({k: (v if type(v) in _SCALARS else freeze(v)) for k, v in obj.items()})
         return obj if kind is FrozenDict else FrozenDict(obj)
     if kind is list or kind is tuple:
         return tuple([v if type(v) in _SCALARS else freeze(v) for v in obj])

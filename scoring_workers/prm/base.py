@@ -205,6 +205,4 @@ class BaseTrajectoryScorer(BaseScorer):
         self, interactions: Sequence[InteractionView], ctx: dict[str, Any]
     ) -> Mapping[str, RawReward | PRMScorerResult | None] | None:
         """Return ``{interaction_id: reward}`` for the branch ``interactions`` (root first)."""
-        raise NotImplementedError(
-            f"{type(self).__qualname__} must implement evaluate_trajectory(interactions, ctx)"
-        )
+        raise NotImplementedError(f"{type(self).__qualname__} must implement evaluate_trajectory(interactions, ctx)")

@@ -40,8 +40,14 @@ from infra.config import ConfigError, PRMConfig, PRMScorerConfig, resolve_profil
 from infra.types import did_you_mean, validating
 from scoring_workers.judge.hosts import check_record_judge_urls
 
-__all__ = ["CapabilityError", "RecordSettings", "constructor_arguments", "record_kwargs", "record_prm",
-           "settable_fields"]
+__all__ = [
+    "CapabilityError",
+    "RecordSettings",
+    "constructor_arguments",
+    "record_kwargs",
+    "record_prm",
+    "settable_fields",
+]
 
 
 class CapabilityError(ConfigError):
@@ -97,11 +103,18 @@ def record_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -> dict[str,
             raise CapabilityError(
                 f"{where}.kwargs.{key}: operator-only ({_why_operator_only(cls, key)}); a registry record may "
                 f"not set it: declare it in a profile of the workers' config (worker.scorer_profiles) and name "
-                f"that profile in the entry (profile: NAME)")
+                f"that profile in the entry (profile: NAME)"
+            )
         match = did_you_mean(str(key), settable)
-        hint = f"did you mean `{match}`?" if match else (
-            f"a record may set {', '.join(f'`{n}`' for n in settable)}" if settable
-            else f"{cls.__name__} declares no record-settable arguments")
+        hint = (
+            f"did you mean `{match}`?"
+            if match
+            else (
+                f"a record may set {', '.join(f'`{n}`' for n in settable)}"
+                if settable
+                else f"{cls.__name__} declares no record-settable arguments"
+            )
+        )
         raise CapabilityError(f"{where}.kwargs: {cls.__name__} has no record-settable argument `{key}`; {hint}")
     if not kwargs:
         return {}
@@ -117,8 +130,9 @@ def _entries(prm: PRMConfig, key: str) -> Iterator[tuple[str, PRMScorerConfig]]:
         yield f"{key}.scorers[{index}]", entry
 
 
-def record_prm(prm: PRMConfig, profiles: Mapping[str, PRMScorerConfig], *,
-               allowed_prefixes: Sequence[str] | None, key: str = "prm") -> PRMConfig:
+def record_prm(
+    prm: PRMConfig, profiles: Mapping[str, PRMScorerConfig], *, allowed_prefixes: Sequence[str] | None, key: str = "prm"
+) -> PRMConfig:
     """The ``prm`` block a worker builds for a registry record's ``prm``.
 
     Each entry names a scorer ``path`` (under ``allowed_prefixes``) or an operator
@@ -143,6 +157,9 @@ def record_prm(prm: PRMConfig, profiles: Mapping[str, PRMScorerConfig], *,
             raise type(exc)(message if message.startswith(where) else f"{where}: {message}") from None
         tuned = record_kwargs(cls, entry.kwargs or {}, where)
         check_record_judge_urls(base.kwargs if entry.profile is not None else {}, tuned, where, CapabilityError)
-        out.append(PRMScorerConfig(base.path, weight=entry.weight, enabled=entry.enabled,
-                                   kwargs={**(base.kwargs or {}), **tuned}))
+        out.append(
+            PRMScorerConfig(
+                base.path, weight=entry.weight, enabled=entry.enabled, kwargs={**(base.kwargs or {}), **tuned}
+            )
+        )
     return msgspec.structs.replace(prm, scorers=out)

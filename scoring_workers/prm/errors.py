@@ -89,9 +89,16 @@ def attach_context(exc: BaseException, context: PRMErrorContext) -> BaseExceptio
     return exc
 
 
-def runner_error(cls: type[Exception], message: str, reason: str, *, scorer_name: str | None = None,
-                 interaction_id: str | None = None, leaf_id: str | None = None,
-                 trajectory_id: str | None = None) -> Exception:
+def runner_error(
+    cls: type[Exception],
+    message: str,
+    reason: str,
+    *,
+    scorer_name: str | None = None,
+    interaction_id: str | None = None,
+    leaf_id: str | None = None,
+    trajectory_id: str | None = None,
+) -> Exception:
     """One of the runner's own validation errors, with its context attached."""
     exc = cls(message)
     attach_context(exc, PRMErrorContext(reason, scorer_name, interaction_id, leaf_id, trajectory_id))

@@ -46,8 +46,14 @@ class ScoringRunner(Protocol):
         """(name, version) of the scorers a run calls: what verdicts name (the fleet)."""
         ...
 
-    async def run(self, trajectory: ReadyTrajectory, *, is_eval: bool | None = None,
-                  keep_channels: bool = False, reuse: Reuse | None = None) -> ScoredTrajectory:
+    async def run(
+        self,
+        trajectory: ReadyTrajectory,
+        *,
+        is_eval: bool | None = None,
+        keep_channels: bool = False,
+        reuse: Reuse | None = None,
+    ) -> ScoredTrajectory:
         """Score every branch of ``trajectory`` (:func:`scoring_workers.scoring.score_member`)."""
         ...
 
@@ -56,8 +62,9 @@ class ScoringRunner(Protocol):
         """Whether a streamed turn has anything to run before its session ends."""
         ...
 
-    async def score_turn(self, turn: Interaction, next_turn: Interaction, ctx: Mapping[str, Any],
-                         cache: dict[str, Any] | None = None) -> list[StreamedResult]:
+    async def score_turn(
+        self, turn: Interaction, next_turn: Interaction, ctx: Mapping[str, Any], cache: dict[str, Any] | None = None
+    ) -> list[StreamedResult]:
         """Run the streamable scorers on a streamed turn (:mod:`scoring_workers.streams`)."""
         ...
 

@@ -155,12 +155,16 @@ def _missing_itself(module_name: str, exc: ImportError) -> bool:
 def _import_failure(what: str, spec: str, module_name: str, exc: ImportError) -> ImportError:
     """The same kind of ImportError (``name`` kept: alias fallback reads it), one line with the fix."""
     if _missing_itself(module_name, exc):
-        message = (f"{what} {spec!r}: module {module_name!r} is not importable ({exc}); install the package "
-                   "that provides it in the worker's environment, or add the directory that contains it "
-                   "to PYTHONPATH")
+        message = (
+            f"{what} {spec!r}: module {module_name!r} is not importable ({exc}); install the package "
+            "that provides it in the worker's environment, or add the directory that contains it "
+            "to PYTHONPATH"
+        )
     else:
-        message = (f"{what} {spec!r}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}; "
-                   "install what it needs in the worker's environment")
+        message = (
+            f"{what} {spec!r}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}; "
+            "install what it needs in the worker's environment"
+        )
     kind = ModuleNotFoundError if isinstance(exc, ModuleNotFoundError) else ImportError
     return kind(message, name=exc.name, path=exc.path)
 
@@ -199,9 +203,7 @@ def _locate(module_name: str) -> str | None:
     return origin or module_name
 
 
-def resolve_import(
-    spec: str, what: str, *, allowed_prefixes: Sequence[str] | str | None | object = _CONTEXT
-) -> Any:
+def resolve_import(spec: str, what: str, *, allowed_prefixes: Sequence[str] | str | None | object = _CONTEXT) -> Any:
     """The object a config names by ``"module:attr"`` or ``"module.attr"``.
 
     ``allowed_prefixes`` defaults to the enclosing :func:`allowed_modules` block (none:
@@ -260,8 +262,10 @@ def _near_alias(what: str, path: str, prefixes: tuple[str, ...] | None) -> None:
         return  # the user's own module, not allowed: _load refuses it with the allow-list advice
     match = did_you_mean(attr, list(names))
     hint = f"; did you mean {match!r}?" if match else f"; it provides {sorted(names)}"
-    raise ImportError(f"{what} {path!r}: {module_name!r} (AReaL's example module, provided built in) has no "
-                      f"attribute {attr!r}{hint}", name=module_name)
+    raise ImportError(
+        f"{what} {path!r}: {module_name!r} (AReaL's example module, provided built in) has no attribute {attr!r}{hint}",
+        name=module_name,
+    )
 
 
 def resolve_callable(spec: Any, what: str) -> Callable[..., Any]:
@@ -286,8 +290,7 @@ def resolve_scorer_class(path: str, *, allowed_prefixes: Sequence[str] | None = 
     cls = resolve_import(path, "scorer path", allowed_prefixes=allowed_prefixes)
     if not (isinstance(cls, type) and issubclass(cls, BaseScorer)):
         raise TypeError(
-            f"scorer path {path!r} names {cls!r}, which is not a subclass of "
-            "scoring_workers.prm.BaseScorer"
+            f"scorer path {path!r} names {cls!r}, which is not a subclass of scoring_workers.prm.BaseScorer"
         )
     return cls
 
@@ -325,8 +328,7 @@ def _entry(item: Any, where: str) -> PRMScorerConfig:
             item = msgspec.convert(raw, PRMScorerConfig, strict=False)
     if not isinstance(item, PRMScorerConfig):
         raise TypeError(
-            f"scorers entries must be BaseScorer instances, PRMScorerConfig or mappings, got "
-            f"{type(item).__name__}"
+            f"scorers entries must be BaseScorer instances, PRMScorerConfig or mappings, got {type(item).__name__}"
         )
     return item
 
@@ -394,18 +396,17 @@ def check_scorer_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -> Non
         match = did_you_mean(str(key), names)
         if takes_more and match is None:
             continue  # the constructor's own **kwargs: it decides
-        hint = f"did you mean `{match}`?" if match else (
-            f"it takes {', '.join(f'`{n}`' for n in takes)}" if takes else "it takes none")
+        hint = (
+            f"did you mean `{match}`?"
+            if match
+            else (f"it takes {', '.join(f'`{n}`' for n in takes)}" if takes else "it takes none")
+        )
         if match in ("weight", "enabled"):
             hint += " (set it at the entry level, not inside kwargs)"
-        raise ScorerArgumentError(
-            f"{where}: kwargs: {cls.__name__} got an unexpected keyword argument `{key}`; {hint}"
-        )
+        raise ScorerArgumentError(f"{where}: kwargs: {cls.__name__} got an unexpected keyword argument `{key}`; {hint}")
     missing = [n for n in required if n not in kwargs and n not in ("weight", "enabled")]
     if missing:
-        raise ScorerArgumentError(
-            f"{where}: kwargs: {cls.__name__} needs {', '.join(f'`{n}`' for n in missing)}"
-        )
+        raise ScorerArgumentError(f"{where}: kwargs: {cls.__name__} needs {', '.join(f'`{n}`' for n in missing)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,8 +451,9 @@ def check_scorer_entries(
             if not message.startswith(where):
                 message = f"{where}: {message}"
             raise _same_kind(exc, message) from exc
-        resolved.append(ResolvedScorer(index, entry.path, f"{cls.__module__}.{cls.__qualname__}", cls,
-                                       entry.weight, entry.enabled))
+        resolved.append(
+            ResolvedScorer(index, entry.path, f"{cls.__module__}.{cls.__qualname__}", cls, entry.weight, entry.enabled)
+        )
     return resolved
 
 

@@ -126,13 +126,13 @@ class ScoredBranch:
             built: dict[str, torch.Tensor] = {}
             if uniform:
                 sizes = [r.length for _, r in uniform]
-                values = np.asarray([r.uniform if r.uniform is not None else np.nan for _, r in uniform], dtype=np.float32)
+                values = np.asarray(
+                    [r.uniform if r.uniform is not None else np.nan for _, r in uniform], dtype=np.float32
+                )
                 pieces = torch.from_numpy(np.repeat(values, sizes)).split(sizes)
                 for (iid, r), piece in zip(uniform, pieces):
                     built[iid] = piece if r.uniform is not None else torch.from_numpy(r.to_numpy().copy())
-            self._tensors = {
-                iid: built[iid] if isinstance(r, TokenRewards) else r for iid, r in rewards.items()
-            }
+            self._tensors = {iid: built[iid] if isinstance(r, TokenRewards) else r for iid, r in rewards.items()}
         return self._tensors
 
     def to_branch_result(self) -> BranchResult:

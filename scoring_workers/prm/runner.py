@@ -87,8 +87,14 @@ class _Invalid(Exception):
     ("scorer 'x' must return shape (3,)"), so the place goes after it, not before.
     """
 
-    def __init__(self, message: str, kind: type[Exception] = ValueError, reason: str = "invalid_reward",
-                 *, follows_subject: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        kind: type[Exception] = ValueError,
+        reason: str = "invalid_reward",
+        *,
+        follows_subject: bool = False,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.reason = reason
@@ -184,8 +190,16 @@ def _weighted(raw: Any, weight: float, output_len: int) -> tuple[float | torch.T
 
 _REAL_DTYPES = frozenset(
     {
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-        torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
     }
 )
 
@@ -225,7 +239,9 @@ def _finish(acc: float | torch.Tensor, output_len: int) -> TokenRewards | torch.
     return acc
 
 
-_Staged = tuple[float | torch.Tensor, float, tuple[PRMMetricObservation, ...]]  # (weighted value, turn reward, observations)
+_Staged = tuple[
+    float | torch.Tensor, float, tuple[PRMMetricObservation, ...]
+]  # (weighted value, turn reward, observations)
 
 
 def _branch_views(path: Sequence[Any], cache: MessageCache) -> list[InteractionView]:
@@ -252,15 +268,20 @@ def _staged(
             value, reward = _weighted(outcome, scorer.weight, output_len)
         except _Invalid as exc:
             raise exc.build(
-                f"scorer {scorer.name!r}", f"interaction {view.interaction_id!r}",
-                interaction_id=view.interaction_id, **where,
+                f"scorer {scorer.name!r}",
+                f"interaction {view.interaction_id!r}",
+                interaction_id=view.interaction_id,
+                **where,
             ) from None
         observations = outcome.observations if isinstance(outcome, PRMScorerResult) else ()
         if isinstance(observations, (str, bytes)) or not isinstance(observations, Sequence):
             raise runner_error(
-                TypeError, f"scorer {scorer.name!r}: observations must be a sequence of "
+                TypeError,
+                f"scorer {scorer.name!r}: observations must be a sequence of "
                 f"PRMMetricObservation, got {type(observations).__name__}",
-                "invalid_observation", interaction_id=view.interaction_id, **where,
+                "invalid_observation",
+                interaction_id=view.interaction_id,
+                **where,
             )
         staged.append((value, reward, tuple(observations)))
     return staged
@@ -284,7 +305,9 @@ def _commit(
         if channel is not None:
             value = _keep_in_channel(channel, iid, lengths[i], value)
         acc[i] = _accumulate(acc[i], value)
-        turn_results.append(PRMTurnResult(interaction_id=iid, scorer_name=name, reward=reward, observations=observations))
+        turn_results.append(
+            PRMTurnResult(interaction_id=iid, scorer_name=name, reward=reward, observations=observations)
+        )
         total += reward
     return total
 
@@ -320,7 +343,9 @@ def _finished(
         except _Invalid as exc:
             raise exc.build(
                 f"interaction {view.interaction_id!r}",
-                interaction_id=view.interaction_id, leaf_id=leaf_id, trajectory_id=trajectory_id,
+                interaction_id=view.interaction_id,
+                leaf_id=leaf_id,
+                trajectory_id=trajectory_id,
             ) from None
     return token_rewards
 
@@ -519,8 +544,11 @@ class PRMRunner:
             if self._config.error_policy != "keep_original":
                 raise
             fallback = f"keep_original: {failure_code(exc)}: {failure_detail(exc)}"[:2000]
-            log.info("trajectory %s: scoring failed, keeping the original: %s",
-                     getattr(trajectory, "trajectory_id", "?"), fallback)
+            log.info(
+                "trajectory %s: scoring failed, keeping the original: %s",
+                getattr(trajectory, "trajectory_id", "?"),
+                fallback,
+            )
             return self._original(trajectory, is_eval, fallback)
         finally:
             self._inflight -= 1
@@ -530,8 +558,9 @@ class PRMRunner:
         """Whether :meth:`score_turn` has anything to run (an active streamable per-turn scorer)."""
         return any(s.streamable and not isinstance(s, BaseTrajectoryScorer) for s in self._active)
 
-    async def score_turn(self, turn: Any, next_turn: Any, ctx: Mapping[str, Any],
-                         cache: MessageCache | None = None) -> list[StreamedResult]:
+    async def score_turn(
+        self, turn: Any, next_turn: Any, ctx: Mapping[str, Any], cache: MessageCache | None = None
+    ) -> list[StreamedResult]:
         """Run the active :attr:`~scoring_workers.prm.BaseScorer.streamable` per-turn
         scorers on ``turn`` of a streamed session, now that ``next_turn`` (a child of it,
         full form) brought its next state.
@@ -548,8 +577,9 @@ class PRMRunner:
         """
         if self._closing:
             raise RunnerClosedError("PRMRunner is closing or closed; score_turn() is no longer accepted")
-        targets = [(i, s) for i, s in enumerate(self._active)
-                   if s.streamable and not isinstance(s, BaseTrajectoryScorer)]
+        targets = [
+            (i, s) for i, s in enumerate(self._active) if s.streamable and not isinstance(s, BaseTrajectoryScorer)
+        ]
         if not targets or turn.model_response is None:
             return []
         self._inflight += 1
@@ -562,17 +592,25 @@ class PRMRunner:
             call_ctx["messages"] = child.messages + child.output_message_list
             outcomes = await asyncio.gather(
                 *(_coroutine(s.evaluate_result(view, dict(call_ctx)), s.name) for _, s in targets),
-                return_exceptions=True)
+                return_exceptions=True,
+            )
             results = []
             for (index, scorer), outcome in zip(targets, outcomes):
                 if isinstance(outcome, PRMScorerResult):
-                    results.append(StreamedResult.of(index, scorer.name, turn.interaction_id,
-                                                     stream_key_bytes(scorer, view, call_ctx), outcome))
+                    results.append(
+                        StreamedResult.of(
+                            index, scorer.name, turn.interaction_id, stream_key_bytes(scorer, view, call_ctx), outcome
+                        )
+                    )
                 elif isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
                     raise outcome  # cancelled: the worker is stopping
                 else:
-                    log.debug("streamed turn %s: scorer %r gave %s; it runs again at the session's end",
-                              turn.interaction_id, scorer.name, type(outcome).__name__)
+                    log.debug(
+                        "streamed turn %s: scorer %r gave %s; it runs again at the session's end",
+                        turn.interaction_id,
+                        scorer.name,
+                        type(outcome).__name__,
+                    )
             return results
         finally:
             self._inflight -= 1
@@ -594,12 +632,19 @@ class PRMRunner:
                     rewards[interaction.interaction_id] = TokenRewards(length=n, uniform=0.0)
             scored.append(ScoredBranch(path[-1].interaction_id, list(rewards), rewards, {}, []))
         return ScoredTrajectory(
-            trajectory_id=trajectory.trajectory_id, session_id=trajectory.session_id, branches=scored,
-            is_eval=is_eval, fallback=fallback,
+            trajectory_id=trajectory.trajectory_id,
+            session_id=trajectory.session_id,
+            branches=scored,
+            is_eval=is_eval,
+            fallback=fallback,
         )
 
     async def _run(
-        self, trajectory: Any, is_eval: bool | None, ctx: Mapping[str, Any] | None, keep_channels: bool = False,
+        self,
+        trajectory: Any,
+        is_eval: bool | None,
+        ctx: Mapping[str, Any] | None,
+        keep_channels: bool = False,
         reuse: Reuse | None = None,
     ) -> ScoredTrajectory:
         trajectory_id = trajectory.trajectory_id
@@ -612,7 +657,9 @@ class PRMRunner:
                     ValueError,
                     f"trajectory {trajectory_id!r}: interaction {interaction.interaction_id!r} has no "
                     "model_response; PRM scorers require token-backed interactions",
-                    "not_token_backed", interaction_id=interaction.interaction_id, trajectory_id=trajectory_id,
+                    "not_token_backed",
+                    interaction_id=interaction.interaction_id,
+                    trajectory_id=trajectory_id,
                 )
         try:
             paths = branches(interactions)
@@ -710,20 +757,29 @@ class PRMRunner:
             context = {"interaction_id": view.interaction_id, **where}
             if existing.shape != (n,):
                 raise runner_error(
-                    ValueError, f"interaction {view.interaction_id!r}: Existing token_rewards shape mismatch: "
-                    f"{list(existing.shape)} vs output_len {n}", "invalid_reward", **context,
+                    ValueError,
+                    f"interaction {view.interaction_id!r}: Existing token_rewards shape mismatch: "
+                    f"{list(existing.shape)} vs output_len {n}",
+                    "invalid_reward",
+                    **context,
                 )
             tensor = torch.tensor(existing, dtype=torch.float32)  # a copy: the wire bytes stay untouched
             if not bool(torch.isfinite(tensor).all()):
                 raise runner_error(
-                    ValueError, f"interaction {view.interaction_id!r}: Existing token_rewards are non-finite",
-                    "invalid_reward", **context,
+                    ValueError,
+                    f"interaction {view.interaction_id!r}: Existing token_rewards are non-finite",
+                    "invalid_reward",
+                    **context,
                 )
             start.append(tensor)
         return start
 
     async def _evaluate_turns(
-        self, scorer: BaseScorer, views: list[InteractionView], ctx: dict[str, Any], where: dict[str, Any],
+        self,
+        scorer: BaseScorer,
+        views: list[InteractionView],
+        ctx: dict[str, Any],
+        where: dict[str, Any],
         reused: Callable[[InteractionView, dict[str, Any]], PRMScorerResult | None] | None = None,
     ) -> list[Any]:
         """Evaluate every turn; return results in turn order or raise.
@@ -790,7 +846,8 @@ class PRMRunner:
                 RuntimeError,
                 f"PRM scorer {scorer.name!r} returned None for {nones}/{n} interactions of branch "
                 f"{where['leaf_id']!r} (None rejects the trajectory; return 0.0 for a deliberate zero)",
-                "scorer_returned_none", **where,
+                "scorer_returned_none",
+                **where,
             )
         return outcomes
 
@@ -809,25 +866,36 @@ class PRMRunner:
         n = len(views)
         if answer is None:
             raise runner_error(
-                RuntimeError, f"PRM trajectory scorer {scorer.name!r} returned None for {n}/{n} interactions "
-                f"of branch {where['leaf_id']!r}", "scorer_returned_none", **where,
+                RuntimeError,
+                f"PRM trajectory scorer {scorer.name!r} returned None for {n}/{n} interactions "
+                f"of branch {where['leaf_id']!r}",
+                "scorer_returned_none",
+                **where,
             )
         if not isinstance(answer, Mapping):
             raise runner_error(
-                TypeError, f"trajectory scorer {scorer.name!r} must return a mapping interaction_id -> reward, "
-                f"got {type(answer).__name__}", "invalid_reward", **where,
+                TypeError,
+                f"trajectory scorer {scorer.name!r} must return a mapping interaction_id -> reward, "
+                f"got {type(answer).__name__}",
+                "invalid_reward",
+                **where,
             )
         if any(key is None for key in answer):
             raise runner_error(
-                ValueError, f"trajectory scorer {scorer.name!r} returned a None interaction id",
-                "invalid_reward", **where,
+                ValueError,
+                f"trajectory scorer {scorer.name!r} returned a None interaction id",
+                "invalid_reward",
+                **where,
             )
         index = {view.interaction_id: i for i, view in enumerate(views)}
         unknown = sorted(repr(key) for key in answer if key not in index)
         if unknown:
             raise runner_error(
-                ValueError, f"trajectory scorer {scorer.name!r} returned unknown interaction ids "
-                f"[{', '.join(unknown)}] (branch {where['leaf_id']!r} has {list(index)})", "invalid_reward", **where,
+                ValueError,
+                f"trajectory scorer {scorer.name!r} returned unknown interaction ids "
+                f"[{', '.join(unknown)}] (branch {where['leaf_id']!r} has {list(index)})",
+                "invalid_reward",
+                **where,
             )
         values: list[Any] = [_MISSING] * n
         for key, value in answer.items():
@@ -847,9 +915,11 @@ class PRMRunner:
                     raise self._scorer_error(exc, view, where)  # noqa: B904 - the original exception, re-raised unchanged (AReaL)
         if nones:
             raise runner_error(
-                RuntimeError, f"PRM trajectory scorer {scorer.name!r} returned None for {nones}/{n} interactions "
+                RuntimeError,
+                f"PRM trajectory scorer {scorer.name!r} returned None for {nones}/{n} interactions "
                 f"of branch {where['leaf_id']!r} (return 0.0 for a deliberate zero, or leave the id out)",
-                "scorer_returned_none", **where,
+                "scorer_returned_none",
+                **where,
             )
         return outcomes
 
@@ -860,8 +930,10 @@ class PRMRunner:
         return attach_context(
             exc,
             PRMErrorContext(
-                reason="scorer_error", interaction_id=None if view is None else view.interaction_id,
-                raised_by_scorer=True, **where,
+                reason="scorer_error",
+                interaction_id=None if view is None else view.interaction_id,
+                raised_by_scorer=True,
+                **where,
             ),
         )
 
@@ -891,25 +963,35 @@ class PRMRunner:
             for obs in observations:
                 if not isinstance(obs, PRMMetricObservation):
                     raise runner_error(
-                        TypeError, f"scorer {scorer_name!r} observations must contain PRMMetricObservation, "
-                        f"got {type(obs).__name__} (interaction {view.interaction_id!r})", "invalid_observation",
+                        TypeError,
+                        f"scorer {scorer_name!r} observations must contain PRMMetricObservation, "
+                        f"got {type(obs).__name__} (interaction {view.interaction_id!r})",
+                        "invalid_observation",
                         **context,
                     )
                 if not isinstance(obs.target_id, str) or not obs.target_id.strip():
                     raise runner_error(
-                        ValueError, f"scorer {scorer_name!r}: observation {obs.metric_id!r} needs a non-empty "
-                        "target_id", "invalid_observation", **context,
+                        ValueError,
+                        f"scorer {scorer_name!r}: observation {obs.metric_id!r} needs a non-empty target_id",
+                        "invalid_observation",
+                        **context,
                     )
                 if obs.scope == "turn" and obs.target_id != view.interaction_id:
                     raise runner_error(
-                        ValueError, f"scorer {scorer_name!r}: turn observation {obs.metric_id!r} targets "
-                        f"{obs.target_id!r}, expected {view.interaction_id!r}", "invalid_observation", **context,
+                        ValueError,
+                        f"scorer {scorer_name!r}: turn observation {obs.metric_id!r} targets "
+                        f"{obs.target_id!r}, expected {view.interaction_id!r}",
+                        "invalid_observation",
+                        **context,
                     )
                 key = (obs.scope, obs.target_id, obs.metric_id)
                 if key in seen:
                     raise runner_error(
-                        ValueError, f"scorer {scorer_name!r}: duplicate structured metric {obs.metric_id!r} "
-                        f"({obs.scope} observation for target {obs.target_id!r})", "invalid_observation", **context,
+                        ValueError,
+                        f"scorer {scorer_name!r}: duplicate structured metric {obs.metric_id!r} "
+                        f"({obs.scope} observation for target {obs.target_id!r})",
+                        "invalid_observation",
+                        **context,
                     )
                 seen.add(key)
                 schema_key: tuple[str, str] = (obs.scope, obs.metric_id)
@@ -917,18 +999,24 @@ class PRMRunner:
                 known = local.get(schema_key)
                 if known is not None and known != schema:
                     raise runner_error(
-                        ValueError, f"scorer {scorer_name!r}: inconsistent schema for {obs.scope} metric "
+                        ValueError,
+                        f"scorer {scorer_name!r}: inconsistent schema for {obs.scope} metric "
                         f"{obs.metric_id!r} within one run: {known[0]} {list(known[1])} vs {schema[0]} "
-                        f"{list(schema[1])}", "invalid_observation", **context,
+                        f"{list(schema[1])}",
+                        "invalid_observation",
+                        **context,
                     )
                 local[schema_key] = schema
             for schema_key, schema in local.items():
                 known = mine.get(schema_key) or bound.get(schema_key)
                 if known is not None and known != schema:
                     raise runner_error(
-                        ValueError, f"PRM scorer {scorer_name!r}: structured metric schema changed across runs "
+                        ValueError,
+                        f"PRM scorer {scorer_name!r}: structured metric schema changed across runs "
                         f"for {schema_key[0]} metric {schema_key[1]!r}: {known[0]} {list(known[1])} -> "
-                        f"{schema[0]} {list(schema[1])}", "invalid_observation", **context,
+                        f"{schema[0]} {list(schema[1])}",
+                        "invalid_observation",
+                        **context,
                     )
         return local
 
@@ -941,10 +1029,13 @@ class PRMRunner:
                 known = bound.get(schema_key)
                 if known is not None and known != schema:
                     raise runner_error(
-                        ValueError, f"PRM scorer {scorer_name!r}: structured metric schema changed across runs "
+                        ValueError,
+                        f"PRM scorer {scorer_name!r}: structured metric schema changed across runs "
                         f"for {schema_key[0]} metric {schema_key[1]!r}: {known[0]} {list(known[1])} -> "
-                        f"{schema[0]} {list(schema[1])} (concurrent run)", "invalid_observation",
-                        scorer_name=scorer_name, trajectory_id=trajectory_id,
+                        f"{schema[0]} {list(schema[1])} (concurrent run)",
+                        "invalid_observation",
+                        scorer_name=scorer_name,
+                        trajectory_id=trajectory_id,
                     )
         for scorer_name, table in pending.items():
             self._schemas.setdefault(scorer_name, {}).update(table)
@@ -984,9 +1075,7 @@ class PRMRunner:
         except BaseException:
             self._close_done = True
             if remaining:
-                log.warning(
-                    "PRMRunner.aclose() interrupted; scorers left unclosed: %s", [s.name for s in remaining]
-                )
+                log.warning("PRMRunner.aclose() interrupted; scorers left unclosed: %s", [s.name for s in remaining])
             future.cancel()
             raise
         self._close_done = True

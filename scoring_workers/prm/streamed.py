@@ -54,13 +54,25 @@ class StreamedResult(msgspec.Struct, frozen=True, kw_only=True):
     def of(cls, scorer: int, name: str, interaction_id: str, key: bytes, result: PRMScorerResult) -> StreamedResult:
         reward = result.reward
         if isinstance(reward, numbers.Real):  # as the runner reads it: float(reward)
-            return cls(scorer=scorer, name=name, interaction_id=interaction_id, key=key, scalar=float(reward),
-                       observations=tuple(result.observations))
+            return cls(
+                scorer=scorer,
+                name=name,
+                interaction_id=interaction_id,
+                key=key,
+                scalar=float(reward),
+                observations=tuple(result.observations),
+            )
         if hasattr(reward, "detach"):  # torch.Tensor, without importing torch
             reward = reward.detach().cpu().numpy()
         dense = np.ascontiguousarray(np.asarray(reward), dtype="<f4")
-        return cls(scorer=scorer, name=name, interaction_id=interaction_id, key=key, dense=dense.tobytes(),
-                   observations=tuple(result.observations))
+        return cls(
+            scorer=scorer,
+            name=name,
+            interaction_id=interaction_id,
+            key=key,
+            dense=dense.tobytes(),
+            observations=tuple(result.observations),
+        )
 
     def result(self) -> PRMScorerResult:
         """The result as the runner reads it."""

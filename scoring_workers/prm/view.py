@@ -53,7 +53,14 @@ class InteractionView:
     """One turn as a scorer sees it (read-only; attribute assignment raises)."""
 
     __slots__ = (
-        "interaction_id", "parent", "parent_id", "reward", "model_response", "token_rewards", "_source", "_cache"
+        "interaction_id",
+        "parent",
+        "parent_id",
+        "reward",
+        "model_response",
+        "token_rewards",
+        "_source",
+        "_cache",
     )
 
     interaction_id: str

@@ -168,10 +168,17 @@ def locate_next_state(
     # The same objects first: a session's turns share their history's message objects (an
     # expanded compact session, frozen once per run), which makes checking a long
     # session's every turn one C-level pointer comparison per message.
-    if n <= len(conv) and (all(map(operator.is_, conv[:n], turn_messages)) or all(
-        conv[i] is turn_messages[i] or _same_message(conv[i], turn_messages[i], strict_assistant=False)
-        for i in range(n)
-    )) and _output_matches(out, conv, n):
+    if (
+        n <= len(conv)
+        and (
+            all(map(operator.is_, conv[:n], turn_messages))
+            or all(
+                conv[i] is turn_messages[i] or _same_message(conv[i], turn_messages[i], strict_assistant=False)
+                for i in range(n)
+            )
+        )
+        and _output_matches(out, conv, n)
+    ):
         start = n
     elif out:
         first_text = message_text(out[0])

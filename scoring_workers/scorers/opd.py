@@ -90,8 +90,9 @@ class MissingLogprobsError(ScoringError, ValueError):
     """The turn has no ``model_response.output_logprobs``: OPD needs the rollout's log-probs."""
 
 
-def hf_chat_tokenizer(name_or_path: str, *, trust_remote_code: bool = False
-                      ) -> Callable[[Sequence[Mapping[str, Any]]], list[int]]:
+def hf_chat_tokenizer(
+    name_or_path: str, *, trust_remote_code: bool = False
+) -> Callable[[Sequence[Mapping[str, Any]]], list[int]]:
     """``messages -> prompt token ids`` with a Hugging Face tokenizer's chat template
     (``add_generation_prompt=True``). Loaded on first use; needs ``transformers``.
 
@@ -151,8 +152,9 @@ class OPDTeacherScorer(JudgeScorerBase):
         if not isinstance(tokenize_path, str) or not tokenize_path.startswith("/"):
             raise ValueError(f"scorer {self.name!r}: tokenize_path must start with '/', got {tokenize_path!r}")
         if isinstance(tokenizer, str) and tokenizer.startswith("hf:"):
-            tokenize_fn: Callable[..., Any] | None = hf_chat_tokenizer(tokenizer[3:],
-                                                                       trust_remote_code=trust_remote_code)
+            tokenize_fn: Callable[..., Any] | None = hf_chat_tokenizer(
+                tokenizer[3:], trust_remote_code=trust_remote_code
+            )
         elif tokenizer == "remote":
             tokenize_fn = None
         else:
@@ -178,7 +180,8 @@ class OPDTeacherScorer(JudgeScorerBase):
             data = await self.teacher.post_json(
                 self.tokenize_path,
                 {"model": self.endpoint.model, "messages": messages, "add_generation_prompt": True},
-                deadline=deadline, affinity=affinity,
+                deadline=deadline,
+                affinity=affinity,
             )
             ids = data.get("tokens") if isinstance(data, Mapping) else None
             if ids is None:
@@ -191,14 +194,20 @@ class OPDTeacherScorer(JudgeScorerBase):
         return ids
 
     async def _teacher_logprobs(
-        self, messages: list[dict[str, Any]], output_tokens: np.ndarray, deadline: float | None,
+        self,
+        messages: list[dict[str, Any]],
+        output_tokens: np.ndarray,
+        deadline: float | None,
         affinity: str | None = None,
     ) -> np.ndarray:
         prompt = await self._prompt_ids(messages, deadline, affinity)
         n = int(output_tokens.shape[0])
         rows = await sglang_input_logprobs(
-            self.teacher, [*prompt, *output_tokens.tolist()],
-            logprob_start_len=max(0, len(prompt) - 1), deadline=deadline, affinity=affinity,
+            self.teacher,
+            [*prompt, *output_tokens.tolist()],
+            logprob_start_len=max(0, len(prompt) - 1),
+            deadline=deadline,
+            affinity=affinity,
         )
         if len(rows) < n:
             raise JudgeRequestError(
@@ -231,8 +240,17 @@ class OPDTeacherScorer(JudgeScorerBase):
         self.counters["turns"] += 1
         if state is None:
             self.counters["no_next_state"] += 1
-            return _result(iid, n, _zeros(n), has_next=False, accepted=False, failed=False, judge_calls=0,
-                           teacher_calls=0, audit={"hint": "", "votes": ""})
+            return _result(
+                iid,
+                n,
+                _zeros(n),
+                has_next=False,
+                accepted=False,
+                failed=False,
+                judge_calls=0,
+                teacher_calls=0,
+                audit={"hint": "", "votes": ""},
+            )
         messages = build_hint_judge_messages(self.response_text(interaction), state.text, state.role)
         deadline = self._deadline()
         session = _session_key(ctx)
@@ -245,14 +263,32 @@ class OPDTeacherScorer(JudgeScorerBase):
             await self._emit_audit(interaction, ctx, audit)
             if self.judging.on_all_votes_failed == "reject":
                 raise self._failed(interaction, "hint-judge votes", votes)
-            return _result(iid, n, _zeros(n), has_next=True, accepted=False, failed=True, judge_calls=len(votes),
-                           teacher_calls=0, audit=audit)
+            return _result(
+                iid,
+                n,
+                _zeros(n),
+                has_next=True,
+                accepted=False,
+                failed=True,
+                judge_calls=len(votes),
+                teacher_calls=0,
+                audit=audit,
+            )
         hint = select_best_hint([(v.score, h) for v, h in judged])
         if hint is None:
             audit = {"hint": "", "votes": labels}
             await self._emit_audit(interaction, ctx, audit)
-            return _result(iid, n, _zeros(n), has_next=True, accepted=False, failed=False, judge_calls=len(votes),
-                           teacher_calls=0, audit=audit)
+            return _result(
+                iid,
+                n,
+                _zeros(n),
+                has_next=True,
+                accepted=False,
+                failed=False,
+                judge_calls=len(votes),
+                teacher_calls=0,
+                audit=audit,
+            )
         audit = {"hint": hint, "votes": labels}
         chosen = next(i for i, (v, h) in enumerate(judged) if v.score == 1 and h.strip() == hint)
         audit[f"vote_{chosen}"] = votes[chosen].text or ""
@@ -278,8 +314,14 @@ class OPDTeacherScorer(JudgeScorerBase):
         return Vote(score, text, None), hint
 
     async def _taught(
-        self, interaction: Any, ctx: dict[str, Any], hint: str, audit: dict[str, str], judge_calls: int,
-        deadline: float | None, session: str | None,
+        self,
+        interaction: Any,
+        ctx: dict[str, Any],
+        hint: str,
+        audit: dict[str, str],
+        judge_calls: int,
+        deadline: float | None,
+        session: str | None,
     ) -> JudgeScorerResult:
         """Steps 2-3 once a hint is accepted: the teacher's log-probs of the rollout's own
         output tokens under the hinted prompt, minus the rollout's. A teacher or
@@ -290,7 +332,9 @@ class OPDTeacherScorer(JudgeScorerBase):
         try:
             teacher_lp = await self._teacher_logprobs(
                 normalize_template_messages(append_hint_to_messages(interaction.messages, hint)),
-                response.output_tokens, deadline, session
+                response.output_tokens,
+                deadline,
+                session,
             )
         except JudgeRequestError as exc:
             self.counters["judge_failed"] += 1
@@ -301,14 +345,35 @@ class OPDTeacherScorer(JudgeScorerBase):
                 raise JudgeFailedError(
                     f"scorer {self.name!r}: teacher log-probs for interaction {iid!r} failed after an accepted "
                     f"hint: {exc.kind}: {exc}",
-                    interaction_id=iid, calls=judge_calls + 1, errors=1, last_error=str(exc),
+                    interaction_id=iid,
+                    calls=judge_calls + 1,
+                    errors=1,
+                    last_error=str(exc),
                 ) from exc
-            return _result(iid, n, _zeros(n), has_next=True, accepted=True, failed=True, judge_calls=judge_calls,
-                           teacher_calls=1, audit=audit)
+            return _result(
+                iid,
+                n,
+                _zeros(n),
+                has_next=True,
+                accepted=True,
+                failed=True,
+                judge_calls=judge_calls,
+                teacher_calls=1,
+                audit=audit,
+            )
         await self._emit_audit(interaction, ctx, audit)
         reward = torch.from_numpy(teacher_lp - np.asarray(response.output_logprobs, dtype=np.float32))
-        return _result(iid, n, reward, has_next=True, accepted=True, failed=False, judge_calls=judge_calls,
-                       teacher_calls=1, audit=audit)
+        return _result(
+            iid,
+            n,
+            reward,
+            has_next=True,
+            accepted=True,
+            failed=False,
+            judge_calls=judge_calls,
+            teacher_calls=1,
+            audit=audit,
+        )
 
 
 def _zeros(n: int) -> torch.Tensor:
@@ -316,14 +381,26 @@ def _zeros(n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.float32)
 
 
-def _result(iid: str, n: int, reward: torch.Tensor, *, has_next: bool, accepted: bool, failed: bool,
-            judge_calls: int, teacher_calls: int, audit: dict[str, str]) -> JudgeScorerResult:
+def _result(
+    iid: str,
+    n: int,
+    reward: torch.Tensor,
+    *,
+    has_next: bool,
+    accepted: bool,
+    failed: bool,
+    judge_calls: int,
+    teacher_calls: int,
+    audit: dict[str, str],
+) -> JudgeScorerResult:
     """Turn ``iid``'s result with its observations (the class docstring's);
     ``opd_signal_mean`` only for a real signal: an accepted hint, a teacher that
     answered, ``n`` > 0 output tokens."""
     observations = [
-        _obs(iid, "has_next_state", has_next), _obs(iid, "hint_accepted", accepted),
-        _obs(iid, "judge_failed", failed), _obs(iid, "judge_calls", judge_calls),
+        _obs(iid, "has_next_state", has_next),
+        _obs(iid, "hint_accepted", accepted),
+        _obs(iid, "judge_failed", failed),
+        _obs(iid, "judge_calls", judge_calls),
         _obs(iid, "teacher_calls", teacher_calls),
     ]
     if accepted and not failed and n:

@@ -146,7 +146,8 @@ def _pick(settings: type[Settings], given: Mapping[str, Any]) -> dict[str, Any]:
 _CODE_ONLY = frozenset({"api_key", "trust_env", "retry_on_timeout"})
 _SETTINGS: tuple[type[Settings], ...] = (JudgingSettings, ModelSettings, *ClientSettings.parts())
 FLAT_SETTINGS: dict[str, type[Settings]] = {
-    name: struct for struct in _SETTINGS for name in struct.__struct_fields__ if name not in _CODE_ONLY}
+    name: struct for struct in _SETTINGS for name in struct.__struct_fields__ if name not in _CODE_ONLY
+}
 """Each flat keyword argument of a judge scorer (a YAML entry's ``kwargs``) and the settings
 struct it belongs to; its default is that struct's."""
 
@@ -181,12 +182,20 @@ class JudgeScorerResult(PRMScorerResult):
 def _obs(interaction_id: str, metric: str, value: bool | float) -> PRMMetricObservation:
     if isinstance(value, bool):
         return PRMMetricObservation(
-            metric_id=metric, scope="turn", target_id=interaction_id, value=value,
-            value_type="boolean", aggregations=_BOOL,
+            metric_id=metric,
+            scope="turn",
+            target_id=interaction_id,
+            value=value,
+            value_type="boolean",
+            aggregations=_BOOL,
         )
     return PRMMetricObservation(
-        metric_id=metric, scope="turn", target_id=interaction_id, value=float(value),
-        value_type="float", aggregations=_FLOAT_SUM,
+        metric_id=metric,
+        scope="turn",
+        target_id=interaction_id,
+        value=float(value),
+        value_type="float",
+        aggregations=_FLOAT_SUM,
     )
 
 
@@ -271,8 +280,9 @@ class JudgeScorerBase(BaseScorer):
         unknown = sorted(set(settings) - set(FLAT_SETTINGS))
         if unknown:
             match = did_you_mean(unknown[0], FLAT_SETTINGS)
-            raise ScorerArgumentError(f"{where}: unexpected keyword argument `{unknown[0]}`"
-                                      + (f"; did you mean `{match}`?" if match else ""))
+            raise ScorerArgumentError(
+                f"{where}: unexpected keyword argument `{unknown[0]}`" + (f"; did you mean `{match}`?" if match else "")
+            )
         urls = _judge_urls(self.name, "base_url", base_url, base_urls, required=True)
         self.judging = from_values(JudgingSettings, _pick(JudgingSettings, settings), where)
         if policy_tokenizer is not None and not isinstance(policy_tokenizer, str):
@@ -283,7 +293,8 @@ class JudgeScorerBase(BaseScorer):
         """Process-lifetime counters (turns, judge_calls, judge_calls_saved, judge_failed,
         no_next_state, rejected) — handy for a Prometheus exporter."""
         self.client_settings = ClientSettings.from_flat(
-            {k: v for k, v in settings.items() if k in ClientSettings.flat_fields()}, where)
+            {k: v for k, v in settings.items() if k in ClientSettings.flat_fields()}, where
+        )
         """How this scorer's judge clients are configured (the judge's and the teacher's)."""
         model_settings = from_values(ModelSettings, _pick(ModelSettings, settings), where)
         template = None if chat_template is None else resolve_callable(chat_template, "chat_template")
@@ -370,8 +381,7 @@ class JudgeScorerBase(BaseScorer):
         conversation = ctx.get("messages")
         if conversation is None:
             raise ValueError(
-                "ctx['messages'] is missing: judge scorers need the branch's full conversation "
-                "(PRMRunner provides it)"
+                "ctx['messages'] is missing: judge scorers need the branch's full conversation (PRMRunner provides it)"
             )
         return conversation
 
@@ -394,7 +404,10 @@ class JudgeScorerBase(BaseScorer):
             f"scorer {self.name!r}: all {len(votes)} {what} for interaction {interaction.interaction_id!r} "
             f"failed ({errors} request errors, {invalid} answers without a valid score)"
             + (f"; last error: {last}" if last else ""),
-            interaction_id=interaction.interaction_id, calls=len(votes), errors=errors, invalid=invalid,
+            interaction_id=interaction.interaction_id,
+            calls=len(votes),
+            errors=errors,
+            invalid=invalid,
             last_error=last,
         )
 
@@ -415,6 +428,7 @@ class JudgeScorerBase(BaseScorer):
                 await outcome
         except Exception:
             log.exception("audit sink of scorer %r failed", self.name)
+
 
 class OpenClawJudgeScorer(JudgeScorerBase):
     """OpenClaw-RL's PRM judge: ``m``-vote majority of ``\\boxed{1/0/-1}`` per turn.
@@ -463,9 +477,12 @@ class OpenClawJudgeScorer(JudgeScorerBase):
             return JudgeScorerResult(
                 0.0,
                 (
-                    _obs(iid, "has_next_state", False), _obs(iid, "output_located", located),
-                    _obs(iid, "judge_failed", False), _obs(iid, "judge_calls", 0.0),
-                    _obs(iid, "judge_calls_saved", 0.0), _obs(iid, "judge_call_errors", 0.0),
+                    _obs(iid, "has_next_state", False),
+                    _obs(iid, "output_located", located),
+                    _obs(iid, "judge_failed", False),
+                    _obs(iid, "judge_calls", 0.0),
+                    _obs(iid, "judge_calls_saved", 0.0),
+                    _obs(iid, "judge_call_errors", 0.0),
                     _obs(iid, "judge_votes_invalid", 0.0),
                 ),
                 audit={"score": "0.0", "votes": "", "next_state_role": ""},
@@ -491,9 +508,12 @@ class OpenClawJudgeScorer(JudgeScorerBase):
         return JudgeScorerResult(
             result.score,
             (
-                _obs(iid, "has_next_state", True), _obs(iid, "output_located", True),
-                _obs(iid, "judge_failed", failed), _obs(iid, "judge_calls", result.calls),
-                _obs(iid, "judge_calls_saved", result.saved), _obs(iid, "judge_call_errors", result.errors),
+                _obs(iid, "has_next_state", True),
+                _obs(iid, "output_located", True),
+                _obs(iid, "judge_failed", failed),
+                _obs(iid, "judge_calls", result.calls),
+                _obs(iid, "judge_calls_saved", result.saved),
+                _obs(iid, "judge_call_errors", result.errors),
                 _obs(iid, "judge_votes_invalid", result.invalid),
             ),
             audit=audit,

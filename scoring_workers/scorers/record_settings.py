@@ -4,7 +4,8 @@
 Record-settable: arguments that only tune scoring — sampling, votes, budgets, timeouts,
 retries, pool routing — each typed and bounded here (durations at least
 :data:`MIN_RECORD_SECONDS`, rates at least :data:`MIN_RECORD_RPS`; a record's limits and
-breaker settings bound only its own experiment's calls, :mod:`scoring_workers.judge.limits`), and judge URLs, which the worker
+breaker settings bound only its own experiment's calls, :mod:`scoring_workers.judge.limits`), and judge URLs, which
+the worker
 still holds to its judge host allow-list. The bounds here are a record's, tighter than
 what the operator's own file may set (the judge's settings structs,
 :mod:`scoring_workers.judge.settings`, and the scorers' :class:`~scoring_workers.scorers.
@@ -27,8 +28,17 @@ from scoring_workers.judge.settings import JudgeApi
 from scoring_workers.prm.capabilities import RecordSettings
 from scoring_workers.scorers.conversation import NextStateRule
 
-__all__ = ["JUDGE_OPERATOR_ONLY", "MIN_RECORD_RPS", "MIN_RECORD_SECONDS", "OPD_OPERATOR_ONLY", "FailurePolicy",
-           "JudgeRecordSettings", "LengthBudgetRecordSettings", "OPDRecordSettings", "OpenClawRecordSettings"]
+__all__ = [
+    "JUDGE_OPERATOR_ONLY",
+    "MIN_RECORD_RPS",
+    "MIN_RECORD_SECONDS",
+    "OPD_OPERATOR_ONLY",
+    "FailurePolicy",
+    "JudgeRecordSettings",
+    "LengthBudgetRecordSettings",
+    "OPDRecordSettings",
+    "OpenClawRecordSettings",
+]
 
 FailurePolicy = Literal["reject", "neutral"]
 """What a judge scorer's turn gives when every vote failed (``on_all_votes_failed``)."""
@@ -43,8 +53,9 @@ _Url = Annotated[str, Meta(min_length=1, max_length=2048)]
 _Urls = Annotated[list[_Url], Meta(min_length=1, max_length=64)]
 # A record may ask for a judge timeout of at most an hour, tighter than infra.types.Seconds:
 # a record is untrusted, and one slow experiment must not hold a worker's slots for a day.
-_RecordSeconds = Annotated[float, Meta(ge=MIN_RECORD_SECONDS, le=3600,
-                                       description="a duration in seconds, at least 0.1, at most an hour")]
+_RecordSeconds = Annotated[
+    float, Meta(ge=MIN_RECORD_SECONDS, le=3600, description="a duration in seconds, at least 0.1, at most an hour")
+]
 _Rate = Annotated[float, Meta(ge=MIN_RECORD_RPS, le=100_000)]
 _Count = Annotated[int, Meta(ge=1, le=100_000)]
 
@@ -94,18 +105,22 @@ class OPDRecordSettings(JudgeRecordSettings, frozen=True):
     teacher_base_urls: _Urls | UnsetType = UNSET
 
 
-JUDGE_OPERATOR_ONLY: Final[Mapping[str, str]] = MappingProxyType({
-    "api_key_env": "reads a variable of the worker's environment and sends it to the judge",
-    "api_key_file": "reads a file on the worker and sends it to the judge",
-    "headers": "sets request headers (credentials, routing) on every judge call",
-    "chat_template": "imports and runs a callable (module:callable)",
-    "audit_sink": "imports and runs a callable (module:callable)",
-    "policy_tokenizer": "reads a tokenizer file on the worker",
-})
+JUDGE_OPERATOR_ONLY: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "api_key_env": "reads a variable of the worker's environment and sends it to the judge",
+        "api_key_file": "reads a file on the worker and sends it to the judge",
+        "headers": "sets request headers (credentials, routing) on every judge call",
+        "chat_template": "imports and runs a callable (module:callable)",
+        "audit_sink": "imports and runs a callable (module:callable)",
+        "policy_tokenizer": "reads a tokenizer file on the worker",
+    }
+)
 
-OPD_OPERATOR_ONLY: Final[Mapping[str, str]] = MappingProxyType({
-    **JUDGE_OPERATOR_ONLY,
-    "tokenizer": "loads code: an hf: tokenizer (downloads and reads files) or a module:callable",
-    "trust_remote_code": "lets a Hugging Face tokenizer run the Python code its files name",
-    "tokenize_path": "chooses the URL path the teacher's tokenize requests go to",
-})
+OPD_OPERATOR_ONLY: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        **JUDGE_OPERATOR_ONLY,
+        "tokenizer": "loads code: an hf: tokenizer (downloads and reads files) or a module:callable",
+        "trust_remote_code": "lets a Hugging Face tokenizer run the Python code its files name",
+        "tokenize_path": "chooses the URL path the teacher's tokenize requests go to",
+    }
+)

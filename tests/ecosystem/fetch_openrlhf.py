@@ -23,9 +23,25 @@ MEMBER = "openrlhf/utils/agent.py"
 
 def fetch(version: str, out: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                        "--python-version", "3.11", "--platform", "manylinux1_x86_64",
-                        f"openrlhf=={version}", "-d", tmp], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.11",
+                "--platform",
+                "manylinux1_x86_64",
+                f"openrlhf=={version}",
+                "-d",
+                tmp,
+            ],
+            check=True,
+        )
         (wheel,) = Path(tmp).glob(f"openrlhf-{version}-*.whl")
         with zipfile.ZipFile(wheel) as zf:
             names = [n for n in zf.namelist() if n.endswith(MEMBER)]

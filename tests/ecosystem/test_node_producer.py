@@ -38,14 +38,21 @@ VECTORS = ROOT / "tests" / "vectors"
 def node() -> str:
     exe = shutil.which("node")
     assert exe, "node (v18+) is needed on PATH for the Node producer test"
-    assert (PRODUCER / "node_modules" / "kafkajs").is_dir(), \
+    assert (PRODUCER / "node_modules" / "kafkajs").is_dir(), (
         f"run `npm ci` in {PRODUCER} first (make test-ecosystem does)"
+    )
     return exe
 
 
 async def run_node(node: str, *args: str) -> str:
-    proc = await asyncio.create_subprocess_exec(node, str(PRODUCER / "produce.js"), *args, cwd=PRODUCER,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        node,
+        str(PRODUCER / "produce.js"),
+        *args,
+        cwd=PRODUCER,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, f"produce.js failed ({proc.returncode}): {err.decode()}"
     return out.decode()
@@ -53,9 +60,15 @@ async def run_node(node: str, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
-    return isolated_config(f"node-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, scorer_timeout_s=5,
-                           group_timeout_s=30, allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"],
-                           scorers=[PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer")])
+    return isolated_config(
+        f"node-{uuid.uuid4().hex[:8]}",
+        kafka_bootstrap,
+        redis_url,
+        scorer_timeout_s=5,
+        group_timeout_s=30,
+        allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"],
+        scorers=[PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer")],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +89,29 @@ async def test_node_encoding_decodes_to_the_golden_vector(node: str, tmp_path: P
     interactions = []
     for it in twin["interactions"]:
         mr = it["model_response"]
-        interactions.append({
-            "interaction_id": it["interaction_id"], "messages": it["messages"],
-            "output_message_list": it["output_message_list"], "stop_reason": mr["stop_reason"],
-            **{k: mr[k]["values"] for k in ("input_tokens", "output_tokens", "output_logprobs")},
-        })
-    group = {"group_id": twin["group_id"], "group_size": twin["group_size"], "sessions": [{
-        "trajectory_id": twin["trajectory_id"], "session_id": twin["session_id"],
-        "outcome_reward": twin["outcome_reward"], "policy_version": twin["policy_version"],
-        "created_at": twin["created_at"], "interactions": interactions}]}
+        interactions.append(
+            {
+                "interaction_id": it["interaction_id"],
+                "messages": it["messages"],
+                "output_message_list": it["output_message_list"],
+                "stop_reason": mr["stop_reason"],
+                **{k: mr[k]["values"] for k in ("input_tokens", "output_tokens", "output_logprobs")},
+            }
+        )
+    group = {
+        "group_id": twin["group_id"],
+        "group_size": twin["group_size"],
+        "sessions": [
+            {
+                "trajectory_id": twin["trajectory_id"],
+                "session_id": twin["session_id"],
+                "outcome_reward": twin["outcome_reward"],
+                "policy_version": twin["policy_version"],
+                "created_at": twin["created_at"],
+                "interactions": interactions,
+            }
+        ],
+    }
     (line,) = (await run_node(node, "--dry-run", _description(tmp_path, group))).splitlines()
     record = json.loads(line)
     headers = [(k, v.encode()) for k, v in record["headers"].items()]
@@ -98,16 +125,32 @@ def _node_description(traj) -> dict:
     interactions = []
     for it in traj.interactions:
         mr = it.model_response
-        entry = {"interaction_id": it.interaction_id, "messages": it.messages,
-                 "output_message_list": it.output_message_list, "stop_reason": mr.stop_reason,
-                 "input_tokens": mr.input_tokens.tolist(), "output_tokens": mr.output_tokens.tolist(),
-                 "output_logprobs": mr.output_logprobs.tolist()}
+        entry = {
+            "interaction_id": it.interaction_id,
+            "messages": it.messages,
+            "output_message_list": it.output_message_list,
+            "stop_reason": mr.stop_reason,
+            "input_tokens": mr.input_tokens.tolist(),
+            "output_tokens": mr.output_tokens.tolist(),
+            "output_logprobs": mr.output_logprobs.tolist(),
+        }
         if it.parent_id is not None:
             entry["parent_id"] = it.parent_id
         interactions.append(entry)
-    return {"group_id": traj.group_id, "group_size": traj.group_size, "sessions": [{
-        "trajectory_id": traj.trajectory_id, "session_id": traj.session_id, "outcome_reward": traj.outcome_reward,
-        "policy_version": traj.policy_version, "created_at": traj.created_at, "interactions": interactions}]}
+    return {
+        "group_id": traj.group_id,
+        "group_size": traj.group_size,
+        "sessions": [
+            {
+                "trajectory_id": traj.trajectory_id,
+                "session_id": traj.session_id,
+                "outcome_reward": traj.outcome_reward,
+                "policy_version": traj.policy_version,
+                "created_at": traj.created_at,
+                "interactions": interactions,
+            }
+        ],
+    }
 
 
 def _records(out: str) -> list[tuple[bytes, list[tuple[str, bytes]]]]:
@@ -126,8 +169,9 @@ async def test_node_sends_the_compact_form_of_the_golden_vector(node: str, tmp_p
     assert dict(headers)["prm-schema-version"] == b"2"
     golden_twin = json.loads((VECTORS / "ready_compact.json").read_text())["value"]
     raw = msgspec.msgpack.decode(value)
-    assert [(i.get("shared_messages", 0), i.get("shared_tokens", 0)) for i in raw["interactions"]] == \
-        [(i.get("shared_messages", 0), i.get("shared_tokens", 0)) for i in golden_twin["interactions"]]
+    assert [(i.get("shared_messages", 0), i.get("shared_tokens", 0)) for i in raw["interactions"]] == [
+        (i.get("shared_messages", 0), i.get("shared_tokens", 0)) for i in golden_twin["interactions"]
+    ]
     assert decode_message(value, headers) == full
 
 
@@ -135,10 +179,19 @@ async def test_node_chunks_a_session_over_the_record_limit(node: str, tmp_path: 
     from infra.chunks import ChunkAssembler, reassembled
     from prm_pipeline.demo.synthetic import make_agent_session
 
-    full = make_agent_session(trajectory_id="node-long/t0", session_id="node-long/s0", group_id="node-long",
-                              turns=12, context_tokens=6_000, output_tokens=50)
-    records = _records(await run_node(node, "--dry-run", "--max-message-bytes", "8192",
-                                      _description(tmp_path, _node_description(full))))
+    full = make_agent_session(
+        trajectory_id="node-long/t0",
+        session_id="node-long/s0",
+        group_id="node-long",
+        turns=12,
+        context_tokens=6_000,
+        output_tokens=50,
+    )
+    records = _records(
+        await run_node(
+            node, "--dry-run", "--max-message-bytes", "8192", _description(tmp_path, _node_description(full))
+        )
+    )
     assert len(records) > 2 and all(len(v) <= 8192 for v, _ in records)
     assembler: ChunkAssembler[int] = ChunkAssembler()
     done = []
@@ -149,15 +202,24 @@ async def test_node_chunks_a_session_over_the_record_limit(node: str, tmp_path: 
     assert reassembled(whole) == full
 
 
-async def test_node_group_is_accepted_with_expected_rewards(node: str, cfg: PipelineConfig, workers,
-                                                            tmp_path: Path) -> None:
+async def test_node_group_is_accepted_with_expected_rewards(
+    node: str, cfg: PipelineConfig, workers, tmp_path: Path
+) -> None:
     group = json.loads((PRODUCER / "example-group.json").read_text())
     gid = f"node-{uuid.uuid4().hex[:6]}"
     group["group_id"] = gid
     for i, session in enumerate(group["sessions"]):
         session["trajectory_id"] = f"{gid}/t{i}"
-    out = await run_node(node, "--bootstrap", cfg.kafka.bootstrap, "--topic", cfg.topics.trajectories,
-                         "--compression", "gzip", _description(tmp_path, group))
+    out = await run_node(
+        node,
+        "--bootstrap",
+        cfg.kafka.bootstrap,
+        "--topic",
+        cfg.topics.trajectories,
+        "--compression",
+        "gzip",
+        _description(tmp_path, group),
+    )
     assert json.loads(out) == {"published": 2, "group_id": gid, "topic": cfg.topics.trajectories}
 
     (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid]) if v.group_id == gid]
@@ -174,14 +236,24 @@ async def test_node_group_is_accepted_with_expected_rewards(node: str, cfg: Pipe
     assert np.frombuffer(two_turns.turns[1].prompt_delta_raw, "<i4").tolist() == [44]
 
 
-async def test_wrong_record_from_node_lands_in_dead_letters(node: str, cfg: PipelineConfig, workers,
-                                                            tmp_path: Path) -> None:
+async def test_wrong_record_from_node_lands_in_dead_letters(
+    node: str, cfg: PipelineConfig, workers, tmp_path: Path
+) -> None:
     gid = f"node-bad-{uuid.uuid4().hex[:6]}"
-    group = {"group_id": gid, "sessions": [{
-        "trajectory_id": f"{gid}/t0", "outcome_reward": 1, "wire_mistake": "tokens_as_array",
-        "interactions": [{"interaction_id": "i0", "input_tokens": [1, 2], "output_tokens": [3, 4]}]}]}
-    await run_node(node, "--bootstrap", cfg.kafka.bootstrap, "--topic", cfg.topics.trajectories,
-                   _description(tmp_path, group))
+    group = {
+        "group_id": gid,
+        "sessions": [
+            {
+                "trajectory_id": f"{gid}/t0",
+                "outcome_reward": 1,
+                "wire_mistake": "tokens_as_array",
+                "interactions": [{"interaction_id": "i0", "input_tokens": [1, 2], "output_tokens": [3, 4]}],
+            }
+        ],
+    }
+    await run_node(
+        node, "--bootstrap", cfg.kafka.bootstrap, "--topic", cfg.topics.trajectories, _description(tmp_path, group)
+    )
 
     def found(records: list) -> bool:
         return any(r.key == gid.encode() for r in records)

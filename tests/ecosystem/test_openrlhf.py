@@ -57,8 +57,10 @@ def parity_mean(text: str) -> float:
 
 @pytest.fixture(scope="module")
 def agent() -> ModuleType:
-    assert AGENT_PY.is_file(), (f"{AGENT_PY} is missing: `make test-ecosystem` fetches it from the openrlhf "
-                                "wheel (tests/ecosystem/fetch_openrlhf.py), or set OPENRLHF_AGENT_PY")
+    assert AGENT_PY.is_file(), (
+        f"{AGENT_PY} is missing: `make test-ecosystem` fetches it from the openrlhf "
+        "wheel (tests/ecosystem/fetch_openrlhf.py), or set OPENRLHF_AGENT_PY"
+    )
     stub = SimpleNamespace(init_logger=logging.getLogger)
     saved = sys.modules.get("openrlhf.utils.logging_utils")
     sys.modules["openrlhf.utils.logging_utils"] = stub  # type: ignore[assignment]
@@ -94,16 +96,30 @@ class ScriptedEngine:
     async def generate(self, prompt_token_ids, params, multi_modal_data=None):
         text = self.responses[bytes(prompt_token_ids).decode()]
         ids = list(text.encode())[: params.max_tokens]
-        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, text=bytes(ids).decode(), logprobs=None,
-                                                        finish_reason="length" if len(ids) < len(text) else "stop")])
+        return SimpleNamespace(
+            outputs=[
+                SimpleNamespace(
+                    token_ids=ids,
+                    text=bytes(ids).decode(),
+                    logprobs=None,
+                    finish_reason="length" if len(ids) < len(text) else "stop",
+                )
+            ]
+        )
 
 
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
-    cfg = isolated_config(f"openrlhf-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url,
-                          allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"],
-                          scorers=[PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer"),
-                                   PRMScorerConfig("tests.scorers.FailOnMarkerScorer", kwargs={"marker": "FAIL"})])
+    cfg = isolated_config(
+        f"openrlhf-{uuid.uuid4().hex[:8]}",
+        kafka_bootstrap,
+        redis_url,
+        allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"],
+        scorers=[
+            PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer"),
+            PRMScorerConfig("tests.scorers.FailOnMarkerScorer", kwargs={"marker": "FAIL"}),
+        ],
+    )
     return msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, verdict_timeout_s=60.0))
 
 
@@ -114,7 +130,7 @@ async def workers(cfg: PipelineConfig, tmp_path_factory: pytest.TempPathFactory)
 
 
 PROMPTS = {  # prompt -> the engine's response
-    "Q: 2+2? A:": " 4",        # 32, 52: both even
+    "Q: 2+2? A:": " 4",  # 32, 52: both even
     "Q: name a letter. A:": " a",  # 32 even, 97 odd
     "Q: count. A:": " 1 2 3",
     "Q: please FAIL. A:": " ok",  # the FailOnMarker scorer raises: a rejected group
@@ -127,16 +143,20 @@ async def test_openrlhf_single_turn_executor_gets_process_rewards_from_two_gatew
         executor = agent.SingleTurnAgentExecutor(f"{url_a}/openrlhf,{url_b}/openrlhf".split(","))
         params = SimpleNamespace(max_tokens=None, logprobs=None)
         prompts = [p for p in PROMPTS for _ in range(2)]  # every prompt twice, all at once
-        outputs = await asyncio.gather(*(executor.execute(p, f"label-{i}", params, 64, tokenizer, engine)
-                                         for i, p in enumerate(prompts)))
+        outputs = await asyncio.gather(
+            *(executor.execute(p, f"label-{i}", params, 64, tokenizer, engine) for i, p in enumerate(prompts))
+        )
         hits = {}
         async with aiohttp.ClientSession() as http:
             for url in (url_a, url_b):
                 async with http.get(f"{url}/metrics") as r:
                     text = await r.text()
-                hits[url] = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                                if s.name == "prm_gateway_requests_total"
-                                and s.labels == {"route": "/openrlhf", "code": "200"})
+                hits[url] = sum(
+                    s.value
+                    for f in text_string_to_metric_families(text)
+                    for s in f.samples
+                    if s.name == "prm_gateway_requests_total" and s.labels == {"route": "/openrlhf", "code": "200"}
+                )
 
     for prompt, out in zip(prompts, outputs):
         response = PROMPTS[prompt]
@@ -146,8 +166,11 @@ async def test_openrlhf_single_turn_executor_gets_process_rewards_from_two_gatew
             continue
         expected = parity_mean(response)
         assert out["reward"] == [pytest.approx(expected)] and out["scores"] == out["reward"], (prompt, out)
-        assert out["extra_logs"] == {"prm_outcome": [0.0], "prm_process": [pytest.approx(expected)],
-                                     "prm_accepted": [1.0]}
+        assert out["extra_logs"] == {
+            "prm_outcome": [0.0],
+            "prm_process": [pytest.approx(expected)],
+            "prm_accepted": [1.0],
+        }
         assert out["observation_tokens"] == list((prompt + response).encode()) and not out["truncated"]
     assert hits == {url_a: 4.0, url_b: 4.0}, hits  # OpenRLHF rotates its endpoints call by call
 
@@ -160,8 +183,9 @@ async def test_openrlhf_loads_our_reward_func_file(agent, cfg, workers, tmp_path
     assert executor.reward_func is not None and executor.reward_func.__module__ == "reward_func"
     try:
         params = SimpleNamespace(max_tokens=None, logprobs=None)
-        outputs = await asyncio.gather(*(executor.execute(p, "", params, 64, ByteTokenizer(), ScriptedEngine(PROMPTS))
-                                         for p in PROMPTS))
+        outputs = await asyncio.gather(
+            *(executor.execute(p, "", params, 64, ByteTokenizer(), ScriptedEngine(PROMPTS)) for p in PROMPTS)
+        )
     finally:
         await asyncio.to_thread(executor.reward_func.__globals__["close"])
     for prompt, out in zip(PROMPTS, outputs):

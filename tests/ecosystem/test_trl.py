@@ -58,16 +58,40 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 def model(tok: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=None, tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(WORDS),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            bos_token_id=None,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def grpo_args(tmp: Path) -> GRPOConfig:
-    return GRPOConfig(output_dir=str(tmp), use_cpu=True, per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=6, max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[],
-                      save_strategy="no", seed=0, temperature=1.0, bf16=False, dataloader_num_workers=0)
+    return GRPOConfig(
+        output_dir=str(tmp),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        temperature=1.0,
+        bf16=False,
+        dataloader_num_workers=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +121,13 @@ class RecordingReward(PRMRewardFunction):
 async def test_reward_function_trains_grpo_with_pipeline_rewards(cfg, workers, tmp_path) -> None:
     tok = tokenizer()
     reward = RecordingReward(cfg, tokenizer=tok, group_size=2, outcome=first_token_outcome, verdict_timeout_s=60)
-    trainer = GRPOTrainer(model=model(tok), reward_funcs=[reward], args=grpo_args(tmp_path),
-                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok)
+    trainer = GRPOTrainer(
+        model=model(tok),
+        reward_funcs=[reward],
+        args=grpo_args(tmp_path),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tok,
+    )
     try:
         await asyncio.to_thread(trainer.train)
     finally:
@@ -132,7 +161,7 @@ def outcome_advantages(rewards: list[float], group_size: int) -> list[float]:
     """TRL's default (``scale_rewards="group"``): (r - group mean) / (group std with Bessel + 1e-4)."""
     out = []
     for g in range(0, len(rewards), group_size):
-        group = rewards[g:g + group_size]
+        group = rewards[g : g + group_size]
         mean = sum(group) / len(group)
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1))
         out.extend((r - mean) / (std + 1e-4) for r in group)
@@ -150,9 +179,16 @@ def shaped(a: float, p: float, mode: str) -> float:
 @pytest.mark.parametrize("mode", ["additive", "gvpo"])
 async def test_subclass_trains_on_token_advantages(cfg, workers, tmp_path, mode) -> None:
     tok = tokenizer()
-    trainer = RecordingTrainer(model=model(tok), reward_funcs=[first_token_outcome], args=grpo_args(tmp_path),
-                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
-                               prm_config=cfg, shaping={"mode": mode}, verdict_timeout_s=60)
+    trainer = RecordingTrainer(
+        model=model(tok),
+        reward_funcs=[first_token_outcome],
+        args=grpo_args(tmp_path),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tok,
+        prm_config=cfg,
+        shaping={"mode": mode},
+        verdict_timeout_s=60,
+    )
     await asyncio.to_thread(trainer.train)
     assert trainer.state.global_step == 2
     assert trainer.prm_counts == {"accepted": 8}
@@ -178,8 +214,9 @@ async def test_a_late_verdict_keeps_the_outcome_and_is_counted(kafka_bootstrap, 
     cfg = isolated_config(f"trl-late-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url)
     await ensure_topics(cfg.kafka, cfg.topics)
     metrics: dict[str, float] = {}
-    reward = PRMRewardFunction(cfg, tokenizer=tokenizer(), group_size=2, outcome=first_token_outcome,
-                               verdict_timeout_s=1.0)
+    reward = PRMRewardFunction(
+        cfg, tokenizer=tokenizer(), group_size=2, outcome=first_token_outcome, verdict_timeout_s=1.0
+    )
     try:
         values = await reward(["a b", "a b"], ["", ""], [[3, 4], [4, 5]], log_metric=metrics.__setitem__)
     finally:

@@ -43,14 +43,29 @@ def two_turn_trace(task: vf.Task, answer: list[int]) -> Trace:
     """user [1 2 3] | assistant scaffold [9] + sampled [4 5] | tool [7 7] | assistant scaffold [9] + sampled ``answer``."""
     nodes = [
         MessageNode(parent=None, message=UserMessage(content="what is 2+2?"), token_ids=[1, 2, 3], mask=[False] * 3),
-        MessageNode(parent=0, message=AssistantMessage(content="let me check"), sampled=True, token_ids=[9, 4, 5],
-                    mask=[False, True, True], logprobs=[-0.1, -0.2]),
-        MessageNode(parent=1, message=ToolMessage(content="4", tool_call_id="c1"), token_ids=[7, 7], mask=[False, False]),
-        MessageNode(parent=2, message=AssistantMessage(content="the answer is 4"), sampled=True,
-                    token_ids=[9, *answer], mask=[False] + [True] * len(answer), logprobs=[-0.3] * len(answer)),
+        MessageNode(
+            parent=0,
+            message=AssistantMessage(content="let me check"),
+            sampled=True,
+            token_ids=[9, 4, 5],
+            mask=[False, True, True],
+            logprobs=[-0.1, -0.2],
+        ),
+        MessageNode(
+            parent=1, message=ToolMessage(content="4", tool_call_id="c1"), token_ids=[7, 7], mask=[False, False]
+        ),
+        MessageNode(
+            parent=2,
+            message=AssistantMessage(content="the answer is 4"),
+            sampled=True,
+            token_ids=[9, *answer],
+            mask=[False] + [True] * len(answer),
+            logprobs=[-0.3] * len(answer),
+        ),
     ]
-    return Trace(task=TraceTask(type=type(task).__name__, data=task.data), agent=AgentInfo(config=AgentConfig()),
-                 nodes=nodes)
+    return Trace(
+        task=TraceTask(type=type(task).__name__, data=task.data), agent=AgentInfo(config=AgentConfig()), nodes=nodes
+    )
 
 
 def mean_parity(ids: list[int]) -> float:

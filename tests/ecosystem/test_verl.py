@@ -69,10 +69,15 @@ def contains_ground_truth(data_source, solution_str, ground_truth, extra_info=No
 
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
-    return isolated_config(f"verl-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, scorer_timeout_s=5,
-                           group_timeout_s=GROUP_TIMEOUT_S,
-                           allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"],
-                           scorers=[PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer")])
+    return isolated_config(
+        f"verl-{uuid.uuid4().hex[:8]}",
+        kafka_bootstrap,
+        redis_url,
+        scorer_timeout_s=5,
+        group_timeout_s=GROUP_TIMEOUT_S,
+        allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"],
+        scorers=[PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer")],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +99,17 @@ def _close_driver_lookups():
 
 
 def verl_config(prm_yaml: Path, **reward_kwargs) -> object:
-    return OmegaConf.create({
-        "actor_rollout_ref": {"rollout": {"n": 2, "response_length": 6}},
-        "reward": {"reward_kwargs": {"prm_config": str(prm_yaml), **reward_kwargs},
-                   "custom_reward_function": {"path": None}, "reward_model": {"enable": False}},
-        "algorithm": {"adv_estimator": ESTIMATOR_NAME, "use_kl_in_reward": False},
-    })
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {"rollout": {"n": 2, "response_length": 6}},
+            "reward": {
+                "reward_kwargs": {"prm_config": str(prm_yaml), **reward_kwargs},
+                "custom_reward_function": {"path": None},
+                "reward_model": {"enable": False},
+            },
+            "algorithm": {"adv_estimator": ESTIMATOR_NAME, "use_kl_in_reward": False},
+        }
+    )
 
 
 def objects(values: list) -> np.ndarray:
@@ -111,26 +121,33 @@ def objects(values: list) -> np.ndarray:
 def make_batch(uids: list[str]) -> DataProto:
     """Prompt width 3 (left-padded), response width 6 (right-padded)."""
     prompts = torch.tensor([[11, 12, 13], [0, 21, 22], [31, 32, 33], [31, 32, 33]])
-    responses = torch.tensor([
-        [7, 4, 2, 0, 0, 0],   # one turn
-        [8, 9, 5, 6, 3, 0],   # turn [8, 9], tool token [5], turn [6, 3]
-        [7, 1, 2, 0, 0, 0],   # one turn
-        [7, 6, 4, 4, 2, 1],   # one turn filling the width (truncated)
-    ])
+    responses = torch.tensor(
+        [
+            [7, 4, 2, 0, 0, 0],  # one turn
+            [8, 9, 5, 6, 3, 0],  # turn [8, 9], tool token [5], turn [6, 3]
+            [7, 1, 2, 0, 0, 0],  # one turn
+            [7, 6, 4, 4, 2, 1],  # one turn filling the width (truncated)
+        ]
+    )
     prompt_attention = torch.tensor([[1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
     response_attention = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1] * 6])
     response_mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1] * 6])
 
     n = len(uids)
     return DataProto.from_dict(
-        tensors={"prompts": prompts[:n], "responses": responses[:n],
-                 "attention_mask": torch.cat([prompt_attention, response_attention], dim=1)[:n],
-                 "response_mask": response_mask[:n]},
-        non_tensors={"uid": objects(uids), "data_source": objects(["unit"] * n),
-                     "reward_model": objects([{"ground_truth": "7"} for _ in range(n)]),
-                     "raw_prompt": objects([[{"role": "user", "content": f"prompt {i}"}] for i in range(n)])},
+        tensors={
+            "prompts": prompts[:n],
+            "responses": responses[:n],
+            "attention_mask": torch.cat([prompt_attention, response_attention], dim=1)[:n],
+            "response_mask": response_mask[:n],
+        },
+        non_tensors={
+            "uid": objects(uids),
+            "data_source": objects(["unit"] * n),
+            "reward_model": objects([{"ground_truth": "7"} for _ in range(n)]),
+            "raw_prompt": objects([[{"role": "user", "content": f"prompt {i}"}] for i in range(n)]),
+        },
     )
-
 
 
 PROMPTS = [[11, 12, 13], [21, 22], [31, 32, 33], [31, 32, 33]]
@@ -139,24 +156,28 @@ MASKS = [[1, 1, 1], [1, 1, 0, 1, 1], [1, 1, 1], [1] * 6]
 A = 0.5 / (math.sqrt(0.5) + 1e-6)  # group A outcomes [1, 0]: verl's GRPO (r - 0.5) / (unbiased std + eps) = +-A
 # Group B outcomes [1, 1]: advantage 0. Additive: A + P on response_mask positions only; every generated
 # token carries its process reward (TokenParityScorer: +0.5 even id, -0.25 odd id), the last one included.
-ADDITIVE = torch.tensor([
-    [A - 0.25, A + 0.5, A + 0.5, 0, 0, 0],             # 7 4 2
-    [-A + 0.5, -A - 0.25, 0, -A + 0.5, -A - 0.25, 0],  # 8 9 | tool 5 | 6 3
-    [-0.25, -0.25, 0.5, 0, 0, 0],                      # 7 1 2
-    [-0.25, 0.5, 0.5, 0.5, 0.5, -0.25],                # 7 6 4 4 2 1
-])
+ADDITIVE = torch.tensor(
+    [
+        [A - 0.25, A + 0.5, A + 0.5, 0, 0, 0],  # 7 4 2
+        [-A + 0.5, -A - 0.25, 0, -A + 0.5, -A - 0.25, 0],  # 8 9 | tool 5 | 6 3
+        [-0.25, -0.25, 0.5, 0, 0, 0],  # 7 1 2
+        [-0.25, 0.5, 0.5, 0.5, 0.5, -0.25],  # 7 6 4 4 2 1
+    ]
+)
 # gvpo on tokens with P < 0: A > eps -> 0; A < -eps -> 1.2 A; |A| <= eps -> -0.4. Others keep A.
-GVPO = torch.tensor([
-    [0, A, A, 0, 0, 0],
-    [-A, -1.2 * A, 0, -A, -1.2 * A, 0],
-    [-0.4, -0.4, 0, 0, 0, 0],
-    [-0.4, 0, 0, 0, 0, -0.4],
-])
+GVPO = torch.tensor(
+    [
+        [0, A, A, 0, 0, 0],
+        [-A, -1.2 * A, 0, -A, -1.2 * A, 0],
+        [-0.4, -0.4, 0, 0, 0, 0],
+        [-0.4, 0, 0, 0, 0, -0.4],
+    ]
+)
 
 
 async def score(manager: PRMRewardManager, data: DataProto) -> list[dict]:
     """What verl's RewardLoopWorker.compute_score_batch does: one task per one-row slice."""
-    return await asyncio.gather(*(manager.run_single(data[i:i + 1]) for i in range(len(data))))
+    return await asyncio.gather(*(manager.run_single(data[i : i + 1]) for i in range(len(data))))
 
 
 @pytest.fixture(scope="module")
@@ -209,16 +230,25 @@ def _with_rewards(data: DataProto, rm_scores: torch.Tensor) -> DataProto:
 
 
 def _algorithm(prm_yaml: Path, mode: str, **extra) -> object:
-    return OmegaConf.create({"adv_estimator": ESTIMATOR_NAME, "norm_adv_by_std_in_grpo": True,
-                             "use_kl_in_reward": False, "prm_config": str(prm_yaml), "prm_verdict_wait_s": 10,
-                             "prm_shaping": {"mode": mode}, **extra})
+    return OmegaConf.create(
+        {
+            "adv_estimator": ESTIMATOR_NAME,
+            "norm_adv_by_std_in_grpo": True,
+            "use_kl_in_reward": False,
+            "prm_config": str(prm_yaml),
+            "prm_verdict_wait_s": 10,
+            "prm_shaping": {"mode": mode},
+            **extra,
+        }
+    )
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("additive", ADDITIVE), ("gvpo", GVPO)])
 def test_colocated_path_compute_advantage_with_prm_grpo(scored, prm_yaml: Path, mode: str, expected) -> None:
     data, _, rm_scores = scored
-    out = compute_advantage(_with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME,
-                            config=_algorithm(prm_yaml, mode))
+    out = compute_advantage(
+        _with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME, config=_algorithm(prm_yaml, mode)
+    )
     torch.testing.assert_close(out.batch["advantages"], expected)
     torch.testing.assert_close(out.batch["returns"], expected)
 
@@ -226,16 +256,24 @@ def test_colocated_path_compute_advantage_with_prm_grpo(scored, prm_yaml: Path, 
 def test_process_weighted_refuses_rewards_outside_0_1(scored, prm_yaml: Path) -> None:
     data, _, rm_scores = scored
     with pytest.raises(RuntimeError, match="process_weighted"):  # the range check raises as AReaL does
-        compute_advantage(_with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME,
-                          config=_algorithm(prm_yaml, "process_weighted"))
+        compute_advantage(
+            _with_rewards(data, rm_scores),
+            adv_estimator=ESTIMATOR_NAME,
+            config=_algorithm(prm_yaml, "process_weighted"),
+        )
 
 
 def test_prm_grpo_outcome_part_is_verls_grpo_on_the_exact_outcomes(scored, prm_yaml: Path) -> None:
     data, outputs, rm_scores = scored
     exact = PRMRewardManager.assemble_rm_scores(data, [o["reward_extra_info"]["prm_outcome"] for o in outputs])
     algorithm = _algorithm(prm_yaml, "additive")
-    outcome, process, tagged = recover_rewards(rm_scores, data.batch["response_mask"], data.non_tensor_batch["uid"],
-                                               verl_adapter._verdicts(algorithm), wait_s=10)
+    outcome, process, tagged = recover_rewards(
+        rm_scores,
+        data.batch["response_mask"],
+        data.non_tensor_batch["uid"],
+        verl_adapter._verdicts(algorithm),
+        wait_s=10,
+    )
     assert tagged == 4
     torch.testing.assert_close(outcome, exact, rtol=0, atol=0)  # the tags are gone, bit for bit
     ours = compute_advantage(_with_rewards(data, rm_scores), adv_estimator=ESTIMATOR_NAME, config=algorithm)
@@ -268,15 +306,17 @@ def test_a_tag_that_does_not_decode_is_an_error(scored, prm_yaml: Path) -> None:
     other = outputs[1]["reward_extra_info"]["prm_member"]  # row 0 (outcome 1) claims row 1's member (outcome 0)
     swapped[0, 2] = tag_reward(1.0, other)
     with pytest.raises(RuntimeError, match="does not decode as a member"):
-        compute_advantage(_with_rewards(data, swapped), adv_estimator=ESTIMATOR_NAME,
-                          config=_algorithm(prm_yaml, "additive"))
+        compute_advantage(
+            _with_rewards(data, swapped), adv_estimator=ESTIMATOR_NAME, config=_algorithm(prm_yaml, "additive")
+        )
     stranger = rm_scores.clone()
     stranger[2, 2] = 0.1  # float32(0.1) ends in 0xCD: it reads as tag 205 of a group that has no verdict
     data = _with_rewards(data, stranger)
     data.non_tensor_batch["uid"] = objects(["x", "x", f"nobody-{uuid.uuid4().hex[:6]}", "x"])
     with pytest.raises(RuntimeError, match="no verdict for that group arrived within 0.5s"):
-        compute_advantage(data, adv_estimator=ESTIMATOR_NAME, config=_algorithm(prm_yaml, "additive",
-                                                                                prm_verdict_wait_s=0.5))
+        compute_advantage(
+            data, adv_estimator=ESTIMATOR_NAME, config=_algorithm(prm_yaml, "additive", prm_verdict_wait_s=0.5)
+        )
 
 
 def test_first_batch_without_any_tag_is_refused(scored, prm_yaml: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -284,16 +324,18 @@ def test_first_batch_without_any_tag_is_refused(scored, prm_yaml: Path, monkeypa
     plain = PRMRewardManager.assemble_rm_scores(data, [o["reward_extra_info"]["prm_outcome"] for o in outputs])
     monkeypatch.setattr(verl_adapter, "_seen_tagged", False)
     with pytest.raises(RuntimeError, match="refusing to train plain GRPO"):
-        compute_advantage(_with_rewards(data, plain), adv_estimator=ESTIMATOR_NAME,
-                          config=_algorithm(prm_yaml, "additive"))
+        compute_advantage(
+            _with_rewards(data, plain), adv_estimator=ESTIMATOR_NAME, config=_algorithm(prm_yaml, "additive")
+        )
 
 
 async def test_missing_verdict_is_reported_never_a_silent_zero(prm_yaml: Path) -> None:
     """Group of 2 with 1 member sent: our wait (0.5 s) ends before the workers' deadline."""
     data = make_batch([f"gC-{uuid.uuid4().hex[:6]}"])
     manager = PRMRewardManager(verl_config(prm_yaml, verdict_timeout_s=0.5), DigitsTokenizer(), contains_ground_truth)
-    strict = PRMRewardManager(verl_config(prm_yaml, verdict_timeout_s=0.5, on_timeout="raise"), DigitsTokenizer(),
-                              contains_ground_truth)
+    strict = PRMRewardManager(
+        verl_config(prm_yaml, verdict_timeout_s=0.5, on_timeout="raise"), DigitsTokenizer(), contains_ground_truth
+    )
     try:
         (out,) = await score(manager, data)
         with pytest.raises(VerdictTimeout, match="no verdict"):
@@ -331,8 +373,9 @@ def digit_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {str(i): i for i in range(100)} | {"<pad>": 100}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
-                                   pad_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>"
+    )
 
 
 def agent_loop_worker(manager: PRMRewardManager, config) -> object:
@@ -347,7 +390,9 @@ def agent_loop_worker(manager: PRMRewardManager, config) -> object:
     reward_worker = RewardLoopWorker.__new__(RewardLoopWorker)
     reward_worker.config, reward_worker.reward_manager = config, manager
     worker = AgentLoopWorker.__new__(AgentLoopWorker)
-    worker.reward_loop_worker_handles = [SimpleNamespace(compute_score=SimpleNamespace(remote=reward_worker.compute_score))]
+    worker.reward_loop_worker_handles = [
+        SimpleNamespace(compute_score=SimpleNamespace(remote=reward_worker.compute_score))
+    ]
     worker.rollout_config = SimpleNamespace(prompt_length=3, response_length=6)
     worker.tokenizer, worker.processor, worker.mm_processor_kwargs = digit_tokenizer(), None, {}
     worker.distillation_enabled = False
@@ -357,13 +402,19 @@ def agent_loop_worker(manager: PRMRewardManager, config) -> object:
 def agent_outputs() -> list:
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    return [AgentLoopOutput(prompt_ids=p, response_ids=r, response_mask=m, num_turns=2, metrics=AgentLoopMetrics())
-            for p, r, m in zip(PROMPTS, RESPONSES, MASKS)]
+    return [
+        AgentLoopOutput(prompt_ids=p, response_ids=r, response_mask=m, num_turns=2, metrics=AgentLoopMetrics())
+        for p, r, m in zip(PROMPTS, RESPONSES, MASKS)
+    ]
 
 
 def sample_kwargs(uid: str, i: int) -> dict:
-    return {"uid": uid, "data_source": "unit", "reward_model": {"ground_truth": "7"},
-            "raw_prompt": [{"role": "user", "content": f"prompt {i}"}]}
+    return {
+        "uid": uid,
+        "data_source": "unit",
+        "reward_model": {"ground_truth": "7"},
+        "raw_prompt": [{"role": "user", "content": f"prompt {i}"}],
+    }
 
 
 async def test_agent_loop_path_legacy_trainer(prm_yaml: Path) -> None:
@@ -374,20 +425,31 @@ async def test_agent_loop_path_legacy_trainer(prm_yaml: Path) -> None:
     tag = uuid.uuid4().hex[:6]
     uids = [f"lA-{tag}", f"lA-{tag}", f"lB-{tag}", f"lB-{tag}"]
     try:
-        internal = await asyncio.gather(*(worker._agent_loop_postprocess(out, False, **sample_kwargs(uid, i))
-                                          for i, (out, uid) in enumerate(zip(agent_outputs(), uids))))
+        internal = await asyncio.gather(
+            *(
+                worker._agent_loop_postprocess(out, False, **sample_kwargs(uid, i))
+                for i, (out, uid) in enumerate(zip(agent_outputs(), uids))
+            )
+        )
     finally:
         await manager.aclose()
     batch = worker._postprocess(list(internal), input_non_tensor_batch=None, validate=False)
     assert list(batch.non_tensor_batch["prm_status"]) == ["accepted"] * 4
-    assert batch.meta_info["reward_extra_keys"][-6:] == ["prm_status", "prm_reason", "prm_process_reward",
-                                                         "prm_verdict_wait_s", "prm_outcome", "prm_member"]
+    assert batch.meta_info["reward_extra_keys"][-6:] == [
+        "prm_status",
+        "prm_reason",
+        "prm_process_reward",
+        "prm_verdict_wait_s",
+        "prm_outcome",
+        "prm_member",
+    ]
     assert torch.count_nonzero(batch.batch["rm_scores"]) == 4  # one float per sample, as verl writes it
     batch.non_tensor_batch["uid"] = objects(uids)  # what the trainer's union with the prompt batch adds
     rewards = batch.batch["rm_scores"]
     for mode, expected in (("additive", ADDITIVE), ("gvpo", GVPO)):
-        out = compute_advantage(_with_rewards(batch, rewards), adv_estimator=ESTIMATOR_NAME,
-                                config=_algorithm(prm_yaml, mode))
+        out = compute_advantage(
+            _with_rewards(batch, rewards), adv_estimator=ESTIMATOR_NAME, config=_algorithm(prm_yaml, mode)
+        )
         torch.testing.assert_close(out.batch["advantages"], expected)
 
 
@@ -404,8 +466,12 @@ async def test_agent_loop_path_v1_trainer(prm_yaml: Path) -> None:
     uids = [f"vA-{tag}", f"vA-{tag}", f"vB-{tag}", f"vB-{tag}"]
     outputs = agent_outputs()
     try:
-        await asyncio.gather(*(worker._compute_score([out], kwargs={**sample_kwargs(uid, i), "session_id": i % 2})
-                               for i, (out, uid) in enumerate(zip(outputs, uids))))
+        await asyncio.gather(
+            *(
+                worker._compute_score([out], kwargs={**sample_kwargs(uid, i), "session_id": i % 2})
+                for i, (out, uid) in enumerate(zip(outputs, uids))
+            )
+        )
     finally:
         await manager.aclose()
     fields = [out.as_dict() for out in outputs]
@@ -414,8 +480,13 @@ async def test_agent_loop_path_v1_trainer(prm_yaml: Path) -> None:
     def padded(key: str) -> torch.Tensor:
         return torch.nested.as_nested_tensor([f[key] for f in fields], layout=torch.jagged).to_padded_tensor(0)
 
-    batch = DataProto.from_dict(tensors={"response_mask": padded("response_mask"), "rm_scores": padded("rm_scores")},
-                                non_tensors={"uid": objects(uids)})
-    out = compute_advantage(_with_rewards(batch, batch.batch["rm_scores"]), adv_estimator=ESTIMATOR_NAME,
-                            config=_algorithm(prm_yaml, "additive"))
+    batch = DataProto.from_dict(
+        tensors={"response_mask": padded("response_mask"), "rm_scores": padded("rm_scores")},
+        non_tensors={"uid": objects(uids)},
+    )
+    out = compute_advantage(
+        _with_rewards(batch, batch.batch["rm_scores"]),
+        adv_estimator=ESTIMATOR_NAME,
+        config=_algorithm(prm_yaml, "additive"),
+    )
     torch.testing.assert_close(out.batch["advantages"], ADDITIVE)

@@ -49,10 +49,18 @@ class FakeGroup:
     scorers: bytes = b""
 
     def state(self) -> GroupState:
-        return GroupState(status="open" if self.decision is None else "decided", group_size=self.group_size,
-                          first_seen=self.first_seen, deadline=self.deadline, size_mismatch=self.size_mismatch,
-                          decision=self.decision, discard_reason=self.discard_reason, decided_at=self.decided_at,
-                          decided_by=self.decided_by, scorers=self.scorers)
+        return GroupState(
+            status="open" if self.decision is None else "decided",
+            group_size=self.group_size,
+            first_seen=self.first_seen,
+            deadline=self.deadline,
+            size_mismatch=self.size_mismatch,
+            decision=self.decision,
+            discard_reason=self.discard_reason,
+            decided_at=self.decided_at,
+            decided_by=self.decided_by,
+            scorers=self.scorers,
+        )
 
 
 class FakeLedger:
@@ -121,8 +129,17 @@ class FakeLedger:
             return outcome, self._decision(r.group_id, DecideOutcome.DECIDED_NOW, group)
         return outcome, None
 
-    async def decide(self, group_id: str, kind: DecisionKind, *, worker_id: str, scorers: bytes,
-                     discard_reason: str = "", group_timeout_s: float, republish_grace_s: float) -> Decision:
+    async def decide(
+        self,
+        group_id: str,
+        kind: DecisionKind,
+        *,
+        worker_id: str,
+        scorers: bytes,
+        discard_reason: str = "",
+        group_timeout_s: float,
+        republish_grace_s: float,
+    ) -> Decision:
         self._call(f"decide:{kind}", group_id)
         now = _now_ms()
         group = self.groups.get(group_id)
@@ -134,8 +151,12 @@ class FakeLedger:
             return self._decision(group_id, DecideOutcome.GONE, None)
         if kind is DecisionKind.DEADLINE and group is not None and now < group.deadline:
             return self._decision(group_id, DecideOutcome.NOT_DUE, None)
-        if kind is DecisionKind.COMPLETE and group is not None and group.size_mismatch is None \
-                and len(group.members) < group.group_size:
+        if (
+            kind is DecisionKind.COMPLETE
+            and group is not None
+            and group.size_mismatch is None
+            and len(group.members) < group.group_size
+        ):
             return self._decision(group_id, DecideOutcome.INCOMPLETE, None)
         if group is None:
             group = self.groups[group_id] = FakeGroup(0, now)

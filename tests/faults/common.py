@@ -54,13 +54,28 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # pause before reading again after a read error (the broker restarting)
 
 
-def fault_config(name: str, kafka_bootstrap: str, redis_url: str, *, scorers: Sequence[PRMScorerConfig],
-                 partitions: int = 4, kafka: dict[str, Any] | None = None, **worker: Any) -> PipelineConfig:
+def fault_config(
+    name: str,
+    kafka_bootstrap: str,
+    redis_url: str,
+    *,
+    scorers: Sequence[PRMScorerConfig],
+    partitions: int = 4,
+    kafka: dict[str, Any] | None = None,
+    **worker: Any,
+) -> PipelineConfig:
     """:func:`isolated_config` with the fault suite's defaults (long deadline, short drain)."""
     worker.setdefault("group_timeout_s", 120)
     worker.setdefault("drain_timeout_s", 5)
-    return isolated_config(f"fault-{name}", kafka_bootstrap, redis_url, scorers=scorers, partitions=partitions,
-                           kafka={"linger_ms": 2, **(kafka or {})}, **worker)
+    return isolated_config(
+        f"fault-{name}",
+        kafka_bootstrap,
+        redis_url,
+        scorers=scorers,
+        partitions=partitions,
+        kafka={"linger_ms": 2, **(kafka or {})},
+        **worker,
+    )
 
 
 def report(scenario: str, **figures: Any) -> None:
@@ -117,8 +132,10 @@ class FaultWorkers(WorkerProcesses):
 
     def final_exits(self) -> list[tuple[int | None, bool]]:
         """``(exit code, had started polling)`` of the processes :meth:`stop` ended."""
-        return [(code, log is not None and "polling" in log.read_text(errors="replace"))
-                for code, log in zip(self.final_codes, self._final_logs)]
+        return [
+            (code, log is not None and "polling" in log.read_text(errors="replace"))
+            for code, log in zip(self.final_codes, self._final_logs)
+        ]
 
     def graceful_exits(self) -> list[tuple[int, bool]]:
         """``(exit code, had started polling)`` of each SIGTERMed process (waits for them).
@@ -143,8 +160,10 @@ class FaultWorkers(WorkerProcesses):
 
     def all_polling(self) -> bool:
         """Every occupied slot has a live process that has joined and started polling."""
-        return all(p is None or (p.poll() is None and "polling" in self.current_log(i).read_text(errors="replace"))
-                   for i, p in enumerate(self.procs))
+        return all(
+            p is None or (p.poll() is None and "polling" in self.current_log(i).read_text(errors="replace"))
+            for i, p in enumerate(self.procs)
+        )
 
     def count_log(self, pattern: str) -> int:
         """Lines matching ``pattern`` (a regex) across every worker log written so far."""
@@ -154,8 +173,11 @@ class FaultWorkers(WorkerProcesses):
     def count_current_logs(self, pattern: str) -> list[int]:
         """Per occupied slot: lines matching ``pattern`` in its current process's log."""
         rx = re.compile(pattern)
-        return [len(rx.findall(self.current_log(i).read_text(errors="replace")))
-                for i, p in enumerate(self.procs) if p is not None]
+        return [
+            len(rx.findall(self.current_log(i).read_text(errors="replace")))
+            for i, p in enumerate(self.procs)
+            if p is not None
+        ]
 
     def diagnosis(self, lines: int = 15) -> str:
         """Per slot: alive, polling, and the last ``lines`` log lines that are not verdicts.
@@ -170,8 +192,10 @@ class FaultWorkers(WorkerProcesses):
                 continue
             text = self.current_log(i).read_text(errors="replace").splitlines()
             tail = [ln for ln in text if " verdict=" not in ln][-lines:]
-            out.append(f"--- slot {i} ({self.current_log(i).name}): exit={p.poll()} "
-                       f"polling={any('polling' in ln for ln in text)}\n" + "\n".join(tail))
+            out.append(
+                f"--- slot {i} ({self.current_log(i).name}): exit={p.poll()} "
+                f"polling={any('polling' in ln for ln in text)}\n" + "\n".join(tail)
+            )
         return "\n".join(out)
 
     TRANSIENT = r"transient \w+|sweep skipped"
@@ -196,7 +220,9 @@ class VerdictTail:
 
     async def __aenter__(self) -> VerdictTail:
         self._task = asyncio.create_task(self._run())
-        await eventually(lambda: self._ready.is_set() or self._task.done(), timeout_s=30, what="the verdict tail to start")
+        await eventually(
+            lambda: self._ready.is_set() or self._task.done(), timeout_s=30, what="the verdict tail to start"
+        )
         if self._task.done():
             self._task.result()
         return self
@@ -244,7 +270,6 @@ class VerdictTail:
         return max(b - a for a, b in itertools.pairwise(times))
 
 
-
 # --------------------------------------------------------------------------- load
 def by_group(messages: Sequence[TrajectoryMessage]) -> dict[str, list[TrajectoryMessage]]:
     out: dict[str, list[TrajectoryMessage]] = {}
@@ -263,9 +288,18 @@ class PacedLoad:
     of groups actually published (:attr:`expected`).
     """
 
-    def __init__(self, cfg: PipelineConfig, messages: Sequence[TrajectoryMessage], tail: VerdictTail, *,
-                 wave: int = 20, max_in_flight: int = 60, timeout_s: float = 150,
-                 enough: asyncio.Event | None = None, max_groups_per_s: float | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        messages: Sequence[TrajectoryMessage],
+        tail: VerdictTail,
+        *,
+        wave: int = 20,
+        max_in_flight: int = 60,
+        timeout_s: float = 150,
+        enough: asyncio.Event | None = None,
+        max_groups_per_s: float | None = None,
+    ) -> None:
         self.cfg, self.tail, self.enough = cfg, tail, enough
         # An upper bound on the load, so a fast machine does not run through the pool of
         # groups before a long scenario's faults are over.
@@ -314,11 +348,13 @@ class PacedLoad:
                 if (delay := next_wave - time.monotonic()) > 0:
                     await asyncio.sleep(delay)  # pacing the load generator, not a sync point
                 next_wave = time.monotonic() + self.min_wave_interval_s
-                chunk = self.order[i:i + self.wave]
+                chunk = self.order[i : i + self.wave]
                 room = self.max_in_flight - len(chunk)  # groups that may still be open when it goes out
                 await eventually(
                     lambda room=room: len(self.in_flight_groups()) <= room or self._enough(),
-                    timeout_s=self.timeout_s, what=f"room to publish wave {i // self.wave}")
+                    timeout_s=self.timeout_s,
+                    what=f"room to publish wave {i // self.wave}",
+                )
                 if self._enough():
                     break
                 messages = [m for g in chunk for m in self.groups[g]]
@@ -375,7 +411,9 @@ class VerdictCheck:
         assert not self.missing, f"{len(self.missing)} groups lost (no verdict), e.g. {self.missing[:5]}\n{context}"
         assert not self.unexpected, f"verdicts for groups never published: {self.unexpected[:5]}"
         assert not self.multi_version, f"groups with two verdict versions: {self.multi_version[:5]}"
-        assert not self.conflicting, f"conflicting duplicate verdicts (same key, different bytes): {self.conflicting[:5]}"
+        assert not self.conflicting, (
+            f"conflicting duplicate verdicts (same key, different bytes): {self.conflicting[:5]}"
+        )
 
 
 def check_verdicts(records: Sequence[Any], expected: set[str]) -> VerdictCheck:
@@ -413,9 +451,16 @@ def log_dir(tmp_path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- service outages
-async def outage(fault: str, *, load: PacedLoad, down: Callable[[], int | None], up: Callable[[], None],
-                 client_errors: Callable[[], list[int]], min_errors_each: int = 1,
-                 notice_timeout_s: float = 15.0) -> dict[str, Any]:
+async def outage(
+    fault: str,
+    *,
+    load: PacedLoad,
+    down: Callable[[], int | None],
+    up: Callable[[], None],
+    client_errors: Callable[[], list[int]],
+    min_errors_each: int = 1,
+    notice_timeout_s: float = 15.0,
+) -> dict[str, Any]:
     """Take a service down, keep it down until every client has noticed (each one's logged
     errors grew by ``min_errors_each``; a poll with a deadline), bring it back; return the
     outage's figures (``t_up``, wall clock, is for measuring recovery with :func:`recovery`).
@@ -425,11 +470,20 @@ async def outage(fault: str, *, load: PacedLoad, down: Callable[[], int | None],
     t_down = time.monotonic()
     exit_code = down()
     noticed, _, _ = await poll_until(
-        lambda: all(now - was >= min_errors_each for now, was in zip(client_errors(), before)), timeout_s=notice_timeout_s)
+        lambda: all(now - was >= min_errors_each for now, was in zip(client_errors(), before)),
+        timeout_s=notice_timeout_s,
+    )
     up()
     down_s, t_up = time.monotonic() - t_down, time.time()
-    return {"fault": fault, "exit_code": exit_code, "in_flight_msgs": in_flight, "down_s": round(down_s, 2),
-            "clients_noticed": noticed, "client_errors_logged": sum(client_errors()) - sum(before), "t_up": t_up}
+    return {
+        "fault": fault,
+        "exit_code": exit_code,
+        "in_flight_msgs": in_flight,
+        "down_s": round(down_s, 2),
+        "clients_noticed": noticed,
+        "client_errors_logged": sum(client_errors()) - sum(before),
+        "t_up": t_up,
+    }
 
 
 def recovery(events: list[dict[str, Any]], tail: VerdictTail) -> list[dict[str, Any]]:
@@ -438,6 +492,7 @@ def recovery(events: list[dict[str, Any]], tail: VerdictTail) -> list[dict[str, 
     out = []
     for e in events:
         nxt = tail.first_created_after(e["t_up"])
-        out.append({**{k: v for k, v in e.items() if k != "t_up"},
-                    "recovery_s": round(nxt, 2) if nxt is not None else None})
+        out.append(
+            {**{k: v for k, v in e.items() if k != "t_up"}, "recovery_s": round(nxt, 2) if nxt is not None else None}
+        )
     return out

@@ -52,8 +52,9 @@ def _moto_server() -> str:
 def s3_endpoint(tmp_path: Path) -> Iterator[str]:
     """A loopback S3 (moto) with the broker's bucket created; yields its endpoint URL."""
     port = free_port()
-    s3 = LocalService("s3", [_moto_server(), "-H", "127.0.0.1", "-p", str(port)], port,
-                      tmp_path / "s3" / "logs" / "moto.log")
+    s3 = LocalService(
+        "s3", [_moto_server(), "-H", "127.0.0.1", "-p", str(port)], port, tmp_path / "s3" / "logs" / "moto.log"
+    )
     s3.start(ready_timeout_s=60)  # moto imports boto and friends: seconds, not milliseconds
     try:
         endpoint = f"http://127.0.0.1:{port}"
@@ -68,8 +69,9 @@ def s3_endpoint(tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def durable_broker(tmp_path: Path, s3_endpoint: str) -> Iterator[LocalService]:
     """A tansu broker with ``s3://tansu/`` storage; restart it with ``.restart()`` / ``.stop()`` + ``.start()``."""
-    broker = broker_service(tmp_path / "broker-s3", storage_engine=f"s3://{S3_BUCKET}/",
-                            env=s3_storage_env(s3_endpoint))
+    broker = broker_service(
+        tmp_path / "broker-s3", storage_engine=f"s3://{S3_BUCKET}/", env=s3_storage_env(s3_endpoint)
+    )
     broker.start()
     try:
         yield broker

@@ -71,8 +71,16 @@ def _pack(obj: Any) -> bytes:
 def _session(seed: int, turns: int, out: int, group_size: int = 1, *, suffix: str = "") -> dict[str, Any]:
     """A valid concat-export session (linear chain of ``turns``) as a raw map; ids are
     placeholders replaced by :func:`_with_ids` once the case's key is known."""
-    traj = make_session(trajectory_id="T" + suffix, session_id="S" + suffix, group_id="G", group_size=group_size,
-                        turns=turns, output_tokens=out, prompt_tokens=8, rng=np.random.default_rng(seed))
+    traj = make_session(
+        trajectory_id="T" + suffix,
+        session_id="S" + suffix,
+        group_id="G",
+        group_size=group_size,
+        turns=turns,
+        output_tokens=out,
+        prompt_tokens=8,
+        rng=np.random.default_rng(seed),
+    )
     return _raw(traj)
 
 
@@ -97,8 +105,7 @@ class Template:
 
     def case(self, key: str) -> Case:
         records = self.build(key)
-        return Case(self.category, self.expect, records, key, self.note,
-                    sum(len(v or b"") for v, _ in records))
+        return Case(self.category, self.expect, records, key, self.note, sum(len(v or b"") for v, _ in records))
 
 
 def _ready(mutate: Any) -> Any:
@@ -116,22 +123,32 @@ def truncated(draw: st.DrawFn) -> Template:
         value = _pack(_with_ids(_session(seed, turns, out), key))
         return [(value[: int(len(value) * fraction)], READY_HEADERS)]
 
-    return Template("truncated msgpack", Expect.dead("InvalidMessage", "truncated"), build, f"cut at {fraction:.2f}",
-                    variant="empty" if fraction == 0 else f"{turns} turns, cut in {'first' if fraction < .5 else 'second'} half")
+    return Template(
+        "truncated msgpack",
+        Expect.dead("InvalidMessage", "truncated"),
+        build,
+        f"cut at {fraction:.2f}",
+        variant="empty" if fraction == 0 else f"{turns} turns, cut in {'first' if fraction < 0.5 else 'second'} half",
+    )
 
 
 _WRONG = {  # field -> values of a wrong type for it
     "trajectory_id": st.one_of(st.integers(), st.none(), st.lists(st.integers(), max_size=3)),
     "group_id": st.one_of(st.integers(), st.booleans(), st.binary(max_size=8)),
-    "group_size": st.one_of(st.text(max_size=5), st.floats(allow_nan=False).filter(lambda f: f != int(f)
-                                                                                   if math.isfinite(f) else True),
-                            st.none(), st.lists(st.integers(), max_size=2)),
+    "group_size": st.one_of(
+        st.text(max_size=5),
+        st.floats(allow_nan=False).filter(lambda f: f != int(f) if math.isfinite(f) else True),
+        st.none(),
+        st.lists(st.integers(), max_size=2),
+    ),
     "outcome_reward": st.one_of(st.text(max_size=5), st.none(), st.lists(st.floats(), max_size=2)),
-    "interactions": st.one_of(st.text(max_size=5), st.integers(), st.dictionaries(st.text(max_size=3),
-                                                                                  st.integers(), max_size=2)),
+    "interactions": st.one_of(
+        st.text(max_size=5), st.integers(), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)
+    ),
     "is_eval": st.one_of(st.integers(), st.text(max_size=3)),
-    "policy_version": st.one_of(st.text(max_size=3), st.floats(allow_nan=False, allow_infinity=False).filter(
-        lambda f: f != int(f))),
+    "policy_version": st.one_of(
+        st.text(max_size=3), st.floats(allow_nan=False, allow_infinity=False).filter(lambda f: f != int(f))
+    ),
     "kind": st.one_of(st.sampled_from(["readyy", "verdict", "discard_group", ""]), st.integers()),
 }
 _WRONG_NESTED = {  # path inside interactions[i] -> wrong values
@@ -164,9 +181,13 @@ def wrong_types(draw: st.DrawFn) -> Template:
         return raw
 
     needle = "invalid value" if path == ("kind",) and isinstance(bad, str) else "expected"
-    return Template("wrong types", Expect.dead("InvalidMessage", needle), _ready(mutate),
-                    f"{'.'.join(map(str, path))} = {bad!r}"[:80],
-                    variant=f"{'.'.join(str(p) for p in path if not isinstance(p, int))}: {type(bad).__name__}")
+    return Template(
+        "wrong types",
+        Expect.dead("InvalidMessage", needle),
+        _ready(mutate),
+        f"{'.'.join(map(str, path))} = {bad!r}"[:80],
+        variant=f"{'.'.join(str(p) for p in path if not isinstance(p, int))}: {type(bad).__name__}",
+    )
 
 
 @st.composite
@@ -182,8 +203,13 @@ def huge_arrays(draw: st.DrawFn) -> Template:
             raw["interactions"][0]["model_response"]["output_tokens"] = rng.integers(0, 32_000, n).tolist()
             return raw
 
-        return Template("huge arrays", Expect.dead("InvalidMessage", "expected `bytes`"), _ready(mutate),
-                        f"{n} token ids as an array", variant=kind)
+        return Template(
+            "huge arrays",
+            Expect.dead("InvalidMessage", "expected `bytes`"),
+            _ready(mutate),
+            f"{n} token ids as an array",
+            variant=kind,
+        )
     if kind == "long broken chain":  # thousands of turns, one of them duplicated or dangling
         n = draw(st.integers(500, 3_000))
         flaw = draw(st.sampled_from(["duplicate", "dangling"]))
@@ -206,8 +232,13 @@ def huge_arrays(draw: st.DrawFn) -> Template:
             return raw
 
         needle = "duplicate interaction_id" if flaw == "duplicate" else "unknown parent_id"
-        return Template("huge arrays", Expect.dead("InvalidMessage", needle), _ready(mutate), f"{n} turns, {flaw}",
-                        variant=f"{kind}: {flaw}")
+        return Template(
+            "huge arrays",
+            Expect.dead("InvalidMessage", needle),
+            _ready(mutate),
+            f"{n} turns, {flaw}",
+            variant=f"{kind}: {flaw}",
+        )
     if kind == "logprob mismatch":
         n = draw(st.integers(10_000, 60_000))
 
@@ -218,11 +249,21 @@ def huge_arrays(draw: st.DrawFn) -> Template:
             mr["output_logprobs"] = (-rng.random(n - 1, dtype=np.float32)).astype("<f4").tobytes()
             return raw
 
-        return Template("huge arrays", Expect.dead("InvalidMessage", "output_logprobs"), _ready(mutate),
-                        f"{n} tokens, {n - 1} logprobs", variant=kind)
+        return Template(
+            "huge arrays",
+            Expect.dead("InvalidMessage", "output_logprobs"),
+            _ready(mutate),
+            f"{n} tokens, {n - 1} logprobs",
+            variant=kind,
+        )
     size = draw(st.integers(100_000, 400_000))  # bigger than the dead-letter cap: stored truncated
-    return Template("huge arrays", Expect.dead("InvalidMessage", ""),
-                    lambda key: [(rng.bytes(size), READY_HEADERS)], f"{size} random bytes", variant=kind)
+    return Template(
+        "huge arrays",
+        Expect.dead("InvalidMessage", ""),
+        lambda key: [(rng.bytes(size), READY_HEADERS)],
+        f"{size} random bytes",
+        variant=kind,
+    )
 
 
 @st.composite
@@ -240,8 +281,9 @@ def non_finite(draw: st.DrawFn) -> Template:
             raw["interactions"][i]["reward"] = value
         return raw
 
-    return Template("NaN/inf rewards", Expect.dead("InvalidMessage", "must be finite"), _ready(mutate),
-                    f"{where} = {value}")
+    return Template(
+        "NaN/inf rewards", Expect.dead("InvalidMessage", "must be finite"), _ready(mutate), f"{where} = {value}"
+    )
 
 
 @st.composite
@@ -274,9 +316,13 @@ def duplicate_ids(draw: st.DrawFn) -> Template:
         raw["interactions"][j]["interaction_id"] = raw["interactions"][i]["interaction_id"]
         return raw
 
-    return Template("duplicate interaction ids", Expect.dead("InvalidMessage", "duplicate interaction_id"),
-                    _ready(mutate), f"turn {j} reuses turn {i}'s id of {turns}",
-                    variant="child reuses an ancestor's id" if j > i else "ancestor reuses a descendant's id")
+    return Template(
+        "duplicate interaction ids",
+        Expect.dead("InvalidMessage", "duplicate interaction_id"),
+        _ready(mutate),
+        f"turn {j} reuses turn {i}'s id of {turns}",
+        variant="child reuses an ancestor's id" if j > i else "ancestor reuses a descendant's id",
+    )
 
 
 @st.composite
@@ -292,8 +338,7 @@ def zero_output(draw: st.DrawFn) -> Template:
         leaf = bad["interactions"][-1]["model_response"]
         leaf["output_tokens"] = b""
         leaf["output_logprobs"] = b""
-        members = [bad] + [_with_ids(_session(seed + k, turns, out, size, suffix=str(k)), key)
-                           for k in range(1, size)]
+        members = [bad] + [_with_ids(_session(seed + k, turns, out, size, suffix=str(k)), key) for k in range(1, size)]
         return [(_pack(m), READY_HEADERS) for m in members]
 
     return Template("output_len 0", Expect.rejected("invalid_reward"), build, f"{peers} valid peers")
@@ -308,18 +353,36 @@ def size_mismatch(draw: st.DrawFn) -> Template:
     seed = draw(seeds)
 
     def build(key: str) -> list[tuple[bytes | None, Headers]]:
-        return [(_pack(_with_ids(_session(seed + i, 1, 4, size, suffix=str(i)), key)), READY_HEADERS)
-                for i, size in enumerate(sizes)]
+        return [
+            (_pack(_with_ids(_session(seed + i, 1, 4, size, suffix=str(i)), key)), READY_HEADERS)
+            for i, size in enumerate(sizes)
+        ]
 
-    return Template("mismatched group sizes", Expect.rejected("group_size_mismatch"), build, f"sizes {sizes}",
-                    variant=f"{k} members")
+    return Template(
+        "mismatched group sizes",
+        Expect.rejected("group_size_mismatch"),
+        build,
+        f"sizes {sizes}",
+        variant=f"{k} members",
+    )
 
 
 @st.composite
 def bad_headers(draw: st.DrawFn) -> Template:
     seed = draw(seeds)
-    variant = draw(st.sampled_from(["no version", "future version", "garbled version", "no kind", "verdict kind",
-                                    "discard header on a ready payload", "tombstone"]))
+    variant = draw(
+        st.sampled_from(
+            [
+                "no version",
+                "future version",
+                "garbled version",
+                "no kind",
+                "verdict kind",
+                "discard header on a ready payload",
+                "tombstone",
+            ]
+        )
+    )
     headers: Headers = {
         "no version": [(KIND_HEADER, b"ready")],
         "future version": [(SCHEMA_HEADER, b"99"), (KIND_HEADER, b"ready")],
@@ -350,8 +413,19 @@ def bad_headers(draw: st.DrawFn) -> Template:
 def broken_rules(draw: st.DrawFn) -> Template:
     """Well-typed values that break a schema rule, or a tree that is not concat export."""
     seed, turns, out = draw(small_sessions)
-    rule = draw(st.sampled_from(["group_size 0", "negative group_size", "empty trajectory_id", "no interactions",
-                                 "odd token bytes", "not concat export", "no model_response"]))
+    rule = draw(
+        st.sampled_from(
+            [
+                "group_size 0",
+                "negative group_size",
+                "empty trajectory_id",
+                "no interactions",
+                "odd token bytes",
+                "not concat export",
+                "no model_response",
+            ]
+        )
+    )
     draw_size = draw(st.integers(1, 5))
 
     def mutate(key: str) -> dict[str, Any]:
@@ -398,8 +472,13 @@ def dangling(draw: st.DrawFn) -> Template:
         raw["interactions"][i]["parent_id"] = target
         return raw
 
-    return Template("dangling parents", Expect.dead("InvalidMessage", "parent_id"), _ready(mutate),
-                    f"turn {i} of {turns} -> {target!r}", variant=f"{'root' if i == 0 else 'inner'} -> {target!r}")
+    return Template(
+        "dangling parents",
+        Expect.dead("InvalidMessage", "parent_id"),
+        _ready(mutate),
+        f"turn {i} of {turns} -> {target!r}",
+        variant=f"{'root' if i == 0 else 'inner'} -> {target!r}",
+    )
 
 
 @st.composite
@@ -416,8 +495,13 @@ def mismatched_lengths(draw: st.DrawFn) -> Template:
         mr["output_logprobs"] = np.zeros(n, dtype="<f4").tobytes() + (b"\x00\x00" if delta == -4 else b"")
         return raw
 
-    return Template("mismatched lengths", Expect.dead("InvalidMessage", "output_logprobs"), _ready(mutate),
-                    f"turn {i}: {delta:+d} log-probs", variant=f"{delta:+d}")
+    return Template(
+        "mismatched lengths",
+        Expect.dead("InvalidMessage", "output_logprobs"),
+        _ready(mutate),
+        f"turn {i}: {delta:+d} log-probs",
+        variant=f"{delta:+d}",
+    )
 
 
 @st.composite
@@ -431,8 +515,9 @@ def absurd_group_size(draw: st.DrawFn) -> Template:
         raw["group_size"] = size
         return [(_pack(raw), READY_HEADERS)]
 
-    return Template("absurd group sizes", Expect.rejected("missing_sessions"), build, f"group_size {size}",
-                    variant=str(size))
+    return Template(
+        "absurd group sizes", Expect.rejected("missing_sessions"), build, f"group_size {size}", variant=str(size)
+    )
 
 
 _PLACEHOLDER = "\u2603NOT-UTF8\u2603"  # replaced by invalid UTF-8 bytes of the same length
@@ -460,8 +545,9 @@ def non_utf8(draw: st.DrawFn) -> Template:
         bad = (garbage * len(marker))[: len(marker)]
         return [(value.replace(marker, bad), READY_HEADERS)]
 
-    return Template("non-UTF-8 text", Expect.dead("InvalidMessage", "utf-8"), build, f"{where}: {garbage!r}",
-                    variant=where)
+    return Template(
+        "non-UTF-8 text", Expect.dead("InvalidMessage", "utf-8"), build, f"{where}: {garbage!r}", variant=where
+    )
 
 
 CATEGORIES: dict[str, tuple[Any, int]] = {  # strategy, examples to draw
@@ -491,8 +577,14 @@ def draw_examples(strategy: Any, n: int) -> list[Template]:
     of ``4 * n`` generated, every distinct ``variant`` first, then the rest in order."""
     out: list[Template] = []
 
-    @settings(max_examples=4 * n, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=4 * n,
+        derandomize=True,
+        database=None,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def collect(example: Any) -> None:
         out.append(example)

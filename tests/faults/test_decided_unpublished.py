@@ -37,8 +37,9 @@ GROUP_TIMEOUT_S = 30.0  # far beyond the grace: a late verdict would be obvious
 
 
 async def test_decision_left_by_a_dead_worker_is_published_within_the_grace(pipeline_config) -> None:
-    cfg = msgspec.structs.replace(pipeline_config, worker=msgspec.structs.replace(
-        pipeline_config.worker, group_timeout_s=GROUP_TIMEOUT_S))
+    cfg = msgspec.structs.replace(
+        pipeline_config, worker=msgspec.structs.replace(pipeline_config.worker, group_timeout_s=GROUP_TIMEOUT_S)
+    )
     await ensure_topics(cfg.kafka, cfg.topics)
     gid = f"dead-decider-{uuid.uuid4().hex[:6]}"
     members = make_group(gid, 2, turns=1, output_tokens=4)
@@ -47,10 +48,18 @@ async def test_decision_left_by_a_dead_worker_is_published_within_the_grace(pipe
         outcome = None
         for m in members:  # what the dead worker did: park both members (the second decides)
             outcome, decision = await ledger.park(
-                SessionResult(session_id=m.session_id, trajectory_id=m.trajectory_id, status="scored",
-                              outcome_reward=m.outcome_reward),
-                group_id=gid, group_size=2, group_timeout_s=GROUP_TIMEOUT_S, worker_id="dead-worker",
-                scorers=encode_scorers([]))
+                SessionResult(
+                    session_id=m.session_id,
+                    trajectory_id=m.trajectory_id,
+                    status="scored",
+                    outcome_reward=m.outcome_reward,
+                ),
+                group_id=gid,
+                group_size=2,
+                group_timeout_s=GROUP_TIMEOUT_S,
+                worker_id="dead-worker",
+                scorers=encode_scorers([]),
+            )
         assert decision is not None and decision.outcome == "decided_now", outcome
         # ... and died before the grace update: the index entry still says "group deadline"
         first_seen = decision.state.first_seen
@@ -69,8 +78,12 @@ async def test_decision_left_by_a_dead_worker_is_published_within_the_grace(pipe
     finally:
         stop.set()
         await asyncio.wait_for(worker, 30)
-    report("decided-but-unpublished group", verdict=verdict.status,
-           seconds_to_verdict=round(elapsed, 1), republish_grace_s=REPUBLISH_GRACE_S,
-           group_timeout_s=GROUP_TIMEOUT_S)
+    report(
+        "decided-but-unpublished group",
+        verdict=verdict.status,
+        seconds_to_verdict=round(elapsed, 1),
+        republish_grace_s=REPUBLISH_GRACE_S,
+        group_timeout_s=GROUP_TIMEOUT_S,
+    )
     assert verdict.status == "accepted" and len(verdict.sessions) == 2  # nothing lost
     assert elapsed < REPUBLISH_GRACE_S + 5, f"verdict after {elapsed:.1f}s, not within the re-publish grace"

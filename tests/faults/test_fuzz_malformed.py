@@ -46,9 +46,15 @@ DEAD_LETTER_CAP = 64 * 1024
 
 async def test_malformed_records_end_in_dead_letters_or_rejections(kafka_bootstrap, redis_url, tmp_path) -> None:
     name = f"fuzz-{uuid.uuid4().hex[:8]}"
-    cfg = fault_config(name, kafka_bootstrap, redis_url, dead_letter_max_bytes=DEAD_LETTER_CAP, scorers=[
-        PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
-    ])
+    cfg = fault_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        dead_letter_max_bytes=DEAD_LETTER_CAP,
+        scorers=[
+            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
+        ],
+    )
     await ensure_topics(cfg.kafka, cfg.topics)
     t_gen = time.monotonic()
     cases = draw_cases(name)
@@ -69,8 +75,12 @@ async def test_malformed_records_end_in_dead_letters_or_rejections(kafka_bootstr
         finally:
             await producer.stop()
         deadline = time.monotonic() + 90
-        letters = await read_topic(cfg, cfg.topics.dead_letters, until=deadline,
-                                   stop_when=lambda rs: dead.keys() <= {r.key.decode() for r in rs})
+        letters = await read_topic(
+            cfg,
+            cfg.topics.dead_letters,
+            until=deadline,
+            stop_when=lambda rs: dead.keys() <= {r.key.decode() for r in rs},
+        )
         await wait_for_verdicts(cfg, set(rejected) | set(dead), timeout_s=max(5.0, deadline - time.monotonic()))
         outcomes_s = time.monotonic() - t0
         alive_after_batch = procs.alive()
@@ -101,29 +111,38 @@ async def test_malformed_records_end_in_dead_letters_or_rejections(kafka_bootstr
             continue
         dl = got[0]
         if dl.error_class != case.expect.what or case.expect.needle.lower() not in dl.error_message.lower():
-            problems.append(f"{case.category} / {case.note}: dead letter {dl.error_class}: {dl.error_message[:150]!r}, "
-                            f"expected {case.expect.what} mentioning {case.expect.needle!r}")
+            problems.append(
+                f"{case.category} / {case.note}: dead letter {dl.error_class}: {dl.error_message[:150]!r}, "
+                f"expected {case.expect.what} mentioning {case.expect.needle!r}"
+            )
         original = case.records[0][0] or b""
         if len(original) > DEAD_LETTER_CAP:
             truncated += 1
             if dl.payload != original[:DEAD_LETTER_CAP] or dl.original_size != len(original):
-                problems.append(f"{case.category} / {case.note}: truncated dead letter is not the original's prefix "
-                                f"({len(dl.payload)} bytes, original_size {dl.original_size})")
+                problems.append(
+                    f"{case.category} / {case.note}: truncated dead letter is not the original's prefix "
+                    f"({len(dl.payload)} bytes, original_size {dl.original_size})"
+                )
         elif dl.payload != original or dl.original_size != -1:
             problems.append(f"{case.category} / {case.note}: dead letter does not carry the original bytes")
         verdict = check.verdicts.get(key)
         where = f"{dl.source_topic}:{dl.source_partition}@{dl.source_offset}"
-        if verdict is not None and (verdict.status != "rejected" or reason_code(verdict) != "invalid_member"
-                                    or where not in verdict.reason):
-            problems.append(f"{case.category} / {case.note}: its group's verdict is {verdict.status} "
-                            f"{verdict.reason[:120]!r}, expected rejected invalid_member citing {where}")
+        if verdict is not None and (
+            verdict.status != "rejected" or reason_code(verdict) != "invalid_member" or where not in verdict.reason
+        ):
+            problems.append(
+                f"{case.category} / {case.note}: its group's verdict is {verdict.status} "
+                f"{verdict.reason[:120]!r}, expected rejected invalid_member citing {where}"
+            )
     for key, case in rejected.items():
         verdict = check.verdicts.get(key)
         if verdict is None:
             continue  # reported by assert_exactly_once
         if (verdict.status, reason_code(verdict)) != ("rejected", case.expect.what):
-            problems.append(f"{case.category} / {case.note}: verdict {verdict.status} {verdict.reason!r}, "
-                            f"expected rejected {case.expect.what}")
+            problems.append(
+                f"{case.category} / {case.note}: verdict {verdict.status} {verdict.reason!r}, "
+                f"expected rejected {case.expect.what}"
+            )
         if key in by_key:
             problems.append(f"{case.category} / {case.note}: rejected but also dead-lettered")
     stray = sorted(set(by_key) - dead.keys())
@@ -132,19 +151,24 @@ async def test_malformed_records_end_in_dead_letters_or_rejections(kafka_bootstr
 
     report(
         "5. malformed-record fuzz (hypothesis, derandomized), 2 workers",
-        cases=len(cases), records=sum(len(c.records) for c in cases),
+        cases=len(cases),
+        records=sum(len(c.records) for c in cases),
         bytes_published=sum(c.payload_bytes for c in cases),
         by_category=dict(Counter(c.category for c in cases)),
-        expected_dead_letters=len(dead), dead_letter_records=len(letters),
+        expected_dead_letters=len(dead),
+        dead_letter_records=len(letters),
         dead_letter_classes=dict(Counter(dl.error_class for dls in by_key.values() for dl in dls[:1])),
         truncated_dead_letters=truncated,
         expected_rejections=len(rejected),
         rejection_reasons=dict(Counter(reason_code(check.verdicts[k]) for k in rejected if k in check.verdicts)),
         lost=len(check.missing) + sum(1 for k in dead if k not in by_key),
-        verdict_duplicates_before_dedupe=check.duplicates, conflicting=len(check.conflicting),
-        generate_s=round(gen_s, 2), all_outcomes_s=round(outcomes_s, 1),
+        verdict_duplicates_before_dedupe=check.duplicates,
+        conflicting=len(check.conflicting),
+        generate_s=round(gen_s, 2),
+        all_outcomes_s=round(outcomes_s, 1),
         valid_group_after_batch=check.verdicts[sentinel].status if sentinel in check.verdicts else "missing",
-        valid_group_s=round(sentinel_s, 2), workers_alive_after_batch=alive_after_batch,
+        valid_group_s=round(sentinel_s, 2),
+        workers_alive_after_batch=alive_after_batch,
         final_sigterm_exits=procs.final_exits(),
     )
     check.assert_exactly_once(procs.logs())

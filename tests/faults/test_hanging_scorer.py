@@ -39,10 +39,17 @@ SCORER_TIMEOUT_S = 1.0
 
 async def test_hanging_scorer_times_out_under_load(kafka_bootstrap, redis_url, tmp_path) -> None:
     name = f"hang-{uuid.uuid4().hex[:8]}"
-    cfg = fault_config(name, kafka_bootstrap, redis_url, concurrency=32, scorer_timeout_s=SCORER_TIMEOUT_S, scorers=[
-        PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": 0.002, "hang_marker": "HANG"}),
-        PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
-    ])
+    cfg = fault_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        concurrency=32,
+        scorer_timeout_s=SCORER_TIMEOUT_S,
+        scorers=[
+            PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": 0.002, "hang_marker": "HANG"}),
+            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
+        ],
+    )
     await ensure_topics(cfg.kafka, cfg.topics)
     rng = np.random.default_rng(41)
     messages, hung = [], {}
@@ -51,8 +58,17 @@ async def test_hanging_scorer_times_out_under_load(kafka_bootstrap, redis_url, t
         bad = int(rng.integers(0, GROUP_SIZE)) if g % HANG_EVERY == 0 else -1
         for i in range(GROUP_SIZE):
             sid = f"{gid}-s{i}" + ("-HANG" if i == bad else "")
-            messages.append(make_session(trajectory_id=f"{gid}-t{i}", session_id=sid, group_id=gid,
-                                         group_size=GROUP_SIZE, turns=2, output_tokens=(8, 32), rng=rng))
+            messages.append(
+                make_session(
+                    trajectory_id=f"{gid}-t{i}",
+                    session_id=sid,
+                    group_id=gid,
+                    group_size=GROUP_SIZE,
+                    turns=2,
+                    output_tokens=(8, 32),
+                    rng=rng,
+                )
+            )
             if i == bad:
                 hung[gid] = f"{gid}-t{i}"
     expected = {m.group_id for m in messages}
@@ -72,14 +88,21 @@ async def test_hanging_scorer_times_out_under_load(kafka_bootstrap, redis_url, t
     timed_out = procs.count_log(r"scoring failed: scorer_timeout")
     report(
         "4. hanging scorer under load (2 workers)",
-        trajectories=len(messages), groups=len(expected), hung_members=len(hung),
-        scorer_timeout_s=SCORER_TIMEOUT_S, member_timeouts_logged=timed_out,
-        lost=len(check.missing), verdict_records=check.records, duplicates_before_dedupe=check.duplicates,
-        conflicting=len(check.conflicting), statuses=dict(check.statuses),
+        trajectories=len(messages),
+        groups=len(expected),
+        hung_members=len(hung),
+        scorer_timeout_s=SCORER_TIMEOUT_S,
+        member_timeouts_logged=timed_out,
+        lost=len(check.missing),
+        verdict_records=check.records,
+        duplicates_before_dedupe=check.duplicates,
+        conflicting=len(check.conflicting),
+        statuses=dict(check.statuses),
         reasons=dict(Counter(reason_code(v) or "-" for v in check.verdicts.values())),
         max_group_open_s_hung=round(max(open_s[g] for g in hung), 2),
         max_group_open_s_other=round(max(open_s[g] for g in expected - hung.keys()), 2),
-        all_verdicts_s=round(elapsed, 1), final_sigterm_exits=procs.final_exits(),
+        all_verdicts_s=round(elapsed, 1),
+        final_sigterm_exits=procs.final_exits(),
     )
     check.assert_exactly_once(procs.logs())
     for gid, verdict in check.verdicts.items():

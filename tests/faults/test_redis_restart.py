@@ -62,20 +62,29 @@ async def _tombstones(redis_cfg: RedisConfig) -> int:
     """Finished groups the ledger remembers: fingerprints in its dedupe sets."""
     client = make_redis(redis_cfg)
     try:
-        return sum([await client.scard(key) async for key in
-                    client.scan_iter(match=f"{redis_cfg.key_prefix}:done:*", count=1000)])
+        return sum(
+            [
+                await client.scard(key)
+                async for key in client.scan_iter(match=f"{redis_cfg.key_prefix}:done:*", count=1000)
+            ]
+        )
     finally:
         await client.aclose()
 
 
-async def test_redis_restart_with_aof_loses_and_duplicates_nothing(kafka_bootstrap, persistent_redis,
-                                                                   tmp_path) -> None:
+async def test_redis_restart_with_aof_loses_and_duplicates_nothing(kafka_bootstrap, persistent_redis, tmp_path) -> None:
     redis = persistent_redis
     name = f"redis-{uuid.uuid4().hex[:8]}"
-    cfg = fault_config(name, kafka_bootstrap, f"redis://127.0.0.1:{redis.port}/0", concurrency=16,
-                       group_timeout_s=GROUP_TIMEOUT_S, scorers=[
-        PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
-    ])
+    cfg = fault_config(
+        name,
+        kafka_bootstrap,
+        f"redis://127.0.0.1:{redis.port}/0",
+        concurrency=16,
+        group_timeout_s=GROUP_TIMEOUT_S,
+        scorers=[
+            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
+        ],
+    )
     client = make_redis(cfg.redis)
     try:
         persistence = await client.info("persistence")
@@ -97,23 +106,32 @@ async def test_redis_restart_with_aof_loses_and_duplicates_nothing(kafka_bootstr
                 await eventually(procs.all_polling, timeout_s=60, what="both workers polling")
                 for new_groups, fault in STEPS:
                     target = len(tail.groups) + new_groups
-                    await eventually(lambda target=target: len(tail.groups) >= target, timeout_s=120,
-                                     what=f"{new_groups} groups before {fault}")
+                    await eventually(
+                        lambda target=target: len(tail.groups) >= target,
+                        timeout_s=120,
+                        what=f"{new_groups} groups before {fault}",
+                    )
                     if events:  # the previous restart's NOSCRIPT replies (the counter resets with the server)
                         events[-1]["noscript_replies_after"] = await _noscript_errors(cfg.redis)
                     tombstones_before = await _tombstones(cfg.redis)
                     crash = "SIGKILL" in fault
                     event = await outage(
-                        fault, load=load, client_errors=lambda: procs.count_current_logs(procs.TRANSIENT),
+                        fault,
+                        load=load,
+                        client_errors=lambda: procs.count_current_logs(procs.TRANSIENT),
                         min_errors_each=3,
-                        down=redis.kill if crash else redis.stop, up=redis.start,
+                        down=redis.kill if crash else redis.stop,
+                        up=redis.start,
                     )
                     event["tombstones_before"] = tombstones_before
                     event["tombstones_after"] = await _tombstones(cfg.redis)
                     events.append(event)
                 target = len(tail.groups) + AFTER_LAST
-                await eventually(lambda target=target: len(tail.groups) >= target, timeout_s=120,
-                                 what="progress after the last restart")
+                await eventually(
+                    lambda target=target: len(tail.groups) >= target,
+                    timeout_s=120,
+                    what="progress after the last restart",
+                )
                 events[-1]["noscript_replies_after"] = await _noscript_errors(cfg.redis)
                 expected = await load.finish(publisher, tail)
             finally:
@@ -127,13 +145,19 @@ async def test_redis_restart_with_aof_loses_and_duplicates_nothing(kafka_bootstr
     check = check_verdicts(records, expected)
     report(
         "2. Redis restart with AOF (appendfsync everysec), 2 workers",
-        trajectories=load.trajectories(), groups=len(expected), lost=len(check.missing),
-        verdict_records=check.records, duplicates_before_dedupe=check.duplicates,
-        conflicting=len(check.conflicting), statuses=dict(check.statuses),
+        trajectories=load.trajectories(),
+        groups=len(expected),
+        lost=len(check.missing),
+        verdict_records=check.records,
+        duplicates_before_dedupe=check.duplicates,
+        conflicting=len(check.conflicting),
+        statuses=dict(check.statuses),
         transient_errors_retried=procs.transient_errors(),
         max_decision_to_publish_s=round(max(check.publish_lag_s.values()), 2),
         verdicts_after_republish_grace=len(check.late(REPUBLISH_GRACE_S + 2)),
-        elapsed_s=round(elapsed, 1), faults=faults, final_sigterm_exits=procs.final_exits(),
+        elapsed_s=round(elapsed, 1),
+        faults=faults,
+        final_sigterm_exits=procs.final_exits(),
     )
     check.assert_exactly_once(procs.logs())
     assert dict(check.statuses) == {"accepted": len(expected)}, check.statuses

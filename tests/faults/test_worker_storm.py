@@ -58,10 +58,17 @@ STORM: list[tuple[int, bool, list[tuple[str, int]]]] = [
 
 async def test_sigkill_and_rebalance_storm_with_three_workers(kafka_bootstrap, redis_url, tmp_path) -> None:
     name = f"storm-{uuid.uuid4().hex[:8]}"
-    cfg = fault_config(name, kafka_bootstrap, redis_url, partitions=6, concurrency=16,
-                       group_timeout_s=GROUP_TIMEOUT_S, scorers=[
-        PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
-    ])
+    cfg = fault_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        partitions=6,
+        concurrency=16,
+        group_timeout_s=GROUP_TIMEOUT_S,
+        scorers=[
+            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
+        ],
+    )
     await ensure_topics(cfg.kafka, cfg.topics)
     procs = FaultWorkers(write_config(cfg, tmp_path / "config.yaml"), log_dir(tmp_path), n=N_WORKERS)
     messages = list(workload(MAX_GROUPS, GROUP_SIZE, seed=11, prefix=f"{name}-g", turns=2, output_tokens=(8, 32)))
@@ -71,8 +78,9 @@ async def test_sigkill_and_rebalance_storm_with_three_workers(kafka_bootstrap, r
     try:
         async with VerdictTail(cfg) as tail:
             storm_over = asyncio.Event()
-            load = PacedLoad(cfg, messages, tail, wave=15, max_in_flight=45, enough=storm_over,
-                             max_groups_per_s=MAX_GROUPS_PER_S)
+            load = PacedLoad(
+                cfg, messages, tail, wave=15, max_in_flight=45, enough=storm_over, max_groups_per_s=MAX_GROUPS_PER_S
+            )
             publisher = asyncio.create_task(load.run())
             try:
                 for step, (new_groups, wait_ready, actions) in enumerate(STORM):
@@ -82,8 +90,11 @@ async def test_sigkill_and_rebalance_storm_with_three_workers(kafka_bootstrap, r
                         ready, _, _ = await poll_until(procs.all_polling, timeout_s=30)
                     target = len(tail.groups) + new_groups
                     try:
-                        await eventually(lambda target=target: len(tail.groups) >= target or publisher.done(),
-                                         timeout_s=120, what=f"step {step}: {new_groups} more groups decided")
+                        await eventually(
+                            lambda target=target: len(tail.groups) >= target or publisher.done(),
+                            timeout_s=120,
+                            what=f"step {step}: {new_groups} more groups decided",
+                        )
                     except AssertionError as exc:
                         raise AssertionError(f"{exc}\nsteps so far: {events}\n{procs.diagnosis()}") from None
                     if publisher.done():
@@ -92,9 +103,16 @@ async def test_sigkill_and_rebalance_storm_with_three_workers(kafka_bootstrap, r
                     in_flight = load.in_flight_messages()
                     for action, slot in actions:
                         {"kill": procs.kill, "term": procs.terminate, "start": procs.start}[action](slot)
-                    events.append({"step": step, "actions": " ".join(f"{a}{i}" for a, i in actions),
-                                   "groups_done": len(tail.groups), "all_polling_before": ready,
-                                   "in_flight_msgs": in_flight, "t": time.time()})
+                    events.append(
+                        {
+                            "step": step,
+                            "actions": " ".join(f"{a}{i}" for a, i in actions),
+                            "groups_done": len(tail.groups),
+                            "all_polling_before": ready,
+                            "in_flight_msgs": in_flight,
+                            "t": time.time(),
+                        }
+                    )
                 expected = await load.finish(publisher, tail)
             finally:
                 if not publisher.done():
@@ -112,15 +130,23 @@ async def test_sigkill_and_rebalance_storm_with_three_workers(kafka_bootstrap, r
     check = check_verdicts(records, expected)
     report(
         "1. worker SIGKILL + rebalance storm (3 workers)",
-        trajectories=load.trajectories(), groups=len(expected),
-        sigkills=procs.events["sigkill"], sigterms=procs.events["sigterm"], starts=procs.events["start"],
+        trajectories=load.trajectories(),
+        groups=len(expected),
+        sigkills=procs.events["sigkill"],
+        sigterms=procs.events["sigterm"],
+        starts=procs.events["start"],
         max_in_flight_at_fault=max(e["in_flight_msgs"] for e in events),  # type: ignore[type-var]
-        lost=len(check.missing), verdict_records=check.records,
-        duplicates_before_dedupe=check.duplicates, conflicting=len(check.conflicting),
-        statuses=dict(check.statuses), longest_gap_without_verdict_s=round(max_stall, 2),
+        lost=len(check.missing),
+        verdict_records=check.records,
+        duplicates_before_dedupe=check.duplicates,
+        conflicting=len(check.conflicting),
+        statuses=dict(check.statuses),
+        longest_gap_without_verdict_s=round(max_stall, 2),
         max_decision_to_publish_s=round(max(check.publish_lag_s.values()), 2),
         verdicts_after_republish_grace=len(check.late(REPUBLISH_GRACE_S + 2)),
-        elapsed_s=round(elapsed, 1), storm_sigterm_exits=graceful, final_sigterm_exits=procs.final_exits(),
+        elapsed_s=round(elapsed, 1),
+        storm_sigterm_exits=graceful,
+        final_sigterm_exits=procs.final_exits(),
         events=[{k: v for k, v in e.items() if k != "t"} for e in events],
     )
     # Nobody stopped these: a worker that died by itself (a rebalance crash) is a failure,
@@ -133,5 +159,6 @@ async def test_sigkill_and_rebalance_storm_with_three_workers(kafka_bootstrap, r
     # assignment) held no work and may end otherwise; every worker that polled must drain
     # and exit 0.
     exits = graceful + procs.final_exits()
-    assert all(code == 0 or not polled for code, polled in exits), \
+    assert all(code == 0 or not polled for code, polled in exits), (
         f"a SIGTERMed worker did not drain cleanly: {exits}\n{procs.logs()}"
+    )

@@ -33,8 +33,16 @@ from tests.polling import poll_until
 TEST_SCORER_MODULES = ["scoring_workers.scorers", "tests.scorers"]
 
 
-def isolated_config(name: str, kafka_bootstrap: str, redis_url: str, *, scorers: Sequence[PRMScorerConfig] = (),
-                    partitions: int = 4, kafka: dict[str, Any] | None = None, **worker: Any) -> PipelineConfig:
+def isolated_config(
+    name: str,
+    kafka_bootstrap: str,
+    redis_url: str,
+    *,
+    scorers: Sequence[PRMScorerConfig] = (),
+    partitions: int = 4,
+    kafka: dict[str, Any] | None = None,
+    **worker: Any,
+) -> PipelineConfig:
     """A config of one test's own: topics, consumer group and Redis key prefix carry ``name``.
 
     Kafka client settings for the embedded broker (``infra.local.LOCAL_BROKER_CLIENT``:
@@ -46,15 +54,20 @@ def isolated_config(name: str, kafka_bootstrap: str, redis_url: str, *, scorers:
         actor=ActorConfig(token_rewards_as_adv=True),
         kafka=KafkaConfig(bootstrap=kafka_bootstrap, **{**LOCAL_BROKER_CLIENT, "linger_ms": 1, **(kafka or {})}),
         redis=RedisConfig(url=redis_url, key_prefix=f"prm-test:{name}", ttl_s=600),
-        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
-                            experiments=f"exp.{name}",
-                            partitions=partitions),
+        topics=TopicsConfig(
+            trajectories=f"traj.{name}",
+            verdicts=f"verd.{name}",
+            dead_letters=f"dlq.{name}",
+            experiments=f"exp.{name}",
+            partitions=partitions,
+        ),
         worker=WorkerConfig(group_id=f"workers.{name}", **worker),
     )
 
 
-async def read_topic(cfg: PipelineConfig, topic: str, *, until: float | None = None,
-                     stop_when: callable | None = None) -> list:
+async def read_topic(
+    cfg: PipelineConfig, topic: str, *, until: float | None = None, stop_when: callable | None = None
+) -> list:
     """Every record of ``topic`` from the beginning up to its current end (or ``stop_when``).
 
     The end is taken from ``highwater()`` after fetching (the embedded broker's
@@ -122,8 +135,9 @@ def with_scorers(cfg: PipelineConfig, *scorers: PRMScorerConfig, **worker: Any) 
 def demo_config_on(services: PipelineConfig) -> PipelineConfig:
     """``config/demo.yaml`` (its scorers, as a user runs it) on a test's own services and topics."""
     demo = load_config(Path(__file__).resolve().parents[2] / "config" / "demo.yaml", environ={})
-    return msgspec.structs.replace(demo, kafka=services.kafka, redis=services.redis, topics=services.topics,
-                                   worker=services.worker)
+    return msgspec.structs.replace(
+        demo, kafka=services.kafka, redis=services.redis, topics=services.topics, worker=services.worker
+    )
 
 
 @contextlib.asynccontextmanager

@@ -43,10 +43,17 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
     name = f"audit-{uuid.uuid4().hex[:8]}"
-    return isolated_config(name, kafka_bootstrap, redis_url, scorer_timeout_s=5, group_timeout_s=30,
-                           scorers=[PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer",
-                                                    kwargs={"max_output_tokens": 32}),
-                                    PRMScorerConfig("tests.scorers.FailOnMarkerScorer")])
+    return isolated_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        scorer_timeout_s=5,
+        group_timeout_s=30,
+        scorers=[
+            PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 32}),
+            PRMScorerConfig("tests.scorers.FailOnMarkerScorer"),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +74,26 @@ async def test_audit_finds_nothing_then_exactly_the_forged_verdict(cfg, workers,
     # mixed lengths (1.0 and 0.0 turns); plain1 has 16-token turns (all 1.0): the one forged below
     plain = [make_group(f"plain{i}-{run}", 2, turns=2, output_tokens=16 if i == 1 else (8, 48)) for i in range(3)]
     gb = f"branch-{run}"
-    branched = [make_session(trajectory_id=f"{gb}-x", session_id=f"{gb}-x", group_id=gb, group_size=1,
-                             turns=3, branch_at=0, output_tokens=16)]
+    branched = [
+        make_session(
+            trajectory_id=f"{gb}-x",
+            session_id=f"{gb}-x",
+            group_id=gb,
+            group_size=1,
+            turns=3,
+            branch_at=0,
+            output_tokens=16,
+        )
+    ]
     gr = f"rej-{run}"
-    rejected = [make_session(trajectory_id=f"{gr}-ok", session_id=f"{gr}-ok", group_id=gr, group_size=2,
-                             turns=2, output_tokens=16),
-                make_session(trajectory_id=f"{gr}-bad", session_id=f"{gr}-FAIL", group_id=gr, group_size=2,
-                             turns=2, output_tokens=16)]
+    rejected = [
+        make_session(
+            trajectory_id=f"{gr}-ok", session_id=f"{gr}-ok", group_id=gr, group_size=2, turns=2, output_tokens=16
+        ),
+        make_session(
+            trajectory_id=f"{gr}-bad", session_id=f"{gr}-FAIL", group_id=gr, group_size=2, turns=2, output_tokens=16
+        ),
+    ]
     gd = f"disc-{run}"
     groups = [m[0].group_id for m in plain] + [gb, gr, gd]
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
@@ -91,9 +111,13 @@ async def test_audit_finds_nothing_then_exactly_the_forged_verdict(cfg, workers,
     report = await audit(cfg, AuditOptions(progress=False), stdout=out, stderr=out)
     found = report.by_group()
     assert set(found) == set(groups), out.getvalue()
-    assert report.counts == {"identical": len(groups), "differs": 0, "not_rescorable": 0,
-                             "verdict_without_trajectory": 0, "trajectory_without_verdict": 0}, \
-        [(f.group_id, f.outcome, f.differences[:2], f.notes[:2]) for f in report.findings if f.outcome != "identical"]
+    assert report.counts == {
+        "identical": len(groups),
+        "differs": 0,
+        "not_rescorable": 0,
+        "verdict_without_trajectory": 0,
+        "trajectory_without_verdict": 0,
+    }, [(f.group_id, f.outcome, f.differences[:2], f.notes[:2]) for f in report.findings if f.outcome != "identical"]
     assert report.exit_code == 0
     assert found[gr].sessions == {"identical": 2}  # the failed member failed again, with the same code
     assert found[gd].status == "discarded" and found[gd].sessions == {}  # discarded before members arrived
@@ -111,10 +135,15 @@ async def test_audit_finds_nothing_then_exactly_the_forged_verdict(cfg, workers,
     values = branch.token_rewards[turn].to_numpy().copy()
     values[-1] += 0.25
     forged_branch = msgspec.structs.replace(
-        branch, token_rewards={**branch.token_rewards, turn: TokenRewards.from_array(values)})
+        branch, token_rewards={**branch.token_rewards, turn: TokenRewards.from_array(values)}
+    )
     forged = msgspec.structs.replace(
-        original, sessions=[msgspec.structs.replace(session, branches=[forged_branch, *session.branches[1:]]),
-                            *original.sessions[1:]])
+        original,
+        sessions=[
+            msgspec.structs.replace(session, branches=[forged_branch, *session.branches[1:]]),
+            *original.sessions[1:],
+        ],
+    )
     assert forged.group_id == original.group_id and forged.verdict_version == original.verdict_version
     producer = make_producer(cfg.kafka)
     await producer.start()
@@ -142,7 +171,11 @@ async def test_audit_finds_nothing_then_exactly_the_forged_verdict(cfg, workers,
     assert set(by_kind) == {"token_rewards", "conflicting_verdicts"}
     diff = by_kind["token_rewards"]
     assert (diff["trajectory_id"], diff["session_id"], diff["leaf_id"], diff["turn"]) == (
-        session.trajectory_id, session.session_id, branch.leaf_id, turn)
+        session.trajectory_id,
+        session.session_id,
+        branch.leaf_id,
+        turn,
+    )
     assert diff["scorer"] == "length_budget"  # the only scorer with a nonzero share of that turn
     assert diff["index"] == len(values) - 1 and diff["max_abs_diff"] == pytest.approx(0.25)
     assert diff["variant"] == 1  # the second distinct verdict of (group, version 1): the forged one
@@ -160,8 +193,11 @@ async def test_audit_finds_nothing_then_exactly_the_forged_verdict(cfg, workers,
     # ---- 6. `verdicts --since`: the same time filter on the dump (the embedded broker's
     # offsets_for_times answers 0 for times after its last record; the filter still holds)
     dumped = io.StringIO()
-    assert await _dump(cfg, dumped, from_beginning=False, max_count=None, timeout_s=1.0,
-                       since_ms=before_forgery_ms) == 1
+    assert (
+        await _dump(cfg, dumped, from_beginning=False, max_count=None, timeout_s=1.0, since_ms=before_forgery_ms) == 1
+    )
     assert json.loads(dumped.getvalue())["group_id"] == target
-    assert await _dump(cfg, io.StringIO(), from_beginning=False, max_count=None, timeout_s=1.0,
-                       since_ms=parse_time("10m")) >= len(groups) + 1  # + the forgery (+ any redelivery)
+    assert (
+        await _dump(cfg, io.StringIO(), from_beginning=False, max_count=None, timeout_s=1.0, since_ms=parse_time("10m"))
+        >= len(groups) + 1
+    )  # + the forgery (+ any redelivery)

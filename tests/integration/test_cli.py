@@ -28,13 +28,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(config, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 async def test_publish_jsonl_then_dump_verdicts(pipeline_config, tmp_path) -> None:
-    cfg = with_scorers(pipeline_config,
-                       PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4}))
+    cfg = with_scorers(
+        pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4})
+    )
     config = write_config(cfg, tmp_path / "config.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
     group = make_group("cli-g1", 2, turns=1, output_tokens=3)
@@ -56,8 +61,9 @@ async def test_publish_jsonl_then_dump_verdicts(pipeline_config, tmp_path) -> No
     stop = asyncio.Event()
     worker = asyncio.create_task(Worker(cfg, worker_id="w-cli").run(stop))
     try:
-        dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2",
-                                         "--idle-timeout", "30", timeout=90)
+        dumped = await asyncio.to_thread(
+            _cli, config, "verdicts", "--from-beginning", "--max", "2", "--idle-timeout", "30", timeout=90
+        )
     finally:
         stop.set()
         await worker
@@ -80,10 +86,14 @@ def test_worker_with_kafka_but_no_redis_names_redis_and_its_setting(kafka_bootst
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")}
-    env.update(PRM_KAFKA_BOOTSTRAP=kafka_bootstrap, PRM_REDIS_URL=f"redis://user:s3cret@127.0.0.1:{port}/0",
-               PRM_REDIS_STARTUP_TIMEOUT_S="4")
-    proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "worker"], capture_output=True, text=True,
-                          timeout=60, env=env)
+    env.update(
+        PRM_KAFKA_BOOTSTRAP=kafka_bootstrap,
+        PRM_REDIS_URL=f"redis://user:s3cret@127.0.0.1:{port}/0",
+        PRM_REDIS_STARTUP_TIMEOUT_S="4",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "worker"], capture_output=True, text=True, timeout=60, env=env
+    )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr and "Unclosed" not in proc.stderr and "s3cret" not in proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
@@ -102,11 +112,16 @@ async def test_readme_manual_session_with_the_example_file(pipeline_config, tmp_
     assert "published 3 ready trajectories and 1 discards" in published.stdout
 
     log = (tmp_path / "worker.log").open("wb")
-    worker = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "worker", "--config", str(config),
-                               "--worker-id", "w-example"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prm_pipeline.cli", "worker", "--config", str(config), "--worker-id", "w-example"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     try:
-        dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2",
-                                         "--idle-timeout", "60", timeout=120)
+        dumped = await asyncio.to_thread(
+            _cli, config, "verdicts", "--from-beginning", "--max", "2", "--idle-timeout", "60", timeout=120
+        )
     finally:
         worker.send_signal(signal.SIGTERM)
         await asyncio.to_thread(worker.wait, 60)
@@ -125,7 +140,9 @@ async def test_readme_manual_session_with_the_example_file(pipeline_config, tmp_
     sessions = {s["trajectory_id"]: s for s in math_group["sessions"]}
     branching, linear = sessions["example-math-t1"], sessions["example-math-t2"]
     assert [(b["leaf_id"], b["path"]) for b in branching["branches"]] == [
-        ("s1-i2", ["s1-i1", "s1-i2"]), ("s1-i3", ["s1-i1", "s1-i3"])]
+        ("s1-i2", ["s1-i1", "s1-i2"]),
+        ("s1-i3", ["s1-i1", "s1-i3"]),
+    ]
     assert [b["path"] for b in linear["branches"]] == [["s2-i1", "s2-i2"]]
     # every turn is within demo.yaml's 128-token budget: 1.0 per output token, per branch
     assert branching["branches"][0]["token_rewards"] == {"s1-i1": [1.0, 1.0], "s1-i2": [1.0, 1.0, 1.0]}
@@ -139,8 +156,12 @@ def _on_a_terminal(config, *args: str) -> tuple[int, str]:
     import pty
 
     main, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
-                            stdout=secondary, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "150"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+        stdout=secondary,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "150"},
+    )
     os.close(secondary)
     chunks = []
     while True:
@@ -172,11 +193,18 @@ async def test_publish_shows_progress_on_a_terminal_only(pipeline_config, tmp_pa
 FIX = "`prm-pipeline topics create` creates the configured topics"
 
 
-def _timed(config, *args: str, env: dict[str, str] | None = None,
-           timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+def _timed(
+    config, *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
     return proc, time.monotonic() - started
 
 
@@ -186,17 +214,25 @@ def _error_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
 
 
 async def test_a_missing_topic_is_one_line_with_the_fix_within_5_s_from_every_command_and_never_created(
-        pipeline_config, tmp_path) -> None:
-    cfg = with_scorers(pipeline_config,
-                       PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4}))
+    pipeline_config, tmp_path
+) -> None:
+    cfg = with_scorers(
+        pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4})
+    )
     config = write_config(cfg, tmp_path / "config.yaml")
     t = cfg.topics
     example = str(REPO / "examples" / "trajectories.jsonl")
-    for args, topic in [(("publish", example), t.trajectories), (("publish", "--raw", example), t.trajectories),
-                        (("worker",), t.trajectories), (("verdicts", "--idle-timeout", "1"), t.verdicts),
-                        (("dead-letters",), t.dead_letters), (("inspect", "--group", "g1", "--wait", "1"), t.verdicts),
-                        (("audit",), t.trajectories), (("trainer", "--idle-timeout", "1"), t.verdicts),
-                        (("gateway", "--port", "0"), t.trajectories)]:
+    for args, topic in [
+        (("publish", example), t.trajectories),
+        (("publish", "--raw", example), t.trajectories),
+        (("worker",), t.trajectories),
+        (("verdicts", "--idle-timeout", "1"), t.verdicts),
+        (("dead-letters",), t.dead_letters),
+        (("inspect", "--group", "g1", "--wait", "1"), t.verdicts),
+        (("audit",), t.trajectories),
+        (("trainer", "--idle-timeout", "1"), t.verdicts),
+        (("gateway", "--port", "0"), t.trajectories),
+    ]:
         proc, took = await asyncio.to_thread(_timed, config, *args)
         assert proc.returncode in (1, 2), (args, proc.stderr)
         (line,) = _error_lines(proc)
@@ -217,8 +253,10 @@ async def test_topics_create_reports_an_existing_topic_whose_partitions_differ(p
     proc, _ = await asyncio.to_thread(_timed, write_config(cfg, tmp_path / "config.yaml"), "topics", "create")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert f"differs  {cfg.topics.trajectories}: 2 partitions, the config asks for {cfg.topics.partitions}" \
-        in "\n".join(lines), proc.stdout
+    assert (
+        f"differs  {cfg.topics.trajectories}: 2 partitions, the config asks for {cfg.topics.partitions}"
+        in "\n".join(lines)
+    ), proc.stdout
     assert f"created  {cfg.topics.verdicts}" in lines
 
 
@@ -234,18 +272,22 @@ async def test_a_taken_port_is_one_line_naming_the_flag_exit_2(pipeline_config, 
     cfg = pipeline_config
     await ensure_topics(cfg.kafka, cfg.topics)
     config = write_config(cfg, tmp_path / "config.yaml")
-    for args, flag in [(("gateway", "--port", str(taken_port)), "gateway --host/--port"),
-                       (("worker", "--metrics-port", str(taken_port)), "worker --metrics-port"),
-                       (("status", "--watch", "1", "--metrics-port", str(taken_port)), "status --metrics-port"),
-                       (("fake-judge", "--host", "0.0.0.0", "--port", str(taken_port)), "fake-judge --port")]:
+    for args, flag in [
+        (("gateway", "--port", str(taken_port)), "gateway --host/--port"),
+        (("worker", "--metrics-port", str(taken_port)), "worker --metrics-port"),
+        (("status", "--watch", "1", "--metrics-port", str(taken_port)), "status --metrics-port"),
+        (("fake-judge", "--host", "0.0.0.0", "--port", str(taken_port)), "fake-judge --port"),
+    ]:
         proc, _ = await asyncio.to_thread(_timed, config, *args)
         assert proc.returncode == 2, (args, proc.stderr)
         (line,) = _error_lines(proc)
         assert line.startswith(f"config error: {flag}") and f":{taken_port}: the port is already in use" in line, line
 
 
-@pytest.mark.parametrize(("variable", "value"), [("PRM_KAFKA_BOOTSTRAP", "localhost"), ("PRM_KAFKA_BOOTSTRAP", ""),
-                                                 ("PRM_REDIS_URL", "localhost:6379")])
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("PRM_KAFKA_BOOTSTRAP", "localhost"), ("PRM_KAFKA_BOOTSTRAP", ""), ("PRM_REDIS_URL", "localhost:6379")],
+)
 def test_a_malformed_address_is_a_config_error_at_once_naming_the_variable(variable, value, tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")}
     env[variable] = value

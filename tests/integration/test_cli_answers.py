@@ -48,8 +48,9 @@ async def test_verdicts_on_a_terminal_says_once_that_it_waits(pipeline_config, m
     for terminal in (True, False):
         stderr = _Terminal() if terminal else io.StringIO()
         monkeypatch.setattr(sys, "stderr", stderr)
-        code = await asyncio.to_thread(dump_verdicts, pipeline_config, from_beginning=False, max_count=None,
-                                       timeout_s=1.0, out=None)
+        code = await asyncio.to_thread(
+            dump_verdicts, pipeline_config, from_beginning=False, max_count=None, timeout_s=1.0, out=None
+        )
         monkeypatch.undo()
         lines = stderr.getvalue().splitlines()
         waiting = f"waiting for verdicts on {pipeline_config.topics.verdicts} (Ctrl-C to stop)"
@@ -73,21 +74,26 @@ async def test_inspect_of_an_open_group_says_it_is_open(pipeline_config, tmp_pat
     finally:
         await view.aclose()
     assert code == 1
-    assert err.startswith(f"inspect: no verdict for group {gid!r}; it is open: 1 of 2 members parked, decided when "
-                          "the rest arrive or in "), err
+    assert err.startswith(
+        f"inspect: no verdict for group {gid!r}; it is open: 1 of 2 members parked, decided when the rest arrive or in "
+    ), err
 
 
-async def test_dead_letter_redrive_refuses_out_and_names_an_offset_that_matches_nothing(pipeline_config, tmp_path,
-                                                                                          capsys) -> None:
+async def test_dead_letter_redrive_refuses_out_and_names_an_offset_that_matches_nothing(
+    pipeline_config, tmp_path, capsys
+) -> None:
     await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
     config = str(write_config(pipeline_config, tmp_path / "config.yaml"))
-    code, out, err = await _cli(capsys, "--config", config, "dead-letters", "--redrive", "--out",
-                                str(tmp_path / "plan.txt"))
+    code, out, err = await _cli(
+        capsys, "--config", config, "dead-letters", "--redrive", "--out", str(tmp_path / "plan.txt")
+    )
     assert code == 2 and out == "" and "--redrive prints its plan to stdout" in err, err
     code, out, err = await _cli(capsys, "--config", config, "dead-letters", "--redrive", "--offsets", "0:99,1:3")
     assert code == 0 and "dry run: would redrive 0 of 0" in out, out + err
-    assert (f"dead-letters: --offsets 0:99, 1:3 match no dead letter read from {pipeline_config.topics.dead_letters} "
-            "(0 read)") in err, err
+    assert (
+        f"dead-letters: --offsets 0:99, 1:3 match no dead letter read from {pipeline_config.topics.dead_letters} "
+        "(0 read)"
+    ) in err, err
 
 
 async def test_a_line_of_another_experiment_is_named_by_file_and_line(pipeline_config, tmp_path, capsys) -> None:

@@ -53,9 +53,15 @@ async def _tail_groups(cfg: PipelineConfig, seen: set[str], stop: asyncio.Event)
 
 async def test_sigkill_during_load_loses_and_duplicates_nothing(kafka_bootstrap, redis_url, tmp_path) -> None:
     name = f"crash-{uuid.uuid4().hex[:8]}"
-    cfg = isolated_config(name, kafka_bootstrap, redis_url, kafka={"linger_ms": 2}, concurrency=32,
-                          group_timeout_s=120, scorers=[
-        PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24})])
+    cfg = isolated_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        kafka={"linger_ms": 2},
+        concurrency=32,
+        group_timeout_s=120,
+        scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24})],
+    )
     await ensure_topics(cfg.kafka, cfg.topics)
     procs = WorkerProcesses(write_config(cfg, tmp_path / "config.yaml"), tmp_path, n=2)
     procs.start()
@@ -69,7 +75,7 @@ async def test_sigkill_during_load_loses_and_duplicates_nothing(kafka_bootstrap,
     try:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             for i in range(0, len(messages), 100):  # publish in waves while workers are dying
-                await pub.publish_many(messages[i:i + 100])
+                await pub.publish_many(messages[i : i + 100])
                 await pub.flush()
                 await asyncio.sleep(0)  # let the tail task run between waves
 
@@ -108,6 +114,8 @@ async def test_sigkill_during_load_loses_and_duplicates_nothing(kafka_bootstrap,
     n_discard = sum(1 for m in messages if m.__class__.__name__ == "DiscardGroup")
     assert statuses == {"accepted"} and n_discard == 0
     duplicates = len(records) - len(expected)
-    print(f"\ncrash test: {len(messages)} trajectories, {len(expected)} groups, {kills} SIGKILLs, "
-          f"{elapsed:.1f}s; verdict records {len(records)} (duplicates before dedupe: {duplicates}), "
-          f"lost 0; exit codes {codes}")
+    print(
+        f"\ncrash test: {len(messages)} trajectories, {len(expected)} groups, {kills} SIGKILLs, "
+        f"{elapsed:.1f}s; verdict records {len(records)} (duplicates before dedupe: {duplicates}), "
+        f"lost 0; exit codes {codes}"
+    )

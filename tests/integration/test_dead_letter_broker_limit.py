@@ -37,11 +37,17 @@ async def test_the_dead_letter_of_a_near_limit_random_record_lands_on_noida(tmp_
     with LocalStack(tmp_path, broker="noida") as stack:
         defaults = KafkaConfig()  # noida keeps Kafka's group rules: the product's client settings
         kafka = {name: getattr(defaults, name) for name in LOCAL_BROKER_CLIENT} | {
-            **stack.client_settings, "max_message_bytes": LIMIT}
-        cfg = isolated_config(f"dl-limit-{uuid.uuid4().hex[:8]}", stack.kafka_bootstrap, stack.redis_url, kafka=kafka,
-                              dead_letter_max_bytes=LIMIT, scorers=[
-                                  PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer",
-                                                  kwargs={"max_output_tokens": 64})])
+            **stack.client_settings,
+            "max_message_bytes": LIMIT,
+        }
+        cfg = isolated_config(
+            f"dl-limit-{uuid.uuid4().hex[:8]}",
+            stack.kafka_bootstrap,
+            stack.redis_url,
+            kafka=kafka,
+            dead_letter_max_bytes=LIMIT,
+            scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 64})],
+        )
         assert cfg.kafka.compression == "zstd"
         await ensure_topics(cfg.kafka, cfg.topics)  # max.message.bytes = LIMIT on each topic
         key = f"near-{uuid.uuid4().hex[:6]}".encode()
@@ -63,8 +69,12 @@ async def test_the_dead_letter_of_a_near_limit_random_record_lands_on_noida(tmp_
             await zstd.stop()
 
         async with running_worker(cfg, "w-limit") as worker:
-            records = await read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + 60,
-                                       stop_when=lambda rs: any(r.key == key for r in rs))
+            records = await read_topic(
+                cfg,
+                cfg.topics.dead_letters,
+                until=time.monotonic() + 60,
+                stop_when=lambda rs: any(r.key == key for r in rs),
+            )
             snapshot = worker.telemetry.snapshot()
         assert snapshot["prm_worker_poison_total"] == 0, "the dead letter was refused: logged as POISON"
         (record,) = [r for r in records if r.key == key]

@@ -34,10 +34,27 @@ def two_demo_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     """Two demo runs with the same arguments and seed, side by side; each must exit 0 with ``demo OK``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     outs = [tmp_path_factory.mktemp("demo") / "report" for _ in range(2)]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(REPO / "config" / "demo.yaml"), "demo",
-         *DEMO_ARGS, "--out", str(out)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for out in outs]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prm_pipeline.cli",
+                "--config",
+                str(REPO / "config" / "demo.yaml"),
+                "demo",
+                *DEMO_ARGS,
+                "--out",
+                str(out),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for out in outs
+    ]
     try:
         results = [p.communicate(timeout=420) for p in procs]
     finally:
@@ -81,9 +98,14 @@ def _trained_on(out: Path) -> dict[str, Any]:
         if v["status"] != "accepted":
             continue
         scores[v["group_id"]] = sorted(
-            (s["session_id"], s["outcome_reward"], [b["token_rewards"] for b in s["branches"]],
-             sorted((t["interaction_id"], t["scorer_name"], t["reward"]) for t in s["turn_results"]))
-            for s in v["sessions"])
+            (
+                s["session_id"],
+                s["outcome_reward"],
+                [b["token_rewards"] for b in s["branches"]],
+                sorted((t["interaction_id"], t["scorer_name"], t["reward"]) for t in s["turn_results"]),
+            )
+            for s in v["sessions"]
+        )
     log = [json.loads(line) for line in (out / "trainer-log.jsonl").read_text().splitlines()]
     curves = json.loads((out / "learning-curves.json").read_text())
     return {"scores": scores, "trainer log": log, "curves": curves["curves"], "verdict": curves["verdict"]}

@@ -50,8 +50,13 @@ async def topics_of(cfg: PipelineConfig, *experiments: str) -> None:
         names += [trajectories_topic(cfg.topics.trajectories, exp), verdicts_topic(cfg.topics.verdicts, exp)]
     await ensure_topics(cfg.kafka, cfg.topics, names)
     for exp in experiments:
-        await publish_spec(cfg, ExperimentSpec(experiment_id=exp, prm=PRMConfig(scorers=[
-            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer")])))
+        await publish_spec(
+            cfg,
+            ExperimentSpec(
+                experiment_id=exp,
+                prm=PRMConfig(scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer")]),
+            ),
+        )
 
 
 async def send(cfg: PipelineConfig, topic: str, verdicts: list[GroupVerdict], *, key: str | None = None) -> None:
@@ -82,7 +87,9 @@ async def test_publishers_write_to_their_experiments_topic(pipeline_config, tmp_
     (t2,) = make_group("g2", 1, turns=1, output_tokens=2)
     jsonl.write(tmp_path / "in.jsonl", [t2])
     (tmp_path / "other.jsonl").write_text(
-        (tmp_path / "in.jsonl").read_text() + json.dumps({"kind": "discard", "group_id": "g3", "experiment_id": "exp-b"}))
+        (tmp_path / "in.jsonl").read_text()
+        + json.dumps({"kind": "discard", "group_id": "g3", "experiment_id": "exp-b"})
+    )
     config = write_config(cfg, tmp_path / "config.yaml")
 
     async def cli(*args: str) -> int:  # in-process (its own event loop in a thread): no interpreter start-up
@@ -93,16 +100,24 @@ async def test_publishers_write_to_their_experiments_topic(pipeline_config, tmp_
     assert await cli("--experiment", "exp-a", str(tmp_path / "other.jsonl")) == 1
     assert "names experiment 'exp-b'" in capsys.readouterr().err
 
-    records = await read_topic(cfg, trajectories_topic(cfg.topics.trajectories, "exp-a"),
-                               until=time.monotonic() + DEADLINE_S, stop_when=lambda rs: len(rs) >= 3)
+    records = await read_topic(
+        cfg,
+        trajectories_topic(cfg.topics.trajectories, "exp-a"),
+        until=time.monotonic() + DEADLINE_S,
+        stop_when=lambda rs: len(rs) >= 3,
+    )
     messages = [decode_message(r.value, r.headers) for r in records]
     assert sorted((type(m).__name__, m.group_id, m.experiment) for m in messages) == [
-        ("DiscardGroup", "g1", "exp-a"), ("ReadyTrajectory", "g1", "exp-a"), ("ReadyTrajectory", "g2", "exp-a")]
+        ("DiscardGroup", "g1", "exp-a"),
+        ("ReadyTrajectory", "g1", "exp-a"),
+        ("ReadyTrajectory", "g2", "exp-a"),
+    ]
     assert await read_topic(cfg, cfg.topics.trajectories) == []  # the default experiment's topic got nothing
 
 
-async def test_trainers_of_two_experiments_keep_the_same_group_ids_apart(pipeline_config, unique_name,
-                                                                         tmp_path, caplog) -> None:
+async def test_trainers_of_two_experiments_keep_the_same_group_ids_apart(
+    pipeline_config, unique_name, tmp_path, caplog
+) -> None:
     cfg = trainer_config(pipeline_config, unique_name, batch_groups=1)
     await topics_of(cfg, "exp-a", "exp-b")
     topic_a, topic_b = (verdicts_topic(cfg.topics.verdicts, e) for e in ("exp-a", "exp-b"))
@@ -134,12 +149,20 @@ async def test_reward_client_and_verdicts_dump_of_one_experiment(pipeline_config
     """A RewardClient of experiment A publishes to A's topic and gets A's verdict, whose
     members' tokens are read back from A's trajectories topic; a verdict of the same group
     id of experiment B, on B's topic or misplaced on A's, never answers it."""
-    cfg = msgspec.structs.replace(pipeline_config, trainer=msgspec.structs.replace(
-        pipeline_config.trainer, experiment="exp-a"))  # the client's default: trainer.experiment
+    cfg = msgspec.structs.replace(
+        pipeline_config, trainer=msgspec.structs.replace(pipeline_config.trainer, experiment="exp-a")
+    )  # the client's default: trainer.experiment
     await topics_of(cfg, "exp-a", "exp-b")
     traj_a, topic_a = trajectories_topic(cfg.topics.trajectories, "exp-a"), verdicts_topic(cfg.topics.verdicts, "exp-a")
-    decoy = GroupVerdict(group_id="g1", status="rejected", reason="not yours", reason_code="missing_sessions",
-                         verdict_version=1, group_size=1, experiment_id="exp-b")
+    decoy = GroupVerdict(
+        group_id="g1",
+        status="rejected",
+        reason="not yours",
+        reason_code="missing_sessions",
+        verdict_version=1,
+        group_size=1,
+        experiment_id="exp-b",
+    )
     await send(cfg, verdicts_topic(cfg.topics.verdicts, "exp-b"), [decoy])
 
     async def stand_in_worker() -> None:
@@ -154,15 +177,22 @@ async def test_reward_client_and_verdicts_dump_of_one_experiment(pipeline_config
             infos = runner.scorer_infos()
         finally:
             await runner.aclose()
-        verdict = GroupVerdict(group_id="g1", status="accepted", verdict_version=1, group_size=1, sessions=[member],
-                               scorers=infos, worker_id="stand-in", experiment_id="exp-a")
+        verdict = GroupVerdict(
+            group_id="g1",
+            status="accepted",
+            verdict_version=1,
+            group_size=1,
+            sessions=[member],
+            scorers=infos,
+            worker_id="stand-in",
+            experiment_id="exp-a",
+        )
         await send(cfg, topic_a, [msgspec.structs.replace(decoy, experiment_id="exp-b"), verdict], key="g1")
 
     worker = asyncio.create_task(stand_in_worker())
     async with RewardClient(cfg, verdict_timeout_s=DEADLINE_S) as client:
         assert client.experiment == "exp-a"
-        (reward,) = await client.score_group([Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7])],
-                                             group_id="g1")
+        (reward,) = await client.score_group([Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7])], group_id="g1")
     await worker
     assert reward.status == "accepted", reward.reason
     assert reward.verdict is not None and reward.verdict.sessions[0].turns  # read back from A's topic

@@ -30,8 +30,14 @@ class _Recording(AdaptiveFetchWait):
 
 
 async def test_fetch_wait_grows_while_idle_and_drops_when_records_come(kafka_bootstrap) -> None:
-    cfg = KafkaConfig(bootstrap=kafka_bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
-                      leave_group_on_stop=False, fetch_min_wait_ms=5, fetch_max_wait_ms=80)
+    cfg = KafkaConfig(
+        bootstrap=kafka_bootstrap,
+        session_timeout_ms=2000,
+        heartbeat_interval_ms=500,
+        leave_group_on_stop=False,
+        fetch_min_wait_ms=5,
+        fetch_max_wait_ms=80,
+    )
     topic = f"fetchwait-{uuid.uuid4().hex[:8]}"
     await ensure_topics(cfg, TopicsConfig(partitions=2), [topic])
     consumer = make_consumer(cfg, topic, group_id=f"fw-{uuid.uuid4().hex[:8]}")
@@ -42,8 +48,12 @@ async def test_fetch_wait_grows_while_idle_and_drops_when_records_come(kafka_boo
     await consumer.start()
     await producer.start()
     try:
-        await eventually(lambda: bool(seen) and seen[-1] == (False, 80), timeout_s=20,  # idle: doubled up to the long wait
-                         between=lambda: consumer.getmany(timeout_ms=100), what=lambda: f"the wait to reach 80 ms while idle: {seen[-8:]}")
+        await eventually(
+            lambda: bool(seen) and seen[-1] == (False, 80),
+            timeout_s=20,  # idle: doubled up to the long wait
+            between=lambda: consumer.getmany(timeout_ms=100),
+            what=lambda: f"the wait to reach 80 ms while idle: {seen[-8:]}",
+        )
         assert fetch_wait_ms(consumer) == 80  # what the next FetchRequest carries
         assert [w for _, w in seen[:4]] == [10, 20, 40, 80]  # a fresh topic: doubling from 5 ms
 
@@ -54,7 +64,7 @@ async def test_fetch_wait_grows_while_idle_and_drops_when_records_come(kafka_boo
             got.extend(r for rs in (await consumer.getmany(timeout_ms=100)).values() for r in rs)
 
         await eventually(lambda: got, between=read, timeout_s=20, what="the record")
-        assert (True, 5) in seen[seen.index((False, 80)):]  # the fetch that brought it reset the wait
+        assert (True, 5) in seen[seen.index((False, 80)) :]  # the fetch that brought it reset the wait
     finally:
         await producer.stop()
         await consumer.stop()

@@ -41,8 +41,14 @@ def _spec(experiment_id: str, *scorers: PRMScorerConfig, **fields) -> Experiment
 
 async def _declare(cfg: PipelineConfig, spec: ExperimentSpec) -> None:
     """What ``experiment add`` does: the experiment's topics, then the registry record."""
-    await ensure_topics(cfg.kafka, cfg.topics, [trajectories_topic(cfg.topics.trajectories, spec.experiment_id),
-                                                 verdicts_topic(cfg.topics.verdicts, spec.experiment_id)])
+    await ensure_topics(
+        cfg.kafka,
+        cfg.topics,
+        [
+            trajectories_topic(cfg.topics.trajectories, spec.experiment_id),
+            verdicts_topic(cfg.topics.verdicts, spec.experiment_id),
+        ],
+    )
     await publish_spec(cfg, spec)
 
 
@@ -56,7 +62,9 @@ async def _serving(worker, experiment_id: str, *, present: bool = True, timeout_
         assigned = any(tp.topic == topic for tp in worker.consumer.assignment())
         return served == present and assigned == present
 
-    await eventually(settled, timeout_s=timeout_s, what=f"the worker to {'serve' if present else 'stop serving'} {experiment_id!r}")
+    await eventually(
+        settled, timeout_s=timeout_s, what=f"the worker to {'serve' if present else 'stop serving'} {experiment_id!r}"
+    )
 
 
 async def _publish(cfg: PipelineConfig, experiment_id: str | None, messages, *, topic_of: str | None = None) -> None:
@@ -71,24 +79,31 @@ async def _publish(cfg: PipelineConfig, experiment_id: str | None, messages, *, 
     try:
         for m in messages:
             value, headers = encode(msgspec.structs.replace(m, experiment_id=experiment_id))
-            await producer.send_and_wait(trajectories_topic(cfg.topics.trajectories, topic_of), value,
-                                         key=m.group_id.encode(), headers=headers)
+            await producer.send_and_wait(
+                trajectories_topic(cfg.topics.trajectories, topic_of), value, key=m.group_id.encode(), headers=headers
+            )
     finally:
         await producer.stop()
 
 
-async def _verdicts(cfg: PipelineConfig, experiment_id: str, groups: set[str], timeout_s: float = 30,
-                    ) -> dict[str, GroupVerdict]:
+async def _verdicts(
+    cfg: PipelineConfig,
+    experiment_id: str,
+    groups: set[str],
+    timeout_s: float = 30,
+) -> dict[str, GroupVerdict]:
     topic = verdicts_topic(cfg.topics.verdicts, experiment_id)
-    records = await read_topic(cfg, topic, until=time.monotonic() + timeout_s,
-                               stop_when=lambda rs: groups <= {r.key.decode() for r in rs})
+    records = await read_topic(
+        cfg, topic, until=time.monotonic() + timeout_s, stop_when=lambda rs: groups <= {r.key.decode() for r in rs}
+    )
     out = {v.group_id: v for v in (decode_verdict(r.value, r.headers) for r in records) if v.group_id in groups}
     assert set(out) == groups, f"no verdict on {topic} within {timeout_s}s for {sorted(groups - set(out))}"
     return out
 
 
 async def test_hot_added_experiment_is_scored_with_its_own_scorers_and_same_group_ids_stay_apart(
-        pipeline_config) -> None:
+    pipeline_config,
+) -> None:
     cfg = with_scorers(pipeline_config, LENGTH)
     gid = f"same-{uuid.uuid4().hex[:6]}"
     async with running_worker(cfg, "w-fleet-add") as worker:
@@ -104,8 +119,9 @@ async def test_hot_added_experiment_is_scored_with_its_own_scorers_and_same_grou
     assert [s.name for s in scoped.scorers] == ["slow"]  # the experiment's own stack
     assert len(default.sessions) == len(scoped.sessions) == 2  # one group each, never merged
     # the audit of the experiment re-scores with the registry's stack and finds the verdict right
-    report = await audit(cfg, AuditOptions(experiment="exp-a", groups=[gid], progress=False), stdout=io.StringIO(),
-                         stderr=io.StringIO())
+    report = await audit(
+        cfg, AuditOptions(experiment="exp-a", groups=[gid], progress=False), stdout=io.StringIO(), stderr=io.StringIO()
+    )
     assert [s.name for s in report.scope.scorers] == ["slow"]
     assert (report.counts["identical"], report.exit_code) == (1, 0), report.counts
 
@@ -119,8 +135,11 @@ async def test_removing_an_experiment_lets_its_open_group_finish_then_stops_serv
         await _serving(worker, "exp-r")
         await _publish(cfg, "exp-r", [first])
         await publish_removal(cfg, "exp-r")
-        await eventually(lambda: worker.fleet.get("exp-r").retire_at is not None, timeout_s=10,
-                         what="the removal to reach the worker (retiring)")
+        await eventually(
+            lambda: worker.fleet.get("exp-r").retire_at is not None,
+            timeout_s=10,
+            what="the removal to reach the worker (retiring)",
+        )
         await _publish(cfg, "exp-r", [second])  # the open group's last member is still scored
         finished = (await _verdicts(cfg, "exp-r", {gid}))[gid]
         await _serving(worker, "exp-r", present=False)  # after its group timeout: no longer served
@@ -145,8 +164,12 @@ async def test_a_flooded_experiment_does_not_stall_another(pipeline_config) -> N
         flood = [m for g in range(80) for m in make_group(f"flood-{g}-{uuid.uuid4().hex[:4]}", 1)]
         calm = [m for g in range(5) for m in make_group(f"calm-{g}-{uuid.uuid4().hex[:4]}", 1)]
         await _publish(cfg, "exp-flood", flood)
-        await eventually(lambda: len(worker.fleet.get("exp-flood").in_flight) >= 6, timeout_s=20, interval_s=0.01,
-                         what="A to hold the worker (all but the reserve)")
+        await eventually(
+            lambda: len(worker.fleet.get("exp-flood").in_flight) >= 6,
+            timeout_s=20,
+            interval_s=0.01,
+            what="A to hold the worker (all but the reserve)",
+        )
         before = started(worker, "exp-flood")
         await _publish(cfg, "exp-calm", calm)
         await _verdicts(cfg, "exp-calm", {m.group_id for m in calm})
@@ -179,12 +202,21 @@ async def test_an_experiments_trainer_shapes_as_its_declaration_says(pipeline_co
     cfg = with_scorers(pipeline_config, LENGTH)
     config = write_config(cfg, tmp_path / "config.yaml")
     shaping = PRMAdvantageShapingConfig(mode="gvpo", negative_scale=0.5)
-    await _declare(cfg, ExperimentSpec(experiment_id="exp-shaped",
-                                       prm=PRMConfig(scorers=[LENGTH], advantage_shaping=shaping)))
+    await _declare(
+        cfg, ExperimentSpec(experiment_id="exp-shaped", prm=PRMConfig(scorers=[LENGTH], advantage_shaping=shaping))
+    )
 
     def args(experiment: str, mode: str | None = None) -> argparse.Namespace:
-        return argparse.Namespace(config=str(config), experiment=experiment, mode=mode, batch_groups=None,
-                                  device=None, filter=None, exclude_neutral_turns=None, combined_mode=None)
+        return argparse.Namespace(
+            config=str(config),
+            experiment=experiment,
+            mode=mode,
+            batch_groups=None,
+            device=None,
+            filter=None,
+            exclude_neutral_turns=None,
+            combined_mode=None,
+        )
 
     loaded = await asyncio.to_thread(_configure, args("exp-shaped"))
     assert loaded.prm.advantage_shaping == shaping and loaded.trainer.experiment == "exp-shaped"
@@ -195,8 +227,9 @@ async def test_an_experiments_trainer_shapes_as_its_declaration_says(pipeline_co
         await asyncio.to_thread(_configure, args("exp-undeclared"))
 
 
-async def test_an_experiment_without_its_topics_is_reported_and_does_not_stop_the_worker(pipeline_config,
-                                                                                          caplog) -> None:
+async def test_an_experiment_without_its_topics_is_reported_and_does_not_stop_the_worker(
+    pipeline_config, caplog
+) -> None:
     """Topics are never auto-created, so a declaration whose topics are missing (written to the
     registry without `experiment add`) leaves them missing: the worker says so and serves the rest."""
     cfg = with_scorers(pipeline_config, LENGTH)

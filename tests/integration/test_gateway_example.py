@@ -33,8 +33,18 @@ EXAMPLE = REPO / "examples" / "gateway.yaml"
 async def cli_gateway(config: Path, log: Path) -> AsyncIterator[str]:
     """``prm-pipeline --config FILE gateway --port 0`` as a user starts it; yields its URL."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "gateway", "--port", "0",
-        stdout=asyncio.subprocess.PIPE, stderr=log.open("wb"), cwd=REPO)
+        sys.executable,
+        "-m",
+        "prm_pipeline.cli",
+        "--config",
+        str(config),
+        "gateway",
+        "--port",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log.open("wb"),
+        cwd=REPO,
+    )
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode()
@@ -51,15 +61,22 @@ async def cli_gateway(config: Path, log: Path) -> AsyncIterator[str]:
 def example_config(test_cfg: PipelineConfig) -> PipelineConfig:
     example = load_config(EXAMPLE, environ={})
     return msgspec.structs.replace(
-        example, kafka=test_cfg.kafka, redis=test_cfg.redis, topics=test_cfg.topics,
-        worker=msgspec.structs.replace(example.worker, group_id=test_cfg.worker.group_id))
+        example,
+        kafka=test_cfg.kafka,
+        redis=test_cfg.redis,
+        topics=test_cfg.topics,
+        worker=msgspec.structs.replace(example.worker, group_id=test_cfg.worker.group_id),
+    )
 
 
 async def test_example_gateway_config_answers_openrlhf_and_slime(pipeline_config, tmp_path) -> None:
     cfg = example_config(pipeline_config)
     shipped = load_config(EXAMPLE, environ={})
     assert (cfg.gateway, cfg.rollout, cfg.worker.allowed_scorer_modules) == (
-        shipped.gateway, shipped.rollout, shipped.worker.allowed_scorer_modules)
+        shipped.gateway,
+        shipped.rollout,
+        shipped.worker.allowed_scorer_modules,
+    )
     assert cfg.gateway.tokenizer == "bytes" and cfg.gateway.host == "127.0.0.1"
     config = write_config(cfg, tmp_path / "gateway.yaml")
 
@@ -67,14 +84,18 @@ async def test_example_gateway_config_answers_openrlhf_and_slime(pipeline_config
         # OpenRLHF: query = prompt + response. The example's scorer pays 1.0 per token of a
         # turn of at most 64 tokens (bytes here): a short answer 1.0, a 65-byte one 0.0.
         long_answer = " " + "x" * 64
-        status, body, _ = await post(f"{url}/openrlhf", {
-            "query": ["Q: 2+2? A: 4", "Q: describe x A:" + long_answer],
-            "prompts": ["Q: 2+2? A:", "Q: describe x A:"], "labels": ["4", ""]})
+        status, body, _ = await post(
+            f"{url}/openrlhf",
+            {
+                "query": ["Q: 2+2? A: 4", "Q: describe x A:" + long_answer],
+                "prompts": ["Q: 2+2? A:", "Q: describe x A:"],
+                "labels": ["4", ""],
+            },
+        )
         assert status == 200, body
         assert body["rewards"] == [1.0, 0.0] and body["scores"] == [1.0, 0.0]
         assert body["status"] == ["accepted", "accepted"]
-        assert body["extra_logs"] == {"prm_outcome": [0.0, 0.0], "prm_process": [1.0, 0.0],
-                                      "prm_accepted": [1.0, 1.0]}
+        assert body["extra_logs"] == {"prm_outcome": [0.0, 0.0], "prm_process": [1.0, 0.0], "prm_accepted": [1.0, 1.0]}
 
         # slime: {prompt, response, label}; the response is 2 tokens (bytes) long
         status, body, _ = await post(f"{url}/slime", {"prompt": "Q: hi", "response": " 4", "label": "4"})

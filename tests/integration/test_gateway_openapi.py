@@ -37,22 +37,50 @@ from tests.integration.test_gateway import gateway
 pytestmark = pytest.mark.integration
 
 BUDGET = PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 1_000_000})
-CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_headers_conformance",
-          "response_schema_conformance", "negative_data_rejection", "unsupported_method")
+CHECKS = (
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_headers_conformance",
+    "response_schema_conformance",
+    "negative_data_rejection",
+    "unsupported_method",
+)
 
 
-async def test_schemathesis_finds_no_5xx_and_no_answer_outside_the_document(kafka_bootstrap, redis_url, unique_name,
-                                                                            tmp_path) -> None:
+async def test_schemathesis_finds_no_5xx_and_no_answer_outside_the_document(
+    kafka_bootstrap, redis_url, unique_name, tmp_path
+) -> None:
     cfg = isolated_config(unique_name, kafka_bootstrap, redis_url, scorers=[BUDGET])
     async with running_worker(cfg, "w-gw-fuzz"), gateway(cfg, verdict_timeout_s=20.0) as url:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json",
-            "--checks", ",".join(CHECKS), "--phases", "examples,coverage,fuzzing",
-            "--max-examples", "30", "--generation-deterministic", "--workers", "1", "--request-timeout", "30",
-            "--suppress-health-check", "all", "--no-color",
-            "--report", "junit", "--report-dir", str(tmp_path),
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "run",
+            f"{url}/openapi.json",
+            "--checks",
+            ",".join(CHECKS),
+            "--phases",
+            "examples,coverage,fuzzing",
+            "--max-examples",
+            "30",
+            "--generation-deterministic",
+            "--workers",
+            "1",
+            "--request-timeout",
+            "30",
+            "--suppress-health-check",
+            "all",
+            "--no-color",
+            "--report",
+            "junit",
+            "--report-dir",
+            str(tmp_path),
             cwd=tmp_path,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         output, _ = await asyncio.wait_for(proc.communicate(), 240)
         async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
             metrics = await r.text()
@@ -61,8 +89,12 @@ async def test_schemathesis_finds_no_5xx_and_no_answer_outside_the_document(kafk
     (report,) = tmp_path.glob("junit-*.xml")
     tested = {case.get("name") for case in ET.parse(report).iter("testcase")}
     assert {"POST /openrlhf", "POST /slime", "POST /v1/score"} <= tested, tested
-    answered = {(s.labels["route"], s.labels["code"]) for f in text_string_to_metric_families(metrics)
-                for s in f.samples if s.name == "prm_gateway_requests_total" and s.value > 0}
+    answered = {
+        (s.labels["route"], s.labels["code"])
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name == "prm_gateway_requests_total" and s.value > 0
+    }
     for route in ("/openrlhf", "/slime", "/v1/score"):  # valid bodies were scored, invalid ones refused
         assert {(route, "200"), (route, "400")} <= answered, (route, sorted(answered))
     assert not any(code.startswith("5") for _, code in answered), sorted(answered)

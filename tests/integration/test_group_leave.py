@@ -60,8 +60,9 @@ async def test_embedded_broker_stalls_a_group_whose_leader_leaves_mid_rebalance(
     await ensure_topics(cfg, TopicsConfig(partitions=2), [topic])
     admin = make_admin(cfg)
     await admin.start()
-    leader = subprocess.Popen([sys.executable, "-c", MEMBER, cfg.bootstrap, topic, group],
-                              stdout=subprocess.PIPE, text=True)
+    leader = subprocess.Popen(
+        [sys.executable, "-c", MEMBER, cfg.bootstrap, topic, group], stdout=subprocess.PIPE, text=True
+    )
     member = make_consumer(cfg, topic, group_id=group)  # ours: joins while the group is formed
     joiner = make_consumer(cfg, topic, group_id=group)  # starts the rebalance
     client = AIOKafkaClient(bootstrap_servers=cfg.bootstrap)
@@ -72,7 +73,9 @@ async def test_embedded_broker_stalls_a_group_whose_leader_leaves_mid_rebalance(
         await member.start()
         leader.send_signal(signal.SIGSTOP)  # it can neither rejoin nor leave by itself now
         joining = asyncio.create_task(joiner.start())
-        joined, _, _ = await poll_until(lambda: members(admin, group), accept=lambda m: len(m) == 3, timeout_s=20, interval_s=0.1)
+        joined, _, _ = await poll_until(
+            lambda: members(admin, group), accept=lambda m: len(m) == 3, timeout_s=20, interval_s=0.1
+        )
         assert joined, "the joiner's JoinGroup never reached the group"
         # The group is forming with the frozen member as its leader; that leader now leaves.
         await client.bootstrap()
@@ -115,14 +118,20 @@ async def test_leave_group_on_stop_false_ends_membership_by_session_expiry(kafka
         await staying.start()
         await quiet.start()
         # a later generation, so that a leaving member would send LeaveGroup at all
-        both, _, _ = await poll_until(lambda: members(admin, group), accept=lambda m: len(m) == 2, timeout_s=20, interval_s=0.1)
+        both, _, _ = await poll_until(
+            lambda: members(admin, group), accept=lambda m: len(m) == 2, timeout_s=20, interval_s=0.1
+        )
         assert both
         before = await members(admin, group)
         quiet_id = quiet._coordinator.member_id
         await quiet.stop()
         assert quiet_id in await members(admin, group), "LeaveGroup was sent although leave_group_on_stop=False"
-        expired, waited, _ = await poll_until(lambda: members(admin, group), accept=lambda m: quiet_id not in m, timeout_s=15,
-                                              between=lambda: staying.getmany(timeout_ms=100))
+        expired, waited, _ = await poll_until(
+            lambda: members(admin, group),
+            accept=lambda m: quiet_id not in m,
+            timeout_s=15,
+            between=lambda: staying.getmany(timeout_ms=100),
+        )
         assert expired, f"the stopped member never expired: {before}"
         assert waited >= 1.0  # by expiry (2 s session), not at once
     finally:

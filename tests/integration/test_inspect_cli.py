@@ -21,8 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(config: Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def _small_tokenizer(path: Path, size: int = 50) -> Path:
@@ -45,8 +50,20 @@ async def test_inspect_reads_what_verdicts_writes_with_tokens(pipeline_config, t
     stop = asyncio.Event()
     worker = asyncio.create_task(Worker(cfg, worker_id="w-inspect-cli").run(stop))
     try:
-        dumped = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2", "--idle-timeout",
-                                         "60", "--tokens", "--out", str(out), timeout=120)
+        dumped = await asyncio.to_thread(
+            _cli,
+            config,
+            "verdicts",
+            "--from-beginning",
+            "--max",
+            "2",
+            "--idle-timeout",
+            "60",
+            "--tokens",
+            "--out",
+            str(out),
+            timeout=120,
+        )
     finally:
         stop.set()
         await worker
@@ -59,8 +76,7 @@ async def test_inspect_reads_what_verdicts_writes_with_tokens(pipeline_config, t
     assert "[201][202]" in shown.stdout and "[s1-i2]" in shown.stdout
     assert "token ids shown raw" in shown.stderr and "--tokenizer" in shown.stderr
     # the discarded group gets a line, with its reason
-    assert "group example-dropped: discarded (environment crashed before the second session finished)" \
-        in shown.stdout
+    assert "group example-dropped: discarded (environment crashed before the second session finished)" in shown.stdout
 
     # a tokenizer that does not cover the ids: text where it can, a warning, and [id?] for the rest
     tok = _small_tokenizer(tmp_path / "tokenizer.json")
@@ -69,15 +85,16 @@ async def test_inspect_reads_what_verdicts_writes_with_tokens(pipeline_config, t
     assert "outside" in decoded.stderr and "vocabulary (50 ids)" in decoded.stderr
     assert "[201?]" in decoded.stdout and "token ids shown raw" not in decoded.stderr
 
-    missing = await asyncio.to_thread(_cli, str(config), "inspect", "--verdicts", str(out), "--tokenizer",
-                                      str(tmp_path / "nope.json"))
+    missing = await asyncio.to_thread(
+        _cli, str(config), "inspect", "--verdicts", str(out), "--tokenizer", str(tmp_path / "nope.json")
+    )
     assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
 
     # without --tokens the file says what to do instead of "carries no interactions"
     plain = tmp_path / "plain.jsonl"
-    again = await asyncio.to_thread(_cli, config, "verdicts", "--from-beginning", "--max", "2", "--idle-timeout", "30",
-                                    "--out", str(plain))
+    again = await asyncio.to_thread(
+        _cli, config, "verdicts", "--from-beginning", "--max", "2", "--idle-timeout", "30", "--out", str(plain)
+    )
     assert again.returncode == 0, again.stderr
-    refused = await asyncio.to_thread(_cli, str(config), "inspect", "--verdicts", str(plain), "--group",
-                                      "example-math")
+    refused = await asyncio.to_thread(_cli, str(config), "inspect", "--verdicts", str(plain), "--group", "example-math")
     assert refused.returncode == 1 and "verdicts --tokens" in refused.stderr

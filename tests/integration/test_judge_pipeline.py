@@ -119,15 +119,35 @@ def judge():
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str, judge: LoggingJudge) -> PipelineConfig:
     name = f"judge-{uuid.uuid4().hex[:8]}"
-    scorer = PRMScorerConfig("scoring_workers.scorers.openclaw.OpenClawJudgeScorer", kwargs={
-        "base_url": judge.base_url, "model": "fake-judge", "temperature": 0.0, "max_tokens": 64, "m": 3,
-        "adaptive": True, "on_all_votes_failed": "reject",
-        "timeout_s": TIMEOUT_S, "total_timeout_s": 1.5, "max_retries": 1, "backoff_base_s": 0.05,
-        "backoff_max_s": 0.1, "breaker_failure_threshold": 3, "breaker_reset_s": BREAKER_RESET_S,
-    })
-    return isolated_config(name, kafka_bootstrap, redis_url, scorers=[scorer], scorer_timeout_s=15,
-                           group_timeout_s=60, allowed_scorer_modules=["scoring_workers.scorers"],
-                           keep_scorer_channels=True)
+    scorer = PRMScorerConfig(
+        "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+        kwargs={
+            "base_url": judge.base_url,
+            "model": "fake-judge",
+            "temperature": 0.0,
+            "max_tokens": 64,
+            "m": 3,
+            "adaptive": True,
+            "on_all_votes_failed": "reject",
+            "timeout_s": TIMEOUT_S,
+            "total_timeout_s": 1.5,
+            "max_retries": 1,
+            "backoff_base_s": 0.05,
+            "backoff_max_s": 0.1,
+            "breaker_failure_threshold": 3,
+            "breaker_reset_s": BREAKER_RESET_S,
+        },
+    )
+    return isolated_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        scorers=[scorer],
+        scorer_timeout_s=15,
+        group_timeout_s=60,
+        allowed_scorer_modules=["scoring_workers.scorers"],
+        keep_scorer_channels=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +157,9 @@ async def workers(cfg: PipelineConfig, tmp_path_factory: pytest.TempPathFactory)
 
 
 # --------------------------------------------------------------------------- trajectories
-def judged_trajectory(gid: str, sid: str, group_size: int, next_states: Sequence[tuple[str, str]],
-                      *, outcome: float = 1.0) -> ReadyTrajectory:
+def judged_trajectory(
+    gid: str, sid: str, group_size: int, next_states: Sequence[tuple[str, str]], *, outcome: float = 1.0
+) -> ReadyTrajectory:
     """A concat-export session with one turn per next state plus a last turn without one.
 
     Turn ``k``'s messages are the conversation before its output; its output is answered
@@ -154,25 +175,39 @@ def judged_trajectory(gid: str, sid: str, group_size: int, next_states: Sequence
         out = rng.integers(1, 32_000, 4 + k, dtype=np.int32)
         answer = {"role": "assistant", "content": f"answer {k} of {sid}"}
         iid = f"{sid}-t{k}"
-        interactions.append(Interaction(
-            interaction_id=iid, parent_id=parent, messages=list(messages), output_message_list=[answer],
-            model_response=ModelResponse.from_arrays(context, out, np.full(out.size, -0.5, np.float32), "stop"),
-        ))
+        interactions.append(
+            Interaction(
+                interaction_id=iid,
+                parent_id=parent,
+                messages=list(messages),
+                output_message_list=[answer],
+                model_response=ModelResponse.from_arrays(context, out, np.full(out.size, -0.5, np.float32), "stop"),
+            )
+        )
         parent = iid
         messages.append(answer)
         if k < len(next_states):
             role, text = next_states[k]
             messages.append({"role": role, "content": text})
             context = np.concatenate([context, out, rng.integers(1, 32_000, 3, dtype=np.int32)])
-    return ReadyTrajectory(trajectory_id=f"{sid}-traj", session_id=sid, group_id=gid, group_size=group_size,
-                           interactions=interactions, outcome_reward=outcome, created_at=time.time())
+    return ReadyTrajectory(
+        trajectory_id=f"{sid}-traj",
+        session_id=sid,
+        group_id=gid,
+        group_size=group_size,
+        interactions=interactions,
+        outcome_reward=outcome,
+        created_at=time.time(),
+    )
 
 
 def plain_group(tag: str, size: int = 2) -> tuple[str, list[ReadyTrajectory]]:
     """A group whose turns the judge's rules score +1 (a successful tool result) then 0 (last turn)."""
     gid = f"{tag}-{uuid.uuid4().hex[:6]}"
-    members = [judged_trajectory(gid, f"{gid}-s{i}", size, [("tool", "ok, success")], outcome=float(i % 2))
-               for i in range(size)]
+    members = [
+        judged_trajectory(gid, f"{gid}-s{i}", size, [("tool", "ok, success")], outcome=float(i % 2))
+        for i in range(size)
+    ]
     return gid, members
 
 
@@ -201,23 +236,37 @@ def judge_rewards(session) -> list[float]:
 
 def observed(session, metric: str) -> list[float]:
     (branch,) = session.branches
-    values = {tr.interaction_id: next(o.value for o in tr.observations if o.metric_id == metric)
-              for tr in session.turn_results if tr.scorer_name == JUDGE}
+    values = {
+        tr.interaction_id: next(o.value for o in tr.observations if o.metric_id == metric)
+        for tr in session.turn_results
+        if tr.scorer_name == JUDGE
+    }
     return [values[iid] for iid in branch.path]
 
 
 # --------------------------------------------------------------------------- tests
 async def test_judged_group_is_accepted_with_scripted_turn_rewards(cfg, workers, judge) -> None:
     gid = f"acc-{uuid.uuid4().hex[:6]}"
-    a = judged_trajectory(gid, f"{gid}-a", 2, [
-        ("tool", "ok, the file was written (success)"),  # rule: positive -> +1
-        ("user", "That is wrong, please redo it"),  # rule: negative -> -1
-    ])  # third turn: no next state -> 0, no call
-    b = judged_trajectory(gid, f"{gid}-b", 2, [
-        ("user", f"[[votes: 1, 0, -1]] {gid}"),  # split 1/0/-1 -> 0 after three calls
-        ("user", f"[[votes: x, 1, 1]] {gid}"),  # one unparsable vote, then 1, 1 -> 1
-        ("tool", f"[[votes: -1, -1, 1]] {gid}"),  # two agreeing votes settle it -> -1 (2 calls)
-    ], outcome=0.0)
+    a = judged_trajectory(
+        gid,
+        f"{gid}-a",
+        2,
+        [
+            ("tool", "ok, the file was written (success)"),  # rule: positive -> +1
+            ("user", "That is wrong, please redo it"),  # rule: negative -> -1
+        ],
+    )  # third turn: no next state -> 0, no call
+    b = judged_trajectory(
+        gid,
+        f"{gid}-b",
+        2,
+        [
+            ("user", f"[[votes: 1, 0, -1]] {gid}"),  # split 1/0/-1 -> 0 after three calls
+            ("user", f"[[votes: x, 1, 1]] {gid}"),  # one unparsable vote, then 1, 1 -> 1
+            ("tool", f"[[votes: -1, -1, 1]] {gid}"),  # two agreeing votes settle it -> -1 (2 calls)
+        ],
+        outcome=0.0,
+    )
     await publish(cfg, [a, b])
     verdict = await verdict_of(cfg, gid)
     assert verdict.status == "accepted", (verdict.reason, [s.error for s in verdict.sessions])
@@ -273,8 +322,9 @@ async def test_judge_outage_rejects_groups_then_recovers(cfg, workers, judge) ->
         if verdict.status == "accepted":
             break
         assert verdict.reason_code == "judge_failed", verdict.reason
-        assert all("circuit_open" in s.error for s in verdict.sessions if s.status == "failed"), \
-            [s.error for s in verdict.sessions]
+        assert all("circuit_open" in s.error for s in verdict.sessions if s.status == "failed"), [
+            s.error for s in verdict.sessions
+        ]
     assert verdict.status == "accepted", "no recovery after the judge came back"
     assert time.monotonic() - t_back < 30
     assert [judge_rewards(s) for s in verdict.sessions] == [[1.0, 0.0], [1.0, 0.0]]
@@ -327,8 +377,9 @@ async def test_no_judge_request_waits_past_its_timeout(cfg, workers, judge) -> N
     assert verdict.status == "rejected" and verdict.reason_code == "judge_failed", verdict.reason
     # The members did not wait for the slow judge either: each was finished (failed)
     # sooner after it was created than a single slow answer takes.
-    assert all(s.scored_at - s.created_at < SLOW_LATENCY_MS / 1000 for s in verdict.sessions), \
-        [s.scored_at - s.created_at for s in verdict.sessions]
+    assert all(s.scored_at - s.created_at < SLOW_LATENCY_MS / 1000 for s in verdict.sessions), [
+        s.scored_at - s.created_at for s in verdict.sessions
+    ]
     assert all("timeout" in s.error or "circuit_open" in s.error for s in verdict.sessions if s.status == "failed")
     # The pipeline is healthy afterwards: a normal group goes through.
     for _ in range(10):

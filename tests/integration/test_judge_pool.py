@@ -45,8 +45,12 @@ class Replica:
     def __init__(self, name: str, *args: str) -> None:
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prm_pipeline.cli", "fake-judge", "--port", "0", *args], cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-m", "prm_pipeline.cli", "fake-judge", "--port", "0", *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         line = self.proc.stdout.readline()  # blocks until it serves (or dies)
         match = re.match(r"PRM_JUDGE_URL=(\S+)", line)
@@ -79,20 +83,43 @@ def replicas() -> Iterator[list[Replica]]:
 
 
 def _config(kafka_bootstrap: str, redis_url: str, urls: list[str]) -> PipelineConfig:
-    scorer = PRMScorerConfig("scoring_workers.scorers.openclaw.OpenClawJudgeScorer", kwargs={
-        "base_urls": urls, "model": "fake-judge", "temperature": 0.0, "max_tokens": 64, "m": M,
-        "adaptive": False, "on_all_votes_failed": "reject", "timeout_s": 5.0, "total_timeout_s": 10.0,
-        "max_retries": 2, "backoff_base_s": 0.05, "backoff_max_s": 0.2, "breaker_failure_threshold": 3,
-        "breaker_reset_s": 1.0,
-    })
+    scorer = PRMScorerConfig(
+        "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+        kwargs={
+            "base_urls": urls,
+            "model": "fake-judge",
+            "temperature": 0.0,
+            "max_tokens": 64,
+            "m": M,
+            "adaptive": False,
+            "on_all_votes_failed": "reject",
+            "timeout_s": 5.0,
+            "total_timeout_s": 10.0,
+            "max_retries": 2,
+            "backoff_base_s": 0.05,
+            "backoff_max_s": 0.2,
+            "breaker_failure_threshold": 3,
+            "breaker_reset_s": 1.0,
+        },
+    )
     name = f"pool-{uuid.uuid4().hex[:8]}"
-    return isolated_config(name, kafka_bootstrap, redis_url, scorers=[scorer], scorer_timeout_s=30,
-                           group_timeout_s=120, allowed_scorer_modules=["scoring_workers.scorers"])
+    return isolated_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        scorers=[scorer],
+        scorer_timeout_s=30,
+        group_timeout_s=120,
+        allowed_scorer_modules=["scoring_workers.scorers"],
+    )
 
 
 def _observed(session, metric: str) -> list[float]:
-    return [next(o.value for o in tr.observations if o.metric_id == metric)
-            for tr in session.turn_results if tr.scorer_name == JUDGE]
+    return [
+        next(o.value for o in tr.observations if o.metric_id == metric)
+        for tr in session.turn_results
+        if tr.scorer_name == JUDGE
+    ]
 
 
 async def test_three_replicas_one_slow_one_failing_lose_no_vote(kafka_bootstrap: str, redis_url: str) -> None:
@@ -107,8 +134,10 @@ async def test_three_replicas_one_slow_one_failing_lose_no_vote(kafka_bootstrap:
             for g in range(GROUPS):
                 gid = f"pool-{g}-{uuid.uuid4().hex[:6]}"
                 groups.append(gid)
-                members = [judged_trajectory(gid, f"{gid}-s{i}", MEMBERS, [("tool", "ok, success")] * JUDGED_TURNS)
-                           for i in range(MEMBERS)]
+                members = [
+                    judged_trajectory(gid, f"{gid}-s{i}", MEMBERS, [("tool", "ok, success")] * JUDGED_TURNS)
+                    for i in range(MEMBERS)
+                ]
                 async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
                     await pub.publish_many(members)
             verdicts = {v.group_id: v for v in await wait_for_verdicts(cfg, groups, timeout_s=120)}
@@ -119,8 +148,9 @@ async def test_three_replicas_one_slow_one_failing_lose_no_vote(kafka_bootstrap:
         for r in pool:
             r.stop()
     assert sorted(verdicts) == sorted(groups)
-    assert [g for g, v in verdicts.items() if v.status != "accepted"] == [], \
-        [(v.reason, [s.error for s in v.sessions]) for v in verdicts.values() if v.status != "accepted"]
+    assert [g for g, v in verdicts.items() if v.status != "accepted"] == [], [
+        (v.reason, [s.error for s in v.sessions]) for v in verdicts.values() if v.status != "accepted"
+    ]
     calls = errors = 0
     for v in verdicts.values():
         for s in v.sessions:
@@ -129,10 +159,12 @@ async def test_three_replicas_one_slow_one_failing_lose_no_vote(kafka_bootstrap:
     votes = GROUPS * MEMBERS * JUDGED_TURNS * M
     answered = {r.name: r.statuses.get(200, 0) for r in pool}
     shares = {name: round(n / votes, 3) for name, n in answered.items()}
-    print(f"\njudge pool: {votes} votes, lost {int(errors)}; share of answered calls per replica {shares}; "
-          f"HTTP statuses {[(r.name, r.statuses) for r in pool]}; routes "
-          f"{[(r.name, dict(seen[r.url.removeprefix('http://')].routed)) for r in pool]}; latency EWMA "
-          f"{[(r.name, seen[r.url.removeprefix('http://')].ewma_s) for r in pool]}")
+    print(
+        f"\njudge pool: {votes} votes, lost {int(errors)}; share of answered calls per replica {shares}; "
+        f"HTTP statuses {[(r.name, r.statuses) for r in pool]}; routes "
+        f"{[(r.name, dict(seen[r.url.removeprefix('http://')].routed)) for r in pool]}; latency EWMA "
+        f"{[(r.name, seen[r.url.removeprefix('http://')].ewma_s) for r in pool]}"
+    )
     assert (calls, errors) == (votes, 0)  # every vote cast, none lost
     assert sum(answered.values()) == votes  # each vote answered exactly once
     assert answered["failing"] == 0 and pool[2].statuses.get(500, 0) > 0  # it was tried, and routed around

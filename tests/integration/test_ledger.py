@@ -52,15 +52,37 @@ def _cluster_port() -> int:
 def cluster_url(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("redis-cluster")
     port = _cluster_port()
-    svc = LocalService("redis", [str(find_redis_binary()), "--port", str(port), "--bind", "127.0.0.1",
-                                 "--cluster-enabled", "yes", "--cluster-config-file", str(tmp / "nodes.conf"),
-                                 "--dir", str(tmp), "--save", "", "--appendonly", "no"],
-                       port, tmp / "redis.log")
+    svc = LocalService(
+        "redis",
+        [
+            str(find_redis_binary()),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            str(tmp / "nodes.conf"),
+            "--dir",
+            str(tmp),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        port,
+        tmp / "redis.log",
+    )
     svc.start()
     try:
         assert _cluster_cmd(port, "CLUSTER", "ADDSLOTSRANGE", "0", "16383").startswith(b"+OK")
-        wait_until(lambda: b"cluster_state:ok" in _cluster_cmd(port, "CLUSTER", "INFO"), timeout_s=4, interval_s=0.02,
-                   what="the node to report the cluster ready")
+        wait_until(
+            lambda: b"cluster_state:ok" in _cluster_cmd(port, "CLUSTER", "INFO"),
+            timeout_s=4,
+            interval_s=0.02,
+            what="the node to report the cluster ready",
+        )
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         svc.stop()
@@ -97,8 +119,7 @@ async def test_last_member_decides_once_and_finish_leaves_a_tombstone(ledger) ->
     # a redelivered member finds the decision already made: nobody publishes twice
     outcome, decision = await ledger.park(_member("b"), group_id=g, group_size=2, **ARGS)
     assert outcome == "decided" and decision is None
-    again = await ledger.decide(g, "complete", worker_id="w2", scorers=b"\x90", group_timeout_s=30,
-                                republish_grace_s=5)
+    again = await ledger.decide(g, "complete", worker_id="w2", scorers=b"\x90", group_timeout_s=30, republish_grace_s=5)
     assert again.outcome == "already_decided" and again.state.decided_by == "w1"
     assert assemble_verdict(g, again.state, again.members) == verdict  # rebuilt byte-identical
     await ledger.finish(g)
@@ -124,6 +145,7 @@ async def test_a_group_costs_one_hash_and_few_commands(redis_url: str) -> None:
     cfg = RedisConfig(url=redis_url, key_prefix=f"cmds-{uuid.uuid4().hex[:6]}", ttl_s=60)
     led = GroupLedger.from_config(cfg)
     try:
+
         async def one_group() -> None:
             g = f"exp\x1fg-{uuid.uuid4().hex[:6]}"  # an experiment-scoped id: opaque to the ledger
             assert await led.probe_many([(g, f"t{k}") for k in range(4)]) == ["new"] * 4
@@ -136,8 +158,18 @@ async def test_a_group_costs_one_hash_and_few_commands(redis_url: str) -> None:
         await _calls(led, one_group)  # the first group also sets the deadlines index's TTL
         calls = await _calls(led, one_group)
         probes = {"hmget": 2, "sismember": 6}  # plain reads: the probes before (a new group) and after (done)
-        assert calls == {"evalsha": 5, "hmget": 4 + probes["hmget"], "sismember": 1 + probes["sismember"],
-                         "hset": 4, "hgetall": 1, "expire": 2, "zadd": 1, "del": 1, "sadd": 1, "zrem": 1}, calls
+        assert calls == {
+            "evalsha": 5,
+            "hmget": 4 + probes["hmget"],
+            "sismember": 1 + probes["sismember"],
+            "hset": 4,
+            "hgetall": 1,
+            "expire": 2,
+            "zadd": 1,
+            "del": 1,
+            "sadd": 1,
+            "zrem": 1,
+        }, calls
         # 25 for the group with its one probe (was 45): 6.25 per trajectory when no two parks share a call
         assert sum(calls.values()) - sum(probes.values()) + 4 == 25
     finally:
@@ -145,18 +177,19 @@ async def test_a_group_costs_one_hash_and_few_commands(redis_url: str) -> None:
 
 
 @pytest.mark.parametrize("group_size", [4, 8])
-async def test_pipeline_shaped_groups_cost_at_most_six_commands_per_trajectory(redis_url: str,
-                                                                               group_size: int) -> None:
+async def test_pipeline_shaped_groups_cost_at_most_six_commands_per_trajectory(redis_url: str, group_size: int) -> None:
     """Groups as a worker sees them — members probed in one poll, parked concurrently,
     finished — cost at most 6 Redis commands per trajectory (scripts' own commands included)."""
     cfg = RedisConfig(url=redis_url, key_prefix=f"six-{uuid.uuid4().hex[:6]}", ttl_s=60)
     led = GroupLedger.from_config(cfg)
     try:
+
         async def one_group(g: str) -> None:
             tids = [f"{g}-{k}" for k in range(group_size)]
             assert await led.probe_many([(g, t) for t in tids]) == ["new"] * group_size
-            parked = await asyncio.gather(*(led.park(_member(t), group_id=g, group_size=group_size, **ARGS)
-                                            for t in tids))
+            parked = await asyncio.gather(
+                *(led.park(_member(t), group_id=g, group_size=group_size, **ARGS) for t in tids)
+            )
             (decision,) = [d for _, d in parked if d is not None]
             assert decision.outcome == "decided_now" and len(decision.members) == group_size
             await led.finish(g)
@@ -187,8 +220,7 @@ async def test_a_park_waits_for_its_siblings_and_the_deciding_park_does_not(redi
         first = asyncio.create_task(led.park(_member("a"), group_id=g, group_size=2, **ARGS))
         await asyncio.sleep(0)  # submitted: it waits for its sibling
         assert not first.done()
-        outcome, decision = await asyncio.wait_for(
-            led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
+        outcome, decision = await asyncio.wait_for(led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
         assert outcome == "parked" and decision is not None and decision.outcome == "decided_now"
         assert await asyncio.wait_for(first, 30) == ("parked", None)
         assert (await led.view.command_calls())["evalsha"] - before["evalsha"] == 1
@@ -222,8 +254,9 @@ async def test_a_group_finished_between_probe_and_park_is_not_reopened(redis_url
 
 async def test_discard_before_any_member(ledger) -> None:
     g = f"d-{uuid.uuid4().hex[:6]}"
-    decision = await ledger.decide(g, "discard", worker_id="w1", scorers=b"\x90", discard_reason="no",
-                                   group_timeout_s=30, republish_grace_s=5)
+    decision = await ledger.decide(
+        g, "discard", worker_id="w1", scorers=b"\x90", discard_reason="no", group_timeout_s=30, republish_grace_s=5
+    )
     assert decision.outcome == "decided_now"
     assert assemble_verdict(g, decision.state, decision.members).status == "discarded"
     outcome, _ = await ledger.park(_member("late"), group_id=g, group_size=2, **ARGS)
@@ -236,8 +269,9 @@ async def test_a_failed_member_decides_its_group_when_parked(ledger) -> None:
     # a redelivered copy of a member parked as scored that fails this time: the first park stands
     redelivered = SessionResult.failure(code="scorer_error", detail="flaky", session_id="s-a", trajectory_id="a")
     assert await ledger.park(redelivered, group_id=g, group_size=3, **ARGS) == ("duplicate", None)
-    failed = SessionResult.failure(code="not_concat_export", detail="turn 2 does not extend turn 1",
-                                   session_id="s-b", trajectory_id="b")
+    failed = SessionResult.failure(
+        code="not_concat_export", detail="turn 2 does not extend turn 1", session_id="s-b", trajectory_id="b"
+    )
     outcome, decision = await ledger.park(failed, group_id=g, group_size=3, **ARGS)
     assert outcome == "parked" and decision is not None and decision.outcome == "decided_now"
     assert decision.state.decision == "failed" and decision.state.group_size == 3
@@ -252,8 +286,12 @@ async def test_a_failed_member_decides_its_group_when_parked(ledger) -> None:
 async def test_deadline_is_decided_by_exactly_one_caller(ledger) -> None:
     g = f"m-{uuid.uuid4().hex[:6]}"
     await ledger.park(_member("a"), group_id=g, group_size=3, **{**ARGS, "group_timeout_s": 0})
-    results = await asyncio.gather(*(ledger.decide(g, "deadline", worker_id=f"w{i}", scorers=b"\x90",
-                                                    group_timeout_s=0, republish_grace_s=5) for i in range(8)))
+    results = await asyncio.gather(
+        *(
+            ledger.decide(g, "deadline", worker_id=f"w{i}", scorers=b"\x90", group_timeout_s=0, republish_grace_s=5)
+            for i in range(8)
+        )
+    )
     assert sorted(r.outcome for r in results).count("decided_now") == 1
     verdict = assemble_verdict(g, results[0].state, results[0].members)
     assert verdict.status == "rejected" and verdict.reason_code == "missing_sessions"
@@ -289,8 +327,13 @@ async def test_finished_groups_are_remembered_for_the_dedupe_window_only(redis_u
         outcome, _ = await ledger.park(_member("late"), group_id=g, group_size=1, **ARGS)
         assert outcome == "done"  # a late member does not re-open the group
         assert not await ledger.redis.exists(ledger.group_key(g))  # the group's own hash is gone
-        await eventually(lambda: ledger.probe_many([(g, "a")]), accept=lambda got: got != ["done"], interval_s=0.1,
-                         timeout_s=finished + 4 * window_s + 2 - time.monotonic(), what="the finished group to be forgotten")
+        await eventually(
+            lambda: ledger.probe_many([(g, "a")]),
+            accept=lambda got: got != ["done"],
+            interval_s=0.1,
+            timeout_s=finished + 4 * window_s + 2 - time.monotonic(),
+            what="the finished group to be forgotten",
+        )
         assert time.monotonic() - finished >= window_s  # remembered for the whole window
     finally:
         await ledger.aclose()
@@ -391,8 +434,9 @@ async def test_a_finish_that_fails_transiently_is_retried_and_counted(redis_url:
         await led.aclose()
 
 
-async def test_a_park_does_not_wait_for_a_pending_finish_longer_than_its_own_linger(redis_url: str,
-                                                                                      monkeypatch) -> None:
+async def test_a_park_does_not_wait_for_a_pending_finish_longer_than_its_own_linger(
+    redis_url: str, monkeypatch
+) -> None:
     """A finish lingering far longer than a park does not hold the park back: the park
     goes after its own ``PARK_LINGER_S`` and takes the finish along."""
     monkeypatch.setattr(ledger_module, "FINISH_LINGER_S", 600.0)
@@ -406,8 +450,9 @@ async def test_a_park_does_not_wait_for_a_pending_finish_longer_than_its_own_lin
         await eventually(lambda: led.lingering, timeout_s=10, interval_s=0.001, what="the finish to linger")
         led.expect([(h, "a"), (h, "b")])  # b never comes: a's park waits PARK_LINGER_S, not the finish's 600 s
         assert await asyncio.wait_for(led.park(_member("a"), group_id=h, group_size=2, **ARGS), 5) == ("parked", None)
-        await eventually(lambda: not led.pending_finishes, timeout_s=5, interval_s=0.01,
-                         what="the finish to go with the park")
+        await eventually(
+            lambda: not led.pending_finishes, timeout_s=5, interval_s=0.01, what="the finish to go with the park"
+        )
         assert await _finished(cfg, g)
     finally:
         await led.aclose()
@@ -427,8 +472,12 @@ async def test_a_park_waits_for_members_not_yet_seen_and_a_sweep_rides_along(red
         before = await led.view.command_calls()
         first = asyncio.create_task(led.park(_member("a"), group_id=g, group_size=2, **ARGS))
         sweep = asyncio.create_task(led.due_groups(linger_s=600.0))
-        await eventually(lambda: led.lingering and len(led._ops._pending) == 2, timeout_s=10, interval_s=0.001,
-                         what="both to wait for company")
+        await eventually(
+            lambda: led.lingering and len(led._ops._pending) == 2,
+            timeout_s=10,
+            interval_s=0.001,
+            what="both to wait for company",
+        )
         assert not first.done() and not sweep.done()
         _, decision = await asyncio.wait_for(led.park(_member("b"), group_id=g, group_size=2, **ARGS), 30)
         assert decision is not None and decision.outcome == "decided_now"

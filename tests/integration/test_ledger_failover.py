@@ -39,8 +39,9 @@ async def _lose_the_ledger(cfg) -> int:  # type: ignore[no-untyped-def]
         await client.aclose()
 
 
-async def test_a_group_decided_again_after_lost_ledger_writes_reaches_the_trainer_once(pipeline_config,
-                                                                                         unique_name) -> None:
+async def test_a_group_decided_again_after_lost_ledger_writes_reaches_the_trainer_once(
+    pipeline_config, unique_name
+) -> None:
     cfg = trainer_config(with_scorers(pipeline_config, LENGTH), unique_name, batch_groups=1)
     gid = f"fo-{uuid.uuid4().hex[:6]}"
     members = make_group(gid, 2)
@@ -49,8 +50,12 @@ async def test_a_group_decided_again_after_lost_ledger_writes_reaches_the_traine
         return [r for r in records if r.key == gid.encode()]
 
     async def verdicts(count: int) -> list:  # type: ignore[type-arg]
-        records = await read_topic(cfg, cfg.topics.verdicts, until=time.monotonic() + 30,
-                                   stop_when=lambda rs: len(verdicts_of_group(rs)) >= count)
+        records = await read_topic(
+            cfg,
+            cfg.topics.verdicts,
+            until=time.monotonic() + 30,
+            stop_when=lambda rs: len(verdicts_of_group(rs)) >= count,
+        )
         found = [decode_verdict(r.value, r.headers) for r in verdicts_of_group(records)]
         assert len(found) == count, f"{len(found)} verdicts of {gid}, expected {count}"
         return found
@@ -67,8 +72,11 @@ async def test_a_group_decided_again_after_lost_ledger_writes_reaches_the_traine
 
     assert (first.worker_id, second.worker_id) == ("w-old-primary", "w-new-primary")  # decided twice
     assert first.status == second.status == "accepted"
-    assert (first.experiment_id, first.group_id, first.verdict_version) == \
-        (second.experiment_id, second.group_id, second.verdict_version)  # the trainer's dedupe key
+    assert (first.experiment_id, first.group_id, first.verdict_version) == (
+        second.experiment_id,
+        second.group_id,
+        second.verdict_version,
+    )  # the trainer's dedupe key
     async with VerdictConsumer(cfg) as consumer:
         batches = await collect(consumer, 1)
         await drain_until(consumer, "verdicts/duplicate", 1)

@@ -35,8 +35,12 @@ async def test_topics_create_is_idempotent(pipeline_config) -> None:
     second = await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
     assert {s.state for s in first.values()} == {"created"}
     assert {s.state for s in second.values()} == {"exists"}
-    assert set(first) == {pipeline_config.topics.trajectories, pipeline_config.topics.verdicts,
-                          pipeline_config.topics.dead_letters, pipeline_config.topics.experiments}
+    assert set(first) == {
+        pipeline_config.topics.trajectories,
+        pipeline_config.topics.verdicts,
+        pipeline_config.topics.dead_letters,
+        pipeline_config.topics.experiments,
+    }
 
 
 async def test_trajectories_round_trip_through_the_broker(pipeline_config) -> None:
@@ -70,8 +74,10 @@ async def test_trajectories_round_trip_through_the_broker(pipeline_config) -> No
     for original in sent:
         back = by_id[original.trajectory_id]
         assert msgspec.msgpack.encode(back) == msgspec.msgpack.encode(original)
-        assert back.interactions[1].model_response.output_tokens.tolist() == \
-            original.interactions[1].model_response.output_tokens.tolist()
+        assert (
+            back.interactions[1].model_response.output_tokens.tolist()
+            == original.interactions[1].model_response.output_tokens.tolist()
+        )
 
 
 async def test_redis_answers(pipeline_config) -> None:
@@ -90,8 +96,9 @@ def test_size_limit_is_enforced_client_side(pipeline_config) -> None:
     safe = max_record_size(2048, cfg.compression)  # room for the batch framing and compression's worst case
     n = max(n for n in range(2048) if record_size(None, b"x" * n, None) <= safe)
     check_size(b"x" * n, cfg, "record")
-    with pytest.raises(MessageTooLarge, match=f"{safe + 1} bytes, over the {safe} a record may have under "
-                                              "kafka.max_message_bytes=2048"):
+    with pytest.raises(
+        MessageTooLarge, match=f"{safe + 1} bytes, over the {safe} a record may have under kafka.max_message_bytes=2048"
+    ):
         check_size(b"x" * (n + 1), cfg, "record")
 
 
@@ -112,8 +119,13 @@ def test_cli_up_prints_endpoints_and_stops_on_sigterm(tmp_path) -> None:
     env = {**os.environ, "PRM_LOCAL_DATA_DIR": str(tmp_path)}
     stderr_path = tmp_path / "up.stderr"
     with stderr_path.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "up", "--create-topics"], stdout=subprocess.PIPE,
-                                stderr=stderr, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prm_pipeline.cli", "up", "--create-topics"],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
 
     def diagnosis() -> str:  # what `up` and the services said, for a failure message
         logs = [stderr_path, *sorted((tmp_path / "logs").glob("*.log"))]

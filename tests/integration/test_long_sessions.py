@@ -39,8 +39,15 @@ PARTITIONS = 2
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
     name = f"long-{uuid.uuid4().hex[:8]}"
-    cfg = isolated_config(name, kafka_bootstrap, redis_url, partitions=PARTITIONS, group_timeout_s=GROUP_TIMEOUT_S,
-                          scorer_timeout_s=60, scorers=[PRMScorerConfig("tests.scorers.TokenEchoScorer")])
+    cfg = isolated_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        partitions=PARTITIONS,
+        group_timeout_s=GROUP_TIMEOUT_S,
+        scorer_timeout_s=60,
+        scorers=[PRMScorerConfig("tests.scorers.TokenEchoScorer")],
+    )
     assert cfg.kafka.max_message_bytes == 1_048_576  # the default limit
     return cfg
 
@@ -52,8 +59,15 @@ async def worker(cfg: PipelineConfig):
 
 
 def _session(gid: str, turns: int, context: int, branch_at: int | None = None) -> ReadyTrajectory:
-    return make_agent_session(trajectory_id=f"{gid}-t", session_id=f"{gid}-s", group_id=gid, turns=turns,
-                              context_tokens=context, branch_at=branch_at, rng=np.random.default_rng(turns))
+    return make_agent_session(
+        trajectory_id=f"{gid}-t",
+        session_id=f"{gid}-s",
+        group_id=gid,
+        turns=turns,
+        context_tokens=context,
+        branch_at=branch_at,
+        rng=np.random.default_rng(turns),
+    )
 
 
 def _partition(key: str) -> int:
@@ -71,8 +85,13 @@ async def _committed(cfg: PipelineConfig, partition: int) -> int:
 
 async def _wait_committed(cfg: PipelineConfig, partition: int, at_least: int, timeout_s: float = 20) -> int:
     """The partition's committed offset, once it is at least ``at_least``."""
-    return await eventually(lambda: _committed(cfg, partition), accept=lambda offset: offset >= at_least,
-                            timeout_s=timeout_s, interval_s=0.1, what=f"partition {partition}'s commit to reach {at_least}")
+    return await eventually(
+        lambda: _committed(cfg, partition),
+        accept=lambda offset: offset >= at_least,
+        timeout_s=timeout_s,
+        interval_s=0.1,
+        what=f"partition {partition}'s commit to reach {at_least}",
+    )
 
 
 def _check_verdict(verdict, traj: ReadyTrajectory) -> None:
@@ -91,8 +110,7 @@ def _check_verdict(verdict, traj: ReadyTrajectory) -> None:
         assert set(branch.token_rewards) == set(branch.path)
         for iid in branch.path:
             it = full[iid]
-            want = token_echo_rewards(it.model_response.input_tokens, it.model_response.output_tokens,
-                                      len(it.messages))
+            want = token_echo_rewards(it.model_response.input_tokens, it.model_response.output_tokens, len(it.messages))
             assert np.array_equal(branch.token_rewards[iid].to_numpy(), want), iid
 
 
@@ -125,8 +143,11 @@ async def test_chunks_are_committed_only_when_their_trajectory_is_whole(cfg, wor
         await wait_for_verdicts(cfg, [other])
         # the record behind the first chunk is done and the worker has committed all it may ...
         tp = TopicPartition(cfg.topics.trajectories, part)
-        await eventually(lambda: worker._committer.tracker.in_flight({tp}) == 1 and not worker._committer.tracker.committable({tp}),
-                         timeout_s=20, what="the first record in flight and nothing committable")
+        await eventually(
+            lambda: worker._committer.tracker.in_flight({tp}) == 1 and not worker._committer.tracker.committable({tp}),
+            timeout_s=20,
+            what="the first record in flight and nothing committable",
+        )
         # ... which stops at the first chunk: a crash now replays the whole trajectory
         assert await _committed(cfg, part) == sent.offset
         for value, headers in rest:
@@ -150,8 +171,11 @@ async def test_chunks_that_never_complete_are_dead_lettered_and_reject_their_gro
     (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid], timeout_s=GROUP_TIMEOUT_S + 30) if v.group_id == gid]
     assert verdict.status == "rejected" and verdict.reason.startswith("invalid_member")
     assert "IncompleteTrajectory" in verdict.reason
-    letters = [dead_letter_from_record(r.value, r.headers)
-               for r in await read_topic(cfg, cfg.topics.dead_letters) if r.key == gid.encode()]
+    letters = [
+        dead_letter_from_record(r.value, r.headers)
+        for r in await read_topic(cfg, cfg.topics.dead_letters)
+        if r.key == gid.encode()
+    ]
     (letter,) = letters
     assert letter.error_class == "IncompleteTrajectory" and letter.source_offset == sent.offset
     assert "only 1 of its" in letter.error_message and "worker.group_timeout_s" in letter.error_message
@@ -174,8 +198,9 @@ async def test_a_chunked_member_is_read_back_from_its_first_chunk(cfg) -> None:
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:
-        first = await producer.send_and_wait(cfg.topics.trajectories, records[0][0], key=gid.encode(),
-                                             headers=records[0][1])
+        first = await producer.send_and_wait(
+            cfg.topics.trajectories, records[0][0], key=gid.encode(), headers=records[0][1]
+        )
         await producer.send_and_wait(cfg.topics.trajectories, between[0], key=gid.encode(), headers=between[1])
         for value, headers in records[1:]:
             await producer.send_and_wait(cfg.topics.trajectories, value, key=gid.encode(), headers=headers)
@@ -183,9 +208,18 @@ async def test_a_chunked_member_is_read_back_from_its_first_chunk(cfg) -> None:
         await producer.stop()
     tokens = MemberTokens(cfg)
     try:
-        (member,) = await tokens.members(gid, [ParkedMember(
-            SessionResult(session_id=traj.session_id, trajectory_id=traj.trajectory_id, status="scored",
-                          stats={"x": 1.0}), first.partition, first.offset)])
+        (member,) = await tokens.members(
+            gid,
+            [
+                ParkedMember(
+                    SessionResult(
+                        session_id=traj.session_id, trajectory_id=traj.trajectory_id, status="scored", stats={"x": 1.0}
+                    ),
+                    first.partition,
+                    first.offset,
+                )
+            ],
+        )
     finally:
         await tokens.aclose()
     assert member.status == "scored" and member.turns == compact_turns(traj.interactions)
@@ -193,7 +227,8 @@ async def test_a_chunked_member_is_read_back_from_its_first_chunk(cfg) -> None:
 
 
 async def test_publish_refuses_a_session_over_every_limit_in_one_line_before_sending_anything(
-        kafka_bootstrap, redis_url, tmp_path) -> None:
+    kafka_bootstrap, redis_url, tmp_path
+) -> None:
     """`prm-pipeline publish` checks every line (size included) before it sends any; a session no
     chunking fits is one line naming it, its size, its turns and the setting — no traceback."""
     import subprocess
@@ -203,15 +238,20 @@ async def test_publish_refuses_a_session_over_every_limit_in_one_line_before_sen
     from infra.kafka import ensure_topics
     from prm_pipeline.demo.processes import write_config
 
-    cfg = isolated_config(f"pubcli-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url,
-                          kafka={"max_message_bytes": 1024})
+    cfg = isolated_config(
+        f"pubcli-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, kafka={"max_message_bytes": 1024}
+    )
     await ensure_topics(cfg.kafka, cfg.topics)
     small, big = _session("cli-small", 2, 400), _session("cli-big", 40, 40_000)
     jsonl.write(tmp_path / "in.jsonl", [small, big])
     config = write_config(cfg, tmp_path / "config.yaml")
-    proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config),
-                                                    "publish", str(tmp_path / "in.jsonl")],
-                                   capture_output=True, text=True, timeout=180)
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "publish", str(tmp_path / "in.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
@@ -232,13 +272,29 @@ async def test_a_group_of_long_sessions_is_accepted_on_the_default_config(kafka_
     from shaper import VerdictConsumer
     from shaper.batch import collate, export_group
 
-    auto = isolated_config(f"longauto-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, partitions=PARTITIONS,
-                           group_timeout_s=GROUP_TIMEOUT_S * 10, scorer_timeout_s=60,
-                           scorers=[PRMScorerConfig("tests.scorers.TokenEchoScorer")])
+    auto = isolated_config(
+        f"longauto-{uuid.uuid4().hex[:8]}",
+        kafka_bootstrap,
+        redis_url,
+        partitions=PARTITIONS,
+        group_timeout_s=GROUP_TIMEOUT_S * 10,
+        scorer_timeout_s=60,
+        scorers=[PRMScorerConfig("tests.scorers.TokenEchoScorer")],
+    )
     assert auto.worker.verdict_tokens == "auto" and auto.kafka.max_message_bytes == 1_048_576  # the defaults
     gid, small_gid = f"pair-{uuid.uuid4().hex[:6]}", f"small-{uuid.uuid4().hex[:6]}"
-    group = [make_agent_session(trajectory_id=f"{gid}-t{k}", session_id=f"{gid}-s{k}", group_id=gid, group_size=2,
-                                turns=100, context_tokens=128_000, rng=np.random.default_rng(k)) for k in range(2)]
+    group = [
+        make_agent_session(
+            trajectory_id=f"{gid}-t{k}",
+            session_id=f"{gid}-s{k}",
+            group_id=gid,
+            group_size=2,
+            turns=100,
+            context_tokens=128_000,
+            rng=np.random.default_rng(k),
+        )
+        for k in range(2)
+    ]
     small = make_group(small_gid, 2, turns=2, output_tokens=16)
     originals = {t.trajectory_id: t for t in group + small}
     async with running_worker(auto, "longauto-w0"):
@@ -246,22 +302,33 @@ async def test_a_group_of_long_sessions_is_accepted_on_the_default_config(kafka_
             assert len(pub.records(group[0])) >= 2  # each member is chunked
             await pub.publish_many(group + small)
         await wait_for_verdicts(auto, [gid, small_gid], timeout_s=120)
-    raw = {v.group_id: (v, len(r.value)) for r in await read_topic(auto, auto.topics.verdicts)
-           for v in [decode_verdict(r.value, r.headers)]}
+    raw = {
+        v.group_id: (v, len(r.value))
+        for r in await read_topic(auto, auto.topics.verdicts)
+        for v in [decode_verdict(r.value, r.headers)]
+    }
     (verdict, size), (small_verdict, _) = raw[gid], raw[small_gid]
     assert verdict.status == "accepted", verdict.reason
     assert all(s.status == "scored" and s.tokens_at is not None and not s.turns for s in verdict.sessions)
     assert size < auto.kafka.max_message_bytes
     # the same verdict with the turns inline: over the limit (what `inline` rejects)
-    inline = {v.group_id: msgspec.structs.replace(v, sessions=[
-        msgspec.structs.replace(s, turns=compact_turns(originals[s.trajectory_id].interactions), tokens_at=None)
-        for s in v.sessions]) for v in (verdict, small_verdict)}
+    inline = {
+        v.group_id: msgspec.structs.replace(
+            v,
+            sessions=[
+                msgspec.structs.replace(s, turns=compact_turns(originals[s.trajectory_id].interactions), tokens_at=None)
+                for s in v.sessions
+            ],
+        )
+        for v in (verdict, small_verdict)
+    }
     assert record_size(gid.encode(), *encode(inline[gid])) > auto.kafka.max_message_bytes
     assert small_verdict.status == "accepted", small_verdict.reason  # a group that fits stays inline
     assert small_verdict == inline[small_gid]
     # the trainer's consumer reads the long group's tokens back: its batch is the inline verdict's
-    async with VerdictConsumer(auto, batch_groups=1, group_filter=None, device="cpu",
-                               group_id=f"trainer-{gid}") as consumer:
+    async with VerdictConsumer(
+        auto, batch_groups=1, group_filter=None, device="cpu", group_id=f"trainer-{gid}"
+    ) as consumer:
         batches = [await consumer.next_batch(idle_timeout_s=10) for _ in range(2)]
     by_group = {b.group_ids[0]: b for b in batches if b is not None}
     assert set(by_group) == {gid, small_gid}

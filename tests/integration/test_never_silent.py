@@ -39,9 +39,16 @@ EXAMPLE = str(REPO / "examples" / "trajectories.jsonl")
 LENGTH = PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 32})
 
 
-def _cli(config: Path, *args: str, timeout: float = 120, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *python, "-m", "prm_pipeline.cli", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def _cli(
+    config: Path, *args: str, timeout: float = 120, python: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *python, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 async def cli(config: Path, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -73,13 +80,19 @@ async def test_an_undeclared_experiment_is_refused_up_front_by_every_tool(pipeli
     config = write_config(cfg, tmp_path / "config.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
     await publish_spec(cfg, _spec("exp-ok"))
-    expected = (f"error: experiment 'nosuch' has no declaration in the registry {cfg.topics.experiments} "
-                "(not declared; declared: exp-ok): no worker reads its topics, so nothing would ever be scored; "
-                "declare it first with `prm-pipeline experiment add FILE.yaml`")
+    expected = (
+        f"error: experiment 'nosuch' has no declaration in the registry {cfg.topics.experiments} "
+        "(not declared; declared: exp-ok): no worker reads its topics, so nothing would ever be scored; "
+        "declare it first with `prm-pipeline experiment add FILE.yaml`"
+    )
 
-    for args in (("publish", "--experiment", "nosuch", EXAMPLE), ("trainer", "--experiment", "nosuch"),
-                 ("verdicts", "--experiment", "nosuch", "--idle-timeout", "1"), ("status", "--experiment", "nosuch"),
-                 ("inspect", "--group", "g1", "--experiment", "nosuch", "--wait", "1")):
+    for args in (
+        ("publish", "--experiment", "nosuch", EXAMPLE),
+        ("trainer", "--experiment", "nosuch"),
+        ("verdicts", "--experiment", "nosuch", "--idle-timeout", "1"),
+        ("status", "--experiment", "nosuch"),
+        ("inspect", "--group", "g1", "--experiment", "nosuch", "--wait", "1"),
+    ):
         proc = await cli(config, *args)
         assert (proc.returncode, one_line(proc)) == (2, expected), args
     assert f"{cfg.topics.trajectories}.nosuch" not in await topics(cfg)  # nothing was published
@@ -92,8 +105,11 @@ async def test_an_undeclared_experiment_is_refused_up_front_by_every_tool(pipeli
 
     from prm_pipeline.gateway import serve
 
-    gateway_cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, experiment="nosuch"),
-                                          gateway=msgspec.structs.replace(cfg.gateway, port=0))
+    gateway_cfg = msgspec.structs.replace(
+        cfg,
+        trainer=msgspec.structs.replace(cfg.trainer, experiment="nosuch"),
+        gateway=msgspec.structs.replace(cfg.gateway, port=0),
+    )
     with pytest.raises(UnknownExperiment, match="'nosuch' has no declaration"):
         await serve(gateway_cfg, asyncio.Event())
 
@@ -103,7 +119,8 @@ async def test_an_undeclared_experiment_is_refused_up_front_by_every_tool(pipeli
 
 
 async def test_a_missing_topic_is_one_line_with_the_fix_and_topics_create_makes_experiment_topics(
-        pipeline_config, tmp_path) -> None:
+    pipeline_config, tmp_path
+) -> None:
     cfg = pipeline_config  # its topics do not exist yet
     config = write_config(cfg, tmp_path / "config.yaml")
     fix = "`prm-pipeline topics create` creates the configured topics and those of every experiment declared"
@@ -129,7 +146,8 @@ async def test_a_missing_topic_is_one_line_with_the_fix_and_topics_create_makes_
 
 
 async def test_records_naming_another_experiment_and_raw_lines_are_dead_letters_the_tools_show(
-        pipeline_config, tmp_path) -> None:
+    pipeline_config, tmp_path
+) -> None:
     cfg = with_scorers(pipeline_config, LENGTH)
     config = write_config(cfg, tmp_path / "config.yaml")
     raw = tmp_path / "bad.jsonl"
@@ -138,8 +156,10 @@ async def test_records_naming_another_experiment_and_raw_lines_are_dead_letters_
     async with running_worker(cfg, "w-never-silent"):
         published = await cli(config, "publish", "--raw", str(raw))  # docs/dead-letters.md's way to make one
         assert published.returncode == 0, published.stderr
-        assert published.stdout == f"published 1 raw records (unchecked, no key, no headers) to " \
-                                   f"{cfg.topics.trajectories}\n"
+        assert (
+            published.stdout == f"published 1 raw records (unchecked, no key, no headers) to "
+            f"{cfg.topics.trajectories}\n"
+        )
         producer = make_producer(cfg.kafka)  # a producer of its own, naming an experiment nobody declared
         await producer.start()
         try:
@@ -147,15 +167,18 @@ async def test_records_naming_another_experiment_and_raw_lines_are_dead_letters_
             await producer.send_and_wait(cfg.topics.trajectories, value, key=b"lost-g", headers=headers)
         finally:
             await producer.stop()
-        letters = await read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + 60,
-                                   stop_when=lambda rs: len(rs) >= 2)
+        letters = await read_topic(
+            cfg, cfg.topics.dead_letters, until=time.monotonic() + 60, stop_when=lambda rs: len(rs) >= 2
+        )
     assert len(letters) == 2
 
     listed = await cli(config, "dead-letters", "--experiment", "never-declared")
     assert listed.returncode == 0 and listed.stdout == "", listed.stdout  # a letter is its topic's experiment's
 
     everything = await cli(config, "dead-letters")
-    (unknown,) = [x for x in map(json.loads, everything.stdout.splitlines()) if x["error_class"] == "ExperimentMismatch"]
+    (unknown,) = [
+        x for x in map(json.loads, everything.stdout.splitlines()) if x["error_class"] == "ExperimentMismatch"
+    ]
     assert (unknown["group_id"], unknown.get("experiment_id")) == ("lost-g", None)  # the default topic's
     assert "names experiment 'never-declared'" in unknown["error_message"]
     (bad,) = [x for x in map(json.loads, everything.stdout.splitlines()) if x["error_class"] != "ExperimentMismatch"]
@@ -164,8 +187,9 @@ async def test_records_naming_another_experiment_and_raw_lines_are_dead_letters_
     # --offsets takes the dead_letter field exactly as the listing prints it
     plan = await cli(config, "dead-letters", "--redrive", "--offsets", unknown["dead_letter"])
     assert plan.returncode == 0, plan.stderr
-    assert plan.stdout.startswith(f"skip    {unknown['dead_letter']}: trajectory {member.trajectory_id} of group "
-                                  "lost-g;")
+    assert plan.stdout.startswith(
+        f"skip    {unknown['dead_letter']}: trajectory {member.trajectory_id} of group lost-g;"
+    )
     assert "it would be refused again" in plan.stdout and "would redrive 0 of 1" in plan.stdout
     skipped = await cli(config, "dead-letters", "--redrive", "--offsets", bad["dead_letter"])
     assert f"skip    {bad['dead_letter']}" in skipped.stdout and "would redrive 0 of 1" in skipped.stdout

@@ -42,8 +42,13 @@ async def test_noida_behind_the_counting_proxy(tmp_path: Path) -> None:
                     await producer.send_and_wait(topic, f"r{i}".encode())
             finally:
                 await producer.stop()
-            consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"g-{topic}",
-                                        auto_offset_reset="earliest", enable_auto_commit=False)
+            consumer = AIOKafkaConsumer(
+                topic,
+                bootstrap_servers=bootstrap,
+                group_id=f"g-{topic}",
+                auto_offset_reset="earliest",
+                enable_auto_commit=False,
+            )
             await consumer.start()
             try:
                 got: list[bytes] = []

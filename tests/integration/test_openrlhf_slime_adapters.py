@@ -33,14 +33,21 @@ from tests.integration.harness import TEST_SCORER_MODULES, isolated_config, runn
 
 pytestmark = pytest.mark.integration
 
-SCORERS = [PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer"),
-           PRMScorerConfig("tests.scorers.FailOnMarkerScorer", kwargs={"marker": "FAIL"})]
+SCORERS = [
+    PRMScorerConfig("tests.ecosystem.scorers.TokenParityScorer"),
+    PRMScorerConfig("tests.scorers.FailOnMarkerScorer", kwargs={"marker": "FAIL"}),
+]
 
 
 @pytest.fixture
 def cfg(kafka_bootstrap: str, redis_url: str, unique_name: str) -> PipelineConfig:
-    cfg = isolated_config(unique_name, kafka_bootstrap, redis_url, scorers=SCORERS,
-                          allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"])
+    cfg = isolated_config(
+        unique_name,
+        kafka_bootstrap,
+        redis_url,
+        scorers=SCORERS,
+        allowed_scorer_modules=[*TEST_SCORER_MODULES, "tests.ecosystem"],
+    )
     return msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, verdict_timeout_s=60.0))
 
 
@@ -49,16 +56,21 @@ async def test_reward_func_from_threads_like_openrlhf(cfg) -> None:
     openrlhf_reward.configure(cfg)
     try:
         async with running_worker(cfg, "w-openrlhf-func"):
-            calls = [(["Q: 2+2? A: 4"], ["Q: 2+2? A:"], ["4"]),   # response " 4": 0.5, 0.5
-                     (["Q: letters? ab"], ["Q: letters? "], [""]),  # response "ab": -0.25, 0.5
-                     (["please FAIL ok"], ["please FAIL"], [""])]   # the scorer fails: rejected
+            calls = [
+                (["Q: 2+2? A: 4"], ["Q: 2+2? A:"], ["4"]),  # response " 4": 0.5, 0.5
+                (["Q: letters? ab"], ["Q: letters? "], [""]),  # response "ab": -0.25, 0.5
+                (["please FAIL ok"], ["please FAIL"], [""]),
+            ]  # the scorer fails: rejected
             answers = await asyncio.gather(*(asyncio.to_thread(openrlhf_reward.reward_func, *c) for c in calls * 3))
         for i, answer in enumerate(answers):
             expected = [[0.5], [0.125], [0.0]][i % 3]
             assert answer["rewards"] == expected and answer["scores"] == expected, (i, answer)
         first, second, rejected = answers[:3]
         assert first["status"] == ["accepted"] and first["extra_logs"] == {
-            "prm_outcome": [0.0], "prm_process": [0.5], "prm_accepted": [1.0]}
+            "prm_outcome": [0.0],
+            "prm_process": [0.5],
+            "prm_accepted": [1.0],
+        }
         assert second["extra_logs"]["prm_process"] == [0.125]
         assert rejected["status"] == ["rejected"] and rejected["reason"][0].startswith("scorer_error")
         assert rejected["reason_code"] == ["scorer_error"]
@@ -71,13 +83,15 @@ async def test_reward_func_from_threads_like_openrlhf(cfg) -> None:
 
 
 async def test_reward_func_reduction_and_per_request_grouping_follow_the_config(cfg) -> None:
-    cfg = msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(
-        cfg.gateway, process_reduction="sum", grouping="per_request"))
+    cfg = msgspec.structs.replace(
+        cfg, gateway=msgspec.structs.replace(cfg.gateway, process_reduction="sum", grouping="per_request")
+    )
     openrlhf_reward.configure(cfg)
     try:
         async with running_worker(cfg, "w-openrlhf-sum"):
-            answer = await asyncio.to_thread(openrlhf_reward.reward_func, ["p: ab", "p: 4", "FAIL: 4"],
-                                             ["p: ", "p: ", "FAIL: "], None)
+            answer = await asyncio.to_thread(
+                openrlhf_reward.reward_func, ["p: ab", "p: 4", "FAIL: 4"], ["p: ", "p: ", "FAIL: "], None
+            )
         # one group of three: the failing member rejects all of it
         assert answer["status"] == ["rejected"] * 3 and answer["rewards"] == [0.0] * 3
         openrlhf_reward.configure(cfg)
@@ -117,11 +131,26 @@ class SlimeSample:
 async def test_slime_custom_reward_per_sample_group_and_text(cfg, tmp_path) -> None:
     args = SimpleNamespace(prm_config=str(write_config(cfg, tmp_path / "prm.yaml")), reward_key="score")
     # multi-turn: response [10, 11 | tool 50, 51 | 12]; the tool tokens are masked out
-    multi = SlimeSample(prompt=[{"role": "user", "content": "add"}], tokens=[1, 2, 3, 10, 11, 50, 51, 12],
-                        response="..", response_length=5, loss_mask=[1, 1, 0, 0, 1],
-                        rollout_log_probs=[-0.1] * 5, status=Status.COMPLETED, group_index=0, index=0)
-    short = SlimeSample(prompt="add", tokens=[1, 2, 3, 8], response=".", response_length=1,
-                        status=Status.TRUNCATED, group_index=0, index=1)
+    multi = SlimeSample(
+        prompt=[{"role": "user", "content": "add"}],
+        tokens=[1, 2, 3, 10, 11, 50, 51, 12],
+        response="..",
+        response_length=5,
+        loss_mask=[1, 1, 0, 0, 1],
+        rollout_log_probs=[-0.1] * 5,
+        status=Status.COMPLETED,
+        group_index=0,
+        index=0,
+    )
+    short = SlimeSample(
+        prompt="add",
+        tokens=[1, 2, 3, 8],
+        response=".",
+        response_length=1,
+        status=Status.TRUNCATED,
+        group_index=0,
+        index=1,
+    )
     text_only = SlimeSample(prompt="Q: letters?", response="ab", label="ab")
     try:
         async with running_worker(cfg, "w-slime"):
@@ -159,8 +188,9 @@ async def test_slime_sample_shape_errors_name_the_field(cfg, tmp_path) -> None:
         slime_rm.sample_from_slime(SlimeSample(tokens=[1, 2], response_length=2, rollout_log_probs=[0.0]), tokenizer)
     with pytest.raises(ValueError, match="sample.prompt must be"):
         slime_rm.sample_from_slime(SlimeSample(prompt=5, response="x"), tokenizer)  # type: ignore[arg-type]
-    truncated = slime_rm.sample_from_slime(SlimeSample(tokens=[1, 2], response_length=1,
-                                                       status=Status.TRUNCATED), tokenizer)
+    truncated = slime_rm.sample_from_slime(
+        SlimeSample(tokens=[1, 2], response_length=1, status=Status.TRUNCATED), tokenizer
+    )
     assert truncated.truncated and list(truncated.prompt_ids) == [1] and list(truncated.response_ids) == [2]
 
 

@@ -31,10 +31,17 @@ GROUP_TIMEOUT_S = 4.0
 @pytest.fixture(scope="module")
 def cfg(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
     name = f"pipe-{uuid.uuid4().hex[:8]}"
-    return isolated_config(name, kafka_bootstrap, redis_url, scorer_timeout_s=5, group_timeout_s=GROUP_TIMEOUT_S,
-                           scorers=[PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer",
-                                                    kwargs={"max_output_tokens": MAX_TOKENS}),
-                                    PRMScorerConfig("tests.scorers.FailOnMarkerScorer")])
+    return isolated_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        scorer_timeout_s=5,
+        group_timeout_s=GROUP_TIMEOUT_S,
+        scorers=[
+            PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": MAX_TOKENS}),
+            PRMScorerConfig("tests.scorers.FailOnMarkerScorer"),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +75,24 @@ async def _verdicts_for(cfg: PipelineConfig, *groups: str, settle_s: float = 0.0
 
 async def test_accepted_group_has_exact_token_rewards(cfg, workers) -> None:
     gid = _gid("acc")
-    short = make_session(trajectory_id=f"{gid}-a", session_id=f"{gid}-a", group_id=gid, group_size=2,
-                         turns=2, output_tokens=16, outcome_reward=1.0)
-    long = make_session(trajectory_id=f"{gid}-b", session_id=f"{gid}-b", group_id=gid, group_size=2,
-                        turns=2, output_tokens=64, outcome_reward=0.0)
+    short = make_session(
+        trajectory_id=f"{gid}-a",
+        session_id=f"{gid}-a",
+        group_id=gid,
+        group_size=2,
+        turns=2,
+        output_tokens=16,
+        outcome_reward=1.0,
+    )
+    long = make_session(
+        trajectory_id=f"{gid}-b",
+        session_id=f"{gid}-b",
+        group_id=gid,
+        group_size=2,
+        turns=2,
+        output_tokens=64,
+        outcome_reward=0.0,
+    )
     await _publish(cfg, [short, long])
     (verdict,) = await _verdicts_for(cfg, gid)
     assert verdict.status == "accepted" and verdict.reason == ""
@@ -92,10 +113,12 @@ async def test_accepted_group_has_exact_token_rewards(cfg, workers) -> None:
 
 async def test_raising_scorer_rejects_the_group_but_keeps_peer_stats(cfg, workers) -> None:
     gid = _gid("rej")
-    ok = make_session(trajectory_id=f"{gid}-ok", session_id=f"{gid}-ok", group_id=gid, group_size=2,
-                      turns=2, output_tokens=16)
-    bad = make_session(trajectory_id=f"{gid}-bad", session_id=f"{gid}-FAIL", group_id=gid, group_size=2,
-                       turns=2, output_tokens=16)
+    ok = make_session(
+        trajectory_id=f"{gid}-ok", session_id=f"{gid}-ok", group_id=gid, group_size=2, turns=2, output_tokens=16
+    )
+    bad = make_session(
+        trajectory_id=f"{gid}-bad", session_id=f"{gid}-FAIL", group_id=gid, group_size=2, turns=2, output_tokens=16
+    )
     await _publish(cfg, [ok, bad])
     (verdict,) = await _verdicts_for(cfg, gid)
     assert (verdict.status, verdict.reason_code) == ("rejected", "scorer_error"), verdict.reason
@@ -139,8 +162,9 @@ async def test_discard_before_members_arrive(cfg, workers) -> None:
             await pub.discard_group(gid, "prompt filtered")
             await pub.publish_many(make_group(gid, 1, turns=1, output_tokens=16))
     verdicts = await _verdicts_for(cfg, *gids, settle_s=1.5)
-    assert sorted((v.group_id, v.status, v.reason_code, v.reason) for v in verdicts) == \
-        sorted((gid, "discarded", "discarded", "prompt filtered") for gid in gids)
+    assert sorted((v.group_id, v.status, v.reason_code, v.reason) for v in verdicts) == sorted(
+        (gid, "discarded", "discarded", "prompt filtered") for gid in gids
+    )
 
 
 async def test_discard_after_members_arrive(cfg, workers) -> None:
@@ -152,7 +176,8 @@ async def test_discard_after_members_arrive(cfg, workers) -> None:
         await pub.discard_group(gid, "trainer no longer needs it")
     verdicts = await _verdicts_for(cfg, gid, settle_s=1.5)
     assert [(v.status, v.reason_code, v.reason) for v in verdicts] == [
-        ("discarded", "discarded", "trainer no longer needs it")]
+        ("discarded", "discarded", "trainer no longer needs it")
+    ]
     assert all(s.status == "discarded" and not s.branches for s in verdicts[0].sessions)
 
 
@@ -171,10 +196,10 @@ async def test_bad_records_are_dead_lettered_and_workers_keep_going(cfg, workers
     await producer.start()
     try:
         valid, headers = encode(make_group(gid, 1, turns=1, output_tokens=16)[0])
-        await producer.send_and_wait(cfg.topics.trajectories, b"\x93garbage\xff", key=b"junk",
-                                     headers=headers)
-        await producer.send_and_wait(cfg.topics.trajectories, valid, key=b"v9",
-                                     headers=[("prm-schema-version", b"99"), ("prm-kind", b"ready")])
+        await producer.send_and_wait(cfg.topics.trajectories, b"\x93garbage\xff", key=b"junk", headers=headers)
+        await producer.send_and_wait(
+            cfg.topics.trajectories, valid, key=b"v9", headers=[("prm-schema-version", b"99"), ("prm-kind", b"ready")]
+        )
     finally:
         await producer.stop()
     await _publish(cfg, make_group(gid, 1, turns=1, output_tokens=16))
@@ -195,8 +220,15 @@ async def test_bad_records_are_dead_lettered_and_workers_keep_going(cfg, workers
 async def test_two_branches_sharing_a_root_get_branch_local_rewards(cfg, workers) -> None:
     gid = _gid("branch")
     # turns=2, branch_at=0: root t0 -> t1 and root t0 -> t1b (two leaves)
-    traj = make_session(trajectory_id=f"{gid}-x", session_id=f"{gid}-x", group_id=gid, group_size=1,
-                        turns=2, branch_at=0, output_tokens=16)
+    traj = make_session(
+        trajectory_id=f"{gid}-x",
+        session_id=f"{gid}-x",
+        group_id=gid,
+        group_size=1,
+        turns=2,
+        branch_at=0,
+        output_tokens=16,
+    )
     await _publish(cfg, [traj])
     (verdict,) = await _verdicts_for(cfg, gid)
     (session,) = verdict.sessions
@@ -211,8 +243,12 @@ async def test_two_branches_sharing_a_root_get_branch_local_rewards(cfg, workers
 
 async def test_persistent_hitl_session_exports_are_each_consumed_once(cfg, workers) -> None:
     g1, g2 = _gid("hitl"), _gid("hitl")
-    a = make_session(trajectory_id=f"{g1}-t", session_id="__hitl__", group_id=g1, group_size=1, turns=1, output_tokens=16)
-    b = make_session(trajectory_id=f"{g2}-t", session_id="__hitl__", group_id=g2, group_size=1, turns=1, output_tokens=16)
+    a = make_session(
+        trajectory_id=f"{g1}-t", session_id="__hitl__", group_id=g1, group_size=1, turns=1, output_tokens=16
+    )
+    b = make_session(
+        trajectory_id=f"{g2}-t", session_id="__hitl__", group_id=g2, group_size=1, turns=1, output_tokens=16
+    )
     await _publish(cfg, [a, b, a])
     verdicts = await _verdicts_for(cfg, g1, g2, settle_s=1.0)
     assert sorted((v.group_id, v.status) for v in verdicts) == sorted([(g1, "accepted"), (g2, "accepted")])

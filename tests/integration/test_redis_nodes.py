@@ -18,19 +18,28 @@ from infra.startup import ServiceUnavailable, wait_for_services
 from prm_pipeline.demo.synthetic import make_group
 from producers.publisher import TrajectoryPublisher
 from tests.integration.harness import isolated_config, running_worker, wait_for_verdicts
-from tests.integration.test_ledger import cluster_url  # noqa: F401 - the one-node Redis Cluster fixture
+from tests.integration.test_ledger import cluster_url as cluster_url  # the one-node Redis Cluster fixture
 
 pytestmark = pytest.mark.integration
 
 
-async def test_a_worker_starts_on_a_cluster_whose_first_listed_node_is_down(cluster_url, kafka_bootstrap,  # noqa: F811
-                                                                            redis_url) -> None:
+async def test_a_worker_starts_on_a_cluster_whose_first_listed_node_is_down(
+    cluster_url,
+    kafka_bootstrap,
+    redis_url,
+) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
     name = f"nodes-{uuid.uuid4().hex[:8]}"
-    base = isolated_config(name, kafka_bootstrap, redis_url, group_timeout_s=60,
-                           scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer")])
-    cluster = RedisConfig(url=f"{dead},{cluster_url}", cluster=True, key_prefix=f"t-{name}", ttl_s=60,
-                          startup_timeout_s=10)
+    base = isolated_config(
+        name,
+        kafka_bootstrap,
+        redis_url,
+        group_timeout_s=60,
+        scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer")],
+    )
+    cluster = RedisConfig(
+        url=f"{dead},{cluster_url}", cluster=True, key_prefix=f"t-{name}", ttl_s=60, startup_timeout_s=10
+    )
     cfg = msgspec.structs.replace(base, redis=cluster)
     # the dead node alone: the start-up wait gives up (what a single-node redis.url did)
     alone = msgspec.structs.replace(cfg, redis=msgspec.structs.replace(cluster, url=dead, startup_timeout_s=1))
@@ -49,4 +58,3 @@ async def test_a_worker_starts_on_a_cluster_whose_first_listed_node_is_down(clus
             await pub.publish_many(make_group(gid, 2))
         (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid], timeout_s=30) if v.group_id == gid]
     assert verdict.status == "accepted", verdict.reason
-

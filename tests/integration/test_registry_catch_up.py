@@ -31,31 +31,45 @@ async def _registry_records(cfg: PipelineConfig, records: list[tuple[str, Experi
     try:
         for experiment_id, spec, ago_ms in records:
             if spec is not None:
-                await ensure_topics(cfg.kafka, cfg.topics, [trajectories_topic(cfg.topics.trajectories, experiment_id),
-                                                            verdicts_topic(cfg.topics.verdicts, experiment_id)])
+                await ensure_topics(
+                    cfg.kafka,
+                    cfg.topics,
+                    [
+                        trajectories_topic(cfg.topics.trajectories, experiment_id),
+                        verdicts_topic(cfg.topics.verdicts, experiment_id),
+                    ],
+                )
                 key, value, headers = encode_spec(spec)
             else:
-                key, value, headers = experiment_id.encode(), None, [("prm-kind", KIND.encode()),
-                                                                     ("prm-schema-version", b"1")]
-            await producer.send_and_wait(cfg.topics.experiments, value, key=key, headers=headers,
-                                         timestamp_ms=int(time.time() * 1000) - ago_ms)
+                key, value, headers = (
+                    experiment_id.encode(),
+                    None,
+                    [("prm-kind", KIND.encode()), ("prm-schema-version", b"1")],
+                )
+            await producer.send_and_wait(
+                cfg.topics.experiments, value, key=key, headers=headers, timestamp_ms=int(time.time() * 1000) - ago_ms
+            )
     finally:
         await producer.stop()
 
 
-async def test_a_worker_started_after_a_removal_does_not_serve_or_retire_the_experiment_again(
-        pipeline_config) -> None:
+async def test_a_worker_started_after_a_removal_does_not_serve_or_retire_the_experiment_again(pipeline_config) -> None:
     cfg = with_scorers(pipeline_config, LENGTH)
     await ensure_topics(cfg.kafka, cfg.topics)
 
     def spec(experiment_id: str) -> ExperimentSpec:
         return ExperimentSpec(experiment_id=experiment_id, prm=PRMConfig(scorers=[LENGTH]), group_timeout_s=600)
 
-    await _registry_records(cfg, [
-        ("exp-gone", spec("exp-gone"), 30 * MINUTE_MS), ("exp-gone", None, 20 * MINUTE_MS),  # removed 20 min ago
-        ("exp-late", spec("exp-late"), 9 * MINUTE_MS), ("exp-late", None, 7 * MINUTE_MS),  # removed 7 min ago
-        ("exp-kept", spec("exp-kept"), 5 * MINUTE_MS),
-    ])
+    await _registry_records(
+        cfg,
+        [
+            ("exp-gone", spec("exp-gone"), 30 * MINUTE_MS),
+            ("exp-gone", None, 20 * MINUTE_MS),  # removed 20 min ago
+            ("exp-late", spec("exp-late"), 9 * MINUTE_MS),
+            ("exp-late", None, 7 * MINUTE_MS),  # removed 7 min ago
+            ("exp-kept", spec("exp-kept"), 5 * MINUTE_MS),
+        ],
+    )
     gone_topic = trajectories_topic(cfg.topics.trajectories, "exp-gone")
     async with running_worker(cfg, "w-catch-up") as worker:
         assert worker.fleet.get("exp-kept") is not None and worker.fleet.get("exp-kept").state == "active"

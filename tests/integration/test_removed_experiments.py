@@ -33,8 +33,9 @@ async def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str
     return code, out.out, out.err
 
 
-async def test_a_removed_experiment_is_read_inspected_audited_and_listed_with_a_note(pipeline_config, tmp_path,
-                                                                                       capsys) -> None:
+async def test_a_removed_experiment_is_read_inspected_audited_and_listed_with_a_note(
+    pipeline_config, tmp_path, capsys
+) -> None:
     cfg = with_scorers(pipeline_config, LENGTH)
     config = str(write_config(cfg, tmp_path / "config.yaml"))
     gid = f"gone-{uuid.uuid4().hex[:6]}"
@@ -53,14 +54,26 @@ async def test_a_removed_experiment_is_read_inspected_audited_and_listed_with_a_
     assert "exp-gone" not in await read_registry(cfg)  # gone from what `experiment list` and the workers declare
 
     note = "note: experiment 'exp-gone' was removed from the registry"
-    code, out, err = await _cli(capsys, "--config", config, "verdicts", "--experiment", "exp-gone",
-                                "--from-beginning", "--max", "1", "--idle-timeout", "10")
+    code, out, err = await _cli(
+        capsys,
+        "--config",
+        config,
+        "verdicts",
+        "--experiment",
+        "exp-gone",
+        "--from-beginning",
+        "--max",
+        "1",
+        "--idle-timeout",
+        "10",
+    )
     assert code == 0, err
     assert [json.loads(line)["group_id"] for line in out.splitlines()] == [gid]
     assert note in err
 
-    code, out, err = await _cli(capsys, "--config", config, "inspect", "--experiment", "exp-gone", "--group", gid,
-                                "--wait", "10")
+    code, out, err = await _cli(
+        capsys, "--config", config, "inspect", "--experiment", "exp-gone", "--group", gid, "--wait", "10"
+    )
     assert code == 0 and gid in out and note in err, err
 
     code, out, err = await _cli(capsys, "--config", config, "audit", "--experiment", "exp-gone", "--groups", gid)
@@ -70,8 +83,9 @@ async def test_a_removed_experiment_is_read_inspected_audited_and_listed_with_a_
     code, out, err = await _cli(capsys, "--config", config, "dead-letters", "--experiment", "exp-gone")
     assert code == 0 and note in err and "0 dead letters of experiment exp-gone" in err, err
 
-    code, out, err = await _cli(capsys, "--config", config, "publish", "--experiment", "exp-gone",
-                                "examples/trajectories.jsonl")
+    code, out, err = await _cli(
+        capsys, "--config", config, "publish", "--experiment", "exp-gone", "examples/trajectories.jsonl"
+    )
     assert code == 2 and "'exp-gone' has no declaration" in err and "removed at offset" in err, err
 
     code, out, err = await _cli(capsys, "--config", config, "experiment", "forget", "exp-gone")
@@ -80,8 +94,9 @@ async def test_a_removed_experiment_is_read_inspected_audited_and_listed_with_a_
     admin = make_admin(cfg.kafka)
     await admin.start()
     try:
-        await admin.delete_topics([trajectories_topic(cfg.topics.trajectories, "exp-gone"),
-                                   verdicts_topic(cfg.topics.verdicts, "exp-gone")])
+        await admin.delete_topics(
+            [trajectories_topic(cfg.topics.trajectories, "exp-gone"), verdicts_topic(cfg.topics.verdicts, "exp-gone")]
+        )
     finally:
         await admin.close()
     code, out, err = await _cli(capsys, "--config", config, "experiment", "forget", "exp-gone")

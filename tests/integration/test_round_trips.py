@@ -36,11 +36,13 @@ async def _marked(worker, cfg: PipelineConfig) -> None:
 
     async def known() -> bool:
         return worker._marks.mark(tp) is not None
+
     await eventually(known, timeout_s=30, what="the worker to learn the partition's mark")
 
 
 async def test_records_past_the_mark_skip_the_probe_and_duplicates_are_still_acknowledged(
-        kafka_bootstrap, redis_url) -> None:
+    kafka_bootstrap, redis_url
+) -> None:
     cfg = _config(kafka_bootstrap, redis_url)
     gid = f"g-{uuid.uuid4().hex[:6]}"
     a, b = make_group(gid, 2, turns=1, output_tokens=8)
@@ -52,18 +54,23 @@ async def test_records_past_the_mark_skip_the_probe_and_duplicates_are_still_ack
 
             async def parked() -> bool:
                 return a.trajectory_id in await ledger.view.parked_blobs(gid)
+
             await eventually(parked, timeout_s=30, what="member a to be parked")
             await pub.publish_many([a])  # re-sent by its publisher: scored again, acknowledged at park
 
             async def deduplicated(n: int) -> bool:
                 return _count(worker, "prm_worker_deduplicated_total") >= n
-            await eventually(lambda: deduplicated(1), timeout_s=30, what="the re-sent member to be acknowledged as a duplicate")
+
+            await eventually(
+                lambda: deduplicated(1), timeout_s=30, what="the re-sent member to be acknowledged as a duplicate"
+            )
             await pub.publish_many([b])
             (verdict,) = [v for v in await wait_for_verdicts(cfg, [gid]) if v.group_id == gid]
             assert sorted(s.trajectory_id for s in verdict.sessions) == sorted([a.trajectory_id, b.trajectory_id])
 
             async def finished() -> bool:
                 return not await ledger.redis.exists(ledger.group_key(gid))
+
             await eventually(finished, timeout_s=30, what="the group to be finished")
             await pub.publish_many([a])  # re-sent after the group finished: its park finds it done
             await eventually(lambda: deduplicated(2), timeout_s=30, what="the late member to be acknowledged")
@@ -90,15 +97,19 @@ async def test_a_record_redelivered_after_a_restart_is_probed_and_not_scored_aga
 
             async def parked() -> bool:
                 return bool(await ledger.view.parked_blobs(gid))
+
             await eventually(parked, timeout_s=30, what="member a to be parked")
             assert _count(first, "prm_worker_scored_total") == 1
         # the first owner's commit never happened (it died before): to the next owner the
         # record is uncommitted, as it is to a consumer group that has committed nothing
-        cfg = msgspec.structs.replace(cfg, worker=msgspec.structs.replace(
-            cfg.worker, group_id=f"{cfg.worker.group_id}-next"))
+        cfg = msgspec.structs.replace(
+            cfg, worker=msgspec.structs.replace(cfg.worker, group_id=f"{cfg.worker.group_id}-next")
+        )
         async with running_worker(cfg, "w-second") as second, TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+
             async def acknowledged() -> bool:
                 return _count(second, "prm_worker_deduplicated_total") >= 1
+
             await eventually(acknowledged, timeout_s=30, what="the redelivered member to be acknowledged")
             await _marked(second, cfg)
             await pub.publish_many([b])
@@ -126,6 +137,7 @@ async def test_a_graceful_stop_flushes_the_pending_finish(kafka_bootstrap, redis
 
             async def pending() -> bool:
                 return worker.ledger.pending_finishes == 1
+
             await eventually(pending, timeout_s=30, what="the finish to be handed over")
             assert await ledger.redis.exists(ledger.group_key(gid))  # decided, not finished yet
         assert not await ledger.redis.exists(ledger.group_key(gid))

@@ -48,12 +48,17 @@ def embedded_stack(workdir: Path) -> Iterator[dict[str, str]]:
     with out.open("wb") as log:
         proc = subprocess.Popen([*CLI, "up", "--create-topics"], cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
     try:
+
         def settings() -> dict[str, str]:
             lines = out.read_text(errors="replace").splitlines()
             return dict(line.split("=", 1) for line in lines if line.startswith("PRM_") and "=" in line)
 
-        wait_until(lambda: len(settings()) >= 2 + len(LOCAL_BROKER_ENV) or proc.poll() is not None, timeout_s=120,
-                   interval_s=0.2, what=lambda: f"prm-pipeline up\n{out.read_text(errors='replace')}")
+        wait_until(
+            lambda: len(settings()) >= 2 + len(LOCAL_BROKER_ENV) or proc.poll() is not None,
+            timeout_s=120,
+            interval_s=0.2,
+            what=lambda: f"prm-pipeline up\n{out.read_text(errors='replace')}",
+        )
         assert proc.poll() is None, out.read_text(errors="replace")
         yield settings()
     finally:
@@ -78,10 +83,15 @@ class Workers:
 
     def start(self, name: str, argv: Sequence[str] = ("--config", "config/demo.yaml", "worker")) -> None:
         with (self.log_dir / f"{name}.log").open("wb") as log:
-            self.procs[name] = subprocess.Popen([*CLI, *argv], cwd=REPO,
-                                                env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: "polling" in self.log(name) or self.procs[name].poll() is not None, timeout_s=120,
-                   interval_s=0.2, what=lambda: f"{name} to poll\n{self.diagnosis()}")
+            self.procs[name] = subprocess.Popen(
+                [*CLI, *argv], cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        wait_until(
+            lambda: "polling" in self.log(name) or self.procs[name].poll() is not None,
+            timeout_s=120,
+            interval_s=0.2,
+            what=lambda: f"{name} to poll\n{self.diagnosis()}",
+        )
         assert self.procs[name].poll() is None, f"{name} exited at start-up\n{self.diagnosis()}"
 
     def stop(self, name: str) -> int:
@@ -92,8 +102,9 @@ class Workers:
 
     def died(self) -> dict[str, int]:
         """Workers that ended although nobody stopped them, with their exit codes."""
-        return {n: p.returncode for n, p in self.procs.items()
-                if n not in self.stopped_on_purpose and p.poll() is not None}
+        return {
+            n: p.returncode for n, p in self.procs.items() if n not in self.stopped_on_purpose and p.poll() is not None
+        }
 
     def diagnosis(self) -> str:
         return "\n".join(f"--- {n} (exit {p.poll()})\n{self.log(n)[-4000:]}" for n, p in self.procs.items())
@@ -142,8 +153,12 @@ async def test_workers_join_and_leave_one_after_another_as_the_readme_runs_them(
                     raise AssertionError(f"{step}: workers died: {died}\n{workers.diagnosis()}")
                 return False
 
-            await eventually(progressed, timeout_s=90, interval_s=0.5,
-                             what=lambda: f"{step}: progress ({len(published)} groups)\n{workers.diagnosis()}")
+            await eventually(
+                progressed,
+                timeout_s=90,
+                interval_s=0.5,
+                what=lambda: f"{step}: progress ({len(published)} groups)\n{workers.diagnosis()}",
+            )
 
         publisher = asyncio.create_task(load())
         try:
@@ -195,8 +210,9 @@ def test_the_readme_quick_session_runs_as_written_with_two_workers(tmp_path) -> 
                 workers.start("w1", argv[1:])
                 workers.start("w2", argv[1:])
                 continue
-            outputs.append(subprocess.run([*CLI, *argv[1:]], cwd=REPO, env=env, capture_output=True, text=True,
-                                          timeout=300))
+            outputs.append(
+                subprocess.run([*CLI, *argv[1:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            )
             assert outputs[-1].returncode == 0, (line, outputs[-1].stderr, workers.diagnosis())
         try:
             assert workers.died() == {}, workers.diagnosis()

@@ -31,8 +31,9 @@ async def store(redis_url: str):
 
 
 def compact_turns(turns: int = 4):
-    traj = make_session(trajectory_id="t", session_id="s", group_id="g", group_size=1, turns=turns,
-                        rng=np.random.default_rng(0))
+    traj = make_session(
+        trajectory_id="t", session_id="s", group_id="g", group_size=1, turns=turns, rng=np.random.default_rng(0)
+    )
     compactor = TurnCompactor()
     return [compactor.compact(t).interaction for t in stream_session(traj)[0]], traj
 
@@ -49,8 +50,9 @@ async def test_turns_park_once_and_come_back_in_order_for_another_worker(store: 
     # another worker's store (another client) reads the same session back
     client = aioredis.from_url(redis_url)
     try:
-        parked = await SessionStore(client, RedisConfig(url=redis_url, key_prefix=store.prefix), idle_s=30.0,
-                                    max_turns=5).load("g", "t")
+        parked = await SessionStore(
+            client, RedisConfig(url=redis_url, key_prefix=store.prefix), idle_s=30.0, max_turns=5
+        ).load("g", "t")
     finally:
         await client.aclose()
     assert parked.turns == turns
@@ -58,8 +60,9 @@ async def test_turns_park_once_and_come_back_in_order_for_another_worker(store: 
     assert parked.judged == {(turns[0].interaction_id, turns[1].interaction_id)}
     rebuilt = OpenSession.of("s", parked.turns)
     last = traj.interactions[-1]
-    assert bytes(rebuilt.full(last.interaction_id).model_response.input_tokens_raw) == \
-        bytes(last.model_response.input_tokens_raw)
+    assert bytes(rebuilt.full(last.interaction_id).model_response.input_tokens_raw) == bytes(
+        last.model_response.input_tokens_raw
+    )
 
 
 async def test_a_session_holds_at_most_max_turns(store: SessionStore) -> None:

@@ -30,9 +30,18 @@ async def publish_versions(cfg: PipelineConfig) -> None:
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         for name, version in VERSIONS.items():
             for m in range(2):
-                await pub.publish_ready(make_session(trajectory_id=f"{name}-{m}", session_id=f"{name}-{m}", group_id=name,
-                                                     group_size=2, turns=2, output_tokens=8, policy_version=version,
-                                                     outcome_reward=float(m)))
+                await pub.publish_ready(
+                    make_session(
+                        trajectory_id=f"{name}-{m}",
+                        session_id=f"{name}-{m}",
+                        group_id=name,
+                        group_size=2,
+                        turns=2,
+                        output_tokens=8,
+                        policy_version=version,
+                        outcome_reward=float(m),
+                    )
+                )
 
 
 def with_trainer(cfg: PipelineConfig, group: str, max_policy_lag: int | None) -> PipelineConfig:
@@ -48,12 +57,18 @@ async def consume_all(consumer: VerdictConsumer, expected: int) -> set[str]:
         if batch is not None:
             got.update(batch.group_ids)
 
-    await eventually(lambda: sum(v for k, v in consumer.totals().items() if k.startswith("pipeline/verdicts/")) >= expected,
-                     timeout_s=30, between=read, what=lambda: f"{expected} verdicts counted: {consumer.totals()}")
+    await eventually(
+        lambda: sum(v for k, v in consumer.totals().items() if k.startswith("pipeline/verdicts/")) >= expected,
+        timeout_s=30,
+        between=read,
+        what=lambda: f"{expected} verdicts counted: {consumer.totals()}",
+    )
     return got
 
 
-async def test_groups_behind_the_bound_are_dropped_and_counted(pipeline_config: PipelineConfig, unique_name: str) -> None:
+async def test_groups_behind_the_bound_are_dropped_and_counted(
+    pipeline_config: PipelineConfig, unique_name: str
+) -> None:
     cfg = pipeline_config
     async with running_worker(cfg, "w-stale"):
         await publish_versions(cfg)
@@ -78,8 +93,12 @@ async def test_groups_behind_the_bound_are_dropped_and_counted(pipeline_config: 
         async def read_none() -> None:
             assert await consumer.next_batch(idle_timeout_s=0.5, flush_partial=False) is None
 
-        await eventually(lambda: consumer.buffered_groups >= len(VERSIONS), timeout_s=30, between=read_none,
-                         what=lambda: f"{len(VERSIONS)} groups buffered, not {consumer.buffered_groups}")
+        await eventually(
+            lambda: consumer.buffered_groups >= len(VERSIONS),
+            timeout_s=30,
+            between=read_none,
+            what=lambda: f"{len(VERSIONS)} groups buffered, not {consumer.buffered_groups}",
+        )
         consumer.set_policy_version(4)
         assert consumer.buffered_groups == 2  # v3 and the unversioned group
         assert consumer.totals()["pipeline/filter/stale"] == 3

@@ -44,9 +44,14 @@ SCORERS = [PRMScorerConfig(path="scoring_workers.scorers.LengthBudgetScorer", kw
 
 
 def status(config: Path, *args: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "status", "--json", *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "status", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout.strip(), proc.stderr
     return proc.returncode, json.loads(proc.stdout)
 
@@ -55,8 +60,16 @@ async def publish(cfg: PipelineConfig, prefix: str, groups: int, *, size: int = 
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         for g in range(groups):
             for m in range(size):
-                await pub.publish_ready(make_session(trajectory_id=f"{prefix}{g}-{m}", session_id=f"{prefix}{g}-{m}",
-                                                     group_id=f"{prefix}{g}", group_size=size, turns=2, output_tokens=8))
+                await pub.publish_ready(
+                    make_session(
+                        trajectory_id=f"{prefix}{g}-{m}",
+                        session_id=f"{prefix}{g}-{m}",
+                        group_id=f"{prefix}{g}",
+                        group_size=size,
+                        turns=2,
+                        output_tokens=8,
+                    )
+                )
     return [f"{prefix}{g}" for g in range(groups)]
 
 
@@ -64,8 +77,9 @@ def checks(report: dict) -> set[str]:
     return {p["check"] for p in report["problems"]}
 
 
-async def test_status_healthy_then_workers_killed_with_growing_lag(kafka_bootstrap: str, redis_url: str,
-                                                                   unique_name: str, tmp_path: Path) -> None:
+async def test_status_healthy_then_workers_killed_with_growing_lag(
+    kafka_bootstrap: str, redis_url: str, unique_name: str, tmp_path: Path
+) -> None:
     cfg = isolated_config(unique_name, kafka_bootstrap, redis_url, scorers=SCORERS, group_timeout_s=60)
     config = write_config(cfg, tmp_path / "status.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
@@ -85,7 +99,11 @@ async def test_status_healthy_then_workers_killed_with_growing_lag(kafka_bootstr
 
         _, _, (code, report, workers) = await poll_until(settled, timeout_s=30, interval_s=0, accept=is_settled)
         assert code == 0, report["problems"]
-        assert report["healthy"] is True and not checks(report) & {"no_live_worker", "lag_growing", "group_near_timeout"}
+        assert report["healthy"] is True and not checks(report) & {
+            "no_live_worker",
+            "lag_growing",
+            "group_near_timeout",
+        }
         assert sorted(w["worker_id"] for w in report["workers"]["alive"]) == ["w0.1", "w1.1"]
         assert workers["total"] == 0 and len(workers["partitions"]) == cfg.topics.partitions
         assert report["verdicts"]["count"] == 12 and report["verdicts"]["by_status"] == {"accepted": 12}
@@ -121,16 +139,20 @@ async def test_status_healthy_then_workers_killed_with_growing_lag(kafka_bootstr
 @pytest.fixture(params=["standalone", "cluster"])
 def redis_cfg(request: pytest.FixtureRequest, redis_url: str) -> RedisConfig:
     if request.param == "cluster":
-        return RedisConfig(url=request.getfixturevalue("cluster_url"), cluster=True,
-                           key_prefix=f"st{uuid.uuid4().hex[:6]}", ttl_s=60)
+        return RedisConfig(
+            url=request.getfixturevalue("cluster_url"), cluster=True, key_prefix=f"st{uuid.uuid4().hex[:6]}", ttl_s=60
+        )
     return RedisConfig(url=redis_url, key_prefix=f"status-{uuid.uuid4().hex[:6]}", ttl_s=60)
 
 
-async def test_ledger_view_on_standalone_and_cluster(redis_cfg: RedisConfig, kafka_bootstrap: str, unique_name: str) -> None:
+async def test_ledger_view_on_standalone_and_cluster(
+    redis_cfg: RedisConfig, kafka_bootstrap: str, unique_name: str
+) -> None:
     cfg = isolated_config(unique_name, kafka_bootstrap, redis_cfg.url, group_timeout_s=600)
     cfg = msgspec.structs.replace(cfg, redis=redis_cfg)
     ledger = GroupLedger.from_config(redis_cfg)
     try:
+
         def member(tid: str) -> SessionResult:
             return SessionResult(session_id=tid, trajectory_id=tid, status="scored", outcome_reward=1.0)
 
@@ -138,8 +160,9 @@ async def test_ledger_view_on_standalone_and_cluster(redis_cfg: RedisConfig, kaf
         await ledger.park(member("old-0"), group_id="old", group_timeout_s=2.0, **park)  # short timeout: soon near it
         await ledger.park(member("young-0"), group_id="young", group_timeout_s=600.0, **park)
         await ledger.park(member("done-0"), group_id="done", group_timeout_s=600.0, **park)
-        decided = await ledger.decide("done", "discard", worker_id="w", scorers=b"", group_timeout_s=600.0,
-                                      republish_grace_s=5.0)
+        decided = await ledger.decide(
+            "done", "discard", worker_id="w", scorers=b"", group_timeout_s=600.0, republish_grace_s=5.0
+        )
         assert decided.outcome == "decided_now"  # decided, its verdict never published
         await ledger.view.beat("w-alive")
         await ledger.view.beat("w-gone")
@@ -150,18 +173,27 @@ async def test_ledger_view_on_standalone_and_cluster(redis_cfg: RedisConfig, kaf
         assert summary.oldest_open_group == "old" and summary.oldest_open_timeout_s == pytest.approx(2.0)
         assert summary.memory and all(n.used_bytes > 0 for n in summary.memory)
         assert [w.worker_id for w in workers.alive] == ["w-alive"] and not workers.silent
-        assert "group_near_timeout" not in {p.check for p in assess(StatusReport(at=0, ledger=summary, workers=workers))}
+        assert "group_near_timeout" not in {
+            p.check for p in assess(StatusReport(at=0, ledger=summary, workers=workers))
+        }
 
-        summary = (await poll_until(lambda: ledger_summary(cfg), timeout_s=10, interval_s=0.1,
-                                    accept=lambda got: got[0].oldest_open_age_s >= 1.7)).last[0]
+        summary = (
+            await poll_until(
+                lambda: ledger_summary(cfg),
+                timeout_s=10,
+                interval_s=0.1,
+                accept=lambda got: got[0].oldest_open_age_s >= 1.7,
+            )
+        ).last[0]
         problems = {p.check: p for p in assess(StatusReport(at=0, ledger=summary, workers=workers))}
         assert "group_near_timeout" in problems and "old" in problems["group_near_timeout"].message
     finally:
         await ledger.aclose()
 
 
-async def test_top_reasons_are_reason_codes_never_free_text(kafka_bootstrap: str, redis_url: str,
-                                                           unique_name: str) -> None:
+async def test_top_reasons_are_reason_codes_never_free_text(
+    kafka_bootstrap: str, redis_url: str, unique_name: str
+) -> None:
     """Rejected and discarded verdicts are summarised by their ``reason_code``: a discard's
     own words (or a failed member's detail) never become a 'reason' of the summary."""
     cfg = isolated_config(unique_name, kafka_bootstrap, redis_url)
@@ -169,8 +201,12 @@ async def test_top_reasons_are_reason_codes_never_free_text(kafka_bootstrap: str
     verdicts = [
         GroupVerdict(group_id="d1", status="discarded", reason_code="discarded", reason="environment crashed at t3"),
         GroupVerdict(group_id="d2", status="discarded", reason_code="discarded", reason="prompt filtered: too long"),
-        GroupVerdict(group_id="r1", status="rejected", reason_code="scorer_timeout",
-                     reason="scorer_timeout: member 't1' (session 's1'): took 31 s"),
+        GroupVerdict(
+            group_id="r1",
+            status="rejected",
+            reason_code="scorer_timeout",
+            reason="scorer_timeout: member 't1' (session 's1'): took 31 s",
+        ),
         GroupVerdict(group_id="a1", status="accepted"),
     ]
     producer = make_producer(cfg.kafka)

@@ -44,20 +44,39 @@ def judge():
 def config(kafka_bootstrap: str, redis_url: str, judge: FakeJudgeServer, **worker: Any) -> PipelineConfig:
     name = f"stream-{uuid.uuid4().hex[:8]}"
     scorers = [
-        PRMScorerConfig("scoring_workers.scorers.openclaw.OpenClawJudgeScorer", weight=0.5, kwargs={
-            "base_url": judge.base_url, "model": "fake-judge", "temperature": 0.0, "max_tokens": 64, "m": 3,
-            "timeout_s": 5.0}),
-        PRMScorerConfig("scoring_workers.scorers.length_budget.LengthBudgetScorer", weight=0.25,
-                        kwargs={"max_output_tokens": 12}),
+        PRMScorerConfig(
+            "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+            weight=0.5,
+            kwargs={
+                "base_url": judge.base_url,
+                "model": "fake-judge",
+                "temperature": 0.0,
+                "max_tokens": 64,
+                "m": 3,
+                "timeout_s": 5.0,
+            },
+        ),
+        PRMScorerConfig(
+            "scoring_workers.scorers.length_budget.LengthBudgetScorer", weight=0.25, kwargs={"max_output_tokens": 12}
+        ),
         PRMScorerConfig("tests.scorers.TokenEchoScorer", weight=0.125),  # not streamable: runs at the end
     ]
     worker.setdefault("group_timeout_s", 60)
-    return isolated_config(name, kafka_bootstrap, redis_url, scorers=scorers, partitions=2,
-                           keep_scorer_channels=True, **worker)
+    return isolated_config(
+        name, kafka_bootstrap, redis_url, scorers=scorers, partitions=2, keep_scorer_channels=True, **worker
+    )
 
 
-def session(tid: str, gid: str, size: int, rng: np.random.Generator, *, turns: int | None = None,
-            branch: bool | None = None, replies: list[str] | None = None) -> ReadyTrajectory:
+def session(
+    tid: str,
+    gid: str,
+    size: int,
+    rng: np.random.Generator,
+    *,
+    turns: int | None = None,
+    branch: bool | None = None,
+    replies: list[str] | None = None,
+) -> ReadyTrajectory:
     """A concat-export agent session with random tool replies (the judge's evidence), maybe
     branching; ``replies`` scripts them instead (the reply to turn k is ``replies[k]``)."""
     turns = len(replies) + 1 if replies else turns or int(rng.integers(1, 9))
@@ -75,9 +94,13 @@ def session(tid: str, gid: str, size: int, rng: np.random.Generator, *, turns: i
             messages = [*parent.messages, *parent.output_message_list, reply]
             prompt = np.concatenate([pm.input_tokens, pm.output_tokens, rng.integers(1, 999, 3)])
         out = rng.integers(1, 999, int(rng.integers(1, 20)))
-        it = Interaction(interaction_id=iid, parent_id=None if parent is None else parent.interaction_id,
-                         messages=messages, output_message_list=[{"role": "assistant", "content": f"step {iid}"}],
-                         model_response=ModelResponse.from_arrays(prompt, out, -rng.random(len(out))))
+        it = Interaction(
+            interaction_id=iid,
+            parent_id=None if parent is None else parent.interaction_id,
+            messages=messages,
+            output_message_list=[{"role": "assistant", "content": f"step {iid}"}],
+            model_response=ModelResponse.from_arrays(prompt, out, -rng.random(len(out))),
+        )
         interactions.append(it)
         return it
 
@@ -89,8 +112,15 @@ def session(tid: str, gid: str, size: int, rng: np.random.Generator, *, turns: i
             fork = node
     if fork is not None:
         grow(f"{tid}-fork", fork)
-    return ReadyTrajectory(trajectory_id=tid, session_id=f"s-{tid}", group_id=gid, group_size=size,
-                           interactions=interactions, outcome_reward=float(rng.integers(0, 2)), policy_version=3)
+    return ReadyTrajectory(
+        trajectory_id=tid,
+        session_id=f"s-{tid}",
+        group_id=gid,
+        group_size=size,
+        interactions=interactions,
+        outcome_reward=float(rng.integers(0, 2)),
+        policy_version=3,
+    )
 
 
 async def stream(pub: TrajectoryPublisher, traj: ReadyTrajectory, *, gap_s: float = 0.0) -> None:
@@ -108,16 +138,27 @@ def scores(verdict: GroupVerdict) -> dict[str, Any]:
     out = {}
     for s in verdict.sessions:
         out[s.session_id.split("@")[0]] = (
-            s.status, s.outcome_reward, s.is_eval, s.policy_version, s.error_code,
-            msgspec.msgpack.encode(s.branches), msgspec.msgpack.encode(s.turn_results),
-            msgspec.msgpack.encode(s.turns), sorted((k, v) for k, v in s.stats.items() if "latency" not in k))
+            s.status,
+            s.outcome_reward,
+            s.is_eval,
+            s.policy_version,
+            s.error_code,
+            msgspec.msgpack.encode(s.branches),
+            msgspec.msgpack.encode(s.turn_results),
+            msgspec.msgpack.encode(s.turns),
+            sorted((k, v) for k, v in s.stats.items() if "latency" not in k),
+        )
     return {"status": verdict.status, "reason_code": verdict.reason_code, "members": out}
 
 
 def twin(traj: ReadyTrajectory, suffix: str) -> ReadyTrajectory:
     """The same session under other ids (its own group): the other form's copy."""
-    return msgspec.structs.replace(traj, trajectory_id=traj.trajectory_id + suffix,
-                                   session_id=f"{traj.session_id}@{suffix}", group_id=traj.group_id + suffix)
+    return msgspec.structs.replace(
+        traj,
+        trajectory_id=traj.trajectory_id + suffix,
+        session_id=f"{traj.session_id}@{suffix}",
+        group_id=traj.group_id + suffix,
+    )
 
 
 async def test_streamed_sessions_get_the_ready_verdict(kafka_bootstrap, redis_url, judge) -> None:
@@ -127,8 +168,9 @@ async def test_streamed_sessions_get_the_ready_verdict(kafka_bootstrap, redis_ur
 @pytest.mark.slow
 async def test_a_thousand_streamed_sessions_get_the_ready_verdict(kafka_bootstrap, redis_url, judge) -> None:
     """The goal's scale: 1,000 sessions of 1 to 8 turns, 40 % branching, in groups of 1 or 2."""
-    sessions = await compare_forms(config(kafka_bootstrap, redis_url, judge, group_timeout_s=600), n_groups=667,
-                                   seed=1000, timeout_s=900)
+    sessions = await compare_forms(
+        config(kafka_bootstrap, redis_url, judge, group_timeout_s=600), n_groups=667, seed=1000, timeout_s=900
+    )
     assert sessions >= 1000
 
 
@@ -184,8 +226,9 @@ async def test_another_worker_continues_a_session_its_worker_dropped(kafka_boots
             for turn in turns[:4]:
                 await pub.publish_turn(turn)
             await pub.flush()
-            await until(lambda: first.telemetry.consumed.labels("turn")._value.get() >= 4,
-                        "the first worker takes the turns")
+            await until(
+                lambda: first.telemetry.consumed.labels("turn")._value.get() >= 4, "the first worker takes the turns"
+            )
         # the first worker is gone (its memory with it); its turns are parked in Redis
         async with running_worker(cfg, "w2"):
             for turn in turns[4:]:
@@ -222,8 +265,9 @@ async def test_bad_and_late_turns(kafka_bootstrap, redis_url, judge) -> None:
     cfg = config(kafka_bootstrap, redis_url, judge)
     rng = np.random.default_rng(9)
     turns, _ = stream_session(session("orphan", "gbad", 1, rng, turns=3))
-    stray = msgspec.structs.replace(turns[2], interaction=msgspec.structs.replace(
-        turns[2].interaction, parent_id="nobody"))
+    stray = msgspec.structs.replace(
+        turns[2], interaction=msgspec.structs.replace(turns[2].interaction, parent_id="nobody")
+    )
     late = session("late", "glate", 1, rng, turns=2)
     async with running_worker(cfg, "w1") as worker:
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
@@ -234,8 +278,10 @@ async def test_bad_and_late_turns(kafka_bootstrap, redis_url, judge) -> None:
         before = worker.telemetry.deduplicated._value.get()
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await stream(pub, late)  # the whole session again (a producer replay)
-        await until(lambda: worker.telemetry.deduplicated._value.get() >= before + 3,
-                    "the replayed records are acknowledged as duplicates")
+        await until(
+            lambda: worker.telemetry.deduplicated._value.get() >= before + 3,
+            "the replayed records are acknowledged as duplicates",
+        )
     assert (verdicts["gbad"].status, verdicts["gbad"].reason_code) == ("rejected", "invalid_member")
     assert verdicts["glate"].status == "accepted"
     letters = [dead_letter_from_record(r.value, r.headers) for r in await read_topic(cfg, cfg.topics.dead_letters)]
@@ -252,8 +298,9 @@ async def test_online_samples_reach_the_trainer_while_the_session_runs(kafka_boo
     from shaper.online import TurnSampleReader
 
     cfg = config(kafka_bootstrap, redis_url, judge, turn_samples=True)
-    traj = session("online", "gonline", 1, np.random.default_rng(1), branch=False,
-                   replies=["hmm", "ok, success", "hmm"])  # judged 0, +1, 0; the 4th turn has no next state
+    traj = session(
+        "online", "gonline", 1, np.random.default_rng(1), branch=False, replies=["hmm", "ok, success", "hmm"]
+    )  # judged 0, +1, 0; the 4th turn has no next state
     turns, end = stream_session(traj)
     reader = TurnSampleReader(cfg)
     await reader.start()
@@ -296,8 +343,11 @@ async def test_the_gateway_streams_a_session(kafka_bootstrap, redis_url, judge) 
         for turn in turns:
             status, body, _ = await post(f"{url}/v1/turn", jsonl.dump(turn))
             assert status == 200, body
-            assert body == {"published": "turn", "trajectory_id": "http",
-                            "interaction_id": turn.interaction.interaction_id}
+            assert body == {
+                "published": "turn",
+                "trajectory_id": "http",
+                "interaction_id": turn.interaction.interaction_id,
+            }
         status, body, _ = await post(f"{url}/v1/turn", {**jsonl.dump(turns[0]), "extra": 1})
         assert status == 400 and "unknown key 'extra'" in body["error"]
         status, body, _ = await post(f"{url}/v1/turn", jsonl.dump(end))

@@ -19,12 +19,15 @@ from tests.real_model import one_torch_thread  # noqa: F401 - autouse fixture
 pytestmark = pytest.mark.integration
 
 
-def test_inspect_group_from_the_topic_renders_a_branching_session(pipeline_config: PipelineConfig, tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_group_from_the_topic_renders_a_branching_session(
+    pipeline_config: PipelineConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     proxy = real_model.proxy(seed=7)
     gid = "g-inspect"  # the topics are this test's own
-    sessions = [proxy.session(gid, 0, "compute 5 + 5", turns=2, branch=True),
-                proxy.session(gid, 1, "compute 5 + 5", turns=1, branch=False)]
+    sessions = [
+        proxy.session(gid, 0, "compute 5 + 5", turns=2, branch=True),
+        proxy.session(gid, 1, "compute 5 + 5", turns=1, branch=False),
+    ]
 
     async def setup() -> None:
         await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
@@ -32,9 +35,17 @@ def test_inspect_group_from_the_topic_renders_a_branching_session(pipeline_confi
 
     asyncio.run(setup())
     out = tmp_path / "view.html"
-    args = argparse.Namespace(config=str(write_config(pipeline_config, tmp_path / "config.yaml")), group=gid,
-                              verdicts=None, audit=None, session=None, max_groups=3, html=str(out),
-                              no_terminal=False, wait=30.0)
+    args = argparse.Namespace(
+        config=str(write_config(pipeline_config, tmp_path / "config.yaml")),
+        group=gid,
+        verdicts=None,
+        audit=None,
+        session=None,
+        max_groups=3,
+        html=str(out),
+        no_terminal=False,
+        wait=30.0,
+    )
     assert cmd_inspect(args) == 0
     terminal = capsys.readouterr().out
     assert "[g-inspect-s0-t1b]" in terminal and "[g-inspect-s0-t1]" in terminal and "[g-inspect-s1-t0]" in terminal

@@ -24,17 +24,25 @@ pytestmark = pytest.mark.integration
 
 
 def _config(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
-    return isolated_config(f"tokens-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, group_timeout_s=120,
-                           scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer",
-                                                    kwargs={"max_output_tokens": 24})])
+    return isolated_config(
+        f"tokens-{uuid.uuid4().hex[:8]}",
+        kafka_bootstrap,
+        redis_url,
+        group_timeout_s=120,
+        scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24})],
+    )
 
 
 async def _parked(cfg: PipelineConfig, group_id: str, n: int, timeout_s: float = 30) -> dict[str, bytes]:
     """The group's parked members once ``n`` are parked (a poll with a deadline)."""
     ledger = GroupLedger.from_config(cfg.redis)
     try:
-        return await eventually(lambda: ledger.view.parked_blobs(group_id), accept=lambda members: len(members) >= n,
-                                timeout_s=timeout_s, what=f"{n} members parked")
+        return await eventually(
+            lambda: ledger.view.parked_blobs(group_id),
+            accept=lambda members: len(members) >= n,
+            timeout_s=timeout_s,
+            what=f"{n} members parked",
+        )
     finally:
         await ledger.aclose()
 
@@ -75,8 +83,9 @@ async def test_parked_hash_holds_no_token_ids_or_logprobs(kafka_bootstrap, redis
         assert s.turns == compact_turns(by_id[s.trajectory_id].interactions)
 
 
-async def test_a_worker_that_did_not_consume_members_reads_their_tokens_from_the_log(kafka_bootstrap,
-                                                                                     redis_url) -> None:
+async def test_a_worker_that_did_not_consume_members_reads_their_tokens_from_the_log(
+    kafka_bootstrap, redis_url
+) -> None:
     cfg = _config(kafka_bootstrap, redis_url)
     await ensure_topics(cfg.kafka, cfg.topics)
     groups = [make_group(f"back{k}-{uuid.uuid4().hex[:6]}", 4, turns=2, output_tokens=(32, 64)) for k in range(2)]
@@ -102,8 +111,9 @@ async def test_a_worker_that_did_not_consume_members_reads_their_tokens_from_the
             assert s.turns == compact_turns(by_id[s.trajectory_id].interactions)
 
 
-async def test_a_member_whose_record_cannot_be_read_back_fails_as_tokens_unavailable(kafka_bootstrap,
-                                                                                     redis_url) -> None:
+async def test_a_member_whose_record_cannot_be_read_back_fails_as_tokens_unavailable(
+    kafka_bootstrap, redis_url
+) -> None:
     """The log no longer holds the member (another record at its offset, or bytes that no longer
     decode): its member fails with ``tokens_unavailable`` naming the coordinates, never a verdict
     without tokens; a member whose record is intact still gets its turns."""
@@ -129,16 +139,24 @@ async def test_a_member_whose_record_cannot_be_read_back_fails_as_tokens_unavail
         await producer.stop()
 
     def parked(traj: ReadyTrajectory, partition: int, offset: int) -> ParkedMember:
-        return ParkedMember(SessionResult(session_id=traj.session_id, trajectory_id=traj.trajectory_id,
-                                          status="scored", stats={"x": 1.0}), partition, offset)
+        return ParkedMember(
+            SessionResult(
+                session_id=traj.session_id, trajectory_id=traj.trajectory_id, status="scored", stats={"x": 1.0}
+            ),
+            partition,
+            offset,
+        )
 
     tokens = MemberTokens(cfg)
     try:
-        intact, moved, garbled = await tokens.members(gid, [
-            parked(group[0], *coords[0]),
-            parked(group[2], *coords[1]),  # its offset holds group[1]'s record
-            parked(group[1], junk.partition, junk.offset),
-        ])
+        intact, moved, garbled = await tokens.members(
+            gid,
+            [
+                parked(group[0], *coords[0]),
+                parked(group[2], *coords[1]),  # its offset holds group[1]'s record
+                parked(group[1], junk.partition, junk.offset),
+            ],
+        )
     finally:
         await tokens.aclose()
     assert intact.status == "scored" and intact.turns == compact_turns(group[0].interactions)
@@ -146,20 +164,27 @@ async def test_a_member_whose_record_cannot_be_read_back_fails_as_tokens_unavail
         assert member.status == "failed" and member.turns == [] and member.stats == {}
         assert member.error == f"tokens_unavailable: record {topic}:{partition}@{offset} could not be read back"
         assert (member.error_code, member.error_detail) == (  # typed, like every other failure
-            "tokens_unavailable", f"record {topic}:{partition}@{offset} could not be read back")
+            "tokens_unavailable",
+            f"record {topic}:{partition}@{offset} could not be read back",
+        )
     assert tokens.log_reads == 3
 
 
 # --------------------------------------------------------------------------- worker.verdict_tokens: reference
 def _reference_config(kafka_bootstrap: str, redis_url: str) -> PipelineConfig:
-    return isolated_config(f"tokref-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, group_timeout_s=120,
-                           verdict_tokens="reference",
-                           scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer",
-                                                    kwargs={"max_output_tokens": 24})])
+    return isolated_config(
+        f"tokref-{uuid.uuid4().hex[:8]}",
+        kafka_bootstrap,
+        redis_url,
+        group_timeout_s=120,
+        verdict_tokens="reference",
+        scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24})],
+    )
 
 
-async def test_reference_verdicts_name_records_and_every_reader_reads_the_same_turns(kafka_bootstrap,
-                                                                                     redis_url) -> None:
+async def test_reference_verdicts_name_records_and_every_reader_reads_the_same_turns(
+    kafka_bootstrap, redis_url
+) -> None:
     """With ``reference`` the verdict carries coordinates, not tokens; the trainer's consumer,
     the verdict waiter and ``verdicts --tokens`` read back exactly the worker's turns."""
     import io
@@ -212,8 +237,9 @@ async def test_reference_verdicts_name_records_and_every_reader_reads_the_same_t
     out = io.StringIO()
     await _dump(cfg, out, from_beginning=True, max_count=1, timeout_s=5, tokens=True)
     assert '"interactions"' in out.getvalue() and gid in out.getvalue()
-    async with VerdictConsumer(cfg, batch_groups=1, group_filter=None, device="cpu",
-                               group_id=f"trainer-{gid}") as consumer:
+    async with VerdictConsumer(
+        cfg, batch_groups=1, group_filter=None, device="cpu", group_id=f"trainer-{gid}"
+    ) as consumer:
         batch = await consumer.next_batch(idle_timeout_s=10)
     assert batch is not None and set(batch.group_ids) == {gid}
     expected = collate([export_group(resolved)])
@@ -221,8 +247,9 @@ async def test_reference_verdicts_name_records_and_every_reader_reads_the_same_t
     assert torch.equal(batch.token_rewards, expected.token_rewards)
 
 
-async def test_a_referenced_member_whose_record_is_gone_rejects_its_group_for_every_reader(kafka_bootstrap,
-                                                                                           redis_url) -> None:
+async def test_a_referenced_member_whose_record_is_gone_rejects_its_group_for_every_reader(
+    kafka_bootstrap, redis_url
+) -> None:
     """The reader-side ``tokens_unavailable`` rule: an accepted verdict naming a record that is not
     its member's trajectory comes out rejected, as the worker would have published it inline."""
     import io
@@ -243,16 +270,25 @@ async def test_a_referenced_member_whose_record_is_gone_rejects_its_group_for_ev
     try:
         value, headers = encode(group[0])
         meta = await producer.send_and_wait(topic, value, key=gid.encode(), headers=headers)
-        sessions = [SessionResult(session_id=t.session_id, trajectory_id=t.trajectory_id, status="scored",
-                                  stats={"x": 1.0}, tokens_at=TokenRef(partition=meta.partition, offset=meta.offset))
-                    for t in group]  # the second member names the first one's record
+        sessions = [
+            SessionResult(
+                session_id=t.session_id,
+                trajectory_id=t.trajectory_id,
+                status="scored",
+                stats={"x": 1.0},
+                tokens_at=TokenRef(partition=meta.partition, offset=meta.offset),
+            )
+            for t in group
+        ]  # the second member names the first one's record
         verdict = GroupVerdict(group_id=gid, status="accepted", group_size=2, sessions=sessions)
         value, headers = encode(verdict)
         await producer.send_and_wait(cfg.topics.verdicts, value, key=gid.encode(), headers=headers)
     finally:
         await producer.stop()
-    reason = (f"tokens_unavailable: member {group[1].trajectory_id!r} (session {group[1].session_id!r}): "
-              f"record {topic}:{meta.partition}@{meta.offset} could not be read back")
+    reason = (
+        f"tokens_unavailable: member {group[1].trajectory_id!r} (session {group[1].session_id!r}): "
+        f"record {topic}:{meta.partition}@{meta.offset} could not be read back"
+    )
     tokens = VerdictTokens(cfg)
     try:
         resolved = await tokens.resolve_one(verdict)
@@ -267,8 +303,9 @@ async def test_a_referenced_member_whose_record_is_gone_rejects_its_group_for_ev
     await _dump(cfg, out, from_beginning=True, max_count=1, timeout_s=5)
     line = json.loads(out.getvalue())
     assert line["status"] == "rejected" and line["reason"] == reason
-    async with VerdictConsumer(cfg, batch_groups=1, group_filter=None, device="cpu",
-                               group_id=f"trainer-{gid}") as consumer:
+    async with VerdictConsumer(
+        cfg, batch_groups=1, group_filter=None, device="cpu", group_id=f"trainer-{gid}"
+    ) as consumer:
         assert await consumer.next_batch(idle_timeout_s=3) is None  # nothing to train on
         totals = consumer.totals()
     assert totals["pipeline/verdicts/rejected/tokens_unavailable"] == 1, totals
@@ -291,8 +328,9 @@ async def test_a_read_back_fetches_the_batch_it_needs_not_the_log_after_it(kafka
     async def read_back(*ks: int) -> TrajectoryReader:
         reader = TrajectoryReader(cfg)
         try:
-            turns = await reader.read([Wanted(0, 4 * k + i, t.trajectory_id, t.group_id)
-                                       for k in ks for i, t in enumerate(groups[k])])
+            turns = await reader.read(
+                [Wanted(0, 4 * k + i, t.trajectory_id, t.group_id) for k in ks for i, t in enumerate(groups[k])]
+            )
         finally:
             await reader.aclose()
         for k in ks:

@@ -28,7 +28,8 @@ DEADLINE_S = 30.0
 
 def trainer_config(cfg: PipelineConfig, unique_name: str, **trainer: object) -> PipelineConfig:
     return msgspec.structs.replace(
-        cfg, trainer=TrainerConfig(group_id=f"trainer.{unique_name}", **trainer)  # type: ignore[arg-type]
+        cfg,
+        trainer=TrainerConfig(group_id=f"trainer.{unique_name}", **trainer),  # type: ignore[arg-type]
     )
 
 
@@ -57,8 +58,12 @@ async def collect(consumer: VerdictConsumer, groups: int) -> list[TrainingBatch]
         if batch is not None:
             batches.append(batch)
 
-    await eventually(lambda: sum(b.num_groups for b in batches) >= groups, between=read, timeout_s=DEADLINE_S,
-                     what=lambda: f"{groups} groups, not only {[b.group_ids for b in batches]}")
+    await eventually(
+        lambda: sum(b.num_groups for b in batches) >= groups,
+        between=read,
+        timeout_s=DEADLINE_S,
+        what=lambda: f"{groups} groups, not only {[b.group_ids for b in batches]}",
+    )
     return batches
 
 
@@ -69,8 +74,13 @@ async def drain_until(consumer: VerdictConsumer, counter: str, value: float) -> 
         batch = await consumer.next_batch(idle_timeout_s=0.5)
         assert batch is None, f"unexpected batch {batch.group_ids}"
 
-    await eventually(lambda: consumer.totals().get(f"pipeline/{counter}", 0.0), accept=lambda total: total >= value,
-                     between=read_none, timeout_s=DEADLINE_S, what=f"{counter} to reach {value}")
+    await eventually(
+        lambda: consumer.totals().get(f"pipeline/{counter}", 0.0),
+        accept=lambda total: total >= value,
+        between=read_none,
+        timeout_s=DEADLINE_S,
+        what=f"{counter} to reach {value}",
+    )
 
 
 def groups_of(batches: Sequence[TrainingBatch]) -> list[str]:
@@ -83,8 +93,9 @@ async def test_only_accepted_groups_reach_the_trainer_once_each(pipeline_config,
     stats = {"rollout/prm_turn_reward/len": 0.5, "rollout/prm_turn_reward/len__count": 2.0}
     acc_a = accepted_group("acc-a", stats=stats)
     acc_b = accepted_group("acc-b")
-    rejected = verdict("rej", [simple_session("rej-ok", stats=stats)], status="rejected", reason="scorer_error: x",
-                       code="scorer_error")
+    rejected = verdict(
+        "rej", [simple_session("rej-ok", stats=stats)], status="rejected", reason="scorer_error: x", code="scorer_error"
+    )
     discarded = verdict("dis", [], status="discarded", reason="environment crashed before turn 2", code="discarded")
     garbage = [(b"\x00not msgpack", [(SCHEMA_HEADER, b"1"), (KIND_HEADER, b"verdict")]), (b"no headers", [])]
     await publish(cfg, [acc_a, rejected, garbage[0], discarded, acc_b, acc_a, garbage[1]])
@@ -120,8 +131,14 @@ async def test_group_filter_and_unexportable_groups_are_dropped_and_counted(pipe
     all_correct = accepted_group("all-correct", (1.0, 1.0))
     mixed = accepted_group("mixed", (1.0, 0.0))
     good = simple_session("broken-s0")
-    broken = verdict("broken", [msgspec.structs.replace(
-        good, branches=[msgspec.structs.replace(good.branches[0], leaf_id="nope", path=["nope"])])])
+    broken = verdict(
+        "broken",
+        [
+            msgspec.structs.replace(
+                good, branches=[msgspec.structs.replace(good.branches[0], leaf_id="nope", path=["nope"])]
+            )
+        ],
+    )
     await publish(cfg, [all_correct, broken, mixed])
     async with VerdictConsumer(cfg) as consumer:
         batches = await collect(consumer, 1)
@@ -234,17 +251,36 @@ def test_cli_trainer_subcommand(pipeline_config, unique_name, tmp_path, capsys) 
     asyncio.run(ensure_topics(cfg.kafka, cfg.topics, [cfg.topics.verdicts]))
     asyncio.run(publish(cfg, [accepted_group(f"g{k}", (1.0, 0.0), reward=0.5) for k in range(3)]))
     path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump({
-        "kafka": {"bootstrap": cfg.kafka.bootstrap, **LOCAL_BROKER_CLIENT},
-        "topics": {"verdicts": cfg.topics.verdicts},
-        "trainer": {"group_id": f"trainer.{unique_name}", "batch_groups": 8},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "kafka": {"bootstrap": cfg.kafka.bootstrap, **LOCAL_BROKER_CLIENT},
+                "topics": {"verdicts": cfg.topics.verdicts},
+                "trainer": {"group_id": f"trainer.{unique_name}", "batch_groups": 8},
+            }
+        )
+    )
     parser = argparse.ArgumentParser()
     parser.add_argument("--config")
     add_trainer_parser(parser.add_subparsers(dest="command", required=True))
 
-    args = parser.parse_args(["--config", str(path), "trainer", "--batch-groups", "2", "--device", "cpu",
-                              "--mode", "additive", "--max-steps", "1", "--idle-timeout", "10"])
+    args = parser.parse_args(
+        [
+            "--config",
+            str(path),
+            "trainer",
+            "--batch-groups",
+            "2",
+            "--device",
+            "cpu",
+            "--mode",
+            "additive",
+            "--max-steps",
+            "1",
+            "--idle-timeout",
+            "10",
+        ]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "step 1 groups=2 rows=4" in out and "stopped (max_steps): 1 steps" in out

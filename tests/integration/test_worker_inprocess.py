@@ -57,8 +57,12 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
             await pub.publish_many(make_group(gid, 1, turns=1, output_tokens=8))
         await wait_for_verdicts(cfg, [gid])
         # the verdict is on the topic a moment before the worker counts it: poll the counter
-        body = await eventually(metrics, accept=lambda body: 'prm_worker_verdicts_total{reason="",status="accepted"} 1.0' in body,
-                                timeout_s=10, what="the accepted verdict counted")
+        body = await eventually(
+            metrics,
+            accept=lambda body: 'prm_worker_verdicts_total{reason="",status="accepted"} 1.0' in body,
+            timeout_s=10,
+            what="the accepted verdict counted",
+        )
         assert "prm_worker_scoring_seconds_count 1.0" in body
         # a discard's free text stays in the verdict; the label is its reason code
         dropped = f"d-{uuid.uuid4().hex[:6]}"
@@ -66,13 +70,21 @@ async def test_health_ready_and_metrics_endpoints(pipeline_config) -> None:
             await pub.discard_group(dropped, "environment crashed before turn 3")
         (discarded,) = [v for v in await wait_for_verdicts(cfg, [dropped]) if v.group_id == dropped]
         assert (discarded.reason_code, discarded.reason) == ("discarded", "environment crashed before turn 3")
-        body = await eventually(metrics, accept=lambda body: 'prm_worker_verdicts_total{reason="discarded",status="discarded"} 1.0' in body,
-                                timeout_s=10, what="the discarded verdict counted")
+        body = await eventually(
+            metrics,
+            accept=lambda body: 'prm_worker_verdicts_total{reason="discarded",status="discarded"} 1.0' in body,
+            timeout_s=10,
+            what="the discarded verdict counted",
+        )
         assert "environment" not in body
         assert (await asyncio.to_thread(_get, port, "/nope"))[0] == 404
         stop.set()
-        await eventually(lambda: asyncio.to_thread(_get, port, "/readyz"), accept=lambda got: got[0] != 200, timeout_s=20,
-                         what="not ready once stopping")
+        await eventually(
+            lambda: asyncio.to_thread(_get, port, "/readyz"),
+            accept=lambda got: got[0] != 200,
+            timeout_s=20,
+            what="not ready once stopping",
+        )
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
@@ -85,10 +97,12 @@ async def test_hanging_scorer_times_out_and_rejects_the_group(pipeline_config) -
     task = asyncio.create_task(Worker(cfg, worker_id="w-timeout").run(stop))
     try:
         gid = f"hang-{uuid.uuid4().hex[:6]}"
-        hang = make_session(trajectory_id=f"{gid}-1", session_id=f"{gid}-HANG", group_id=gid, group_size=2,
-                            turns=1, output_tokens=4)
-        ok = make_session(trajectory_id=f"{gid}-2", session_id=f"{gid}-fine", group_id=gid, group_size=2,
-                          turns=1, output_tokens=4)
+        hang = make_session(
+            trajectory_id=f"{gid}-1", session_id=f"{gid}-HANG", group_id=gid, group_size=2, turns=1, output_tokens=4
+        )
+        ok = make_session(
+            trajectory_id=f"{gid}-2", session_id=f"{gid}-fine", group_id=gid, group_size=2, turns=1, output_tokens=4
+        )
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_many([hang, ok])
         (verdict,) = await wait_for_verdicts(cfg, [gid], timeout_s=30)
@@ -101,8 +115,9 @@ async def test_hanging_scorer_times_out_and_rejects_the_group(pipeline_config) -
 
 
 async def test_scorer_outside_the_allow_list_is_refused_at_start(pipeline_config) -> None:
-    cfg = with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer"),
-                        allowed_scorer_modules=["scoring_workers.scorers"])
+    cfg = with_scorers(
+        pipeline_config, PRMScorerConfig("tests.scorers.SlowScorer"), allowed_scorer_modules=["scoring_workers.scorers"]
+    )
     with pytest.raises(ConfigError, match="'tests.scorers.SlowScorer' is refused"):
         await Worker(cfg).run(asyncio.Event())
 
@@ -112,21 +127,27 @@ async def test_dead_letter_payloads_are_size_capped(pipeline_config) -> None:
     from infra.schema import dead_letter_from_record
     from tests.integration.harness import read_topic
 
-    cfg = with_scorers(pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer"),
-                        dead_letter_max_bytes=1024)
+    cfg = with_scorers(
+        pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer"), dead_letter_max_bytes=1024
+    )
     await ensure_topics(cfg.kafka, cfg.topics)
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:
-        await producer.send_and_wait(cfg.topics.trajectories, b"\xc1" * 5000, key=b"big-junk",
-                                     headers=[("prm-schema-version", b"1"), ("prm-kind", b"ready")])
+        await producer.send_and_wait(
+            cfg.topics.trajectories,
+            b"\xc1" * 5000,
+            key=b"big-junk",
+            headers=[("prm-schema-version", b"1"), ("prm-kind", b"ready")],
+        )
     finally:
         await producer.stop()
     stop = asyncio.Event()
     task = asyncio.create_task(Worker(cfg, worker_id="w-dlq").run(stop))
     try:
-        records = await eventually(lambda: read_topic(cfg, cfg.topics.dead_letters), timeout_s=30, interval_s=0,
-                                   what="a dead letter")
+        records = await eventually(
+            lambda: read_topic(cfg, cfg.topics.dead_letters), timeout_s=30, interval_s=0, what="a dead letter"
+        )
         (letter,) = [dead_letter_from_record(r.value, r.headers) for r in records]
         assert len(letter.payload) == 1024 and letter.payload == b"\xc1" * 1024
         assert letter.original_size == 5000 and letter.error_class == "InvalidMessage"
@@ -177,13 +198,19 @@ async def test_a_failed_member_rejects_its_group_without_waiting_for_the_deadlin
     The member consumed before the failure (still scoring, slow) is listed with its stats."""
     from tests.integration.harness import running_worker
 
-    cfg = with_scorers(pipeline_config, PRMScorerConfig("tests.scorers.FailOnMarkerScorer"),
-                        PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": 0.5}), group_timeout_s=600)
+    cfg = with_scorers(
+        pipeline_config,
+        PRMScorerConfig("tests.scorers.FailOnMarkerScorer"),
+        PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": 0.5}),
+        group_timeout_s=600,
+    )
     gid = f"fail-fast-{uuid.uuid4().hex[:6]}"
-    ok = make_session(trajectory_id=f"{gid}-ok", session_id=f"{gid}-fine", group_id=gid, group_size=3,
-                      turns=1, output_tokens=4)
-    bad = make_session(trajectory_id=f"{gid}-bad", session_id=f"{gid}-FAIL", group_id=gid, group_size=3,
-                       turns=1, output_tokens=4)
+    ok = make_session(
+        trajectory_id=f"{gid}-ok", session_id=f"{gid}-fine", group_id=gid, group_size=3, turns=1, output_tokens=4
+    )
+    bad = make_session(
+        trajectory_id=f"{gid}-bad", session_id=f"{gid}-FAIL", group_id=gid, group_size=3, turns=1, output_tokens=4
+    )
     async with running_worker(cfg, "w-fail-fast"):
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await pub.publish_many([ok, bad])
@@ -202,15 +229,21 @@ async def test_the_worker_says_which_scorers_run_and_warns_when_none_does(pipeli
     await ensure_topics(pipeline_config.kafka, pipeline_config.topics)
     stopped = asyncio.Event()
     stopped.set()  # start up (scorers, Redis, Kafka), then leave before consuming anything
-    scored = with_scorers(pipeline_config, PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=0.5,
-                                                            kwargs={"max_output_tokens": 64}))
+    scored = with_scorers(
+        pipeline_config,
+        PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=0.5, kwargs={"max_output_tokens": 64}),
+    )
     with caplog.at_level(logging.INFO, logger="scoring_workers.worker"):
         await asyncio.wait_for(Worker(scored, worker_id="w-said").run(stopped), 60)
         await asyncio.wait_for(Worker(pipeline_config, worker_id="w-bare").run(stopped), 60)
     said = [r.getMessage() for r in caplog.records if "w-said" in r.getMessage()]
-    assert ("worker w-said: scorer 'length_budget' (active): weight=0.5 version=1 "
-            "class=scoring_workers.scorers.length_budget.LengthBudgetScorer") in said
+    assert (
+        "worker w-said: scorer 'length_budget' (active): weight=0.5 version=1 "
+        "class=scoring_workers.scorers.length_budget.LengthBudgetScorer"
+    ) in said
     assert not any("NO SCORER" in m for m in said)
     (bare,) = [r for r in caplog.records if "w-bare" in r.getMessage() and "NO SCORER" in r.getMessage()]
     assert bare.levelno == logging.WARNING
-    assert "rollout.agent.prm.scorers is empty or absent (was the worker started without --config?)" in bare.getMessage()
+    assert (
+        "rollout.agent.prm.scorers is empty or absent (was the worker started without --config?)" in bare.getMessage()
+    )

@@ -36,10 +36,14 @@ GROUP_TIMEOUT_S = 6.0
 
 def _config(kafka_bootstrap: str, redis_url: str, **worker: object) -> PipelineConfig:
     worker.setdefault("group_timeout_s", GROUP_TIMEOUT_S)
-    return isolated_config(f"poison-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url,
-                           kafka={"max_message_bytes": LIMIT}, scorers=[
-                               PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer",
-                                               kwargs={"max_output_tokens": 64})], **worker)
+    return isolated_config(
+        f"poison-{uuid.uuid4().hex[:8]}",
+        kafka_bootstrap,
+        redis_url,
+        kafka={"max_message_bytes": LIMIT},
+        scorers=[PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 64})],
+        **worker,
+    )
 
 
 async def _verdict(cfg: PipelineConfig, gid: str, timeout_s: float) -> GroupVerdict:
@@ -70,7 +74,7 @@ async def test_oversized_verdict_is_rejected_and_never_blocks_later_groups(kafka
         assert late_verdict.status == "rejected" and late_verdict.reason_code == "missing_sessions"
         assert waited < GROUP_TIMEOUT_S + 3, f"the later group waited {waited:.1f}s for a {GROUP_TIMEOUT_S}s deadline"
         snapshot = worker.telemetry.snapshot()
-        assert snapshot['prm_worker_verdicts_total{reason=verdict_too_large,status=rejected}'] == 1
+        assert snapshot["prm_worker_verdicts_total{reason=verdict_too_large,status=rejected}"] == 1
 
 
 async def test_a_broken_decision_costs_the_sweeper_that_group_only(kafka_bootstrap, redis_url) -> None:
@@ -78,13 +82,25 @@ async def test_a_broken_decision_costs_the_sweeper_that_group_only(kafka_bootstr
     ledger = GroupLedger.from_config(cfg.redis)
     rotten = f"rotten-{uuid.uuid4().hex[:6]}"
     try:  # a decided group whose stored scorers blob cannot be decoded, due before anything else
-        member = make_session(trajectory_id=f"{rotten}-0", session_id=f"{rotten}-s0", group_id=rotten,
-                              group_size=2, turns=1, output_tokens=4)
-        await ledger.park(SessionResult(session_id=member.session_id, trajectory_id=member.trajectory_id,
-                                        status="scored"), group_id=rotten, group_size=2, group_timeout_s=600,
-                          worker_id="planted", scorers=b"\x90")
-        await ledger.decide(rotten, "discard", worker_id="planted", scorers=b"\x90",
-                            group_timeout_s=600, republish_grace_s=5)
+        member = make_session(
+            trajectory_id=f"{rotten}-0",
+            session_id=f"{rotten}-s0",
+            group_id=rotten,
+            group_size=2,
+            turns=1,
+            output_tokens=4,
+        )
+        await ledger.park(
+            SessionResult(session_id=member.session_id, trajectory_id=member.trajectory_id, status="scored"),
+            group_id=rotten,
+            group_size=2,
+            group_timeout_s=600,
+            worker_id="planted",
+            scorers=b"\x90",
+        )
+        await ledger.decide(
+            rotten, "discard", worker_id="planted", scorers=b"\x90", group_timeout_s=600, republish_grace_s=5
+        )
         state_key = ledger.keys(rotten)[0]
         await ledger.redis.hset(state_key, mapping={"scorers": b"\xc1", "decided_at": "0"})
         await ledger.redis.zadd(ledger.deadlines_key, {rotten: 0})
@@ -118,8 +134,12 @@ async def test_dead_letter_of_a_record_just_under_the_limit_fits(kafka_bootstrap
     finally:
         await producer.stop()
     async with running_worker(cfg, "w-poison"):
-        records = await read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + 20,
-                                   stop_when=lambda rs: any(r.key == key for r in rs))
+        records = await read_topic(
+            cfg,
+            cfg.topics.dead_letters,
+            until=time.monotonic() + 20,
+            stop_when=lambda rs: any(r.key == key for r in rs),
+        )
         (record,) = [r for r in records if r.key == key]
         letter = dead_letter_from_record(record.value, record.headers)
         assert record_size(record.key, record.value, record.headers) <= LIMIT
@@ -140,8 +160,9 @@ async def test_dead_lettered_member_rejects_its_group_at_once(kafka_bootstrap, r
         producer = make_producer(cfg.kafka)
         await producer.start()
         try:  # member 1 arrives truncated, under its group's key
-            await producer.send_and_wait(cfg.topics.trajectories, value[: len(value) // 2], key=gid.encode(),
-                                         headers=headers)
+            await producer.send_and_wait(
+                cfg.topics.trajectories, value[: len(value) // 2], key=gid.encode(), headers=headers
+            )
         finally:
             await producer.stop()
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
@@ -150,11 +171,17 @@ async def test_dead_lettered_member_rejects_its_group_at_once(kafka_bootstrap, r
         verdict = await _verdict(cfg, gid, timeout_s=20)
         assert time.monotonic() - t0 < 20  # not the 120 s group deadline
         assert verdict.status == "rejected" and verdict.reason_code == "invalid_member", verdict.reason
-        letters = await read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + 10,
-                                   stop_when=lambda rs: any(r.key == gid.encode() for r in rs))
+        letters = await read_topic(
+            cfg,
+            cfg.topics.dead_letters,
+            until=time.monotonic() + 10,
+            stop_when=lambda rs: any(r.key == gid.encode() for r in rs),
+        )
         (dl,) = [dead_letter_from_record(r.value, r.headers) for r in letters if r.key == gid.encode()]
         assert f"{dl.source_topic}:{dl.source_partition}@{dl.source_offset}" in verdict.reason
         # the member parked before the bad record keeps its result; the later one is acknowledged
-        assert [s.trajectory_id for s in verdict.sessions] in ([group[0].trajectory_id],
-                                                              [group[0].trajectory_id, group[2].trajectory_id])
+        assert [s.trajectory_id for s in verdict.sessions] in (
+            [group[0].trajectory_id],
+            [group[0].trajectory_id, group[2].trajectory_id],
+        )
         assert msgspec.json.encode(verdict)  # well-formed

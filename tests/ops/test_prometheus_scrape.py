@@ -72,13 +72,23 @@ def prometheus(tmp: Path, targets: dict[str, list[int]]) -> Iterator[int]:
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
         "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}
-                           for job, ports in targets.items()],
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}
+            for job, ports in targets.items()
+        ],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     log = (tmp / "prometheus.log").open("wb")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
 
         def ready() -> bool:
@@ -103,8 +113,13 @@ def prometheus(tmp: Path, targets: dict[str, list[int]]) -> Iterator[int]:
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as fh:
-        return subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", *args], cwd=ROOT, stdout=fh,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return subprocess.Popen(
+            [sys.executable, "-m", "prm_pipeline.cli", *args],
+            cwd=ROOT,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
 
 
 def doc_metric_names() -> set[str]:
@@ -151,31 +166,65 @@ def missing_labels(result: list[dict[str, Any]], labels: tuple[str, ...]) -> lis
     return [s["metric"] for s in result if not set(labels) <= set(s["metric"])]
 
 
-async def test_real_prometheus_scrapes_the_pipeline(kafka_bootstrap: str, redis_url: str, unique_name: str,
-                                                    tmp_path: Path, redis_with_maxmemory: None) -> None:
+async def test_real_prometheus_scrapes_the_pipeline(
+    kafka_bootstrap: str, redis_url: str, unique_name: str, tmp_path: Path, redis_with_maxmemory: None
+) -> None:
     judge = FakeJudgeServer()
     judge.start()
-    scorer = PRMScorerConfig("scoring_workers.scorers.openclaw.OpenClawJudgeScorer", kwargs={
-        "base_url": judge.base_url, "model": "fake-judge", "temperature": 0.0, "max_tokens": 64, "m": 1,
-        "timeout_s": 5.0, "total_timeout_s": 10.0})
-    cfg = isolated_config(unique_name, kafka_bootstrap, redis_url, scorers=[scorer], scorer_timeout_s=15,
-                          group_timeout_s=60)
-    cfg = msgspec.structs.replace(cfg, trainer=TrainerConfig(group_id=f"trainer.{unique_name}", max_policy_lag=1,
-                                                             device="cpu"))
+    scorer = PRMScorerConfig(
+        "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+        kwargs={
+            "base_url": judge.base_url,
+            "model": "fake-judge",
+            "temperature": 0.0,
+            "max_tokens": 64,
+            "m": 1,
+            "timeout_s": 5.0,
+            "total_timeout_s": 10.0,
+        },
+    )
+    cfg = isolated_config(
+        unique_name, kafka_bootstrap, redis_url, scorers=[scorer], scorer_timeout_s=15, group_timeout_s=60
+    )
+    cfg = msgspec.structs.replace(
+        cfg, trainer=TrainerConfig(group_id=f"trainer.{unique_name}", max_policy_lag=1, device="cpu")
+    )
     config = write_config(cfg, tmp_path / "config.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
     worker_ports, status_port, trainer_port = [free_port(), free_port()], free_port(), free_port()
-    procs = [spawn(["--config", str(config), "worker", "--worker-id", f"w{i}", "--metrics-port", str(p)],
-                   tmp_path / f"worker{i}.log") for i, p in enumerate(worker_ports)]
-    procs.append(spawn(["--config", str(config), "status", "--watch", "1", "--metrics-port", str(status_port),
-                        "--read-timeout", "5", "--json"], tmp_path / "status.log"))
+    procs = [
+        spawn(
+            ["--config", str(config), "worker", "--worker-id", f"w{i}", "--metrics-port", str(p)],
+            tmp_path / f"worker{i}.log",
+        )
+        for i, p in enumerate(worker_ports)
+    ]
+    procs.append(
+        spawn(
+            [
+                "--config",
+                str(config),
+                "status",
+                "--watch",
+                "1",
+                "--metrics-port",
+                str(status_port),
+                "--read-timeout",
+                "5",
+                "--json",
+            ],
+            tmp_path / "status.log",
+        )
+    )
     stop_feed, stop_trainer = asyncio.Event(), asyncio.Event()
-    trainer = asyncio.create_task(run_trainer(cfg, batch_groups=1, policy_version=TRAINER_VERSION,
-                                              metrics_port=trainer_port, stop=stop_trainer))
+    trainer = asyncio.create_task(
+        run_trainer(cfg, batch_groups=1, policy_version=TRAINER_VERSION, metrics_port=trainer_port, stop=stop_trainer)
+    )
     feeder = asyncio.create_task(feed(cfg, stop_feed))
     try:
-        with prometheus(tmp_path, {"workers": worker_ports, "trainer": [trainer_port],
-                                   "status": [status_port]}) as prom:
+        with prometheus(
+            tmp_path, {"workers": worker_ports, "trainer": [trainer_port], "status": [status_port]}
+        ) as prom:
             checks: dict[str, tuple[str, tuple[str, ...]]] = {f"alert {a.name}": (a.query, a.labels) for a in ALERTS}
             checks |= {f"panel '{p.title}' {q.legend}": (q.expr, q.labels) for p in PANELS for q in p.queries}
             pending = dict(checks)
@@ -187,7 +236,9 @@ async def test_real_prometheus_scrapes_the_pipeline(kafka_bootstrap: str, redis_
                 return not pending
 
             await poll_until(all_answered, timeout_s=DEADLINE_S, interval_s=1.0)
-            logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(tmp_path.glob("*.log")))
+            logs = "\n".join(
+                f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(tmp_path.glob("*.log"))
+            )
             assert not pending, f"no data from Prometheus for {sorted(pending)}\n{logs}"
             for name, (expr, labels) in checks.items():
                 result = await asyncio.to_thread(query, prom, expr)
@@ -199,10 +250,18 @@ async def test_real_prometheus_scrapes_the_pipeline(kafka_bootstrap: str, redis_
             assert set(rules) == {a.name for a in ALERTS}
 
             async def current_rules() -> dict[str, dict]:
-                return {r["name"]: r for g in (await asyncio.to_thread(api, prom, "rules"))["groups"] for r in g["rules"]}
+                return {
+                    r["name"]: r for g in (await asyncio.to_thread(api, prom, "rules"))["groups"] for r in g["rules"]
+                }
 
-            rules = (await poll_until(current_rules, accept=lambda rules: all(r.get("health") == "ok" for r in rules.values()),
-                                      timeout_s=30, interval_s=1.0)).last
+            rules = (
+                await poll_until(
+                    current_rules,
+                    accept=lambda rules: all(r.get("health") == "ok" for r in rules.values()),
+                    timeout_s=30,
+                    interval_s=1.0,
+                )
+            ).last
             assert {n: r.get("lastError") for n, r in rules.items() if r.get("health") != "ok"} == {}
 
             # what the checks above saw is what happened
@@ -217,8 +276,9 @@ async def test_real_prometheus_scrapes_the_pipeline(kafka_bootstrap: str, redis_
             names = set(await asyncio.to_thread(api, prom, "label/__name__/values"))
             metadata = set(await asyncio.to_thread(api, prom, "metadata"))
             known = names | metadata
-            missing = sorted(n for n in doc_metric_names()
-                             if not known & {n, f"{n}_total", f"{n}_bucket", n.removesuffix("_total")})
+            missing = sorted(
+                n for n in doc_metric_names() if not known & {n, f"{n}_total", f"{n}_bucket", n.removesuffix("_total")}
+            )
             assert not missing, f"metrics named in the docs that no target exports: {missing}"
     finally:
         stop_feed.set()

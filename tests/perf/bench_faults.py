@@ -54,9 +54,18 @@ LIMIT = 1_048_576  # kafka.max_message_bytes (the default) == worker.dead_letter
 # Share of the bad records per class; "huge arrays" and the two size classes are few
 # (megabytes each), the rest fill the 10,000.
 WEIGHTS = {
-    "truncated msgpack": 10, "wrong types": 16, "NaN/inf rewards": 8, "cyclic parent links": 6,
-    "duplicate interaction ids": 6, "output_len 0": 4, "mismatched group sizes": 3, "bad headers": 10,
-    "broken rules": 10, "dangling parents": 6, "mismatched lengths": 6, "non-UTF-8 text": 6,
+    "truncated msgpack": 10,
+    "wrong types": 16,
+    "NaN/inf rewards": 8,
+    "cyclic parent links": 6,
+    "duplicate interaction ids": 6,
+    "output_len 0": 4,
+    "mismatched group sizes": 3,
+    "bad headers": 10,
+    "broken rules": 10,
+    "dangling parents": 6,
+    "mismatched lengths": 6,
+    "non-UTF-8 text": 6,
 }
 FIXED = {"huge arrays": 24, "absurd group sizes": 24}
 NEAR_LIMIT, TOO_LARGE_VERDICTS = 4, 2
@@ -64,19 +73,37 @@ NEAR_LIMIT, TOO_LARGE_VERDICTS = 4, 2
 
 def _config(stack: LocalStack, name: str, group_timeout_s: float) -> PipelineConfig:
     return PipelineConfig(
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
-            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
-        ]))),
+        rollout=RolloutConfig(
+            agent=AgentConfig(
+                prm=PRMConfig(
+                    scorers=[
+                        PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 24}),
+                    ]
+                )
+            )
+        ),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **stack.client_settings, linger_ms=5, max_message_bytes=LIMIT),
+        kafka=KafkaConfig(
+            bootstrap=stack.kafka_bootstrap, **stack.client_settings, linger_ms=5, max_message_bytes=LIMIT
+        ),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"faults:{name}", ttl_s=600),
-        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
-                            experiments=f"exp.{name}",
-                            partitions=8),
+        topics=TopicsConfig(
+            trajectories=f"traj.{name}",
+            verdicts=f"verd.{name}",
+            dead_letters=f"dlq.{name}",
+            experiments=f"exp.{name}",
+            partitions=8,
+        ),
         # inline verdicts: the "verdict too large" cases check that path (with the default `auto` such a
         # group would be sent by reference and accepted)
-        worker=WorkerConfig(group_id=f"workers.{name}", concurrency=64, group_timeout_s=group_timeout_s,
-                            dead_letter_max_bytes=LIMIT, drain_timeout_s=5, verdict_tokens="inline"),
+        worker=WorkerConfig(
+            group_id=f"workers.{name}",
+            concurrency=64,
+            group_timeout_s=group_timeout_s,
+            dead_letter_max_bytes=LIMIT,
+            drain_timeout_s=5,
+            verdict_tokens="inline",
+        ),
     )
 
 
@@ -94,15 +121,31 @@ def _size_cases(prefix: str, start: int) -> list[Case]:
         room = max_record_size(LIMIT) - record_size(key.encode(), b"", READY_HEADERS) - 8  # 8: the varints grow
         value = rng.bytes(room - 16 * i)
         assert record_size(key.encode(), value, READY_HEADERS) <= max_record_size(LIMIT)
-        cases.append(Case("near-limit record", Expect.dead("InvalidMessage", ""), [(value, READY_HEADERS)], key,
-                          f"{len(value)} bytes", len(value)))
+        cases.append(
+            Case(
+                "near-limit record",
+                Expect.dead("InvalidMessage", ""),
+                [(value, READY_HEADERS)],
+                key,
+                f"{len(value)} bytes",
+                len(value),
+            )
+        )
     for i in range(TOO_LARGE_VERDICTS):
         key = f"{prefix}-{start + NEAR_LIMIT + i:05d}"
         members = make_group(key, 4, turns=1, output_tokens=40_000, rng=np.random.default_rng(i))
         records = [encode(m) for m in members]
         assert all(record_size(key.encode(), v, h) <= LIMIT for v, h in records)
-        cases.append(Case("verdict too large", Expect.rejected("verdict_too_large"), records, key,
-                          "4 members of ~320 KB", sum(len(v) for v, _ in records)))
+        cases.append(
+            Case(
+                "verdict too large",
+                Expect.rejected("verdict_too_large"),
+                records,
+                key,
+                "4 members of ~320 KB",
+                sum(len(v) for v, _ in records),
+            )
+        )
     return cases
 
 
@@ -163,17 +206,26 @@ def _account(cases: list[Case], valid: list[str], tail: _Tail) -> tuple[list[lis
             (dl,) = letters.values()
             if dl.error_class != case.expect.what or case.expect.needle.lower() not in dl.error_message.lower():
                 row["wrong reason"] += 1
-                problems.append(f"{case.category} {case.key} ({case.note}): dead letter {dl.error_class}: "
-                                f"{dl.error_message[:100]!r}, expected {case.expect.what} ~ {case.expect.needle!r}")
+                problems.append(
+                    f"{case.category} {case.key} ({case.note}): dead letter {dl.error_class}: "
+                    f"{dl.error_message[:100]!r}, expected {case.expect.what} ~ {case.expect.needle!r}"
+                )
                 continue
             row["dead-lettered"] += 1
             if dl.original_size >= 0:
                 row["truncated"] += 1
             where = f"{dl.source_topic}:{dl.source_partition}@{dl.source_offset}"
-            if verdict is None or verdict.status != "rejected" or code != "invalid_member" or where not in verdict.reason:
+            if (
+                verdict is None
+                or verdict.status != "rejected"
+                or code != "invalid_member"
+                or where not in verdict.reason
+            ):
                 row["group not rejected"] += 1
-                problems.append(f"{case.category} {case.key}: group verdict {verdict and verdict.reason[:80]!r}, "
-                                f"expected invalid_member citing {where}")
+                problems.append(
+                    f"{case.category} {case.key}: group verdict {verdict and verdict.reason[:80]!r}, "
+                    f"expected invalid_member citing {where}"
+                )
         else:
             if letters:
                 problems.append(f"{case.category} {case.key}: unexpected dead letter")
@@ -182,8 +234,10 @@ def _account(cases: list[Case], valid: list[str], tail: _Tail) -> tuple[list[lis
                 problems.append(f"{case.category} {case.key} ({case.note}): no verdict")
             elif (verdict.status, code) != ("rejected", case.expect.what):
                 row["wrong reason"] += 1
-                problems.append(f"{case.category} {case.key} ({case.note}): {verdict.status} {verdict.reason[:100]!r}, "
-                                f"expected rejected {case.expect.what}")
+                problems.append(
+                    f"{case.category} {case.key} ({case.note}): {verdict.status} {verdict.reason[:100]!r}, "
+                    f"expected rejected {case.expect.what}"
+                )
             else:
                 row["rejected"] += 1
     valid_status = Counter()
@@ -191,14 +245,27 @@ def _account(cases: list[Case], valid: list[str], tail: _Tail) -> tuple[list[lis
         distinct = {v for v, _ in tail.verdicts.get(gid, [])}
         decoded = [v for _, v in tail.verdicts.get(gid, [])]
         if len(distinct) != 1 or tail.letters.get(gid):
-            problems.append(f"valid group {gid}: {len(distinct)} distinct verdicts, {len(tail.letters.get(gid, []))} "
-                            "dead letters")
+            problems.append(
+                f"valid group {gid}: {len(distinct)} distinct verdicts, {len(tail.letters.get(gid, []))} dead letters"
+            )
         valid_status[decoded[0].status if decoded else "missing"] += 1
         if decoded and decoded[0].status != "accepted":
             problems.append(f"valid group {gid}: {decoded[0].status} {decoded[0].reason[:100]!r}")
     order = [*WEIGHTS, *FIXED, "near-limit record", "verdict too large"]
-    table = [[c, rows[c]["cases"], rows[c]["records"], rows[c]["dead-lettered"], rows[c]["truncated"],
-              rows[c]["rejected"], rows[c]["wrong reason"], rows[c]["lost"]] for c in order if c in rows]
+    table = [
+        [
+            c,
+            rows[c]["cases"],
+            rows[c]["records"],
+            rows[c]["dead-lettered"],
+            rows[c]["truncated"],
+            rows[c]["rejected"],
+            rows[c]["wrong reason"],
+            rows[c]["lost"],
+        ]
+        for c in order
+        if c in rows
+    ]
     return table, problems, {"valid": valid_status}
 
 
@@ -213,14 +280,21 @@ async def _main(args: argparse.Namespace) -> int:
     if short > 0:  # multi-record classes vary in size: top up with single-record ones
         cases += draw_cases(f"bad{name}x", {"wrong types": short // 2, "truncated msgpack": short - short // 2})
     cases += _size_cases(f"big{name}", len(cases))
-    valid_groups = [make_group(f"ok{name}-{i:03d}", 4, turns=2, output_tokens=(8, 24), rng=np.random.default_rng(i))
-                    for i in range(args.valid_groups)]
+    valid_groups = [
+        make_group(f"ok{name}-{i:03d}", 4, turns=2, output_tokens=(8, 24), rng=np.random.default_rng(i))
+        for i in range(args.valid_groups)
+    ]
     gen_s = time.monotonic() - t_gen
     n_bad = sum(len(c.records) for c in cases)
-    print(f"batch: {n_bad} bad records in {len(cases)} cases ({len(counts) + 2} classes, "
-          f"{sum(c.payload_bytes for c in cases) / 1e6:.1f} MB) + {args.valid_groups} valid groups x 4; "
-          f"generated in {gen_s:.1f}s")
-    with tempfile.TemporaryDirectory(prefix="prm-faults-") as tmp, LocalStack(Path(tmp) / "stack", broker=args.broker) as stack:
+    print(
+        f"batch: {n_bad} bad records in {len(cases)} cases ({len(counts) + 2} classes, "
+        f"{sum(c.payload_bytes for c in cases) / 1e6:.1f} MB) + {args.valid_groups} valid groups x 4; "
+        f"generated in {gen_s:.1f}s"
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="prm-faults-") as tmp,
+        LocalStack(Path(tmp) / "stack", broker=args.broker) as stack,
+    ):
         cfg = _config(stack, name, args.group_timeout)
         await ensure_topics(cfg.kafka, cfg.topics)
         procs = WorkerProcesses(write_config(cfg, Path(tmp) / "config.yaml"), Path(tmp), n=args.workers)
@@ -242,13 +316,15 @@ async def _main(args: argparse.Namespace) -> int:
                     if i % every == 0 and (group := next(groups, None)) is not None:
                         for member in group:
                             value, headers = encode(member)
-                            await producer.send(cfg.topics.trajectories, value, key=member.group_id.encode(),
-                                                headers=headers)
+                            await producer.send(
+                                cfg.topics.trajectories, value, key=member.group_id.encode(), headers=headers
+                            )
                 for group in groups:
                     for member in group:
                         value, headers = encode(member)
-                        await producer.send(cfg.topics.trajectories, value, key=member.group_id.encode(),
-                                            headers=headers)
+                        await producer.send(
+                            cfg.topics.trajectories, value, key=member.group_id.encode(), headers=headers
+                        )
                 await producer.flush()
             finally:
                 await producer.stop()
@@ -286,12 +362,16 @@ async def _main(args: argparse.Namespace) -> int:
     print(line.format(*totals))
     print()
     letters = sum(map(len, tail.letters.values()))
-    print(f"valid groups: {dict(extra['valid'])} of {len(valid)}; dead-letter records {letters} "
-          f"({letters - totals[3]} redelivered duplicates), "
-          f"verdict records {sum(map(len, tail.verdicts.values()))}; workers alive throughout: {not died}, "
-          f"exit codes {codes}")
-    print(f"publish {publish_s:.1f}s, every outcome {outcomes_s:.1f}s after the first record "
-          f"(group deadline {args.group_timeout:.0f}s)")
+    print(
+        f"valid groups: {dict(extra['valid'])} of {len(valid)}; dead-letter records {letters} "
+        f"({letters - totals[3]} redelivered duplicates), "
+        f"verdict records {sum(map(len, tail.verdicts.values()))}; workers alive throughout: {not died}, "
+        f"exit codes {codes}"
+    )
+    print(
+        f"publish {publish_s:.1f}s, every outcome {outcomes_s:.1f}s after the first record "
+        f"(group deadline {args.group_timeout:.0f}s)"
+    )
     if problems:
         print(f"\n{len(problems)} PROBLEMS:")
         for p in problems[:30]:
@@ -308,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--group-timeout", type=float, default=30.0, help="worker.group_timeout_s")
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting for outcomes after S seconds")
-    p.add_argument("--broker", choices=BROKERS, default="tansu", help="the embedded broker: tansu (the default stack's) or noida (noida-db, the 'bench' extra)")
+    p.add_argument(
+        "--broker",
+        choices=BROKERS,
+        default="tansu",
+        help="the embedded broker: tansu (the default stack's) or noida (noida-db, the 'bench' extra)",
+    )
     return asyncio.run(_main(p.parse_args(argv)))
 
 

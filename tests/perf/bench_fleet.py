@@ -71,8 +71,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     b = p.add_argument_group("(b), (c): bench pool's scenarios")
     b.add_argument("--pool-sessions", type=int, default=200, help="sessions per scenario (default 200)")
     args = p.parse_args(argv)
-    if min(args.workers, args.concurrency, args.pairs, args.peak_records, args.pool_sessions) <= 0 \
-            or min(args.delay_ms, args.seconds, args.share, args.backlog) <= 0:
+    if (
+        min(args.workers, args.concurrency, args.pairs, args.peak_records, args.pool_sessions) <= 0
+        or min(args.delay_ms, args.seconds, args.share, args.backlog) <= 0
+    ):
         p.error("every number must be positive")
     return args
 
@@ -80,14 +82,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- (a) fairness
 def _config(stack: LocalStack, name: str, args: argparse.Namespace) -> PipelineConfig:
     cfg = perf_config(stack, name, ttl_s=600, concurrency=args.concurrency, group_timeout_s=120)
-    return msgspec.structs.replace(cfg, worker=msgspec.structs.replace(
-        cfg.worker, allowed_scorer_modules=["scoring_workers.scorers", "tests.scorers"]))
+    return msgspec.structs.replace(
+        cfg,
+        worker=msgspec.structs.replace(cfg.worker, allowed_scorer_modules=["scoring_workers.scorers", "tests.scorers"]),
+    )
 
 
 def _topics(cfg: PipelineConfig, experiment_id: str) -> Any:
     """``cfg.topics`` with the experiment's own trajectories and verdicts topics."""
-    return msgspec.structs.replace(cfg.topics, trajectories=trajectories_topic(cfg.topics.trajectories, experiment_id),
-                                   verdicts=verdicts_topic(cfg.topics.verdicts, experiment_id))
+    return msgspec.structs.replace(
+        cfg.topics,
+        trajectories=trajectories_topic(cfg.topics.trajectories, experiment_id),
+        verdicts=verdicts_topic(cfg.topics.verdicts, experiment_id),
+    )
 
 
 def _records(experiment_id: str, prefix: str, n: int) -> list[list[ReadyTrajectory]]:
@@ -95,9 +102,13 @@ def _records(experiment_id: str, prefix: str, n: int) -> list[list[ReadyTrajecto
     import numpy as np
 
     rng = np.random.default_rng(3)
-    return [[msgspec.structs.replace(t, experiment_id=experiment_id)
-             for t in make_group(f"{prefix}-{i:06d}", 1, rng=rng, turns=1, output_tokens=(8, 16))]
-            for i in range(n)]
+    return [
+        [
+            msgspec.structs.replace(t, experiment_id=experiment_id)
+            for t in make_group(f"{prefix}-{i:06d}", 1, rng=rng, turns=1, output_tokens=(8, 16))
+        ]
+        for i in range(n)
+    ]
 
 
 class _Fleet:
@@ -139,10 +150,17 @@ async def _declare(cfg: PipelineConfig, args: argparse.Namespace) -> None:
     """What ``experiment add`` does for A and B: their topics, then their registry records."""
     scorer = PRMScorerConfig("tests.scorers.SlowScorer", kwargs={"delay_s": args.delay_ms / 1000})
     for e in EXPERIMENTS:
-        await ensure_topics(cfg.kafka, cfg.topics, [trajectories_topic(cfg.topics.trajectories, e),
-                                                    verdicts_topic(cfg.topics.verdicts, e)])
-        await publish_spec(cfg, ExperimentSpec(experiment_id=e, prm=PRMConfig(scorers=[scorer]),
-                                               description=f"bench fleet: experiment {e}"))
+        await ensure_topics(
+            cfg.kafka,
+            cfg.topics,
+            [trajectories_topic(cfg.topics.trajectories, e), verdicts_topic(cfg.topics.verdicts, e)],
+        )
+        await publish_spec(
+            cfg,
+            ExperimentSpec(
+                experiment_id=e, prm=PRMConfig(scorers=[scorer]), description=f"bench fleet: experiment {e}"
+            ),
+        )
 
 
 async def _warm_up(fleet: _Fleet, partitions: int) -> None:
@@ -151,8 +169,11 @@ async def _warm_up(fleet: _Fleet, partitions: int) -> None:
     for e in EXPERIMENTS:
         warm = _records(e, f"warm-{e}-{uuid.uuid4().hex[:4]}", 2 * partitions)
         await fleet.burst(e, warm)
-        await eventually(lambda: {g[0].group_id for g in warm} <= fleet.tail[e].arrivals.keys(), timeout_s=180,
-                         what=f"the workers to serve {e}")
+        await eventually(
+            lambda: {g[0].group_id for g in warm} <= fleet.tail[e].arrivals.keys(),
+            timeout_s=180,
+            what=f"the workers to serve {e}",
+        )
 
 
 async def _peak(fleet: _Fleet, n: int) -> float:
@@ -180,8 +201,9 @@ async def _b_run(fleet: _Fleet, rate: float, n: int, tag: str) -> dict[str, Any]
     t0 = time.perf_counter()
     run = await _paced(fleet.pub[b], fleet.tail[b], groups, rate)  # type: ignore[arg-type]
     run["window"] = (t0, t0 + n / rate)
-    statuses = {decode_verdict(fleet.tail[b].raw[g[0].group_id][1], fleet.tail[b].raw[g[0].group_id][2]).status
-                for g in groups}  # type: ignore[attr-defined]
+    statuses = {
+        decode_verdict(fleet.tail[b].raw[g[0].group_id][1], fleet.tail[b].raw[g[0].group_id][2]).status for g in groups
+    }  # type: ignore[attr-defined]
     if statuses != {"accepted"}:
         raise RuntimeError(f"B's verdicts were not all accepted: {sorted(statuses)}")
     return run
@@ -194,8 +216,11 @@ async def _flooded(fleet: _Fleet, rate: float, n: int, backlog: int, concurrency
     ids = [g[0].group_id for g in flood]
     arrivals = fleet.tail[a].arrivals
     await fleet.burst(a, flood)
-    await eventually(lambda: sum(i in arrivals for i in ids[:4 * concurrency]) >= concurrency, timeout_s=120,
-                     what="A's flood to reach the workers")
+    await eventually(
+        lambda: sum(i in arrivals for i in ids[: 4 * concurrency]) >= concurrency,
+        timeout_s=120,
+        what="A's flood to reach the workers",
+    )
     run = await _b_run(fleet, rate, n, tag)
     start, end = run["window"]
     await eventually(lambda: set(ids) <= arrivals.keys(), timeout_s=600, what="A's backlog to drain")
@@ -213,8 +238,9 @@ async def _fairness(args: argparse.Namespace) -> dict[str, Any]:
         await ensure_topics(cfg.kafka, cfg.topics)
         await _declare(cfg, args)  # before the workers start: they read the registry first
         (Path(tmp) / "workers").mkdir()
-        workers = WorkerProcesses(write_config(cfg, Path(tmp) / "config.yaml"), Path(tmp) / "workers",
-                                  n=args.workers, cwd=ROOT)
+        workers = WorkerProcesses(
+            write_config(cfg, Path(tmp) / "config.yaml"), Path(tmp) / "workers", n=args.workers, cwd=ROOT
+        )
         workers.start()
         try:
             async with _Fleet(cfg) as fleet:
@@ -223,16 +249,24 @@ async def _fairness(args: argparse.Namespace) -> dict[str, Any]:
                 rate = args.share * peak
                 n_b = max(10, round(rate * args.seconds))
                 backlog = round(args.backlog * n_b)
-                print(f"(a) fairness: {args.workers} workers x {args.concurrency} slots, SlowScorer "
-                      f"{args.delay_ms:g} ms per record (one-turn, one-member groups); experiments A and B declared, "
-                      f"weight 1 each", flush=True)
-                print(f"    peak, A alone flooded ({args.peak_records} records): {peak:.1f} verdicts/s "
-                      f"(slots / delay: {args.workers * args.concurrency / (args.delay_ms / 1000):.0f}/s; "
-                      f"{args.workers * max(1, args.concurrency - 1) / (args.delay_ms / 1000):.0f}/s without the slot "
-                      "kept in reserve for the idle experiments, B and default)", flush=True)
-                print(f"    B paced at {args.share:.0%} of peak = {rate:.2f}/s for {args.seconds:g} s ({n_b} records); "
-                      f"A's backlog {backlog} records ({args.backlog:g}x B's run), published before B starts",
-                      flush=True)
+                print(
+                    f"(a) fairness: {args.workers} workers x {args.concurrency} slots, SlowScorer "
+                    f"{args.delay_ms:g} ms per record (one-turn, one-member groups); experiments A and B declared, "
+                    f"weight 1 each",
+                    flush=True,
+                )
+                print(
+                    f"    peak, A alone flooded ({args.peak_records} records): {peak:.1f} verdicts/s "
+                    f"(slots / delay: {args.workers * args.concurrency / (args.delay_ms / 1000):.0f}/s; "
+                    f"{args.workers * max(1, args.concurrency - 1) / (args.delay_ms / 1000):.0f}/s without the slot "
+                    "kept in reserve for the idle experiments, B and default)",
+                    flush=True,
+                )
+                print(
+                    f"    B paced at {args.share:.0%} of peak = {rate:.2f}/s for {args.seconds:g} s ({n_b} records); "
+                    f"A's backlog {backlog} records ({args.backlog:g}x B's run), published before B starts",
+                    flush=True,
+                )
                 pairs = []
                 for k in range(args.pairs):
                     alone = await _b_run(fleet, rate, n_b, f"alone{k}")
@@ -252,11 +286,15 @@ async def _fairness(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_run(label: str, run: dict[str, Any]) -> None:
     lat = run["latencies"]
-    line = (f"    {label}: B p50 {_pct(lat, 0.5) * 1e3:5.0f} ms, p99 {_pct(lat, 0.99) * 1e3:5.0f} ms "
-            f"(n={len(lat)}; stage p99 ms: {_stage_p99(run)})")
+    line = (
+        f"    {label}: B p50 {_pct(lat, 0.5) * 1e3:5.0f} ms, p99 {_pct(lat, 0.99) * 1e3:5.0f} ms "
+        f"(n={len(lat)}; stage p99 ms: {_stage_p99(run)})"
+    )
     if "a_rate" in run:
-        line += (f"; A meanwhile {run['a_rate']:.1f} verdicts/s, {run['a_left']} of its records left at B's end "
-                 f"(drained {run['a_drained_after_s']:.1f} s later)")
+        line += (
+            f"; A meanwhile {run['a_rate']:.1f} verdicts/s, {run['a_left']} of its records left at B's end "
+            f"(drained {run['a_drained_after_s']:.1f} s later)"
+        )
     print(line, flush=True)
 
 
@@ -272,11 +310,16 @@ def _summary(r: dict[str, Any]) -> None:
         return [_pct(x["latencies"], q) * 1e3 for x in runs]
 
     ratios = [_pct(f["latencies"], 0.99) / _pct(a["latencies"], 0.99) for a, f in r["pairs"]]
-    print(f"    summary over {len(ratios)} pairs (ranges): B alone p50 {rng(ms(alone, 0.5))} ms, p99 "
-          f"{rng(ms(alone, 0.99))} ms; B with A flooded p50 {rng(ms(flooded, 0.5))} ms, p99 {rng(ms(flooded, 0.99))} ms")
-    print(f"    B p99 flooded / alone: {rng(ratios, '{:.2f}')}x (median {statistics.median(ratios):.2f}x; goal <= 2x); "
-          f"A meanwhile {rng([f['a_rate'] for f in flooded], '{:.1f}')} verdicts/s "
-          f"({rng([f['a_rate'] / r['peak'] for f in flooded], '{:.0%}')} of peak)", flush=True)
+    print(
+        f"    summary over {len(ratios)} pairs (ranges): B alone p50 {rng(ms(alone, 0.5))} ms, p99 "
+        f"{rng(ms(alone, 0.99))} ms; B with A flooded p50 {rng(ms(flooded, 0.5))} ms, p99 {rng(ms(flooded, 0.99))} ms"
+    )
+    print(
+        f"    B p99 flooded / alone: {rng(ratios, '{:.2f}')}x (median {statistics.median(ratios):.2f}x; goal <= 2x); "
+        f"A meanwhile {rng([f['a_rate'] for f in flooded], '{:.1f}')} verdicts/s "
+        f"({rng([f['a_rate'] / r['peak'] for f in flooded], '{:.0%}')} of peak)",
+        flush=True,
+    )
 
 
 # --------------------------------------------------------------------------- main

@@ -54,21 +54,32 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=300, help="turns scored per mode (default 300)")
     parser.add_argument("--concurrency", type=int, default=16, help="turns in flight C (default 16)")
     parser.add_argument("--latency-ms", type=float, default=50.0, help="fake judge latency (default 50)")
-    parser.add_argument("--agreement", type=float, default=0.8,
-                        help="probability that a vote equals the turn's label (default 0.8)")
+    parser.add_argument(
+        "--agreement", type=float, default=0.8, help="probability that a vote equals the turn's label (default 0.8)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; the median is reported (default 3)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--calls", type=int, default=4000,
-                        help="judge calls per run of the client calls/s section (default 4000)")
-    parser.add_argument("--call-concurrency", type=int, default=128,
-                        help="judge calls in flight in the client calls/s section (default 128)")
+    parser.add_argument(
+        "--calls", type=int, default=4000, help="judge calls per run of the client calls/s section (default 4000)"
+    )
+    parser.add_argument(
+        "--call-concurrency",
+        type=int,
+        default=128,
+        help="judge calls in flight in the client calls/s section (default 128)",
+    )
     parser.add_argument("--only", choices=("turns", "calls"), default=None, help="run one section only")
     parser.add_argument("--in-process", action="store_true", help="run the fake judge in a thread of this process")
     args = parser.parse_args(argv)
-    if min(args.turns, args.concurrency, args.repeats, args.calls, args.call_concurrency) <= 0 or args.latency_ms <= 0 \
-            or not 0 <= args.agreement <= 1:
-        parser.error("--turns, --concurrency, --repeats, --calls, --call-concurrency and --latency-ms must be positive, "
-                     "--agreement in [0, 1]")
+    if (
+        min(args.turns, args.concurrency, args.repeats, args.calls, args.call_concurrency) <= 0
+        or args.latency_ms <= 0
+        or not 0 <= args.agreement <= 1
+    ):
+        parser.error(
+            "--turns, --concurrency, --repeats, --calls, --call-concurrency and --latency-ms must be positive, "
+            "--agreement in [0, 1]"
+        )
     return args
 
 
@@ -78,21 +89,22 @@ def _workload(n: int, agreement: float, seed: int, prefix: str = "t") -> list[tu
     response = ModelResponse.from_arrays([1, 2, 3], [4, 5, 6, 7])
     for i in range(n):
         label = rng.choice(LABELS)
-        votes = [label if rng.random() < agreement else rng.choice([v for v in LABELS if v != label])
-                 for _ in range(3)]
+        votes = [label if rng.random() < agreement else rng.choice([v for v in LABELS if v != label]) for _ in range(3)]
         user = {"role": "user", "content": f"task {prefix}{i}"}
         output = {"role": "assistant", "content": f"answer {prefix}{i}"}
         feedback = {"role": "user", "content": f"feedback {prefix}{i} [[votes: {', '.join(map(str, votes))}]]"}
-        turn = Interaction(interaction_id=f"{prefix}{i}", messages=[user], output_message_list=[output],
-                           model_response=response)
+        turn = Interaction(
+            interaction_id=f"{prefix}{i}", messages=[user], output_message_list=[output], model_response=response
+        )
         after = {"role": "assistant", "content": f"next answer {prefix}{i}"}  # the next turn: feedback is its state
         items.append((turn, {"messages": (user, output, feedback, after)}))
     return items
 
 
 async def _run_mode(url: str, items, warm, concurrency: int, *, adaptive: bool, judge_cap: int) -> tuple[float, float]:
-    scorer = OpenClawJudgeScorer(base_url=url, model="fake", adaptive=adaptive, max_concurrency=judge_cap,
-                                 timeout_s=30, total_timeout_s=60)
+    scorer = OpenClawJudgeScorer(
+        base_url=url, model="fake", adaptive=adaptive, max_concurrency=judge_cap, timeout_s=30, total_timeout_s=60
+    )
     gate = asyncio.Semaphore(concurrency)
 
     async def one(turn, ctx) -> None:
@@ -126,7 +138,8 @@ def _judge_process(latency_ms: float, in_process: bool) -> Iterator[tuple[str, i
         return
     proc = subprocess.Popen(
         [sys.executable, "-m", "prm_pipeline.demo.fake_judge", "--port", "0", "--latency", f"{latency_ms / 1000.0:g}"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         line = proc.stdout.readline() if proc.stdout else ""
@@ -153,8 +166,7 @@ async def _bench(args: argparse.Namespace) -> list[tuple[str, float, float, floa
                     tag = f"{int(judge_bound)}{int(adaptive)}-{rep}-"
                     items = _workload(args.turns, args.agreement, args.seed, prefix=tag)
                     warm = _workload(args.concurrency, args.agreement, args.seed + 1, prefix="warm" + tag)
-                    runs.append(await _run_mode(url, items, warm, args.concurrency, adaptive=adaptive,
-                                                judge_cap=cap))
+                    runs.append(await _run_mode(url, items, warm, args.concurrency, adaptive=adaptive, judge_cap=cap))
                 tps = statistics.median(r[0] for r in runs)
                 calls = statistics.median(r[1] for r in runs)
                 rows.append((name, tps, tps / ideal, calls))
@@ -164,9 +176,13 @@ async def _bench(args: argparse.Namespace) -> list[tuple[str, float, float, floa
 # --------------------------------------------------------------------------- client calls/s
 _CALL_PAYLOAD = {
     "model": "fake",
-    "messages": [{"role": "system", "content": "You judge."},
-                 {"role": "user", "content": "## Next state [role: user]\nthanks, that worked"}],
-    "temperature": 0.6, "max_tokens": 64, "stream": False,
+    "messages": [
+        {"role": "system", "content": "You judge."},
+        {"role": "user", "content": "## Next state [role: user]\nthanks, that worked"},
+    ],
+    "temperature": 0.6,
+    "max_tokens": 64,
+    "stream": False,
 }
 
 
@@ -176,8 +192,10 @@ async def _raw_calls(url: str, concurrency: int, calls: int) -> tuple[float, flo
     Returns ``(calls/s, client CPU seconds per call)``, as :func:`_client_calls`."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps(_CALL_PAYLOAD).encode()
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     left = [calls]
 
     async def conn() -> None:
@@ -187,8 +205,13 @@ async def _raw_calls(url: str, concurrency: int, calls: int) -> tuple[float, flo
                 left[0] -= 1
                 writer.write(request)
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
-                                  if line.lower().startswith(b"content-length")))
+                length = int(
+                    next(
+                        line.split(b":", 1)[1]
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    )
+                )
                 await reader.readexactly(length)
         finally:
             writer.close()
@@ -239,36 +262,53 @@ async def _bench_calls(args: argparse.Namespace) -> list[dict[str, float]]:
             raw, raw_cpu = await _raw_calls(url, args.call_concurrency, args.calls)
             between = _cpu_seconds(pid)
             client, client_cpu = await _client_calls(url, args.call_concurrency, args.calls)
-            runs.append({"raw": raw, "raw_cpu": raw_cpu, "client": client, "client_cpu": client_cpu,
-                         "server_cpu": (between - server_cpu) / args.calls,
-                         "server_cpu_client": (_cpu_seconds(pid) - between) / args.calls})
+            runs.append(
+                {
+                    "raw": raw,
+                    "raw_cpu": raw_cpu,
+                    "client": client,
+                    "client_cpu": client_cpu,
+                    "server_cpu": (between - server_cpu) / args.calls,
+                    "server_cpu_client": (_cpu_seconds(pid) - between) / args.calls,
+                }
+            )
     return runs
 
 
 def _report_calls(args: argparse.Namespace, runs: list[dict[str, float]]) -> None:
     ideal = args.call_concurrency / (args.latency_ms / 1000.0)
-    print(f"\njudge client: {args.calls} calls x {args.repeats} runs, C = {args.call_concurrency} calls in flight, "
-          f"judge latency {args.latency_ms:g} ms; ideal C/latency = {ideal:.0f} calls/s; ranges over runs")
-    print(f"{'path':<22} {'calls/s':>11} {'/ideal':>11} {'/raw':>11} {'client CPU/call':>16} {'CPU /raw':>11} "
-          f"{'1 core allows':>15} {'judge CPU/call':>15}")
+    print(
+        f"\njudge client: {args.calls} calls x {args.repeats} runs, C = {args.call_concurrency} calls in flight, "
+        f"judge latency {args.latency_ms:g} ms; ideal C/latency = {ideal:.0f} calls/s; ranges over runs"
+    )
+    print(
+        f"{'path':<22} {'calls/s':>11} {'/ideal':>11} {'/raw':>11} {'client CPU/call':>16} {'CPU /raw':>11} "
+        f"{'1 core allows':>15} {'judge CPU/call':>15}"
+    )
 
     def span(key: str, fmt: str, scale: float = 1.0, invert: bool = False) -> str:
         values = [(scale / r[key] if r[key] else float("inf")) if invert else r[key] * scale for r in runs]
         return f"{format(min(values), fmt)}..{format(max(values), fmt)}"
 
-    for name, key, server_key in (("raw asyncio streams", "raw", "server_cpu"),
-                                  ("JudgeClient.post_json", "client", "server_cpu_client")):
+    for name, key, server_key in (
+        ("raw asyncio streams", "raw", "server_cpu"),
+        ("JudgeClient.post_json", "client", "server_cpu_client"),
+    ):
         for r in runs:  # per run: the client against the raw baseline measured just before it
             r["ratio"] = r["client"] / r["raw"]
             r["cpu_ratio"] = r["client_cpu"] / r["raw_cpu"] if r["raw_cpu"] else float("inf")
         ratio = "1" if key == "raw" else span("ratio", ".2f")
         cpu_ratio = "1" if key == "raw" else span("cpu_ratio", ".2f")
-        print(f"{name:<22} {span(key, '.0f'):>11} {span(key, '.2f', 1 / ideal):>11} {ratio:>11} "
-              f"{span(key + '_cpu', '.0f', 1e6) + ' us':>16} {cpu_ratio:>11} "
-              f"{span(key + '_cpu', '.0f', 1.0, invert=True):>15} {span(server_key, '.0f', 1e6) + ' us':>15}")
-    print("(CPU /raw = the client's CPU per call over the raw baseline's, per run; 1 core allows = calls/s the "
-          "client process could make if it had a whole core; the judge server runs in its own process, whose CPU "
-          "per call bounds the raw baseline on a shared machine)")
+        print(
+            f"{name:<22} {span(key, '.0f'):>11} {span(key, '.2f', 1 / ideal):>11} {ratio:>11} "
+            f"{span(key + '_cpu', '.0f', 1e6) + ' us':>16} {cpu_ratio:>11} "
+            f"{span(key + '_cpu', '.0f', 1.0, invert=True):>15} {span(server_key, '.0f', 1e6) + ' us':>15}"
+        )
+    print(
+        "(CPU /raw = the client's CPU per call over the raw baseline's, per run; 1 core allows = calls/s the "
+        "client process could make if it had a whole core; the judge server runs in its own process, whose CPU "
+        "per call bounds the raw baseline on a shared machine)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,9 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = asyncio.run(_bench(args))
     ideal = args.concurrency / (args.latency_ms / 1000.0)
-    print(f"judge latency {args.latency_ms:g} ms, C = {args.concurrency} turns in flight, "
-          f"{args.turns} turns x {args.repeats} runs (median), vote agreement {args.agreement:g}, "
-          f"ideal C/latency = {ideal:.1f} turns/s")
+    print(
+        f"judge latency {args.latency_ms:g} ms, C = {args.concurrency} turns in flight, "
+        f"{args.turns} turns x {args.repeats} runs (median), vote agreement {args.agreement:g}, "
+        f"ideal C/latency = {ideal:.1f} turns/s"
+    )
     print(f"{'mode':<28} {'turns/s':>9} {'/ideal':>7} {'calls/turn':>11}")
     for name, tps, ratio, calls in rows:
         print(f"{name:<28} {tps:9.1f} {ratio:7.2f} {calls:11.2f}")

@@ -65,19 +65,31 @@ SWEEP_S = 0.5
 def _result(tid: str, turns: int = 4) -> SessionResult:
     """A scored member shaped like the pipeline's: per-turn results and stats, no token turns."""
     return SessionResult(
-        session_id=f"s-{tid}", trajectory_id=tid, status="scored", outcome_reward=1.0, policy_version=3,
-        turn_results=[PRMTurnResult(interaction_id=f"{tid}-i{i}", scorer_name="length_budget", reward=0.5 + i / 10)
-                      for i in range(turns)],
-        stats={"prm_mean": 0.61, "prm_min": 0.5, "turns": float(turns)}, created_at=time.time(),
-        scored_at=time.time())
+        session_id=f"s-{tid}",
+        trajectory_id=tid,
+        status="scored",
+        outcome_reward=1.0,
+        policy_version=3,
+        turn_results=[
+            PRMTurnResult(interaction_id=f"{tid}-i{i}", scorer_name="length_budget", reward=0.5 + i / 10)
+            for i in range(turns)
+        ],
+        stats={"prm_mean": 0.61, "prm_min": 0.5, "turns": float(turns)},
+        created_at=time.time(),
+        scored_at=time.time(),
+    )
 
 
 def load_ledger_at(ref: str) -> type:
     """``GroupLedger`` as git revision ``ref`` has it (its scripts module loaded beside it)."""
     mods = {}
     for name in ("ledger_scripts", "ledger"):
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:scoring_workers/{name}.py"],
-                             check=True, capture_output=True, text=True).stdout
+        src = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{ref}:scoring_workers/{name}.py"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         src = src.replace("from scoring_workers.ledger_scripts import", "from _ref_ledger_scripts import")
         mod = types.ModuleType(f"_ref_{name}")
         sys.modules[mod.__name__] = mod
@@ -110,8 +122,18 @@ class _Meter:
         return {k: v for k, v in calls.items() if k not in ADMIN}, cpu
 
 
-async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int, rate: float | None,
-                    score_ms: float, spread_ms: float, inflight: int, probe_fraction: float = 1.0) -> dict[str, Any]:
+async def _workload(
+    ledger_cls: type,
+    url: str,
+    *,
+    groups: int,
+    group_size: int,
+    rate: float | None,
+    score_ms: float,
+    spread_ms: float,
+    inflight: int,
+    probe_fraction: float = 1.0,
+) -> dict[str, Any]:
     """One run: ``groups`` groups through ``WORKERS`` ledgers; returns per-trajectory figures."""
     cfg = RedisConfig(url=url, key_prefix=f"bench-{uuid.uuid4().hex[:6]}", ttl_s=600)
     ledgers = [ledger_cls.from_config(cfg) for _ in range(WORKERS)]
@@ -134,8 +156,15 @@ async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int,
         i = int(tid.rsplit("-", 1)[1])
         led = ledgers[w]
         outcome, decision = await led.park(
-            msgspec.structs.replace(blobs[i], trajectory_id=tid), group_id=gid, group_size=group_size,
-            group_timeout_s=120, worker_id=f"w{w}", scorers=b"\x90", partition=w, offset=i)
+            msgspec.structs.replace(blobs[i], trajectory_id=tid),
+            group_id=gid,
+            group_size=group_size,
+            group_timeout_s=120,
+            worker_id=f"w{w}",
+            scorers=b"\x90",
+            partition=w,
+            offset=i,
+        )
         if decision is not None and decision.outcome == "decided_now":
             assert len(decision.members) == group_size
             await asyncio.sleep(0.001)  # the verdict's produce
@@ -194,8 +223,10 @@ async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int,
         await ledgers[1].probe_many([("warm", "up")])
         await meter.reset()
         t0, c0 = time.perf_counter(), time.process_time()
-        loops = [asyncio.create_task(c) for c in (*(poller(w) for w in range(WORKERS)),
-                                                   *(background(w) for w in range(WORKERS)), publisher())]
+        loops = [
+            asyncio.create_task(c)
+            for c in (*(poller(w) for w in range(WORKERS)), *(background(w) for w in range(WORKERS)), publisher())
+        ]
         await all_done.wait()
         elapsed, client_s = time.perf_counter() - t0, time.process_time() - c0
         for led in ledgers:
@@ -210,10 +241,16 @@ async def _workload(ledger_cls: type, url: str, *, groups: int, group_size: int,
             await led.aclose()
         await admin.aclose()
     n = groups * group_size
-    return {"rate": n / elapsed, "commands": sum(c for c, _ in stats.values()) / n, "round_trips": meter.reads / n,
-            "command_us": sum(stats.get(k, (0, 0))[1] for k in ("evalsha", *INDEX)) / n,
-            "cpu_us": cpu_s * 1e6 / n, "client_us": client_s * 1e6 / n, "by_command": {k: c / n for k, (c, _) in sorted(stats.items())},
-            "usec_per_call": {k: u / max(c, 1) for k, (c, u) in sorted(stats.items())}}
+    return {
+        "rate": n / elapsed,
+        "commands": sum(c for c, _ in stats.values()) / n,
+        "round_trips": meter.reads / n,
+        "command_us": sum(stats.get(k, (0, 0))[1] for k in ("evalsha", *INDEX)) / n,
+        "cpu_us": cpu_s * 1e6 / n,
+        "client_us": client_s * 1e6 / n,
+        "by_command": {k: c / n for k, (c, _) in sorted(stats.items())},
+        "usec_per_call": {k: u / max(c, 1) for k, (c, u) in sorted(stats.items())},
+    }
 
 
 def _fmt(runs: list[dict[str, Any]], key: str) -> str:
@@ -236,20 +273,36 @@ async def _main(a: argparse.Namespace) -> int:
             results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
             for _ in range(a.repeat):
                 for name, cls in variants:
-                    results[name].append(await _workload(
-                        cls, url, groups=a.groups, group_size=a.group_size, rate=a.rate, score_ms=a.score_ms,
-                        spread_ms=a.spread_ms, inflight=a.inflight, probe_fraction=a.probe_fraction))
+                    results[name].append(
+                        await _workload(
+                            cls,
+                            url,
+                            groups=a.groups,
+                            group_size=a.group_size,
+                            rate=a.rate,
+                            score_ms=a.score_ms,
+                            spread_ms=a.spread_ms,
+                            inflight=a.inflight,
+                            probe_fraction=a.probe_fraction,
+                        )
+                    )
         finally:
             svc.stop()
     pace = f"paced at {a.rate:g}/s" if a.rate else f"as fast as it goes ({a.inflight} groups in flight)"
-    print(f"{a.groups} groups of {a.group_size}, {pace}, scoring 0-{a.score_ms:g} ms, members spread over "
-          f"{a.spread_ms:g} ms; median (min-max) of {a.repeat} runs, per trajectory:")
+    print(
+        f"{a.groups} groups of {a.group_size}, {pace}, scoring 0-{a.score_ms:g} ms, members spread over "
+        f"{a.spread_ms:g} ms; median (min-max) of {a.repeat} runs, per trajectory:"
+    )
     print(f"probes: every poll for a ledger without expect, {a.probe_fraction:.0%} of polls for one with it")
-    print(f"{'ledger':16} {'traj/s':>22} {'commands':>22} {'round trips':>22} {'in-command us':>22} "
-          f"{'server CPU us':>22} {'client CPU us':>22}")
+    print(
+        f"{'ledger':16} {'traj/s':>22} {'commands':>22} {'round trips':>22} {'in-command us':>22} "
+        f"{'server CPU us':>22} {'client CPU us':>22}"
+    )
     for name, runs in results.items():
-        print(f"{name[:16]:16} {_fmt(runs, 'rate'):>22} {_fmt(runs, 'commands'):>22} {_fmt(runs, 'round_trips'):>22} "
-              f"{_fmt(runs, 'command_us'):>22} {_fmt(runs, 'cpu_us'):>22} {_fmt(runs, 'client_us'):>22}")
+        print(
+            f"{name[:16]:16} {_fmt(runs, 'rate'):>22} {_fmt(runs, 'commands'):>22} {_fmt(runs, 'round_trips'):>22} "
+            f"{_fmt(runs, 'command_us'):>22} {_fmt(runs, 'cpu_us'):>22} {_fmt(runs, 'client_us'):>22}"
+        )
         last = runs[-1]["by_command"]
         print("  calls: " + ", ".join(f"{k} {v:.2f}" for k, v in last.items()))
         if a.verbose:
@@ -264,11 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=None, help="trajectories per second (default: as fast as it goes)")
     p.add_argument("--inflight", type=int, default=128, help="groups in flight at most")
     p.add_argument("--score-ms", type=float, default=20.0, help="each member scores for 0..this many ms")
-    p.add_argument("--spread-ms", type=float, default=0.0,
-                   help="a group's members arrive over this span (0: published whole)")
-    p.add_argument("--probe-fraction", type=float, default=0.0,
-                   help="fraction of polls probed by a ledger that has expect (records below a partition's mark, "
-                        "e.g. after a rebalance); one without probes every poll")
+    p.add_argument(
+        "--spread-ms", type=float, default=0.0, help="a group's members arrive over this span (0: published whole)"
+    )
+    p.add_argument(
+        "--probe-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of polls probed by a ledger that has expect (records below a partition's mark, "
+        "e.g. after a rebalance); one without probes every poll",
+    )
     p.add_argument("--compare", metavar="REF", help="also run the ledger of this git revision (e.g. main)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("-v", "--verbose", action="store_true", help="also print the usec per call of each command")

@@ -54,6 +54,7 @@ def _format_loop(formatter: logging.Formatter, record: logging.LogRecord, lines:
         for _ in range(lines):
             record.exc_text = None  # as a fresh record: the traceback is formatted each time
             formatter.format(record)
+
     return run
 
 
@@ -70,6 +71,7 @@ def _log_loop(formatter: logging.Formatter, lines: int) -> Callable[[], None]:
         stream.truncate()
         for _ in range(lines):
             logger.info(VERDICT, *ORDINARY)
+
     return run
 
 
@@ -103,13 +105,17 @@ def main(argv: list[str] | None = None) -> int:
             p, e = times[id(runs[name][0])], times[id(runs[name][1])]
             ratios[name].append(e / p)
             base[name].append(p / per_line[name] * 1e6)
-    print(f"bench_logs: {args.rounds} interleaved rounds, {args.lines} lines per round "
-          f"({traceback_lines} for the traceback case), Python {sys.version.split()[0]}")
+    print(
+        f"bench_logs: {args.rounds} interleaved rounds, {args.lines} lines per round "
+        f"({traceback_lines} for the traceback case), Python {sys.version.split()[0]}"
+    )
     print(f"{'case':<10} {'plain us/line':>14} {'escaping / plain':>17} {'spread (p10-p90)':>18}")
     for name in cases:
         qs = statistics.quantiles(ratios[name], n=10)
-        print(f"{name:<10} {statistics.median(base[name]):>14.2f} {statistics.median(ratios[name]):>17.2f}x "
-              f"{qs[0]:>8.2f}-{qs[-1]:.2f}x")
+        print(
+            f"{name:<10} {statistics.median(base[name]):>14.2f} {statistics.median(ratios[name]):>17.2f}x "
+            f"{qs[0]:>8.2f}-{qs[-1]:.2f}x"
+        )
     return 0
 
 

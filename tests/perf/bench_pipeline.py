@@ -51,20 +51,39 @@ from producers.publisher import TrajectoryPublisher
 from tests.perf.stack_load import workers_assigned
 
 
-def _config(stack: LocalStack, name: str, concurrency: int, compression: str = "zstd",
-            verdict_tokens: str = "inline") -> PipelineConfig:
+def _config(
+    stack: LocalStack, name: str, concurrency: int, compression: str = "zstd", verdict_tokens: str = "inline"
+) -> PipelineConfig:
     return PipelineConfig(
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
-            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 384}),
-        ]))),
+        rollout=RolloutConfig(
+            agent=AgentConfig(
+                prm=PRMConfig(
+                    scorers=[
+                        PRMScorerConfig(
+                            "scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 384}
+                        ),
+                    ]
+                )
+            )
+        ),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **stack.client_settings, max_message_bytes=8 * 1024 * 1024, compression=compression),
+        kafka=KafkaConfig(
+            bootstrap=stack.kafka_bootstrap,
+            **stack.client_settings,
+            max_message_bytes=8 * 1024 * 1024,
+            compression=compression,
+        ),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"bench:{name}", ttl_s=600),
-        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
-                            experiments=f"exp.{name}",
-                            partitions=8),
-        worker=WorkerConfig(group_id=f"workers.{name}", concurrency=concurrency, group_timeout_s=600,
-                            verdict_tokens=verdict_tokens),  # type: ignore[arg-type]
+        topics=TopicsConfig(
+            trajectories=f"traj.{name}",
+            verdicts=f"verd.{name}",
+            dead_letters=f"dlq.{name}",
+            experiments=f"exp.{name}",
+            partitions=8,
+        ),
+        worker=WorkerConfig(
+            group_id=f"workers.{name}", concurrency=concurrency, group_timeout_s=600, verdict_tokens=verdict_tokens
+        ),  # type: ignore[arg-type]
     )
 
 
@@ -72,8 +91,10 @@ def _groups(n: int, size: int, turns: int, tokens: int, prefix: str) -> list[lis
     import numpy as np
 
     rng = np.random.default_rng(1)
-    return [make_group(f"{prefix}{g:05d}", size, rng=rng, turns=turns, output_tokens=(tokens // 2, tokens))
-            for g in range(n)]
+    return [
+        make_group(f"{prefix}{g:05d}", size, rng=rng, turns=turns, output_tokens=(tokens // 2, tokens))
+        for g in range(n)
+    ]
 
 
 async def _raw_baseline(cfg: PipelineConfig, payloads: list[tuple[bytes, bytes, list]]) -> float:
@@ -105,8 +126,13 @@ async def _raw_baseline(cfg: PipelineConfig, payloads: list[tuple[bytes, bytes, 
     return len(payloads) / elapsed
 
 
-async def _ledger_alone(cfg: PipelineConfig, trajectories: list[ReadyTrajectory], n_groups: int = 1500,
-                        group_size: int = 4, concurrency: int = 32) -> dict[str, float]:
+async def _ledger_alone(
+    cfg: PipelineConfig,
+    trajectories: list[ReadyTrajectory],
+    n_groups: int = 1500,
+    group_size: int = 4,
+    concurrency: int = 32,
+) -> dict[str, float]:
     """The worker's Redis calls alone (probe, park, finish per member; no Kafka, no workers)
     for ``n_groups`` groups of real scored results: Redis CPU per trajectory without the
     contention of the full pipeline on the same cores."""
@@ -130,10 +156,21 @@ async def _ledger_alone(cfg: PipelineConfig, trajectories: list[ReadyTrajectory]
         gid = f"alone-{g}"
         async with sem:
             await ledger.probe_many([(gid, f"{gid}-{i}") for i in range(group_size)])
-            await asyncio.gather(*(ledger.park(
-                msgspec.structs.replace(r, trajectory_id=f"{gid}-{i}"), group_id=gid, group_size=group_size,
-                group_timeout_s=600, worker_id="bench", scorers=b"\x90", partition=0, offset=i)
-                for i, r in enumerate(scored)))
+            await asyncio.gather(
+                *(
+                    ledger.park(
+                        msgspec.structs.replace(r, trajectory_id=f"{gid}-{i}"),
+                        group_id=gid,
+                        group_size=group_size,
+                        group_timeout_s=600,
+                        worker_id="bench",
+                        scorers=b"\x90",
+                        partition=0,
+                        offset=i,
+                    )
+                    for i, r in enumerate(scored)
+                )
+            )
             await ledger.finish(gid)
 
     try:
@@ -145,8 +182,13 @@ async def _ledger_alone(cfg: PipelineConfig, trajectories: list[ReadyTrajectory]
         await ledger.aclose()
         await meter.aclose()
     n = n_groups * group_size
-    return {"usec": got["usec"] / n, "cpu_us": got["cpu_s"] / n * 1e6, "in": got["in"] / n, "out": got["out"] / n,
-            "scripts": got["scripts"] / n}
+    return {
+        "usec": got["usec"] / n,
+        "cpu_us": got["cpu_s"] / n * 1e6,
+        "in": got["in"] / n,
+        "out": got["out"] / n,
+        "scripts": got["scripts"] / n,
+    }
 
 
 async def _runner_baseline(cfg: PipelineConfig, trajectories: list[ReadyTrajectory]) -> float:
@@ -184,19 +226,36 @@ class _RedisMeter:
         """Commands the clients sent (script calls count once: commandstats also lists the
         commands a script runs, inside its own time) and the server's whole CPU."""
         cpu = await self._cpu() - self.cpu0
-        stats = {k[len("cmdstat_"):]: v for k, v in (await self.client.info("commandstats")).items()}
+        stats = {k[len("cmdstat_") :]: v for k, v in (await self.client.info("commandstats")).items()}
         net = await self.client.info("stats")
         scripts = {k: v for k, v in stats.items() if k in ("evalsha", "eval", "fcall")}
-        inner = {"hset", "hget", "hgetall", "hexists", "hlen", "exists", "del", "set", "sismember", "sadd",
-                 "hmget", "hdel", "hsetnx"}  # only ever run inside the ledger's scripts
+        inner = {
+            "hset",
+            "hget",
+            "hgetall",
+            "hexists",
+            "hlen",
+            "exists",
+            "del",
+            "set",
+            "sismember",
+            "sadd",
+            "hmget",
+            "hdel",
+            "hsetnx",
+        }  # only ever run inside the ledger's scripts
         mine = {k: v for k, v in stats.items() if k not in ("info", "config|resetstat")}
         top = {k: v for k, v in mine.items() if k not in inner}
-        return {"usec": sum(v["usec"] for v in top.values()), "cpu_s": cpu,
-                "scripts": sum(v["calls"] for v in scripts.values()),
-                "calls": sum(v["calls"] for v in top.values()),
-                "all_calls": sum(v["calls"] for v in mine.values()),  # scripts' own commands too
-                "in": net["total_net_input_bytes"], "out": net["total_net_output_bytes"],
-                "by_command": {k: (v["calls"], v["usec"]) for k, v in top.items()}}
+        return {
+            "usec": sum(v["usec"] for v in top.values()),
+            "cpu_s": cpu,
+            "scripts": sum(v["calls"] for v in scripts.values()),
+            "calls": sum(v["calls"] for v in top.values()),
+            "all_calls": sum(v["calls"] for v in mine.values()),  # scripts' own commands too
+            "in": net["total_net_input_bytes"],
+            "out": net["total_net_output_bytes"],
+            "by_command": {k: (v["calls"], v["usec"]) for k, v in top.items()},
+        }
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -213,13 +272,19 @@ def _stages(verdict: GroupVerdict, published: float, record_ts: float, arrival_w
     if not members:
         return None  # verdicts of a worker without stage timestamps
     m = max(members, key=lambda x: x.parked_at)
-    return {"queue": m.consumed_at - published, "score": m.scored_at - m.consumed_at,
-            "park": m.parked_at - m.scored_at, "decide": verdict.decided_at - m.parked_at,
-            "send": record_ts - verdict.decided_at, "deliver": arrival_wall - record_ts}
+    return {
+        "queue": m.consumed_at - published,
+        "score": m.scored_at - m.consumed_at,
+        "park": m.parked_at - m.scored_at,
+        "decide": verdict.decided_at - m.parked_at,
+        "send": record_ts - verdict.decided_at,
+        "deliver": arrival_wall - record_ts,
+    }
 
 
-async def _paced(pub: TrajectoryPublisher, tail: VerdictTail, groups: list[list[ReadyTrajectory]],
-                 rate: float) -> dict[str, Any]:
+async def _paced(
+    pub: TrajectoryPublisher, tail: VerdictTail, groups: list[list[ReadyTrajectory]], rate: float
+) -> dict[str, Any]:
     """Publish whole groups at ``rate`` trajectories/s; latency per group and its stage breakdown."""
     interval = len(groups[0]) / rate
     sent_at: dict[str, float] = {}
@@ -254,8 +319,14 @@ def _payloads(groups: list[list[ReadyTrajectory]]) -> list[tuple[bytes, bytes, l
     return out
 
 
-async def _pipeline(cfg: PipelineConfig, rounds: list[list[list[ReadyTrajectory]]], n_workers: int, workdir: Path,
-                    latency: list[list[ReadyTrajectory]], redis_url: str) -> dict[str, Any]:
+async def _pipeline(
+    cfg: PipelineConfig,
+    rounds: list[list[list[ReadyTrajectory]]],
+    n_workers: int,
+    workdir: Path,
+    latency: list[list[ReadyTrajectory]],
+    redis_url: str,
+) -> dict[str, Any]:
     """Workers up once; then per round the raw baseline (b) and the pipeline at peak (a)
     on that round's groups, back to back; then the paced latency runs."""
     procs = WorkerProcesses(write_config(cfg, workdir / "config.yaml"), workdir, n=n_workers)
@@ -296,14 +367,24 @@ async def _pipeline(cfg: PipelineConfig, rounds: list[list[list[ReadyTrajectory]
                 n_peak += n
                 verdict_bytes += sum(len(tail.raw[g[0].group_id][1]) for g in peak)
                 pairs.append((n / (done - t0), raw))
-                print(f"  round {len(pairs)}: pipeline {pairs[-1][0]:.0f}/s, raw {raw:.0f}/s, "
-                      f"ratio {pairs[-1][0] / raw:.2f}", flush=True)
+                print(
+                    f"  round {len(pairs)}: pipeline {pairs[-1][0]:.0f}/s, raw {raw:.0f}/s, "
+                    f"ratio {pairs[-1][0] / raw:.2f}",
+                    flush=True,
+                )
             rate = statistics.median(a for a, _ in pairs)
             n_lat = len(latency) // 2
             low = await _paced(pub, tail, latency[:n_lat], rate * 0.1)
             half = await _paced(pub, tail, latency[n_lat:], rate * 0.5)
-        return {"pairs": pairs, "rate": rate, "redis": redis, "trajectories": n_peak, "low": low, "half": half,
-                "verdict_bytes": verdict_bytes / n_peak}
+        return {
+            "pairs": pairs,
+            "rate": rate,
+            "redis": redis,
+            "trajectories": n_peak,
+            "low": low,
+            "half": half,
+            "verdict_bytes": verdict_bytes / n_peak,
+        }
     finally:
         await tail.aclose()
         await meter.aclose()
@@ -337,61 +418,82 @@ def _pct(values: list[float], q: float) -> float:
 
 def _latency_lines(label: str, run: dict[str, Any]) -> list[str]:
     lat = run["latencies"]
-    lines = [f"latency at {label} of peak ({len(lat)} groups, one every {run['interval'] * 1e3:.0f} ms): "
-             f"p50 {_pct(lat, 0.5) * 1e3:.0f} ms, p99 {_pct(lat, 0.99) * 1e3:.0f} ms, max {lat[-1] * 1e3:.0f} ms"]
+    lines = [
+        f"latency at {label} of peak ({len(lat)} groups, one every {run['interval'] * 1e3:.0f} ms): "
+        f"p50 {_pct(lat, 0.5) * 1e3:.0f} ms, p99 {_pct(lat, 0.99) * 1e3:.0f} ms, max {lat[-1] * 1e3:.0f} ms"
+    ]
     if run["stages"]:
         lines.append("  stage (last member of the group)   p50 ms    p99 ms")
-        names = {"queue": "publish (before flush) -> consumed", "score": "consumed -> scored", "park": "scored -> parked",
-                 "decide": "parked -> decided", "send": "decided -> verdict record", "deliver": "record -> trainer"}
+        names = {
+            "queue": "publish (before flush) -> consumed",
+            "score": "consumed -> scored",
+            "park": "scored -> parked",
+            "decide": "parked -> decided",
+            "send": "decided -> verdict record",
+            "deliver": "record -> trainer",
+        }
         for k, v in run["stages"].items():
             lines.append(f"  {names[k]:34} {max(0.0, _pct(v, 0.5)) * 1e3:7.1f}  {max(0.0, _pct(v, 0.99)) * 1e3:8.1f}")
     return lines
 
 
 async def _main(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="prm-bench-") as tmp, \
-            LocalStack(Path(tmp) / "stack", broker=args.broker) as stack:
+    with (
+        tempfile.TemporaryDirectory(prefix="prm-bench-") as tmp,
+        LocalStack(Path(tmp) / "stack", broker=args.broker) as stack,
+    ):
         name = uuid.uuid4().hex[:8]
         cfg = _config(stack, name, args.concurrency, args.compression, args.verdict_tokens)
         await ensure_topics(cfg.kafka, cfg.topics)
         pairs = max(1, args.pairs)
-        groups = _groups(pairs * args.groups + 2 * args.latency_groups, args.group_size, args.turns, args.tokens,
-                         f"b{name}-")
-        rounds = [groups[r * args.groups:(r + 1) * args.groups] for r in range(pairs)]
+        groups = _groups(
+            pairs * args.groups + 2 * args.latency_groups, args.group_size, args.turns, args.tokens, f"b{name}-"
+        )
+        rounds = [groups[r * args.groups : (r + 1) * args.groups] for r in range(pairs)]
         trajectories = [t for g in rounds[0] for t in g]
         mean_kib = statistics.mean(len(v) for _, v, _ in _payloads(rounds[0])) / 1024
-        print(f"workload: {args.groups} groups x {args.group_size} sessions per round, {pairs} rounds, {args.turns} "
-              f"turns, <= {args.tokens} output tokens/turn, {mean_kib:.0f} KiB/trajectory on the wire; verdicts "
-              f"carry tokens {args.verdict_tokens}; broker {args.broker}")
+        print(
+            f"workload: {args.groups} groups x {args.group_size} sessions per round, {pairs} rounds, {args.turns} "
+            f"turns, <= {args.tokens} output tokens/turn, {mean_kib:.0f} KiB/trajectory on the wire; verdicts "
+            f"carry tokens {args.verdict_tokens}; broker {args.broker}"
+        )
         inproc = await _runner_baseline(cfg, trajectories)
         alone = await _ledger_alone(cfg, trajectories)
         work = Path(tmp) / "workers"
         work.mkdir()
-        result = await _pipeline(cfg, rounds, args.workers, work, groups[pairs * args.groups:], stack.redis_url)
+        result = await _pipeline(cfg, rounds, args.workers, work, groups[pairs * args.groups :], stack.redis_url)
     e2e, redis, n = result["rate"], result["redis"], result["trajectories"]
     ratios = sorted(a / b for a, b in result["pairs"])
     raws = sorted(b for _, b in result["pairs"])
     rates = sorted(a for a, _ in result["pairs"])
     print()
     print(f"{'path (median of the rounds, range)':52} {'traj/s':>18} {'ratio':>8}")
-    print(f"{f'(a) pipeline: publish -> {args.workers} workers -> verdict':52} "
-          f"{e2e:6.0f} ({rates[0]:.0f}-{rates[-1]:.0f})")
-    print(f"{'(b) raw aiokafka produce+consume, same bytes':52} "
-          f"{statistics.median(raws):6.0f} ({raws[0]:.0f}-{raws[-1]:.0f}) "
-          f"{statistics.median(ratios):8.2f}  (a)/(b) per round, range {ratios[0]:.2f}-{ratios[-1]:.2f}")
+    print(
+        f"{f'(a) pipeline: publish -> {args.workers} workers -> verdict':52} "
+        f"{e2e:6.0f} ({rates[0]:.0f}-{rates[-1]:.0f})"
+    )
+    print(
+        f"{'(b) raw aiokafka produce+consume, same bytes':52} "
+        f"{statistics.median(raws):6.0f} ({raws[0]:.0f}-{raws[-1]:.0f}) "
+        f"{statistics.median(ratios):8.2f}  (a)/(b) per round, range {ratios[0]:.2f}-{ratios[-1]:.2f}"
+    )
     print(f"{'(c) in-process PRMRunner, same trajectories':52} {inproc:6.0f} {e2e / inproc:20.2f}  (a)/(c)")
     print(f"verdict record: {result['verdict_bytes'] / 1024:.1f} KiB per trajectory (value, before compression)")
     print()
-    print(f"Redis per trajectory during (a): {redis['usec'] / n:.1f} µs in commands (INFO commandstats), "
-          f"{redis['cpu_s'] / n * 1e6:.1f} µs server CPU (INFO cpu), "
-          f"{redis['in'] / n / 1024:.1f} KB in, {redis['out'] / n / 1024:.1f} KB out, "
-          f"{redis['scripts'] / n:.2f} script calls + {(redis['calls'] - redis['scripts']) / n:.2f} other commands; "
-          f"{redis['all_calls'] / n:.2f} commands in all (INFO commandstats, scripts' own commands included)")
+    print(
+        f"Redis per trajectory during (a): {redis['usec'] / n:.1f} µs in commands (INFO commandstats), "
+        f"{redis['cpu_s'] / n * 1e6:.1f} µs server CPU (INFO cpu), "
+        f"{redis['in'] / n / 1024:.1f} KB in, {redis['out'] / n / 1024:.1f} KB out, "
+        f"{redis['scripts'] / n:.2f} script calls + {(redis['calls'] - redis['scripts']) / n:.2f} other commands; "
+        f"{redis['all_calls'] / n:.2f} commands in all (INFO commandstats, scripts' own commands included)"
+    )
     top = sorted(redis["by_command"].items(), key=lambda kv: -kv[1][1])[:6]
     print("  " + ", ".join(f"{k} {c / n:.2f} calls {u / n:.1f} µs" for k, (c, u) in top))
-    print(f"(d) the ledger's calls alone (6,000 members, no Kafka): {alone['usec']:.1f} µs in commands, "
-          f"{alone['cpu_us']:.1f} µs server CPU, {alone['in'] / 1024:.1f} KB in, {alone['out'] / 1024:.1f} KB out, "
-          f"{alone['scripts']:.2f} script calls per trajectory")
+    print(
+        f"(d) the ledger's calls alone (6,000 members, no Kafka): {alone['usec']:.1f} µs in commands, "
+        f"{alone['cpu_us']:.1f} µs server CPU, {alone['in'] / 1024:.1f} KB in, {alone['out'] / 1024:.1f} KB out, "
+        f"{alone['scripts']:.2f} script calls per trajectory"
+    )
     print()
     for line in _latency_lines("10%", result["low"]) + _latency_lines("50%", result["half"]):
         print(line)
@@ -409,9 +511,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-groups", type=int, default=60)
     p.add_argument("--compression", choices=["zstd", "lz4", "gzip", "none"], default="zstd")
     p.add_argument("--pairs", type=int, default=5, help="interleaved rounds of (b) raw baseline then (a) pipeline")
-    p.add_argument("--verdict-tokens", choices=["inline", "reference"], default="inline",
-                   help="worker.verdict_tokens for the workers")
-    p.add_argument("--broker", choices=BROKERS, default="tansu", help="the embedded broker: tansu (the default stack's) or noida (noida-db, the 'bench' extra)")
+    p.add_argument(
+        "--verdict-tokens",
+        choices=["inline", "reference"],
+        default="inline",
+        help="worker.verdict_tokens for the workers",
+    )
+    p.add_argument(
+        "--broker",
+        choices=BROKERS,
+        default="tansu",
+        help="the embedded broker: tansu (the default stack's) or noida (noida-db, the 'bench' extra)",
+    )
     return asyncio.run(_main(p.parse_args(argv)))
 
 

@@ -45,8 +45,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench pool", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sessions", type=int, default=200, help="sessions per scenario (default 200)")
     parser.add_argument("--turns", type=int, default=5, help="judged turns per session (default 5)")
-    parser.add_argument("--sessions-in-flight", type=int, default=8,
-                        help="sessions scored at once (default 8: 24 votes in flight)")
+    parser.add_argument(
+        "--sessions-in-flight", type=int, default=8, help="sessions scored at once (default 8: 24 votes in flight)"
+    )
     parser.add_argument("--heavy", type=int, default=4, help="(c) also at this many times the sessions in flight")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="healthy replica latency L (default 20)")
     parser.add_argument("--only", choices=("b", "c"), default=None, help="run one scenario only")
@@ -63,9 +64,14 @@ def _replicas(*specs: tuple[str, list[str]]) -> Iterator[list[tuple[str, str]]]:
     out: list[tuple[str, str]] = []
     try:
         for name, extra in specs:
-            proc = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "fake-judge", "--port", "0", *extra],
-                                    cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "prm_pipeline.cli", "fake-judge", "--port", "0", *extra],
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             procs.append(proc)
             line = proc.stdout.readline() if proc.stdout else ""
             match = re.match(r"PRM_JUDGE_URL=(\S+)", line)
@@ -104,8 +110,9 @@ def _session(sid: str, turns: int) -> list[tuple[Interaction, dict]]:
     for t in range(turns):
         output = {"role": "assistant", "content": f"answer {t} of {sid}"}
         state = {"role": "tool", "content": "ok, success" if t % 2 == 0 else "error: try again"}
-        turn = Interaction(interaction_id=f"{sid}-{t}", messages=list(messages), output_message_list=[output],
-                           model_response=response)
+        turn = Interaction(
+            interaction_id=f"{sid}-{t}", messages=list(messages), output_message_list=[output], model_response=response
+        )
         after = {"role": "assistant", "content": "next"}
         items.append((turn, {"messages": (*messages, output, state, after), "session_id": sid}))
         messages += [output, state]
@@ -113,8 +120,17 @@ def _session(sid: str, turns: int) -> list[tuple[Interaction, dict]]:
 
 
 async def _run(urls: list[str], args: argparse.Namespace, in_flight: int, tag: str) -> dict:
-    scorer = _TimedScorer(base_urls=urls, model="fake", m=3, adaptive=False, timeout_s=10, total_timeout_s=30,
-                          max_retries=2, backoff_base_s=0.05, backoff_max_s=0.5)
+    scorer = _TimedScorer(
+        base_urls=urls,
+        model="fake",
+        m=3,
+        adaptive=False,
+        timeout_s=10,
+        total_timeout_s=30,
+        max_retries=2,
+        backoff_base_s=0.05,
+        backoff_max_s=0.5,
+    )
     gate = asyncio.Semaphore(in_flight)
 
     async def session(k: int) -> None:
@@ -137,9 +153,15 @@ async def _run(urls: list[str], args: argparse.Namespace, in_flight: int, tag: s
         await scorer.aclose()
     lat = sorted(scorer.latencies)
     return {
-        "votes": len(lat), "lost": scorer.lost, "elapsed": elapsed, "attempts": attempts, "answered": answered,
-        "routes": routes, "breaker_opened": breakers,
-        "p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        "votes": len(lat),
+        "lost": scorer.lost,
+        "elapsed": elapsed,
+        "attempts": attempts,
+        "answered": answered,
+        "routes": routes,
+        "breaker_opened": breakers,
+        "p50_ms": 1000 * statistics.median(lat),
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
     }
 
 
@@ -150,33 +172,44 @@ def _routes(routes: Counter) -> str:
 
 async def _scenario_b(args: argparse.Namespace) -> None:
     lat = args.latency_ms
-    specs = [("normal", ["--latency", f"{lat / 1000:g}"]), ("slow 10x", ["--latency", f"{10 * lat / 1000:g}"]),
-             ("failing", ["--latency", f"{lat / 1000:g}", "--error-rate", "1"])]
+    specs = [
+        ("normal", ["--latency", f"{lat / 1000:g}"]),
+        ("slow 10x", ["--latency", f"{10 * lat / 1000:g}"]),
+        ("failing", ["--latency", f"{lat / 1000:g}", "--error-rate", "1"]),
+    ]
     with _replicas(*specs) as reps:
         r = await _run([u for _, u in reps], args, args.sessions_in_flight, "b")
     total = sum(r["answered"]) or 1
-    print(f"(b) degraded pool: {r['votes']} votes, {args.sessions_in_flight} sessions in flight, "
-          f"L = {lat:g} ms, {r['elapsed']:.1f} s")
+    print(
+        f"(b) degraded pool: {r['votes']} votes, {args.sessions_in_flight} sessions in flight, "
+        f"L = {lat:g} ms, {r['elapsed']:.1f} s"
+    )
     print(f"    {'replica':<10} {'answered':>9} {'share':>7} {'attempts':>9} {'breaker opened':>15}")
     for (name, _), ans, att, opened in zip(reps, r["answered"], r["attempts"], r["breaker_opened"]):
         print(f"    {name:<10} {ans:>9} {ans / total:>7.3f} {att:>9} {opened:>15}")
-    print(f"    judge call latency p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; votes lost {r['lost']}; "
-          f"routes: {_routes(r['routes'])}")
+    print(
+        f"    judge call latency p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; votes lost {r['lost']}; "
+        f"routes: {_routes(r['routes'])}"
+    )
 
 
 async def _scenario_c(args: argparse.Namespace) -> None:
     lat = args.latency_ms
     specs = [(f"healthy {i}", ["--latency", f"{lat / 1000:g}"]) for i in range(3)]
-    print(f"(c) session affinity: three healthy replicas at L = {lat:g} ms, {args.sessions} sessions x "
-          f"{args.turns} turns x 3 votes")
+    print(
+        f"(c) session affinity: three healthy replicas at L = {lat:g} ms, {args.sessions} sessions x "
+        f"{args.turns} turns x 3 votes"
+    )
     with _replicas(*specs) as reps:
         for in_flight in (args.sessions_in_flight, args.heavy * args.sessions_in_flight):
             r = await _run([u for _, u in reps], args, in_flight, f"c{in_flight}")
             total = sum(r["routes"].values()) or 1
             shares = " / ".join(f"{a / (sum(r['answered']) or 1):.2f}" for a in r["answered"])
-            print(f"    {in_flight:>3} sessions in flight (~{3 * in_flight} votes): affinity share "
-                  f"{r['routes']['affinity'] / total:.3f}; replica shares {shares}; p99 {r['p99_ms']:.1f} ms; "
-                  f"routes: {_routes(r['routes'])}")
+            print(
+                f"    {in_flight:>3} sessions in flight (~{3 * in_flight} votes): affinity share "
+                f"{r['routes']['affinity'] / total:.3f}; replica shares {shares}; p99 {r['p99_ms']:.1f} ms; "
+                f"routes: {_routes(r['routes'])}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

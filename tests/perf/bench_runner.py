@@ -86,8 +86,12 @@ def _trajectory(index: int, turns: int, tokens: int, rng: np.random.Generator, *
         prompt_len += tokens + 64
         parent = iid
     return ReadyTrajectory(
-        trajectory_id=f"traj-{index}", session_id=f"s-{index}", group_id="g", group_size=1,
-        interactions=interactions, outcome_reward=1.0,
+        trajectory_id=f"traj-{index}",
+        session_id=f"s-{index}",
+        group_id="g",
+        group_size=1,
+        interactions=interactions,
+        outcome_reward=1.0,
     )
 
 
@@ -139,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     for name, direct_us, runner_us in rows:
-        print(f"{name:<26}{direct_us:>16.2f}{runner_us:>16.2f}{runner_us - direct_us:>18.2f}{runner_us / direct_us:>8.2f}")
+        print(
+            f"{name:<26}{direct_us:>16.2f}{runner_us:>16.2f}{runner_us - direct_us:>18.2f}{runner_us / direct_us:>8.2f}"
+        )
     return 0
 
 

@@ -98,11 +98,15 @@ def _workload(args: argparse.Namespace) -> tuple[ReadyTrajectory, list[tuple[np.
 
 def _build(arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> ReadyTrajectory:
     return ReadyTrajectory(
-        trajectory_id="bench-t", session_id="bench-s", group_id="bench-g", group_size=8,
+        trajectory_id="bench-t",
+        session_id="bench-s",
+        group_id="bench-g",
+        group_size=8,
         outcome_reward=1.0,
         interactions=[
             Interaction(
-                interaction_id=f"i{k}", parent_id=f"i{k - 1}" if k else None,
+                interaction_id=f"i{k}",
+                parent_id=f"i{k - 1}" if k else None,
                 messages=[{"role": "user", "content": "benchmark"}],
                 model_response=ModelResponse.from_arrays(inp, out, lp),
             )
@@ -114,14 +118,23 @@ def _build(arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> ReadyTraj
 def _naive(arrays: list[tuple[Any, Any, Any]]) -> dict[str, Any]:
     """The same message as plain builtins, token arrays as Python lists."""
     return {
-        "kind": "ready", "trajectory_id": "bench-t", "session_id": "bench-s", "group_id": "bench-g",
-        "group_size": 8, "outcome_reward": 1.0,
+        "kind": "ready",
+        "trajectory_id": "bench-t",
+        "session_id": "bench-s",
+        "group_id": "bench-g",
+        "group_size": 8,
+        "outcome_reward": 1.0,
         "interactions": [
             {
-                "interaction_id": f"i{k}", "parent_id": f"i{k - 1}" if k else None,
+                "interaction_id": f"i{k}",
+                "parent_id": f"i{k - 1}" if k else None,
                 "messages": [{"role": "user", "content": "benchmark"}],
-                "model_response": {"input_tokens": inp, "output_tokens": out, "output_logprobs": lp,
-                                   "stop_reason": "stop"},
+                "model_response": {
+                    "input_tokens": inp,
+                    "output_tokens": out,
+                    "output_logprobs": lp,
+                    "stop_reason": "stop",
+                },
             }
             for k, (inp, out, lp) in enumerate(arrays)
         ],
@@ -140,18 +153,31 @@ def run(args: argparse.Namespace) -> list[Row]:
             mr = it.model_response
             mr.input_tokens, mr.output_tokens, mr.output_logprobs  # noqa: B018 - take the views
 
-    rows = [Row("prm schema (packed bytes)", _median_us(lambda: encode(msg), rep, warm),
-                _median_us(prm_decode, rep, warm), len(value))]
-    rows.append(Row("prm schema, build from numpy", _median_us(lambda: encode(_build(arrays)), rep, warm),
-                    None, len(value)))
+    rows = [
+        Row(
+            "prm schema (packed bytes)",
+            _median_us(lambda: encode(msg), rep, warm),
+            _median_us(prm_decode, rep, warm),
+            len(value),
+        )
+    ]
+    rows.append(
+        Row("prm schema, build from numpy", _median_us(lambda: encode(_build(arrays)), rep, warm), None, len(value))
+    )
 
     # (a) naive: the same data as plain Python lists through msgspec.msgpack.
     as_lists = [(i.tolist(), o.tolist(), lp.tolist()) for i, o, lp in arrays]
     naive_obj = _naive(as_lists)
     naive_value = msgspec.msgpack.encode(naive_obj)
     decoder = msgspec.msgpack.Decoder()
-    rows.append(Row("naive msgpack lists", _median_us(lambda: msgspec.msgpack.encode(naive_obj), rep, warm),
-                    _median_us(lambda: decoder.decode(naive_value), rep, warm), len(naive_value)))
+    rows.append(
+        Row(
+            "naive msgpack lists",
+            _median_us(lambda: msgspec.msgpack.encode(naive_obj), rep, warm),
+            _median_us(lambda: decoder.decode(naive_value), rep, warm),
+            len(naive_value),
+        )
+    )
 
     def naive_numpy_decode() -> None:
         for it in decoder.decode(naive_value)["interactions"]:
@@ -159,11 +185,18 @@ def run(args: argparse.Namespace) -> list[Row]:
             np.asarray(mr["input_tokens"], np.int32), np.asarray(mr["output_tokens"], np.int32)
             np.asarray(mr["output_logprobs"], np.float32)
 
-    rows.append(Row(
-        "naive lists, from/to numpy",
-        _median_us(lambda: msgspec.msgpack.encode(_naive([(i.tolist(), o.tolist(), lp.tolist()) for i, o, lp in arrays])), rep, warm),
-        _median_us(naive_numpy_decode, rep, warm), len(naive_value),
-    ))
+    rows.append(
+        Row(
+            "naive lists, from/to numpy",
+            _median_us(
+                lambda: msgspec.msgpack.encode(_naive([(i.tolist(), o.tolist(), lp.tolist()) for i, o, lp in arrays])),
+                rep,
+                warm,
+            ),
+            _median_us(naive_numpy_decode, rep, warm),
+            len(naive_value),
+        )
+    )
 
     # (b) memcpy floor: copy a bytes object the size of our payload, once per direction.
     src = bytearray(value)
@@ -181,9 +214,7 @@ def _table(rows: list[Row], data_bytes: int) -> str:
     head = f"{'case':<30} {'enc µs':>10} {'dec µs':>10} {'enc MB/s':>10} {'dec MB/s':>10} {'wire KiB':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        dec_us, dec_mbps = (
-            ("(same)", "") if r.decode_us is None else (f"{r.decode_us:.1f}", f"{mbps(r.decode_us):.0f}")
-        )
+        dec_us, dec_mbps = ("(same)", "") if r.decode_us is None else (f"{r.decode_us:.1f}", f"{mbps(r.decode_us):.0f}")
         lines.append(
             f"{r.name:<30} {r.encode_us:>10.1f} {dec_us:>10} {mbps(r.encode_us):>10.0f} "
             f"{dec_mbps:>10} {r.wire_bytes / 1024:>9.1f}"

@@ -70,19 +70,34 @@ async def _worker_path(runner: PRMRunner, records: list[tuple[bytes, list[tuple[
 def _content_tokens(traj: ReadyTrajectory) -> int:
     from infra.schema import compact_trajectory
 
-    return sum(i.model_response.input_len + i.model_response.output_len
-               for i in compact_trajectory(traj).interactions if i.model_response is not None)
+    return sum(
+        i.model_response.input_len + i.model_response.output_len
+        for i in compact_trajectory(traj).interactions
+        if i.model_response is not None
+    )
 
 
 async def _bench(args: argparse.Namespace) -> list[dict[str, float]]:
-    runner = await PRMRunner.create(PRMConfig(scorers=[LengthBudgetScorer(max_output_tokens=4096),  # type: ignore[list-item]
-                                                       TokenEchoScorer()]))
+    runner = await PRMRunner.create(
+        PRMConfig(
+            scorers=[
+                LengthBudgetScorer(max_output_tokens=4096),  # type: ignore[list-item]
+                TokenEchoScorer(),
+            ]
+        )
+    )
     rows = []
     try:
         for turns in args.turns:
-            traj = make_agent_session(trajectory_id=f"t{turns}", session_id=f"s{turns}", group_id=f"g{turns}",
-                                      turns=turns, context_tokens=turns * args.tokens_per_turn,
-                                      output_tokens=args.output_tokens, rng=np.random.default_rng(turns))
+            traj = make_agent_session(
+                trajectory_id=f"t{turns}",
+                session_id=f"s{turns}",
+                group_id=f"g{turns}",
+                turns=turns,
+                context_tokens=turns * args.tokens_per_turn,
+                output_tokens=args.output_tokens,
+                rng=np.random.default_rng(turns),
+            )
             records = to_records(traj, LIMIT)
             tokens = _content_tokens(traj)
             await _worker_path(runner, records)  # warm-up
@@ -95,11 +110,18 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, float]]:
             await _worker_path(runner, records)
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
-            rows.append({
-                "turns": turns, "content_tokens": tokens, "content_bytes": session_content_bytes(traj),
-                "records": len(records), "wire_bytes": sum(len(v) for v, _ in records),
-                "full_bytes": len(encode(traj)[0]), "cpu_ms": min(cpu) * 1000, "peak_mb": peak / 1e6,
-            })
+            rows.append(
+                {
+                    "turns": turns,
+                    "content_tokens": tokens,
+                    "content_bytes": session_content_bytes(traj),
+                    "records": len(records),
+                    "wire_bytes": sum(len(v) for v, _ in records),
+                    "full_bytes": len(encode(traj)[0]),
+                    "cpu_ms": min(cpu) * 1000,
+                    "peak_mb": peak / 1e6,
+                }
+            )
     finally:
         await runner.aclose()
     return rows
@@ -108,21 +130,29 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rows = asyncio.run(_bench(args))
-    print(f"bench_sessions: agent sessions, {args.tokens_per_turn} context tokens/turn ({args.output_tokens} output), "
-          f"worker path best of {args.repeats}; record limit {LIMIT} bytes")
-    header = (f"{'turns':>6}{'content tok':>12}{'records':>8}{'wire MB':>9}{'x content':>10}{'full form MB':>13}"
-              f"{'CPU ms':>9}{'CPU ms/1k tok':>14}{'peak MB':>9}{'peak KB/1k tok':>15}")
+    print(
+        f"bench_sessions: agent sessions, {args.tokens_per_turn} context tokens/turn ({args.output_tokens} output), "
+        f"worker path best of {args.repeats}; record limit {LIMIT} bytes"
+    )
+    header = (
+        f"{'turns':>6}{'content tok':>12}{'records':>8}{'wire MB':>9}{'x content':>10}{'full form MB':>13}"
+        f"{'CPU ms':>9}{'CPU ms/1k tok':>14}{'peak MB':>9}{'peak KB/1k tok':>15}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         k = r["content_tokens"] / 1000
-        print(f"{r['turns']:>6}{r['content_tokens']:>12}{r['records']:>8}{r['wire_bytes'] / 1e6:>9.3f}"
-              f"{r['wire_bytes'] / r['content_bytes']:>10.3f}{r['full_bytes'] / 1e6:>13.2f}{r['cpu_ms']:>9.1f}"
-              f"{r['cpu_ms'] / k:>14.3f}{r['peak_mb']:>9.2f}{r['peak_mb'] * 1000 / k:>15.1f}")
+        print(
+            f"{r['turns']:>6}{r['content_tokens']:>12}{r['records']:>8}{r['wire_bytes'] / 1e6:>9.3f}"
+            f"{r['wire_bytes'] / r['content_bytes']:>10.3f}{r['full_bytes'] / 1e6:>13.2f}{r['cpu_ms']:>9.1f}"
+            f"{r['cpu_ms'] / k:>14.3f}{r['peak_mb']:>9.2f}{r['peak_mb'] * 1000 / k:>15.1f}"
+        )
     cpu = [r["cpu_ms"] / r["content_tokens"] for r in rows]
     mem = [r["peak_mb"] / r["content_tokens"] for r in rows]
-    print(f"spread (max/min per 1k content tokens): CPU {max(cpu) / min(cpu):.2f}x, peak memory {max(mem) / min(mem):.2f}x "
-          "(goal: within 1.5x)")
+    print(
+        f"spread (max/min per 1k content tokens): CPU {max(cpu) / min(cpu):.2f}x, peak memory {max(mem) / min(mem):.2f}x "
+        "(goal: within 1.5x)"
+    )
     return 0
 
 

@@ -73,38 +73,75 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=2, help="sessions per group (default 2)")
     parser.add_argument("--latency", type=float, default=0.5, help="judge latency in seconds (default 0.5)")
     parser.add_argument("--gap", type=float, default=0.1, help="seconds between a session's turns (default 0.1)")
-    parser.add_argument("--judge-concurrency", type=int, default=64,
-                        help="judge requests a worker keeps in flight (the judge's capacity; default 64)")
-    parser.add_argument("--end-after", type=float, default=1.0,
-                        help="seconds between a streamed session's last turn and its end (default 1.0)")
+    parser.add_argument(
+        "--judge-concurrency",
+        type=int,
+        default=64,
+        help="judge requests a worker keeps in flight (the judge's capacity; default 64)",
+    )
+    parser.add_argument(
+        "--end-after",
+        type=float,
+        default=1.0,
+        help="seconds between a streamed session's last turn and its end (default 1.0)",
+    )
     return parser.parse_args(argv)
 
 
 def _config(stack: LocalStack, judge: FakeJudgeServer, args: argparse.Namespace) -> PipelineConfig:
     name = uuid.uuid4().hex[:8]
-    scorer = PRMScorerConfig("scoring_workers.scorers.openclaw.OpenClawJudgeScorer", kwargs={
-        "base_url": judge.base_url, "model": "fake-judge", "temperature": 0.0, "max_tokens": 64, "m": 3,
-        "adaptive": False, "timeout_s": 30.0, "max_concurrency": args.judge_concurrency,
-        # The fake judge shares this process: under the ready form's bursts a connection may
-        # fail; the breaker would then fail the next form's calls fast for its reset time
-        # (streamed turns whose call failed are judged again at the end, which measures the
-        # breaker, not streaming). Retried instead.
-        "max_retries": 5, "breaker_failure_threshold": 1_000_000})
+    scorer = PRMScorerConfig(
+        "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+        kwargs={
+            "base_url": judge.base_url,
+            "model": "fake-judge",
+            "temperature": 0.0,
+            "max_tokens": 64,
+            "m": 3,
+            "adaptive": False,
+            "timeout_s": 30.0,
+            "max_concurrency": args.judge_concurrency,
+            # The fake judge shares this process: under the ready form's bursts a connection may
+            # fail; the breaker would then fail the next form's calls fast for its reset time
+            # (streamed turns whose call failed are judged again at the end, which measures the
+            # breaker, not streaming). Retried instead.
+            "max_retries": 5,
+            "breaker_failure_threshold": 1_000_000,
+        },
+    )
     return PipelineConfig(
         rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[scorer]))),
         actor=ActorConfig(token_rewards_as_adv=True),
-        kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **{**stack.client_settings, "linger_ms": 1},
-                          max_message_bytes=8 * 1024 * 1024),
+        kafka=KafkaConfig(
+            bootstrap=stack.kafka_bootstrap,
+            **{**stack.client_settings, "linger_ms": 1},
+            max_message_bytes=8 * 1024 * 1024,
+        ),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"bench:{name}", ttl_s=600),
-        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
-                            experiments=f"exp.{name}", partitions=4),
+        topics=TopicsConfig(
+            trajectories=f"traj.{name}",
+            verdicts=f"verd.{name}",
+            dead_letters=f"dlq.{name}",
+            experiments=f"exp.{name}",
+            partitions=4,
+        ),
         worker=WorkerConfig(group_id=f"workers.{name}", group_timeout_s=900, scorer_timeout_s=900),
     )
 
 
 def _group(gid: str, size: int, turns: int, rng: np.random.Generator) -> list[ReadyTrajectory]:
-    return [make_session(trajectory_id=f"{gid}-{m}", session_id=f"{gid}-s{m}", group_id=gid, group_size=size,
-                         turns=turns, output_tokens=(16, 64), rng=rng) for m in range(size)]
+    return [
+        make_session(
+            trajectory_id=f"{gid}-{m}",
+            session_id=f"{gid}-s{m}",
+            group_id=gid,
+            group_size=size,
+            turns=turns,
+            output_tokens=(16, 64),
+            rng=rng,
+        )
+        for m in range(size)
+    ]
 
 
 class _InFlight:
@@ -138,8 +175,16 @@ async def _ready(pub: TrajectoryPublisher, tail: VerdictTail, members: list[Read
     return tail.arrivals[members[0].group_id] - t0
 
 
-async def _streamed(pub: TrajectoryPublisher, tail: VerdictTail, members: list[ReadyTrajectory], gap: float,
-                    end_after: float, held: list[float], redis: aioredis.Redis, prefix: str) -> float:
+async def _streamed(
+    pub: TrajectoryPublisher,
+    tail: VerdictTail,
+    members: list[ReadyTrajectory],
+    gap: float,
+    end_after: float,
+    held: list[float],
+    redis: aioredis.Redis,
+    prefix: str,
+) -> float:
     split = [stream_session(t) for t in members]
     for k in range(max(len(turns) for turns, _ in split)):
         for turns, _ in split:
@@ -169,8 +214,11 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
     groups += [groups[-1]] * (len(lengths) - len(groups))
     rng = np.random.default_rng(0)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="prm-bench-") as tmp, LocalStack(Path(tmp) / "stack") as stack, \
-            FakeJudgeServer(latency_ms=args.latency * 1000) as judge:
+    with (
+        tempfile.TemporaryDirectory(prefix="prm-bench-") as tmp,
+        LocalStack(Path(tmp) / "stack") as stack,
+        FakeJudgeServer(latency_ms=args.latency * 1000) as judge,
+    ):
         cfg = _config(stack, judge, args)
         redis = aioredis.from_url(stack.redis_url)
         async with running_worker(cfg, "bench-worker"), TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
@@ -189,15 +237,33 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
                                 if form == "ready":
                                     lat[form].append(await _ready(pub, tail, members))
                                 else:
-                                    lat[form].append(await _streamed(pub, tail, members, args.gap, args.end_after,
-                                                                     held, redis, cfg.redis.key_prefix))
+                                    lat[form].append(
+                                        await _streamed(
+                                            pub,
+                                            tail,
+                                            members,
+                                            args.gap,
+                                            args.end_after,
+                                            held,
+                                            redis,
+                                            cfg.redis.key_prefix,
+                                        )
+                                    )
                             load[form] += sampled.samples
                     for form in ("ready", "streamed"):
                         busy = load[form]
-                        rows.append({"turns": turns, "form": form, "groups": n, "p50": _pct(lat[form], 0.5),
-                                     "p99": _pct(lat[form], 0.99), "peak": max(busy, default=0),
-                                     "mean": statistics.fmean(busy) if busy else 0.0,
-                                     "held": statistics.fmean(held) if form == "streamed" else 0.0})
+                        rows.append(
+                            {
+                                "turns": turns,
+                                "form": form,
+                                "groups": n,
+                                "p50": _pct(lat[form], 0.5),
+                                "p99": _pct(lat[form], 0.99),
+                                "peak": max(busy, default=0),
+                                "mean": statistics.fmean(busy) if busy else 0.0,
+                                "held": statistics.fmean(held) if form == "streamed" else 0.0,
+                            }
+                        )
                         print(_line(rows[-1]), flush=True)
             finally:
                 await tail.aclose()
@@ -208,23 +274,31 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
 def _line(r: dict[str, object]) -> str:
     ratio = r["peak"] / r["mean"] if r["mean"] else float("nan")  # type: ignore[operator]
     held = f"{r['held']:>9.0f}" if r["form"] == "streamed" else f"{'':>9}"
-    return (f"{r['turns']:>6} {r['form']:>9} {r['groups']:>7} {r['p50']:>8.3f} {r['p99']:>8.3f} "
-            f"{r['peak']:>6} {r['mean']:>7.1f} {ratio:>9.1f} {held}")
+    return (
+        f"{r['turns']:>6} {r['form']:>9} {r['groups']:>7} {r['p50']:>8.3f} {r['p99']:>8.3f} "
+        f"{r['peak']:>6} {r['mean']:>7.1f} {ratio:>9.1f} {held}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    print(f"bench_streaming: groups of {args.group_size} sessions, OpenClaw judge m=3 at {args.latency:g} s per "
-          f"request, one in-process worker; streamed turns every {args.gap:g} s, end {args.end_after:g} s after "
-          "the last turn")
-    print(f"{'turns':>6} {'form':>9} {'groups':>7} {'p50 s':>8} {'p99 s':>8} {'peak':>6} {'mean':>7} {'peak/mean':>9} "
-          f"{'B/turn':>9}   (end -> verdict; judge requests in flight; Redis bytes per parked turn before the end)")
+    print(
+        f"bench_streaming: groups of {args.group_size} sessions, OpenClaw judge m=3 at {args.latency:g} s per "
+        f"request, one in-process worker; streamed turns every {args.gap:g} s, end {args.end_after:g} s after "
+        "the last turn"
+    )
+    print(
+        f"{'turns':>6} {'form':>9} {'groups':>7} {'p50 s':>8} {'p99 s':>8} {'peak':>6} {'mean':>7} {'peak/mean':>9} "
+        f"{'B/turn':>9}   (end -> verdict; judge requests in flight; Redis bytes per parked turn before the end)"
+    )
     rows = asyncio.run(_bench(args))
     for turns in sorted({r["turns"] for r in rows}):  # type: ignore[type-var]
         ready = next(r for r in rows if r["turns"] == turns and r["form"] == "ready")
         streamed = next(r for r in rows if r["turns"] == turns and r["form"] == "streamed")
-        print(f"{turns} turns: streamed p50 is {streamed['p50'] / ready['p50']:.3f}x the ready form's "  # type: ignore[operator]
-              f"(p99 {streamed['p99'] / ready['p99']:.3f}x)")  # type: ignore[operator]
+        print(
+            f"{turns} turns: streamed p50 is {streamed['p50'] / ready['p50']:.3f}x the ready form's "  # type: ignore[operator]
+            f"(p99 {streamed['p99'] / ready['p99']:.3f}x)"
+        )  # type: ignore[operator]
     return 0
 
 

@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     if peak is None:
         peak = next((v for k, v in NOMINAL_GBS.items() if k in name), None)
     print(f"device={name} shape={list(shape)} float32, median of {args.repeats}")
-    print(f"copy_ (read+write): {copy_gbs:8.1f} GB/s" + (f"  = {copy_gbs / peak:.2f} of nominal {peak:.0f} GB/s" if peak else ""))
+    print(
+        f"copy_ (read+write): {copy_gbs:8.1f} GB/s"
+        + (f"  = {copy_gbs / peak:.2f} of nominal {peak:.0f} GB/s" if peak else "")
+    )
     print(f"A + P  (floor)    : {add_gbs:8.1f} GB/s  = {add_gbs / copy_gbs:.2f} of copy_")
     bytes_moved = (4 + 4 + 1 + 4) * n  # A, P, bool mask in; shaped A out
     print(f"{'mode':<24} {'ms':>8} {'GB/s':>8} {'of copy_':>9}" + (f" {'of peak':>8}" if peak else ""))

@@ -33,8 +33,13 @@ class KafkaCountingProxy(TlsProxy):
         super().__init__(upstream_port, port=port)
         self.rewrites = 0
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter) -> None:
+    async def _relay(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        up_r: asyncio.StreamReader,
+        up_w: asyncio.StreamWriter,
+    ) -> None:
         rewrite: set[bytes] = set()  # correlation ids (raw) of requests whose answers name the broker
         old = HOST + struct.pack(">i", self.upstream_port)
         new = HOST + struct.pack(">i", self.port)

@@ -41,7 +41,7 @@ def read_proc(pid: int) -> ProcReading | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     # fields after "(comm)": state is [0], utime [11], stime [12] (man 5 proc, fields 14/15)
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
     return ProcReading(cpu, resident_pages * PAGE_SIZE, _wakeups(pid))
 

@@ -67,8 +67,10 @@ def _top(profiler: object, n: int) -> tuple[list[tuple[float, str]], list[tuple[
     total = root.time or 1.0
     for k, t in sorted(callers.items(), key=lambda kv: -kv[1])[:20]:
         print(f"  caller {t / total * 100:5.1f}%  {k}")
-    return (sorted(((t / total, k) for k, t in own.items()), reverse=True)[:n],
-            sorted(((t / total, k) for k, t in incl.items()), reverse=True)[: n * 2])
+    return (
+        sorted(((t / total, k) for k, t in own.items()), reverse=True)[:n],
+        sorted(((t / total, k) for k, t in incl.items()), reverse=True)[: n * 2],
+    )
 
 
 async def _run(args: argparse.Namespace) -> None:
@@ -77,8 +79,9 @@ async def _run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="prm-prof-") as tmp, LocalStack(Path(tmp) / "stack") as stack:
         if True:
             cfg = _config(stack, f"prof{uuid.uuid4().hex[:6]}", concurrency=64)
-            cfg = msgspec.structs.replace(cfg, worker=msgspec.structs.replace(
-                cfg.worker, verdict_tokens=args.verdict_tokens))
+            cfg = msgspec.structs.replace(
+                cfg, worker=msgspec.structs.replace(cfg.worker, verdict_tokens=args.verdict_tokens)
+            )
             await ensure_topics(cfg.kafka, cfg.topics)
             groups = _groups(args.groups, 4, 8, 512, "p")
             async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
@@ -114,8 +117,10 @@ async def _run(args: argparse.Namespace) -> None:
             stop.set()
             await task
             await tail.aclose()
-    print(f"{n} trajectories in {busy_wall:.2f}s ({n / busy_wall:.0f}/s); CPU {busy_cpu:.2f}s = "
-          f"{busy_cpu / n * 1000:.2f} CPU-s per 1,000 trajectories (worker + verdict tail, one process)")
+    print(
+        f"{n} trajectories in {busy_wall:.2f}s ({n / busy_wall:.0f}/s); CPU {busy_cpu:.2f}s = "
+        f"{busy_cpu / n * 1000:.2f} CPU-s per 1,000 trajectories (worker + verdict tail, one process)"
+    )
     print(f"idle: {idle_cpu:.2f} CPU-s over {args.idle_s:g}s ({idle_cpu / args.idle_s * 100:.1f}% of a core)")
     if profiler is None:
         return

@@ -54,25 +54,48 @@ from tests.polling import eventually
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def perf_config(stack: LocalStack, name: str, *, ttl_s: int, dedupe_max_seen: int = 1_000_000,
-                concurrency: int = 64, group_timeout_s: float = 120,
-                dedupe_window_s: float = 3600.0, verdict_tokens: str = "inline") -> PipelineConfig:
+def perf_config(
+    stack: LocalStack,
+    name: str,
+    *,
+    ttl_s: int,
+    dedupe_max_seen: int = 1_000_000,
+    concurrency: int = 64,
+    group_timeout_s: float = 120,
+    dedupe_window_s: float = 3600.0,
+    verdict_tokens: str = "inline",
+) -> PipelineConfig:
     """The benchmark pipeline: LengthBudgetScorer (cheap, deterministic), zstd, short group joins."""
     return PipelineConfig(
-        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[
-            PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 96}),
-        ]))),
+        rollout=RolloutConfig(
+            agent=AgentConfig(
+                prm=PRMConfig(
+                    scorers=[
+                        PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 96}),
+                    ]
+                )
+            )
+        ),
         actor=ActorConfig(token_rewards_as_adv=True),
         kafka=KafkaConfig(bootstrap=stack.kafka_bootstrap, **stack.client_settings, max_message_bytes=8 * 1024 * 1024),
         redis=RedisConfig(url=stack.redis_url, key_prefix=f"perf:{name}", ttl_s=ttl_s),
-        topics=TopicsConfig(trajectories=f"traj.{name}", verdicts=f"verd.{name}", dead_letters=f"dlq.{name}",
-                            experiments=f"exp.{name}",
-                            partitions=8),
-        worker=WorkerConfig(group_id=f"workers.{name}", concurrency=concurrency, group_timeout_s=group_timeout_s,
-                            dedupe_window_s=dedupe_window_s,
-                            verdict_tokens=verdict_tokens),  # type: ignore[arg-type]
-        trainer=TrainerConfig(group_id=f"trainer.{name}", batch_groups=8, device="cpu",
-                              dedupe_max_seen=dedupe_max_seen),
+        topics=TopicsConfig(
+            trajectories=f"traj.{name}",
+            verdicts=f"verd.{name}",
+            dead_letters=f"dlq.{name}",
+            experiments=f"exp.{name}",
+            partitions=8,
+        ),
+        worker=WorkerConfig(
+            group_id=f"workers.{name}",
+            concurrency=concurrency,
+            group_timeout_s=group_timeout_s,
+            dedupe_window_s=dedupe_window_s,
+            verdict_tokens=verdict_tokens,
+        ),  # type: ignore[arg-type]
+        trainer=TrainerConfig(
+            group_id=f"trainer.{name}", batch_groups=8, device="cpu", dedupe_max_seen=dedupe_max_seen
+        ),
     )
 
 
@@ -118,16 +141,31 @@ class Children:
         self.config_path, self.workdir = config_path, workdir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, role: str, *args: str, name: str | None = None,
-              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self, role: str, *args: str, name: str | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         name = name or role
         log = (self.workdir / f"{name}.log").open("wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.perf.stack_load", role, "--config", str(self.config_path),
-             "--status", str(self.status_path(name)), *args],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {}),
-                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+            [
+                sys.executable,
+                "-m",
+                "tests.perf.stack_load",
+                role,
+                "--config",
+                str(self.config_path),
+                "--status",
+                str(self.status_path(name)),
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={
+                **os.environ,
+                **(env or {}),
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            },
         )
         log.close()
         self.procs[name] = proc
@@ -142,8 +180,10 @@ class Children:
     def check_alive(self, name: str) -> None:
         proc = self.procs[name]
         if proc.poll() is not None and proc.returncode != 0:
-            raise RuntimeError(f"{name} exited with {proc.returncode}:\n"
-                               + (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:])
+            raise RuntimeError(
+                f"{name} exited with {proc.returncode}:\n"
+                + (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
+            )
 
     def stop(self, name: str, timeout_s: float = 30) -> int | None:
         proc = self.procs.pop(name, None)
@@ -163,8 +203,9 @@ class Children:
 
 
 @asynccontextmanager
-async def running_stack(workdir: Path, name: str, *, counted: bool = False, broker: str = "tansu",
-                        **config: Any) -> AsyncIterator[tuple[LocalStack, PipelineConfig, WorkerProcesses, Children]]:
+async def running_stack(
+    workdir: Path, name: str, *, counted: bool = False, broker: str = "tansu", **config: Any
+) -> AsyncIterator[tuple[LocalStack, PipelineConfig, WorkerProcesses, Children]]:
     """Broker (``tansu`` or ``noida``) + Redis + topics + two workers; children started by the
     caller. Stops everything on exit.
 
@@ -206,12 +247,14 @@ async def running_stack(workdir: Path, name: str, *, counted: bool = False, brok
 def while_alive(cond: Callable[[], object], children: Children, *names: str) -> Callable[[], object]:
     """``cond`` as a check for :mod:`tests.polling` that, while false, fails at once if a named
     child exited with an error (instead of waiting out the deadline)."""
+
     def check() -> object:
         if held := cond():
             return held
         for n in names:
             children.check_alive(n)
         return held
+
     return check
 
 
@@ -270,8 +313,12 @@ async def _publisher(args: argparse.Namespace) -> None:
     stop = _stop_event()
     rng = np.random.default_rng(7)
     # A pool of shapes, re-labelled per group: generation is not publishing, keep it off the CPU bill.
-    pool = [make_group(f"tmpl{i}", args.group_size, rng=rng, turns=args.turns,
-                       output_tokens=(args.tokens // 2, args.tokens)) for i in range(32)]
+    pool = [
+        make_group(
+            f"tmpl{i}", args.group_size, rng=rng, turns=args.turns, output_tokens=(args.tokens // 2, args.tokens)
+        )
+        for i in range(32)
+    ]
     run = args.run_id or f"{os.getpid()}"
     interval = args.group_size / args.rate if args.rate > 0 else 0.0
     sent = open(args.sent, "a", buffering=1)
@@ -289,9 +336,12 @@ async def _publisher(args: argparse.Namespace) -> None:
                     except TimeoutError:
                         pass
             gid = f"{run}-g{n:07d}"
-            members = [msgspec.structs.replace(t, group_id=gid, trajectory_id=f"{gid}-traj{i}",
-                                               session_id=f"{gid}-s{i}", created_at=time.time())
-                       for i, t in enumerate(pool[n % len(pool)])][: args.members]
+            members = [
+                msgspec.structs.replace(
+                    t, group_id=gid, trajectory_id=f"{gid}-traj{i}", session_id=f"{gid}-s{i}", created_at=time.time()
+                )
+                for i, t in enumerate(pool[n % len(pool)])
+            ][: args.members]
             await pub.publish_many(members)
             if interval:
                 await pub.flush()
@@ -325,9 +375,16 @@ async def _trainer(args: argparse.Namespace) -> None:
             now = time.perf_counter()
             if now - last >= 1.0:
                 totals = consumer.metrics.totals()
-                _write_status(Path(args.status), {"dedupe_size": consumer.dedupe_size, "max_seen": consumer.max_seen,
-                                                  "batches": batches, "groups": groups,
-                                                  "duplicates": next((v for k, v in totals.items() if k.endswith("verdicts/duplicate")), 0)})
+                _write_status(
+                    Path(args.status),
+                    {
+                        "dedupe_size": consumer.dedupe_size,
+                        "max_seen": consumer.max_seen,
+                        "batches": batches,
+                        "groups": groups,
+                        "duplicates": next((v for k, v in totals.items() if k.endswith("verdicts/duplicate")), 0),
+                    },
+                )
                 last = now
 
 

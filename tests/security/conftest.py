@@ -34,7 +34,9 @@ def deploy_acl_line(password: str, prefix: str = "prm") -> list[str]:
     """The ``ACL SETUSER`` line of docs/deploy.md with the password (and key prefix) filled in."""
     text = (ROOT / "docs" / "deploy.md").read_text()
     found = re.findall(r"^(ACL SETUSER prm-worker .+)$", text, re.M)
-    assert len(found) == 1, f"docs/deploy.md must hold exactly one 'ACL SETUSER prm-worker ...' line, found {len(found)}"
+    assert len(found) == 1, (
+        f"docs/deploy.md must hold exactly one 'ACL SETUSER prm-worker ...' line, found {len(found)}"
+    )
     words = shlex.split(found[0])
     return [(">" + password) if w == ">PASSWORD" else w.replace("~prm:", f"~{prefix}:") for w in words]
 

@@ -56,8 +56,9 @@ async def raw_request(url: str, head: bytes, body: bytes = b"{}") -> tuple[int, 
 
 
 # --------------------------------------------------------------------------- finding 5
-async def test_an_oversized_or_malformed_header_is_a_clean_4xx_and_its_bytes_reach_no_log(cfg, tmp_path,
-                                                                                         caplog) -> None:
+async def test_an_oversized_or_malformed_header_is_a_clean_4xx_and_its_bytes_reach_no_log(
+    cfg, tmp_path, caplog
+) -> None:
     token_file = tmp_path / "tokens"
     token_file.write_text(TOKEN)
     for name in ("aiohttp", "prm_pipeline"):
@@ -78,8 +79,9 @@ async def test_an_oversized_or_malformed_header_is_a_clean_4xx_and_its_bytes_rea
             assert TOKEN.encode() not in body and b"AAAA" not in body, body[:300]
             assert set(json.loads(body)) == {"error"}
         # the gateway still answers, and the token still works
-        status, answer, _ = await post(f"{url}/v1/score", {"samples": "x"},
-                                       headers={"Authorization": f"Bearer {TOKEN}"})
+        status, answer, _ = await post(
+            f"{url}/v1/score", {"samples": "x"}, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         assert status == 400 and "$.samples" in answer["error"], answer
     assert "refused a malformed HTTP request" in caplog.text
     assert TOKEN not in caplog.text and "Got more than" not in caplog.text, caplog.text[-2000:]
@@ -91,19 +93,34 @@ async def test_deeply_nested_json_is_a_400_not_a_recursion_error(cfg, caplog) ->
     deep = "[" * 100_000 + "]" * 100_000
     cases = [  # (route, body, what the error names)
         ("/v1/score", f'{{"samples": {deep}}}', "body nests JSON deeper than 64 levels"),  # the finding
-        ("/v1/score", json.dumps({"samples": [{**SAMPLE, "messages": [{"role": "user", "x": "@"}]}]})
-         .replace('"@"', deep), "body nests JSON deeper than 64 levels"),  # free-form JSON inside a declared field
-        ("/slime", f'{{"prompt": "p", "response": "r", "extra": {deep}}}',
-         "body nests JSON deeper than 64 levels"),  # a field the route ignores
-        ("/openrlhf", f'{{"query": ["ab"], "prompts": ["a"], "labels": [{"[" * 40}{"]" * 40}]}}',
-         "`labels` nests deeper than 32 levels"),
-        ("/v1/score", json.dumps({"samples": [{**SAMPLE, "messages": [{"x": "@"}]}]})
-         .replace('"@"', "{\"a\": " * 40 + "1" + "}" * 40), "`messages` nests deeper than 32 levels"),
+        (
+            "/v1/score",
+            json.dumps({"samples": [{**SAMPLE, "messages": [{"role": "user", "x": "@"}]}]}).replace('"@"', deep),
+            "body nests JSON deeper than 64 levels",
+        ),  # free-form JSON inside a declared field
+        (
+            "/slime",
+            f'{{"prompt": "p", "response": "r", "extra": {deep}}}',
+            "body nests JSON deeper than 64 levels",
+        ),  # a field the route ignores
+        (
+            "/openrlhf",
+            f'{{"query": ["ab"], "prompts": ["a"], "labels": [{"[" * 40}{"]" * 40}]}}',
+            "`labels` nests deeper than 32 levels",
+        ),
+        (
+            "/v1/score",
+            json.dumps({"samples": [{**SAMPLE, "messages": [{"x": "@"}]}]}).replace(
+                '"@"', '{"a": ' * 40 + "1" + "}" * 40
+            ),
+            "`messages` nests deeper than 32 levels",
+        ),
     ]
     async with gateway(cfg, verdict_timeout_s=2.0) as url:
         for route, body, named in cases:
-            status, answer, _ = await post(f"{url}{route}", data=body.encode(),
-                                           headers={"Content-Type": "application/json"})
+            status, answer, _ = await post(
+                f"{url}{route}", data=body.encode(), headers={"Content-Type": "application/json"}
+            )
             assert status == 400 and named in answer["error"], (route, status, answer)
     assert "RecursionError" not in caplog.text and "Traceback" not in caplog.text
 
@@ -134,11 +151,26 @@ async def test_framework_routes_ignore_fields_their_clients_may_add(cfg) -> None
     """OpenRLHF and slime own their payloads: a field a later release adds must not become a 400
     (OpenRLHF would retry, then train without a reward). The field is never read."""
     async with running_worker(cfg, "w-gw-compat"), gateway(cfg) as url:
-        status, body, _ = await post(f"{url}/openrlhf", {"query": ["Q: A: 4"], "prompts": ["Q: A:"], "labels": [None],
-                                                         "scorers": ["evil.Module"], "datasource": "gsm8k"})
+        status, body, _ = await post(
+            f"{url}/openrlhf",
+            {
+                "query": ["Q: A: 4"],
+                "prompts": ["Q: A:"],
+                "labels": [None],
+                "scorers": ["evil.Module"],
+                "datasource": "gsm8k",
+            },
+        )
         assert status == 200 and body["status"] == ["accepted"], body
-        status, body, _ = await post(f"{url}/slime", {"prompt": [{"role": "user", "content": "hi", "tool_calls": []}],
-                                                      "response": "ok", "label": {"answer": 4}, "metadata": {"k": 1}})
+        status, body, _ = await post(
+            f"{url}/slime",
+            {
+                "prompt": [{"role": "user", "content": "hi", "tool_calls": []}],
+                "response": "ok",
+                "label": {"answer": 4},
+                "metadata": {"k": 1},
+            },
+        )
         assert status == 200 and body["status"] == "accepted", body
 
 

@@ -47,8 +47,13 @@ def test_loopback_by_default_and_all_interfaces_need_auth_or_the_flag(cfg, caplo
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")}
     env.update(PRM_GATEWAY_HOST="0.0.0.0", PRM_KAFKA_BOOTSTRAP=cfg.kafka.bootstrap)
-    proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "gateway", "--port", "0"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "gateway", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "--allow-unauthenticated" in proc.stderr
 
@@ -57,12 +62,18 @@ async def test_bearer_tokens_from_file_and_env_rotate_and_refusals_say_nothing(c
     token_file = tmp_path / "tokens"
     token_file.write_text(f"{OLD}\n")
     monkeypatch.setenv("GATEWAY_TOKENS_TEST", NEW)
-    async with running_worker(cfg, "w-gw-auth"), gateway(cfg, auth_tokens_file=str(token_file),
-                                                         auth_tokens_env="GATEWAY_TOKENS_TEST") as url:
+    async with (
+        running_worker(cfg, "w-gw-auth"),
+        gateway(cfg, auth_tokens_file=str(token_file), auth_tokens_env="GATEWAY_TOKENS_TEST") as url,
+    ):
         body = {"prompt": "p", "response": "ok"}
         refusals = []
-        for headers in ({}, {"Authorization": f"Bearer {OLD}x"}, {"Authorization": f"Basic {OLD}"},
-                        {"Authorization": f"Bearer {OLD[:-1]}"}):
+        for headers in (
+            {},
+            {"Authorization": f"Bearer {OLD}x"},
+            {"Authorization": f"Basic {OLD}"},
+            {"Authorization": f"Bearer {OLD[:-1]}"},
+        ):
             status, answer, _ = await post(f"{url}/slime", body, headers=headers)
             refusals.append((status, answer))
         assert refusals == [(401, {"error": "unauthorized"})] * 4  # the same answer whatever was wrong
@@ -76,8 +87,10 @@ async def test_bearer_tokens_from_file_and_env_rotate_and_refusals_say_nothing(c
 
 
 async def test_https_with_a_given_certificate(cfg, pki) -> None:
-    async with running_worker(cfg, "w-gw-tls"), gateway(cfg, tls_certfile=str(pki.cert),
-                                                        tls_keyfile=str(pki.key)) as url:
+    async with (
+        running_worker(cfg, "w-gw-tls"),
+        gateway(cfg, tls_certfile=str(pki.cert), tls_keyfile=str(pki.key)) as url,
+    ):
         https = url.replace("http://", "https://")
         trust = ssl.create_default_context(cafile=str(pki.ca))
         async with aiohttp.ClientSession() as http:
@@ -92,8 +105,9 @@ async def test_a_slow_body_times_out_and_frees_its_slot(cfg) -> None:
     async with gateway(cfg, read_timeout_s=1.0, max_in_flight_per_client=1) as url:
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /slime HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"prompt\"")  # and then nothing
+        writer.write(
+            b'POST /slime HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt"'
+        )  # and then nothing
         await writer.drain()
         status_line = await asyncio.wait_for(reader.readline(), 10)
         writer.close()

@@ -39,10 +39,20 @@ OPENCLAW = "scoring_workers.scorers.openclaw.OpenClawJudgeScorer"
 
 
 def _with_judge(cfg, urls: list[str], allowed: list[str] | None):
-    scorer = PRMScorerConfig(OPENCLAW, kwargs={"base_urls": urls, "model": "fake", "temperature": 0.0, "m": 1,
-                                               "max_retries": 0, "on_all_votes_failed": "neutral"})
+    scorer = PRMScorerConfig(
+        OPENCLAW,
+        kwargs={
+            "base_urls": urls,
+            "model": "fake",
+            "temperature": 0.0,
+            "m": 1,
+            "max_retries": 0,
+            "on_all_votes_failed": "neutral",
+        },
+    )
     return msgspec.structs.replace(
-        cfg, rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[scorer]))),
+        cfg,
+        rollout=RolloutConfig(agent=AgentConfig(prm=PRMConfig(scorers=[scorer]))),
         actor=ActorConfig(token_rewards_as_adv=True),
         worker=msgspec.structs.replace(cfg.worker, allowed_judge_hosts=allowed),
     )
@@ -50,13 +60,22 @@ def _with_judge(cfg, urls: list[str], allowed: list[str] | None):
 
 def test_worker_cli_refuses_a_judge_outside_the_list_before_connecting(pipeline_config, tmp_path: Path) -> None:
     dead = f"127.0.0.1:{free_port()}"  # no broker there: the command must not get as far as waiting for one
-    cfg = _with_judge(pipeline_config, ["http://judge-0:30000", "http://ops:hunter2@judge.evil.example/t/s3cret"],
-                      ["judge-0", "*.judges.svc"])
+    cfg = _with_judge(
+        pipeline_config,
+        ["http://judge-0:30000", "http://ops:hunter2@judge.evil.example/t/s3cret"],
+        ["judge-0", "*.judges.svc"],
+    )
     cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap=dead))
     path = write_config(cfg, tmp_path / "config.yaml")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(path), "worker"], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(path), "worker"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = (proc.stdout + proc.stderr).strip()
     assert proc.returncode == 2, out
     assert out.splitlines() == [out] and "Traceback" not in out, out

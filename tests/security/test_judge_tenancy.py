@@ -30,8 +30,14 @@ from tests.integration.test_fleet import LENGTH, _declare, _publish, _serving, _
 pytestmark = pytest.mark.integration
 
 OPENCLAW = "scoring_workers.scorers.openclaw.OpenClawJudgeScorer"
-JUDGE = {"model": "fake", "temperature": 0.0, "m": 1, "adaptive": False, "max_retries": 0,
-         "on_all_votes_failed": "reject"}
+JUDGE = {
+    "model": "fake",
+    "temperature": 0.0,
+    "m": 1,
+    "adaptive": False,
+    "max_retries": 0,
+    "on_all_votes_failed": "reject",
+}
 
 
 def _judge(url: str, **kwargs) -> PRMScorerConfig:
@@ -39,8 +45,13 @@ def _judge(url: str, **kwargs) -> PRMScorerConfig:
 
 
 def _cfg(pipeline_config: PipelineConfig, **worker) -> PipelineConfig:
-    return with_scorers(pipeline_config, LENGTH, allowed_judge_hosts=["127.0.0.1"],
-                        allowed_scorer_modules=["scoring_workers.scorers", "examples.prm"], **worker)
+    return with_scorers(
+        pipeline_config,
+        LENGTH,
+        allowed_judge_hosts=["127.0.0.1"],
+        allowed_scorer_modules=["scoring_workers.scorers", "examples.prm"],
+        **worker,
+    )
 
 
 async def _scored(cfg: PipelineConfig, experiment_id: str, n: int, timeout_s: float = 60) -> dict:
@@ -98,7 +109,8 @@ async def test_a_tiny_timeout_of_one_experiment_opens_only_its_own_breaker(pipel
 
 # --------------------------------------------------------------------------- credentials
 async def test_a_record_cannot_send_a_profiles_key_elsewhere_nor_bring_user_info(
-        pipeline_config, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    pipeline_config, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("PRM_TEST_JUDGE_KEY", "operator-key-0042")
     with FakeJudgeServer() as ours, FakeJudgeServer() as other:
         profile = _judge(ours.base_url, api_key_env="PRM_TEST_JUDGE_KEY")
@@ -107,8 +119,9 @@ async def test_a_record_cannot_send_a_profiles_key_elsewhere_nor_bring_user_info
         async with running_worker(cfg, "w-creds") as worker:
             refused = _refused(worker)
             # another allowed judge, through the key-holding profile: on the old code the key went there
-            await _declare(cfg, _spec("exp-repoint", PRMScorerConfig(profile="judge-prod",
-                                                                     kwargs={"base_url": other.base_url})))
+            await _declare(
+                cfg, _spec("exp-repoint", PRMScorerConfig(profile="judge-prod", kwargs={"base_url": other.base_url}))
+            )
             await _refused_after(worker, refused)
             # user info of the record's choosing would become an Authorization header
             userinfo = other.base_url.replace("http://", "http://mallory:pw-0042@")
@@ -127,7 +140,8 @@ async def test_a_record_cannot_send_a_profiles_key_elsewhere_nor_bring_user_info
 
 
 async def test_a_judge_urls_user_info_and_path_stay_out_of_verdicts_and_logs(
-        pipeline_config, caplog: pytest.LogCaptureFixture) -> None:
+    pipeline_config, caplog: pytest.LogCaptureFixture
+) -> None:
     port = free_port()  # nothing listens: every call fails, and the error names the judge
     url = f"http://ops:hunter2@127.0.0.1:{port}/t0ken-s3cret?key=q5ecret"
     cfg = with_scorers(pipeline_config, _judge(url))

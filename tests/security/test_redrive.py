@@ -43,31 +43,54 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 async def _old_workers_letter(cfg, value: bytes, headers: list[tuple[str, bytes]], offset: int) -> None:
     """The dead letter a worker writes for a key-less record it could not decode."""
-    record = ConsumerRecord(topic=cfg.topics.trajectories, partition=0, offset=offset, timestamp=0,
-                            timestamp_type=0, key=None, value=value, checksum=None, serialized_key_size=-1,
-                            serialized_value_size=len(value), headers=headers)
+    record = ConsumerRecord(
+        topic=cfg.topics.trajectories,
+        partition=0,
+        offset=offset,
+        timestamp=0,
+        timestamp_type=0,
+        key=None,
+        value=value,
+        checksum=None,
+        serialized_key_size=-1,
+        serialized_value_size=len(value),
+        headers=headers,
+    )
     cause = UnknownSchemaVersion("schema version '1' is not supported (this build reads [0]); upgrade the worker")
-    letter, key = capped_letter(record, cause, 1, worker_id="w-old", max_message_bytes=cfg.kafka.max_message_bytes,
-                                dead_letter_max_bytes=cfg.worker.dead_letter_max_bytes)
+    letter, key = capped_letter(
+        record,
+        cause,
+        1,
+        worker_id="w-old",
+        max_message_bytes=cfg.kafka.max_message_bytes,
+        dead_letter_max_bytes=cfg.worker.dead_letter_max_bytes,
+    )
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:
-        await producer.send_and_wait(cfg.topics.dead_letters, letter.payload, key=key,
-                                     headers=dead_letter_headers(letter))
+        await producer.send_and_wait(
+            cfg.topics.dead_letters, letter.payload, key=key, headers=dead_letter_headers(letter)
+        )
     finally:
         await producer.stop()
 
 
 async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="scoring_workers.worker")
-    cfg = with_scorers(pipeline_config,
-                       PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4}))
+    cfg = with_scorers(
+        pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4})
+    )
     config = write_config(cfg, tmp_path / "config.yaml")
     await ensure_topics(cfg.kafka, cfg.topics)
     (good,) = make_group("dl-ok", 1, turns=1, output_tokens=3)
@@ -81,13 +104,15 @@ async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_p
         producer = make_producer(cfg.kafka)
         await producer.start()
         try:
-            await producer.send_and_wait(cfg.topics.trajectories, value[: len(value) // 2], key=b"dl-bad",
-                                         headers=headers)
+            await producer.send_and_wait(
+                cfg.topics.trajectories, value[: len(value) // 2], key=b"dl-bad", headers=headers
+            )
         finally:
             await producer.stop()
         await wait_for_verdicts(cfg, ["dl-bad"])  # rejected: invalid_member
-        letters = await read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + 30,
-                                   stop_when=lambda rs: len(rs) >= 3)
+        letters = await read_topic(
+            cfg, cfg.topics.dead_letters, until=time.monotonic() + 30, stop_when=lambda rs: len(rs) >= 3
+        )
         assert len(letters) == 3
 
         # reading: one JSON line each, headers decoded
@@ -107,9 +132,25 @@ async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_p
 
         # --follow --out: the file fills, Ctrl-C ends it cleanly
         out = tmp_path / "letters.jsonl"
-        follow = subprocess.Popen([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "dead-letters",
-                                   "--follow", "--since", "1h", "--out", str(out)], cwd=ROOT, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        follow = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prm_pipeline.cli",
+                "--config",
+                str(config),
+                "dead-letters",
+                "--follow",
+                "--since",
+                "1h",
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         try:
 
             def wrote_three() -> bool:
@@ -133,8 +174,11 @@ async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_p
         assert len(redrives) == 1 and good.trajectory_id in redrives[0]
         assert "UnknownSchemaVersion: schema version '1' is not supported" in redrives[0]
         # the first of the two letters in the dead-letter topic's order (key-less: any partition)
-        first = next(f"{cfg.topics.trajectories}:0@{o}" for o in (7, 8)
-                     if f"dead-lettered from {cfg.topics.trajectories}:0@{o} by w-old" in redrives[0])
+        first = next(
+            f"{cfg.topics.trajectories}:0@{o}"
+            for o in (7, 8)
+            if f"dead-lettered from {cfg.topics.trajectories}:0@{o} by w-old" in redrives[0]
+        )
         skips = [ln for ln in lines if ln.startswith("skip ")]
         assert len(skips) == 2
         assert any("still cannot decode" in ln and "InvalidMessage" in ln for ln in skips)
@@ -145,26 +189,36 @@ async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_p
         assert refused.returncode == 2 and "add --redrive" in refused.stderr
 
         # --yes: republished with its coordinates, and the group gets its verdict
-        done = await asyncio.to_thread(_cli, config, "dead-letters", "--redrive", "--yes", "--trajectory",
-                                       good.trajectory_id)
+        done = await asyncio.to_thread(
+            _cli, config, "dead-letters", "--redrive", "--yes", "--trajectory", good.trajectory_id
+        )
         assert done.returncode == 0, done.stderr
         (sent,) = [ln for ln in done.stdout.splitlines() if ln.startswith("redriven ")]
-        assert f"(originally {first}, UnknownSchemaVersion) -> {cfg.topics.trajectories}:" \
-            in sent
+        assert f"(originally {first}, UnknownSchemaVersion) -> {cfg.topics.trajectories}:" in sent
         assert done.stdout.splitlines()[-1].startswith("redrove 1 of 2 chosen dead letters")
         (verdict,) = [v for v in await wait_for_verdicts(cfg, ["dl-ok"]) if v.group_id == "dl-ok"]
         assert verdict.status == "accepted" and verdict.sessions[0].trajectory_id == good.trajectory_id
-        (republished,) = [dict(r.headers) for r in await read_topic(cfg, cfg.topics.trajectories)
-                          if "prm-redriven-from" in dict(r.headers)]
+        (republished,) = [
+            dict(r.headers)
+            for r in await read_topic(cfg, cfg.topics.trajectories)
+            if "prm-redriven-from" in dict(r.headers)
+        ]
         assert republished["prm-redriven-source"] == first.encode()
 
         # again: the worker acknowledges the trajectory as a duplicate, no second verdict
-        again = await asyncio.to_thread(_cli, config, "dead-letters", "--redrive", "--yes", "--offsets",
-                                        _offset_of(rows, 7))
+        again = await asyncio.to_thread(
+            _cli, config, "dead-letters", "--redrive", "--yes", "--offsets", _offset_of(rows, 7)
+        )
         assert again.returncode == 0 and "redrove 1 of 1" in again.stdout, again.stdout + again.stderr
-        await eventually(lambda: any("duplicate acknowledged" in r.getMessage() and good.trajectory_id in r.getMessage()
-                                     for r in caplog.records),
-                         timeout_s=30, interval_s=0.1, what="the worker to acknowledge the redriven duplicate")
+        await eventually(
+            lambda: any(
+                "duplicate acknowledged" in r.getMessage() and good.trajectory_id in r.getMessage()
+                for r in caplog.records
+            ),
+            timeout_s=30,
+            interval_s=0.1,
+            what="the worker to acknowledge the redriven duplicate",
+        )
     verdicts = [decode_verdict(r.value, r.headers) for r in await read_topic(cfg, cfg.topics.verdicts)]
     assert [v.group_id for v in verdicts].count("dl-ok") == 1
 

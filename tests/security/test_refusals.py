@@ -35,10 +35,17 @@ from tests.security.conftest import ACL_USER, ROOT, AclRedis
 pytestmark = pytest.mark.integration
 
 
-def _cli(config: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+def _cli(
+    config: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
@@ -51,17 +58,28 @@ def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 def _config(tmp_path: Path, **kafka: object) -> Path:
-    cfg = PipelineConfig(kafka=KafkaConfig(request_timeout_ms=5000, **kafka), topics=TopicsConfig(
-        trajectories=f"t.{tmp_path.name}", verdicts=f"v.{tmp_path.name}", dead_letters=f"d.{tmp_path.name}",
-        experiments=f"e.{tmp_path.name}"))
+    cfg = PipelineConfig(
+        kafka=KafkaConfig(request_timeout_ms=5000, **kafka),
+        topics=TopicsConfig(
+            trajectories=f"t.{tmp_path.name}",
+            verdicts=f"v.{tmp_path.name}",
+            dead_letters=f"d.{tmp_path.name}",
+            experiments=f"e.{tmp_path.name}",
+        ),
+    )
     return write_config(cfg, tmp_path / "config.yaml")
 
 
 # --------------------------------------------------------------------------- Kafka TLS
 def test_kafka_untrusted_certificate_is_one_line(tls_kafka, pki, tmp_path: Path) -> None:
     bootstrap, _ = tls_kafka
-    line = _one_line_error(_cli(_config(tmp_path, bootstrap=bootstrap, security_protocol="SSL",
-                                        ssl_cafile=str(pki.other_ca)), "topics", "create"))
+    line = _one_line_error(
+        _cli(
+            _config(tmp_path, bootstrap=bootstrap, security_protocol="SSL", ssl_cafile=str(pki.other_ca)),
+            "topics",
+            "create",
+        )
+    )
     assert "certificate is not trusted" in line and "kafka.ssl_cafile" in line and str(pki.other_ca) in line
 
 
@@ -74,28 +92,41 @@ def test_kafka_plaintext_client_on_tls_listener_is_one_line(tls_kafka, tmp_path:
 def test_kafka_trusted_certificate_works(tls_kafka, pki, tmp_path: Path) -> None:
     bootstrap, proxy = tls_kafka
     before = proxy.handshakes
-    proc = _cli(_config(tmp_path, bootstrap=bootstrap, security_protocol="SSL", ssl_cafile=str(pki.ca)),
-                "topics", "create")
+    proc = _cli(
+        _config(tmp_path, bootstrap=bootstrap, security_protocol="SSL", ssl_cafile=str(pki.ca)), "topics", "create"
+    )
     assert proc.returncode == 0 and proc.stdout.count("created") == 4, proc.stdout + proc.stderr
     assert proxy.handshakes > before
 
 
 # --------------------------------------------------------------------------- Kafka SASL
-SASL_ENV = {"PRM_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "PRM_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
-            "PRM_KAFKA_SASL_USERNAME": "prm-pipeline", "PRM_KAFKA_SASL_PASSWORD": "sasl-pw-7f3a9c"}
+SASL_ENV = {
+    "PRM_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+    "PRM_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+    "PRM_KAFKA_SASL_USERNAME": "prm-pipeline",
+    "PRM_KAFKA_SASL_PASSWORD": "sasl-pw-7f3a9c",
+}
 
 
 async def test_every_client_gets_the_sasl_settings_from_env() -> None:
     cfg = load_config(None, environ={**SASL_ENV, "PRM_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}).kafka
     assert (cfg.security_protocol, cfg.sasl_mechanism, cfg.sasl_username, cfg.sasl_password) == (
-        "SASL_SSL", "SCRAM-SHA-512", "prm-pipeline", "sasl-pw-7f3a9c")
+        "SASL_SSL",
+        "SCRAM-SHA-512",
+        "prm-pipeline",
+        "sasl-pw-7f3a9c",
+    )
     assert "sasl-pw-7f3a9c" not in repr(cfg)
     for client in (make_producer(cfg), make_consumer(cfg, "t", group_id="g"), make_admin(cfg)):
         inner = getattr(client, "client", None) or client._client
         try:
-            assert (inner._security_protocol, inner._sasl_mechanism, inner._sasl_plain_username,
-                    inner._sasl_plain_password, inner._ssl_context is not None) == (
-                "SASL_SSL", "SCRAM-SHA-512", "prm-pipeline", "sasl-pw-7f3a9c", True), type(client)
+            assert (
+                inner._security_protocol,
+                inner._sasl_mechanism,
+                inner._sasl_plain_username,
+                inner._sasl_plain_password,
+                inner._ssl_context is not None,
+            ) == ("SASL_SSL", "SCRAM-SHA-512", "prm-pipeline", "sasl-pw-7f3a9c", True), type(client)
         finally:
             await (client.close() if hasattr(client, "close") else client.stop())
 
@@ -116,8 +147,9 @@ def test_no_kafka_client_bypasses_the_factory() -> None:
 
 
 async def test_scram_refusal_is_named_for_every_client_kind(sasl_kafka: str) -> None:
-    cfg = msgspec.structs.replace(load_config(None, environ=SASL_ENV).kafka, bootstrap=sasl_kafka,
-                                  request_timeout_ms=5000)
+    cfg = msgspec.structs.replace(
+        load_config(None, environ=SASL_ENV).kafka, bootstrap=sasl_kafka, request_timeout_ms=5000
+    )
     for client in (make_producer(cfg), make_consumer(cfg, "t", group_id="g"), make_admin(cfg)):
         with pytest.raises(KafkaAuthError) as info:
             await client.start()
@@ -140,8 +172,15 @@ def test_acl_user_stays_inside_the_prefix(acl_redis: AclRedis) -> None:
     try:
         user.execute_command("HSET", "prm:{g1}:state", "status", "open")  # inside: allowed
         assert user.execute_command("HMGET", "prm:{g1}:state", "status") == [b"open"]
-        for cmd in (("SET", "other:key", "1"), ("GET", "other:key"), ("HSET", "prmx:{g}:state", "a", "b"),
-                    ("KEYS", "*"), ("FLUSHALL",), ("CONFIG", "GET", "*"), ("EVAL", "return 1", "0")):
+        for cmd in (
+            ("SET", "other:key", "1"),
+            ("GET", "other:key"),
+            ("HSET", "prmx:{g}:state", "a", "b"),
+            ("KEYS", "*"),
+            ("FLUSHALL",),
+            ("CONFIG", "GET", "*"),
+            ("EVAL", "return 1", "0"),
+        ):
             with pytest.raises(NoPermissionError):
                 user.execute_command(*cmd)
         # a loaded script runs with the caller's rights: it cannot reach outside the prefix either
@@ -158,25 +197,37 @@ def test_acl_user_stays_inside_the_prefix(acl_redis: AclRedis) -> None:
 
 def _worker_config(tmp_path: Path, ca: Path, kafka_bootstrap: str) -> Path:
     # a reachable broker: the worker's start-up waits for Kafka first, then checks Redis
-    cfg = PipelineConfig(redis=RedisConfig(url="redis://unset/0", ssl_ca_certs=str(ca)),
-                         kafka=KafkaConfig(bootstrap=kafka_bootstrap, request_timeout_ms=3000))
+    cfg = PipelineConfig(
+        redis=RedisConfig(url="redis://unset/0", ssl_ca_certs=str(ca)),
+        kafka=KafkaConfig(bootstrap=kafka_bootstrap, request_timeout_ms=3000),
+    )
     return write_config(cfg, tmp_path / "worker.yaml")
 
 
-def test_wrong_redis_password_stops_the_worker_in_one_line(acl_redis: AclRedis, pki, tmp_path: Path,
-                                                           kafka_bootstrap: str) -> None:
+def test_wrong_redis_password_stops_the_worker_in_one_line(
+    acl_redis: AclRedis, pki, tmp_path: Path, kafka_bootstrap: str
+) -> None:
     wrong = "wrong-" + acl_redis.password
-    proc = _cli(_worker_config(tmp_path, pki.ca, kafka_bootstrap), "worker",
-                env={"PRM_REDIS_URL": acl_redis.url(password=wrong)}, timeout=60)
+    proc = _cli(
+        _worker_config(tmp_path, pki.ca, kafka_bootstrap),
+        "worker",
+        env={"PRM_REDIS_URL": acl_redis.url(password=wrong)},
+        timeout=60,
+    )
     line = _one_line_error(proc)
     assert f"as user '{ACL_USER}'" in line and "PRM_REDIS_URL" in line and "login refused" in line
     assert wrong not in proc.stdout + proc.stderr and acl_redis.password not in proc.stdout + proc.stderr
 
 
-def test_untrusted_redis_certificate_stops_the_worker_in_one_line(acl_redis: AclRedis, pki, tmp_path: Path,
-                                                                   kafka_bootstrap: str) -> None:
-    proc = _cli(_worker_config(tmp_path, pki.ca, kafka_bootstrap), "worker",
-                env={"PRM_REDIS_URL": acl_redis.url(proxy=acl_redis.untrusted_proxy)}, timeout=60)
+def test_untrusted_redis_certificate_stops_the_worker_in_one_line(
+    acl_redis: AclRedis, pki, tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    proc = _cli(
+        _worker_config(tmp_path, pki.ca, kafka_bootstrap),
+        "worker",
+        env={"PRM_REDIS_URL": acl_redis.url(proxy=acl_redis.untrusted_proxy)},
+        timeout=60,
+    )
     line = _one_line_error(proc)
     assert "certificate is not trusted" in line and "redis.ssl_ca_certs" in line
     assert acl_redis.password not in proc.stdout + proc.stderr

@@ -35,20 +35,23 @@ def _value(data: object) -> bytes:
     return json.dumps(data).encode()
 
 
-@pytest.mark.parametrize(("key", "value", "needle"), [
-    (b"exp-ok", b"{not json", "not valid JSON"),
-    (b"exp-ok", _value({**GOOD, "weigth": 2}), "did you mean `weight`"),
-    (b"exp-ok", _value({**GOOD, "prm": {"scorers": [{"path": "x.Y", "kwarg": {}}]}}), "kwarg"),
-    (b"other", _value(GOOD), "the key and experiment_id must agree"),
-    (b"bad key!", _value(GOOD), "experiment_id"),
-    (b"default", _value({**GOOD, "experiment_id": "default"}), "the workers' own config file"),
-    (b"exp-ok", _value({**GOOD, "max_in_flight": 0}), "max_in_flight"),
-    (b"exp-ok", _value({**GOOD, "weight": 1e9}), "weight"),
-    (b"exp-ok", _value({**GOOD, "judge_quota": {"rps": -1}}), "rps"),
-    (b"exp-ok", _value({**GOOD, "prm": {"scorers": []}}), "no enabled scorer"),
-    (b"exp-ok", b"{" + b" " * MAX_RECORD_BYTES + b"}", "over the limit"),
-    (b"exp-ok", _value([1, 2]), "must be a mapping"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        (b"exp-ok", b"{not json", "not valid JSON"),
+        (b"exp-ok", _value({**GOOD, "weigth": 2}), "did you mean `weight`"),
+        (b"exp-ok", _value({**GOOD, "prm": {"scorers": [{"path": "x.Y", "kwarg": {}}]}}), "kwarg"),
+        (b"other", _value(GOOD), "the key and experiment_id must agree"),
+        (b"bad key!", _value(GOOD), "experiment_id"),
+        (b"default", _value({**GOOD, "experiment_id": "default"}), "the workers' own config file"),
+        (b"exp-ok", _value({**GOOD, "max_in_flight": 0}), "max_in_flight"),
+        (b"exp-ok", _value({**GOOD, "weight": 1e9}), "weight"),
+        (b"exp-ok", _value({**GOOD, "judge_quota": {"rps": -1}}), "rps"),
+        (b"exp-ok", _value({**GOOD, "prm": {"scorers": []}}), "no enabled scorer"),
+        (b"exp-ok", b"{" + b" " * MAX_RECORD_BYTES + b"}", "over the limit"),
+        (b"exp-ok", _value([1, 2]), "must be a mapping"),
+    ],
+)
 def test_malformed_records_are_refused_as_data_with_one_line(key: bytes, value: bytes, needle: str) -> None:
     with pytest.raises(RegistryError, match=needle) as info:
         decode_record(key, value)
@@ -64,19 +67,28 @@ def test_a_well_formed_record_round_trips_and_a_tombstone_is_a_removal() -> None
 
 
 async def test_a_record_naming_code_or_hosts_outside_the_workers_lists_is_refused_and_the_worker_goes_on(
-        pipeline_config) -> None:
+    pipeline_config,
+) -> None:
     cfg = with_scorers(pipeline_config, LENGTH)  # allowed: scoring_workers.scorers, tests.scorers; no judge hosts
     evil = _spec("exp-evil", PRMScorerConfig("tests.security.registry_payload.Payload"))
-    judge = _spec("exp-judge", PRMScorerConfig(
-        "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
-        kwargs={"base_url": "http://exfiltrate.example:8000/v1", "model": "judge"}))
+    judge = _spec(
+        "exp-judge",
+        PRMScorerConfig(
+            "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+            kwargs={"base_url": "http://exfiltrate.example:8000/v1", "model": "judge"},
+        ),
+    )
     async with running_worker(cfg, "w-registry-rules") as worker:
         await _declare(cfg, _spec("exp-kept", LENGTH, weight=2.0))
         await _serving(worker, "exp-kept")
         await publish_spec(cfg, evil)
         await publish_spec(cfg, judge)
-        await publish_spec(cfg, msgspec.structs.replace(_spec("exp-kept", PRMScorerConfig(
-            "tests.security.registry_payload.Payload")), weight=3.0))  # a refused replacement
+        await publish_spec(
+            cfg,
+            msgspec.structs.replace(
+                _spec("exp-kept", PRMScorerConfig("tests.security.registry_payload.Payload")), weight=3.0
+            ),
+        )  # a refused replacement
         producer = make_producer(cfg.kafka)
         await producer.start()
         try:
@@ -100,14 +112,24 @@ def test_experiment_add_refuses_a_file_outside_the_allow_lists_before_connecting
     config.write_text(yaml.safe_dump({"kafka": {"bootstrap": "127.0.0.1:1", "startup_timeout_s": 3600}}))
     for name, scorer, needle in [
         ("code", {"path": "tests.security.registry_payload.Payload"}, "not under the allowed prefixes"),
-        ("host", {"path": "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
-                  "kwargs": {"base_url": "http://exfiltrate.example:8000/v1", "model": "judge"}},
-         "worker.allowed_judge_hosts"),
+        (
+            "host",
+            {
+                "path": "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+                "kwargs": {"base_url": "http://exfiltrate.example:8000/v1", "model": "judge"},
+            },
+            "worker.allowed_judge_hosts",
+        ),
     ]:
         spec = tmp_path / f"{name}.yaml"
         spec.write_text(yaml.safe_dump({"experiment_id": f"exp-{name}", "prm": {"scorers": [scorer]}}))
-        proc = subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "experiment",
-                               "add", str(spec)], capture_output=True, text=True, cwd=ROOT, timeout=300)  # waiting for the closed broker would take an hour
+        proc = subprocess.run(
+            [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), "experiment", "add", str(spec)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )  # waiting for the closed broker would take an hour
         assert proc.returncode == 2, proc.stderr
         assert needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert "prm.scorers[0]" in proc.stderr and "rollout.agent" not in proc.stderr  # the file's own keys
@@ -115,6 +137,13 @@ def test_experiment_add_refuses_a_file_outside_the_allow_lists_before_connecting
 
 def test_the_spec_type_names_every_field_the_docs_show() -> None:
     fields = {f.encode_name for f in msgspec.structs.fields(ExperimentSpec)}
-    assert fields == {"experiment_id", "prm", "weight", "max_in_flight", "group_timeout_s", "judge_quota",
-                      "description"}
+    assert fields == {
+        "experiment_id",
+        "prm",
+        "weight",
+        "max_in_flight",
+        "group_timeout_s",
+        "judge_quota",
+        "description",
+    }
     assert isinstance(ExperimentSpec(experiment_id="e", prm=PRMConfig(scorers=[LENGTH])).prm, PRMConfig)

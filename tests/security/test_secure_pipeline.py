@@ -86,17 +86,26 @@ def _trajectory_offering_a_key(gid: str, group_size: int, i: int) -> ReadyTrajec
     parent = None
     for k in range(2):
         iid = f"{gid}-s{i}-t{k}"
-        turns.append(Interaction(
-            interaction_id=iid, parent_id=parent,
-            messages=[{"role": "user", "content": "api_key=attacker-key\nAuthorization: Bearer attacker-key"}],
-            output_message_list=[{"role": "assistant", "content": f"answer {k}"}],
-            model_response=ModelResponse.from_arrays(ctx, out, np.full(out.size, -0.5, np.float32), "stop"),
-        ))
+        turns.append(
+            Interaction(
+                interaction_id=iid,
+                parent_id=parent,
+                messages=[{"role": "user", "content": "api_key=attacker-key\nAuthorization: Bearer attacker-key"}],
+                output_message_list=[{"role": "assistant", "content": f"answer {k}"}],
+                model_response=ModelResponse.from_arrays(ctx, out, np.full(out.size, -0.5, np.float32), "stop"),
+            )
+        )
         parent = iid
         ctx = np.concatenate([ctx, out, np.array([7, 7], dtype=np.int32)])
-    return ReadyTrajectory(trajectory_id=f"{gid}-traj{i}", session_id=f"{gid}-s{i}", group_id=gid,
-                           group_size=group_size, interactions=turns, outcome_reward=float(i % 2),
-                           created_at=time.time())
+    return ReadyTrajectory(
+        trajectory_id=f"{gid}-traj{i}",
+        session_id=f"{gid}-s{i}",
+        group_id=gid,
+        group_size=group_size,
+        interactions=turns,
+        outcome_reward=float(i % 2),
+        created_at=time.time(),
+    )
 
 
 def _ready(port: int) -> bool:
@@ -128,36 +137,68 @@ class Scenario:
 
 
 def _cli(env: dict[str, str], config: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
-def scenario(tls_kafka: tuple[str, Any], acl_redis: AclRedis, pki: Any,
-             tmp_path_factory: pytest.TempPathFactory) -> Scenario:
+def scenario(
+    tls_kafka: tuple[str, Any], acl_redis: AclRedis, pki: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Scenario:
     bootstrap, kafka_proxy = tls_kafka
     tmp = tmp_path_factory.mktemp("secure")
     s = Scenario()
-    s.secrets = {"redis": acl_redis.password, "kafka": "kafka-" + secrets.token_hex(12),
-                 "judge": "judge-" + secrets.token_hex(12)}
+    s.secrets = {
+        "redis": acl_redis.password,
+        "kafka": "kafka-" + secrets.token_hex(12),
+        "judge": "judge-" + secrets.token_hex(12),
+    }
     judge = RecordingJudge()
     judge.start()
     name = f"sec-{uuid.uuid4().hex[:8]}"
-    scorer = PRMScorerConfig("scoring_workers.scorers.openclaw.OpenClawJudgeScorer", kwargs={
-        "base_url": judge.base_url, "model": "fake-judge", "temperature": 0.0, "max_tokens": 64, "m": 1,
-        "timeout_s": 5.0, "total_timeout_s": 10.0, "api_key_env": JUDGE_KEY_ENV,
-    })
-    cfg = isolated_config(name, bootstrap, acl_redis.url(), scorers=[scorer], scorer_timeout_s=20,
-                          group_timeout_s=6, allowed_scorer_modules=["scoring_workers.scorers"],
-                          kafka={"security_protocol": "SSL", "ssl_cafile": str(pki.ca)})
-    s.cfg = cfg = msgspec.structs.replace(cfg, redis=RedisConfig(url=acl_redis.url(), key_prefix="prm", ttl_s=600,
-                                                                  ssl_ca_certs=str(pki.ca)))
+    scorer = PRMScorerConfig(
+        "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+        kwargs={
+            "base_url": judge.base_url,
+            "model": "fake-judge",
+            "temperature": 0.0,
+            "max_tokens": 64,
+            "m": 1,
+            "timeout_s": 5.0,
+            "total_timeout_s": 10.0,
+            "api_key_env": JUDGE_KEY_ENV,
+        },
+    )
+    cfg = isolated_config(
+        name,
+        bootstrap,
+        acl_redis.url(),
+        scorers=[scorer],
+        scorer_timeout_s=20,
+        group_timeout_s=6,
+        allowed_scorer_modules=["scoring_workers.scorers"],
+        kafka={"security_protocol": "SSL", "ssl_cafile": str(pki.ca)},
+    )
+    s.cfg = cfg = msgspec.structs.replace(
+        cfg, redis=RedisConfig(url=acl_redis.url(), key_prefix="prm", ttl_s=600, ssl_ca_certs=str(pki.ca))
+    )
     # On disk as a deployment has it: no secrets in the file, they come from the environment.
     on_disk = msgspec.structs.replace(cfg, redis=msgspec.structs.replace(cfg.redis, url="redis://unset/0"))
     s.config_path = write_config(on_disk, tmp / "config.yaml")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PRM_REDIS_URL": acl_redis.url(),
-           "PRM_KAFKA_SASL_USERNAME": "prm-pipeline", "PRM_KAFKA_SASL_PASSWORD": s.secrets["kafka"],
-           JUDGE_KEY_ENV: s.secrets["judge"]}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PRM_REDIS_URL": acl_redis.url(),
+        "PRM_KAFKA_SASL_USERNAME": "prm-pipeline",
+        "PRM_KAFKA_SASL_PASSWORD": s.secrets["kafka"],
+        JUDGE_KEY_ENV: s.secrets["judge"],
+    }
     s.cfg = cfg = load_config(s.config_path, environ=env)
 
     admin = acl_redis.admin()
@@ -169,13 +210,33 @@ def scenario(tls_kafka: tuple[str, Any], acl_redis: AclRedis, pki: Any,
     procs = []
     for i, port in enumerate(ports):
         with logs[i].open("wb") as fh:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "prm_pipeline.cli", "--config", str(s.config_path), "worker",
-                 "--worker-id", f"secure{i}", "--metrics-port", str(port)],
-                cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "prm_pipeline.cli",
+                        "--config",
+                        str(s.config_path),
+                        "worker",
+                        "--worker-id",
+                        f"secure{i}",
+                        "--metrics-port",
+                        str(port),
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     try:
-        wait_until(lambda: all(_ready(p) for p in ports) or any(p.poll() is not None for p in procs), timeout_s=90,
-                   interval_s=0.1, what="both workers to join their group")
+        wait_until(
+            lambda: all(_ready(p) for p in ports) or any(p.poll() is not None for p in procs),
+            timeout_s=90,
+            interval_s=0.1,
+            what="both workers to join their group",
+        )
         assert all(p.poll() is None for p in procs), "a worker exited:\n" + "\n".join(f.read_text() for f in logs)
 
         s.expected = {}
@@ -219,17 +280,26 @@ def scenario(tls_kafka: tuple[str, Any], acl_redis: AclRedis, pki: Any,
             return got
 
         s.trainer_groups = asyncio.run(train())
-        records = asyncio.run(read_topic(cfg, cfg.topics.verdicts, until=time.monotonic() + 60,
-                                         stop_when=lambda rs: set(s.expected) <= {r.key.decode() for r in rs}))
+        records = asyncio.run(
+            read_topic(
+                cfg,
+                cfg.topics.verdicts,
+                until=time.monotonic() + 60,
+                stop_when=lambda rs: set(s.expected) <= {r.key.decode() for r in rs},
+            )
+        )
         s.verdict_records = records
         s.verdicts = {v.group_id: v for v in (decode_verdict(r.value, r.headers) for r in records)}
-        s.dead_letters = asyncio.run(read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + 30,
-                                                stop_when=lambda rs: len(rs) >= 1))
+        s.dead_letters = asyncio.run(
+            read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + 30, stop_when=lambda rs: len(rs) >= 1)
+        )
         s.metrics = [httpx.get(f"http://127.0.0.1:{p}/metrics", timeout=5).text for p in ports]
-        s.cli_verdicts = _cli(env, s.config_path, "verdicts", "--from-beginning", "--max", str(len(s.expected)),
-                              "--idle-timeout", "20")
-        s.cli_audit = _cli(env, s.config_path, "audit", "--groups", *[g for g, st in s.expected.items()
-                                                                       if st == "accepted"], "--quiet")
+        s.cli_verdicts = _cli(
+            env, s.config_path, "verdicts", "--from-beginning", "--max", str(len(s.expected)), "--idle-timeout", "20"
+        )
+        s.cli_audit = _cli(
+            env, s.config_path, "audit", "--groups", *[g for g, st in s.expected.items() if st == "accepted"], "--quiet"
+        )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -281,7 +351,8 @@ def test_redis_commands_are_exactly_the_acl_grants(scenario: Scenario, acl_redis
     conditional = {c for c in CONDITIONAL_COMMANDS if f"'{c.upper()}'" in LEDGER_SCRIPTS.read_text()}
     assert used <= granted and granted - used <= conditional, (
         f"docs/deploy.md grants {sorted(granted - used - conditional)} the ledger never used and misses "
-        f"{sorted(used - granted)}; update the ACL line")
+        f"{sorted(used - granted)}; update the ACL line"
+    )
 
 
 def test_no_secret_leaks(scenario: Scenario) -> None:

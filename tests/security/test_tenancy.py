@@ -47,15 +47,17 @@ async def send_raw(cfg: PipelineConfig, experiment_id: str, messages, *, keys=No
         for i, message in enumerate(messages):
             value, headers = encode(message)
             key = keys[i] if keys is not None else message.group_id
-            await producer.send_and_wait(trajectories_topic(cfg.topics.trajectories, experiment_id), value,
-                                         key=key.encode(), headers=headers)
+            await producer.send_and_wait(
+                trajectories_topic(cfg.topics.trajectories, experiment_id), value, key=key.encode(), headers=headers
+            )
     finally:
         await producer.stop()
 
 
 async def dead_letters(cfg: PipelineConfig, n: int, timeout_s: float = 30) -> list:
-    records = await read_topic(cfg, cfg.topics.dead_letters, until=time.monotonic() + timeout_s,
-                               stop_when=lambda rs: len(rs) >= n)
+    records = await read_topic(
+        cfg, cfg.topics.dead_letters, until=time.monotonic() + timeout_s, stop_when=lambda rs: len(rs) >= n
+    )
     assert len(records) >= n, f"{len(records)} dead letters within {timeout_s}s, expected {n}"
     return [dead_letter_from_record(r.value, r.headers) for r in records]
 
@@ -132,8 +134,10 @@ async def test_a_record_on_one_experiments_topic_naming_another_is_dead_lettered
 
 async def test_forged_scopes_create_no_topics_and_no_label_values(cfg) -> None:
     n = 20
-    forged = [msgspec.structs.replace(m, group_id=f"ghost{i}{SCOPE_SEPARATOR}g")
-              for i, m in enumerate(m for i in range(n) for m in make_group(f"g{i}-{uuid.uuid4().hex[:4]}", 1))]
+    forged = [
+        msgspec.structs.replace(m, group_id=f"ghost{i}{SCOPE_SEPARATOR}g")
+        for i, m in enumerate(m for i in range(n) for m in make_group(f"g{i}-{uuid.uuid4().hex[:4]}", 1))
+    ]
     async with running_worker(cfg, "w-tenancy-labels") as worker:
         await _two_experiments(cfg, worker)
         before = await topics_of(cfg)

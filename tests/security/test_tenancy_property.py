@@ -120,8 +120,12 @@ async def _warm_up(stack: Stack) -> None:
     for experiment_id in DECLARED:
         (member,) = make_group(f"warm-{experiment_id}", 1, turns=1, output_tokens=2)
         value, headers = encode(member)
-        await stack.producer.send_and_wait(trajectories_topic(cfg.topics.trajectories, experiment_id), value,
-                                           key=member.group_id.encode(), headers=headers)
+        await stack.producer.send_and_wait(
+            trajectories_topic(cfg.topics.trajectories, experiment_id),
+            value,
+            key=member.group_id.encode(),
+            headers=headers,
+        )
         stack.sent[member.group_id] = experiment_id
     await stack.producer.send_and_wait(cfg.topics.trajectories, b"warm-up garbage")
     deadline = time.monotonic() + 120
@@ -146,9 +150,13 @@ def records(draw) -> list[tuple[str, str | None, str, str]]:
 
 
 def _group_id(form: str, plain: str, victim: str) -> str:
-    return {"plain": plain, "forged-scope": f"{victim}{SCOPE_SEPARATOR}{plain}",
-            "newline": f"{plain}\n2030-01-01 00:00:00,000 ERROR forged", "escape": f"{plain}\x1b[2J",
-            "too-long": plain + "x" * MAX_ID_LENGTH}[form]
+    return {
+        "plain": plain,
+        "forged-scope": f"{victim}{SCOPE_SEPARATOR}{plain}",
+        "newline": f"{plain}\n2030-01-01 00:00:00,000 ERROR forged",
+        "escape": f"{plain}\x1b[2J",
+        "too-long": plain + "x" * MAX_ID_LENGTH,
+    }[form]
 
 
 # --------------------------------------------------------------------------- the property
@@ -161,10 +169,14 @@ async def test_every_effect_of_a_record_stays_inside_its_topics_experiment(stack
     for i, (topic_exp, named, kind, form) in enumerate(drawn):
         victim = next(e for e in DECLARED if e != topic_exp)
         group_id = _group_id(form, f"{nonce}-{i}", victim)
-        message = (make_group(f"{nonce}-{i}", 1, turns=1, output_tokens=2)[0] if kind == "ready"
-                   else DiscardGroup(group_id="g", reason="drawn"))
-        message = msgspec.structs.replace(message, group_id=group_id,
-                                          experiment_id=msgspec.UNSET if named is None else named)
+        message = (
+            make_group(f"{nonce}-{i}", 1, turns=1, output_tokens=2)[0]
+            if kind == "ready"
+            else DiscardGroup(group_id="g", reason="drawn")
+        )
+        message = msgspec.structs.replace(
+            message, group_id=group_id, experiment_id=msgspec.UNSET if named is None else named
+        )
         value, headers = encode(message)
         topic = trajectories_topic(cfg.topics.trajectories, topic_exp)
         meta = await stack.producer.send_and_wait(topic, value, key=group_id.encode(), headers=headers)
@@ -182,12 +194,15 @@ async def test_every_effect_of_a_record_stays_inside_its_topics_experiment(stack
     assert not waiting, f"no outcome within 60s for {sorted(waiting.values())}; verdicts so far {seen[-10:]}"
 
     for topic_exp, named_exp, group_id, status in seen:  # verdicts: their group's topic's experiment, only
-        assert stack.sent.get(group_id) == topic_exp == named_exp, \
-            f"verdict {status} for group {group_id!r} on {topic_exp}'s topic naming {named_exp}, " \
+        assert stack.sent.get(group_id) == topic_exp == named_exp, (
+            f"verdict {status} for group {group_id!r} on {topic_exp}'s topic naming {named_exp}, "
             f"but that group was sent on {stack.sent.get(group_id)!r}'s topic"
+        )
     declared_topics = {cfg.topics.dead_letters, cfg.topics.experiments} | {
-        f(base, e) for e in DECLARED for f, base in ((trajectories_topic, cfg.topics.trajectories),
-                                                     (verdicts_topic, cfg.topics.verdicts))}
+        f(base, e)
+        for e in DECLARED
+        for f, base in ((trajectories_topic, cfg.topics.trajectories), (verdicts_topic, cfg.topics.verdicts))
+    }
     assert await topics_of(cfg) <= declared_topics, "a record created a topic"
     assert label_values(stack.worker) <= {*DECLARED, "unknown"}, "a record created a metric label value"
     forged = [r.getMessage() for r in stack.logs if CONTROL & set(r.getMessage())]

@@ -52,8 +52,13 @@ def _assert_clean(text: str) -> None:
 
 
 def _cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 async def _send(cfg, topic: str, value: bytes, key: bytes | None, headers: list[tuple[str, bytes]] = ()) -> None:
@@ -76,7 +81,8 @@ async def _log_holds(path: Path, needles: list[str], timeout_s: float) -> str:
 
 
 async def test_a_worker_logs_a_hostile_group_id_payload_kind_and_registry_key_as_one_escaped_line(
-        pipeline_config, tmp_path) -> None:
+    pipeline_config, tmp_path
+) -> None:
     cfg = with_scorers(pipeline_config, LENGTH)
     tag = uuid.uuid4().hex[:8]
     group_tag, kind_tag, key_tag = f"g-{tag}", f"kind-{tag}", f"exp-{tag}"
@@ -116,12 +122,27 @@ async def _hostile_dead_letter(cfg, tmp_path: Path) -> tuple[Path, str]:
     tag = uuid.uuid4().hex[:8]
     (member,) = make_group(_hostile(f"g-{tag}"), 1, turns=1, output_tokens=3)
     value, headers = encode(member)
-    record = ConsumerRecord(topic=cfg.topics.trajectories, partition=0, offset=3, timestamp=0, timestamp_type=0,
-                            key=member.group_id.encode(), value=value, checksum=None, serialized_key_size=-1,
-                            serialized_value_size=len(value), headers=headers)
-    letter, key = capped_letter(record, InvalidMessage(f"refused {_hostile(f'err-{tag}')}"), 1, worker_id="w-old",
-                                max_message_bytes=cfg.kafka.max_message_bytes,
-                                dead_letter_max_bytes=cfg.worker.dead_letter_max_bytes)
+    record = ConsumerRecord(
+        topic=cfg.topics.trajectories,
+        partition=0,
+        offset=3,
+        timestamp=0,
+        timestamp_type=0,
+        key=member.group_id.encode(),
+        value=value,
+        checksum=None,
+        serialized_key_size=-1,
+        serialized_value_size=len(value),
+        headers=headers,
+    )
+    letter, key = capped_letter(
+        record,
+        InvalidMessage(f"refused {_hostile(f'err-{tag}')}"),
+        1,
+        worker_id="w-old",
+        max_message_bytes=cfg.kafka.max_message_bytes,
+        dead_letter_max_bytes=cfg.worker.dead_letter_max_bytes,
+    )
     await _send(cfg, cfg.topics.dead_letters, letter.payload, key, dead_letter_headers(letter))
     assert len(await read_topic(cfg, cfg.topics.dead_letters)) == 1
     return config, f"err-{tag}"

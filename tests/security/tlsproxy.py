@@ -30,21 +30,39 @@ def _name(cn: str) -> x509.Name:
 
 
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
 
 
 def _ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn))
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(_name(cn))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
     return key, cert
 
 
@@ -68,22 +86,36 @@ def make_pki(directory: Path) -> Pki:
     now = dt.datetime.now(dt.UTC)
     san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
 
-    def leaf(issuer_key: ec.EllipticCurvePrivateKey, issuer: x509.Name) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    def leaf(
+        issuer_key: ec.EllipticCurvePrivateKey, issuer: x509.Name
+    ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(_name("127.0.0.1")).issuer_name(issuer)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-                .add_extension(san, critical=False)
-                .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-                .sign(issuer_key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name("127.0.0.1"))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(san, critical=False)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(issuer_key, hashes.SHA256())
+        )
         return key, cert
 
     key, cert = leaf(ca_key, ca_cert.subject)
     unknown_issuer = ec.generate_private_key(ec.SECP256R1())  # a signer nobody trusts
     ss_key, ss_cert = leaf(unknown_issuer, _name("unknown-issuer"))
     pem = serialization.Encoding.PEM
-    paths = Pki(directory / "ca.pem", directory / "server.pem", directory / "server.key", directory / "other-ca.pem",
-                directory / "self-signed.pem", directory / "self-signed.key")
+    paths = Pki(
+        directory / "ca.pem",
+        directory / "server.pem",
+        directory / "server.key",
+        directory / "other-ca.pem",
+        directory / "self-signed.pem",
+        directory / "self-signed.key",
+    )
     paths.ca.write_bytes(ca_cert.public_bytes(pem))
     paths.cert.write_bytes(cert.public_bytes(pem))
     _write_key(key, paths.key)
@@ -101,8 +133,7 @@ class TlsProxy:
     which is how ``bench capacity`` measures the broker's network traffic.
     """
 
-    def __init__(self, upstream_port: int, cert: Path | None = None, key: Path | None = None, *,
-                 port: int = 0) -> None:
+    def __init__(self, upstream_port: int, cert: Path | None = None, key: Path | None = None, *, port: int = 0) -> None:
         self.upstream_port, self.port = upstream_port, port
         self.ctx: ssl.SSLContext | None = None
         if cert is not None:
@@ -123,8 +154,9 @@ class TlsProxy:
 
     async def _start(self) -> None:
         # ``_accept`` runs only after a completed handshake; failed ones are dropped by asyncio.
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port, ssl=self.ctx,
-                                                  ssl_handshake_timeout=10 if self.ctx else None)
+        self._server = await asyncio.start_server(
+            self._accept, "127.0.0.1", self.port, ssl=self.ctx, ssl_handshake_timeout=10 if self.ctx else None
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -141,8 +173,13 @@ class TlsProxy:
         finally:
             self._conns.discard(task)  # type: ignore[arg-type]
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter) -> None:
+    async def _relay(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        up_r: asyncio.StreamReader,
+        up_w: asyncio.StreamWriter,
+    ) -> None:
         """Forward bytes both ways until either side closes (a subclass may read frames instead)."""
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, inbound: bool) -> None:

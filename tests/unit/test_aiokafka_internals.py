@@ -22,8 +22,17 @@ from infra import aiokafka_internals as internals
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("infra", "scoring_workers", "producers", "shaper", "prm_pipeline")
-PRIVATE_NAMES = {"_fetcher", "_coordinator", "_proc_fetch_request", "_maybe_leave_group", "_fetch_max_wait_ms",
-                 "force_metadata_update", "ScramAuthenticator", "create_conn", "DefaultRecordBatchBuilder"}
+PRIVATE_NAMES = {
+    "_fetcher",
+    "_coordinator",
+    "_proc_fetch_request",
+    "_maybe_leave_group",
+    "_fetch_max_wait_ms",
+    "force_metadata_update",
+    "ScramAuthenticator",
+    "create_conn",
+    "DefaultRecordBatchBuilder",
+}
 PRIVATE_MODULES = ("aiokafka.conn", "aiokafka.consumer", "aiokafka.record", "aiokafka.protocol", "aiokafka.client")
 
 
@@ -90,7 +99,9 @@ def test_a_scram_refusal_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
         pass
 
     installed = ScramAuthenticator.process_server_final_message  # restored after the test
-    monkeypatch.setattr(ScramAuthenticator, "process_server_final_message", getattr(installed, "__wrapped__", installed))
+    monkeypatch.setattr(
+        ScramAuthenticator, "process_server_final_message", getattr(installed, "__wrapped__", installed)
+    )
     internals.explain_scram_errors(lambda mechanism, user, error: Refused(f"{mechanism} {user} {error}"))
     internals.explain_scram_errors(lambda *a: Refused("installed twice"))  # idempotent: the first stays
     auth = ScramAuthenticator.__new__(ScramAuthenticator)

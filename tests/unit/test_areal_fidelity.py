@@ -21,7 +21,8 @@ from tests.unit.test_prm_runner import obs, runner_of, scorer, traj, turn
 
 def with_rewards(iid: str, rewards: list[float], parent: str | None = None) -> Interaction:
     return Interaction(
-        interaction_id=iid, parent_id=parent,
+        interaction_id=iid,
+        parent_id=parent,
         model_response=ModelResponse.from_arrays(np.arange(2), np.arange(len(rewards))),
         token_rewards_raw=np.asarray(rewards, dtype=np.float32).tobytes(),
     )
@@ -37,7 +38,9 @@ async def test_same_named_scorers_both_run_add_up_and_share_metrics() -> None:
     assert branch.scorer_totals == {"dup": 3.0}  # (0.5 + 0.5) + (1.0 + 1.0): one total per name
     stats = result.stats()
     assert stats["rollout/prm_turn_reward/dup"] == 0.75 and stats["rollout/prm_turn_reward/dup__count"] == 4.0
-    assert stats["rollout/prm_trajectory_reward/dup"] == 3.0 and stats["rollout/prm_trajectory_reward/dup__count"] == 1.0
+    assert (
+        stats["rollout/prm_trajectory_reward/dup"] == 3.0 and stats["rollout/prm_trajectory_reward/dup__count"] == 1.0
+    )
     assert [s.name for s in runner.scorer_infos()] == ["dup", "dup"]
 
 
@@ -80,11 +83,14 @@ async def test_scorer_exception_propagates_with_notes_and_reason_code() -> None:
     assert "scorer 'k'" in exc.__notes__[0] and "interaction 'a'" in exc.__notes__[0]
 
 
-@pytest.mark.parametrize(("reward", "kind", "fragment"), [
-    (torch.zeros(3), ValueError, "must return shape (2,)"),
-    (math.nan, ValueError, "non-finite"),
-    ("abc", TypeError, "must be a number"),
-])
+@pytest.mark.parametrize(
+    ("reward", "kind", "fragment"),
+    [
+        (torch.zeros(3), ValueError, "must return shape (2,)"),
+        (math.nan, ValueError, "non-finite"),
+        ("abc", TypeError, "must be a number"),
+    ],
+)
 async def test_validation_errors_use_areal_types(reward: Any, kind: type, fragment: str) -> None:
     with pytest.raises(kind, match=fragment.replace("(", r"\(").replace(")", r"\)")) as info:
         await runner_of(scorer("v", lambda i, c: reward)()).run(traj(turn("a", n=2)))
@@ -134,13 +140,17 @@ async def test_existing_token_rewards_kept_without_active_scorers() -> None:
     assert result.branches[0].token_rewards["a"].tolist() == [0.25, 3.0]
 
 
-@pytest.mark.parametrize(("rewards", "fragment"), [
-    ([0.0, 0.0, 0.0], "Existing token_rewards shape mismatch"),
-    ([0.0, math.inf], "non-finite"),
-])
+@pytest.mark.parametrize(
+    ("rewards", "fragment"),
+    [
+        ([0.0, 0.0, 0.0], "Existing token_rewards shape mismatch"),
+        ([0.0, math.inf], "non-finite"),
+    ],
+)
 async def test_existing_token_rewards_are_checked(rewards: list[float], fragment: str) -> None:
     bad = Interaction(
-        interaction_id="a", model_response=ModelResponse.from_arrays(np.arange(2), np.arange(2)),
+        interaction_id="a",
+        model_response=ModelResponse.from_arrays(np.arange(2), np.arange(2)),
         token_rewards_raw=np.asarray(rewards, dtype=np.float32).tobytes(),
     )
     with pytest.raises(ValueError, match=fragment) as info:
@@ -181,8 +191,9 @@ async def test_keep_original_returns_the_unscored_trajectory_and_says_why() -> N
     assert branch.token_rewards["b"].tolist() == [-1.0, 0.0]
     assert branch.turn_results == [] and branch.scorer_totals == {}
     assert result.stats() == {"rollout/prm_fallback": 1.0}
-    session = SessionResult(session_id="s", trajectory_id="t", status="scored", branches=result.to_branch_results(),
-                            error=result.fallback)
+    session = SessionResult(
+        session_id="s", trajectory_id="t", status="scored", branches=result.to_branch_results(), error=result.fallback
+    )
     assert session.error.startswith("keep_original: scorer_error")
 
 
@@ -256,10 +267,19 @@ def test_filter_edge_inputs_as_areal() -> None:
     with pytest.raises(ValueError, match="requires attention_mask"):
         g(_sample([0.0, 0.0], [[-1.0, 0.0], [0.0, 0.0]], is_truncated=torch.tensor([True, False])), t)
     with pytest.raises(TypeError):
-        g(_sample([0.0, 0.0], [[-1.0, 0.0], [0.0, 0.0]], is_truncated=[True, False],
-                  attention_mask=torch.ones(2, 2)), t)
-    kept = g(_sample([0.0, 0.0], [[-1.0, 0.0], [0.0, 0.0]], is_truncated=torch.tensor([True, False]),
-                     attention_mask=torch.ones(2, 2)), t)
+        g(
+            _sample([0.0, 0.0], [[-1.0, 0.0], [0.0, 0.0]], is_truncated=[True, False], attention_mask=torch.ones(2, 2)),
+            t,
+        )
+    kept = g(
+        _sample(
+            [0.0, 0.0],
+            [[-1.0, 0.0], [0.0, 0.0]],
+            is_truncated=torch.tensor([True, False]),
+            attention_mask=torch.ones(2, 2),
+        ),
+        t,
+    )
     assert kept is False  # the only penalty sits in a truncated row
 
 
@@ -279,7 +299,8 @@ async def test_error_messages_start_with_areal_wording() -> None:
     assert "(interaction 'a')" in str(shape.value) and failure_code(shape.value) == "invalid_reward"
     with pytest.raises(TypeError, match="must contain PRMMetricObservation"):  # AReaL's test, as written
         await runner_of(scorer("obs", lambda i, c: PRMScorerResult(reward=1.0, observations=(object(),)))()).run(
-            traj(turn("a", n=3)))
+            traj(turn("a", n=3))
+        )
     bad = PRMScorerResult(reward=1.0)  # a result whose observations changed after construction
     object.__setattr__(bad, "observations", (object(),))
     with pytest.raises(TypeError) as observation:
@@ -292,13 +313,26 @@ async def test_error_messages_start_with_areal_wording() -> None:
 def test_merge_worker_stats_as_areal() -> None:
     from shaper.metrics import merge_worker_stats
 
-    merged = merge_worker_stats([
-        {"rollout/prm_turn_reward/s": 1.0, "rollout/prm_turn_reward/s__count": 1.0,
-         "rollout/prm_metric/turn/s/m/count": 2.0, "rollout/other": 5.0, "rollout/prm_metric/turn/s/m/rate": 0.5},
-        {"rollout/prm_turn_reward/s": 0.0, "rollout/prm_turn_reward/s__count": 3.0,
-         "eval-rollout/prm_metric/turn/s/m/count": 1.0, "rollout/prm_turn_reward/z": math.nan,
-         "rollout/prm_turn_reward/z__count": 1.0, "rollout/prm_turn_reward/e": 1.0, "rollout/prm_turn_reward/e__count": 0.0},
-    ])
+    merged = merge_worker_stats(
+        [
+            {
+                "rollout/prm_turn_reward/s": 1.0,
+                "rollout/prm_turn_reward/s__count": 1.0,
+                "rollout/prm_metric/turn/s/m/count": 2.0,
+                "rollout/other": 5.0,
+                "rollout/prm_metric/turn/s/m/rate": 0.5,
+            },
+            {
+                "rollout/prm_turn_reward/s": 0.0,
+                "rollout/prm_turn_reward/s__count": 3.0,
+                "eval-rollout/prm_metric/turn/s/m/count": 1.0,
+                "rollout/prm_turn_reward/z": math.nan,
+                "rollout/prm_turn_reward/z__count": 1.0,
+                "rollout/prm_turn_reward/e": 1.0,
+                "rollout/prm_turn_reward/e__count": 0.0,
+            },
+        ]
+    )
     assert merged["rollout/prm_turn_reward/s"] == 0.25
     # summed under the key as given: the namespace is stripped only to classify the key
     assert merged["rollout/prm_metric/turn/s/m/count"] == 2.0
@@ -314,12 +348,19 @@ def test_merge_worker_stats_omits_a_mean_unless_its_count_sum_is_positive() -> N
     from shaper.metrics import merge_worker_stats
 
     key = "rollout/prm_metric/turn/s/m/rate"
-    merged = merge_worker_stats([
-        {key: 1.0, f"{key}__count": -2.0, "rollout/prm_turn_reward/s": 0.5, "rollout/prm_turn_reward/s__count": -1.0},
-        {key: 0.5, f"{key}__count": 1.0, "rollout/prm_turn_reward/s": 0.5, "rollout/prm_turn_reward/s__count": 3.0},
-        {"rollout/prm_metric/trajectory/s/m/sum": 2.5, "rollout/prm_metric/trajectory/s/m/observed_count": 1.0},
-        {"rollout/prm_metric/trajectory/s/m/sum": -1.0},
-    ])
+    merged = merge_worker_stats(
+        [
+            {
+                key: 1.0,
+                f"{key}__count": -2.0,
+                "rollout/prm_turn_reward/s": 0.5,
+                "rollout/prm_turn_reward/s__count": -1.0,
+            },
+            {key: 0.5, f"{key}__count": 1.0, "rollout/prm_turn_reward/s": 0.5, "rollout/prm_turn_reward/s__count": 3.0},
+            {"rollout/prm_metric/trajectory/s/m/sum": 2.5, "rollout/prm_metric/trajectory/s/m/observed_count": 1.0},
+            {"rollout/prm_metric/trajectory/s/m/sum": -1.0},
+        ]
+    )
     assert key not in merged  # count sum -1: AReaL keeps a mean only when the sum is > 0
     assert merged["rollout/prm_turn_reward/s"] == 0.5  # (0.5 * -1 + 0.5 * 3) / 2
     assert merged["rollout/prm_metric/trajectory/s/m/sum"] == 1.5
@@ -329,7 +370,9 @@ def test_merge_worker_stats_omits_a_mean_unless_its_count_sum_is_positive() -> N
 def test_merge_stats_edge_cases_as_areal() -> None:
     from shaper.metrics import merge_stats
 
-    merged = merge_stats([{"m": 1.0, "m__count": 1.0}, {"m": 7.0}, {"m": math.nan, "m__count": 0.0}, {"c": 2.0}, {"c": 3.0}])
+    merged = merge_stats(
+        [{"m": 1.0, "m__count": 1.0}, {"m": 7.0}, {"m": math.nan, "m__count": 0.0}, {"c": 2.0}, {"c": 3.0}]
+    )
     # a mean weighted only by the count in its own dict; one without a count carries no weight
     assert math.isnan(merged["m"])  # NaN * 0 = NaN, as AReaL's unvalidated merge
     merged = merge_stats([{"m": 1.0, "m__count": 1.0}, {"m": 7.0}, {"c": 2.0}, {"c": 3.0}])
@@ -360,8 +403,13 @@ def test_mask_no_eos_keeps_truncated_rows_in_the_loss_and_zeroes_their_rewards()
     # zeroing another row instead changes the group baseline
     moved = dataclasses.replace(batch, is_truncated=torch.tensor([False] * (n - 1) + [True]))
     shaped = shape_batch(moved, Shaping(mode="additive"), Trainer(), Actor(mask_no_eos_with_zero=True))
-    expected = shape_batch(dataclasses.replace(moved, rewards=torch.tensor([*range(n - 1), 0.0]),
-                                               token_rewards=torch.where(torch.arange(n)[:, None] == n - 1, 0.0,
-                                                                         moved.token_rewards)), Shaping(mode="additive"))
+    expected = shape_batch(
+        dataclasses.replace(
+            moved,
+            rewards=torch.tensor([*range(n - 1), 0.0]),
+            token_rewards=torch.where(torch.arange(n)[:, None] == n - 1, 0.0, moved.token_rewards),
+        ),
+        Shaping(mode="additive"),
+    )
     assert torch.equal(shaped.advantages, expected.advantages)
     assert shaped.loss_mask[n - 1].sum() > 0

@@ -15,7 +15,7 @@ from scoring_workers.scorers import LengthBudgetScorer as BuiltIn
 from tests.unit.test_prm_runner import traj, turn
 
 # Written as for AReaL (`from areal.reward.prm import ...`); only that import line differs.
-AREAL_MODULE = '''
+AREAL_MODULE = """
 import torch
 
 from scoring_workers.prm import BaseScorer, BaseTrajectoryScorer, PRMMetricObservation, PRMScorerResult
@@ -58,7 +58,7 @@ class LastTurnBonus(BaseTrajectoryScorer):
 
     async def evaluate_trajectory(self, interactions, ctx):
         return {interactions[-1].interaction_id: 0.5}
-'''
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +100,11 @@ async def test_areal_module_runs_unchanged_but_for_its_import(user_examples: Pat
     # a: budget +1, dense 2*[0, .5, 1]; b: budget -1, dense 2*[0, .25, .5, .75, 1], bonus .5
     assert branch.token_rewards["a"].tolist() == [1.0, 2.0, 3.0]
     assert branch.token_rewards["b"].tolist() == [-0.5, 0.0, 0.5, 1.0, 1.5]
-    assert branch.scorer_totals == {"user_length_budget": 0.0, "dense": 2.0, "last_turn_bonus": 0.5}  # turn reward = mean
+    assert branch.scorer_totals == {
+        "user_length_budget": 0.0,
+        "dense": 2.0,
+        "last_turn_bonus": 0.5,
+    }  # turn reward = mean
     stats = result.stats()
     assert stats["rollout/prm_metric/turn/user_length_budget/over_budget/count"] == 1.0
     assert stats["rollout/prm_metric/turn/user_length_budget/over_budget/rate"] == 0.5

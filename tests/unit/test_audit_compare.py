@@ -76,9 +76,16 @@ class Boom(BaseScorer):
 
 
 def _traj(gid: str, k: int, *, turns: int = 2, branch_at: int | None = None, output_tokens: int = 16):
-    return make_session(trajectory_id=f"{gid}-{k}", session_id=f"{gid}-s{k}", group_id=gid, group_size=2,
-                        turns=turns, output_tokens=output_tokens, branch_at=branch_at,
-                        rng=np.random.default_rng(k))
+    return make_session(
+        trajectory_id=f"{gid}-{k}",
+        session_id=f"{gid}-s{k}",
+        group_id=gid,
+        group_size=2,
+        turns=turns,
+        output_tokens=output_tokens,
+        branch_at=branch_at,
+        rng=np.random.default_rng(k),
+    )
 
 
 async def _scored(scorers: list[BaseScorer], trajs) -> list[SessionResult]:
@@ -93,8 +100,16 @@ def _verdict(gid: str, sessions: list[SessionResult], names: list[str], **kw: An
     failed = [s for s in sessions if s.status == "failed"]
     status = kw.pop("status", "rejected" if failed else "accepted")
     reason = kw.pop("reason", failed[0].failure_code if failed else "")
-    return GroupVerdict(group_id=gid, status=status, reason=reason, group_size=len(sessions), sessions=sessions,
-                        scorers=[ScorerInfo(n, "1") for n in names], worker_id="w0", **kw)
+    return GroupVerdict(
+        group_id=gid,
+        status=status,
+        reason=reason,
+        group_size=len(sessions),
+        sessions=sessions,
+        scorers=[ScorerInfo(n, "1") for n in names],
+        worker_id="w0",
+        **kw,
+    )
 
 
 def _with_token_rewards(session: SessionResult, leaf: str, iid: str, values: np.ndarray) -> SessionResult:
@@ -128,12 +143,17 @@ async def test_identical_when_rescoring_reproduces_the_verdict(group) -> None:
 
 async def test_dense_scorers_are_identical_too() -> None:
     trajs = [_traj("g-dense", 0, branch_at=0), _traj("g-dense", 1)]
+
     def scorers() -> list:
         return [LengthBudgetScorer(max_output_tokens=32), RampScorer(weight=0.5)]
+
     recorded, again = await _scored(scorers(), trajs), await _scored(scorers(), trajs)
     assert recorded[0].branches[0].token_rewards["g-dense-s0-t0"].values_raw is not None  # really dense
-    finding = compare_group([_verdict("g-dense", recorded, ["length_budget", "ramp"])],
-                            {s.trajectory_id: s for s in again}, scope=ScoringScope.of(["length_budget", "ramp"]))
+    finding = compare_group(
+        [_verdict("g-dense", recorded, ["length_budget", "ramp"])],
+        {s.trajectory_id: s for s in again},
+        scope=ScoringScope.of(["length_budget", "ramp"]),
+    )
     assert finding.outcome == "identical", finding.differences
 
 
@@ -161,21 +181,30 @@ async def test_changed_token_reward_names_group_session_turn_scorer_and_max_diff
 
 async def test_changed_turn_result_total_and_stats_are_attributed_to_their_scorer() -> None:
     trajs = [_traj("g-two", 0), _traj("g-two", 1)]
+
     def scorers() -> list:
         return [LengthBudgetScorer(max_output_tokens=32), RampScorer()]
+
     recorded = await _scored(scorers(), trajs)
     rescored = {s.trajectory_id: s for s in await _scored(scorers(), trajs)}
     s = recorded[1]
     (branch,) = s.branches
     iid = branch.path[0]
     ramp_results = [tr for tr in s.turn_results if tr.scorer_name == "ramp" and tr.interaction_id == iid]
-    turn_results = [msgspec.structs.replace(tr, reward=tr.reward + 0.1) if tr is ramp_results[0] else tr
-                    for tr in s.turn_results]
+    turn_results = [
+        msgspec.structs.replace(tr, reward=tr.reward + 0.1) if tr is ramp_results[0] else tr for tr in s.turn_results
+    ]
     tokens = branch.token_rewards[iid].to_numpy() + np.float32(0.1)
-    forged = msgspec.structs.replace(_with_token_rewards(s, branch.leaf_id, iid, tokens), turn_results=turn_results,
-                                     stats={**s.stats, "rollout/prm_turn_reward/ramp": s.stats["rollout/prm_turn_reward/ramp"] + 0.05})
-    finding = compare_group([_verdict("g-two", [recorded[0], forged], ["length_budget", "ramp"])], rescored,
-                            scope=ScoringScope.of(["length_budget", "ramp"]))
+    forged = msgspec.structs.replace(
+        _with_token_rewards(s, branch.leaf_id, iid, tokens),
+        turn_results=turn_results,
+        stats={**s.stats, "rollout/prm_turn_reward/ramp": s.stats["rollout/prm_turn_reward/ramp"] + 0.05},
+    )
+    finding = compare_group(
+        [_verdict("g-two", [recorded[0], forged], ["length_budget", "ramp"])],
+        rescored,
+        scope=ScoringScope.of(["length_budget", "ramp"]),
+    )
     assert finding.outcome == "differs"
     kinds = {(d.kind, d.turn, d.scorer) for d in finding.differences}
     assert ("turn_result", iid, "ramp") in kinds
@@ -206,7 +235,9 @@ async def test_float32_round_off_is_tolerated_but_real_changes_are_not(group) ->
     ulps[0] = base[0]  # keep it dense (not uniform)
     rec = _with_token_rewards(session, branch.leaf_id, iid, base)
     res = _with_token_rewards(session, branch.leaf_id, iid, ulps)
-    assert not np.array_equal(rec.branches[0].token_rewards[iid].to_numpy(), res.branches[0].token_rewards[iid].to_numpy())
+    assert not np.array_equal(
+        rec.branches[0].token_rewards[iid].to_numpy(), res.branches[0].token_rewards[iid].to_numpy()
+    )
     assert compare_session(rec, res, scope=LB).outcome == "identical"
     # near zero the absolute tolerance applies
     tiny = _with_token_rewards(session, branch.leaf_id, iid, np.full(base.size, 5e-7, dtype=np.float32))
@@ -217,8 +248,9 @@ async def test_float32_round_off_is_tolerated_but_real_changes_are_not(group) ->
     cmp = compare_session(moved, rec, scope=LB)
     assert cmp.outcome == "differs" and cmp.differences[0].max_abs_diff == pytest.approx(1e-4, rel=1e-2)
     assert compare_session(rec, res, scope=LB, tol=Tolerance(rtol=0, atol=0)).outcome == "differs"
-    finding = compare_group([_verdict(gid, [recorded[0], rec], ["length_budget"])],
-                            {**rescored, session.trajectory_id: res}, scope=LB)
+    finding = compare_group(
+        [_verdict(gid, [recorded[0], rec], ["length_budget"])], {**rescored, session.trajectory_id: res}, scope=LB
+    )
     assert finding.outcome == "identical"
 
 
@@ -239,8 +271,10 @@ async def test_missing_trajectory_is_verdict_without_trajectory(group) -> None:
 
 async def test_discarded_group_needs_its_discard_record(group) -> None:
     gid, _trajs, recorded = group
-    members = [msgspec.structs.replace(s, status="discarded", branches=[], turn_results=[], stats={}, turns=[])
-               for s in recorded]
+    members = [
+        msgspec.structs.replace(s, status="discarded", branches=[], turn_results=[], stats={}, turns=[])
+        for s in recorded
+    ]
     verdict = _verdict(gid, members, ["length_budget"], status="discarded", reason="prompt filtered")
     assert compare_group([verdict], {}, scope=LB, discard_seen=True).outcome == "identical"
     assert compare_group([verdict], {}, scope=LB, discard_seen=False).outcome == "verdict_without_trajectory"
@@ -267,14 +301,24 @@ async def test_failed_members_must_fail_again_with_the_same_code() -> None:
     assert {(d.kind, d.scorer) for d in finding.differences} == {("status", "boom")}
     # the culprit comes from the typed field: a message that names another scorer changes nothing
     misleading = [msgspec.structs.replace(s, error="scorer_error: scorer 'length_budget' said so") for s in recorded]
-    finding = compare_group([_verdict("g-fail", misleading, ["length_budget", "boom"])],
-                            {s.trajectory_id: s for s in fixed}, scope=scope)
+    finding = compare_group(
+        [_verdict("g-fail", misleading, ["length_budget", "boom"])], {s.trajectory_id: s for s in fixed}, scope=scope
+    )
     assert {(d.kind, d.scorer) for d in finding.differences} == {("status", "boom")}
     # a recorded timeout that does not reproduce is load, not a finding
-    timed_out = [msgspec.structs.replace(s, error="scorer_timeout: TimeoutError", error_code="scorer_timeout",
-                                         error_scorer=None, error_detail="TimeoutError") for s in recorded]
-    finding = compare_group([_verdict("g-fail", timed_out, ["length_budget", "boom"])],
-                            {s.trajectory_id: s for s in fixed}, scope=scope)
+    timed_out = [
+        msgspec.structs.replace(
+            s,
+            error="scorer_timeout: TimeoutError",
+            error_code="scorer_timeout",
+            error_scorer=None,
+            error_detail="TimeoutError",
+        )
+        for s in recorded
+    ]
+    finding = compare_group(
+        [_verdict("g-fail", timed_out, ["length_budget", "boom"])], {s.trajectory_id: s for s in fixed}, scope=scope
+    )
     assert finding.outcome == "not_rescorable"
     # scored in the verdict, rejected now
     scored = {s.trajectory_id: s for s in fixed}
@@ -321,17 +365,23 @@ async def test_non_deterministic_scorer_is_checked_against_the_record_not_rerun(
     branch = s.branches[0]
     iid = branch.path[0]
     forged = _with_token_rewards(s, branch.leaf_id, iid, branch.token_rewards[iid].to_numpy() + np.float32(0.5))
-    finding = compare_group([_verdict("g-judge", [forged, recorded[1]], ["length_budget", "judge"])],
-                            rescored, scope=scope)
+    finding = compare_group(
+        [_verdict("g-judge", [forged, recorded[1]], ["length_budget", "judge"])], rescored, scope=scope
+    )
     assert finding.outcome == "differs"
     (diff,) = finding.differences
     assert (diff.kind, diff.turn, diff.scorer) == ("token_rewards", iid, "judge")
     assert diff.max_abs_diff == pytest.approx(0.5)
     # so is a deterministic scorer's changed turn result
-    trs = [msgspec.structs.replace(tr, reward=0.5) if tr.scorer_name == "length_budget" and i == 0 else tr
-           for i, tr in enumerate(s.turn_results)]
-    finding = compare_group([_verdict("g-judge", [msgspec.structs.replace(s, turn_results=trs), recorded[1]],
-                                      ["length_budget", "judge"])], rescored, scope=scope)
+    trs = [
+        msgspec.structs.replace(tr, reward=0.5) if tr.scorer_name == "length_budget" and i == 0 else tr
+        for i, tr in enumerate(s.turn_results)
+    ]
+    finding = compare_group(
+        [_verdict("g-judge", [msgspec.structs.replace(s, turn_results=trs), recorded[1]], ["length_budget", "judge"])],
+        rescored,
+        scope=scope,
+    )
     assert finding.outcome == "differs"
     assert ("turn_result", "length_budget") in {(d.kind, d.scorer) for d in finding.differences}
 
@@ -360,8 +410,9 @@ async def test_duplicate_verdicts_are_compared_once_and_conflicts_are_findings(g
 async def test_scorer_versions_and_self_contradictions_are_findings(group) -> None:
     gid, _trajs, recorded = group
     rescored = {s.trajectory_id: s for s in recorded}
-    bumped = msgspec.structs.replace(_verdict(gid, recorded, ["length_budget"]),
-                                     scorers=[ScorerInfo("length_budget", "2")])
+    bumped = msgspec.structs.replace(
+        _verdict(gid, recorded, ["length_budget"]), scorers=[ScorerInfo("length_budget", "2")]
+    )
     assert [d.kind for d in compare_group([bumped], rescored, scope=LB).differences] == ["scorers"]
     short = _verdict(gid, recorded[:1], ["length_budget"], status="accepted")
     short = msgspec.structs.replace(short, group_size=2)
@@ -373,8 +424,9 @@ async def test_auditor_matches_records_by_trajectory_id() -> None:
     trajs = [_traj("g-a", 0), _traj("g-a", 1), _traj("g-b", 0)]
     recorded = await _scored([LengthBudgetScorer(max_output_tokens=32)], trajs)
     verdict = _verdict("g-a", recorded[:2], ["length_budget"])
-    forged = _with_token_rewards(recorded[0], recorded[0].branches[0].leaf_id, recorded[0].branches[0].path[0],
-                                 np.zeros(16, dtype=np.float32))
+    forged = _with_token_rewards(
+        recorded[0], recorded[0].branches[0].leaf_id, recorded[0].branches[0].path[0], np.zeros(16, dtype=np.float32)
+    )
     conflicting = msgspec.structs.replace(verdict, sessions=[forged, recorded[1]])
     runner = await PRMRunner.create(PRMConfig(scorers=[LengthBudgetScorer(max_output_tokens=32)]))  # type: ignore[list-item]
     try:
@@ -394,8 +446,13 @@ async def test_auditor_matches_records_by_trajectory_id() -> None:
     assert {d.variant for d in found["g-a"].differences if d.kind == "token_rewards"} == {1}
     assert found["g-b"].outcome == "trajectory_without_verdict" and found["g-b"].trajectories == ["g-b-0"]
     assert found["g-c"].outcome == "trajectory_without_verdict"
-    assert report.counts == {"identical": 0, "differs": 1, "not_rescorable": 0, "verdict_without_trajectory": 0,
-                             "trajectory_without_verdict": 2}
+    assert report.counts == {
+        "identical": 0,
+        "differs": 1,
+        "not_rescorable": 0,
+        "verdict_without_trajectory": 0,
+        "trajectory_without_verdict": 2,
+    }
     assert report.records["undecodable_verdicts"] == 1 and report.exit_code == 1
 
 
@@ -433,7 +490,8 @@ async def test_groups_asked_for_and_not_found_are_named_and_none_found_exits_2()
 def test_parse_offsets_and_times() -> None:
     aliases = {"trajectories": "prm.trajectories", "verdicts": "prm.verdicts"}
     assert parse_offsets(["trajectories:0:10,trajectories:3:7", "prm.verdicts:1:0"], aliases=aliases) == {
-        "prm.trajectories": {0: 10, 3: 7}, "prm.verdicts": {1: 0},
+        "prm.trajectories": {0: 10, 3: 7},
+        "prm.verdicts": {1: 0},
     }
     for bad in ("x:1", "t:a:1", "t:1:-2"):
         with pytest.raises(ValueError):
@@ -453,8 +511,14 @@ async def test_auditor_reassembles_chunked_trajectories() -> None:
     from infra.chunks import to_records
     from prm_pipeline.demo.synthetic import make_agent_session
 
-    traj = make_agent_session(trajectory_id="g-long-0", session_id="g-long-s0", group_id="g-long", turns=12,
-                              context_tokens=12_000, output_tokens=16)
+    traj = make_agent_session(
+        trajectory_id="g-long-0",
+        session_id="g-long-s0",
+        group_id="g-long",
+        turns=12,
+        context_tokens=12_000,
+        output_tokens=16,
+    )
     recorded = await _scored([LengthBudgetScorer(max_output_tokens=32)], [traj])
     runner = await PRMRunner.create(PRMConfig(scorers=[LengthBudgetScorer(max_output_tokens=32)]))  # type: ignore[list-item]
     try:

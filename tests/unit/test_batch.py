@@ -24,7 +24,9 @@ from infra.schema import (
 )
 from shaper import ConcatExportError, TrainingBatch, build_training_batch, export_group
 from shaper.batch import collate, turns_from_interactions
-from shaper.filters import decide_mixed_or_penalized_all_wrong_mask_no_eos as filter_mixed_or_penalized_all_wrong_mask_no_eos
+from shaper.filters import (
+    decide_mixed_or_penalized_all_wrong_mask_no_eos as filter_mixed_or_penalized_all_wrong_mask_no_eos,
+)
 
 
 # --------------------------------------------------------------------------- builders
@@ -41,8 +43,9 @@ def turn(
     return Interaction(
         interaction_id=iid,
         parent_id=parent,
-        model_response=ModelResponse.from_arrays(np.asarray(inp, np.int32), np.asarray(out, np.int32),
-                                                 np.asarray(logp, np.float32), stop),
+        model_response=ModelResponse.from_arrays(
+            np.asarray(inp, np.int32), np.asarray(out, np.int32), np.asarray(logp, np.float32), stop
+        ),
     )
 
 
@@ -53,9 +56,12 @@ def rewards(values: float | Sequence[float], length: int | None = None) -> Token
     return TokenRewards.from_array(np.asarray(values, np.float32))
 
 
-def branch(path: Sequence[str], token_rewards: Mapping[str, TokenRewards], totals: Mapping[str, float] | None = None) -> BranchResult:
-    return BranchResult(leaf_id=path[-1], path=list(path), token_rewards=dict(token_rewards),
-                        scorer_totals=dict(totals or {"len": 0.0}))
+def branch(
+    path: Sequence[str], token_rewards: Mapping[str, TokenRewards], totals: Mapping[str, float] | None = None
+) -> BranchResult:
+    return BranchResult(
+        leaf_id=path[-1], path=list(path), token_rewards=dict(token_rewards), scorer_totals=dict(totals or {"len": 0.0})
+    )
 
 
 def session(
@@ -69,25 +75,53 @@ def session(
     is_eval: bool = False,
 ) -> SessionResult:
     return SessionResult(
-        session_id=sid, trajectory_id=f"traj-{sid}", status=status,  # type: ignore[arg-type]
-        outcome_reward=outcome, is_eval=is_eval, branches=list(branches),
-        stats=dict(stats or {}), turns=compact_turns(interactions) if status == "scored" else [],
+        session_id=sid,
+        trajectory_id=f"traj-{sid}",
+        status=status,  # type: ignore[arg-type]
+        outcome_reward=outcome,
+        is_eval=is_eval,
+        branches=list(branches),
+        stats=dict(stats or {}),
+        turns=compact_turns(interactions) if status == "scored" else [],
         error="scorer_error: boom" if status == "failed" else None,
     )
 
 
-def verdict(gid: str, sessions: Sequence[SessionResult], status: str = "accepted", reason: str = "",
-            version: int = 1, code: str = "") -> GroupVerdict:
-    return GroupVerdict(group_id=gid, status=status, reason=reason, verdict_version=version,  # type: ignore[arg-type]
-                        group_size=len(sessions), sessions=list(sessions), worker_id="test", reason_code=code)
+def verdict(
+    gid: str,
+    sessions: Sequence[SessionResult],
+    status: str = "accepted",
+    reason: str = "",
+    version: int = 1,
+    code: str = "",
+) -> GroupVerdict:
+    return GroupVerdict(
+        group_id=gid,
+        status=status,
+        reason=reason,
+        verdict_version=version,  # type: ignore[arg-type]
+        group_size=len(sessions),
+        sessions=list(sessions),
+        worker_id="test",
+        reason_code=code,
+    )
 
 
-def simple_session(sid: str, *, outcome: float = 1.0, reward: float = 0.5, prompt: int = 3, out: int = 2,
-                   stats: Mapping[str, float] | None = None, base: int = 1) -> SessionResult:
+def simple_session(
+    sid: str,
+    *,
+    outcome: float = 1.0,
+    reward: float = 0.5,
+    prompt: int = 3,
+    out: int = 2,
+    stats: Mapping[str, float] | None = None,
+    base: int = 1,
+) -> SessionResult:
     """A one-turn session with uniform process reward ``reward``."""
     t = turn(f"{sid}-t0", None, range(base, base + prompt), range(100 + base, 100 + base + out))
-    return session(sid, [t], [branch([t.interaction_id], {t.interaction_id: rewards(reward, out)})],
-                   outcome=outcome, stats=stats)
+    return session(
+        sid, [t], [branch([t.interaction_id], {t.interaction_id: rewards(reward, out)})], outcome=outcome, stats=stats
+    )
 
 
 def accepted_group(gid: str, outcomes: Sequence[float] = (1.0, 0.0), **kwargs) -> GroupVerdict:
@@ -150,15 +184,23 @@ def test_two_branches_sharing_a_root_make_two_rows_with_branch_local_rewards() -
     root = turn("r", None, [1, 2], [3, 4])
     a = turn("a", "r", [1, 2, 3, 4, 9], [5])
     b = turn("b", "r", [1, 2, 3, 4, 8], [6, 7], stop="length")
-    s = session("s", [root, a, b], [
-        branch(["r", "a"], {"r": rewards(0.1, 2), "a": rewards(1.0, 1)}),
-        branch(["r", "b"], {"r": rewards(-0.2, 2), "b": rewards([0.3, 0.4])}),
-    ])
+    s = session(
+        "s",
+        [root, a, b],
+        [
+            branch(["r", "a"], {"r": rewards(0.1, 2), "a": rewards(1.0, 1)}),
+            branch(["r", "b"], {"r": rewards(-0.2, 2), "b": rewards([0.3, 0.4])}),
+        ],
+    )
     batch = build_training_batch([verdict("g", [s])])
     assert batch.leaf_ids == ["a", "b"]
     assert batch.input_ids.tolist() == [[1, 2, 3, 4, 9, 5, 0], [1, 2, 3, 4, 8, 6, 7]]
-    torch.testing.assert_close(batch.token_rewards, torch.tensor(
-        [[0, 0, 0.1, 0.1, 0, 1.0, 0], [0, 0, -0.2, -0.2, 0, 0.3, 0.4]]), rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        batch.token_rewards,
+        torch.tensor([[0, 0, 0.1, 0.1, 0, 1.0, 0], [0, 0, -0.2, -0.2, 0, 0.3, 0.4]]),
+        rtol=0,
+        atol=1e-7,
+    )
     assert batch.loss_mask.tolist() == [
         [False, False, True, True, False, True, False],
         [False, False, True, True, False, True, True],
@@ -285,8 +327,9 @@ def test_to_moves_every_tensor() -> None:
 
 
 def test_filter_inputs_feed_the_group_filters() -> None:
-    all_wrong = verdict("g", [simple_session("a", outcome=0.0, reward=-1.0),
-                              simple_session("b", outcome=0.0, reward=0.0)])
+    all_wrong = verdict(
+        "g", [simple_session("a", outcome=0.0, reward=-1.0), simple_session("b", outcome=0.0, reward=0.0)]
+    )
     inputs = export_group(all_wrong).filter_inputs()
     assert set(inputs) >= {"original_rewards", "token_rewards", "loss_mask", "is_truncated"}
     decision = filter_mixed_or_penalized_all_wrong_mask_no_eos(inputs)
@@ -298,14 +341,17 @@ def truncated_session(sid: str, reward: float) -> SessionResult:
     return session(sid, [t], [branch([t.interaction_id], {t.interaction_id: rewards(reward, 3)})], outcome=0.0)
 
 
-@pytest.mark.parametrize("sessions", [
-    [simple_session("a", outcome=0.0, reward=-1.0), simple_session("b", outcome=0.0, reward=0.0, out=4)],
-    [simple_session("a", outcome=0.0, reward=0.0), simple_session("b", outcome=0.0, reward=0.0)],
-    [simple_session("a", outcome=1.0), simple_session("b", outcome=0.0)],
-    [simple_session("a", outcome=1.0), simple_session("b", outcome=1.0, reward=-1.0)],
-    [truncated_session("a", -1.0), simple_session("b", outcome=0.0, reward=0.0)],  # penalty in a truncated row
-    [truncated_session("a", -1.0), simple_session("b", outcome=0.0, reward=-0.5)],
-])
+@pytest.mark.parametrize(
+    "sessions",
+    [
+        [simple_session("a", outcome=0.0, reward=-1.0), simple_session("b", outcome=0.0, reward=0.0, out=4)],
+        [simple_session("a", outcome=0.0, reward=0.0), simple_session("b", outcome=0.0, reward=0.0)],
+        [simple_session("a", outcome=1.0), simple_session("b", outcome=0.0)],
+        [simple_session("a", outcome=1.0), simple_session("b", outcome=1.0, reward=-1.0)],
+        [truncated_session("a", -1.0), simple_session("b", outcome=0.0, reward=0.0)],  # penalty in a truncated row
+        [truncated_session("a", -1.0), simple_session("b", outcome=0.0, reward=-0.5)],
+    ],
+)
 def test_filters_read_the_group_as_they_read_its_padded_tensors(sessions) -> None:
     from shaper.filters import FILTERS
 
@@ -323,8 +369,9 @@ def test_filtering_a_group_builds_no_batch(monkeypatch: pytest.MonkeyPatch) -> N
         raise AssertionError("the filter padded the group")
 
     monkeypatch.setattr(batch_module, "_pad", no_padding)
-    group = export_group(verdict("g", [simple_session("a", outcome=0.0, reward=-1.0),
-                                       simple_session("b", outcome=0.0, reward=0.0)]))
+    group = export_group(
+        verdict("g", [simple_session("a", outcome=0.0, reward=-1.0), simple_session("b", outcome=0.0, reward=0.0)])
+    )
     assert filter_mixed_or_penalized_all_wrong_mask_no_eos(group).reason == "penalized_all_wrong"
 
 

@@ -47,22 +47,36 @@ class OldBranchResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _branch(**extra) -> BranchResult:
-    return BranchResult(leaf_id="t1", path=["t0", "t1"], scorer_totals={"s": 1.0},
-                        token_rewards={"t0": TokenRewards(length=2, uniform=0.5),
-                                       "t1": TokenRewards.from_array(np.array([1, 2], np.float32))}, **extra)
+    return BranchResult(
+        leaf_id="t1",
+        path=["t0", "t1"],
+        scorer_totals={"s": 1.0},
+        token_rewards={
+            "t0": TokenRewards(length=2, uniform=0.5),
+            "t1": TokenRewards.from_array(np.array([1, 2], np.float32)),
+        },
+        **extra,
+    )
 
 
 def test_branch_without_channels_encodes_exactly_as_before() -> None:
     new = _branch()
-    old = OldBranchResult(leaf_id=new.leaf_id, path=new.path, token_rewards=new.token_rewards,
-                          scorer_totals=new.scorer_totals)
+    old = OldBranchResult(
+        leaf_id=new.leaf_id, path=new.path, token_rewards=new.token_rewards, scorer_totals=new.scorer_totals
+    )
     assert msgspec.msgpack.encode(new) == msgspec.msgpack.encode(old)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=BranchResult) == new
 
 
 def test_channels_round_trip_and_old_readers_ignore_them() -> None:
-    branch = _branch(channels={"s": {"t0": TokenRewards(length=2, uniform=0.5),
-                                     "t1": TokenRewards.from_array(np.array([1, 2], np.float32))}})
+    branch = _branch(
+        channels={
+            "s": {
+                "t0": TokenRewards(length=2, uniform=0.5),
+                "t1": TokenRewards.from_array(np.array([1, 2], np.float32)),
+            }
+        }
+    )
     raw = msgspec.msgpack.encode(branch)
     assert msgspec.msgpack.decode(raw, type=BranchResult) == branch
     assert msgspec.msgpack.decode(raw, type=OldBranchResult).token_rewards == branch.token_rewards
@@ -99,8 +113,7 @@ def _runner() -> PRMRunner:
 
 
 def _traj(turns: int = 2, out: int = 4):
-    return make_session(trajectory_id="tr", session_id="s", group_id="g", group_size=1, turns=turns,
-                        output_tokens=out)
+    return make_session(trajectory_id="tr", session_id="s", group_id="g", group_size=1, turns=turns, output_tokens=out)
 
 
 async def test_runner_keeps_weighted_channels_and_the_same_sum() -> None:
@@ -169,12 +182,19 @@ def combined_session(sid: str, outcome: float, *, with_channels: bool = True, ju
         JUDGE: {iid: TokenRewards(length=n, uniform=judge_weight * s) for iid, n, (s, _) in zip(ids, lengths, turns)},
         OPD: {iid: tr(v) for iid, v in zip(ids, OPD_SIGNAL[sid])},
     }
-    return scored_session(sid, three_turns(sid), {ids[-1]: turns}, outcome=outcome,
-                          channels={ids[-1]: channels} if with_channels else None)
+    return scored_session(
+        sid,
+        three_turns(sid),
+        {ids[-1]: turns},
+        outcome=outcome,
+        channels={ids[-1]: channels} if with_channels else None,
+    )
 
 
 def combined_batch(**kwargs):
-    return build_training_batch([group("g", [combined_session("a", 1.0, **kwargs), combined_session("b", 0.0, **kwargs)])])
+    return build_training_batch(
+        [group("g", [combined_session("a", 1.0, **kwargs), combined_session("b", 0.0, **kwargs)])]
+    )
 
 
 def test_batch_lays_channels_out_like_token_rewards() -> None:
@@ -186,16 +206,18 @@ def test_batch_lays_channels_out_like_token_rewards() -> None:
 
 
 def test_channel_only_batched_when_every_row_has_it() -> None:
-    mixed = build_training_batch([group("g", [combined_session("a", 1.0)]),
-                                  group("h", [combined_session("b", 0.0, with_channels=False)])])
+    mixed = build_training_batch(
+        [group("g", [combined_session("a", 1.0)]), group("h", [combined_session("b", 0.0, with_channels=False)])]
+    )
     assert mixed.channels == {}  # a zero-filled hole would read as a real zero signal
 
 
 def test_channel_that_misses_a_turn_is_refused() -> None:
     s = combined_session("a", 1.0)
     branch = s.branches[0]
-    holed = msgspec.structs.replace(branch, channels={OPD: {k: v for k, v in branch.channels[OPD].items()
-                                                           if not k.endswith("t1")}})
+    holed = msgspec.structs.replace(
+        branch, channels={OPD: {k: v for k, v in branch.channels[OPD].items() if not k.endswith("t1")}}
+    )
     with pytest.raises(ConcatExportError, match="channel of scorer 'opd_teacher' has no rewards") as err:
         build_training_batch([group("g", [msgspec.structs.replace(s, branches=[holed])])])
     assert err.value.reason == "channel_mismatch"
@@ -222,8 +244,7 @@ def test_prm_gated_opd_through_shape_batch() -> None:
     shaped = shape_batch(combined_batch(), Shaping(mode="additive"), Trainer(combined_mode="prm_gated_opd"))
     # a: t0 good -> OPD; t1 first bad -> -1; t2 cut -> 0.
     # b: t0, t1 good -> OPD; t2 has no next state: unjudged, 0 (not the -1 penalty).
-    p = [[0, 0, 0.5, -0.2, 0, -1, -1, 0, 0, 0, 0, 0],
-         [0, 0, 0.2, 0.4, 0, -0.1, 0.6, 0, 0, 0, 0, 0]]
+    p = [[0, 0, 0.5, -0.2, 0, -1, -1, 0, 0, 0, 0, 0], [0, 0, 0.2, 0.4, 0, -0.1, 0.6, 0, 0, 0, 0, 0]]
     torch.testing.assert_close(shaped.token_rewards, torch.tensor(p))
     torch.testing.assert_close(shaped.advantages, _expected(p, [A, -A]))
     assert shaped.loss_mask.tolist() == [SHIFTED_MASK, SHIFTED_MASK]
@@ -231,9 +252,10 @@ def test_prm_gated_opd_through_shape_batch() -> None:
 
 def test_prm_weighted_opd_through_shape_batch_with_weighted_judge() -> None:
     # judge weight 2: the channel carries 2 * score, and the product scales with it
-    shaped = shape_batch(combined_batch(judge_weight=2.0), Shaping(mode="additive"), Trainer(combined_mode="prm_weighted_opd"))
-    p = [[0, 0, 1.0, -0.4, 0, -0.6, -0.2, 0, 0, 0, 0, 0],
-         [0, 0, 0.4, 0.8, 0, -0.2, 1.2, 0, 0, 0, 0, 0]]
+    shaped = shape_batch(
+        combined_batch(judge_weight=2.0), Shaping(mode="additive"), Trainer(combined_mode="prm_weighted_opd")
+    )
+    p = [[0, 0, 1.0, -0.4, 0, -0.6, -0.2, 0, 0, 0, 0, 0], [0, 0, 0.4, 0.8, 0, -0.2, 1.2, 0, 0, 0, 0, 0]]
     torch.testing.assert_close(shaped.token_rewards, torch.tensor(p))
     torch.testing.assert_close(shaped.advantages, _expected(p, [A, -A]))
 
@@ -241,7 +263,11 @@ def test_prm_weighted_opd_through_shape_batch_with_weighted_judge() -> None:
 def test_combined_mode_with_exclusion_and_gvpo() -> None:
     # exclusion drops t2 of both rows (no next state); gvpo: negative P punishes where A < 0,
     # clamps A > 0 to 0 (row a's penalised t1), keeps A where P >= 0.
-    shaped = shape_batch(combined_batch(), Shaping(mode="gvpo", negative_scale=0.5), Trainer(combined_mode="prm_gated_opd", exclude_neutral_turns=True))
+    shaped = shape_batch(
+        combined_batch(),
+        Shaping(mode="gvpo", negative_scale=0.5),
+        Trainer(combined_mode="prm_gated_opd", exclude_neutral_turns=True),
+    )
     kept = [False, False, True, True, False, True, True, False, False, False, False, False]
     assert shaped.loss_mask.tolist() == [kept, kept]
     a_row = [0, 0, A, 0.0, 0, 0.0, 0.0, 0, 0, 0, 0, 0]  # -0.2 at pos 3 and -1 at 5, 6: A>0 -> 0
@@ -254,7 +280,9 @@ def test_combined_mode_needs_both_channels() -> None:
     with pytest.raises(ValueError, match="worker.keep_scorer_channels: true"):
         shape_batch(batch, Shaping(mode="additive"), Trainer(combined_mode="prm_weighted_opd"))
     with pytest.raises(ValueError, match=r"missing \['teacher'\]"):
-        shape_batch(combined_batch(), Shaping(mode="additive"), Trainer(combined_mode="prm_gated_opd", opd_scorer="teacher"))
+        shape_batch(
+            combined_batch(), Shaping(mode="additive"), Trainer(combined_mode="prm_gated_opd", opd_scorer="teacher")
+        )
 
 
 @pytest.mark.parametrize("judge", ["judge", "no_such_judge"])
@@ -262,8 +290,11 @@ def test_gated_mode_without_channels_names_the_setting_that_fixes_it(judge: str)
     """prm_gated_opd also reads the judge's turn results; without channels the error must
     name worker.keep_scorer_channels, not trainer.exclude_neutral_turns (never turned on)."""
     with pytest.raises(ValueError) as info:
-        shape_batch(combined_batch(with_channels=False), Shaping(mode="additive"),
-                    Trainer(combined_mode="prm_gated_opd", judge_scorer=judge))
+        shape_batch(
+            combined_batch(with_channels=False),
+            Shaping(mode="additive"),
+            Trainer(combined_mode="prm_gated_opd", judge_scorer=judge),
+        )
     assert "worker.keep_scorer_channels: true" in str(info.value)
     assert "exclude_neutral_turns" not in str(info.value)
 
@@ -278,9 +309,14 @@ def test_gated_mode_without_judge_results_names_the_mode() -> None:
 
 def test_combined_modes_are_not_shaping_modes() -> None:
     def build(shaping: str, combined: str | None) -> PipelineConfig:
-        return config_from_mapping({"rollout": {"agent": {"prm": {"advantage_shaping": {"mode": shaping}}}},
-                                    "actor": {"token_rewards_as_adv": True},
-                                    "trainer": {"combined_mode": combined}}, environ={})
+        return config_from_mapping(
+            {
+                "rollout": {"agent": {"prm": {"advantage_shaping": {"mode": shaping}}}},
+                "actor": {"token_rewards_as_adv": True},
+                "trainer": {"combined_mode": combined},
+            },
+            environ={},
+        )
 
     assert build("process_weighted", None).trainer.combined_mode is None
     assert build("additive", "prm_gated_opd").trainer.combined_mode == "prm_gated_opd"
@@ -296,16 +332,23 @@ def test_combined_modes_are_not_shaping_modes() -> None:
 # --------------------------------------------------------------------------- config and CLI
 def test_config_keys(tmp_path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"worker": {"keep_scorer_channels": True},
-                                    "trainer": {"combined_mode": "prm_gated_opd", "opd_scorer": "teacher"}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "worker": {"keep_scorer_channels": True},
+                "trainer": {"combined_mode": "prm_gated_opd", "opd_scorer": "teacher"},
+            }
+        )
+    )
     cfg = load_config(path, environ={})
     assert cfg.worker.keep_scorer_channels and cfg.trainer.combined_mode == "prm_gated_opd"
     assert cfg.trainer.opd_scorer == "teacher"
     defaults = load_config(None, environ={})
     assert not defaults.worker.keep_scorer_channels and defaults.trainer.combined_mode is None
     assert defaults.trainer.opd_scorer == "opd_teacher" and defaults.prm.advantage_shaping.mode == "additive"
-    env = load_config(None, environ={"PRM_TRAINER_COMBINED_MODE": "prm_weighted_opd",
-                                     "PRM_WORKER_KEEP_SCORER_CHANNELS": "true"})
+    env = load_config(
+        None, environ={"PRM_TRAINER_COMBINED_MODE": "prm_weighted_opd", "PRM_WORKER_KEEP_SCORER_CHANNELS": "true"}
+    )
     assert env.trainer.combined_mode == "prm_weighted_opd" and env.worker.keep_scorer_channels
     path.write_text(yaml.safe_dump({"trainer": {"combined_mode": "gvpo"}}))
     with pytest.raises(ConfigError, match="combined_mode"):
@@ -319,13 +362,20 @@ def test_cli_combined_mode(tmp_path) -> None:
     parser = build_parser()
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"trainer": {"combined_mode": "prm_gated_opd"}}))
-    assert _configure(parser.parse_args(["trainer", "--combined-mode", "prm_weighted_opd"])).trainer.combined_mode \
+    assert (
+        _configure(parser.parse_args(["trainer", "--combined-mode", "prm_weighted_opd"])).trainer.combined_mode
         == "prm_weighted_opd"
+    )
     assert _configure(parser.parse_args(["--config", str(path), "trainer"])).trainer.combined_mode == "prm_gated_opd"
-    assert _configure(parser.parse_args(["--config", str(path), "trainer", "--combined-mode", "none"])) \
-        .trainer.combined_mode is None
-    path.write_text(yaml.safe_dump({"actor": {"token_rewards_as_adv": True},
-                                    "trainer": {"combined_mode": "prm_gated_opd"}}))
+    assert (
+        _configure(
+            parser.parse_args(["--config", str(path), "trainer", "--combined-mode", "none"])
+        ).trainer.combined_mode
+        is None
+    )
+    path.write_text(
+        yaml.safe_dump({"actor": {"token_rewards_as_adv": True}, "trainer": {"combined_mode": "prm_gated_opd"}})
+    )
     with pytest.raises(ConfigError, match="process_weighted"):
         _configure(parser.parse_args(["--config", str(path), "trainer", "--mode", "process_weighted"]))
     with pytest.raises(SystemExit):
@@ -341,7 +391,9 @@ def test_combined_modes_run_on_the_inputs_device() -> None:
     batch = combined_batch()
     for mode in ("prm_gated_opd", "prm_weighted_opd"):
         cpu = shape_batch(batch, Shaping(mode="additive"), Trainer(combined_mode=mode, exclude_neutral_turns=True))
-        gpu = shape_batch(batch.to(DEVICE), Shaping(mode="additive"), Trainer(combined_mode=mode, exclude_neutral_turns=True))
+        gpu = shape_batch(
+            batch.to(DEVICE), Shaping(mode="additive"), Trainer(combined_mode=mode, exclude_neutral_turns=True)
+        )
         assert gpu.advantages.device.type == DEVICE
         torch.testing.assert_close(gpu.advantages.cpu(), cpu.advantages)
         assert gpu.loss_mask.cpu().tolist() == cpu.loss_mask.tolist()

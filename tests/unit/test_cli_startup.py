@@ -30,8 +30,9 @@ def _run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None)
     base = {k: v for k, v in os.environ.items() if not k.startswith("PRM_")}
     base.update({"PRM_KAFKA_STARTUP_TIMEOUT_S": "0.8", "PRM_REDIS_STARTUP_TIMEOUT_S": "0.8"})
     base.update(env or {})
-    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", *args], capture_output=True, text=True,
-                          timeout=60, env=base, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", *args], capture_output=True, text=True, timeout=60, env=base, cwd=cwd
+    )
 
 
 def _assert_one_line_report(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -48,8 +49,10 @@ def _assert_one_line_report(proc: subprocess.CompletedProcess[str], *needles: st
 @pytest.mark.parametrize("command", [["topics", "create"], ["worker"]])  # one of each set of needs (Command.needs)
 def test_command_without_kafka_waits_then_names_address_and_setting(command: list[str]) -> None:
     port = _closed_port()
-    proc = _run(*command, env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}",
-                               "PRM_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0"})
+    proc = _run(
+        *command,
+        env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}", "PRM_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0"},
+    )
     line = _assert_one_line_report(proc, "Kafka", f"127.0.0.1:{port}", "PRM_KAFKA_BOOTSTRAP", "`prm-pipeline up`")
     assert proc.returncode == 1, line
     # retried with a log line per attempt before giving up
@@ -135,8 +138,9 @@ def test_a_redis_acl_refusal_is_one_line_and_other_redis_errors_are_not_hidden()
     from infra.redis import RedisAccessError, access_refusal
 
     cfg = RedisConfig(url="redis://prm-worker:s3cret@10.0.0.5:6380/0")
-    refused = access_refusal(ResponseError("ACL failure in script: User prm-worker has no permissions to run "
-                                           "the 'sismember' command"), cfg)
+    refused = access_refusal(
+        ResponseError("ACL failure in script: User prm-worker has no permissions to run the 'sismember' command"), cfg
+    )
     assert isinstance(refused, RedisAccessError)
     assert "10.0.0.5:6380 as user 'prm-worker'" in str(refused) and "docs/deploy.md" in str(refused)
     assert "s3cret" not in str(refused)
@@ -178,23 +182,53 @@ worker:
 
 
 @pytest.mark.slow  # the CLI as a child process
-@pytest.mark.parametrize(("command", "path", "entry", "kwargs", "needles"), [
-    ("worker", "examples.prm.scorers.LengthBudgetScorer", "wieght: 0.5", "{}",
-     ("rollout.agent.prm.scorers[0]: unknown key `wieght`; did you mean `weight`?",)),
-    ("worker", "examples.prm.scorers.LengthBudgetScorer", "enabled: true", "{max_output_token: 64}",
-     ("rollout.agent.prm.scorers[0]", "`max_output_token`; did you mean `max_output_tokens`?")),
-    ("worker", "no_such_pkg_q7.scorers.Mine", "weight: 1.0", "{}",
-     ("'no_such_pkg_q7.scorers' is not importable", "install the package", "PYTHONPATH")),
-    ("audit", "examples.prm.scorers.LengthBudgetScorer", "enabled: true", "{max_output_token: 64}",
-     ("did you mean `max_output_tokens`?",)),  # audit: 2, its 1 means "a group differs"
-])
+@pytest.mark.parametrize(
+    ("command", "path", "entry", "kwargs", "needles"),
+    [
+        (
+            "worker",
+            "examples.prm.scorers.LengthBudgetScorer",
+            "wieght: 0.5",
+            "{}",
+            ("rollout.agent.prm.scorers[0]: unknown key `wieght`; did you mean `weight`?",),
+        ),
+        (
+            "worker",
+            "examples.prm.scorers.LengthBudgetScorer",
+            "enabled: true",
+            "{max_output_token: 64}",
+            ("rollout.agent.prm.scorers[0]", "`max_output_token`; did you mean `max_output_tokens`?"),
+        ),
+        (
+            "worker",
+            "no_such_pkg_q7.scorers.Mine",
+            "weight: 1.0",
+            "{}",
+            ("'no_such_pkg_q7.scorers' is not importable", "install the package", "PYTHONPATH"),
+        ),
+        (
+            "audit",
+            "examples.prm.scorers.LengthBudgetScorer",
+            "enabled: true",
+            "{max_output_token: 64}",
+            ("did you mean `max_output_tokens`?",),
+        ),  # audit: 2, its 1 means "a group differs"
+    ],
+)
 def test_config_and_scorer_mistakes_are_one_line_exit_2_before_any_connection(
     tmp_path: Path, command: str, path: str, entry: str, kwargs: str, needles: tuple[str, ...]
 ) -> None:
     config = tmp_path / "c.yaml"
     config.write_text(_SCORER_CONFIG.format(path=path, entry=entry, kwargs=kwargs))
-    proc = _run("--config", str(config), command, env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}",
-                                                       "PRM_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0"})
+    proc = _run(
+        "--config",
+        str(config),
+        command,
+        env={
+            "PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}",
+            "PRM_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0",
+        },
+    )
     line = _assert_one_line_report(proc, *needles)
     assert proc.returncode == 2, proc.stderr
     assert line.startswith("config error:") and "not reachable" not in proc.stderr  # never waited for Kafka
@@ -203,8 +237,12 @@ def test_config_and_scorer_mistakes_are_one_line_exit_2_before_any_connection(
 @pytest.mark.slow  # the CLI as a child process
 def test_publish_of_a_missing_file_exits_2_at_once_naming_it(tmp_path: Path) -> None:
     """Before: it waited kafka.startup_timeout_s for a broker, then talked about Kafka."""
-    proc = _run("publish", "missing.jsonl", cwd=tmp_path,
-                env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}", "PRM_KAFKA_STARTUP_TIMEOUT_S": "600"})
+    proc = _run(
+        "publish",
+        "missing.jsonl",
+        cwd=tmp_path,
+        env={"PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}", "PRM_KAFKA_STARTUP_TIMEOUT_S": "600"},
+    )
     line = _assert_one_line_report(proc, "'missing.jsonl' does not exist")
     assert proc.returncode == 2 and line == "error: publish FILE: 'missing.jsonl' does not exist"
     assert "Kafka" not in proc.stderr
@@ -225,10 +263,15 @@ def test_every_file_a_command_takes_is_checked_before_it_connects(tmp_path: Path
     assert problem("publish", str(tmp_path)) == f"publish FILE: {str(tmp_path)!r} is a folder, not a file"
     assert problem("inspect", "--verdicts", gone) == f"inspect --verdicts: {gone!r} does not exist"
     assert problem("inspect", "--verdicts", str(here), "--audit", gone) == f"inspect --audit: {gone!r} does not exist"
-    for argv in (("verdicts", "--out", nowhere), ("audit", "--out", nowhere), ("inspect", "--group", "g", "--html", nowhere),
-                 ("trainer", "--dedupe-store", nowhere)):
-        assert problem(*argv) == (f"{argv[0]} {argv[-2]}: cannot write {nowhere!r}: folder "
-                                  f"{str(tmp_path / 'no-dir')!r} does not exist")
+    for argv in (
+        ("verdicts", "--out", nowhere),
+        ("audit", "--out", nowhere),
+        ("inspect", "--group", "g", "--html", nowhere),
+        ("trainer", "--dedupe-store", nowhere),
+    ):
+        assert problem(*argv) == (
+            f"{argv[0]} {argv[-2]}: cannot write {nowhere!r}: folder {str(tmp_path / 'no-dir')!r} does not exist"
+        )
     assert problem("publish", str(here)) is None and problem("verdicts", "--out", str(tmp_path / "v.jsonl")) is None
     assert problem("worker") is None
 
@@ -244,8 +287,14 @@ def test_audit_without_kafka_exits_2_not_1_which_means_a_group_differs() -> None
 @pytest.mark.slow  # the CLI as a child process
 @pytest.mark.parametrize("command", [["worker"], ["trainer", "--max-steps", "1"], ["gateway"]])
 def test_bad_event_loop_choice_is_a_config_error_before_connecting(command: list[str]) -> None:
-    proc = _run(*command, env={"PRM_EVENT_LOOP": "tokio", "PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}",
-                               "PRM_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0"})
+    proc = _run(
+        *command,
+        env={
+            "PRM_EVENT_LOOP": "tokio",
+            "PRM_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}",
+            "PRM_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0",
+        },
+    )
     _assert_one_line_report(proc, "PRM_EVENT_LOOP='tokio'", "auto, uvloop, asyncio")
     assert proc.returncode == 2
     assert "not reachable" not in proc.stderr  # refused before waiting for any service

@@ -23,8 +23,9 @@ def _usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def test_a_mistyped_flag_of_a_command_is_named_with_its_closest_match_in_that_commands_usage(capsys) -> None:
     err = _usage_error(capsys, "verdicts", "--from-begining")
     assert err.startswith("usage: prm-pipeline verdicts ")
-    assert err.rstrip().endswith("prm-pipeline verdicts: error: unrecognized arguments: --from-begining "
-                                 "(did you mean --from-beginning?)"), err
+    assert err.rstrip().endswith(
+        "prm-pipeline verdicts: error: unrecognized arguments: --from-begining (did you mean --from-beginning?)"
+    ), err
     err = _usage_error(capsys, "--config", "x.yaml", "dead-letters", "--redrve")
     assert "prm-pipeline dead-letters: error: unrecognized arguments: --redrve (did you mean --redrive?)" in err
     err = _usage_error(capsys, "status", "extra")  # no flag: no guess
@@ -54,8 +55,9 @@ def test_a_config_that_is_a_folder_says_so(tmp_path: Path, capsys) -> None:
 def test_dead_letters_out_in_a_missing_folder_is_one_line(tmp_path: Path, capsys) -> None:
     target = tmp_path / "nodir" / "x.jsonl"
     assert main(["dead-letters", "--out", str(target)]) == 2
-    assert capsys.readouterr().err == (f"error: dead-letters --out: cannot write {str(target)!r}: folder "
-                                       f"{str(target.parent)!r} does not exist\n")
+    assert capsys.readouterr().err == (
+        f"error: dead-letters --out: cannot write {str(target)!r}: folder {str(target.parent)!r} does not exist\n"
+    )
 
 
 def test_dead_letters_help_points_at_the_dead_letter_page() -> None:

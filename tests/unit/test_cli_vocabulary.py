@@ -118,9 +118,12 @@ def test_aliases_convert_to_the_new_meaning(capsys) -> None:
 
 
 def test_positive_int_is_defined_once() -> None:
-    defined = [str(p.relative_to(ROOT)) for pkg in ("prm_pipeline", "infra", "shaper", "scoring_workers", "producers")
-               for p in (ROOT / pkg).rglob("*.py")
-               if re.search(r"^def _?positive_int\(", p.read_text(), re.M)]
+    defined = [
+        str(p.relative_to(ROOT))
+        for pkg in ("prm_pipeline", "infra", "shaper", "scoring_workers", "producers")
+        for p in (ROOT / pkg).rglob("*.py")
+        if re.search(r"^def _?positive_int\(", p.read_text(), re.M)
+    ]
     assert defined == ["prm_pipeline/flags.py"]
     with pytest.raises(argparse.ArgumentTypeError):
         positive_int("0")
@@ -136,9 +139,11 @@ def test_every_command_is_described_once_and_listed_in_help() -> None:
 
 @pytest.mark.slow  # a fresh Python process
 def test_building_the_cli_imports_neither_tests_nor_the_demo() -> None:
-    code = ("import sys\nimport prm_pipeline.cli as cli\ncli.build_parser().format_help()\n"
-            "import prm_pipeline.token_view, prm_pipeline.status.command, prm_pipeline.audit.cli\n"
-            "print(sorted(m for m in sys.modules if m == 'tests' or m.startswith(('tests.', 'prm_pipeline.demo'))))")
+    code = (
+        "import sys\nimport prm_pipeline.cli as cli\ncli.build_parser().format_help()\n"
+        "import prm_pipeline.token_view, prm_pipeline.status.command, prm_pipeline.audit.cli\n"
+        "print(sorted(m for m in sys.modules if m == 'tests' or m.startswith(('tests.', 'prm_pipeline.demo'))))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -153,10 +158,16 @@ def test_no_product_module_imports_tests_or_the_demo_at_module_level() -> None:
             if rel.parts[:2] == ("prm_pipeline", "demo"):
                 continue
             for node in ast.parse(path.read_text()).body:  # module level only
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-                offenders += [f"{rel}: {n}" for n in names
-                              if n == "tests" or n.startswith(("tests.", "prm_pipeline.demo"))]
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
+                offenders += [
+                    f"{rel}: {n}" for n in names if n == "tests" or n.startswith(("tests.", "prm_pipeline.demo"))
+                ]
     assert offenders == []
 
 

@@ -15,10 +15,7 @@ NAN = float("nan")
 def _batch():
     # Row 0: [prompt, t0, t0, user, t1, t1, t2, pad]; turn scores +1, -1, +1.
     # Row 1: [t0, t0(masked), t1, t1, t2, t2, pad, pad]; turn scores +1, +1, 0.
-    opd = torch.tensor(
-        [[9.0, 0.5, -0.2, 9.0, 0.3, 0.1, 0.7, 9.0],
-         [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 9.0, 9.0]]
-    )
+    opd = torch.tensor([[9.0, 0.5, -0.2, 9.0, 0.3, 0.1, 0.7, 9.0], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 9.0, 9.0]])
     scores = torch.tensor([[1.0, -1.0, 1.0], [1.0, 1.0, 0.0]])
     turn_index = torch.tensor([[-1, 0, 0, -1, 1, 1, 2, -1], [0, 0, 1, 1, 2, 2, -1, -1]])
     loss_mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0], [1, 0, 1, 1, 1, 1, 0, 0]])
@@ -29,8 +26,10 @@ def test_gated_cuts_the_cascade_at_the_first_bad_turn():
     opd, scores, turn_index, loss_mask = _batch()
     out = prm_gated_opd(opd, scores, turn_index, loss_mask)
     expected = torch.tensor(
-        [[0.0, 0.5, -0.2, 0.0, -1.0, -1.0, 0.0, 0.0],  # t0 good -> OPD; t1 first bad -> -1; t2 cut -> 0
-         [0.1, 0.0, 0.3, 0.4, -1.0, -1.0, 0.0, 0.0]]   # neutral 0 counts as bad (seed: score > 0 passes)
+        [
+            [0.0, 0.5, -0.2, 0.0, -1.0, -1.0, 0.0, 0.0],  # t0 good -> OPD; t1 first bad -> -1; t2 cut -> 0
+            [0.1, 0.0, 0.3, 0.4, -1.0, -1.0, 0.0, 0.0],
+        ]  # neutral 0 counts as bad (seed: score > 0 passes)
     )
     torch.testing.assert_close(out, expected)
 
@@ -68,10 +67,7 @@ def test_gated_all_good_and_first_turn_bad():
 def test_weighted_is_turn_score_times_opd():
     opd, scores, turn_index, loss_mask = _batch()
     out = prm_weighted_opd(opd, scores, turn_index, loss_mask)
-    expected = torch.tensor(
-        [[0.0, 0.5, -0.2, 0.0, -0.3, -0.1, 0.7, 0.0],
-         [0.1, 0.0, 0.3, 0.4, 0.0, 0.0, 0.0, 0.0]]
-    )
+    expected = torch.tensor([[0.0, 0.5, -0.2, 0.0, -0.3, -0.1, 0.7, 0.0], [0.1, 0.0, 0.3, 0.4, 0.0, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(out, expected)
 
 

@@ -39,8 +39,15 @@ LIMIT = 1_048_576  # kafka.max_message_bytes, the default
 
 
 def agent(turns: int, context: int, **kw) -> ReadyTrajectory:
-    return make_agent_session(trajectory_id="t", session_id="s", group_id="g", turns=turns, context_tokens=context,
-                              rng=np.random.default_rng(turns), **kw)
+    return make_agent_session(
+        trajectory_id="t",
+        session_id="s",
+        group_id="g",
+        turns=turns,
+        context_tokens=context,
+        rng=np.random.default_rng(turns),
+        **kw,
+    )
 
 
 def tokens(it: Interaction) -> tuple[list[int], list[int]]:
@@ -88,17 +95,36 @@ def test_a_branching_session_round_trips() -> None:
 def test_a_re_rendered_history_is_representable_not_refused() -> None:
     """A turn whose prompt is not its parent's prompt + output shares what still matches —
     down to nothing (a full prompt) — and decodes exactly."""
-    root = Interaction(interaction_id="a", messages=[{"role": "user", "content": "q"}],
-                       output_message_list=[{"role": "assistant", "content": "<think>x</think>y"}],
-                       model_response=ModelResponse.from_arrays([1, 2, 3], [4, 5, 6]))
-    stripped = Interaction(interaction_id="b", parent_id="a",  # history re-rendered: thinking dropped
-                           messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "y"},
-                                     {"role": "user", "content": "more"}],
-                           model_response=ModelResponse.from_arrays([1, 2, 3, 6, 9], [7]))
-    fresh = Interaction(interaction_id="c", parent_id="b", messages=[{"role": "system", "content": "new"}],
-                        model_response=ModelResponse.from_arrays([42, 43], [8]))
-    full = ReadyTrajectory(trajectory_id="t", session_id="s", group_id="g", group_size=1,
-                           interactions=[root, stripped, fresh], outcome_reward=0.0)
+    root = Interaction(
+        interaction_id="a",
+        messages=[{"role": "user", "content": "q"}],
+        output_message_list=[{"role": "assistant", "content": "<think>x</think>y"}],
+        model_response=ModelResponse.from_arrays([1, 2, 3], [4, 5, 6]),
+    )
+    stripped = Interaction(
+        interaction_id="b",
+        parent_id="a",  # history re-rendered: thinking dropped
+        messages=[
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "y"},
+            {"role": "user", "content": "more"},
+        ],
+        model_response=ModelResponse.from_arrays([1, 2, 3, 6, 9], [7]),
+    )
+    fresh = Interaction(
+        interaction_id="c",
+        parent_id="b",
+        messages=[{"role": "system", "content": "new"}],
+        model_response=ModelResponse.from_arrays([42, 43], [8]),
+    )
+    full = ReadyTrajectory(
+        trajectory_id="t",
+        session_id="s",
+        group_id="g",
+        group_size=1,
+        interactions=[root, stripped, fresh],
+        outcome_reward=0.0,
+    )
     compact = compact_trajectory(full)
     _, b, c = compact.interactions
     assert (b.shared_messages, b.shared_tokens) == (1, 3) and b.model_response.input_tokens.tolist() == [6, 9]
@@ -146,17 +172,32 @@ def test_turns_of_the_wire_form_need_no_prefix_comparison(monkeypatch) -> None:
     assert compact_turns(compact.interactions) == expected
     monkeypatch.undo()
     root, child = agent(2, 2_000).interactions
-    shorter = compact_trajectory(ReadyTrajectory(  # the child shares less than its parent's whole context
-        trajectory_id="t", session_id="s", group_id="g", group_size=1, outcome_reward=0.0, interactions=[
-            root, msgspec.structs.replace(child, model_response=msgspec.structs.replace(
-                child.model_response, input_tokens_raw=root.model_response.input_tokens_raw + b"\x07\0\0\0"))]))
+    shorter = compact_trajectory(
+        ReadyTrajectory(  # the child shares less than its parent's whole context
+            trajectory_id="t",
+            session_id="s",
+            group_id="g",
+            group_size=1,
+            outcome_reward=0.0,
+            interactions=[
+                root,
+                msgspec.structs.replace(
+                    child,
+                    model_response=msgspec.structs.replace(
+                        child.model_response, input_tokens_raw=root.model_response.input_tokens_raw + b"\x07\0\0\0"
+                    ),
+                ),
+            ],
+        )
+    )
     assert 0 < shorter.interactions[1].shared_tokens < root.model_response.input_len + root.model_response.output_len
     with pytest.raises(NotConcatExport):
         compact_turns(shorter.interactions)
 
 
-@pytest.mark.parametrize(("turn", "field", "value"), [(1, "shared_tokens", 10**6), (1, "shared_messages", 99),
-                                                     (2, "shared_tokens", 10**6)])
+@pytest.mark.parametrize(
+    ("turn", "field", "value"), [(1, "shared_tokens", 10**6), (1, "shared_messages", 99), (2, "shared_tokens", 10**6)]
+)
 def test_check_expandable_refuses_what_expansion_refuses(turn: int, field: str, value: int) -> None:
     raw, headers = _raw(compact_trajectory(agent(3, 3_000)))
     raw["interactions"][turn][field] = value
@@ -191,12 +232,15 @@ def test_a_compact_record_under_a_version_1_header_is_refused() -> None:
         decode_message(value, [(SCHEMA_HEADER, b"1"), (KIND_HEADER, b"ready")])
 
 
-@pytest.mark.parametrize(("turn", "field", "value", "error"), [
-    (1, "shared_tokens", 10**6, "whose context has only"),
-    (1, "shared_messages", 99, "whose context has only"),
-    (0, "shared_tokens", 1, "a root shares nothing"),
-    (1, "shared_tokens", -1, ">= 0"),
-])
+@pytest.mark.parametrize(
+    ("turn", "field", "value", "error"),
+    [
+        (1, "shared_tokens", 10**6, "whose context has only"),
+        (1, "shared_messages", 99, "whose context has only"),
+        (0, "shared_tokens", 1, "a root shares nothing"),
+        (1, "shared_tokens", -1, ">= 0"),
+    ],
+)
 def test_impossible_sharing_is_refused(turn: int, field: str, value: int, error: str) -> None:
     raw, headers = _raw(compact_trajectory(agent(3, 3_000)))
     raw["interactions"][turn][field] = value
@@ -241,8 +285,15 @@ def test_a_session_beyond_the_chunk_limit_is_one_line_naming_it() -> None:
         to_records(big, 1024)
     text = str(err.value)
     assert "\n" not in text
-    for part in ("session 's'", "trajectory 't'", "group 'g'", "over 40 turns", "kafka.max_message_bytes=1024",
-                 f"{MAX_CHUNKS} chunks", " bytes in compact form"):
+    for part in (
+        "session 's'",
+        "trajectory 't'",
+        "group 'g'",
+        "over 40 turns",
+        "kafka.max_message_bytes=1024",
+        f"{MAX_CHUNKS} chunks",
+        " bytes in compact form",
+    ):
         assert part in text
 
 

@@ -118,46 +118,88 @@ def test_extra_areal_keys_are_ignored() -> None:
 def test_a_whole_areal_grpo_config_loads() -> None:
     """Every top-level section of AReaL's GRPO/PPO experiment configs, with values."""
     raw = areal() | {
-        "experiment_name": "gsm8k-grpo", "trial_name": "t1", "seed": 1, "total_train_epochs": 10,
-        "allocation_mode": "sglang:d4+fsdp:d4", "tokenizer_path": "Qwen/Qwen3-1.7B",
-        "cluster": {"n_nodes": 1, "n_gpus_per_node": 8}, "gconfig": {"n_samples": 4, "max_new_tokens": 1024},
-        "train_dataset": {"path": "openai/gsm8k", "batch_size": 256}, "valid_dataset": None,
-        "saver": {"freq_epochs": 1}, "evaluator": {}, "stats_logger": {"wandb": {"mode": "disabled"}},
-        "recover": {"mode": "disabled"}, "sglang": {"mem_fraction_static": 0.8}, "vllm": {},
-        "launcher": {}, "ref": {"path": "Qwen/Qwen3-1.7B"}, "critic": {}, "scheduler": {},
-        "async_training": True, "enable_offload": False, "teacher": {}, "perf_tracer": None,
+        "experiment_name": "gsm8k-grpo",
+        "trial_name": "t1",
+        "seed": 1,
+        "total_train_epochs": 10,
+        "allocation_mode": "sglang:d4+fsdp:d4",
+        "tokenizer_path": "Qwen/Qwen3-1.7B",
+        "cluster": {"n_nodes": 1, "n_gpus_per_node": 8},
+        "gconfig": {"n_samples": 4, "max_new_tokens": 1024},
+        "train_dataset": {"path": "openai/gsm8k", "batch_size": 256},
+        "valid_dataset": None,
+        "saver": {"freq_epochs": 1},
+        "evaluator": {},
+        "stats_logger": {"wandb": {"mode": "disabled"}},
+        "recover": {"mode": "disabled"},
+        "sglang": {"mem_fraction_static": 0.8},
+        "vllm": {},
+        "launcher": {},
+        "ref": {"path": "Qwen/Qwen3-1.7B"},
+        "critic": {},
+        "scheduler": {},
+        "async_training": True,
+        "enable_offload": False,
+        "teacher": {},
+        "perf_tracer": None,
     }
-    raw["rollout"] |= {"max_concurrent_rollouts": 256, "queue_size": None, "consumer_batch_size": 256,
-                       "max_head_offpolicyness": 2, "enable_rollout_tracing": False, "setup_timeout": 120}
+    raw["rollout"] |= {
+        "max_concurrent_rollouts": 256,
+        "queue_size": None,
+        "consumer_batch_size": 256,
+        "max_head_offpolicyness": 2,
+        "enable_rollout_tracing": False,
+        "setup_timeout": 120,
+    }
     raw["rollout"]["agent"] |= {"mode": "inline", "tool_call_parser": "qwen25", "turn_discount": 1.0}
-    raw["actor"] |= {"path": "Qwen/Qwen3-1.7B", "group_size": 4, "ppo_n_minibatches": 1, "eps_clip": 0.4,
-                     "kl_ctl": 0.0, "adv_norm": {"mean_level": "group"}, "mb_spec": {"max_tokens_per_mb": 10240},
-                     "optimizer": {"lr": 1.7e-5}, "gradient_checkpointing": True, "dtype": "bfloat16"}
+    raw["actor"] |= {
+        "path": "Qwen/Qwen3-1.7B",
+        "group_size": 4,
+        "ppo_n_minibatches": 1,
+        "eps_clip": 0.4,
+        "kl_ctl": 0.0,
+        "adv_norm": {"mean_level": "group"},
+        "mb_spec": {"max_tokens_per_mb": 10240},
+        "optimizer": {"lr": 1.7e-5},
+        "gradient_checkpointing": True,
+        "dtype": "bfloat16",
+    }
     assert build(raw).prm.active
 
 
 # --------------------------------------------------------------------------- typos fail, naming the fix
-@pytest.mark.parametrize(("mutate", "message"), [
-    (lambda r: r.update(wroker={"concurrency": 3}), "unknown top-level key `wroker`; did you mean `worker`?"),
-    (lambda r: r.update(trainner={}), "unknown top-level key `trainner`; did you mean `trainer`?"),
-    (lambda r: r.update(kafak=None), "unknown top-level key `kafak`; did you mean `kafka`?"),  # even when empty
-    (lambda r: prm(r)["scorers"][0].update(wieght=0.5),
-     "rollout.agent.prm.scorers[0]: unknown key `wieght`; did you mean `weight`?"),
-    (lambda r: prm(r)["scorers"][0].update(enabeld=False),
-     "rollout.agent.prm.scorers[0]: unknown key `enabeld`; did you mean `enabled`?"),
-    (lambda r: prm(r)["scorers"][0].update(timeout=3), "(a scorer's own arguments go under `kwargs`)"),
-    (lambda r: prm(r).update(enabeld=False), "rollout.agent.prm: unknown key `enabeld`; did you mean `enabled`?"),
-    (lambda r: prm(r).update(error_polcy="reject"), "did you mean `error_policy`?"),
-    (lambda r: prm(r)["advantage_shaping"].update(negative_scal=0.1),
-     "rollout.agent.prm.advantage_shaping: unknown key `negative_scal`; did you mean `negative_scale`?"),
-    (lambda r: r["actor"].update(token_reward_as_adv=True),
-     "actor: unknown key `token_reward_as_adv`; did you mean `token_rewards_as_adv`?"),
-    (lambda r: r["rollout"]["agent"].update(export_styel="concat"), "did you mean `export_style`?"),
-    (lambda r: r["rollout"]["agent"].update(pmr={}), "rollout.agent: unknown key `pmr`; did you mean `prm`?"),
-    (lambda r: r["rollout"].update(version="v2"), "rollout: unknown key `version`; did you mean `_version`?"),
-    (lambda r: r.update(worker={"concurency": 3}), "worker: unknown key `concurency`; did you mean `concurrency`?"),
-    (lambda r: r.update(kafka={"bootstrap_servers": "x:1"}), "did you mean `bootstrap`?"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda r: r.update(wroker={"concurrency": 3}), "unknown top-level key `wroker`; did you mean `worker`?"),
+        (lambda r: r.update(trainner={}), "unknown top-level key `trainner`; did you mean `trainer`?"),
+        (lambda r: r.update(kafak=None), "unknown top-level key `kafak`; did you mean `kafka`?"),  # even when empty
+        (
+            lambda r: prm(r)["scorers"][0].update(wieght=0.5),
+            "rollout.agent.prm.scorers[0]: unknown key `wieght`; did you mean `weight`?",
+        ),
+        (
+            lambda r: prm(r)["scorers"][0].update(enabeld=False),
+            "rollout.agent.prm.scorers[0]: unknown key `enabeld`; did you mean `enabled`?",
+        ),
+        (lambda r: prm(r)["scorers"][0].update(timeout=3), "(a scorer's own arguments go under `kwargs`)"),
+        (lambda r: prm(r).update(enabeld=False), "rollout.agent.prm: unknown key `enabeld`; did you mean `enabled`?"),
+        (lambda r: prm(r).update(error_polcy="reject"), "did you mean `error_policy`?"),
+        (
+            lambda r: prm(r)["advantage_shaping"].update(negative_scal=0.1),
+            "rollout.agent.prm.advantage_shaping: unknown key `negative_scal`; did you mean `negative_scale`?",
+        ),
+        (
+            lambda r: r["actor"].update(token_reward_as_adv=True),
+            "actor: unknown key `token_reward_as_adv`; did you mean `token_rewards_as_adv`?",
+        ),
+        (lambda r: r["rollout"]["agent"].update(export_styel="concat"), "did you mean `export_style`?"),
+        (lambda r: r["rollout"]["agent"].update(pmr={}), "rollout.agent: unknown key `pmr`; did you mean `prm`?"),
+        (lambda r: r["rollout"].update(version="v2"), "rollout: unknown key `version`; did you mean `_version`?"),
+        (lambda r: r.update(worker={"concurency": 3}), "worker: unknown key `concurency`; did you mean `concurrency`?"),
+        (lambda r: r.update(kafka={"bootstrap_servers": "x:1"}), "did you mean `bootstrap`?"),
+    ],
+)
 def test_a_typo_anywhere_is_one_line_naming_the_closest_key(mutate: Any, message: str) -> None:
     raw = areal()
     mutate(raw)
@@ -381,13 +423,20 @@ def test_env_bad_value_refused() -> None:
     refused(areal(), "worker.concurrency", PRM_WORKER_CONCURRENCY="many")
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"PRM_WORKER_SCORER_TIMEOUT_S": "abc"},
-     "PRM_WORKER_SCORER_TIMEOUT_S='abc': worker.scorer_timeout_s: Expected `float`, got `str`"),
-    ({"PRM_KAFKA_MAX_MESSAGE_BYTES": "5"},
-     "PRM_KAFKA_MAX_MESSAGE_BYTES='5': kafka.max_message_bytes: Expected `int` >= 1024"),
-    ({"PRM_TRAINER_EXPERIMENT": "a b"}, "PRM_TRAINER_EXPERIMENT='a b': trainer.experiment: experiment_id 'a b'"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"PRM_WORKER_SCORER_TIMEOUT_S": "abc"},
+            "PRM_WORKER_SCORER_TIMEOUT_S='abc': worker.scorer_timeout_s: Expected `float`, got `str`",
+        ),
+        (
+            {"PRM_KAFKA_MAX_MESSAGE_BYTES": "5"},
+            "PRM_KAFKA_MAX_MESSAGE_BYTES='5': kafka.max_message_bytes: Expected `int` >= 1024",
+        ),
+        ({"PRM_TRAINER_EXPERIMENT": "a b"}, "PRM_TRAINER_EXPERIMENT='a b': trainer.experiment: experiment_id 'a b'"),
+    ],
+)
 def test_a_bad_value_from_the_environment_names_its_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         build(areal(), **env)
@@ -465,15 +514,18 @@ def test_secrets_never_appear_in_a_config_repr() -> None:
     assert cfg.kafka.sasl_password == "hunter2"  # only the representation is masked
 
 
-@pytest.mark.parametrize(("raw", "key"), [
-    ({"topics": {"replication_factor": 0}}, "topics.replication_factor"),
-    ({"worker": {"poll_max_records": 0}}, "worker.poll_max_records"),
-    ({"redis": {"ttl_s": 0}}, "redis.ttl_s"),
-    ({"kafka": {"startup_timeout_s": -1}}, "kafka.startup_timeout_s"),
-    ({"redis": {"startup_timeout_s": math.inf}}, "redis.startup_timeout_s"),
-    ({"trainer": {"batch_groups": 0}}, "trainer.batch_groups"),
-    ({"topics": {"partitions": 0}}, "topics.partitions"),
-])
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"topics": {"replication_factor": 0}}, "topics.replication_factor"),
+        ({"worker": {"poll_max_records": 0}}, "worker.poll_max_records"),
+        ({"redis": {"ttl_s": 0}}, "redis.ttl_s"),
+        ({"kafka": {"startup_timeout_s": -1}}, "kafka.startup_timeout_s"),
+        ({"redis": {"startup_timeout_s": math.inf}}, "redis.startup_timeout_s"),
+        ({"trainer": {"batch_groups": 0}}, "trainer.batch_groups"),
+        ({"topics": {"partitions": 0}}, "topics.partitions"),
+    ],
+)
 def test_declared_constraints_name_the_key(raw: dict[str, Any], key: str) -> None:
     refused(areal() | raw, key)
 
@@ -486,6 +538,8 @@ def test_command_line_counts_keep_the_config_constraint() -> None:
     for bad in ("0", "-2", "many"):
         with pytest.raises(SystemExit):
             parser.parse_args(["trainer", "--batch-groups", bad])
+
+
 def test_shaping_modes_come_from_one_registry() -> None:
     import infra.config
     import shaper.shaping
@@ -509,8 +563,10 @@ def test_an_error_naming_a_variable_never_shows_a_secret() -> None:
     with pytest.raises(ConfigError) as info:  # breaks a rule: two URLs without redis.cluster
         build(areal(), PRM_REDIS_URL="redis://user:s3cret-pw@a:1,redis://b:2")
     assert "PRM_REDIS_URL='redis://user:***@a:1,redis://b:2'" in str(info.value), str(info.value)
-    assert _env_shown("PRM_KAFKA_SASL_PASSWORD", {"PRM_KAFKA_SASL_PASSWORD": "s3cret-pw"}) \
+    assert (
+        _env_shown("PRM_KAFKA_SASL_PASSWORD", {"PRM_KAFKA_SASL_PASSWORD": "s3cret-pw"})
         == "PRM_KAFKA_SASL_PASSWORD='***'"
+    )
 
 
 def test_a_config_file_with_a_byte_order_mark_loads_and_a_folder_is_named(tmp_path: Path) -> None:
@@ -521,11 +577,17 @@ def test_a_config_file_with_a_byte_order_mark_loads_and_a_folder_is_named(tmp_pa
         load_config(tmp_path, environ={})
 
 
-@pytest.mark.parametrize(("value", "why"), [
-    ("localhost", "'localhost' has no port"), ("", "kafka.bootstrap is empty"),
-    ("kafka://h:9092", "is a URL"), ("h:99999", "port must be a number from 1 to 65535"),
-    ("a:1,,b:2", "an empty entry"), ("::1", "has no port"),
-])
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("localhost", "'localhost' has no port"),
+        ("", "kafka.bootstrap is empty"),
+        ("kafka://h:9092", "is a URL"),
+        ("h:99999", "port must be a number from 1 to 65535"),
+        ("a:1,,b:2", "an empty entry"),
+        ("::1", "has no port"),
+    ],
+)
 def test_a_malformed_bootstrap_is_a_config_error_naming_the_variable(value: str, why: str) -> None:
     refused(areal(), why, f"PRM_KAFKA_BOOTSTRAP={value!r}", PRM_KAFKA_BOOTSTRAP=value)
 
@@ -537,10 +599,15 @@ def test_bootstrap_servers_parses_hosts_ports_and_ipv6() -> None:
     assert build(areal(), PRM_KAFKA_BOOTSTRAP="[::1]:9092").kafka.bootstrap == "[::1]:9092"  # no YAML flow list
 
 
-@pytest.mark.parametrize(("value", "why"), [
-    ("localhost:6379", "has no redis://, rediss:// or unix:// scheme"), ("", "redis.url is empty"),
-    ("redis://u:pw@h:x/0", "malformed port"), ("redis:///0", "names no host"),
-])
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("localhost:6379", "has no redis://, rediss:// or unix:// scheme"),
+        ("", "redis.url is empty"),
+        ("redis://u:pw@h:x/0", "malformed port"),
+        ("redis:///0", "names no host"),
+    ],
+)
 def test_a_malformed_redis_url_is_a_config_error_naming_the_variable(value: str, why: str) -> None:
     message = refused(areal(), why, "PRM_REDIS_URL=", PRM_REDIS_URL=value)
     assert "://?" not in message and "pw@" not in message  # never mangled, never the password

@@ -11,13 +11,28 @@ from prm_pipeline.dead_letter_tool import LetterRecord, Selection, parse_offsets
 from prm_pipeline.demo.synthetic import make_group
 
 
-def _letter(offset: int, message=None, *, key: bytes | None = None, error_class: str = "UnknownSchemaVersion",
-            payload: bytes | None = None, original_size: int = -1) -> LetterRecord:
+def _letter(
+    offset: int,
+    message=None,
+    *,
+    key: bytes | None = None,
+    error_class: str = "UnknownSchemaVersion",
+    payload: bytes | None = None,
+    original_size: int = -1,
+) -> LetterRecord:
     value, headers = encode(message) if message is not None else (b"\x00garbage", [])
-    letter = DeadLetter(payload=payload if payload is not None else value, error_class=error_class,
-                        error_message="why", source_topic="traj", source_partition=1, source_offset=100 + offset,
-                        attempt=1, worker_id="w", original_headers={k: v.decode() for k, v in headers},
-                        original_size=original_size)
+    letter = DeadLetter(
+        payload=payload if payload is not None else value,
+        error_class=error_class,
+        error_message="why",
+        source_topic="traj",
+        source_partition=1,
+        source_offset=100 + offset,
+        attempt=1,
+        worker_id="w",
+        original_headers={k: v.decode() for k, v in headers},
+        original_size=original_size,
+    )
     return LetterRecord("dlq", 0, offset, 0, key, letter)
 
 
@@ -72,8 +87,9 @@ def test_offsets_argument_takes_the_dead_letter_field_as_printed() -> None:
 def test_the_plan_shows_the_records_text_escaped() -> None:
     hostile = "g-1\n2030-01-01 00:00:00,000 ERROR forged\x1b[31m\u202e"
     (member,) = make_group(hostile, 1, turns=1, output_tokens=2)
-    plan = plan_redrive([_letter(0, member, key=hostile.encode()), _letter(1, None, error_class="InvalidMessage")],
-                        Selection())
+    plan = plan_redrive(
+        [_letter(0, member, key=hostile.encode()), _letter(1, None, error_class="InvalidMessage")], Selection()
+    )
     for entry in plan:
         line = entry.describe()
         assert line.splitlines() == [line] and "\x1b" not in line and "\u202e" not in line

@@ -42,13 +42,17 @@ class _Page(HTMLParser):
 @pytest.fixture(scope="module")
 async def branching_verdict(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     proxy = real_model.proxy(seed=5)
-    sessions = [proxy.session("g-view", 0, "compute 1 + 1", turns=3, branch=True),
-                proxy.session("g-view", 1, "compute 1 + 1", turns=1, branch=False)]
+    sessions = [
+        proxy.session("g-view", 0, "compute 1 + 1", turns=3, branch=True),
+        proxy.session("g-view", 1, "compute 1 + 1", turns=1, branch=False),
+    ]
     audit: list[dict] = []
     with FakeJudgeServer() as judge:
         judge_scorer = OpenClawJudgeScorer(base_url=judge.base_url, m=3, temperature=0.0, audit_sink=audit.append)
         try:
-            verdict = await real_model.verdict("g-view", sessions, [real_model.TokenIdScorer(weight=0.01), judge_scorer])
+            verdict = await real_model.verdict(
+                "g-view", sessions, [real_model.TokenIdScorer(weight=0.01), judge_scorer]
+            )
         finally:
             await judge_scorer.aclose()  # its judge limits stay registered (and in the metrics) until closed
     path = tmp_path_factory.mktemp("audit") / "audit.jsonl"
@@ -81,12 +85,22 @@ async def test_inspect_command_writes_html_from_a_verdict_file(branching_verdict
     verdicts = tmp_path / "verdicts.jsonl"
     verdicts.write_text(json.dumps(record) + "\n")
     out = tmp_path / "view.html"
-    args = argparse.Namespace(verdicts=str(verdicts), group=None, audit=str(audit_path), session="g-view-s0",
-                              max_groups=3, html=str(out), no_terminal=True, config=None, timeout=1.0)
+    args = argparse.Namespace(
+        verdicts=str(verdicts),
+        group=None,
+        audit=str(audit_path),
+        session="g-view-s0",
+        max_groups=3,
+        html=str(out),
+        no_terminal=True,
+        config=None,
+        timeout=1.0,
+    )
     assert cmd_inspect(args) == 0
-    assert out.read_text().count("class=\"branch\"") == 2
-    without_tokens = dict(record, sessions=[{k: v for k, v in s.items() if k != "interactions"}
-                                            for s in record["sessions"]])
+    assert out.read_text().count('class="branch"') == 2
+    without_tokens = dict(
+        record, sessions=[{k: v for k, v in s.items() if k != "interactions"} for s in record["sessions"]]
+    )
     verdicts.write_text(json.dumps(without_tokens) + "\n")
     assert cmd_inspect(args) == 1  # says it needs the token-backed interactions
 
@@ -94,19 +108,41 @@ async def test_inspect_command_writes_html_from_a_verdict_file(branching_verdict
 async def test_report_parses_and_holds_every_section(branching_verdict, tmp_path: Path) -> None:
     record, audit_path = branching_verdict
     rec = DemoRecord(
-        verdict_events=[(0.1, "a", "accepted"), (0.2, "b", "discarded"), (0.5, "c", "rejected"),
-                        (0.6, "d", "accepted")],
-        stages=[{"rollout": 0.5, "scoring": 0.3, "train step": 0.1},
-                {"rollout": 0.4, "scoring": 0.2, "train step": 0.1}],
+        verdict_events=[
+            (0.1, "a", "accepted"),
+            (0.2, "b", "discarded"),
+            (0.5, "c", "rejected"),
+            (0.6, "d", "accepted"),
+        ],
+        stages=[
+            {"rollout": 0.5, "scoring": 0.3, "train step": 0.1},
+            {"rollout": 0.4, "scoring": 0.2, "train step": 0.1},
+        ],
         scorer_turn_rewards={"openclaw_judge": [0.5, -0.5, 0.0], "opd_teacher": [0.01, -0.02]},
         advantages=[(1.0, 1.2), (-1.0, -1.3), (0.0, 0.1)],
-        steps=[{"step": float(i), "run": run, "policy_version": float(i), "update/loss": 0.1,
-                "update/ratio_mean": 1.0, "update/ratio_min": 0.9, "update/ratio_max": 1.1}
-               for i in (1, 2, 3) for run in ("outcome", "process")],
-        curves={"outcome": Curve("outcome", [{"outcome-it0-p0": 0.25, "outcome-it0-p1": 0.0},
-                                             {"outcome-it1-p0": 0.25, "outcome-it1-p1": 0.25}]),
-                "process": Curve("process", [{"process-it0-p0": 0.25, "process-it0-p1": 0.0},
-                                             {"process-it1-p0": 0.5, "process-it1-p1": 0.75}])},
+        steps=[
+            {
+                "step": float(i),
+                "run": run,
+                "policy_version": float(i),
+                "update/loss": 0.1,
+                "update/ratio_mean": 1.0,
+                "update/ratio_min": 0.9,
+                "update/ratio_max": 1.1,
+            }
+            for i in (1, 2, 3)
+            for run in ("outcome", "process")
+        ],
+        curves={
+            "outcome": Curve(
+                "outcome",
+                [{"outcome-it0-p0": 0.25, "outcome-it0-p1": 0.0}, {"outcome-it1-p0": 0.25, "outcome-it1-p1": 0.25}],
+            ),
+            "process": Curve(
+                "process",
+                [{"process-it0-p0": 0.25, "process-it0-p1": 0.0}, {"process-it1-p0": 0.5, "process-it1-p1": 0.75}],
+            ),
+        },
         process_share=[0.3, 0.25],
         learning_verdict="computed elsewhere",
         token_views_html=render_html(branch_views(record, load_audit(audit_path))),

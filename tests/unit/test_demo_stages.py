@@ -14,17 +14,35 @@ from prm_pipeline.demo.run import rows_by_run
 
 
 def _marks(**kw: float) -> IterationMarks:
-    base = dict(start=100.0, reloaded=100.1, sampled=100.6, published=100.7, last_verdict=103.0, batch_in=103.2,
-                trained=104.0, publish_weights_s=0.1, seen=104.05)
+    base = dict(
+        start=100.0,
+        reloaded=100.1,
+        sampled=100.6,
+        published=100.7,
+        last_verdict=103.0,
+        batch_in=103.2,
+        trained=104.0,
+        publish_weights_s=0.1,
+        seen=104.05,
+    )
     return IterationMarks(**{**base, **kw})
 
 
 def test_stages_follow_each_other_and_sum_to_the_iteration() -> None:
     stages = iteration_stages(_marks())
     assert list(stages) == list(STAGES)
-    assert stages == pytest.approx({"reload weights": 0.1, "rollout": 0.5, "publish": 0.1,
-                                    "scoring (publish -> verdicts)": 2.3, "trainer consume": 0.2,
-                                    "train step": 0.7, "publish weights": 0.1, "hand-off": 0.05})
+    assert stages == pytest.approx(
+        {
+            "reload weights": 0.1,
+            "rollout": 0.5,
+            "publish": 0.1,
+            "scoring (publish -> verdicts)": 2.3,
+            "trainer consume": 0.2,
+            "train step": 0.7,
+            "publish weights": 0.1,
+            "hand-off": 0.05,
+        }
+    )
     assert sum(stages.values()) == pytest.approx(104.05 - 100.0)
 
 
@@ -70,8 +88,11 @@ def test_the_latency_chart_keeps_its_legend_and_labels_inside_and_apart() -> Non
     assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
     assert {t.get_text() for t in legends[0].get_texts()} == set(STAGES)
     ax = fig.axes[0]
-    labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()
-              and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]]
+    labels = [
+        t
+        for t in ax.get_xticklabels()
+        if t.get_visible() and t.get_text() and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]
+    ]
     assert len(labels) >= 6  # enough to read an iteration off the chart
     boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
     assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), "x tick labels overlap"
@@ -82,25 +103,38 @@ def test_the_latency_chart_keeps_its_legend_and_labels_inside_and_apart() -> Non
 
 
 def _batch(order: list[int]) -> SimpleNamespace:
-    rows = [(group_id(run, 1, k), f"{run}{k}-s{s}", f"{run}{k}-s{s}", leaf)
-            for run in ("outcome", "process") for k in range(2) for s in range(2) for leaf in ("a", "b")]
+    rows = [
+        (group_id(run, 1, k), f"{run}{k}-s{s}", f"{run}{k}-s{s}", leaf)
+        for run in ("outcome", "process")
+        for k in range(2)
+        for s in range(2)
+        for leaf in ("a", "b")
+    ]
     rows = [rows[i] for i in order]
-    return SimpleNamespace(group_ids=[r[0] for r in rows], session_ids=[r[1] for r in rows],
-                           trajectory_ids=[r[2] for r in rows], leaf_ids=[r[3] for r in rows])
+    return SimpleNamespace(
+        group_ids=[r[0] for r in rows],
+        session_ids=[r[1] for r in rows],
+        trajectory_ids=[r[2] for r in rows],
+        leaf_ids=[r[3] for r in rows],
+    )
 
 
 def test_the_trainer_rows_do_not_depend_on_the_order_verdicts_arrived_in() -> None:
     ordered = _batch(list(range(16)))
-    want = {run: [ordered.leaf_ids[i] + ordered.session_ids[i] for i in rows]
-            for run, rows in rows_by_run(ordered, update=1, prompts=2).items()}
+    want = {
+        run: [ordered.leaf_ids[i] + ordered.session_ids[i] for i in rows]
+        for run, rows in rows_by_run(ordered, update=1, prompts=2).items()
+    }
     assert list(want) == ["outcome", "process"] and all(len(v) == 8 for v in want.values())
     rng = random.Random(3)
     for _ in range(20):
         order = list(range(16))
         rng.shuffle(order)
         shuffled = _batch(order)
-        got = {run: [shuffled.leaf_ids[i] + shuffled.session_ids[i] for i in rows]
-               for run, rows in rows_by_run(shuffled, update=1, prompts=2).items()}
+        got = {
+            run: [shuffled.leaf_ids[i] + shuffled.session_ids[i] for i in rows]
+            for run, rows in rows_by_run(shuffled, update=1, prompts=2).items()
+        }
         assert got == want
 
 

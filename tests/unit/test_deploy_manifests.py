@@ -49,8 +49,13 @@ CRD_SCHEMAS = {
 IMAGE = "prm-pipeline"  # the image name the manifests use; kustomization.yaml maps it to a registry
 CONFIG_PATH = "/etc/prm/config.yaml"
 # KEDA's names for aiokafka's SASL mechanisms (infra/config.py KafkaConfig.sasl_mechanism).
-KEDA_SASL = {"PLAIN": "plaintext", "SCRAM-SHA-256": "scram_sha256", "SCRAM-SHA-512": "scram_sha512",
-             "OAUTHBEARER": "oauthbearer", "GSSAPI": "gssapi"}
+KEDA_SASL = {
+    "PLAIN": "plaintext",
+    "SCRAM-SHA-256": "scram_sha256",
+    "SCRAM-SHA-512": "scram_sha512",
+    "OAUTHBEARER": "oauthbearer",
+    "GSSAPI": "gssapi",
+}
 
 
 # --------------------------------------------------------------------------- loading
@@ -86,8 +91,11 @@ def one(kind: str, name: str) -> dict[str, Any]:
 
 def pod_templates() -> dict[str, dict[str, Any]]:
     """``Kind/name`` -> pod template of every workload."""
-    return {f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]
-            for _, d in manifests() if d["kind"] in ("Deployment", "Job", "StatefulSet", "DaemonSet")}
+    return {
+        f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]
+        for _, d in manifests()
+        if d["kind"] in ("Deployment", "Job", "StatefulSet", "DaemonSet")
+    }
 
 
 def worker() -> dict[str, Any]:
@@ -149,8 +157,9 @@ def test_manifest_validates_against_its_schema(item: tuple[Path, dict[str, Any]]
         try:
             kv.validate(doc, version, strict=True)
         except kv.ValidationError as e:
-            pytest.fail(f"{path.name} ({doc['kind']}) against Kubernetes {e.version}: "
-                        f"{'.'.join(map(str, e.path))}: {e.message}")
+            pytest.fail(
+                f"{path.name} ({doc['kind']}) against Kubernetes {e.version}: {'.'.join(map(str, e.path))}: {e.message}"
+            )
         except kv.SchemaNotFoundError as e:
             pytest.fail(f"{path.name}: {e.message}; vendor a schema in {SCHEMAS} and list it in CRD_SCHEMAS")
 
@@ -258,8 +267,12 @@ def test_pod_references_exist(key: str) -> None:
 
 
 def test_credentials_come_from_the_secret() -> None:
-    for name in ("Deployment/prm-scoring-worker", "Deployment/prm-trainer", "Deployment/prm-gateway",
-                 "Job/prm-topics-create"):
+    for name in (
+        "Deployment/prm-scoring-worker",
+        "Deployment/prm-trainer",
+        "Deployment/prm-gateway",
+        "Job/prm-topics-create",
+    ):
         (c,) = pod_templates()[name]["spec"]["containers"]
         env = {e["name"]: e for e in c.get("env", [])}
         for var in ("PRM_KAFKA_SASL_USERNAME", "PRM_KAFKA_SASL_PASSWORD"):
@@ -285,7 +298,10 @@ def test_worker_probes_metrics_port_and_scrape_annotations() -> None:
         assert probe["timeoutSeconds"] < probe["periodSeconds"]
     # Liveness must not fire before the scorers are built: startup allows much longer.
     startup, liveness = probes["startupProbe"], probes["livenessProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] > 2 * liveness["periodSeconds"] * liveness["failureThreshold"]
+    assert (
+        startup["periodSeconds"] * startup["failureThreshold"]
+        > 2 * liveness["periodSeconds"] * liveness["failureThreshold"]
+    )
     annotations = template["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert int(annotations["prometheus.io/port"]) == port
@@ -339,7 +355,7 @@ def test_gateway_listens_with_tokens_from_the_secret_and_is_probed() -> None:
     gateway = one("Deployment", "prm-gateway")
     c = container(gateway)
     args = c["args"]
-    assert args[args.index("gateway") + 1:].count("--allow-unauthenticated") == 0, "tokens are the default gate"
+    assert args[args.index("gateway") + 1 :].count("--allow-unauthenticated") == 0, "tokens are the default gate"
     port = int(arg_after(args, "--port"))
     host = arg_after(args, "--host")
     assert [p["containerPort"] for p in c["ports"]] == [port]
@@ -348,7 +364,9 @@ def test_gateway_listens_with_tokens_from_the_secret_and_is_probed() -> None:
     assert cfg.gateway.port == port, "gateway.port in the ConfigMap and --port disagree"
     # the token file is a key of prm-secrets mounted read-only
     token_file = cfg.gateway.auth_tokens_file
-    assert host == "0.0.0.0" and token_file, "beyond loopback the gateway runs with bearer tokens (PRM_GATEWAY_AUTH_TOKENS_FILE)"
+    assert host == "0.0.0.0" and token_file, (
+        "beyond loopback the gateway runs with bearer tokens (PRM_GATEWAY_AUTH_TOKENS_FILE)"
+    )
     mount_dir, _, filename = token_file.rpartition("/")
     mount = next(m for m in c["volumeMounts"] if m["mountPath"] == mount_dir)
     assert mount["readOnly"] is True
@@ -386,7 +404,9 @@ def test_gateway_network_policy_admits_only_labelled_trainers_and_reaches_only_k
     labels = gateway["spec"]["template"]["metadata"]["labels"]
     port = int(arg_after(container(gateway)["args"], "--port"))
     policies = of_kind("NetworkPolicy")
-    selecting = [n for n, p in policies.items() if p["spec"]["podSelector"].get("matchLabels", {}).items() <= labels.items()]
+    selecting = [
+        n for n, p in policies.items() if p["spec"]["podSelector"].get("matchLabels", {}).items() <= labels.items()
+    ]
     assert sorted(selecting) == ["prm-default-deny", "prm-gateway"], selecting
     policy = policies["prm-gateway"]["spec"]
     assert set(policy["policyTypes"]) == {"Ingress", "Egress"}
@@ -465,7 +485,9 @@ def test_pods_run_non_root_read_only_with_resources(key: str) -> None:
         for section in ("requests", "limits"):
             assert {"cpu", "memory"} <= c["resources"][section].keys(), f"{key}: resources.{section}"
         tmp = next((m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"), None)
-        assert tmp is not None and "emptyDir" in volumes[tmp["name"]], f"{key}: /tmp must be a writable emptyDir (HOME=/tmp)"
+        assert tmp is not None and "emptyDir" in volumes[tmp["name"]], (
+            f"{key}: /tmp must be a writable emptyDir (HOME=/tmp)"
+        )
 
 
 # --------------------------------------------------------------------------- CLI
@@ -597,7 +619,8 @@ async def test_deployments_inherit_no_embedded_broker_workaround() -> None:
     await consumer.stop()
     compose = yaml.safe_load(COMPOSE.read_text())
     configs = [("configmap", pipeline_config())] + [
-        (name, compose_config(compose, name)) for name, s in compose["services"].items() if "build" in s]
+        (name, compose_config(compose, name)) for name, s in compose["services"].items() if "build" in s
+    ]
     for where, cfg in configs:
         for name, local in LOCAL_BROKER_CLIENT.items():
             if name in ("session_timeout_ms", "heartbeat_interval_ms"):
@@ -665,6 +688,15 @@ def test_deploy_docs_cover_the_files_and_the_health_contract() -> None:
     names = [p.name for p in K8S.glob("*.yaml")] + ["compose.yaml", "Dockerfile"]
     missing = [n for n in names if n not in docs]
     assert not missing, f"docs/deploy.md does not mention {missing}"
-    for term in ("/healthz", "/readyz", "9108", "drain_timeout_s", "max.message.bytes", "message.max.bytes",
-                 "rediss://", "{group_id}", "lagThreshold"):
+    for term in (
+        "/healthz",
+        "/readyz",
+        "9108",
+        "drain_timeout_s",
+        "max.message.bytes",
+        "message.max.bytes",
+        "rediss://",
+        "{group_id}",
+        "lagThreshold",
+    ):
         assert term in docs, f"docs/deploy.md does not explain {term}"

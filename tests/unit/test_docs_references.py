@@ -15,8 +15,14 @@ from prm_pipeline.cli import BENCHMARKS, COMMANDS, build_parser, command_parser
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PACKAGES = ("infra", "producers", "scoring_workers", "shaper", "prm_pipeline")
-TOP_FOLDERS = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")
-                     and p.name not in ("build", "dist") and not p.name.endswith(".egg-info"))
+TOP_FOLDERS = sorted(
+    p.name
+    for p in ROOT.iterdir()
+    if p.is_dir()
+    and not p.name.startswith(".")
+    and p.name not in ("build", "dist")
+    and not p.name.endswith(".egg-info")
+)
 
 
 def _code(text: str) -> list[str]:
@@ -65,7 +71,7 @@ def test_every_prm_pipeline_invocation_in_the_docs_names_a_command_and_its_flags
 def test_every_command_in_the_readme_table_takes_the_flags_it_lists() -> None:
     """The README's table of commands (``| `verdicts [--from-beginning] …` | … |``)."""
     text = (ROOT / "README.md").read_text()
-    table = text[text.index("| command | what it does |"):]
+    table = text[text.index("| command | what it does |") :]
     rows = table[: table.index("\n\n")].splitlines()[2:]
     wrong = []
     for row in rows:
@@ -92,8 +98,14 @@ _PATH = re.compile(rf"(?<![\w./-])((?:{_FOLDERS})/[\w./-]*\w)(?![\w./<{{*-])")
 
 
 def test_every_repository_path_in_the_docs_exists() -> None:
-    missing = sorted({f"{page.relative_to(ROOT)}: {m.group(1)}" for page in PAGES
-                      for m in _PATH.finditer(page.read_text()) if not (ROOT / m.group(1)).exists()})
+    missing = sorted(
+        {
+            f"{page.relative_to(ROOT)}: {m.group(1)}"
+            for page in PAGES
+            for m in _PATH.finditer(page.read_text())
+            if not (ROOT / m.group(1)).exists()
+        }
+    )
     assert missing == []
 
 
@@ -102,20 +114,29 @@ def _defined(path: Path) -> dict[str, set[str]]:
     """Top-level names of a module ("" key) and the names defined in each of its classes."""
     tree = ast.parse(path.read_text())
     names: dict[str, set[str]] = {"": set()}
-    body = [n for top in tree.body for n in ([top, *top.body, *top.orelse] if isinstance(top, (ast.If, ast.Try))
-                                              else [top])]  # `if TYPE_CHECKING:` imports, try/except imports
+    body = [
+        n for top in tree.body for n in ([top, *top.body, *top.orelse] if isinstance(top, (ast.If, ast.Try)) else [top])
+    ]  # `if TYPE_CHECKING:` imports, try/except imports
     for node in body:
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             names[""].add(node.name)
             if isinstance(node, ast.ClassDef):
-                names[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                               ast.ClassDef))}
-                names[node.name] |= {t.id for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                                     for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-                                     if isinstance(t, ast.Name)}
+                names[node.name] = {
+                    n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                }
+                names[node.name] |= {
+                    t.id
+                    for n in node.body
+                    if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                    if isinstance(t, ast.Name)
+                }
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            names[""] |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                          if isinstance(t, ast.Name)}
+            names[""] |= {
+                t.id
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(t, ast.Name)
+            }
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names[""] |= {(a.asname or a.name).split(".")[0] for a in node.names}
     return names
@@ -139,14 +160,20 @@ def dotted_problem(name: str) -> str | None:
     if rest[0] not in defined[""]:
         return f"{'.'.join(parts[:i])} defines no {rest[0]}"
     if len(rest) > 1 and rest[0] in defined and rest[1] not in defined[rest[0]]:
-        return f"{'.'.join(parts[:i + 1])} has no {rest[1]}"
+        return f"{'.'.join(parts[: i + 1])} has no {rest[1]}"
     return None
 
 
 def test_every_dotted_name_of_the_project_in_the_docs_exists() -> None:
     pattern = re.compile(rf"`((?:{'|'.join(PACKAGES)})(?:\.\w+)+)")
-    wrong = sorted({f"{page.relative_to(ROOT)}: {m.group(1)}: {why}" for page in PAGES
-                    for m in pattern.finditer(page.read_text()) if (why := dotted_problem(m.group(1)))})
+    wrong = sorted(
+        {
+            f"{page.relative_to(ROOT)}: {m.group(1)}: {why}"
+            for page in PAGES
+            for m in pattern.finditer(page.read_text())
+            if (why := dotted_problem(m.group(1)))
+        }
+    )
     assert wrong == [], "\n".join(wrong)
     assert dotted_problem("producers.TrajectoryPublisher") == "producers defines no TrajectoryPublisher"
     assert dotted_problem("producers.publisher.TrajectoryPublisher") is None

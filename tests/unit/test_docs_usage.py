@@ -21,7 +21,7 @@ def _choices(option: str) -> list[str]:
 
 def test_trainer_usage_line_lists_every_combined_mode_and_shaping_mode() -> None:
     text = (DOCS / "trainer.md").read_text()
-    usage = text[text.index("`prm-pipeline trainer ["):]
+    usage = text[text.index("`prm-pipeline trainer [") :]
     usage = usage[: usage.index("` overrides them")]
     for option in ("--combined-mode", "--mode"):
         assert f"{option} {'|'.join(_choices(option))}]" in usage, (option, _choices(option))
@@ -70,9 +70,15 @@ def test_every_published_file_in_the_docs_exists() -> None:
 def test_the_trainers_dedupe_key_is_stated_with_the_experiment() -> None:
     """Group ids are scoped by experiment: the dedupe key is (experiment_id, group_id,
     verdict_version) wherever the docs and code comments state it."""
-    sources = [ROOT / "README.md", *DOCS.rglob("*.md"),
-               *(p for pkg in ("infra", "scoring_workers", "shaper", "prm_pipeline", "producers")
-                 for p in (ROOT / pkg).rglob("*.py"))]
+    sources = [
+        ROOT / "README.md",
+        *DOCS.rglob("*.md"),
+        *(
+            p
+            for pkg in ("infra", "scoring_workers", "shaper", "prm_pipeline", "producers")
+            for p in (ROOT / pkg).rglob("*.py")
+        ),
+    ]
     stale = re.compile(r"dedupe[^.;]{0,40}?\(`{0,2}group_id, verdict_version\)", re.S)
     found = [f"{p.relative_to(ROOT)}: {m.group(0)!r}" for p in sources for m in stale.finditer(p.read_text())]
     assert found == []
@@ -86,13 +92,15 @@ def test_readme_says_when_a_killed_worker_leaves_its_consumer_group() -> None:
     from infra.config import KafkaConfig
 
     text = " ".join((ROOT / "README.md").read_text().split())
-    note = text[text.index("(The group still lists 2 members."):]
+    note = text[text.index("(The group still lists 2 members.") :]
     note = note[: note.index("in Redis.)")]
     seconds = KafkaConfig().session_timeout_ms / 1000
     demo = yaml.safe_load((ROOT / "config" / "demo.yaml").read_text())["kafka"]["session_timeout_ms"] / 1000
     assert seconds == demo
-    assert f"`kafka.session_timeout_ms` after its last heartbeat ({seconds:g} s by default and in `config/demo.yaml`" \
-        in note, note
+    assert (
+        f"`kafka.session_timeout_ms` after its last heartbeat ({seconds:g} s by default and in `config/demo.yaml`"
+        in note
+    ), note
     assert "stays a member until its session times out" not in text  # the old, unqualified claim
 
 

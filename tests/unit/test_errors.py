@@ -17,8 +17,7 @@ from infra.errors import PRMPipelineError
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("infra", "scoring_workers", "shaper", "producers", "prm_pipeline")
-SUBTREES = {errors.ConfigurationError, errors.WireError, errors.ServiceError, errors.ScoringError,
-            errors.TrainingError}
+SUBTREES = {errors.ConfigurationError, errors.WireError, errors.ServiceError, errors.ScoringError, errors.TrainingError}
 
 
 def _modules() -> tuple[list[object], list[str]]:
@@ -39,9 +38,15 @@ def _modules() -> tuple[list[object], list[str]]:
 
 def _public_exceptions() -> list[type[BaseException]]:
     modules, _ = _modules()
-    found = {obj for m in modules for obj in vars(m).values()
-             if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == m.__name__
-             and not obj.__name__.startswith("_")}
+    found = {
+        obj
+        for m in modules
+        for obj in vars(m).values()
+        if isinstance(obj, type)
+        and issubclass(obj, BaseException)
+        and obj.__module__ == m.__name__
+        and not obj.__name__.startswith("_")
+    }
     return sorted(found, key=lambda c: (c.__module__, c.__name__))
 
 
@@ -50,8 +55,13 @@ def test_every_public_exception_derives_from_the_root() -> None:
     assert len(found) >= 20, [c.__name__ for c in found]
     outside = [f"{c.__module__}.{c.__name__}" for c in found if not issubclass(c, PRMPipelineError)]
     assert outside == []
-    untyped = [c.__name__ for c in found if c not in SUBTREES | {PRMPipelineError}
-               and not any(issubclass(c, s) for s in SUBTREES) and c.__name__ != "AuditError"]
+    untyped = [
+        c.__name__
+        for c in found
+        if c not in SUBTREES | {PRMPipelineError}
+        and not any(issubclass(c, s) for s in SUBTREES)
+        and c.__name__ != "AuditError"
+    ]
     assert untyped == [], "put each exception in a subtree of infra.errors"
 
 
@@ -68,14 +78,17 @@ def test_modules_without_their_optional_dependency_declare_the_root_too() -> Non
                     assert bases & names, f"{name}.{node.name} does not derive from PRMPipelineError"
 
 
-@pytest.mark.parametrize(("cls", "standard"), [
-    ("infra.config.ConfigError", ValueError),
-    ("infra.schema.InvalidMessage", ValueError),
-    ("infra.startup.KafkaUnreachable", ConnectionError),
-    ("infra.kafka.KafkaAuthError", RuntimeError),
-    ("shaper.batch.ConcatExportError", ValueError),
-    ("scoring_workers.judge.errors.JudgeFailedError", RuntimeError),
-])
+@pytest.mark.parametrize(
+    ("cls", "standard"),
+    [
+        ("infra.config.ConfigError", ValueError),
+        ("infra.schema.InvalidMessage", ValueError),
+        ("infra.startup.KafkaUnreachable", ConnectionError),
+        ("infra.kafka.KafkaAuthError", RuntimeError),
+        ("shaper.batch.ConcatExportError", ValueError),
+        ("scoring_workers.judge.errors.JudgeFailedError", RuntimeError),
+    ],
+)
 def test_existing_except_clauses_still_catch(cls: str, standard: type[BaseException]) -> None:
     module, name = cls.rsplit(".", 1)
     klass = getattr(importlib.import_module(module), name)
@@ -124,25 +137,38 @@ def _entry_points() -> list[object]:
         (lambda: check_experiment_id("no spaces"), errors.ConfigurationError, ValueError, "experiment_id"),
         (lambda: RetryPolicy(retryable=bool, base_s=-1.0), errors.ConfigurationError, ValueError, "a retry policy"),
         (lambda: reasons.require("no_such_reason_code"), errors.ConfigurationError, ValueError, "reason code"),
-        (lambda: pack_array(np.zeros((2, 2), dtype=np.int32), np.dtype("<i4")), errors.WireError, ValueError,
-         "expected a 1-D array"),
+        (
+            lambda: pack_array(np.zeros((2, 2), dtype=np.int32), np.dtype("<i4")),
+            errors.WireError,
+            ValueError,
+            "expected a 1-D array",
+        ),
         (lambda: parse_time(""), errors.ConfigurationError, ValueError, "empty time"),
         (lambda: split_host_port("ftp://judge"), errors.ConfigurationError, ValueError, "'ftp://judge'"),
         (lambda: CircuitBreaker(failure_threshold=0), errors.ConfigurationError, ValueError, "failure_threshold"),
         (lambda: check_headers({"bad name": "x"}), errors.ConfigurationError, ValueError, "judge header name"),
         (lambda: get_filter("no_such_filter"), errors.ConfigurationError, ValueError, "unknown group filter"),
-        (lambda: grpo_outcome_advantages(torch.zeros(2, 2), ["g", "g"]), errors.TrainingError, ValueError,
-         "rewards must be 1-D"),
+        (
+            lambda: grpo_outcome_advantages(torch.zeros(2, 2), ["g", "g"]),
+            errors.TrainingError,
+            ValueError,
+            "rewards must be 1-D",
+        ),
         (lambda: tag_reward(1.0, 10_000), errors.TrainingError, ValueError, "member tag"),
-        (lambda: session_turn_rewards(two_branches, group_id="g"), errors.TrainingError, RuntimeError,
-         "group 'g': session 't-1' has 2 branches"),
+        (
+            lambda: session_turn_rewards(two_branches, group_id="g"),
+            errors.TrainingError,
+            RuntimeError,
+            "group 'g': session 't-1' has 2 branches",
+        ),
     ]
     return [pytest.param(*case, id=str(i)) for i, case in enumerate(cases)]
 
 
 @pytest.mark.parametrize(("call", "subtree", "standard", "start"), _entry_points())
 def test_public_checks_raise_typed_errors_that_old_clauses_still_catch(
-        call: object, subtree: type[Exception], standard: type[Exception], start: str) -> None:
+    call: object, subtree: type[Exception], standard: type[Exception], start: str
+) -> None:
     with pytest.raises(standard) as caught:
         call()  # type: ignore[operator]
     assert isinstance(caught.value, PRMPipelineError) and isinstance(caught.value, subtree)

@@ -13,17 +13,20 @@ from infra.escape import json_line, printable, rich_text
 HOSTILE = "g-1\n2030-01-01 00:00:00,000 ERROR forged\r\x1b[31mred\x1b[0m\x9b2J\u2028next\u202eevil\x00\x7f"
 
 
-@pytest.mark.parametrize(("raw", "shown"), [
-    ("line\nbreak", "line\\nbreak"),
-    ("carriage\rreturn", "carriage\\rreturn"),
-    ("tab\there", "tab\\there"),
-    ("\x1b[2J", "\\x1b[2J"),
-    ("nul\x00del\x7f", "nul\\x00del\\x7f"),
-    ("c1 csi\x9b", "c1 csi\\x9b"),
-    ("next\x85line", "next\\x85line"),
-    ("sep\u2028para\u2029", "sep\\u2028para\\u2029"),
-    ("bidi\u202eoverride\u2066isolate\u2069\u200f\u061c", "bidi\\u202eoverride\\u2066isolate\\u2069\\u200f\\u061c"),
-])
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("line\nbreak", "line\\nbreak"),
+        ("carriage\rreturn", "carriage\\rreturn"),
+        ("tab\there", "tab\\there"),
+        ("\x1b[2J", "\\x1b[2J"),
+        ("nul\x00del\x7f", "nul\\x00del\\x7f"),
+        ("c1 csi\x9b", "c1 csi\\x9b"),
+        ("next\x85line", "next\\x85line"),
+        ("sep\u2028para\u2029", "sep\\u2028para\\u2029"),
+        ("bidi\u202eoverride\u2066isolate\u2069\u200f\u061c", "bidi\\u202eoverride\\u2066isolate\\u2069\\u200f\\u061c"),
+    ],
+)
 def test_every_control_separator_and_bidi_character_is_written_as_an_escape(raw: str, shown: str) -> None:
     assert printable(raw) == shown
 

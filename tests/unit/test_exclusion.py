@@ -46,9 +46,11 @@ ROW_LEN = 12
 # --------------------------------------------------------------------------- builders
 def turn(iid: str, parent: str | None, inp: Sequence[int], out: Sequence[int]) -> Interaction:
     return Interaction(
-        interaction_id=iid, parent_id=parent,
-        model_response=ModelResponse.from_arrays(np.asarray(inp, np.int32), np.asarray(out, np.int32),
-                                                 np.full(len(out), -0.5, np.float32), "stop"),
+        interaction_id=iid,
+        parent_id=parent,
+        model_response=ModelResponse.from_arrays(
+            np.asarray(inp, np.int32), np.asarray(out, np.int32), np.full(len(out), -0.5, np.float32), "stop"
+        ),
     )
 
 
@@ -70,8 +72,14 @@ def forked(sid: str) -> list[Interaction]:
 
 
 def judge_result(iid: str, score: float, has_next: bool, scorer: str = JUDGE) -> PRMTurnResult:
-    obs = PRMMetricObservation(metric_id="has_next_state", scope="turn", target_id=iid, value=has_next,
-                               value_type="boolean", aggregations=("count", "rate"))
+    obs = PRMMetricObservation(
+        metric_id="has_next_state",
+        scope="turn",
+        target_id=iid,
+        value=has_next,
+        value_type="boolean",
+        aggregations=("count", "rate"),
+    )
     return PRMTurnResult(interaction_id=iid, scorer_name=scorer, reward=score, observations=(obs,))
 
 
@@ -97,16 +105,28 @@ def scored_session(
             path.insert(0, by_id[path[0]].parent_id)
         assert len(path) == len(turns), (leaf, path)
         lengths = {iid: by_id[iid].model_response.output_len for iid in path}
-        branches.append(BranchResult(
-            leaf_id=leaf, path=path,
-            token_rewards={iid: TokenRewards(length=lengths[iid], uniform=float(s)) for iid, (s, _) in zip(path, turns)},
-            scorer_totals={OTHER: 0.0, JUDGE: float(sum(s for s, _ in turns))},
-            channels=dict((channels or {}).get(leaf, {})),
-        ))
+        branches.append(
+            BranchResult(
+                leaf_id=leaf,
+                path=path,
+                token_rewards={
+                    iid: TokenRewards(length=lengths[iid], uniform=float(s)) for iid, (s, _) in zip(path, turns)
+                },
+                scorer_totals={OTHER: 0.0, JUDGE: float(sum(s for s, _ in turns))},
+                channels=dict((channels or {}).get(leaf, {})),
+            )
+        )
         results += [PRMTurnResult(interaction_id=iid, scorer_name=OTHER, reward=0.0) for iid in path]
         results += [judge_result(iid, s, h) for iid, (s, h) in zip(path, turns)]
-    return SessionResult(session_id=sid, trajectory_id=f"traj-{sid}", status="scored", outcome_reward=outcome,
-                         branches=branches, turn_results=results, turns=compact_turns(interactions))
+    return SessionResult(
+        session_id=sid,
+        trajectory_id=f"traj-{sid}",
+        status="scored",
+        outcome_reward=outcome,
+        branches=branches,
+        turn_results=results,
+        turns=compact_turns(interactions),
+    )
 
 
 def group(gid: str, sessions: Sequence[SessionResult]) -> GroupVerdict:
@@ -177,15 +197,16 @@ def test_shape_batch_applies_exclusion_before_the_shift() -> None:
 def test_rows_of_one_session_share_the_guarantee() -> None:
     # Session "fk": every turn of both rows neutral -> only row 0's t0 is rescued (row order, then turn).
     # Session "fe": row 1's t0 (branch-local next state) scored 1 -> the session is effective, no rescue.
-    fk = scored_session("fk", forked("fk"), {"fk-t1": [(0.0, True), (0.0, False)],
-                                             "fk-t1b": [(0.0, True), (0.0, False)]})
-    fe = scored_session("fe", forked("fe"), {"fe-t1": [(0.0, True), (0.0, False)],
-                                             "fe-t1b": [(1.0, True), (0.0, False)]})
+    fk = scored_session(
+        "fk", forked("fk"), {"fk-t1": [(0.0, True), (0.0, False)], "fk-t1b": [(0.0, True), (0.0, False)]}
+    )
+    fe = scored_session(
+        "fe", forked("fe"), {"fe-t1": [(0.0, True), (0.0, False)], "fe-t1b": [(1.0, True), (0.0, False)]}
+    )
     batch = build_training_batch([group("g", [fk, fe])])
     assert batch.session_ids == ["fk", "fk", "fe", "fe"]
     out = apply_exclusion(batch)
-    assert out.tolist() == [mask_at(T0_POS, length=8), mask_at(length=8),
-                            mask_at(length=8), mask_at(T0_POS, length=8)]
+    assert out.tolist() == [mask_at(T0_POS, length=8), mask_at(length=8), mask_at(length=8), mask_at(T0_POS, length=8)]
 
 
 def test_same_session_id_in_two_groups_is_two_sessions() -> None:
@@ -242,16 +263,28 @@ def test_pure_function_pools_rows_by_session_index() -> None:
 def test_pure_function_checks_its_inputs() -> None:
     mask = torch.ones(1, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"turn_index must lie in \[-1, K\)"):
-        exclude_neutral_turns(mask, torch.tensor([[0, 1, 2]]), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
-                              torch.tensor([0]))
+        exclude_neutral_turns(
+            mask, torch.tensor([[0, 1, 2]]), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), torch.tensor([0])
+        )
     with pytest.raises(ValueError, match="integer"):
-        exclude_neutral_turns(mask, torch.zeros(1, 3), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool),
-                              torch.tensor([0]))
+        exclude_neutral_turns(
+            mask, torch.zeros(1, 3), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), torch.tensor([0])
+        )
     with pytest.raises(ValueError, match=r"sessions must be \[B\]"):
-        exclude_neutral_turns(mask, torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 1),
-                              torch.ones(1, 1, dtype=torch.bool), torch.tensor([0, 1]))
-    empty = exclude_neutral_turns(torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, 0, dtype=torch.long),
-                                  torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, dtype=torch.long))
+        exclude_neutral_turns(
+            mask,
+            torch.zeros(1, 3, dtype=torch.long),
+            torch.zeros(1, 1),
+            torch.ones(1, 1, dtype=torch.bool),
+            torch.tensor([0, 1]),
+        )
+    empty = exclude_neutral_turns(
+        torch.zeros(0, 0, dtype=torch.bool),
+        torch.zeros(0, 0, dtype=torch.long),
+        torch.zeros(0, 0),
+        torch.zeros(0, 0, dtype=torch.bool),
+        torch.zeros(0, dtype=torch.long),
+    )
     assert empty.shape == (0, 0)
 
 

@@ -58,10 +58,18 @@ def test_an_experiment_publisher_stamps_ready_and_discard_and_picks_its_topic() 
 
 
 def test_a_chunked_trajectory_carries_the_stamp_inside_its_reassembled_value() -> None:
-    big = make_session(trajectory_id="t-big", session_id="s", group_id="g-big", group_size=1, turns=6,
-                       output_tokens=4000, rng=np.random.default_rng(0))
-    pub = TrajectoryPublisher(msgspec.structs.replace(KafkaConfig(), max_message_bytes=16_384), TOPICS,
-                              experiment="exp-a")
+    big = make_session(
+        trajectory_id="t-big",
+        session_id="s",
+        group_id="g-big",
+        group_size=1,
+        turns=6,
+        output_tokens=4000,
+        rng=np.random.default_rng(0),
+    )
+    pub = TrajectoryPublisher(
+        msgspec.structs.replace(KafkaConfig(), max_message_bytes=16_384), TOPICS, experiment="exp-a"
+    )
     records = pub.records(big)
     assert len(records) > 2
     assembler: ChunkAssembler[int] = ChunkAssembler()
@@ -102,7 +110,9 @@ def test_a_verdict_line_names_a_non_default_experiment_only() -> None:
 def test_the_durable_dedupe_store_keeps_experiments_apart_and_reads_old_files(tmp_path) -> None:
     path = tmp_path / "dedupe.sqlite"
     store = SqliteDedupeStore(path)
-    store._db.execute("INSERT INTO acknowledged VALUES ('g-old', 1, strftime('%s','now'))")  # written before experiments
+    store._db.execute(
+        "INSERT INTO acknowledged VALUES ('g-old', 1, strftime('%s','now'))"
+    )  # written before experiments
     store.add_many([("exp-a", "g1", 1)])
     assert store.contains(("exp-a", "g1", 1))
     assert not store.contains(("exp-b", "g1", 1)) and not store.contains(("default", "g1", 1))
@@ -124,16 +134,38 @@ async def test_audit_matches_members_within_their_experiment_when_group_ids_coll
     """Two experiments use group "g" and the same trajectory ids with different tokens: each
     verdict is compared with its own experiment's trajectories, never the other's."""
     scorer = LengthBudgetScorer(max_output_tokens=12)
-    trajs = {exp: [msgspec.structs.replace(
-        make_session(trajectory_id=f"t{k}", session_id=f"s{k}", group_id="g", group_size=2, turns=1,
-                     output_tokens=n, rng=np.random.default_rng(k)), experiment_id=exp) for k in range(2)]
-        for exp, n in (("exp-a", 16), ("exp-b", 8))}
+    trajs = {
+        exp: [
+            msgspec.structs.replace(
+                make_session(
+                    trajectory_id=f"t{k}",
+                    session_id=f"s{k}",
+                    group_id="g",
+                    group_size=2,
+                    turns=1,
+                    output_tokens=n,
+                    rng=np.random.default_rng(k),
+                ),
+                experiment_id=exp,
+            )
+            for k in range(2)
+        ]
+        for exp, n in (("exp-a", 16), ("exp-b", 8))
+    }
     runner = await PRMRunner.create(PRMConfig(scorers=[scorer]))  # type: ignore[list-item]
     try:
-        verdicts = {exp: GroupVerdict(
-            group_id="g", status="accepted", group_size=2, experiment_id=exp, worker_id="w",
-            sessions=[await rescore(runner, t, timeout_s=10) for t in ts], scorers=runner.scorer_infos())
-            for exp, ts in trajs.items()}
+        verdicts = {
+            exp: GroupVerdict(
+                group_id="g",
+                status="accepted",
+                group_size=2,
+                experiment_id=exp,
+                worker_id="w",
+                sessions=[await rescore(runner, t, timeout_s=10) for t in ts],
+                scorers=runner.scorer_infos(),
+            )
+            for exp, ts in trajs.items()
+        }
         assert verdicts["exp-a"].sessions != verdicts["exp-b"].sessions  # the collision would show
         reports = {}
         for only in (None, "exp-a"):
@@ -147,7 +179,9 @@ async def test_audit_matches_members_within_their_experiment_when_group_ids_coll
         await runner.aclose()
     both = reports[None].by_scoped_group()
     assert {(f.experiment_id, f.group_id, f.outcome) for f in both.values()} == {
-        ("exp-a", "g", "identical"), ("exp-b", "g", "identical")}
+        ("exp-a", "g", "identical"),
+        ("exp-b", "g", "identical"),
+    }
     only_a = reports["exp-a"]
     assert [(f.experiment_id, f.outcome) for f in only_a.findings] == [("exp-a", "identical")]
     assert only_a.records["other_experiment_verdicts"] == 1 and only_a.records["other_experiment_trajectories"] == 2
@@ -157,8 +191,15 @@ async def test_audit_matches_members_within_their_experiment_when_group_ids_coll
 # --------------------------------------------------------------------------- dead letters
 def _letter(offset: int, message: object, source_topic: str) -> LetterRecord:
     value, headers = encode(message) if message is not None else (b"\x00garbage", [])
-    letter = DeadLetter(payload=value, error_class="ProcessingError", error_message="why", source_topic=source_topic,
-                        source_partition=0, source_offset=offset, original_headers={k: v.decode() for k, v in headers})
+    letter = DeadLetter(
+        payload=value,
+        error_class="ProcessingError",
+        error_message="why",
+        source_topic=source_topic,
+        source_partition=0,
+        source_offset=offset,
+        original_headers={k: v.decode() for k, v in headers},
+    )
     return LetterRecord("dlq", 0, offset, 0, None, letter)
 
 
@@ -172,23 +213,30 @@ def test_a_dead_letter_belongs_to_the_experiment_of_its_source_topic() -> None:
     undecodable_b = _letter(2, None, "prm.trajectories.exp-b")
     default = _letter(3, t, "prm.trajectories")
     base = "prm.trajectories"
-    assert [r.experiment(base) for r in (a, same_ids_b, undecodable_b, default)] == ["exp-a", "exp-b", "exp-b",
-                                                                                      "default"]
+    assert [r.experiment(base) for r in (a, same_ids_b, undecodable_b, default)] == [
+        "exp-a",
+        "exp-b",
+        "exp-b",
+        "default",
+    ]
     assert a.to_json(trajectories_base=base)["experiment_id"] == "exp-a"
     assert "experiment_id" not in default.to_json(trajectories_base=base)
     # one trajectory id in two experiments is two trajectories; each goes back to its own topic
     plan = plan_redrive([a, same_ids_b, default], Selection(trajectories_base=base))
     assert [(e.redrive, e.experiment) for e in plan] == [(True, "exp-a"), (True, "exp-b"), (True, "default")]
     assert "(experiment exp-b)" in plan[1].describe()
-    only_b = plan_redrive([a, same_ids_b, undecodable_b, default], Selection(experiment="exp-b", trajectories_base=base))
+    only_b = plan_redrive(
+        [a, same_ids_b, undecodable_b, default], Selection(experiment="exp-b", trajectories_base=base)
+    )
     assert [e.record.offset for e in only_b] == [1, 2]
 
 
 def test_a_dead_letter_belongs_to_its_topic_never_to_the_experiment_its_payload_names() -> None:
     (t,) = make_group("g1", 1, turns=1, output_tokens=2)
     forged = _letter(4, msgspec.structs.replace(t, experiment_id="exp-a"), "prm.trajectories.exp-b")
-    forged = LetterRecord("dlq", 0, 4, 0, b"g1", msgspec.structs.replace(forged.letter,
-                                                                        error_class="ExperimentMismatch"))
+    forged = LetterRecord(
+        "dlq", 0, 4, 0, b"g1", msgspec.structs.replace(forged.letter, error_class="ExperimentMismatch")
+    )
     assert forged.experiment("prm.trajectories") == "exp-b"
     assert forged.to_json(trajectories_base="prm.trajectories")["experiment_id"] == "exp-b"
     (entry,) = plan_redrive([forged], Selection(trajectories_base="prm.trajectories"))
@@ -247,8 +295,15 @@ def test_every_command_of_one_experiment_takes_experiment_and_checks_it(capsys) 
     from prm_pipeline.cli import build_parser
 
     parser = build_parser()
-    for argv in (["publish", "f.jsonl"], ["trainer"], ["verdicts"], ["inspect"], ["audit"], ["dead-letters"],
-                 ["status"]):
+    for argv in (
+        ["publish", "f.jsonl"],
+        ["trainer"],
+        ["verdicts"],
+        ["inspect"],
+        ["audit"],
+        ["dead-letters"],
+        ["status"],
+    ):
         assert parser.parse_args([*argv, "--experiment", "exp-a"]).experiment == "exp-a", argv
         assert parser.parse_args(argv).experiment is None, argv  # absent: trainer.experiment, or no filter
     with pytest.raises(SystemExit):
@@ -264,9 +319,14 @@ def test_status_of_an_experiment_reads_its_topics_and_its_trainer_group() -> Non
     from prm_pipeline.status.collect import _roles
 
     cfg = config_from_mapping({})
-    assert _roles(cfg) == [("workers", "prm-scoring-workers", "prm.trajectories"), ("trainer", "prm-trainer", "prm.verdicts")]
-    assert _roles(cfg, "exp-a") == [("workers", "prm-scoring-workers", "prm.trajectories.exp-a"),
-                                    ("trainer", "prm-trainer.exp-a", "prm.verdicts.exp-a")]
+    assert _roles(cfg) == [
+        ("workers", "prm-scoring-workers", "prm.trajectories"),
+        ("trainer", "prm-trainer", "prm.verdicts"),
+    ]
+    assert _roles(cfg, "exp-a") == [
+        ("workers", "prm-scoring-workers", "prm.trajectories.exp-a"),
+        ("trainer", "prm-trainer.exp-a", "prm.verdicts.exp-a"),
+    ]
 
 
 def test_status_reads_what_the_workers_telemetry_exports() -> None:
@@ -282,4 +342,9 @@ def test_status_reads_what_the_workers_telemetry_exports() -> None:
     t.experiment_slots.labels("exp-a").set(8)
     fleet = experiment_metrics([generate_latest(t.registry).decode()], "exp-a")
     assert (fleet.present, fleet.records, fleet.verdicts, fleet.in_flight, fleet.slots) == (
-        True, {"ready": 3.0}, {"accepted": 1.0}, 2.0, 8.0)
+        True,
+        {"ready": 3.0},
+        {"accepted": 1.0},
+        2.0,
+        8.0,
+    )

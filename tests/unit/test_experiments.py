@@ -60,7 +60,8 @@ def test_the_example_experiment_file_is_valid_and_is_the_one_docs_fleet_md_shows
     spec = load_spec_file(root / "config" / "experiment.example.yaml")
     assert (spec.experiment_id, spec.weight, spec.max_in_flight) == ("math-rl", 2.0, 16)
     assert spec.judge_quota is not None and spec.judge_quota.rps == 20
-    shown = re.search(r"```yaml\n# config/experiment.example.yaml\n(.*?)```", (root / "docs" / "fleet.md").read_text(),
-                      re.S)
+    shown = re.search(
+        r"```yaml\n# config/experiment.example.yaml\n(.*?)```", (root / "docs" / "fleet.md").read_text(), re.S
+    )
     assert shown is not None
     assert yaml.safe_load(shown.group(1)) == yaml.safe_load((root / "config" / "experiment.example.yaml").read_text())

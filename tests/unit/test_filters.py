@@ -142,8 +142,12 @@ class TestMaskNoEos:
         assert filter_mixed_or_penalized_all_wrong_mask_no_eos(g).reason == "mixed"
 
     def test_needs_truncation_information(self) -> None:
-        g = {"rewards": torch.zeros(2), "token_rewards": torch.full((2, 2), -1.0), "loss_mask": torch.ones(2, 2),
-             "is_truncated": torch.tensor([False, False])}  # AReaL: attention_mask needed even then
+        g = {
+            "rewards": torch.zeros(2),
+            "token_rewards": torch.full((2, 2), -1.0),
+            "loss_mask": torch.ones(2, 2),
+            "is_truncated": torch.tensor([False, False]),
+        }  # AReaL: attention_mask needed even then
         with pytest.raises(ValueError, match="requires attention_mask"):
             filter_mixed_or_penalized_all_wrong_mask_no_eos(g)
 

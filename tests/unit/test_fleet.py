@@ -45,8 +45,7 @@ def test_the_topic_is_the_tenant_a_record_naming_another_experiment_is_refused()
         assert fleet.admit("prm.trajectories.exp-a", named_a) is named_a  # names its own topic's
         refused = fleet.admit("prm.trajectories.exp-b", named_a)  # on B's topic, naming A
         assert isinstance(refused, ExperimentMismatch) and isinstance(refused, InvalidMessage)
-        assert "names experiment 'exp-a', but prm.trajectories.exp-b is the topic of experiment 'exp-b'" \
-            in str(refused)
+        assert "names experiment 'exp-a', but prm.trajectories.exp-b is the topic of experiment 'exp-b'" in str(refused)
         assert isinstance(fleet.admit("prm.trajectories", named_a), ExperimentMismatch)  # the default topic too
     assert fleet.admit("prm.trajectories", refused) is refused  # what did not decode stays what it was
 
@@ -87,11 +86,14 @@ async def test_a_declared_judge_quota_reaches_the_experiments_judge_clients_and_
     from infra.registry import JudgeQuotaSpec
     from scoring_workers.judge.limits import all_quotas
 
-    cfg = PipelineConfig(worker=WorkerConfig(allowed_scorer_modules=["scoring_workers.scorers"],
-                                             allowed_judge_hosts=["127.0.0.1"]))
+    cfg = PipelineConfig(
+        worker=WorkerConfig(allowed_scorer_modules=["scoring_workers.scorers"], allowed_judge_hosts=["127.0.0.1"])
+    )
     fleet = Fleet(cfg, None)
-    judge = PRMScorerConfig("scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
-                            kwargs={"base_url": "http://127.0.0.1:9/v1", "model": "judge"})
+    judge = PRMScorerConfig(
+        "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
+        kwargs={"base_url": "http://127.0.0.1:9/v1", "model": "judge"},
+    )
 
     def spec(quota: JudgeQuotaSpec) -> ExperimentSpec:
         return ExperimentSpec(experiment_id="exp-q", prm=PRMConfig(scorers=[judge]), judge_quota=quota)

@@ -52,4 +52,3 @@ def test_a_signal_received_before_the_wait_is_not_lost() -> None:
     with StopSignals() as stop:
         signal.raise_signal(signal.SIGTERM)
         assert stop.wait(lambda: pytest.fail("waited although SIGTERM had arrived")) == 0
-

@@ -78,7 +78,10 @@ SCALE = float(os.environ.get("PRM_FUZZ_SCALE", "1"))
 def fuzz(max_examples: int) -> settings:
     """Bounded and reproducible by default; ``PRM_FUZZ_SCALE`` for longer, random local runs."""
     return settings(
-        max_examples=max(1, int(max_examples * SCALE)), deadline=None, derandomize=SCALE == 1, database=None,
+        max_examples=max(1, int(max_examples * SCALE)),
+        deadline=None,
+        derandomize=SCALE == 1,
+        database=None,
         print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
     )
@@ -118,10 +121,36 @@ def _msgpack_deep(depth: int, how: str) -> bytes:  # fixarray(1) / fixmap(1) wit
 
 
 _JSON_SPECIAL = [
-    b"9" * 5000, b"-" + b"9" * 5000, b"1" + b"0" * 400, b"1e400", b"-1e400", b"1e-400", b"0." + b"0" * 5000 + b"1",
-    b"NaN", b"-Infinity", b"Infinity", b'"\\ud800"', b'"\\udc00\\ud800"', b'"\xed\xa0\x80"', b'"\xff\xfe"',
-    b"2147483648", b"-2147483649", b"18446744073709551616", b"-9223372036854775809", b"1.5", b"-0", b"true",
-    b"null", b"[]", b"{}", b'""', b'"\\u0000"', b'[1,]', b'{"a":1,"a":2}', b"\x00", b'"' + b"x" * 70_000 + b'"',
+    b"9" * 5000,
+    b"-" + b"9" * 5000,
+    b"1" + b"0" * 400,
+    b"1e400",
+    b"-1e400",
+    b"1e-400",
+    b"0." + b"0" * 5000 + b"1",
+    b"NaN",
+    b"-Infinity",
+    b"Infinity",
+    b'"\\ud800"',
+    b'"\\udc00\\ud800"',
+    b'"\xed\xa0\x80"',
+    b'"\xff\xfe"',
+    b"2147483648",
+    b"-2147483649",
+    b"18446744073709551616",
+    b"-9223372036854775809",
+    b"1.5",
+    b"-0",
+    b"true",
+    b"null",
+    b"[]",
+    b"{}",
+    b'""',
+    b'"\\u0000"',
+    b"[1,]",
+    b'{"a":1,"a":2}',
+    b"\x00",
+    b'"' + b"x" * 70_000 + b'"',
 ]
 
 
@@ -137,21 +166,50 @@ def json_fragments() -> st.SearchStrategy[bytes]:
 
 
 _MSGPACK_SPECIAL = [
-    b"\xcf" + b"\xff" * 8, b"\xd3\x80" + b"\x00" * 7, b"\xcb\x7f\xf8" + b"\x00" * 6, b"\xcb\xff\xf0" + b"\x00" * 6,
-    b"\xca\x7f\xc0\x00\x00", b"\xca\x7f\x80\x00\x00", b"\xa3\xed\xa0\x80", b"\xa2\xff\xfe", b"\xc1",
-    b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff",
-    b"\xda\x00\x10abc", b"\xd4\x01\x00", b"\xc7\x00\x05", b"\xd6\xff\x00\x00\x00\x00",
-    b"\xd7\xff" + b"\xff" * 8, b"\xc7\x0c\xff" + b"\xff\xff\xff\xff" + b"\x7f" + b"\xff" * 7,
-    b"\xc7\x0c\xff" + b"\x00" * 4 + b"\x80" + b"\x00" * 7, b"\xc4\x03abc", b"\xc4\x05ab", b"\x90", b"\x80", b"\xc0",
-    b"\xc2", b"\xc3", b"\x7f", b"\xe0", b"\xcc\xff", b"\xce\xff\xff\xff\xff",
+    b"\xcf" + b"\xff" * 8,
+    b"\xd3\x80" + b"\x00" * 7,
+    b"\xcb\x7f\xf8" + b"\x00" * 6,
+    b"\xcb\xff\xf0" + b"\x00" * 6,
+    b"\xca\x7f\xc0\x00\x00",
+    b"\xca\x7f\x80\x00\x00",
+    b"\xa3\xed\xa0\x80",
+    b"\xa2\xff\xfe",
+    b"\xc1",
+    b"\xdd\xff\xff\xff\xff",
+    b"\xdf\xff\xff\xff\xff",
+    b"\xc6\xff\xff\xff\xff",
+    b"\xdb\xff\xff\xff\xff",
+    b"\xda\x00\x10abc",
+    b"\xd4\x01\x00",
+    b"\xc7\x00\x05",
+    b"\xd6\xff\x00\x00\x00\x00",
+    b"\xd7\xff" + b"\xff" * 8,
+    b"\xc7\x0c\xff" + b"\xff\xff\xff\xff" + b"\x7f" + b"\xff" * 7,
+    b"\xc7\x0c\xff" + b"\x00" * 4 + b"\x80" + b"\x00" * 7,
+    b"\xc4\x03abc",
+    b"\xc4\x05ab",
+    b"\x90",
+    b"\x80",
+    b"\xc0",
+    b"\xc2",
+    b"\xc3",
+    b"\x7f",
+    b"\xe0",
+    b"\xcc\xff",
+    b"\xce\xff\xff\xff\xff",
 ]
 
 
 def msgpack_fragments() -> st.SearchStrategy[bytes]:
     """One msgpack value as bytes, valid or not."""
     plain = st.recursive(
-        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(width=32) | st.floats()
-        | st.text(max_size=8) | st.binary(max_size=12),
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats(width=32)
+        | st.floats()
+        | st.text(max_size=8)
+        | st.binary(max_size=12),
         lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
         max_leaves=10,
     ).map(msgspec.msgpack.encode)
@@ -238,8 +296,9 @@ def _valid_lines() -> list[bytes]:
 JSONL_LINES = _valid_lines()
 JSONL_DOCS = [json.loads(line) for line in JSONL_LINES]
 PUBLISHER = TrajectoryPublisher(KafkaConfig(), TopicsConfig())
-_JSON_TOKENS = st.sampled_from([b"[", b"]", b"{", b"}", b'"', b",", b":", b"\\", b"\n", b"\r", *_JSON_SPECIAL]) \
-    | st.builds(_json_deep, _DEPTHS, st.just("list"))
+_JSON_TOKENS = st.sampled_from(
+    [b"[", b"]", b"{", b"}", b'"', b",", b":", b"\\", b"\n", b"\r", *_JSON_SPECIAL]
+) | st.builds(_json_deep, _DEPTHS, st.just("list"))
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +327,9 @@ def test_valid_jsonl_lines_publish(line_file: Path) -> None:
 
 
 @fuzz(500)
-@given(data=st.binary(max_size=300) | st.text(_ANY_CHAR, max_size=100).map(lambda s: s.encode("utf-8", "surrogatepass")))
+@given(
+    data=st.binary(max_size=300) | st.text(_ANY_CHAR, max_size=100).map(lambda s: s.encode("utf-8", "surrogatepass"))
+)
 @example(data=b"[" * 100_000)  # RecursionError before
 @example(data=b'{"kind": "ready", "interactions": ' + b"[" * 100_000)
 def test_jsonl_arbitrary_bytes(line_file: Path, data: bytes) -> None:
@@ -322,14 +383,26 @@ def _line_with(path: tuple[Any, ...], fragment: bytes) -> bytes:
     return text.replace(json.dumps(_SENTINEL).encode(), fragment, 1)
 
 
-@pytest.mark.parametrize(("path", "number", "needle"), [
-    (("interactions", 0, "messages", 0, "n"), b"18446744073709551616", r"interactions\[0\]\.messages: an integer outside"),
-    (("interactions", 1, "output_message_list", 0, "n"), b"-9223372036854775809", "output_message_list: an integer"),
-    (("policy_version",), b"9223372036854775808", "policy_version: expected `int` <= 9223372036854775807"),
-    (("group_size",), b"1" + b"0" * 30, "group_size: expected `int` <= 9223372036854775807"),
-])
-def test_an_integer_the_wire_cannot_carry_is_a_jsonl_error(line_file: Path, path: tuple[Any, ...], number: bytes,
-                                                           needle: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "number", "needle"),
+    [
+        (
+            ("interactions", 0, "messages", 0, "n"),
+            b"18446744073709551616",
+            r"interactions\[0\]\.messages: an integer outside",
+        ),
+        (
+            ("interactions", 1, "output_message_list", 0, "n"),
+            b"-9223372036854775809",
+            "output_message_list: an integer",
+        ),
+        (("policy_version",), b"9223372036854775808", "policy_version: expected `int` <= 9223372036854775807"),
+        (("group_size",), b"1" + b"0" * 30, "group_size: expected `int` <= 9223372036854775807"),
+    ],
+)
+def test_an_integer_the_wire_cannot_carry_is_a_jsonl_error(
+    line_file: Path, path: tuple[Any, ...], number: bytes, needle: str
+) -> None:
     """JSON integers have no bound, msgpack's 64 bits: OverflowError from the encoder before."""
     with pytest.raises(JsonlError, match=needle):
         publish_file(line_file, _line_with(path, number))
@@ -349,23 +422,66 @@ def _vector(name: str) -> tuple[bytes, list[tuple[str, bytes]]]:
     return (VECTORS / f"{name}.msgpack").read_bytes(), [(k, v.encode()) for k, v in twin["headers"].items()]
 
 
-TRAJECTORY_VECTORS = ["ready_single_turn", "ready_branching", "ready_compact", "ready_experiment", "discard",
-                      "chunk_0", "chunk_1"]
-VERDICT_VECTORS = ["verdict_accepted", "verdict_rejected", "verdict_discarded", "verdict_experiment",
-                   "verdict_reference"]
+TRAJECTORY_VECTORS = [
+    "ready_single_turn",
+    "ready_branching",
+    "ready_compact",
+    "ready_experiment",
+    "discard",
+    "chunk_0",
+    "chunk_1",
+]
+VERDICT_VECTORS = [
+    "verdict_accepted",
+    "verdict_rejected",
+    "verdict_discarded",
+    "verdict_experiment",
+    "verdict_reference",
+]
 TRAJECTORY_RECORDS = [_vector(n) for n in TRAJECTORY_VECTORS] + [encode(m) for m in make_group("fz", 2, turns=3)]
 VERDICT_RECORDS = [_vector(n) for n in VERDICT_VECTORS]
 CHUNKS = [_vector("chunk_0"), _vector("chunk_1")]
 
-_HEADER_VALUES = st.sampled_from([
-    b"1", b"2", b"3", b"0", b"01", b"", b" 1", b"1 ", b"-1", b"+1", b"1.0", "²".encode(), "١".encode(), "𝟏".encode(),
-    b"9" * 5000, b"\xff", b"ready", b"discard", b"chunk", b"verdict", b"READY", b"ready\x00",
-]) | st.binary(max_size=8) | st.none()
+_HEADER_VALUES = (
+    st.sampled_from(
+        [
+            b"1",
+            b"2",
+            b"3",
+            b"0",
+            b"01",
+            b"",
+            b" 1",
+            b"1 ",
+            b"-1",
+            b"+1",
+            b"1.0",
+            "²".encode(),
+            "١".encode(),
+            "𝟏".encode(),
+            b"9" * 5000,
+            b"\xff",
+            b"ready",
+            b"discard",
+            b"chunk",
+            b"verdict",
+            b"READY",
+            b"ready\x00",
+        ]
+    )
+    | st.binary(max_size=8)
+    | st.none()
+)
 
 
 _MSGPACK_TOKENS = st.sampled_from(_MSGPACK_SPECIAL) | st.builds(_msgpack_deep, _DEPTHS, st.just("list"))
-FUZZED_HEADERS = st.lists(st.tuples(st.sampled_from([SCHEMA_HEADER, KIND_HEADER]) | st.text(_ANY_CHAR, max_size=4),
-                                    _HEADER_VALUES), max_size=4) | st.none()
+FUZZED_HEADERS = (
+    st.lists(
+        st.tuples(st.sampled_from([SCHEMA_HEADER, KIND_HEADER]) | st.text(_ANY_CHAR, max_size=4), _HEADER_VALUES),
+        max_size=4,
+    )
+    | st.none()
+)
 
 
 @st.composite
@@ -409,7 +525,6 @@ def test_valid_records_decode() -> None:
 @given(value=st.binary(max_size=400) | st.none(), headers=st.sampled_from([h for _, h in TRAJECTORY_RECORDS]))
 def test_trajectory_records_arbitrary_bytes(value: bytes | None, headers: Any) -> None:
     worker_reads(value, headers)
-
 
 
 @fuzz(1200)
@@ -472,8 +587,13 @@ def verdict_reads(value: bytes | None, headers: Any) -> None:
 
 def _reward_tokens(verdict: GroupVerdict) -> int:
     """How many floats laying out the verdict's token rewards takes (the test's memory, not a rule)."""
-    return sum(tr.length for s in verdict.sessions for b in s.branches
-               for rewards in (b.token_rewards, *b.channels.values()) for tr in rewards.values())
+    return sum(
+        tr.length
+        for s in verdict.sessions
+        for b in s.branches
+        for rewards in (b.token_rewards, *b.channels.values())
+        for tr in rewards.values()
+    )
 
 
 def test_a_token_rewards_length_no_reader_can_lay_out_is_refused() -> None:
@@ -512,12 +632,18 @@ def test_verdict_records_with_a_hostile_value(data: st.DataObject) -> None:
 REGISTRY_GOOD = {
     "experiment_id": "exp-ok",
     "prm": {"scorers": [{"path": "scoring_workers.scorers.LengthBudgetScorer", "kwargs": {"max_output_tokens": 8}}]},
-    "weight": 2.0, "max_in_flight": 4, "group_timeout_s": 60.0,
-    "judge_quota": {"max_in_flight": 2, "rps": 5.0}, "description": "fuzz",
+    "weight": 2.0,
+    "max_in_flight": 4,
+    "group_timeout_s": 60.0,
+    "judge_quota": {"max_in_flight": 2, "rps": 5.0},
+    "description": "fuzz",
 }
 REGISTRY_VALUES = [json.dumps(REGISTRY_GOOD).encode(), json.dumps({**REGISTRY_GOOD, "judge_quota": None}).encode()]
-_REGISTRY_KEYS = st.sampled_from([b"exp-ok", b"exp-ok", b"exp-ok", b"default", b"", b"exp ok", b"\xff", b"x" * 65]) \
-    | st.binary(max_size=12) | st.none()
+_REGISTRY_KEYS = (
+    st.sampled_from([b"exp-ok", b"exp-ok", b"exp-ok", b"default", b"", b"exp ok", b"\xff", b"x" * 65])
+    | st.binary(max_size=12)
+    | st.none()
+)
 
 
 def registry_reads(key: bytes | None, value: bytes | None) -> None:

@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_committed_openapi_document_is_the_generated_one() -> None:
     committed = (ROOT / COMMITTED).read_text(encoding="utf-8")
-    assert committed == openapi_json(), (f"{COMMITTED} is stale: run `python -m prm_pipeline.gateway_api` "
-                                         "and commit the result")
+    assert committed == openapi_json(), (
+        f"{COMMITTED} is stale: run `python -m prm_pipeline.gateway_api` and commit the result"
+    )
 
 
 def test_the_document_is_valid_openapi_3_1_and_declares_every_route_and_error() -> None:
@@ -57,23 +58,51 @@ def test_the_document_is_valid_openapi_3_1_and_declares_every_route_and_error() 
     assert (ids["minimum"], ids["maximum"]) == (0, 2**31 - 1)
 
 
-@pytest.mark.parametrize(("kind", "body", "error"), [
-    (ScoreRequest, b'{"samples": [{"prompt_ids": [1], "response_ids": [2, 3], "response_mask": [1, 2]}]}',
-     "Invalid enum value 2 - at `$.samples[0].response_mask[1]`"),
-    (ScoreRequest, b'{"samples": [{"prompt_ids": [1], "response_ids": [2]}], "topic": "x"}',
-     "Object contains unknown field `topic` - at `$`"),
-    (ScoreRequest, b'{"samples": [{"prompt_ids": [1], "response_ids": [2], "policy_version": 99999999999999999999}]}',
-     "Expected `int` <= 9223372036854775807 - at `$.samples[0].policy_version`"),
-    (ScoreRequest, b'{"samples": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-     f"body nests JSON deeper than {MAX_BODY_DEPTH} levels - at `$`"),
-    (SlimeRequest, b'{"prompt": "p", "response": "r", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-     f"body nests JSON deeper than {MAX_BODY_DEPTH} levels - at `$`"),  # refused before decoding
-    (SlimeRequest, b'{"prompt": "p", "response": "r", "label": ' + b"[" * (MAX_DEPTH + 2) + b"]" * (MAX_DEPTH + 2)
-     + b"}", f"`label` nests deeper than {MAX_DEPTH} levels - at `$`"),
-    (OpenRLHFRequest, b'{"query": ["ab"], "prompts": ["a"], "labels": ["x", "y"]}',
-     "`labels` has 2 items for 1 queries (one per query, or null) - at `$`"),
-    (OpenRLHFRequest, b"{not json", "body is not valid JSON (JSON is malformed: object keys must be strings (byte 1))"),
-])
+@pytest.mark.parametrize(
+    ("kind", "body", "error"),
+    [
+        (
+            ScoreRequest,
+            b'{"samples": [{"prompt_ids": [1], "response_ids": [2, 3], "response_mask": [1, 2]}]}',
+            "Invalid enum value 2 - at `$.samples[0].response_mask[1]`",
+        ),
+        (
+            ScoreRequest,
+            b'{"samples": [{"prompt_ids": [1], "response_ids": [2]}], "topic": "x"}',
+            "Object contains unknown field `topic` - at `$`",
+        ),
+        (
+            ScoreRequest,
+            b'{"samples": [{"prompt_ids": [1], "response_ids": [2], "policy_version": 99999999999999999999}]}',
+            "Expected `int` <= 9223372036854775807 - at `$.samples[0].policy_version`",
+        ),
+        (
+            ScoreRequest,
+            b'{"samples": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            f"body nests JSON deeper than {MAX_BODY_DEPTH} levels - at `$`",
+        ),
+        (
+            SlimeRequest,
+            b'{"prompt": "p", "response": "r", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            f"body nests JSON deeper than {MAX_BODY_DEPTH} levels - at `$`",
+        ),  # refused before decoding
+        (
+            SlimeRequest,
+            b'{"prompt": "p", "response": "r", "label": ' + b"[" * (MAX_DEPTH + 2) + b"]" * (MAX_DEPTH + 2) + b"}",
+            f"`label` nests deeper than {MAX_DEPTH} levels - at `$`",
+        ),
+        (
+            OpenRLHFRequest,
+            b'{"query": ["ab"], "prompts": ["a"], "labels": ["x", "y"]}',
+            "`labels` has 2 items for 1 queries (one per query, or null) - at `$`",
+        ),
+        (
+            OpenRLHFRequest,
+            b"{not json",
+            "body is not valid JSON (JSON is malformed: object keys must be strings (byte 1))",
+        ),
+    ],
+)
 def test_a_malformed_body_is_a_bad_request_naming_the_field(kind, body, error) -> None:
     with pytest.raises(BadRequest) as caught:
         decode(body, kind)
@@ -85,8 +114,11 @@ def test_what_the_frameworks_send_decodes() -> None:
     openrlhf = decode(b'{"query": ["Q: A: 4"], "prompts": ["Q: A:"], "labels": [{"answer": 4}]}', OpenRLHFRequest)
     assert openrlhf.labels == [{"answer": 4}]
     assert decode(b'{"query": ["x"], "prompts": ["x"], "labels": null}', OpenRLHFRequest).labels is None
-    slime = decode(b'{"prompt": [{"role": "system", "content": "s", "name": "n"}, {"content": "u"}], "response": "r",'
-                   b' "label": "4", "metadata": {}}', SlimeRequest)
+    slime = decode(
+        b'{"prompt": [{"role": "system", "content": "s", "name": "n"}, {"content": "u"}], "response": "r",'
+        b' "label": "4", "metadata": {}}',
+        SlimeRequest,
+    )
     assert [(m.role, m.content) for m in slime.prompt] == [("system", "s"), ("user", "u")]
 
 
@@ -102,10 +134,15 @@ def test_a_body_over_the_size_bound_is_a_413_and_bytes_that_are_not_utf8_a_400()
 def test_score_messages_are_free_form_chat_messages_but_the_samples_fields_are_not() -> None:
     """A message's keys are not checked (tool calls, names, tool results pass as data); the
     sample's own fields are, and a message is still bounded in nesting."""
-    messages = [{"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]},
-                {"role": "tool", "tool_call_id": "c1", "name": "calc", "content": "4"}]
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "name": "calc", "content": "4"},
+    ]
     body = msgspec.json.encode({"samples": [{"prompt_ids": [1], "response_ids": [2], "messages": messages}]})
     assert decode(body, ScoreRequest).samples[0].messages == messages
     with pytest.raises(BadRequest) as caught:

@@ -34,7 +34,7 @@ async def test_two_workers_with_one_id_each_warn_once(caplog) -> None:
         await _step(first, ledger)
         assert caplog.records == []  # nothing to replace: the first beat of the id
         await _step(second, ledger)  # replaces the first worker's live beat
-        await _step(first, ledger)   # and the first worker finds the second's
+        await _step(first, ledger)  # and the first worker finds the second's
         for _ in range(3):
             await _step(second, ledger)
             await _step(first, ledger)

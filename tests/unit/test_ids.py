@@ -34,8 +34,9 @@ GOOD_IDS = ["g1", "group 7 (math)", "grüppe-ß", "数学-1", "a" * MAX_ID_LENGT
 def test_printable_ids_pass(good: str) -> None:
     assert is_wire_id(good)
     (member,) = make_group("g", 1, turns=1, output_tokens=2)
-    decoded = decode_message(*encode(msgspec.structs.replace(member, group_id=good, trajectory_id=good,
-                                                             session_id=good)))
+    decoded = decode_message(
+        *encode(msgspec.structs.replace(member, group_id=good, trajectory_id=good, session_id=good))
+    )
     assert (decoded.group_id, decoded.trajectory_id, decoded.session_id) == (good, good, good)
 
 
@@ -49,8 +50,13 @@ def test_every_id_of_a_trajectory_record_follows_the_grammar(name: str) -> None:
         "group_id": msgspec.structs.replace(member, group_id=bad),
         "trajectory_id": msgspec.structs.replace(member, trajectory_id=bad),
         "session_id": msgspec.structs.replace(member, session_id=bad),
-        "interaction_id": msgspec.structs.replace(member, interactions=[
-            msgspec.structs.replace(root, interaction_id=bad), msgspec.structs.replace(child, parent_id=bad)]),
+        "interaction_id": msgspec.structs.replace(
+            member,
+            interactions=[
+                msgspec.structs.replace(root, interaction_id=bad),
+                msgspec.structs.replace(child, parent_id=bad),
+            ],
+        ),
         "discard group_id": DiscardGroup(group_id=bad),
     }
     for field, message in forged.items():

@@ -25,15 +25,26 @@ from shaper.integrations import core, openrlhf_reward, slime_rm
 from shaper.reward_client import Sample, SampleReward
 
 ROOT = Path(__file__).resolve().parents[2]
-ADAPTERS = sorted(p for p in (ROOT / "shaper" / "integrations").glob("*.py") if p.name not in ("__init__.py", "core.py"))
+ADAPTERS = sorted(
+    p for p in (ROOT / "shaper" / "integrations").glob("*.py") if p.name not in ("__init__.py", "core.py")
+)
 
 
-def reward(status: str = "accepted", values: tuple[float, ...] = (0.5, -0.5), outcome: float = 1.0,
-           group: str = "g") -> SampleReward:
+def reward(
+    status: str = "accepted", values: tuple[float, ...] = (0.5, -0.5), outcome: float = 1.0, group: str = "g"
+) -> SampleReward:
     tokens = np.asarray(values, dtype=np.float32)
     reason = f"no verdict for group {group!r} within 1s" if status == "timeout" else ""
-    return SampleReward(group, f"{group}/t", status, reason, outcome, tokens,  # type: ignore[arg-type]
-                        [float(tokens.mean())], [(0, len(tokens))])
+    return SampleReward(
+        group,
+        f"{group}/t",
+        status,
+        reason,
+        outcome,
+        tokens,  # type: ignore[arg-type]
+        [float(tokens.mean())],
+        [(0, len(tokens))],
+    )
 
 
 class FakeClient:
@@ -53,8 +64,13 @@ class FakeClient:
 def test_each_adapter_is_at_most_200_lines_of_framework_glue(path: Path) -> None:
     source = path.read_text()
     assert len(source.splitlines()) <= 200, f"{path.name}: move shared policy into shaper/integrations/core.py"
-    for pattern in (r"class VerdictTimeout\b", r"new_event_loop", r"WeakKeyDictionary", r"run_coroutine_threadsafe",
-                    r"on_timeout not in"):
+    for pattern in (
+        r"class VerdictTimeout\b",
+        r"new_event_loop",
+        r"WeakKeyDictionary",
+        r"run_coroutine_threadsafe",
+        r"on_timeout not in",
+    ):
         assert not re.search(pattern, source), f"{path.name} reimplements {pattern!r}: use the core's"
 
 
@@ -89,8 +105,9 @@ def test_an_adapter_names_the_policies_it_supports_and_old_names_map() -> None:
 
 def test_gateway_settings_raise_on_a_late_verdict() -> None:
     gw = GatewayConfig(process_reduction="sum", verdict_timeout_s=7.0)
-    assert core.AdapterSettings.from_gateway(gw) == core.AdapterSettings(on_timeout="raise", reduction="sum",
-                                                                        verdict_timeout_s=7.0)
+    assert core.AdapterSettings.from_gateway(gw) == core.AdapterSettings(
+        on_timeout="raise", reduction="sum", verdict_timeout_s=7.0
+    )
 
 
 def test_scalar_is_outcome_plus_reduced_process_rewards() -> None:
@@ -191,8 +208,15 @@ def test_openrlhf_scores_group_per_query_or_per_request() -> None:
     assert [n for _, n in client.groups] == [1, 1, 1] and all(g.startswith("openrlhf-") for g, _ in client.groups)
     client = FakeClient()
     seen: list[str] = []
-    asyncio.run(core.openrlhf_scores(client, GatewayConfig(grouping="per_request"), samples(3),  # type: ignore[arg-type]
-                                     prefix="gw", observe=lambda r: seen.append(r.status)))
+    asyncio.run(
+        core.openrlhf_scores(
+            client,
+            GatewayConfig(grouping="per_request"),
+            samples(3),  # type: ignore[arg-type]
+            prefix="gw",
+            observe=lambda r: seen.append(r.status),
+        )
+    )
     assert [n for _, n in client.groups] == [3] and client.groups[0][0].startswith("gw-") and len(seen) == 3
 
 
@@ -205,8 +229,17 @@ def test_text_routes_raise_verdict_timeout_naming_the_group() -> None:
 
 def test_score_blocks_scores_consecutive_blocks_and_settles() -> None:
     client, counts = FakeClient(), Counter[str]()
-    got = asyncio.run(core.score_blocks(client, samples(4), ["p", "p", "q", "q"], 2,  # type: ignore[arg-type]
-                                        core.AdapterSettings(), counts, prefix="trl"))
+    got = asyncio.run(
+        core.score_blocks(
+            client,
+            samples(4),
+            ["p", "p", "q", "q"],
+            2,  # type: ignore[arg-type]
+            core.AdapterSettings(),
+            counts,
+            prefix="trl",
+        )
+    )
     assert len(got) == 4 and [n for _, n in client.groups] == [2, 2] and counts == {"accepted": 4}
     with pytest.raises(ValueError, match="prompts differ"):
         core.groups_of(4, 2, ["p", "q", "q", "p"])

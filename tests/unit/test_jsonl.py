@@ -27,15 +27,25 @@ from prm_pipeline.demo.synthetic import make_group
 DOC = Path(__file__).resolve().parents[2] / "docs" / "jsonl.md"
 
 READY: dict[str, Any] = {
-    "kind": "ready", "trajectory_id": "t1", "session_id": "s1", "group_id": "g1", "group_size": 2,
-    "outcome_reward": 1.0, "is_eval": False,
-    "interactions": [{
-        "interaction_id": "i1", "parent_id": None,
-        "messages": [{"role": "user", "content": "hi"}],
-        "output_message_list": [{"role": "assistant", "content": "hello"}],
-        "input_tokens": [1, 2], "output_tokens": [3, 4, 5], "output_logprobs": [-0.1, -0.2, -0.3],
-        "stop_reason": "stop",
-    }],
+    "kind": "ready",
+    "trajectory_id": "t1",
+    "session_id": "s1",
+    "group_id": "g1",
+    "group_size": 2,
+    "outcome_reward": 1.0,
+    "is_eval": False,
+    "interactions": [
+        {
+            "interaction_id": "i1",
+            "parent_id": None,
+            "messages": [{"role": "user", "content": "hi"}],
+            "output_message_list": [{"role": "assistant", "content": "hello"}],
+            "input_tokens": [1, 2],
+            "output_tokens": [3, 4, 5],
+            "output_logprobs": [-0.1, -0.2, -0.3],
+            "stop_reason": "stop",
+        }
+    ],
 }
 DISCARD: dict[str, Any] = {"kind": "discard", "group_id": "g1", "reason": "env crashed"}
 
@@ -102,10 +112,17 @@ def test_minimal_interaction_uses_defaults() -> None:
 
 def test_all_optional_fields() -> None:
     obj = ready(policy_version=4, created_at=1700000000.5, is_eval=True)
-    obj["interactions"].append({
-        "interaction_id": "i2", "parent_id": "i1", "input_tokens": [1], "output_tokens": [],
-        "output_logprobs": [], "reward": -0.5, "stop_reason": "length",
-    })
+    obj["interactions"].append(
+        {
+            "interaction_id": "i2",
+            "parent_id": "i1",
+            "input_tokens": [1],
+            "output_tokens": [],
+            "output_logprobs": [],
+            "reward": -0.5,
+            "stop_reason": "length",
+        }
+    )
     msg = parse(obj)
     assert (msg.policy_version, msg.created_at, msg.is_eval) == (4, 1700000000.5, True)
     i2 = msg.interactions[1]
@@ -121,7 +138,8 @@ def test_int32_bounds_accepted() -> None:
 def test_negative_token_id_refused() -> None:
     """Token ids are vocabulary indices: non-negative, as the gateway and the wire require."""
     assert error(with_turn(output_tokens=[3, -1, 5])) == (
-        "interactions[0].output_tokens[1]: Expected `int` >= 0 (a token id: int32, non-negative)")
+        "interactions[0].output_tokens[1]: Expected `int` >= 0 (a token id: int32, non-negative)"
+    )
 
 
 def test_integral_reward_accepted() -> None:
@@ -131,7 +149,8 @@ def test_integral_reward_accepted() -> None:
 # --------------------------------------------------------------------------- errors name the path
 def test_bad_token_type() -> None:
     assert error(with_turn(output_tokens=[3, "4", 5])) == (
-        "interactions[0].output_tokens[1]: Expected `int`, got `str` (a token id: int32, non-negative)")
+        "interactions[0].output_tokens[1]: Expected `int`, got `str` (a token id: int32, non-negative)"
+    )
 
 
 @pytest.mark.parametrize("bad", [1.0, True, None])
@@ -198,11 +217,14 @@ def test_unknown_interaction_key() -> None:
 def test_unknown_discard_key() -> None:
     assert "unknown key `resaon`; did you mean `reason`?" in error({"kind": "discard", "group_id": "g", "resaon": "x"})
     assert error({"kind": "discard", "group_id": "g", "zzz": 1}) == (
-        "unknown key `zzz`; valid keys: experiment_id, group_id, reason, requested_at")
+        "unknown key `zzz`; valid keys: experiment_id, group_id, reason, requested_at"
+    )
 
 
 def test_unknown_kind() -> None:
-    assert error(ready(kind="redy")) == "kind: unknown kind 'redy' (expected one of ['ready', 'discard', 'turn', 'end'])"
+    assert (
+        error(ready(kind="redy")) == "kind: unknown kind 'redy' (expected one of ['ready', 'discard', 'turn', 'end'])"
+    )
 
 
 def test_missing_kind() -> None:
@@ -310,8 +332,9 @@ def test_load_is_lazy(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- dump / write
 def test_dump_parse_round_trip() -> None:
     obj = ready(policy_version=3, created_at=5.0)
-    obj["interactions"].append({"interaction_id": "i2", "parent_id": "i1", "input_tokens": [9],
-                                "output_tokens": [8, 7], "reward": 0.5})
+    obj["interactions"].append(
+        {"interaction_id": "i2", "parent_id": "i1", "input_tokens": [9], "output_tokens": [8, 7], "reward": 0.5}
+    )
     msg = parse(obj)
     dumped = dump(msg)
     assert parse(dumped) == msg
@@ -330,17 +353,33 @@ def test_dump_of_doc_example_matches_it() -> None:
 
 
 def test_dump_refuses_tokenless_interactions() -> None:
-    msg = ReadyTrajectory(trajectory_id="t", session_id="s", group_id="g", group_size=1,
-                          outcome_reward=0.0, interactions=[Interaction(interaction_id="x")])
+    msg = ReadyTrajectory(
+        trajectory_id="t",
+        session_id="s",
+        group_id="g",
+        group_size=1,
+        outcome_reward=0.0,
+        interactions=[Interaction(interaction_id="x")],
+    )
     with pytest.raises(JsonlError, match="'x' has no model_response"):
         dump(msg)
 
 
 def test_write_then_load(tmp_path: Path) -> None:
     big = ReadyTrajectory(
-        trajectory_id="t-big", session_id="s", group_id="g", group_size=1, outcome_reward=-1.0,
-        interactions=[Interaction(interaction_id="r", model_response=ModelResponse.from_arrays(
-            np.arange(100), np.arange(32_768) % 50_000, -np.ones(32_768, np.float32)))],
+        trajectory_id="t-big",
+        session_id="s",
+        group_id="g",
+        group_size=1,
+        outcome_reward=-1.0,
+        interactions=[
+            Interaction(
+                interaction_id="r",
+                model_response=ModelResponse.from_arrays(
+                    np.arange(100), np.arange(32_768) % 50_000, -np.ones(32_768, np.float32)
+                ),
+            )
+        ],
     )
     messages = [parse(READY), parse(DISCARD), big]
     path = tmp_path / "out.jsonl"
@@ -363,11 +402,15 @@ def test_verdict_lines_carry_the_typed_failure_fields() -> None:
 
     failed = SessionResult.failure(code="scorer_timeout", detail="TimeoutError", session_id="s", trajectory_id="t")
     scored = SessionResult(session_id="s2", trajectory_id="t2", status="scored")
-    line = jsonl.dump_verdict(GroupVerdict(group_id="g", status="rejected", reason="scorer_timeout",
-                                           sessions=[failed, scored]))
+    line = jsonl.dump_verdict(
+        GroupVerdict(group_id="g", status="rejected", reason="scorer_timeout", sessions=[failed, scored])
+    )
     first, second = line["sessions"]
     assert (first["error"], first["error_code"], first["error_detail"]) == (
-        "scorer_timeout: TimeoutError", "scorer_timeout", "TimeoutError")
+        "scorer_timeout: TimeoutError",
+        "scorer_timeout",
+        "TimeoutError",
+    )
     assert "error_scorer" not in first  # no single scorer failed
     assert not {"error", "error_code", "error_scorer", "error_detail"} & second.keys()
 
@@ -376,19 +419,37 @@ def test_verdict_lines_carry_policy_version_and_reason_code() -> None:
     from infra.schema import GroupVerdict, SessionResult
 
     member = SessionResult(session_id="s", trajectory_id="t", status="discarded", policy_version=7)
-    line = jsonl.dump_verdict(GroupVerdict(group_id="g", status="discarded", reason="environment crashed",
-                                           reason_code="discarded", sessions=[member]))
+    line = jsonl.dump_verdict(
+        GroupVerdict(
+            group_id="g", status="discarded", reason="environment crashed", reason_code="discarded", sessions=[member]
+        )
+    )
     assert (line["reason_code"], line["reason"]) == ("discarded", "environment crashed")
     assert line["sessions"][0]["policy_version"] == 7
-    unversioned = jsonl.dump_verdict(GroupVerdict(group_id="g", status="accepted", sessions=[
-        SessionResult(session_id="s", trajectory_id="t", status="scored")]))
+    unversioned = jsonl.dump_verdict(
+        GroupVerdict(
+            group_id="g",
+            status="accepted",
+            sessions=[SessionResult(session_id="s", trajectory_id="t", status="scored")],
+        )
+    )
     assert unversioned["sessions"][0]["policy_version"] is None and unversioned["reason_code"] == ""
+
+
 def test_token_rewards_round_trip_and_length_checked() -> None:
     from infra.jsonl import JsonlError, dump, parse
 
-    line = {"kind": "ready", "trajectory_id": "t", "session_id": "s", "group_id": "g", "group_size": 1,
-            "outcome_reward": 1.0, "interactions": [{"interaction_id": "a", "input_tokens": [1],
-                                                     "output_tokens": [2, 3], "token_rewards": [0.5, -0.25]}]}
+    line = {
+        "kind": "ready",
+        "trajectory_id": "t",
+        "session_id": "s",
+        "group_id": "g",
+        "group_size": 1,
+        "outcome_reward": 1.0,
+        "interactions": [
+            {"interaction_id": "a", "input_tokens": [1], "output_tokens": [2, 3], "token_rewards": [0.5, -0.25]}
+        ],
+    }
     message = parse(line)
     assert message.interactions[0].token_rewards.tolist() == [0.5, -0.25]
     assert dump(message)["interactions"][0]["token_rewards"] == [0.5, -0.25]
@@ -401,19 +462,36 @@ def test_doc_lists_every_field_of_a_verdict_line() -> None:
     """docs/jsonl.md's verdict table names every key ``dump_verdict`` writes."""
     from infra.schema import BranchResult, GroupVerdict, PRMTurnResult, SessionResult, TokenRewards
 
-    scored = SessionResult(session_id="s", trajectory_id="t", status="scored", policy_version=1, error="keep_original",
-                           branches=[BranchResult(leaf_id="a", path=["a"], token_rewards={"a": TokenRewards(length=1,
-                                                  uniform=1.0)}, scorer_totals={"x": 1.0})],
-                           turn_results=[PRMTurnResult(interaction_id="a", scorer_name="x", reward=1.0)])
+    scored = SessionResult(
+        session_id="s",
+        trajectory_id="t",
+        status="scored",
+        policy_version=1,
+        error="keep_original",
+        branches=[
+            BranchResult(
+                leaf_id="a",
+                path=["a"],
+                token_rewards={"a": TokenRewards(length=1, uniform=1.0)},
+                scorer_totals={"x": 1.0},
+            )
+        ],
+        turn_results=[PRMTurnResult(interaction_id="a", scorer_name="x", reward=1.0)],
+    )
     failed = SessionResult.failure(code="scorer_error", detail="boom", scorer="x", session_id="s2", trajectory_id="t2")
-    line = jsonl.dump_verdict(GroupVerdict(group_id="g", status="rejected", reason_code="scorer_error",
-                                           sessions=[scored, failed]))
+    line = jsonl.dump_verdict(
+        GroupVerdict(group_id="g", status="rejected", reason_code="scorer_error", sessions=[scored, failed])
+    )
     rows = [row for row in DOC.read_text().split("## Verdict output", 1)[1].splitlines() if row.startswith("| `")]
     top = {row.split("`")[1] for row in rows}
     member_rows = [row.split(" | ")[0] for row in rows if row.startswith("| `sessions[].")]
     missing = [k for k in line if k not in top]
-    missing += [f"sessions[].{k}" for s in line["sessions"] for k in s
-                if not any(f"`{k}`" in r or f"`sessions[].{k}`" in r or f"`sessions[].{k}[]`" in r for r in member_rows)]
+    missing += [
+        f"sessions[].{k}"
+        for s in line["sessions"]
+        for k in s
+        if not any(f"`{k}`" in r or f"`sessions[].{k}`" in r or f"`sessions[].{k}[]`" in r for r in member_rows)
+    ]
     branch_row = next(r for r in rows if r.startswith("| `sessions[].branches[]`"))
     missing += [f"branches[].{k}" for k in line["sessions"][0]["branches"][0] if f"`{k}`" not in branch_row]
     assert missing == []
@@ -454,44 +532,85 @@ def test_the_doc_stream_example_is_the_ready_form_of_one_session() -> None:
     assert traj.interactions[1].model_response.input_tokens.tolist() == [1, 2, 3, 4, 5, 6]
     assert (traj.trajectory_id, traj.group_size, traj.outcome_reward) == ("t2", 2, 1.0)
     assert [dump(m) for m in (first, second, end)] == [
-        {**r, "interaction": {"output_message_list": [], "messages": [], **r["interaction"]}} if r["kind"] == "turn"
-        else {**r, "is_eval": False} for r in _doc_stream()]
+        {**r, "interaction": {"output_message_list": [], "messages": [], **r["interaction"]}}
+        if r["kind"] == "turn"
+        else {**r, "is_eval": False}
+        for r in _doc_stream()
+    ]
 
 
 def test_turn_and_end_lines_round_trip_through_dump_and_the_wire(tmp_path: Path) -> None:
     from infra.schema import STREAM_KINDS, SessionEnd, SessionTurn
 
-    turn = SessionTurn(trajectory_id="t", session_id="s", group_id="g", group_size=3, created_at=5.0,
-                       experiment_id="exp-a", interaction=parse(READY).interactions[0])
-    end = SessionEnd(trajectory_id="t", session_id="s", group_id="g", group_size=3, outcome_reward=-1.5,
-                     is_eval=True, policy_version=7, created_at=6.0, turn_count=1, experiment_id="exp-a")
+    turn = SessionTurn(
+        trajectory_id="t",
+        session_id="s",
+        group_id="g",
+        group_size=3,
+        created_at=5.0,
+        experiment_id="exp-a",
+        interaction=parse(READY).interactions[0],
+    )
+    end = SessionEnd(
+        trajectory_id="t",
+        session_id="s",
+        group_id="g",
+        group_size=3,
+        outcome_reward=-1.5,
+        is_eval=True,
+        policy_version=7,
+        created_at=6.0,
+        turn_count=1,
+        experiment_id="exp-a",
+    )
     path = tmp_path / "s.jsonl"
     assert write(path, [turn, end]) == 2
     assert list(load(path)) == [turn, end]
     assert [decode_message(*encode(m), kinds=STREAM_KINDS) for m in (turn, end)] == [turn, end]
 
 
-@pytest.mark.parametrize("patch, expected", [
-    ({"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2], "typo": 1}},
-     "interaction: unknown key `typo`; valid keys: input_tokens, interaction_id"),
-    ({"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": ["x"]}},
-     "interaction.output_tokens[0]: Expected `int`, got `str`"),
-    ({"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2], "output_logprobs": []}},
-     "interaction.output_logprobs: 0 values for 1 output tokens"),
-    ({"group_size": 0}, "group_size"),
-    ({"session_id": ""}, "session_id"),
-    ({"interaction": None}, "interaction"),
-])
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        (
+            {"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2], "typo": 1}},
+            "interaction: unknown key `typo`; valid keys: input_tokens, interaction_id",
+        ),
+        (
+            {"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": ["x"]}},
+            "interaction.output_tokens[0]: Expected `int`, got `str`",
+        ),
+        (
+            {"interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2], "output_logprobs": []}},
+            "interaction.output_logprobs: 0 values for 1 output tokens",
+        ),
+        ({"group_size": 0}, "group_size"),
+        ({"session_id": ""}, "session_id"),
+        ({"interaction": None}, "interaction"),
+    ],
+)
 def test_turn_line_errors_name_the_field(patch: dict[str, Any], expected: str) -> None:
-    obj = {"kind": "turn", "trajectory_id": "t", "session_id": "s", "group_id": "g", "group_size": 1,
-           "interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2]}, **patch}
+    obj = {
+        "kind": "turn",
+        "trajectory_id": "t",
+        "session_id": "s",
+        "group_id": "g",
+        "group_size": 1,
+        "interaction": {"interaction_id": "i", "input_tokens": [1], "output_tokens": [2]},
+        **patch,
+    }
     assert expected in error(obj)
 
 
-@pytest.mark.parametrize("patch, expected", [
-    ({"turn_count": 0}, "turn_count"), ({"outcome_reward": "1"}, "outcome_reward"),
-    ({"interactions": []}, "unknown key `interactions`"), ({}, "outcome_reward: missing required field"),
-])
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"turn_count": 0}, "turn_count"),
+        ({"outcome_reward": "1"}, "outcome_reward"),
+        ({"interactions": []}, "unknown key `interactions`"),
+        ({}, "outcome_reward: missing required field"),
+    ],
+)
 def test_end_line_errors_name_the_field(patch: dict[str, Any], expected: str) -> None:
     obj = {"kind": "end", "trajectory_id": "t", "session_id": "s", "group_id": "g", "group_size": 1, **patch}
     if patch and "outcome_reward" not in patch:

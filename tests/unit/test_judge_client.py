@@ -147,8 +147,9 @@ async def test_total_timeout_bounds_retries_and_backoff():
     # Every attempt is answered 503 after 150 ms; retries and backoff must stop at the total budget.
     with FakeJudgeServer(latency_ms=150) as srv:
         srv.fail_next(503, 100, retry_after=0.1)
-        async with _client(srv.base_url, timeout_s=5, total_timeout_s=0.5, max_retries=50,
-                           backoff_base_s=0.05, backoff_max_s=0.2) as client:
+        async with _client(
+            srv.base_url, timeout_s=5, total_timeout_s=0.5, max_retries=50, backoff_base_s=0.05, backoff_max_s=0.2
+        ) as client:
             async with asyncio.timeout(5):
                 start = time.monotonic()
                 with pytest.raises(JudgeRequestError):
@@ -174,7 +175,9 @@ async def test_waiting_for_a_shared_slot_respects_the_total_timeout():
         waiter = _client(srv.base_url, timeout_s=10, total_timeout_s=0.3)  # inherits the shared cap of 1
         try:
             slow = asyncio.ensure_future(_chat(holder))
-            await eventually(lambda: holder.limits.in_flight, timeout_s=5, interval_s=0.005, what="the holder's call in flight")
+            await eventually(
+                lambda: holder.limits.in_flight, timeout_s=5, interval_s=0.005, what="the holder's call in flight"
+            )
             start = time.monotonic()
             with pytest.raises(JudgeTimeoutError, match="no free judge slot"):
                 await _chat(waiter)
@@ -291,8 +294,9 @@ def test_stale_verdicts_do_not_move_the_breaker():
 
 async def test_breaker_fails_fast_while_the_judge_is_down_and_recovers(server):
     clock = FakeClock()
-    async with _client(server.base_url, max_retries=0, breaker_failure_threshold=2,
-                       breaker_reset_s=30, clock=clock) as client:
+    async with _client(
+        server.base_url, max_retries=0, breaker_failure_threshold=2, breaker_reset_s=30, clock=clock
+    ) as client:
         server.set_outage(True)
         for _ in range(2):
             with pytest.raises(JudgeRequestError) as info:
@@ -314,8 +318,9 @@ async def test_breaker_fails_fast_while_the_judge_is_down_and_recovers(server):
 
 async def test_a_4xx_counts_as_the_server_being_up(server):
     clock = FakeClock()
-    async with _client(server.base_url, max_retries=0, breaker_failure_threshold=1,
-                       breaker_reset_s=5, clock=clock) as client:
+    async with _client(
+        server.base_url, max_retries=0, breaker_failure_threshold=1, breaker_reset_s=5, clock=clock
+    ) as client:
         server.fail_next(500)
         with pytest.raises(JudgeRequestError):
             await _chat(client)
@@ -365,17 +370,20 @@ def test_client_validates_arguments():
     assert registered_limits("http://x") is None  # failed constructors register nothing
 
 
-@pytest.mark.parametrize(("flat", "needle"), [
-    ({"timeout_s": 0}, "timeout_s: Expected `float` > 0.0 (a duration in seconds, above zero)"),
-    ({"total_timeout_s": float("inf")}, "total_timeout_s: Expected `float` <= 1000000000.0"),
-    ({"max_retries": -1}, "max_retries: Expected `int` >= 0"),
-    ({"max_retries": True}, "max_retries: Expected `int`, got `bool`"),
-    ({"max_concurrency": 0}, "max_concurrency: Expected `int` >= 1"),
-    ({"rps": float("nan")}, "rps: Expected `float` >= 0.0"),
-    ({"headers": {"X-A": None}}, None),  # None becomes the text "None": headers are text
-    ({"spill_ratio": 0.5}, "spill_ratio: Expected `float` >= 1.0"),
-    ({"timeout": 5}, "no judge client setting timeout"),  # a typo is not ignored
-])
+@pytest.mark.parametrize(
+    ("flat", "needle"),
+    [
+        ({"timeout_s": 0}, "timeout_s: Expected `float` > 0.0 (a duration in seconds, above zero)"),
+        ({"total_timeout_s": float("inf")}, "total_timeout_s: Expected `float` <= 1000000000.0"),
+        ({"max_retries": -1}, "max_retries: Expected `int` >= 0"),
+        ({"max_retries": True}, "max_retries: Expected `int`, got `bool`"),
+        ({"max_concurrency": 0}, "max_concurrency: Expected `int` >= 1"),
+        ({"rps": float("nan")}, "rps: Expected `float` >= 0.0"),
+        ({"headers": {"X-A": None}}, None),  # None becomes the text "None": headers are text
+        ({"spill_ratio": 0.5}, "spill_ratio: Expected `float` >= 1.0"),
+        ({"timeout": 5}, "no judge client setting timeout"),  # a typo is not ignored
+    ],
+)
 def test_settings_are_typed_and_bounded(flat, needle):
     if needle is None:
         assert ClientSettings.from_flat(flat, "judge").connection.headers == {"X-A": "None"}
@@ -417,8 +425,21 @@ def test_fake_judge_parser():
 
     parser = argparse.ArgumentParser()
     add_fake_judge_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["fake-judge", "--port", "0", "--latency", "0.005", "--error-rate", "0.1",
-                              "--outage", "1:2", "--outage", "3:4.5"])
+    args = parser.parse_args(
+        [
+            "fake-judge",
+            "--port",
+            "0",
+            "--latency",
+            "0.005",
+            "--error-rate",
+            "0.1",
+            "--outage",
+            "1:2",
+            "--outage",
+            "3:4.5",
+        ]
+    )
     assert args.func is cmd_fake_judge and args.outage == [(1.0, 2.0), (3.0, 4.5)]
     assert (args.port, args.latency, args.error_rate, args.outage_mode) == (0, 0.005, 0.1, "503")
     for bad in (["--outage", "5:1"], ["--outage", "x"], ["--error-rate", "2"]):
@@ -477,8 +498,9 @@ async def test_an_open_circuit_names_the_error_that_opened_it():
     """A judge outage reports its cause, not only ``circuit_open``: the refused request's
     message carries the last underlying error (here: nothing listens on the port)."""
     url = f"http://127.0.0.1:{_free_port()}"
-    async with _client(url, max_retries=0, breaker_failure_threshold=1, breaker_reset_s=30,
-                       clock=FakeClock()) as client:
+    async with _client(
+        url, max_retries=0, breaker_failure_threshold=1, breaker_reset_s=30, clock=FakeClock()
+    ) as client:
         with pytest.raises(JudgeRequestError) as first:
             await _chat(client)
         assert first.value.kind == "connect"
@@ -491,8 +513,9 @@ async def test_an_open_circuit_names_the_error_that_opened_it():
 
 
 async def test_an_http_failure_is_the_breakers_last_error(server):
-    async with _client(server.base_url, max_retries=0, breaker_failure_threshold=1, breaker_reset_s=30,
-                       clock=FakeClock()) as client:
+    async with _client(
+        server.base_url, max_retries=0, breaker_failure_threshold=1, breaker_reset_s=30, clock=FakeClock()
+    ) as client:
         server.set_outage(True)
         with pytest.raises(JudgeRequestError):
             await _chat(client)

@@ -31,28 +31,54 @@ STRUCTS = (ModelSettings, JudgingSettings, RequestSettings, LimitSettings, Conne
 
 
 def _struct_defaults(struct: type[msgspec.Struct]) -> dict[str, Any]:
-    return {f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
-            for f in msgspec.structs.fields(struct)
-            if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT}
+    return {
+        f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+        for f in msgspec.structs.fields(struct)
+        if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
+    }
 
 
 # A value other than the default for every flat keyword argument of a judge scorer.
 OTHER: dict[str, Any] = {
-    "next_state": "first", "merge_tool_results": True, "m": 5, "on_all_votes_failed": "neutral",
-    "turn_timeout_s": 9.0, "api": "sglang", "model": "qwen3-8b", "temperature": 0.0, "max_tokens": 77,
-    "top_p": 0.5, "top_k": 20, "include_reasoning": False, "timeout_s": 3.0, "total_timeout_s": 7.0,
-    "max_retries": 4, "backoff_base_s": 0.01, "backoff_max_s": 0.5, "max_concurrency": 3, "rps": 2.0,
-    "breaker_failure_threshold": 9, "breaker_reset_s": 4.0, "headers": {"X-Team": "rl"},
-    "api_key_env": "JUDGE_KEY_FOR_TEST", "api_key_file": "/nonexistent/judge.key", "spill_in_flight": 2,
+    "next_state": "first",
+    "merge_tool_results": True,
+    "m": 5,
+    "on_all_votes_failed": "neutral",
+    "turn_timeout_s": 9.0,
+    "api": "sglang",
+    "model": "qwen3-8b",
+    "temperature": 0.0,
+    "max_tokens": 77,
+    "top_p": 0.5,
+    "top_k": 20,
+    "include_reasoning": False,
+    "timeout_s": 3.0,
+    "total_timeout_s": 7.0,
+    "max_retries": 4,
+    "backoff_base_s": 0.01,
+    "backoff_max_s": 0.5,
+    "max_concurrency": 3,
+    "rps": 2.0,
+    "breaker_failure_threshold": 9,
+    "breaker_reset_s": 4.0,
+    "headers": {"X-Team": "rl"},
+    "api_key_env": "JUDGE_KEY_FOR_TEST",
+    "api_key_file": "/nonexistent/judge.key",
+    "spill_in_flight": 2,
     "spill_ratio": 3.0,
 }
 
 
 def _owners(scorer: JudgeScorerBase) -> dict[type[msgspec.Struct], msgspec.Struct]:
     client = scorer.client_settings
-    return {JudgingSettings: scorer.judging, ModelSettings: scorer.endpoint.settings,
-            RequestSettings: client.request, LimitSettings: client.limits, ConnectionSettings: client.connection,
-            SpillPolicy: client.spill}
+    return {
+        JudgingSettings: scorer.judging,
+        ModelSettings: scorer.endpoint.settings,
+        RequestSettings: client.request,
+        LimitSettings: client.limits,
+        ConnectionSettings: client.connection,
+        SpillPolicy: client.spill,
+    }
 
 
 def test_every_flat_keyword_is_a_field_of_one_settings_struct() -> None:
@@ -71,8 +97,10 @@ def test_each_flat_keyword_lands_in_its_settings_struct(name: str, monkeypatch: 
     scorer = OpenClawJudgeScorer(base_url="http://judge:30000", **{name: OTHER[name]}, **extra)
     try:
         for struct, built in _owners(scorer).items():
-            expected = {**_struct_defaults(struct), **{k: v for k, v in {name: OTHER[name], **extra}.items()
-                                                       if FLAT_SETTINGS[k] is struct}}
+            expected = {
+                **_struct_defaults(struct),
+                **{k: v for k, v in {name: OTHER[name], **extra}.items() if FLAT_SETTINGS[k] is struct},
+            }
             assert msgspec.structs.asdict(built) == expected, struct.__name__
     finally:
         scorer._release_unopened()
@@ -120,9 +148,15 @@ def test_the_documented_examples_state_the_defaults(where, kwargs) -> None:
     """Every setting the example spells out has its default value (``model`` and the
     server URLs are examples; the limits show what an endpoint gets when none is set)."""
     limits = msgspec.structs.asdict(DEFAULT_LIMITS)
-    expected = {**{k: v for s in STRUCTS for k, v in _struct_defaults(s).items()}, **limits,
-                "adaptive": True, "max_votes": 3, "policy_tokenizer": None, "chat_template": None,
-                "audit_sink": None}
+    expected = {
+        **{k: v for s in STRUCTS for k, v in _struct_defaults(s).items()},
+        **limits,
+        "adaptive": True,
+        "max_votes": 3,
+        "policy_tokenizer": None,
+        "chat_template": None,
+        "audit_sink": None,
+    }
     checked = {k: v for k, v in kwargs.items() if k in expected and k != "model"}
     assert {"timeout_s", "total_timeout_s", "m", "max_retries", "temperature"} <= set(checked)
     wrong = {k: (v, expected[k]) for k, v in checked.items() if v != expected[k]}

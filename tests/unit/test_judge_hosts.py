@@ -27,25 +27,31 @@ def _prm(**kwargs) -> PRMConfig:
     return PRMConfig(scorers=[PRMScorerConfig(OPENCLAW, kwargs=kwargs)])
 
 
-@pytest.mark.parametrize(("url", "label"), [
-    ("http://judge:30000", "judge:30000"),
-    ("https://Judge.Example.com/v1", "judge.example.com:443"),
-    ("http://user:secret@judge/tenant/token?key=x", "judge:80"),
-    ("http://[::1]:8000/", "[::1]:8000"),
-    ("ftp://judge", "invalid"),
-])
+@pytest.mark.parametrize(
+    ("url", "label"),
+    [
+        ("http://judge:30000", "judge:30000"),
+        ("https://Judge.Example.com/v1", "judge.example.com:443"),
+        ("http://user:secret@judge/tenant/token?key=x", "judge:80"),
+        ("http://[::1]:8000/", "[::1]:8000"),
+        ("ftp://judge", "invalid"),
+    ],
+)
 def test_endpoint_label_is_host_and_port_only(url: str, label: str) -> None:
     assert endpoint_label(url) == label
 
 
-@pytest.mark.parametrize(("url", "shown"), [
-    ("http://judge:30000", "http://judge:30000"),
-    ("HTTPS://Judge.Example.com/v1", "https://judge.example.com:443"),
-    ("http://user:secret@judge/tenant/token?key=x#frag", "http://judge:80"),
-    ("http://[::1]:8000/p", "http://[::1]:8000"),
-    ("ftp://user:secret@judge/x", "<not an http(s) URL>"),
-    ("http://[::1", "<not an http(s) URL>"),
-])
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://judge:30000", "http://judge:30000"),
+        ("HTTPS://Judge.Example.com/v1", "https://judge.example.com:443"),
+        ("http://user:secret@judge/tenant/token?key=x#frag", "http://judge:80"),
+        ("http://[::1]:8000/p", "http://[::1]:8000"),
+        ("ftp://user:secret@judge/x", "<not an http(s) URL>"),
+        ("http://[::1", "<not an http(s) URL>"),
+    ],
+)
 def test_redact_url_is_scheme_host_and_port_only(url: str, shown: str) -> None:
     assert redact_url(url) == shown
 
@@ -58,15 +64,29 @@ def test_user_info_is_in_the_authority_only() -> None:
 PROFILE = {"base_url": "http://judge-0:30000/v1", "api_key_env": "JUDGE_KEY", "m": 3}
 
 
-@pytest.mark.parametrize(("profile", "record", "needle"), [
-    ({}, {"base_url": "http://mallory:pw@judge-0:30000"}, "kwargs.base_url: a record's judge URL may not carry user"),
-    ({}, {"base_urls": ["http://judge-0", "http://u:p@judge-1"]}, "kwargs.base_urls[1]: a record's judge URL"),
-    (PROFILE, {"base_url": "http://judge-1:30000"}, "kwargs.base_url: 'http://judge-1:30000' is not one of the "
-     "profile's own judge URLs; the profile holds credentials (api_key_env)"),
-    ({"base_url": "http://judge-0", "headers": {"X-Key": "k"}}, {"base_urls": ["http://judge-0", "http://judge-1"]},
-     "kwargs.base_urls[1]: 'http://judge-1:80' is not one of the profile's own judge URLs"),
-    ({"base_url": "http://ops:pw@judge-0"}, {"base_url": "http://judge-1"}, "(user info in its URLs)"),
-])
+@pytest.mark.parametrize(
+    ("profile", "record", "needle"),
+    [
+        (
+            {},
+            {"base_url": "http://mallory:pw@judge-0:30000"},
+            "kwargs.base_url: a record's judge URL may not carry user",
+        ),
+        ({}, {"base_urls": ["http://judge-0", "http://u:p@judge-1"]}, "kwargs.base_urls[1]: a record's judge URL"),
+        (
+            PROFILE,
+            {"base_url": "http://judge-1:30000"},
+            "kwargs.base_url: 'http://judge-1:30000' is not one of the "
+            "profile's own judge URLs; the profile holds credentials (api_key_env)",
+        ),
+        (
+            {"base_url": "http://judge-0", "headers": {"X-Key": "k"}},
+            {"base_urls": ["http://judge-0", "http://judge-1"]},
+            "kwargs.base_urls[1]: 'http://judge-1:80' is not one of the profile's own judge URLs",
+        ),
+        ({"base_url": "http://ops:pw@judge-0"}, {"base_url": "http://judge-1"}, "(user info in its URLs)"),
+    ],
+)
 def test_a_record_cannot_bring_user_info_or_move_a_profiles_credentials(profile, record, needle) -> None:
     with pytest.raises(ConfigError) as info:
         check_record_judge_urls(profile, record, "prm.scorers[0]")
@@ -82,27 +102,44 @@ def test_a_record_may_choose_among_a_profiles_urls_and_point_an_unkeyed_one_anyw
 
 def test_allow_list_matching() -> None:
     hosts = HostAllowList(["judge", "teacher:30001", "*.judges.svc.cluster.local", "[::1]:8000", "10.0.0.7"])
-    allowed = ["http://judge:30000", "https://JUDGE/", "http://teacher:30001", "http://a.judges.svc.cluster.local:1",
-               "http://b.c.judges.svc.cluster.local", "http://[::1]:8000", "http://10.0.0.7:9"]
-    refused = ["http://judge.evil.com", "http://teacher:30002", "http://judges.svc.cluster.local",
-               "http://xjudges.svc.cluster.local", "http://[::1]:8001", "http://evil.com/judge", "http://10.0.0.8",
-               "not a url"]
+    allowed = [
+        "http://judge:30000",
+        "https://JUDGE/",
+        "http://teacher:30001",
+        "http://a.judges.svc.cluster.local:1",
+        "http://b.c.judges.svc.cluster.local",
+        "http://[::1]:8000",
+        "http://10.0.0.7:9",
+    ]
+    refused = [
+        "http://judge.evil.com",
+        "http://teacher:30002",
+        "http://judges.svc.cluster.local",
+        "http://xjudges.svc.cluster.local",
+        "http://[::1]:8001",
+        "http://evil.com/judge",
+        "http://10.0.0.8",
+        "not a url",
+    ]
     assert [u for u in allowed if not hosts.allows(u)] == []
     assert [u for u in refused if hosts.allows(u)] == []
 
 
-@pytest.mark.parametrize(("entry", "message"), [
-    ("http://judge:30000", "not a host; write the host"),
-    ("judge/v1", "not a host"),
-    ("judge:0", "port must be"),
-    ("judge:http", "port must be"),
-    ("ju dge", "not a host name"),
-    ("a.*.com", "not a host name"),
-    ("*", "not a host name"),
-    ("[::1", "unclosed"),
-    ("", "entries must be host names"),
-    (3, "entries must be host names"),
-])
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("http://judge:30000", "not a host; write the host"),
+        ("judge/v1", "not a host"),
+        ("judge:0", "port must be"),
+        ("judge:http", "port must be"),
+        ("ju dge", "not a host name"),
+        ("a.*.com", "not a host name"),
+        ("*", "not a host name"),
+        ("[::1", "unclosed"),
+        ("", "entries must be host names"),
+        (3, "entries must be host names"),
+    ],
+)
 def test_bad_entries_are_one_line_errors(entry, message) -> None:
     with pytest.raises(ConfigError, match=message) as info:
         HostAllowList([entry])
@@ -115,10 +152,12 @@ def test_a_string_is_not_a_list() -> None:
 
 
 def test_config_urls_are_found_under_any_kwarg() -> None:
-    prm = PRMConfig(scorers=[
-        PRMScorerConfig(OPENCLAW, kwargs={"base_urls": ["http://a:1", "http://b:2"], "model": "m"}),
-        PRMScorerConfig("my.Scorer", kwargs={"endpoints": {"main": "https://c"}, "note": "see http docs"}),
-    ])
+    prm = PRMConfig(
+        scorers=[
+            PRMScorerConfig(OPENCLAW, kwargs={"base_urls": ["http://a:1", "http://b:2"], "model": "m"}),
+            PRMScorerConfig("my.Scorer", kwargs={"endpoints": {"main": "https://c"}, "note": "see http docs"}),
+        ]
+    )
     assert config_judge_urls(prm) == [
         ("rollout.agent.prm.scorers[0].kwargs.base_urls[0]", "http://a:1"),
         ("rollout.agent.prm.scorers[0].kwargs.base_urls[1]", "http://b:2"),

@@ -124,13 +124,15 @@ def test_select_best_hint():
 
 
 def test_append_hint_to_messages_targets_last_user_message_without_mutation():
-    messages = freeze([
-        {"role": "system", "content": "sys"},
-        {"role": "user", "content": "first"},
-        {"role": "assistant", "content": "a"},
-        {"role": "user", "content": [{"type": "text", "text": "second"}, {"type": "image", "url": "x"}]},
-        {"role": "tool", "content": "tool out"},
-    ])
+    messages = freeze(
+        [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": [{"type": "text", "text": "second"}, {"type": "image", "url": "x"}]},
+            {"role": "tool", "content": "tool out"},
+        ]
+    )
     out = append_hint_to_messages(messages, "  Be precise.  ")
     assert out[3]["content"] == f"second\n\n{HINT_SUFFIX_HEADER}\nBe precise."
     assert [m["content"] for m in out[:3]] == ["sys", "first", "a"]
@@ -161,18 +163,25 @@ def test_hint_prompt():
 
 
 def test_render_helpers():
-    assert render_chatml([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        render_chatml([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert message_text({"content": None}) == "" and message_text(None) == ""
     # a null text part is empty, as a missing one (OpenClaw-RL's join raises TypeError on it)
     parts = [{"type": "text", "text": None}, {"type": "text"}, {"type": "text", "text": "b"}, {"type": "image_url"}]
     assert message_text({"content": parts}) == "  b"
     assert message_text({"content": tuple(parts)}) == "  b"  # a tuple is flattened like a list
-    out = [{
-        "role": "assistant", "content": "Listing.",
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "/"}'}}],
-    }]
+    out = [
+        {
+            "role": "assistant",
+            "content": "Listing.",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "/"}'}}],
+        }
+    ]
     assert render_response_text(out) == 'Listing.\n<tool_call>{"name": "ls", "arguments": {"path": "/"}}</tool_call>'
-    dict_args = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {"b": 1}}}]}]
+    dict_args = [
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {"b": 1}}}]}
+    ]
     assert render_response_text(dict_args) == '<tool_call>{"name": "f", "arguments": {"b": 1}}</tool_call>'
 
 
@@ -227,17 +236,23 @@ UX = {"role": "user", "content": "next"}
 SX = {"role": "system", "content": "note"}
 
 
-@pytest.mark.parametrize(("between", "upstream", "ours"), [
-    # OpenClaw-RL's table: the last message of the next request (before the next assistant turn).
-    ([UX], ("user", "next"), ("user", "next")),
-    ([TA, TB], ("tool", "B"), ("tool", "A")),
-    ([TA, UX], ("user", "next"), ("tool", "A")),
-    ([UX, SX], ("system", "note"), ("user", "next")),
-    ([SX, UX], ("user", "next"), ("user", "next")),
-    ([{"content": "no role"}], ("user", "no role"), None),
-    ([{"role": "developer", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}],
-     ("developer", "x y"), None),
-])
+@pytest.mark.parametrize(
+    ("between", "upstream", "ours"),
+    [
+        # OpenClaw-RL's table: the last message of the next request (before the next assistant turn).
+        ([UX], ("user", "next"), ("user", "next")),
+        ([TA, TB], ("tool", "B"), ("tool", "A")),
+        ([TA, UX], ("user", "next"), ("tool", "A")),
+        ([UX, SX], ("system", "note"), ("user", "next")),
+        ([SX, UX], ("user", "next"), ("user", "next")),
+        ([{"content": "no role"}], ("user", "no role"), None),
+        (
+            [{"role": "developer", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}],
+            ("developer", "x y"),
+            None,
+        ),
+    ],
+)
 def test_next_state_upstream_last_rule_and_our_first_rule(between, upstream, ours):
     conv = [U1, A1, *between, A3]
     located, state = locate_next_state([U1], [A1], conv)  # default: OpenClaw-RL's rule
@@ -260,12 +275,19 @@ def test_judge_failed_error_reason_and_pickling():
     assert not isinstance(exc, TimeoutError)
     again = pickle.loads(pickle.dumps(exc))
     assert (again.reason, again.interaction_id, again.calls, again.errors, again.invalid) == (
-        "judge_failed", "t1", 3, 2, 1)
+        "judge_failed",
+        "t1",
+        3,
+        2,
+        1,
+    )
 
 
 def test_normalize_template_messages_as_upstream():
-    messages = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
-                {"role": "user", "content": "hi", "name": "u"}]
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
+        {"role": "user", "content": "hi", "name": "u"},
+    ]
     out = normalize_template_messages(messages)
     assert out == [{"role": "system", "content": "a"}, {"role": "user", "content": "hi", "name": "u"}]
     assert messages[0]["role"] == "developer"  # copies: the input is untouched

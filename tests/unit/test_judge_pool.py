@@ -158,8 +158,9 @@ def test_balanced_ties_rotate() -> None:
     assert picks == {0, 1, 2}
 
 
-@pytest.mark.parametrize("kwargs", [{"spill_in_flight": -1}, {"spill_ratio": 0.5}, {"spill_ratio": float("inf")},
-                                    {"spill_in_flight": True}])
+@pytest.mark.parametrize(
+    "kwargs", [{"spill_in_flight": -1}, {"spill_ratio": 0.5}, {"spill_ratio": float("inf")}, {"spill_in_flight": True}]
+)
 def test_spill_policy_is_validated(kwargs) -> None:
     with pytest.raises(ValueError):
         SpillPolicy(**kwargs)
@@ -169,6 +170,7 @@ def test_spill_policy_is_validated(kwargs) -> None:
 async def test_a_session_sticks_to_its_replica(replicas) -> None:
     urls = [s.base_url for s in replicas]
     async with _pool(urls) as client:
+
         async def session(k: int) -> None:
             for _ in range(6):
                 await _chat(client, f"sess-{k}")
@@ -193,6 +195,7 @@ async def test_a_slow_replica_spills_its_excess(replicas) -> None:
     slow.latency_ms = 150.0
     urls = [s.base_url for s in replicas]
     async with _pool(urls, max_concurrency=64, spill_in_flight=4) as client:
+
         async def session(k: int) -> None:
             for _ in range(4):
                 await _chat(client, f"spill-{k}")
@@ -306,9 +309,17 @@ async def test_failover_keeps_every_vote(replicas) -> None:
     failing.start()
     try:
         urls = [failing.base_url, replicas[0].base_url, replicas[1].base_url]
-        scorer = OpenClawJudgeScorer(base_urls=urls, model="fake", m=3, adaptive=False, max_retries=2,
-                                     backoff_base_s=0.001, backoff_max_s=0.01, breaker_failure_threshold=3,
-                                     breaker_reset_s=60)
+        scorer = OpenClawJudgeScorer(
+            base_urls=urls,
+            model="fake",
+            m=3,
+            adaptive=False,
+            max_retries=2,
+            backoff_base_s=0.001,
+            backoff_max_s=0.01,
+            breaker_failure_threshold=3,
+            breaker_reset_s=60,
+        )
         turns = three_turns()
         results = []
         try:
@@ -328,8 +339,13 @@ async def test_failover_keeps_every_vote(replicas) -> None:
 
 async def test_opd_teacher_pool_keeps_a_session_on_one_teacher(replicas) -> None:
     judge, t1, t2 = replicas
-    scorer = OPDTeacherScorer(base_url=judge.base_url, teacher_base_urls=[t1.base_url, t2.base_url], model="fake",
-                              tokenizer=char_tokenizer, max_retries=0)
+    scorer = OPDTeacherScorer(
+        base_url=judge.base_url,
+        teacher_base_urls=[t1.base_url, t2.base_url],
+        model="fake",
+        tokenizer=char_tokenizer,
+        max_retries=0,
+    )
     turns = three_turns()
     try:
         for k in range(12):
@@ -379,6 +395,9 @@ def test_metrics_name_endpoints_by_host_and_port_only(replicas) -> None:
     assert ours <= labels  # other tests' clients may still be registered in this process
     assert all("/" not in label and "@" not in label for label in labels)  # host:port, never a path or login
     assert not any("s3cr3t" in str(s) or "pw" in str(s.labels) for s in samples)
-    routed = {(s.labels["endpoint"], s.labels["route"]): s.value for s in samples
-              if s.name == "prm_judge_routed_total" and s.labels["endpoint"] in ours}
+    routed = {
+        (s.labels["endpoint"], s.labels["route"]): s.value
+        for s in samples
+        if s.name == "prm_judge_routed_total" and s.labels["endpoint"] in ours
+    }
     assert routed == {(replicas[1].base_url.removeprefix("http://"), "affinity"): 3.0}

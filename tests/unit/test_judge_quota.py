@@ -126,7 +126,9 @@ async def test_a_call_waiting_for_its_quota_holds_no_process_wide_slot():
         done: list[str] = []
         async with a, b:
             a_calls = asyncio.ensure_future(_calls(a, 4, done, "a"))
-            await eventually(lambda: a.limits.in_flight == 1, timeout_s=5, interval_s=0.005, what="one of A's calls in flight")
+            await eventually(
+                lambda: a.limits.in_flight == 1, timeout_s=5, interval_s=0.005, what="one of A's calls in flight"
+            )
             assert a.limits.load == 1  # the 3 waiting for A's quota add no load on the endpoint
             await asyncio.gather(a_calls, _calls(b, 2, done, "b"))
         assert done.index("b") < done.index("a", 2), done  # old order: B only after all of A's
@@ -137,7 +139,9 @@ async def test_quota_wait_counts_against_the_deadline():
         client = _client(srv.base_url, JudgeQuota("slow", max_in_flight=1), total_timeout_s=10, timeout_s=5)
         async with client:
             first = asyncio.ensure_future(client.post_json(PATH, PAYLOAD))
-            await eventually(lambda: client.limits.in_flight == 1, timeout_s=5, interval_s=0.005, what="the first call in flight")
+            await eventually(
+                lambda: client.limits.in_flight == 1, timeout_s=5, interval_s=0.005, what="the first call in flight"
+            )
             deadline = asyncio.get_running_loop().time() + 0.2
             with pytest.raises(JudgeTimeoutError, match="experiment 'slow' has no free judge slot"):
                 await client.post_json(PATH, PAYLOAD, deadline=deadline)
@@ -188,8 +192,12 @@ async def test_quota_released_on_cancel_while_on_the_wire_and_while_waiting():
             assert quota is not None
             on_wire = asyncio.ensure_future(client.post_json(PATH, PAYLOAD))
             waiting = asyncio.ensure_future(client.post_json(PATH, PAYLOAD))
-            await eventually(lambda: client.limits.in_flight == 1 and quota.in_flight == 1, timeout_s=5, interval_s=0.005,
-                             what="one call on the wire, holding the quota")
+            await eventually(
+                lambda: client.limits.in_flight == 1 and quota.in_flight == 1,
+                timeout_s=5,
+                interval_s=0.005,
+                what="one call on the wire, holding the quota",
+            )
             waiting.cancel()
             on_wire.cancel()
             for task in (waiting, on_wire):
@@ -209,8 +217,11 @@ async def test_a_scorer_built_in_the_context_takes_the_quota_and_metrics_name_th
         try:
             assert scorer.client.quota == quota
             await asyncio.gather(*(scorer.client.post_json(PATH, PAYLOAD) for _ in range(3)))
-            samples = {(s.name, s.labels.get("scope")): s.value
-                       for family in JudgeCollector().collect() for s in family.samples}
+            samples = {
+                (s.name, s.labels.get("scope")): s.value
+                for family in JudgeCollector().collect()
+                for s in family.samples
+            }
         finally:
             await scorer.aclose()
         assert samples[("prm_judge_quota_admitted_total", "exp-metrics")] == 3
@@ -232,7 +243,9 @@ async def test_a_tenant_sets_no_process_wide_limit_and_its_own_limits_bind_only_
             assert shared is not None and (shared.settings.max_concurrency, shared.settings.rps) == (8, 0.0)
             assert shared.breaker.failure_threshold == 5  # the operator's (default), not the tenant's 1
             slowed = asyncio.create_task(_calls(slow, 2))  # its second call waits 2 s for its own pacing
-            await eventually(lambda: srv.requests == 1, timeout_s=5, interval_s=0.005, what="the slow tenant's first call")
+            await eventually(
+                lambda: srv.requests == 1, timeout_s=5, interval_s=0.005, what="the slow tenant's first call"
+            )
             await _calls(fast, 5)  # unpaced: done while the slow tenant still waits
             assert not slowed.done() and srv.requests == 6
             (own,) = [ep.own for ep in fast._endpoints]

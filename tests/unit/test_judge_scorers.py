@@ -55,8 +55,11 @@ def _free_port() -> int:
 # --------------------------------------------------------------------------- fixtures
 SYS = {"role": "system", "content": "You are a shell assistant."}
 U1 = {"role": "user", "content": "What is in /root?"}
-A0 = {"role": "assistant", "content": "Let me look.",
-      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "/root"}'}}]}
+A0 = {
+    "role": "assistant",
+    "content": "Let me look.",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "/root"}'}}],
+}
 T0 = {"role": "tool", "content": "Error: permission denied", "tool_call_id": "c1"}
 A1 = {"role": "assistant", "content": "I cannot read /root without sudo; here is /tmp instead: a.txt"}
 U2 = {"role": "user", "content": "thanks, that works"}
@@ -73,24 +76,47 @@ def three_turns(*, u2: str = U2["content"], t0: str = T0["content"], logprobs: b
     t0_msg = {**T0, "content": t0}
     u2_msg = {**U2, "content": u2}
     return [
-        Interaction(interaction_id="t0", messages=[SYS, U1], output_message_list=[A0],
-                    model_response=_response(3, logprobs=logprobs)),
-        Interaction(interaction_id="t1", parent_id="t0", messages=[SYS, U1, A0, t0_msg], output_message_list=[A1],
-                    model_response=_response(4, logprobs=logprobs)),
-        Interaction(interaction_id="t2", parent_id="t1", messages=[SYS, U1, A0, t0_msg, A1, u2_msg],
-                    output_message_list=[A2], model_response=_response(2, logprobs=logprobs)),
+        Interaction(
+            interaction_id="t0",
+            messages=[SYS, U1],
+            output_message_list=[A0],
+            model_response=_response(3, logprobs=logprobs),
+        ),
+        Interaction(
+            interaction_id="t1",
+            parent_id="t0",
+            messages=[SYS, U1, A0, t0_msg],
+            output_message_list=[A1],
+            model_response=_response(4, logprobs=logprobs),
+        ),
+        Interaction(
+            interaction_id="t2",
+            parent_id="t1",
+            messages=[SYS, U1, A0, t0_msg, A1, u2_msg],
+            output_message_list=[A2],
+            model_response=_response(2, logprobs=logprobs),
+        ),
     ]
 
 
 def trajectory(interactions: list[Interaction]) -> ReadyTrajectory:
-    return ReadyTrajectory(trajectory_id="traj-1", session_id="s-1", group_id="g-1", group_size=1,
-                           interactions=interactions, outcome_reward=1.0)
+    return ReadyTrajectory(
+        trajectory_id="traj-1",
+        session_id="s-1",
+        group_id="g-1",
+        group_size=1,
+        interactions=interactions,
+        outcome_reward=1.0,
+    )
 
 
 def ctx_for(interactions: list[Interaction]) -> dict:
     leaf = interactions[-1]
-    return {"messages": tuple(leaf.messages) + tuple(leaf.output_message_list), "trajectory_id": "traj-1",
-            "leaf_id": leaf.interaction_id}
+    return {
+        "messages": tuple(leaf.messages) + tuple(leaf.output_message_list),
+        "trajectory_id": "traj-1",
+        "leaf_id": leaf.interaction_id,
+    }
 
 
 def obs(result, metric):
@@ -113,7 +139,10 @@ async def test_openclaw_scores_a_three_turn_conversation_through_the_runner(serv
     branch = scored.branches[0]
     # t0's tool returned an error -> -1; t1 was followed by "thanks" -> +1; t2 has no next state -> 0.
     assert {iid: t.tolist() for iid, t in branch.token_rewards.items()} == {
-        "t0": [-1.0] * 3, "t1": [1.0] * 4, "t2": [0.0] * 2}
+        "t0": [-1.0] * 3,
+        "t1": [1.0] * 4,
+        "t2": [0.0] * 2,
+    }
     has_next = {r.interaction_id: obs(r, "has_next_state") for r in branch.turn_results}
     assert has_next == {"t0": True, "t1": True, "t2": False}
     stats = scored.stats()
@@ -201,8 +230,9 @@ async def test_all_votes_failed_rejects_the_trajectory_through_the_runner(server
 
 async def test_all_votes_failed_neutral_is_a_counted_zero(server):
     turns = three_turns(u2="[[votes: 500]]")
-    runner = await PRMRunner.create({"scorers": [{
-        "path": OPENCLAW, "kwargs": judge_kwargs(server.base_url, on_all_votes_failed="neutral")}]})
+    runner = await PRMRunner.create(
+        {"scorers": [{"path": OPENCLAW, "kwargs": judge_kwargs(server.base_url, on_all_votes_failed="neutral")}]}
+    )
     try:
         scored = await runner.run(trajectory(turns))
     finally:
@@ -255,8 +285,16 @@ async def test_audit_texts_and_sink(server):
     assert sorted(audit["votes"].split(",")) == ["-1", "1", "1"]
     deciding = {k: v for k, v in audit.items() if k.startswith("vote_")}
     assert len(deciding) == 2 and all(v.endswith("\\boxed{1}") for v in deciding.values())
-    assert AUDIT_RECORDS == [{"scorer": "openclaw_judge", "version": "1", "trajectory_id": "traj-1",
-                              "leaf_id": "t2", "interaction_id": "t1", **audit}]
+    assert AUDIT_RECORDS == [
+        {
+            "scorer": "openclaw_judge",
+            "version": "1",
+            "trajectory_id": "traj-1",
+            "leaf_id": "t2",
+            "interaction_id": "t1",
+            **audit,
+        }
+    ]
 
 
 async def test_merge_tool_results(server):
@@ -281,11 +319,17 @@ async def test_merge_tool_results(server):
 
 async def test_unlocated_output_and_missing_ctx(server):
     scorer = OpenClawJudgeScorer(**judge_kwargs(server.base_url))
-    turn = Interaction(interaction_id="x", messages=[U1], output_message_list=[{"role": "assistant", "content": "?"}],
-                       model_response=_response(1))
+    turn = Interaction(
+        interaction_id="x",
+        messages=[U1],
+        output_message_list=[{"role": "assistant", "content": "?"}],
+        model_response=_response(1),
+    )
     try:
         result = await scorer.evaluate_result(turn, {"messages": (SYS, U2, A2, U2)})
-        assert result.reward == 0.0 and obs(result, "output_located") is False and obs(result, "has_next_state") is False
+        assert (
+            result.reward == 0.0 and obs(result, "output_located") is False and obs(result, "has_next_state") is False
+        )
         with pytest.raises(ValueError, match="ctx\\['messages'\\]"):
             await scorer.evaluate_result(turn, {})
     finally:
@@ -346,8 +390,9 @@ async def test_opd_accepted_hint_gives_teacher_minus_rollout(server):
 async def test_opd_pluggable_tokenizer_and_separate_teacher(server):
     turns = three_turns()
     with FakeJudgeServer() as teacher:
-        scorer = OPDTeacherScorer(**judge_kwargs(server.base_url, teacher_base_url=teacher.base_url,
-                                                 tokenizer=f"{__name__}:char_tokenizer"))
+        scorer = OPDTeacherScorer(
+            **judge_kwargs(server.base_url, teacher_base_url=teacher.base_url, tokenizer=f"{__name__}:char_tokenizer")
+        )
         try:
             result = await scorer.evaluate_result(turns[0], ctx_for(turns))
         finally:
@@ -387,8 +432,7 @@ async def test_opd_teacher_failure_rejects_or_is_neutral(server):
     turns = three_turns()
     dead = f"http://127.0.0.1:{_free_port()}"
     reject = OPDTeacherScorer(**judge_kwargs(server.base_url, teacher_base_url=dead))
-    neutral = OPDTeacherScorer(**judge_kwargs(server.base_url, teacher_base_url=dead,
-                                              on_all_votes_failed="neutral"))
+    neutral = OPDTeacherScorer(**judge_kwargs(server.base_url, teacher_base_url=dead, on_all_votes_failed="neutral"))
     try:
         with pytest.raises(JudgeFailedError) as info:
             await reject.evaluate_result(turns[0], ctx_for(turns))
@@ -412,10 +456,12 @@ async def test_opd_all_hint_votes_failed(server):
 
 
 async def test_judge_and_opd_together_in_one_runner(server):
-    config = {"scorers": [
-        {"path": OPENCLAW, "weight": 0.5, "kwargs": judge_kwargs(server.base_url)},
-        {"path": OPD, "weight": 1.0, "kwargs": judge_kwargs(server.base_url)},
-    ]}
+    config = {
+        "scorers": [
+            {"path": OPENCLAW, "weight": 0.5, "kwargs": judge_kwargs(server.base_url)},
+            {"path": OPD, "weight": 1.0, "kwargs": judge_kwargs(server.base_url)},
+        ]
+    }
     runner = await PRMRunner.create(config)
     try:
         scored = await runner.run(trajectory(three_turns()))
@@ -443,8 +489,9 @@ async def test_a_judge_outage_names_its_cause_in_the_members_failure_and_the_ver
         turns.append(msgspec.structs.replace(it, model_response=ModelResponse.from_arrays(prefix, out)))
         prefix = np.concatenate([prefix, out, [9]]).astype(np.int32)
     url = f"http://127.0.0.1:{_free_port()}"
-    runner = await PRMRunner.create({"scorers": [{"path": OPENCLAW, "kwargs": judge_kwargs(
-        url, breaker_failure_threshold=1, breaker_reset_s=300)}]})
+    runner = await PRMRunner.create(
+        {"scorers": [{"path": OPENCLAW, "kwargs": judge_kwargs(url, breaker_failure_threshold=1, breaker_reset_s=300)}]}
+    )
     try:
         opened = await score_member(runner, trajectory(turns), timeout_s=30)  # connect errors open it
         failed = await score_member(runner, trajectory(turns), timeout_s=30)  # refused: circuit open

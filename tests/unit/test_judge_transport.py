@@ -73,8 +73,11 @@ class Scripted:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     self.eofs += 1
                     return
-                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
                 body = await reader.readexactly(length)
                 self.requests.append((head, body))
                 action = self.actions[min(len(self.requests), len(self.actions)) - 1]
@@ -118,15 +121,26 @@ async def test_content_length_answers_reuse_one_connection_and_send_the_headers(
     lines = head.decode().split("\r\n")
     assert lines[0] == "POST /v1/chat/completions HTTP/1.1"
     port = srv.url.rsplit(":", 1)[1]
-    for line in (f"Host: 127.0.0.1:{port}", "Content-Type: application/json", "Content-Length: 8",
-                 "Authorization: Bearer k", "X-Team: a"):
+    for line in (
+        f"Host: 127.0.0.1:{port}",
+        "Content-Type: application/json",
+        "Content-Length: 8",
+        "Authorization: Bearer k",
+        "X-Team: a",
+    ):
         assert line in lines, (line, lines)
     assert body == b'{"q": 1}'
 
 
 async def test_chunked_answer_in_pieces_with_extensions_and_trailers():
-    chunked = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"5;ext=1\r\n{\"ok\"", b"\r\n",
-               b"7\r\n: true}\r", b"\n0\r\nX-Trailer: 1\r\n", b"\r\n"]
+    chunked = [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b'5;ext=1\r\n{"ok"',
+        b"\r\n",
+        b"7\r\n: true}\r",
+        b"\n0\r\nX-Trailer: 1\r\n",
+        b"\r\n",
+    ]
     async with Scripted([chunked, _answer(b"{}")]) as srv:
         transport = HttpTransport()
         try:
@@ -199,7 +213,6 @@ async def test_malformed_answer_is_a_transport_error():
     assert not info.value.connect
 
 
-
 async def test_interim_answer_in_the_same_read_as_the_final_one_and_its_headers_are_not_the_answers():
     interim = b"HTTP/1.1 100 Continue\r\nRetry-After: 9\r\n\r\n"
     async with Scripted([interim + _answer(OK), _answer(b"{}")]) as srv:
@@ -234,18 +247,25 @@ async def test_answer_to_the_end_of_the_connection_in_pieces(framing):
             await transport.aclose()
 
 
-@pytest.mark.parametrize("answer, message", [
-    (b"HTTP/1.1 2x0 OK\r\n\r\n", "Invalid status code"),
-    (b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", "HTTP/2.0 answer"),
-    # framings an old parser resolved silently (chunked won; the last length won; 101 was skipped)
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
-     "Transfer-Encoding can't be present with Content-Length"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", "Duplicate Content-Length"),
-    (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n" + _answer(OK),
-     "an upgrade the client never asked for"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 999999999999\r\n\r\n", "larger than"),
-    ([b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 70_000, b"\r\n\r\n"], "head longer than 65536 bytes"),
-])
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (b"HTTP/1.1 2x0 OK\r\n\r\n", "Invalid status code"),
+        (b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", "HTTP/2.0 answer"),
+        # framings an old parser resolved silently (chunked won; the last length won; 101 was skipped)
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+            "Transfer-Encoding can't be present with Content-Length",
+        ),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", "Duplicate Content-Length"),
+        (
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n" + _answer(OK),
+            "an upgrade the client never asked for",
+        ),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 999999999999\r\n\r\n", "larger than"),
+        ([b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 70_000, b"\r\n\r\n"], "head longer than 65536 bytes"),
+    ],
+)
 async def test_answers_llhttp_refuses_are_clear_transport_errors(answer, message):
     async with Scripted([answer]) as srv:
         transport = HttpTransport()
@@ -255,6 +275,7 @@ async def test_answers_llhttp_refuses_are_clear_transport_errors(answer, message
         finally:
             await transport.aclose()
     assert not info.value.connect and not info.value.silent and transport.open_connections == 0
+
 
 # --------------------------------------------------------------------------- connections
 async def test_a_reused_connection_dropped_silently_is_retried_once_on_a_new_one():
@@ -327,7 +348,9 @@ async def test_deadline_cuts_the_exchange_and_closes_the_connection():
             with pytest.raises(TimeoutError):
                 await _post(transport, srv.url, seconds=0.2)
             assert loop.time() - start < 2.0
-            await poll_until(lambda: srv.eofs >= 1, timeout_s=5, interval_s=0.01)  # the server sees the connection closed
+            await poll_until(
+                lambda: srv.eofs >= 1, timeout_s=5, interval_s=0.01
+            )  # the server sees the connection closed
             assert srv.eofs == 1
         finally:
             await transport.aclose()
@@ -368,12 +391,15 @@ async def test_https_verifies_the_server_certificate(tmp_path: Path, monkeypatch
 
 
 # --------------------------------------------------------------------------- headers
-@pytest.mark.parametrize("headers, message", [
-    ({"X-A": "v\r\nX-Injected: 1"}, "line breaks"),
-    ({"Bad Name": "v"}, "not a valid HTTP header name"),
-    ({"Content-Length": "3"}, "set by the client itself"),
-    ({"X-A": "snow \u2603"}, "latin-1"),
-])
+@pytest.mark.parametrize(
+    "headers, message",
+    [
+        ({"X-A": "v\r\nX-Injected: 1"}, "line breaks"),
+        ({"Bad Name": "v"}, "not a valid HTTP header name"),
+        ({"Content-Length": "3"}, "set by the client itself"),
+        ({"X-A": "snow \u2603"}, "latin-1"),
+    ],
+)
 def test_bad_headers_are_refused_at_construction(headers, message):
     with pytest.raises(ValueError, match=message):
         check_headers(headers)
@@ -395,7 +421,9 @@ async def test_trust_env_goes_through_aiohttp_and_works(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with FakeJudgeServer() as srv:
         async with JudgeClient(srv.base_url, ClientSettings(connection=ConnectionSettings(trust_env=True))) as client:
-            data = await client.post_json("/v1/chat/completions", {
-                "model": "judge", "messages": [{"role": "user", "content": "## Next state [role: user]\nok"}]})
+            data = await client.post_json(
+                "/v1/chat/completions",
+                {"model": "judge", "messages": [{"role": "user", "content": "## Next state [role: user]\nok"}]},
+            )
             assert type(client._http()).__name__ == "AiohttpTransport"
     assert "\\boxed{1}" in data["choices"][0]["message"]["content"]

@@ -25,8 +25,12 @@ from infra.kafka import (
     record_size,
 )
 
-CODECS = {"none": DefaultRecordBase.CODEC_NONE, "gzip": DefaultRecordBase.CODEC_GZIP,
-          "lz4": DefaultRecordBase.CODEC_LZ4, "zstd": DefaultRecordBase.CODEC_ZSTD}
+CODECS = {
+    "none": DefaultRecordBase.CODEC_NONE,
+    "gzip": DefaultRecordBase.CODEC_GZIP,
+    "lz4": DefaultRecordBase.CODEC_LZ4,
+    "zstd": DefaultRecordBase.CODEC_ZSTD,
+}
 ENCODERS = {"gzip": gzip_encode, "lz4": lz4_encode, "zstd": zstd_encode}
 KEY = b"group-0001"
 HEADERS = [("prm-schema-version", b"1"), ("prm-kind", b"ready")]
@@ -35,8 +39,15 @@ HEADERS = [("prm-schema-version", b"1"), ("prm-kind", b"ready")]
 def _batch(compression: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> bytes:
     """The record batch a producer writes for this record alone (aiokafka's own builder, the
     compiled one its producer uses: it sends the compressed block even when that is larger)."""
-    builder = DefaultRecordBatchBuilder(magic=2, compression_type=CODECS[compression], is_transactional=0,
-                                        producer_id=-1, producer_epoch=-1, base_sequence=-1, batch_size=16_384)
+    builder = DefaultRecordBatchBuilder(
+        magic=2,
+        compression_type=CODECS[compression],
+        is_transactional=0,
+        producer_id=-1,
+        producer_epoch=-1,
+        base_sequence=-1,
+        batch_size=16_384,
+    )
     assert builder.append(0, timestamp=None, key=key, value=value, headers=headers) is not None
     return bytes(builder.build())
 

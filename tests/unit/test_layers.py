@@ -116,9 +116,17 @@ def test_no_production_module_imports_the_demo_package() -> None:
 
 def test_demo_modules_live_in_the_demo_package() -> None:
     """What moved stays moved: the old homes of the demo and test support are gone."""
-    old = ["prm_pipeline/fake_judge.py", "prm_pipeline/demo.py", "prm_pipeline/model_server.py",
-           "prm_pipeline/report.py", "prm_pipeline/processes.py", "producers/tiny_model.py",
-           "producers/rollout_proxy.py", "producers/synthetic.py", "shaper/policy_update.py"]
+    old = [
+        "prm_pipeline/fake_judge.py",
+        "prm_pipeline/demo.py",
+        "prm_pipeline/model_server.py",
+        "prm_pipeline/report.py",
+        "prm_pipeline/processes.py",
+        "producers/tiny_model.py",
+        "producers/rollout_proxy.py",
+        "producers/synthetic.py",
+        "shaper/policy_update.py",
+    ]
     assert [p for p in old if (ROOT / p).exists()] == []
 
 

@@ -107,9 +107,11 @@ def test_stack_info_is_escaped_but_keeps_its_lines() -> None:
 @pytest.mark.slow
 def test_the_cli_logs_through_the_escaping_formatter() -> None:
     """Every process starts at prm_pipeline.cli.main: what it logs afterwards is escaped."""
-    code = ("import logging, sys; from prm_pipeline.cli import main; "
-            "code = main(['inspect', '--verdicts', '/nonexistent/verdicts.jsonl']); "  # refused before any connection
-            f"logging.getLogger('scoring_workers.worker').warning('group=%s', {HOSTILE!r}); sys.exit(code)")
+    code = (
+        "import logging, sys; from prm_pipeline.cli import main; "
+        "code = main(['inspect', '--verdicts', '/nonexistent/verdicts.jsonl']); "  # refused before any connection
+        f"logging.getLogger('scoring_workers.worker').warning('group=%s', {HOSTILE!r}); sys.exit(code)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     _clean(proc.stderr)

@@ -22,17 +22,28 @@ OBSERVED = "rollout/prm_metric/turn/len/over_budget/observed_count"
 def stats(turn_mean: float, turns: int, *, rate: float = 0.0, true: int = 0) -> dict[str, float]:
     """A worker's per-session stats dict, as ScoredTrajectory.stats() writes it."""
     return {
-        TURN: turn_mean, TURN + "__count": float(turns),
-        TRAJ: turn_mean * turns, TRAJ + "__count": 1.0,
-        RATE: rate, RATE + "__count": float(turns),
-        COUNT: float(true), OBSERVED: float(turns),
+        TURN: turn_mean,
+        TURN + "__count": float(turns),
+        TRAJ: turn_mean * turns,
+        TRAJ + "__count": 1.0,
+        RATE: rate,
+        RATE + "__count": float(turns),
+        COUNT: float(true),
+        OBSERVED: float(turns),
     }
 
 
 def test_means_are_weighted_by_observation_counts_across_sessions() -> None:
     m = VerdictMetrics()
-    m.observe(verdict("g1", [simple_session("a", stats=stats(1.0, 1, rate=1.0, true=1)),
-                             simple_session("b", stats=stats(0.0, 3, rate=0.0))]))
+    m.observe(
+        verdict(
+            "g1",
+            [
+                simple_session("a", stats=stats(1.0, 1, rate=1.0, true=1)),
+                simple_session("b", stats=stats(0.0, 3, rate=0.0)),
+            ],
+        )
+    )
     out = m.drain()
     assert out[TURN] == pytest.approx(0.25) and out[TURN + "__count"] == 4.0  # not (1 + 0) / 2
     assert out[RATE] == pytest.approx(0.25) and out[RATE + "__count"] == 4.0
@@ -57,10 +68,18 @@ def test_rejected_groups_scored_members_count_failed_members_do_not() -> None:
 def test_discarded_and_missing_sessions_are_counted_by_reason_code() -> None:
     m = VerdictMetrics()
     for k in range(3):  # three discards, three different texts: one series, keyed by the code
-        m.observe(verdict(f"g1-{k}", [], status="discarded", reason=f"environment crashed before turn {k}",
-                          code="discarded"))
-    m.observe(verdict("g2", [simple_session("x", stats=stats(1.0, 1))], status="rejected",
-                      reason="missing_sessions: 1 of 2 arrived before the deadline", code="missing_sessions"))
+        m.observe(
+            verdict(f"g1-{k}", [], status="discarded", reason=f"environment crashed before turn {k}", code="discarded")
+        )
+    m.observe(
+        verdict(
+            "g2",
+            [simple_session("x", stats=stats(1.0, 1))],
+            status="rejected",
+            reason="missing_sessions: 1 of 2 arrived before the deadline",
+            code="missing_sessions",
+        )
+    )
     out = m.drain()
     assert out["pipeline/verdicts/discarded"] == 3.0
     assert out["pipeline/verdicts/discarded/discarded"] == 3.0
@@ -100,16 +119,24 @@ def test_drain_starts_a_new_window_totals_keep_everything() -> None:
 
 def test_invalid_stats_are_skipped_and_counted() -> None:
     m = VerdictMetrics()
-    m.observe(verdict("g", [simple_session("a", stats={TURN: math.nan, TURN + "__count": 1.0}),
-                            simple_session("b", stats=stats(0.5, 1))]))
+    m.observe(
+        verdict(
+            "g",
+            [
+                simple_session("a", stats={TURN: math.nan, TURN + "__count": 1.0}),
+                simple_session("b", stats=stats(0.5, 1)),
+            ],
+        )
+    )
     out = m.drain()
     assert out["pipeline/stats_invalid"] == 1.0
     assert out[TURN] == 0.5 and out[TURN + "__count"] == 1.0
 
 
 def test_reason_key_is_the_registered_code_never_the_text() -> None:
-    assert reason_key(verdict("g", [], "rejected", "scorer_timeout: took 60s", code="scorer_timeout")) == \
-        "scorer_timeout"
+    assert (
+        reason_key(verdict("g", [], "rejected", "scorer_timeout: took 60s", code="scorer_timeout")) == "scorer_timeout"
+    )
     assert reason_key(verdict("g", [], "rejected", "missing_sessions: 1 of 2")) == "unspecified"  # no code: old writer
     assert reason_key(verdict("g", [], "rejected", "x", code="not_a_known_code")) == "other"
     assert reason_key(verdict("g", [], "accepted")) == ""

@@ -23,8 +23,12 @@ def server():
 def test_teacher_forward_answers_sglang_input_token_logprobs(server: ModelServer) -> None:
     policy = real_model.policy()
     ids = policy.template.render([{"role": "user", "content": "compute 1 + 1"}]) + [70, 71, 72]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-            "return_logprob": True, "logprob_start_len": len(ids) - 4}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": len(ids) - 4,
+    }
     answer = httpx.post(f"{server.base_url}/generate", json=body, timeout=30).json()
     rows = answer["meta_info"]["input_token_logprobs"]
     assert [r[1] for r in rows] == ids[-4:]  # one row per position from logprob_start_len on, with its id
@@ -36,22 +40,30 @@ def test_teacher_forward_answers_sglang_input_token_logprobs(server: ModelServer
 
 def test_sampling_chat_and_tokenize(server: ModelServer) -> None:
     messages = [{"role": "user", "content": "compute 2 + 2"}]
-    chat = httpx.post(f"{server.base_url}/v1/chat/completions",
-                      json={"model": "tiny", "messages": messages, "max_tokens": 5}, timeout=30).json()
+    chat = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 5},
+        timeout=30,
+    ).json()
     assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] <= 5
-    gen = httpx.post(f"{server.base_url}/generate",
-                     json={"text": "compute", "sampling_params": {"max_new_tokens": 4}, "return_logprob": True},
-                     timeout=30).json()
+    gen = httpx.post(
+        f"{server.base_url}/generate",
+        json={"text": "compute", "sampling_params": {"max_new_tokens": 4}, "return_logprob": True},
+        timeout=30,
+    ).json()
     assert 1 <= len(gen["output_ids"]) <= 4 and len(gen["meta_info"]["output_token_logprobs"]) == len(gen["output_ids"])
-    tok = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages, "add_generation_prompt": True},
-                     timeout=30).json()
+    tok = httpx.post(
+        f"{server.base_url}/tokenize", json={"messages": messages, "add_generation_prompt": True}, timeout=30
+    ).json()
     assert tok["tokens"] == real_model.policy().template.render(messages)
 
 
 def test_bad_requests_get_400(server: ModelServer) -> None:
-    for body in ({"input_ids": [1, 2, 10**6], "sampling_params": {"max_new_tokens": 0}},
-                 {"sampling_params": {"max_new_tokens": 0}},
-                 {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}, "logprob_start_len": 5}):
+    for body in (
+        {"input_ids": [1, 2, 10**6], "sampling_params": {"max_new_tokens": 0}},
+        {"sampling_params": {"max_new_tokens": 0}},
+        {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}, "logprob_start_len": 5},
+    ):
         assert httpx.post(f"{server.base_url}/generate", json=body, timeout=30).status_code == 400
     assert httpx.post(f"{server.base_url}/nope", json={}, timeout=30).status_code == 404
 
@@ -70,5 +82,6 @@ def test_follows_the_newest_published_weights(tmp_path: Path) -> None:
         health = httpx.get(f"{srv.base_url}/health", timeout=30).json()
     assert before["policy_version"] == 0 and after["policy_version"] == 1 and health["policy_version"] == 1
     assert [r[0] for r in after["input_token_logprobs"][1:]] == pytest.approx(
-        trained.prompt_logprobs([1, 70, 71, 72])[1:], abs=1e-6)
+        trained.prompt_logprobs([1, 70, 71, 72])[1:], abs=1e-6
+    )
     assert after["input_token_logprobs"] != before["input_token_logprobs"]

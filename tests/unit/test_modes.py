@@ -61,9 +61,14 @@ def judge_only() -> Iterator[Mode]:
 
 
 def _config(mode: str, **trainer: object):
-    return config_from_mapping({"rollout": {"agent": {"prm": {"advantage_shaping": {"mode": mode,
-                                                                                    "zero_penalty": 0.5}}}},
-                                "actor": {"token_rewards_as_adv": True}, "trainer": trainer}, environ={})
+    return config_from_mapping(
+        {
+            "rollout": {"agent": {"prm": {"advantage_shaping": {"mode": mode, "zero_penalty": 0.5}}}},
+            "actor": {"token_rewards_as_adv": True},
+            "trainer": trainer,
+        },
+        environ={},
+    )
 
 
 def test_a_registered_shaping_mode_is_accepted_everywhere(damped: Mode, tmp_path: Path) -> None:
@@ -133,10 +138,12 @@ def test_registry_rules() -> None:
 def test_coefficient_defaults_live_in_the_registry() -> None:
     shaping = Shaping()
     assert {name: getattr(shaping, name) for name in COEFFICIENT_DEFAULTS} == {
-        "negative_scale": 0.2, "zero_penalty": 0.4, "zero_eps": 1e-6}
+        "negative_scale": 0.2,
+        "zero_penalty": 0.4,
+        "zero_eps": 1e-6,
+    }
     assert Shaping(mode="gvpo").coefficients() == (0.2, 0.4, 1e-6) and Shaping().coefficients() == ()
 
 
 def test_docs_show_the_registry_table() -> None:
     assert mode_table() in (REPO / "docs" / "trainer.md").read_text()
-

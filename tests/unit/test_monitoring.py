@@ -41,7 +41,9 @@ def test_every_runbook_link_is_a_section_of_deploy_md() -> None:
     anchors = [slug(h) for h in headings]
     for alert in ALERTS:
         assert alert.runbook_url == f"docs/deploy.md#{alert.anchor}"
-        assert anchors.count(alert.anchor) == 1, f"{alert.name}: no (unique) section '{alert.runbook}' in docs/deploy.md"
+        assert anchors.count(alert.anchor) == 1, (
+            f"{alert.name}: no (unique) section '{alert.runbook}' in docs/deploy.md"
+        )
         assert alert.name in DEPLOY_MD.read_text(), f"{alert.name} is not in the alert table of docs/deploy.md"
     assert slug("`prm-pipeline status`") == "prm-pipeline-status"
 
@@ -77,6 +79,13 @@ def test_dashboard_panels_are_laid_out_and_query_prometheus() -> None:
     for t in queries:
         assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"} and t["refId"]
     titles = {p["title"] for p in panels}
-    for wanted in ("Consumer lag", "Verdict latency by stage (p99)", "Dead letters", "Judge circuit breaker",
-                   "Redis memory", "Trainer filters and staleness drops", "Top reject and discard reasons (1h)"):
+    for wanted in (
+        "Consumer lag",
+        "Verdict latency by stage (p99)",
+        "Dead letters",
+        "Judge circuit breaker",
+        "Redis memory",
+        "Trainer filters and staleness drops",
+        "Top reject and discard reasons (1h)",
+    ):
         assert wanted in titles

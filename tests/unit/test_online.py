@@ -12,12 +12,22 @@ from infra.schema import TurnSample, decode_turn_sample, encode, pack_array
 from shaper.online import OnlineTurnRule, sample_advantages
 
 
-def sample(turn: int, score: float, has_next: bool = True, *, last: bool = False, session: str = "s",
-           n: int = 3) -> TurnSample:
-    return TurnSample(session_id=session, trajectory_id=f"t-{session}", group_id="g", interaction_id=f"i{turn}",
-                      turn=turn, scorer="openclaw_prm", score=score, has_next_state=has_next, last=last,
-                      prompt_tokens_raw=pack_array([1, 2], np.dtype("<i4")),
-                      output_tokens_raw=pack_array(list(range(n)), np.dtype("<i4")))
+def sample(
+    turn: int, score: float, has_next: bool = True, *, last: bool = False, session: str = "s", n: int = 3
+) -> TurnSample:
+    return TurnSample(
+        session_id=session,
+        trajectory_id=f"t-{session}",
+        group_id="g",
+        interaction_id=f"i{turn}",
+        turn=turn,
+        scorer="openclaw_prm",
+        score=score,
+        has_next_state=has_next,
+        last=last,
+        prompt_tokens_raw=pack_array([1, 2], np.dtype("<i4")),
+        output_tokens_raw=pack_array(list(range(n)), np.dtype("<i4")),
+    )
 
 
 def upstream(events: list[tuple[float, bool, bool]]) -> list[bool]:
@@ -46,8 +56,10 @@ def test_decisions_match_openclaw_rl_over_random_sessions() -> None:
             done = rng.random() < 0.15
             has_next = not done and rng.random() < 0.85
             events.append((float(rng.choice([-1.0, 0.0, 1.0])) if has_next else 0.0, has_next, done))
-        got = [rule.decide(sample(k + 1, score, has_next, last=done)).train
-               for k, (score, has_next, done) in enumerate(events)]
+        got = [
+            rule.decide(sample(k + 1, score, has_next, last=done)).train
+            for k, (score, has_next, done) in enumerate(events)
+        ]
         assert got == upstream(events), (seed, events)
 
 

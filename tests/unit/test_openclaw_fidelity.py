@@ -19,14 +19,19 @@ from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 from scoring_workers.scorers.policy_tokenizer import load_policy_decoder
 
 USER = {"role": "user", "content": "Create notes.txt"}
-OUT = {"role": "assistant", "content": "Creating it.",
-       "reasoning_content": "The user wants a file.",
-       "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "touch", "arguments": '{"p": "notes.txt"}'}}]}
+OUT = {
+    "role": "assistant",
+    "content": "Creating it.",
+    "reasoning_content": "The user wants a file.",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "touch", "arguments": '{"p": "notes.txt"}'}}],
+}
 TOOL = {"role": "tool", "content": "success: created", "tool_call_id": "c1"}
 NEXT = {"role": "assistant", "content": "Done."}
 # What a Qwen3-style policy generated for OUT, special tokens included: the judge's upstream view.
-GENERATED = ("<think>\nThe user wants a file.\n</think>\n\nCreating it.\n<tool_call>\n"
-             '{"name": "touch", "arguments": {"p": "notes.txt"}}\n</tool_call><|im_end|>')
+GENERATED = (
+    "<think>\nThe user wants a file.\n</think>\n\nCreating it.\n<tool_call>\n"
+    '{"name": "touch", "arguments": {"p": "notes.txt"}}\n</tool_call><|im_end|>'
+)
 SPECIAL = ["<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 
@@ -39,8 +44,9 @@ def server():
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory) -> str:
     """A byte-level tokenizer.json with the template's special tokens (no download, no transformers)."""
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
-                               merges=[]))
+    tok = Tokenizer(
+        models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[])
+    )
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL)
@@ -155,10 +161,12 @@ async def test_opd_maps_developer_to_system_in_the_hinted_prompt(server):
     user = {"role": "user", "content": "Read /root"}
     out = {"role": "assistant", "content": "Reading."}
     tool = {"role": "tool", "content": "Error: permission denied"}
-    response = ModelResponse.from_arrays(np.arange(3, dtype=np.int32), np.array([70, 71], dtype=np.int32),
-                                         np.array([-0.5, -0.5], dtype=np.float32))
-    turn = Interaction(interaction_id="t0", messages=[developer, user], output_message_list=[out],
-                       model_response=response)
+    response = ModelResponse.from_arrays(
+        np.arange(3, dtype=np.int32), np.array([70, 71], dtype=np.int32), np.array([-0.5, -0.5], dtype=np.float32)
+    )
+    turn = Interaction(
+        interaction_id="t0", messages=[developer, user], output_message_list=[out], model_response=response
+    )
     CAPTURED.clear()
     scorer = OPDTeacherScorer(**_kwargs(server.base_url, tokenizer=capturing_tokenizer))
     try:

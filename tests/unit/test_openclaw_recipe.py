@@ -112,12 +112,23 @@ def test_openclaw_combine_dispatch_table():
     loss_mask = torch.ones(1, 8, dtype=torch.bool)
     adv, mask = openclaw_combine(opd, scores, hint, turn_index, loss_mask, w_opd=2.0, w_rl=0.5)
     assert mask.tolist() == [[True] * 6 + [False] * 2]  # no hint, no score: dropped
-    torch.testing.assert_close(adv, torch.tensor([[
-        2.0 * 0.5 + 0.5, 2.0 * -0.25 + 0.5,  # OPD + RL
-        2.0 * 0.2, 2.0 * 0.4,  # OPD only (reward 0.0)
-        -0.5, -0.5,  # RL only: teacher = rollout, no OPD term
-        0.0, 0.0,
-    ]]))
+    torch.testing.assert_close(
+        adv,
+        torch.tensor(
+            [
+                [
+                    2.0 * 0.5 + 0.5,
+                    2.0 * -0.25 + 0.5,  # OPD + RL
+                    2.0 * 0.2,
+                    2.0 * 0.4,  # OPD only (reward 0.0)
+                    -0.5,
+                    -0.5,  # RL only: teacher = rollout, no OPD term
+                    0.0,
+                    0.0,
+                ]
+            ]
+        ),
+    )
     masked = openclaw_combine(opd, scores, hint, turn_index, torch.zeros(1, 8))
     assert not masked[1].any() and not masked[0].any()
 
@@ -133,14 +144,30 @@ def test_openclaw_combine_rejects_bad_inputs():
 def _with_opd(session, hints: list[bool], opd_values: list[float]):
     """Add an OPD scorer's turn results (hint_accepted) and both scorers' channels to a linear session."""
     path = session.branches[0].path
-    results = [PRMTurnResult(interaction_id=iid, scorer_name=OPD, reward=v, observations=(PRMMetricObservation(
-        metric_id="hint_accepted", scope="turn", target_id=iid, value=h, value_type="boolean",
-        aggregations=("count", "rate")),)) for iid, h, v in zip(path, hints, opd_values)]
+    results = [
+        PRMTurnResult(
+            interaction_id=iid,
+            scorer_name=OPD,
+            reward=v,
+            observations=(
+                PRMMetricObservation(
+                    metric_id="hint_accepted",
+                    scope="turn",
+                    target_id=iid,
+                    value=h,
+                    value_type="boolean",
+                    aggregations=("count", "rate"),
+                ),
+            ),
+        )
+        for iid, h, v in zip(path, hints, opd_values)
+    ]
     lengths = [2, 2, 3]
     branch = session.branches[0]
     channels = {
-        "openclaw_judge": {iid: TokenRewards(length=n, uniform=branch.token_rewards[iid].uniform)
-                           for iid, n in zip(path, lengths)},
+        "openclaw_judge": {
+            iid: TokenRewards(length=n, uniform=branch.token_rewards[iid].uniform) for iid, n in zip(path, lengths)
+        },
         OPD: {iid: TokenRewards(length=n, uniform=v) for iid, n, v in zip(path, lengths, opd_values)},
     }
     totals = {**branch.scorer_totals, OPD: float(sum(opd_values))}

@@ -30,18 +30,32 @@ def test_port_flag_refuses_what_is_no_port(text: str) -> None:
 
 def test_every_port_flag_of_every_command_is_the_one_port_type() -> None:
     parser = build_parser()
-    flags = {(name, flag): action.type for name in COMMANDS for action in command_parser(parser, name)._actions
-             for flag in action.option_strings if flag in ("--port", "--metrics-port")}
-    assert {("gateway", "--port"), ("worker", "--metrics-port"), ("trainer", "--metrics-port"),
-            ("status", "--metrics-port"), ("model-server", "--port"), ("fake-judge", "--port")} <= set(flags)
+    flags = {
+        (name, flag): action.type
+        for name in COMMANDS
+        for action in command_parser(parser, name)._actions
+        for flag in action.option_strings
+        if flag in ("--port", "--metrics-port")
+    }
+    assert {
+        ("gateway", "--port"),
+        ("worker", "--metrics-port"),
+        ("trainer", "--metrics-port"),
+        ("status", "--metrics-port"),
+        ("model-server", "--port"),
+        ("fake-judge", "--port"),
+    } <= set(flags)
     assert {key: t for key, t in flags.items() if t is not port} == {}
 
 
-@pytest.mark.parametrize(("env", "where"), [
-    ({"PRM_WORKER_METRICS_PORT": "99999"}, "PRM_WORKER_METRICS_PORT"),
-    ({"PRM_WORKER_METRICS_PORT": "-1"}, "PRM_WORKER_METRICS_PORT"),
-    ({"PRM_GATEWAY_PORT": "65536"}, "PRM_GATEWAY_PORT"),
-])
+@pytest.mark.parametrize(
+    ("env", "where"),
+    [
+        ({"PRM_WORKER_METRICS_PORT": "99999"}, "PRM_WORKER_METRICS_PORT"),
+        ({"PRM_WORKER_METRICS_PORT": "-1"}, "PRM_WORKER_METRICS_PORT"),
+        ({"PRM_GATEWAY_PORT": "65536"}, "PRM_GATEWAY_PORT"),
+    ],
+)
 def test_port_settings_are_bounded_and_name_the_variable(env: dict[str, str], where: str) -> None:
     with pytest.raises(ConfigError, match=where):
         config_from_mapping({}, environ=env)
@@ -54,7 +68,9 @@ def test_port_settings_in_the_file_are_bounded() -> None:
 
 
 def test_a_taken_port_is_one_line_naming_the_setting() -> None:
-    message = str(port_unavailable(OSError(errno.EADDRINUSE, "Address in use"), "127.0.0.1", 9100, "status --metrics-port"))
+    message = str(
+        port_unavailable(OSError(errno.EADDRINUSE, "Address in use"), "127.0.0.1", 9100, "status --metrics-port")
+    )
     assert message.startswith("status --metrics-port: cannot listen on 127.0.0.1:9100: the port is already in use")
     assert "\n" not in message
 

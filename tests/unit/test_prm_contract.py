@@ -52,8 +52,13 @@ def turn(iid: str, parent: str | None = None, n: int = 4) -> Interaction:
 
 def traj(*interactions: Interaction, is_eval: bool = False) -> ReadyTrajectory:
     return ReadyTrajectory(
-        trajectory_id="traj-1", session_id="sess-1", group_id="g", group_size=1,
-        interactions=list(interactions), outcome_reward=1.0, is_eval=is_eval,
+        trajectory_id="traj-1",
+        session_id="sess-1",
+        group_id="g",
+        group_size=1,
+        interactions=list(interactions),
+        outcome_reward=1.0,
+        is_eval=is_eval,
     )
 
 
@@ -69,9 +74,18 @@ def test_public_api_names_and_reexports() -> None:
     import scoring_workers.prm as prm
 
     for name in (
-        "BaseScorer", "BaseTrajectoryScorer", "PRMScorerResult", "PRMMetricObservation", "PRMTurnResult",
-        "PRMRunner", "ScoredTrajectory", "PRMConfig", "PRMScorerConfig", "PRMAdvantageShapingConfig",
-        "failure_code", "failure_detail",
+        "BaseScorer",
+        "BaseTrajectoryScorer",
+        "PRMScorerResult",
+        "PRMMetricObservation",
+        "PRMTurnResult",
+        "PRMRunner",
+        "ScoredTrajectory",
+        "PRMConfig",
+        "PRMScorerConfig",
+        "PRMAdvantageShapingConfig",
+        "failure_code",
+        "failure_detail",
     ):
         assert name in prm.__all__ and hasattr(prm, name), name
     assert PRMMetricObservation is infra.schema.PRMMetricObservation
@@ -204,7 +218,9 @@ async def test_trajectory_scorer_evaluate_directly_is_an_error() -> None:
 
 # ----------------------------------------------------------------------------- observations
 def _obs(**overrides: Any) -> PRMMetricObservation:
-    fields = dict(metric_id="m", scope="turn", target_id="a", value=True, value_type="boolean", aggregations=("count", "rate"))
+    fields = dict(
+        metric_id="m", scope="turn", target_id="a", value=True, value_type="boolean", aggregations=("count", "rate")
+    )
     fields.update(overrides)
     return PRMMetricObservation(**fields)
 
@@ -300,7 +316,9 @@ def test_resolve_non_scorer_class_is_type_error() -> None:
 
 def test_resolve_allowed_prefixes() -> None:
     allowed = ("scoring_workers.scorers",)
-    assert resolve_scorer_class("examples.prm.scorers.LengthBudgetScorer", allowed_prefixes=allowed) is LengthBudgetScorer
+    assert (
+        resolve_scorer_class("examples.prm.scorers.LengthBudgetScorer", allowed_prefixes=allowed) is LengthBudgetScorer
+    )
     with pytest.raises(ValueError, match="refused"):
         resolve_scorer_class("collections.OrderedDict", allowed_prefixes=allowed)
     with pytest.raises(ValueError, match="refused"):  # prefixes match whole dotted components
@@ -313,7 +331,14 @@ def test_resolve_allowed_prefixes() -> None:
 def test_build_scorer_owned_and_borrowed() -> None:
     instance = Half(weight=3.0)
     assert build_scorer(instance) == (instance, False)
-    scorer, owned = build_scorer({"path": "examples.prm.scorers.LengthBudgetScorer", "weight": 0.5, "enabled": False, "kwargs": {"max_output_tokens": 7}})
+    scorer, owned = build_scorer(
+        {
+            "path": "examples.prm.scorers.LengthBudgetScorer",
+            "weight": 0.5,
+            "enabled": False,
+            "kwargs": {"max_output_tokens": 7},
+        }
+    )
     assert owned and (scorer.weight, scorer.enabled, scorer.max_output_tokens) == (0.5, False, 7)
     with pytest.raises(ValueError, match="unknown key `max_output_tokens`"):
         build_scorer({"path": "examples.prm.scorers.LengthBudgetScorer", "max_output_tokens": 7})
@@ -343,14 +368,23 @@ async def test_length_budget_reward_and_observation() -> None:
     assert at.reward == 1.0 and over.reward == 0.0
     (obs,) = at.observations
     assert (obs.metric_id, obs.scope, obs.target_id, obs.value, obs.value_type, obs.aggregations) == (
-        "within_budget", "turn", "a", True, "boolean", ("count", "rate")
+        "within_budget",
+        "turn",
+        "a",
+        True,
+        "boolean",
+        ("count", "rate"),
     )
     assert over.observations[0].value is False
 
 
 async def test_length_budget_end_to_end_via_seed_path() -> None:
     runner = await PRMRunner.create(
-        PRMConfig(scorers=[PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=2.0, kwargs={"max_output_tokens": 5})])
+        PRMConfig(
+            scorers=[
+                PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=2.0, kwargs={"max_output_tokens": 5})
+            ]
+        )
     )
     scored = await runner.run(traj(turn("a", n=5), turn("b", "a", n=6)))
     assert isinstance(scored, ScoredTrajectory)
@@ -365,7 +399,9 @@ async def test_length_budget_end_to_end_via_seed_path() -> None:
 
 # ----------------------------------------------------------------------------- examples/
 def _load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("prm_custom_scorer_example", REPO / "examples" / "prm_custom_scorer.py")
+    spec = importlib.util.spec_from_file_location(
+        "prm_custom_scorer_example", REPO / "examples" / "prm_custom_scorer.py"
+    )
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(module)
@@ -376,12 +412,21 @@ async def test_example_custom_scorers_run() -> None:
     example = _load_example()
     runner = await PRMRunner.create(example.example_config())
     tool_turn = Interaction(
-        interaction_id="a", messages=[{"role": "user", "content": "hi"}],
-        output_message_list=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]}],
+        interaction_id="a",
+        messages=[{"role": "user", "content": "hi"}],
+        output_message_list=[
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}],
+            }
+        ],
         model_response=ModelResponse.from_arrays([1, 2], [5, 6, 7], [-0.1, -5.0, -0.2]),
     )
     answer_turn = Interaction(
-        interaction_id="b", parent_id="a", messages=[{"role": "user", "content": "hi"}],
+        interaction_id="b",
+        parent_id="a",
+        messages=[{"role": "user", "content": "hi"}],
         output_message_list=[{"role": "assistant", "content": "ANSWER: 42"}],
         model_response=ModelResponse.from_arrays([1, 2, 5, 6, 7], [8, 9], [-0.1, -0.3]),
     )
@@ -401,7 +446,7 @@ async def test_example_custom_scorers_run() -> None:
 def test_examples_readme_snippet_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """examples/README.md's end-to-end snippet runs as written (it once used an undefined name)."""
     text = (REPO / "examples" / "README.md").read_text()
-    snippet = text[text.index("Try the example end to end"):].split("```python\n", 1)[1].split("```", 1)[0]
+    snippet = text[text.index("Try the example end to end") :].split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(REPO)  # the snippet says: run from the repository root
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "prm_custom_scorer", raising=False)

@@ -77,7 +77,11 @@ def closes() -> list[str]:
 
 def traj() -> ReadyTrajectory:
     return ReadyTrajectory(
-        trajectory_id="t", session_id="s", group_id="g", group_size=1, outcome_reward=0.0,
+        trajectory_id="t",
+        session_id="s",
+        group_id="g",
+        group_size=1,
+        outcome_reward=0.0,
         interactions=[Interaction(interaction_id="a", model_response=ModelResponse.from_arrays([1], [2, 3]))],
     )
 
@@ -86,11 +90,13 @@ def traj() -> ReadyTrajectory:
 async def test_create_owns_configs_and_mappings_and_borrows_instances() -> None:
     borrowed = TrackedB(label="borrowed")
     runner = await PRMRunner.create(
-        PRMConfig(scorers=[
-            entry(TrackedA, "from-config"),
-            borrowed,
-            {"path": f"{__name__}.TrackedC", "weight": 0.25, "enabled": False, "kwargs": {"label": "from-mapping"}},
-        ])
+        PRMConfig(
+            scorers=[
+                entry(TrackedA, "from-config"),
+                borrowed,
+                {"path": f"{__name__}.TrackedC", "weight": 0.25, "enabled": False, "kwargs": {"label": "from-mapping"}},
+            ]
+        )
     )
     a, b, c = runner.scorers
     assert b is borrowed and (c.weight, c.enabled, c.label) == (0.25, False, "from-mapping")
@@ -201,9 +207,7 @@ async def test_cancellation_during_rollback_propagates() -> None:
         await asyncio.sleep(10)
 
     HOOKS[("close", "b")] = slow_close
-    task = asyncio.create_task(
-        PRMRunner.create(PRMConfig(scorers=[entry(TrackedA, "a"), entry(TrackedB, "b")]))
-    )
+    task = asyncio.create_task(PRMRunner.create(PRMConfig(scorers=[entry(TrackedA, "a"), entry(TrackedB, "b")])))
     await entered.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -270,7 +274,9 @@ async def test_aclose_failures_are_collected_after_all_attempts(caplog: pytest.L
 
     HOOKS[("close", "a")] = fail_a
     HOOKS[("close", "c")] = fail_c
-    runner = await PRMRunner.create(PRMConfig(scorers=[entry(TrackedA, "a"), entry(TrackedB, "b"), entry(TrackedC, "c")]))
+    runner = await PRMRunner.create(
+        PRMConfig(scorers=[entry(TrackedA, "a"), entry(TrackedB, "b"), entry(TrackedC, "c")])
+    )
     with caplog.at_level(logging.ERROR), pytest.raises(ExceptionGroup) as info:
         await runner.aclose()
     assert closes() == ["c", "b", "a"]

@@ -42,8 +42,13 @@ def turn(iid: str, parent: str | None = None, n: int = 4, *, backed: bool = True
 
 def traj(*interactions: Interaction, is_eval: bool = False) -> ReadyTrajectory:
     return ReadyTrajectory(
-        trajectory_id="traj-1", session_id="sess-1", group_id="g", group_size=1,
-        interactions=list(interactions), outcome_reward=1.0, is_eval=is_eval,
+        trajectory_id="traj-1",
+        session_id="sess-1",
+        group_id="g",
+        group_size=1,
+        interactions=list(interactions),
+        outcome_reward=1.0,
+        is_eval=is_eval,
     )
 
 
@@ -73,9 +78,19 @@ def runner_of(*scorers: BaseScorer, enabled: bool = True) -> PRMRunner:
     return PRMRunner(PRMConfig(enabled=enabled, scorers=list(scorers)))
 
 
-def obs(metric: str, target: str, value: Any, *, scope: str = "turn", kind: str = "boolean", aggs: tuple[str, ...] | None = None) -> PRMMetricObservation:
+def obs(
+    metric: str,
+    target: str,
+    value: Any,
+    *,
+    scope: str = "turn",
+    kind: str = "boolean",
+    aggs: tuple[str, ...] | None = None,
+) -> PRMMetricObservation:
     aggs = aggs or (("count", "rate") if kind == "boolean" else ("sum", "mean"))
-    return PRMMetricObservation(metric_id=metric, scope=scope, target_id=target, value=value, value_type=kind, aggregations=aggs)
+    return PRMMetricObservation(
+        metric_id=metric, scope=scope, target_id=target, value=value, value_type=kind, aggregations=aggs
+    )
 
 
 class Rejected:
@@ -137,7 +152,9 @@ async def test_output_len_zero_is_an_error() -> None:
     assert error.reason == "invalid_reward" and "output_len is 0" in str(error)
 
 
-@pytest.mark.parametrize("raw", [float("nan"), float("inf"), torch.tensor([0.0, float("nan")]), np.array([1.0, -np.inf])])
+@pytest.mark.parametrize(
+    "raw", [float("nan"), float("inf"), torch.tensor([0.0, float("nan")]), np.array([1.0, -np.inf])]
+)
 async def test_non_finite_raw_reward_is_an_error(raw: Any) -> None:
     runner = runner_of(scorer("s", lambda i, c: raw)())
     error = await rejected(runner, traj(turn("a", n=2)))
@@ -358,7 +375,9 @@ async def test_cycle_is_an_error_before_any_scorer_runs() -> None:
     calls: list[Any] = []
     runner = runner_of(joint("j", lambda xs, c: calls.append(xs) or {})())
     looped = SimpleNamespace(
-        trajectory_id="t", session_id="s", is_eval=False,
+        trajectory_id="t",
+        session_id="s",
+        is_eval=False,
         interactions=[turn("root"), turn("a", "b"), turn("b", "a")],  # a <-> b never reach a root
     )
     error = await rejected(runner, looped)
@@ -440,7 +459,12 @@ async def test_failed_run_binds_no_schema_and_commits_nothing() -> None:
 
 async def test_schema_of_a_run_rejected_by_a_later_scorer_is_not_bound() -> None:
     mode = {"kind": "boolean", "fail": True}
-    first = scorer("first", lambda i, c: PRMScorerResult(1.0, (obs("m", i.interaction_id, True if mode["kind"] == "boolean" else 1.0, kind=mode["kind"]),)))()
+    first = scorer(
+        "first",
+        lambda i, c: PRMScorerResult(
+            1.0, (obs("m", i.interaction_id, True if mode["kind"] == "boolean" else 1.0, kind=mode["kind"]),)
+        ),
+    )()
     second = scorer("second", lambda i, c: None if mode["fail"] else 0.0)()
     runner = runner_of(first, second)
     assert (await rejected(runner, traj(turn("a")))).reason == "scorer_returned_none"
@@ -475,10 +499,12 @@ class Counting(BaseScorer):
 async def test_disabled_scorers_are_constructed_but_skipped() -> None:
     Counting.built = Counting.calls = 0
     runner = PRMRunner(
-        PRMConfig(scorers=[
-            PRMScorerConfig(f"{__name__}.Counting", enabled=False),
-            PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer"),
-        ])
+        PRMConfig(
+            scorers=[
+                PRMScorerConfig(f"{__name__}.Counting", enabled=False),
+                PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer"),
+            ]
+        )
     )
     assert Counting.built == 1 and runner.scorers[0].enabled is False
     scored = await runner.run(traj(turn("a")))
@@ -592,7 +618,12 @@ async def test_two_branches_sharing_a_root_score_independently() -> None:
     before = encode(trajectory)
     scored = await runner_of(scorer("b", fn)(weight=2.0)).run(trajectory)
     left, right = scored.branches
-    assert (left.leaf_id, left.path, right.leaf_id, right.path) == ("left", ["root", "left"], "right", ["root", "right"])
+    assert (left.leaf_id, left.path, right.leaf_id, right.path) == (
+        "left",
+        ["root", "left"],
+        "right",
+        ["root", "right"],
+    )
     assert left.token_rewards["root"].tolist() == [2.0, 2.0] and right.token_rewards["root"].tolist() == [0.5, 0.5]
     assert left.scorer_totals == {"b": 4.0} and right.scorer_totals == {"b": 1.0}
     assert views["root"][0] is not views["root"][1]  # one clone per branch
@@ -618,9 +649,14 @@ async def test_turns_no_scorer_touched_get_zeros() -> None:
 
 # ----------------------------------------------------------------------------- turn results
 async def test_turn_result_reward_is_mean_of_weighted_tokens_and_totals_sum() -> None:
-    dense = scorer("dense", lambda i, c: torch.tensor([0.0, 1.0, 2.0, 3.0]) if i.interaction_id == "a" else 1.0)(weight=0.5)
+    dense = scorer("dense", lambda i, c: torch.tensor([0.0, 1.0, 2.0, 3.0]) if i.interaction_id == "a" else 1.0)(
+        weight=0.5
+    )
     (branch,) = (await runner_of(dense).run(traj(turn("a", n=4), turn("b", "a", n=4)))).branches
-    assert [(r.interaction_id, r.scorer_name, r.reward) for r in branch.turn_results] == [("a", "dense", 0.75), ("b", "dense", 0.5)]
+    assert [(r.interaction_id, r.scorer_name, r.reward) for r in branch.turn_results] == [
+        ("a", "dense", 0.75),
+        ("b", "dense", 0.5),
+    ]
     assert branch.scorer_totals == {"dense": 1.25}
 
 
@@ -683,7 +719,9 @@ async def test_zero_weight_still_records_observations() -> None:
 async def test_eval_namespace() -> None:
     runner = runner_of(LengthBudgetScorer())
     evaluated = await runner.run(traj(turn("a"), is_eval=True))
-    assert set(evaluated.stats()) == {k.replace("rollout/", "eval-rollout/", 1) for k in (await runner.run(traj(turn("a")))).stats()}
+    assert set(evaluated.stats()) == {
+        k.replace("rollout/", "eval-rollout/", 1) for k in (await runner.run(traj(turn("a")))).stats()
+    }
     assert all(k.startswith("eval-rollout/") for k in evaluated.stats())
     assert all(k.startswith("rollout/") for k in evaluated.stats(namespace="rollout"))
     forced = await runner.run(traj(turn("a")), is_eval=True)
@@ -738,11 +776,14 @@ class _DeclaredFailure(RuntimeError):
         self.reason = reason
 
 
-@pytest.mark.parametrize(("declared", "recorded"), [
-    ("judge_failed", "judge_failed"),      # a well-formed code is kept
-    ("Not A Code!", "scorer_error"),       # anything else falls back
-    (42, "scorer_error"),
-])
+@pytest.mark.parametrize(
+    ("declared", "recorded"),
+    [
+        ("judge_failed", "judge_failed"),  # a well-formed code is kept
+        ("Not A Code!", "scorer_error"),  # anything else falls back
+        (42, "scorer_error"),
+    ],
+)
 async def test_a_scorer_may_name_its_rejection_reason(declared: object, recorded: str) -> None:
     def fail(interaction: Any, ctx: Any) -> float:
         raise _DeclaredFailure(declared)

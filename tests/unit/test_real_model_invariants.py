@@ -37,8 +37,9 @@ def _sessions(kind: str) -> list[ReadyTrajectory]:
 @pytest.mark.parametrize("kind", ["single", "multi", "branching"])
 async def test_recomputed_logprobs_equal_behaviour_logprobs_on_every_loss_token(kind: str) -> None:
     sessions = _sessions(kind)
-    expected_rows = sum(len({i.interaction_id for i in s.interactions} - {i.parent_id for i in s.interactions})
-                        for s in sessions)
+    expected_rows = sum(
+        len({i.interaction_id for i in s.interactions} - {i.parent_id for i in s.interactions}) for s in sessions
+    )
     batch = await real_model.batch(f"g-{kind}", sessions)
     assert batch.batch_size == expected_rows == (4 if kind == "branching" else 2)
     update = PolicyUpdate(real_model.policy().model)
@@ -77,9 +78,9 @@ async def test_rewards_land_on_their_turns_output_positions() -> None:
         for k, iid in enumerate(reversed(path)):
             mr = by_id[iid].model_response
             start, n = len(mr.input_tokens), len(mr.output_tokens)
-            assert torch.equal(batch.turn_index[row, start:start + n], torch.full((n,), k))
-            assert np.array_equal(batch.token_rewards[row, start:start + n].numpy(), mr.output_tokens + 0.5)
-            assert np.array_equal(batch.logprobs[row, start:start + n].numpy(), mr.output_logprobs)
+            assert torch.equal(batch.turn_index[row, start : start + n], torch.full((n,), k))
+            assert np.array_equal(batch.token_rewards[row, start : start + n].numpy(), mr.output_tokens + 0.5)
+            assert np.array_equal(batch.logprobs[row, start : start + n].numpy(), mr.output_logprobs)
     # after the trainer's shift, reward t names the token at t + 1 (what the logits at t predict)
     shifted, smask = shift_token_rewards(batch.token_rewards), shift_token_rewards(mask)
     assert torch.equal(shifted[smask], ids[:, 1:][smask[:, :-1]] + 0.5)
@@ -107,7 +108,7 @@ async def test_opd_signal_is_teacher_minus_rollout_logprob_on_the_hinted_prompt(
     assert hint, result.audit
     prompt = policy.template.render(append_hint_to_messages(first.messages, hint))
     out = first.model_response.output_tokens.tolist()
-    teacher_lp = np.asarray(policy.prompt_logprobs(prompt + out)[len(prompt):], dtype=np.float32)
+    teacher_lp = np.asarray(policy.prompt_logprobs(prompt + out)[len(prompt) :], dtype=np.float32)
     expected = teacher_lp - first.model_response.output_logprobs
     got = result.reward.numpy()
     assert got.shape == (len(out),)

@@ -15,9 +15,11 @@ def test_several_urls_need_cluster_mode_and_agree_on_scheme_and_credentials() ->
     with pytest.raises(ConfigError, match="several nodes are for Redis Cluster"):
         validate(PipelineConfig(redis=RedisConfig(url=TWO)))
     validate(PipelineConfig(redis=RedisConfig(url=TWO, cluster=True)))
-    for bad, why in [("redis://a:1,rediss://b:2", "must be redis://host:port"),
-                     ("redis://u:p@a:1,redis://v:q@b:2", "other credentials"),
-                     ("redis://a:1,,redis://b:2", "empty entry")]:
+    for bad, why in [
+        ("redis://a:1,rediss://b:2", "must be redis://host:port"),
+        ("redis://u:p@a:1,redis://v:q@b:2", "other credentials"),
+        ("redis://a:1,,redis://b:2", "empty entry"),
+    ]:
         with pytest.raises(ConfigError, match=why):
             validate(PipelineConfig(redis=RedisConfig(url=bad, cluster=True)))
     # the environment override takes the same list

@@ -53,12 +53,17 @@ def test_the_follower_hands_a_removal_with_what_it_kept() -> None:
     assert record.removal and record.spec is None and record.kept == _spec() and not record.error
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("prm:\n  scorers:\n    - path: x.Y\n      wieght: 1\n", "prm.scorers[0]: unknown key `wieght`; did you mean `weight`?"),
-    ("prm:\n  advantage_shaping:\n    mod: x\n", "prm.advantage_shaping: unknown key `mod`; did you mean `mode`?"),
-])
-def test_a_nested_key_error_in_an_experiment_file_names_the_file_once(tmp_path: Path, text: str,
-                                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "prm:\n  scorers:\n    - path: x.Y\n      wieght: 1\n",
+            "prm.scorers[0]: unknown key `wieght`; did you mean `weight`?",
+        ),
+        ("prm:\n  advantage_shaping:\n    mod: x\n", "prm.advantage_shaping: unknown key `mod`; did you mean `mode`?"),
+    ],
+)
+def test_a_nested_key_error_in_an_experiment_file_names_the_file_once(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "exp.yaml"
     path.write_text("experiment_id: exp-ok\n" + text)
     with pytest.raises(RegistryError) as info:

@@ -25,22 +25,26 @@ URL = "http://127.0.0.1:9"  # never contacted: constructors make no request
 
 
 def _judge_entry(**kwargs) -> dict:
-    return {"path": "scoring_workers.scorers.openclaw.OpenClawJudgeScorer",
-            "kwargs": {"base_url": URL, **kwargs}}
+    return {"path": "scoring_workers.scorers.openclaw.OpenClawJudgeScorer", "kwargs": {"base_url": URL, **kwargs}}
 
 
 @pytest.mark.parametrize("setting", ["chat_template", "audit_sink"])
 def test_judge_callables_named_in_config_obey_the_allow_list(setting):
     # Before: the judge resolved these with its own importer and imported os.getcwd happily.
-    with pytest.raises(ConfigError, match=rf"{setting} 'os:getcwd' is refused: module 'os' is not under "
-                                          r"the allowed prefixes \['scoring_workers.scorers'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{setting} 'os:getcwd' is refused: module 'os' is not under "
+        r"the allowed prefixes \['scoring_workers.scorers'\]",
+    ):
         build_scorer(_judge_entry(**{setting: "os:getcwd"}), allowed_prefixes=ALLOWED)
     assert registered_limits(URL) is None  # the failed constructor released its client
 
 
 def test_opd_tokenizer_named_in_config_obeys_the_allow_list():
-    entry = {"path": "scoring_workers.scorers.opd.OPDTeacherScorer",
-             "kwargs": {"base_url": URL, "tokenizer": "os.path.basename"}}
+    entry = {
+        "path": "scoring_workers.scorers.opd.OPDTeacherScorer",
+        "kwargs": {"base_url": URL, "tokenizer": "os.path.basename"},
+    }
     with pytest.raises(ConfigError, match=r"tokenizer 'os.path.basename' is refused: module 'os.path'"):
         build_scorer(entry, allowed_prefixes=ALLOWED)
 
@@ -150,17 +154,23 @@ def test_a_missing_required_argument_and_weight_inside_kwargs_are_named():
 def test_check_scorer_entries_resolves_without_building_and_names_the_entry(monkeypatch):
     built = []
     monkeypatch.setattr(_NeedsThreshold, "__init__", lambda *a, **k: built.append(k))
-    prm = PRMConfig(scorers=[
-        PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=0.5, kwargs={"max_output_tokens": 9}),
-        PRMScorerConfig("scoring_workers.scorers.OpenClawJudgeScorer", enabled=False, kwargs={"base_url": URL}),
-    ])
+    prm = PRMConfig(
+        scorers=[
+            PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", weight=0.5, kwargs={"max_output_tokens": 9}),
+            PRMScorerConfig("scoring_workers.scorers.OpenClawJudgeScorer", enabled=False, kwargs={"base_url": URL}),
+        ]
+    )
     first, second = check_scorer_entries(prm, allowed_prefixes=ALLOWED)
-    assert (first.target, first.weight, first.enabled) == ("scoring_workers.scorers.length_budget.LengthBudgetScorer",
-                                                           0.5, True)
+    assert (first.target, first.weight, first.enabled) == (
+        "scoring_workers.scorers.length_budget.LengthBudgetScorer",
+        0.5,
+        True,
+    )
     assert second.cls.__name__ == "OpenClawJudgeScorer" and not second.enabled
     assert registered_limits(URL) is None and not built  # nothing was constructed
-    bad = PRMConfig(scorers=[prm.scorers[0], PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer",
-                                                             kwargs={"budget": 1})])
+    bad = PRMConfig(
+        scorers=[prm.scorers[0], PRMScorerConfig("examples.prm.scorers.LengthBudgetScorer", kwargs={"budget": 1})]
+    )
     with pytest.raises(ScorerArgumentError, match=r"^rollout.agent.prm.scorers\[1\]: kwargs: LengthBudgetScorer"):
         check_scorer_entries(bad, allowed_prefixes=ALLOWED)
 
@@ -171,8 +181,10 @@ def test_an_unimportable_module_is_one_line_with_the_fix():
         check_scorer_entries(prm)
     message = str(info.value)
     assert "\n" not in message and info.value.name == "no_such_pkg_zz"
-    assert message.startswith("rollout.agent.prm.scorers[0]: scorer path 'no_such_pkg_zz.scorers.Mine': module "
-                              "'no_such_pkg_zz.scorers' is not importable")
+    assert message.startswith(
+        "rollout.agent.prm.scorers[0]: scorer path 'no_such_pkg_zz.scorers.Mine': module "
+        "'no_such_pkg_zz.scorers' is not importable"
+    )
     assert "install the package" in message and "PYTHONPATH" in message
     with pytest.raises(ImportError, match="has no attribute 'LengthBudgetScorr'; did you mean 'LengthBudgetScorer'"):
         resolve_import("scoring_workers.scorers.LengthBudgetScorr", "scorer path")
@@ -225,11 +237,14 @@ def test_a_users_examples_module_outside_the_allow_list_is_refused_not_silently_
     with pytest.raises(ConfigError) as info:
         resolve_scorer_class("examples.prm.scorers.LengthBudgetScorer", allowed_prefixes=ALLOWED)
     message = str(info.value)
-    assert f"your module 'examples.prm.scorers' ({where}) is importable but not under " \
-           "worker.allowed_scorer_modules ['scoring_workers.scorers']" in message
+    assert (
+        f"your module 'examples.prm.scorers' ({where}) is importable but not under "
+        "worker.allowed_scorer_modules ['scoring_workers.scorers']" in message
+    )
     assert "add 'examples.prm.scorers' to worker.allowed_scorer_modules" in message
     assert "name 'scoring_workers.scorers.LengthBudgetScorer' to use the built-in" in message
     assert not marker.exists() and "examples.prm.scorers" not in sys.modules  # found, never run
-    users = resolve_scorer_class("examples.prm.scorers.LengthBudgetScorer",
-                                 allowed_prefixes=[*ALLOWED, "examples.prm.scorers"])
+    users = resolve_scorer_class(
+        "examples.prm.scorers.LengthBudgetScorer", allowed_prefixes=[*ALLOWED, "examples.prm.scorers"]
+    )
     assert users.name == "users_length_budget" and marker.exists()

@@ -14,17 +14,27 @@ from shaper.reward_client import RewardClient, Sample, SampleReward, reduce_proc
 
 def _trajectory():
     client = RewardClient(PipelineConfig())
-    return client.trajectory(Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5], outcome_reward=1.0),
-                             group_id="g", group_size=2, trajectory_id="g/t0")
+    return client.trajectory(
+        Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5], outcome_reward=1.0),
+        group_id="g",
+        group_size=2,
+        trajectory_id="g/t0",
+    )
 
 
 def test_a_rejected_group_gives_its_reason_code_and_text() -> None:
     trajectory, spans = _trajectory()
-    failed = SessionResult.failure(code="scorer_timeout", detail="judge took > 60s", session_id="g/t0",
-                                   trajectory_id="g/t0")
-    verdict = GroupVerdict(group_id="g", status="rejected", reason_code="scorer_timeout",
-                           reason="scorer_timeout: member 'g/t0' (session 'g/t0'): judge took > 60s",
-                           group_size=2, sessions=[failed])
+    failed = SessionResult.failure(
+        code="scorer_timeout", detail="judge took > 60s", session_id="g/t0", trajectory_id="g/t0"
+    )
+    verdict = GroupVerdict(
+        group_id="g",
+        status="rejected",
+        reason_code="scorer_timeout",
+        reason="scorer_timeout: member 'g/t0' (session 'g/t0'): judge took > 60s",
+        group_size=2,
+        sessions=[failed],
+    )
     reward = rewards_for(verdict, trajectory, spans, 3, group_id="g", timeout_s=1.0)
     assert (reward.status, reward.reason_code) == ("rejected", "scorer_timeout")
     assert reward.reason == verdict.reason
@@ -44,8 +54,14 @@ def test_accepted_and_timed_out_carry_no_code() -> None:
     assert (timed_out.status, timed_out.reason_code) == ("timeout", "")
     assert "no verdict for group 'g'" in timed_out.reason
     scored = SessionResult(session_id="g/t0", trajectory_id="g/t0", status="scored", outcome_reward=1.0)
-    accepted = rewards_for(GroupVerdict(group_id="g", status="accepted", group_size=1, sessions=[scored]),
-                           trajectory, spans, 3, group_id="g", timeout_s=1.0)
+    accepted = rewards_for(
+        GroupVerdict(group_id="g", status="accepted", group_size=1, sessions=[scored]),
+        trajectory,
+        spans,
+        3,
+        group_id="g",
+        timeout_s=1.0,
+    )
     assert (accepted.status, accepted.reason_code, accepted.reason) == ("accepted", "", "")
 
 

@@ -60,9 +60,7 @@ def turn(iid: str, parent: str | None = None, n_out: int = 3, *, logprobs: bool 
 
 
 def trajectory(*interactions: Interaction, **kw: Any) -> ReadyTrajectory:
-    fields: dict[str, Any] = dict(
-        trajectory_id="t1", session_id="s1", group_id="g1", group_size=2, outcome_reward=1.0
-    )
+    fields: dict[str, Any] = dict(trajectory_id="t1", session_id="s1", group_id="g1", group_size=2, outcome_reward=1.0)
     fields.update(kw)
     return ReadyTrajectory(interactions=list(interactions or [turn("i1")]), **fields)
 
@@ -129,32 +127,59 @@ class TestRoundTrip:
     def test_full_group_verdict(self) -> None:
         obs = (
             PRMMetricObservation(
-                metric_id="over_budget", scope="turn", target_id="i1", value=True,
-                value_type="boolean", aggregations=("count", "rate"),
+                metric_id="over_budget",
+                scope="turn",
+                target_id="i1",
+                value=True,
+                value_type="boolean",
+                aggregations=("count", "rate"),
             ),
             PRMMetricObservation(
-                metric_id="len", scope="trajectory", target_id="t1", value=3.0,
-                value_type="float", aggregations=("sum", "mean"),
+                metric_id="len",
+                scope="trajectory",
+                target_id="t1",
+                value=3.0,
+                value_type="float",
+                aggregations=("sum", "mean"),
             ),
         )
         dense = TokenRewards.from_array(np.array([0.1, 0.2, 0.3], dtype=np.float32))
         session = SessionResult(
-            session_id="s1", trajectory_id="t1", status="scored", outcome_reward=1.0, policy_version=3,
-            branches=[BranchResult(
-                leaf_id="i2", path=["i1", "i2"],
-                token_rewards={"i1": TokenRewards.from_array(np.full(3, -0.5)), "i2": dense},
-                scorer_totals={"length_budget": -0.4},
-            )],
-            turn_results=[PRMTurnResult(interaction_id="i1", scorer_name="length_budget", reward=-0.5, observations=obs)],
+            session_id="s1",
+            trajectory_id="t1",
+            status="scored",
+            outcome_reward=1.0,
+            policy_version=3,
+            branches=[
+                BranchResult(
+                    leaf_id="i2",
+                    path=["i1", "i2"],
+                    token_rewards={"i1": TokenRewards.from_array(np.full(3, -0.5)), "i2": dense},
+                    scorer_totals={"length_budget": -0.4},
+                )
+            ],
+            turn_results=[
+                PRMTurnResult(interaction_id="i1", scorer_name="length_budget", reward=-0.5, observations=obs)
+            ],
             stats={"prm/length_budget/over_budget/rate": 1.0},
-            turns=[TokenTurn(interaction_id="i1", prompt_delta_raw=b"\x01\x00\x00\x00", output_tokens_raw=b"\x02\x00\x00\x00"),
-                   TokenTurn(interaction_id="i2", parent_id="i1", output_tokens_raw=b"\x03\x00\x00\x00")],
-            created_at=1.0, scored_at=2.0,
+            turns=[
+                TokenTurn(
+                    interaction_id="i1", prompt_delta_raw=b"\x01\x00\x00\x00", output_tokens_raw=b"\x02\x00\x00\x00"
+                ),
+                TokenTurn(interaction_id="i2", parent_id="i1", output_tokens_raw=b"\x03\x00\x00\x00"),
+            ],
+            created_at=1.0,
+            scored_at=2.0,
         )
         verdict = GroupVerdict(
-            group_id="g1", status="accepted", verdict_version=2, group_size=2,
+            group_id="g1",
+            status="accepted",
+            verdict_version=2,
+            group_size=2,
             sessions=[session, SessionResult(session_id="s2", trajectory_id="t2", status="failed", error="boom")],
-            scorers=[ScorerInfo("length_budget", "1")], worker_id="w-0", decided_at=3.0,
+            scorers=[ScorerInfo("length_budget", "1")],
+            worker_id="w-0",
+            decided_at=3.0,
             timings={"score_s": 0.25},
         )
         value, hdrs = encode(verdict)
@@ -305,8 +330,10 @@ class TestConstruction:
     def test_negative_token_ids_from_the_wire_are_refused(self) -> None:
         """Packed bytes skip pack_array: the struct checks them itself, as every decoder does."""
         with pytest.raises(SchemaError, match="output_tokens: token ids must be non-negative"):
-            ModelResponse(input_tokens_raw=np.array([1], np.int32).tobytes(),
-                          output_tokens_raw=np.array([5, -1], np.int32).tobytes())
+            ModelResponse(
+                input_tokens_raw=np.array([1], np.int32).tobytes(),
+                output_tokens_raw=np.array([5, -1], np.int32).tobytes(),
+            )
 
     def test_pack_array_accepts_torch(self) -> None:
         mr = ModelResponse.from_arrays(torch.tensor([1, 2]), torch.tensor([3, 4, 5]), torch.zeros(3))
@@ -411,8 +438,16 @@ class TestObservation:
             observation(metric_id="")
         decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(observation(value=3.0)), type=PRMMetricObservation)
         assert decoded.value == 3.0
-        wire = msgspec.msgpack.encode({"metric_id": "m", "scope": "turn", "target_id": "i1", "value": True,
-                                       "value_type": "float", "aggregations": ["sum"]})
+        wire = msgspec.msgpack.encode(
+            {
+                "metric_id": "m",
+                "scope": "turn",
+                "target_id": "i1",
+                "value": True,
+                "value_type": "float",
+                "aggregations": ["sum"],
+            }
+        )
         with pytest.raises(msgspec.ValidationError, match="float value must be an int or float"):
             msgspec.msgpack.decode(wire, type=PRMMetricObservation)  # decoding runs the same checks
 
@@ -437,9 +472,15 @@ class TestObservation:
 # --------------------------------------------------------------------------- dead letters
 def test_dead_letter_header_round_trip() -> None:
     letter = DeadLetter(
-        payload=b"\x00\xffraw", error_class="InvalidMessage", error_message="truncated",
-        source_topic="prm.trajectories", source_partition=3, source_offset=12345, attempt=2,
-        worker_id="w-1", original_headers={SCHEMA_HEADER: "1", KIND_HEADER: "ready"},
+        payload=b"\x00\xffraw",
+        error_class="InvalidMessage",
+        error_message="truncated",
+        source_topic="prm.trajectories",
+        source_partition=3,
+        source_offset=12345,
+        attempt=2,
+        worker_id="w-1",
+        original_headers={SCHEMA_HEADER: "1", KIND_HEADER: "ready"},
     )
     hdrs = dead_letter_headers(letter)
     assert all(isinstance(k, str) and isinstance(v, bytes) for k, v in hdrs)
@@ -447,8 +488,9 @@ def test_dead_letter_header_round_trip() -> None:
 
 
 def test_dead_letter_truncates_long_messages() -> None:
-    letter = DeadLetter(payload=b"", error_class="E", error_message="x" * 10_000,
-                        source_topic="t", source_partition=0, source_offset=0)
+    letter = DeadLetter(
+        payload=b"", error_class="E", error_message="x" * 10_000, source_topic="t", source_partition=0, source_offset=0
+    )
     assert len(dead_letter_from_record(b"", dead_letter_headers(letter)).error_message) == 4000
 
 
@@ -472,8 +514,16 @@ def test_compact_turns_round_trip_a_branching_concat_tree() -> None:
     from infra.schema import compact_turns, expand_turns
     from prm_pipeline.demo.synthetic import make_session
 
-    traj = make_session(trajectory_id="t", session_id="s", group_id="g", group_size=1, turns=3, branch_at=0,
-                        output_tokens=5, prompt_tokens=4)
+    traj = make_session(
+        trajectory_id="t",
+        session_id="s",
+        group_id="g",
+        group_size=1,
+        turns=3,
+        branch_at=0,
+        output_tokens=5,
+        prompt_tokens=4,
+    )
     turns = compact_turns(traj.interactions)
     root = next(t for t in turns if t.parent_id is None)
     assert len(root.prompt_delta_raw) == 4 * 4  # a root's delta is its whole prompt
@@ -493,24 +543,34 @@ def test_compact_turns_refuses_a_non_prefix_input() -> None:
     from infra.schema import NotConcatExport, compact_turns
 
     root = Interaction(interaction_id="a", model_response=ModelResponse.from_arrays([1, 2], [3]))
-    child = Interaction(interaction_id="b", parent_id="a",
-                        model_response=ModelResponse.from_arrays([1, 9, 3, 4], [5]))
+    child = Interaction(interaction_id="b", parent_id="a", model_response=ModelResponse.from_arrays([1, 9, 3, 4], [5]))
     with pytest.raises(NotConcatExport, match="'b': input does not start with parent 'a'"):
         compact_turns([root, child])
 
 
 # --------------------------------------------------------------------------- typed member failures
 def test_failed_member_carries_typed_reason_fields_and_the_readable_line() -> None:
-    failed = SessionResult.failure(code="judge_failed", detail="3 of 3 votes failed", scorer="openclaw_judge",
-                                   session_id="s", trajectory_id="t", outcome_reward=1.0)
+    failed = SessionResult.failure(
+        code="judge_failed",
+        detail="3 of 3 votes failed",
+        scorer="openclaw_judge",
+        session_id="s",
+        trajectory_id="t",
+        outcome_reward=1.0,
+    )
     assert failed.status == "failed" and failed.error == "judge_failed: 3 of 3 votes failed"
     assert (failed.error_code, failed.error_scorer, failed.error_detail) == (
-        "judge_failed", "openclaw_judge", "3 of 3 votes failed")
+        "judge_failed",
+        "openclaw_judge",
+        "3 of 3 votes failed",
+    )
     verdict = GroupVerdict(group_id="g", status="rejected", reason="judge_failed", sessions=[failed])
     again = decode_verdict(*encode(verdict)).sessions[0]
     assert again == failed and again.failure_code == "judge_failed"
-    assert len(SessionResult.failure(code="scorer_error", detail="y" * 5000, session_id="s",
-                                     trajectory_id="t").error) == 2000
+    assert (
+        len(SessionResult.failure(code="scorer_error", detail="y" * 5000, session_id="s", trajectory_id="t").error)
+        == 2000
+    )
 
 
 def test_a_failure_needs_a_registered_member_code() -> None:
@@ -527,18 +587,25 @@ def test_verdict_reason_code_is_optional_on_the_wire() -> None:
     old_writer = msgspec.msgpack.encode({"group_id": "g", "status": "rejected", "reason": "missing_sessions: 1 of 2"})
     old = decode_verdict(old_writer, encode(accepted)[1])
     assert (old.status, old.reason_code) == ("rejected", "")
-    rejected = GroupVerdict(group_id="g", status="rejected", reason="missing_sessions: 1 of 2",
-                            reason_code="missing_sessions")
+    rejected = GroupVerdict(
+        group_id="g", status="rejected", reason="missing_sessions: 1 of 2", reason_code="missing_sessions"
+    )
     assert decode_verdict(*encode(rejected)).reason_code == "missing_sessions"
     with pytest.raises(InvalidMessage, match="reason_code"):  # free text is never a code
-        decode_verdict(msgspec.msgpack.encode({"group_id": "g", "status": "discarded",
-                                               "reason_code": "environment crashed"}), encode(accepted)[1])
+        decode_verdict(
+            msgspec.msgpack.encode({"group_id": "g", "status": "discarded", "reason_code": "environment crashed"}),
+            encode(accepted)[1],
+        )
 
 
 def test_results_without_failure_encode_as_before_the_typed_fields() -> None:
     scored = SessionResult(session_id="s", trajectory_id="t", status="scored", outcome_reward=0.5)
     assert set(msgspec.msgpack.decode(msgspec.msgpack.encode(scored))) == {
-        "session_id", "trajectory_id", "status", "outcome_reward"}
+        "session_id",
+        "trajectory_id",
+        "status",
+        "outcome_reward",
+    }
 
 
 def test_failure_code_is_the_typed_field_never_the_text() -> None:
@@ -547,10 +614,17 @@ def test_failure_code_is_the_typed_field_never_the_text() -> None:
 
 
 def _layout_session(blocks: list[tuple[list[str], list[str]]], results: list[tuple[str, str]]) -> SessionResult:
-    branches = [BranchResult(leaf_id=path[-1], path=path, token_rewards={}, scorer_totals=dict.fromkeys(scorers, 0.0))
-                for path, scorers in blocks]
-    return SessionResult(session_id="s", trajectory_id="t", status="scored", branches=branches,
-                         turn_results=[PRMTurnResult(interaction_id=i, scorer_name=n, reward=0.0) for i, n in results])
+    branches = [
+        BranchResult(leaf_id=path[-1], path=path, token_rewards={}, scorer_totals=dict.fromkeys(scorers, 0.0))
+        for path, scorers in blocks
+    ]
+    return SessionResult(
+        session_id="s",
+        trajectory_id="t",
+        status="scored",
+        branches=branches,
+        turn_results=[PRMTurnResult(interaction_id=i, scorer_name=n, reward=0.0) for i, n in results],
+    )
 
 
 def test_turn_result_blocks_follow_the_verdict_layout() -> None:
@@ -566,12 +640,15 @@ def test_turn_result_blocks_follow_the_verdict_layout() -> None:
     assert _layout_session([(["a"], [])], []).turn_result_blocks() == [{}]
 
 
-@pytest.mark.parametrize("results", [
-    [("a", "x"), ("b", "x")],  # one scorer short
-    [("b", "x"), ("a", "x"), ("a", "y"), ("b", "y")],  # turns out of path order
-    [("a", "x"), ("a", "y"), ("b", "x"), ("b", "y")],  # turn-major instead of scorer-major
-    [("a", "x"), ("b", "x"), ("a", "y"), ("b", "y"), ("a", "z")],  # a result left over
-])
+@pytest.mark.parametrize(
+    "results",
+    [
+        [("a", "x"), ("b", "x")],  # one scorer short
+        [("b", "x"), ("a", "x"), ("a", "y"), ("b", "y")],  # turns out of path order
+        [("a", "x"), ("a", "y"), ("b", "x"), ("b", "y")],  # turn-major instead of scorer-major
+        [("a", "x"), ("b", "x"), ("a", "y"), ("b", "y"), ("a", "z")],  # a result left over
+    ],
+)
 def test_turn_result_blocks_refuse_to_guess(results: list[tuple[str, str]]) -> None:
     assert _layout_session([(["a", "b"], ["x", "y"])], results).turn_result_blocks() is None
 
@@ -582,13 +659,20 @@ def test_token_turn_accessors_are_the_only_reader_of_its_bytes() -> None:
 
     from infra.schema import TokenTurn, pack_array
 
-    turn = TokenTurn(interaction_id="a", prompt_delta_raw=pack_array([1, 2], np.dtype("<i4")),
-                     output_tokens_raw=pack_array([3], np.dtype("<i4")),
-                     output_logprobs_raw=pack_array([-0.5], np.dtype("<f4")))
+    turn = TokenTurn(
+        interaction_id="a",
+        prompt_delta_raw=pack_array([1, 2], np.dtype("<i4")),
+        output_tokens_raw=pack_array([3], np.dtype("<i4")),
+        output_logprobs_raw=pack_array([-0.5], np.dtype("<f4")),
+    )
     assert turn.prompt_delta.tolist() == [1, 2] and turn.output_tokens.tolist() == [3] and turn.output_len == 1
     assert turn.output_logprobs.tolist() == [-0.5] and TokenTurn(interaction_id="b").output_logprobs is None
     assert not turn.output_tokens.flags.writeable
     shaper = Path(__file__).resolve().parents[2] / "shaper"
-    readers = [f"{p.name}:{n}" for p in shaper.rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
-               if "frombuffer" in line or "_raw" in line]
+    readers = [
+        f"{p.name}:{n}"
+        for p in shaper.rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "frombuffer" in line or "_raw" in line
+    ]
     assert readers == [], "use infra.schema's accessors, not the packed bytes"

@@ -84,9 +84,7 @@ class TestGvpo:
     def test_custom_coefficients(self) -> None:
         a = t(-2.0, 0.05, 0.2)
         p = t(-1.0, -1.0, -1.0)
-        out = shape_advantages(
-            a, p, torch.ones(3), mode="gvpo", negative_scale=0.5, zero_penalty=1.0, zero_eps=0.1
-        )
+        out = shape_advantages(a, p, torch.ones(3), mode="gvpo", negative_scale=0.5, zero_penalty=1.0, zero_eps=0.1)
         assert_exact(out, [-3.0, -1.0, 0.0])
 
     def test_masked_failed_tokens_keep_advantage(self) -> None:
@@ -143,8 +141,10 @@ class TestContract:
     @pytest.mark.parametrize("mode", SHAPING_MODES)
     def test_inputs_not_mutated_and_output_is_new(self, mode: str) -> None:
         a = torch.tensor([[-1.0, 0.0, 1.0], [0.5, -0.5, 2.0]])
-        p = torch.tensor([[-1.0, 0.5, 0.0], [1.0, 0.0, 0.5]]).abs() if mode == "process_weighted" else (
-            torch.tensor([[-1.0, 0.5, 0.0], [1.0, -1.0, 0.5]])
+        p = (
+            torch.tensor([[-1.0, 0.5, 0.0], [1.0, 0.0, 0.5]]).abs()
+            if mode == "process_weighted"
+            else (torch.tensor([[-1.0, 0.5, 0.0], [1.0, -1.0, 0.5]]))
         )
         mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
         copies = (a.clone(), p.clone(), mask.clone())

@@ -18,8 +18,16 @@ def test_a_hostile_group_id_and_problem_text_are_shown_escaped_and_without_marku
     report = StatusReport(
         at=time.time(),
         lags=[GroupLag("workers", f"workers[{HOSTILE}]", "traj", [PartitionLag(0, 5, 0, 5)], 5, 1, "Stable")],
-        ledger=LedgerSummary(indexed=1, sampled=1, open=1, decided=0, gone=0, group_timeout_s=60,
-                             oldest_open_group=HOSTILE, oldest_open_age_s=50.0),
+        ledger=LedgerSummary(
+            indexed=1,
+            sampled=1,
+            open=1,
+            decided=0,
+            gone=0,
+            group_timeout_s=60,
+            oldest_open_group=HOSTILE,
+            oldest_open_age_s=50.0,
+        ),
         problems=[Problem("critical", "group_near_timeout", f"group {HOSTILE} is near its timeout")],
     )
     out = io.StringIO()
@@ -27,7 +35,8 @@ def test_a_hostile_group_id_and_problem_text_are_shown_escaped_and_without_marku
     screen = out.getvalue()
     shown = [line for line in screen.splitlines() if "forged" in line]
     assert len(shown) == 3, repr(screen)  # the lag row, the ledger line and the problem, each one line
-    assert all("g-1\\n2030-01-01 00:00:00,000 ERROR forged\\x1b[31m\\u202e[bold red]loud[/bold red]" in line
-               for line in shown), screen
+    assert all(
+        "g-1\\n2030-01-01 00:00:00,000 ERROR forged\\x1b[31m\\u202e[bold red]loud[/bold red]" in line for line in shown
+    ), screen
     assert "\u202e" not in screen and not any(line.startswith("2030-01-01") for line in screen.splitlines())
     assert "\x1b" not in screen

@@ -18,10 +18,27 @@ from prm_pipeline.status.report import (
 )
 
 
-def lag(role: str, total: int, *, growth: int | None = None, produced: int | None = None, members: int = 1,
-        committed: int | None = 0) -> GroupLag:
-    return GroupLag(role, f"{role}-group", f"{role}-topic", [PartitionLag(0, total, committed, total)], total, members,
-                    "Stable", growth, produced, 2.0)
+def lag(
+    role: str,
+    total: int,
+    *,
+    growth: int | None = None,
+    produced: int | None = None,
+    members: int = 1,
+    committed: int | None = 0,
+) -> GroupLag:
+    return GroupLag(
+        role,
+        f"{role}-group",
+        f"{role}-topic",
+        [PartitionLag(0, total, committed, total)],
+        total,
+        members,
+        "Stable",
+        growth,
+        produced,
+        2.0,
+    )
 
 
 def alive(*names: str) -> WorkersSummary:
@@ -33,26 +50,37 @@ def checks(report: StatusReport) -> dict[str, str]:
 
 
 def test_a_quiet_pipeline_is_healthy() -> None:
-    report = StatusReport(at=0, lags=[lag("workers", 3, growth=1, produced=40), lag("trainer", 0, growth=0, produced=5)],
-                          workers=alive("w0"))
+    report = StatusReport(
+        at=0,
+        lags=[lag("workers", 3, growth=1, produced=40), lag("trainer", 0, growth=0, produced=5)],
+        workers=alive("w0"),
+    )
     report.problems = assess(report)
     assert report.healthy and not report.problems
 
 
 def test_lag_growing_beyond_slack_is_critical_within_it_not() -> None:
-    assert "lag_growing" not in checks(StatusReport(at=0, lags=[lag("workers", 9, growth=9, produced=9)], workers=alive("w")))
+    assert "lag_growing" not in checks(
+        StatusReport(at=0, lags=[lag("workers", 9, growth=9, produced=9)], workers=alive("w"))
+    )
     # 10% of what was produced is tolerated too: a busy pipeline's lag wobbles
-    assert "lag_growing" not in checks(StatusReport(at=0, lags=[lag("workers", 90, growth=90, produced=1000)],
-                                                    workers=alive("w")))
-    assert checks(StatusReport(at=0, lags=[lag("workers", 50, growth=50, produced=50)], workers=alive("w")))[
-        "lag_growing"] == "critical"
+    assert "lag_growing" not in checks(
+        StatusReport(at=0, lags=[lag("workers", 90, growth=90, produced=1000)], workers=alive("w"))
+    )
+    assert (
+        checks(StatusReport(at=0, lags=[lag("workers", 50, growth=50, produced=50)], workers=alive("w")))["lag_growing"]
+        == "critical"
+    )
 
 
 def test_no_live_worker_by_heartbeat_or_without_redis_by_membership() -> None:
     silent = WorkersSummary(15.0, [], [WorkerBeat("w0.1", 40.0)])
     report = StatusReport(at=0, lags=[lag("workers", 0, members=2)], workers=silent)
     problems = {p.check: p for p in assess(report)}
-    assert problems["no_live_worker"].severity == "critical" and "w0.1 silent for 40s" in problems["no_live_worker"].message
+    assert (
+        problems["no_live_worker"].severity == "critical"
+        and "w0.1 silent for 40s" in problems["no_live_worker"].message
+    )
     assert "no_live_worker" in checks(StatusReport(at=0, lags=[lag("workers", 0, members=0)]))
     assert "no_live_worker" not in checks(StatusReport(at=0, lags=[lag("workers", 0, members=1)]))
 
@@ -101,7 +129,10 @@ def test_exporter_serves_the_latest_report() -> None:
     report.problems = assess(report)
     collector.update(report)
     text = generate_latest(registry).decode()
-    assert 'prm_pipeline_consumer_lag{group="workers-group",partition="0",role="workers",topic="workers-topic"} 4.0' in text
+    assert (
+        'prm_pipeline_consumer_lag{group="workers-group",partition="0",role="workers",topic="workers-topic"} 4.0'
+        in text
+    )
     assert "prm_pipeline_oldest_open_group_age_seconds 12.5" in text
     assert "prm_pipeline_workers_alive 2.0" in text
     assert 'prm_pipeline_unfinished_groups{state="decided"} 1.0' in text
@@ -148,11 +179,23 @@ def test_other_kafka_reads_run_while_the_lag_sample_waits(monkeypatch) -> None:
 
     async def verdicts(cfg, window_s, timeout_s, experiment=None):
         events.append("verdicts")
-        return VerdictSummary(window_s=window_s, count=0, per_second=0.0, by_status={}, top_reasons=[],
-                              latency_p50_s=None, latency_p99_s=None, stage_p50_s={})
+        return VerdictSummary(
+            window_s=window_s,
+            count=0,
+            per_second=0.0,
+            by_status={},
+            top_reasons=[],
+            latency_p50_s=None,
+            latency_p99_s=None,
+            stage_p50_s={},
+        )
 
-    for name, fake in (("sample_lag", sample_lag), ("ledger_summary", ledger_summary),
-                       ("dead_letter_summary", dead_letters), ("verdict_summary", verdicts)):
+    for name, fake in (
+        ("sample_lag", sample_lag),
+        ("ledger_summary", ledger_summary),
+        ("dead_letter_summary", dead_letters),
+        ("verdict_summary", verdicts),
+    ):
         monkeypatch.setattr(c, name, fake)
     from infra.config import PipelineConfig
 

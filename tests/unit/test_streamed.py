@@ -71,9 +71,17 @@ class WholeBranch(BaseScorer):
 
 
 def runner() -> PRMRunner:
-    return PRMRunner(PRMConfig(enabled=True, scorers=[
-        NextStateJudge(weight=0.7), DenseTeacher(weight=0.3), LengthBudgetScorer(max_output_tokens=20), WholeBranch(),
-    ]))
+    return PRMRunner(
+        PRMConfig(
+            enabled=True,
+            scorers=[
+                NextStateJudge(weight=0.7),
+                DenseTeacher(weight=0.3),
+                LengthBudgetScorer(max_output_tokens=20),
+                WholeBranch(),
+            ],
+        )
+    )
 
 
 async def streamed_results(r: PRMRunner, traj: ReadyTrajectory) -> list[Any]:
@@ -83,14 +91,16 @@ async def streamed_results(r: PRMRunner, traj: ReadyTrajectory) -> list[Any]:
     out = []
     for child in traj.interactions:
         if child.parent_id is not None:
-            out += await r.score_turn(by_id[child.parent_id], child, {"session_id": traj.session_id,
-                                                                     "trajectory_id": traj.trajectory_id})
+            out += await r.score_turn(
+                by_id[child.parent_id], child, {"session_id": traj.session_id, "trajectory_id": traj.trajectory_id}
+            )
     return decode_results(encode_results(out))
 
 
 def verdict_bytes(scored: Any) -> list[bytes]:
-    return [msgspec.msgpack.encode(b.to_branch_result()) for b in scored.branches] + \
-        [msgspec.msgpack.encode(b.turn_results) for b in scored.branches]
+    return [msgspec.msgpack.encode(b.to_branch_result()) for b in scored.branches] + [
+        msgspec.msgpack.encode(b.turn_results) for b in scored.branches
+    ]
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -98,8 +108,16 @@ async def test_streamed_then_reused_is_the_ready_result_bit_for_bit(seed: int) -
     rng = np.random.default_rng(seed)
     turns = int(rng.integers(1, 16))
     branch_at = int(rng.integers(0, turns - 1)) if turns > 2 and seed % 2 else None
-    traj = make_session(trajectory_id="t", session_id="s", group_id="g", group_size=1, turns=turns,
-                        output_tokens=(1, 30), branch_at=branch_at, rng=rng)
+    traj = make_session(
+        trajectory_id="t",
+        session_id="s",
+        group_id="g",
+        group_size=1,
+        turns=turns,
+        output_tokens=(1, 30),
+        branch_at=branch_at,
+        rng=rng,
+    )
     r = runner()
     ready = await r.run(traj)
     results = await streamed_results(r, traj)
@@ -123,8 +141,9 @@ async def test_a_rewritten_history_is_scored_again_at_the_end() -> None:
     last = traj.interactions[-1]
     messages = [dict(m) for m in last.messages]
     messages[4] = {**messages[4], "content": "rewritten"}
-    edited = msgspec.structs.replace(traj, interactions=[*traj.interactions[:-1],
-                                                        msgspec.structs.replace(last, messages=messages)])
+    edited = msgspec.structs.replace(
+        traj, interactions=[*traj.interactions[:-1], msgspec.structs.replace(last, messages=messages)]
+    )
     reuse = Reuse(results)
     assert verdict_bytes(await r.run(edited, reuse=reuse)) == verdict_bytes(await r.run(edited))
     assert reuse.misses >= 2  # turn 1, for both streamable scorers
@@ -165,8 +184,9 @@ async def test_only_streamable_turn_scorers_run_and_see_the_conversation_up_to_t
     traj = expand_trajectory(make_session(trajectory_id="t", session_id="s", group_id="g", group_size=1, turns=3))
     r = PRMRunner(PRMConfig(enabled=True, scorers=[WholeBranch(), Spy()]))
     assert r.streams
-    (result,) = await r.score_turn(traj.interactions[0], traj.interactions[1],
-                                   {"session_id": "s", "trajectory_id": "t", "is_eval": True})
+    (result,) = await r.score_turn(
+        traj.interactions[0], traj.interactions[1], {"session_id": "s", "trajectory_id": "t", "is_eval": True}
+    )
     assert (result.scorer, result.name, result.interaction_id) == (1, "spy", traj.interactions[0].interaction_id)
     (ctx,) = seen
     child = traj.interactions[1]
@@ -181,5 +201,7 @@ def test_a_stored_result_reads_back_as_the_runner_reads_the_original() -> None:
     dense = np.array([0.1, 1e-8, -3.3333333333], dtype=np.float64)
     back = StreamedResult.of(0, "x", "i", b"", PRMScorerResult(dense)).result().reward
     assert back.dtype == np.float32 and back.tobytes() == dense.astype(np.float32).tobytes()
-    assert StreamedResult.of(0, "x", "i", b"", PRMScorerResult(np.float32(0.1))).result().reward == float(np.float32(0.1))
+    assert StreamedResult.of(0, "x", "i", b"", PRMScorerResult(np.float32(0.1))).result().reward == float(
+        np.float32(0.1)
+    )
     assert StreamedResult.of(0, "x", "i", b"", PRMScorerResult(True)).result().reward == 1.0

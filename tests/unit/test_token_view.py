@@ -23,14 +23,20 @@ ESCAPED = "g-1\\n2030-01-01 00:00:00,000 ERROR forged\\x1b[31m\\u202e[bold red]l
 
 
 def test_ids_tokens_and_scorer_text_are_shown_escaped_and_without_markup() -> None:
-    turn = TurnView(interaction_id=HOSTILE, prompt_ids=[1], output_ids=[2, 3], rewards=[0.5, -0.5],
-                    results=[{"scorer_name": HOSTILE, "reward": 0.5, "observations": [{"metric_id": "m", "value": HOSTILE}]}],
-                    audit=[{"scorer": HOSTILE, "votes": 1, "vote_0": HOSTILE}])
+    turn = TurnView(
+        interaction_id=HOSTILE,
+        prompt_ids=[1],
+        output_ids=[2, 3],
+        rewards=[0.5, -0.5],
+        results=[{"scorer_name": HOSTILE, "reward": 0.5, "observations": [{"metric_id": "m", "value": HOSTILE}]}],
+        audit=[{"scorer": HOSTILE, "votes": 1, "vote_0": HOSTILE}],
+    )
     view = BranchView(HOSTILE, "s", "t", "leaf", 1.0, 0, turns=[turn])
     tokens = {1: "prompt line one\nline two", 2: "[bold]out[/bold]", 3: "\x1b]8;;http://evil\x07link\r"}
     out = io.StringIO()
-    render_terminal([view], lambda ids: [tokens[i] for i in ids],
-                    console=Console(file=out, force_terminal=False, width=2000))
+    render_terminal(
+        [view], lambda ids: [tokens[i] for i in ids], console=Console(file=out, force_terminal=False, width=2000)
+    )
     screen = out.getvalue()
     assert "\x1b" not in screen and "\x07" not in screen and "\r" not in screen and "\u202e" not in screen
     assert not any(line.startswith("2030-01-01") for line in screen.splitlines()), screen
@@ -60,15 +66,19 @@ def test_an_unknown_policy_version_is_said_so() -> None:
 
 # --------------------------------------------------------------------------- inspect --session
 def _inspect(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prm_pipeline.cli", "inspect", *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "prm_pipeline.cli", "inspect", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
 
 
 @pytest.mark.slow  # the CLI as a child process
 def test_a_session_beyond_the_first_groups_is_found_and_a_missing_one_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "verdicts.jsonl"
-    path.write_bytes(b"".join(msgspec.json.encode(verdict_record(accepted_group(f"g{i}"))) + b"\n"
-                              for i in range(5)))
+    path.write_bytes(b"".join(msgspec.json.encode(verdict_record(accepted_group(f"g{i}"))) + b"\n" for i in range(5)))
     found = _inspect("--verdicts", str(path), "--session", "g4-s1")  # the 5th group; --max-groups is 3
     assert found.returncode == 0, found.stderr
     assert "g4 · g4-s1 · leaf g4-s1-t0" in found.stdout

@@ -51,8 +51,17 @@ def assert_same(a: ReadyTrajectory, b: ReadyTrajectory) -> None:
         assert bytes(x.model_response.input_tokens_raw) == bytes(y.model_response.input_tokens_raw)
         assert x.model_response.output_tokens_raw == y.model_response.output_tokens_raw
         assert x.model_response.output_logprobs_raw == y.model_response.output_logprobs_raw
-    for name in ("trajectory_id", "session_id", "group_id", "group_size", "outcome_reward", "is_eval",
-                 "policy_version", "created_at", "experiment_id"):
+    for name in (
+        "trajectory_id",
+        "session_id",
+        "group_id",
+        "group_size",
+        "outcome_reward",
+        "is_eval",
+        "policy_version",
+        "created_at",
+        "experiment_id",
+    ):
         assert getattr(a, name) == getattr(b, name), name
 
 
@@ -61,16 +70,26 @@ def test_random_sessions_with_branches_round_trip(seed: int) -> None:
     rng = np.random.default_rng(seed)
     turns = int(rng.integers(1, 30))
     branch_at = int(rng.integers(0, turns - 1)) if turns > 2 and rng.random() < 0.5 else None
-    traj = make_session(trajectory_id=f"t{seed}", session_id=f"s{seed}", group_id="g", group_size=2, turns=turns,
-                        output_tokens=(1, 40), branch_at=branch_at, rng=rng, outcome_reward=float(rng.normal()))
+    traj = make_session(
+        trajectory_id=f"t{seed}",
+        session_id=f"s{seed}",
+        group_id="g",
+        group_size=2,
+        turns=turns,
+        output_tokens=(1, 40),
+        branch_at=branch_at,
+        rng=rng,
+        outcome_reward=float(rng.normal()),
+    )
     _, rebuilt = wire(TurnCompactor(), traj)
     assert_same(rebuilt, traj)
 
 
 def test_each_turn_carries_only_what_is_new() -> None:
     """A 60-turn agent session costs about its compact ``ready`` record in turn records."""
-    traj = make_agent_session(trajectory_id="t", session_id="s", group_id="g", turns=60, context_tokens=60_000,
-                              rng=np.random.default_rng(1))
+    traj = make_agent_session(
+        trajectory_id="t", session_id="s", group_id="g", turns=60, context_tokens=60_000, rng=np.random.default_rng(1)
+    )
     values, rebuilt = wire(TurnCompactor(), traj)
     assert_same(rebuilt, traj)
     ready_bytes = len(encode(compact_trajectory(traj))[0])
@@ -94,8 +113,11 @@ def test_a_re_rendered_history_travels_in_full() -> None:
     mr = second.model_response
     changed = np.array(mr.input_tokens, copy=True)
     changed[0] += 1  # the chat template re-rendered the history
-    edited = msgspec.structs.replace(second, messages=[{"role": "user", "content": "rewritten"}],
-                                     model_response=msgspec.structs.replace(mr, input_tokens_raw=changed.tobytes()))
+    edited = msgspec.structs.replace(
+        second,
+        messages=[{"role": "user", "content": "rewritten"}],
+        model_response=msgspec.structs.replace(mr, input_tokens_raw=changed.tobytes()),
+    )
     traj = msgspec.structs.replace(traj, interactions=[traj.interactions[0], edited, traj.interactions[2]])
     compactor = TurnCompactor()
     turns, _ = stream_session(traj)
@@ -115,23 +137,30 @@ def test_a_forgotten_session_sends_full_turns_and_stays_correct() -> None:
     assert len(compactor) == 1
     assert compactor.compact(ta[1]) is ta[1]  # parent forgotten: in full
     assert compactor.compact(ta[2]).is_compact  # its parent was remembered again
-    rebuilt = expand_trajectory(streamed_trajectory([t.interaction for t in ta[:2]] +
-                                                    [compactor.compact(t).interaction for t in ta[2:3]],
-                                                    msgspec.structs.replace(end_a, turn_count=3)))
-    assert bytes(rebuilt.interactions[2].model_response.input_tokens_raw) == \
-        bytes(a.interactions[2].model_response.input_tokens_raw)
+    rebuilt = expand_trajectory(
+        streamed_trajectory(
+            [t.interaction for t in ta[:2]] + [compactor.compact(t).interaction for t in ta[2:3]],
+            msgspec.structs.replace(end_a, turn_count=3),
+        )
+    )
+    assert bytes(rebuilt.interactions[2].model_response.input_tokens_raw) == bytes(
+        a.interactions[2].model_response.input_tokens_raw
+    )
     assert len(compactor) == 1  # only a (b was forgotten in turn)
     compactor.end(end_a)
     assert len(compactor) == 0
 
 
-@pytest.mark.parametrize("case, error", [
-    ("unknown_parent", "not an earlier turn"),
-    ("child_first", "not an earlier turn"),
-    ("repeated", "repeated"),
-    ("count", "the end says 5 turns, 3 arrived"),
-    ("overshare", "shares"),
-])
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        ("unknown_parent", "not an earlier turn"),
+        ("child_first", "not an earlier turn"),
+        ("repeated", "repeated"),
+        ("count", "the end says 5 turns, 3 arrived"),
+        ("overshare", "shares"),
+    ],
+)
 def test_what_is_not_a_session_is_refused(case: str, error: str) -> None:
     traj = make_session(trajectory_id="t", session_id="s", group_id="g", group_size=1, turns=3)
     turns, end = stream_session(traj)
@@ -171,12 +200,24 @@ def test_a_compact_turn_needs_version_2_and_a_full_one_keeps_version_1() -> None
         decode_message(value, [("prm-schema-version", b"1"), ("prm-kind", b"turn")], kinds=STREAM_KINDS)
 
 
-@pytest.mark.parametrize("field, value, error", [
-    ("group_size", 0, "group_size"), ("session_id", "", "session_id"), ("turn_count", 0, "turn_count"),
-    ("outcome_reward", float("nan"), "outcome_reward"), ("experiment_id", "bad id", "experiment"),
-])
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("group_size", 0, "group_size"),
+        ("session_id", "", "session_id"),
+        ("turn_count", 0, "turn_count"),
+        ("outcome_reward", float("nan"), "outcome_reward"),
+        ("experiment_id", "bad id", "experiment"),
+    ],
+)
 def test_end_fields_are_checked(field: str, value: object, error: str) -> None:
-    fields = {"trajectory_id": "t", "session_id": "s", "group_id": "g", "group_size": 1, "outcome_reward": 0.0,
-              field: value}
+    fields = {
+        "trajectory_id": "t",
+        "session_id": "s",
+        "group_id": "g",
+        "group_size": 1,
+        "outcome_reward": 0.0,
+        field: value,
+    }
     with pytest.raises(ValueError, match=error):
         SessionEnd(**fields)

@@ -43,15 +43,18 @@ def test_a_bad_value_is_named_by_its_path_with_what_the_field_holds() -> None:
     assert _text({"inner": {"ids": [1, -2]}}) == "inner.ids[1]: Expected `int` >= 0 (a token id: int32, non-negative)"
     assert _text({"inner": {"ids": "12"}}) == "inner.ids: Expected `array`, got `str` (a list of token ids)"
     assert _text({"inner": {"ids": [], "timeout_s": 0}}) == (
-        "inner.timeout_s: Expected `float` > 0.0 (a duration in seconds, above zero)")
+        "inner.timeout_s: Expected `float` > 0.0 (a duration in seconds, above zero)"
+    )
 
 
 def test_an_unknown_key_names_the_closest_valid_one_or_all_of_them() -> None:
     assert _text({"inner": {"ids": [], "timeout": 1}}) == "inner: unknown key `timeout`; did you mean `timeout_s`?"
     assert _text({"inner": {"ids": []}, "items": [{"ids": [], "zzz": 1}]}) == (
-        "items[0]: unknown key `zzz`; valid keys: ids, timeout_s")
+        "items[0]: unknown key `zzz`; valid keys: ids, timeout_s"
+    )
     assert _text({"inner": {"ids": []}, "maybe": {"ids": [], "idz": 1}}) == (  # through ``X | None``
-        "maybe: unknown key `idz`; did you mean `ids`?")
+        "maybe: unknown key `idz`; did you mean `ids`?"
+    )
 
 
 def test_a_missing_field_is_named_by_its_full_path() -> None:
@@ -65,7 +68,8 @@ def test_a_rule_that_names_its_field_is_not_named_twice() -> None:
 
 def test_where_prefixes_the_path() -> None:
     assert _text({"inner": {"ids": ["x"]}}, "prm") == (
-        "prm.inner.ids[0]: Expected `int`, got `str` (a token id: int32, non-negative)")
+        "prm.inner.ids[0]: Expected `int`, got `str` (a token id: int32, non-negative)"
+    )
     assert _text([], "prm") == "prm: Expected `object`, got `array`"
 
 

@@ -30,9 +30,17 @@ from scoring_workers.scoring import score_member
 def _traj(output: list[int], *, token_rewards: list[float] | None = None) -> ReadyTrajectory:
     raw = None if token_rewards is None else pack_array(np.asarray(token_rewards, np.float32), np.dtype("<f4"))
     return ReadyTrajectory(
-        trajectory_id="t", session_id="s", group_id="g", group_size=1, outcome_reward=1.0,
-        interactions=[Interaction(interaction_id="a", model_response=ModelResponse.from_arrays([1, 2], output),
-                                  token_rewards_raw=raw)])
+        trajectory_id="t",
+        session_id="s",
+        group_id="g",
+        group_size=1,
+        outcome_reward=1.0,
+        interactions=[
+            Interaction(
+                interaction_id="a", model_response=ModelResponse.from_arrays([1, 2], output), token_rewards_raw=raw
+            )
+        ],
+    )
 
 
 VALUE, HEADERS = encode(_traj([3, 4]))
@@ -44,22 +52,25 @@ def _payload(**changes: object) -> bytes:
     return msgspec.msgpack.encode(obj)
 
 
-@pytest.mark.parametrize(("value", "headers", "error"), [
-    (VALUE, [(KIND_HEADER, b"ready")], UnknownSchemaVersion),
-    (VALUE, [(SCHEMA_HEADER, b"99"), (KIND_HEADER, b"ready")], UnknownSchemaVersion),
-    (VALUE, [(SCHEMA_HEADER, b"1")], UnknownMessageKind),
-    (VALUE, [(SCHEMA_HEADER, b"1"), (KIND_HEADER, b"verdict")], UnknownMessageKind),  # not a kind of this topic
-    (VALUE, [(SCHEMA_HEADER, b"1"), (KIND_HEADER, b"discard")], InvalidMessage),  # header and payload differ
-    (None, HEADERS, InvalidMessage),  # tombstone
-    (b"", HEADERS, InvalidMessage),
-    (VALUE[:-3], HEADERS, InvalidMessage),  # truncated
-    (b"\xc1not msgpack", HEADERS, InvalidMessage),
-    (VALUE + b"\x00", HEADERS, InvalidMessage),  # trailing bytes
-    (msgspec.msgpack.encode(7), HEADERS, InvalidMessage),  # not a map
-    (msgspec.msgpack.encode([1, 2]), HEADERS, InvalidMessage),
-    (_payload(kind="weird"), HEADERS, InvalidMessage),
-    (_payload(outcome_reward=math.inf), HEADERS, InvalidMessage),  # non-finite where finite is required
-])
+@pytest.mark.parametrize(
+    ("value", "headers", "error"),
+    [
+        (VALUE, [(KIND_HEADER, b"ready")], UnknownSchemaVersion),
+        (VALUE, [(SCHEMA_HEADER, b"99"), (KIND_HEADER, b"ready")], UnknownSchemaVersion),
+        (VALUE, [(SCHEMA_HEADER, b"1")], UnknownMessageKind),
+        (VALUE, [(SCHEMA_HEADER, b"1"), (KIND_HEADER, b"verdict")], UnknownMessageKind),  # not a kind of this topic
+        (VALUE, [(SCHEMA_HEADER, b"1"), (KIND_HEADER, b"discard")], InvalidMessage),  # header and payload differ
+        (None, HEADERS, InvalidMessage),  # tombstone
+        (b"", HEADERS, InvalidMessage),
+        (VALUE[:-3], HEADERS, InvalidMessage),  # truncated
+        (b"\xc1not msgpack", HEADERS, InvalidMessage),
+        (VALUE + b"\x00", HEADERS, InvalidMessage),  # trailing bytes
+        (msgspec.msgpack.encode(7), HEADERS, InvalidMessage),  # not a map
+        (msgspec.msgpack.encode([1, 2]), HEADERS, InvalidMessage),
+        (_payload(kind="weird"), HEADERS, InvalidMessage),
+        (_payload(outcome_reward=math.inf), HEADERS, InvalidMessage),  # non-finite where finite is required
+    ],
+)
 def test_headers_table_classes(value: bytes | None, headers, error: type[Exception]) -> None:
     """docs/wire.md "Headers": the dead letter's class for each kind of bad record."""
     with pytest.raises(error):

@@ -96,8 +96,9 @@ def _worker(**settings: Any) -> tuple[Worker, FakeLedger, _Producer, _Runner]:
 
 
 def _member(group_id: str, tid: str, size: int = 2, **kw: Any) -> ReadyTrajectory:
-    traj = make_session(trajectory_id=tid, session_id=f"s-{tid}", group_id=group_id, group_size=size, turns=1,
-                        output_tokens=4)
+    traj = make_session(
+        trajectory_id=tid, session_id=f"s-{tid}", group_id=group_id, group_size=size, turns=1, output_tokens=4
+    )
     return msgspec.structs.replace(traj, **kw) if kw else traj
 
 
@@ -235,8 +236,7 @@ async def test_a_verdict_kafka_refuses_for_good_stays_decided_for_the_sweeper() 
 
 
 @pytest.mark.parametrize(("decided_s_ago", "republished"), [(60.0, True), (0.0, False)])
-async def test_the_sweeper_republishes_a_decision_only_after_the_grace(decided_s_ago: float,
-                                                                       republished: bool) -> None:
+async def test_the_sweeper_republishes_a_decision_only_after_the_grace(decided_s_ago: float, republished: bool) -> None:
     worker, ledger, producer, _ = _worker(republish_grace_s=5.0)
     now = int(time.time() * 1000)
     ledger.groups["g"] = FakeGroup(2, now, decision=DecisionKind.COMPLETE, decided_at=now - int(decided_s_ago * 1000))

@@ -18,16 +18,33 @@ from scoring_workers.ledger import GroupState, ParkedMember, decode_parked, deco
 from scoring_workers.verdicts import assemble_verdict, fit_verdict, too_large_verdict
 
 
-@pytest.mark.parametrize("exc", [kerr.KafkaConnectionError(), kerr.NotLeaderForPartitionError(),
-                                 kerr.RequestTimedOutError(), kerr.KafkaTimeoutError(), kerr.NodeNotReadyError(),
-                                 ConnectionResetError(), OSError("network down")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        kerr.KafkaConnectionError(),
+        kerr.NotLeaderForPartitionError(),
+        kerr.RequestTimedOutError(),
+        kerr.KafkaTimeoutError(),
+        kerr.NodeNotReadyError(),
+        ConnectionResetError(),
+        OSError("network down"),
+    ],
+)
 def test_outages_are_retriable(exc: BaseException) -> None:
     assert is_retriable(exc) and not is_permanent(exc)
 
 
-@pytest.mark.parametrize("exc", [kerr.MessageSizeTooLargeError(), kerr.InvalidTopicError(),
-                                 kerr.TopicAuthorizationFailedError(), kerr.UnsupportedVersionError(),
-                                 kerr.SaslAuthenticationFailed(), kerr.IllegalStateError()])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        kerr.MessageSizeTooLargeError(),
+        kerr.InvalidTopicError(),
+        kerr.TopicAuthorizationFailedError(),
+        kerr.UnsupportedVersionError(),
+        kerr.SaslAuthenticationFailed(),
+        kerr.IllegalStateError(),
+    ],
+)
 def test_what_no_retry_can_fix_is_permanent(exc: BaseException) -> None:
     assert is_permanent(exc) and not is_retriable(exc)
 
@@ -44,8 +61,16 @@ def test_record_size_counts_key_and_headers() -> None:
 
 def _scored_group(n: int = 3) -> tuple[list, list[SessionResult]]:
     group = make_group("g-big", n, turns=2, output_tokens=64)
-    members = [SessionResult(session_id=t.session_id, trajectory_id=t.trajectory_id, status="scored",
-                             stats={"rollout/x": 1.0}, turns=compact_turns(t.interactions)) for t in group]
+    members = [
+        SessionResult(
+            session_id=t.session_id,
+            trajectory_id=t.trajectory_id,
+            status="scored",
+            stats={"rollout/x": 1.0},
+            turns=compact_turns(t.interactions),
+        )
+        for t in group
+    ]
     return group, members
 
 
@@ -91,8 +116,10 @@ def test_a_verdict_sized_to_the_limit_itself_is_not_published_as_is() -> None:
     size = record_size(b"g-big", *encode(verdict))
     small = fit_verdict(verdict, size)[0]
     assert small.reason_code == "verdict_too_large"
-    assert f"the verdict is {size} bytes, over the {max_record_size(size)} a record may have under " \
-           f"kafka.max_message_bytes={size}" in small.reason
+    assert (
+        f"the verdict is {size} bytes, over the {max_record_size(size)} a record may have under "
+        f"kafka.max_message_bytes={size}" in small.reason
+    )
 
 
 def _limit_fitting(size: int) -> int:
@@ -118,12 +145,42 @@ def test_group_state_decodes_typed_and_keeps_the_scorers_blob_as_bytes() -> None
     scorers = encode_scorers([ScorerInfo("judge", "1.0")])  # msgpack: starts 0x91, not UTF-8
     with pytest.raises(UnicodeDecodeError):
         scorers.decode()
-    flat = [b"status", b"decided", b"group_size", b"3", b"first_seen", b"1000", b"deadline", b"601000",
-            b"size_mismatch", b"2", b"decision", b"failed", b"decided_at", b"1500", b"decided_by", b"w1",
-            b"discard_reason", b"", b"scorers", scorers, b"from_a_newer_worker", b"ignored"]
+    flat = [
+        b"status",
+        b"decided",
+        b"group_size",
+        b"3",
+        b"first_seen",
+        b"1000",
+        b"deadline",
+        b"601000",
+        b"size_mismatch",
+        b"2",
+        b"decision",
+        b"failed",
+        b"decided_at",
+        b"1500",
+        b"decided_by",
+        b"w1",
+        b"discard_reason",
+        b"",
+        b"scorers",
+        scorers,
+        b"from_a_newer_worker",
+        b"ignored",
+    ]
     state = decode_state(flat)
-    assert state == GroupState(status="decided", group_size=3, first_seen=1000, deadline=601000, size_mismatch=2,
-                               decision="failed", decided_at=1500, decided_by="w1", scorers=scorers)
+    assert state == GroupState(
+        status="decided",
+        group_size=3,
+        first_seen=1000,
+        deadline=601000,
+        size_mismatch=2,
+        decision="failed",
+        decided_at=1500,
+        decided_by="w1",
+        scorers=scorers,
+    )
     verdict = assemble_verdict("g", state, [])
     assert [s.name for s in verdict.scorers] == ["judge"] and verdict.timings == {"group_open_s": 0.5}
     assert decode_state([b"status", b"open", b"group_size", b"2"]).decision is None
@@ -133,8 +190,9 @@ def test_group_state_decodes_typed_and_keeps_the_scorers_blob_as_bytes() -> None
 
 def test_a_failed_member_rejects_the_group_naming_it() -> None:
     ok = SessionResult(session_id="s-ok", trajectory_id="t-ok", status="scored", stats={"rollout/x": 1.0})
-    bad = SessionResult.failure(code="not_concat_export", detail="turn 2 does not extend turn 1",
-                                session_id="s-bad", trajectory_id="t-bad")
+    bad = SessionResult.failure(
+        code="not_concat_export", detail="turn 2 does not extend turn 1", session_id="s-bad", trajectory_id="t-bad"
+    )
     verdict = assemble_verdict("g", GroupState(group_size=3, decision="failed"), [ok, bad])
     assert (verdict.status, verdict.reason_code) == ("rejected", "not_concat_export")
     assert verdict.reason == "not_concat_export: member 't-bad' (session 's-bad'): turn 2 does not extend turn 1"
@@ -208,8 +266,9 @@ def test_token_cache_is_bounded_and_forgets_finished_groups() -> None:
     from scoring_workers.tokens import MemberTokens
 
     group, members = _scored_group(3)
-    one = sum(len(t.prompt_delta_raw) + len(t.output_tokens_raw) + len(t.output_logprobs_raw or b"")
-              for t in members[0].turns)
+    one = sum(
+        len(t.prompt_delta_raw) + len(t.output_tokens_raw) + len(t.output_logprobs_raw or b"") for t in members[0].turns
+    )
     cache = MemberTokens(PipelineConfig(worker=WorkerConfig(token_cache_bytes=int(one * 2.5))))
     for m in members:
         cache.remember("g-big", m.trajectory_id, m.turns)
@@ -250,8 +309,9 @@ def test_capped_dead_letter_fits_with_absurd_headers_and_key() -> None:
     limit = 64 * 1024
     headers = [(f"h{i}", b"x" * 1000) for i in range(40)]  # 40 KB of headers
     record = ConsumerRecord("traj", 0, 7, 0, 0, b"k" * 30_000, b"v" * 60_000, None, 30_000, 60_000, headers)
-    letter, key = capped_letter(record, ValueError("bad"), 1, worker_id="w", max_message_bytes=limit,
-                                dead_letter_max_bytes=limit)
+    letter, key = capped_letter(
+        record, ValueError("bad"), 1, worker_id="w", max_message_bytes=limit, dead_letter_max_bytes=limit
+    )
     assert record_size(key, letter.payload, dead_letter_headers(letter)) <= max_record_size(limit) < limit
     assert letter.original_size == 60_000 and letter.payload == b"v" * len(letter.payload)
     assert "dropped" in letter.original_headers and len(key) <= limit // 4
@@ -261,7 +321,10 @@ def test_the_scripts_argument_table_matches_the_typed_arguments() -> None:
     """The Lua's per-op ARGV counts are built from the typed argument structs."""
     from scoring_workers.ledger_scripts import ARGS, LEDGER, DecideArgs, FinishArgs, Op, ParkArgs, argv
 
-    assert ARGS == {"k": 1 + len(ParkArgs.__struct_fields__), "d": 1 + len(DecideArgs.__struct_fields__),
-                    "f": 1 + len(FinishArgs.__struct_fields__)}
+    assert ARGS == {
+        "k": 1 + len(ParkArgs.__struct_fields__),
+        "d": 1 + len(DecideArgs.__struct_fields__),
+        "f": 1 + len(FinishArgs.__struct_fields__),
+    }
     assert f"local ARGS = {{k = {ARGS['k']}, d = {ARGS['d']}, f = {ARGS['f']}}}" in LEDGER
     assert argv(Op.FINISH, FinishArgs(b"fp", 0, "g")) == ["f", b"fp", 0, "g"]

@@ -23,8 +23,13 @@ from scoring_workers.worker import Worker
 
 def test_defaults_are_the_former_constants() -> None:
     wc = WorkerConfig()
-    assert (wc.max_attempts, wc.republish_grace_s, wc.sweep_interval_s, wc.sweep_backoff_s, wc.token_cache_bytes) \
-        == (3, 5.0, 0.5, 30.0, 256 * 1024 * 1024)
+    assert (wc.max_attempts, wc.republish_grace_s, wc.sweep_interval_s, wc.sweep_backoff_s, wc.token_cache_bytes) == (
+        3,
+        5.0,
+        0.5,
+        30.0,
+        256 * 1024 * 1024,
+    )
 
 
 def test_settings_load_from_the_file_and_the_environment() -> None:
@@ -33,12 +38,25 @@ def test_settings_load_from_the_file_and_the_environment() -> None:
         environ={"PRM_WORKER_SWEEP_BACKOFF_S": "12"},
     )
     wc = cfg.worker
-    assert (wc.max_attempts, wc.republish_grace_s, wc.sweep_interval_s, wc.sweep_backoff_s, wc.token_cache_bytes) \
-        == (5, 2.5, 0.2, 12.0, 1024)
+    assert (wc.max_attempts, wc.republish_grace_s, wc.sweep_interval_s, wc.sweep_backoff_s, wc.token_cache_bytes) == (
+        5,
+        2.5,
+        0.2,
+        12.0,
+        1024,
+    )
 
 
-@pytest.mark.parametrize(("key", "value"), [("max_attempts", 0), ("republish_grace_s", 0), ("sweep_interval_s", -1),
-                                            ("sweep_backoff_s", ".inf"), ("token_cache_bytes", -1)])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("max_attempts", 0),
+        ("republish_grace_s", 0),
+        ("sweep_interval_s", -1),
+        ("sweep_backoff_s", ".inf"),
+        ("token_cache_bytes", -1),
+    ],
+)
 def test_out_of_range_settings_are_refused_naming_the_key(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"worker.{key}"):
         config_from_mapping({"worker": {key: value}}, environ={})

@@ -57,17 +57,31 @@ PACKED_KEYS: dict[str, str] = {
     "output_logprobs": "<f4",
     "values": "<f4",
 }
-TOPICS = {"ready": "prm.trajectories", "discard": "prm.trajectories", "chunk": "prm.trajectories",
-          "turn": "prm.trajectories", "end": "prm.trajectories", "verdict": "prm.verdicts"}
+TOPICS = {
+    "ready": "prm.trajectories",
+    "discard": "prm.trajectories",
+    "chunk": "prm.trajectories",
+    "turn": "prm.trajectories",
+    "end": "prm.trajectories",
+    "verdict": "prm.verdicts",
+}
 BYTES_KEYS = {"data"}  # msgpack ``bin`` that is not an array: a chunk's slice of a record value
 T0 = 1_764_500_000.0  # a fixed "now" (unix seconds): vectors never depend on the clock
 
 
 # --------------------------------------------------------------------------- messages
-def _turn(iid: str, parent: str | None, inputs: list[int], outputs: list[int], logprobs: list[float],
-          content: str, stop: str = "stop") -> Interaction:
+def _turn(
+    iid: str,
+    parent: str | None,
+    inputs: list[int],
+    outputs: list[int],
+    logprobs: list[float],
+    content: str,
+    stop: str = "stop",
+) -> Interaction:
     return Interaction(
-        interaction_id=iid, parent_id=parent,
+        interaction_id=iid,
+        parent_id=parent,
         messages=[{"role": "user", "content": content}],
         output_message_list=[{"role": "assistant", "content": f"answer to {content}"}],
         model_response=ModelResponse.from_arrays(inputs, outputs, logprobs, stop),
@@ -76,9 +90,14 @@ def _turn(iid: str, parent: str | None, inputs: list[int], outputs: list[int], l
 
 def ready_single_turn() -> ReadyTrajectory:
     return ReadyTrajectory(
-        trajectory_id="g-vec-1/t0", session_id="g-vec-1/s0", group_id="g-vec-1", group_size=2,
+        trajectory_id="g-vec-1/t0",
+        session_id="g-vec-1/s0",
+        group_id="g-vec-1",
+        group_size=2,
         interactions=[_turn("i0", None, [101, 102, 103], [7, 8, 9, 2], [-0.5, -0.25, -0.125, -1.0], "2+2?")],
-        outcome_reward=1.0, policy_version=3, created_at=T0,
+        outcome_reward=1.0,
+        policy_version=3,
+        created_at=T0,
     )
 
 
@@ -94,14 +113,20 @@ def ready_branching() -> ReadyTrajectory:
     child_out = [21, 22]
     leaf_in = child_in + child_out + [301, 302]
     return ReadyTrajectory(
-        trajectory_id="g-vec-2/t1", session_id="g-vec-2/s1", group_id="g-vec-2", group_size=1,
+        trajectory_id="g-vec-2/t1",
+        session_id="g-vec-2/s1",
+        group_id="g-vec-2",
+        group_size=1,
         interactions=[
             _turn("root", None, root_in, root_out, [-0.5, -0.5, -0.25], "plan"),
             _turn("step", "root", child_in, child_out, [-0.125, -0.0625], "tool said 4"),
             _turn("leaf-a", "step", leaf_in, [31, 32, 33, 2], [-0.25, -0.5, -0.75, -1.0], "finish"),
             _turn("leaf-b", "step", leaf_in, [41, 42], [-2.0, -4.0], "retry", stop="length"),
         ],
-        outcome_reward=0.0, is_eval=False, policy_version=None, created_at=T0 + 1,
+        outcome_reward=0.0,
+        is_eval=False,
+        policy_version=None,
+        created_at=T0 + 1,
     )
 
 
@@ -120,23 +145,53 @@ def ready_compact_full() -> ReadyTrajectory:
     tool = {"role": "tool", "content": "1 failed"}
     step_ans = {"role": "assistant", "content": "<think>x</think>edit a.py"}
 
-    def turn(iid: str, parent: str | None, msgs: list[dict], answer: dict, inputs: list[int], outputs: list[int],
-             logprobs: list[float]) -> Interaction:
-        return Interaction(interaction_id=iid, parent_id=parent, messages=msgs, output_message_list=[answer],
-                           model_response=ModelResponse.from_arrays(inputs, outputs, logprobs, "stop"))
+    def turn(
+        iid: str,
+        parent: str | None,
+        msgs: list[dict],
+        answer: dict,
+        inputs: list[int],
+        outputs: list[int],
+        logprobs: list[float],
+    ) -> Interaction:
+        return Interaction(
+            interaction_id=iid,
+            parent_id=parent,
+            messages=msgs,
+            output_message_list=[answer],
+            model_response=ModelResponse.from_arrays(inputs, outputs, logprobs, "stop"),
+        )
 
     return ReadyTrajectory(
-        trajectory_id="g-vec-4/t0", session_id="g-vec-4/s0", group_id="g-vec-4", group_size=1,
+        trajectory_id="g-vec-4/t0",
+        session_id="g-vec-4/s0",
+        group_id="g-vec-4",
+        group_size=1,
         interactions=[
             turn("root", None, [system, task], root_ans, root_in, root_out, [-0.5, -0.5, -0.25]),
             turn("step", "root", [system, task, root_ans, tool], step_ans, step_in, step_out, [-0.125, -0.0625]),
-            turn("leaf-a", "step", [system, task, root_ans, tool, step_ans, {"role": "tool", "content": "passed"}],
-                 {"role": "assistant", "content": "done"}, step_in + step_out + [301], [31, 2], [-0.25, -1.0]),
-            turn("leaf-b", "step", [system, task, {"role": "assistant", "content": "edit a.py"},
-                                    {"role": "tool", "content": "passed"}],
-                 {"role": "assistant", "content": "done"}, step_in + [22, 302], [41, 2], [-2.0, -1.0]),
+            turn(
+                "leaf-a",
+                "step",
+                [system, task, root_ans, tool, step_ans, {"role": "tool", "content": "passed"}],
+                {"role": "assistant", "content": "done"},
+                step_in + step_out + [301],
+                [31, 2],
+                [-0.25, -1.0],
+            ),
+            turn(
+                "leaf-b",
+                "step",
+                [system, task, {"role": "assistant", "content": "edit a.py"}, {"role": "tool", "content": "passed"}],
+                {"role": "assistant", "content": "done"},
+                step_in + [22, 302],
+                [41, 2],
+                [-2.0, -1.0],
+            ),
         ],
-        outcome_reward=1.0, policy_version=5, created_at=T0 + 4,
+        outcome_reward=1.0,
+        policy_version=5,
+        created_at=T0 + 4,
     )
 
 
@@ -148,8 +203,14 @@ def ready_compact() -> ReadyTrajectory:
 def _chunk(index: int) -> TrajectoryChunk:
     value, _ = encode(ready_compact())
     half = (len(value) + 1) // 2
-    return TrajectoryChunk(group_id="g-vec-4", trajectory_id="g-vec-4/t0", index=index, count=2,
-                           total_bytes=len(value), data=value[index * half : (index + 1) * half])  # type: ignore[arg-type]
+    return TrajectoryChunk(
+        group_id="g-vec-4",
+        trajectory_id="g-vec-4/t0",
+        index=index,
+        count=2,
+        total_bytes=len(value),
+        data=value[index * half : (index + 1) * half],
+    )  # type: ignore[arg-type]
 
 
 def chunk_0() -> TrajectoryChunk:
@@ -190,13 +251,22 @@ def discard() -> DiscardGroup:
 _SCORERS = [ScorerInfo("length_budget", "1"), ScorerInfo("judge", "openclaw-prm/1")]
 
 
-def _scored(traj: ReadyTrajectory, branches: list[BranchResult], turn_results: list[PRMTurnResult],
-            stats: dict[str, float]) -> SessionResult:
+def _scored(
+    traj: ReadyTrajectory, branches: list[BranchResult], turn_results: list[PRMTurnResult], stats: dict[str, float]
+) -> SessionResult:
     return SessionResult(
-        session_id=traj.session_id, trajectory_id=traj.trajectory_id, status="scored",
-        outcome_reward=traj.outcome_reward, is_eval=traj.is_eval, policy_version=traj.policy_version,
-        branches=branches, turn_results=turn_results, stats=stats, turns=compact_turns(traj.interactions),
-        created_at=traj.created_at, scored_at=traj.created_at + 0.5,
+        session_id=traj.session_id,
+        trajectory_id=traj.trajectory_id,
+        status="scored",
+        outcome_reward=traj.outcome_reward,
+        is_eval=traj.is_eval,
+        policy_version=traj.policy_version,
+        branches=branches,
+        turn_results=turn_results,
+        stats=stats,
+        turns=compact_turns(traj.interactions),
+        created_at=traj.created_at,
+        scored_at=traj.created_at + 0.5,
     )
 
 
@@ -206,27 +276,57 @@ def verdict_accepted() -> GroupVerdict:
     root = TokenRewards.from_array(np.array([0.5, 0.5, 0.5], np.float32))
     step = TokenRewards.from_array(np.array([0.25, -0.25], np.float32))
     branches = [
-        BranchResult(leaf_id="leaf-a", path=["root", "step", "leaf-a"],
-                     token_rewards={"root": root, "step": step,
-                                    "leaf-a": TokenRewards.from_array(np.array([1.0, 1.0, 1.0, 1.0], np.float32))},
-                     scorer_totals={"length_budget": 1.0, "judge": 0.5}),
-        BranchResult(leaf_id="leaf-b", path=["root", "step", "leaf-b"],
-                     token_rewards={"root": root, "step": step,
-                                    "leaf-b": TokenRewards.from_array(np.array([-1.0, -1.0], np.float32))},
-                     scorer_totals={"length_budget": 0.0, "judge": -0.5},
-                     channels={"judge": {"leaf-b": TokenRewards.from_array(np.array([-1.0, -1.0], np.float32))}}),
+        BranchResult(
+            leaf_id="leaf-a",
+            path=["root", "step", "leaf-a"],
+            token_rewards={
+                "root": root,
+                "step": step,
+                "leaf-a": TokenRewards.from_array(np.array([1.0, 1.0, 1.0, 1.0], np.float32)),
+            },
+            scorer_totals={"length_budget": 1.0, "judge": 0.5},
+        ),
+        BranchResult(
+            leaf_id="leaf-b",
+            path=["root", "step", "leaf-b"],
+            token_rewards={
+                "root": root,
+                "step": step,
+                "leaf-b": TokenRewards.from_array(np.array([-1.0, -1.0], np.float32)),
+            },
+            scorer_totals={"length_budget": 0.0, "judge": -0.5},
+            channels={"judge": {"leaf-b": TokenRewards.from_array(np.array([-1.0, -1.0], np.float32))}},
+        ),
     ]
     turn_results = [
-        PRMTurnResult(interaction_id="leaf-a", scorer_name="judge", reward=1.0, observations=(
-            PRMMetricObservation(metric_id="judge/parse_ok", scope="turn", target_id="leaf-a", value=True,
-                                 value_type="boolean", aggregations=("count", "rate")),)),
+        PRMTurnResult(
+            interaction_id="leaf-a",
+            scorer_name="judge",
+            reward=1.0,
+            observations=(
+                PRMMetricObservation(
+                    metric_id="judge/parse_ok",
+                    scope="turn",
+                    target_id="leaf-a",
+                    value=True,
+                    value_type="boolean",
+                    aggregations=("count", "rate"),
+                ),
+            ),
+        ),
         PRMTurnResult(interaction_id="leaf-b", scorer_name="judge", reward=-1.0),
     ]
     stats = {"rollout/prm/judge/reward": 0.0, "rollout/prm/judge/reward__count": 2.0}
     return GroupVerdict(
-        group_id=traj.group_id, status="accepted", verdict_version=1, group_size=1,
-        sessions=[_scored(traj, branches, turn_results, stats)], scorers=_SCORERS, worker_id="w0.1",
-        decided_at=T0 + 3, timings={"group_open_s": 1.25},
+        group_id=traj.group_id,
+        status="accepted",
+        verdict_version=1,
+        group_size=1,
+        sessions=[_scored(traj, branches, turn_results, stats)],
+        scorers=_SCORERS,
+        worker_id="w0.1",
+        decided_at=T0 + 3,
+        timings={"group_open_s": 1.25},
     )
 
 
@@ -235,37 +335,75 @@ def verdict_reference() -> GroupVerdict:
     names its ``ready`` record in the trajectories topic instead of carrying its token turns."""
     full = verdict_accepted()
     (session,) = full.sessions
-    return msgspec.structs.replace(full, sessions=[
-        msgspec.structs.replace(session, turns=[], tokens_at=TokenRef(partition=3, offset=1207))])
+    return msgspec.structs.replace(
+        full, sessions=[msgspec.structs.replace(session, turns=[], tokens_at=TokenRef(partition=3, offset=1207))]
+    )
 
 
 def verdict_rejected() -> GroupVerdict:
     """Two members: one scored, one whose scorer failed -> the whole group is rejected."""
     ok = ready_single_turn()
-    branch = BranchResult(leaf_id="i0", path=["i0"], token_rewards={"i0": TokenRewards(length=4, uniform=1.0)},
-                          scorer_totals={"length_budget": 1.0})
-    failed = SessionResult.failure(code="scorer_timeout", detail="judge took > 60.0s", scorer="judge",
-                                   session_id="g-vec-1/s1", trajectory_id="g-vec-1/t1", outcome_reward=0.0,
-                                   policy_version=3, created_at=T0, scored_at=T0 + 60)
+    branch = BranchResult(
+        leaf_id="i0",
+        path=["i0"],
+        token_rewards={"i0": TokenRewards(length=4, uniform=1.0)},
+        scorer_totals={"length_budget": 1.0},
+    )
+    failed = SessionResult.failure(
+        code="scorer_timeout",
+        detail="judge took > 60.0s",
+        scorer="judge",
+        session_id="g-vec-1/s1",
+        trajectory_id="g-vec-1/t1",
+        outcome_reward=0.0,
+        policy_version=3,
+        created_at=T0,
+        scored_at=T0 + 60,
+    )
     return GroupVerdict(
-        group_id=ok.group_id, status="rejected", reason_code="scorer_timeout",
-        reason="scorer_timeout: member 'g-vec-1/t1' (session 'g-vec-1/s1'): judge took > 60.0s", verdict_version=1, group_size=2,
-        sessions=[_scored(ok, [branch], [PRMTurnResult(interaction_id="i0", scorer_name="length_budget",
-                                                       reward=1.0)], {"rollout/prm/length_budget/reward": 1.0}),
-                  failed],
-        scorers=_SCORERS[:1], worker_id="w1.1", decided_at=T0 + 61, timings={"group_open_s": 61.0},
+        group_id=ok.group_id,
+        status="rejected",
+        reason_code="scorer_timeout",
+        reason="scorer_timeout: member 'g-vec-1/t1' (session 'g-vec-1/s1'): judge took > 60.0s",
+        verdict_version=1,
+        group_size=2,
+        sessions=[
+            _scored(
+                ok,
+                [branch],
+                [PRMTurnResult(interaction_id="i0", scorer_name="length_budget", reward=1.0)],
+                {"rollout/prm/length_budget/reward": 1.0},
+            ),
+            failed,
+        ],
+        scorers=_SCORERS[:1],
+        worker_id="w1.1",
+        decided_at=T0 + 61,
+        timings={"group_open_s": 61.0},
     )
 
 
 def verdict_discarded() -> GroupVerdict:
     """A discarded group lists the members that had arrived, without results."""
     return GroupVerdict(
-        group_id="g-vec-3", status="discarded", reason="prompt filtered by the proxy", reason_code="discarded",
+        group_id="g-vec-3",
+        status="discarded",
+        reason="prompt filtered by the proxy",
+        reason_code="discarded",
         verdict_version=1,
         group_size=4,
-        sessions=[SessionResult(session_id="g-vec-3/s0", trajectory_id="g-vec-3/t0", status="discarded",
-                                outcome_reward=1.0, created_at=T0)],
-        worker_id="w0.1", decided_at=T0 + 2.5, timings={"group_open_s": 2.5},
+        sessions=[
+            SessionResult(
+                session_id="g-vec-3/s0",
+                trajectory_id="g-vec-3/t0",
+                status="discarded",
+                outcome_reward=1.0,
+                created_at=T0,
+            )
+        ],
+        worker_id="w0.1",
+        decided_at=T0 + 2.5,
+        timings={"group_open_s": 2.5},
     )
 
 

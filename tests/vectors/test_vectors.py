@@ -44,8 +44,11 @@ def _load(name: str) -> tuple[bytes, dict]:
 def _decode(value: bytes, headers: list[tuple[str, bytes]]):
     """The wire form (compact trajectories not expanded), to re-encode byte for byte."""
     kind = dict(headers)["prm-kind"].decode()
-    return decode_verdict(value, headers) if kind == "verdict" else \
-        decode_message(value, headers, expand=False, kinds=TRAJECTORY_KINDS + STREAM_KINDS)
+    return (
+        decode_verdict(value, headers)
+        if kind == "verdict"
+        else decode_message(value, headers, expand=False, kinds=TRAJECTORY_KINDS + STREAM_KINDS)
+    )
 
 
 def test_every_kind_and_status_has_a_vector() -> None:
@@ -97,8 +100,10 @@ def test_the_compact_vector_expands_to_its_full_form() -> None:
     headers = [(k, v.encode()) for k, v in twin["headers"].items()]
     full = ready_compact_full()
     assert decode_message(value, headers) == full
-    shared = {i["interaction_id"]: (i.get("shared_messages", 0), i.get("shared_tokens", 0))
-              for i in twin["value"]["interactions"]}
+    shared = {
+        i["interaction_id"]: (i.get("shared_messages", 0), i.get("shared_tokens", 0))
+        for i in twin["value"]["interactions"]
+    }
     assert shared == {"root": (0, 0), "step": (3, 5), "leaf-a": (5, 8), "leaf-b": (2, 6)}
 
 

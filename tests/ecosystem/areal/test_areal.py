@@ -40,8 +40,10 @@ def tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} [EOS] {% endfor %}"
-                          "{% if add_generation_prompt %}assistant {% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} [EOS] {% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}"
+    )
     return fast
 
 
@@ -55,9 +57,14 @@ class ScriptedEngine:
     async def agenerate(self, req: Any) -> ModelResponse:
         self.requests.append(list(req.input_ids))
         out = self.outputs.pop(0)
-        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=out,
-                             output_logprobs=[-0.1 * (k + 1) for k in range(len(out))],
-                             output_versions=[7] * len(out), stop_reason="stop", tokenizer=req.tokenizer)
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=out,
+            output_logprobs=[-0.1 * (k + 1) for k in range(len(out))],
+            output_versions=[7] * len(out),
+            stop_reason="stop",
+            tokenizer=req.tokenizer,
+        )
 
 
 class TwoTurnAgent(RolloutWorkflow):
@@ -108,8 +115,14 @@ def test_areal_1_0_4_has_no_token_rewards_field() -> None:
 
 
 async def test_group_is_scored_and_rewards_reach_to_tensor_dict(cfg, workers) -> None:
-    workflow = PRMRolloutWorkflow(TwoTurnAgent(tokenizer()), group_size=2, cfg=cfg, verdict_timeout_s=60,
-                                  tensor_token_rewards=True, version=lambda: 7)
+    workflow = PRMRolloutWorkflow(
+        TwoTurnAgent(tokenizer()),
+        group_size=2,
+        cfg=cfg,
+        verdict_timeout_s=60,
+        tensor_token_rewards=True,
+        version=lambda: 7,
+    )
     result, _ = await run_group(workflow)
     assert result is not None and len(result) == 2  # one concat leaf per episode
     assert workflow.counts == {"accepted": 2}
@@ -176,14 +189,16 @@ async def test_late_groups(kafka_bootstrap, redis_url) -> None:
     assert result is None
     assert rejecting.counts == {"timeout": 2}
 
-    keeping = PRMRolloutWorkflow(TwoTurnAgent(tokenizer()), group_size=2, cfg=cfg, verdict_timeout_s=1,
-                                 on_timeout="outcome_only")
+    keeping = PRMRolloutWorkflow(
+        TwoTurnAgent(tokenizer()), group_size=2, cfg=cfg, verdict_timeout_s=1, on_timeout="outcome_only"
+    )
     result, _ = await run_group(keeping)
     assert result is not None
     assert [i.to_tensor_dict()["rewards"].item() for i in result.values()] == [1.0, 0.0]  # the workflow's own
 
-    raising = PRMRolloutWorkflow(TwoTurnAgent(tokenizer()), group_size=2, cfg=cfg, verdict_timeout_s=1,
-                                 on_timeout="raise")
+    raising = PRMRolloutWorkflow(
+        TwoTurnAgent(tokenizer()), group_size=2, cfg=cfg, verdict_timeout_s=1, on_timeout="raise"
+    )
     with pytest.raises(adapter.VerdictTimeout, match="no verdict for group"):
         await run_group(raising)
 
