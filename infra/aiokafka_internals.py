@@ -279,7 +279,7 @@ def forbid_topic_auto_creation() -> None:
             def __init__(self, topics: list[str] | None = None, allow_auto_topic_creation: bool | None = False) -> None:
                 super().__init__(topics, allow_auto_topic_creation)
 
-        module.MetadataRequest = MetadataRequestWithoutAutoCreation  # type: ignore[attr-defined]
+        module.MetadataRequest = MetadataRequestWithoutAutoCreation
 
 
 # --------------------------------------------------------------------------- connections

@@ -479,7 +479,7 @@ def stream_session(traj: ReadyTrajectory) -> tuple[list[SessionTurn], SessionEnd
             order = topological_order(traj.interactions)
             break
         seen.add(it.interaction_id)
-    member = {
+    member: dict[str, Any] = {
         "trajectory_id": traj.trajectory_id,
         "session_id": traj.session_id,
         "group_id": traj.group_id,

@@ -782,7 +782,7 @@ class _DeferredParser(argparse.ArgumentParser):
             _add_global_options(self._real)
         return self._real
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         return self.real().parse_known_args(args, namespace)
 
     def format_help(self) -> str:
@@ -815,7 +815,7 @@ class _Parser(argparse.ArgumentParser):
     usage of the command it was given to (argparse reports it in the top-level usage, and an
     unknown option before the command as "invalid choice" of the word after it)."""
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         argv = list(sys.argv[1:] if args is None else args)
         sub = _subparsers(self)
         for word in argv:  # the options before the command
@@ -841,7 +841,7 @@ class _Parser(argparse.ArgumentParser):
         return name in options or (self.allow_abbrev and any(o.startswith(name) for o in options))
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:  # type: ignore[type-arg]
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 

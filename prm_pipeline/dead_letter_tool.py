@@ -350,7 +350,7 @@ async def read_letters(
             highs = [consumer.highwater(tp) for tp in tps]
             if all(h is not None for h in highs):
                 positions = [await consumer.position(tp) for tp in tps]
-                if all(p >= h for p, h in zip(positions, highs)):  # type: ignore[operator]
+                if all(p >= h for p, h in zip(positions, highs)):
                     break
             elif time.monotonic() - last_new > idle_end_s:
                 break
@@ -477,8 +477,8 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     out = sys.stdout
     for entry in entries:
         print(entry.describe(), file=out)
-    chosen = sum(e.redrive for e in entries)
-    skipped = len(entries) - chosen
+    n_redriven = sum(e.redrive for e in entries)
+    skipped = len(entries) - n_redriven
     topic = (
         trajectories_topic(cfg.topics.trajectories, args.experiment)
         if args.experiment
@@ -486,14 +486,14 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     )
     if not args.yes:
         print(
-            f"dry run: would redrive {chosen} of {len(entries)} chosen dead letters ({len(records)} read) to "
+            f"dry run: would redrive {n_redriven} of {len(entries)} n_redriven dead letters ({len(records)} read) to "
             f"{topic}, {skipped} skipped; nothing was published. Rerun with --yes to republish.",
             file=out,
         )
         return 0
     result = asyncio.run(redrive(cfg, entries, out=out))
     print(
-        f"redrove {len(result.sent)} of {len(entries)} chosen dead letters ({len(records)} read) to {topic}, "
+        f"redrove {len(result.sent)} of {len(entries)} n_redriven dead letters ({len(records)} read) to {topic}, "
         f"{len(result.skipped)} skipped",
         file=out,
     )

@@ -519,7 +519,7 @@ class GroupLedger:
             plain += (("sismember", (k, fp), {}) for k in keys[1:])
         plain += (
             ("zrangebyscore", (self.deadlines_key, "-inf", now), {"start": 0, "num": ops[i].item.limit}) for i in sweeps
-        )  # type: ignore[union-attr]
+        )
         parks = [op.item for op in ops if isinstance(op.item, _Park)]
         if parks and time.monotonic() >= self._deadlines_ttl_at:
             ttl = max(p.ttl_s for p in parks)

@@ -334,7 +334,7 @@ class SharedLimits(_Limiter):
         self.breaker = CircuitBreaker(
             settings.breaker_failure_threshold,
             settings.breaker_reset_s,
-            clock=clock,  # type: ignore[arg-type]
+            clock=clock,
         )
         self.refs = 0
         self.in_flight = 0
@@ -387,7 +387,7 @@ class OwnLimits(_Limiter):
         self.breaker = CircuitBreaker(
             requested.breaker_failure_threshold or operator.breaker_failure_threshold,  # type: ignore[arg-type]
             requested.breaker_reset_s or operator.breaker_reset_s,
-            clock=clock,  # type: ignore[arg-type]
+            clock=clock,
         )
 
     def _refusal(self, what: str) -> str:

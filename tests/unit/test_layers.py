@@ -143,3 +143,29 @@ def test_the_circle_check_sees_late_and_relative_imports() -> None:
     graph = _import_graph()
     assert "shaper.batch" in graph["shaper.filters"]  # from .batch import ExportedGroup
     assert "infra.registry" in graph["prm_pipeline.status.command"]  # inside a function
+
+
+def test_the_modules_mypy_skips_only_shrink() -> None:
+    """``[[tool.mypy.overrides]] ignore_errors`` lists known type debt: a fix removes a module,
+    nothing new joins it (a new module is type-checked from its first commit)."""
+    import tomllib
+    from pathlib import Path
+
+    known = {
+        "prm_pipeline.audit.auditor",
+        "prm_pipeline.dead_letter_tool",
+        "prm_pipeline.gateway",
+        "scoring_workers.judge.client",
+        "scoring_workers.judge.limits",
+        "scoring_workers.judge.settings",
+        "scoring_workers.ledger",
+        "scoring_workers.prm.view",
+        "scoring_workers.scorers.openclaw",
+        "scoring_workers.session_store",
+        "scoring_workers.worker",
+        "shaper.integrations.core",
+        "shaper.trainer",
+    }
+    config = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    skipped = {m for o in config["tool"]["mypy"].get("overrides", []) if o.get("ignore_errors") for m in o["module"]}
+    assert skipped <= known, f"new modules skipped by mypy: {sorted(skipped - known)}"
