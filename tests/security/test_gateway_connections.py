@@ -12,7 +12,7 @@ import pytest
 from infra.config import GatewayConfig, PRMScorerConfig
 from tests.integration.harness import isolated_config
 from tests.integration.test_gateway import gateway
-from tests.integration.test_group_leave import poll_until_async
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +91,9 @@ async def test_connections_per_client_address_are_capped(cfg) -> None:
                 refusals.append(answered)
             return answered
 
-        admitted, _ = await poll_until_async(healthz_on_a_new_connection, lambda status: status == 200, 10)
+        admitted = (
+            await poll_until(healthz_on_a_new_connection, accept=lambda status: status == 200, timeout_s=10)
+        ).held
         assert admitted
         r, w = held[0]
         w.write(b"GET /metrics HTTP/1.1\r\nHost: gateway\r\n\r\n")

@@ -23,9 +23,9 @@ from infra.config import PipelineConfig, PRMScorerConfig
 from infra.local import free_port
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from prm_pipeline.demo.synthetic import make_group
-from tests.faults.common import poll_until
 from tests.integration.harness import running_worker, wait_for_verdicts, with_scorers
 from tests.integration.test_fleet import LENGTH, _declare, _publish, _serving, _spec, _verdicts
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +66,7 @@ def _refused(worker) -> float:
 
 
 async def _refused_after(worker, before: float, timeout_s: float = 15) -> None:
-    held, _ = await poll_until(lambda: _refused(worker) > before, timeout_s)
+    held = (await poll_until(lambda: _refused(worker) > before, timeout_s=timeout_s)).held
     assert held, "the record was not refused"
 
 
