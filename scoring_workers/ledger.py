@@ -142,11 +142,16 @@ class DecideOutcome(StrEnum):
     INCOMPLETE = "incomplete"
 
 
+STREAMED_PARTITION = -2
+"""The ``partition`` of a streamed session's member: no one record holds it (its turns come
+from the memory of the worker that scored its ``end``), unlike -1, a record not located."""
+
+
 class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
     """A member as parked: its scoring result without token turns, and where its record is.
 
     ``partition``/``offset`` locate the member's ``ReadyTrajectory`` in the trajectories
-    topic (-1 when unknown).
+    topic (-1 when unknown; :data:`STREAMED_PARTITION` for a streamed session's member).
     """
 
     result: SessionResult

@@ -39,7 +39,7 @@ from infra.config import PipelineConfig
 from infra.experiments import DEFAULT_EXPERIMENT
 from infra.readback import TrajectoryReader, Wanted, reference, unavailable
 from infra.schema import SessionResult, TokenRef, TokenTurn
-from scoring_workers.ledger import ParkedMember
+from scoring_workers.ledger import STREAMED_PARTITION, ParkedMember
 
 
 def _size(turns: Sequence[TokenTurn]) -> int:
@@ -146,7 +146,7 @@ class MemberTokens:
     def _streamed(p: ParkedMember) -> bool:
         """A scored streamed member: no one record holds it (parked without coordinates), so
         its turns come from the memory of the worker that ended it, or not at all."""
-        return p.result.status == "scored" and not p.result.turns and p.partition < 0
+        return p.result.status == "scored" and not p.result.turns and p.partition == STREAMED_PARTITION
 
     async def aclose(self) -> None:
         await self._reader.aclose()

@@ -75,6 +75,7 @@ from scoring_workers.fleet import Experiment, Fleet
 from scoring_workers.heartbeat import Heartbeat
 from scoring_workers.jobs import DiscardJob, EndJob, InFlightGroups, InvalidJob, Job, ReadyJob, Routed, TurnJob, job_of
 from scoring_workers.ledger import (
+    STREAMED_PARTITION,
     DecideOutcome,
     Decision,
     DecisionKind,
@@ -689,7 +690,7 @@ class Worker:
             job.result = await self._score(traj, experiment, reuse)
             self._tokens.remember(group, end.trajectory_id, job.result.turns)
         # no record holds a streamed member whole: its token turns come from this worker's memory
-        await self._park(job, end.group_size, experiment, -1, -1)
+        await self._park(job, end.group_size, experiment, STREAMED_PARTITION, -1)
         if self._samples is not None:
             await self._samples.ended(group, end, self.streams.last_turns(group, end.trajectory_id))
         await self.streams.close(group, end.trajectory_id)

@@ -99,14 +99,6 @@ async def read_topic(
         await consumer.stop()
 
 
-async def until(condition: Any, what: str, timeout_s: float = 30.0) -> None:
-    """Poll ``condition()`` until it holds; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s}s"
-        await asyncio.sleep(0.05)
-
-
 async def wait_for_verdicts(cfg: PipelineConfig, groups: Iterable[str], timeout_s: float = 60) -> list[GroupVerdict]:
     """Poll the verdicts topic until every group in ``groups`` has a verdict (or time out)."""
     wanted = set(groups)

@@ -17,6 +17,7 @@ import pytest
 
 from infra import jsonl
 from infra.config import PipelineConfig, PRMScorerConfig
+from infra.kafka import ensure_topics
 from infra.schema import (
     GroupVerdict,
     Interaction,
@@ -27,8 +28,9 @@ from infra.schema import (
 )
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
 from producers.publisher import TrajectoryPublisher
-from tests.integration.harness import isolated_config, read_topic, running_worker, until, wait_for_verdicts
+from tests.integration.harness import isolated_config, read_topic, running_worker, wait_for_verdicts
 from tests.integration.test_gateway import gateway, post
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -221,13 +223,16 @@ async def test_another_worker_continues_a_session_its_worker_dropped(kafka_boots
     traj = session("crash", "gcrash", 1, rng, turns=6, branch=True)
     ready = twin(traj, "@ready")
     turns, end = stream_session(traj)
+    await ensure_topics(cfg.kafka, cfg.topics)  # the publisher starts before either worker
     async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
         async with running_worker(cfg, "w1") as first:
             for turn in turns[:4]:
                 await pub.publish_turn(turn)
             await pub.flush()
-            await until(
-                lambda: first.telemetry.consumed.labels("turn")._value.get() >= 4, "the first worker takes the turns"
+            await eventually(
+                lambda: first.telemetry.consumed.labels("turn")._value.get() >= 4,
+                timeout_s=30,
+                what="the first worker takes the turns",
             )
         # the first worker is gone (its memory with it); its turns are parked in Redis
         async with running_worker(cfg, "w2"):
@@ -278,9 +283,10 @@ async def test_bad_and_late_turns(kafka_bootstrap, redis_url, judge) -> None:
         before = worker.telemetry.deduplicated._value.get()
         async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
             await stream(pub, late)  # the whole session again (a producer replay)
-        await until(
+        await eventually(
             lambda: worker.telemetry.deduplicated._value.get() >= before + 3,
-            "the replayed records are acknowledged as duplicates",
+            timeout_s=30,
+            what="the replayed records are acknowledged as duplicates",
         )
     assert (verdicts["gbad"].status, verdicts["gbad"].reason_code) == ("rejected", "invalid_member")
     assert verdicts["glate"].status == "accepted"
@@ -349,7 +355,7 @@ async def test_the_gateway_streams_a_session(kafka_bootstrap, redis_url, judge) 
                 "interaction_id": turn.interaction.interaction_id,
             }
         status, body, _ = await post(f"{url}/v1/turn", {**jsonl.dump(turns[0]), "extra": 1})
-        assert status == 400 and "unknown key 'extra'" in body["error"]
+        assert status == 400 and "unknown key `extra`" in body["error"]
         status, body, _ = await post(f"{url}/v1/turn", jsonl.dump(end))
         assert status == 400 and "takes a `turn` line" in body["error"]
         status, body, _ = await post(f"{url}/v1/end", jsonl.dump(end))
