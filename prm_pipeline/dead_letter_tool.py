@@ -486,14 +486,14 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     )
     if not args.yes:
         print(
-            f"dry run: would redrive {n_redriven} of {len(entries)} n_redriven dead letters ({len(records)} read) to "
+            f"dry run: would redrive {n_redriven} of {len(entries)} chosen dead letters ({len(records)} read) to "
             f"{topic}, {skipped} skipped; nothing was published. Rerun with --yes to republish.",
             file=out,
         )
         return 0
     result = asyncio.run(redrive(cfg, entries, out=out))
     print(
-        f"redrove {len(result.sent)} of {len(entries)} n_redriven dead letters ({len(records)} read) to {topic}, "
+        f"redrove {len(result.sent)} of {len(entries)} chosen dead letters ({len(records)} read) to {topic}, "
         f"{len(result.skipped)} skipped",
         file=out,
     )
