@@ -25,6 +25,7 @@ def test_unknown_embedded_broker_is_refused(tmp_path: Path) -> None:
 
 async def test_noida_behind_the_counting_proxy(tmp_path: Path) -> None:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     from tests.perf.kafka_proxy import KafkaCountingProxy
 
@@ -34,6 +35,12 @@ async def test_noida_behind_the_counting_proxy(tmp_path: Path) -> None:
         try:
             bootstrap = f"127.0.0.1:{proxy.port}"
             topic = f"proxy-{uuid.uuid4().hex[:8]}"
+            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)  # our clients never auto-create a topic
+            await admin.start()
+            try:
+                await admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+            finally:
+                await admin.close()
             producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
             await producer.start()
             try:
