@@ -396,8 +396,8 @@ def _line_with(path: tuple[Any, ...], fragment: bytes) -> bytes:
             b"-9223372036854775809",
             "output_message_list: an integer",
         ),
-        (("policy_version",), b"9223372036854775808", "policy_version: expected `int` <= 9223372036854775807"),
-        (("group_size",), b"1" + b"0" * 30, "group_size: expected `int` <= 9223372036854775807"),
+        (("policy_version",), b"9223372036854775808", "policy_version: Expected `int` <= 9223372036854775807"),
+        (("group_size",), b"1" + b"0" * 30, "group_size: Expected `int` <= 9223372036854775807"),
     ],
 )
 def test_an_integer_the_wire_cannot_carry_is_a_jsonl_error(
