@@ -15,8 +15,8 @@ for outages). A record that is gone anyway (deleted by retention, topic recreate
 cannot be trained on: its member is published ``failed`` with ``tokens_unavailable``.
 
 A streamed session's member (``turn`` records and an ``end``) is held by no one record:
-it is parked without coordinates, and its turns come from the memory of the worker that
-scored its end — the worker that decides the group, unless a rebalance or a crash came in
+it is parked at :data:`~scoring_workers.ledger.STREAMED_PARTITION`, and its turns come from
+the memory of the worker that scored its end — the worker that decides the group, unless a rebalance or a crash came in
 between (then the member is published ``failed`` with ``tokens_unavailable``, never
 without its turns).
 
@@ -144,7 +144,7 @@ class MemberTokens:
 
     @staticmethod
     def _streamed(p: ParkedMember) -> bool:
-        """A scored streamed member: no one record holds it (parked without coordinates), so
+        """A scored streamed member: no one record holds it (parked at ``STREAMED_PARTITION``), so
         its turns come from the memory of the worker that ended it, or not at all."""
         return p.result.status == "scored" and not p.result.turns and p.partition == STREAMED_PARTITION
 

@@ -10,7 +10,6 @@ import asyncio
 import io
 import logging
 import sys
-import time
 import uuid
 
 import msgspec
@@ -28,6 +27,7 @@ from scoring_workers.heartbeat import Heartbeat
 from scoring_workers.ledger import LedgerView
 from tests.integration.harness import running_worker, with_scorers
 from tests.integration.test_fleet import LENGTH
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -66,10 +66,12 @@ async def test_inspect_of_an_open_group_says_it_is_open(pipeline_config, tmp_pat
         async with running_worker(cfg, "w-open"):
             async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
                 await pub.publish_many(make_group(gid, 2)[:1])  # one of two members: the group stays open
-            deadline = time.monotonic() + 30
-            while (state := await view.group_state(gid)) is None or state.parked < 1:
-                assert time.monotonic() < deadline, "the member was never parked"
-                await asyncio.sleep(0.05)
+            await eventually(
+                lambda: view.group_state(gid),
+                accept=lambda state: state is not None and state.parked >= 1,
+                timeout_s=30,
+                what="the member parked",
+            )
             code, _, err = await _cli(capsys, "--config", config, "inspect", "--group", gid, "--wait", "0.5")
     finally:
         await view.aclose()

@@ -22,7 +22,6 @@ docs/security.md): the scorer here calls none.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ from infra.schema import DiscardGroup, GroupVerdict, dead_letter_from_record, de
 from prm_pipeline.demo.synthetic import make_group
 from tests.integration.harness import isolated_config, running_worker, with_scorers
 from tests.integration.test_fleet import LENGTH, _declare, _serving, _spec
+from tests.polling import eventually, poll_until
 from tests.security.test_tenancy import label_values, topics_of
 
 pytestmark = pytest.mark.integration
@@ -128,10 +128,12 @@ async def _warm_up(stack: Stack) -> None:
         )
         stack.sent[member.group_id] = experiment_id
     await stack.producer.send_and_wait(cfg.topics.trajectories, b"warm-up garbage")
-    deadline = time.monotonic() + 120
-    while (len(stack.verdicts) < len(DECLARED) or not stack.letters) and time.monotonic() < deadline:
-        await stack.drain()
-    assert len(stack.verdicts) == len(DECLARED) and stack.letters, "the stack did not warm up within 120s"
+    await eventually(
+        lambda: len(stack.verdicts) >= len(DECLARED) and bool(stack.letters),
+        between=stack.drain,
+        timeout_s=120,
+        what="the stack warmed up (a verdict per declared experiment and a dead letter)",
+    )
 
 
 # --------------------------------------------------------------------------- records
@@ -183,13 +185,14 @@ async def test_every_effect_of_a_record_stays_inside_its_topics_experiment(stack
         stack.sent[group_id] = topic_exp
         waiting[(topic, meta.partition, meta.offset)] = (topic_exp, group_id)
 
-    deadline = time.monotonic() + 60
-    while waiting and time.monotonic() < deadline:  # each record's outcome: its verdict, or a dead letter
-        await stack.drain()
+    def outstanding() -> dict:  # each record's outcome: its verdict, or a dead letter
         decided = {(stack.topic_experiment[t], v.group_id) for t, v in stack.verdicts}
         for where, (experiment_id, group_id) in list(waiting.items()):
             if where in stack.letters or (experiment_id, group_id) in decided:
                 del waiting[where]
+        return waiting
+
+    await poll_until(lambda: not outstanding(), between=stack.drain, timeout_s=60)
     seen = [(stack.topic_experiment[t], v.experiment_id, v.group_id, v.status) for t, v in stack.verdicts]
     assert not waiting, f"no outcome within 60s for {sorted(waiting.values())}; verdicts so far {seen[-10:]}"
 

@@ -12,7 +12,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from infra.schema import InvalidMessage, dead_letter_headers, encode
 from prm_pipeline.demo.synthetic import make_group
 from scoring_workers.dead_letters import capped_letter
 from tests.integration.harness import read_topic, with_scorers, worker_processes, write_config
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,13 +71,14 @@ async def _send(cfg, topic: str, value: bytes, key: bytes | None, headers: list[
 
 
 async def _log_holds(path: Path, needles: list[str], timeout_s: float) -> str:
-    """The log at ``path`` once it holds every needle (polled with a deadline)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = path.read_text(errors="replace") if path.exists() else ""
-        if all(n in text for n in needles) or time.monotonic() > deadline:
-            return text
-        await asyncio.sleep(0.2)
+    """The log at ``path`` once it holds every needle, or as it is at the deadline."""
+    polled = await poll_until(
+        lambda: path.read_text(errors="replace") if path.exists() else "",
+        accept=lambda text: all(n in text for n in needles),
+        timeout_s=timeout_s,
+        interval_s=0.2,
+    )
+    return polled.last
 
 
 async def test_a_worker_logs_a_hostile_group_id_payload_kind_and_registry_key_as_one_escaped_line(
