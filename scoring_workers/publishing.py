@@ -23,7 +23,16 @@ from infra import reasons
 from infra.config import PipelineConfig
 from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, split_scoped, verdicts_topic
 from infra.retry import is_permanent
-from infra.schema import DeadLetter, DiscardGroup, GroupVerdict, ReadyTrajectory, SessionResult, dead_letter_headers
+from infra.schema import (
+    DeadLetter,
+    DiscardGroup,
+    GroupVerdict,
+    ReadyTrajectory,
+    SessionEnd,
+    SessionResult,
+    SessionTurn,
+    dead_letter_headers,
+)
 from infra.throttle import LogThrottle
 from scoring_workers.dead_letters import ProcessingError, capped_letter
 from scoring_workers.ledger import Decision, Ledger
@@ -131,7 +140,11 @@ class Publisher:
         )
 
     async def reject_unknown(
-        self, record: ConsumerRecord, message: ReadyTrajectory | DiscardGroup, experiment_id: str, attempt: int
+        self,
+        record: ConsumerRecord,
+        message: ReadyTrajectory | DiscardGroup | SessionTurn | SessionEnd,
+        experiment_id: str,
+        attempt: int,
     ) -> None:
         """A record naming an experiment this worker does not serve: the record is dead-lettered
         (``UnknownExperiment``: ``prm-pipeline dead-letters`` shows it, and redrives it once the
@@ -167,7 +180,7 @@ class Publisher:
             reason_code=reasons.UNKNOWN_EXPERIMENT,
             reason=f"unknown_experiment: {experiment_id!r} is not in the experiment registry of worker "
             f"{self.worker_id} (never added, removed, or its record was refused)",
-            group_size=getattr(message, "group_size", 0),
+            group_size=0 if isinstance(message, DiscardGroup) else message.group_size,
             sessions=members,
             worker_id=self.worker_id,
             decided_at=time.time(),

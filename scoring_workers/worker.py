@@ -3,8 +3,10 @@
 The consume/score/park/decide/commit loop, like arq's worker. Its other concerns have a
 module each, the way quixstreams splits pausing, checkpointing and processing:
 admission and backpressure (:mod:`~scoring_workers.admission`), verdicts and dead letters
-(:mod:`~scoring_workers.publishing`), the sweeper (:mod:`~scoring_workers.sweeper`); the
-ledger is reached through its protocol (:class:`~scoring_workers.ledger.Ledger`). One
+(:mod:`~scoring_workers.publishing`), the ledger's answers (:mod:`~scoring_workers.settling`),
+streamed sessions' records (:mod:`~scoring_workers.streamed_records`), the sweeper
+(:mod:`~scoring_workers.sweeper`); the ledger is reached through its protocol
+(:class:`~scoring_workers.ledger.Ledger`). One
 asyncio loop per process; run several processes for scale: they share only Kafka and Redis.
 
 Every record takes one path (docs/architecture.md): ``_dispatch`` decodes a poll into
@@ -15,9 +17,10 @@ scoring, their park re-checks atomically) and starts each record in a task;
 ``_process`` retries it (transient errors, :func:`infra.retry.is_transient`, with backoff
 for as long as they last; others ``worker.max_attempts`` times, then a dead letter);
 ``_handle`` switches on its kind — score and park a member (concurrent parks share one
-ledger call), decide a discard, dead-letter an invalid record and reject its group
-(``invalid_member``) —; ``_settle_*`` acts on the ledger's answer, one per ledger call:
-whoever decides a group publishes its verdict. A record that decides its group (a
+ledger call), park a streamed turn or score its session's end, decide a discard,
+dead-letter an invalid record and reject its group (``invalid_member``) —; the
+:class:`~scoring_workers.settling.Settler` acts on the ledger's answer, one ``settle_*``
+per ledger call: whoever decides a group publishes its verdict. A record that decides its group (a
 discard, an invalid record, a failed member's park) first waits for the records of its
 group consumed before it, so that the verdict lists them.
 
@@ -39,7 +42,6 @@ import socket
 import time
 from typing import Any
 
-import msgspec
 from aiokafka import AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
@@ -56,7 +58,6 @@ from infra.schema import (
     TRAJECTORY_KINDS,
     DiscardGroup,
     InvalidMessage,
-    NotConcatExport,
     ReadyTrajectory,
     SchemaError,
     SessionEnd,
@@ -64,35 +65,24 @@ from infra.schema import (
     SessionTurn,
     TrajectoryChunk,
     check_expandable,
-    compact_turns,
     decode_message,
 )
-from infra.throttle import LogThrottle
 from scoring_workers.admission import Admission
 from scoring_workers.chunked import WorkerChunks
 from scoring_workers.dead_letters import ProcessingError, group_of
 from scoring_workers.fleet import Experiment, Fleet
 from scoring_workers.heartbeat import Heartbeat
 from scoring_workers.jobs import DiscardJob, EndJob, InFlightGroups, InvalidJob, Job, ReadyJob, Routed, TurnJob, job_of
-from scoring_workers.ledger import (
-    STREAMED_PARTITION,
-    DecideOutcome,
-    Decision,
-    DecisionKind,
-    GroupLedger,
-    Ledger,
-    LedgerView,
-    ParkOutcome,
-    ParkRequest,
-    ProbeOutcome,
-)
+from scoring_workers.ledger import DecisionKind, GroupLedger, Ledger, LedgerView, ProbeOutcome
 from scoring_workers.prm import ScoringRunner
 from scoring_workers.prm.streamed import Reuse
 from scoring_workers.probe_marks import ProbeMarks
 from scoring_workers.publishing import Publisher
 from scoring_workers.scorer_report import log_scorers
 from scoring_workers.scoring import score_member
-from scoring_workers.session_store import SessionStore, TurnOutcome
+from scoring_workers.session_store import SessionStore
+from scoring_workers.settling import Settler
+from scoring_workers.streamed_records import StreamedRecords
 from scoring_workers.streams import SessionStreams
 from scoring_workers.sweeper import Sweeper
 from scoring_workers.telemetry import WorkerTelemetry
@@ -169,17 +159,28 @@ class Worker:
         self._marks = ProbeMarks()
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
-        self._duplicates_log = LogThrottle(log, burst=20, window_s=60.0)  # duplicates are normal, but say so
-        self._samples: TurnSamples | None = None  # online turn samples (worker.turn_samples)
 
-    def _attach(self, ledger: Ledger, producer: AIOKafkaProducer, streams: SessionStreams | None = None) -> None:
+    def _attach(
+        self,
+        ledger: Ledger,
+        producer: AIOKafkaProducer,
+        streams: SessionStreams | None = None,
+        samples: TurnSamples | None = None,
+    ) -> None:
         """Wire the parts that talk to Redis and Kafka (at start; the unit tests attach fakes).
-        ``streams``: the open streamed sessions (None: ``turn``/``end`` records are refused)."""
+        ``streams``: the open streamed sessions (None: ``turn``/``end`` records are refused);
+        ``samples``: the online turn samples (``worker.turn_samples``; None: off)."""
         self.ledger = ledger
         self.producer = producer
-        self.streams = streams
-        self.publisher = Publisher(self.cfg, producer, ledger, self._tokens, self.telemetry, self.worker_id)
-        self.sweeper = Sweeper(self.cfg, ledger, self.publisher, self._served, self.telemetry, self.worker_id)
+        cfg, telemetry, worker_id = self.cfg, self.telemetry, self.worker_id
+        self.publisher = Publisher(cfg, producer, ledger, self._tokens, telemetry, worker_id)
+        self.settler = Settler(cfg, ledger, self.publisher, self._tokens, self._served, telemetry, worker_id)
+        self.sweeper = Sweeper(cfg, ledger, self.publisher, self._served, telemetry, worker_id, streams)
+        self.streamed = (
+            StreamedRecords(cfg, ledger, streams, self.settler, self._score, self._tokens, samples)
+            if streams is not None
+            else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -220,13 +221,9 @@ class Worker:
             ledger.redis, cfg.redis, idle_s=cfg.worker.session_idle_s, max_turns=cfg.worker.session_max_turns
         )
         producer = make_producer(cfg.kafka)
-        self._samples = (
-            TurnSamples(producer, cfg.kafka, cfg.topics, self.worker_id) if cfg.worker.turn_samples else None
-        )
+        samples = TurnSamples(producer, cfg.kafka, cfg.topics, self.worker_id) if cfg.worker.turn_samples else None
         self._attach(
-            ledger,
-            producer,
-            SessionStreams(store, on_judged=self._samples.judged if self._samples is not None else None),
+            ledger, producer, SessionStreams(store, on_judged=samples.judged if samples is not None else None), samples
         )
         self._view = ledger.view
         self.consumer = make_consumer(cfg.kafka, group_id=cfg.worker.group_id)
@@ -256,8 +253,8 @@ class Worker:
                 await self.consumer.stop()
         finally:
             await self._registry.aclose()
-            if self.streams is not None:
-                await self.streams.aclose()
+            if self.streamed is not None:
+                await self.streamed.streams.aclose()
             await self.fleet.aclose()
             await self.producer.stop()
             await ledger.aclose()
@@ -295,7 +292,7 @@ class Worker:
                 self._committing = self._background("commit", self._committer.commit(routine=True))
             now = time.monotonic()
             if now >= next_sweep and (sweeper is None or sweeper.done()):
-                sweeper = self._background("sweep", self._sweep())
+                sweeper = self._background("sweep", self.sweeper.sweep())
                 next_sweep = now + self.cfg.worker.sweep_interval_s * random.uniform(0.8, 1.2)
                 for record, error, extra in self._chunks.expired(self.cfg.worker.group_timeout_s):
                     self._spawn(self._job(record, error, extra, time.time()))
@@ -395,8 +392,8 @@ class Worker:
         self.admission.forget_held(tps)  # not started: the next owner reads them again
         await self._committer.revoke(tps)  # waits for a background commit in flight first
         self._chunks.drop(tps)  # partial chunked trajectories are replayed from the committed offset
-        if self.streams is not None:
-            self.streams.drop()  # open sessions are loaded again from Redis by whoever reads them next
+        if self.streamed is not None:
+            self.streamed.streams.drop()  # open sessions are loaded again from Redis by whoever reads them next
 
     async def _update_lag(self) -> None:
         for tp, lag in (await self._committer.lag()).items():
@@ -405,47 +402,7 @@ class Worker:
     @property
     def _kinds(self) -> tuple[str, ...]:
         """The record kinds this worker takes (streamed sessions only with their store)."""
-        return TRAJECTORY_KINDS + STREAM_KINDS if self.streams is not None else TRAJECTORY_KINDS
-
-    async def _sweep(self) -> None:
-        """The sweeper's round (overdue groups), then the streamed sessions gone idle."""
-        await self.sweeper.sweep()
-        if self.streams is not None:
-            await self._sweep_sessions()
-
-    async def _sweep_sessions(self) -> None:
-        """Answer the groups of streamed sessions idle past ``worker.session_idle_s``: the
-        member is parked ``failed`` (``session_idle``), which rejects its group at once."""
-        assert self.streams is not None
-        store = self.streams.store
-        for group, trajectory_id in await store.due():
-            seen = await store.idle(group, trajectory_id)
-            if seen is None:  # closed (its member parked) or expired
-                await store.forget(group, trajectory_id)
-                continue
-            idle_s, session_id, group_size = seen
-            if idle_s < store.idle_s:  # a record came since it was indexed
-                await store.postpone(group, trajectory_id, idle_s)
-                continue
-            _, experiment = self._served(group)
-            result = SessionResult.failure(
-                code=reasons.SESSION_IDLE,
-                session_id=session_id or trajectory_id,
-                trajectory_id=trajectory_id,
-                detail=f"streamed session {session_id!r} received no record for {idle_s:.0f}s "
-                f"(worker.session_idle_s={store.idle_s:g}) and never ended",
-                scored_at=time.time(),
-            )
-            ((_, decision),) = await self.ledger.park_many(
-                [
-                    ParkRequest(
-                        result, group, group_size, experiment.group_timeout_s, self.worker_id, experiment.scorers_blob
-                    )
-                ]
-            )
-            if decision is not None:
-                await self.publisher.publish(decision)
-            await self.streams.close(group, trajectory_id)
+        return TRAJECTORY_KINDS + STREAM_KINDS if self.streamed is not None else TRAJECTORY_KINDS
 
     # ------------------------------------------------------------------ dispatch
     def _decode(self, records: list[ConsumerRecord]) -> list[Job]:
@@ -482,11 +439,11 @@ class Worker:
         jobs = self._decode(records)
         ready = [j for j in jobs if isinstance(j, ReadyJob) and j.route.experiment is not None]
         probed: list[ReadyJob] = []
-        for job in ready:  # a chunked trajectory is read whole with its last chunk: that one decides
-            if self._marks.needs_probe(job.tp, max([job.record.offset, *job.extra])):
-                probed.append(job)
+        for member in ready:  # a chunked trajectory is read whole with its last chunk: that one decides
+            if self._marks.needs_probe(member.tp, max([member.record.offset, *member.extra])):
+                probed.append(member)
             else:
-                job.probe = ProbeOutcome.NEW  # new to everyone: the park re-checks
+                member.probe = ProbeOutcome.NEW  # new to everyone: the park re-checks
         self.ledger.expect([(j.group, j.message.trajectory_id) for j in ready if j.probe is ProbeOutcome.NEW])
         if probed:
 
@@ -501,8 +458,8 @@ class Worker:
                 what="probe",
                 on_retry=on_retry,
             )
-            for job, answer in zip(probed, answers):
-                job.probe = answer
+            for member, answer in zip(probed, answers):
+                member.probe = answer
         self.telemetry.probes.labels("probed").inc(len(probed))
         self.telemetry.probes.labels("skipped").inc(len(ready) - len(probed))
         start, held = self.admission.admit(jobs)
@@ -583,7 +540,7 @@ class Worker:
                 )
                 if job.attempt >= self.cfg.worker.max_attempts:
                     error = exc if isinstance(exc, SchemaError) else ProcessingError(exc)
-                    await self._dead_letter(record, error, job.attempt, group_id=route.scoped)
+                    await self.settler.dead_letter(record, error, job.attempt, group_id=route.scoped)
                     return
 
     # ------------------------------------------------------------------ handlers
@@ -591,22 +548,22 @@ class Worker:
         """The one switch on the record's kind."""
         match job:
             case InvalidJob(error=error):
-                await self._dead_letter(job.record, error, job.attempt, group_id=job.route.scoped)
+                await self.settler.dead_letter(job.record, error, job.attempt, group_id=job.route.scoped)
             case ReadyJob(route=Routed(experiment=Experiment() as experiment)):
                 await self._handle_ready(job, experiment)
-            case TurnJob(route=Routed(experiment=Experiment() as experiment)) if self.streams is not None:
-                await self._handle_turn(job, experiment)
-            case EndJob(route=Routed(experiment=Experiment() as experiment)) if self.streams is not None:
-                await self._handle_end(job, experiment)
-            case TurnJob() | EndJob() if self.streams is None:  # a worker built without Redis (unit tests)
-                await self._dead_letter(
+            case TurnJob(route=Routed(experiment=Experiment() as experiment)) if self.streamed is not None:
+                await self.streamed.handle_turn(job, experiment)
+            case EndJob(route=Routed(experiment=Experiment() as experiment)) if self.streamed is not None:
+                await self.streamed.handle_end(job, experiment)
+            case TurnJob() | EndJob() if self.streamed is None:  # a worker built without Redis (unit tests)
+                await self.settler.dead_letter(
                     job.record,
                     InvalidMessage("this worker does not take streamed sessions"),
                     job.attempt,
                     group_id=job.route.scoped,
                 )
             case DiscardJob(route=Routed(experiment=Experiment()), message=discard):
-                await self._decide(job.group, DecisionKind.DISCARD, discard_reason=discard.reason or "discarded")
+                await self.settler.decide(job.group, DecisionKind.DISCARD, discard_reason=discard.reason or "discarded")
             case ReadyJob() | DiscardJob() | TurnJob() | EndJob():  # names an experiment this worker does not serve
                 await self.publisher.reject_unknown(job.record, job.message, job.route.experiment_id, job.attempt)
 
@@ -615,85 +572,12 @@ class Worker:
         if job.probe is None:
             (job.probe,) = await self.ledger.probe_many([(group, traj.trajectory_id)])
         if job.probe is not ProbeOutcome.NEW:  # parked already, or its group decided or finished
-            await self._settle_probe(job, job.probe)
+            await self.settler.settle_probe(job, job.probe)
             return
         if job.result is None:
             job.result = await self._score(traj, experiment)
             self._tokens.remember(group, traj.trajectory_id, job.result.turns)
-        await self._park(job, traj.group_size, experiment, job.record.partition, job.record.offset)
-
-    async def _park(
-        self, job: ReadyJob | EndJob, group_size: int, experiment: Experiment, partition: int, offset: int
-    ) -> None:
-        """Park ``job.result``, then settle what the ledger answered."""
-        assert job.result is not None
-        if job.result.status == "failed":
-            # Parking a failed member decides (rejects) the group: the members consumed
-            # before it go first, so the verdict lists them with their stats.
-            await job.wait_earlier()
-        result = msgspec.structs.replace(job.result, consumed_at=job.consumed_at, parked_at=time.time())
-        ((outcome, decision),) = await self.ledger.park_many(
-            [
-                ParkRequest(
-                    result,
-                    job.group,
-                    group_size,
-                    experiment.group_timeout_s,
-                    self.worker_id,
-                    experiment.scorers_blob,
-                    partition,
-                    offset,
-                )
-            ]
-        )
-        await self._settle_park(job, outcome, decision)
-
-    async def _handle_turn(self, job: TurnJob, experiment: Experiment) -> None:
-        """Park a streamed turn and start judging its parent; a turn of a member already parked,
-        or of a decided group, is acknowledged as a duplicate. One that does not continue its
-        session is dead-lettered and rejects its group."""
-        turn, group = job.message, job.group
-        (probe,) = await self.ledger.probe_many([(group, turn.trajectory_id)])
-        if probe is not ProbeOutcome.NEW:
-            if probe is ProbeOutcome.DECIDED:
-                await self.ledger.nudge(group, self.cfg.worker.republish_grace_s)
-            self._acknowledged(job, duplicate=probe is ProbeOutcome.DUPLICATE, at_park=False)
-            return
-        assert self.streams is not None
-        try:
-            outcome = await self.streams.add_turn(group, turn, experiment.runner)
-        except InvalidMessage as exc:
-            await self._dead_letter(job.record, exc, job.attempt, group_id=group)
-            return
-        if outcome is TurnOutcome.DUPLICATE:
-            self._acknowledged(job, duplicate=True, at_park=False)
-
-    async def _handle_end(self, job: EndJob, experiment: Experiment) -> None:
-        """Score a streamed session's member once it ends — its streamed turn results reused,
-        only the rest run — and park it exactly as a ``ready`` member."""
-        end, group = job.message, job.group
-        assert self.streams is not None
-        if job.probe is None:
-            (job.probe,) = await self.ledger.probe_many([(group, end.trajectory_id)])
-        if job.probe is not ProbeOutcome.NEW:
-            await self._settle_probe(job, job.probe)
-            if job.probe is ProbeOutcome.DUPLICATE:  # parked before a crash: the session is done
-                await self.streams.close(group, end.trajectory_id)
-            return
-        if job.result is None:
-            try:
-                traj, reuse = await self.streams.ended(group, end)
-            except InvalidMessage as exc:
-                await self._dead_letter(job.record, exc, job.attempt, group_id=group)
-                await self.streams.close(group, end.trajectory_id)
-                return
-            job.result = await self._score(traj, experiment, reuse)
-            self._tokens.remember(group, end.trajectory_id, job.result.turns)
-        # no record holds a streamed member whole: its token turns come from this worker's memory
-        await self._park(job, end.group_size, experiment, STREAMED_PARTITION, -1)
-        if self._samples is not None:
-            await self._samples.ended(group, end, self.streams.last_turns(group, end.trajectory_id))
-        await self.streams.close(group, end.trajectory_id)
+        await self.settler.park(job, traj.group_size, experiment, job.record.partition, job.record.offset)
 
     async def _score(
         self, traj: ReadyTrajectory, experiment: Experiment | None = None, reuse: Reuse | None = None
@@ -714,100 +598,6 @@ class Worker:
             self.telemetry.scoring_seconds.observe(time.perf_counter() - t0)
             self.telemetry.scored.inc()
         return result
-
-    async def _dead_letter(
-        self, record: ConsumerRecord, error: BaseException, attempt: int, *, group_id: str | None = None
-    ) -> None:
-        """Dead-letter ``record`` (:meth:`Publisher.dead_letter`), then reject the (scoped) group
-        its key names (``invalid_member``) instead of letting it wait for its deadline."""
-        letter = await self.publisher.dead_letter(record, error, attempt)
-        if group_id is not None:
-            reason = (
-                f"invalid_member: record {record.topic}:{record.partition}@{record.offset} was dead-lettered "
-                f"({letter.error_class}: {letter.error_message[:200]})"
-            )
-            await self._decide(group_id, DecisionKind.INVALID, discard_reason=reason)
-
-    async def _decide(self, group_id: str, kind: DecisionKind, *, discard_reason: str = "") -> None:
-        """Decide the (scoped) group ``group_id``, then settle what the ledger answered."""
-        _, experiment = self._served(group_id)
-        decision = await self.ledger.decide(
-            group_id,
-            kind,
-            worker_id=self.worker_id,
-            scorers=experiment.scorers_blob,
-            discard_reason=discard_reason,
-            group_timeout_s=experiment.group_timeout_s,
-            republish_grace_s=self.cfg.worker.republish_grace_s,
-        )
-        await self._settle_decision(decision)
-
-    # ------------------------------------------------------------------ settling: one per ledger call
-    async def _settle_probe(self, job: ReadyJob | EndJob, probe: ProbeOutcome) -> None:
-        """A member the probe found known is acknowledged without scoring. Parked already (a
-        redelivery): re-run the ``complete`` decision, in case the crash came between parking
-        the last member and deciding. Its group decided and not finished: bring its sweep
-        forward (its decider may have died before publishing)."""
-        match probe:
-            case ProbeOutcome.DUPLICATE:
-                if self._tokens.inline and isinstance(job, ReadyJob):
-                    with contextlib.suppress(NotConcatExport):  # the record in hand spares reading its tokens back
-                        self._tokens.remember(
-                            job.group, job.message.trajectory_id, compact_turns(job.message.interactions)
-                        )
-                await self._decide(job.group, DecisionKind.COMPLETE)
-            case ProbeOutcome.DECIDED:
-                await self.ledger.nudge(job.group, self.cfg.worker.republish_grace_s)
-            case ProbeOutcome.DONE | ProbeOutcome.NEW:
-                pass
-        self._acknowledged(job, duplicate=probe is ProbeOutcome.DUPLICATE, at_park=False)
-
-    async def _settle_park(self, job: ReadyJob | EndJob, outcome: ParkOutcome, decision: Decision | None) -> None:
-        """This park decided the group (it completed it, or failed): publish its verdict. A
-        member of a group decided meanwhile nudges it (as :meth:`_settle_probe`); one parked
-        before, or of a finished group, is acknowledged."""
-        if decision is not None:
-            await self.publisher.publish(decision)
-            return
-        match outcome:
-            case ParkOutcome.PARKED:
-                return
-            case ParkOutcome.DECIDED:
-                await self.ledger.nudge(job.group, self.cfg.worker.republish_grace_s)
-            case ParkOutcome.DUPLICATE | ParkOutcome.DONE:
-                pass
-        self._acknowledged(job, duplicate=outcome is ParkOutcome.DUPLICATE, at_park=True)
-
-    async def _settle_decision(self, decision: Decision) -> None:
-        """This call decided the group: publish its verdict. Decided before and not finished:
-        bring its sweep forward. Finished (or vanished): drop its index entry."""
-        match decision.outcome:
-            case DecideOutcome.DECIDED_NOW:
-                await self.publisher.publish(decision)
-            case DecideOutcome.ALREADY_DECIDED:
-                await self.ledger.nudge(decision.group_id, self.cfg.worker.republish_grace_s)
-            case DecideOutcome.DONE | DecideOutcome.GONE:
-                await self.ledger.forget(decision.group_id)
-            case DecideOutcome.NOT_DUE | DecideOutcome.INCOMPLETE:
-                pass
-
-    def _acknowledged(self, job: ReadyJob | EndJob | TurnJob, *, duplicate: bool, at_park: bool) -> None:
-        """``job`` is acknowledged without being scored (again): counted as deduplicated, and said (throttled)."""
-        self.telemetry.deduplicated.inc()
-        what = (
-            "already scored (a redelivery or a re-published record)"
-            if duplicate
-            else "its group is already decided (a re-published or redriven record"
-            + (", or decided while it was scored)" if at_park else ")")
-        )
-        self._duplicates_log.log(
-            logging.INFO,
-            "group=%s traj=%s: duplicate acknowledged%s, %s",
-            job.message.group_id,
-            job.message.trajectory_id,
-            " at park" if at_park else "",
-            what,
-        )
 
 
 async def _unless_stopped(coro: Any, stop: asyncio.Event) -> bool:

@@ -162,7 +162,6 @@ def test_the_modules_mypy_skips_only_shrink() -> None:
         "scoring_workers.prm.view",
         "scoring_workers.scorers.openclaw",
         "scoring_workers.session_store",
-        "scoring_workers.worker",
         "shaper.integrations.core",
         "shaper.trainer",
     }

@@ -295,7 +295,7 @@ async def test_a_dead_letter_kafka_refuses_for_good_is_counted_as_poison_not_ret
     worker = Worker(PipelineConfig(), worker_id="w-unit")
     worker._attach(None, RefusingProducer())  # type: ignore[arg-type]
     record = ConsumerRecord("traj", 2, 41, 0, 0, None, b"junk", None, 4, [], [])
-    await worker._dead_letter(record, InvalidMessage("truncated"), 1)
+    await worker.settler.dead_letter(record, InvalidMessage("truncated"), 1)
     assert RefusingProducer.calls == 1
     assert worker.telemetry.snapshot()["prm_worker_poison_total"] == 1.0
 

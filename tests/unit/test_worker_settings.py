@@ -106,7 +106,7 @@ async def test_max_attempts_bounds_the_retries_before_a_dead_letter() -> None:
     async def dead_letter(record: Any, error: BaseException, attempt: int, **kw: Any) -> None:
         dead.append(attempt)
 
-    worker._dead_letter = dead_letter  # type: ignore[method-assign]
+    worker.settler.dead_letter = dead_letter  # type: ignore[method-assign]
     worker._handle = failing_discard  # type: ignore[method-assign]
     await worker._process(_job(worker, DiscardGroup(group_id="g")))
     assert (len(handled), dead) == (5, [5])
