@@ -51,7 +51,6 @@ from infra.experiments import DEFAULT_EXPERIMENT, scoped_group, split_scoped
 from infra.kafka import make_consumer, make_producer
 from infra.offsets import OffsetCommitter
 from infra.redis import verify_access
-from infra.registry import RegistryFollower, RegistryRecord
 from infra.retry import RetryPolicy, is_transient
 from infra.schema import (
     STREAM_KINDS,
@@ -84,6 +83,7 @@ from scoring_workers.session_store import SessionStore
 from scoring_workers.settling import Settler
 from scoring_workers.streamed_records import StreamedRecords
 from scoring_workers.streams import SessionStreams
+from scoring_workers.subscription import Subscription
 from scoring_workers.sweeper import Sweeper
 from scoring_workers.telemetry import WorkerTelemetry
 from scoring_workers.tokens import MemberTokens
@@ -94,7 +94,6 @@ log = logging.getLogger(__name__)
 LAG_INTERVAL_S = 5.0  # how often the consumer-lag gauge is refreshed
 POLL_TIMEOUT_S = 0.1  # a poll's wait while records are in flight (or held, buffered, paused)
 IDLE_POLL_S = 0.5  # an idle poll waits until the next sweep, at most this long
-REGISTRY_POLL_MS = 2000  # the registry follower's poll (it returns as soon as a record arrives)
 UNKNOWN_LABEL = "unknown"  # the experiment label of records from the topic of an experiment no longer served
 
 
@@ -152,7 +151,6 @@ class Worker:
             self.telemetry,
             functools.partial(self._spawn, reroute=True),
         )
-        self._registry: RegistryFollower | None = None
         self._view: LedgerView | None = None  # the ledger's read side once open (the heartbeat's)
         self._tokens = MemberTokens(cfg)
         self._chunks = WorkerChunks()
@@ -234,15 +232,11 @@ class Worker:
             min_interval_s=cfg.worker.commit_interval_s,
         )
         await self.producer.start()
-        self._registry = RegistryFollower(cfg)
+        self._subscription = Subscription(
+            cfg, self.fleet, self.consumer, _Rebalance(self), self.telemetry, self.worker_id
+        )
         try:
-            # Every declared experiment is known before the first trajectory is read; one
-            # removed longer ago than its group timeout is not served again (Fleet.settle).
-            await self._registry.start()
-            for entry in self.fleet.settle(await self._registry.catch_up()):
-                await self._apply_registry(entry)
-            self.fleet.expire()
-            self._subscribe()
+            await self._subscription.start()  # every served experiment known before the first trajectory is read
             if not await _unless_stopped(self.consumer.start(), stop):
                 await self.consumer.stop()
                 return  # stopped while joining: nothing consumed, nothing to commit
@@ -252,7 +246,7 @@ class Worker:
                 await self._drain_partitions(None)
                 await self.consumer.stop()
         finally:
-            await self._registry.aclose()
+            await self._subscription.aclose()
             if self.streamed is not None:
                 await self.streamed.streams.aclose()
             await self.fleet.aclose()
@@ -300,7 +294,7 @@ class Worker:
                 lag = self._background("lag", self._update_lag())
                 last_lag = now
             if registry is None or registry.done():
-                registry = self._background("registry", self._follow_registry())
+                registry = self._background("registry", self._subscription.follow())
         log.info("worker %s stopping: draining %d in-flight records", self.worker_id, self.admission.in_flight)
         if registry is not None:
             registry.cancel()
@@ -339,28 +333,6 @@ class Worker:
         return task
 
     # ------------------------------------------------------------------ experiments
-    def _subscribe(self) -> None:
-        """Consume every served experiment's trajectories topic (a change rebalances the group)."""
-        topics = self.fleet.topics()
-        if set(topics) != self.consumer.subscription():
-            self.consumer.subscribe(topics, listener=_Rebalance(self))
-            log.info("worker %s consumes %s", self.worker_id, topics)
-        for state, count in self.fleet.states().items():
-            self.telemetry.experiments.labels(state).set(count)
-
-    async def _apply_registry(self, entry: RegistryRecord) -> None:
-        await self.fleet.apply(entry)
-        if not entry.error:
-            self.telemetry.registry_records.labels("removed" if entry.removal else "declared").inc()
-
-    async def _follow_registry(self) -> None:
-        """Apply what the registry says as it says it; retire removed experiments in time."""
-        assert self._registry is not None
-        for entry in await self._registry.poll(timeout_ms=REGISTRY_POLL_MS):
-            await self._apply_registry(entry)
-        self.fleet.expire()
-        self._subscribe()
-
     def _route(self, record: ConsumerRecord, message: Any) -> Routed:
         """The experiment and scoped group of a record: its topic's experiment (:meth:`Fleet.admit`
         turned a record naming another one into an invalid record)."""
