@@ -21,12 +21,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from infra.config import PipelineConfig, PRMConfig, WorkerConfig
 from infra.offsets import OffsetCommitter
-from infra.schema import DiscardGroup, GroupVerdict, ReadyTrajectory, decode_verdict, encode
+from infra.schema import DiscardGroup, ReadyTrajectory, encode
 from prm_pipeline.demo.synthetic import make_session
 from scoring_workers.ledger import DecisionKind, ParkedMember
 from scoring_workers.prm import BaseScorer, PRMRunner
 from scoring_workers.worker import Worker
 from tests.fakes.ledger import FakeGroup, FakeLedger
+from tests.fakes.producer import FakeProducer
 
 TOPIC = PipelineConfig().topics.trajectories
 
@@ -66,28 +67,8 @@ class _Runner:
         await self.inner.aclose()
 
 
-class _Producer:
-    """Keeps what the worker produced; raises what ``fail`` holds first."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes, bytes | None, Any]] = []
-        self.fail: list[BaseException] = []
-
-    async def send_and_wait(self, topic: str, value: bytes, key: bytes | None = None, headers: Any = None) -> None:
-        if self.fail:
-            raise self.fail.pop(0)
-        self.sent.append((topic, value, key, headers))
-
-    def verdicts(self) -> list[GroupVerdict]:
-        topic = PipelineConfig().topics.verdicts
-        return [decode_verdict(value, headers) for t, value, _, headers in self.sent if t == topic]
-
-    def dead_letters(self) -> list[bytes | None]:
-        return [key for t, _, key, _ in self.sent if t == PipelineConfig().topics.dead_letters]
-
-
-def _worker(**settings: Any) -> tuple[Worker, FakeLedger, _Producer, _Runner]:
-    runner, ledger, producer = _Runner(), FakeLedger(), _Producer()
+def _worker(**settings: Any) -> tuple[Worker, FakeLedger, FakeProducer, _Runner]:
+    runner, ledger, producer = _Runner(), FakeLedger(), FakeProducer()
     cfg = PipelineConfig(worker=WorkerConfig(**settings))
     worker = Worker(cfg, worker_id="w-unit", runner=runner)  # type: ignore[arg-type]
     worker._attach(ledger, producer)  # type: ignore[arg-type]
