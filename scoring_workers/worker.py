@@ -1,12 +1,13 @@
 """The scoring worker: ``prm.trajectories`` in, ``prm.verdicts`` (and dead letters) out.
 
 The consume/score/park/decide/commit loop, like arq's worker. Its other concerns have a
-module each, the way quixstreams splits pausing, checkpointing and processing:
-admission and backpressure (:mod:`~scoring_workers.admission`), verdicts and dead letters
-(:mod:`~scoring_workers.publishing`), the ledger's answers (:mod:`~scoring_workers.settling`),
-streamed sessions' records (:mod:`~scoring_workers.streamed_records`), the sweeper
-(:mod:`~scoring_workers.sweeper`); the ledger is reached through its protocol
-(:class:`~scoring_workers.ledger.Ledger`). One
+module each, the way quixstreams splits pausing, checkpointing and processing: the
+experiments followed and subscribed to (:mod:`~scoring_workers.subscription`), admission
+and backpressure (:mod:`~scoring_workers.admission`), the ledger's answers
+(:mod:`~scoring_workers.settling`), streamed sessions' records
+(:mod:`~scoring_workers.streamed_records`), verdicts and dead letters
+(:mod:`~scoring_workers.publishing`), the sweeper (:mod:`~scoring_workers.sweeper`); the
+ledger is reached through its protocol (:class:`~scoring_workers.ledger.Ledger`). One
 asyncio loop per process; run several processes for scale: they share only Kafka and Redis.
 
 Every record takes one path (docs/architecture.md): ``_dispatch`` decodes a poll into
@@ -20,9 +21,9 @@ for as long as they last; others ``worker.max_attempts`` times, then a dead lett
 ledger call), park a streamed turn or score its session's end, decide a discard,
 dead-letter an invalid record and reject its group (``invalid_member``) —; the
 :class:`~scoring_workers.settling.Settler` acts on the ledger's answer, one ``settle_*``
-per ledger call: whoever decides a group publishes its verdict. A record that decides its group (a
-discard, an invalid record, a failed member's park) first waits for the records of its
-group consumed before it, so that the verdict lists them.
+per ledger call: whoever decides a group publishes its verdict. A record that decides
+its group (a discard, an invalid record, a failed member's park) first waits for the
+records of its group consumed before it, so that the verdict lists them.
 
 Commit discipline: an offset is committed only when its outcome (parked result, verdict
 or dead letter) is durable, and per partition only up to the lowest unfinished offset.

@@ -39,7 +39,7 @@ def _cli(config: Path, *args: str, timeout: float = 120) -> subprocess.Completed
 async def test_republished_file_is_logged_and_the_trainer_says_what_it_waits_for(
     pipeline_config, tmp_path, caplog
 ) -> None:
-    caplog.set_level(logging.INFO, logger="scoring_workers.worker")
+    caplog.set_level(logging.INFO, logger="scoring_workers.settling")
     cfg = with_scorers(
         pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4})
     )

@@ -87,7 +87,7 @@ async def _old_workers_letter(cfg, value: bytes, headers: list[tuple[str, bytes]
 
 
 async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_path, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="scoring_workers.worker")
+    caplog.set_level(logging.INFO, logger="scoring_workers.settling")
     cfg = with_scorers(
         pipeline_config, PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4})
     )
