@@ -1,4 +1,4 @@
-"""The sweeper: rejects groups whose deadline passed and re-publishes orphaned decisions.
+"""The sweeper: rejects groups whose deadline passed, re-publishes orphaned decisions, answers idle sessions.
 
 Every worker sweeps (in the background, every ``worker.sweep_interval_s``): it asks the
 ledger's deadline index for the groups due (:meth:`~scoring_workers.ledger.GroupLedger.due_groups`)
