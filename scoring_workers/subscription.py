@@ -15,7 +15,6 @@ import logging
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
-from infra.config import PipelineConfig
 from infra.registry import RegistryFollower, RegistryRecord
 from scoring_workers.fleet import Fleet
 from scoring_workers.telemetry import WorkerTelemetry
@@ -26,11 +25,11 @@ REGISTRY_POLL_MS = 2000  # the registry follower's poll (it returns as soon as a
 
 
 class Subscription:
-    """One worker's experiments, followed from the registry, and its consumer's subscription to them."""
+    """One worker's experiments, followed from the ``registry``, and its consumer's subscription to them."""
 
     def __init__(
         self,
-        cfg: PipelineConfig,
+        registry: RegistryFollower,
         fleet: Fleet,
         consumer: AIOKafkaConsumer,
         listener: ConsumerRebalanceListener,
@@ -42,7 +41,7 @@ class Subscription:
         self._listener = listener
         self._telemetry = telemetry
         self.worker_id = worker_id
-        self._registry = RegistryFollower(cfg)
+        self._registry = registry
 
     async def start(self) -> None:
         """Read the whole registry, then subscribe to what it leaves served."""

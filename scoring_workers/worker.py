@@ -52,6 +52,7 @@ from infra.experiments import DEFAULT_EXPERIMENT, scoped_group, split_scoped
 from infra.kafka import make_consumer, make_producer
 from infra.offsets import OffsetCommitter
 from infra.redis import verify_access
+from infra.registry import RegistryFollower
 from infra.retry import RetryPolicy, is_transient
 from infra.schema import (
     STREAM_KINDS,
@@ -234,7 +235,7 @@ class Worker:
         )
         await self.producer.start()
         self._subscription = Subscription(
-            cfg, self.fleet, self.consumer, _Rebalance(self), self.telemetry, self.worker_id
+            RegistryFollower(cfg), self.fleet, self.consumer, _Rebalance(self), self.telemetry, self.worker_id
         )
         try:
             await self._subscription.start()  # every served experiment known before the first trajectory is read
