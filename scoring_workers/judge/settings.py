@@ -52,7 +52,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
 
     msgspec checks ``Meta`` bounds when it converts data, not when a struct is built in
     code; ``__post_init__`` closes that gap by converting a directly built struct once
-    more, then runs :meth:`_check` (the rules that span fields).
+    more, then runs :meth:`_check` (the rules that span fields). A subclass says
+    ``frozen=True`` again: msgspec inherits it, but a type checker reads each class's own.
     """
 
     def __post_init__(self) -> None:
