@@ -1,4 +1,5 @@
-"""The Redis client factory (the group ledger in scoring_workers is its only user).
+"""The Redis client factory, and the shapes of its replies (the group ledger and the session
+store in scoring_workers are its only users).
 
 ``redis.url`` carries host, port, database and credentials (``redis://user:pass@host/0``
 for ACL users, ``rediss://`` for TLS); ``redis.ssl_ca_certs`` adds a CA bundle;
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -24,8 +26,11 @@ from infra.errors import ServiceError
 
 log = logging.getLogger(__name__)
 
+RedisClient = aioredis.Redis | RedisCluster
+"""What :func:`make_redis` returns: a standalone or a cluster client."""
 
-def make_redis(cfg: RedisConfig, **overrides: Any) -> aioredis.Redis | RedisCluster:
+
+def make_redis(cfg: RedisConfig, **overrides: Any) -> RedisClient:
     """A standalone client, or a cluster client (``redis.cluster: true``) that follows slot
     redirects and starts from any node ``redis.url`` lists (its ``startup_nodes``)."""
     first, *others = redis_urls(cfg)
@@ -72,7 +77,7 @@ def access_refusal(exc: BaseException, cfg: RedisConfig) -> RedisAccessError | N
     return None
 
 
-async def verify_access(client: aioredis.Redis | RedisCluster, cfg: RedisConfig) -> None:
+async def verify_access(client: RedisClient, cfg: RedisConfig) -> None:
     """One ``PING`` at start-up, so wrong credentials or an untrusted certificate stop the
     process with one clear line instead of being retried forever as a connection error
     (redis-py's ``AuthenticationError`` is a ``ConnectionError``). A Redis that is merely
@@ -84,3 +89,48 @@ async def verify_access(client: aioredis.Redis | RedisCluster, cfg: RedisConfig)
         if refused is not None:
             raise refused from None
         log.warning("%s not reachable at start-up (%s); retrying as work arrives", _where(cfg), exc)
+
+
+# --------------------------------------------------------------------------- replies
+# Our clients never decode replies (``decode_responses=False``), so every reply is bytes; redis-py
+# types them ``bytes | str`` because it cannot know the setting. These narrow a reply where it
+# is decoded, one helper per shape, and refuse a reply of another shape (a client made elsewhere).
+class RedisReplyError(ServiceError, TypeError):
+    """A Redis reply is not of the shape its command gives our clients: the client decodes
+    replies (it was not made by :func:`make_redis`)."""
+
+
+def reply_bytes(reply: object) -> bytes:
+    """A string reply (or one field or value of a hash) as the bytes Redis sent."""
+    if isinstance(reply, bytes):
+        return reply
+    raise RedisReplyError(f"Redis replied {type(reply).__name__}, not bytes: use a client made by make_redis")
+
+
+def reply_text(reply: object) -> str:
+    """A string reply that holds UTF-8 text (an id, a status)."""
+    return reply_bytes(reply).decode()
+
+
+def reply_hash(reply: Mapping[bytes | str, bytes | str]) -> dict[bytes, bytes]:
+    """A hash as ``HGETALL`` returns it: field -> value."""
+    return {reply_bytes(name): reply_bytes(value) for name, value in reply.items()}
+
+
+def reply_members(reply: Iterable[object]) -> list[bytes]:
+    """A sorted set's members, as a range read without scores returns them."""
+    return [reply_bytes(member) for member in reply]
+
+
+def reply_scored(reply: Iterable[object]) -> list[tuple[bytes, float]]:
+    """A sorted set's ``(member, score)`` pairs, as a range read ``withscores`` returns them."""
+    out: list[tuple[bytes, float]] = []
+    for entry in reply:
+        match entry:
+            case (bytes() as member, float() | int() as score):
+                out.append((member, float(score)))
+            case _:
+                raise RedisReplyError(
+                    f"Redis replied {type(entry).__name__} for a scored member: use a client made by make_redis"
+                )
+    return out

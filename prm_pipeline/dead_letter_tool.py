@@ -258,8 +258,9 @@ def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[
                 )
             )
             continue
+        experiment = rec.experiment(selection.trajectories_base)
         ident = traj if traj is not None else f"discard:{message.group_id}"
-        ident = f"{rec.experiment(selection.trajectories_base)}/{ident}"  # ids are per experiment
+        ident = f"{experiment}/{ident}"  # ids are per experiment
         if ident in chosen:
             entries.append(
                 PlanEntry(rec, False, f"already redriven from {chosen[ident]} in this run", message.group_id, traj)
@@ -273,25 +274,32 @@ def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[
                 "",
                 message.group_id,
                 traj,
-                _rejection_note(rec, message),
-                rec.experiment(selection.trajectories_base),
+                _rejection_note(rec, message, experiment),
+                experiment,
             )
         )
     return entries
 
 
-def _rejection_note(rec: LetterRecord, message: TrajectoryMessage) -> str:
+def _rejection_note(rec: LetterRecord, message: TrajectoryMessage, experiment: str | None) -> str:
     """Workers reject the group a dead letter names (``invalid_member``) when they write it;
-    say so, because a redriven member of a decided group is acknowledged, not scored."""
+    say so, because a redriven member of a decided group is acknowledged, not scored.
+    ``experiment`` is the letter's (its source topic's), the one a worker found undeclared:
+    the payload may name none (it belongs to its topic's) or be a chunk (it has no field)."""
     keyed = rec.key_text is not None
     if not keyed and rec.letter.error_class in SCHEMA_ERROR_CLASSES:
         return ""  # an undecodable record without a key named no group: none was rejected
     # a record naming an experiment no worker serves (docs/fleet.md): rejected without touching the ledger
     if rec.letter.error_class == UnknownExperiment.__name__:
+        which = (
+            f"experiment {experiment!r}"
+            if experiment is not None
+            else f"the experiment of topic {rec.letter.source_topic}"
+        )
         return (
             f"workers rejected group {message.group_id} (unknown_experiment) without remembering it: once "
-            f"experiment {message.experiment!r} is declared (prm-pipeline experiment add), the redriven record "
-            "is scored; before that it is dead-lettered again"
+            f"{which} is declared (prm-pipeline experiment add), the redriven record is scored; before that it "
+            "is dead-lettered again"
         )
     return (
         f"workers rejected group {message.group_id} (invalid_member) when they dead-lettered this record; "

@@ -71,10 +71,12 @@ from prm_pipeline.gateway_api import (
     ScoreResponse,
     SlimeRequest,
     SlimeResponse,
+    Status,
     TurnPublished,
     openapi_document,
 )
 from shaper.integrations.core import (
+    PUBLISHED,
     AdapterSettings,
     VerdictTimeout,
     check_late,
@@ -394,23 +396,24 @@ class Gateway:
         (rewards,) = await score_groups(self.client, [samples], prefix="gw", observe=self._observe)
         try:
             check_late(rewards, self._settings)
+            statuses = [_answered(r) for r in rewards]
         except VerdictTimeout as exc:
             return _error(504, str(exc))
         return _json(
             ScoreResponse(
                 group_id=rewards[0].group_id,
-                status=rewards[0].status,
+                status=statuses[0],
                 reason_code=rewards[0].reason_code,
                 reason=rewards[0].reason,
                 samples=[
                     ScoredSample(
                         trajectory_id=r.trajectory_id,
-                        status=r.status,
+                        status=status,
                         outcome=r.outcome,
                         token_rewards=r.token_rewards.tolist(),
                         turn_rewards=list(r.turn_rewards),
                     )
-                    for r in rewards
+                    for r, status in zip(rewards, statuses)
                 ],
             )
         )
@@ -468,6 +471,15 @@ class Gateway:
 
     async def _openapi_json(self, _request: web.Request) -> web.Response:
         return web.Response(body=self._openapi, content_type="application/json")
+
+
+def _answered(reward: SampleReward) -> Status:
+    """A member's status as ``/v1/score`` reports it: a verdict's, never ``timeout`` (a late
+    verdict is a 504, :func:`~shaper.integrations.core.check_late`)."""
+    match reward.status:
+        case "accepted" | "rejected" | "discarded" as status:
+            return status
+    raise VerdictTimeout(reward.reason + PUBLISHED)
 
 
 def _error(status: int, message: str, *, headers: dict[str, str] | None = None) -> web.Response:
@@ -613,6 +625,7 @@ class _Runner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _Server
+        assert isinstance(server, _Server)  # for the type checker, which does not follow a class swap
         server.cap = self._cap
         return server
 

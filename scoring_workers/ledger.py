@@ -75,12 +75,11 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 import msgspec
-import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError
 
 from infra.config import RedisConfig
-from infra.redis import make_redis
+from infra.redis import RedisClient, make_redis, reply_hash, reply_scored, reply_text
 from infra.retry import RetryPolicy, is_transient
 from infra.schema import SessionResult
 from scoring_workers.batching import Batcher
@@ -346,17 +345,14 @@ def _slot_tags() -> list[str]:
     """For each cluster slot, a short string whose hash slot it is (built once, ~0.5 s)."""
     global _SLOT_TAGS
     if _SLOT_TAGS is None:
-        tags: list[str | None] = [None] * 16384
-        missing, i = 16384, 0
-        while missing:
+        tags: dict[int, str] = {}  # slot -> the first tag found in it
+        i = 0
+        while len(tags) < 16384:
             tag = format(i, "x")
-            slot = key_slot(tag.encode())
-            if tags[slot] is None:
-                tags[slot] = tag
-                missing -= 1
+            tags.setdefault(key_slot(tag.encode()), tag)
             i += 1
-        _SLOT_TAGS = tags  # type: ignore[assignment]
-    return _SLOT_TAGS  # type: ignore[return-value]
+        _SLOT_TAGS = [tags[slot] for slot in range(16384)]
+    return _SLOT_TAGS
 
 
 class GroupLedger:
@@ -367,7 +363,7 @@ class GroupLedger:
     safe to repeat.
     """
 
-    def __init__(self, client: aioredis.Redis, cfg: RedisConfig, *, dedupe_window_s: float = 3600.0) -> None:
+    def __init__(self, client: RedisClient, cfg: RedisConfig, *, dedupe_window_s: float = 3600.0) -> None:
         self.redis = client
         self.cfg = cfg
         self.prefix = cfg.key_prefix
@@ -479,13 +475,13 @@ class GroupLedger:
         if not self._sha:
             await self._load_script()
         now, bucket = _now_ms(), self._bucket()
-        probed: dict[str, list[int]] = {}  # group -> indexes of its probes
-        sweeps: list[int] = []  # indexes of the sweepers' index reads
+        probed: dict[str, dict[int, str]] = {}  # group -> index of each of its probes -> its trajectory id
+        sweeps: dict[int, int] = {}  # index of each sweeper's index read -> its limit
         for i, op in enumerate(ops):
             if isinstance(op.item, _Probe):
-                probed.setdefault(op.group_id, []).append(i)
+                probed.setdefault(op.group_id, {})[i] = op.item.trajectory_id
             elif isinstance(op.item, _Due):
-                sweeps.append(i)
+                sweeps[i] = op.item.limit
         plain = self._reads(ops, probed, sweeps, bucket, now)
         calls = self._calls(ops, bucket, now, plain)
         results, read = await self._send(calls, plain)
@@ -494,11 +490,11 @@ class GroupLedger:
             for i, r in zip(idx, res):
                 out[i] = r
         pos, nd = 0, DEDUPE_BUCKETS + 1
-        for idx in probed.values():
+        for probes in probed.values():
             status, *parked = read[pos]
             done = any(read[pos + 1 : pos + 1 + nd])
             pos += 1 + nd
-            for i, member in zip(idx, parked):
+            for i, member in zip(probes, parked):  # the probes' indexes, in the order they were read
                 if status is None:
                     out[i] = "done" if done else "new"
                 elif status == b"decided":
@@ -510,20 +506,21 @@ class GroupLedger:
         return out
 
     def _reads(
-        self, ops: list[_Op], probed: dict[str, list[int]], sweeps: list[int], bucket: int, now: int
+        self, ops: list[_Op], probed: dict[str, dict[int, str]], sweeps: dict[int, int], bucket: int, now: int
     ) -> list[_Command]:
         """The plain commands of a call, answers first: per probed group its status and whether
         each probed member is parked (one ``HMGET``) and whether it is in a dedupe bucket (one
         ``SISMEMBER`` per bucket); then the sweepers' index reads; then the deadline index's TTL
         refresh when it is due."""
         plain: list[_Command] = []
-        for group_id, idx in probed.items():
+        for group_id, members in probed.items():
             keys = self.keys(group_id, bucket)
-            plain.append(("hmget", (keys[0], "status", *(f"m:{ops[i].item.trajectory_id}" for i in idx)), {}))
+            plain.append(("hmget", (keys[0], "status", *(f"m:{t}" for t in members.values())), {}))
             fp = fingerprint(group_id)
             plain += (("sismember", (k, fp), {}) for k in keys[1:])
         plain += (
-            ("zrangebyscore", (self.deadlines_key, "-inf", now), {"start": 0, "num": ops[i].item.limit}) for i in sweeps
+            ("zrangebyscore", (self.deadlines_key, "-inf", now), {"start": 0, "num": limit})
+            for limit in sweeps.values()
         )
         parks = [op.item for op in ops if isinstance(op.item, _Park)]
         if parks and time.monotonic() >= self._deadlines_ttl_at:
@@ -809,7 +806,12 @@ class GroupLedger:
             return
         task = asyncio.create_task(self._finish_until_landed(group_id))
         self._finishing[group_id] = task
-        task.add_done_callback(lambda t, g=group_id: self._finishing.get(g) is t and self._finishing.pop(g))
+
+        def landed(done: asyncio.Task[None]) -> None:
+            if self._finishing.get(group_id) is done:
+                del self._finishing[group_id]
+
+        task.add_done_callback(landed)
 
     @property
     def lingering(self) -> bool:
@@ -917,7 +919,7 @@ class LedgerView:
     the heartbeats touch only ``<prefix>:workers``, never a group's keys.
     """
 
-    def __init__(self, client: aioredis.Redis, cfg: RedisConfig) -> None:
+    def __init__(self, client: RedisClient, cfg: RedisConfig) -> None:
         self.redis = client
         self.prefix = cfg.key_prefix
         self.cluster = cfg.cluster
@@ -963,7 +965,8 @@ class LedgerView:
     # Read-only and separate from the transitions above: nothing here changes a key.
     async def heartbeats(self) -> list[tuple[str, int]]:
         """``(worker_id, last beat in epoch ms)`` of the workers seen within the remembered span."""
-        return [(w.decode(), int(ms)) for w, ms in await self.redis.zrange(self.workers_key, 0, -1, withscores=True)]
+        beats = reply_scored(await self.redis.zrange(self.workers_key, 0, -1, withscores=True))
+        return [(w.decode(), int(ms)) for w, ms in beats]
 
     async def unfinished_groups(self, limit: int = 1000) -> tuple[int, list[UnfinishedGroup]]:
         """``(total, first)``: how many groups the deadlines index lists, and the state of
@@ -971,7 +974,7 @@ class LedgerView:
         first: their index entry is the re-publish time). One round trip for the index,
         one pipelined read of the states (per slot on Redis Cluster)."""
         total = int(await self.redis.zcard(self.deadlines_key))
-        entries = await self.redis.zrange(self.deadlines_key, 0, max(0, limit - 1), withscores=True)
+        entries = reply_scored(await self.redis.zrange(self.deadlines_key, 0, max(0, limit - 1), withscores=True))
         if not entries:
             return total, []
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -983,7 +986,7 @@ class LedgerView:
             out.append(
                 UnfinishedGroup(
                     group.decode(),
-                    status.decode() if status else "gone",
+                    reply_text(status) if status else "gone",
                     int(due),
                     int(first_seen or 0),
                     int(deadline or 0),
@@ -1000,11 +1003,11 @@ class LedgerView:
         )
         if status is None:
             return None
-        return GroupSummary(status.decode(), int(size or 0), int(deadline or 0), int(parked or 0))
+        return GroupSummary(reply_text(status), int(size or 0), int(deadline or 0), int(parked or 0))
 
     async def parked_blobs(self, group_id: str) -> dict[str, bytes]:
         """``trajectory_id`` -> the parked member's stored blob (:func:`decode_parked`), of an open group."""
-        flat = await self.redis.hgetall(self.group_key(group_id))
+        flat = reply_hash(await self.redis.hgetall(self.group_key(group_id)))
         return {name[2:].decode(): blob for name, blob in flat.items() if name.startswith(b"m:")}
 
     async def memory(self) -> list[tuple[str, int, int]]:

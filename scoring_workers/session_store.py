@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import msgspec
-import redis.asyncio as aioredis
 
 from infra.config import RedisConfig
+from infra.redis import RedisClient, reply_hash, reply_members, reply_text
 from infra.schema import Interaction
 from scoring_workers.prm.streamed import StreamedResult, decode_results
 
@@ -90,7 +90,7 @@ class ParkedSession:
 class SessionStore:
     """Parked turns of open streamed sessions (one instance per worker process)."""
 
-    def __init__(self, client: aioredis.Redis, cfg: RedisConfig, *, idle_s: float, max_turns: int) -> None:
+    def __init__(self, client: RedisClient, cfg: RedisConfig, *, idle_s: float, max_turns: int) -> None:
         self.redis = client
         self.prefix = cfg.key_prefix
         self.index_key = f"{self.prefix}:sessions"
@@ -128,11 +128,11 @@ class SessionStore:
 
     async def load(self, group: str, trajectory_id: str) -> ParkedSession:
         """The session's parked turns (arrival order) and streamed results."""
-        raw = await self.redis.hgetall(self.key(group, trajectory_id))
+        raw = reply_hash(await self.redis.hgetall(self.key(group, trajectory_id)))
         turns: dict[int, Interaction] = {}
         session = ParkedSession()
-        for name, value in raw.items():
-            name = name.decode()
+        for field_name, value in raw.items():
+            name = field_name.decode()
             if name.startswith("t:"):
                 turns[int(name[2:])] = _INTERACTION.decode(value)
             elif name.startswith("r:"):
@@ -152,7 +152,7 @@ class SessionStore:
     async def due(self, limit: int = 64) -> list[tuple[str, str]]:
         """Sessions whose idle deadline passed per the index: ``(group, trajectory_id)``."""
         raw = await self.redis.zrangebyscore(self.index_key, "-inf", _now_ms(), start=0, num=limit)
-        return [_INDEX_MEMBER.decode(m) for m in raw]
+        return [_INDEX_MEMBER.decode(m) for m in reply_members(raw)]
 
     async def idle(self, group: str, trajectory_id: str) -> tuple[float, str, int] | None:
         """``(seconds since the session's last record, its session id, its group's size)``;
@@ -160,7 +160,7 @@ class SessionStore:
         last, sid, size = await self.redis.hmget(self.key(group, trajectory_id), ["last", "sid", "size"])
         if last is None:
             return None
-        return max(0.0, (_now_ms() - int(last)) / 1000), (sid or b"").decode(), int(size or 1)
+        return max(0.0, (_now_ms() - int(last)) / 1000), reply_text(sid or b""), int(size or 1)
 
     async def forget(self, group: str, trajectory_id: str) -> None:
         """Drop a stale index entry (its session was closed or expired)."""

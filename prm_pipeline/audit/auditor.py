@@ -205,16 +205,19 @@ class Auditor:
         except SchemaError:
             self.counts["undecodable_trajectories"] += 1  # the worker dead-lettered these
             return
-        if isinstance(message, TrajectoryChunk):
-            for done in self._chunks.add(None, message, None) if self.wanted(message.group_id) else ():
-                try:
-                    whole = reassembled(done)
-                except SchemaError:
-                    self.counts["undecodable_trajectories"] += 1
-                    continue
-                await self._feed(whole, done.value)
-            return
-        await self._feed(message, value)
+        match message:
+            case TrajectoryChunk():
+                for done in self._chunks.add(None, message, None) if self.wanted(message.group_id) else ():
+                    try:
+                        whole = reassembled(done)
+                    except SchemaError:
+                        self.counts["undecodable_trajectories"] += 1
+                        continue
+                    await self._feed(whole, done.value)
+            case ReadyTrajectory() | DiscardGroup():
+                await self._feed(message, value)
+            case _:  # a streamed kind: not among the kinds decoded here (decode_message refuses it, as above)
+                self.counts["undecodable_trajectories"] += 1
 
     async def _feed(self, message: ReadyTrajectory | DiscardGroup, value: bytes | None) -> None:
         if not self._ours(message.experiment, "trajectories") or not self.wanted(message.group_id):

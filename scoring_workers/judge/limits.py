@@ -61,6 +61,7 @@ from scoring_workers.judge.settings import JudgeQuota, LimitSettings
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "EndpointLimits",
     "LATENCY_BUCKETS_S",
     "CircuitBreaker",
     "JudgeQuota",
@@ -311,7 +312,18 @@ class _Limiter:
 
 
 # --------------------------------------------------------------------------- shared limits
-DEFAULT_LIMITS = LimitSettings(max_concurrency=32, rps=0.0, breaker_failure_threshold=5, breaker_reset_s=10.0)
+class EndpointLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """The limits in force on one judge endpoint: a :class:`~scoring_workers.judge.settings.
+    LimitSettings` with every field set (what its first client asked, the rest inherited
+    from :data:`DEFAULT_LIMITS`); ``rps=0`` means no pacing."""
+
+    max_concurrency: int
+    rps: float
+    breaker_failure_threshold: int
+    breaker_reset_s: float
+
+
+DEFAULT_LIMITS = EndpointLimits(max_concurrency=32, rps=0.0, breaker_failure_threshold=5, breaker_reset_s=10.0)
 """What a judge endpoint's limits are when no client sets them."""
 
 
@@ -324,10 +336,10 @@ class SharedLimits(_Limiter):
     slot or pacing, or on the wire) — what a judge pool compares to find the
     least-loaded endpoint — and ``routed`` how pool requests were routed here
     (``affinity``, ``detour``, ``spill``, ``failover``, ``balanced``;
-    :mod:`scoring_workers.judge.pool`). ``settings`` has every field set.
+    :mod:`scoring_workers.judge.pool`).
     """
 
-    def __init__(self, key: str, settings: LimitSettings, clock: Callable[[], float]) -> None:
+    def __init__(self, key: str, settings: EndpointLimits, clock: Callable[[], float]) -> None:
         super().__init__(settings.max_concurrency, settings.rps)
         self.key = key
         self.settings = settings
@@ -385,7 +397,7 @@ class OwnLimits(_Limiter):
         self.requested = requested
         operator = endpoint.settings
         self.breaker = CircuitBreaker(
-            requested.breaker_failure_threshold or operator.breaker_failure_threshold,  # type: ignore[arg-type]
+            requested.breaker_failure_threshold or operator.breaker_failure_threshold,
             requested.breaker_reset_s or operator.breaker_reset_s,
             clock=clock,
         )

@@ -52,7 +52,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
 
     msgspec checks ``Meta`` bounds when it converts data, not when a struct is built in
     code; ``__post_init__`` closes that gap by converting a directly built struct once
-    more, then runs :meth:`_check` (the rules that span fields).
+    more, then runs :meth:`_check` (the rules that span fields). A subclass says
+    ``frozen=True`` again: msgspec inherits it, but a type checker reads each class's own.
     """
 
     def __post_init__(self) -> None:
@@ -84,7 +85,7 @@ def from_values(cls: type[S], values: Mapping[str, Any], where: str = "") -> S:
 
 
 # --------------------------------------------------------------------------- the client
-class RequestSettings(Settings):
+class RequestSettings(Settings, frozen=True):
     """One logical request (:meth:`~scoring_workers.judge.client.JudgeClient.post_json`).
 
     ``timeout_s`` bounds one HTTP attempt, ``total_timeout_s`` the request with its
@@ -108,7 +109,7 @@ class RequestSettings(Settings):
             )
 
 
-class LimitSettings(Settings):
+class LimitSettings(Settings, frozen=True):
     """The process-wide limits of one judge endpoint, shared by every client of it in the
     process (:mod:`~scoring_workers.judge.limits`). ``None`` inherits what is registered
     (or the defaults, :data:`~scoring_workers.judge.limits.DEFAULT_LIMITS`); ``rps=0``
@@ -120,7 +121,7 @@ class LimitSettings(Settings):
     breaker_reset_s: Seconds | None = None
 
 
-class ConnectionSettings(Settings):
+class ConnectionSettings(Settings, frozen=True):
     """What every request carries and how it travels.
 
     ``headers``: extra request headers. ``api_key_env`` (an environment variable),
@@ -144,7 +145,7 @@ class ConnectionSettings(Settings):
         )
 
 
-class SpillPolicy(Settings):
+class SpillPolicy(Settings, frozen=True):
     """When a session's preferred endpoint of a pool counts as overloaded
     (:mod:`~scoring_workers.judge.pool`, rule 3).
 
@@ -160,7 +161,7 @@ class SpillPolicy(Settings):
     spill_ratio: Annotated[float, Meta(ge=1, le=1_000_000)] = 1.5
 
 
-class ClientSettings(Settings):
+class ClientSettings(Settings, frozen=True):
     """Everything a :class:`~scoring_workers.judge.client.JudgeClient` is configured by."""
 
     request: RequestSettings = RequestSettings()
@@ -194,11 +195,16 @@ class ClientSettings(Settings):
             values["headers"] = {str(k): str(v) for k, v in headers.items()}
         elif headers is not None:
             values["headers"] = headers  # refused by the type check, with the field named
-        parts = {
-            name: from_values(part, {k: v for k, v in values.items() if k in part.__struct_fields__}, where)
-            for name, part in _PARTS.items()
-        }
-        return cls(**parts)
+
+        def part(part: type[S]) -> S:
+            return from_values(part, {k: v for k, v in values.items() if k in part.__struct_fields__}, where)
+
+        return cls(
+            request=part(RequestSettings),
+            limits=part(LimitSettings),
+            connection=part(ConnectionSettings),
+            spill=part(SpillPolicy),
+        )
 
 
 _PARTS: dict[str, type[Settings]] = {
@@ -209,7 +215,7 @@ _PARTS: dict[str, type[Settings]] = {
 }
 
 
-class JudgeQuota(Settings, kw_only=False):
+class JudgeQuota(Settings, frozen=True, kw_only=False):
     """One experiment's share of every judge endpoint it calls (:func:`~scoring_workers.
     judge.limits.judge_quota`).
 
@@ -229,7 +235,7 @@ class JudgeQuota(Settings, kw_only=False):
 
 
 # --------------------------------------------------------------------------- the model
-class ModelSettings(Settings):
+class ModelSettings(Settings, frozen=True):
     """What a judge call asks for and how its answer is read (:mod:`~scoring_workers.judge.apis`).
 
     ``api``: ``openai`` (``/v1/chat/completions``; the server applies its chat

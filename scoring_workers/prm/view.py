@@ -96,7 +96,7 @@ class InteractionView:
             # message per turn.
             parent = self.parent
             done = None if parent is None else self._cache.get(parent.interaction_id)
-            if done is not None:
+            if parent is not None and done is not None:
                 shared = (*parent._source.messages, *parent._source.output_message_list)
                 n = len(shared)
                 if n and len(messages) >= n and all(map(operator.is_, messages[:n], shared)):

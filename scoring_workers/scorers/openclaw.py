@@ -75,7 +75,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, overload
 
 import msgspec
 from msgspec import Meta
@@ -116,7 +116,7 @@ _BOOL = ("count", "rate")
 _FLOAT_SUM = ("sum", "mean")
 
 
-class JudgingSettings(Settings):
+class JudgingSettings(Settings, frozen=True):
     """The judge scorers' own settings (the judge component's are its client's and
     model's): which message is the next state, how many votes, what an all-failed turn
     gives, and the budget of one turn's votes."""
@@ -203,6 +203,18 @@ def _vote_label(vote: Vote) -> str:
     if vote.error is not None:
         return "error"
     return "invalid" if vote.score is None else str(vote.score)
+
+
+@overload
+def _judge_urls(
+    scorer: str, key: str, url: str | None, urls: Sequence[str] | None, *, required: Literal[True]
+) -> str | tuple[str, ...]: ...
+
+
+@overload
+def _judge_urls(
+    scorer: str, key: str, url: str | None, urls: Sequence[str] | None, *, required: bool
+) -> str | tuple[str, ...] | None: ...
 
 
 def _judge_urls(

@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from functools import lru_cache
 from os import PathLike
-from typing import Any, Final, Generic, Literal, TypeVar
+from typing import Any, Final, Generic, Literal, TypeGuard, TypeVar
 
 import msgspec
 import numpy as np
@@ -88,7 +88,7 @@ ConfigArg = PipelineConfig | str | PathLike[str] | None
 """Where an adapter's pipeline config comes from: a config, a YAML path, or None for ``$PRM_CONFIG``."""
 
 OnTimeout = Literal["outcome_only", "reject", "raise"]
-ON_TIMEOUT: Final[tuple[str, ...]] = ("outcome_only", "reject", "raise")
+ON_TIMEOUT: Final[tuple[OnTimeout, ...]] = ("outcome_only", "reject", "raise")
 """What a verdict that does not come in time does: the samples keep their outcome and get no
 process rewards (``outcome_only``), the group is not trained on (``reject``), or
 :class:`VerdictTimeout` stops the caller (``raise``). An adapter supports a subset."""
@@ -144,7 +144,7 @@ class AdapterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             new = DEPRECATED_ON_TIMEOUT[on_timeout]
             warnings.warn(f"{key}={on_timeout!r} is deprecated; it means {new!r}", DeprecationWarning, stacklevel=3)
             on_timeout = new
-        if on_timeout not in supports:
+        if on_timeout not in supports or not _is_on_timeout(on_timeout):
             raise ConfigError(f"{key} must be one of {_choices(supports)}, got {on_timeout!r}")
         return cls(
             on_timeout=on_timeout,
@@ -195,6 +195,10 @@ def shape_rows(
         raise VerdictMismatch(f"{len(rewards)} process-reward rows for a batch of {b}")
     process = torch.from_numpy(token_rows(rewards, t)).to(advantages.device)
     return shape_advantages(advantages.unsqueeze(1).expand(b, t), process, mask.to(advantages.device), **shaping)
+
+
+def _is_on_timeout(value: str) -> TypeGuard[OnTimeout]:
+    return value in ON_TIMEOUT
 
 
 def _choices(values: Sequence[str]) -> str:

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from infra.schema import DeadLetter, DiscardGroup, encode
+from infra.schema import DeadLetter, DiscardGroup, TrajectoryChunk, encode
 from prm_pipeline.dead_letter_tool import LetterRecord, Selection, parse_offsets, plan_redrive
 from prm_pipeline.demo.synthetic import make_group
 
@@ -19,13 +19,14 @@ def _letter(
     error_class: str = "UnknownSchemaVersion",
     payload: bytes | None = None,
     original_size: int = -1,
+    source_topic: str = "traj",
 ) -> LetterRecord:
     value, headers = encode(message) if message is not None else (b"\x00garbage", [])
     letter = DeadLetter(
         payload=payload if payload is not None else value,
         error_class=error_class,
         error_message="why",
-        source_topic="traj",
+        source_topic=source_topic,
         source_partition=1,
         source_offset=100 + offset,
         attempt=1,
@@ -94,3 +95,20 @@ def test_the_plan_shows_the_records_text_escaped() -> None:
         line = entry.describe()
         assert line.splitlines() == [line] and "\x1b" not in line and "\u202e" not in line
     assert "undecodable record" in plan[0].describe()  # the id grammar refuses such a group id: it names no group
+
+
+def test_an_unknown_experiment_is_the_letters_topic_not_a_field_of_its_payload() -> None:
+    """A record of an undeclared experiment names it by its topic: its payload may name none (a
+    ready record on its experiment's topic) or cannot (the first chunk of a chunked trajectory,
+    the record a worker dead-letters for it); the plan names the topic's experiment either way."""
+    (member,) = make_group("g-a", 1, turns=1, output_tokens=2)
+    chunk = TrajectoryChunk(group_id="g-c", trajectory_id="t-c", index=0, count=2, total_bytes=2, data=memoryview(b"x"))
+    records = [
+        _letter(0, member, key=b"g-a", error_class="UnknownExperiment", source_topic="traj.exp7"),
+        _letter(1, chunk, key=b"g-c", error_class="UnknownExperiment", source_topic="traj.exp7"),
+    ]
+    plan = plan_redrive(records, Selection(trajectories_base="traj"))
+    assert [e.redrive for e in plan] == [True, True]
+    for entry, group in zip(plan, ("g-a", "g-c")):
+        assert f"rejected group {group} (unknown_experiment)" in entry.note
+        assert "once experiment 'exp7' is declared" in entry.note and entry.experiment == "exp7"

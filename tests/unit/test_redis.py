@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from infra.config import ConfigError, PipelineConfig, RedisConfig, config_from_mapping, validate
-from infra.redis import _where, make_redis
+from infra.redis import (
+    RedisReplyError,
+    _where,
+    make_redis,
+    reply_hash,
+    reply_members,
+    reply_scored,
+    reply_text,
+)
 from infra.startup import redis_address
 
 TWO = "redis://prm:s3cret@node-0:7000/0,redis://node-1:7001"
@@ -43,3 +51,17 @@ def test_messages_name_every_node_and_no_password() -> None:
     assert redis_address(cfg) == "redis://node-0:7000/0,redis://node-1:7001"
     assert _where(cfg).startswith("Redis at node-0:7000, node-1:7001 as user 'prm'")
     assert "s3cret" not in repr(cfg) and "s3cret" not in _where(cfg)
+
+
+def test_replies_are_read_as_our_clients_get_them_and_another_shape_is_refused() -> None:
+    """Our clients never decode replies: bytes pass, text (a decoding client) is refused by name."""
+    assert reply_text(b"decided") == "decided"
+    assert reply_hash({b"m:t1": b"\x93", b"n": b"1"}) == {b"m:t1": b"\x93", b"n": b"1"}
+    assert reply_members([b"a", b"b"]) == [b"a", b"b"]
+    assert reply_scored([(b"w-1", 17.0), [b"w-2", 3]]) == [(b"w-1", 17.0), (b"w-2", 3.0)]
+    for bad in (lambda: reply_text("decided"), lambda: reply_hash({"n": "1"}), lambda: reply_members(["a"])):
+        with pytest.raises(RedisReplyError, match="not bytes: use a client made by make_redis"):
+            bad()
+    for entry in ("w-1", ("w-1", 1.0), (b"w-1",), (b"w-1", "1")):
+        with pytest.raises(RedisReplyError, match="for a scored member"):
+            reply_scored([entry])
