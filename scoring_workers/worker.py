@@ -75,7 +75,6 @@ from scoring_workers.fleet import Experiment, Fleet
 from scoring_workers.heartbeat import Heartbeat
 from scoring_workers.jobs import DiscardJob, EndJob, InFlightGroups, InvalidJob, Job, ReadyJob, Routed, TurnJob, job_of
 from scoring_workers.ledger import (
-    STREAMED_PARTITION,
     DecideOutcome,
     Decision,
     DecisionKind,
@@ -661,7 +660,9 @@ class Worker:
             return
         assert self.streams is not None
         try:
-            outcome = await self.streams.add_turn(group, turn, experiment.runner)
+            outcome = await self.streams.add_turn(
+                group, turn, experiment.runner, at=(job.record.partition, job.record.offset)
+            )
         except InvalidMessage as exc:
             await self._dead_letter(job.record, exc, job.attempt, group_id=group)
             return
@@ -689,8 +690,8 @@ class Worker:
                 return
             job.result = await self._score(traj, experiment, reuse)
             self._tokens.remember(group, end.trajectory_id, job.result.turns)
-        # no record holds a streamed member whole: its token turns come from this worker's memory
-        await self._park(job, end.group_size, experiment, STREAMED_PARTITION, -1)
+        # parked at its first turn's record: any worker can read the session back from there
+        await self._park(job, end.group_size, experiment, *await self.streams.member_coords(group, end.trajectory_id))
         if self._samples is not None:
             await self._samples.ended(group, end, self.streams.last_turns(group, end.trajectory_id))
         await self.streams.close(group, end.trajectory_id)
