@@ -320,7 +320,8 @@ class TrajectoryReader:
                     continue
                 # A record that is not wanted is decoded only if it is of a kind being
                 # followed: the header says which before the value is decoded.
-                kinds = _ALL_KINDS if is_wanted else (("chunk",) if chunked else ()) + (STREAM_KINDS if streamed else ())
+                followed = (("chunk",) if chunked else ()) + (STREAM_KINDS if streamed else ())
+                kinds = _ALL_KINDS if is_wanted else followed
                 try:
                     message = decode_message(record.value, record.headers, kinds=kinds)
                 except SchemaError as exc:
