@@ -9,7 +9,9 @@ the audit — reads the turns of each verdict's members from the records the ver
 names (:class:`infra.schema.TokenRef`). All of them use :class:`TrajectoryReader` and
 the same rule, so a verdict means the same thing whoever turns it into rows:
 
-* the turns are ``compact_turns`` of the record's (reassembled, expanded) trajectory;
+* the turns are ``compact_turns`` of the record's (reassembled, expanded) trajectory — for
+  a streamed session's member, of the ``ready`` form of its ``turn`` records and its
+  ``end`` (:func:`infra.schema.streamed_trajectory`), exactly what the worker scored;
 * a record that is gone (deleted by retention, topic recreated), no longer decodes, or
   is not the member's trajectory cannot be trained on: the member becomes ``failed``
   with ``tokens_unavailable`` (:func:`unavailable`), and an accepted group with such a
@@ -18,7 +20,13 @@ the same rule, so a verdict means the same thing whoever turns it into rows:
 Reading is a forward scan per partition from the lowest wanted offset (members of a
 group share a partition and sit close together; consecutive verdicts name increasing
 offsets), skipping ahead with a seek over gaps. A chunked trajectory is read on from its
-first chunk until it is whole.
+first chunk until it is whole. A streamed session's member names its first ``turn``
+record: the session is read on from there until its ``end`` (its records share the
+group's key, so the partition), keeping only that session's turns — the first copy of
+each turn id, at most ``worker.session_max_turns`` — and decoding only the ``turn`` and
+``end`` records in between (the kind header says which, before the value is decoded).
+Memory is bounded by the session; time by the records between its first turn and its
+end.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from aiokafka import AIOKafkaConsumer
@@ -41,16 +49,23 @@ from infra.experiments import trajectories_topic
 from infra.kafka import make_consumer
 from infra.retry import RetryPolicy, is_retriable
 from infra.schema import (
+    STREAM_KINDS,
+    TRAJECTORY_KINDS,
     GroupVerdict,
+    Interaction,
+    InvalidMessage,
     NotConcatExport,
     ReadyTrajectory,
     SchemaError,
+    SessionEnd,
     SessionResult,
+    SessionTurn,
     TokenRef,
     TokenTurn,
     TrajectoryChunk,
     compact_turns,
     decode_message,
+    streamed_trajectory,
 )
 
 __all__ = [
@@ -81,6 +96,11 @@ v3, KIP-74; the embedded broker too), so a small limit costs no correctness, onl
 round trip more when the wanted records span batches."""
 
 
+_ALL_KINDS = TRAJECTORY_KINDS + STREAM_KINDS
+"""What a wanted record may be: a ``ready`` record, a chunked one's first chunk, or a
+streamed session's first ``turn``."""
+
+
 @dataclass(frozen=True)
 class Wanted:
     """One member whose turns are wanted: its record, and whose it must be."""
@@ -89,6 +109,16 @@ class Wanted:
     offset: int
     trajectory_id: str
     group_id: str = ""
+
+
+@dataclass(slots=True)
+class _Session:
+    """A streamed session being read back: its first turn's offset, whose member it is,
+    and the first copy of each of its turns read so far (log order)."""
+
+    first: int
+    wants: list[Wanted]
+    turns: dict[str, Interaction] = field(default_factory=dict)
 
 
 def unavailable(result: SessionResult, topic: str, partition: int, offset: int) -> SessionResult:
@@ -159,7 +189,8 @@ def resolve_verdict(verdict: GroupVerdict, turns: Turns, topic: str) -> GroupVer
 
 
 class TrajectoryReader:
-    """Reads ``ready`` trajectories back from the trajectories topic at record coordinates.
+    """Reads members back from the trajectories topic at record coordinates: a ``ready``
+    record, a chunked one from its first chunk, a streamed session from its first ``turn``.
 
     One unassigned consumer (no group, no commits), created on first use and shared by
     sequential reads (a lock keeps them one at a time). Returns compact turns by
@@ -225,20 +256,22 @@ class TrajectoryReader:
         todo = sorted(wanted)
         assembler: ChunkAssembler[int] = ChunkAssembler()
         chunked: dict[tuple[str, str], int] = {}  # (group, trajectory) -> first chunk's (wanted) offset
+        streamed: dict[tuple[str, str], _Session] = {}  # (group, trajectory) -> the session read so far
         position = todo[0]
         reader.seek(tp, position)
         i = 0  # todo[i] is the next wanted offset not yet reached
         deadline = time.monotonic() + timeout_s
         fresh, empty_polls = False, 0  # the high watermark is this scan's once a fetch brought records
-        while i < len(todo) or chunked:
+        while i < len(todo) or chunked or streamed:
+            following = bool(chunked or streamed)  # trajectories whose later records are still to come
             high = reader.highwater(tp)
-            if fresh and high is not None and not chunked and todo[i] >= high:
+            if fresh and high is not None and not following and todo[i] >= high:
                 self._gone(tp, [w for o in todo[i:] for w in wanted[o]], f"past the end of the log (@{high})")
                 return
             # Every record a poll brought is read before the next poll, so records between
             # here and the next wanted one are not fetched yet: a seek skips them for free,
             # reading through costs a round trip per batch (fetches of at most FETCH_BYTES).
-            if not chunked and todo[i] > position:
+            if not following and todo[i] > position:
                 position = todo[i]
                 reader.seek(tp, position)
             batch = await reader.getmany(tp, timeout_ms=200, max_records=500)
@@ -255,6 +288,14 @@ class TrajectoryReader:
                             tp.topic,
                             tp.partition,
                             first,
+                        )
+                    for key, session in streamed.items():
+                        log.error(
+                            "trajectory %s: its turns from %s:%d@%d have no end before the end of the log",
+                            key[1],
+                            tp.topic,
+                            tp.partition,
+                            session.first,
                         )
                     return
                 if time.monotonic() > deadline:  # a broker outage: transient for the caller
@@ -275,20 +316,86 @@ class TrajectoryReader:
                 is_wanted = i < len(todo) and todo[i] == record.offset
                 if is_wanted:
                     i += 1
-                elif not chunked:
+                elif not (chunked or streamed):
                     continue
+                # A record that is not wanted is decoded only if it is of a kind being
+                # followed: the header says which before the value is decoded.
+                followed = (("chunk",) if chunked else ()) + (STREAM_KINDS if streamed else ())
+                kinds = _ALL_KINDS if is_wanted else followed
                 try:
-                    message = decode_message(record.value, record.headers)
+                    message = decode_message(record.value, record.headers, kinds=kinds)
                 except SchemaError as exc:
                     if is_wanted:
                         log.error("record %s:%d@%d no longer decodes: %s", tp.topic, tp.partition, record.offset, exc)
                     continue
                 if isinstance(message, TrajectoryChunk):
                     self._add_chunk(tp, record.offset, message, is_wanted, chunked, assembler, wanted, out)
+                elif isinstance(message, (SessionTurn, SessionEnd)):
+                    self._add_streamed(tp, record.offset, message, is_wanted, streamed, wanted, out)
                 elif is_wanted:
                     self._keep(tp, record.offset, wanted[record.offset], message, out)
-                if i >= len(todo) and not chunked:
+                if i >= len(todo) and not (chunked or streamed):
                     break
+
+    def _add_streamed(
+        self,
+        tp: TopicPartition,
+        offset: int,
+        message: SessionTurn | SessionEnd,
+        is_wanted: bool,
+        streamed: dict[tuple[str, str], _Session],
+        wanted: dict[int, list[Wanted]],
+        out: Turns,
+    ) -> None:
+        """Follow a streamed session whose first ``turn`` is wanted; keep it at its ``end``.
+
+        ``streamed`` holds the sessions being followed. The session is what the worker that
+        scored its end parked: the first copy of each turn id in log order (a later copy
+        is a producer's retry; one with other content rejected the group), up to the
+        session's first ``end`` — turned into the ``ready`` form by
+        :func:`~infra.schema.streamed_trajectory`, the worker's own definition, so the
+        turns are the scored member's. At most ``worker.session_max_turns`` turns are kept
+        (the worker refuses more): past that, or when the turns and the end do not form a
+        session, the member cannot be read back.
+        """
+        key = (message.group_id, message.trajectory_id)
+        session = streamed.get(key)
+        if is_wanted:
+            wants = wanted[offset]
+            mine = [w for w in wants if w.trajectory_id == message.trajectory_id]
+            if isinstance(message, SessionTurn) and session is None and mine:
+                session = streamed[key] = _Session(offset, mine)
+                wants = [w for w in wants if w not in mine]
+            for w in wants:  # an end, another trajectory's turn, or a later turn of a session followed
+                log.error(
+                    "group=%s: record %s:%d@%d is not the first turn of trajectory %s",
+                    w.group_id,
+                    tp.topic,
+                    tp.partition,
+                    offset,
+                    w.trajectory_id,
+                )
+        if session is None:
+            return
+        if isinstance(message, SessionEnd):
+            del streamed[key]
+            try:
+                whole = streamed_trajectory(list(session.turns.values()), message)
+            except InvalidMessage as exc:
+                log.error("session from %s:%d@%d does not read back: %s", tp.topic, tp.partition, session.first, exc)
+                return
+            self._keep(tp, session.first, session.wants, whole, out)
+            return
+        session.turns.setdefault(message.interaction.interaction_id, message.interaction)
+        if len(session.turns) > self.cfg.worker.session_max_turns:
+            del streamed[key]
+            log.error(
+                "session from %s:%d@%d has more than %d turns (worker.session_max_turns)",
+                tp.topic,
+                tp.partition,
+                session.first,
+                self.cfg.worker.session_max_turns,
+            )
 
     def _add_chunk(
         self,

@@ -142,15 +142,18 @@ class DecideOutcome(StrEnum):
 
 
 STREAMED_PARTITION = -2
-"""The ``partition`` of a streamed session's member: no one record holds it (its turns come
-from the memory of the worker that scored its ``end``), unlike -1, a record not located."""
+"""The ``partition`` of a streamed session's member whose first ``turn`` record is not known
+(parked by a worker that did not record it): its turns come only from the memory of the
+worker that scored its ``end``, unlike -1, a record not located. A streamed member is
+otherwise parked at its first ``turn`` record (:mod:`scoring_workers.tokens`)."""
 
 
 class ParkedMember(msgspec.Struct, frozen=True, array_like=True):
     """A member as parked: its scoring result without token turns, and where its record is.
 
     ``partition``/``offset`` locate the member's ``ReadyTrajectory`` in the trajectories
-    topic (-1 when unknown; :data:`STREAMED_PARTITION` for a streamed session's member).
+    topic (a chunked one's first chunk, a streamed session's first ``turn``; -1 when
+    unknown; :data:`STREAMED_PARTITION` for a streamed member whose first turn is not known).
     """
 
     result: SessionResult

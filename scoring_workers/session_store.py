@@ -11,7 +11,12 @@ keeps the session in the group's slot), one hash ``<prefix>:{G}:s:<trajectory_id
 * ``r:<interaction_id>:<child_id>`` -> the streamable scorers' results for the turn, as
   computed when that child brought its next state (:mod:`scoring_workers.prm.streamed`);
 * ``last`` — epoch ms of the last record; ``sid`` and ``size`` — the session id and its
-  group's size (to answer the group if the session goes idle).
+  group's size (to answer the group if the session goes idle);
+* ``at`` — ``<partition>:<offset>`` of the session's first ``turn`` record in the
+  trajectories topic, set when that turn is parked: the coordinates its member is parked
+  at, from which any worker or verdict reader reads the session back
+  (:mod:`infra.readback`) — so the hash can go once the member is parked, and Redis holds
+  no token turns of ended sessions.
 
 A repeated turn (same id, same bytes: a producer retry, a replay) is a duplicate and
 changes nothing; the same id with other bytes is a conflict (the session is not one
@@ -41,14 +46,14 @@ from infra.redis import RedisClient, reply_hash, reply_members, reply_text
 from infra.schema import Interaction
 from scoring_workers.prm.streamed import StreamedResult, decode_results
 
-__all__ = ["SessionStore", "TurnOutcome", "ParkedSession", "session_key"]
+__all__ = ["SessionStore", "TurnOutcome", "ParkedSession", "Coords", "session_key"]
 
 _INTERACTION = msgspec.msgpack.Decoder(Interaction)
 _ENCODER = msgspec.msgpack.Encoder()
 _INDEX_MEMBER = msgspec.msgpack.Decoder(tuple[str, str])
 
 # park a turn: KEYS[1] = the session hash; ARGV = interaction_id, bytes, now_ms, ttl_s, max_turns,
-# session_id, group_size
+# session_id, group_size, the turn record's "<partition>:<offset>" ('' when unknown)
 _PARK_TURN = """
 local S = KEYS[1]
 local iid, raw = ARGV[1], ARGV[2]
@@ -61,9 +66,14 @@ local n = tonumber(redis.call('HGET', S, 'n') or '0')
 if n >= tonumber(ARGV[5]) then return {'full', n} end
 n = n + 1
 redis.call('HSET', S, 'n', n, 'i:' .. iid, n, 't:' .. n, raw, 'last', ARGV[3], 'sid', ARGV[6], 'size', ARGV[7])
+if n == 1 and ARGV[8] ~= '' then redis.call('HSET', S, 'at', ARGV[8]) end
 redis.call('EXPIRE', S, ARGV[4])
 return {'parked', n}
 """
+
+
+Coords = tuple[int, int]
+"""A record's ``(partition, offset)`` in the trajectories topic."""
 
 
 class TurnOutcome(StrEnum):
@@ -85,6 +95,7 @@ class ParkedSession:
     turns: list[Interaction] = field(default_factory=list)
     results: list[StreamedResult] = field(default_factory=list)
     judged: set[tuple[str, str]] = field(default_factory=set)  # (turn, child) pairs with parked results
+    at: Coords | None = None  # the first turn's record (None: parked without its coordinates)
 
 
 class SessionStore:
@@ -103,13 +114,31 @@ class SessionStore:
         return session_key(self.prefix, group, trajectory_id)
 
     async def park_turn(
-        self, group: str, trajectory_id: str, turn: Interaction, *, session_id: str, group_size: int
+        self,
+        group: str,
+        trajectory_id: str,
+        turn: Interaction,
+        *,
+        session_id: str,
+        group_size: int,
+        at: Coords | None = None,
     ) -> tuple[TurnOutcome, int]:
-        """Park ``turn`` (as received) unless it is there; ``(outcome, its arrival number)``."""
+        """Park ``turn`` (as received) unless it is there; ``(outcome, its arrival number)``.
+        ``at``: the turn record's coordinates, kept when it is the session's first turn."""
         now = _now_ms()
+        where = "" if at is None else f"{at[0]}:{at[1]}"
         outcome, k = await self._park(
             keys=[self.key(group, trajectory_id)],
-            args=[turn.interaction_id, _ENCODER.encode(turn), now, self.ttl_s, self.max_turns, session_id, group_size],
+            args=[
+                turn.interaction_id,
+                _ENCODER.encode(turn),
+                now,
+                self.ttl_s,
+                self.max_turns,
+                session_id,
+                group_size,
+                where,
+            ],
         )
         result = TurnOutcome(outcome.decode() if isinstance(outcome, bytes) else outcome)
         if result is TurnOutcome.PARKED:
@@ -139,8 +168,14 @@ class SessionStore:
                 session.results += decode_results(value)
                 turn, _, child = name[2:].partition(":")
                 session.judged.add((turn, child))
+            elif name == "at":
+                session.at = _coords(value)
         session.turns = [turns[k] for k in sorted(turns)]
         return session
+
+    async def first_record(self, group: str, trajectory_id: str) -> Coords | None:
+        """Where the session's first turn is in the trajectories topic (None: not known)."""
+        return _coords(await self.redis.hget(self.key(group, trajectory_id), "at"))
 
     async def drop(self, group: str, trajectory_id: str) -> None:
         """Forget a session whose member is parked (its end was scored or it was answered idle)."""
@@ -175,6 +210,14 @@ class SessionStore:
         await self.redis.zadd(
             self.index_key, {_ENCODER.encode((group, trajectory_id)): now_ms + int(self.idle_s * 1000)}
         )
+
+
+def _coords(raw: bytes | None) -> Coords | None:
+    """``b"<partition>:<offset>"`` as written by the park script (None when absent)."""
+    if not raw:
+        return None
+    partition, _, offset = raw.decode().partition(":")
+    return int(partition), int(offset)
 
 
 def _now_ms() -> int:

@@ -21,7 +21,7 @@ from infra.config import PipelineConfig
 from infra.schema import InvalidMessage, ReadyTrajectory, SessionResult
 from scoring_workers.fleet import Experiment
 from scoring_workers.jobs import EndJob, TurnJob
-from scoring_workers.ledger import STREAMED_PARTITION, Ledger, ProbeOutcome
+from scoring_workers.ledger import Ledger, ProbeOutcome
 from scoring_workers.prm.streamed import Reuse
 from scoring_workers.session_store import TurnOutcome
 from scoring_workers.settling import Settler
@@ -69,7 +69,9 @@ class StreamedRecords:
             self.settler.acknowledged(job, duplicate=probe is ProbeOutcome.DUPLICATE, at_park=False)
             return
         try:
-            outcome = await self.streams.add_turn(group, turn, experiment.runner)
+            outcome = await self.streams.add_turn(
+                group, turn, experiment.runner, at=(job.record.partition, job.record.offset)
+            )
         except InvalidMessage as exc:
             await self.settler.dead_letter(job.record, exc, job.attempt, group_id=group)
             return
@@ -96,8 +98,9 @@ class StreamedRecords:
                 return
             job.result = await self._score(traj, experiment, reuse)
             self._tokens.remember(group, end.trajectory_id, job.result.turns)
-        # no record holds a streamed member whole: its token turns come from this worker's memory
-        await self.settler.park(job, end.group_size, experiment, STREAMED_PARTITION, -1)
+        # parked at its first turn's record: any worker can read the session back from there
+        coords = await self.streams.member_coords(group, end.trajectory_id)
+        await self.settler.park(job, end.group_size, experiment, *coords)
         if self._samples is not None:
             await self._samples.ended(group, end, self.streams.last_turns(group, end.trajectory_id))
         await self.streams.close(group, end.trajectory_id)

@@ -13,7 +13,9 @@ any other job. This module holds what they need between records:
 * :meth:`SessionStreams.ended` waits for the session's judge calls still running here,
   rebuilds the ``ready`` form (:func:`infra.schema.streamed_trajectory`) and returns it
   with the streamed results (:class:`~scoring_workers.prm.streamed.Reuse`), which the
-  worker scores and parks exactly as a ``ready`` member.
+  worker scores and parks exactly as a ``ready`` member, at the coordinates of the
+  session's first ``turn`` record (:meth:`SessionStreams.member_coords`): any worker, and
+  any verdict reader, can read the session back from there (:mod:`infra.readback`).
 
 A worker that did not see the session's earlier turns (a takeover after a crash or a
 rebalance) loads them, and the results parked so far, from Redis; a judge call that was
@@ -34,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infra.schema import Interaction, InvalidMessage, ReadyTrajectory, SessionEnd, SessionTurn, streamed_trajectory
+from scoring_workers.ledger import STREAMED_PARTITION
 from scoring_workers.open_sessions import OpenSession
 from scoring_workers.prm import ScoringRunner
 from scoring_workers.prm.streamed import Reuse, StreamedResult
-from scoring_workers.session_store import SessionStore, TurnOutcome
+from scoring_workers.session_store import Coords, SessionStore, TurnOutcome
 
 __all__ = ["SessionStreams", "DEFAULT_MAX_OPEN", "Judged"]
 
@@ -60,6 +63,7 @@ class _Open:
     running: set[asyncio.Task[None]] = field(default_factory=set)
     frozen: dict[str, Any] = field(default_factory=dict)  # the runner's message cache, kept across turns
     numbers: dict[str, int] = field(default_factory=dict)  # turn id -> 1, 2, ... in arrival order
+    at: Coords | None = None  # the first turn's record, once known
 
 
 class SessionStreams:
@@ -95,15 +99,18 @@ class SessionStreams:
                 list(parked.results),
                 set(parked.judged),
                 numbers={t.interaction_id: k for k, t in enumerate(parked.turns, 1)},
+                at=parked.at,
             )
             self._open[key] = state
             while len(self._open) > self.max_open:
                 self._open.popitem(last=False)  # its judge tasks run on; their results are parked
         return state
 
-    async def add_turn(self, group: str, turn: SessionTurn, runner: ScoringRunner | None) -> TurnOutcome:
-        """Park ``turn`` and start judging its parent. ``DUPLICATE``: parked before, nothing
-        to do. Raises :class:`InvalidMessage` for a turn that does not continue its session
+    async def add_turn(
+        self, group: str, turn: SessionTurn, runner: ScoringRunner | None, *, at: Coords | None = None
+    ) -> TurnOutcome:
+        """Park ``turn`` (its record at ``at``) and start judging its parent. ``DUPLICATE``:
+        parked before, nothing to do. Raises :class:`InvalidMessage` for a turn that does not continue its session
         (the worker dead-letters it; its group is rejected) or one over
         ``worker.session_max_turns``."""
         state = await self._get(group, turn.trajectory_id, turn.session_id)
@@ -118,7 +125,7 @@ class SessionStreams:
         full = state.session.add(it)  # InvalidMessage: not the session's next turn; nothing kept
         try:
             outcome, number = await self.store.park_turn(
-                group, turn.trajectory_id, it, session_id=turn.session_id, group_size=turn.group_size
+                group, turn.trajectory_id, it, session_id=turn.session_id, group_size=turn.group_size, at=at
             )
         except BaseException:
             # Not durable: forget the session here, so the retry (or the next record) reloads
@@ -136,6 +143,8 @@ class SessionStreams:
                 f"session {turn.session_id!r}: more than {self.store.max_turns} turns (worker.session_max_turns)"
             )
         state.numbers[it.interaction_id] = number
+        if outcome is TurnOutcome.PARKED and number == 1:
+            state.at = at  # as the store keeps it: a later copy of the first turn does not move it
         if it.parent_id is not None and runner is not None and runner.streams:
             self._judge(group, turn, state, it.parent_id, full, runner)
         return outcome
@@ -188,6 +197,15 @@ class SessionStreams:
             raise InvalidMessage(f"session {end.session_id!r} ended without a turn")
         traj = streamed_trajectory(list(state.session.compact.values()), end)
         return traj, Reuse(state.results)
+
+    async def member_coords(self, group: str, trajectory_id: str) -> Coords:
+        """Where the ended session's member is parked: its first ``turn`` record, from which
+        :mod:`infra.readback` reads the session back; ``(STREAMED_PARTITION, -1)`` for a session
+        whose first turn was parked without its coordinates (its turns then come only from the
+        memory of the worker that scored its end)."""
+        state = self._open.get((group, trajectory_id))
+        at = state.at if state is not None else await self.store.first_record(group, trajectory_id)
+        return at if at is not None else (STREAMED_PARTITION, -1)
 
     def last_turns(self, group: str, trajectory_id: str) -> list[tuple[Interaction, int]]:
         """The leaves of a session held here (full form, with their numbers): its last turns."""

@@ -15,10 +15,15 @@ for outages). A record that is gone anyway (deleted by retention, topic recreate
 cannot be trained on: its member is published ``failed`` with ``tokens_unavailable``.
 
 A streamed session's member (``turn`` records and an ``end``) is held by no one record:
-it is parked at :data:`~scoring_workers.ledger.STREAMED_PARTITION`, and its turns come from
-the memory of the worker that scored its end — the worker that decides the group, unless a rebalance or a crash came in
-between (then the member is published ``failed`` with ``tokens_unavailable``, never
-without its turns).
+it is parked at its first ``turn`` record's coordinates (kept in the session's Redis hash
+when that turn was parked, :mod:`scoring_workers.session_store`), and reading it back reads
+on from there until its ``end``, rebuilding the ``ready`` form the worker scored
+(:func:`infra.schema.streamed_trajectory`). So a rebalance or a crash between a session's
+end and its group's decision costs a read, not the member, and Redis holds no token turns
+of ended sessions. Only a session whose first turn was parked without its coordinates (by
+an older worker) is parked at :data:`~scoring_workers.ledger.STREAMED_PARTITION`: its turns
+come from the memory of the worker that scored its end, or the member is published
+``failed`` with ``tokens_unavailable``.
 
 The read-back itself lives in :mod:`infra.readback`: verdict readers use the same code
 (and the same ``tokens_unavailable`` rule) for verdicts published with
@@ -144,8 +149,9 @@ class MemberTokens:
 
     @staticmethod
     def _streamed(p: ParkedMember) -> bool:
-        """A scored streamed member: no one record holds it (parked at ``STREAMED_PARTITION``), so
-        its turns come from the memory of the worker that ended it, or not at all."""
+        """A scored streamed member parked without its first turn's coordinates (at
+        ``STREAMED_PARTITION``): its turns come from the memory of the worker that ended it,
+        or not at all."""
         return p.result.status == "scored" and not p.result.turns and p.partition == STREAMED_PARTITION
 
     async def aclose(self) -> None:

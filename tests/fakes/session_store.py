@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from infra.schema import Interaction
 from scoring_workers.prm.streamed import StreamedResult
-from scoring_workers.session_store import ParkedSession, TurnOutcome
+from scoring_workers.session_store import Coords, ParkedSession, TurnOutcome
 
 
 @dataclass
@@ -26,6 +26,7 @@ class FakeSession:
     last: float = field(default_factory=time.time)  # when its last record came (epoch seconds)
     turns: dict[str, Interaction] = field(default_factory=dict)  # arrival order
     results: list[StreamedResult] = field(default_factory=list)
+    at: Coords | None = None  # the first turn's record
 
 
 class FakeSessionStore:
@@ -40,7 +41,7 @@ class FakeSessionStore:
         self.dropped: list[tuple[str, str]] = []
 
     async def park_turn(
-        self, group: str, trajectory_id: str, turn: Interaction, *, session_id: str, group_size: int
+        self, group: str, trajectory_id: str, turn: Interaction, *, session_id: str, group_size: int, at: Coords | None = None
     ) -> tuple[TurnOutcome, int]:
         session = self.sessions.setdefault((group, trajectory_id), FakeSession(session_id, group_size))
         if (parked := session.turns.get(turn.interaction_id)) is not None:
@@ -48,6 +49,8 @@ class FakeSessionStore:
             return (TurnOutcome.DUPLICATE if parked == turn else TurnOutcome.CONFLICT), k
         if len(session.turns) >= self.max_turns:
             return TurnOutcome.FULL, len(session.turns)
+        if not session.turns:
+            session.at = at
         session.turns[turn.interaction_id] = turn
         session.last = time.time()
         self.index[(group, trajectory_id)] = session.last + self.idle_s
@@ -63,7 +66,11 @@ class FakeSessionStore:
         session = self.sessions.get((group, trajectory_id))
         if session is None:
             return ParkedSession()
-        return ParkedSession(turns=list(session.turns.values()), results=list(session.results))
+        return ParkedSession(turns=list(session.turns.values()), results=list(session.results), at=session.at)
+
+    async def first_record(self, group: str, trajectory_id: str) -> Coords | None:
+        session = self.sessions.get((group, trajectory_id))
+        return None if session is None else session.at
 
     async def drop(self, group: str, trajectory_id: str) -> None:
         self.sessions.pop((group, trajectory_id), None)

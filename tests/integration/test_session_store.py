@@ -83,3 +83,15 @@ async def test_idle_sessions_are_indexed_and_dropped_sessions_leave_the_index(st
     assert await store.redis.ttl(store.key("g", "a")) > 30
     await store.drop("g", "a")
     assert await store.due() == [] and await store.idle("g", "a") is None
+
+
+async def test_the_first_turn_s_record_is_kept_for_reading_the_session_back(store: SessionStore) -> None:
+    turns, _ = compact_turns(3)
+    assert await store.first_record("g", "t") is None
+    await store.park_turn("g", "t", turns[0], session_id="s", group_size=1, at=(1, 40))
+    await store.park_turn("g", "t", turns[0], session_id="s", group_size=1, at=(1, 45))  # a later copy
+    await store.park_turn("g", "t", turns[1], session_id="s", group_size=1, at=(1, 50))
+    assert await store.first_record("g", "t") == (1, 40)
+    assert (await store.load("g", "t")).at == (1, 40)
+    await store.park_turn("g", "u", turns[0], session_id="s", group_size=1)  # parked without coordinates
+    assert await store.first_record("g", "u") is None

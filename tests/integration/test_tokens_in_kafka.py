@@ -346,3 +346,100 @@ async def test_a_read_back_fetches_the_batch_it_needs_not_the_log_after_it(kafka
     # two groups with five between them in one read: the gap is skipped, not read through
     apart = await read_back(2, 8)
     assert apart.bytes_fetched <= 3 * group_bytes, (apart.bytes_fetched, group_bytes)
+
+
+# --------------------------------------------------------------------------- streamed sessions
+async def test_a_streamed_member_is_read_back_from_its_first_turn_to_its_end(kafka_bootstrap, redis_url) -> None:
+    """A streamed member names its first ``turn`` record: the reader follows its session through
+    the records of others (another session of the group, a ready record, a producer's repeated
+    turn) to its ``end``, with the turns its ``ready`` form gives. A session with no end in the
+    log, and a wanted offset that is not a session's first turn, cannot be read back."""
+    from infra.kafka import make_producer
+    from infra.schema import SessionTurn, decode_message, stream_session
+    from tests.integration.harness import read_topic
+
+    cfg = _config(kafka_bootstrap, redis_url)
+    cfg = msgspec.structs.replace(cfg, topics=msgspec.structs.replace(cfg.topics, partitions=1))
+    await ensure_topics(cfg.kafka, cfg.topics)
+    gid = f"streamback-{uuid.uuid4().hex[:6]}"
+    a, b, c, d = make_group(gid, 4, turns=4, output_tokens=(16, 48))
+    (a_turns, a_end), (b_turns, b_end), (d_turns, _) = stream_session(a), stream_session(b), stream_session(d)
+    async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:  # compact per turn, as producers send them
+        for message in (a_turns[0], b_turns[0], a_turns[1], d_turns[0], c, *b_turns[1:], b_end, d_turns[1]):
+            await pub.publish(message)
+        await pub.flush()
+        records = await read_topic(cfg, cfg.topics.trajectories)
+        repeated = records[2]  # a's second turn, sent again as it was (a producer's retry)
+        producer = make_producer(cfg.kafka)
+        await producer.start()
+        try:
+            await producer.send_and_wait(
+                cfg.topics.trajectories, repeated.value, key=repeated.key, headers=list(repeated.headers)
+            )
+        finally:
+            await producer.stop()
+        for message in (*a_turns[2:], a_end):
+            await pub.publish(message)
+    messages = [decode_message(r.value, r.headers, kinds=("ready", "turn", "end")) for r in records]
+    assert isinstance(messages[2], SessionTurn) and messages[2].trajectory_id == a.trajectory_id
+
+    def first_turn(traj: ReadyTrajectory) -> int:
+        return next(
+            r.offset
+            for r, m in zip(records, messages)
+            if isinstance(m, SessionTurn) and m.trajectory_id == traj.trajectory_id
+        )
+
+    reader = TrajectoryReader(cfg)
+    try:
+        turns = await reader.read(
+            [
+                Wanted(0, first_turn(a), a.trajectory_id, gid),
+                Wanted(0, first_turn(b), b.trajectory_id, gid),
+                Wanted(0, first_turn(d), d.trajectory_id, gid),  # never ends
+                Wanted(0, records[2].offset, a.trajectory_id, gid),  # a's second turn, not its first
+            ]
+        )
+    finally:
+        await reader.aclose()
+    assert turns[(0, first_turn(a), a.trajectory_id)] == compact_turns(a.interactions)
+    assert turns[(0, first_turn(b), b.trajectory_id)] == compact_turns(b.interactions)
+    assert set(turns) == {(0, first_turn(a), a.trajectory_id), (0, first_turn(b), b.trajectory_id)}
+
+
+async def test_reference_verdicts_name_a_streamed_member_s_first_turn(kafka_bootstrap, redis_url) -> None:
+    """With ``reference`` a streamed member's verdict names its first ``turn`` record, and every
+    verdict reader reads back the turns its ``ready`` form gives."""
+    from infra.readback import VerdictTokens
+    from infra.schema import decode_verdict, stream_session
+    from tests.integration.harness import read_topic
+
+    cfg = _reference_config(kafka_bootstrap, redis_url)
+    await ensure_topics(cfg.kafka, cfg.topics)
+    group = make_group(f"refstream-{uuid.uuid4().hex[:6]}", 2, turns=3, output_tokens=(64, 128))
+    gid = group[0].group_id
+    async with running_worker(cfg, "w-ref"):
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            for traj in group:
+                turns, end = stream_session(traj)
+                for message in (*turns, end):
+                    await pub.publish(message)
+        await wait_for_verdicts(cfg, [gid], timeout_s=30)
+    (record,) = [r for r in await read_topic(cfg, cfg.topics.verdicts) if r.key == gid.encode()]
+    raw = decode_verdict(record.value, record.headers)
+    firsts = {}
+    for r in await read_topic(cfg, cfg.topics.trajectories):
+        firsts.setdefault(msgspec.msgpack.decode(r.value)["trajectory_id"], (r.partition, r.offset))
+    assert raw.status == "accepted", raw.reason
+    for s in raw.sessions:
+        assert s.turns == [] and s.tokens_at is not None
+        assert (s.tokens_at.partition, s.tokens_at.offset) == firsts[s.trajectory_id]
+    tokens = VerdictTokens(cfg)
+    try:
+        resolved = await tokens.resolve_one(raw)
+    finally:
+        await tokens.aclose()
+    by_id = {t.trajectory_id: t for t in group}
+    assert resolved.status == "accepted"
+    for s in resolved.sessions:
+        assert s.tokens_at is None and s.turns == compact_turns(by_id[s.trajectory_id].interactions)

@@ -13,7 +13,7 @@ from typing import Any
 
 from infra.schema import Interaction, SessionEnd, SessionTurn, stream_session
 from prm_pipeline.demo.synthetic import make_session
-from scoring_workers.ledger import STREAMED_PARTITION, DecisionKind, ParkedMember
+from scoring_workers.ledger import DecisionKind, ParkedMember
 from scoring_workers.streams import SessionStreams
 from scoring_workers.worker import Worker
 from tests.fakes.ledger import FakeGroup, FakeLedger
@@ -54,7 +54,7 @@ async def test_a_session_is_parked_turn_by_turn_then_scored_at_its_end_like_a_re
     await _poll(worker, [end], first=2)
     assert runner.ran == ["a"] and producer.sent == []
     parked = ledger.groups["g"].members["a"]
-    assert (parked.partition, parked.offset) == (STREAMED_PARTITION, -1)  # no record holds the member whole
+    assert (parked.partition, parked.offset) == (0, 0)  # at its first turn's record: any worker reads it back
     assert store.dropped == [("g", "a")] and [(g, t) for g, t, _ in samples.sessions] == [("g", "a")]
     await _poll(worker, [_member("g", "b")], first=3)
     (verdict,) = producer.verdicts()
