@@ -423,6 +423,8 @@ def _declared_shaping(cfg: PipelineConfig) -> PipelineConfig:
 
     experiment = cfg.trainer.experiment
     spec = asyncio.run(declared_experiment(cfg, experiment))  # UnknownExperiment: one line, exit 2
+    if spec is None:  # the default experiment: no declaration, the config file's shaping
+        return cfg
     shaping = spec.prm.advantage_shaping
     log.info("experiment %s: shaping as declared in the registry: %s", experiment, shaping)
     agent = msgspec.structs.replace(cfg.rollout.agent, prm=msgspec.structs.replace(cfg.prm, advantage_shaping=shaping))
