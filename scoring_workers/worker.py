@@ -688,6 +688,8 @@ class Worker:
                 await self.streams.close(group, end.trajectory_id)
                 return
             job.result = await self._score(traj, experiment, reuse)
+            if self._samples is not None:  # its turns went out as online samples: online trainers have them
+                job.result = msgspec.structs.replace(job.result, online_samples=True)
             self._tokens.remember(group, end.trajectory_id, job.result.turns)
         # no record holds a streamed member whole: its token turns come from this worker's memory
         await self._park(job, end.group_size, experiment, STREAMED_PARTITION, -1)
