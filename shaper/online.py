@@ -33,7 +33,6 @@ Redelivered samples (at-least-once) get the decision they got the first time.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,7 +255,6 @@ class TurnSampleConsumer(VerdictConsumer):
         )
         self.topic = turn_samples_topic(cfg.topics.turn_samples, self.experiment)
         self.rule = rule or OnlineTurnRule()
-        self.latest_lag_s = 0.0  # judged -> read, of the latest sample (clock of the judging worker)
 
     async def start(self) -> None:
         await ensure_topics(self.cfg.kafka, self.cfg.topics, [self.topic])
@@ -289,14 +287,14 @@ class TurnSampleConsumer(VerdictConsumer):
             return None
         if sample.experiment_id != self.experiment:
             m.count("turn_samples/wrong_experiment")
-            log.warning(
-                "turn sample of experiment %r at %s:%d offset %d skipped: this trainer trains %r",
-                sample.experiment_id,
-                *_where(record),
-                self.experiment,
-            )
+            if self._wrong_experiment_warning.due():
+                log.warning(
+                    "turn sample of experiment %r at %s:%d offset %d skipped: this trainer trains %r",
+                    sample.experiment_id,
+                    *_where(record),
+                    self.experiment,
+                )
             return None
-        self.latest_lag_s = max(0.0, time.time() - sample.judged_at) if sample.judged_at else 0.0
         decision = self.rule.decide(sample)
         key = sample_key(sample)
         if self._is_duplicate(key):
