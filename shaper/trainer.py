@@ -24,6 +24,11 @@ Two trainer-side options change what goes into steps 1 and 3 (``trainer:`` confi
   (:mod:`shaper.combined`) of two scorers' channels instead of the summed token
   rewards; ``advantage_shaping.mode`` still decides how that signal is folded in.
 
+OpenClaw-RL's online mode (``trainer.online_samples`` with ``recipe: openclaw_turns``)
+adds a second source: the workers' turn samples (:class:`shaper.online.TurnSampleConsumer`),
+each trainable as it arrives, before its session ends, and shaped by :func:`shape_samples`;
+verdict members whose turns came that way are left out of their groups (docs/trainer.md).
+
 It then reports one line per step. The optimiser step is the caller's ``update``
 callback (the demo passes :class:`prm_pipeline.demo.policy_update.PolicyUpdate`, PPO-clip on a
 real model); without one the loop only shapes (see ``docs/trainer.md``).
