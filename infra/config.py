@@ -480,12 +480,22 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fr
     # prm.verdicts.<experiment> (the default experiment keeps prm.verdicts), and the
     # RewardClient-based integrations and the gateway publish to and wait on its topics.
     experiment: str = DEFAULT_EXPERIMENT
+    # OpenClaw-RL's online mode (recipe openclaw_turns only): also train on the workers' online
+    # turn samples (topics.turn_samples; workers with worker.turn_samples) as they arrive, before
+    # their sessions end; verdict members whose turns went out as samples are not trained again.
+    # docs/trainer.md, "Online mode"
+    online_samples: bool = False
 
     def __post_init__(self) -> None:
         try:
             check_experiment_id(self.experiment)
         except ValueError as exc:
             raise ConfigError(f"trainer.experiment: {exc}") from None
+        if self.online_samples and self.recipe != "openclaw_turns":
+            raise ConfigError(
+                f"trainer.online_samples trains each turn sample as its own group of one, which is "
+                f"OpenClaw-RL's recipe: it needs trainer.recipe 'openclaw_turns', got {self.recipe!r}"
+            )
         if self.recipe not in RECIPES:
             raise ConfigError(f"trainer.recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
         combined = None

@@ -1053,6 +1053,11 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # turns): the member's record instead of ``turns``
     # (omitted otherwise, so inline verdicts encode as before it existed).
     tokens_at: TokenRef | None = None
+    # A streamed member scored by a worker with ``worker.turn_samples``: each of its turns went
+    # out as an online turn sample (``prm.turn-samples``), so a trainer in online mode
+    # (``trainer.online_samples``) has trained them already and leaves the member out
+    # (omitted when false, so other results encode as before it existed).
+    online_samples: bool = False
 
     @classmethod
     def failure(cls, *, code: str, detail: str, scorer: str | None = None, **fields: Any) -> SessionResult:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import msgspec
+
 from infra.config import PipelineConfig
 from infra.schema import InvalidMessage, ReadyTrajectory, SessionResult
 from scoring_workers.fleet import Experiment
@@ -97,6 +99,8 @@ class StreamedRecords:
                 await self.streams.close(group, end.trajectory_id)
                 return
             job.result = await self._score(traj, experiment, reuse)
+            if self._samples is not None:  # its turns went out as online samples: online trainers have them
+                job.result = msgspec.structs.replace(job.result, online_samples=True)
             self._tokens.remember(group, end.trajectory_id, job.result.turns)
         # parked at its first turn's record: any worker can read the session back from there
         coords = await self.streams.member_coords(group, end.trajectory_id)

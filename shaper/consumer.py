@@ -20,6 +20,13 @@ discarded groups stop here -> an accepted group is exported to concat rows
 the group and is counted) -> the configured group filter judges the complete group ->
 kept groups wait in a buffer until ``batch_groups`` of them make a batch.
 
+Online mode (``trainer.online_samples``, OpenClaw-RL's recipe only): a member marked
+``online_samples`` had each of its turns trained as an online turn sample
+(:class:`shaper.online.TurnSampleConsumer`) while its session ran, so it is left out of
+its group here (``pipeline/members/trained_online``); a group left empty adds no rows.
+OpenClaw-RL's recipe trains each turn as a group of one, so the other members' rows do
+not change.
+
 Experiments (docs/fleet.md). A consumer trains one experiment, ``trainer.experiment``:
 it reads that experiment's verdicts topic (``prm.verdicts.<experiment>``; the default
 experiment keeps ``prm.verdicts``) in the group :attr:`infra.config.TrainerConfig.consumer_group`.
@@ -305,6 +312,8 @@ class VerdictConsumer:
         if self.max_policy_lag is not None and self.max_policy_lag < 0:
             raise ConfigError(f"max_policy_lag must be >= 0 or None, got {self.max_policy_lag}")
         self.policy_version: int | None = None  # the trainer's current policy (set_policy_version)
+        # online mode: members whose turns went out as online turn samples are trained from those
+        self.skip_online_members = cfg.trainer.online_samples
         if isinstance(dedupe_store, (str, os.PathLike)):
             self._store: DedupeStore | None = SqliteDedupeStore(
                 dedupe_store, retention_s=2 * cfg.topics.retention_ms / 1000.0
@@ -677,6 +686,12 @@ class VerdictConsumer:
                 verdict.reason,
             )
             return None
+        if self.skip_online_members and any(s.online_samples for s in verdict.sessions):
+            kept = [s for s in verdict.sessions if not s.online_samples]
+            m.count("members/trained_online", len(verdict.sessions) - len(kept))
+            if not kept:
+                return None
+            verdict = msgspec.structs.replace(verdict, sessions=kept)
         if self._too_old(version):
             m.count("filter/stale")
             log.info(

@@ -24,6 +24,11 @@ Two trainer-side options change what goes into steps 1 and 3 (``trainer:`` confi
   (:mod:`shaper.combined`) of two scorers' channels instead of the summed token
   rewards; ``advantage_shaping.mode`` still decides how that signal is folded in.
 
+OpenClaw-RL's online mode (``trainer.online_samples`` with ``recipe: openclaw_turns``)
+adds a second source: the workers' turn samples (:class:`shaper.online.TurnSampleConsumer`),
+each trainable as it arrives, before its session ends, and shaped by :func:`shape_samples`;
+verdict members whose turns came that way are left out of their groups (docs/trainer.md).
+
 It then reports one line per step. The optimiser step is the caller's ``update``
 callback (the demo passes :class:`prm_pipeline.demo.policy_update.PolicyUpdate`, PPO-clip on a
 real model); without one the loop only shapes (see ``docs/trainer.md``).
@@ -107,6 +112,7 @@ class StepReport:
     seconds: float
     metrics: dict[str, float]
     update: dict[str, float] = field(default_factory=dict)  # what the ``update`` callback returned
+    source: str = "verdicts"  # or "turn_samples": online turn samples (trainer.online_samples)
 
 
 @dataclass(slots=True)
@@ -122,6 +128,7 @@ class TrainerSummary:
     mode: str = "additive"
     combined_mode: str | None = None
     exclude_neutral_turns: bool = False
+    online_samples: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -196,6 +203,19 @@ def shape_batch(
     return ShapedBatch(loss_mask=mask, token_rewards=rewards, outcome_advantages=outcome, advantages=shaped)
 
 
+def shape_samples(batch: TrainingBatch) -> ShapedBatch:
+    """A batch of online turn samples (:class:`shaper.online.TurnSampleConsumer`): OpenClaw-RL's
+    RL signal. Each row is one sample that trains, its score as token reward on its response
+    (:func:`shaper.online.export_sample`); that score is the advantage, with no outcome term
+    and no shaping — what :func:`shape_batch` gives a kept turn with ``recipe: openclaw_turns``.
+    """
+    mask = shift_token_rewards(batch.loss_mask)
+    advantages = shift_token_rewards(torch.where(batch.loss_mask, batch.token_rewards, 0.0))
+    return ShapedBatch(
+        loss_mask=mask, token_rewards=advantages, outcome_advantages=torch.zeros_like(advantages), advantages=advantages
+    )
+
+
 _DEFAULT_TRAINER = TrainerConfig()
 _DEFAULT_ACTOR = ActorConfig()
 
@@ -230,7 +250,7 @@ _HEADLINE_PARTS = ("/prm_turn_reward/", "/prm_trajectory_reward/")
 def format_step(report: StepReport, *, max_metrics: int = 4) -> str:
     """One line: step, sizes, mean advantages and the first few PRM reward metrics."""
     parts = [
-        f"step {report.step}",
+        f"step {report.step}" + ("" if report.source == "verdicts" else f" ({report.source})"),
         f"groups={report.groups}",
         f"rows={report.rows}",
         f"tokens={report.tokens}",
@@ -266,7 +286,8 @@ async def run_trainer(
     policy_version: int = 0,
     metrics_port: int | None = None,
 ) -> TrainerSummary:
-    """Consume verdicts and shape advantages until ``max_steps``, idleness or ``stop``.
+    """Consume verdicts (and, in online mode, turn samples) and shape advantages until
+    ``max_steps``, idleness or ``stop``.
 
     ``mode`` defaults to ``cfg.prm.advantage_shaping.mode`` (coefficients always come
     from there), ``device`` to ``cfg.trainer.device``. With ``idle_timeout_s``, the
@@ -275,6 +296,15 @@ async def run_trainer(
     at a normal exit; an exception (e.g. ``process_weighted`` meeting a reward outside
     ``[0, 1]``) propagates and leaves the failing batch for redelivery.
 
+    With ``trainer.online_samples`` a second source runs beside the verdicts: the online
+    turn samples (:class:`shaper.online.TurnSampleConsumer`), ``batch_groups`` samples a
+    step, shaped by :func:`shape_samples`. Each source fills its next batch while the
+    other's is stepped, steps take whichever batch is ready first, and a source asks for
+    (and so acknowledges) its next batch only after the step that used its last one;
+    a batch handed out but not stepped when the run ends stays uncommitted. With
+    ``idle_timeout_s`` each source ends after that long without records, the run when
+    both have.
+
     ``update`` is the optimiser step (e.g. :class:`prm_pipeline.demo.policy_update.PolicyUpdate`
     wrapped by the caller): it gets each batch with its shaped advantages and returns
     numbers for the step report; without it the loop shapes and reports only.
@@ -282,20 +312,29 @@ async def run_trainer(
     ``policy_version`` is the version of the policy at the start; each step makes the
     next one (or the ``policy_version`` its ``update`` returns), and the consumer's
     staleness bound (``trainer.max_policy_lag``) compares verdicts with it.
-    ``metrics_port`` serves the consumer's counters to Prometheus (:mod:`shaper.telemetry`).
+    ``metrics_port`` serves the verdict consumer's counters to Prometheus (:mod:`shaper.telemetry`).
     """
     if mode is not None and mode != cfg.prm.advantage_shaping.mode:
         cfg = with_shaping_mode(cfg, mode)
     shaping, tc = cfg.prm.advantage_shaping, cfg.trainer
-    mode = shaping.mode
     dev = resolve_device(device if device is not None else tc.device)
     summary = TrainerSummary(
-        device=str(dev), mode=mode, combined_mode=tc.combined_mode, exclude_neutral_turns=tc.exclude_neutral_turns
+        device=str(dev),
+        mode=shaping.mode,
+        combined_mode=tc.combined_mode,
+        exclude_neutral_turns=tc.exclude_neutral_turns,
+        online_samples=tc.online_samples,
     )
-    stop = stop or asyncio.Event()
     kwargs = dict(consumer_kwargs or {})
     consumer = VerdictConsumer(cfg, batch_groups=batch_groups, device=dev, dedupe_store=dedupe_store, **kwargs)
-    consumer.set_policy_version(policy_version)
+    sources = [_Source("verdicts", consumer, lambda batch: shape_batch(batch, shaping, tc, cfg.actor))]
+    if tc.online_samples:
+        from .online import TurnSampleConsumer  # the online mode's own consumer
+
+        samples = TurnSampleConsumer(cfg, batch_groups=batch_groups, device=dev)
+        sources.append(_Source("turn_samples", samples, shape_samples))
+    for source in sources:
+        source.consumer.set_policy_version(policy_version)
     telemetry = None
     if metrics_port is not None:
         from shaper.telemetry import TrainerTelemetry
@@ -304,17 +343,10 @@ async def run_trainer(
         telemetry.serve(metrics_port)
     try:
         return await _train(
-            cfg,
-            consumer,
+            sources,
             summary,
-            stop,
-            tc,
-            shaping,
-            mode,
-            max_steps,
-            idle_timeout_s,
-            update,
-            on_step,
+            stop or asyncio.Event(),
+            _Run(max_steps, idle_timeout_s, update, on_step),
             policy_version,
             telemetry,
         )
@@ -323,68 +355,160 @@ async def run_trainer(
             telemetry.close()
 
 
+@dataclass(slots=True)
+class _Source:
+    """One stream of batches of a run and how its batches are shaped."""
+
+    name: str
+    consumer: VerdictConsumer
+    shape: Callable[[TrainingBatch], ShapedBatch]
+    pending: bool = False  # a batch handed out and not yet stepped
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """What the caller asked of the run."""
+
+    max_steps: int | None
+    idle_timeout_s: float | None
+    update: Callable[[TrainingBatch, ShapedBatch], Mapping[str, float]] | None
+    on_step: Callable[[StepReport], None] | None
+
+
+_Ready = tuple[_Source, TrainingBatch, asyncio.Event]
+
+
+async def _feed(source: _Source, idle_timeout_s: float | None, ready: asyncio.Queue[_Ready]) -> None:
+    """Hand ``source``'s batches to the steps, one at a time: the next is asked for (which
+    acknowledges the last) only once the step that used the last one is done."""
+    while True:
+        batch = await source.consumer.next_batch(idle_timeout_s=idle_timeout_s)
+        if batch is None:
+            return
+        stepped = asyncio.Event()
+        source.pending = True
+        await ready.put((source, batch, stepped))
+        await stepped.wait()
+
+
 async def _train(
-    cfg: PipelineConfig,
-    consumer: VerdictConsumer,
+    sources: list[_Source],
     summary: TrainerSummary,
     stop: asyncio.Event,
-    tc: Any,
-    shaping: Any,
-    mode: str,
-    max_steps: int | None,
-    idle_timeout_s: float | None,
-    update: Callable[[TrainingBatch, ShapedBatch], Mapping[str, float]] | None,
-    on_step: Callable[[StepReport], None] | None,
+    run: _Run,
     policy_version: int,
     telemetry: Any,
 ) -> TrainerSummary:
-    async with consumer:
-        watcher = asyncio.create_task(_stop_when(stop, consumer))
+    started: list[_Source] = []
+    feeds: list[asyncio.Task[None]] = []
+    try:
+        for source in sources:
+            await source.consumer.start()
+            started.append(source)
+        ready: asyncio.Queue[_Ready] = asyncio.Queue()
+        feeds = [asyncio.create_task(_feed(source, run.idle_timeout_s, ready)) for source in sources]
+        watcher = asyncio.create_task(_stop_when(stop, [s.consumer for s in sources]))
         try:
-            while max_steps is None or summary.steps < max_steps:
-                batch = await consumer.next_batch(idle_timeout_s=idle_timeout_s)
-                if batch is None:
+            while run.max_steps is None or summary.steps < run.max_steps:
+                item = await _next_ready(ready, feeds)
+                if item is None:
                     summary.stop_reason = "stopped" if stop.is_set() else "idle"
                     break
-                t0 = time.perf_counter()
-                shaped = shape_batch(batch, shaping, tc, cfg.actor)
-                mask = shaped.loss_mask
-                stepped = dict(update(batch, shaped)) if update is not None else {}
-                report = StepReport(
-                    step=summary.steps + 1,
-                    groups=batch.num_groups,
-                    rows=batch.batch_size,
-                    tokens=int(mask.sum().item()),
-                    mean_outcome_advantage=_masked_mean(shaped.outcome_advantages, mask),
-                    mean_shaped_advantage=_masked_mean(shaped.advantages, mask),
-                    mean_token_reward=_masked_mean(shaped.token_rewards, mask),
-                    seconds=time.perf_counter() - t0,
-                    metrics=batch.metrics,
-                    update=stepped,
-                )
-                summary.steps += 1
-                policy_version = int(stepped.get("policy_version", policy_version + 1))
-                consumer.set_policy_version(policy_version)
+                source, batch, stepped = item
+                policy_version = _step(source, batch, summary, run, policy_version)
+                for s in sources:
+                    s.consumer.set_policy_version(policy_version)
                 if telemetry is not None:
                     telemetry.collector.steps = summary.steps
-                summary.groups += report.groups
-                summary.rows += report.rows
-                summary.tokens += report.tokens
-                if on_step is not None:
-                    on_step(report)
+                source.pending = False
+                stepped.set()
             else:
                 summary.stop_reason = "max_steps"
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        summary.metrics = consumer.totals()
+        await _cancel(feeds)  # safe at any await of next_batch: nothing is begun across one
+        for source in sources:  # a batch handed out but never stepped must not be acknowledged
+            await source.consumer.aclose(commit=not source.pending)
+    except BaseException:
+        await _cancel(feeds)
+        for source in started:  # the failing batch stays for redelivery
+            await source.consumer.aclose(commit=False)
+        raise
+    summary.metrics = _merged_totals([s.consumer for s in sources])
     return summary
 
 
-async def _stop_when(stop: asyncio.Event, consumer: VerdictConsumer) -> None:
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _next_ready(ready: asyncio.Queue[_Ready], feeds: list[asyncio.Task[None]]) -> _Ready | None:
+    """The next batch any source handed out; None once every source has ended (a source's
+    exception is raised here)."""
+    while True:
+        if not ready.empty():
+            return ready.get_nowait()
+        running = [task for task in feeds if not task.done()]
+        for task in feeds:
+            if task.done():
+                task.result()  # re-raise a source's failure
+        if not running:
+            return None
+        getter = asyncio.ensure_future(ready.get())
+        try:
+            await asyncio.wait([getter, *running], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+
+
+def _step(source: _Source, batch: TrainingBatch, summary: TrainerSummary, run: _Run, policy_version: int) -> int:
+    """Shape ``batch``, run the update and report; returns the policy version after the step."""
+    t0 = time.perf_counter()
+    shaped = source.shape(batch)
+    mask = shaped.loss_mask
+    stepped = dict(run.update(batch, shaped)) if run.update is not None else {}
+    report = StepReport(
+        step=summary.steps + 1,
+        groups=batch.num_groups,
+        rows=batch.batch_size,
+        tokens=int(mask.sum().item()),
+        mean_outcome_advantage=_masked_mean(shaped.outcome_advantages, mask),
+        mean_shaped_advantage=_masked_mean(shaped.advantages, mask),
+        mean_token_reward=_masked_mean(shaped.token_rewards, mask),
+        seconds=time.perf_counter() - t0,
+        metrics=batch.metrics,
+        update=stepped,
+        source=source.name,
+    )
+    summary.steps += 1
+    summary.groups += report.groups
+    summary.rows += report.rows
+    summary.tokens += report.tokens
+    if run.on_step is not None:
+        run.on_step(report)
+    return int(stepped.get("policy_version", policy_version + 1))
+
+
+def _merged_totals(consumers: list[VerdictConsumer]) -> dict[str, float]:
+    """Every source's totals in one mapping (counters they share are added up)."""
+    out: dict[str, float] = {}
+    for consumer in consumers:
+        for key, value in consumer.totals().items():
+            out[key] = out.get(key, 0.0) + value if key.startswith("pipeline/") else value
+    return out
+
+
+async def _stop_when(stop: asyncio.Event, consumers: list[VerdictConsumer]) -> None:
     await stop.wait()
-    consumer.request_stop()
+    for consumer in consumers:
+        consumer.request_stop()
 
 
 # --------------------------------------------------------------------------- CLI
@@ -423,6 +547,8 @@ def _declared_shaping(cfg: PipelineConfig) -> PipelineConfig:
 
     experiment = cfg.trainer.experiment
     spec = asyncio.run(declared_experiment(cfg, experiment))  # UnknownExperiment: one line, exit 2
+    if spec is None:  # the default experiment: no declaration, the config file's shaping
+        return cfg
     shaping = spec.prm.advantage_shaping
     log.info("experiment %s: shaping as declared in the registry: %s", experiment, shaping)
     agent = msgspec.structs.replace(cfg.rollout.agent, prm=msgspec.structs.replace(cfg.prm, advantage_shaping=shaping))
@@ -462,6 +588,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
         (
             f" + {summary.combined_mode}" if summary.combined_mode else "",
             ", neutral turns excluded" if summary.exclude_neutral_turns else "",
+            ", online turn samples" if summary.online_samples else "",
         )
     )
     print(

@@ -59,6 +59,7 @@ def isolated_config(
             verdicts=f"verd.{name}",
             dead_letters=f"dlq.{name}",
             experiments=f"exp.{name}",
+            turn_samples=f"samples.{name}",
             partitions=partitions,
         ),
         worker=WorkerConfig(group_id=f"workers.{name}", **worker),

@@ -611,3 +611,13 @@ def test_bootstrap_servers_parses_hosts_ports_and_ipv6() -> None:
 def test_a_malformed_redis_url_is_a_config_error_naming_the_variable(value: str, why: str) -> None:
     message = refused(areal(), why, "PRM_REDIS_URL=", PRM_REDIS_URL=value)
     assert "://?" not in message and "pw@" not in message  # never mangled, never the password
+
+
+def test_online_samples_need_openclaws_recipe() -> None:
+    """The online mode's samples are groups of one: only OpenClaw-RL's recipe trains them."""
+    with pytest.raises(
+        ConfigError, match="trainer.online_samples .* needs trainer.recipe 'openclaw_turns', got 'grpo'"
+    ):
+        build(areal() | {"trainer": {"online_samples": True}})
+    cfg = build(areal() | {"trainer": {"online_samples": True, "recipe": "openclaw_turns"}})
+    assert cfg.trainer.online_samples and cfg.trainer.recipe == "openclaw_turns"

@@ -5,11 +5,17 @@ the count."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
+from infra.config import PRMAdvantageShapingConfig, TrainerConfig
 from infra.schema import TurnSample, decode_turn_sample, encode, pack_array
-from shaper.online import OnlineTurnRule, sample_advantages
+from shaper import build_training_batch
+from shaper.batch import collate
+from shaper.online import OnlineTurnRule, export_sample, sample_advantages, sample_key
+from shaper.trainer import shape_batch, shape_samples
+from tests.unit.test_exclusion import group, linear
 
 
 def sample(
@@ -124,3 +130,41 @@ def test_a_turn_sample_round_trips_and_is_checked() -> None:
         sample(0, 1.0)
     with pytest.raises(ValueError, match="score must be finite"):
         sample(1, float("inf"))
+
+
+def test_a_sample_is_one_row_of_a_group_of_one() -> None:
+    """Prompt then output; the output in the loss with the score on it; outcome reward = score."""
+    s = msgspec.structs.replace(
+        sample(2, -1.0, n=3), output_logprobs_raw=pack_array([-0.5, -0.25, -1.0], np.dtype("<f4"))
+    )
+    group = export_sample(s)
+    (row,) = group.rows
+    assert group.group_id == "g/i2" and (row.trajectory_id, row.leaf_id) == ("t-s", "i2")
+    assert row.input_ids.tolist() == [1, 2, 0, 1, 2]
+    assert row.loss_mask.tolist() == [False, False, True, True, True]
+    assert row.token_rewards.tolist() == [0.0, 0.0, -1.0, -1.0, -1.0]
+    assert row.logprobs.tolist() == [0.0, 0.0, -0.5, -0.25, -1.0]
+    assert row.turn_index.tolist() == [-1, -1, 0, 0, 0]
+    assert row.reward == -1.0
+    assert sample_key(s) == ("default", "t-s/i2", 0)
+
+
+def test_online_samples_shape_as_the_recipe_shapes_a_kept_turn_of_a_verdict() -> None:
+    """``shape_samples`` of a sample = ``shape_batch`` with ``recipe: openclaw_turns`` of the same
+    turn kept in a verdict: the score over the response (next-token aligned), no outcome term."""
+    verdict = group("g", [linear("one", [(1.0, True), (0.0, True), (0.0, False)])])  # t0 kept: effective
+    batch = build_training_batch([verdict])
+    recipe = shape_batch(batch, PRMAdvantageShapingConfig(mode="additive"), TrainerConfig(recipe="openclaw_turns"))
+    turn0 = (batch.turn_index[0] == 0).nonzero().flatten().tolist()
+    prompt = batch.input_ids[0, : turn0[0]].tolist()
+    out = batch.input_ids[0, turn0[0] : turn0[-1] + 1].tolist()
+    online = msgspec.structs.replace(
+        sample(1, 1.0),
+        prompt_tokens_raw=pack_array(prompt, np.dtype("<i4")),
+        output_tokens_raw=pack_array(out, np.dtype("<i4")),
+    )
+    shaped = shape_samples(collate([export_sample(online)]))
+    width = len(prompt) + len(out)
+    assert shaped.advantages[0].tolist() == recipe.advantages[0, :width].tolist()
+    assert shaped.loss_mask[0].tolist() == recipe.loss_mask[0, :width].tolist()
+    assert not shaped.outcome_advantages.any()

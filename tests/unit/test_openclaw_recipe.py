@@ -100,6 +100,11 @@ def test_recipe_checks():
         Trainer(recipe="openclaw_turns", exclude_neutral_turns=True)
     with pytest.raises(ConfigError, match="combined_mode 'openclaw_combine' applies"):
         Trainer(combined_mode="openclaw_combine", exclude_neutral_turns=True)
+    with pytest.raises(
+        ConfigError, match="trainer.online_samples .* needs trainer.recipe 'openclaw_turns', got 'grpo'"
+    ):
+        Trainer(online_samples=True)
+    assert Trainer(recipe="openclaw_turns", online_samples=True).online_samples
 
 
 # --------------------------------------------------------------------------- openclaw_combine
