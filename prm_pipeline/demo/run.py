@@ -428,7 +428,10 @@ async def _iterate(
     await pub.discard_group(f"it{it}-filtered", "prompt filtered by the proxy")
     expect[f"it{it}-filtered"] = ("discarded", "discarded")
     if lost:  # rejected at the group deadline
-        await first.publish(pub, lost)
+        # whole (ready): any worker's sweeper may decide it, and a streamed member's turns are only
+        # in the memory of the worker that consumed its end (scoring_workers/tokens.py); decided by
+        # the other one, its members would be tokens_unavailable instead of the group missing_sessions
+        await pub.publish_many(lost)
         expect["it0-lost"] = ("rejected", "missing_sessions")
     if broken:  # a member whose last turn was re-templated: refused by the workers
         await first.publish(pub, broken)
@@ -534,7 +537,7 @@ async def _run(
         teacher_requests=teacher_requests,
         trainer_ok=trainer_ok,
         updates=updates,
-        streaming=_streaming_problems(record.topic_records, pub.published),
+        streaming=_streaming_problems(record.topic_records, pub.published, lost=group_size - 1),
     )
 
 
@@ -556,8 +559,8 @@ def _check_and_report(
 
     The checks: every expected group got its status, the workers exited 0, every step
     ran and was on-policy, the report's curves are the verdicts' and the trainer log's,
-    and the trajectories topic holds the proxies' streamed sessions and nothing ready
-    (``streaming``: what is wrong there).
+    and the trajectories topic holds the records the proxies published: the runs' sessions
+    streamed (``streaming``: what is wrong there).
     """
     from prm_pipeline.demo.report import write_report
 
@@ -623,14 +626,18 @@ async def _topic_records(cfg: PipelineConfig) -> dict[str, int]:
     return dict(sorted(kinds.items()))
 
 
-def _streaming_problems(topic: dict[str, int], published: dict[str, int]) -> list[str]:
-    """Why the topic does not hold exactly the streamed sessions the proxies published (none: it does)."""
-    problems = [f"{topic['ready']} ready record(s): every session should be streamed"] if topic.get("ready") else []
-    problems += [
+def _streaming_problems(topic: dict[str, int], published: dict[str, int], lost: int) -> list[str]:
+    """Why the topic does not hold exactly the records the proxies published, every session
+    streamed but the ``lost`` members of the group left to its deadline (none: it does)."""
+    problems = [
         f"{topic.get(kind, 0)} {kind} record(s) on the topic, the proxies published {published[kind]}"
-        for kind in ("turn", "end")
-        if topic.get(kind, 0) != published[kind] or not published[kind]
+        for kind in ("turn", "end", "ready")
+        if topic.get(kind, 0) != published[kind]
     ]
+    if not published["end"]:
+        problems.append("no session was streamed")
+    if published["ready"] != lost:
+        problems.append(f"{published['ready']} session(s) went out whole, not only the {lost} left to their deadline")
     return problems
 
 

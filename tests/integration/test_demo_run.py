@@ -92,9 +92,9 @@ def test_a_short_demo_reports_the_curves_its_verdicts_and_trainer_log_hold(two_d
 def test_a_demo_run_streams_its_sessions_and_reports_end_to_verdict(two_demo_runs: tuple[Path, Path]) -> None:
     out = two_demo_runs[0]
     streaming = json.loads((out / "streaming.json").read_text())
-    # read back from the broker: 8 groups of 2 sessions of 3 turns (the runs), 1 member of the lost group
-    # (3 turns), 2 members of the not-concat group (2 turns each); 2 discards and the warm-up's; nothing ready
-    assert streaming["trajectories_topic"] == {"discard": 3, "end": 16 + 1 + 2, "turn": 16 * 3 + 3 + 2 * 2}
+    # read back from the broker: 8 groups of 2 sessions of 3 turns (the runs) and the not-concat group's
+    # 2 members of 2 turns, streamed; 2 discards and the warm-up's; whole (ready) only the lost group's member
+    assert streaming["trajectories_topic"] == {"discard": 3, "end": 16 + 2, "ready": 1, "turn": 16 * 3 + 2 * 2}
     sessions, groups = streaming["end_to_verdict"]
     assert (sessions["over"], sessions["n"], groups["over"], groups["n"]) == ("sessions", 16, "groups", 8)
     for row in (sessions, groups):
