@@ -41,7 +41,7 @@ SECTIONS: dict[str, str] = {
     "learning": "Learning curves: outcome only vs with process rewards",
     "summary": "Summary",
     "statuses": "Verdict statuses over time",
-    "latency": "Per-stage latency",
+    "latency": "Latency: end → verdict, and per stage",
     "rewards": "Reward distributions per scorer",
     "advantages": "Outcome vs shaped advantages",
     "training": "Loss, importance ratio and policy version per step",
