@@ -18,8 +18,8 @@ session succeeds only if every turn passed — while the judge marks each answer
    and answered, each session's ``end`` (the outcome) after its last turn, so the
    workers judge turns while later ones are sampled (plus one discarded group; the
    first iteration also sends a group whose last member never arrives, rejected at the
-   group deadline, and one with a member that is not concat export, rejected by the
-   workers);
+   group deadline (its members whole, as ``ready``), and one with a member that is not
+   concat export, rejected by the workers);
 4. one reference trainer consumes the verdicts (both runs' groups of the update form
    one batch: exactly those, checked), shapes advantages, and steps each run's own model
    with PPO-clip (:class:`~prm_pipeline.demo.policy_update.PolicyUpdate`) on its rows,
@@ -39,8 +39,8 @@ what the proxies expected, the workers exited cleanly, the first minibatch of ev
 was on-policy (recomputed log-probs equal the behaviour log-probs to float noise),
 the report's learning curves equal those read back from the verdicts and from the
 trainer log (:func:`prm_pipeline.demo.curves.check_run`), and the trajectories topic,
-read back from the broker, holds the ``turn`` and ``end`` records the proxies sent and
-no ``ready`` one.
+read back from the broker, holds the records the proxies sent: ``turn`` and ``end``
+records, ``ready`` ones only for the group left to its deadline (see :func:`_iterate`).
 """
 
 from __future__ import annotations
