@@ -6,7 +6,8 @@ views of :mod:`prm_pipeline.token_view`, and also leaves each PNG beside the pag
 sections (their ``id`` s are what the tests check) are :data:`SECTIONS`; the first is the
 learning curves of the two runs. ``learning-curves.json`` beside the page holds the
 curves' numbers (what :func:`prm_pipeline.demo.curves.check_run` compares with the
-verdicts and the trainer log).
+verdicts and the trainer log); ``streaming.json`` the end -> verdict latency
+(:func:`end_to_verdict`) and the trajectories topic's records by kind.
 
 Needs the ``demo`` extra (matplotlib), imported only when a report is written.
 """
@@ -23,14 +24,24 @@ from pathlib import Path
 from typing import Any
 
 from prm_pipeline.demo.curves import RUNS, Curve, reading_dict
+from prm_pipeline.status.report import percentile
 
-__all__ = ["SECTIONS", "STAGES", "DemoRecord", "IterationMarks", "iteration_stages", "latency_figure", "write_report"]
+__all__ = [
+    "SECTIONS",
+    "STAGES",
+    "DemoRecord",
+    "IterationMarks",
+    "end_to_verdict",
+    "iteration_stages",
+    "latency_figure",
+    "write_report",
+]
 
 SECTIONS: dict[str, str] = {
     "learning": "Learning curves: outcome only vs with process rewards",
     "summary": "Summary",
     "statuses": "Verdict statuses over time",
-    "latency": "Per-stage latency",
+    "latency": "Latency: end → verdict, and per stage",
     "rewards": "Reward distributions per scorer",
     "advantages": "Outcome vs shaped advantages",
     "training": "Loss, importance ratio and policy version per step",
@@ -103,9 +114,35 @@ class DemoRecord:
     steps: list[dict[str, Any]] = field(default_factory=list)  # per run and step: update stats, policy_version
     curves: dict[str, Curve] = field(default_factory=dict)  # run -> mean outcome per update (trainer log)
     process_share: list[float] = field(default_factory=list)  # per step: |process| / (|outcome| + |process|)
+    end_to_verdict: list[float] = field(default_factory=list)  # per session of the runs: seconds (end_to_verdict)
+    group_end_to_verdict: list[float] = field(default_factory=list)  # per group: from its last member's end
+    topic_records: dict[str, int] = field(default_factory=dict)  # the trajectories topic's records by kind
     learning_verdict: str = ""
     token_views_html: str = ""
     summary: list[str] = field(default_factory=list)
+
+
+def end_to_verdict(rec: DemoRecord) -> list[dict[str, Any]]:
+    """End -> verdict latency, p50 / p99 / max (nearest rank), in two rows.
+
+    A session's figure runs from the moment the broker acknowledged its ``end`` (the
+    proxy's flush after it returned) to the moment the demo's verdict tail (a group-less
+    consumer of the verdicts topic, in the demo's process: one clock) first received its
+    group's verdict. A group is decided only once its last member ended, so the first
+    row's earlier members also wait for their siblings' rollouts; the second row, from
+    each group's last ``end``, is the pipeline's own part: the work left at the end.
+    """
+    rows = []
+    for label, over, values in (
+        ("a session's end", "sessions", rec.end_to_verdict),
+        ("its group's last end", "groups", rec.group_end_to_verdict),
+    ):
+        row: dict[str, Any] = {"end -> verdict, from": label, "over": over, "n": len(values)}
+        for name, q in (("p50 (s)", 50.0), ("p99 (s)", 99.0), ("max (s)", 100.0)):
+            value = percentile(values, q)
+            row[name] = "" if value is None else value
+        rows.append(row)
+    return rows
 
 
 def _png(fig: Any) -> bytes:
@@ -319,7 +356,14 @@ def write_report(rec: DemoRecord, out_dir: str | Path) -> Path:
     parts["learning"] = (
         f"<p class='verdict'>{html.escape(rec.learning_verdict)}</p>" + parts["learning"] + _table(_curve_rows(rec))
     )
-    parts["latency"] += _table(rec.stages)
+    latency = end_to_verdict(rec)
+    parts["latency"] = (
+        "<p>Streamed sessions: each turn is published as it is sampled, the end with the outcome after the "
+        "session's last turn; the workers judge turns as they arrive.</p>"
+        + _table(latency)
+        + parts["latency"]
+        + _table(rec.stages)
+    )
     parts["training"] += _table(rec.steps)
     curves = {
         "curves": [c.as_dict() for c in rec.curves.values()],
@@ -328,6 +372,8 @@ def write_report(rec: DemoRecord, out_dir: str | Path) -> Path:
         "verdict": rec.learning_verdict,
     }
     (out / "learning-curves.json").write_text(json.dumps(curves, indent=1), encoding="utf-8")
+    streaming = {"end_to_verdict": latency, "trajectories_topic": rec.topic_records}
+    (out / "streaming.json").write_text(json.dumps(streaming, indent=1), encoding="utf-8")
     body = "".join(
         f"<section id='{key}'><h2>{html.escape(title)}</h2>{parts[key]}</section>" for key, title in SECTIONS.items()
     )

@@ -13,7 +13,12 @@ nonsense (the policy is a random tiny LM); the structure is what real agents exp
 * **branching** — every ``branch_every``-th session samples its second turn twice from
   the same input: two leaves sharing the first turn;
 * ``policy_version`` is the version of the weights that produced every token;
-  :meth:`RolloutProxy.reload` picks up weights the trainer published.
+  :meth:`RolloutProxy.reload` picks up weights the trainer published;
+* **streamed** — :meth:`RolloutProxy.stream_group` publishes each turn as a ``turn``
+  record as soon as it is sampled and the environment has answered it (its next state
+  is then known), and each session's ``end`` with the outcome once its last turn is
+  out, as a deployed agent's proxy would (docs/wire.md, "Streamed sessions"): the
+  workers judge turns while the rest of the session is still being sampled.
 
 The outcome reward is **sparse**: 1 only when *every* turn of the session's main branch
 passed, else 0 — it says that something went wrong, not where. The environment's
@@ -25,15 +30,17 @@ outcome-only GRPO learns nothing from them, the per-turn judge still does.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from infra.schema import Interaction, ModelResponse, ReadyTrajectory
+from infra.schema import Interaction, ModelResponse, ReadyTrajectory, SessionEnd, SessionTurn, stream_session
 from producers.publisher import TrajectoryPublisher
 
 from .tiny_model import TinyPolicy, WeightStore
@@ -87,6 +94,8 @@ class RolloutStats:
     tokens: int = 0
     seconds: float = 0.0
     outcomes: list[float] = field(default_factory=list)
+    ended: dict[str, float] = field(default_factory=dict)
+    """session id -> ``time.perf_counter()`` when the broker acknowledged its streamed ``end``."""
 
 
 class RolloutProxy:
@@ -143,10 +152,21 @@ class RolloutProxy:
         self, group_id: str, index: int, task: str, *, turns: int | None = None, branch: bool | None = None
     ) -> ReadyTrajectory:
         """One session of ``turns`` turns (drawn when None); ``branch`` forks its second turn."""
+        return _drain(self._session(group_id, index, task, turns=turns, branch=branch))
+
+    def _session(
+        self, group_id: str, index: int, task: str, *, turns: int | None = None, branch: bool | None = None
+    ) -> Generator[Interaction, None, ReadyTrajectory]:
+        """:meth:`session`, yielding each turn as soon as its next state is known (the
+        environment answered it, or it is a leaf) and returning the whole session.
+
+        The one sampling path of both forms: a streamed session draws exactly what the
+        ready one draws, so a seed gives the same rollouts either way."""
         cfg = self.config
         n = int(turns if turns is not None else self.rng.integers(cfg.min_turns, cfg.max_turns + 1))
         branch = (index % cfg.branch_every == cfg.branch_every - 1 and n >= 2) if branch is None else branch
-        sid = f"{group_id}-s{index}"
+        member = self._member(group_id, index)
+        sid = member["session_id"]
         messages = [{"role": "system", "content": "use the calculator"}, {"role": "user", "content": task}]
         ids = self.policy.template.render(messages)
         interactions: list[Interaction] = []
@@ -170,17 +190,16 @@ class RolloutProxy:
                     *self.policy.template.continuation(ended, [reply]),
                 ]
                 messages = [*messages, *inter.output_message_list, reply]
-        if fork is not None:
+            yield inter  # answered, or the main branch's leaf: nothing more will follow it
+        if fork is not None:  # a second leaf from the second turn's input: its parent is out already
             inter, _, _ = self._turn(f"{sid}-t1b", fork[2], fork[0], fork[1])
             interactions.append(inter)
+            yield inter
         self.stats.sessions += 1
         outcome = self.env.outcome(texts)
         self.stats.outcomes.append(outcome)
         return ReadyTrajectory(
-            trajectory_id=f"{group_id}-traj{index}",
-            session_id=sid,
-            group_id=group_id,
-            group_size=cfg.group_size,
+            **member,
             interactions=interactions,
             outcome_reward=outcome,
             policy_version=self.policy.version,
@@ -190,16 +209,82 @@ class RolloutProxy:
     def group(self, group_id: str, task: str | None = None) -> list[ReadyTrajectory]:
         """``group_size`` sessions of one prompt."""
         t0 = time.perf_counter()
-        if task is None:
-            a, b = (int(x) for x in self.rng.integers(0, 50, 2))
-            task = f"compute {a} + {b}"
+        task = self._task() if task is None else task
         members = [self.session(group_id, i, task) for i in range(self.config.group_size)]
         self.stats.seconds += time.perf_counter() - t0
         return members
 
-    async def publish(self, publisher: TrajectoryPublisher, groups: Sequence[Sequence[ReadyTrajectory]]) -> int:
+    async def stream_group(
+        self, publisher: TrajectoryPublisher, group_id: str, task: str | None = None
+    ) -> list[ReadyTrajectory]:
+        """The sessions :meth:`group` would sample, each published as it is sampled (:meth:`stream_session`)."""
+        t0 = time.perf_counter()
+        task = self._task() if task is None else task
+        members = [await self.stream_session(publisher, group_id, i, task) for i in range(self.config.group_size)]
+        self.stats.seconds += time.perf_counter() - t0
+        return members
+
+    async def stream_session(
+        self, publisher: TrajectoryPublisher, group_id: str, index: int, task: str
+    ) -> ReadyTrajectory:
+        """The session :meth:`session` would sample, published while it is sampled: each
+        turn a ``turn`` record as soon as the environment answered it, then the ``end``
+        with the outcome, flushed (acknowledged by the broker: the moment noted in
+        ``stats.ended``). Returns the session in its ready form (what the verdict scores).
+
+        The sampling runs in a worker thread, one step at a time, so the event loop sends
+        each turn at once and keeps consuming verdicts meanwhile."""
+        steps = self._session(group_id, index, task)
+        member = self._member(group_id, index)
+        while not isinstance(step := await asyncio.to_thread(_advance, steps), ReadyTrajectory):
+            await publisher.publish_turn(SessionTurn(interaction=step, **member))
+        await publisher.end_session(
+            SessionEnd(
+                outcome_reward=step.outcome_reward,
+                policy_version=step.policy_version,
+                turn_count=len(step.interactions),
+                **member,
+            )
+        )
+        await publisher.flush()
+        self.stats.ended[step.session_id] = time.perf_counter()
+        return step
+
+    async def publish(self, publisher: TrajectoryPublisher, members: Sequence[ReadyTrajectory]) -> int:
+        """Publish sessions held whole (sampled by :meth:`group` or :meth:`session`, maybe
+        altered) as streamed sessions, turns then end (:func:`infra.schema.stream_session`),
+        and flush; returns the records sent."""
         n = 0
-        for members in groups:
-            n += await publisher.publish_many(members)
+        for traj in members:
+            turns, end = stream_session(traj)
+            n += await publisher.publish_many([*turns, end])
         await publisher.flush()
         return n
+
+    def _task(self) -> str:
+        a, b = (int(x) for x in self.rng.integers(0, 50, 2))
+        return f"compute {a} + {b}"
+
+    def _member(self, group_id: str, index: int) -> dict[str, Any]:
+        """Session ``index`` of ``group_id``'s identity: the same on its ready record and every streamed one."""
+        return {
+            "trajectory_id": f"{group_id}-traj{index}",
+            "session_id": f"{group_id}-s{index}",
+            "group_id": group_id,
+            "group_size": self.config.group_size,
+        }
+
+
+def _advance(steps: Generator[Interaction, None, ReadyTrajectory]) -> Interaction | ReadyTrajectory:
+    """The next turn of a session being sampled, or the whole session once it is done
+    (a ``StopIteration`` cannot cross :func:`asyncio.to_thread`)."""
+    try:
+        return next(steps)
+    except StopIteration as done:
+        return done.value
+
+
+def _drain(steps: Generator[Interaction, None, ReadyTrajectory]) -> ReadyTrajectory:
+    while not isinstance(step := _advance(steps), ReadyTrajectory):
+        pass
+    return step

@@ -13,10 +13,13 @@ session succeeds only if every turn passed — while the judge marks each answer
 2. start two ``prm-pipeline worker`` processes with OpenClaw-RL's PRM judge and the OPD
    teacher as scorers, per-scorer channels kept for the report;
 3. each iteration, for each run: its rollout proxy reloads that run's newest weights,
-   samples ``prompts`` GRPO groups of 3-turn sessions (some branching) and publishes
-   them with their ``policy_version`` (plus one discarded group; the first iteration
-   also sends a group whose last member never arrives, rejected at the group deadline,
-   and one with a member that is not concat export, rejected by the workers);
+   samples ``prompts`` GRPO groups of 3-turn sessions (some branching) and streams them
+   with their ``policy_version``: each turn a ``turn`` record as soon as it is sampled
+   and answered, each session's ``end`` (the outcome) after its last turn, so the
+   workers judge turns while later ones are sampled (plus one discarded group; the
+   first iteration also sends a group whose last member never arrives, rejected at the
+   group deadline (its members whole, as ``ready``), and one with a member that is not
+   concat export, rejected by the workers);
 4. one reference trainer consumes the verdicts (both runs' groups of the update form
    one batch: exactly those, checked), shapes advantages, and steps each run's own model
    with PPO-clip (:class:`~prm_pipeline.demo.policy_update.PolicyUpdate`) on its rows,
@@ -26,15 +29,18 @@ session succeeds only if every turn passed — while the judge marks each answer
    run's new weights (``policy_version + 1``) for its proxy: the loops close;
 5. ``demo-report/index.html``: first the two learning curves (mean outcome per update,
    a band over groups), the process-reward share of the advantage and a verdict
-   computed from them; then statuses, latency, rewards per scorer, advantages,
-   loss / ratio / version and token views. Beside it ``verdicts.jsonl``,
-   ``trainer-log.jsonl``, ``learning-curves.json`` and the judge's ``judge-audit.jsonl``.
+   computed from them; then statuses, latency (end -> verdict p50 / p99, per-stage),
+   rewards per scorer, advantages, loss / ratio / version and token views. Beside it
+   ``verdicts.jsonl``, ``trainer-log.jsonl``, ``learning-curves.json``,
+   ``streaming.json`` and the judge's ``judge-audit.jsonl``.
 
 Exit status 0 when every step ran, the trainer ended without an error, every verdict is
 what the proxies expected, the workers exited cleanly, the first minibatch of every step
-was on-policy (recomputed log-probs equal the behaviour log-probs to float noise), and
+was on-policy (recomputed log-probs equal the behaviour log-probs to float noise),
 the report's learning curves equal those read back from the verdicts and from the
-trainer log (:func:`prm_pipeline.demo.curves.check_run`).
+trainer log (:func:`prm_pipeline.demo.curves.check_run`), and the trajectories topic,
+read back from the broker, holds the records the proxies sent: ``turn`` and ``end``
+records, ``ready`` ones only for the group left to its deadline (see :func:`_iterate`).
 """
 
 from __future__ import annotations
@@ -410,32 +416,33 @@ async def _iterate(
     for proxy in proxies.values():
         proxy.reload()
     reloaded = time.perf_counter()
-    groups = [proxies[name].group(group_id(name, it, k)) for name in RUNS for k in range(demo.prompts)]
+    loop.done.clear()  # before the first turn goes out: the step may come while the rest is sampled
+    groups = [  # streamed: every turn goes out as it is sampled, the workers judge it meanwhile
+        await proxies[name].stream_group(pub, group_id(name, it, k)) for name in RUNS for k in range(demo.prompts)
+    ]
     first = proxies["outcome"]
-    lost = first.group("it0-lost")[:-1] if it == 0 else []  # its last rollout never finishes
-    broken = (
-        _not_concat(
-            [first.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False) for i in range(demo.group_size)]
-        )
-        if it == 0
-        else []
-    )
+    # sampled in a worker thread, as the runs' sessions are: the verdict tail keeps stamping arrivals meanwhile
+    lost, broken = await asyncio.to_thread(_turned_away, first, demo.group_size) if it == 0 else ([], [])
     sampled = time.perf_counter()
-    loop.done.clear()
-    await first.publish(pub, groups)
     expect.update({g[0].group_id: ("accepted", "") for g in groups})
     await pub.discard_group(f"it{it}-filtered", "prompt filtered by the proxy")
     expect[f"it{it}-filtered"] = ("discarded", "discarded")
     if lost:  # rejected at the group deadline
+        # whole (ready): any worker's sweeper may decide it, and a streamed member's turns are only
+        # in the memory of the worker that consumed its end (scoring_workers/tokens.py); decided by
+        # the other one, its members would be tokens_unavailable instead of the group missing_sessions
         await pub.publish_many(lost)
         expect["it0-lost"] = ("rejected", "missing_sessions")
     if broken:  # a member whose last turn was re-templated: refused by the workers
-        await pub.publish_many(broken)
+        await first.publish(pub, broken)
         expect["it0-broken"] = ("rejected", "not_concat_export")
     await pub.flush()
     published = time.perf_counter()
     accepted = {g[0].group_id for g in groups}
     await _await_verdicts(tail, demo.procs, accepted, timeout_s=120)
+    ended = {sid: t for proxy in proxies.values() for sid, t in proxy.stats.ended.items()}
+    record.end_to_verdict += [tail.arrivals[m.group_id] - ended[m.session_id] for g in groups for m in g]
+    record.group_end_to_verdict += [tail.arrivals[g[0].group_id] - max(ended[m.session_id] for m in g) for g in groups]
     await _wait_step(loop.done, trainer)
     timing = loop.timings[-1]
     stage = iteration_stages(
@@ -455,8 +462,9 @@ async def _iterate(
     last = {r["run"]: r for r in loop.records[-len(RUNS) :]}
     n_turns = sum(len(m.interactions) for g in groups for m in g)
     print(
-        f"  iter {it}: {len(groups)} groups ({n_turns} turns) sampled in {stage['rollout']:.2f}s, "
-        f"scored in {stage['scoring (publish -> verdicts)']:.2f}s; step {it + 1}: mean outcome "
+        f"  iter {it}: {len(groups)} groups ({n_turns} turns) sampled and streamed in {stage['rollout']:.2f}s, "
+        f"last verdict {stage['scoring (publish -> verdicts)']:.2f}s after the last record; "
+        f"step {it + 1}: mean outcome "
         + ", ".join(f"{label} {last[name]['mean_outcome']:.2f}" for name, label in RUNS.items())
         + f"; process share {last['process']['process_share']:.2f}; align |d|max "
         f"{max(r['update/alignment_max_abs_diff'] for r in last.values()):.1e}"
@@ -514,6 +522,7 @@ async def _run(
             )
         await tail.wait_for(set(expect), timeout_s=DEMO_GROUP_TIMEOUT_S + 60)
         teacher_requests = _teacher_requests(demo.teacher_url)
+        record.topic_records = await _topic_records(cfg)
     finally:
         trainer_ok, codes = await _shut_down(demo, trainer, stop_trainer)
     loop_s = time.perf_counter() - t0
@@ -528,6 +537,7 @@ async def _run(
         teacher_requests=teacher_requests,
         trainer_ok=trainer_ok,
         updates=updates,
+        streaming=_streaming_problems(record.topic_records, pub.published, lost=group_size - 1),
     )
 
 
@@ -543,11 +553,14 @@ def _check_and_report(
     teacher_requests: int,
     trainer_ok: bool,
     updates: int,
+    streaming: list[str],
 ) -> int:
     """Write the report and the files beside it, print the summary and every failed check; the exit status.
 
     The checks: every expected group got its status, the workers exited 0, every step
-    ran and was on-policy, and the report's curves are the verdicts' and the trainer log's.
+    ran and was on-policy, the report's curves are the verdicts' and the trainer log's,
+    and the trajectories topic holds the records the proxies published: the runs' sessions
+    streamed (``streaming``: what is wrong there).
     """
     from prm_pipeline.demo.report import write_report
 
@@ -570,6 +583,7 @@ def _check_and_report(
         f"verdicts: {dict(statuses)}; scripted-judge requests {demo.judge.requests}, teacher (model-server) "
         f"requests {teacher_requests}",
         f"alignment: max |recomputed - behaviour| log-prob on the first minibatch of each step = {worst:.2e}",
+        _streaming_line(record),
         f"workers exited with {codes}",
     ]
     path = write_report(record, out_dir)
@@ -584,6 +598,8 @@ def _check_and_report(
         print(f"  ALIGNMENT: recomputed log-probs differ from the behaviour log-probs by {worst:.2e}")
     for line in mismatches:
         print(f"  LEARNING CURVES: {line}")
+    for line in streaming:
+        print(f"  STREAMING: {line}")
     ok = (
         trainer_ok
         and not wrong
@@ -591,10 +607,52 @@ def _check_and_report(
         and len(loop.timings) == updates
         and worst <= ALIGNMENT_TOLERANCE
         and not mismatches
+        and not streaming
     )
     print("demo OK" if ok else "demo FAILED")
     print(f"report: {path.resolve()}")
     return 0 if ok else 1
+
+
+async def _topic_records(cfg: PipelineConfig) -> dict[str, int]:
+    """The trajectories topic's records by kind (``turn``, ``end``, ``discard``, ...), read back from the broker."""
+    from infra.schema import STREAM_KINDS, TRAJECTORY_KINDS, decode_message, kind_of
+    from prm_pipeline.audit.replay import read_snapshot
+
+    kinds: collections.Counter[str] = collections.Counter()
+    async for r in read_snapshot(cfg, cfg.topics.trajectories):
+        if r is not None:
+            kinds[kind_of(decode_message(r.value, r.headers, expand=False, kinds=TRAJECTORY_KINDS + STREAM_KINDS))] += 1
+    return dict(sorted(kinds.items()))
+
+
+def _streaming_problems(topic: dict[str, int], published: dict[str, int], lost: int) -> list[str]:
+    """Why the topic does not hold exactly the records the proxies published, every session
+    streamed but the ``lost`` members of the group left to its deadline (none: it does)."""
+    problems = [
+        f"{topic.get(kind, 0)} {kind} record(s) on the topic, the proxies published {published[kind]}"
+        for kind in ("turn", "end", "ready")
+        if topic.get(kind, 0) != published[kind]
+    ]
+    if not published["end"]:
+        problems.append("no session was streamed")
+    if published["ready"] != lost:
+        problems.append(f"{published['ready']} session(s) went out whole, not only the {lost} left to their deadline")
+    return problems
+
+
+def _streaming_line(record: DemoRecord) -> str:
+    """The summary's line on streaming: the topic's records and the end -> verdict latency."""
+    from prm_pipeline.demo.report import end_to_verdict
+
+    sessions, groups = end_to_verdict(record)
+    return (
+        "streamed sessions: the trajectories topic holds "
+        + ", ".join(f"{n} {kind}" for kind, n in record.topic_records.items())
+        + f" records; end -> verdict over {sessions['n']} sessions p50 {sessions['p50 (s)']:.3f}s, "
+        f"p99 {sessions['p99 (s)']:.3f}s (from each group's last end, over {groups['n']} groups: p50 "
+        f"{groups['p50 (s)']:.3f}s, p99 {groups['p99 (s)']:.3f}s)"
+    )
 
 
 def _record_run(demo: _Demo, record: DemoRecord, out_dir: Path, verdicts: dict[str, Any], *, t0: float) -> None:
@@ -625,6 +683,14 @@ def _record_run(demo: _Demo, record: DemoRecord, out_dir: Path, verdicts: dict[s
     record.curves = curves_from_trainer_log(loop.log)
     record.process_share = [line["process_share"] for line in loop.log if line["run"] == "process"]
     record.learning_verdict = verdict_text(record.curves, record.process_share)
+
+
+def _turned_away(first: RolloutProxy, group_size: int) -> tuple[list[Any], list[Any]]:
+    """The first iteration's groups the workers must reject, sampled whole: one whose last
+    member never arrives (left out here), and one with a member that is not concat export."""
+    lost = first.group("it0-lost")[:-1]
+    broken = [first.session("it0-broken", i, "compute 1 + 1", turns=2, branch=False) for i in range(group_size)]
+    return lost, _not_concat(broken)
 
 
 def _not_concat(members: list[Any]) -> list[Any]:

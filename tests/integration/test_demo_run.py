@@ -88,6 +88,24 @@ def test_a_short_demo_reports_the_curves_its_verdicts_and_trainer_log_hold(two_d
     assert json.loads((out / "learning-curves.json").read_text())["verdict"] in page.replace("&#x27;", "'")
 
 
+@pytest.mark.timeout(600)
+def test_a_demo_run_streams_its_sessions_and_reports_end_to_verdict(two_demo_runs: tuple[Path, Path]) -> None:
+    out = two_demo_runs[0]
+    streaming = json.loads((out / "streaming.json").read_text())
+    # read back from the broker: 8 groups of 2 sessions of 3 turns (the runs) and the not-concat group's
+    # 2 members of 2 turns, streamed; 2 discards and the warm-up's; whole (ready) only the lost group's member
+    assert streaming["trajectories_topic"] == {"discard": 3, "end": 16 + 2, "ready": 1, "turn": 16 * 3 + 2 * 2}
+    sessions, groups = streaming["end_to_verdict"]
+    assert (sessions["over"], sessions["n"], groups["over"], groups["n"]) == ("sessions", 16, "groups", 8)
+    for row in (sessions, groups):
+        assert 0 < row["p50 (s)"] <= row["p99 (s)"] <= row["max (s)"] < 120, row
+    assert groups["p99 (s)"] <= sessions["max (s)"]  # a group's last end is one of its sessions' ends
+    page = (out / "index.html").read_text()
+    latency = page.split("<section id='latency'>")[1].split("</section>")[0]
+    assert "end -&gt; verdict" in latency and f"<td>{sessions['p50 (s)']:.4g}</td>" in latency
+    assert "end -&gt; verdict over 16 sessions p50" in page.split("<section id='summary'>")[1]
+
+
 def _trained_on(out: Path) -> dict[str, Any]:
     """What a run's training depended on and produced: the scores in its verdicts (outcomes, per-turn and
     per-token rewards of every accepted group) and its whole trainer log (outcomes, advantages, losses,

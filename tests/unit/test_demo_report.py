@@ -11,7 +11,7 @@ import pytest
 
 from prm_pipeline.demo.curves import Curve
 from prm_pipeline.demo.fake_judge import FakeJudgeServer
-from prm_pipeline.demo.report import SECTIONS, DemoRecord, write_report
+from prm_pipeline.demo.report import SECTIONS, DemoRecord, end_to_verdict, write_report
 from prm_pipeline.token_view import branch_views, cmd_inspect, load_audit, render_html, render_terminal, verdict_record
 from scoring_workers.scorers.openclaw import OpenClawJudgeScorer
 from tests import real_model
@@ -144,6 +144,9 @@ async def test_report_parses_and_holds_every_section(branching_verdict, tmp_path
             ),
         },
         process_share=[0.3, 0.25],
+        end_to_verdict=[0.9, 0.2, 0.4, 0.3],
+        group_end_to_verdict=[0.2, 0.3],
+        topic_records={"discard": 3, "end": 4, "turn": 12},
         learning_verdict="computed elsewhere",
         token_views_html=render_html(branch_views(record, load_audit(audit_path))),
         summary=["3 policy updates"],
@@ -163,3 +166,27 @@ async def test_report_parses_and_holds_every_section(branching_verdict, tmp_path
     assert [c["run"] for c in saved["curves"]] == ["outcome", "process"]
     assert saved["curves"][1]["mean"] == [0.125, 0.625] and saved["process_share"] == [0.3, 0.25]
     assert saved["verdict"] == "computed elsewhere" and saved["reading"]["updates"] == 2
+    streaming = json.loads((tmp_path / "report" / "streaming.json").read_text())
+    assert streaming["trajectories_topic"] == {"discard": 3, "end": 4, "turn": 12}
+    sessions, groups = streaming["end_to_verdict"]
+    assert (sessions["n"], sessions["p50 (s)"], sessions["p99 (s)"]) == (4, 0.3, 0.9)
+    assert (groups["n"], groups["p50 (s)"], groups["p99 (s)"]) == (2, 0.2, 0.3)
+    tables = [e for e in page.sections["latency"] if e["tag"] == "table"]
+    assert len(tables) == 2  # end -> verdict, then the stages per iteration
+    latency = path.read_text(encoding="utf-8").split("<section id='latency'>")[1].split("</section>")[0]
+    assert "end -&gt; verdict" in latency and "<td>0.9</td>" in latency
+
+
+def test_end_to_verdict_is_nearest_rank_over_sessions_and_over_groups() -> None:
+    rec = DemoRecord(end_to_verdict=[float(i) for i in range(1, 101)], group_end_to_verdict=[0.5])
+    sessions, groups = end_to_verdict(rec)
+    assert (sessions["over"], sessions["n"], sessions["p50 (s)"], sessions["p99 (s)"], sessions["max (s)"]) == (
+        "sessions",
+        100,
+        50.0,
+        99.0,
+        100.0,
+    )
+    assert (groups["over"], groups["n"], groups["p50 (s)"], groups["p99 (s)"]) == ("groups", 1, 0.5, 0.5)
+    empty, _ = end_to_verdict(DemoRecord())
+    assert empty["n"] == 0 and empty["p50 (s)"] == ""
