@@ -18,8 +18,8 @@ session succeeds only if every turn passed — while the judge marks each answer
    and answered, each session's ``end`` (the outcome) after its last turn, so the
    workers judge turns while later ones are sampled (plus one discarded group; the
    first iteration also sends a group whose last member never arrives, rejected at the
-   group deadline (its members whole, as ``ready``), and one with a member that is not
-   concat export, rejected by the workers);
+   group deadline, and one with a member that is not concat export, rejected by the
+   workers);
 4. one reference trainer consumes the verdicts (both runs' groups of the update form
    one batch: exactly those, checked), shapes advantages, and steps each run's own model
    with PPO-clip (:class:`~prm_pipeline.demo.policy_update.PolicyUpdate`) on its rows,
@@ -40,7 +40,7 @@ was on-policy (recomputed log-probs equal the behaviour log-probs to float noise
 the report's learning curves equal those read back from the verdicts and from the
 trainer log (:func:`prm_pipeline.demo.curves.check_run`), and the trajectories topic,
 read back from the broker, holds the records the proxies sent: ``turn`` and ``end``
-records, ``ready`` ones only for the group left to its deadline (see :func:`_iterate`).
+records, no ``ready`` one (see :func:`_iterate`).
 """
 
 from __future__ import annotations
@@ -428,10 +428,8 @@ async def _iterate(
     await pub.discard_group(f"it{it}-filtered", "prompt filtered by the proxy")
     expect[f"it{it}-filtered"] = ("discarded", "discarded")
     if lost:  # rejected at the group deadline
-        # whole (ready): any worker's sweeper may decide it, and a streamed member's turns are only
-        # in the memory of the worker that consumed its end (scoring_workers/tokens.py); decided by
-        # the other one, its members would be tokens_unavailable instead of the group missing_sessions
-        await pub.publish_many(lost)
+        # streamed too: either worker's sweeper may decide it, reading members back from the log
+        await first.publish(pub, lost)
         expect["it0-lost"] = ("rejected", "missing_sessions")
     if broken:  # a member whose last turn was re-templated: refused by the workers
         await first.publish(pub, broken)
@@ -537,7 +535,7 @@ async def _run(
         teacher_requests=teacher_requests,
         trainer_ok=trainer_ok,
         updates=updates,
-        streaming=_streaming_problems(record.topic_records, pub.published, lost=group_size - 1),
+        streaming=_streaming_problems(record.topic_records, pub.published),
     )
 
 
@@ -626,9 +624,9 @@ async def _topic_records(cfg: PipelineConfig) -> dict[str, int]:
     return dict(sorted(kinds.items()))
 
 
-def _streaming_problems(topic: dict[str, int], published: dict[str, int], lost: int) -> list[str]:
+def _streaming_problems(topic: dict[str, int], published: dict[str, int]) -> list[str]:
     """Why the topic does not hold exactly the records the proxies published, every session
-    streamed but the ``lost`` members of the group left to its deadline (none: it does)."""
+    streamed (none: it does)."""
     problems = [
         f"{topic.get(kind, 0)} {kind} record(s) on the topic, the proxies published {published[kind]}"
         for kind in ("turn", "end", "ready")
@@ -636,8 +634,8 @@ def _streaming_problems(topic: dict[str, int], published: dict[str, int], lost: 
     ]
     if not published["end"]:
         problems.append("no session was streamed")
-    if published["ready"] != lost:
-        problems.append(f"{published['ready']} session(s) went out whole, not only the {lost} left to their deadline")
+    if published["ready"]:
+        problems.append(f"{published['ready']} session(s) went out whole, not streamed")
     return problems
 
 

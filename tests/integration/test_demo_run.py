@@ -93,8 +93,8 @@ def test_a_demo_run_streams_its_sessions_and_reports_end_to_verdict(two_demo_run
     out = two_demo_runs[0]
     streaming = json.loads((out / "streaming.json").read_text())
     # read back from the broker: 8 groups of 2 sessions of 3 turns (the runs) and the not-concat group's
-    # 2 members of 2 turns, streamed; 2 discards and the warm-up's; whole (ready) only the lost group's member
-    assert streaming["trajectories_topic"] == {"discard": 3, "end": 16 + 2, "ready": 1, "turn": 16 * 3 + 2 * 2}
+    # 2 members of 2 turns and the lost group's one member of 3 turns, all streamed; 2 discards and the warm-up's
+    assert streaming["trajectories_topic"] == {"discard": 3, "end": 16 + 2 + 1, "turn": 16 * 3 + 2 * 2 + 3}
     sessions, groups = streaming["end_to_verdict"]
     assert (sessions["over"], sessions["n"], groups["over"], groups["n"]) == ("sessions", 16, "groups", 8)
     for row in (sessions, groups):
