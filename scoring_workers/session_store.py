@@ -42,7 +42,7 @@ from enum import StrEnum
 import msgspec
 
 from infra.config import RedisConfig
-from infra.redis import RedisClient, reply_hash, reply_members, reply_text
+from infra.redis import RedisClient, reply_bytes, reply_hash, reply_members, reply_text
 from infra.schema import Interaction
 from scoring_workers.prm.streamed import StreamedResult, decode_results
 
@@ -175,7 +175,8 @@ class SessionStore:
 
     async def first_record(self, group: str, trajectory_id: str) -> Coords | None:
         """Where the session's first turn is in the trajectories topic (None: not known)."""
-        return _coords(await self.redis.hget(self.key(group, trajectory_id), "at"))
+        raw = await self.redis.hget(self.key(group, trajectory_id), "at")
+        return None if raw is None else _coords(reply_bytes(raw))
 
     async def drop(self, group: str, trajectory_id: str) -> None:
         """Forget a session whose member is parked (its end was scored or it was answered idle)."""

@@ -41,7 +41,14 @@ class FakeSessionStore:
         self.dropped: list[tuple[str, str]] = []
 
     async def park_turn(
-        self, group: str, trajectory_id: str, turn: Interaction, *, session_id: str, group_size: int, at: Coords | None = None
+        self,
+        group: str,
+        trajectory_id: str,
+        turn: Interaction,
+        *,
+        session_id: str,
+        group_size: int,
+        at: Coords | None = None,
     ) -> tuple[TurnOutcome, int]:
         session = self.sessions.setdefault((group, trajectory_id), FakeSession(session_id, group_size))
         if (parked := session.turns.get(turn.interaction_id)) is not None:
