@@ -502,3 +502,23 @@ async def test_a_judge_outage_names_its_cause_in_the_members_failure_and_the_ver
     assert "cannot connect" in failed.error_detail, failed.error_detail
     verdict = assemble_verdict("g-1", GroupState(decision="failed", group_size=1), [failed])
     assert verdict.reason_code == "judge_failed" and "cannot connect" in verdict.reason, verdict.reason
+
+
+async def test_opd_streams_on_the_next_state_alone(server):
+    """The OPD teacher's stream key is the next state: the conversation up to it (a streamed
+    turn's ctx) gives the whole branch's key and result; another next state gives neither."""
+    turns = three_turns()
+    streamed_ctx = {**ctx_for(turns), "messages": (*turns[1].messages, *turns[1].output_message_list)}
+    rewritten = three_turns(t0="ok, listed")
+    scorer = OPDTeacherScorer(**judge_kwargs(server.base_url))
+    try:
+        key, ready_key = scorer.stream_key(turns[0], streamed_ctx), scorer.stream_key(turns[0], ctx_for(turns))
+        other_key = scorer.stream_key(turns[0], ctx_for(rewritten))
+        streamed = await scorer.evaluate_result(turns[0], streamed_ctx)
+        ready = await scorer.evaluate_result(turns[0], ctx_for(turns))
+        other = await scorer.evaluate_result(turns[0], ctx_for(rewritten))
+    finally:
+        await scorer.aclose()
+    assert OPDTeacherScorer.streamable
+    assert key == ready_key and torch.equal(streamed.reward, ready.reward)
+    assert other_key != key and not torch.equal(other.reward, ready.reward)
