@@ -4,14 +4,17 @@ Turns arrive compact (:mod:`infra.turns`): each holds only what is new since its
 To score turn *t* when a child brings its next state, both need their full form — the
 whole conversation and, for scorers that read them, the whole prompt. Expanding the
 session's path for every arrival would cost the square of the session; instead
-:class:`OpenSession` keeps, per turn, its full message list (the message dicts are
-shared, not copied: a list of references) and the *newest* turns' full token contexts
-(a chain's next turn extends the newest one, so its prompt is one append away). A turn
-whose parent's context was let go (a branch off an old turn) is rebuilt from the
-compact turns along its path, once.
+:class:`OpenSession` keeps, per turn, its conversation as a list and a length: a turn
+that continues its parent's whole context appends to the parent's list, so a chain of
+turns shares one growing list (of references to the message dicts), and only a branch
+copies its head. It also keeps the *newest* turns' full token contexts (a chain's next
+turn extends the newest one, so its prompt is one append away). A turn whose parent's
+context was let go (a branch off an old turn) is rebuilt from the compact turns along
+its path, once.
 
 Memory per open session: the compact turns (the session's content), one reference per
-message per turn, and :data:`CONTEXTS_KEPT` token contexts. Nothing here is durable:
+message per chain (plus a copied head per branch), and :data:`CONTEXTS_KEPT` token
+contexts, so linear in the session's length. Nothing here is durable:
 the ledger holds the parked turns, and a worker that takes a session over rebuilds its
 :class:`OpenSession` from them (:meth:`OpenSession.of`).
 """
@@ -38,7 +41,8 @@ class OpenSession:
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
         self.compact: dict[str, Interaction] = {}  # as received, in arrival order
-        self._messages: dict[str, list[Any]] = {}  # full conversation of each turn (shared dicts)
+        # full conversation of each turn: a list and its length; a chain's turns share one growing list
+        self._messages: dict[str, tuple[list[Any], int]] = {}
         self._contexts: OrderedDict[str, bytes] = OrderedDict()  # newest turns' input + output tokens
 
     @classmethod
@@ -71,7 +75,7 @@ class OpenSession:
                 f"session {self.session_id!r}: turn {iid!r} names parent {parent!r}, which is "
                 "not an earlier turn of the session"
             )
-        messages = self._full_messages(turn)
+        messages, n = self._full_messages(turn)
         mr = turn.model_response
         if mr is not None and turn.shared_tokens:
             head = self._context(parent)  # type: ignore[arg-type]  # shared_tokens > 0 has a parent (schema)
@@ -84,10 +88,12 @@ class OpenSession:
         full = (
             turn
             if not (turn.shared_messages or turn.shared_tokens)
-            else msgspec.structs.replace(turn, messages=messages, model_response=mr, shared_messages=0, shared_tokens=0)
+            else msgspec.structs.replace(
+                turn, messages=messages[:n], model_response=mr, shared_messages=0, shared_tokens=0
+            )
         )
         self.compact[iid] = turn
-        self._messages[iid] = messages
+        self._messages[iid] = (messages, n)
         if mr is not None:
             self._keep(iid, bytes(mr.input_tokens_raw) + bytes(mr.output_tokens_raw))
         return full
@@ -101,27 +107,39 @@ class OpenSession:
         if mr is not None and turn.shared_tokens:
             head = self._context(turn.parent_id)  # type: ignore[arg-type]
             mr = msgspec.structs.replace(mr, input_tokens_raw=head[: turn.shared_tokens * 4] + mr.input_tokens_raw)
+        messages, n = self._messages[interaction_id]
         return msgspec.structs.replace(
-            turn, messages=self._messages[interaction_id], model_response=mr, shared_messages=0, shared_tokens=0
+            turn, messages=messages[:n], model_response=mr, shared_messages=0, shared_tokens=0
         )
 
-    def _full_messages(self, turn: Interaction) -> list[Any]:
+    def _full_messages(self, turn: Interaction) -> tuple[list[Any], int]:
+        """The turn's conversation as (list, length): the first ``length`` items of the list.
+
+        A turn that continues its parent's whole context, when nothing has grown the
+        parent's list since, appends to that list: a chain holds one list, not one per turn.
+        """
         if turn.parent_id is None or not turn.shared_messages:
             if turn.shared_messages:
                 raise InvalidMessage(f"session {self.session_id!r}: root turn {turn.interaction_id!r} shares messages")
-            return list(turn.messages)
-        parent_full = self._messages[turn.parent_id]
+            return list(turn.messages), len(turn.messages)
+        parent_list, pn = self._messages[turn.parent_id]
         parent_out = self.compact[turn.parent_id].output_message_list
-        if turn.shared_messages > len(parent_full) + len(parent_out):
+        shared = turn.shared_messages
+        if shared > pn + len(parent_out):
             raise InvalidMessage(
                 f"session {self.session_id!r}: turn {turn.interaction_id!r} shares "
-                f"{turn.shared_messages} messages with parent {turn.parent_id!r}, whose context "
-                f"has only {len(parent_full) + len(parent_out)}"
+                f"{shared} messages with parent {turn.parent_id!r}, whose context "
+                f"has only {pn + len(parent_out)}"
             )
-        head = parent_full[: turn.shared_messages]
-        if turn.shared_messages > len(parent_full):
-            head += parent_out[: turn.shared_messages - len(parent_full)]
-        return head + list(turn.messages)
+        if shared == pn + len(parent_out) and len(parent_list) == pn:
+            parent_list += parent_out
+            parent_list += turn.messages
+            return parent_list, len(parent_list)
+        head = parent_list[: min(shared, pn)]
+        if shared > pn:
+            head += parent_out[: shared - pn]
+        head += turn.messages
+        return head, len(head)
 
     def _context(self, interaction_id: str) -> bytes:
         """The turn's input + output tokens (packed), rebuilt along its path when not kept."""
