@@ -106,9 +106,7 @@ class SessionStreams:
                 self._open.popitem(last=False)  # its judge tasks run on; their results are parked
         return state
 
-    async def add_turn(
-        self, group: str, turn: SessionTurn, runner: ScoringRunner | None, *, at: Coords | None = None
-    ) -> TurnOutcome:
+    async def add_turn(self, group: str, turn: SessionTurn, runner: ScoringRunner | None, *, at: Coords) -> TurnOutcome:
         """Park ``turn`` (its record at ``at``) and start judging its parent. ``DUPLICATE``:
         parked before, nothing to do. Raises :class:`InvalidMessage` for a turn that does not continue its session
         (the worker dead-letters it; its group is rejected) or one over
