@@ -900,7 +900,11 @@ def expand_trajectory_interactions(interactions: Sequence[Interaction]) -> list[
     for i in interactions:
         mr = i.model_response
         if mr is not None:
-            mr = msgspec.structs.replace(mr, input_tokens_raw=prompts[i.interaction_id])
+            # Not checked again (``replace`` would): the whole prompt is the parent's context,
+            # its output and this turn's own tokens, each checked when it was decoded; a long
+            # session's prompts would be scanned once per turn, the square of its length.
+            mr = copy.copy(mr)
+            msgspec.structs.force_setattr(mr, "input_tokens_raw", prompts[i.interaction_id])
         out.append(
             msgspec.structs.replace(
                 i, messages=messages[i.interaction_id], model_response=mr, shared_messages=0, shared_tokens=0

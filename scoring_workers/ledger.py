@@ -69,7 +69,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -672,6 +672,7 @@ class GroupLedger:
                 if not awaited:
                     del self._awaited[r.group_id]
         ops: list[_Op] = []
+        parked: dict[bytes, ParkedMember] = {}  # what this call parks, by blob: not decoded again
         since: dict[str, int | None] = {}
         linger_s: float | None = None
         for r in requests:
@@ -692,12 +693,14 @@ class GroupLedger:
             if group_id not in since:
                 since[group_id] = self._fresh.pop(group_id, None)
             member = ParkedMember(msgspec.structs.replace(r.result, turns=[]), r.partition, r.offset)
+            blob = _ENCODER.encode(member)
+            parked[blob] = member
             ops.append(
                 _Op(
                     group_id,
                     _Park(
                         r.result.trajectory_id,
-                        _ENCODER.encode(member),
+                        blob,
                         r.group_size,
                         r.group_timeout_s,
                         r.worker_id,
@@ -709,16 +712,18 @@ class GroupLedger:
                 )
             )
         raws = await self._ops.submit_many(ops, linger_s=linger_s or 0.0)
-        return [self._parked(r.group_id, raw) for r, raw in zip(requests, raws)]
+        return [self._parked(r.group_id, raw, parked) for r, raw in zip(requests, raws)]
 
-    def _parked(self, group_id: str, raw: Sequence[Any]) -> tuple[ParkOutcome, Decision | None]:
+    def _parked(
+        self, group_id: str, raw: Sequence[Any], known: Mapping[bytes, ParkedMember]
+    ) -> tuple[ParkOutcome, Decision | None]:
         outcome = ParkOutcome(raw[0].decode())
         if len(raw) < 3:
             if outcome is not ParkOutcome.PARKED:  # decided or finished already: no company to wait for
                 self._parked_here.pop(group_id, None)
             return outcome, None
         self._parked_here.pop(group_id, None)
-        return outcome, self._decision(group_id, DecideOutcome.DECIDED_NOW, raw[2])
+        return outcome, self._decision(group_id, DecideOutcome.DECIDED_NOW, raw[2], known)
 
     async def decide(
         self,
@@ -766,15 +771,23 @@ class GroupLedger:
         return decision
 
     @staticmethod
-    def _decision(group_id: str, outcome: DecideOutcome, flat: Sequence[bytes]) -> Decision:
-        """The group hash as ``HGETALL`` returned it -> its state and its parked members."""
+    def _decision(
+        group_id: str, outcome: DecideOutcome, flat: Sequence[bytes], known: Mapping[bytes, ParkedMember] | None = None
+    ) -> Decision:
+        """The group hash as ``HGETALL`` returned it -> its state and its parked members.
+
+        ``known``: members this process just encoded, by their blob. A stored blob equal
+        to one of them is that member, taken as it is instead of decoded again (a long
+        session's member is megabytes of turn results and observations to decode and
+        check, on the path from its group's last member to the verdict)."""
         if outcome not in (DecideOutcome.DECIDED_NOW, DecideOutcome.ALREADY_DECIDED):
             return Decision(outcome, group_id, GroupState(), [])
         state: list[bytes] = []
         members: list[ParkedMember] = []
         for name, value in zip(flat[::2], flat[1::2]):
             if name.startswith(b"m:"):
-                members.append(decode_parked(value))
+                member = known.get(value) if known else None
+                members.append(decode_parked(value) if member is None else member)
             else:
                 state += (name, value)
         return Decision(outcome, group_id, decode_state(state), members)

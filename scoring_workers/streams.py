@@ -194,7 +194,7 @@ class SessionStreams:
         if not state.session.compact:
             raise InvalidMessage(f"session {end.session_id!r} ended without a turn")
         traj = streamed_trajectory(list(state.session.compact.values()), end)
-        return traj, Reuse(state.results)
+        return traj, Reuse(state.results, state.frozen)
 
     async def member_coords(self, group: str, trajectory_id: str) -> Coords:
         """Where the ended session's member is parked: its first ``turn`` record, from which

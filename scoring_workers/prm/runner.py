@@ -670,7 +670,7 @@ class PRMRunner:
         base_ctx["is_eval"] = is_eval
         base_ctx["trajectory_id"] = trajectory_id
         base_ctx["session_id"] = trajectory.session_id
-        cache: MessageCache = {}
+        cache: MessageCache = {} if reuse is None else reuse.frozen  # a streamed session's, frozen as it came
         pending: dict[str, _SchemaTable] = {}
         scored = [
             await self._score_branch(path, base_ctx, cache, pending, trajectory_id, keep_channels, reuse)

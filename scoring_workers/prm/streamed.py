@@ -30,6 +30,7 @@ from scoring_workers.prm.base import PRMScorerResult
 
 if TYPE_CHECKING:
     from scoring_workers.prm.base import BaseScorer
+    from scoring_workers.prm.view import MessageCache
 
 __all__ = ["StreamedResult", "Reuse", "stream_key_bytes", "encode_results", "decode_results"]
 
@@ -98,9 +99,17 @@ def stream_key_bytes(scorer: BaseScorer, interaction: Any, ctx: Mapping[str, Any
 
 
 class Reuse:
-    """The streamed results of one session, looked up by the runner at its end."""
+    """The streamed results of one session, looked up by the runner at its end.
 
-    def __init__(self, results: Iterable[StreamedResult]) -> None:
+    ``frozen``: the session's message cache the streamed calls filled
+    (:meth:`PRMRunner.score_turn <scoring_workers.prm.runner.PRMRunner.score_turn>`'s
+    ``cache``). The end's run starts from it instead of freezing every turn's
+    conversation again: a turn id names one content within a session (a turn that
+    arrives again with other content is refused), so its frozen messages are the same.
+    """
+
+    def __init__(self, results: Iterable[StreamedResult], frozen: MessageCache | None = None) -> None:
+        self.frozen: MessageCache = {} if frozen is None else frozen
         self._by_turn: dict[tuple[int, str], list[StreamedResult]] = {}
         for r in results:
             self._by_turn.setdefault((r.scorer, r.interaction_id), []).append(r)

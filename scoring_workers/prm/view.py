@@ -20,6 +20,7 @@ its messages, not the square of its turns.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -97,9 +98,14 @@ class InteractionView:
             parent = self.parent
             done = None if parent is None else self._cache.get(parent.interaction_id)
             if parent is not None and done is not None:
-                shared = (*parent._source.messages, *parent._source.output_message_list)
-                n = len(shared)
-                if n and len(messages) >= n and all(map(operator.is_, messages[:n], shared)):
+                before, said = parent._source.messages, parent._source.output_message_list
+                n = len(before) + len(said)
+                if (
+                    n
+                    and len(messages) >= n
+                    and all(map(operator.is_, messages, before))  # ``map`` stops at the shorter
+                    and all(map(operator.is_, itertools.islice(messages, len(before), n), said))
+                ):
                     head, messages = done[0] + done[1], messages[n:]
             entry = (head + _freeze_each(messages, memo), _freeze_each(self._source.output_message_list, memo))
             self._cache[self.interaction_id] = entry

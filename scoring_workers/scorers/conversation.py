@@ -161,17 +161,25 @@ def locate_next_state(
     """
     if rule not in NEXT_STATE_RULES:
         raise ConfigError(f"next-state rule must be one of {NEXT_STATE_RULES}, got {rule!r}")
-    conv = list(conversation)
+    # Indexed as it is (the runner passes tuples): a long session's every turn would
+    # otherwise copy the whole branch.
+    conv = conversation if isinstance(conversation, (list, tuple)) else list(conversation)
     out = list(output_messages)
     n = len(turn_messages)
     start: int | None = None
-    # The same objects first: a session's turns share their history's message objects (an
+    # Equal messages first: a session's turns share their history's message objects (an
     # expanded compact session, frozen once per run), which makes checking a long
-    # session's every turn one C-level pointer comparison per message.
+    # session's every turn one C-level pointer comparison per message (a sequence
+    # comparison tries identity before ``==``; ``map`` stops at the shorter one,
+    # ``turn_messages``, as ``n <= len(conv)``).
     if (
         n <= len(conv)
         and (
-            all(map(operator.is_, conv[:n], turn_messages))
+            (
+                conv[:n] == turn_messages
+                if type(conv) is type(turn_messages)
+                else all(map(operator.is_, conv, turn_messages))
+            )
             or all(
                 conv[i] is turn_messages[i] or _same_message(conv[i], turn_messages[i], strict_assistant=False)
                 for i in range(n)

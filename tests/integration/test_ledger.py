@@ -12,14 +12,19 @@ import socket
 import time
 import uuid
 
+import msgspec
 import pytest
 
-from infra.config import RedisConfig
+from infra.config import PRMConfig, RedisConfig
 from infra.local import LocalService, find_redis_binary, free_port
 from infra.retry import REDIS_OUTAGES
 from infra.schema import SessionResult
+from prm_pipeline.demo.synthetic import make_session
 from scoring_workers import ledger as ledger_module
-from scoring_workers.ledger import GroupLedger
+from scoring_workers.ledger import GroupLedger, ParkRequest
+from scoring_workers.prm.runner import PRMRunner
+from scoring_workers.scorers.length_budget import LengthBudgetScorer
+from scoring_workers.scoring import score_member
 from scoring_workers.verdicts import assemble_verdict, encode_scorers
 from tests.polling import eventually, wait_until
 
@@ -125,6 +130,33 @@ async def test_last_member_decides_once_and_finish_leaves_a_tombstone(ledger) ->
     await ledger.finish(g)
     assert await ledger.probe_many([(g, "a"), (g, "c")]) == ["done", "done"]
     assert g not in await ledger.due_groups()
+
+
+async def test_members_parked_by_the_deciding_call_are_the_stored_ones(ledger) -> None:
+    """The deciding park takes the members it just encoded instead of decoding them again:
+    they must be exactly what any other reader decodes from Redis (scored members, with
+    dense token rewards, turn results and their observations)."""
+    g = f"g-{uuid.uuid4().hex[:6]}"
+    runner = PRMRunner(PRMConfig(enabled=True, scorers=[LengthBudgetScorer(max_output_tokens=12)]))
+    results = [
+        await score_member(
+            runner,
+            make_session(trajectory_id=t, session_id=f"s-{t}", group_id=g, group_size=2, turns=5, branch_at=2),
+            timeout_s=None,
+        )
+        for t in ("a", "b")
+    ]
+    assert all(r.status == "scored" and r.turn_results for r in results)
+    ((_, none), (outcome, decision)) = await ledger.park_many(
+        [ParkRequest(r, g, 2, 30, "w1", encode_scorers([])) for r in results]
+    )
+    assert none is None and outcome == "parked" and decision.outcome == "decided_now"
+    again = await ledger.decide(g, "complete", worker_id="w2", scorers=b"\x90", group_timeout_s=30, republish_grace_s=5)
+    assert again.outcome == "already_decided"
+    assert decision.members == again.members  # decoded from Redis by the second reader
+    assert msgspec.msgpack.encode(assemble_verdict(g, decision.state, decision.members)) == msgspec.msgpack.encode(
+        assemble_verdict(g, again.state, again.members)
+    )
 
 
 async def _calls(led: GroupLedger, work) -> dict[str, int]:

@@ -167,6 +167,19 @@ async def test_streamed_sessions_get_the_ready_verdict(kafka_bootstrap, redis_ur
     await compare_forms(config(kafka_bootstrap, redis_url, judge), n_groups=12, seed=7)
 
 
+async def test_streamed_sessions_get_the_ready_verdict_with_the_opd_teacher(kafka_bootstrap, redis_url, judge) -> None:
+    """The OPD teacher streams too (its dense per-token rewards are parked and reused): the
+    same verdicts, bit for bit, as the ready form."""
+    teacher = PRMScorerConfig(
+        "scoring_workers.scorers.opd.OPDTeacherScorer",
+        kwargs={"base_url": judge.base_url, "model": "fake-judge", "temperature": 0.0, "m": 3, "timeout_s": 5.0},
+    )
+    cfg = isolated_config(
+        f"stream-opd-{uuid.uuid4().hex[:8]}", kafka_bootstrap, redis_url, scorers=[teacher], partitions=2
+    )
+    await compare_forms(cfg, n_groups=8, seed=11)
+
+
 @pytest.mark.slow
 async def test_a_thousand_streamed_sessions_get_the_ready_verdict(kafka_bootstrap, redis_url, judge) -> None:
     """The goal's scale: 1,000 sessions of 1 to 8 turns, 40 % branching, in groups of 1 or 2."""

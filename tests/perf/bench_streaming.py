@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import tempfile
 import time
@@ -226,6 +227,10 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
             await tail.start()
             try:
                 await _ready(pub, tail, _group("warm-up", 1, 2, rng))  # clients connected, partitions assigned
+                # As the worker command does once ready (prm_pipeline.cli): start-up's objects out
+                # of the collector's sight, or every full collection walks them again.
+                gc.collect()
+                gc.freeze()
                 for turns, n in zip(lengths, groups):
                     lat: dict[str, list[float]] = {"ready": [], "streamed": []}
                     held: list[float] = []
