@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import io
+from types import SimpleNamespace
 
 import pytest
 
-from infra.schema import DeadLetter, DiscardGroup, TrajectoryChunk, encode
-from prm_pipeline.dead_letter_tool import LetterRecord, Selection, parse_offsets, plan_redrive
+import infra.kafka
+from infra.config import PipelineConfig
+from infra.schema import DeadLetter, DiscardGroup, TrajectoryChunk, encode, stream_session
+from prm_pipeline.dead_letter_tool import (
+    REDRIVEN_FROM_HEADER,
+    REDRIVEN_SOURCE_HEADER,
+    LetterRecord,
+    Selection,
+    parse_offsets,
+    plan_redrive,
+    redrive,
+)
 from prm_pipeline.demo.synthetic import make_group
 
 
@@ -112,3 +125,85 @@ def test_an_unknown_experiment_is_the_letters_topic_not_a_field_of_its_payload()
     for entry, group in zip(plan, ("g-a", "g-c")):
         assert f"rejected group {group} (unknown_experiment)" in entry.note
         assert "once experiment 'exp7' is declared" in entry.note and entry.experiment == "exp7"
+
+
+def _streamed(group: str) -> tuple[list, object]:
+    (member,) = make_group(group, 1, turns=2, output_tokens=2)
+    return stream_session(member)
+
+
+def test_a_streamed_sessions_turn_and_end_are_described_not_undecodable() -> None:
+    """``turn`` and ``end`` records (a streamed session) decode: the listing names their kind,
+    group and trajectory (and a turn's interaction), as for a ready record; a chunk is a chunk."""
+    (turn, _), end = _streamed("g-s")
+    chunk = TrajectoryChunk(group_id="g-c", trajectory_id="t-c", index=0, count=2, total_bytes=2, data=memoryview(b"x"))
+    rows = [_letter(i, m, key=m.group_id.encode()).to_json() for i, m in enumerate((turn, end, chunk))]
+    for row in rows:
+        assert "decode_error" not in row, row
+    assert [r["kind"] for r in rows] == ["turn", "end", "chunk"]
+    assert [r["group_id"] for r in rows] == ["g-s", "g-s", "g-c"]
+    assert [r["trajectory_id"] for r in rows] == [turn.trajectory_id, end.trajectory_id, "t-c"]
+    assert rows[0]["interaction_id"] == turn.interaction.interaction_id and rows[2]["chunk"] == "0/2"
+
+
+def test_turn_and_end_letters_are_chosen_by_trajectory_and_planned_one_by_one() -> None:
+    """``--trajectory`` matches a streamed session's records by their trajectory id; each turn and
+    the end is its own record to redrive (a repeat of one of them is skipped, not its siblings)."""
+    (t0, t1), end = _streamed("g-s")
+    (other,) = make_group("g-o", 1, turns=1, output_tokens=2)
+    records = [
+        _letter(0, t0, key=b"g-s", error_class="ProcessingError"),
+        _letter(1, t1, key=b"g-s", error_class="ProcessingError"),
+        _letter(2, end, key=b"g-s", error_class="ProcessingError"),
+        _letter(3, t1, key=b"g-s", error_class="ProcessingError"),  # the same turn again
+        _letter(4, other, key=b"g-o", error_class="ProcessingError"),
+    ]
+    plan = plan_redrive(records, Selection(trajectories=frozenset({end.trajectory_id})))
+    assert [e.record.offset for e in plan] == [0, 1, 2, 3]
+    assert [e.redrive for e in plan] == [True, True, True, False]
+    assert "already redriven from dlq:0@1" in plan[3].why_skipped
+    assert {e.trajectory_id for e in plan} == {end.trajectory_id} and {e.group_id for e in plan} == {"g-s"}
+    assert f"turn {t0.interaction.interaction_id} of trajectory {t0.trajectory_id} of group g-s" in plan[0].describe()
+    assert f"end of trajectory {end.trajectory_id} of group g-s" in plan[2].describe()
+    assert "rejected group g-s (invalid_member)" in plan[2].note
+    by_group = plan_redrive(records, Selection(groups=frozenset({"g-s"})))
+    assert [e.record.offset for e in by_group] == [0, 1, 2, 3]
+
+
+class _Producer:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes, bytes | None, list[tuple[str, bytes]]]] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def send_and_wait(self, topic: str, value: bytes, *, key: bytes | None, headers: list) -> SimpleNamespace:
+        self.sent.append((topic, value, key, headers))
+        return SimpleNamespace(topic=topic, partition=0, offset=len(self.sent) - 1)
+
+
+def test_redrive_republishes_a_turn_and_an_end_keyed_with_their_headers(monkeypatch) -> None:
+    """A dead-lettered turn or end is republished like a ready record: its payload, its key, its
+    original headers (kind ``turn`` / ``end``) plus where it was dead-lettered from."""
+    (turn, _), end = _streamed("g-s")
+    records = [
+        _letter(0, turn, key=b"g-s", error_class="ProcessingError"),
+        _letter(1, end, key=None, error_class="UnknownMessageKind"),  # key-less: keyed by its group
+    ]
+    producer = _Producer()
+    monkeypatch.setattr(infra.kafka, "make_producer", lambda _cfg: producer)
+    out = io.StringIO()
+    result = asyncio.run(redrive(PipelineConfig(), plan_redrive(records, Selection()), out=out))
+    assert len(result.sent) == 2 and not result.skipped
+    for (topic, value, key, headers), rec, kind in zip(producer.sent, records, ("turn", "end")):
+        assert topic == "prm.trajectories" and value == rec.letter.payload and key == b"g-s"
+        h = dict(headers)
+        assert h["prm-kind"] == kind.encode() and h[REDRIVEN_FROM_HEADER] == rec.coordinates.encode()
+        assert h[REDRIVEN_SOURCE_HEADER] == rec.source.encode()
+        assert [k for k, _ in headers[: len(rec.original_headers())]] == [k for k, _ in rec.original_headers()]
+    lines = out.getvalue().splitlines()
+    assert f"turn {turn.interaction.interaction_id} of trajectory {turn.trajectory_id} of group g-s" in lines[0]
+    assert lines[1].endswith(f"end of trajectory {end.trajectory_id} of group g-s")
