@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import io
-from types import SimpleNamespace
 
 import pytest
 
-import infra.kafka
-from infra.config import PipelineConfig
 from infra.schema import DeadLetter, DiscardGroup, TrajectoryChunk, encode, stream_session
 from prm_pipeline.dead_letter_tool import (
-    REDRIVEN_FROM_HEADER,
-    REDRIVEN_SOURCE_HEADER,
     LetterRecord,
     Selection,
     parse_offsets,
     plan_redrive,
-    redrive,
 )
 from prm_pipeline.demo.synthetic import make_group
 
@@ -168,42 +160,3 @@ def test_turn_and_end_letters_are_chosen_by_trajectory_and_planned_one_by_one() 
     assert "rejected group g-s (invalid_member)" in plan[2].note
     by_group = plan_redrive(records, Selection(groups=frozenset({"g-s"})))
     assert [e.record.offset for e in by_group] == [0, 1, 2, 3]
-
-
-class _Producer:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes, bytes | None, list[tuple[str, bytes]]]] = []
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    async def send_and_wait(self, topic: str, value: bytes, *, key: bytes | None, headers: list) -> SimpleNamespace:
-        self.sent.append((topic, value, key, headers))
-        return SimpleNamespace(topic=topic, partition=0, offset=len(self.sent) - 1)
-
-
-def test_redrive_republishes_a_turn_and_an_end_keyed_with_their_headers(monkeypatch) -> None:
-    """A dead-lettered turn or end is republished like a ready record: its payload, its key, its
-    original headers (kind ``turn`` / ``end``) plus where it was dead-lettered from."""
-    (turn, _), end = _streamed("g-s")
-    records = [
-        _letter(0, turn, key=b"g-s", error_class="ProcessingError"),
-        _letter(1, end, key=None, error_class="UnknownMessageKind"),  # key-less: keyed by its group
-    ]
-    producer = _Producer()
-    monkeypatch.setattr(infra.kafka, "make_producer", lambda _cfg: producer)
-    out = io.StringIO()
-    result = asyncio.run(redrive(PipelineConfig(), plan_redrive(records, Selection()), out=out))
-    assert len(result.sent) == 2 and not result.skipped
-    for (topic, value, key, headers), rec, kind in zip(producer.sent, records, ("turn", "end")):
-        assert topic == "prm.trajectories" and value == rec.letter.payload and key == b"g-s"
-        h = dict(headers)
-        assert h["prm-kind"] == kind.encode() and h[REDRIVEN_FROM_HEADER] == rec.coordinates.encode()
-        assert h[REDRIVEN_SOURCE_HEADER] == rec.source.encode()
-        assert [k for k, _ in headers[: len(rec.original_headers())]] == [k for k, _ in rec.original_headers()]
-    lines = out.getvalue().splitlines()
-    assert f"turn {turn.interaction.interaction_id} of trajectory {turn.trajectory_id} of group g-s" in lines[0]
-    assert lines[1].endswith(f"end of trajectory {end.trajectory_id} of group g-s")
