@@ -2,7 +2,9 @@
 
 Reading prints one JSON line per dead letter with its headers decoded (why it was
 dead-lettered, where the original record was, which worker gave up) and, where this
-build can decode the payload, what it holds (kind, group, trajectory). ``--since``,
+build can decode the payload, what it holds (kind, group, trajectory; every kind of the
+trajectories topic: ``ready``, ``discard``, ``chunk`` and a streamed session's ``turn``
+and ``end``). ``--since``,
 ``--follow`` and ``--out`` work as for ``verdicts``.
 
 ``--redrive`` republishes chosen dead letters to the trajectories topic after a fix (a
@@ -46,14 +48,20 @@ from infra.config import PipelineConfig
 from infra.escape import json_line, printable
 from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, experiment_of_topic, trajectories_topic
 from infra.schema import (
+    STREAM_KINDS,
+    TRAJECTORY_KINDS,
     DeadLetter,
+    DiscardGroup,
     ExperimentMismatch,
     InvalidMessage,
-    ReadyTrajectory,
     SchemaError,
+    SessionEnd,
+    SessionTurn,
+    TrajectoryChunk,
     TrajectoryMessage,
     dead_letter_from_record,
     decode_message,
+    kind_of,
 )
 
 log = logging.getLogger(__name__)
@@ -64,6 +72,25 @@ REDRIVEN_SOURCE_HEADER = "prm-redriven-source"
 SCHEMA_ERROR_CLASSES = frozenset(
     {"SchemaError", "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", ExperimentMismatch.__name__}
 )
+# Every kind of the trajectories topic: a dead letter may hold a streamed session's turn or end too.
+LETTER_KINDS = (*TRAJECTORY_KINDS, *STREAM_KINDS)
+
+
+def trajectory_of(message: TrajectoryMessage) -> str | None:
+    """The trajectory a record belongs to; ``None`` for a group's discard."""
+    return None if isinstance(message, DiscardGroup) else message.trajectory_id
+
+
+def part_of(message: TrajectoryMessage) -> str:
+    """Which part of its trajectory a record carries: ``""`` for a whole one (``ready``) or a
+    discard, ``turn ID`` / ``end`` for a streamed session's records, ``chunk I/N``."""
+    if isinstance(message, SessionTurn):
+        return f"turn {message.interaction.interaction_id}"
+    if isinstance(message, SessionEnd):
+        return "end"
+    if isinstance(message, TrajectoryChunk):
+        return f"chunk {message.index}/{message.count}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -101,7 +128,7 @@ class LetterRecord:
     def decoded(self) -> TrajectoryMessage | SchemaError:
         """The payload decoded with this build, or why it does not decode."""
         try:
-            return decode_message(self.letter.payload, self.original_headers())
+            return decode_message(self.letter.payload, self.original_headers(), kinds=LETTER_KINDS)
         except SchemaError as exc:
             return exc
 
@@ -132,10 +159,14 @@ class LetterRecord:
         if isinstance(message, SchemaError):
             out["decode_error"] = f"{type(message).__name__}: {message}"
         else:
-            out["kind"] = "ready" if isinstance(message, ReadyTrajectory) else "discard"
+            out["kind"] = kind_of(message)
             out["group_id"] = message.group_id
-            if isinstance(message, ReadyTrajectory):
-                out["trajectory_id"] = message.trajectory_id
+            if (trajectory := trajectory_of(message)) is not None:
+                out["trajectory_id"] = trajectory
+            if isinstance(message, SessionTurn):
+                out["interaction_id"] = message.interaction.interaction_id
+            elif isinstance(message, TrajectoryChunk):
+                out["chunk"] = f"{message.index}/{message.count}"
         if trajectories_base is not None:
             experiment = self.experiment(trajectories_base)
             if experiment is not None and experiment != DEFAULT_EXPERIMENT:
@@ -173,7 +204,7 @@ class Selection:
         if self.groups and group not in self.groups and rec.key_text not in self.groups:
             return False
         if self.trajectories:
-            return isinstance(message, ReadyTrajectory) and message.trajectory_id in self.trajectories
+            return not isinstance(message, SchemaError) and trajectory_of(message) in self.trajectories
         return True
 
 
@@ -188,16 +219,18 @@ class PlanEntry:
     trajectory_id: str | None = None
     note: str = ""
     experiment: str | None = None  # its experiment: the redrive goes to that experiment's topic
+    part: str = ""  # part_of the record: "turn ID", "end", "chunk I/N"; "" for a whole trajectory or a discard
+
+    @property
+    def what(self) -> str:
+        """What the record holds, in words (``turn t-3 of trajectory t of group g``)."""
+        if self.trajectory_id:
+            return f"{self.part + ' of ' if self.part else ''}trajectory {self.trajectory_id} of group {self.group_id}"
+        return f"discard of group {self.group_id}" if self.group_id else "undecodable record"
 
     def describe(self) -> str:
         rec, d = self.record, self.record.letter
-        what = (
-            f"trajectory {self.trajectory_id} of group {self.group_id}"
-            if self.trajectory_id
-            else f"discard of group {self.group_id}"
-            if self.group_id
-            else "undecodable record"
-        )
+        what = self.what
         if self.experiment not in (None, DEFAULT_EXPERIMENT):
             what += f" (experiment {self.experiment})"
         why = (
@@ -213,7 +246,8 @@ class PlanEntry:
 def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[PlanEntry]:
     """The redrive plan for ``records`` (pure: nothing is read or sent here)."""
     entries: list[PlanEntry] = []
-    chosen: dict[str, str] = {}  # trajectory id (or discard:<group>) -> the dead letter first chosen for it
+    # trajectory id (plus the part: a turn, the end, a chunk; or discard:<group>) -> the dead letter first chosen for it
+    chosen: dict[str, str] = {}
     for rec in records:
         message = rec.decoded()
         if not selection.matches(rec, message):
@@ -243,7 +277,7 @@ def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[
                 )
             )
             continue
-        traj = message.trajectory_id if isinstance(message, ReadyTrajectory) else None
+        traj, part = trajectory_of(message), part_of(message)
         if rec.letter.error_class == ExperimentMismatch.__name__:
             entries.append(
                 PlanEntry(
@@ -255,15 +289,18 @@ def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[
                     ),
                     message.group_id,
                     traj,
+                    part=part,
                 )
             )
             continue
         experiment = rec.experiment(selection.trajectories_base)
-        ident = traj if traj is not None else f"discard:{message.group_id}"
+        ident = (f"{traj}/{part}" if part else traj) if traj is not None else f"discard:{message.group_id}"
         ident = f"{experiment}/{ident}"  # ids are per experiment
         if ident in chosen:
             entries.append(
-                PlanEntry(rec, False, f"already redriven from {chosen[ident]} in this run", message.group_id, traj)
+                PlanEntry(
+                    rec, False, f"already redriven from {chosen[ident]} in this run", message.group_id, traj, part=part
+                )
             )
             continue
         chosen[ident] = rec.coordinates
@@ -276,6 +313,7 @@ def plan_redrive(records: Iterable[LetterRecord], selection: Selection) -> list[
                 traj,
                 _rejection_note(rec, message, experiment),
                 experiment,
+                part,
             )
         )
     return entries
@@ -398,8 +436,7 @@ async def redrive(cfg: PipelineConfig, entries: Sequence[PlanEntry], *, out: IO[
             result.sent.append((entry, where))
             line = (
                 f"redriven {rec.coordinates} (originally {rec.source}, {rec.letter.error_class}) -> {where}: "
-                f"{'trajectory ' + entry.trajectory_id if entry.trajectory_id else 'discard'} "
-                f"of group {entry.group_id}"
+                f"{entry.what}"
             )
             log.info("%s", line)
             print(printable(line), file=out, flush=True)

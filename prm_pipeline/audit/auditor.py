@@ -13,6 +13,13 @@ a verdict member is matched only with a trajectory of the verdict's own experime
 auditor for one experiment (``experiment=``, what ``audit --experiment`` builds) counts
 and skips records that name another (``other_experiment_verdicts``,
 ``other_experiment_trajectories``).
+
+Streamed sessions (``turn`` records, then an ``end``; docs/wire.md) are decoded and
+counted (``streamed_turn_records``, ``streamed_end_records``), not re-scored: the audit
+re-scores ``ready`` trajectories (chunked ones reassembled) only. A verdict member whose
+trajectory was streamed is reported ``not_rescorable`` with a note saying so (not
+``missing_trajectory``: its records are on the topic), and the session counts as a
+trajectory seen in its group.
 """
 
 from __future__ import annotations
@@ -27,10 +34,15 @@ from typing import TYPE_CHECKING, Any
 from infra.chunks import ChunkAssembler, reassembled
 from infra.experiments import DEFAULT_EXPERIMENT, scoped_group, split_scoped
 from infra.schema import (
+    STREAM_KINDS,
+    TRAJECTORY_KINDS,
     DiscardGroup,
     GroupVerdict,
     ReadyTrajectory,
     SchemaError,
+    SessionEnd,
+    SessionResult,
+    SessionTurn,
     TrajectoryChunk,
     decode_message,
     decode_verdict,
@@ -134,6 +146,7 @@ class Auditor:
         self._results: dict[tuple[str, int, int], SessionComparison] = {}
         self._rescored: dict[tuple[str, str], bytes] = {}  # trajectory -> digest of the record re-scored
         self._seen: dict[str, set[str]] = {}  # group -> trajectory ids on the topic
+        self._streamed: set[tuple[str, str]] = set()  # trajectories streamed (turn/end records): not re-scored
         self._discards: set[str] = set()
         self._notes: dict[str, list[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -197,11 +210,13 @@ class Auditor:
 
         Waits while ``concurrency`` re-scorings are in flight (backpressure on reading).
         A chunk record is buffered; the trajectory is audited when its last chunk arrives.
+        A streamed session's record (``turn``, ``end``) is counted and its trajectory noted
+        as seen, not re-scored (the module's docstring).
         """
         self._frozen = True
         self.counts["trajectory_records"] += 1
         try:
-            message = decode_message(value, headers)
+            message = decode_message(value, headers, kinds=(*TRAJECTORY_KINDS, *STREAM_KINDS))
         except SchemaError:
             self.counts["undecodable_trajectories"] += 1  # the worker dead-lettered these
             return
@@ -216,8 +231,16 @@ class Auditor:
                     await self._feed(whole, done.value)
             case ReadyTrajectory() | DiscardGroup():
                 await self._feed(message, value)
-            case _:  # a streamed kind: not among the kinds decoded here (decode_message refuses it, as above)
-                self.counts["undecodable_trajectories"] += 1
+            case SessionTurn() | SessionEnd():
+                self._feed_streamed(message)
+
+    def _feed_streamed(self, message: SessionTurn | SessionEnd) -> None:
+        """Count a streamed session's record and note its trajectory (seen, not re-scored)."""
+        self.counts["streamed_turn_records" if isinstance(message, SessionTurn) else "streamed_end_records"] += 1
+        if not self._ours(message.experiment, "trajectories") or not self.wanted(message.group_id):
+            return
+        self._seen.setdefault(scoped_group(message.experiment, message.group_id), set()).add(message.trajectory_id)
+        self._streamed.add((message.experiment, message.trajectory_id))
 
     async def _feed(self, message: ReadyTrajectory | DiscardGroup, value: bytes | None) -> None:
         if not self._ours(message.experiment, "trajectories") or not self.wanted(message.group_id):
@@ -263,6 +286,21 @@ class Auditor:
             self.on_rescored(1)
 
     # ------------------------------------------------------------------ report
+    def _unrescored(self, experiment_id: str, recorded: SessionResult) -> SessionComparison:
+        """The comparison of a member no trajectory record was re-scored for: a streamed one is
+        ``not_rescorable`` (its records are on the topic; the audit does not re-score streamed
+        sessions), any other ``missing_trajectory`` (:func:`compare_session` without a result)."""
+        comparison = compare_session(recorded, None, scope=self.scope, tol=self.tol)
+        if comparison.outcome == "missing_trajectory" and (experiment_id, recorded.trajectory_id) in self._streamed:
+            return SessionComparison(
+                outcome="not_rescorable",
+                notes=[
+                    f"trajectory {recorded.trajectory_id!r} was streamed (turn/end records): the audit re-scores "
+                    "ready trajectories only"
+                ],
+            )
+        return comparison
+
     async def finish(self, *, resume_offsets: str = "") -> AuditReport:
         try:
             if self._tasks:
@@ -274,14 +312,14 @@ class Auditor:
             raise
         findings: list[GroupFinding] = []
         for group_id, variants in self._variants.items():  # scoped ids; findings name the experiment apart
+            experiment_id, bare = split_scoped(group_id)
             comparisons = [
                 [
-                    self._results.get((group_id, v, j)) or compare_session(s, None, scope=self.scope, tol=self.tol)
+                    self._results.get((group_id, v, j)) or self._unrescored(experiment_id, s)
                     for j, s in enumerate(verdict.sessions)
                 ]
                 for v, (verdict, _copies) in enumerate(variants)
             ]
-            experiment_id, bare = split_scoped(group_id)
             finding = summarize_group(
                 bare,
                 [(verdict, copies) for verdict, copies in variants],

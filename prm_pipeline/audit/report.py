@@ -82,6 +82,11 @@ def render_summary(report: AuditReport, out: IO[str], *, show: int = 10) -> None
             else ""
         )
     )
+    if r.get("streamed_turn_records") or r.get("streamed_end_records"):
+        console.print(
+            f"streamed session records (counted, not re-scored): {r.get('streamed_turn_records', 0)} turn, "
+            f"{r.get('streamed_end_records', 0)} end"
+        )
     if not scope.enabled:
         console.print("scoring is disabled in the config: verdicts are expected to carry no rewards")
     elif scope.not_rescored:

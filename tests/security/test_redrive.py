@@ -14,6 +14,10 @@ Two kinds of dead letter are on the topic:
   ``dead_letter_headers``) for a key-less record it could not read
   (``UnknownSchemaVersion``): the record decodes with this build, so it is the "after a
   fix" case; the same trajectory twice, as a redelivered record would be.
+
+A streamed session is redriven the same way, record by record: its turns reached the worker,
+its ``end`` only an older worker's dead letter; the redriven ``end`` (keyed by its group)
+completes the session and its group gets its verdict.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from aiokafka.structs import ConsumerRecord
 
 from infra.config import PRMScorerConfig
 from infra.kafka import ensure_topics, make_producer
-from infra.schema import UnknownSchemaVersion, dead_letter_headers, decode_verdict, encode
+from infra.schema import UnknownSchemaVersion, dead_letter_headers, decode_verdict, encode, stream_session
 from prm_pipeline.demo.synthetic import make_group
+from producers.publisher import TrajectoryPublisher
 from scoring_workers.dead_letters import capped_letter
 from tests.integration.harness import read_topic, running_worker, wait_for_verdicts, with_scorers, write_config
 from tests.polling import eventually
@@ -221,6 +226,57 @@ async def test_redrive_is_a_dry_run_then_republishes_once(pipeline_config, tmp_p
         )
     verdicts = [decode_verdict(r.value, r.headers) for r in await read_topic(cfg, cfg.topics.verdicts)]
     assert [v.group_id for v in verdicts].count("dl-ok") == 1
+
+
+async def test_redrive_completes_a_streamed_session_whose_end_was_dead_lettered(pipeline_config, tmp_path) -> None:
+    """A session's turns were read; its ``end`` was dead-lettered by an older worker that could
+    not decode it (key-less, so no group was rejected). ``--redrive --yes`` republishes the
+    ``end`` (its payload and headers, keyed by its group) and the group gets its verdict."""
+    cfg = with_scorers(
+        pipeline_config,
+        PRMScorerConfig("scoring_workers.scorers.LengthBudgetScorer", kwargs={"max_output_tokens": 4}),
+        group_timeout_s=600,  # the group is not answered as missing while its end waits for the redrive
+    )
+    config = write_config(cfg, tmp_path / "config.yaml")
+    await ensure_topics(cfg.kafka, cfg.topics)
+    (traj,) = make_group("dl-stream", 1, turns=2, output_tokens=3)
+    turns, end = stream_session(traj)
+
+    async with running_worker(cfg, "w-redrive") as worker:
+        async with TrajectoryPublisher(cfg.kafka, cfg.topics) as pub:
+            for turn in turns:
+                await pub.publish_turn(turn)
+            await pub.flush()
+            # the end as the publisher would send it (end_session), but only in an old worker's dead letter
+            ((end_value, end_headers),) = pub.records(end)
+        assert dict(end_headers)["prm-kind"] == b"end"
+        await _old_workers_letter(cfg, end_value, end_headers, offset=3)
+        await eventually(
+            lambda: worker.telemetry.consumed.labels("turn")._value.get(),
+            accept=lambda n: n >= len(turns),
+            timeout_s=30,
+            what="the worker to take the session's turns",
+        )
+        assert not [r for r in await read_topic(cfg, cfg.topics.verdicts) if r.key == b"dl-stream"]
+
+        done = await asyncio.to_thread(_cli, config, "dead-letters", "--redrive", "--yes")
+        assert done.returncode == 0, done.stderr
+        (sent,) = [ln for ln in done.stdout.splitlines() if ln.startswith("redriven ")]
+        assert f"(originally {cfg.topics.trajectories}:0@3, UnknownSchemaVersion) -> " in sent
+        assert sent.endswith(f"end of trajectory {traj.trajectory_id} of group dl-stream"), sent
+        assert done.stdout.splitlines()[-1].startswith("redrove 1 of 1 chosen dead letters")
+
+        (verdict,) = [v for v in await wait_for_verdicts(cfg, ["dl-stream"]) if v.group_id == "dl-stream"]
+        assert verdict.status == "accepted", verdict.reason
+        (member,) = verdict.sessions
+        assert member.trajectory_id == traj.trajectory_id and member.status == "scored"
+    (republished,) = [
+        r for r in await read_topic(cfg, cfg.topics.trajectories) if "prm-redriven-from" in dict(r.headers)
+    ]
+    assert republished.key == b"dl-stream" and republished.value == end_value
+    headers = dict(republished.headers)
+    assert headers["prm-kind"] == b"end" and headers["prm-redriven-source"] == f"{cfg.topics.trajectories}:0@3".encode()
+    assert [k for k, _ in republished.headers][: len(end_headers)] == [k for k, _ in end_headers]
 
 
 def _offset_of(rows: list[dict], source_offset: int) -> str:

@@ -533,3 +533,39 @@ async def test_auditor_reassembles_chunked_trajectories() -> None:
         await runner.aclose()
     assert report.by_group()["g-long"].outcome == "identical"
     assert report.records["trajectory_records"] == len(records)
+
+
+async def test_auditor_counts_streamed_sessions_and_does_not_call_them_undecodable() -> None:
+    """A streamed session's ``turn`` and ``end`` records decode: they are counted, their
+    trajectory is seen in its group, and a verdict member naming it is ``not_rescorable``
+    (the audit re-scores ready trajectories only), not ``missing_trajectory``."""
+    import io
+
+    from infra.schema import stream_session
+    from prm_pipeline.audit import render_summary
+
+    trajs = [_traj("g-s", 0), _traj("g-s", 1), _traj("g-t", 0)]
+    recorded = await _scored([LengthBudgetScorer(max_output_tokens=32)], trajs[:2])
+    runner = await PRMRunner.create(PRMConfig(scorers=[LengthBudgetScorer(max_output_tokens=32)]))  # type: ignore[list-item]
+    try:
+        auditor = Auditor(scope=LB, runner=runner)
+        auditor.feed_verdict(*encode(_verdict("g-s", recorded, ["length_budget"])))
+        await auditor.feed_trajectory(*encode(trajs[0]))  # member 0 as a ready record
+        streamed = [m for t in trajs[1:] for turns, end in [stream_session(t)] for m in (*turns, end)]
+        for message in streamed:  # member 1 streamed; g-t streamed without a verdict
+            await auditor.feed_trajectory(*encode(message))
+        report = await auditor.finish()
+    finally:
+        await runner.aclose()
+    assert "undecodable_trajectories" not in report.records
+    assert report.records["streamed_end_records"] == 2
+    assert report.records["streamed_turn_records"] == len(streamed) - 2
+    found = report.by_group()
+    assert found["g-s"].outcome == "not_rescorable" and found["g-s"].sessions == {"identical": 1, "not_rescorable": 1}
+    assert any("'g-s-1' was streamed" in n and "ready trajectories only" in n for n in found["g-s"].notes)
+    assert found["g-t"].outcome == "trajectory_without_verdict" and found["g-t"].trajectories == ["g-t-0"]
+    assert report.exit_code == 0
+    out = io.StringIO()
+    render_summary(report, out)
+    text = " ".join(out.getvalue().split())
+    assert f"streamed session records (counted, not re-scored): {len(streamed) - 2} turn, 2 end" in text

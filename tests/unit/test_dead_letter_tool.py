@@ -6,8 +6,13 @@ import argparse
 
 import pytest
 
-from infra.schema import DeadLetter, DiscardGroup, TrajectoryChunk, encode
-from prm_pipeline.dead_letter_tool import LetterRecord, Selection, parse_offsets, plan_redrive
+from infra.schema import DeadLetter, DiscardGroup, TrajectoryChunk, encode, stream_session
+from prm_pipeline.dead_letter_tool import (
+    LetterRecord,
+    Selection,
+    parse_offsets,
+    plan_redrive,
+)
 from prm_pipeline.demo.synthetic import make_group
 
 
@@ -112,3 +117,46 @@ def test_an_unknown_experiment_is_the_letters_topic_not_a_field_of_its_payload()
     for entry, group in zip(plan, ("g-a", "g-c")):
         assert f"rejected group {group} (unknown_experiment)" in entry.note
         assert "once experiment 'exp7' is declared" in entry.note and entry.experiment == "exp7"
+
+
+def _streamed(group: str) -> tuple[list, object]:
+    (member,) = make_group(group, 1, turns=2, output_tokens=2)
+    return stream_session(member)
+
+
+def test_a_streamed_sessions_turn_and_end_are_described_not_undecodable() -> None:
+    """``turn`` and ``end`` records (a streamed session) decode: the listing names their kind,
+    group and trajectory (and a turn's interaction), as for a ready record; a chunk is a chunk."""
+    (turn, _), end = _streamed("g-s")
+    chunk = TrajectoryChunk(group_id="g-c", trajectory_id="t-c", index=0, count=2, total_bytes=2, data=memoryview(b"x"))
+    rows = [_letter(i, m, key=m.group_id.encode()).to_json() for i, m in enumerate((turn, end, chunk))]
+    for row in rows:
+        assert "decode_error" not in row, row
+    assert [r["kind"] for r in rows] == ["turn", "end", "chunk"]
+    assert [r["group_id"] for r in rows] == ["g-s", "g-s", "g-c"]
+    assert [r["trajectory_id"] for r in rows] == [turn.trajectory_id, end.trajectory_id, "t-c"]
+    assert rows[0]["interaction_id"] == turn.interaction.interaction_id and rows[2]["chunk"] == "0/2"
+
+
+def test_turn_and_end_letters_are_chosen_by_trajectory_and_planned_one_by_one() -> None:
+    """``--trajectory`` matches a streamed session's records by their trajectory id; each turn and
+    the end is its own record to redrive (a repeat of one of them is skipped, not its siblings)."""
+    (t0, t1), end = _streamed("g-s")
+    (other,) = make_group("g-o", 1, turns=1, output_tokens=2)
+    records = [
+        _letter(0, t0, key=b"g-s", error_class="ProcessingError"),
+        _letter(1, t1, key=b"g-s", error_class="ProcessingError"),
+        _letter(2, end, key=b"g-s", error_class="ProcessingError"),
+        _letter(3, t1, key=b"g-s", error_class="ProcessingError"),  # the same turn again
+        _letter(4, other, key=b"g-o", error_class="ProcessingError"),
+    ]
+    plan = plan_redrive(records, Selection(trajectories=frozenset({end.trajectory_id})))
+    assert [e.record.offset for e in plan] == [0, 1, 2, 3]
+    assert [e.redrive for e in plan] == [True, True, True, False]
+    assert "already redriven from dlq:0@1" in plan[3].why_skipped
+    assert {e.trajectory_id for e in plan} == {end.trajectory_id} and {e.group_id for e in plan} == {"g-s"}
+    assert f"turn {t0.interaction.interaction_id} of trajectory {t0.trajectory_id} of group g-s" in plan[0].describe()
+    assert f"end of trajectory {end.trajectory_id} of group g-s" in plan[2].describe()
+    assert "rejected group g-s (invalid_member)" in plan[2].note
+    by_group = plan_redrive(records, Selection(groups=frozenset({"g-s"})))
+    assert [e.record.offset for e in by_group] == [0, 1, 2, 3]
