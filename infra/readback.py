@@ -49,8 +49,8 @@ from infra.experiments import trajectories_topic
 from infra.kafka import make_consumer
 from infra.retry import RetryPolicy, is_retriable
 from infra.schema import (
+    ALL_KINDS,
     STREAM_KINDS,
-    TRAJECTORY_KINDS,
     GroupVerdict,
     Interaction,
     InvalidMessage,
@@ -96,7 +96,6 @@ v3, KIP-74; the embedded broker too), so a small limit costs no correctness, onl
 round trip more when the wanted records span batches."""
 
 
-_ALL_KINDS = TRAJECTORY_KINDS + STREAM_KINDS
 """What a wanted record may be: a ``ready`` record, a chunked one's first chunk, or a
 streamed session's first ``turn``."""
 
@@ -321,7 +320,7 @@ class TrajectoryReader:
                 # A record that is not wanted is decoded only if it is of a kind being
                 # followed: the header says which before the value is decoded.
                 followed = (("chunk",) if chunked else ()) + (STREAM_KINDS if streamed else ())
-                kinds = _ALL_KINDS if is_wanted else followed
+                kinds = ALL_KINDS if is_wanted else followed
                 try:
                     message = decode_message(record.value, record.headers, kinds=kinds)
                 except SchemaError as exc:

@@ -504,6 +504,8 @@ TRAJECTORY_KINDS = ("ready", "discard", "chunk")
 """The kinds every reader of the trajectories topic decodes (:func:`decode_message`'s default)."""
 STREAM_KINDS = ("turn", "end")
 """The kinds of a streamed session: only readers that park turns ask for them."""
+ALL_KINDS = TRAJECTORY_KINDS + STREAM_KINDS
+"""Every kind of the trajectories topic (readers of every record: the audit, the dead-letter tool)."""
 
 
 def _check_experiment(experiment_id: str | msgspec.UnsetType) -> None:
@@ -1460,6 +1462,7 @@ __all__ = [
     "stream_session",
     "TRAJECTORY_KINDS",
     "STREAM_KINDS",
+    "ALL_KINDS",
     "TrajectoryMessage",
     "compact_trajectory",
     "expand_trajectory",

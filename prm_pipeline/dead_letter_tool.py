@@ -48,8 +48,7 @@ from infra.config import PipelineConfig
 from infra.escape import json_line, printable
 from infra.experiments import DEFAULT_EXPERIMENT, UnknownExperiment, experiment_of_topic, trajectories_topic
 from infra.schema import (
-    STREAM_KINDS,
-    TRAJECTORY_KINDS,
+    ALL_KINDS,
     DeadLetter,
     DiscardGroup,
     ExperimentMismatch,
@@ -72,8 +71,6 @@ REDRIVEN_SOURCE_HEADER = "prm-redriven-source"
 SCHEMA_ERROR_CLASSES = frozenset(
     {"SchemaError", "UnknownSchemaVersion", "UnknownMessageKind", "InvalidMessage", ExperimentMismatch.__name__}
 )
-# Every kind of the trajectories topic: a dead letter may hold a streamed session's turn or end too.
-LETTER_KINDS = (*TRAJECTORY_KINDS, *STREAM_KINDS)
 
 
 def trajectory_of(message: TrajectoryMessage) -> str | None:
@@ -128,7 +125,7 @@ class LetterRecord:
     def decoded(self) -> TrajectoryMessage | SchemaError:
         """The payload decoded with this build, or why it does not decode."""
         try:
-            return decode_message(self.letter.payload, self.original_headers(), kinds=LETTER_KINDS)
+            return decode_message(self.letter.payload, self.original_headers(), kinds=ALL_KINDS)
         except SchemaError as exc:
             return exc
 

@@ -672,7 +672,7 @@ class GroupLedger:
                 if not awaited:
                     del self._awaited[r.group_id]
         ops: list[_Op] = []
-        parked: dict[bytes, ParkedMember] = {}  # what this call parks, by blob: not decoded again
+        parked: dict[str, tuple[bytes, ParkedMember]] = {}  # what this call parks: not decoded again
         since: dict[str, int | None] = {}
         linger_s: float | None = None
         for r in requests:
@@ -694,7 +694,7 @@ class GroupLedger:
                 since[group_id] = self._fresh.pop(group_id, None)
             member = ParkedMember(msgspec.structs.replace(r.result, turns=[]), r.partition, r.offset)
             blob = _ENCODER.encode(member)
-            parked[blob] = member
+            parked[r.result.trajectory_id] = (blob, member)
             ops.append(
                 _Op(
                     group_id,
@@ -715,7 +715,7 @@ class GroupLedger:
         return [self._parked(r.group_id, raw, parked) for r, raw in zip(requests, raws)]
 
     def _parked(
-        self, group_id: str, raw: Sequence[Any], known: Mapping[bytes, ParkedMember]
+        self, group_id: str, raw: Sequence[Any], known: Mapping[str, tuple[bytes, ParkedMember]]
     ) -> tuple[ParkOutcome, Decision | None]:
         outcome = ParkOutcome(raw[0].decode())
         if len(raw) < 3:
@@ -772,12 +772,16 @@ class GroupLedger:
 
     @staticmethod
     def _decision(
-        group_id: str, outcome: DecideOutcome, flat: Sequence[bytes], known: Mapping[bytes, ParkedMember] | None = None
+        group_id: str,
+        outcome: DecideOutcome,
+        flat: Sequence[bytes],
+        known: Mapping[str, tuple[bytes, ParkedMember]] | None = None,
     ) -> Decision:
         """The group hash as ``HGETALL`` returned it -> its state and its parked members.
 
-        ``known``: members this process just encoded, by their blob. A stored blob equal
-        to one of them is that member, taken as it is instead of decoded again (a long
+        ``known``: members this process just encoded, by trajectory id, with their blob. A
+        stored blob equal (byte for byte) to one of them is that member, taken as it is
+        instead of decoded again (a long
         session's member is megabytes of turn results and observations to decode and
         check, on the path from its group's last member to the verdict)."""
         if outcome not in (DecideOutcome.DECIDED_NOW, DecideOutcome.ALREADY_DECIDED):
@@ -786,8 +790,8 @@ class GroupLedger:
         members: list[ParkedMember] = []
         for name, value in zip(flat[::2], flat[1::2]):
             if name.startswith(b"m:"):
-                member = known.get(value) if known else None
-                members.append(decode_parked(value) if member is None else member)
+                hit = known.get(name[2:].decode()) if known else None
+                members.append(hit[1] if hit is not None and hit[0] == value else decode_parked(value))
             else:
                 state += (name, value)
         return Decision(outcome, group_id, decode_state(state), members)

@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any
 from infra.chunks import ChunkAssembler, reassembled
 from infra.experiments import DEFAULT_EXPERIMENT, scoped_group, split_scoped
 from infra.schema import (
-    STREAM_KINDS,
-    TRAJECTORY_KINDS,
+    ALL_KINDS,
     DiscardGroup,
     GroupVerdict,
     ReadyTrajectory,
@@ -216,7 +215,7 @@ class Auditor:
         self._frozen = True
         self.counts["trajectory_records"] += 1
         try:
-            message = decode_message(value, headers, kinds=(*TRAJECTORY_KINDS, *STREAM_KINDS))
+            message = decode_message(value, headers, kinds=ALL_KINDS)
         except SchemaError:
             self.counts["undecodable_trajectories"] += 1  # the worker dead-lettered these
             return

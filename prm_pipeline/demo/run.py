@@ -614,13 +614,13 @@ def _check_and_report(
 
 async def _topic_records(cfg: PipelineConfig) -> dict[str, int]:
     """The trajectories topic's records by kind (``turn``, ``end``, ``discard``, ...), read back from the broker."""
-    from infra.schema import STREAM_KINDS, TRAJECTORY_KINDS, decode_message, kind_of
+    from infra.schema import ALL_KINDS, decode_message, kind_of
     from prm_pipeline.audit.replay import read_snapshot
 
     kinds: collections.Counter[str] = collections.Counter()
     async for r in read_snapshot(cfg, cfg.topics.trajectories):
         if r is not None:
-            kinds[kind_of(decode_message(r.value, r.headers, expand=False, kinds=TRAJECTORY_KINDS + STREAM_KINDS))] += 1
+            kinds[kind_of(decode_message(r.value, r.headers, expand=False, kinds=ALL_KINDS))] += 1
     return dict(sorted(kinds.items()))
 
 
